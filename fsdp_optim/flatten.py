@@ -1,0 +1,96 @@
+"""Pure tensor transforms between full per-parameter state and flat, padded per-rank shards.
+
+Never imports ``torch.distributed``: whatever moves bytes between ranks lives in :mod:`fsdp_optim.transport`.
+
+Vocabulary, for one flat parameter of ``numel`` elements sharded over ``W`` ranks (see
+:class:`~fsdp_optim.layout.FlatParamLayout`):
+
+- *flat full*: a 1-D tensor of ``numel`` elements, the parameters' state concatenated in flat order;
+- *shard*: a 1-D tensor of ``ceil(numel / W)`` elements, rank ``r``'s slice of the flat full followed by
+  its padding (zeros);
+- *split*: one tensor per parameter, shaped like that parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+import torch
+
+from .layout import FlatParamLayout
+
+__all__ = ["StateKind", "assemble", "classify_flat_state", "clone_value", "cut", "split"]
+
+
+class StateKind(str, Enum):
+    SHARDED = "sharded"  # a tensor shaped like the flat shard: one element per parameter element
+    SCALAR = "scalar"  # a 0-dim tensor or a Python value shared by every parameter (step, mu_product, ...)
+
+
+def classify_flat_state(layout: FlatParamLayout, state: Mapping[str, Any]) -> dict[str, StateKind]:
+    """Kind of each optimizer state entry of one flat parameter's local shard.
+
+    Raises ``NotImplementedError`` for a tensor that is neither shard-shaped nor 0-dim (for example a
+    factored second moment), since such state cannot be unflattened into per-parameter tensors.
+    """
+    kinds: dict[str, StateKind] = {}
+    shard_numel = layout.shard_numel
+    for key, value in state.items():
+        if not torch.is_tensor(value) or value.dim() == 0:
+            kinds[key] = StateKind.SCALAR
+        elif value.dim() == 1 and value.numel() == shard_numel:
+            kinds[key] = StateKind.SHARDED
+        else:
+            raise NotImplementedError(
+                f"optimizer state '{key}' of {layout.describe()} has shape {tuple(value.shape)}; expected the "
+                f"flat shard's shape ({shard_numel},) or a 0-dim scalar"
+            )
+    return kinds
+
+
+def clone_value(value: Any) -> Any:
+    """An independent copy of a state or hyperparameter value (tensors on CPU, detached)."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)
+
+
+def split(layout: FlatParamLayout, flat_full: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``flat_full`` (``numel`` elements), one per parameter, shaped like the parameter."""
+    if flat_full.numel() != layout.numel:
+        raise ValueError(f"{layout.describe()}: flat tensor has {flat_full.numel()} elements, expected {layout.numel}")
+    return [flat_full[p.offset : p.offset + p.numel].view(p.shape) for p in layout.params]
+
+
+def assemble(layout: FlatParamLayout, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new flat full tensor from every rank's padded shard (rank order), padding dropped."""
+    if len(shards) != layout.world_size:
+        raise ValueError(f"{layout.describe()}: got {len(shards)} shards, expected {layout.world_size}")
+    pieces = []
+    for rank, shard in enumerate(shards):
+        bounds = layout.bounds(rank)
+        if shard.numel() != bounds.numel:
+            raise ValueError(
+                f"{layout.describe()}: rank {rank}'s shard has {shard.numel()} elements, expected {bounds.numel}"
+            )
+        pieces.append(shard.reshape(-1)[: bounds.real])
+    return torch.cat(pieces).cpu()
+
+
+def cut(layout: FlatParamLayout, tensors: Sequence[torch.Tensor], *, rank: int | None = None) -> torch.Tensor:
+    """This rank's new padded shard of the flat concatenation of ``tensors`` (one per parameter).
+
+    Only the pieces that overlap the rank's slice are read; the flat full tensor is never built.
+    """
+    bounds = layout.bounds(rank)
+    shard = torch.zeros(bounds.numel, dtype=tensors[0].dtype if tensors else layout.dtype)
+    for spec, tensor in zip(layout.params, tensors, strict=True):
+        lo = max(spec.offset, bounds.start)
+        hi = min(spec.offset + spec.numel, bounds.stop)
+        if lo < hi:
+            piece = tensor.reshape(-1)[lo - spec.offset : hi - spec.offset]
+            shard[lo - bounds.start : hi - bounds.start].copy_(piece)
+    return shard

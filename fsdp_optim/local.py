@@ -1,0 +1,102 @@
+"""Reading one rank's sharded optimizer in terms of the model layout, and checking that ranks agree.
+
+Pure: reads ``optim.state_dict()`` output and parameter objects; never writes to either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .flatten import StateKind, classify_flat_state
+from .fullstate import GroupSpec, same_scalar, show_value
+from .layout import ModelLayout
+
+__all__ = ["LocalState", "check_agreement", "read_local_state"]
+
+
+@dataclass(frozen=True)
+class LocalState:
+    """One rank's optimizer state, keyed by flat parameter index instead of optimizer id.
+
+    ``state[i]`` holds flat parameter ``i``'s live entries (the optimizer's own tensors: read only).
+    ``summary[i]`` lists ``(key, kind, dtype or scalar value)`` per entry; it is small, picklable and
+    identical on every rank of a healthy job, which :func:`check_agreement` verifies.
+    """
+
+    groups: tuple[GroupSpec, ...]
+    state: Mapping[int, Mapping[str, Any]]
+    summary: Mapping[int, tuple[tuple[str, StateKind, Any], ...]]
+
+
+def read_local_state(
+    layout: ModelLayout, params: Sequence[nn.Parameter], optim_state: Mapping[str, Any], optim_groups: Sequence[Any]
+) -> LocalState:
+    """Map ``optim.state_dict()`` (``optim_state``) and ``optim.param_groups`` onto the layout.
+
+    Shapes::
+
+        optim_state = {"state": {local_id: {key: value}}, "param_groups": [{..., "params": [local_id]}]}
+        -> LocalState(groups=(GroupSpec(hyperparams, flat_indices, named),), state={flat_index: {key: value}}, ...)
+    """
+    index_of = {id(p): i for i, p in enumerate(params)}
+    groups: list[GroupSpec] = []
+    state: dict[int, Mapping[str, Any]] = {}
+    for k, (live_group, packed) in enumerate(zip(optim_groups, optim_state["param_groups"], strict=True)):
+        indices = []
+        for param, pid in zip(live_group["params"], packed["params"], strict=True):
+            if id(param) not in index_of:
+                raise ValueError(
+                    f"optimizer param group {k} holds a parameter of shape {tuple(param.shape)} that this "
+                    "FSDP instance does not own; build the optimizer from the root instance's parameters()"
+                )
+            indices.append(index_of[id(param)])
+            if optim_state["state"].get(pid):
+                state[index_of[id(param)]] = optim_state["state"][pid]
+        hyper = {key: v for key, v in packed.items() if key not in ("params", "param_names")}
+        groups.append(GroupSpec(hyper, tuple(indices), "param_names" in packed))
+    summary = {}
+    for i, entries in state.items():
+        kinds = classify_flat_state(layout.flat_params[i], entries)
+        summary[i] = tuple(
+            (key, kind, entries[key].dtype if kind is StateKind.SHARDED else _portable(entries[key]))
+            for key, kind in kinds.items()
+        )
+    return LocalState(tuple(groups), state, summary)
+
+
+def _portable(value: Any) -> Any:
+    return value.detach().cpu() if torch.is_tensor(value) else value
+
+
+def check_agreement(layout: ModelLayout, summaries: Sequence[Mapping[int, Any]]) -> None:
+    """Raise ``ValueError`` unless every rank has the same state keys, kinds, dtypes and scalar values."""
+    reference = summaries[0]
+    for rank, summary in enumerate(summaries[1:], start=1):
+        if set(summary) != set(reference):
+            only = sorted(set(summary) ^ set(reference))
+            flat = layout.flat_params[only[0]]
+            raise ValueError(
+                f"ranks 0 and {rank} disagree on whether {flat.describe()} has optimizer state; did every rank "
+                "take the same optimizer steps?"
+            )
+        for i, entries in summary.items():
+            flat = layout.flat_params[i]
+            theirs = {key: (kind, v) for key, kind, v in entries}
+            ours = {key: (kind, v) for key, kind, v in reference[i]}
+            if set(theirs) != set(ours):
+                raise ValueError(
+                    f"{flat.describe()}: rank 0 has state keys {sorted(ours)}, rank {rank} has {sorted(theirs)}"
+                )
+            for key, (kind, value) in ours.items():
+                other_kind, other = theirs[key]
+                same = kind is other_kind and (value == other if kind is StateKind.SHARDED else same_scalar(value, other))
+                if not same:
+                    raise ValueError(
+                        f"optimizer state '{key}' of {flat.describe()} differs across ranks: rank 0 has "
+                        f"{show_value(value)}, rank {rank} has {show_value(other)}"
+                    )

@@ -1,0 +1,90 @@
+"""The one helper every multi-process test uses: spawn ``world_size`` ranks on a real gloo process group.
+
+``run_ranks(fn, world_size, *args)`` starts fresh processes (spawn), joins them into a gloo group on
+127.0.0.1 with a free port and a collective timeout, calls ``fn(rank, world_size, *args)`` in each, and
+returns the per-rank return values (pickled back through files). An exception on any rank fails the
+call with that rank's traceback; a rank stuck past the deadline is killed, so nothing can hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    result_path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        result = fn(rank, world_size, *args)
+        outcome = ("ok", result)
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        outcome = ("error", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(result_path, "wb") as f:
+        pickle.dump(outcome, f)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 240) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(world_size, free_port(), out_dir, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        stop_at = time.monotonic() + deadline_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > stop_at:
+                    raise TimeoutError(f"ranks still running after {deadline_s}s")
+        except mp.ProcessRaisedException:
+            pass  # the rank wrote its traceback; report it below
+        finally:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: exited without a result (exit code {ctx.processes[rank].exitcode})")
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            results.append(value)
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results
