@@ -13,7 +13,7 @@ import torch
 from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 
 from . import _host
-from .fullstate import build_full_state, shard_full_state
+from .fullstate import FORMAT_KEY, build_full_state, shard_full_state
 from .layout import describe
 from .local import LocalState, check_agreement, read_local_state
 from .transport import Transfer, all_gather_objects, broadcast_from_each_rank, gather_flat_tensors
@@ -143,6 +143,13 @@ class FullyShardedDataParallel(_FairscaleFSDP):
         position = {id(p): i for i, p in enumerate(self.parameters())}
         live_groups = None
         if optim is not None:
+            saved = (full_optim_state_dict.get(FORMAT_KEY) or {}).get("optimizer") if isinstance(
+                full_optim_state_dict, dict
+            ) else None
+            if saved is not None and saved != type(optim).__name__:
+                raise ValueError(
+                    f"optim: the full optimizer state dict was saved from {saved}, found {type(optim).__name__}"
+                )
             index_of = {id(p): i for i, p in enumerate(params)}
             live_groups = []
             for k, group in enumerate(optim.param_groups):
