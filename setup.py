@@ -8,5 +8,8 @@ setup(
     python_requires=">=3.10",
     # torch is pinned exactly: a CPU wheel of this version is what our machines and CI carry.
     install_requires=["torch==2.13.0", "fairscale==0.4.13"],
-    extras_require={"test": ["pytest", "parameterized"]},
+    extras_require={
+        "test": ["pytest", "parameterized", "hypothesis"],
+        "bench": ["matplotlib"],
+    },
 )
