@@ -68,8 +68,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: f
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > stop_at:
                     raise TimeoutError(f"ranks still running after {deadline_s}s")
-        except mp.ProcessRaisedException:
-            pass  # the rank wrote its traceback; report it below
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            pass  # a rank failed: its traceback (or its absence) is reported below
         finally:
             for process in ctx.processes:
                 if process.is_alive():

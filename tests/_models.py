@@ -107,6 +107,13 @@ def plain_param_groups(net: nn.Module) -> list[dict[str, Any]]:
     ]
 
 
+def plain_param_names(net: nn.Module) -> dict[int, str]:
+    """Id -> name for an optimizer built from ``plain_param_groups(net)`` (ids run group by group)."""
+    named = [n for n, _ in net.named_parameters()]
+    ordered = [n for n in named if not is_group1(n)] + [n for n in named if is_group1(n)]
+    return dict(enumerate(ordered))
+
+
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1),
     "sgd_momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
