@@ -103,7 +103,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
                 return None
             flat_tensors = _assemble_objects(layout, local, [shards for _, shards in received])
         else:
-            check_agreement(layout, all_gather_objects(local.summary, self.process_group))
+            if world_size > 1:
+                check_agreement(layout, all_gather_objects(local.summary, self.process_group))
             transfers, keys = _transfers(layout, local)
             gathered = gather_flat_tensors(transfers, recipient=recipient_rank, group=self.process_group)
             if gathered is None:
@@ -112,8 +113,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
 
         flat_states = {
             i: {
-                key: flat_tensors[(i, key)] if kind is StateKind.SHARDED else value
-                for key, kind, value in local.summary[i]
+                key: flat_tensors[(i, key)] if kind is StateKind.SHARDED else local.state[i][key]
+                for key, kind, _ in local.summary[i]
             }
             for i in local.state
         }

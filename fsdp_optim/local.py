@@ -24,8 +24,9 @@ class LocalState:
     """One rank's optimizer state, keyed by flat parameter index instead of optimizer id.
 
     ``state[i]`` holds flat parameter ``i``'s live entries (the optimizer's own tensors: read only).
-    ``summary[i]`` lists ``(key, kind, dtype or scalar value)`` per entry; it is small, picklable and
-    identical on every rank of a healthy job, which :func:`check_agreement` verifies.
+    ``summary[i]`` lists ``(key, kind, dtype or scalar value)`` per entry, a 0-dim tensor summarised as
+    ``("tensor", dtype name, value)``; it is plain Python (cheap to pickle) and identical on every rank
+    of a healthy job, which :func:`check_agreement` verifies.
     """
 
     groups: tuple[GroupSpec, ...]
@@ -70,7 +71,10 @@ def read_local_state(
 
 
 def _portable(value: Any) -> Any:
-    return value.detach().cpu() if torch.is_tensor(value) else value
+    """A cheap-to-pickle stand-in for a scalar: ``.item()`` is exact for every real dtype."""
+    if torch.is_tensor(value):
+        return ("tensor", str(value.dtype).removeprefix("torch."), value.item())
+    return value
 
 
 def check_agreement(layout: ModelLayout, summaries: Sequence[Mapping[int, Any]]) -> None:
