@@ -3,10 +3,28 @@
 - ``FullyShardedDataParallel``: fairscale's FSDP, runnable on CPU/gloo, with
   ``gather_full_optim_state_dict(optim)`` and ``get_shard_from_optim_state_dict(full)``.
 - ``FORMAT_VERSION``: version of the full dict format written under the ``"fsdp_optim"`` key.
+- Checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
+  writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
+  dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard``;
+  ``save_layout``, ``from_fairscale`` (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
 """
 
 from .fsdp import FullyShardedDataParallel
 from .fullstate import FORMAT_VERSION
+from .interop import from_fairscale, to_named
+from .offline import consolidate, reshard
+from .sharded import load_sharded_optim_state, save_layout, save_sharded_optim_state, scatter_full_optim_state
 
-__all__ = ["FORMAT_VERSION", "FullyShardedDataParallel"]
+__all__ = [
+    "FORMAT_VERSION",
+    "FullyShardedDataParallel",
+    "consolidate",
+    "from_fairscale",
+    "load_sharded_optim_state",
+    "reshard",
+    "save_layout",
+    "save_sharded_optim_state",
+    "scatter_full_optim_state",
+    "to_named",
+]
 __version__ = "0.1.0"

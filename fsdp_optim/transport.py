@@ -15,7 +15,7 @@ Small metadata travels with one :func:`all_gather_objects` call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,15 @@ import torch.distributed as dist
 
 from .layout import ShardBounds
 
-__all__ = ["Transfer", "all_gather_objects", "broadcast_from_each_rank", "gather_flat_tensors"]
+__all__ = [
+    "Transfer",
+    "all_gather_objects",
+    "broadcast_from_each_rank",
+    "broadcast_object",
+    "gather_flat_tensors",
+    "gather_objects",
+    "scatter_objects",
+]
 
 # On NCCL, staging buffers on the GPU are flushed once this many bytes are in flight.
 _STAGING_BYTES = 256 << 20
@@ -116,6 +124,116 @@ def gather_flat_tensors(
             flush()
     flush()
     return outputs if receiving else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sharded checkpoints: small objects for save/load coordination, and the scatter-on-load path.
+
+
+def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None) -> Any:
+    """``obj`` of rank ``src`` (a rank of ``group``) on every rank: one ``broadcast_object_list``."""
+    box = [obj if dist.get_rank(group) == src else None]
+    dist.broadcast_object_list(box, src=_global(group, src), group=group, device=_comm_device(group))
+    return box[0]
+
+
+def gather_objects(obj: Any, *, dst: int, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's ``obj`` on rank ``dst`` (rank order), ``None`` elsewhere: one ``gather_object``."""
+    receiving = dist.get_rank(group) == dst
+    out: list[Any] | None = [None] * dist.get_world_size(group) if receiving else None
+    dist.gather_object(obj, out, dst=_global(group, dst), group=group)
+    return out
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Where a tensor sent after the pickled skeleton goes back in."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def scatter_objects(
+    make: Callable[[int], Any] | None, own: Any = None, *, src: int, group: dist.ProcessGroup | None
+) -> Any:
+    """Rank ``r`` receives ``make(r)``, built on ``src`` one destination at a time; ``src`` keeps ``own``.
+
+    Tensors of one dimension or more travel as point-to-point tensor messages (no pickling); the rest
+    (dicts, 0-dim tensors, numbers) is pickled in one ``send_object_list`` per destination. So ``src``
+    holds one destination's payload at a time and each rank receives only its own.
+    If ``make(r)`` raises on ``src``, rank ``r`` and every later destination raise ``RuntimeError`` with
+    the message, and ``src`` re-raises the original error.
+
+    Cost: per destination, one object message plus one message per tensor.
+    """
+    rank = dist.get_rank(group)
+    device = _comm_device(group)
+    if rank != src:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=_global(group, src), group=group, device=device)
+        status, skeleton = box[0]
+        if status != "ok":
+            raise RuntimeError(f"rank {src} could not build this rank's part: {skeleton}")
+        tensors = []
+        for slot in sorted(_slots(skeleton), key=lambda s: s.index):  # the order they were sent in
+            buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+            if buffer.numel():
+                dist.recv(buffer, src=_global(group, src), group=group)
+            tensors.append(buffer.cpu())
+        return _fill(skeleton, tensors)
+    failure: BaseException | None = None
+    for dst in range(dist.get_world_size(group)):
+        if dst == src:
+            continue
+        if failure is None:
+            try:
+                tensors: list[torch.Tensor] = []
+                skeleton = _strip(make(dst), tensors)  # type: ignore[misc]
+            except Exception as exc:  # tell every waiting rank, then re-raise below
+                failure = exc
+        if failure is not None:
+            message = f"{type(failure).__name__}: {failure}"
+            dist.send_object_list([("error", message)], dst=_global(group, dst), group=group, device=device)
+            continue
+        dist.send_object_list([("ok", skeleton)], dst=_global(group, dst), group=group, device=device)
+        for tensor in tensors:
+            if tensor.numel():
+                dist.send(tensor.contiguous().to(device), dst=_global(group, dst), group=group)
+    if failure is not None:
+        raise failure
+    return own
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if torch.is_tensor(obj) and obj.dim() > 0:
+        tensors.append(obj.detach())
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _slots(obj: Any) -> list[_TensorSlot]:
+    if isinstance(obj, _TensorSlot):
+        return [obj]
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in _slots(v)]
+    if isinstance(obj, (list, tuple)):
+        return [s for v in obj for s in _slots(v)]
+    return []
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
 
 
 def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> Any:

@@ -1,0 +1,256 @@
+"""``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
+
+    fsdp-optim inspect PATH [--units]
+    fsdp-optim consolidate DIR -o FILE
+    fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH]
+    fsdp-optim convert SRC -o FILE [--layout PATH] [--optimizer NAME] [--to full|named]
+
+Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
+70 an internal error (with its traceback). Every file is read with ``torch.load(..., weights_only=True)``.
+Progress bars appear on a terminal only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .flatten import StateKind
+from .fullstate import FORMAT_KEY
+from .interop import from_fairscale, is_fairscale_native, to_named
+from .manifest import HEADER_KEY, Manifest
+from .offline import consolidate, reshard, resolve_layout
+from .storage import atomic_save, is_sharded_checkpoint, load_file, read_manifest
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 70
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit} ({n} B)"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _step_text(steps: Sequence[Any]) -> str:
+    if not steps:
+        return "-"
+    values = sorted({float(s) for s in steps})
+    shown = [str(int(v)) if v.is_integer() else repr(v) for v in values]
+    return shown[0] if len(shown) == 1 else f"{shown[0]}..{shown[-1]} ({len(shown)} distinct)"
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if torch.is_tensor(value) and value.dim() == 0 else value
+
+
+# ---------------------------------------------------------------------------------------------------
+# inspect
+
+
+def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: bool) -> None:
+    keys: dict[str, str] = {}
+    steps = []
+    for flat in manifest.flat_params:
+        for e in flat.state:
+            keys.setdefault(e.key, e.dtype if e.kind is StateKind.SHARDED else "scalar")  # type: ignore[arg-type]
+            if e.key == "step":
+                steps.append(_scalar(e.value))
+    padding = sum(sum(f.padding()) for f in manifest.flat_params)
+    out += [
+        f"format: {what} (version {manifest.version})",
+        f"optimizer: {manifest.optimizer or 'unknown'}",
+        f"world size: {manifest.world_size}",
+        f"units: {len({f.unit for f in manifest.flat_params})} ({len(manifest.flat_params)} flat parameters)",
+        f"params: {len(manifest.param_order)} ({sum(len(f.params) for f in manifest.flat_params if f.state)} with state)",
+        f"param groups: {len(manifest.groups)}",
+        f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
+        f"step: {_step_text(steps)}",
+        f"state bytes: {human_bytes(manifest.state_bytes())}, padding elements: {padding}",
+    ]
+    if manifest.files:
+        out.append(f"files: {len(manifest.files)} rank files, {human_bytes(sum(f.nbytes for f in manifest.files))}")
+    if units:
+        out.append("unit | flat | params | numel | world size | padding per rank | dtype | state")
+        for i, f in enumerate(manifest.flat_params):
+            state = ",".join(e.key for e in f.state) or "-"
+            out.append(
+                f"{f.unit or '<root>'} | {i} | {len(f.params)} | {f.numel} | {f.world_size} | {f.padding()} | {f.dtype} | {state}"
+            )
+
+
+def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
+    meta = obj.get(FORMAT_KEY) or {}
+    keys: dict[str, str] = {}
+    steps = []
+    nbytes = 0
+    for entries in obj["state"].values():
+        for key, value in entries.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                keys.setdefault(key, str(value.dtype).removeprefix("torch."))
+                nbytes += value.numel() * value.element_size()
+            else:
+                keys.setdefault(key, "scalar")
+                if key == "step":
+                    steps.append(_scalar(value[0] if isinstance(value, list) else value))
+    native = is_fairscale_native(obj)
+    what = "fairscale-native full dict (convert it with 'fsdp-optim convert')" if native else (
+        f"fsdp_optim full dict (version {meta.get('version')})" if meta else "plain optimizer state dict"
+    )
+    n_params = len(obj.get("param_names") or obj.get("param_id_map") or [p for g in obj["param_groups"] for p in g["params"]])
+    out += [
+        f"format: {what}",
+        f"optimizer: {meta.get('optimizer') or 'unknown'}",
+        f"world size: {meta.get('world_size', 'unknown')}",
+        f"params: {n_params} ({len(obj['state'])} with state)",
+        f"param groups: {len(obj['param_groups'])}",
+        f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
+        f"step: {_step_text(steps)}",
+        f"state bytes: {human_bytes(nbytes)}",
+    ]
+
+
+def _inspect(args: argparse.Namespace) -> list[str]:
+    path = Path(args.path)
+    out = [f"path: {path}"]
+    if is_sharded_checkpoint(path):
+        _inspect_manifest(read_manifest(path), "sharded checkpoint", out, units=args.units)
+        return out
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory without a manifest.pt (not a sharded checkpoint, or a save that never finished)")
+    obj = load_file(path, mmap=True)
+    header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
+    if isinstance(header, Mapping) and header.get("kind") == "manifest":
+        _inspect_manifest(read_manifest(path), "layout file", out, units=args.units)
+    elif isinstance(header, Mapping) and header.get("kind") == "shard":
+        out += [
+            "format: one rank file of a sharded checkpoint (inspect its directory for the whole)",
+            f"rank: {header.get('rank')} of {header.get('world_size')}",
+            f"flat parameters with state: {len(obj.get('state', {}))}",
+        ]
+    elif isinstance(obj, Mapping) and {"state", "param_groups"} <= set(obj):
+        _inspect_full(obj, out)
+    else:
+        found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
+        raise ValueError(f"{path}: not an optimizer checkpoint this tool knows (found {found})")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the other verbs
+
+
+def _consolidate(args: argparse.Namespace) -> list[str]:
+    if not is_sharded_checkpoint(args.directory):
+        raise ValueError(f"{args.directory}: not a sharded checkpoint directory (no manifest.pt)")
+    full = consolidate(args.directory, progress=True)
+    size = atomic_save(full, args.output)
+    return [f"wrote {args.output}: {len(full['param_names'])} params, {len(full['state'])} with state, {human_bytes(size)}"]
+
+
+def _reshard(args: argparse.Namespace) -> list[str]:
+    if args.world_size < 1:
+        raise ValueError(f"--world-size: expected an int >= 1, found {args.world_size}")
+    layout = args.layout
+    if layout is None and not is_sharded_checkpoint(args.source):
+        raise ValueError(
+            f"{args.source}: a full dict needs --layout (a sharded checkpoint or layout file of the same model)"
+        )
+    manifest = reshard(args.source, args.world_size, args.output, layout=layout, progress=True)
+    files = read_manifest(manifest).files
+    return [f"wrote {args.output}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]
+
+
+def _convert(args: argparse.Namespace) -> list[str]:
+    source = Path(args.source)
+    if is_sharded_checkpoint(source):
+        full: Mapping[str, Any] = consolidate(source, progress=True)
+        origin = "sharded checkpoint"
+    else:
+        obj = load_file(source, mmap=True)
+        if is_fairscale_native(obj):
+            if args.layout is None:
+                raise ValueError(
+                    f"{source}: a fairscale-native dict needs --layout (a sharded checkpoint or layout file of the "
+                    "same model, wrapped the same way)"
+                )
+            full = from_fairscale(obj, resolve_layout(args.layout), optimizer=args.optimizer)
+            origin = "fairscale-native dict"
+        elif isinstance(obj, Mapping) and {"state", "param_groups", "param_names"} <= set(obj):
+            if args.to == "full":
+                raise ValueError(f"{source}: already a full dict; use --to named to key it by parameter name")
+            full, origin = obj, "full dict"
+        else:
+            found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
+            raise ValueError(
+                f"{source}: expected a fairscale-native dict, a full dict or a sharded checkpoint, found {found}"
+            )
+    result = to_named(full) if args.to == "named" else full
+    size = atomic_save(result, args.output)
+    return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-optim",
+        description="Inspect, consolidate, reshard and convert fsdp_optim optimizer checkpoints (no process group).",
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    p = verbs.add_parser("inspect", help="world size, units, params, optimizer, bytes, step of a checkpoint")
+    p.add_argument("path", help="a sharded checkpoint directory, a full dict, a fairscale-native dict or a layout file")
+    p.add_argument("--units", action="store_true", help="also list every FSDP unit")
+    p.set_defaults(run=_inspect)
+    p = verbs.add_parser("consolidate", help="sharded checkpoint directory -> one full dict file")
+    p.add_argument("directory")
+    p.add_argument("-o", "--output", required=True, help="the full dict file to write")
+    p.set_defaults(run=_consolidate)
+    p = verbs.add_parser("reshard", help="sharded directory or full dict -> sharded directory for M ranks")
+    p.add_argument("source", help="a sharded checkpoint directory or a full dict file")
+    p.add_argument("--world-size", type=int, required=True, metavar="M")
+    p.add_argument("-o", "--output", required=True, help="the directory to write (not the source's)")
+    p.add_argument("--layout", help="for a full dict: a sharded checkpoint or layout file of the same model")
+    p.set_defaults(run=_reshard)
+    p = verbs.add_parser("convert", help="fairscale-native dict -> full dict; full dict -> name-keyed (FSDP2/DCP)")
+    p.add_argument("source", help="a fairscale-native dict, a full dict or a sharded checkpoint directory")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--layout", help="for a fairscale-native dict: a sharded checkpoint or layout file of the model")
+    p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
+    p.add_argument(
+        "--to",
+        choices=("full", "named"),
+        default="full",
+        help="full: fsdp_optim's full dict (default); named: keyed by parameter name, for set_optimizer_state_dict",
+    )
+    p.set_defaults(run=_convert)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        lines = args.run(args)
+    except (ValueError, TypeError, OSError, NotImplementedError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"fsdp-optim: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception:
+        traceback.print_exc()
+        print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
+        return EXIT_INTERNAL
+    for line in lines:
+        print(line)
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,297 @@
+"""Checkpoint files: atomic writes, ``weights_only`` reads with checks, and a memory-bounded shard reader.
+
+Never imports ``torch.distributed``. Every file is read with ``torch.load(..., weights_only=True)``.
+
+Writes go to a hidden temporary file in the target directory, are flushed and ``fsync``-ed, then renamed
+over the final name, and the directory is ``fsync``-ed: a crash leaves either the old file or the new
+one, never a torn one. A sharded checkpoint becomes visible only when its manifest is renamed into
+place, and rank files carry the save's id in their names, so saving into a directory that already
+holds a checkpoint never touches the files the old manifest points to until the new manifest exists.
+
+:class:`ShardedCheckpoint` reads rank files with ``mmap=True`` and hands out one unit at a time; the
+pages it has touched are released (the mappings dropped) whenever they exceed ``max_mapped_bytes``, so
+a consumer that copies what it needs keeps its resident memory near its own output plus that bound.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .flatten import StateKind
+from .manifest import (
+    HEADER_KEY,
+    MANIFEST_NAME,
+    FileRecord,
+    Manifest,
+    digest,
+    dtype_from_str,
+    shard_file_name,
+    shard_payload,
+    unwrap,
+    wrap,
+)
+
+__all__ = [
+    "DEFAULT_MAPPED_BYTES",
+    "ShardedCheckpoint",
+    "atomic_save",
+    "checkpoint_dir",
+    "is_sharded_checkpoint",
+    "load_file",
+    "new_save_id",
+    "read_manifest",
+    "remove_stale_files",
+    "write_manifest",
+    "write_shard_file",
+]
+
+DEFAULT_MAPPED_BYTES = 256 << 20
+_SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.pt$")
+_TEMP_FILE = re.compile(r"^\.(optim-[0-9a-f]+-rank\d+-of-\d+\.pt|" + re.escape(MANIFEST_NAME) + r")\.tmp\.\d+\.[0-9a-f]+$")
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> int:
+    """``torch.save(obj)`` to ``path`` through a temporary file, fsync and rename. Returns the file's size."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return size
+
+
+def load_file(path: str | os.PathLike[str], *, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU; unreadable content raises ``ValueError`` naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # a torn or foreign file: pickle, zip and weights_only errors alike
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: cannot be read with torch.load(weights_only=True): {first}") from exc
+
+
+def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    """The directory of a sharded checkpoint given the directory or its manifest file."""
+    path = Path(path)
+    return path.parent if path.is_file() else path
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read)."""
+    path = Path(path)
+    return (path / MANIFEST_NAME).is_file() if path.is_dir() else path.name == MANIFEST_NAME and path.is_file()
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file."""
+    path = Path(path)
+    file = path / MANIFEST_NAME if path.is_dir() else path
+    if not file.is_file():
+        if path.is_dir():
+            raise ValueError(
+                f"{path}: not a sharded checkpoint (no {MANIFEST_NAME}; a save that never finished leaves none)"
+            )
+        raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
+    _, body = unwrap(load_file(file), "manifest", source=str(file))
+    return Manifest.from_dict(body, source=str(file))
+
+
+def write_shard_file(
+    directory: Path, state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
+) -> FileRecord:
+    """Write one rank's file atomically; its record for the manifest."""
+    payload, checksum = shard_payload(state, save_id=save_id, rank=rank, world_size=world_size)
+    name = shard_file_name(save_id, rank, world_size)
+    size = atomic_save(payload, directory / name)
+    return FileRecord(rank, name, checksum, size)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> Path:
+    """Commit a checkpoint: write its manifest atomically (last), then remove files no manifest names."""
+    path = directory / MANIFEST_NAME
+    atomic_save(wrap("manifest", manifest.to_dict()), path)
+    remove_stale_files(directory, keep={f.file for f in manifest.files})
+    return path
+
+
+def remove_stale_files(directory: Path, *, keep: set[str]) -> list[str]:
+    """Delete rank files of earlier saves and temporary files of torn saves (only names this package writes)."""
+    removed = []
+    for entry in os.scandir(directory):
+        if entry.is_file() and entry.name not in keep and (_SHARD_FILE.match(entry.name) or _TEMP_FILE.match(entry.name)):
+            Path(entry.path).unlink(missing_ok=True)
+            removed.append(entry.name)
+    return removed
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if torch.is_tensor(value) else 0
+
+
+class _RankFile:
+    """One rank file, mapped lazily; its header is checked against the manifest on first use."""
+
+    def __init__(self, directory: Path, record: FileRecord, manifest: Manifest) -> None:
+        self.path = directory / record.file
+        self.record = record
+        self.manifest = manifest
+        self.payload: Mapping[str, Any] | None = None
+        self.verified: set[int] = set()
+
+    def open(self, *, mmap: bool) -> Mapping[str, Any]:
+        if self.payload is None:
+            payload = load_file(self.path, mmap=mmap)
+            self._check_header(payload)
+            self.payload = payload
+        return self.payload
+
+    def _check_header(self, payload: Any) -> None:
+        where = str(self.path)
+        if not isinstance(payload, Mapping) or not {HEADER_KEY, "unit_checksums", "state"} <= set(payload):
+            raise ValueError(f"{where}: expected an fsdp_optim rank file, found {type(payload).__name__}")
+        head = dict(payload[HEADER_KEY])
+        checksum = head.pop("checksum", None)
+        expected = {
+            "save_id": self.manifest.save_id,
+            "rank": self.record.rank,
+            "world_size": self.manifest.world_size,
+        }
+        for key, value in expected.items():
+            if head.get(key) != value:
+                raise ValueError(
+                    f"{where}: {key} is {head.get(key)!r}, expected {value!r} from the manifest (a file of another save?)"
+                )
+        if checksum != self.record.checksum:
+            raise ValueError(f"{where}: checksum {checksum} differs from the manifest's {self.record.checksum}")
+        if digest([head, payload["unit_checksums"]]) != checksum:
+            raise ValueError(f"{where}: checksum mismatch in the file header (file is corrupt or was modified)")
+
+    def unit(self, flat_index: int, *, mmap: bool) -> tuple[Mapping[str, Any], int]:
+        """The verified entries of one flat parameter and the bytes they occupy."""
+        payload = self.open(mmap=mmap)
+        flat = self.manifest.flat_params[flat_index]
+        where = f"{self.path}, unit '{flat.unit or '<root>'}' (flat parameter {flat_index})"
+        entries = payload["state"].get(flat_index)
+        if entries is None or not isinstance(entries, Mapping):
+            raise ValueError(f"{where}: no state in the file, but the manifest lists keys {[e.key for e in flat.state]}")
+        if flat_index not in self.verified:
+            if digest(entries) != payload["unit_checksums"].get(flat_index):
+                raise ValueError(f"{where}: checksum mismatch (file is corrupt or was modified)")
+            shard_numel = flat.layout(self.record.rank).shard_numel
+            if set(entries) != {e.key for e in flat.state}:
+                raise ValueError(f"{where}: state keys {sorted(entries)}, expected {[e.key for e in flat.state]}")
+            for e in flat.state:
+                value = entries[e.key]
+                if e.kind is StateKind.SHARDED:
+                    dtype = dtype_from_str(e.dtype, where=where)  # type: ignore[arg-type]
+                    if not torch.is_tensor(value) or tuple(value.shape) != (shard_numel,) or value.dtype != dtype:
+                        found = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+                        raise ValueError(f"{where}: state '{e.key}' is {found}, expected ({shard_numel},) {dtype}")
+            self.verified.add(flat_index)
+        return entries, sum(_nbytes(v) for v in entries.values())
+
+    def release(self) -> None:
+        self.payload = None
+
+
+class ShardedCheckpoint:
+    """A sharded checkpoint directory opened for reading: its verified manifest and lazy rank files.
+
+    Read one unit at a time with :meth:`unit` (or :meth:`copy_range`), copy what you keep, and call
+    :meth:`trim` between units: mapped pages are dropped once they exceed ``max_mapped_bytes``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES) -> None:
+        self.directory = checkpoint_dir(path)
+        self.manifest = read_manifest(path)
+        if not self.manifest.files:
+            raise ValueError(f"{path}: the manifest lists no rank files (a layout file, not a checkpoint)")
+        self.max_mapped_bytes = max_mapped_bytes
+        self._files = {f.rank: _RankFile(self.directory, f, self.manifest) for f in self.manifest.files}
+        self._mapped = 0
+        self.peak_mapped = 0
+
+    def __enter__(self) -> ShardedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.release()
+        self._mapped = 0
+
+    def unit(self, rank: int, flat_index: int) -> Mapping[str, Any]:
+        """Rank ``rank``'s verified entries for flat parameter ``flat_index`` (file-backed: copy what you keep)."""
+        entries, nbytes = self._files[self._file_rank(rank, flat_index)].unit(flat_index, mmap=True)
+        self._mapped += nbytes
+        self.peak_mapped = max(self.peak_mapped, self._mapped)
+        return entries
+
+    def _file_rank(self, rank: int, flat_index: int) -> int:
+        # A unit that is not sharded is stored whole in every rank file; read rank 0's.
+        return rank if self.manifest.flat_params[flat_index].world_size > 1 else 0
+
+    def load_rank(self, rank: int) -> dict[int, dict[str, Any]]:
+        """Every unit of one rank file, read into memory (not mapped) and verified."""
+        f = self._files[rank]
+        try:
+            out = {}
+            for i, flat in enumerate(self.manifest.flat_params):
+                if flat.state:
+                    entries, _ = f.unit(i, mmap=False)
+                    out[i] = dict(entries)
+            return out
+        finally:
+            f.release()
+
+    def copy_range(self, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Copy elements ``[start, stop)`` of flat parameter ``flat_index``'s full state ``key`` into ``out``."""
+        flat = self.manifest.flat_params[flat_index]
+        for rank in range(flat.world_size):
+            bounds = flat.layout(rank).bounds()
+            lo, hi = max(start, bounds.start), min(stop, bounds.stop)
+            if lo < hi:
+                shard = self.unit(rank, flat_index)[key]
+                out[lo - start : hi - start].copy_(shard[lo - bounds.start : hi - bounds.start])
+
+    def trim(self) -> None:
+        """Drop the file mappings if the pages touched since the last drop exceed ``max_mapped_bytes``."""
+        if self._mapped > self.max_mapped_bytes:
+            self.close()
+
+    def files(self) -> Iterator[Path]:
+        return (self.directory / f.file for f in self.manifest.files)
