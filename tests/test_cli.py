@@ -1,0 +1,134 @@
+"""The ``fsdp-optim`` command line on real checkpoints written by a real world-size-2 job.
+
+Most verbs run in-process through ``fsdp_optim.cli.main`` (exit codes, stdout, stderr captured); one
+success and one failure go through ``python -m fsdp_optim`` in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import _models as M
+from _checks import assert_identical
+from _dist import run_ranks
+from fsdp_optim import consolidate, save_layout, save_sharded_optim_state, to_named
+from fsdp_optim.cli import main
+from fsdp_optim.storage import read_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _job(rank: int, world_size: int, out: str) -> dict | None:
+    from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
+
+    root = M.wrap(M.make_net(), "deep")
+    optim = M.OPTIMIZERS["sgd_momentum"](root.parameters())  # one group: fairscale's gather needs it
+    for step in range(2):
+        M.train_step(root, optim, *M.local_batch(step, rank, world_size))
+    save_sharded_optim_state(root, optim, os.path.join(out, "ckpt"))
+    full = root.gather_full_optim_state_dict(optim)
+    native = FairscaleFSDP.gather_full_optim_state_dict(root, optim)
+    if rank == 0:
+        torch.save(full, os.path.join(out, "full.pt"))
+        torch.save(native, os.path.join(out, "native.pt"))
+        save_layout(root, os.path.join(out, "layout.pt"))
+        return full
+    return None
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("cli")
+    return out, run_ranks(_job, 2, str(out))[0]
+
+
+def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_inspect_every_kind_of_file(files, capsys) -> None:
+    out, _ = files
+    code, text, err = _run(capsys, "inspect", out / "ckpt", "--units")
+    assert code == 0 and err == "", err
+    for line in ("format: sharded checkpoint", "optimizer: SGD", "world size: 2", "units: 5 (5 flat parameters)",
+                 "params: 18 (16 with state)", "param groups: 1", "state keys: momentum_buffer (float32)", "step: -"):
+        assert line in text, text
+    assert "block2.inner | 3 | 4 |" in text and "files: 2 rank files" in text
+
+    code, text, _ = _run(capsys, "inspect", out / "full.pt")
+    assert code == 0 and "format: fsdp_optim full dict (version 1)" in text and "params: 18 (16 with state)" in text
+    code, text, _ = _run(capsys, "inspect", out / "native.pt")
+    assert code == 0 and "fairscale-native full dict" in text
+    code, text, _ = _run(capsys, "inspect", out / "layout.pt")
+    assert code == 0 and "format: layout file" in text and "state keys: -" in text
+    rank_file = next((out / "ckpt").glob("optim-*rank00001*"))
+    code, text, _ = _run(capsys, "inspect", rank_file)
+    assert code == 0 and "rank: 1 of 2" in text
+
+
+def test_consolidate_reshard_convert(files, capsys, tmp_path) -> None:
+    out, full = files
+    code, text, err = _run(capsys, "consolidate", out / "ckpt", "-o", tmp_path / "full.pt")
+    assert code == 0 and err == "" and text.startswith(f"wrote {tmp_path / 'full.pt'}")  # no bars off a terminal
+    assert_identical(torch.load(tmp_path / "full.pt", weights_only=True), full)
+
+    for source, extra in ((out / "ckpt", ()), (out / "full.pt", ("--layout", out / "layout.pt"))):
+        target = tmp_path / f"resharded-{source.name}"
+        code, text, _ = _run(capsys, "reshard", source, "--world-size", 3, "-o", target, *extra)
+        assert code == 0 and "3 rank files" in text
+        assert read_manifest(target).world_size == 3
+        assert_identical(consolidate(target), {**full, "fsdp_optim": {**full["fsdp_optim"], "world_size": 3}})
+
+    code, _, _ = _run(capsys, "convert", out / "native.pt", "--layout", out / "ckpt", "--optimizer", "SGD",
+                      "-o", tmp_path / "converted.pt")
+    assert code == 0
+    assert_identical(torch.load(tmp_path / "converted.pt", weights_only=True), full)
+    for source in (out / "full.pt", out / "ckpt"):
+        code, _, _ = _run(capsys, "convert", source, "--to", "named", "-o", tmp_path / "named.pt")
+        assert code == 0
+        assert_identical(torch.load(tmp_path / "named.pt", weights_only=True), to_named(full))
+
+
+def test_bad_input_gives_one_line_and_exit_code_1(files, capsys, tmp_path) -> None:
+    out, _ = files
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "emptydir").mkdir()
+    cases = [
+        (("inspect", tmp_path / "missing.pt"), "missing.pt: no such file"),
+        (("inspect", tmp_path / "notes.txt"), "cannot be read with torch.load(weights_only=True)"),
+        (("inspect", tmp_path / "emptydir"), "without a manifest.pt"),
+        (("consolidate", tmp_path / "emptydir", "-o", tmp_path / "x.pt"), "not a sharded checkpoint directory"),
+        (("reshard", out / "full.pt", "--world-size", 2, "-o", tmp_path / "r"), "needs --layout"),
+        (("reshard", out / "ckpt", "--world-size", 0, "-o", tmp_path / "r"), "expected an int >= 1, found 0"),
+        (("convert", out / "native.pt", "-o", tmp_path / "c.pt"), "needs --layout"),
+        (("convert", out / "full.pt", "-o", tmp_path / "c.pt"), "already a full dict"),
+        (("convert", out / "native.pt", "--layout", tmp_path / "notes.txt", "-o", tmp_path / "c.pt"),
+         "notes.txt: cannot be read"),
+    ]
+    for argv, message in cases:
+        code, text, err = _run(capsys, *argv)
+        assert code == 1 and text == "", (argv, text)
+        assert err.startswith("fsdp-optim: error: ") and err.count("\n") == 1 and message in err, (argv, err)
+    with pytest.raises(SystemExit) as usage:
+        main(["reshard", str(out / "ckpt"), "--world-size", "two", "-o", str(tmp_path / "r")])
+    assert usage.value.code == 2
+
+
+def test_python_dash_m_in_a_fresh_interpreter(files) -> None:
+    out, _ = files
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    ok = subprocess.run([sys.executable, "-m", "fsdp_optim", "inspect", str(out / "ckpt")],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0 and "world size: 2" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "fsdp_optim", "consolidate", str(out), "-o", str(out / "x.pt")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("fsdp-optim: error: ") and bad.stderr.count("\n") == 1, bad.stderr
