@@ -52,7 +52,7 @@ __all__ = [
     "write_shard_file",
 ]
 
-DEFAULT_MAPPED_BYTES = 256 << 20
+DEFAULT_MAPPED_BYTES = 64 << 20
 _SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.pt$")
 _TEMP_FILE = re.compile(r"^\.(optim-[0-9a-f]+-rank\d+-of-\d+\.pt|" + re.escape(MANIFEST_NAME) + r")\.tmp\.\d+\.[0-9a-f]+$")
 

@@ -87,6 +87,8 @@ def test_saves_replace_each_other_and_consolidate_offline_bit_identical(saved) -
         assert {f.file for f in read_manifest(out / name).files} == second_files
         assert_identical(consolidate(out / name), r["full"], name)
         assert_identical(consolidate(r["manifest"]), r["full"], name)  # the manifest path works too
+        # Mappings dropped after every unit (the memory bound at its tightest): same bits.
+        assert_identical(consolidate(out / name, max_mapped_bytes=1), r["full"], name)
 
 
 def test_manifest_describes_the_layout(saved) -> None:

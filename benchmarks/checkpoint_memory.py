@@ -1,0 +1,138 @@
+"""Peak memory of offline consolidation and resharding, against the size of the checkpoint.
+
+    python benchmarks/checkpoint_memory.py [--workdir DIR] [--json FILE]
+
+A spawned gloo job (CPU) trains one Adam step on UNITS FSDP units of Linear(DIM, DIM) at WORLD_SIZE
+ranks and saves a sharded checkpoint. Each measurement then runs in a fresh interpreter with no process
+group: after imports, ``malloc_trim`` and a peak-RSS reset (Linux: ``5`` into ``/proc/self/clear_refs``),
+it runs one operation and reports VmHWM minus the VmRSS before it, with the result still alive. RSS
+counts the pages of memory-mapped rank files that were touched, so the ``max_mapped_bytes`` bound is
+visible in the numbers. The naive baseline loads every rank file whole and concatenates, which is what
+a simple consolidation script does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+UNITS, DIM, WORLD_SIZE = 16, 1024, 4  # 16.8M parameters: Adam state of 2 x 67 MB
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _job(rank: int, world_size: int, port: int, directory: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from fsdp_optim import FullyShardedDataParallel as FSDP
+    from fsdp_optim import save_sharded_optim_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(*[FSDP(nn.Linear(DIM, DIM)) for _ in range(UNITS)]))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, DIM)).sum().backward()
+    optim.step()
+    save_sharded_optim_state(model, optim, directory)
+    dist.destroy_process_group()
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _measure(op: str, directory: str, limit: int) -> None:
+    """Runs in a fresh interpreter; prints one JSON line."""
+    import gc
+
+    import torch
+
+    from fsdp_optim import consolidate, reshard
+    from fsdp_optim.flatten import assemble
+    from fsdp_optim.storage import read_manifest
+
+    def naive() -> dict:
+        manifest = read_manifest(directory)
+        files = [torch.load(Path(directory) / f.file, weights_only=True) for f in manifest.files]
+        layout = manifest.layout(0)
+        return {
+            i: {e.key: assemble(layout.flat_params[i], [f["state"][i][e.key] for f in files]) for e in rec.state if e.dtype}
+            for i, rec in enumerate(manifest.flat_params)
+            if rec.state
+        }
+
+    operations = {
+        "consolidate": lambda: consolidate(directory, max_mapped_bytes=limit),
+        "reshard": lambda: reshard(directory, 3, tempfile.mkdtemp(), max_mapped_bytes=limit),
+        "naive": naive,
+    }
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status("VmRSS")
+    result = operations[op]()
+    peak = _status("VmHWM")
+    print(json.dumps({"op": op, "limit": limit, "peak_growth": peak - before, "alive": result is not None}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--measure", nargs=3, metavar=("OP", "DIR", "LIMIT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        _measure(args.measure[0], args.measure[1], int(args.measure[2]))
+        return
+
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from fsdp_optim.storage import DEFAULT_MAPPED_BYTES, read_manifest
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt_mem_"))
+    directory = workdir / "ckpt"
+    if not (directory / "manifest.pt").exists():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_job, args=(WORLD_SIZE, port, str(directory)), nprocs=WORLD_SIZE, start_method="spawn")
+    manifest = read_manifest(directory)
+    checkpoint = sum(f.nbytes for f in manifest.files)
+    full = manifest.state_bytes()
+    rows = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    runs = [("naive", 0), ("consolidate", 1 << 62), ("consolidate", DEFAULT_MAPPED_BYTES), ("consolidate", 16 * MiB),
+            ("reshard", DEFAULT_MAPPED_BYTES), ("reshard", 16 * MiB)]
+    for op, limit in runs:
+        out = subprocess.run(
+            [sys.executable, __file__, "--measure", op, str(directory), str(limit)],
+            capture_output=True, text=True, env=env, check=True,
+        )
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"checkpoint: {WORLD_SIZE} rank files, {checkpoint / MiB:.1f} MiB on disk; full dict {full / MiB:.1f} MiB")
+    print(f"{'operation':<12} {'max_mapped_bytes':>17} {'peak RSS growth':>16} {'/ checkpoint':>13} {'/ full dict':>12}")
+    for row in rows:
+        limit = "-" if row["op"] == "naive" else ("unbounded" if row["limit"] >= 1 << 62 else f"{row['limit'] // MiB} MiB")
+        growth = row["peak_growth"]
+        print(f"{row['op']:<12} {limit:>17} {growth / MiB:>12.1f} MiB {growth / checkpoint:>13.2f} {growth / full:>12.2f}")
+    report = {"checkpoint_bytes": checkpoint, "full_dict_bytes": full, "world_size": WORLD_SIZE, "runs": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
