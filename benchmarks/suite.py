@@ -1,0 +1,140 @@
+"""What every rank runs for one (model, world size): build and train, then measure every method.
+
+1. Build the three wrappings of the same model (fsdp_optim/fairscale, PyTorch FSDP1, FSDP2) and train
+   each for the same steps on the same batches. A wrapping that cannot be built here is reported n/a.
+2. Gathers, interleaved: floors, ours, ours_object, fairscale, fsdp1, fsdp2.
+3. Loading, interleaved: ``get_shard_from_optim_state_dict`` against a fresh copy of the shard's bytes,
+   from a full dict that every rank holds (what each rank has after loading a checkpoint file).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import checks, floors, models, peers
+from .measure import Measurement, Method, NotAvailable, measure, release_memory
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: models.ModelSpec
+    steps: int
+    warmup: int
+    repeats: int
+    methods: tuple[str, ...]
+    device_type: str  # "cpu" or "cuda"
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    if cfg.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _build(cfg: RunConfig, rank: int, device: torch.device, wrap: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = wrap(cfg.model, device)
+    optim = models.train(model, cfg.model, cfg.steps, rank, device)
+    optim.zero_grad(set_to_none=True)  # gradients are not part of what is gathered
+    return model, optim
+
+
+def run_all(rank: int, world_size: int, cfgs: list[RunConfig]) -> list[dict[str, Any] | None]:
+    """:func:`run` for each config in turn, in the same processes (imports cost seconds per rank)."""
+    out = []
+    for cfg in cfgs:
+        out.append(run(rank, world_size, cfg))
+        release_memory()
+    return out
+
+
+def run(rank: int, world_size: int, cfg: RunConfig) -> dict[str, Any] | None:
+    """Measure every wanted method for ``cfg.model`` at this world size; the results on rank 0."""
+    device = _device(cfg)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    wanted = set(cfg.methods)
+    timings: dict[str, float] = {}
+    unavailable: dict[str, NotAvailable] = {}
+
+    setups: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    for name, wrap in (("fairscale", models.wrap_fairscale), ("fsdp1", models.wrap_fsdp1), ("fsdp2", models.wrap_fsdp2)):
+        if name != "fairscale" and name not in wanted:
+            continue
+        start = time.perf_counter()
+        error = ""
+        try:
+            setups[name] = _build(cfg, rank, device, wrap)
+        except Exception as exc:  # a framework that cannot run here is reported, not dropped silently
+            error = f"setup failed: {type(exc).__name__}: {exc}"[:200]
+            traceback.print_exc()
+        errors: list[Any] = [None] * world_size
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), "")
+        if error:
+            setups.pop(name, None)
+            unavailable[name] = NotAvailable(error)
+        timings[f"build_train_{name}_s"] = time.perf_counter() - start
+    if "fairscale" not in setups:
+        raise RuntimeError(f"fsdp_optim's FSDP could not be set up: {unavailable['fairscale'].reason}")
+    model, optim = setups["fairscale"]
+    shards = floors.Shards.of(model, optim)
+
+    reference: dict[str, checks.Fingerprint] = {}
+
+    def set_reference(result: Any) -> str:
+        reference["ours"] = checks.fingerprint(result)
+        return ""
+
+    def check(result: Any) -> str:
+        return checks.compare(result, reference["ours"]) if "ours" in reference else ""
+
+    gather_buffers = floors.gather_buffers(shards)
+    warm, staging = floors.warm_buffers(shards)
+    gathers = {  # "ours" first: round 0 runs in this order and its result is the reference
+        "ours": replace(peers.ours(model, optim), check=set_reference),
+        "ours_object": replace(peers.ours_object(model, optim), check=check),
+        "fairscale": replace(peers.fairscale(model, optim), check=check),
+        "floor_gather": Method(lambda: floors.gather(shards, gather_buffers)),
+        "floor_p2p_warm": Method(lambda: floors.p2p(shards, warm, staging)),
+        "floor_p2p_fresh": Method(lambda: floors.p2p(shards, None, staging)),
+    }
+    for name, make in (("fsdp1", peers.fsdp1), ("fsdp2", peers.fsdp2)):
+        if name in setups:
+            gathers[name] = replace(make(*setups[name]), check=check)
+    start = time.perf_counter()
+    results = measure(
+        {k: v for k, v in gathers.items() if k in wanted}, warmup=cfg.warmup, repeats=cfg.repeats, sync=sync
+    )
+    timings["gathers_s"] = time.perf_counter() - start
+    del gathers, gather_buffers, warm, staging
+    for name in ("fsdp1", "fsdp2"):
+        setups.pop(name, None)
+    release_memory()
+
+    loads = {k for k in ("get_shard", "floor_copy") if k in wanted}
+    if loads:
+        start = time.perf_counter()
+        full = model.gather_full_optim_state_dict(optim, recipient_rank=None)
+        methods = {"get_shard": peers.get_shard(model, optim, full), "floor_copy": Method(lambda: floors.copy(shards))}
+        loaded = measure({k: methods[k] for k in loads}, warmup=cfg.warmup, repeats=cfg.repeats, sync=sync)
+        if results is not None and loaded is not None:
+            results.update(loaded)
+        del full, methods
+        timings["loads_s"] = time.perf_counter() - start
+
+    if rank != 0:
+        return None
+    assert results is not None, "rank 0 is the recipient and must hold the results"
+    for name, value in unavailable.items():
+        if name in wanted:
+            results[name] = value
+    return {"full_bytes": shards.full_bytes, "results": results, "timings": timings}
+
+
+__all__ = ["Measurement", "NotAvailable", "RunConfig", "run", "run_all"]
