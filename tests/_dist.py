@@ -31,7 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple, timeout_s: float
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
@@ -40,7 +42,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..
             "gloo",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
         result = fn(rank, world_size, *args)
         outcome = ("ok", result)
@@ -53,12 +55,21 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..
         pickle.dump(outcome, f)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 240) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results."""
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    deadline_s: float = 240,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
+
+    ``timeout_s`` is the process group's collective timeout (fault tests shorten it).
+    """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), out_dir, fn, args),
+            args=(world_size, free_port(), out_dir, fn, args, timeout_s),
             nprocs=world_size,
             join=False,
             start_method="spawn",
