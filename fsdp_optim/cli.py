@@ -13,6 +13,7 @@ Progress bars appear on a terminal only.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
@@ -247,8 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
-    for line in lines:
-        print(line)
+    try:
+        for line in lines:
+            print(line, flush=True)
+    except BrokenPipeError:  # `fsdp-optim inspect ... | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_OK
 
 
