@@ -44,6 +44,8 @@ def _train_and_save(rank: int, world_size: int, out: str) -> dict:
         directory = os.path.join(out, name)
         root = M.wrap(M.make_net(), "deep")
         optim = M.OPTIMIZERS[name](M.fsdp_param_groups(root))
+        save_sharded_optim_state(root, optim, os.path.join(out, f"{name}-before-training"))  # no state yet
+        empty = root.gather_full_optim_state_dict(optim)
         for step in range(SAVE_AT):
             if step == FIRST_SAVE:
                 save_sharded_optim_state(root, optim, directory)  # replaced by the next save
@@ -62,7 +64,7 @@ def _train_and_save(rank: int, world_size: int, out: str) -> dict:
         write_shard_file(Path(directory), {}, save_id="deadbeef" * 4, rank=rank, world_size=world_size)
         if rank == 0:
             (Path(directory) / f".{MANIFEST_NAME}.tmp.{os.getpid()}.0123abcd").write_bytes(b"torn")
-            results[name] = {"full": full, "first": first, "second": second, "manifest": str(manifest_path)}
+            results[name] = {"full": full, "first": first, "second": second, "manifest": str(manifest_path), "empty": empty}
     return results
 
 
@@ -87,6 +89,7 @@ def test_saves_replace_each_other_and_consolidate_offline_bit_identical(saved) -
         assert {f.file for f in read_manifest(out / name).files} == second_files
         assert_identical(consolidate(out / name), r["full"], name)
         assert_identical(consolidate(r["manifest"]), r["full"], name)  # the manifest path works too
+        assert_identical(consolidate(out / f"{name}-before-training"), r["empty"], f"{name} before training")
         # Mappings dropped after every unit (the memory bound at its tightest): same bits.
         assert_identical(consolidate(out / name, max_mapped_bytes=1), r["full"], name)
 
@@ -212,13 +215,22 @@ def _resume(rank: int, world_size: int, out: str, fresh: str) -> dict:
     results = {}
     for name in OPTIMIZERS:
         full = torch.load(os.path.join(out, f"{name}.full.pt"), weights_only=True)
+        # Each rank gets a private copy of the resharded checkpoint holding the manifest and its own
+        # file only: loading from it proves that a rank reads nothing else.
+        own = os.path.join(fresh, f"{name}-rank{rank}-only")
+        os.makedirs(own)
+        manifest = read_manifest(os.path.join(fresh, name))
+        for file in (MANIFEST_NAME, next(f.file for f in manifest.files if f.rank == rank)):
+            shutil.copy(os.path.join(fresh, name, file), own)
         sources = {
-            "resharded": (os.path.join(fresh, name), "deep"),  # each rank reads only its own file
-            "recut": (os.path.join(out, name), "shallow"),  # world size 2 -> 3 and another nesting
-            "scatter": (os.path.join(out, f"{name}.full.pt"), "deep"),  # src rank reads, others receive
+            "resharded": (own, "deep", True),
+            "recut": (os.path.join(out, name), "shallow", False),  # 2 -> 3 ranks, other nesting, unflattened
+            "scatter": (os.path.join(out, f"{name}.full.pt"), "deep", True),  # src rank reads, others receive
         }
-        for how, (path, nesting) in sources.items():
-            root = M.wrap(M.make_net(seed=123), nesting)
+        for how, (path, nesting, flatten) in sources.items():
+            if name != "adamw" and how != "recut":  # the other routes carry scalars the same way; save time
+                continue
+            root = M.wrap(M.make_net(seed=123), nesting, flatten=flatten)
             root.load_state_dict(torch.load(os.path.join(out, f"{name}.model.pt"), weights_only=True))
             optim = M.OPTIMIZERS[name](M.fsdp_param_groups(root))
             load_sharded_optim_state(root, optim, path if how != "scatter" or rank == 1 else "-", src_rank=1)
@@ -226,7 +238,9 @@ def _resume(rank: int, world_size: int, out: str, fresh: str) -> dict:
             assert_identical(optim.state_dict(), root.get_shard_from_optim_state_dict(full, optim=optim), how)
             for step in range(SAVE_AT, TOTAL):
                 M.train_step(root, optim, *M.local_batch(step, rank, world_size))
-            model_state = root.state_dict()
+            # fairscale's state_dict() cannot run unflattened with a never-used parameter (README "Known
+            # limits"); there the final optimizer state, which depends on every step's weights, suffices.
+            model_state = root.state_dict() if flatten else None
             final = root.gather_full_optim_state_dict(optim)
             if rank == 0:
                 results[(name, how)] = (model_state, final)
@@ -254,9 +268,9 @@ def test_resume_at_another_world_size_three_ways(saved, tmp_path) -> None:
     results = run_ranks(_resume, 3, str(out), str(tmp_path))[0]
     for name in OPTIMIZERS:
         net, plain = M.train_plain(name, range(TOTAL))
-        for how in ("resharded", "recut", "scatter"):
+        for how in ("resharded", "recut", "scatter") if name == "adamw" else ("recut",):
             model_state, final = results[(name, how)]
-            for key, value in net.state_dict().items():
+            for key, value in net.state_dict().items() if model_state is not None else ():
                 if not _skip_unused(key):
                     atol = REL * float(value.abs().max())
                     torch.testing.assert_close(
