@@ -13,7 +13,7 @@ import torch
 from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 
 from . import _host
-from .fullstate import FORMAT_KEY, build_full_state, shard_full_state
+from .fullstate import build_full_state, read_meta, shard_full_state
 from .layout import describe
 from .local import LocalState, check_agreement, read_local_state
 from .transport import Transfer, all_gather_objects, broadcast_from_each_rank, gather_flat_tensors
@@ -144,9 +144,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
         position = {id(p): i for i, p in enumerate(self.parameters())}
         live_groups = None
         if optim is not None:
-            saved = (full_optim_state_dict.get(FORMAT_KEY) or {}).get("optimizer") if isinstance(
-                full_optim_state_dict, dict
-            ) else None
+            meta = read_meta(full_optim_state_dict) if isinstance(full_optim_state_dict, dict) else None
+            saved = meta.get("optimizer") if meta else None
             if saved is not None and saved != type(optim).__name__:
                 raise ValueError(
                     f"optim: the full optimizer state dict was saved from {saved}, found {type(optim).__name__}"

@@ -162,8 +162,9 @@ def shard_full_state(
             sorted((i for i, g in flat_group.items() if g == k), key=lambda i: param_positions[i])
             for k in range(len(groups))
         ]
-    meta = full.get(FORMAT_KEY) or {}
-    scalar_hint = frozenset(meta.get("scalar_keys", KNOWN_SCALAR_KEYS))
+    meta = read_meta(full)
+    # Our own dicts say which keys are scalars; for a plain optimizer's dict, fall back to shapes.
+    scalar_keys = frozenset(meta["scalar_keys"]) if meta and "scalar_keys" in meta else None
     id_of = {name: pid for pid, name in names.items()}
     state = full["state"]
 
@@ -172,7 +173,7 @@ def shard_full_state(
     for flat_index in flat_group:
         flat = layout.flat_params[flat_index]
         per_param = [state.get(id_of[spec.name]) for spec in flat.params]
-        plans[flat_index] = _plan_flat(flat, per_param, scalar_hint)
+        plans[flat_index] = _plan_flat(flat, per_param, scalar_keys)
 
     out_state: dict[int, dict[str, Any]] = {}
     out_groups: list[dict[str, Any]] = []
@@ -195,6 +196,22 @@ def shard_full_state(
     return {"state": out_state, "param_groups": out_groups}
 
 
+def read_meta(full: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``"fsdp_optim"`` block of a full dict (``None`` for a plain optimizer's dict), checked."""
+    meta = full.get(FORMAT_KEY)
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"full optimizer state dict: '{FORMAT_KEY}' must be a dict, found {type(meta).__name__}")
+    version = meta.get("version", FORMAT_VERSION)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ValueError(
+            f"full optimizer state dict has format version {version!r}; this fsdp_optim reads versions up to "
+            f"{FORMAT_VERSION}"
+        )
+    return meta
+
+
 def _read_header(full: Mapping[str, Any]) -> tuple[dict[int, str], dict[int, int]]:
     if not isinstance(full, Mapping):
         raise TypeError(f"full optimizer state dict: expected a dict, found {type(full).__name__}")
@@ -204,15 +221,13 @@ def _read_header(full: Mapping[str, Any]) -> tuple[dict[int, str], dict[int, int
                 f"full optimizer state dict has no '{key}' key (found keys {sorted(map(str, full))}); "
                 "expected the output of gather_full_optim_state_dict"
             )
-    meta = full.get(FORMAT_KEY)
-    if meta is not None and meta.get("version", FORMAT_VERSION) > FORMAT_VERSION:
-        raise ValueError(
-            f"full optimizer state dict has format version {meta['version']}; this fsdp_optim reads up to "
-            f"{FORMAT_VERSION}"
-        )
+    read_meta(full)
     names = dict(full["param_names"])
-    if len(set(names.values())) != len(names):
-        raise ValueError("full optimizer state dict: 'param_names' names a parameter twice")
+    seen: dict[str, int] = {}
+    for pid, name in names.items():
+        if name in seen:
+            raise ValueError(f"full optimizer state dict: 'param_names' gives '{name}' twice, to ids {seen[name]} and {pid}")
+        seen[name] = pid
     group_of: dict[int, int] = {}
     for k, group in enumerate(full["param_groups"]):
         for pid in group["params"]:
@@ -280,7 +295,7 @@ def _check_membership(
 
 
 def _plan_flat(
-    flat: FlatParamLayout, per_param: Sequence[Mapping[str, Any] | None], scalar_hint: frozenset[str]
+    flat: FlatParamLayout, per_param: Sequence[Mapping[str, Any] | None], scalar_keys: frozenset[str] | None
 ) -> list[tuple[str, StateKind, list[Any]]]:
     """Check one flat parameter's per-parameter state and say how to build its shard entry by entry."""
     with_state = [(spec, s) for spec, s in zip(flat.params, per_param) if s]
@@ -303,32 +318,48 @@ def _plan_flat(
     plan = []
     for key in keys:
         values = [s[key] for _, s in with_state]
-        if key not in scalar_hint and all(
+        if scalar_keys is not None:
+            kind = StateKind.SCALAR if key in scalar_keys else StateKind.SHARDED
+        elif key not in KNOWN_SCALAR_KEYS and all(
             torch.is_tensor(v) and tuple(v.shape) == spec.shape for (spec, _), v in zip(with_state, values)
         ):
-            for spec, v in zip(flat.params, values):
-                if v.dtype != flat.dtype:
-                    raise ValueError(
-                        f"optimizer state '{key}' of parameter '{spec.name}' has dtype {v.dtype}, expected "
-                        f"{flat.dtype} (the parameter's)"
-                    )
-            plan.append((key, StateKind.SHARDED, values))
-            continue
-        for spec, v in zip(flat.params, values):
-            if torch.is_tensor(v) and v.dim() != 0:
-                raise ValueError(
-                    f"optimizer state '{key}' of parameter '{spec.name}' has shape {tuple(v.shape)}, expected "
-                    f"the parameter's shape {spec.shape} or a 0-dim scalar"
-                )
-        reference = values[0]
-        for spec, v in zip(flat.params[1:], values[1:]):
-            if not same_scalar(reference, v):
-                raise ValueError(
-                    f"scalar optimizer state '{key}' differs inside {flat.describe()}: '{first_spec.name}' has "
-                    f"{show_value(reference)}, '{spec.name}' has {show_value(v)}; one flat parameter holds one value"
-                )
-        plan.append((key, StateKind.SCALAR, values))
+            kind = StateKind.SHARDED
+        else:
+            kind = StateKind.SCALAR
+        check = _check_sharded if kind is StateKind.SHARDED else _check_scalar
+        check(flat, key, values)
+        plan.append((key, kind, values))
     return plan
+
+
+def _check_sharded(flat: FlatParamLayout, key: str, values: Sequence[Any]) -> None:
+    for spec, value in zip(flat.params, values):
+        found = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        if found != spec.shape:
+            raise ValueError(
+                f"optimizer state '{key}' of parameter '{spec.name}' has shape {found}, expected the "
+                f"parameter's shape {spec.shape}"
+            )
+        if value.dtype != flat.dtype:
+            raise ValueError(
+                f"optimizer state '{key}' of parameter '{spec.name}' has dtype {value.dtype}, expected "
+                f"{flat.dtype} (the parameter's)"
+            )
+
+
+def _check_scalar(flat: FlatParamLayout, key: str, values: Sequence[Any]) -> None:
+    for spec, value in zip(flat.params, values):
+        if torch.is_tensor(value) and value.dim() != 0:
+            raise ValueError(
+                f"optimizer state '{key}' of parameter '{spec.name}' has shape {tuple(value.shape)}, expected "
+                f"the parameter's shape {spec.shape} or a 0-dim scalar"
+            )
+    for spec, value in zip(flat.params[1:], values[1:]):
+        if not same_scalar(values[0], value):
+            raise ValueError(
+                f"scalar optimizer state '{key}' differs inside {flat.describe()}: '{flat.params[0].name}' has "
+                f"{show_value(values[0])}, '{spec.name}' has {show_value(value)}; one flat parameter holds one value"
+            )
 
 
 def same_scalar(a: Any, b: Any) -> bool:

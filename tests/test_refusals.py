@@ -375,21 +375,8 @@ def outcomes() -> list[dict[str, dict[str, Any]]]:
     return run_ranks(_check_every_case, WORLD_SIZE)
 
 
-# Bugs found by this catalogue, refused unclearly or not at all; the lead fixes the package.
-KNOWN_BUGS: dict[str, str] = {
-    "zero_dim_where_per_element_state_expected": (
-        "get_shard accepts a 0-dim 'exp_avg' for every parameter of a unit although the header's scalar_keys "
-        "is ['step']: _plan_flat treats any all-0-dim, all-equal entry as a scalar, so the shard gets a 0-dim exp_avg"
-    ),
-    "format_header_not_a_dict": (
-        "a non-dict 'fsdp_optim' header raises AttributeError (\"'str' object has no attribute 'get'\", "
-        "fsdp.py get_shard and fullstate._read_header) instead of an error naming the key, expected dict, found str"
-    ),
-    "a_name_given_twice": (
-        "_read_header's duplicate-name error does not say which name is duplicated: "
-        "\"'param_names' names a parameter twice\""
-    ),
-}
+# Bugs found by this catalogue (refused unclearly or not at all) stay here, strict xfail, until fixed.
+KNOWN_BUGS: dict[str, str] = {}  # kind -> description, for bugs found and not yet fixed
 
 
 @pytest.mark.parametrize(
