@@ -124,6 +124,13 @@ def _flat_state(
         name = next(s.name for k, s in enumerate(flat.params) if k not in lacking)
         raise ValueError(f"parameter '{name}' of {flat.describe()} has no state in the fairscale dict, but others do")
     per_rank = {k for _, e in entries for k, v in e.items() if isinstance(v, list)}
+    first_keys = set(entries[0][1]) - per_rank
+    for p, e in entries[1:]:
+        if set(e) - per_rank != first_keys:
+            raise ValueError(
+                f"parameter '{flat.params[p].name}' has state keys {sorted(set(e) - per_rank)} in the fairscale dict, "
+                f"expected {sorted(first_keys)} like '{flat.params[entries[0][0]].name}' of the same {flat.describe()}"
+            )
     tensor_keys = [k for k, v in entries[0][1].items() if torch.is_tensor(v) and v.dim() > 0]
     scalar_keys = [k for k in entries[0][1] if k not in tensor_keys and k not in per_rank]
     out: dict[str, Any] = {}

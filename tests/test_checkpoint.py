@@ -16,13 +16,13 @@ import os
 import shutil
 from pathlib import Path
 
+import _models as M
 import pytest
 import torch
 import torch.distributed as dist
-
-import _models as M
 from _checks import assert_full_matches_plain, assert_identical, assert_unchanged, snapshot
 from _dist import run_ranks
+
 from fsdp_optim import consolidate, load_sharded_optim_state, reshard, save_sharded_optim_state
 from fsdp_optim.manifest import HEADER_KEY, MANIFEST_NAME, Manifest, digest, unwrap
 from fsdp_optim.recut import plan_recut

@@ -11,12 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _models as M
 import pytest
 import torch
-
-import _models as M
 from _checks import assert_identical
 from _dist import run_ranks
+
 from fsdp_optim import consolidate, save_layout, save_sharded_optim_state, to_named
 from fsdp_optim.cli import main
 from fsdp_optim.storage import read_manifest

@@ -16,12 +16,12 @@ import os
 import warnings
 from pathlib import Path
 
+import _models as M
 import pytest
 import torch
-
-import _models as M
 from _checks import assert_full_matches_plain, assert_identical
 from _dist import run_ranks
+
 from fsdp_optim import from_fairscale, save_layout, to_named
 from fsdp_optim.offline import resolve_layout
 
@@ -166,7 +166,7 @@ def test_fairscale_native_refused_for_another_model(job) -> None:
 
 
 def test_export_to_fsdp2_continues_training(job) -> None:
-    out, results = job
+    _, results = job
     net, plain = M.train_plain("adam", range(TOTAL))
     final = results["fsdp2"]
     for key, value in net.state_dict().items():
