@@ -97,7 +97,7 @@ def tensor_bytes(obj: Any) -> int:
 
     def visit(x: Any) -> None:
         if torch.is_tensor(x):
-            storage = x.untyped_storage()
+            storage = (x.to_local() if hasattr(x, "to_local") else x).untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         elif isinstance(x, dict):
             for v in x.values():
@@ -153,6 +153,16 @@ def _first_error(error: str) -> str:
     return next((e for e in errors if e), "")
 
 
+def _run_check(method: Method, result: Any) -> str:
+    if method.check is None:
+        return ""
+    try:
+        return method.check(result)
+    except Exception as exc:  # the benchmark's own check must not make a method n/a
+        traceback.print_exc()
+        return f"result not checked ({_short(exc)})"
+
+
 def _rounds(
     methods: dict[str, Method],
     names: list[str],
@@ -188,7 +198,7 @@ def _rounds(
                 elapsed = time.perf_counter() - start
                 growth = peak.growth()
                 if name not in first and rank == recipient:
-                    first[name] = (tensor_bytes(result), method.check(result) if method.check else "")
+                    first[name] = (tensor_bytes(result), _run_check(method, result))
                 del result
                 if method.finish is not None:
                     method.finish()

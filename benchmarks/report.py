@@ -125,16 +125,20 @@ def _ms(row: dict[str, Any] | None) -> str:
     text = f"{row['median_s'] * 1e3:,.0f}" if row["median_s"] >= 0.01 else f"{row['median_s'] * 1e3:.2f}"
     if row.get("x_floor") is not None:
         text += f" ({row['x_floor']:.2f}x)"
-    return text + (" ⚠" if row.get("note") else "")
+    note = row.get("note") or ""
+    return text + (" ⚠" if note.startswith("wrong output") else " †" if note else "")
 
 
 def _mib(row: dict[str, Any] | None, key: str) -> str:
-    if row is None or "na" in row or row.get(key) is None:
-        return "" if row is None or "na" not in row else "n/a"
+    if row is None:
+        return ""
+    if "na" in row:
+        return "n/a"
+    if row.get(key) is None:
+        return ""
     text = f"{row[key] / MiB:,.1f}"
-    if key == "rss_recipient" and row.get("rss_recipient_x_full") is not None:
-        text += f" ({row['rss_recipient_x_full']:.2f}x full)"
-    return text
+    ratio = row.get(f"{key}_x_floor") if key == "rss_recipient" else None
+    return text + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | None) -> str:
@@ -149,7 +153,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
         f"Each figure: median of {meta['repeats']} barrier-synchronised calls after {meta['warmup']} warm-up, "
         f"slowest rank per call; Adam after {meta['steps']} training steps; one FSDP unit per block plus the root.",
         "Latency in ms, with the ratio to the fresh-memory point-to-point floor in parentheses "
-        "(get_shard: to a fresh copy of the shard's bytes). ⚠ marks a wrong result (see notes).",
+        "(get_shard: to a fresh copy of the shard's bytes). ⚠: wrong result; †: see notes.",
     ]
     if meta.get("oversubscribed"):
         lines.append(f"World sizes above {meta['cores']} oversubscribe the {meta['cores']} cores.")
@@ -174,14 +178,15 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
             cells = [at.get((model, w, method)) for w in sizes]
             if any(cells):
                 lines.append(f"| {LABELS[method]} | " + " | ".join(_ms(c) for c in cells) + " |")
-        lines += ["", "Peak RSS growth, recipient (rank 0), MiB:", "", head, rule]
+        lines += ["", "Peak RSS growth, recipient (rank 0), MiB (x the floor's growth, which is the full state's bytes):",
+                  "", head, rule]
         for method in GATHER_ROWS + SHARD_ROWS:
             cells = [at.get((model, w, method)) for w in sizes]
             if any(cells):
                 lines.append(f"| {LABELS[method]} | " + " | ".join(_mib(c, "rss_recipient") for c in cells) + " |")
         multi = [w for w in sizes if w > 1]
         if multi:
-            lines += ["", "Peak RSS growth, one other rank (rank 1), MiB:", "",
+            lines += ["", "Peak RSS growth, one other rank (rank 1), MiB (the floors allocate nothing there):", "",
                       "| method | " + " | ".join(f"W={w}" for w in multi) + " |", "|---|" + "---|" * len(multi)]
             for method in GATHER_ROWS + SHARD_ROWS:
                 cells = [at.get((model, w, method)) for w in multi]
@@ -216,7 +221,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot written")
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.0 * len(models) + 1, 5.6), squeeze=False)
     styles = {"ours": ("C0", "o-", 2.5), "ours_object": ("C0", "o--", 1.2), "fairscale": ("C1", "s-", 1.5),
               "fsdp1": ("C2", "^-", 1.5), "fsdp2": ("C3", "v-", 1.5), "floor_gather": ("0.6", ":", 1.2),
               "floor_p2p_warm": ("0.4", "-.", 1.2), FLOOR: ("k", "--", 1.5)}
@@ -236,9 +241,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         ax.set_title(f"{model} model")
         ax.set_xticks(sorted({r["world_size"] for r in rows if r["model"] == model}))
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7, loc="best")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 0.97))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
@@ -247,7 +253,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
 def write(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"md": out_dir / f"{name}.md", "json": out_dir / f"{name}.json", "png": out_dir / f"{name}.png"}
-    has_png = plot(rows, paths["png"], f"{meta['machine']} - {meta['backend']} - {meta['finished']}")
+    has_png = plot(rows, paths["png"], f"{meta['machine']}\n{meta['backend']}, {meta['finished']}")
     paths["md"].write_text(markdown(rows, meta, paths["png"].name if has_png else None))
     paths["json"].write_text(json.dumps({"meta": meta, "targets": targets(rows), "rows": rows}, indent=1, default=str))
     if not has_png:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -89,10 +90,12 @@ def run(rank: int, world_size: int, cfg: RunConfig) -> dict[str, Any] | None:
 
     def set_reference(result: Any) -> str:
         reference["ours"] = checks.fingerprint(result)
-        return ""
+        return checks.compare(result, None, checks.storages(optim))
 
-    def check(result: Any) -> str:
-        return checks.compare(result, reference["ours"]) if "ours" in reference else ""
+    def check_with(live_optim: torch.optim.Optimizer) -> Callable[[Any], str]:
+        return lambda result: checks.compare(result, reference.get("ours"), checks.storages(live_optim))
+
+    check = check_with(optim)
 
     gather_buffers = floors.gather_buffers(shards)
     warm, staging = floors.warm_buffers(shards)
@@ -106,7 +109,7 @@ def run(rank: int, world_size: int, cfg: RunConfig) -> dict[str, Any] | None:
     }
     for name, make in (("fsdp1", peers.fsdp1), ("fsdp2", peers.fsdp2)):
         if name in setups:
-            gathers[name] = replace(make(*setups[name]), check=check)
+            gathers[name] = replace(make(*setups[name]), check=check_with(setups[name][1]))
     start = time.perf_counter()
     results = measure(
         {k: v for k, v in gathers.items() if k in wanted}, warmup=cfg.warmup, repeats=cfg.repeats, sync=sync
