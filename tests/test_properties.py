@@ -32,7 +32,7 @@ import math
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -70,7 +70,7 @@ SCALAR_KEYS = (
     ("k", "python int"),
 )
 OPTIMIZER = "Synthetic"
-PADDING_GARBAGE = 7777.0  # never produced by the drawn state (|randn| < 10), exactly representable in every dtype
+PADDING_GARBAGE = 512.0  # a power of two: exact in every dtype drawn; randn state never reaches it
 
 
 def fairscale_shard(flat_full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -109,18 +109,26 @@ class Synthetic:
         return self.blocks[self.block_of[name]].group
 
 
+class Flat(NamedTuple):
+    unit: str
+    names: tuple[str, ...]  # in flat order
+    flattened: bool
+    sharded: bool  # False: every rank holds it whole
+    dtype: torch.dtype
+
+
 @dataclass
 class Wrapping:
     """How the synthetic model is cut into flat parameters (independent of the rank)."""
 
-    units: list[tuple[str, tuple[str, ...], bool, bool, torch.dtype]]  # (unit, names in flat order, flattened, sharded, dtype)
+    flats: list[Flat]  # in FSDP-instance order
     world_size: int
     live_groups: list[list[int]]  # flat indices per param group, in the live optimizer's order
     positions: list[int]  # position of each flat parameter in model.parameters()
 
     def layout(self, model: Synthetic, rank: int) -> ModelLayout:
         flats = []
-        for unit, names, flattened, sharded, dtype in self.units:
+        for unit, names, flattened, sharded, dtype in self.flats:
             specs, offset = [], 0
             for name in names:
                 specs.append(ParamSpec(name, model.shapes[name], offset))
@@ -138,7 +146,7 @@ class Wrapping:
         return ModelLayout(tuple(flats), tuple(model.names), self.world_size, rank)
 
     def trainable(self, model: Synthetic) -> list[bool]:
-        return [model.in_group(names[0]) is not None for _, names, *_ in self.units]
+        return [model.in_group(flat.names[0]) is not None for flat in self.flats]
 
 
 def _scalar_value(kind: str, n: int) -> Any:
@@ -174,7 +182,7 @@ def synthetic_models(draw: st.DrawFn) -> Synthetic:
     block_of = {name: draw(st.integers(0, n_blocks - 1)) for name in names}
     hyperparams = [
         {
-            "lr": draw(st.floats(1e-5, 1.0)),
+            "lr": draw(st.floats(1e-5, 1.0) | st.floats(1e-5, 1.0).map(torch.tensor)),  # torch accepts a Tensor lr
             "betas": (draw(st.floats(0.0, 0.999)), 0.999),
             "weight_decay": draw(st.sampled_from([0, 0.01, 0.1])),
             "foreach": None,
@@ -189,7 +197,7 @@ def synthetic_models(draw: st.DrawFn) -> Synthetic:
 @st.composite
 def wrappings(draw: st.DrawFn, model: Synthetic, world_size: int) -> Wrapping:
     """A random FSDP wrapping: units never mix blocks (a real wrapping with valid param groups doesn't)."""
-    units = []
+    flats = []
     for b, block in enumerate(model.blocks):
         members = [name for name in model.names if model.block_of[name] == b]
         if not members:
@@ -203,14 +211,14 @@ def wrappings(draw: st.DrawFn, model: Synthetic, world_size: int) -> Wrapping:
             pieces = [tuple(in_unit)] if flattened else [(name,) for name in in_unit]
             for piece in pieces:
                 sharded = world_size > 1 and draw(st.booleans() | st.just(True))
-                units.append((unit, piece, flattened, sharded, block.dtype))
-    units = draw(st.permutations(units))  # FSDP-instance order is not the parameter order
+                flats.append(Flat(unit, piece, flattened, sharded, block.dtype))
+    flats = draw(st.permutations(flats))  # FSDP-instance order is not the parameter order
     live_groups = []
     for k in range(len(model.hyperparams)):
-        in_k = [i for i, (_, names, *_) in enumerate(units) if model.in_group(names[0]) == k]
+        in_k = [i for i, flat in enumerate(flats) if model.in_group(flat.names[0]) == k]
         live_groups.append(draw(st.permutations(in_k)))
-    positions = draw(st.permutations(range(len(units))))
-    return Wrapping(list(units), world_size, live_groups, list(positions))
+    positions = draw(st.permutations(range(len(flats))))
+    return Wrapping(list(flats), world_size, live_groups, list(positions))
 
 
 def full_state_dict(model: Synthetic, world_size: int) -> dict[str, Any]:
@@ -300,15 +308,17 @@ def expected_shards(model: Synthetic, wrapping: Wrapping, full: dict[str, Any], 
         ids = []
         for i in members:
             ids.append(next_id)
-            _, names, _, sharded, _ = wrapping.units[i]
-            entries = [full["state"].get(id_of[name]) for name in names]
+            flat = wrapping.flats[i]
+            entries = [full["state"].get(id_of[name]) for name in flat.names]
             if entries[0]:
-                shard_world = wrapping.world_size if sharded else 1
                 entry = {}
                 for key in entries[0]:
                     if key in model.tensor_keys:
                         flat_full = torch.cat([e[key].reshape(-1) for e in entries])
-                        entry[key] = fairscale_shard(flat_full, shard_world, rank if sharded else 0)
+                        if flat.sharded:
+                            entry[key] = fairscale_shard(flat_full, wrapping.world_size, rank)
+                        else:
+                            entry[key] = fairscale_shard(flat_full, 1, 0)
                     else:
                         entry[key] = entries[0][key]
                 state[next_id] = entry
