@@ -246,6 +246,20 @@ def a_name_given_twice(ctx: Context) -> Attempt:
     return load(ctx, full)
 
 
+@refusal(ValueError, "param group 1", "id 99", "'param_names'")
+def a_group_lists_an_unnamed_id(ctx: Context) -> Attempt:
+    full = ctx.fresh_full()
+    full["param_groups"][1]["params"].append(99)
+    return load(ctx, full)
+
+
+@refusal(ValueError, "state for id 99", "no param group")
+def state_for_an_id_no_group_lists(ctx: Context) -> Attempt:
+    full = ctx.fresh_full()
+    full["state"][99] = copy.deepcopy(full["state"][pid(full, "norm.bias")])
+    return load(ctx, full)
+
+
 @refusal(ValueError, "1 param groups", "2")
 def wrong_number_of_param_groups(ctx: Context) -> Attempt:
     return load(ctx, ctx.fresh_full(), ctx.adam(list(ctx.model.parameters())))
