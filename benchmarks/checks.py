@@ -37,7 +37,7 @@ def storages(optim: torch.optim.Optimizer) -> frozenset[int]:
 
 
 def compare(full: Any, reference: Fingerprint | None, live: frozenset[int] = frozenset()) -> str:
-    """"" when ``full`` matches ``reference``; else a short reason for the table.
+    """ "" when ``full`` matches ``reference``; else a short reason for the table.
 
     Reasons starting with "wrong output" mean the dict is not the full state; "returns the live
     optimizer's own tensors" means it is, but those entries cost no memory and change with training.
@@ -50,10 +50,7 @@ def compare(full: Any, reference: Fingerprint | None, live: frozenset[int] = fro
         for e in entries
         if torch.is_tensor(e.get("exp_avg"))
         and torch.is_tensor(e.get("exp_avg_sq"))
-        and (
-            _storage(e["exp_avg"]) == _storage(e["exp_avg_sq"])
-            or torch.equal(e["exp_avg"], e["exp_avg_sq"])
-        )
+        and (_storage(e["exp_avg"]) == _storage(e["exp_avg_sq"]) or torch.equal(e["exp_avg"], e["exp_avg_sq"]))
     )
     if aliased:
         return f"wrong output: exp_avg == exp_avg_sq for {aliased}/{len(entries)} params"

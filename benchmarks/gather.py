@@ -31,9 +31,16 @@ WARMUP = 1
 REPEATS = 5
 TRAIN_STEPS = 2
 METHODS = (
-    "floor_gather", "floor_p2p_warm", "floor_p2p_fresh",
-    "ours", "ours_object", "get_shard", "floor_copy",
-    "fairscale", "fsdp1", "fsdp2",
+    "floor_gather",
+    "floor_p2p_warm",
+    "floor_p2p_fresh",
+    "ours",
+    "ours_object",
+    "get_shard",
+    "floor_copy",
+    "fairscale",
+    "fsdp1",
+    "fsdp2",
 )
 QUICK = {"models": ("5M",), "world_sizes": (1, 2, 4)}
 RESULTS_DIR = Path(__file__).parent / "results"  # committed: the latest full run
@@ -49,13 +56,17 @@ def _csv(text: str) -> tuple[str, ...]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gather", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 5M model, W = 1, 2, 4; writes to benchmarks/out/")
-    p.add_argument("--models", type=_csv, help=f"presets {sorted(models.PRESETS)} or WIDTHxBLOCKS (default {','.join(MODELS)})")
+    p.add_argument(
+        "--models", type=_csv, help=f"presets {sorted(models.PRESETS)} or WIDTHxBLOCKS (default {','.join(MODELS)})"
+    )
     p.add_argument("--world-sizes", type=lambda s: tuple(int(x) for x in _csv(s)), help="default 1,2,3,4,8")
     p.add_argument("--warmup", type=int, default=WARMUP)
     p.add_argument("--repeats", type=int, default=REPEATS, help="timed calls per method (median reported)")
     p.add_argument("--steps", type=int, default=TRAIN_STEPS, help="Adam training steps before gathering")
     p.add_argument("--methods", type=_csv, default=METHODS, help=f"subset of {','.join(METHODS)}")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl when CUDA is available")
+    p.add_argument(
+        "--backend", choices=("auto", "gloo", "nccl"), default="auto", help="auto: nccl when CUDA is available"
+    )
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results, --quick: benchmarks/out)")
     p.add_argument("--name", help="output file stem (default latest, --quick: quick)")
     args = p.parse_args(argv)
@@ -157,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report.console(rows))
     print()
     for verdict in report.targets(rows):
-        print(f"{'MET ' if verdict['met'] else 'MISS'} {verdict['target']:<42} {verdict['model']:>5} W={verdict['world_size']} "
-              f"value {verdict['value']:.2f} ({verdict['detail']})")
+        print(
+            f"{'MET ' if verdict['met'] else 'MISS'} {verdict['target']:<42} {verdict['model']:>5} W={verdict['world_size']} "
+            f"value {verdict['value']:.2f} ({verdict['detail']})"
+        )
     print(f"\nwall time {meta['wall_s'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 

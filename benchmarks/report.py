@@ -75,7 +75,15 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     def add(target: str, model: str, ws: int, value: float | None, limit: str, ok: bool | None, detail: str) -> None:
         verdicts.append(
-            {"target": target, "model": model, "world_size": ws, "value": value, "limit": limit, "met": ok, "detail": detail}
+            {
+                "target": target,
+                "model": model,
+                "world_size": ws,
+                "value": value,
+                "limit": limit,
+                "met": ok,
+                "detail": detail,
+            }
         )
 
     for model in sorted({r["model"] for r in rows}, key=lambda m: [r["model"] for r in rows].index(m)):
@@ -90,26 +98,61 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             floor = at.get((model, ws, FLOOR))
             if floor and "na" not in floor:
                 ratio = ours["median_s"] / floor["median_s"]
-                add("ours <= 1.3x fresh p2p floor", model, ws, ratio, "<= 1.3", ratio <= MAX_FLOOR_RATIO,
-                    f"{ours['median_s'] * 1e3:.0f} ms vs {floor['median_s'] * 1e3:.0f} ms")
+                add(
+                    "ours <= 1.3x fresh p2p floor",
+                    model,
+                    ws,
+                    ratio,
+                    "<= 1.3",
+                    ratio <= MAX_FLOOR_RATIO,
+                    f"{ours['median_s'] * 1e3:.0f} ms vs {floor['median_s'] * 1e3:.0f} ms",
+                )
             peers = [at[(model, ws, p)] for p in PEERS if (model, ws, p) in at and "na" not in at[(model, ws, p)]]
             if peers:
                 fastest = min(peers, key=lambda r: r["median_s"])
                 speedup = fastest["median_s"] / ours["median_s"]
-                add(">= 2.5x faster than fastest peer", model, ws, speedup, ">= 2.5", speedup >= MIN_PEER_SPEEDUP,
-                    f"fastest peer {fastest['method']} {fastest['median_s'] * 1e3:.0f} ms")
+                add(
+                    ">= 2.5x faster than fastest peer",
+                    model,
+                    ws,
+                    speedup,
+                    ">= 2.5",
+                    speedup >= MIN_PEER_SPEEDUP,
+                    f"fastest peer {fastest['method']} {fastest['median_s'] * 1e3:.0f} ms",
+                )
             obj = at.get((model, ws, "ours_object"))
             if ws >= 4 and obj and "na" not in obj:
                 speedup = obj["median_s"] / ours["median_s"]
-                add(">= 10x faster than object path (W>=4)", model, ws, speedup, ">= 10", speedup >= MIN_OBJECT_SPEEDUP,
-                    f"object {obj['median_s'] * 1e3:.0f} ms")
+                add(
+                    ">= 10x faster than object path (W>=4)",
+                    model,
+                    ws,
+                    speedup,
+                    ">= 10",
+                    speedup >= MIN_OBJECT_SPEEDUP,
+                    f"object {obj['median_s'] * 1e3:.0f} ms",
+                )
             rss = ours["rss_recipient"] / ours["full_bytes"]
-            add("recipient peak RSS growth <= 1.05x full", model, ws, rss, "<= 1.05", rss <= MAX_RECIPIENT_RSS,
-                f"{ours['rss_recipient'] / MiB:.1f} MiB for {ours['full_bytes'] / MiB:.1f} MiB")
+            add(
+                "recipient peak RSS growth <= 1.05x full",
+                model,
+                ws,
+                rss,
+                "<= 1.05",
+                rss <= MAX_RECIPIENT_RSS,
+                f"{ours['rss_recipient'] / MiB:.1f} MiB for {ours['full_bytes'] / MiB:.1f} MiB",
+            )
             if ours.get("rss_other") is not None:
                 other = ours["rss_other"] / MiB
-                add("other rank peak RSS growth < 32 MiB", model, ws, other, "< 32 MiB", ours["rss_other"] < MAX_OTHER_RSS,
-                    f"{other:.1f} MiB")
+                add(
+                    "other rank peak RSS growth < 32 MiB",
+                    model,
+                    ws,
+                    other,
+                    "< 32 MiB",
+                    ours["rss_other"] < MAX_OTHER_RSS,
+                    f"{other:.1f} MiB",
+                )
     return verdicts
 
 
@@ -148,19 +191,31 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
         f"# Optimizer-state gather benchmark ({meta['finished']})",
         "",
         f"Machine: {meta['machine']}. Backend: {meta['backend']}. {meta['versions']}.",
-        f"Command: `{meta['command']}`; wall time {meta['wall_s'] / 60:.1f} min; "
-        f"load average before/after: {meta['load_before']} / {meta['load_after']}.",
-        f"Each figure: median of {meta['repeats']} barrier-synchronised calls after {meta['warmup']} warm-up, "
-        f"slowest rank per call; Adam after {meta['steps']} training steps; one FSDP unit per block plus the root.",
-        "Latency in ms, with the ratio to the fresh-memory point-to-point floor in parentheses "
-        "(get_shard: to a fresh copy of the shard's bytes). ⚠: wrong result; †: see notes.",
+        (
+            f"Command: `{meta['command']}`; wall time {meta['wall_s'] / 60:.1f} min; "
+            f"load average before/after: {meta['load_before']} / {meta['load_after']}."
+        ),
+        (
+            f"Each figure: median of {meta['repeats']} barrier-synchronised calls after {meta['warmup']} warm-up "
+            "round(s), methods interleaved round-robin, slowest rank per call; Adam after "
+            f"{meta['steps']} training steps; one FSDP unit per block plus the root."
+        ),
+        (
+            "Latency in ms, with the ratio to the fresh-memory point-to-point floor in parentheses "
+            "(get_shard: to a fresh copy of the shard's bytes). ⚠: wrong result; †: see notes."
+        ),
     ]
     if meta.get("oversubscribed"):
         lines.append(f"World sizes above {meta['cores']} oversubscribe the {meta['cores']} cores.")
     lines.append("")
     verdicts = targets(rows)
     if verdicts:
-        lines += ["## Targets (issue 3)", "", "| target | model | W | value | limit | met | detail |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Targets (issue 3)",
+            "",
+            "| target | model | W | value | limit | met | detail |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for v in verdicts:
             lines.append(
                 f"| {v['target']} | {v['model']} | {v['world_size']} | {v['value']:.2f} | {v['limit']} | "
@@ -178,16 +233,26 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
             cells = [at.get((model, w, method)) for w in sizes]
             if any(cells):
                 lines.append(f"| {LABELS[method]} | " + " | ".join(_ms(c) for c in cells) + " |")
-        lines += ["", "Peak RSS growth, recipient (rank 0), MiB (x the floor's growth, which is the full state's bytes):",
-                  "", head, rule]
+        lines += [
+            "",
+            "Peak RSS growth, recipient (rank 0), MiB (x the floor's growth, which is the full state's bytes):",
+            "",
+            head,
+            rule,
+        ]
         for method in GATHER_ROWS + SHARD_ROWS:
             cells = [at.get((model, w, method)) for w in sizes]
             if any(cells):
                 lines.append(f"| {LABELS[method]} | " + " | ".join(_mib(c, "rss_recipient") for c in cells) + " |")
         multi = [w for w in sizes if w > 1]
         if multi:
-            lines += ["", "Peak RSS growth, one other rank (rank 1), MiB (the floors allocate nothing there):", "",
-                      "| method | " + " | ".join(f"W={w}" for w in multi) + " |", "|---|" + "---|" * len(multi)]
+            lines += [
+                "",
+                "Peak RSS growth, one other rank (rank 1), MiB (the floors allocate nothing there):",
+                "",
+                "| method | " + " | ".join(f"W={w}" for w in multi) + " |",
+                "|---|" + "---|" * len(multi),
+            ]
             for method in GATHER_ROWS + SHARD_ROWS:
                 cells = [at.get((model, w, method)) for w in multi]
                 if any(cells):
@@ -198,7 +263,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
         lines += ["## Notes", ""]
         for method, text in notes:
             where = ", ".join(
-                f"{r['model']} W={r['world_size']}" for r in rows if r["method"] == method and (r.get("na") or r.get("note")) == text
+                f"{r['model']} W={r['world_size']}"
+                for r in rows
+                if r["method"] == method and (r.get("na") or r.get("note")) == text
             )
             lines.append(f"- {LABELS[method]}: {text} ({where})")
         lines.append("")
@@ -222,9 +289,16 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(6.0 * len(models) + 1, 5.6), squeeze=False)
-    styles = {"ours": ("C0", "o-", 2.5), "ours_object": ("C0", "o--", 1.2), "fairscale": ("C1", "s-", 1.5),
-              "fsdp1": ("C2", "^-", 1.5), "fsdp2": ("C3", "v-", 1.5), "floor_gather": ("0.6", ":", 1.2),
-              "floor_p2p_warm": ("0.4", "-.", 1.2), FLOOR: ("k", "--", 1.5)}
+    styles = {
+        "ours": ("C0", "o-", 2.5),
+        "ours_object": ("C0", "o--", 1.2),
+        "fairscale": ("C1", "s-", 1.5),
+        "fsdp1": ("C2", "^-", 1.5),
+        "fsdp2": ("C3", "v-", 1.5),
+        "floor_gather": ("0.6", ":", 1.2),
+        "floor_p2p_warm": ("0.4", "-.", 1.2),
+        FLOOR: ("k", "--", 1.5),
+    }
     for ax, model in zip(axes[0], models):
         for method in GATHER_ROWS:
             points = sorted(
@@ -264,8 +338,10 @@ def write(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name:
 def console(rows: list[dict[str, Any]]) -> str:
     """A compact table for the terminal: every method's median, ratio and RSS growth."""
     lines = [
-        f"{'model':>6} {'W':>2} {'method':<16} {'median ms':>10} {'spread':>7} {'x floor':>8} {'rss0 MiB':>9} "
-        f"{'rss1 MiB':>9}  note"
+        (
+            f"{'model':>6} {'W':>2} {'method':<16} {'median ms':>10} {'spread':>7} {'x floor':>8} "
+            f"{'rss0 MiB':>9} {'rss1 MiB':>9}  note"
+        )
     ]
     for r in rows:
         if "na" in r:

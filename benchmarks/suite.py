@@ -55,6 +55,54 @@ def run_all(rank: int, world_size: int, cfgs: list[RunConfig]) -> list[dict[str,
     return out
 
 
+def _gathers(
+    cfg: RunConfig,
+    setups: dict[str, tuple[nn.Module, torch.optim.Optimizer]],
+    shards: floors.Shards,
+    sync: Callable[[], None] | None,
+) -> dict[str, Measurement | NotAvailable] | None:
+    """Every gather and gather floor, interleaved; results checked against ours."""
+    model, optim = setups["fairscale"]
+    reference: dict[str, checks.Fingerprint] = {}
+
+    def set_reference(result: Any) -> str:
+        reference["ours"] = checks.fingerprint(result)
+        return checks.compare(result, None, checks.storages(optim))
+
+    def check_with(live_optim: torch.optim.Optimizer) -> Callable[[Any], str]:
+        return lambda result: checks.compare(result, reference.get("ours"), checks.storages(live_optim))
+
+    gather_buffers = floors.gather_buffers(shards)
+    warm, staging = floors.warm_buffers(shards)
+    methods = {  # "ours" first: round 0 runs in this order and its result is the reference
+        "ours": replace(peers.ours(model, optim), check=set_reference),
+        "ours_object": replace(peers.ours_object(model, optim), check=check_with(optim)),
+        "fairscale": replace(peers.fairscale(model, optim), check=check_with(optim)),
+        "floor_gather": Method(lambda: floors.gather(shards, gather_buffers)),
+        "floor_p2p_warm": Method(lambda: floors.p2p(shards, warm, staging)),
+        "floor_p2p_fresh": Method(lambda: floors.p2p(shards, None, staging)),
+    }
+    for name, make in (("fsdp1", peers.fsdp1), ("fsdp2", peers.fsdp2)):
+        if name in setups:
+            methods[name] = replace(make(*setups[name]), check=check_with(setups[name][1]))
+    wanted = {k: v for k, v in methods.items() if k in cfg.methods}
+    return measure(wanted, warmup=cfg.warmup, repeats=cfg.repeats, sync=sync)
+
+
+def _loads(
+    cfg: RunConfig,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    shards: floors.Shards,
+    sync: Callable[[], None] | None,
+) -> dict[str, Measurement | NotAvailable] | None:
+    """get_shard_from_optim_state_dict against a fresh copy, from a full dict every rank holds."""
+    full = model.gather_full_optim_state_dict(optim, recipient_rank=None)
+    methods = {"get_shard": peers.get_shard(model, optim, full), "floor_copy": Method(lambda: floors.copy(shards))}
+    wanted = {k: v for k, v in methods.items() if k in cfg.methods}  # dict order: the same on every rank
+    return measure(wanted, warmup=cfg.warmup, repeats=cfg.repeats, sync=sync)
+
+
 def run(rank: int, world_size: int, cfg: RunConfig) -> dict[str, Any] | None:
     """Measure every wanted method for ``cfg.model`` at this world size; the results on rank 0."""
     device = _device(cfg)
@@ -64,10 +112,11 @@ def run(rank: int, world_size: int, cfg: RunConfig) -> dict[str, Any] | None:
     unavailable: dict[str, NotAvailable] = {}
 
     setups: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
-    for name, wrap in (("fairscale", models.wrap_fairscale), ("fsdp1", models.wrap_fsdp1), ("fsdp2", models.wrap_fsdp2)):
+    wrappings = (("fairscale", models.wrap_fairscale), ("fsdp1", models.wrap_fsdp1), ("fsdp2", models.wrap_fsdp2))
+    for name, wrap in wrappings:
         if name != "fairscale" and name not in wanted:
             continue
-        start = time.perf_counter()
+        build_start = time.perf_counter()
         error = ""
         try:
             setups[name] = _build(cfg, rank, device, wrap)
@@ -80,56 +129,24 @@ def run(rank: int, world_size: int, cfg: RunConfig) -> dict[str, Any] | None:
         if error:
             setups.pop(name, None)
             unavailable[name] = NotAvailable(error)
-        timings[f"build_train_{name}_s"] = time.perf_counter() - start
+        timings[f"build_train_{name}_s"] = time.perf_counter() - build_start
     if "fairscale" not in setups:
         raise RuntimeError(f"fsdp_optim's FSDP could not be set up: {unavailable['fairscale'].reason}")
     model, optim = setups["fairscale"]
     shards = floors.Shards.of(model, optim)
 
-    reference: dict[str, checks.Fingerprint] = {}
-
-    def set_reference(result: Any) -> str:
-        reference["ours"] = checks.fingerprint(result)
-        return checks.compare(result, None, checks.storages(optim))
-
-    def check_with(live_optim: torch.optim.Optimizer) -> Callable[[Any], str]:
-        return lambda result: checks.compare(result, reference.get("ours"), checks.storages(live_optim))
-
-    check = check_with(optim)
-
-    gather_buffers = floors.gather_buffers(shards)
-    warm, staging = floors.warm_buffers(shards)
-    gathers = {  # "ours" first: round 0 runs in this order and its result is the reference
-        "ours": replace(peers.ours(model, optim), check=set_reference),
-        "ours_object": replace(peers.ours_object(model, optim), check=check),
-        "fairscale": replace(peers.fairscale(model, optim), check=check),
-        "floor_gather": Method(lambda: floors.gather(shards, gather_buffers)),
-        "floor_p2p_warm": Method(lambda: floors.p2p(shards, warm, staging)),
-        "floor_p2p_fresh": Method(lambda: floors.p2p(shards, None, staging)),
-    }
-    for name, make in (("fsdp1", peers.fsdp1), ("fsdp2", peers.fsdp2)):
-        if name in setups:
-            gathers[name] = replace(make(*setups[name]), check=check_with(setups[name][1]))
-    start = time.perf_counter()
-    results = measure(
-        {k: v for k, v in gathers.items() if k in wanted}, warmup=cfg.warmup, repeats=cfg.repeats, sync=sync
-    )
-    timings["gathers_s"] = time.perf_counter() - start
-    del gathers, gather_buffers, warm, staging
+    gathers_start = time.perf_counter()
+    results = _gathers(cfg, setups, shards, sync)
+    timings["gathers_s"] = time.perf_counter() - gathers_start
     for name in ("fsdp1", "fsdp2"):
         setups.pop(name, None)
     release_memory()
-
-    loads = {k for k in ("get_shard", "floor_copy") if k in wanted}
-    if loads:
-        start = time.perf_counter()
-        full = model.gather_full_optim_state_dict(optim, recipient_rank=None)
-        methods = {"get_shard": peers.get_shard(model, optim, full), "floor_copy": Method(lambda: floors.copy(shards))}
-        loaded = measure({k: methods[k] for k in loads}, warmup=cfg.warmup, repeats=cfg.repeats, sync=sync)
+    if "get_shard" in wanted or "floor_copy" in wanted:
+        loads_start = time.perf_counter()
+        loaded = _loads(cfg, model, optim, shards, sync)
         if results is not None and loaded is not None:
             results.update(loaded)
-        del full, methods
-        timings["loads_s"] = time.perf_counter() - start
+        timings["loads_s"] = time.perf_counter() - loads_start
 
     if rank != 0:
         return None
