@@ -41,7 +41,7 @@ def _status_bytes(field: str) -> int:
 def _peak_rss_growth(call: Any) -> tuple[Any, int]:
     """``call()``'s result and how far the process's resident memory rose above where it started."""
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return free heap pages: new buffers must take fresh ones
+    ctypes.CDLL(None).malloc_trim(0)  # glibc: return free heap pages, so new buffers must take fresh ones
     start = _status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
