@@ -42,7 +42,9 @@ class Context:
     model: FSDP
     optim: torch.optim.Optimizer  # Adam over the model's two param groups, after STEPS steps
     full: dict[str, Any]  # its gathered full dict (never handed to a case: each gets a deep copy)
-    unit_solo_root: FSDP  # the same model, root sharded over 1 rank, block2.inner over 2 (built up front: new_group is collective)
+    # The same model with its root sharded over 1 rank and block2.inner over 2; built before the cases
+    # run because creating its process groups is collective.
+    solo_root: FSDP
 
     def fresh_full(self) -> dict[str, Any]:
         return copy.deepcopy(self.full)
@@ -58,9 +60,12 @@ class Attempt:
     optim: torch.optim.Optimizer | None = None  # the live optimizer involved, if not ctx.optim
 
 
+Make = Callable[[Context], Attempt]
+
+
 @dataclass(frozen=True)
 class Refusal:
-    make: Callable[[Context], Attempt]
+    make: Make
     error: type[Exception] | tuple[type[Exception], ...]
     mentions: tuple[str, ...]
 
@@ -72,8 +77,10 @@ class Refusal:
 CASES: dict[str, Refusal] = {}
 
 
-def refusal(error: type[Exception] | tuple[type[Exception], ...], *mentions: str) -> Callable[[Callable[[Context], Attempt]], Callable[[Context], Attempt]]:
-    def register(make: Callable[[Context], Attempt]) -> Callable[[Context], Attempt]:
+def refusal(error: type[Exception] | tuple[type[Exception], ...], *mentions: str) -> Callable[[Make], Make]:
+    """Register the decorated case under its function name."""
+
+    def register(make: Make) -> Make:
         CASES[make.__name__] = Refusal(make, error, mentions)
         return make
 
@@ -104,11 +111,10 @@ def move(full: dict[str, Any], name: str, to_group: int) -> None:
     full["param_groups"][to_group]["params"].append(i)
 
 
-def load(ctx: Context, full: Any, optim: torch.optim.Optimizer | None = None, *, model: FSDP | None = None) -> Attempt:
+def load(ctx: Context, full: Any, optim: torch.optim.Optimizer | None = None) -> Attempt:
     """Attempt to cut ``full`` for the live optimizer (``ctx.optim`` unless given)."""
     optim = optim or ctx.optim
-    model = model or ctx.model
-    return Attempt(lambda: model.get_shard_from_optim_state_dict(full, optim=optim), given=full, optim=optim)
+    return Attempt(lambda: ctx.model.get_shard_from_optim_state_dict(full, optim=optim), given=full, optim=optim)
 
 
 BLOCK1 = ("block1.0.weight", "block1.0.bias", "block1.2.weight", "block1.2.bias")  # one flat parameter
@@ -283,7 +289,7 @@ def optimizer_holds_a_foreign_parameter_on_load(ctx: Context) -> Attempt:
 @refusal(ValueError, "'block2.inner", "2 ranks", "over 1")
 def nested_unit_with_incompatible_world_size(ctx: Context) -> Attempt:
     full = ctx.fresh_full()
-    return Attempt(lambda: ctx.unit_solo_root.get_shard_from_optim_state_dict(full), given=full)
+    return Attempt(lambda: ctx.solo_root.get_shard_from_optim_state_dict(full), given=full)
 
 
 # Gathers: every rank refuses alike, before any collective, so none is left waiting.
@@ -393,10 +399,12 @@ def outcomes() -> list[dict[str, dict[str, Any]]]:
 KNOWN_BUGS: dict[str, str] = {}  # kind -> description, for bugs found and not yet fixed
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[k])) if k in KNOWN_BUGS else k for k in CASES],
-)
+def _kinds() -> list[Any]:
+    xfail = {k: pytest.mark.xfail(strict=True, reason=reason) for k, reason in KNOWN_BUGS.items()}
+    return [pytest.param(k, marks=xfail[k]) if k in xfail else k for k in CASES]
+
+
+@pytest.mark.parametrize("kind", _kinds())
 def test_refused_clearly_and_nothing_changes(kind: str, outcomes: list[dict[str, dict[str, Any]]]) -> None:
     case = CASES[kind]
     for rank, per_rank in enumerate(outcomes):
