@@ -150,7 +150,7 @@ def shard_full_state(
     Raises ``ValueError`` naming the parameter with what was expected and what was found.
     """
     layout.check_world_sizes()
-    names, group_of = _read_header(full)
+    names, group_of = read_header(full)
     groups = full["param_groups"]
     if live_groups is not None and len(live_groups) != len(groups):
         raise ValueError(
@@ -212,7 +212,7 @@ def read_meta(full: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return meta
 
 
-def _read_header(full: Mapping[str, Any]) -> tuple[dict[int, str], dict[int, int]]:
+def read_header(full: Mapping[str, Any]) -> tuple[dict[int, str], dict[int, int]]:
     if not isinstance(full, Mapping):
         raise TypeError(f"full optimizer state dict: expected a dict, found {type(full).__name__}")
     for key in ("state", "param_groups", "param_names"):

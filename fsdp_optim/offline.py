@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .flatten import StateKind, assemble, classify_flat_state
-from .fullstate import FORMAT_KEY, GroupSpec, _read_header, build_full_state, shard_full_state
+from .fullstate import FORMAT_KEY, GroupSpec, read_header, build_full_state, shard_full_state
 from .layout import ModelLayout, describe
 from .manifest import GroupRecord, Manifest, StateEntry, dtype_to_str
 from .recut import at_rank, plan_recut, recut_rank_state
@@ -173,7 +173,7 @@ def _reshard_sharded(
 
 def _full_groups(layout: ModelLayout, full: Mapping[str, Any]) -> list[list[int]]:
     """Flat indices per param group of ``full``, by the group of each flat parameter's first named parameter."""
-    names, group_of = _read_header(full)
+    names, group_of = read_header(full)
     id_of = {name: pid for pid, name in names.items()}
     members: list[list[int]] = [[] for _ in full["param_groups"]]
     for i, flat in enumerate(layout.flat_params):
