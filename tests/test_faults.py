@@ -9,7 +9,9 @@ inside real collectives or point-to-point transfers. Nothing is mocked: the deat
 Every survivor must come out of the gather with an exception (gloo reports the closed connection, or
 the shortened collective timeout fires; ``run_ranks``'s deadline kills any rank that would hang, which
 fails the test) and its optimizer state must be as it was. Survivors write their outcome to a file,
-since ``run_ranks`` reports the victim's missing result as an error and returns nothing else.
+since ``run_ranks`` reports the victim's missing result as an error and returns nothing else, and then
+wait for each other (through those files, not a collective) so that one survivor's exit cannot decide
+how another's gather ends.
 
 The victim exits with code 0 on purpose: torch's spawn helper SIGTERMs every other rank as soon as one
 exits non-zero, which would end the survivors before they could show what they do. Their peers see the
@@ -36,6 +38,7 @@ from _checks import assert_identical, snapshot
 from _dist import run_ranks
 
 TIMEOUT_S = 30  # collective timeout for these runs: the slowest a survivor may be to raise
+DEADLINE_S = 150  # a rank still running by then is killed, and the test fails
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,16 @@ SCENARIOS = {
     # The deep-nested test model has 4 flat parameters with Adam state: 8 tensors to move per sender.
     "a sender dies mid-transfer": Death(world_size=2, victim=1, dies_at="isend", nth=3),
     "the recipient dies mid-receive": Death(world_size=3, victim=0, dies_at="irecv", nth=3),
+    # Rank 1's pieces all reach the recipient; only rank 2's are lost.
+    "another sender dies before sending": Death(world_size=3, victim=2, dies_at="isend", nth=1),
+}
+
+# Bugs these scenarios found, strict xfail until fixed.
+KNOWN_BUGS = {
+    "another sender dies before sending": (
+        "a non-recipient whose own sends completed returns None although the gather failed on the recipient "
+        "(rank 2 died before sending); nothing tells it the gather failed"
+    ),
 }
 
 
@@ -90,13 +103,28 @@ def _gather_while_one_dies(rank: int, world_size: int, death: Death, out_dir: st
     except AssertionError as e:
         outcome["optim_changed"] = str(e)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+    _wait_for_survivors(out_dir, [r for r in range(world_size) if r != death.victim])
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def _wait_for_survivors(out_dir: str, survivors: list[int]) -> None:
+    """Stay alive until every survivor is out of its gather, so no survivor's exit decides another's fate."""
+    stop_at = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < stop_at and not all(Path(out_dir, f"rank{r}.json").exists() for r in survivors):
+        time.sleep(0.05)
+
+
+def _scenarios() -> list[Any]:
+    xfail = {s: pytest.mark.xfail(strict=True, reason=reason) for s, reason in KNOWN_BUGS.items()}
+    return [pytest.param(s, marks=xfail[s]) if s in xfail else s for s in SCENARIOS]
+
+
+@pytest.mark.parametrize("scenario", _scenarios())
 def test_survivors_raise_when_a_rank_dies_mid_gather(scenario: str, tmp_path: Path) -> None:
     death = SCENARIOS[scenario]
     try:
-        run_ranks(_gather_while_one_dies, death.world_size, death, str(tmp_path), timeout_s=TIMEOUT_S)
+        run_ranks(
+            _gather_while_one_dies, death.world_size, death, str(tmp_path), timeout_s=TIMEOUT_S, deadline_s=DEADLINE_S
+        )
         reported = "nothing: every rank returned"
     except AssertionError as e:
         reported = str(e)
