@@ -77,6 +77,12 @@ def _portable(value: Any) -> Any:
     return value
 
 
+def _show(summarised: Any) -> str:
+    if isinstance(summarised, tuple) and len(summarised) == 3 and summarised[0] == "tensor":
+        return f"{summarised[2]!r} (torch.{summarised[1]})"
+    return show_value(summarised)
+
+
 def check_agreement(layout: ModelLayout, summaries: Sequence[Mapping[int, Any]]) -> None:
     """Raise ``ValueError`` unless every rank has the same state keys, kinds, dtypes and scalar values."""
     reference = summaries[0]
@@ -102,5 +108,5 @@ def check_agreement(layout: ModelLayout, summaries: Sequence[Mapping[int, Any]])
                 if not same:
                     raise ValueError(
                         f"optimizer state '{key}' of {flat.describe()} differs across ranks: rank 0 has "
-                        f"{show_value(value)}, rank {rank} has {show_value(other)}"
+                        f"{_show(value)}, rank {rank} has {_show(other)}"
                     )

@@ -10,7 +10,8 @@ Two ways to bring per-rank flat shards together:
 - :func:`broadcast_from_each_rank`: the design card's ``broadcast_object_list`` path, one broadcast per
   rank of that rank's pickled shard dict. Every rank receives every shard; kept for comparison.
 
-Small metadata travels with one :func:`all_gather_objects` call.
+Small metadata travels with one :func:`all_gather_objects` call; a final barrier makes every rank agree
+that the transfer completed.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def gather_flat_tensors(
         if staged_bytes > _STAGING_BYTES:
             flush()
     flush()
+    # A sender's own messages can complete while another sender dies: without this, such a rank would
+    # return normally while the recipient raises. With it, a failure anywhere fails every rank (within
+    # the process group's timeout at worst).
+    dist.barrier(group=group)
     return outputs if receiving else None
 
 

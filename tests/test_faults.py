@@ -61,12 +61,7 @@ SCENARIOS = {
 }
 
 # Bugs these scenarios found, strict xfail until fixed.
-KNOWN_BUGS = {
-    "another sender dies before sending": (
-        "a non-recipient whose own sends completed returns None although the gather failed on the recipient "
-        "(rank 2 died before sending); nothing tells it the gather failed"
-    ),
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _die_on_entering(function: Any, nth: int) -> None:
