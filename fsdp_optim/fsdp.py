@@ -15,7 +15,7 @@ from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 from . import _host
 from .fullstate import build_full_state, read_meta, shard_full_state
 from .layout import describe
-from .local import LocalState, check_agreement, read_local_state
+from .local import LocalState, check_agreement, live_groups, read_local_state
 from .transport import Transfer, all_gather_objects, broadcast_from_each_rank, gather_flat_tensors
 from .flatten import StateKind, assemble
 
@@ -142,7 +142,7 @@ class FullyShardedDataParallel(_FairscaleFSDP):
         """
         layout, params = describe(self)
         position = {id(p): i for i, p in enumerate(self.parameters())}
-        live_groups = None
+        groups = None
         if optim is not None:
             meta = read_meta(full_optim_state_dict) if isinstance(full_optim_state_dict, dict) else None
             saved = meta.get("optimizer") if meta else None
@@ -150,20 +150,11 @@ class FullyShardedDataParallel(_FairscaleFSDP):
                 raise ValueError(
                     f"optim: the full optimizer state dict was saved from {saved}, found {type(optim).__name__}"
                 )
-            index_of = {id(p): i for i, p in enumerate(params)}
-            live_groups = []
-            for k, group in enumerate(optim.param_groups):
-                unknown = [tuple(p.shape) for p in group["params"] if id(p) not in index_of]
-                if unknown:
-                    raise ValueError(
-                        f"optim: param group {k} holds a parameter of shape {unknown[0]} that this FSDP "
-                        "instance does not own"
-                    )
-                live_groups.append([index_of[id(p)] for p in group["params"]])
+            groups = live_groups(optim, params)
         return shard_full_state(
             layout,
             full_optim_state_dict,
-            live_groups=live_groups,
+            live_groups=groups,
             param_positions=[position.get(id(p), len(position)) for p in params],
             trainable=[p.requires_grad for p in params],
         )

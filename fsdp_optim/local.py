@@ -16,7 +16,7 @@ from .flatten import StateKind, classify_flat_state
 from .fullstate import GroupSpec, same_scalar, show_value
 from .layout import ModelLayout
 
-__all__ = ["LocalState", "check_agreement", "read_local_state"]
+__all__ = ["LocalState", "check_agreement", "live_groups", "read_local_state"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,23 @@ def read_local_state(
             for key, kind in kinds.items()
         )
     return LocalState(tuple(groups), state, summary)
+
+
+def live_groups(optim: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> list[list[int]]:
+    """For each param group of ``optim``, the indices into ``params`` of its parameters, in its order.
+
+    Raises ``ValueError`` for a parameter that ``params`` (the model's flat parameters) does not hold.
+    """
+    index_of = {id(p): i for i, p in enumerate(params)}
+    groups = []
+    for k, group in enumerate(optim.param_groups):
+        unknown = [tuple(p.shape) for p in group["params"] if id(p) not in index_of]
+        if unknown:
+            raise ValueError(
+                f"optim: param group {k} holds a parameter of shape {unknown[0]} that this FSDP instance does not own"
+            )
+        groups.append([index_of[id(p)] for p in group["params"]])
+    return groups
 
 
 def _portable(value: Any) -> Any:

@@ -17,7 +17,7 @@ from torch import nn
 from .flatten import StateKind, classify_flat_state, clone_value
 from .fullstate import FORMAT_KEY, GroupSpec, shard_full_state
 from .layout import ModelLayout, describe
-from .local import check_agreement, read_local_state
+from .local import check_agreement, live_groups, read_local_state
 from .manifest import MANIFEST_NAME, GroupRecord, Manifest, StateEntry, dtype_to_str, wrap
 from .offline import load_full_file
 from .recut import RecutPlan, at_rank, plan_recut, recut_rank_state
@@ -169,19 +169,6 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _live_groups(optim: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> list[list[int]]:
-    index_of = {id(p): i for i, p in enumerate(params)}
-    groups = []
-    for k, group in enumerate(optim.param_groups):
-        unknown = [tuple(p.shape) for p in group["params"] if id(p) not in index_of]
-        if unknown:
-            raise ValueError(
-                f"optim: param group {k} holds a parameter of shape {unknown[0]} that this FSDP instance does not own"
-            )
-        groups.append([index_of[id(p)] for p in group["params"]])
-    return groups
-
-
 def _check_optimizer(saved: str | None, optim: torch.optim.Optimizer, source: str) -> None:
     if saved is not None and saved != type(optim).__name__:
         raise ValueError(f"optim: {source} was saved from {saved}, found {type(optim).__name__}")
@@ -224,7 +211,7 @@ def load_sharded_optim_state(
         scatter_full_optim_state(fsdp, optim, path, src_rank=src_rank)
         return
     layout, params = describe(fsdp)
-    live = _live_groups(optim, params)
+    live = live_groups(optim, params)
     with ShardedCheckpoint(path) as ckpt:
         _check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
         plan = plan_recut(ckpt.manifest, layout, live, source=str(ckpt.directory))
@@ -259,7 +246,7 @@ def scatter_full_optim_state(
     if not isinstance(src_rank, int) or isinstance(src_rank, bool) or not 0 <= src_rank < world_size:
         raise ValueError(f"src_rank: expected an int in [0, {world_size}), found {src_rank!r}")
     layout, params = describe(fsdp)
-    live = _live_groups(optim, params)
+    live = live_groups(optim, params)
     position = {id(p): i for i, p in enumerate(fsdp.parameters())}
     positions = [position.get(id(p), len(position)) for p in params]
     trainable = [p.requires_grad for p in params]
