@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping world sizes {too_big}: NCCL needs one GPU per rank, {torch.cuda.device_count()} present")
         sizes = [w for w in sizes if w <= torch.cuda.device_count()]
     meta: dict[str, Any] = {
-        "command": "python -m benchmarks.gather " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": ("python -m benchmarks.gather " + shlex.join(sys.argv[1:] if argv is None else argv)).strip(),
         "machine": machine(),
         "cores": os.cpu_count(),
         "oversubscribed": any(w > (os.cpu_count() or 1) for w in sizes),
