@@ -86,7 +86,12 @@ def cut(layout: FlatParamLayout, tensors: Sequence[torch.Tensor], *, rank: int |
     Only the pieces that overlap the rank's slice are read; the flat full tensor is never built.
     """
     bounds = layout.bounds(rank)
-    shard = torch.zeros(bounds.numel, dtype=tensors[0].dtype if tensors else layout.dtype)
+    # Parameters tile [0, numel) back to back, so every real element below is written by one copy:
+    # only the padding needs zeros (zero-filling it all would touch every page twice).
+    assert not layout.params or layout.params[0].offset == 0, layout.describe()
+    assert all(a.offset + a.numel == b.offset for a, b in zip(layout.params, layout.params[1:])), layout.describe()
+    shard = torch.empty(bounds.numel, dtype=tensors[0].dtype if tensors else layout.dtype)
+    shard[bounds.real :].zero_()
     for spec, tensor in zip(layout.params, tensors, strict=True):
         lo = max(spec.offset, bounds.start)
         hi = min(spec.offset + spec.numel, bounds.stop)

@@ -15,8 +15,8 @@ from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 from . import _host
 from .fullstate import build_full_state, read_meta, shard_full_state
 from .layout import describe
-from .local import LocalState, check_agreement, live_groups, read_local_state
-from .transport import Transfer, all_gather_objects, broadcast_from_each_rank, gather_flat_tensors
+from .local import LocalState, check_agreement, live_groups, read_local_state, summary_digest
+from .transport import Transfer, all_gather_digests, all_gather_objects, broadcast_from_each_rank, gather_flat_tensors
 from .flatten import StateKind, assemble
 
 __all__ = ["FullyShardedDataParallel"]
@@ -82,8 +82,9 @@ class FullyShardedDataParallel(_FairscaleFSDP):
 
             ``None`` on other ranks.
 
-        Cost (``"tensor"``): one ``all_gather_object`` of a few bytes per parameter, then one message per
-        (flat parameter, tensor state key, rank holding real elements): the state's bytes, once.
+        Cost (``"tensor"``): one all-gather of an 8-byte digest of each rank's state summary (the
+        summaries themselves only if ranks disagree), then one message per (flat parameter, tensor state
+        key, rank holding real elements), carrying the state's bytes once, and a final barrier.
         """
         world_size = self.world_size
         if recipient_rank is not None and not (isinstance(recipient_rank, int) and 0 <= recipient_rank < world_size):
@@ -104,7 +105,9 @@ class FullyShardedDataParallel(_FairscaleFSDP):
             flat_tensors = _assemble_objects(layout, local, [shards for _, shards in received])
         else:
             if world_size > 1:
-                check_agreement(layout, all_gather_objects(local.summary, self.process_group))
+                digests = all_gather_digests(summary_digest(local.summary), self.process_group)
+                if len(set(digests)) > 1:  # only then pay for the full summaries, to say what differs
+                    check_agreement(layout, all_gather_objects(local.summary, self.process_group))
             transfers, keys = _transfers(layout, local)
             gathered = gather_flat_tensors(transfers, recipient=recipient_rank, group=self.process_group)
             if gathered is None:

@@ -5,6 +5,7 @@ Pure: reads ``optim.state_dict()`` output and parameter objects; never writes to
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from .flatten import StateKind, classify_flat_state
 from .fullstate import GroupSpec, same_scalar, show_value
 from .layout import ModelLayout
 
-__all__ = ["LocalState", "check_agreement", "live_groups", "read_local_state"]
+__all__ = ["LocalState", "check_agreement", "live_groups", "read_local_state", "summary_digest"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,12 @@ def _show(summarised: Any) -> str:
     if isinstance(summarised, tuple) and len(summarised) == 3 and summarised[0] == "tensor":
         return f"{summarised[2]!r} (torch.{summarised[1]})"
     return show_value(summarised)
+
+
+def summary_digest(summary: Mapping[int, Any]) -> int:
+    """A signed 64-bit digest of a summary, equal on ranks whose summaries are equal (process-independent)."""
+    text = repr(sorted(summary.items())).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
 
 
 def check_agreement(layout: ModelLayout, summaries: Sequence[Mapping[int, Any]]) -> None:

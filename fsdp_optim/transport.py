@@ -10,8 +10,9 @@ Two ways to bring per-rank flat shards together:
 - :func:`broadcast_from_each_rank`: the design card's ``broadcast_object_list`` path, one broadcast per
   rank of that rank's pickled shard dict. Every rank receives every shard; kept for comparison.
 
-Small metadata travels with one :func:`all_gather_objects` call; a final barrier makes every rank agree
-that the transfer completed.
+Metadata costs one all-gather of a 64-bit digest per rank (:func:`all_gather_digests`), and the full
+summaries travel (:func:`all_gather_objects`) only when digests differ, to say what differs. A final
+barrier makes every rank agree that the transfer completed.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ class Transfer:
     dtype: torch.dtype
     bounds: tuple[ShardBounds, ...]  # per rank of the group; a single entry when the unit is not sharded
     local: torch.Tensor  # this rank's padded shard; read, never written
+
+
+def all_gather_digests(digest: int, group: dist.ProcessGroup | None) -> list[int]:
+    """Every rank's 64-bit ``digest`` on every rank: one small tensor all-gather (no pickling)."""
+    device = _comm_device(group)
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out.tolist()
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
@@ -92,13 +102,14 @@ def gather_flat_tensors(
         staged.clear()
         staged_bytes = 0
 
+    own_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source), copied last
     for transfer in transfers:
         out = torch.empty(transfer.numel, dtype=transfer.dtype) if receiving else None
         if out is not None:
             outputs.append(out)
         if len(transfer.bounds) == 1:  # not sharded: every rank holds it all
             if out is not None:
-                out.copy_(transfer.local[: transfer.numel])
+                own_pieces.append((out, transfer.local[: transfer.numel]))
             continue
         for src, bounds in enumerate(transfer.bounds):
             if bounds.real == 0:
@@ -106,7 +117,7 @@ def gather_flat_tensors(
             if src == rank:
                 piece = transfer.local[: bounds.real]
                 if out is not None:
-                    out[bounds.start : bounds.stop].copy_(piece)
+                    own_pieces.append((out[bounds.start : bounds.stop], piece))
                 if recipient is None:
                     pending.append(_broadcast(piece.to(device), src, group))
                 elif rank != recipient:
@@ -123,6 +134,9 @@ def gather_flat_tensors(
                     pending.append(dist.irecv(buffer, src=_global(group, src), group=group))
         if staged_bytes > _STAGING_BYTES:
             flush()
+    # Every receive is posted before this rank copies its own pieces, so the senders never wait on it.
+    for destination, source in own_pieces:
+        destination.copy_(source)
     flush()
     # A sender's own messages can complete while another sender dies: without this, such a rank would
     # return normally while the recipient raises. With it, a failure anywhere fails every rank (within
