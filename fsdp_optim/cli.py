@@ -26,7 +26,7 @@ from .flatten import StateKind
 from .fullstate import FORMAT_KEY
 from .interop import from_fairscale, is_fairscale_native, to_named
 from .manifest import HEADER_KEY, Manifest
-from .offline import consolidate, reshard, resolve_layout
+from .offline import check_source_path, consolidate, reshard, resolve_layout
 from .storage import atomic_save, is_sharded_checkpoint, load_file, read_manifest
 
 __all__ = ["main"]
@@ -163,6 +163,8 @@ def _reshard(args: argparse.Namespace) -> list[str]:
     if args.world_size < 1:
         raise ValueError(f"--world-size: expected an int >= 1, found {args.world_size}")
     layout = args.layout
+    if not is_sharded_checkpoint(args.source):
+        check_source_path(args.source)
     if layout is None and not is_sharded_checkpoint(args.source):
         raise ValueError(
             f"{args.source}: a full dict needs --layout (a sharded checkpoint or layout file of the same model)"

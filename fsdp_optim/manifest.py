@@ -138,14 +138,14 @@ def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
     header = dict(obj[HEADER_KEY])
     if header.get("kind") != kind:
         raise ValueError(f"{source}: expected an fsdp_optim {kind} file, found a {header.get('kind')!r} file")
-    _check_version(header.get("version"), source)
+    check_version(header.get("version"), source)
     checksum = header.pop("checksum", None)
     if checksum != digest([header, obj["body"]]):
         raise ValueError(f"{source}: checksum mismatch (file is corrupt or was modified)")
     return header, obj["body"]
 
 
-def _check_version(version: Any, source: str) -> None:
+def check_version(version: Any, source: str) -> None:
     if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
         raise ValueError(f"{source}: checkpoint format version {version!r}; this fsdp_optim reads 1..{CHECKPOINT_VERSION}")
 
@@ -383,7 +383,7 @@ class Manifest:
         """Parse and check a manifest read from ``source`` (named in every error)."""
         if not isinstance(d, Mapping):
             raise ValueError(f"{source}: expected a manifest dict, found {type(d).__name__}")
-        _check_version(d.get("version"), source)
+        check_version(d.get("version"), source)
         optimizer = d.get("optimizer")
         if optimizer is not None and not isinstance(optimizer, str):
             raise ValueError(f"{source}: 'optimizer' must be a class name or None, found {optimizer!r}")

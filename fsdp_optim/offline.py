@@ -15,7 +15,9 @@ output shard plus that bound.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +27,7 @@ from torch import nn
 from .flatten import StateKind, assemble, classify_flat_state
 from .fullstate import FORMAT_KEY, GroupSpec, read_header, build_full_state, shard_full_state
 from .layout import ModelLayout, describe
-from .manifest import GroupRecord, Manifest, StateEntry, dtype_to_str
+from .manifest import MANIFEST_NAME, GroupRecord, Manifest, StateEntry, dtype_to_str
 from .recut import at_rank, plan_recut, recut_rank_state
 from .storage import (
     DEFAULT_MAPPED_BYTES,
@@ -142,21 +144,57 @@ def reshard(
             raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
         if layout is not None:
             raise ValueError("layout: a sharded source carries its own layout; pass layout only with a full dict")
-        out.mkdir(parents=True, exist_ok=True)
-        return _reshard_sharded(source, world_size, out, progress=progress, max_mapped_bytes=max_mapped_bytes)
+        return _write_all_or_nothing(
+            out,
+            lambda staging: _reshard_sharded(
+                source, world_size, staging, progress=progress, max_mapped_bytes=max_mapped_bytes
+            ),
+        )
+    if not isinstance(source, Mapping):
+        check_source_path(source)
     if layout is None:
         raise ValueError(
             f"layout: resharding a full dict ({source if not isinstance(source, Mapping) else 'dict'}) needs the "
             "model's layout: a sharded checkpoint or layout file of the same model, or the FSDP model"
         )
     full = source if isinstance(source, Mapping) else load_full_file(source)
-    out.mkdir(parents=True, exist_ok=True)
-    return _reshard_full(full, resolve_layout(layout), world_size, out, progress=progress)
+    model_layout = resolve_layout(layout)
+    return _write_all_or_nothing(
+        out, lambda staging: _reshard_full(full, model_layout, world_size, staging, progress=progress)
+    )
+
+
+def check_source_path(source: str | os.PathLike[str]) -> None:
+    """Refuse a path that is neither a sharded checkpoint nor a file, saying which it is."""
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if path.is_dir():
+        raise ValueError(
+            f"{path}: not a sharded checkpoint (no {MANIFEST_NAME} in this directory) and not a full dict file"
+        )
+
+
+def _write_all_or_nothing(out: Path, write: Callable[[Path], Manifest]) -> Path:
+    """Have ``write`` put every rank file into a staging directory beside ``out`` and return the manifest;
+    only then move the files into ``out`` and commit the manifest there (last). A refused source thus
+    leaves ``out`` exactly as it was, or absent."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.reshard-", dir=out.parent))
+    try:
+        manifest = write(staging)
+        out.mkdir(exist_ok=True)
+        for entry in staging.iterdir():
+            os.replace(entry, out / entry.name)
+        return write_manifest(out, manifest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _reshard_sharded(
     source: str | os.PathLike[str], world_size: int, out: Path, *, progress: bool, max_mapped_bytes: int
-) -> Path:
+) -> Manifest:
+    """Write the rank files for ``world_size`` into ``out``; return their manifest (not yet written)."""
     with ShardedCheckpoint(source, max_mapped_bytes=max_mapped_bytes) as ckpt:
         target = ckpt.manifest.with_world_size(world_size)
         target = replace(target, save_id=new_save_id())
@@ -168,7 +206,7 @@ def _reshard_sharded(
             state = recut_rank_state(plan, at_rank(layout, rank), ckpt.copy_range, after_unit=ckpt.trim)
             records.append(write_shard_file(out, state, save_id=target.save_id, rank=rank, world_size=world_size))
             del state
-    return write_manifest(out, replace(target, groups=plan.groups, files=tuple(records)))
+    return replace(target, groups=plan.groups, files=tuple(records))
 
 
 def _full_groups(layout: ModelLayout, full: Mapping[str, Any]) -> list[list[int]]:
@@ -185,7 +223,8 @@ def _full_groups(layout: ModelLayout, full: Mapping[str, Any]) -> list[list[int]
     return members
 
 
-def _reshard_full(full: Mapping[str, Any], layout: ModelLayout, world_size: int, out: Path, *, progress: bool) -> Path:
+def _reshard_full(full: Mapping[str, Any], layout: ModelLayout, world_size: int, out: Path, *, progress: bool) -> Manifest:
+    """Write the rank files for ``world_size`` into ``out``; return their manifest (not yet written)."""
     target = Manifest.from_layout(layout, save_id=new_save_id()).with_world_size(world_size)
     layout = target.layout(0)
     members = _full_groups(layout, full)
@@ -215,7 +254,6 @@ def _reshard_full(full: Mapping[str, Any], layout: ModelLayout, world_size: int,
         for g, m in zip(full["param_groups"], members, strict=True)
     ]
     optimizer = (full.get(FORMAT_KEY) or {}).get("optimizer")
-    manifest = Manifest.from_layout(
+    return Manifest.from_layout(
         layout, save_id=target.save_id, optimizer=optimizer, state=entries, groups=groups, files=records
     )
-    return write_manifest(out, manifest)

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 
 from .flatten import StateKind
+from .fullstate import same_scalar, show_value
 from .manifest import (
     HEADER_KEY,
     MANIFEST_NAME,
     FileRecord,
     Manifest,
+    check_version,
     digest,
     dtype_from_str,
     shard_file_name,
@@ -76,18 +78,43 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> int:
     """``torch.save(obj)`` to ``path`` through a temporary file, fsync and rename. Returns the file's size."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    writer = None
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            writer = _RecordingWriter(f)
+            torch.save(obj, writer)
             f.flush()
             os.fsync(f.fileno())
         size = tmp.stat().st_size
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        # torch.save's zip writer reports a failed write (disk full, file too large) as a bare
+        # RuntimeError about stream positions; surface the operating system's error and the file.
+        cause = exc if isinstance(exc, OSError) else (writer.error if writer is not None else None)
+        if cause is not None and isinstance(exc, (OSError, RuntimeError)):
+            raise OSError(cause.errno, f"{path}: cannot write the checkpoint file: {cause.strerror or cause}") from exc
         raise
     _fsync_dir(path.parent)
     return size
+
+
+class _RecordingWriter:
+    """A file object for ``torch.save`` that remembers the first ``OSError`` its writes raised."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
 
 
 def load_file(path: str | os.PathLike[str], *, mmap: bool = False) -> Any:
@@ -182,6 +209,7 @@ class _RankFile:
         if not isinstance(payload, Mapping) or not {HEADER_KEY, "unit_checksums", "state"} <= set(payload):
             raise ValueError(f"{where}: expected an fsdp_optim rank file, found {type(payload).__name__}")
         head = dict(payload[HEADER_KEY])
+        check_version(head.get("version"), where)
         checksum = head.pop("checksum", None)
         expected = {
             "save_id": self.manifest.save_id,
@@ -219,6 +247,12 @@ class _RankFile:
                     if not torch.is_tensor(value) or tuple(value.shape) != (shard_numel,) or value.dtype != dtype:
                         found = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
                         raise ValueError(f"{where}: state '{e.key}' is {found}, expected ({shard_numel},) {dtype}")
+                elif not same_scalar(value, e.value):
+                    # Every reader must resume the same way: the manifest's value is what offline tools use.
+                    raise ValueError(
+                        f"{where}: scalar state '{e.key}' is {show_value(value)}, but the manifest records "
+                        f"{show_value(e.value)}"
+                    )
             self.verified.add(flat_index)
         return entries, sum(_nbytes(v) for v in entries.values())
 

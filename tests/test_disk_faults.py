@@ -487,12 +487,6 @@ def test_a_failed_write_raises_everywhere_and_keeps_the_previous_checkpoint(fail
     assert f.retried_files == f.retried_manifest_files | {MANIFEST_NAME}, f"{f.how}: {sorted(f.retried_files)}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: torch.save's zip writer masks the OSError (ENOSPC/EFBIG) with 'RuntimeError: [enforce "
-    "fail at inline_container.cc:672] . unexpected pos N vs M'; storage.atomic_save passes it on without the "
-    "file's name or the OS error",
-)
 def test_a_failed_write_says_which_file_and_why(failed_write: FailedWrite) -> None:
     f = failed_write
     for _, (kind, message), _, _ in (m for m in f.failing_job if m[0] == "failed"):

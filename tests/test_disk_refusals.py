@@ -648,22 +648,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
 # --- the tests -------------------------------------------------------------------------------------------
 
 # Bugs found by this catalogue, strict xfail until fixed: kind -> description (every entry point of the kind).
-_VERSION_BUG = (
-    "package bug: storage._RankFile._check_header compares save_id, rank, world_size and the checksum but "
-    "never the rank file's own format 'version', so a version-2 rank file (checksums valid, manifest version "
-    "1) is read as version 1 by consolidate, reshard and load"
-)
-_SCALAR_BUG = (
-    "package bug: storage._RankFile.unit checks a rank file's sharded entries against the manifest but not "
-    "its scalar entries ('step'); consolidate and reshard take the manifest's value (2.0) while an "
-    "identity load (load_sharded_optim_state at the saved world size) takes the file's (3.0) on that rank "
-    "only: the same checkpoint resumes two ways, silently"
-)
-KNOWN_BUGS: dict[str, str] = {
-    "newer_format_version_in_a_rank_file": _VERSION_BUG,
-    "scalar_state_of_a_rank_file_differs_from_the_manifest": _SCALAR_BUG,
-    "scalar_state_of_own_rank_file_differs_from_the_manifest_in_a_job": _SCALAR_BUG,
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _marks(kind: str) -> list[Any]:
@@ -781,13 +766,6 @@ def test_catalogue_covers_enough_kinds() -> None:
 # --- reshard's output directory ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: offline._reshard_sharded writes each output rank file as soon as it is cut, so a "
-    "source refused while cutting a later rank (here: output rank 1 needs the damaged source rank 1; output "
-    "rank 0 does not) leaves the rank files already written in out_dir, and reshard creates out_dir before "
-    "it opens the source",
-)
 @pytest.mark.parametrize("target", ["new directory", "directory holding a checkpoint"])
 def test_refused_reshard_leaves_its_target_as_it_was(target: str, saved: Saved, tmp_path: Path) -> None:
     inputs, outputs = tmp_path / "in", tmp_path / "out"
@@ -802,12 +780,6 @@ def test_refused_reshard_leaves_its_target_as_it_was(target: str, saved: Saved, 
     assert _tree_difference(before, _tree(outputs)) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: reshard (offline.reshard, and fsdp-optim reshard) takes any path that is not a sharded "
-    "checkpoint for a full dict file, so a path that does not exist or an empty directory is refused with "
-    "'needs the model's layout' / 'a full dict needs --layout' instead of what is wrong with the path",
-)
 @pytest.mark.parametrize("kind", ["path_that_does_not_exist", "empty_directory"])
 def test_reshard_says_what_is_wrong_with_the_source_path(kind: str, saved: Saved, tmp_path: Path, capsys) -> None:
     path = CASES[kind].make(Source(saved.out, tmp_path))
