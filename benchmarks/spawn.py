@@ -1,56 +1,24 @@
-"""Start ``world_size`` fresh processes on one process group and bring one rank's result back.
+"""Start ``world_size`` fresh processes on one process group and bring every rank's result back.
 
-Like ``tests/_dist.py`` but for long runs: the collective timeout and the deadline are arguments, the
-backend is chosen by the caller, and every rank is pinned to one intra-op thread before torch starts
-(``OMP_NUM_THREADS=1`` is inherited through the environment).
+The benchmark uses the tests' spawn helper (``tests/_dist.py``: one helper for every multi-process program
+in this repository) with long timeouts, the backend chosen by the caller, deprecation notices silenced
+in the ranks, and one intra-op thread per rank (``OMP_NUM_THREADS=1`` is inherited through the
+environment). Run from the repository root, where ``tests`` is importable.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import pickle
-import socket
-import tempfile
-import time
-import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
+from tests._dist import run_ranks as _run_ranks
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(
-    rank: int, world_size: int, port: int, backend: str, timeout_s: float, out_dir: str, fn: Callable, args: tuple
-) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    import warnings
-
+def _quietly(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
     warnings.filterwarnings("ignore")  # FSDP1 deprecation and DCP notices, once per rank, per call
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
-        outcome = ("ok", fn(rank, world_size, *args))
-    except BaseException:  # every failure goes back to the parent with its traceback
-        outcome = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(outcome, f)
+    return fn(rank, world_size, *args)
 
 
 def run_ranks(
@@ -66,36 +34,9 @@ def run_ranks(
     Raises ``RuntimeError`` with each failing rank's traceback, or when the deadline passes (ranks killed).
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _worker,
-            args=(world_size, _free_port(), backend, collective_timeout_s, out_dir, fn, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
+    try:
+        return _run_ranks(
+            _quietly, world_size, fn, *args, deadline_s=deadline_s, timeout_s=collective_timeout_s, backend=backend
         )
-        stop_at = time.monotonic() + deadline_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > stop_at:
-                    raise RuntimeError(f"world size {world_size}: ranks still running after {deadline_s:.0f}s")
-        except mp.ProcessRaisedException:
-            pass  # the failing rank wrote its traceback; collected below
-        finally:
-            for process in ctx.processes:
-                if process.is_alive():
-                    process.kill()
-        results, errors = [], []
-        for rank in range(world_size):
-            path = os.path.join(out_dir, f"rank{rank}.pkl")
-            if not os.path.exists(path):
-                errors.append(f"rank {rank}: exited without a result (exit code {ctx.processes[rank].exitcode})")
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(f"rank {rank}:\n{value}")
-            results.append(value)
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
+    except (AssertionError, TimeoutError) as exc:
+        raise RuntimeError(f"world size {world_size}: {exc}") from exc

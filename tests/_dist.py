@@ -32,14 +32,23 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple, timeout_s: float
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    timeout_s: float,
+    backend: str,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -61,15 +70,17 @@ def run_ranks(
     *args: Any,
     deadline_s: float = 240,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
 
-    ``timeout_s`` is the process group's collective timeout (fault tests shorten it).
+    ``timeout_s`` is the process group's collective timeout (fault tests shorten it, the benchmark
+    lengthens it); ``backend="nccl"`` gives each rank its own GPU (the benchmark, on a GPU machine).
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), out_dir, fn, args, timeout_s),
+            args=(world_size, free_port(), out_dir, fn, args, timeout_s, backend),
             nprocs=world_size,
             join=False,
             start_method="spawn",
