@@ -55,7 +55,9 @@ def all_gather_digests(digest: int, group: dist.ProcessGroup | None) -> list[int
     device = _comm_device(group)
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(out, mine, group=group)
     return out.tolist()
 
 

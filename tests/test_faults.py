@@ -52,7 +52,7 @@ class Death:
 
 
 SCENARIOS = {
-    "a rank dies before the metadata exchange": Death(world_size=2, victim=1, dies_at="all_gather_into_tensor", nth=1),
+    "a rank dies before the metadata exchange": Death(world_size=2, victim=1, dies_at="all_gather_single", nth=1),
     # The deep-nested test model has 4 flat parameters with Adam state: 8 tensors to move per sender.
     "a sender dies mid-transfer": Death(world_size=2, victim=1, dies_at="isend", nth=3),
     "the recipient dies mid-receive": Death(world_size=2, victim=0, dies_at="irecv", nth=3),
