@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .flatten import StateKind
-from .fullstate import FORMAT_KEY
+from .fullstate import read_meta
 from .interop import from_fairscale, is_fairscale_native, to_named
 from .manifest import HEADER_KEY, Manifest
 from .offline import check_source_path, consolidate, reshard, resolve_layout
@@ -91,7 +91,7 @@ def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: b
 
 
 def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
-    meta = obj.get(FORMAT_KEY) or {}
+    meta = read_meta(obj) or {}
     keys: dict[str, str] = {}
     steps = []
     nbytes = 0

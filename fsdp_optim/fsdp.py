@@ -7,15 +7,16 @@ Orchestration only: the layout comes from :mod:`.layout`, the maths from :mod:`.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 
 from . import _host
-from .fullstate import build_full_state, read_meta, shard_full_state
+from .fullstate import build_full_state, saved_optimizer, shard_full_state
 from .layout import describe
-from .local import LocalState, check_agreement, live_groups, read_local_state, summary_digest
+from .local import LocalState, check_agreement, check_optimizer, live_groups, read_local_state, summary_digest
 from .transport import Transfer, all_gather_digests, all_gather_objects, broadcast_from_each_rank, gather_flat_tensors
 from .flatten import StateKind, assemble
 
@@ -147,12 +148,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
         position = {id(p): i for i, p in enumerate(self.parameters())}
         groups = None
         if optim is not None:
-            meta = read_meta(full_optim_state_dict) if isinstance(full_optim_state_dict, dict) else None
-            saved = meta.get("optimizer") if meta else None
-            if saved is not None and saved != type(optim).__name__:
-                raise ValueError(
-                    f"optim: the full optimizer state dict was saved from {saved}, found {type(optim).__name__}"
-                )
+            if isinstance(full_optim_state_dict, Mapping):
+                check_optimizer(saved_optimizer(full_optim_state_dict), optim, "the full optimizer state dict")
             groups = live_groups(optim, params)
         return shard_full_state(
             layout,

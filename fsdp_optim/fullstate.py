@@ -37,6 +37,8 @@ __all__ = [
     "FORMAT_VERSION",
     "GroupSpec",
     "build_full_state",
+    "read_meta",
+    "saved_optimizer",
     "same_scalar",
     "shard_full_state",
     "show_value",
@@ -210,6 +212,12 @@ def read_meta(full: Mapping[str, Any]) -> Mapping[str, Any] | None:
             f"{FORMAT_VERSION}"
         )
     return meta
+
+
+def saved_optimizer(full: Mapping[str, Any]) -> str | None:
+    """The optimizer class a full dict was gathered from, per its checked header (``None`` if unknown)."""
+    meta = read_meta(full)
+    return meta.get("optimizer") if meta else None
 
 
 def read_header(full: Mapping[str, Any]) -> tuple[dict[int, str], dict[int, int]]:

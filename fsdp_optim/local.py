@@ -17,7 +17,7 @@ from .flatten import StateKind, classify_flat_state
 from .fullstate import GroupSpec, same_scalar, show_value
 from .layout import ModelLayout
 
-__all__ = ["LocalState", "check_agreement", "live_groups", "read_local_state", "summary_digest"]
+__all__ = ["LocalState", "check_agreement", "check_optimizer", "live_groups", "read_local_state", "summary_digest"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,12 @@ def live_groups(optim: torch.optim.Optimizer, params: Sequence[nn.Parameter]) ->
             )
         groups.append([index_of[id(p)] for p in group["params"]])
     return groups
+
+
+def check_optimizer(saved: str | None, optim: torch.optim.Optimizer, source: str) -> None:
+    """Refuse loading state ``source`` saved from optimizer class ``saved`` into ``optim`` of another class."""
+    if saved is not None and saved != type(optim).__name__:
+        raise ValueError(f"optim: {source} was saved from {saved}, found {type(optim).__name__}")
 
 
 def _portable(value: Any) -> Any:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from .flatten import StateKind, assemble, classify_flat_state
-from .fullstate import FORMAT_KEY, GroupSpec, read_header, build_full_state, shard_full_state
+from .fullstate import GroupSpec, build_full_state, read_header, saved_optimizer, shard_full_state
 from .layout import ModelLayout, describe
 from .manifest import MANIFEST_NAME, GroupRecord, Manifest, StateEntry, dtype_to_str
 from .recut import at_rank, plan_recut, recut_rank_state
@@ -253,7 +253,7 @@ def _reshard_full(full: Mapping[str, Any], layout: ModelLayout, world_size: int,
         )
         for g, m in zip(full["param_groups"], members, strict=True)
     ]
-    optimizer = (full.get(FORMAT_KEY) or {}).get("optimizer")
+    optimizer = saved_optimizer(full)
     return Manifest.from_layout(
         layout, save_id=target.save_id, optimizer=optimizer, state=entries, groups=groups, files=records
     )

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .flatten import StateKind, classify_flat_state, clone_value
-from .fullstate import FORMAT_KEY, GroupSpec, shard_full_state
+from .fullstate import GroupSpec, saved_optimizer, shard_full_state
 from .layout import ModelLayout, describe
-from .local import check_agreement, live_groups, read_local_state
+from .local import check_agreement, check_optimizer, live_groups, read_local_state
 from .manifest import MANIFEST_NAME, GroupRecord, Manifest, StateEntry, dtype_to_str, wrap
 from .offline import load_full_file
 from .recut import RecutPlan, at_rank, plan_recut, recut_rank_state
@@ -169,11 +169,6 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _check_optimizer(saved: str | None, optim: torch.optim.Optimizer, source: str) -> None:
-    if saved is not None and saved != type(optim).__name__:
-        raise ValueError(f"optim: {source} was saved from {saved}, found {type(optim).__name__}")
-
-
 def _optimizer_state_dict(state: Mapping[int, Mapping[str, Any]], plan: RecutPlan) -> dict[str, Any]:
     """``{flat index: entries}`` -> ``optim.load_state_dict`` input, ids following the plan's groups."""
     out_state: dict[int, Any] = {}
@@ -213,7 +208,7 @@ def load_sharded_optim_state(
     layout, params = describe(fsdp)
     live = live_groups(optim, params)
     with ShardedCheckpoint(path) as ckpt:
-        _check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
+        check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
         plan = plan_recut(ckpt.manifest, layout, live, source=str(ckpt.directory))
         if plan.identity:
             own = ckpt.load_rank(fsdp.rank)  # type: ignore[attr-defined]
@@ -265,8 +260,7 @@ def scatter_full_optim_state(
             if full is None:
                 raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
             full_dict = full if isinstance(full, Mapping) else load_full_file(full)
-            saved = (full_dict.get(FORMAT_KEY) or {}).get("optimizer")
-            _check_optimizer(saved, optim, "the full optimizer state dict")
+            check_optimizer(saved_optimizer(full_dict), optim, "the full optimizer state dict")
             own = cut(rank)
             status = ("ok", "")
         except Exception as exc:
