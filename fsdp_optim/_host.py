@@ -1,37 +1,65 @@
-"""Host execution: lets fairscale's FullyShardedDataParallel run on CPU with a gloo process group.
+"""Host execution: fairscale's FullyShardedDataParallel on CPU with a gloo process group.
 
-fairscale 0.4.13 assumes CUDA in three places that have nothing to do with the maths of sharding:
+The fairscale adapter: every use of fairscale's private names lives here. fairscale 0.4.13 assumes CUDA
+in places that have nothing to do with the maths of sharding:
 
 1. it enters ``torch.cuda.stream(...)``, asks ``torch.cuda.current_stream()`` and calls
    ``torch.cuda.synchronize()`` unconditionally on several paths (backward hooks, ``summon_full_params``,
-   ``load_local_state_dict``);
+   ``load_local_state_dict``), and creates its streams only ``if torch.cuda.is_available()`` while later
+   indexing them unconditionally;
 2. it calls ``Tensor.record_stream`` on the tensors it frees, an op with no CPU kernel;
 3. its reduce-scatter bucket hands a 2-D input to ``_reduce_scatter_base``, which NCCL accepts and gloo
-   rejects.
+   rejects;
+4. with ``move_params_to_cpu`` / ``cpu_offload`` / ``move_grads_to_cpu`` it pins the CPU copies
+   (``Tensor.pin_memory()``), which raises "Cannot access accelerator device when none is available";
+5. ``clip_grad_norm_`` moves the local norm with ``.cuda()``; and without ``compute_device`` it
+   defaults to ``torch.device("cuda")``.
 
-On a CPU every operation is synchronous, so streams are a no-op by definition. :func:`enable` therefore
+On a CPU every operation is synchronous and there is nothing to pin or move, so each of these is a
+no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_execution` /
+:func:`disable_host_execution`) therefore, while on,
 
 1. replaces the name ``torch`` *inside fairscale's FSDP module only* by a view of torch whose ``cuda``
    attribute hands out :class:`HostStream` objects and no-op synchronisation (everything else is the real
-   torch);
+   torch), and gives the root instance such streams (``_setup_streams``);
 2. registers a no-op CPU kernel for ``aten::record_stream`` (on CPU there is no allocator stream to
-   record, so doing nothing is the correct semantics);
+   record), unless one is registered already;
 3. switches fairscale's bucketer to the list form of reduce-scatter, which is what fairscale itself does
-   when ``ENABLE_NCCL_BASE_COLLECTIVES=0``.
+   when ``ENABLE_NCCL_BASE_COLLECTIVES=0``;
+4. runs fairscale's ``_init_param_attributes`` with ``Tensor.pin_memory()`` returning the tensor itself,
+   and ``clip_grad_norm_`` with ``Tensor.cuda()`` returning the tensor itself (a torch-function mode
+   active during those two methods only: no other code sees it);
+5. makes fairscale's default ``compute_device`` the CPU.
 
+Leaving the switch (the outermost exit) restores every one of these names to the very object it was and
+destroys the ``record_stream`` registration (``torch.library.Library._destroy``), so fairscale is exactly
+as imported. Constructing ``fsdp_optim.FullyShardedDataParallel`` on a machine without CUDA enables the
+switch for the rest of the process instead (:func:`enable_for_process`): such a model may be used anywhere.
 It is only ever enabled when CUDA is unavailable, so on a GPU machine fairscale runs untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["HostStream", "enable", "is_enabled"]
+__all__ = [
+    "HostStream",
+    "check_options",
+    "disable_host_execution",
+    "enable_for_process",
+    "enable_host_execution",
+    "host_execution",
+    "is_enabled",
+    "new_stream",
+]
 
 
 class HostStream(torch.Stream):
@@ -93,32 +121,231 @@ class _TorchWithHostCuda:
         return getattr(torch, name)
 
 
-_lock = threading.Lock()
-_state: dict[str, Any] = {"enabled": False, "library": None}
+_TORCH_VIEW = _TorchWithHostCuda()
 
 
-def is_enabled() -> bool:
-    return bool(_state["enabled"])
+class _NothingToMove(TorchFunctionMode):
+    """``Tensor.pin_memory()`` and ``Tensor.cuda()`` return the tensor itself; every other call runs as is.
+
+    Active only while one of fairscale's methods wrapped by :func:`_without_transfers` runs: on a host
+    without an accelerator the CPU tensor already is where those calls would put it.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.pin_memory or func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
-def enable() -> None:
-    """Make fairscale FSDP runnable on CPU. Idempotent; refuses when CUDA is available."""
-    if torch.cuda.is_available():
-        raise RuntimeError("host execution is only for machines without CUDA; fairscale runs unchanged on GPUs")
-    with _lock:
-        if _state["enabled"]:
-            return
-        import fairscale.internal.reduce_scatter_bucketer as bucketer
-        import fairscale.nn.data_parallel.fully_sharded_data_parallel as fairscale_fsdp
+def _without_transfers(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _NothingToMove():
+            return method(*args, **kwargs)
 
-        fairscale_fsdp.torch = _TorchWithHostCuda()  # type: ignore[assignment]
-        bucketer.enable_nccl_base_collectives = False
-        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::record_stream", "CPU"):
-            library = torch.library.Library("aten", "IMPL")
-            library.impl("record_stream", _record_stream_on_host, "CPU")
-            _state["library"] = library  # the registration lives as long as this object
-        _state["enabled"] = True
+    return wrapper
+
+
+def _with_host_streams(setup_streams: Callable[[Any], None]) -> Callable[[Any], None]:
+    @functools.wraps(setup_streams)
+    def wrapper(self: Any) -> None:
+        setup_streams(self)
+        if self._is_root and not self._streams:
+            # fairscale made no streams (no CUDA), yet indexes them on every forward and backward. The
+            # dict is already shared with every child instance, so filling it in place reaches them too.
+            for name in ("fp32_to_fp16", "all_gather", "post_backward"):
+                self._streams[name] = new_stream()
+
+    return wrapper
+
+
+def _default_compute_device(module: torch.nn.Module) -> torch.device:  # noqa: ARG001 - no CUDA: the CPU
+    return torch.device("cpu")
 
 
 def _record_stream_on_host(tensor: torch.Tensor, stream: torch.Stream) -> None:  # noqa: ARG001
     return None
+
+
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class _Patch:
+    """One name replaced while the switch is on; ``original`` is what ``owner.__dict__`` held (or absent)."""
+
+    owner: Any
+    name: str
+    original: Any
+
+    def restore(self) -> None:
+        if self.original is _ABSENT:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.original)
+
+
+def _replacements() -> list[tuple[Any, str, Callable[[Any], Any]]]:
+    """(owner, name, original -> replacement) for every fairscale name the switch replaces."""
+    import fairscale.internal.reduce_scatter_bucketer as bucketer
+    import fairscale.nn.data_parallel.fully_sharded_data_parallel as fairscale_fsdp
+
+    cls = fairscale_fsdp.FullyShardedDataParallel
+    return [
+        (fairscale_fsdp, "torch", lambda _: _TORCH_VIEW),
+        (fairscale_fsdp, "_get_default_cuda_device", lambda _: _default_compute_device),
+        (bucketer, "enable_nccl_base_collectives", lambda _: False),
+        (cls, "_setup_streams", _with_host_streams),
+        (cls, "_init_param_attributes", _without_transfers),
+        (cls, "clip_grad_norm_", _without_transfers),
+    ]
+
+
+_lock = threading.RLock()
+_state: dict[str, Any] = {"depth": 0, "for_process": False, "patches": [], "library": None}
+
+
+def is_enabled() -> bool:
+    """Whether fairscale's FSDP module is currently switched to host execution."""
+    return bool(_state["patches"])
+
+
+def _check_no_cuda() -> None:
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "host execution runs fairscale FSDP on the CPU of a machine without CUDA, but CUDA is available "
+            "here; fairscale runs unchanged on GPUs: put the module on a GPU and use an NCCL process group"
+        )
+
+
+def _apply() -> None:
+    applied: list[_Patch] = []
+    try:
+        for owner, name, replace in _replacements():
+            original = owner.__dict__.get(name, _ABSENT)
+            replacement = replace(getattr(owner, name))
+            applied.append(_Patch(owner, name, original))
+            setattr(owner, name, replacement)
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::record_stream", "CPU"):
+            library = torch.library.Library("aten", "IMPL")
+            library.impl("record_stream", _record_stream_on_host, "CPU")
+            _state["library"] = library
+    except BaseException:
+        for patch in reversed(applied):
+            patch.restore()
+        raise
+    _state["patches"] = applied
+
+
+def _restore() -> None:
+    for patch in reversed(_state["patches"]):
+        patch.restore()
+    _state["patches"] = []
+    library = _state["library"]
+    if library is not None:
+        library._destroy()  # unregisters the record_stream kernel
+        _state["library"] = None
+
+
+def enable_host_execution() -> None:
+    """Switch fairscale's FSDP to host execution (CPU, gloo); pair every call with :func:`disable_host_execution`.
+
+    Reference-counted: calls nest, and fairscale is restored when the last enable is matched by a
+    disable. Build and run the FSDP models (fairscale's own class or ours) while it is on: with the
+    module on CPU, a gloo process group and ``compute_device=torch.device("cpu")`` (the default while
+    on). An instance used after the switch is off again fails on its next forward or backward.
+
+    Raises ``RuntimeError`` when CUDA is available: fairscale needs no help there.
+    """
+    _check_no_cuda()
+    with _lock:
+        if not is_enabled():
+            _apply()
+        _state["depth"] += 1
+
+
+def disable_host_execution() -> None:
+    """Undo one :func:`enable_host_execution`; the last one restores fairscale's module exactly.
+
+    Every replaced name (the module's ``torch``, its default compute device, the bucketer's collective
+    flag, three methods of fairscale's ``FullyShardedDataParallel``) gets back the object it held before,
+    and the ``aten::record_stream`` CPU kernel registered by the switch is unregistered. While
+    ``fsdp_optim.FullyShardedDataParallel`` has enabled host execution for the process (see
+    :func:`enable_for_process`), nothing is restored.
+
+    Raises ``RuntimeError`` when not matched by an earlier enable.
+    """
+    with _lock:
+        if _state["depth"] == 0:
+            raise RuntimeError("disable_host_execution() called without a matching enable_host_execution()")
+        _state["depth"] -= 1
+        if _state["depth"] == 0 and not _state["for_process"]:
+            _restore()
+
+
+@contextlib.contextmanager
+def host_execution() -> Iterator[None]:
+    """Run fairscale's FullyShardedDataParallel on CPU with gloo inside a ``with`` block (nests)::
+
+        with fsdp_optim.host_execution():
+            model = fairscale.nn.FullyShardedDataParallel(net, compute_device=torch.device("cpu"))
+            ...train, state_dict(), local_state_dict(), load_local_state_dict()...
+
+    The same as :func:`enable_host_execution` on entry and :func:`disable_host_execution` on exit.
+    """
+    enable_host_execution()
+    try:
+        yield
+    finally:
+        disable_host_execution()
+
+
+def enable_for_process() -> None:
+    """Enable host execution until the process ends (what ``fsdp_optim.FullyShardedDataParallel`` does).
+
+    Idempotent, and independent of the count kept by :func:`enable_host_execution` /
+    :func:`disable_host_execution`, so an unbalanced user disable cannot switch it off under a live model.
+    """
+    _check_no_cuda()
+    with _lock:
+        if not is_enabled():
+            _apply()
+        _state["for_process"] = True
+
+
+def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
+    """Refuse, before any collective, the constructor options that cannot work; each error names its option.
+
+    ``options`` are the arguments given to fairscale's constructor, by name (defaults left out).
+
+    - ``compute_dtype`` other than the parameters' dtype needs ``mixed_precision=True``: only then does
+      fairscale keep the gradients and full-precision gathers in the parameters' dtype. Without it,
+      ``state_dict()`` and ``summon_full_params()`` all-gather the parameters' dtype into a
+      ``compute_dtype`` buffer, which gloo and NCCL both reject (and so does the forward pass, unless
+      ``move_params_to_cpu``), and with ``move_params_to_cpu`` but not ``move_grads_to_cpu`` backward
+      assigns ``compute_dtype`` gradients to the parameters. This holds on any machine.
+    - Without CUDA, ``compute_device`` and ``state_dict_device`` must be the CPU.
+    """
+    compute_dtype = options.get("compute_dtype")
+    if compute_dtype is not None and not options.get("mixed_precision"):
+        dtypes = sorted({str(p.dtype) for p in module.parameters() if not hasattr(p, "_is_sharded")})
+        if dtypes and dtypes != [str(compute_dtype)]:
+            found = ", ".join(dtypes)
+            raise ValueError(
+                f"compute_dtype={compute_dtype} differs from the parameters' dtype ({found}), which fairscale "
+                f"supports only with mixed_precision=True: without it state_dict() all-gathers {found} shards "
+                f"into a {compute_dtype} buffer, which the process group rejects. Pass mixed_precision=True "
+                f"to compute in {compute_dtype}, or leave compute_dtype unset"
+            )
+    if not torch.cuda.is_available():
+        for name in ("compute_device", "state_dict_device"):
+            device = options.get(name)
+            if device is not None and torch.device(device).type != "cpu":
+                raise ValueError(
+                    f"{name}={device!r}: this machine has no CUDA, so FSDP runs on the CPU; pass "
+                    f"{name}=torch.device('cpu') or leave it unset"
+                )
+
+
+# The constructor of fsdp.FullyShardedDataParallel at the last commit still calls this older name.
+enable = enable_for_process
