@@ -1,0 +1,169 @@
+"""What every checkpoint method shares: exact comparisons, per-rank probes, sizes on disk, durable writes.
+
+``measure.measure`` checks a result on the recipient only, and no collective may run inside its timing
+loop. A load, though, must be checked on every rank (each holds its own shard), and an asynchronous save
+has a second time (until durable) that only its untimed ``finish`` sees. :class:`Probes` wraps a
+:class:`~benchmarks.measure.Method` so that each rank checks its own result locally (first call only,
+after ``finish``) and records its durable times; :meth:`Probes.merge` then brings every rank's notes and
+times to rank 0 with one ``all_gather_object``, after the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .measure import Measurement, Method, NotAvailable
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def difference(found: Any, expected: Any, where: str = "") -> str:
+    """"" when ``found`` equals ``expected`` exactly (keys, types, dtypes, shapes, bits); else the first difference."""
+    if torch.is_tensor(expected) or torch.is_tensor(found):
+        if not (torch.is_tensor(found) and torch.is_tensor(expected)):
+            return f"{where}: {type(found).__name__}, expected {type(expected).__name__}"
+        a, b = local(found), local(expected)
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{where}: {a.dtype} {tuple(a.shape)}, expected {b.dtype} {tuple(b.shape)}"
+        if not torch.equal(a, b):
+            return f"{where}: values differ (max |diff| {float((a.double() - b.double()).abs().max()):.3g})"
+        return ""
+    if isinstance(expected, Mapping):
+        if not isinstance(found, Mapping):
+            return f"{where}: {type(found).__name__}, expected a dict"
+        if set(found) != set(expected):
+            missing, extra = sorted(set(expected) - set(found), key=str), sorted(set(found) - set(expected), key=str)
+            return f"{where}: keys missing {missing[:4]}, unexpected {extra[:4]}"
+        for key in expected:
+            text = difference(found[key], expected[key], f"{where}/{key}")
+            if text:
+                return text
+        return ""
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(found, (list, tuple)) or len(found) != len(expected):
+            return f"{where}: {found!r:.60}, expected {expected!r:.60}"
+        for k, (a, b) in enumerate(zip(found, expected)):
+            text = difference(a, b, f"{where}[{k}]")
+            if text:
+                return text
+        return ""
+    return "" if found == expected and type(found) is type(expected) else f"{where}: {found!r:.40}, expected {expected!r:.40}"
+
+
+def wrong(text: str) -> str:
+    return f"wrong output: {text}" if text else ""
+
+
+@dataclass
+class _Probe:
+    check: Callable[[Any], str] | None
+    note: str | None = None  # None until the first call was checked
+    durable_s: list[float] = field(default_factory=list)
+
+
+class Probes:
+    """Rank-local checks and durable times of the methods of one ``measure`` call (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._probes: dict[str, _Probe] = {}
+
+    def wrap(
+        self,
+        name: str,
+        method: Method,
+        check: Callable[[Any], str] | None = None,
+        *,
+        durable: Callable[[Any], Any] | None = None,
+    ) -> Method:
+        """``method`` whose result every rank checks with ``check`` (first call); ``durable(result)`` waits
+        (untimed) until an asynchronous save is on disk, and the time since the call started is recorded."""
+        probe = self._probes[name] = _Probe(check)
+        held: dict[str, Any] = {}
+
+        def call() -> Any:
+            held["start"] = time.perf_counter()
+            held["result"] = method.call()
+            return held["result"]
+
+        def finish() -> None:
+            result = held.pop("result", None)
+            if durable is not None:
+                durable(result)
+                probe.durable_s.append(time.perf_counter() - held["start"])
+            if method.finish is not None:
+                method.finish()
+            if probe.note is None and probe.check is not None:
+                try:
+                    probe.note = probe.check(result)
+                except Exception as exc:  # the benchmark's own check must not make a method n/a
+                    traceback.print_exc()
+                    probe.note = f"result not checked ({type(exc).__name__}: {exc})"[:200]
+
+        return replace(method, call=call, finish=finish)
+
+    def merge(self, results: dict[str, Measurement | NotAvailable] | None, warmup: int) -> None:
+        """Collective: every rank's first failing note, and the slowest rank's durable time per timed call,
+        into ``results`` (rank 0's ``measure`` output; ``None`` elsewhere)."""
+        mine = {name: (p.note or "", p.durable_s) for name, p in self._probes.items()}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if results is None:
+            return
+        for name in self._probes:
+            value = results.get(name)
+            if not isinstance(value, Measurement):
+                continue
+            bad = [(r, theirs[name][0]) for r, theirs in enumerate(everyone) if theirs[name][0]]
+            if bad and not value.note:
+                rank, note = bad[0]
+                value.note = note if len(bad) == len(everyone) else f"{note} (rank {rank})"
+            times = [theirs[name][1][warmup:] for theirs in everyone]
+            if all(times):
+                value.extra["durable_s"] = [max(t[k] for t in times) for k in range(min(map(len, times)))]
+
+
+def disk_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of a file, or of every file under a directory."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_durably(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to ``path``, flushed and fsync-ed (what every floor and offline writer here pays)."""
+    path = Path(path)
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return path

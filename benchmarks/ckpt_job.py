@@ -1,0 +1,214 @@
+"""What every rank runs for one (model, world size) of the checkpoint benchmark.
+
+1. Build the model twice, as fsdp_optim's (fairscale) FSDP and as FSDP2, and train each the same Adam
+   steps; take the references the checks compare with (our gathered full dict, DCP's full state dict).
+2. Saves, interleaved: the per-rank floor, ours (and ours async if the package has it), DCP, DCP async.
+   This job's sync checkpoints stay on disk for step 3 and, when ``publish_refs``, for a later job
+   of another world size, with the references written beside them.
+3. Loads into fresh optimizers, interleaved: the floor, ours and DCP from this job's checkpoints and from
+   those of another world size.
+4. Offline on rank 0, interleaved: consolidate + save against ``dcp_to_torch_save`` and the
+   read-everything-write-everything floor; reshard to another world size against its floor.
+5. Training throughput with and without checkpoints (``ckpt_train``); last, since it changes the state.
+
+A ``source_only`` job does step 1 and writes its checkpoints and references, for a job that runs before
+any other job of that world size (see ``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import ckpt_dcp, ckpt_floors, ckpt_ours, ckpt_train, models
+from .ckpt_common import Probes, disk_bytes, remove
+from .measure import Measurement, Method, NotAvailable, measure, release_memory, tensor_bytes
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a job of ``world_size`` ranks keeps its sync checkpoints and the references they must equal."""
+
+    world_size: int
+    ours: str
+    dcp: str
+    ref_ours: str
+    ref_dcp: str
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: models.ModelSpec
+    steps: int  # Adam steps before anything is saved
+    warmup: int
+    repeats: int
+    work: str  # this job's scratch directory (removed by the caller)
+    own: Source  # this job's world size
+    publish_refs: bool  # a later job loads ``own``: write the references
+    other: Source | None  # checkpoints saved at another world size, to load here
+    reshard_to: int | None
+    train: ckpt_train.TrainConfig | None
+    source_only: bool = False
+
+
+def _build(spec: models.ModelSpec, wrap: Any, steps: int, rank: int) -> tuple[Any, torch.optim.Optimizer]:
+    model = wrap(spec, torch.device("cpu"))
+    optim = models.train(model, spec, steps, rank, torch.device("cpu"))
+    optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None
+    return model, optim
+
+
+def _publish(cfg: JobConfig, ours: tuple[Any, Any], fsdp2: tuple[Any, Any], refs: tuple[Any, Any]) -> None:
+    import fsdp_optim
+
+    fsdp_optim.save_sharded_optim_state(*ours, cfg.own.ours)
+    ckpt_dcp.save(*fsdp2, Path(cfg.own.dcp))
+    _write_refs(cfg, refs)
+
+
+def _write_refs(cfg: JobConfig, refs: tuple[Any, Any]) -> None:
+    if dist.get_rank() == 0 and cfg.publish_refs:
+        Path(cfg.own.ref_ours).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(refs[0], cfg.own.ref_ours)
+        torch.save(refs[1], cfg.own.ref_dcp)
+    dist.barrier()
+
+
+def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes | None = None, **kw: Any) -> dict[str, Any]:
+    options = {"warmup": cfg.warmup, "repeats": cfg.repeats, **kw}
+    results = measure(methods, **options)
+    if probes is not None:
+        probes.merge(results, options["warmup"])
+    release_memory()
+    return results or {}
+
+
+def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    ours = _build(cfg.model, models.wrap_fairscale, cfg.steps, rank)
+    fsdp2 = _build(cfg.model, models.wrap_fsdp2, cfg.steps, rank)
+    group = dist.new_group(backend="gloo")  # DCP async's own group: its thread's collectives stay apart
+    refs = (ours[0].gather_full_optim_state_dict(ours[1]), ckpt_dcp.full_state(*fsdp2))
+    full_bytes = tensor_bytes(refs[0]) if rank == 0 else 0  # the full Adam state, padding excluded
+    timings["build_train_s"] = time.perf_counter() - start
+    if cfg.source_only:
+        _publish(cfg, ours, fsdp2, refs)
+        return None
+
+    work, own, other = Path(cfg.work), cfg.own, cfg.other
+    floor_dir = work / "floor"
+    for d in (work, floor_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    disk: dict[str, int] = {}
+
+    phase = time.perf_counter()
+    probes = Probes()
+    saves = {"floor_save": Method(lambda: ckpt_floors.save(ours[1], floor_dir, rank))}
+    saves |= ckpt_ours.save_methods(*ours, same_dir=Path(own.ours), async_dir=work / "ours-async", reference=refs[0], probes=probes)
+    saves |= ckpt_dcp.save_methods(
+        *fsdp2, same_dir=Path(own.dcp), async_dir=work / "dcp-async", group=group, reference=refs[1], probes=probes
+    )
+    results |= _measure(saves, cfg, probes)
+    if ckpt_ours.async_save_api() is None:
+        results["ours_async"] = NotAvailable(f"fsdp_optim has no {ckpt_ours.ASYNC_NAME} (yet)")
+    _write_refs(cfg, refs)
+    if rank == 0:
+        disk["floor_save"] = disk_bytes(floor_dir)
+        for name, path in (("ours_save", own.ours), ("dcp_save", own.dcp)):
+            disk[name] = disk_bytes(path)
+        for name, path in (("ours_async", work / "ours-async"), ("dcp_async", work / "dcp-async")):
+            if path.exists():
+                disk[name] = disk_bytes(path)
+                remove(path)
+    timings["saves_s"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    probes = Probes()
+    loads = {"floor_load": Method(lambda: ckpt_floors.load(ckpt_floors.rank_file(floor_dir, rank)))}
+    for module, same, there, ref in (
+        (ckpt_ours, own.ours, other and other.ours, other and other.ref_ours),
+        (ckpt_dcp, own.dcp, other and other.dcp, other and other.ref_dcp),
+    ):
+        loads |= module.load_methods(
+            *(ours if module is ckpt_ours else fsdp2),
+            same_dir=Path(same),
+            other_dir=Path(there) if there else None,
+            other_reference=Path(ref) if ref else None,
+            probes=probes,
+        )
+    results |= _measure(loads, cfg, probes)
+    timings["loads_s"] = time.perf_counter() - phase
+
+    phase = time.perf_counter()
+    results |= _measure(_offline(cfg, floor_dir, refs, disk), cfg)
+    timings["offline_s"] = time.perf_counter() - phase
+    dist.barrier()
+    if rank == 0:
+        remove(floor_dir)
+    refs = (None, None)
+    release_memory()
+
+    if cfg.train is not None:
+        phase = time.perf_counter()
+        train = ckpt_train.methods(cfg.train, cfg.model, ours, fsdp2, work=work, group=group)
+        results |= _measure(train, cfg, warmup=0, repeats=cfg.train.repeats)
+        if ckpt_ours.async_save_api() is None:
+            results["train_ours_async"] = results["ours_async"]
+        timings["train_s"] = time.perf_counter() - phase
+        if rank == 0:
+            for name in ("train-ours", "train-ours-async", "train-dcp", "train-dcp-async"):
+                if (work / name).exists():
+                    disk[name.replace("-", "_")] = disk_bytes(work / name)
+
+    if rank != 0:
+        return None
+    state_bytes = sum(s.untyped_storage().nbytes() for s in _state_tensors(ours[1]))
+    return {
+        "results": results,
+        "disk": disk,
+        "timings": timings,
+        "full_bytes": full_bytes,
+        "rank_state_bytes": state_bytes,
+        "other_world_size": other.world_size if other else None,
+        "reshard_to": cfg.reshard_to,
+        "train": None if cfg.train is None else {"steps": cfg.train.steps, "checkpoints": cfg.train.checkpoints},
+    }
+
+
+def _offline(cfg: JobConfig, floor_dir: Path, refs: tuple[Any, Any], disk: dict[str, int]) -> dict[str, Method]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    work = Path(cfg.work)
+    files = [ckpt_floors.rank_file(floor_dir, r) for r in range(world_size)]
+    numel, dtype = ckpt_floors.state_numel(files) if rank == 0 else (0, torch.float32)
+
+    def floor(parts: int, out: Path, name: str) -> Method:
+        def finish() -> None:
+            if rank == 0:
+                disk[name] = disk_bytes(out)
+                remove(out)
+
+        call = lambda: ckpt_floors.read_all_write_all(files, parts, out, numel=numel, dtype=dtype) if rank == 0 else None  # noqa: E731
+        return Method(call, finish=finish)
+
+    methods = {"floor_consolidate": floor(1, work / "floor-full", "floor_consolidate")}
+    methods |= ckpt_ours.offline_methods(
+        same_dir=Path(cfg.own.ours), out_dir=work, reshard_to=cfg.reshard_to, reference=refs[0], disk=disk
+    )
+    methods |= ckpt_dcp.offline_methods(same_dir=Path(cfg.own.dcp), out_dir=work, reference=refs[1], disk=disk)
+    if cfg.reshard_to is not None:
+        methods["floor_reshard"] = floor(cfg.reshard_to, work / "floor-resharded", "floor_reshard")
+    return methods
+
+
+def _state_tensors(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+__all__ = ["JobConfig", "Measurement", "Source", "run"]
