@@ -345,7 +345,3 @@ def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
                     f"{name}={device!r}: this machine has no CUDA, so FSDP runs on the CPU; pass "
                     f"{name}=torch.device('cpu') or leave it unset"
                 )
-
-
-# The constructor of fsdp.FullyShardedDataParallel at the last commit still calls this older name.
-enable = enable_for_process

@@ -13,10 +13,12 @@ Progress bars appear on a terminal only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +27,28 @@ import torch
 from .flatten import StateKind
 from .fullstate import read_meta
 from .interop import from_fairscale, is_fairscale_native, to_named
-from .manifest import HEADER_KEY, Manifest
-from .offline import check_source_path, consolidate, reshard, resolve_layout
-from .storage import atomic_save, is_sharded_checkpoint, load_file, read_manifest
+from .manifest import HEADER_KEY, Manifest, dtype_to_str
+from .offline import consolidate, reshard, resolve_layout
+from .preconditions import is_full_dict
+from .storage import atomic_save, load_file, read_manifest, source_kind
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 70
+# API parameter names as the command line spells them, for the "name: ..." prefix of an error.
+_FLAGS = {"world_size": "--world-size", "layout": "--layout", "out_dir": "-o/--output"}
+
+
+@contextlib.contextmanager
+def _progress(desc: str) -> Iterator[Callable[[], None] | None]:
+    """A per-unit callback drawing a ``tqdm`` bar on a terminal (``None`` elsewhere)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(desc=desc, unit="unit", leave=False) as bar:
+        yield lambda: bar.update()
 
 
 def human_bytes(n: int) -> str:
@@ -86,7 +103,7 @@ def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: b
         for i, f in enumerate(manifest.flat_params):
             state = ",".join(e.key for e in f.state) or "-"
             out.append(
-                f"{f.unit or '<root>'} | {i} | {len(f.params)} | {f.numel} | {f.world_size} | {f.padding()} | {f.dtype} | {state}"
+                f"{f.unit or '<root>'} | {i} | {len(f.params)} | {f.numel} | {f.world_size} | {f.padding()} | {dtype_to_str(f.dtype)} | {state}"
             )
 
 
@@ -124,11 +141,9 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
 def _inspect(args: argparse.Namespace) -> list[str]:
     path = Path(args.path)
     out = [f"path: {path}"]
-    if is_sharded_checkpoint(path):
+    if source_kind(path) == "sharded":
         _inspect_manifest(read_manifest(path), "sharded checkpoint", out, units=args.units)
         return out
-    if path.is_dir():
-        raise ValueError(f"{path}: a directory without a manifest.pt (not a sharded checkpoint, or a save that never finished)")
     obj = load_file(path, mmap=True)
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") == "manifest":
@@ -152,32 +167,24 @@ def _inspect(args: argparse.Namespace) -> list[str]:
 
 
 def _consolidate(args: argparse.Namespace) -> list[str]:
-    if not is_sharded_checkpoint(args.directory):
-        raise ValueError(f"{args.directory}: not a sharded checkpoint directory (no manifest.pt)")
-    full = consolidate(args.directory, progress=True)
+    with _progress("consolidate") as progress:
+        full = consolidate(args.directory, progress=progress)
     size = atomic_save(full, args.output)
     return [f"wrote {args.output}: {len(full['param_names'])} params, {len(full['state'])} with state, {human_bytes(size)}"]
 
 
 def _reshard(args: argparse.Namespace) -> list[str]:
-    if args.world_size < 1:
-        raise ValueError(f"--world-size: expected an int >= 1, found {args.world_size}")
-    layout = args.layout
-    if not is_sharded_checkpoint(args.source):
-        check_source_path(args.source)
-    if layout is None and not is_sharded_checkpoint(args.source):
-        raise ValueError(
-            f"{args.source}: a full dict needs --layout (a sharded checkpoint or layout file of the same model)"
-        )
-    manifest = reshard(args.source, args.world_size, args.output, layout=layout, progress=True)
+    with _progress(f"reshard -> {args.world_size} ranks") as progress:
+        manifest = reshard(args.source, args.world_size, args.output, layout=args.layout, progress=progress)
     files = read_manifest(manifest).files
     return [f"wrote {args.output}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]
 
 
 def _convert(args: argparse.Namespace) -> list[str]:
     source = Path(args.source)
-    if is_sharded_checkpoint(source):
-        full: Mapping[str, Any] = consolidate(source, progress=True)
+    if source_kind(source) == "sharded":
+        with _progress("consolidate") as progress:
+            full: Mapping[str, Any] = consolidate(source, progress=progress)
         origin = "sharded checkpoint"
     else:
         obj = load_file(source, mmap=True)
@@ -189,7 +196,7 @@ def _convert(args: argparse.Namespace) -> list[str]:
                 )
             full = from_fairscale(obj, resolve_layout(args.layout), optimizer=args.optimizer)
             origin = "fairscale-native dict"
-        elif isinstance(obj, Mapping) and {"state", "param_groups", "param_names"} <= set(obj):
+        elif is_full_dict(obj):
             if args.to == "full":
                 raise ValueError(f"{source}: already a full dict; use --to named to key it by parameter name")
             full, origin = obj, "full dict"
@@ -243,8 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         lines = args.run(args)
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"fsdp-optim: error: {message}", file=sys.stderr)
+        print(f"fsdp-optim: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception:
         traceback.print_exc()
@@ -256,6 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `fsdp-optim inspect ... | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_OK
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error on one line, an API parameter named at its start spelled as the command line's flag."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    return re.sub(r"^(\w+):", lambda m: f"{_FLAGS.get(m.group(1), m.group(1))}:", message)
 
 
 if __name__ == "__main__":  # pragma: no cover

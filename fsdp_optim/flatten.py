@@ -22,7 +22,7 @@ import torch
 
 from .layout import FlatParamLayout
 
-__all__ = ["StateKind", "assemble", "classify_flat_state", "clone_value", "cut", "split"]
+__all__ = ["StateKind", "assemble", "classify_flat_state", "clone_value", "cut", "same_scalar", "show_value", "split"]
 
 
 class StateKind(str, Enum):
@@ -56,6 +56,20 @@ def clone_value(value: Any) -> Any:
     if torch.is_tensor(value):
         return value.detach().to("cpu", copy=True)
     return copy.deepcopy(value)
+
+
+def same_scalar(a: Any, b: Any) -> bool:
+    """Whether two scalar states are the same value: tensors of one dtype and value, or equal Python values."""
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return False
+    return bool(a == b)
+
+
+def show_value(value: Any) -> str:
+    """A scalar state for an error message: ``2.0 (torch.float32)`` for a tensor, ``repr`` otherwise."""
+    return f"{value.item()!r} ({value.dtype})" if torch.is_tensor(value) else repr(value)
 
 
 def split(layout: FlatParamLayout, flat_full: torch.Tensor) -> list[torch.Tensor]:

@@ -24,47 +24,40 @@ unwrapped module's ``named_parameters()`` order, tied parameters once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .flatten import StateKind, clone_value, cut, split
-from .layout import FlatParamLayout, ModelLayout
+from .flatten import StateKind, clone_value, split
+from .layout import ModelLayout, ParamSpec
+from .manifest import FlatRecord, GroupRecord, StateEntry, dtype_to_str
+from .plan import Source, plan_error, cut_rank, optimizer_state_dict, plan
+from .preconditions import check_full_dict, check_version
 
 __all__ = [
     "FORMAT_KEY",
     "FORMAT_VERSION",
-    "GroupSpec",
     "build_full_state",
+    "full_dict_source",
+    "param_record",
     "read_meta",
     "saved_optimizer",
-    "same_scalar",
     "shard_full_state",
-    "show_value",
 ]
 
 FORMAT_KEY = "fsdp_optim"
 FORMAT_VERSION = 1
 # 0-dim states that torch's optimizers keep per parameter; used to read full dicts made without fsdp_optim.
 KNOWN_SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """One param group of the sharded optimizer, in terms of flat parameters."""
-
-    hyperparams: Mapping[str, Any]  # everything but "params" (and "param_names")
-    flat_indices: tuple[int, ...]  # into ModelLayout.flat_params, in the optimizer's order
-    named: bool  # the group carried "param_names"
+FULL_DICT = "the full dict"  # how a full dict in memory is named in errors
 
 
 def build_full_state(
     layout: ModelLayout,
-    groups: Sequence[GroupSpec],
+    groups: Sequence[GroupRecord],
     flat_states: Mapping[int, Mapping[str, Any]],
     *,
-    optimizer: str,
+    optimizer: str | None,
 ) -> dict[str, Any]:
     """The full dict from each flat parameter's full state.
 
@@ -78,17 +71,16 @@ def build_full_state(
     names: dict[int, str] = {}
     out_groups: list[dict[str, Any]] = []
     scalar_keys: set[str] = set()
-    next_id = 0
     for group in groups:
-        members: list[tuple[str, int, int]] = []  # (name, flat index, position in flat)
-        for flat_index in group.flat_indices:
-            for position, spec in enumerate(layout.flat_params[flat_index].params):
-                members.append((spec.name, flat_index, position))
-        members.sort(key=lambda m: order[m[0]])
+        # (name, flat index, position in flat), in the unwrapped model's parameter order
+        members = sorted(
+            ((spec.name, i, p) for i in group.flat_indices for p, spec in enumerate(layout.flat_params[i].params)),
+            key=lambda m: order[m[0]],
+        )
         splits: dict[int, dict[str, list[torch.Tensor]]] = {}
         ids = []
         for name, flat_index, position in members:
-            pid, next_id = next_id, next_id + 1
+            pid = len(names)
             ids.append(pid)
             names[pid] = name
             flat_state = flat_states.get(flat_index)
@@ -97,14 +89,11 @@ def build_full_state(
             if flat_index not in splits:
                 flat = layout.flat_params[flat_index]
                 splits[flat_index] = {k: split(flat, v) for k, v in flat_state.items() if _is_flat_full(v)}
-            entry = {}
-            for key, value in flat_state.items():
-                if key in splits[flat_index]:
-                    entry[key] = splits[flat_index][key][position]
-                else:
-                    entry[key] = clone_value(value)
-                    scalar_keys.add(key)
-            state[pid] = entry
+            state[pid] = {
+                key: splits[flat_index][key][position] if key in splits[flat_index] else clone_value(value)
+                for key, value in flat_state.items()
+            }
+            scalar_keys.update(key for key in flat_state if key not in splits[flat_index])
         out_group = {k: clone_value(v) for k, v in group.hyperparams.items()}
         out_group["params"] = ids
         if group.named:
@@ -125,7 +114,126 @@ def _is_flat_full(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Full dict -> this rank's shard
+# Reading a full dict: its header, and the dict as a planning source
+
+
+def read_meta(full: Mapping[str, Any], where: str = FULL_DICT) -> Mapping[str, Any] | None:
+    """The ``"fsdp_optim"`` block of a full dict (``None`` for a plain optimizer's dict), checked."""
+    meta = full.get(FORMAT_KEY)
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping):
+        raise TypeError(f"{where}: '{FORMAT_KEY}' must be a dict, found {type(meta).__name__}")
+    check_version(meta.get("version"), f"{where} ('{FORMAT_KEY}')", FORMAT_VERSION)
+    scalar_keys = meta.get("scalar_keys", [])
+    if not isinstance(scalar_keys, (list, tuple)) or not all(isinstance(k, str) for k in scalar_keys):
+        raise ValueError(f"{where}: '{FORMAT_KEY}' 'scalar_keys' must be a list of key names, found {scalar_keys!r}")
+    return meta
+
+
+def saved_optimizer(full: Mapping[str, Any]) -> str | None:
+    """The optimizer class a full dict was gathered from, per its checked header (``None`` if unknown)."""
+    meta = read_meta(full)
+    return meta.get("optimizer") if meta else None
+
+
+def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
+    """A full dict (see the module docstring) as a planning :class:`~fsdp_optim.plan.Source`.
+
+    Every parameter is a source flat of its own (world size 1, offset 0), in ``param_names`` order;
+    its state entries say sharded (with the state's shape and dtype) or scalar (with the value).
+    Checks the dict's own consistency (names, ids, groups, value kinds) and raises
+    ``ValueError`` (:func:`~fsdp_optim.plan.plan_error`) listing every problem; fit to a model is :func:`plan`'s job.
+    Nothing is copied: ``read`` copies straight from the dict's tensors.
+    """
+    check_full_dict(full, label)
+    meta = read_meta(full, label)
+    scalar_keys = frozenset(meta["scalar_keys"]) if meta and "scalar_keys" in meta else None
+    errors: list[str] = []
+    names = _names(full, label, errors)
+    index = {pid: i for i, pid in enumerate(names)}
+    groups = _groups(full, index, label, errors)
+    state = full["state"]
+    flats = tuple(param_record(name, state.get(pid) or {}, scalar_keys, label, errors) for pid, name in names.items())
+    if errors:
+        raise plan_error(errors)
+    ids = list(names)
+
+    def read(i: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        out.copy_(state[ids[i]][key].detach().reshape(-1)[start:stop])
+
+    optimizer = meta.get("optimizer") if meta else None
+    return Source(label, optimizer, flats, groups, read, shapes_known=False)
+
+
+def _names(full: Mapping[str, Any], label: str, errors: list[str]) -> dict[Any, str]:
+    names: dict[Any, str] = {}
+    seen: dict[str, Any] = {}
+    for pid, name in full["param_names"].items():
+        if not isinstance(name, str):
+            errors.append(f"{label}: 'param_names' gives id {pid!r} the name {name!r}, expected a string")
+        elif name in seen:
+            errors.append(f"{label}: 'param_names' gives '{name}' twice, to ids {seen[name]} and {pid}")
+        else:
+            seen[name] = pid
+            names[pid] = name
+    return names
+
+
+def _groups(full: Mapping[str, Any], index: Mapping[Any, int], label: str, errors: list[str]) -> tuple[GroupRecord, ...]:
+    groups, listed = [], set()
+    for k, group in enumerate(full["param_groups"]):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
+            errors.append(f"{label}: param group {k} must be a dict with a 'params' list, found {type(group).__name__}")
+            continue
+        for pid in group["params"]:
+            if pid not in index:
+                errors.append(f"{label}: param group {k} lists id {pid!r}, which 'param_names' does not name")
+            listed.add(pid)
+        hyper = {key: v for key, v in group.items() if key not in ("params", "param_names")}
+        members = tuple(index[pid] for pid in group["params"] if pid in index)
+        groups.append(GroupRecord(hyper, members, "param_names" in group))
+    for pid in full["state"]:
+        if pid not in listed:
+            errors.append(f"{label} has state for id {pid!r}, which no param group lists")
+    return tuple(groups)
+
+
+def param_record(
+    name: str, entries: Any, scalar_keys: frozenset[str] | None, label: str, errors: list[str]
+) -> FlatRecord:
+    """One parameter of a full dict as a source flat; ``shape``/``dtype`` come from its tensor state."""
+    if not isinstance(entries, Mapping):
+        errors.append(f"{label}: the state of parameter '{name}' must be a dict, found {type(entries).__name__}")
+        entries = {}
+    out = []
+    for key, value in entries.items():
+        if _is_scalar(key, value, scalar_keys):
+            if torch.is_tensor(value) and value.dim() != 0:
+                errors.append(
+                    f"optimizer state '{key}' of parameter '{name}' has shape {tuple(value.shape)}, expected a 0-dim "
+                    f"scalar ('{key}' is a scalar state in {label})"
+                )
+            out.append(StateEntry(key, StateKind.SCALAR, value=value))
+        elif not torch.is_tensor(value):
+            errors.append(
+                f"optimizer state '{key}' of parameter '{name}' is a {type(value).__name__}, expected a tensor shaped "
+                f"like the parameter ({label})"
+            )
+        else:
+            out.append(StateEntry(key, StateKind.SHARDED, dtype=dtype_to_str(value.dtype), shape=tuple(value.shape)))
+    tensor = next((e for e in out if e.kind is StateKind.SHARDED), None)
+    shape = tensor.shape if tensor is not None else ()
+    dtype = getattr(torch, tensor.dtype) if tensor is not None else torch.float32  # type: ignore[arg-type]
+    spec = ParamSpec(name, shape, 0)  # type: ignore[arg-type]
+    return FlatRecord(unit="", params=(spec,), world_size=1, rank=None, dtype=dtype, flattened=False, state=tuple(out))
+
+
+def _is_scalar(key: str, value: Any, scalar_keys: frozenset[str] | None) -> bool:
+    # Our own dicts say which keys are scalars; for a plain optimizer's dict, fall back to the values.
+    if scalar_keys is not None:
+        return key in scalar_keys
+    return key in KNOWN_SCALAR_KEYS or not torch.is_tensor(value) or value.dim() == 0
 
 
 def shard_full_state(
@@ -136,10 +244,10 @@ def shard_full_state(
     param_positions: Sequence[int],
     trainable: Sequence[bool],
 ) -> dict[str, Any]:
-    """This rank's optimizer state dict, cut from ``full`` after checking it fits the model.
+    """This rank's optimizer state dict, cut from ``full`` after checking it fits the model (one plan).
 
     Args:
-        layout: the model as it is wrapped now (any world size, any nesting).
+        layout: the model as it is wrapped now (any world size, any nesting), at this rank.
         full: a full dict (see the module docstring). Never modified.
         live_groups: flat indices per param group of the live sharded optimizer, in its order, or
             ``None`` to derive the groups from ``full`` and order flat parameters by ``param_positions``.
@@ -148,235 +256,7 @@ def shard_full_state(
 
     Returns ``{"state": {local_id: {key: shard or scalar}}, "param_groups": [{..., "params": [ids]}]}``,
     ready for ``optim.load_state_dict``. Every tensor is new memory.
-
-    Raises ``ValueError`` naming the parameter with what was expected and what was found.
     """
-    layout.check_world_sizes()
-    names, group_of = read_header(full)
-    groups = full["param_groups"]
-    if live_groups is not None and len(live_groups) != len(groups):
-        raise ValueError(
-            f"the optimizer has {len(live_groups)} param groups but the full optimizer state dict has {len(groups)}"
-        )
-    flat_group = _check_membership(layout, names, group_of, live_groups, trainable)
-    if live_groups is None:
-        live_groups = [
-            sorted((i for i, g in flat_group.items() if g == k), key=lambda i: param_positions[i])
-            for k in range(len(groups))
-        ]
-    meta = read_meta(full)
-    # Our own dicts say which keys are scalars; for a plain optimizer's dict, fall back to shapes.
-    scalar_keys = frozenset(meta["scalar_keys"]) if meta and "scalar_keys" in meta else None
-    id_of = {name: pid for pid, name in names.items()}
-    state = full["state"]
-
-    # First pass checks everything; only then is anything allocated, so a failure changes nothing.
-    plans: dict[int, list[tuple[str, StateKind, list[Any]]]] = {}
-    for flat_index in flat_group:
-        flat = layout.flat_params[flat_index]
-        per_param = [state.get(id_of[spec.name]) for spec in flat.params]
-        plans[flat_index] = _plan_flat(flat, per_param, scalar_keys)
-
-    out_state: dict[int, dict[str, Any]] = {}
-    out_groups: list[dict[str, Any]] = []
-    next_id = 0
-    for k, members in enumerate(live_groups):
-        ids = []
-        for flat_index in members:
-            pid, next_id = next_id, next_id + 1
-            ids.append(pid)
-            plan = plans.get(flat_index)
-            if plan:
-                flat = layout.flat_params[flat_index]
-                out_state[pid] = {
-                    key: cut(flat, values) if kind is StateKind.SHARDED else clone_value(values[0])
-                    for key, kind, values in plan
-                }
-        group = {key: clone_value(v) for key, v in groups[k].items() if key not in ("params", "param_names")}
-        group["params"] = ids
-        out_groups.append(group)
-    return {"state": out_state, "param_groups": out_groups}
-
-
-def read_meta(full: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The ``"fsdp_optim"`` block of a full dict (``None`` for a plain optimizer's dict), checked."""
-    meta = full.get(FORMAT_KEY)
-    if meta is None:
-        return None
-    if not isinstance(meta, Mapping):
-        raise TypeError(f"full optimizer state dict: '{FORMAT_KEY}' must be a dict, found {type(meta).__name__}")
-    version = meta.get("version", FORMAT_VERSION)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ValueError(
-            f"full optimizer state dict has format version {version!r}; this fsdp_optim reads versions up to "
-            f"{FORMAT_VERSION}"
-        )
-    return meta
-
-
-def saved_optimizer(full: Mapping[str, Any]) -> str | None:
-    """The optimizer class a full dict was gathered from, per its checked header (``None`` if unknown)."""
-    meta = read_meta(full)
-    return meta.get("optimizer") if meta else None
-
-
-def read_header(full: Mapping[str, Any]) -> tuple[dict[int, str], dict[int, int]]:
-    if not isinstance(full, Mapping):
-        raise TypeError(f"full optimizer state dict: expected a dict, found {type(full).__name__}")
-    for key in ("state", "param_groups", "param_names"):
-        if key not in full:
-            raise ValueError(
-                f"full optimizer state dict has no '{key}' key (found keys {sorted(map(str, full))}); "
-                "expected the output of gather_full_optim_state_dict"
-            )
-    read_meta(full)
-    names = dict(full["param_names"])
-    seen: dict[str, int] = {}
-    for pid, name in names.items():
-        if name in seen:
-            raise ValueError(f"full optimizer state dict: 'param_names' gives '{name}' twice, to ids {seen[name]} and {pid}")
-        seen[name] = pid
-    group_of: dict[int, int] = {}
-    for k, group in enumerate(full["param_groups"]):
-        for pid in group["params"]:
-            if pid not in names:
-                raise ValueError(f"param group {k} lists id {pid}, which 'param_names' does not name")
-            group_of[pid] = k
-    for pid in full["state"]:
-        if pid not in group_of:
-            raise ValueError(f"full optimizer state dict has state for id {pid}, which no param group lists")
-    return names, group_of
-
-
-def _check_membership(
-    layout: ModelLayout,
-    names: Mapping[int, str],
-    group_of: Mapping[int, int],
-    live_groups: Sequence[Sequence[int]] | None,
-    trainable: Sequence[bool],
-) -> dict[int, int]:
-    """Full-dict group index per flat parameter that the dict covers."""
-    known = {name: pid for pid, name in names.items() if pid in group_of}
-    live_group = {i: k for k, members in enumerate(live_groups or []) for i in members}
-    model_names = set()
-    flat_group: dict[int, int] = {}
-    for flat_index, flat in enumerate(layout.flat_params):
-        model_names.update(flat.names)
-        present = [spec.name for spec in flat.params if spec.name in known]
-        if not present:
-            in_optimizer = flat_index in live_group if live_groups is not None else trainable[flat_index]
-            if in_optimizer:
-                raise ValueError(
-                    f"parameter '{flat.params[0].name}' of {flat.describe()} is missing from the full "
-                    f"optimizer state dict (it has {len(known)} parameters)"
-                )
-            continue
-        if len(present) != len(flat.params):
-            missing = next(spec.name for spec in flat.params if spec.name not in known)
-            raise ValueError(
-                f"parameter '{missing}' of {flat.describe()} is missing from the full optimizer state dict "
-                f"while '{present[0]}' of the same unit is present"
-            )
-        groups = {group_of[known[name]] for name in present}
-        if len(groups) > 1:
-            detail = ", ".join(f"'{n}' in group {group_of[known[n]]}" for n in present)
-            raise ValueError(
-                f"a param group splits {flat.describe()}: {detail}; all parameters of one flat parameter "
-                "must share a param group"
-            )
-        flat_group[flat_index] = groups.pop()
-        if live_groups is not None:
-            if flat_index not in live_group:
-                raise ValueError(f"{flat.describe()} has state in the full dict but is in no optimizer param group")
-            if live_group[flat_index] != flat_group[flat_index]:
-                raise ValueError(
-                    f"parameter '{present[0]}' is in param group {flat_group[flat_index]} of the full dict but "
-                    f"in group {live_group[flat_index]} of the optimizer"
-                )
-    extra = sorted(name for name in known if name not in model_names)
-    if extra:
-        raise ValueError(
-            f"full optimizer state dict has parameter '{extra[0]}' (and {len(extra) - 1} more), which the model "
-            "does not have"
-        )
-    return flat_group
-
-
-def _plan_flat(
-    flat: FlatParamLayout, per_param: Sequence[Mapping[str, Any] | None], scalar_keys: frozenset[str] | None
-) -> list[tuple[str, StateKind, list[Any]]]:
-    """Check one flat parameter's per-parameter state and say how to build its shard entry by entry."""
-    with_state = [(spec, s) for spec, s in zip(flat.params, per_param) if s]
-    if not with_state:
-        return []
-    if len(with_state) != len(flat.params):
-        lacking = next(spec.name for spec, s in zip(flat.params, per_param) if not s)
-        raise ValueError(
-            f"parameter '{lacking}' has no optimizer state but '{with_state[0][0].name}' of the same "
-            f"{flat.describe()} has; a flat parameter's state must cover all of its parameters"
-        )
-    first_spec, first_state = with_state[0]
-    keys = list(first_state)
-    for spec, s in with_state[1:]:
-        if set(s) != set(keys):
-            raise ValueError(
-                f"parameter '{spec.name}' has state keys {sorted(s)}, expected {sorted(keys)} like "
-                f"'{first_spec.name}' of the same {flat.describe()}"
-            )
-    plan = []
-    for key in keys:
-        values = [s[key] for _, s in with_state]
-        if scalar_keys is not None:
-            kind = StateKind.SCALAR if key in scalar_keys else StateKind.SHARDED
-        elif key not in KNOWN_SCALAR_KEYS and all(
-            torch.is_tensor(v) and tuple(v.shape) == spec.shape for (spec, _), v in zip(with_state, values)
-        ):
-            kind = StateKind.SHARDED
-        else:
-            kind = StateKind.SCALAR
-        check = _check_sharded if kind is StateKind.SHARDED else _check_scalar
-        check(flat, key, values)
-        plan.append((key, kind, values))
-    return plan
-
-
-def _check_sharded(flat: FlatParamLayout, key: str, values: Sequence[Any]) -> None:
-    for spec, value in zip(flat.params, values):
-        found = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-        if found != spec.shape:
-            raise ValueError(
-                f"optimizer state '{key}' of parameter '{spec.name}' has shape {found}, expected the "
-                f"parameter's shape {spec.shape}"
-            )
-        if value.dtype != flat.dtype:
-            raise ValueError(
-                f"optimizer state '{key}' of parameter '{spec.name}' has dtype {value.dtype}, expected "
-                f"{flat.dtype} (the parameter's)"
-            )
-
-
-def _check_scalar(flat: FlatParamLayout, key: str, values: Sequence[Any]) -> None:
-    for spec, value in zip(flat.params, values):
-        if torch.is_tensor(value) and value.dim() != 0:
-            raise ValueError(
-                f"optimizer state '{key}' of parameter '{spec.name}' has shape {tuple(value.shape)}, expected "
-                f"the parameter's shape {spec.shape} or a 0-dim scalar"
-            )
-    for spec, value in zip(flat.params[1:], values[1:]):
-        if not same_scalar(values[0], value):
-            raise ValueError(
-                f"scalar optimizer state '{key}' differs inside {flat.describe()}: '{flat.params[0].name}' has "
-                f"{show_value(values[0])}, '{spec.name}' has {show_value(value)}; one flat parameter holds one value"
-            )
-
-
-def same_scalar(a: Any, b: Any) -> bool:
-    if torch.is_tensor(a) and torch.is_tensor(b):
-        return a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return False
-    return bool(a == b)
-
-
-def show_value(value: Any) -> str:
-    return f"{value.item()!r} ({value.dtype})" if torch.is_tensor(value) else repr(value)
+    the_plan = plan(full_dict_source(full), layout, members=live_groups, required=trainable, order=param_positions)
+    assert layout.rank is not None, "shard_full_state needs a layout at one rank"
+    return optimizer_state_dict(the_plan, cut_rank(the_plan, layout.rank))

@@ -30,13 +30,16 @@ from typing import Any
 
 import torch
 
-from .flatten import clone_value
-from .fullstate import GroupSpec, build_full_state, same_scalar, show_value
+from .fullstate import build_full_state, full_dict_source, param_record
+from .flatten import same_scalar, show_value
 from .layout import ModelLayout
+from .manifest import GroupRecord
+from .plan import Source, plan_error, assemble_full, plan
 
-__all__ = ["from_fairscale", "is_fairscale_native", "to_named"]
+__all__ = ["fairscale_source", "from_fairscale", "is_fairscale_native", "to_named"]
 
 _NATIVE_KEYS = ("state", "param_groups", "param_id_map", "uncollected_local_ids")
+NATIVE = "the fairscale dict"
 
 
 def is_fairscale_native(obj: Any) -> bool:
@@ -66,6 +69,48 @@ def from_fairscale(
     Per-rank 0-dim states (one per rank, on the last parameter of each unit) must agree across ranks
     and become one value per parameter. Raises ``ValueError`` naming the parameter, expected vs found.
     """
+    source = fairscale_source(native, layout, optimizer=optimizer, step_dtype=step_dtype)
+    the_plan = plan(source, layout)
+    return build_full_state(layout, the_plan.groups, assemble_full(the_plan), optimizer=optimizer)
+
+
+def fairscale_source(
+    native: Mapping[str, Any], layout: ModelLayout, *, optimizer: str | None = None, step_dtype: torch.dtype = torch.float32
+) -> Source:
+    """A fairscale-native dict as a planning source: one source flat per parameter, named from ``layout``."""
+    slots = _check_native(native, layout)
+    state = native["state"]
+    errors: list[str] = []
+    per_param: dict[int, dict[str, Any]] = {}
+    for i, flat in enumerate(layout.flat_params):
+        gids = [gid for gid, (j, _) in enumerate(slots) if j == i]
+        per_rank = _per_rank_scalars(flat, [state.get(gid) or {} for gid in gids], errors)
+        for gid in gids:
+            entries = state.get(gid) or {}
+            if entries:
+                values = {k: v for k, v in entries.items() if not isinstance(v, list)}
+                per_param[gid] = {**values, **{k: v for k, v in per_rank.items()}}
+                if _is_number(per_param[gid].get("step")):
+                    per_param[gid]["step"] = torch.tensor(float(per_param[gid]["step"]), dtype=step_dtype)
+    names = [layout.flat_params[i].params[p].name for i, p in slots]
+    flats = tuple(param_record(names[gid], per_param.get(gid, {}), None, NATIVE, errors) for gid in range(len(slots)))
+    if errors:
+        raise plan_error(errors)
+    hyper = {k: v for k, v in native["param_groups"][0].items() if k != "params"}
+
+    def read(gid: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        out.copy_(state[gid][key].detach().reshape(-1)[start:stop])
+
+    groups = (GroupRecord(hyper, tuple(range(len(slots)))),)
+    return Source(NATIVE, optimizer, flats, groups, read, shapes_known=False)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_native(native: Any, layout: ModelLayout) -> list[tuple[int, int]]:
+    """fairscale's own bookkeeping; returns ``(flat index, position)`` per fairscale global id."""
     if not is_fairscale_native(native):
         found = sorted(map(str, native)) if isinstance(native, Mapping) else type(native).__name__
         raise ValueError(f"expected a fairscale-native dict with keys {list(_NATIVE_KEYS)}, found {found}")
@@ -77,7 +122,6 @@ def from_fairscale(
     groups = native["param_groups"]
     if len(groups) != 1:
         raise ValueError(f"a fairscale-native dict has exactly one param group, found {len(groups)}")
-    layout.check_world_sizes()
     slots = [(i, position) for i, flat in enumerate(layout.flat_params) for position in range(len(flat.params))]
     id_map = dict(native["param_id_map"])
     if sorted(id_map) != list(range(len(slots))) or list(groups[0]["params"]) != list(range(len(slots))):
@@ -86,89 +130,43 @@ def from_fairscale(
             f"but the layout has {len(slots)} in {len(layout.flat_params)} FSDP units; was it saved from "
             "another model or wrapping?"
         )
-    state = native["state"]
-    per_flat: dict[int, list[tuple[int, Mapping[str, Any]]]] = {}
-    for gid, (i, position) in enumerate(slots):
-        local = id_map[gid]
-        spec = layout.flat_params[i].params[position]
-        if local not in (None, i):
-            raise ValueError(
-                f"parameter '{spec.name}' (fairscale id {gid}) maps to local id {local}, expected {i} (its FSDP "
-                "unit's index) or None; was the dict saved from another wrapping?"
-            )
-        entries = state.get(gid)
-        if (local is None) != (not entries):
-            raise ValueError(
-                f"parameter '{spec.name}' (fairscale id {gid}): param_id_map says {local}, but its state is "
-                f"{'empty' if not entries else 'present'}"
-            )
-        if entries:
-            per_flat.setdefault(i, []).append((position, entries))
-    extra = sorted(set(state) - set(range(len(slots))), key=repr)
+    extra = sorted(set(native["state"]) - set(range(len(slots))), key=repr)
     if extra:
         raise ValueError(f"the fairscale dict has state for id {extra[0]!r}, beyond its {len(slots)} parameters")
-
-    flat_states = {i: _flat_state(layout, i, entries, step_dtype) for i, entries in per_flat.items()}
-    hyper = {k: v for k, v in groups[0].items() if k != "params"}
-    spec = GroupSpec(hyper, tuple(range(len(layout.flat_params))), named=False)
-    return build_full_state(layout, [spec], flat_states, optimizer=optimizer)  # type: ignore[arg-type]
-
-
-def _flat_state(
-    layout: ModelLayout, i: int, entries: list[tuple[int, Mapping[str, Any]]], step_dtype: torch.dtype
-) -> dict[str, Any]:
-    """One unit's flat full state from fairscale's per-parameter entries."""
-    flat = layout.flat_params[i]
-    if len(entries) != len(flat.params):
-        lacking = {p for p, _ in entries}
-        name = next(s.name for k, s in enumerate(flat.params) if k not in lacking)
-        raise ValueError(f"parameter '{name}' of {flat.describe()} has no state in the fairscale dict, but others do")
-    per_rank = {k for _, e in entries for k, v in e.items() if isinstance(v, list)}
-    first_keys = set(entries[0][1]) - per_rank
-    for p, e in entries[1:]:
-        if set(e) - per_rank != first_keys:
+    for gid, (i, position) in enumerate(slots):
+        local = id_map[gid]
+        name = layout.flat_params[i].params[position].name
+        if local not in (None, i):
             raise ValueError(
-                f"parameter '{flat.params[p].name}' has state keys {sorted(set(e) - per_rank)} in the fairscale dict, "
-                f"expected {sorted(first_keys)} like '{flat.params[entries[0][0]].name}' of the same {flat.describe()}"
+                f"parameter '{name}' (fairscale id {gid}) maps to local id {local}, expected {i} (its FSDP "
+                "unit's index) or None; was the dict saved from another wrapping?"
             )
-    tensor_keys = [k for k, v in entries[0][1].items() if torch.is_tensor(v) and v.dim() > 0]
-    scalar_keys = [k for k in entries[0][1] if k not in tensor_keys and k not in per_rank]
-    out: dict[str, Any] = {}
-    for key in scalar_keys:
-        values = [e.get(key) for _, e in entries]
-        reference = values[0]
-        for (p, _), v in zip(entries, values):
-            if not same_scalar(reference, v):
-                raise ValueError(
-                    f"state '{key}' of '{flat.params[p].name}' is {show_value(v)}, expected {show_value(reference)} "
-                    f"like the rest of {flat.describe()}"
-                )
-        if key == "step" and isinstance(reference, (int, float)) and not isinstance(reference, bool):
-            out[key] = torch.tensor(float(reference), dtype=step_dtype)
-        else:
-            out[key] = clone_value(reference)
-    for key in tensor_keys:
-        pieces = []
-        for (p, e) in entries:
-            spec = flat.params[p]
-            value = e.get(key)
-            if not torch.is_tensor(value) or tuple(value.shape) != spec.shape:
-                found = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-                raise ValueError(f"state '{key}' of parameter '{spec.name}' is {found}, expected shape {spec.shape}")
-            pieces.append(value.reshape(-1))
-        out[key] = torch.cat(pieces)
-    for key in sorted(per_rank):
-        lists = [e[key] for _, e in entries if key in e]
-        values = [v for lst in lists for v in lst]
+        if (local is None) != (not native["state"].get(gid)):
+            raise ValueError(
+                f"parameter '{name}' (fairscale id {gid}): param_id_map says {local}, but its state is "
+                f"{'empty' if not native['state'].get(gid) else 'present'}"
+            )
+    return slots
+
+
+def _per_rank_scalars(flat: Any, entries: list[Mapping[str, Any]], errors: list[str]) -> dict[str, torch.Tensor]:
+    """fairscale keeps 0-dim states other than ``step`` as one value per rank on a unit's last parameter:
+    they must agree, and become the unit's one value (given to every parameter of the unit)."""
+    out: dict[str, torch.Tensor] = {}
+    keys = sorted({k for e in entries for k, v in e.items() if isinstance(v, list)})
+    for key in keys:
+        values = [v for e in entries if isinstance(e.get(key), list) for v in e[key]]
         if not values or not all(torch.is_tensor(v) and v.dim() == 0 for v in values):
-            raise ValueError(f"per-rank state '{key}' of {flat.describe()}: expected a list of 0-dim tensors")
-        for v in values[1:]:
-            if not same_scalar(values[0], v):
-                raise ValueError(
-                    f"per-rank state '{key}' of {flat.describe()} differs across ranks: {show_value(values[0])} vs "
-                    f"{show_value(v)}; one flat parameter holds one value"
-                )
-        out[key] = values[0].clone()
+            errors.append(f"per-rank state '{key}' of {flat.describe()}: expected a list of 0-dim tensors")
+            continue
+        differing = next((v for v in values[1:] if not same_scalar(values[0], v)), None)
+        if differing is not None:
+            errors.append(
+                f"per-rank state '{key}' of {flat.describe()} differs across ranks: {show_value(values[0])} vs "
+                f"{show_value(differing)}; one flat parameter holds one value"
+            )
+            continue
+        out[key] = values[0]
     return out
 
 
@@ -181,25 +179,25 @@ def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
         set_optimizer_state_dict(model, optim, named, options=StateDictOptions(full_state_dict=True, strict=False))
 
     (``strict=False`` because parameters that never had a gradient have no state, which PyTorch's
-    strict check refuses.) ``"param_names"`` and ``"fsdp_optim"`` are not carried over. Tensors are shared
-    with ``full``, not copied; ``full`` is not modified.
+    strict check refuses.) ``"param_names"`` and ``"fsdp_optim"`` are not carried over. The dict is
+    checked as every entry point checks it (:func:`~fsdp_optim.fullstate.full_dict_source`); tensors are
+    shared with ``full``, not copied; ``full`` is not modified.
     """
-    for key in ("state", "param_groups", "param_names"):
-        if not isinstance(full, Mapping) or key not in full:
-            found = sorted(map(str, full)) if isinstance(full, Mapping) else type(full).__name__
-            raise ValueError(f"expected our full dict with '{key}' (from gather_full_optim_state_dict), found {found}")
+    full_dict_source(full)
     names = full["param_names"]
-    state = {}
-    for pid, entries in full["state"].items():
-        if pid not in names:
-            raise ValueError(f"full dict: state for id {pid}, which 'param_names' does not name")
-        state[names[pid]] = dict(entries)
+    state = {names[pid]: dict(entries) for pid, entries in full["state"].items()}
     groups = []
-    for k, group in enumerate(full["param_groups"]):
-        missing = [pid for pid in group["params"] if pid not in names]
-        if missing:
-            raise ValueError(f"full dict: param group {k} lists id {missing[0]}, which 'param_names' does not name")
+    for group in full["param_groups"]:
         out = {key: v for key, v in group.items() if key not in ("params", "param_names")}
         out["params"] = [names[pid] for pid in group["params"]]
         groups.append(out)
     return {"state": state, "param_groups": groups}
+
+
+def dict_source(obj: Any, layout: ModelLayout, *, label: str, optimizer: str | None = None) -> Source:
+    """The planning source for a dict handed to a live model: our full dict, or fairscale's own gathered
+    dict (recognised by its keys; the live model's ``layout`` numbers its parameters, and ``optimizer``
+    names its class, which fairscale does not record)."""
+    if is_fairscale_native(obj):
+        return fairscale_source(obj, layout, optimizer=optimizer)
+    return full_dict_source(obj, label=label)

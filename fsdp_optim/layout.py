@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-__all__ = ["FlatParamLayout", "ModelLayout", "ParamSpec", "ShardBounds", "clean_path", "describe", "shard_bounds"]
+__all__ = ["FlatParamLayout", "ModelLayout", "ParamSpec", "ShardBounds", "clean_path", "read_layout", "shard_bounds"]
 
 # Path segments that fairscale inserts between a module and its children.
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
@@ -74,12 +74,16 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class FlatParamLayout:
-    """One parameter as FSDP holds it: several unwrapped parameters flattened (or one, unflattened)."""
+    """One parameter as FSDP holds it: several unwrapped parameters flattened (or one, unflattened).
+
+    ``rank`` is ``None`` in a rank-independent record (a checkpoint's manifest, a planning source);
+    :meth:`at_rank` places it on one rank. :class:`~fsdp_optim.manifest.FlatRecord` adds saved state.
+    """
 
     unit: str  # unwrapped path of the owning FSDP instance; "" for the root
     params: tuple[ParamSpec, ...]
     world_size: int  # ranks it is sharded over; 1 when the instance does not shard it
-    rank: int  # this process's rank among them
+    rank: int | None  # this process's rank among them; None when the record is rank-independent
     dtype: torch.dtype
     flattened: bool  # True for a FlatParameter, False for a parameter left as it is
 
@@ -93,7 +97,17 @@ class FlatParamLayout:
         return tuple(p.name for p in self.params)
 
     def bounds(self, rank: int | None = None) -> ShardBounds:
-        return shard_bounds(self.numel, self.world_size, self.rank if rank is None else rank)
+        rank = self.rank if rank is None else rank
+        assert rank is not None, f"{self.describe()}: a rank-independent record needs an explicit rank"
+        return shard_bounds(self.numel, self.world_size, rank)
+
+    def at_rank(self, rank: int) -> FlatParamLayout:
+        """This record as ``rank`` holds it (a unit that is not sharded is the same on every rank: rank 0)."""
+        return replace(self, rank=rank if self.world_size > 1 else 0)
+
+    def padding(self) -> list[int]:
+        """Padding elements per rank, derived from ``numel`` and ``world_size``."""
+        return [self.bounds(r).padding for r in range(self.world_size)]
 
     @property
     def shard_numel(self) -> int:
@@ -113,6 +127,10 @@ class ModelLayout:
     param_order: tuple[str, ...]  # what ``unwrapped_model.named_parameters()`` would yield, in order
     world_size: int  # the root instance's
     rank: int
+
+    def at_rank(self, rank: int) -> ModelLayout:
+        """This layout as rank ``rank`` sees it (units that are not sharded stay at rank 0)."""
+        return replace(self, flat_params=tuple(f.at_rank(rank) for f in self.flat_params), rank=rank)
 
     def order_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.param_order)}
@@ -144,7 +162,7 @@ def _fsdp_instances(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield path, module
 
 
-def describe(root: nn.Module) -> tuple[ModelLayout, list[nn.Parameter]]:
+def read_layout(root: nn.Module) -> tuple[ModelLayout, list[nn.Parameter]]:
     """Read the layout of a fairscale-FSDP-wrapped ``root`` and the live parameters it describes.
 
     Returns ``(layout, params)`` where ``params[i]`` is the parameter object (what the optimizer holds)

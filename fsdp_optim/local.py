@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .flatten import StateKind, classify_flat_state
-from .fullstate import GroupSpec, same_scalar, show_value
+from .flatten import StateKind, classify_flat_state, same_scalar, show_value
 from .layout import ModelLayout
+from .manifest import GroupRecord
 
-__all__ = ["LocalState", "check_agreement", "check_optimizer", "live_groups", "read_local_state", "summary_digest"]
+__all__ = ["LocalState", "check_agreement", "check_optimizer", "group_members", "read_local_state", "summary_digest"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class LocalState:
     of a healthy job, which :func:`check_agreement` verifies.
     """
 
-    groups: tuple[GroupSpec, ...]
+    groups: tuple[GroupRecord, ...]
     state: Mapping[int, Mapping[str, Any]]
     summary: Mapping[int, tuple[tuple[str, StateKind, Any], ...]]
 
@@ -43,24 +43,17 @@ def read_local_state(
     Shapes::
 
         optim_state = {"state": {local_id: {key: value}}, "param_groups": [{..., "params": [local_id]}]}
-        -> LocalState(groups=(GroupSpec(hyperparams, flat_indices, named),), state={flat_index: {key: value}}, ...)
+        -> LocalState(groups=(GroupRecord(hyperparams, flat_indices, named),), state={flat_index: {key: value}}, ...)
     """
-    index_of = {id(p): i for i, p in enumerate(params)}
-    groups: list[GroupSpec] = []
+    members = group_members(optim_groups, params)
+    groups: list[GroupRecord] = []
     state: dict[int, Mapping[str, Any]] = {}
-    for k, (live_group, packed) in enumerate(zip(optim_groups, optim_state["param_groups"], strict=True)):
-        indices = []
-        for param, pid in zip(live_group["params"], packed["params"], strict=True):
-            if id(param) not in index_of:
-                raise ValueError(
-                    f"optimizer param group {k} holds a parameter of shape {tuple(param.shape)} that this "
-                    "FSDP instance does not own; build the optimizer from the root instance's parameters()"
-                )
-            indices.append(index_of[id(param)])
+    for indices, packed in zip(members, optim_state["param_groups"], strict=True):
+        for i, pid in zip(indices, packed["params"], strict=True):
             if optim_state["state"].get(pid):
-                state[index_of[id(param)]] = optim_state["state"][pid]
+                state[i] = optim_state["state"][pid]
         hyper = {key: v for key, v in packed.items() if key not in ("params", "param_names")}
-        groups.append(GroupSpec(hyper, tuple(indices), "param_names" in packed))
+        groups.append(GroupRecord(hyper, tuple(indices), "param_names" in packed))
     summary = {}
     for i, entries in state.items():
         kinds = classify_flat_state(layout.flat_params[i], entries)
@@ -71,21 +64,23 @@ def read_local_state(
     return LocalState(tuple(groups), state, summary)
 
 
-def live_groups(optim: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> list[list[int]]:
-    """For each param group of ``optim``, the indices into ``params`` of its parameters, in its order.
+def group_members(param_groups: Sequence[Mapping[str, Any]], params: Sequence[nn.Parameter]) -> list[list[int]]:
+    """Flat indices per optimizer param group: for each of ``param_groups`` (``optim.param_groups``), the
+    indices into ``params`` (the model's flat parameters) of its parameters, in its order.
 
-    Raises ``ValueError`` for a parameter that ``params`` (the model's flat parameters) does not hold.
+    Raises ``ValueError`` for a parameter that ``params`` does not hold.
     """
     index_of = {id(p): i for i, p in enumerate(params)}
-    groups = []
-    for k, group in enumerate(optim.param_groups):
+    members = []
+    for k, group in enumerate(param_groups):
         unknown = [tuple(p.shape) for p in group["params"] if id(p) not in index_of]
         if unknown:
             raise ValueError(
-                f"optim: param group {k} holds a parameter of shape {unknown[0]} that this FSDP instance does not own"
+                f"optim: param group {k} holds a parameter of shape {unknown[0]} that this FSDP instance does not "
+                "own; build the optimizer from the root instance's parameters()"
             )
-        groups.append([index_of[id(p)] for p in group["params"]])
-    return groups
+        members.append([index_of[id(p)] for p in group["params"]])
+    return members
 
 
 def check_optimizer(saved: str | None, optim: torch.optim.Optimizer, source: str) -> None:

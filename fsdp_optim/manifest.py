@@ -49,8 +49,9 @@ from typing import Any
 
 import torch
 
-from .flatten import StateKind
-from .layout import FlatParamLayout, ModelLayout, ParamSpec, shard_bounds
+from .flatten import StateKind, classify_flat_state, clone_value
+from .layout import FlatParamLayout, ModelLayout, ParamSpec
+from .preconditions import check_version, check_world_size
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -61,11 +62,14 @@ __all__ = [
     "GroupRecord",
     "Manifest",
     "StateEntry",
+    "check_checksum",
     "digest",
     "dtype_from_str",
     "dtype_to_str",
     "shard_file_name",
+    "read_header",
     "shard_payload",
+    "state_entries",
     "unwrap",
     "wrap",
 ]
@@ -132,22 +136,31 @@ def wrap(kind: str, body: Any, **header: Any) -> dict[str, Any]:
 
 def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
     """Check a :func:`wrap` result read from ``source``; return ``(header, body)``."""
-    if not isinstance(obj, Mapping) or HEADER_KEY not in obj or "body" not in obj:
-        found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
-        raise ValueError(f"{source}: expected an fsdp_optim {kind} file, found {found}")
-    header = dict(obj[HEADER_KEY])
-    if header.get("kind") != kind:
-        raise ValueError(f"{source}: expected an fsdp_optim {kind} file, found a {header.get('kind')!r} file")
-    check_version(header.get("version"), source)
-    checksum = header.pop("checksum", None)
-    if checksum != digest([header, obj["body"]]):
-        raise ValueError(f"{source}: checksum mismatch (file is corrupt or was modified)")
+    header, checksum = read_header(obj, kind, source=source, covered="body")
+    check_checksum(header, checksum, obj["body"], source=source)
     return header, obj["body"]
 
 
-def check_version(version: Any, source: str) -> None:
-    if not isinstance(version, int) or not 1 <= version <= CHECKPOINT_VERSION:
-        raise ValueError(f"{source}: checkpoint format version {version!r}; this fsdp_optim reads 1..{CHECKPOINT_VERSION}")
+def read_header(obj: Any, kind: str, *, source: str, covered: str, what: str | None = None) -> tuple[dict[str, Any], Any]:
+    """The checked header of a file we wrote (kind and version; not yet the checksum): ``(header, checksum)``.
+
+    ``covered`` is the key whose value the header's checksum covers besides the header itself.
+    """
+    what = what or f"fsdp_optim {kind} file"
+    if not isinstance(obj, Mapping) or not isinstance(obj.get(HEADER_KEY), Mapping) or covered not in obj:
+        found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
+        raise ValueError(f"{source}: expected an {what}, found {found}")
+    header = dict(obj[HEADER_KEY])
+    if header.get("kind") != kind:
+        raise ValueError(f"{source}: expected an {what}, found a {header.get('kind')!r} file")
+    check_version(header.get("version"), source, CHECKPOINT_VERSION)
+    return header, header.pop("checksum", None)
+
+
+def check_checksum(header: Mapping[str, Any], checksum: Any, covered: Any, *, source: str) -> None:
+    """Refuse a file whose header checksum does not cover its header and ``covered`` value."""
+    if checksum != digest([dict(header), covered]):
+        raise ValueError(f"{source}: checksum mismatch in the file header (file is corrupt or was modified)")
 
 
 def shard_payload(
@@ -172,6 +185,8 @@ class StateEntry:
     kind: StateKind
     dtype: str | None = None  # sharded entries only
     value: Any = None  # scalar entries only: a 0-dim tensor or a Python value
+    # Sharded entries of a source that knows each parameter's state shape (a full dict); never saved.
+    shape: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         if self.kind is StateKind.SHARDED:
@@ -192,37 +207,33 @@ class StateEntry:
         raise ValueError(f"{where}: state kind must be 'sharded' or 'scalar', found {kind!r}")
 
 
-@dataclass(frozen=True)
-class FlatRecord:
-    """One flat parameter: what :class:`~fsdp_optim.layout.FlatParamLayout` says, minus the rank, plus its state."""
+def state_entries(flat: FlatParamLayout, values: Mapping[str, Any]) -> tuple[StateEntry, ...]:
+    """The entries describing one flat parameter's shard ``values`` (``{key: padded shard or scalar}``).
 
-    unit: str
-    params: tuple[ParamSpec, ...]
-    world_size: int
-    dtype: str
-    flattened: bool
+    Scalars keep an independent copy of their value. Raises ``NotImplementedError`` for state that is
+    neither shard-shaped nor 0-dim (see :func:`~fsdp_optim.flatten.classify_flat_state`).
+    """
+    return tuple(
+        StateEntry(key, kind, dtype=dtype_to_str(values[key].dtype))
+        if kind is StateKind.SHARDED
+        else StateEntry(key, kind, value=clone_value(values[key]))
+        for key, kind in classify_flat_state(flat, values).items()
+    )
+
+
+@dataclass(frozen=True)
+class FlatRecord(FlatParamLayout):
+    """A rank-independent :class:`~fsdp_optim.layout.FlatParamLayout` (``rank`` is ``None``) plus its saved state."""
+
     state: tuple[StateEntry, ...] = ()
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.params)
-
-    def padding(self) -> list[int]:
-        return [shard_bounds(self.numel, self.world_size, r).padding for r in range(self.world_size)]
-
     def layout(self, rank: int) -> FlatParamLayout:
-        return FlatParamLayout(
-            unit=self.unit,
-            params=self.params,
-            world_size=self.world_size,
-            rank=rank if self.world_size > 1 else 0,
-            dtype=dtype_from_str(self.dtype, where=f"unit '{self.unit}'"),
-            flattened=self.flattened,
-        )
+        """This unit as ``rank`` holds it, without the state entries."""
+        return FlatParamLayout(self.unit, self.params, self.world_size, None, self.dtype, self.flattened).at_rank(rank)
 
     @classmethod
     def from_layout(cls, flat: FlatParamLayout, state: Sequence[StateEntry] = ()) -> FlatRecord:
-        return cls(flat.unit, flat.params, flat.world_size, dtype_to_str(flat.dtype), flat.flattened, tuple(state))
+        return cls(flat.unit, flat.params, flat.world_size, None, flat.dtype, flat.flattened, tuple(state))
 
     def entry(self, key: str) -> StateEntry:
         return next(e for e in self.state if e.key == key)
@@ -231,7 +242,7 @@ class FlatRecord:
         return {
             "unit": self.unit,
             "flattened": self.flattened,
-            "dtype": self.dtype,
+            "dtype": dtype_to_str(self.dtype),
             "world_size": self.world_size,
             "numel": self.numel,
             "padding": self.padding(),
@@ -243,36 +254,40 @@ class FlatRecord:
     def from_dict(cls, d: Mapping[str, Any], *, where: str) -> FlatRecord:
         unit = _get(d, "unit", str, where)
         where = f"{where} (unit '{unit or '<root>'}')"
-        params, offset = [], 0
-        for p in _get(d, "params", (list, tuple), where):
-            name = _get(p, "name", str, where)
-            shape = tuple(_get(p, "shape", (list, tuple), f"{where}, parameter '{name}'"))
-            if not all(isinstance(s, int) and s >= 0 for s in shape):
-                raise ValueError(f"{where}: parameter '{name}' has shape {shape}, expected non-negative ints")
-            if p.get("offset", offset) != offset or p.get("numel", math.prod(shape)) != math.prod(shape):
-                raise ValueError(
-                    f"{where}: parameter '{name}' says offset {p.get('offset')} and numel {p.get('numel')}, "
-                    f"expected {offset} and {math.prod(shape)} from the shapes before it"
-                )
-            params.append(ParamSpec(name, shape, offset))
-            offset += math.prod(shape)
         world_size = _get(d, "world_size", int, where)
-        if world_size < 1:
-            raise ValueError(f"{where}: world_size must be >= 1, found {world_size}")
+        check_world_size(f"{where}: world_size", world_size)
         record = cls(
             unit=unit,
-            params=tuple(params),
+            params=_param_specs(_get(d, "params", (list, tuple), where), where),
             world_size=world_size,
-            dtype=_get(d, "dtype", str, where),
+            rank=None,
+            dtype=dtype_from_str(_get(d, "dtype", str, where), where=where),
             flattened=_get(d, "flattened", bool, where),
             state=tuple(StateEntry.from_dict(e, where=where) for e in _get(d, "state", (list, tuple), where)),
         )
-        dtype_from_str(record.dtype, where=where)
         for key, expected in (("numel", record.numel), ("padding", record.padding())):
             found = d.get(key, expected)
             if (list(found) if isinstance(found, (list, tuple)) else found) != expected:
                 raise ValueError(f"{where}: '{key}' is {found!r}, expected {expected} from the shapes and world size")
         return record
+
+
+def _param_specs(params: Sequence[Any], where: str) -> tuple[ParamSpec, ...]:
+    """Checked :class:`ParamSpec` records from their saved dicts; offsets follow from the shapes."""
+    specs, offset = [], 0
+    for p in params:
+        name = _get(p, "name", str, where)
+        shape = tuple(_get(p, "shape", (list, tuple), f"{where}, parameter '{name}'"))
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise ValueError(f"{where}: parameter '{name}' has shape {shape}, expected non-negative ints")
+        if p.get("offset", offset) != offset or p.get("numel", math.prod(shape)) != math.prod(shape):
+            raise ValueError(
+                f"{where}: parameter '{name}' says offset {p.get('offset')} and numel {p.get('numel')}, "
+                f"expected {offset} and {math.prod(shape)} from the shapes before it"
+            )
+        specs.append(ParamSpec(name, shape, offset))
+        offset += math.prod(shape)
+    return tuple(specs)
 
 
 @dataclass(frozen=True)
@@ -345,8 +360,7 @@ class Manifest:
 
     def layout(self, rank: int = 0) -> ModelLayout:
         """The :class:`ModelLayout` this checkpoint was saved from, as seen by ``rank``."""
-        flats = tuple(f.layout(rank) for f in self.flat_params)
-        return ModelLayout(flats, self.param_order, self.world_size, rank)
+        return ModelLayout(tuple(f.layout(rank) for f in self.flat_params), self.param_order, self.world_size, rank)
 
     def with_world_size(self, world_size: int) -> Manifest:
         """The same units re-cut over ``world_size`` ranks (units that were not sharded stay so); no files."""
@@ -383,7 +397,7 @@ class Manifest:
         """Parse and check a manifest read from ``source`` (named in every error)."""
         if not isinstance(d, Mapping):
             raise ValueError(f"{source}: expected a manifest dict, found {type(d).__name__}")
-        check_version(d.get("version"), source)
+        check_version(d.get("version"), source, CHECKPOINT_VERSION)
         optimizer = d.get("optimizer")
         if optimizer is not None and not isinstance(optimizer, str):
             raise ValueError(f"{source}: 'optimizer' must be a class name or None, found {optimizer!r}")
@@ -411,8 +425,7 @@ class Manifest:
 
     def check(self, *, source: str) -> None:
         """Raise ``ValueError`` unless the records are consistent with each other."""
-        if self.world_size < 1:
-            raise ValueError(f"{source}: world_size must be >= 1, found {self.world_size}")
+        check_world_size(f"{source}: world_size", self.world_size)
         names = [p.name for f in self.flat_params for p in f.params]
         if sorted(names) != sorted(self.param_order) or len(set(names)) != len(names):
             extra = sorted(set(names) ^ set(self.param_order)) or [n for n in names if names.count(n) > 1]

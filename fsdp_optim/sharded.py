@@ -1,41 +1,32 @@
 """Sharded optimizer checkpoints inside a training job: save, load (with resharding), scatter a full dict.
 
-Orchestration only: records in :mod:`.manifest`, files in :mod:`.storage`, re-cutting in :mod:`.recut`,
-full-dict checks and cutting in :mod:`.fullstate`, collectives in :mod:`.transport`.
+Orchestration only: records in :mod:`.manifest`, files in :mod:`.storage`, every check and cut in
+:mod:`.plan`, collectives in :mod:`.transport`. Works with any fairscale FSDP root (fairscale's own
+class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParallel`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .flatten import StateKind, classify_flat_state, clone_value
-from .fullstate import GroupSpec, saved_optimizer, shard_full_state
-from .layout import ModelLayout, describe
-from .local import check_agreement, check_optimizer, live_groups, read_local_state
-from .manifest import MANIFEST_NAME, GroupRecord, Manifest, StateEntry, dtype_to_str, wrap
-from .offline import load_full_file
-from .recut import RecutPlan, at_rank, plan_recut, recut_rank_state
-from .storage import ShardedCheckpoint, atomic_save, new_save_id, write_manifest, write_shard_file
-from .transport import broadcast_object, gather_objects, scatter_objects
+from .interop import dict_source
+from .layout import ModelLayout, read_layout
+from .local import check_agreement, check_optimizer, group_members, read_local_state
+from .manifest import MANIFEST_NAME, GroupRecord, Manifest, state_entries, wrap
+from .plan import Plan, cut_rank, optimizer_state_dict, plan
+from .preconditions import check_rank, check_root
+from .storage import ShardedCheckpoint, atomic_save, load_file, new_save_id, write_manifest, write_shard_file
+from .transport import agree, broadcast_object, gather_objects, scatter_objects
 
 __all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state", "scatter_full_optim_state"]
 
 _SAFE_LEAVES = (type(None), bool, int, float, complex, str, torch.Tensor)
-
-
-def _check_root(fsdp: nn.Module) -> None:
-    from fairscale.nn import FullyShardedDataParallel
-
-    if not isinstance(fsdp, FullyShardedDataParallel):
-        raise TypeError(f"fsdp: expected a fairscale FullyShardedDataParallel root, found {type(fsdp).__name__}")
-    if fsdp._is_root is False:
-        raise ValueError("fsdp: expected the root FSDP instance, found a nested one")
 
 
 def _check_loadable(value: Any, where: str) -> None:
@@ -77,13 +68,14 @@ def save_sharded_optim_state(fsdp: nn.Module, optim: torch.optim.Optimizer, dire
     rank sees (a shared file system).
 
     Never modifies ``optim`` or its state. Returns the manifest's path (on every rank, once it exists).
+    A failure on any rank raises on every rank, and then no manifest was written.
 
     Cost: three small object collectives (save id, per-rank summaries to rank 0, outcome) and each
     rank's own file write.
     """
-    _check_root(fsdp)
+    check_root(fsdp)
     directory = Path(directory)
-    layout, params = describe(fsdp)
+    layout, params = read_layout(fsdp)
     layout.check_world_sizes()
     local = read_local_state(layout, params, optim.state_dict(), optim.param_groups)
     for k, group in enumerate(local.groups):
@@ -96,62 +88,37 @@ def save_sharded_optim_state(fsdp: nn.Module, optim: torch.optim.Optimizer, dire
 
     save_id = broadcast_object(new_save_id() if rank == 0 else None, src=0, group=group)
     failure: Exception | None = None
+    record = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         state = {i: {key: _own(v) for key, v in entries.items()} for i, entries in local.state.items()}
-        report: Any = write_shard_file(directory, state, save_id=save_id, rank=rank, world_size=world_size)
-    except Exception as exc:  # reported to rank 0 so that no manifest is written and every rank raises
+        record = write_shard_file(directory, state, save_id=save_id, rank=rank, world_size=world_size)
+    except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
         failure = exc
-        report = f"rank {rank}: {type(exc).__name__}: {exc}"
-    reports = gather_objects((local.summary, report), dst=0, group=group)
-
-    outcome: Any = None
-    if rank == 0:
+    reports = gather_objects((local.summary, record), dst=0, group=group)
+    if rank == 0 and failure is None and all(r is not None for _, r in reports):  # type: ignore[union-attr]
         try:
-            errors = [r for _, r in reports if isinstance(r, str)]  # type: ignore[union-attr]
-            if errors:
-                raise RuntimeError("; ".join(errors))
             if world_size > 1:
                 check_agreement(layout, [summary for summary, _ in reports])  # type: ignore[union-attr]
-            manifest = _manifest(layout, local.groups, local.state, optim, save_id, [r for _, r in reports])  # type: ignore[union-attr]
-            write_manifest(directory, manifest)
-            outcome = ("ok", "")
+            files = [r for _, r in reports]  # type: ignore[union-attr]
+            write_manifest(directory, _manifest(layout, local.groups, local.state, optim, save_id, files))
         except Exception as exc:
-            failure = failure or exc
-            outcome = ("error", f"{type(exc).__name__}: {exc}")
-    outcome = broadcast_object(outcome, src=0, group=group)
-    if outcome[0] != "ok":
-        if failure is not None:
-            raise failure
-        raise RuntimeError(f"save_sharded_optim_state failed, no checkpoint was written: {outcome[1]}")
+            failure = exc
+    agree(failure, group=group, what="save_sharded_optim_state failed, no checkpoint was written")
     return directory / MANIFEST_NAME
 
 
 def _manifest(
     layout: ModelLayout,
-    groups: Sequence[GroupSpec],
+    groups: tuple[GroupRecord, ...],
     state: Mapping[int, Mapping[str, Any]],
     optim: torch.optim.Optimizer,
     save_id: str,
-    files: Sequence[Any],
+    files: list[Any],
 ) -> Manifest:
-    entries: dict[int, list[StateEntry]] = {}
-    for i, values in state.items():
-        kinds = classify_flat_state(layout.flat_params[i], values)
-        entries[i] = [
-            StateEntry(key, kind, dtype=dtype_to_str(values[key].dtype))
-            if kind is StateKind.SHARDED
-            else StateEntry(key, kind, value=clone_value(values[key]))
-            for key, kind in kinds.items()
-        ]
-    records = [GroupRecord(dict(g.hyperparams), g.flat_indices, g.named) for g in groups]
+    entries = {i: state_entries(layout.flat_params[i], values) for i, values in state.items()}
     return Manifest.from_layout(
-        at_rank(layout, 0),
-        save_id=save_id,
-        optimizer=type(optim).__name__,
-        state=entries,
-        groups=records,
-        files=files,
+        layout.at_rank(0), save_id=save_id, optimizer=type(optim).__name__, state=entries, groups=groups, files=files
     )
 
 
@@ -161,28 +128,12 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     The file stands in for the model where a layout is needed offline: ``reshard`` of a full dict,
     ``convert`` of a fairscale-native dict, ``fsdp-optim ... --layout FILE``.
     """
-    _check_root(fsdp)
-    layout, _ = describe(fsdp)
-    manifest = Manifest.from_layout(at_rank(layout, 0), save_id="layout")
+    check_root(fsdp)
+    layout, _ = read_layout(fsdp)
+    manifest = Manifest.from_layout(layout.at_rank(0), save_id="layout")
     path = Path(path)
     atomic_save(wrap("manifest", manifest.to_dict()), path)
     return path
-
-
-def _optimizer_state_dict(state: Mapping[int, Mapping[str, Any]], plan: RecutPlan) -> dict[str, Any]:
-    """``{flat index: entries}`` -> ``optim.load_state_dict`` input, ids following the plan's groups."""
-    out_state: dict[int, Any] = {}
-    out_groups = []
-    next_id = 0
-    for group in plan.groups:
-        ids = []
-        for i in group.flat_indices:
-            if i in state:
-                out_state[next_id] = dict(state[i])
-            ids.append(next_id)
-            next_id += 1
-        out_groups.append({**{k: clone_value(v) for k, v in group.hyperparams.items()}, "params": ids})
-    return {"state": out_state, "param_groups": out_groups}
 
 
 def load_sharded_optim_state(
@@ -194,28 +145,29 @@ def load_sharded_optim_state(
       size and layout each rank reads only its own file; otherwise (another world size, another FSDP
       nesting of the same parameters) each rank re-cuts its shard from the parts of the rank files that
       overlap it, one unit at a time.
-    - ``path`` a file holding a full dict: a collective, see :func:`scatter_full_optim_state`; only
-      ``src_rank`` reads the file.
+    - ``path`` a file holding a full dict (or a fairscale-native one): a collective, see
+      :func:`scatter_full_optim_state`; only ``src_rank`` reads the file.
 
-    Everything is checked before the optimizer is touched: optimizer class, parameter names and shapes,
-    param groups, state keys and dtypes, checksums. Errors are ``ValueError`` naming the parameter or
-    file, with what was expected and what was found.
+    Everything is checked before the optimizer is touched (one plan): optimizer class, parameter names
+    and shapes, param groups, state keys and dtypes, checksums. Errors are ``ValueError`` naming the
+    parameter or file, with what was expected and what was found.
     """
-    _check_root(fsdp)
+    check_root(fsdp)
     if not Path(path).is_dir() and Path(path).name != MANIFEST_NAME:
         scatter_full_optim_state(fsdp, optim, path, src_rank=src_rank)
         return
-    layout, params = describe(fsdp)
-    live = live_groups(optim, params)
+    layout, params = read_layout(fsdp)
+    members = group_members(optim.param_groups, params)
+    rank = fsdp.rank  # type: ignore[attr-defined]
     with ShardedCheckpoint(path) as ckpt:
         check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
-        plan = plan_recut(ckpt.manifest, layout, live, source=str(ckpt.directory))
-        if plan.identity:
-            own = ckpt.load_rank(fsdp.rank)  # type: ignore[attr-defined]
-            state = {i: own[i] for i in plan.flats}
+        the_plan = plan(ckpt.source(), layout, members=members)
+        if the_plan.identity:
+            own = ckpt.load_rank(rank)
+            state = {i: own[i] for i in the_plan.flats}
         else:
-            state = recut_rank_state(plan, layout, ckpt.copy_range, after_unit=ckpt.trim)
-    optim.load_state_dict(_optimizer_state_dict(state, plan))
+            state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
+    optim.load_state_dict(optimizer_state_dict(the_plan, state))
 
 
 def scatter_full_optim_state(
@@ -228,49 +180,50 @@ def scatter_full_optim_state(
     """Load a full dict that only ``src_rank`` holds (or reads from a file) into every rank's ``optim``.
 
     A collective over ``fsdp``'s process group; ``full`` is ignored on other ranks (pass ``None``).
-    ``src_rank`` checks the dict against the model and optimizer (as ``get_shard_from_optim_state_dict``
-    does), then cuts and sends each rank its own padded shards, one rank at a time: no rank but
-    ``src_rank`` ever holds more than its own shard, and ``src_rank`` holds the dict (memory-mapped when
-    read from a file) plus one rank's shard. A dict the model refuses raises the same ``ValueError`` on
-    every rank.
+    ``src_rank`` checks the dict against the model and optimizer once (one plan, as
+    ``get_shard_from_optim_state_dict`` does), then cuts and sends each rank its own padded shards, one
+    rank at a time: no rank but ``src_rank`` ever holds more than its own shard, and ``src_rank`` holds
+    the dict (memory-mapped when read from a file) plus one rank's shard. A fairscale-native dict is
+    accepted too (the model gives its layout). A dict the model refuses raises the same error on every rank.
 
-    Cost: one small broadcast, then per other rank one pickled skeleton plus one message per state tensor.
+    Cost: one small all-gather (the outcome of the check), then per other rank one pickled skeleton plus
+    one message per state tensor, then one small all-gather.
     """
-    _check_root(fsdp)
+    check_root(fsdp)
     group, rank, world_size = fsdp.process_group, fsdp.rank, fsdp.world_size  # type: ignore[attr-defined]
-    if not isinstance(src_rank, int) or isinstance(src_rank, bool) or not 0 <= src_rank < world_size:
-        raise ValueError(f"src_rank: expected an int in [0, {world_size}), found {src_rank!r}")
-    layout, params = describe(fsdp)
-    live = live_groups(optim, params)
-    position = {id(p): i for i, p in enumerate(fsdp.parameters())}
-    positions = [position.get(id(p), len(position)) for p in params]
-    trainable = [p.requires_grad for p in params]
-
-    def cut(r: int) -> dict[str, Any]:
-        return shard_full_state(
-            at_rank(layout, r), full_dict, live_groups=live, param_positions=positions, trainable=trainable
-        )
-
-    full_dict: Mapping[str, Any] = {}
+    check_rank("src_rank", src_rank, world_size)
+    layout, params = read_layout(fsdp)
+    members = group_members(optim.param_groups, params)
+    the_plan: Plan | None = None
     own: dict[str, Any] | None = None
     failure: Exception | None = None
-    status: Any = None
     if rank == src_rank:
         try:
-            if full is None:
-                raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
-            full_dict = full if isinstance(full, Mapping) else load_full_file(full)
-            check_optimizer(saved_optimizer(full_dict), optim, "the full optimizer state dict")
-            own = cut(rank)
-            status = ("ok", "")
-        except Exception as exc:
+            the_plan = _plan_full(full, layout, members, optim, src_rank)
+            own = optimizer_state_dict(the_plan, cut_rank(the_plan, rank))
+        except Exception as exc:  # every rank learns of it through agree()
             failure = exc
-            status = ("error", f"{type(exc).__name__}: {exc}")
-    status = broadcast_object(status, src=src_rank, group=group)
-    if status[0] != "ok":
-        if failure is not None:
-            raise failure
-        kind, _, message = status[1].partition(": ")
-        raise (ValueError if kind == "ValueError" else RuntimeError)(f"rank {src_rank}: {message}")
-    received = scatter_objects(cut if rank == src_rank else None, own, src=src_rank, group=group)
-    optim.load_state_dict(received)
+    agree(failure, group=group, what="scatter_full_optim_state refused the full dict")
+
+    def cut_for(r: int) -> dict[str, Any]:
+        return optimizer_state_dict(the_plan, cut_rank(the_plan, r))  # type: ignore[arg-type]
+
+    optim.load_state_dict(scatter_objects(cut_for if rank == src_rank else None, own, src=src_rank, group=group))
+
+
+def _plan_full(
+    full: Mapping[str, Any] | str | os.PathLike[str] | None,
+    layout: ModelLayout,
+    members: list[list[int]],
+    optim: torch.optim.Optimizer,
+    src_rank: int,
+) -> Plan:
+    """The one plan for a full (or fairscale-native) dict given in memory or as a file."""
+    if full is None:
+        raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
+    label = "the full dict" if isinstance(full, Mapping) else str(full)
+    obj = full if isinstance(full, Mapping) else load_file(full, mmap=True)
+    source = dict_source(obj, layout, label=label, optimizer=type(optim).__name__)
+    check_optimizer(source.optimizer, optim, "the full optimizer state dict")
+    return plan(source, layout, members=members)
+

@@ -17,28 +17,30 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .flatten import StateKind
-from .fullstate import same_scalar, show_value
+from .flatten import StateKind, same_scalar, show_value
 from .manifest import (
-    HEADER_KEY,
     MANIFEST_NAME,
     FileRecord,
     Manifest,
-    check_version,
+    check_checksum,
     digest,
     dtype_from_str,
+    read_header,
     shard_file_name,
     shard_payload,
     unwrap,
     wrap,
 )
+from .plan import Source
 
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
@@ -50,6 +52,8 @@ __all__ = [
     "new_save_id",
     "read_manifest",
     "remove_stale_files",
+    "source_kind",
+    "write_all_or_nothing",
     "write_manifest",
     "write_shard_file",
 ]
@@ -141,6 +145,24 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     return (path / MANIFEST_NAME).is_file() if path.is_dir() else path.name == MANIFEST_NAME and path.is_file()
 
 
+def source_kind(path: str | os.PathLike[str]) -> str:
+    """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"``.
+
+    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory without a manifest.
+    """
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        return "sharded"
+    if path.is_dir():
+        raise ValueError(
+            f"{path}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} (no {MANIFEST_NAME}: "
+            "a save that never finished leaves none), and not a full dict file"
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory (there is no such checkpoint directory or file)")
+    return "file"
+
+
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file."""
     path = Path(path)
@@ -148,7 +170,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if not file.is_file():
         if path.is_dir():
             raise ValueError(
-                f"{path}: not a sharded checkpoint (no {MANIFEST_NAME}; a save that never finished leaves none)"
+                f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME}; a save that never finished leaves none)"
             )
         raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
     _, body = unwrap(load_file(file), "manifest", source=str(file))
@@ -171,6 +193,22 @@ def write_manifest(directory: Path, manifest: Manifest) -> Path:
     atomic_save(wrap("manifest", manifest.to_dict()), path)
     remove_stale_files(directory, keep={f.file for f in manifest.files})
     return path
+
+
+def write_all_or_nothing(out: Path, write: Callable[[Path], Manifest]) -> Path:
+    """Have ``write`` put every rank file into a staging directory beside ``out`` and return the manifest;
+    only then move the files into ``out`` and commit the manifest there (last). A refused source thus
+    leaves ``out`` exactly as it was, or absent."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.reshard-", dir=out.parent))
+    try:
+        manifest = write(staging)
+        out.mkdir(exist_ok=True)
+        for entry in staging.iterdir():
+            os.replace(entry, out / entry.name)
+        return write_manifest(out, manifest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def remove_stale_files(directory: Path, *, keep: set[str]) -> list[str]:
@@ -206,11 +244,9 @@ class _RankFile:
 
     def _check_header(self, payload: Any) -> None:
         where = str(self.path)
-        if not isinstance(payload, Mapping) or not {HEADER_KEY, "unit_checksums", "state"} <= set(payload):
-            raise ValueError(f"{where}: expected an fsdp_optim rank file, found {type(payload).__name__}")
-        head = dict(payload[HEADER_KEY])
-        check_version(head.get("version"), where)
-        checksum = head.pop("checksum", None)
+        head, checksum = read_header(payload, "shard", source=where, covered="unit_checksums", what="fsdp_optim rank file")
+        if "state" not in payload:
+            raise ValueError(f"{where}: expected an fsdp_optim rank file, found keys {sorted(map(str, payload))}")
         expected = {
             "save_id": self.manifest.save_id,
             "rank": self.record.rank,
@@ -223,8 +259,7 @@ class _RankFile:
                 )
         if checksum != self.record.checksum:
             raise ValueError(f"{where}: checksum {checksum} differs from the manifest's {self.record.checksum}")
-        if digest([head, payload["unit_checksums"]]) != checksum:
-            raise ValueError(f"{where}: checksum mismatch in the file header (file is corrupt or was modified)")
+        check_checksum(head, checksum, payload["unit_checksums"], source=where)
 
     def unit(self, flat_index: int, *, mmap: bool) -> tuple[Mapping[str, Any], int]:
         """The verified entries of one flat parameter and the bytes they occupy."""
@@ -276,6 +311,10 @@ class ShardedCheckpoint:
         self._files = {f.rank: _RankFile(self.directory, f, self.manifest) for f in self.manifest.files}
         self._mapped = 0
         self.peak_mapped = 0
+
+    def source(self) -> Source:
+        """This checkpoint as a planning source (reads go through :meth:`copy_range`)."""
+        return Source.of_manifest(self.manifest, str(self.directory), self.copy_range, self.load_rank)
 
     def __enter__(self) -> ShardedCheckpoint:
         return self

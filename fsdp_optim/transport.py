@@ -28,6 +28,7 @@ from .layout import ShardBounds
 
 __all__ = [
     "Transfer",
+    "agree",
     "all_gather_objects",
     "broadcast_from_each_rank",
     "broadcast_object",
@@ -78,6 +79,34 @@ def broadcast_from_each_rank(obj: Any, group: dist.ProcessGroup | None) -> list[
     return received
 
 
+class _Receives:
+    """Posted transfers, and (on NCCL) device buffers waiting to be copied to their CPU destinations."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pending: list[Any] = []
+        self.staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination slice on CPU, device buffer)
+        self.staged_bytes = 0
+
+    def buffer_for(self, destination: torch.Tensor) -> torch.Tensor:
+        """Where to receive into: ``destination`` itself on CPU, else a device buffer copied back on :meth:`flush`."""
+        if self.device.type == "cpu":
+            return destination
+        buffer = torch.empty_like(destination, device=self.device)
+        self.staged.append((destination, buffer))
+        self.staged_bytes += buffer.numel() * buffer.element_size()
+        return buffer
+
+    def flush(self) -> None:
+        for work in self.pending:
+            work.wait()
+        for destination, buffer in self.staged:
+            destination.copy_(buffer)
+        self.pending.clear()
+        self.staged.clear()
+        self.staged_bytes = 0
+
+
 def gather_flat_tensors(
     transfers: Sequence[Transfer], *, recipient: int | None, group: dist.ProcessGroup | None
 ) -> list[torch.Tensor] | None:
@@ -88,22 +117,8 @@ def gather_flat_tensors(
     """
     rank = dist.get_rank(group)
     receiving = recipient is None or rank == recipient
-    device = _comm_device(group)
+    io = _Receives(_comm_device(group))
     outputs: list[torch.Tensor] = []
-    pending: list[Any] = []
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination slice on CPU, buffer on device)
-    staged_bytes = 0
-
-    def flush() -> None:
-        nonlocal staged_bytes
-        for work in pending:
-            work.wait()
-        for destination, buffer in staged:
-            destination.copy_(buffer)
-        pending.clear()
-        staged.clear()
-        staged_bytes = 0
-
     own_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source), copied last
     for transfer in transfers:
         out = torch.empty(transfer.numel, dtype=transfer.dtype) if receiving else None
@@ -121,25 +136,19 @@ def gather_flat_tensors(
                 if out is not None:
                     own_pieces.append((out[bounds.start : bounds.stop], piece))
                 if recipient is None:
-                    pending.append(_broadcast(piece.to(device), src, group))
+                    io.pending.append(_broadcast(piece.to(io.device), src, group))
                 elif rank != recipient:
-                    pending.append(dist.isend(piece.to(device), dst=_global(group, recipient), group=group))
-            elif receiving:
-                destination = out[bounds.start : bounds.stop]  # type: ignore[index]
-                buffer = destination if device.type == "cpu" else torch.empty_like(destination, device=device)
-                if buffer is not destination:
-                    staged.append((destination, buffer))
-                    staged_bytes += buffer.numel() * buffer.element_size()
-                if recipient is None:
-                    pending.append(_broadcast(buffer, src, group))
-                else:
-                    pending.append(dist.irecv(buffer, src=_global(group, src), group=group))
-        if staged_bytes > _STAGING_BYTES:
-            flush()
+                    io.pending.append(dist.isend(piece.to(io.device), dst=_global(group, recipient), group=group))
+            elif out is not None:
+                buffer = io.buffer_for(out[bounds.start : bounds.stop])
+                work = _broadcast(buffer, src, group) if recipient is None else dist.irecv(buffer, src=_global(group, src), group=group)
+                io.pending.append(work)
+        if io.staged_bytes > _STAGING_BYTES:
+            io.flush()
     # Every receive is posted before this rank copies its own pieces, so the senders never wait on it.
     for destination, source in own_pieces:
         destination.copy_(source)
-    flush()
+    io.flush()
     # A sender's own messages can complete while another sender dies: without this, such a rank would
     # return normally while the recipient raises. With it, a failure anywhere fails every rank (within
     # the process group's timeout at worst).
@@ -166,6 +175,27 @@ def gather_objects(obj: Any, *, dst: int, group: dist.ProcessGroup | None) -> li
     return out
 
 
+# Error types that cross ranks as themselves; anything else arrives as RuntimeError.
+_PORTABLE_ERRORS = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError, FileNotFoundError, OSError)}
+
+
+def agree(failure: BaseException | None, *, group: dist.ProcessGroup | None, what: str) -> None:
+    """Make every rank agree on whether a step failed: one small all-gather, then every rank raises or none does.
+
+    A rank that failed re-raises its own ``failure``; the others raise the first failing rank's error
+    (same type where it is a :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``), prefixed with that
+    rank and ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was written"``).
+    """
+    mine = None if failure is None else (type(failure).__name__, str(failure))
+    outcomes = all_gather_objects(mine, group)
+    if failure is not None:
+        raise failure
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            kind, message = outcome
+            raise _PORTABLE_ERRORS.get(kind, RuntimeError)(f"{what}: rank {rank}: {kind}: {message}")
+
+
 @dataclass(frozen=True)
 class _TensorSlot:
     """Where a tensor sent after the pickled skeleton goes back in."""
@@ -183,47 +213,46 @@ def scatter_objects(
     Tensors of one dimension or more travel as point-to-point tensor messages (no pickling); the rest
     (dicts, 0-dim tensors, numbers) is pickled in one ``send_object_list`` per destination. So ``src``
     holds one destination's payload at a time and each rank receives only its own.
-    If ``make(r)`` raises on ``src``, rank ``r`` and every later destination raise ``RuntimeError`` with
-    the message, and ``src`` re-raises the original error.
+    If ``make(r)`` raises on ``src``, the later destinations are sent nothing and every rank raises
+    (:func:`agree`): ``src`` its original error, the others the same error naming ``src``.
 
-    Cost: per destination, one object message plus one message per tensor.
+    Cost: per destination, one object message plus one message per tensor; then one small all-gather.
     """
     rank = dist.get_rank(group)
     device = _comm_device(group)
     if rank != src:
         box: list[Any] = [None]
         dist.recv_object_list(box, src=_global(group, src), group=group, device=device)
-        status, skeleton = box[0]
-        if status != "ok":
-            raise RuntimeError(f"rank {src} could not build this rank's part: {skeleton}")
-        tensors = []
-        for slot in sorted(_slots(skeleton), key=lambda s: s.index):  # the order they were sent in
-            buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-            if buffer.numel():
-                dist.recv(buffer, src=_global(group, src), group=group)
-            tensors.append(buffer.cpu())
-        return _fill(skeleton, tensors)
+        received = _receive_tensors(box[0], src, group, device) if box[0] is not None else None
+        agree(None, group=group, what="scatter failed")
+        return received
     failure: BaseException | None = None
     for dst in range(dist.get_world_size(group)):
         if dst == src:
             continue
+        tensors: list[torch.Tensor] = []
+        skeleton = None
         if failure is None:
             try:
-                tensors: list[torch.Tensor] = []
                 skeleton = _strip(make(dst), tensors)  # type: ignore[misc]
-            except Exception as exc:  # tell every waiting rank, then re-raise below
+            except Exception as exc:  # every rank learns of it through agree() below
                 failure = exc
-        if failure is not None:
-            message = f"{type(failure).__name__}: {failure}"
-            dist.send_object_list([("error", message)], dst=_global(group, dst), group=group, device=device)
-            continue
-        dist.send_object_list([("ok", skeleton)], dst=_global(group, dst), group=group, device=device)
+        dist.send_object_list([skeleton], dst=_global(group, dst), group=group, device=device)
         for tensor in tensors:
             if tensor.numel():
                 dist.send(tensor.contiguous().to(device), dst=_global(group, dst), group=group)
-    if failure is not None:
-        raise failure
+    agree(failure, group=group, what="scatter failed")
     return own
+
+
+def _receive_tensors(skeleton: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
+    tensors = []
+    for slot in sorted(_slots(skeleton), key=lambda s: s.index):  # the order they were sent in
+        buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        if buffer.numel():
+            dist.recv(buffer, src=_global(group, src), group=group)
+        tensors.append(buffer.cpu())
+    return _fill(skeleton, tensors)
 
 
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:

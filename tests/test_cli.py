@@ -106,7 +106,7 @@ def test_bad_input_gives_one_line_and_exit_code_1(files, capsys, tmp_path) -> No
         (("inspect", tmp_path / "notes.txt"), "cannot be read with torch.load(weights_only=True)"),
         (("inspect", tmp_path / "emptydir"), "without a manifest.pt"),
         (("consolidate", tmp_path / "emptydir", "-o", tmp_path / "x.pt"), "not a sharded checkpoint directory"),
-        (("reshard", out / "full.pt", "--world-size", 2, "-o", tmp_path / "r"), "needs --layout"),
+        (("reshard", out / "full.pt", "--world-size", 2, "-o", tmp_path / "r"), "--layout: resharding a full dict"),
         (("reshard", out / "ckpt", "--world-size", 0, "-o", tmp_path / "r"), "expected an int >= 1, found 0"),
         (("convert", out / "native.pt", "-o", tmp_path / "c.pt"), "needs --layout"),
         (("convert", out / "full.pt", "-o", tmp_path / "c.pt"), "already a full dict"),

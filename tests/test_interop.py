@@ -194,5 +194,5 @@ def test_to_named_checks_input_and_shares_tensors(job) -> None:
     assert set(named) == {"state", "param_groups"}
     pid, entries = next(iter(full["state"].items()))
     assert named["state"][full["param_names"][pid]]["momentum_buffer"] is entries["momentum_buffer"]
-    with pytest.raises(ValueError, match="expected our full dict with 'param_names'"):
+    with pytest.raises(ValueError, match="expected a full optimizer state dict with 'state', 'param_groups' and 'param_names'"):
         to_named({"state": {}, "param_groups": []})

@@ -30,6 +30,6 @@ def test_pure_module_does_not_import_torch_distributed(module: str) -> None:
     assert not {name for name in imported if name.startswith("torch.distributed")}, sorted(imported)
 
 def test_the_pure_layer_does_not_reach_collectives_through_transport() -> None:
-    for module in ["layout.py", "flatten.py", "fullstate.py", "local.py", "manifest.py", "recut.py", "offline.py"]:
+    for module in ["layout.py", "flatten.py", "fullstate.py", "local.py", "manifest.py", "plan.py", "preconditions.py", "offline.py"]:
         imported = _imports(PACKAGE / module)
         assert "transport" not in {name.rsplit(".", 1)[-1] for name in imported}, (module, sorted(imported))

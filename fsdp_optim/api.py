@@ -1,0 +1,174 @@
+"""Gather and cut optimizer state for ANY fairscale FSDP root: fairscale's own class, a subclass such as
+fairseq's ``FullyShardedDataParallel``, a model wrapped by ``auto_wrap``, or ours. No re-wrapping.
+
+Orchestration only: the layout comes from :mod:`.layout`, checks and cuts from :mod:`.plan`, local
+state from :mod:`.local`, and the bytes move through :mod:`.transport`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .flatten import StateKind, assemble
+from .fullstate import build_full_state
+from .interop import dict_source
+from .layout import ModelLayout, read_layout
+from .local import LocalState, check_agreement, check_optimizer, group_members, read_local_state, summary_digest
+from .plan import cut_rank, optimizer_state_dict, plan
+from .preconditions import check_rank, check_root
+from .transport import Transfer, all_gather_digests, all_gather_objects, broadcast_from_each_rank, gather_flat_tensors
+
+__all__ = ["gather_full_optim_state_dict", "get_shard_from_optim_state_dict"]
+
+
+def gather_full_optim_state_dict(
+    fsdp: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    recipient_rank: int | None = 0,
+    transport: Literal["tensor", "object"] = "tensor",
+) -> dict[str, Any] | None:
+    """Collect the sharded optimizer state into one full dict, in terms of the unwrapped model.
+
+    A collective over ``fsdp``'s process group: every rank must call it, with the root FSDP instance
+    and the optimizer built over its ``parameters()``; no forward pass is needed.
+
+    Args:
+        fsdp: the root instance of fairscale's ``FullyShardedDataParallel`` or of any subclass.
+        optim: the sharded optimizer. Read only: neither it nor its state is modified.
+        recipient_rank: rank (in ``fsdp``'s process group) that receives the dict; ``None`` for every rank.
+        transport: ``"tensor"`` (default) sends each rank's real shard elements once, point to
+            point, into fresh memory on the recipient; ranks other than the recipient allocate
+            nothing. ``"object"`` pickles each rank's shards with one ``broadcast_object_list`` per
+            rank, so every rank receives everything (slower; kept for comparison).
+
+    Returns:
+        On the recipient(s) the full dict (all tensors on CPU; format in :mod:`fsdp_optim.fullstate`)::
+
+            {"state": {id: {"step": tensor(7.), "exp_avg": Tensor[*shape], ...}},
+             "param_groups": [{"lr": ..., "params": [ids]}],
+             "param_names": {id: "fully.qualified.name"},
+             "fsdp_optim": {"version": 1, "optimizer": "Adam", "world_size": W, "scalar_keys": [...]}}
+
+        ``None`` on other ranks.
+
+    Cost (``"tensor"``): one all-gather of an 8-byte digest of each rank's state summary (the
+    summaries themselves only if ranks disagree), then one message per (flat parameter, tensor state
+    key, rank holding real elements), carrying the state's bytes once, and a final barrier.
+    """
+    check_root(fsdp)
+    world_size, group = fsdp.world_size, fsdp.process_group  # type: ignore[attr-defined]
+    check_rank("recipient_rank", recipient_rank, world_size, allow_none=True)
+    if transport not in ("tensor", "object"):
+        raise ValueError(f"transport: expected 'tensor' or 'object', found {transport!r}")
+    layout, params = read_layout(fsdp)
+    layout.check_world_sizes()
+    local = read_local_state(layout, params, optim.state_dict(), optim.param_groups)
+    if transport == "object":
+        flat_tensors = _gather_objects(layout, local, recipient_rank, fsdp.rank, group)  # type: ignore[attr-defined]
+    else:
+        flat_tensors = _gather_tensors(layout, local, recipient_rank, world_size, group)
+    if flat_tensors is None:
+        return None
+    flat_states = {
+        i: {
+            key: flat_tensors[(i, key)] if kind is StateKind.SHARDED else local.state[i][key]
+            for key, kind, _ in local.summary[i]
+        }
+        for i in local.state
+    }
+    return build_full_state(layout, local.groups, flat_states, optimizer=type(optim).__name__)
+
+
+def get_shard_from_optim_state_dict(
+    fsdp: nn.Module, full_optim_state_dict: Mapping[str, Any], *, optim: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """This rank's piece of a full dict, ready for ``optim.load_state_dict``. Local: no collective.
+
+    Works at any world size and any wrapping of the same model: the full dict names parameters by
+    their unwrapped names. One plan checks that every parameter is present with the right shape and
+    dtype, that no param group splits a flat parameter, that nested units are sharded like the root
+    (or not at all), and raises ``ValueError`` naming the parameter with what was expected and what was
+    found. The input is never modified; every returned tensor is new.
+
+    Args:
+        fsdp: the root instance of fairscale's ``FullyShardedDataParallel`` or of any subclass.
+        full_optim_state_dict: from :func:`gather_full_optim_state_dict`, a plain optimizer's
+            ``state_dict()`` with a ``"param_names"`` map added, or fairscale's own gathered dict
+            (``param_id_map``, ``uncollected_local_ids``; this model must be wrapped as it was then).
+        optim: the sharded optimizer it will be loaded into. When given, param ids follow its
+            param groups' order and its group membership is checked against the dict's; otherwise
+            the ids follow ``fsdp.parameters()`` order within each of the dict's groups.
+
+    Returns ``{"state": {local_id: {key: padded shard or scalar}}, "param_groups": [...]}``.
+    """
+    check_root(fsdp)
+    layout, params = read_layout(fsdp)
+    position = {id(p): i for i, p in enumerate(fsdp.parameters())}
+    optimizer = type(optim).__name__ if optim is not None else None
+    source = dict_source(full_optim_state_dict, layout, label="the full dict", optimizer=optimizer)
+    members = None
+    if optim is not None:
+        check_optimizer(source.optimizer, optim, "the full optimizer state dict")
+        members = group_members(optim.param_groups, params)
+    the_plan = plan(
+        source,
+        layout,
+        members=members,
+        required=[p.requires_grad for p in params],
+        order=[position.get(id(p), len(position)) for p in params],
+    )
+    return optimizer_state_dict(the_plan, cut_rank(the_plan, layout.rank))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two transports of the gather
+
+
+def _gather_tensors(
+    layout: ModelLayout, local: LocalState, recipient_rank: int | None, world_size: int, group: Any
+) -> dict[tuple[int, str], torch.Tensor] | None:
+    if world_size > 1:
+        digests = all_gather_digests(summary_digest(local.summary), group)
+        if len(set(digests)) > 1:  # only then pay for the full summaries, to say what differs
+            check_agreement(layout, all_gather_objects(local.summary, group))
+    transfers, keys = [], []
+    for i in sorted(local.state):
+        flat = layout.flat_params[i]
+        bounds = tuple(flat.bounds(r) for r in range(flat.world_size))
+        for key, kind, dtype in local.summary[i]:
+            if kind is StateKind.SHARDED:
+                transfers.append(Transfer(flat.numel, dtype, bounds, local.state[i][key].detach()))
+                keys.append((i, key))
+    gathered = gather_flat_tensors(transfers, recipient=recipient_rank, group=group)
+    return None if gathered is None else dict(zip(keys, gathered))
+
+
+def _gather_objects(
+    layout: ModelLayout, local: LocalState, recipient_rank: int | None, rank: int, group: Any
+) -> dict[tuple[int, str], torch.Tensor] | None:
+    received = broadcast_from_each_rank((local.summary, _shards(local)), group)
+    check_agreement(layout, [summary for summary, _ in received])
+    if recipient_rank is not None and rank != recipient_rank:
+        return None
+    out = {}
+    for (i, key), own in _shards(local).items():
+        flat = layout.flat_params[i]
+        if flat.world_size == 1:
+            out[(i, key)] = own[: flat.numel].to("cpu", copy=True)
+        else:
+            out[(i, key)] = assemble(flat, [shards[(i, key)] for _, shards in received])
+    return out
+
+
+def _shards(local: LocalState) -> dict[tuple[int, str], torch.Tensor]:
+    return {
+        (i, key): local.state[i][key].detach()
+        for i, entries in local.summary.items()
+        for key, kind, _ in entries
+        if kind is StateKind.SHARDED
+    }
