@@ -54,6 +54,7 @@ class JobConfig:
     reshard_to: int | None
     train: ckpt_train.TrainConfig | None
     source_only: bool = False
+    skip_train: str = ""  # why training runs are not measured here (reported as n/a)
 
 
 def _build(spec: models.ModelSpec, wrap: Any, steps: int, rank: int) -> tuple[Any, torch.optim.Optimizer]:
@@ -166,6 +167,9 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
             for name in ("train-ours", "train-ours-async", "train-dcp", "train-dcp-async"):
                 if (work / name).exists():
                     disk[name.replace("-", "_")] = disk_bytes(work / name)
+
+    elif cfg.skip_train:
+        results |= {name: NotAvailable(cfg.skip_train) for name in ckpt_train.VARIANTS}
 
     if rank != 0:
         return None

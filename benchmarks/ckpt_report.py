@@ -43,9 +43,9 @@ BASELINE_OF = {
 }
 LABELS = {
     "ours_save": "ours save_sharded_optim_state",
-    "ours_async": "ours async save: blocking (durable)",
+    "ours_async": "ours async save, blocking part",
     "dcp_save": "DCP dcp.save",
-    "dcp_async": "DCP dcp.async_save: blocking (durable)",
+    "dcp_async": "DCP dcp.async_save, blocking part",
     "floor_save": "floor: per-rank torch.save + fsync",
     "ours_load_same": "ours load, same W",
     "ours_load_other": "ours load, from other W",

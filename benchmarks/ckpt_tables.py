@@ -102,6 +102,15 @@ def verdicts_text(rows: list[dict[str, Any]]) -> str:
     return "\n".join(_verdict_line(v) for v in targets(rows))
 
 
+def _train_line(meta: dict[str, Any]) -> str:
+    t = meta.get("train")
+    if not t:
+        return "Training runs: not measured."
+    skipped = f"; skipped for time: {', '.join(meta['train_skipped'])}" if meta.get("train_skipped") else ""
+    return (f"Training runs: {t['steps']} Adam steps with a checkpoint after every {t['every']} ({t['checkpoints']} per run, "
+            f"the last one waited for), {t['repeats']} runs per variant, variants interleaved{skipped}.")
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | None) -> str:
     lines = [
         f"# Checkpoint benchmark ({meta['finished']})",
@@ -109,6 +118,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
         f"Machine: {meta['machine']}. Backend: {meta['backend']}. {meta['versions']}.",
         f"Command: `{meta['command']}`; wall time {meta['wall_s'] / 60:.1f} min; load average before/after: "
         f"{meta['load_before']} / {meta['load_after']}. Checkpoints written to {meta['storage']}.",
+        f"Package measured: {meta['package']}.",
+        _train_line(meta),
         f"Optimizer state only, for both ours and DCP (Adam after {meta['steps']} steps; one FSDP unit per block plus "
         "the root; ours on fairscale FSDP, DCP on FSDP2 `fully_shard`, same model and batches).",
         f"Each latency: median of {meta['repeats']} barrier-synchronised calls after {meta['warmup']} warm-up round(s), "
@@ -150,12 +161,39 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
     return "\n".join(lines)
 
 
-PANELS = (
-    ("save, ms", ("ours_save", "ours_async", "dcp_save", "dcp_async", "floor_save"), "median_s"),
-    ("load, ms", ("ours_load_same", "ours_load_other", "dcp_load_same", "dcp_load_other", "floor_load"), "median_s"),
-    ("offline, ms", ("ours_consolidate", "dcp_to_torch_save", "floor_consolidate", "ours_reshard", "floor_reshard"), "median_s"),
-    ("training overhead per checkpoint, ms", ("train_ours_sync", "train_ours_async", "train_dcp_sync", "train_dcp_async"), "overhead_s"),
-)
+OURS, DCP, FLOOR = "C0", "C1", "k"
+# panel title -> series (method, value key, colour, line style, label suffix)
+PANELS: dict[str, tuple[tuple[str, str, str, str, str], ...]] = {
+    "save, ms": (
+        ("ours_save", "median_s", OURS, "o-", ""),
+        ("ours_async", "median_s", OURS, "o--", ""),
+        ("ours_async", "durable_median_s", OURS, ":", " until durable"),
+        ("dcp_save", "median_s", DCP, "s-", ""),
+        ("dcp_async", "median_s", DCP, "s--", ""),
+        ("dcp_async", "durable_median_s", DCP, ":", " until durable"),
+        ("floor_save", "median_s", FLOOR, "--", ""),
+    ),
+    "load, ms": (
+        ("ours_load_same", "median_s", OURS, "o-", ""),
+        ("ours_load_other", "median_s", OURS, "o--", ""),
+        ("dcp_load_same", "median_s", DCP, "s-", ""),
+        ("dcp_load_other", "median_s", DCP, "s--", ""),
+        ("floor_load", "median_s", FLOOR, "--", ""),
+    ),
+    "offline, ms": (
+        ("ours_consolidate", "median_s", OURS, "o-", ""),
+        ("dcp_to_torch_save", "median_s", DCP, "s-", ""),
+        ("floor_consolidate", "median_s", FLOOR, "--", ""),
+        ("ours_reshard", "median_s", "C2", "o-", ""),
+        ("floor_reshard", "median_s", "C2", ":", ""),
+    ),
+    "training overhead per checkpoint, ms": (
+        ("train_ours_sync", "overhead_s", OURS, "o-", ""),
+        ("train_ours_async", "overhead_s", OURS, "o--", ""),
+        ("train_dcp_sync", "overhead_s", DCP, "s-", ""),
+        ("train_dcp_async", "overhead_s", DCP, "s--", ""),
+    ),
+}
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
@@ -168,18 +206,19 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot written")
         return False
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(len(models), len(PANELS), figsize=(4.2 * len(PANELS), 3.6 * len(models) + 0.8), squeeze=False)
+    fig, axes = plt.subplots(len(models), len(PANELS), figsize=(4.4 * len(PANELS), 3.8 * len(models) + 0.6), squeeze=False)
     for ax_row, model in zip(axes, models):
-        for ax, (label, methods, key) in zip(ax_row, PANELS):
-            for method in methods:
+        for ax, (panel, series) in zip(ax_row, PANELS.items()):
+            for method, key, colour, style, suffix in series:
                 pts = sorted((r["world_size"], r[key] * 1e3) for r in rows
                              if r["model"] == model and r["method"] == method and r.get(key) is not None)
                 if pts:
-                    style = ("k--" if "floor" in method else "o-" if "ours" in method else "s-")
-                    ax.plot(*zip(*pts), style, label=LABELS[method], markersize=4, linewidth=2 if "ours" in method else 1.2)
-            ax.set_title(f"{model}: {label}", fontsize=9)
+                    ax.plot(*zip(*pts), style, color=colour, label=LABELS[method].split(",")[0] + suffix if suffix else LABELS[method], markersize=4,
+                            linewidth=2 if colour == OURS else 1.2)
+            ax.set_title(f"{model}: {panel}", fontsize=9)
             ax.set_xlabel("world size")
             ax.set_xticks(sorted({r["world_size"] for r in rows if r["model"] == model}))
+            ax.set_ylim(bottom=min(0, ax.get_ylim()[0]))
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=8)
