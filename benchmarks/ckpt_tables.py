@@ -12,7 +12,7 @@ from .report import spread
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.2f}"
+    return f"{seconds * 1e3:,.0f}" if abs(seconds) >= 0.01 else f"{seconds * 1e3:.2f}"
 
 
 def _mark(row: dict[str, Any]) -> str:
