@@ -16,7 +16,7 @@ from torch import nn
 from .flatten import StateKind, assemble
 from .fullstate import build_full_state
 from .interop import dict_source
-from .layout import ModelLayout, read_layout
+from .layout import ModelLayout, ShardBounds, read_layout
 from .local import LocalState, check_agreement, check_optimizer, group_members, read_local_state, summary_digest
 from .plan import cut_rank, optimizer_state_dict, plan
 from .preconditions import check_rank, check_root
@@ -74,14 +74,24 @@ def gather_full_optim_state_dict(
         flat_tensors = _gather_tensors(layout, local, recipient_rank, world_size, group)
     if flat_tensors is None:
         return None
-    flat_states = {
+    ranks = range(world_size) if layout.per_rank_units() else []
+    flat_states = _flat_states(layout, local, flat_tensors, None)
+    per_rank = {r: _flat_states(layout, local, flat_tensors, r) for r in ranks}
+    return build_full_state(layout, local.groups, flat_states, optimizer=type(optim).__name__, per_rank=per_rank)
+
+
+def _flat_states(
+    layout: ModelLayout, local: LocalState, flat_tensors: Mapping[tuple[int, str, int | None], torch.Tensor], rank: int | None
+) -> dict[int, dict[str, Any]]:
+    """``{flat: {key: flat full tensor or scalar}}``: shared flats (``rank`` None) or rank ``rank``'s per-rank flats."""
+    return {
         i: {
-            key: flat_tensors[(i, key)] if kind is StateKind.SHARDED else local.state[i][key]
+            key: flat_tensors[(i, key, rank)] if kind is StateKind.SHARDED else local.state[i][key]
             for key, kind, _ in local.summary[i]
         }
         for i in local.state
+        if layout.flat_params[i].per_rank == (rank is not None)
     }
-    return build_full_state(layout, local.groups, flat_states, optimizer=type(optim).__name__)
 
 
 def get_shard_from_optim_state_dict(
@@ -131,7 +141,8 @@ def get_shard_from_optim_state_dict(
 
 def _gather_tensors(
     layout: ModelLayout, local: LocalState, recipient_rank: int | None, world_size: int, group: Any
-) -> dict[tuple[int, str], torch.Tensor] | None:
+) -> dict[tuple[int, str, int | None], torch.Tensor] | None:
+    """Flat full tensors keyed ``(flat, key, None)``, and ``(flat, key, r)`` for rank r's per-rank flats."""
     if world_size > 1:
         digests = all_gather_digests(summary_digest(local.summary), group)
         if len(set(digests)) > 1:  # only then pay for the full summaries, to say what differs
@@ -139,29 +150,40 @@ def _gather_tensors(
     transfers, keys = [], []
     for i in sorted(local.state):
         flat = layout.flat_params[i]
-        bounds = tuple(flat.bounds(r) for r in range(flat.world_size))
         for key, kind, dtype in local.summary[i]:
-            if kind is StateKind.SHARDED:
-                transfers.append(Transfer(flat.numel, dtype, bounds, local.state[i][key].detach()))
-                keys.append((i, key))
+            if kind is not StateKind.SHARDED:
+                continue
+            mine = local.state[i][key].detach()
+            if flat.per_rank:  # each rank sends its own copy whole: one transfer per rank
+                for r in range(world_size):
+                    bounds = tuple(ShardBounds(0, flat.numel if s == r else 0, 0) for s in range(world_size))
+                    transfers.append(Transfer(flat.numel, dtype, bounds, mine))
+                    keys.append((i, key, r))
+            else:
+                bounds = tuple(flat.bounds(r) for r in range(flat.world_size))
+                transfers.append(Transfer(flat.numel, dtype, bounds, mine))
+                keys.append((i, key, None))
     gathered = gather_flat_tensors(transfers, recipient=recipient_rank, group=group)
     return None if gathered is None else dict(zip(keys, gathered))
 
 
 def _gather_objects(
     layout: ModelLayout, local: LocalState, recipient_rank: int | None, rank: int, group: Any
-) -> dict[tuple[int, str], torch.Tensor] | None:
+) -> dict[tuple[int, str, int | None], torch.Tensor] | None:
     received = broadcast_from_each_rank((local.summary, _shards(local)), group)
     check_agreement(layout, [summary for summary, _ in received])
     if recipient_rank is not None and rank != recipient_rank:
         return None
-    out = {}
+    out: dict[tuple[int, str, int | None], torch.Tensor] = {}
     for (i, key), own in _shards(local).items():
         flat = layout.flat_params[i]
-        if flat.world_size == 1:
-            out[(i, key)] = own[: flat.numel].to("cpu", copy=True)
+        if flat.per_rank:
+            for r, (_, shards) in enumerate(received):
+                out[(i, key, r)] = shards[(i, key)][: flat.numel].to("cpu", copy=True)
+        elif flat.world_size == 1:
+            out[(i, key, None)] = own[: flat.numel].to("cpu", copy=True)
         else:
-            out[(i, key)] = assemble(flat, [shards[(i, key)] for _, shards in received])
+            out[(i, key, None)] = assemble(flat, [shards[(i, key)] for _, shards in received])
     return out
 
 

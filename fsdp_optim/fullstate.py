@@ -19,19 +19,31 @@ over the *unwrapped* model, plus two extra keys that ``Optimizer.load_state_dict
 
 Parameter ids are numbered as torch numbers them: groups in order, each group's parameters in the
 unwrapped module's ``named_parameters()`` order, tied parameters once.
+
+A model with *per-rank* units (FSDP units over a process group of one rank inside a larger world, as
+mixture-of-experts models put their experts) has different values for the same names on every rank.
+Their ids are numbered like the others, but their state is kept for every rank, not in ``"state"``::
+
+        "per_rank_state": {0: {5: {"step": tensor(3.), "exp_avg": Tensor[12, 23], ...}}, 1: {5: {...}}},
+        "fsdp_optim": {..., "world_size": 2, "per_rank_units": ["moe.expert"]},
+
+Such a dict loads at its own world size only (rank r gets rank r's experts). ``Optimizer.load_state_dict``
+ignores the section, so one process without FSDP cannot resume the experts from it. Scalar states of a
+per-rank unit (``step``) must be equal on every rank, as the gather checks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .flatten import StateKind, clone_value, split
+from .flatten import StateKind, clone_value, same_scalar, show_value, split
 from .layout import ModelLayout, ParamSpec
 from .manifest import FlatRecord, GroupRecord, StateEntry, dtype_to_str
-from .plan import Source, plan_error, cut_rank, optimizer_state_dict, plan
+from .plan import Reader, Source, cut_rank, optimizer_state_dict, plan, plan_error
 from .preconditions import check_full_dict, check_version
 
 __all__ = [
@@ -47,6 +59,7 @@ __all__ = [
 
 FORMAT_KEY = "fsdp_optim"
 FORMAT_VERSION = 1
+PER_RANK_KEY = "per_rank_state"  # rank -> {id: entries} of per-rank units (MoE experts); absent without them
 # 0-dim states that torch's optimizers keep per parameter; used to read full dicts made without fsdp_optim.
 KNOWN_SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 FULL_DICT = "the full dict"  # how a full dict in memory is named in errors
@@ -58,54 +71,79 @@ def build_full_state(
     flat_states: Mapping[int, Mapping[str, Any]],
     *,
     optimizer: str | None,
+    per_rank: Mapping[int, Mapping[int, Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The full dict from each flat parameter's full state.
 
     ``flat_states[i]`` maps each state key of flat parameter ``i`` to either a flat full tensor (1-D,
     ``numel`` elements, padding already dropped) or a scalar (0-dim tensor / Python value). Flat
     tensors are split into views, so the result shares their storage; scalars are cloned per parameter
-    so that no two parameters alias one ``step`` tensor.
+    so that no two parameters alias one ``step`` tensor. ``per_rank[r]`` holds, the same way, rank
+    ``r``'s own copy of the per-rank flats (MoE experts); they go to ``"per_rank_state"[r]``.
+    """
+    names, out_groups, slots = _number(layout, groups)
+    scalar_keys: set[str] = set()
+    meta: dict[str, Any] = {"version": FORMAT_VERSION, "optimizer": optimizer, "world_size": layout.world_size}
+    full = {"state": _place(layout, slots, flat_states, scalar_keys), "param_groups": out_groups, "param_names": names}
+    if per_rank:
+        full[PER_RANK_KEY] = {r: _place(layout, slots, states, scalar_keys) for r, states in sorted(per_rank.items())}
+        meta["per_rank_units"] = layout.per_rank_units()
+    meta["scalar_keys"] = sorted(scalar_keys)
+    full[FORMAT_KEY] = meta
+    return full
+
+
+def _number(
+    layout: ModelLayout, groups: Sequence[GroupRecord]
+) -> tuple[dict[int, str], list[dict[str, Any]], dict[int, tuple[int, int]]]:
+    """Ids as torch numbers them: groups in order, each group's parameters in unwrapped-model order.
+
+    Returns ``(param_names, param_groups, slots)`` with ``slots[id] = (flat index, position in flat)``.
     """
     order = layout.order_index()
-    state: dict[int, dict[str, Any]] = {}
     names: dict[int, str] = {}
-    out_groups: list[dict[str, Any]] = []
-    scalar_keys: set[str] = set()
+    slots: dict[int, tuple[int, int]] = {}
+    out_groups = []
     for group in groups:
-        # (name, flat index, position in flat), in the unwrapped model's parameter order
         members = sorted(
             ((spec.name, i, p) for i in group.flat_indices for p, spec in enumerate(layout.flat_params[i].params)),
             key=lambda m: order[m[0]],
         )
-        splits: dict[int, dict[str, list[torch.Tensor]]] = {}
         ids = []
         for name, flat_index, position in members:
             pid = len(names)
+            names[pid], slots[pid] = name, (flat_index, position)
             ids.append(pid)
-            names[pid] = name
-            flat_state = flat_states.get(flat_index)
-            if not flat_state:
-                continue
-            if flat_index not in splits:
-                flat = layout.flat_params[flat_index]
-                splits[flat_index] = {k: split(flat, v) for k, v in flat_state.items() if _is_flat_full(v)}
-            state[pid] = {
-                key: splits[flat_index][key][position] if key in splits[flat_index] else clone_value(value)
-                for key, value in flat_state.items()
-            }
-            scalar_keys.update(key for key in flat_state if key not in splits[flat_index])
         out_group = {k: clone_value(v) for k, v in group.hyperparams.items()}
         out_group["params"] = ids
         if group.named:
             out_group["param_names"] = [names[i] for i in ids]
         out_groups.append(out_group)
-    meta = {
-        "version": FORMAT_VERSION,
-        "optimizer": optimizer,
-        "world_size": layout.world_size,
-        "scalar_keys": sorted(scalar_keys),
-    }
-    return {"state": state, "param_groups": out_groups, "param_names": names, FORMAT_KEY: meta}
+    return names, out_groups, slots
+
+
+def _place(
+    layout: ModelLayout,
+    slots: Mapping[int, tuple[int, int]],
+    flat_states: Mapping[int, Mapping[str, Any]],
+    scalar_keys: set[str],
+) -> dict[int, dict[str, Any]]:
+    """``{id: {key: view of the flat tensor shaped like the parameter, or a cloned scalar}}``."""
+    splits: dict[int, dict[str, list[torch.Tensor]]] = {}
+    state: dict[int, dict[str, Any]] = {}
+    for pid, (flat_index, position) in slots.items():
+        flat_state = flat_states.get(flat_index)
+        if not flat_state:
+            continue
+        if flat_index not in splits:
+            flat = layout.flat_params[flat_index]
+            splits[flat_index] = {k: split(flat, v) for k, v in flat_state.items() if _is_flat_full(v)}
+        state[pid] = {
+            key: splits[flat_index][key][position] if key in splits[flat_index] else clone_value(value)
+            for key, value in flat_state.items()
+        }
+        scalar_keys.update(key for key in flat_state if key not in splits[flat_index])
+    return state
 
 
 def _is_flat_full(value: Any) -> bool:
@@ -142,9 +180,10 @@ def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
 
     Every parameter is a source flat of its own (world size 1, offset 0), in ``param_names`` order;
     its state entries say sharded (with the state's shape and dtype) or scalar (with the value).
-    Checks the dict's own consistency (names, ids, groups, value kinds) and raises
-    ``ValueError`` (:func:`~fsdp_optim.plan.plan_error`) listing every problem; fit to a model is :func:`plan`'s job.
-    Nothing is copied: ``read`` copies straight from the dict's tensors.
+    Parameters of per-rank units are ``per_rank`` flats read from ``"per_rank_state"[rank]``.
+    Checks the dict's own consistency (names, ids, groups, value kinds, per-rank sections) and raises
+    ``ValueError`` (:func:`~fsdp_optim.plan.plan_error`) listing every problem; fit to a model is
+    :func:`plan`'s job. Nothing is copied: ``read`` copies straight from the dict's tensors.
     """
     check_full_dict(full, label)
     meta = read_meta(full, label)
@@ -153,17 +192,82 @@ def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
     names = _names(full, label, errors)
     index = {pid: i for i, pid in enumerate(names)}
     groups = _groups(full, index, label, errors)
+    sections = _per_rank_sections(full, meta, names, label, errors)
     state = full["state"]
-    flats = tuple(param_record(name, state.get(pid) or {}, scalar_keys, label, errors) for pid, name in names.items())
+    flats = []
+    for pid, name in names.items():
+        if sections and pid in sections[0]:
+            flats.append(_per_rank_record(name, [s[pid] for s in sections], scalar_keys, label, errors))
+        else:
+            flats.append(param_record(name, state.get(pid) or {}, scalar_keys, label, errors))
     if errors:
         raise plan_error(errors)
     ids = list(names)
 
-    def read(i: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
-        out.copy_(state[ids[i]][key].detach().reshape(-1)[start:stop])
+    def reader(entries_of: Mapping[Any, Any]) -> Reader:
+        def read(i: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+            out.copy_(entries_of[ids[i]][key].detach().reshape(-1)[start:stop])
+
+        return read
 
     optimizer = meta.get("optimizer") if meta else None
-    return Source(label, optimizer, flats, groups, read, shapes_known=False)
+    if not sections:
+        return Source(label, optimizer, tuple(flats), groups, reader(state), shapes_known=False)
+
+    def rank_reader(rank: int) -> Reader:
+        shared, own = reader(state), reader(sections[rank])
+        return lambda i, *rest: (own if flats[i].per_rank else shared)(i, *rest)
+
+    return Source(
+        label, optimizer, tuple(flats), groups, reader(state), len(sections), False, rank_reader=rank_reader
+    )
+
+
+def _per_rank_sections(
+    full: Mapping[str, Any], meta: Mapping[str, Any] | None, names: Mapping[Any, str], label: str, errors: list[str]
+) -> list[Mapping[Any, Any]]:
+    """``"per_rank_state"`` as one ``{id: entries}`` per rank 0..W-1 (empty without the section), checked."""
+    sections = full.get(PER_RANK_KEY)
+    if sections is None:
+        return []
+    world_size = meta.get("world_size") if meta else None
+    if not isinstance(sections, Mapping) or sorted(sections) != list(range(world_size or 0)) or world_size == 1:
+        found = sorted(sections) if isinstance(sections, Mapping) else type(sections).__name__
+        errors.append(f"{label}: '{PER_RANK_KEY}' must map every rank 0..W-1 of world size {world_size} (> 1), found {found}")
+        return []
+    ordered = [sections[r] for r in range(world_size)]
+    expected = set(ordered[0]) if isinstance(ordered[0], Mapping) else set()
+    for rank, section in enumerate(ordered):
+        if not isinstance(section, Mapping) or set(section) != expected:
+            errors.append(f"{label}: '{PER_RANK_KEY}'[{rank}] must hold the ids {sorted(expected)} like rank 0")
+            return []
+    for pid in sorted(expected, key=repr):
+        if pid not in names or pid in full["state"]:
+            where = "'param_names' does not name it" if pid not in names else "it also has shared 'state'"
+            errors.append(f"{label}: '{PER_RANK_KEY}' holds id {pid!r}, but {where}")
+    return ordered
+
+
+def _per_rank_record(
+    name: str, per_rank: Sequence[Any], scalar_keys: frozenset[str] | None, label: str, errors: list[str]
+) -> FlatRecord:
+    """One per-rank parameter as a source flat: rank 0's record, which every rank's must match."""
+    records = [param_record(name, entries, scalar_keys, label, errors) for entries in per_rank]
+    for rank, record in enumerate(records[1:], start=1):
+        for mine, theirs in zip(records[0].state, record.state):
+            same = (mine.key, mine.kind, mine.dtype, mine.shape) == (theirs.key, theirs.kind, theirs.dtype, theirs.shape)
+            if not same or (mine.kind is StateKind.SCALAR and not same_scalar(mine.value, theirs.value)):
+                errors.append(
+                    f"per-rank state '{mine.key}' of parameter '{name}' differs between rank 0 and rank {rank} in "
+                    f"{label}: {_entry_text(mine)} vs {_entry_text(theirs)}; only tensor values may differ per rank"
+                )
+        if [e.key for e in record.state] != [e.key for e in records[0].state]:
+            errors.append(f"per-rank state of parameter '{name}' has other keys on rank {rank} than on rank 0 in {label}")
+    return replace(records[0], per_rank=True)
+
+
+def _entry_text(entry: StateEntry) -> str:
+    return show_value(entry.value) if entry.kind is StateKind.SCALAR else f"{entry.dtype} {entry.shape}"
 
 
 def _names(full: Mapping[str, Any], label: str, errors: list[str]) -> dict[Any, str]:

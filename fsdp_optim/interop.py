@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .fullstate import build_full_state, full_dict_source, param_record
+from .fullstate import FORMAT_KEY, PER_RANK_KEY, build_full_state, full_dict_source, param_record
 from .flatten import same_scalar, show_value
 from .layout import ModelLayout
 from .manifest import GroupRecord
@@ -183,7 +183,12 @@ def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
     checked as every entry point checks it (:func:`~fsdp_optim.fullstate.full_dict_source`); tensors are
     shared with ``full``, not copied; ``full`` is not modified.
     """
-    full_dict_source(full)
+    if full_dict_source(full).rank_reader is not None:
+        raise ValueError(
+            f"the full dict holds per-rank state ('{PER_RANK_KEY}', MoE experts: each rank its own copy of "
+            f"{list(full[FORMAT_KEY].get('per_rank_units', []))}), which has no one name per parameter for FSDP2; "
+            "load it with fsdp_optim at its own world size instead"
+        )
     names = full["param_names"]
     state = {names[pid]: dict(entries) for pid, entries in full["state"].items()}
     groups = []

@@ -86,6 +86,9 @@ class FlatParamLayout:
     rank: int | None  # this process's rank among them; None when the record is rank-independent
     dtype: torch.dtype
     flattened: bool  # True for a FlatParameter, False for a parameter left as it is
+    # True for a unit over a process group of its own rank only inside a larger world (MoE experts):
+    # every rank holds different values for the same names, so every rank's copy is kept.
+    per_rank: bool = False
 
     @property
     def numel(self) -> int:
@@ -134,6 +137,10 @@ class ModelLayout:
 
     def order_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.param_order)}
+
+    def per_rank_units(self) -> list[str]:
+        """Units whose state differs per rank (see :attr:`FlatParamLayout.per_rank`)."""
+        return sorted({f.unit for f in self.flat_params if f.per_rank})
 
     def check_world_sizes(self) -> None:
         """Raise ``ValueError`` unless every unit is sharded over the root's world size or not at all."""
@@ -209,6 +216,8 @@ def read_layout(root: nn.Module) -> tuple[ModelLayout, list[nn.Parameter]]:
                     rank=instance.rank if sharded else 0,
                     dtype=param.dtype,
                     flattened=flattened,
+                    # Not sharded inside a larger world: its process group is this rank alone (MoE experts).
+                    per_rank=not sharded and root_world_size > 1,
                 )
             )
             live.append(param)

@@ -229,11 +229,21 @@ class FlatRecord(FlatParamLayout):
 
     def layout(self, rank: int) -> FlatParamLayout:
         """This unit as ``rank`` holds it, without the state entries."""
-        return FlatParamLayout(self.unit, self.params, self.world_size, None, self.dtype, self.flattened).at_rank(rank)
+        flat = FlatParamLayout(self.unit, self.params, self.world_size, None, self.dtype, self.flattened, self.per_rank)
+        return flat.at_rank(rank)
 
     @classmethod
     def from_layout(cls, flat: FlatParamLayout, state: Sequence[StateEntry] = ()) -> FlatRecord:
-        return cls(flat.unit, flat.params, flat.world_size, None, flat.dtype, flat.flattened, tuple(state))
+        return cls(
+            unit=flat.unit,
+            params=flat.params,
+            world_size=flat.world_size,
+            rank=None,
+            dtype=flat.dtype,
+            flattened=flat.flattened,
+            per_rank=flat.per_rank,
+            state=tuple(state),
+        )
 
     def entry(self, key: str) -> StateEntry:
         return next(e for e in self.state if e.key == key)
@@ -246,6 +256,7 @@ class FlatRecord(FlatParamLayout):
             "world_size": self.world_size,
             "numel": self.numel,
             "padding": self.padding(),
+            "per_rank": self.per_rank,
             "params": [{"name": p.name, "shape": list(p.shape), "numel": p.numel, "offset": p.offset} for p in self.params],
             "state": [e.to_dict() for e in self.state],
         }
@@ -263,6 +274,7 @@ class FlatRecord(FlatParamLayout):
             rank=None,
             dtype=dtype_from_str(_get(d, "dtype", str, where), where=where),
             flattened=_get(d, "flattened", bool, where),
+            per_rank=_get({"per_rank": False, **d}, "per_rank", bool, where),  # absent in files before MoE support
             state=tuple(StateEntry.from_dict(e, where=where) for e in _get(d, "state", (list, tuple), where)),
         )
         for key, expected in (("numel", record.numel), ("padding", record.padding())):
@@ -434,6 +446,8 @@ class Manifest:
                 "must appear once in both"
             )
         for i, flat in enumerate(self.flat_params):
+            if flat.per_rank and (flat.world_size != 1 or self.world_size == 1):
+                raise ValueError(f"{source}: unit '{flat.unit}' is per-rank, which needs world size 1 inside a larger world")
             if flat.world_size not in (1, self.world_size):
                 raise ValueError(
                     f"{source}: unit '{flat.unit}' is sharded over {flat.world_size} ranks, expected 1 or {self.world_size}"

@@ -84,8 +84,12 @@ def consolidate(
     with ShardedCheckpoint(path, max_mapped_bytes=max_mapped_bytes) as ckpt:
         layout = ckpt.manifest.layout(0)
         the_plan = plan(ckpt.source(), layout)
-        flat_states = assemble_full(the_plan, after_unit=_then(ckpt.trim, progress))
-    return build_full_state(layout, the_plan.groups, flat_states, optimizer=ckpt.manifest.optimizer)
+        after_unit = _then(ckpt.trim, progress)
+        flat_states = assemble_full(the_plan, after_unit=after_unit)
+        per_rank = None
+        if layout.per_rank_units():  # MoE experts: every rank's own copy, from its own file
+            per_rank = {r: assemble_full(the_plan, after_unit=after_unit, per_rank=r) for r in range(layout.world_size)}
+    return build_full_state(layout, the_plan.groups, flat_states, optimizer=ckpt.manifest.optimizer, per_rank=per_rank)
 
 
 def _then(first: Callable[[], None], second: Progress) -> Callable[[], None]:

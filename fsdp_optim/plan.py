@@ -82,6 +82,12 @@ class Source:
     # False: a parameter without state has an unknown shape (full dicts); state shapes are checked instead.
     shapes_known: bool = True
     load_rank: Callable[[int], Mapping[int, Mapping[str, Any]]] | None = field(default=None, compare=False)
+    # For sources with per-rank flats (MoE experts): the reader that reads rank r's own copy of them.
+    rank_reader: Callable[[int], Reader] | None = field(default=None, compare=False)
+
+    def reader(self, rank: int) -> Reader:
+        """What rank ``rank`` reads: its own copy of per-rank flats, the shared state of the others."""
+        return self.rank_reader(rank) if self.rank_reader is not None else self.read
 
     @classmethod
     def of_manifest(
@@ -90,10 +96,19 @@ class Source:
         label: str,
         read: Reader,
         load_rank: Callable[[int], Mapping[int, Mapping[str, Any]]] | None = None,
+        rank_reader: Callable[[int], Reader] | None = None,
     ) -> Source:
         """A sharded checkpoint's records (its manifest) as a source; ``read`` reads its rank files."""
         return cls(
-            label, manifest.optimizer, manifest.flat_params, manifest.groups, read, manifest.world_size, True, load_rank
+            label,
+            manifest.optimizer,
+            manifest.flat_params,
+            manifest.groups,
+            read,
+            manifest.world_size,
+            True,
+            load_rank,
+            rank_reader,
         )
 
 
@@ -144,7 +159,7 @@ def plan(
         order: a sort key per target flat for groups derived from the source.
 
     Raises ``ValueError`` (:func:`plan_error`) listing every problem found, each naming the parameter
-    with what was expected and what was found. Nothing is allocated before the plan exists.
+    with expected vs found. Nothing is allocated before the plan exists.
     """
     errors: list[str] = []
     _check_world_sizes(target, errors)
@@ -168,6 +183,7 @@ def plan(
         used = _sources_of(source, where, flat, needed, errors)
         if used is None:
             continue
+        _check_per_rank(source, target, flat, used, errors)
         group = _group_of(source, group_of, flat, used, errors)
         if members is None:
             if isinstance(group, int):
@@ -179,13 +195,9 @@ def plan(
             flats[t] = FlatPlan(entries, _segments(where, flat))
     if errors:
         raise plan_error(errors)
-
     if members is None:
-        key = (lambda t: order[t]) if order is not None else None
-        members = [sorted(m, key=key) for m in derived]
-    out_groups = tuple(
-        GroupRecord(g.hyperparams, tuple(m), g.named) for g, m in zip(source.groups, members, strict=True)
-    )
+        members = [sorted(m, key=(lambda t: order[t]) if order is not None else None) for m in derived]
+    out_groups = tuple(GroupRecord(g.hyperparams, tuple(m), g.named) for g, m in zip(source.groups, members, strict=True))
     return Plan(source, target, out_groups, flats, _is_identity(source, target))
 
 
@@ -222,6 +234,23 @@ def _sources_of(
         if s not in used:
             used.append(s)
     return used
+
+
+def _check_per_rank(
+    source: Source, target: ModelLayout, flat: FlatParamLayout, used: Sequence[int], errors: list[str]
+) -> None:
+    """Per-rank state (MoE experts: a unit over its own rank only) maps rank r to rank r, at the saved world size."""
+    kinds = {source.flats[s].per_rank for s in used}
+    if kinds != {flat.per_rank}:
+        saved = "per-rank (each rank its own copy)" if True in kinds else "shared by all ranks"
+        live = "per-rank" if flat.per_rank else "shared"
+        errors.append(f"{flat.describe()} is {live} in the model but its state is {saved} in {source.label}")
+    elif flat.per_rank and source.world_size != target.world_size:
+        errors.append(
+            f"{flat.describe()} holds per-rank state (MoE experts) saved by {source.world_size} ranks in "
+            f"{source.label}; each rank keeps its own copy, so it loads only at world size {source.world_size}, "
+            f"found {target.world_size}"
+        )
 
 
 def _group_of(
@@ -346,7 +375,7 @@ def cut_rank(
     Only the source elements that land in the rank's slice are read (through ``read``, default the
     source's own). ``after_unit`` runs after each flat (to release file mappings).
     """
-    read = read or plan.source.read
+    read = read or plan.source.reader(rank)
     out: dict[int, dict[str, Any]] = {}
     for t, flat_plan in plan.flats.items():
         bounds = plan.target.flat_params[t].bounds(rank if plan.target.flat_params[t].world_size > 1 else 0)
@@ -367,12 +396,21 @@ def cut_rank(
 
 
 def assemble_full(
-    plan: Plan, read: Reader | None = None, *, after_unit: Callable[[], None] | None = None
+    plan: Plan,
+    read: Reader | None = None,
+    *,
+    after_unit: Callable[[], None] | None = None,
+    per_rank: int | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Every target flat's full state ``{target flat index: {key: flat tensor (numel,) or scalar}}``, new memory."""
-    read = read or plan.source.read
+    """Every target flat's full state ``{target flat index: {key: flat tensor (numel,) or scalar}}``, new memory.
+
+    Shared flats only by default; with ``per_rank=r``, only the per-rank flats, as rank ``r`` holds them.
+    """
+    read = read or (plan.source.read if per_rank is None else plan.source.reader(per_rank))
     out: dict[int, dict[str, Any]] = {}
     for t, flat_plan in plan.flats.items():
+        if plan.target.flat_params[t].per_rank != (per_rank is not None):
+            continue
         numel = plan.target.flat_params[t].numel
         entries: dict[str, Any] = {}
         for e in flat_plan.entries:

@@ -41,6 +41,7 @@ from .manifest import (
     wrap,
 )
 from .plan import Source
+from .untrusted import UntrustedInputError, check_stored_bytes, load_untrusted, unreadable
 
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
@@ -121,16 +122,18 @@ class _RecordingWriter:
         self._file.flush()
 
 
-def load_file(path: str | os.PathLike[str], *, mmap: bool = False) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU; unreadable content raises ``ValueError`` naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as exc:  # a torn or foreign file: pickle, zip and weights_only errors alike
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path}: cannot be read with torch.load(weights_only=True): {first}") from exc
+def load_file(
+    path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, expected_bytes: int | None = None
+) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.untrusted`.
+
+    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` naming the file for content that
+    cannot be read, and :class:`~fsdp_optim.untrusted.UntrustedInputError` (a ``ValueError``) for a
+    file that is not a regular file (a FIFO, a directory; a symlink where ``follow_symlinks=False``),
+    exceeds a bound or holds what optimizer state does not (quantized, sparse, meta, complex tensors,
+    overlapping or zero-stride views, cycles, nesting).
+    """
+    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks, expected_bytes=expected_bytes)
 
 
 def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
@@ -225,6 +228,18 @@ def _nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if torch.is_tensor(value) else 0
 
 
+def _declared_bytes(manifest: Manifest) -> int:
+    """Bytes of sharded state the manifest says every rank file holds (one shard of each unit, padding
+    included; a unit over one rank whole): a file smaller than that was not written from this manifest."""
+    total = 0
+    for flat in manifest.flat_params:
+        shard_numel = -(-flat.numel // flat.world_size)
+        for e in flat.state:
+            if e.kind is StateKind.SHARDED:
+                total += shard_numel * dtype_from_str(e.dtype, where=e.key).itemsize  # type: ignore[arg-type]
+    return total
+
+
 class _RankFile:
     """One rank file, mapped lazily; its header is checked against the manifest on first use."""
 
@@ -237,8 +252,13 @@ class _RankFile:
 
     def open(self, *, mmap: bool) -> Mapping[str, Any]:
         if self.payload is None:
-            payload = load_file(self.path, mmap=mmap)
+            # A rank file's name comes from the manifest: it must be a regular file inside the directory.
+            payload = load_file(self.path, mmap=mmap, follow_symlinks=False)
             self._check_header(payload)
+            size = self.path.stat().st_size
+            if size != self.record.nbytes:
+                raise unreadable(self.path, f"it is {size} bytes, but the manifest records {self.record.nbytes}")
+            check_stored_bytes(str(self.path), _declared_bytes(self.manifest), size)
             self.payload = payload
         return self.payload
 
@@ -302,7 +322,9 @@ class ShardedCheckpoint:
     :meth:`trim` between units: mapped pages are dropped once they exceed ``max_mapped_bytes``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES, lazy: bool = False
+    ) -> None:
         self.directory = checkpoint_dir(path)
         self.manifest = read_manifest(path)
         if not self.manifest.files:
@@ -311,10 +333,23 @@ class ShardedCheckpoint:
         self._files = {f.rank: _RankFile(self.directory, f, self.manifest) for f in self.manifest.files}
         self._mapped = 0
         self.peak_mapped = 0
+        if not lazy:
+            self.open_all()
+
+    def open_all(self) -> None:
+        """Map every rank file and check its header and size against the manifest (no unit is read yet).
+
+        Done before anything is planned or allocated, unless ``lazy=True``: the manifest's shapes then
+        cannot make a reader allocate more than the rank files really hold. Only a reader that reads
+        nothing but its own rank's file (:meth:`load_rank`, a job at the saved layout) opens lazily.
+        """
+        for f in self._files.values():
+            f.open(mmap=True)
 
     def source(self) -> Source:
         """This checkpoint as a planning source (reads go through :meth:`copy_range`)."""
-        return Source.of_manifest(self.manifest, str(self.directory), self.copy_range, self.load_rank)
+        rank_reader = self.reader if any(f.per_rank for f in self.manifest.flat_params) else None
+        return Source.of_manifest(self.manifest, str(self.directory), self.copy_range, self.load_rank, rank_reader)
 
     def __enter__(self) -> ShardedCheckpoint:
         return self
@@ -335,12 +370,17 @@ class ShardedCheckpoint:
         return entries
 
     def _file_rank(self, rank: int, flat_index: int) -> int:
-        # A unit that is not sharded is stored whole in every rank file; read rank 0's.
-        return rank if self.manifest.flat_params[flat_index].world_size > 1 else 0
+        # A unit that is not sharded is stored whole in every rank file; read rank 0's, unless every
+        # rank holds its own copy (per-rank units, MoE experts).
+        flat = self.manifest.flat_params[flat_index]
+        return rank if flat.world_size > 1 or flat.per_rank else 0
 
     def load_rank(self, rank: int) -> dict[int, dict[str, Any]]:
         """Every unit of one rank file, read into memory (not mapped) and verified."""
         f = self._files[rank]
+        if f.payload is not None:  # mapped by open_all(): read the file again, into memory
+            f.release()
+            f.verified.clear()
         try:
             out = {}
             for i, flat in enumerate(self.manifest.flat_params):
@@ -350,6 +390,17 @@ class ShardedCheckpoint:
             return out
         finally:
             f.release()
+
+    def reader(self, rank: int) -> Callable[[int, str, int, int, torch.Tensor], None]:
+        """:meth:`copy_range`, except that per-rank units are read from rank ``rank``'s own file."""
+
+        def read(flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+            if self.manifest.flat_params[flat_index].per_rank:
+                out.copy_(self.unit(rank, flat_index)[key][start:stop])
+            else:
+                self.copy_range(flat_index, key, start, stop, out)
+
+        return read
 
     def copy_range(self, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Copy elements ``[start, stop)`` of flat parameter ``flat_index``'s full state ``key`` into ``out``."""
