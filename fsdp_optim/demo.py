@@ -24,6 +24,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import FullyShardedDataParallel as FSDP
+from . import gather_full_optim_state_dict, get_shard_from_optim_state_dict
 
 VOCAB, DIM, SEQ = 64, 96, 16
 
@@ -127,7 +129,26 @@ def compare_optim(full: dict, plain: dict) -> float:
     return worst
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@dataclass
+class Job:
+    """Where this process stands: its rank in the launched world, the checkpoint directory, the steps."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    backend: str
+    out: str
+    batch: int  # global batch: divisible by the world size and by the resumed world size
+    first: range  # steps before the checkpoint
+    second: range  # steps after it
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+
+def start(argv: Sequence[str] | None) -> Job:
+    """Parse the options, join the process group ``torchrun`` launched, agree on a checkpoint directory."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="steps before the checkpoint, and again after it")
     parser.add_argument("--out", default=None, help="checkpoint directory (default: a temporary one)")
@@ -138,94 +159,109 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--state-tolerance", type=float, default=1e-5)
     args = parser.parse_args(argv)
     # fairscale 0.4.13 calls APIs that torch 2.13 deprecates (TypedStorage, _reduce_scatter_base).
-    warnings.filterwarnings("ignore", message=".*TypedStorage.*")
-    warnings.filterwarnings("ignore", message=".*_reduce_scatter_base.*")
-    warnings.filterwarnings("ignore", message=".*_all_gather_base.*")
-
+    for message in (".*TypedStorage.*", ".*_reduce_scatter_base.*", ".*_all_gather_base.*"):
+        warnings.filterwarnings("ignore", message=message)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    batch = 4 * 2 * world  # divisible by the world size and by the resumed world size
-    say = print if rank == 0 else (lambda *a, **k: None)
-    out = args.out or (tempfile.mkdtemp(prefix="fsdp_optim_demo_") if rank == 0 else None)
-    box = [out]
+    box = [args.out or (tempfile.mkdtemp(prefix="fsdp_optim_demo_") if rank == 0 else None)]
     dist.broadcast_object_list(box, src=0)
-    out = box[0]
-    os.makedirs(out, exist_ok=True)
-    first, second = range(args.steps), range(args.steps, 2 * args.steps)
+    os.makedirs(box[0], exist_ok=True)
+    steps = args.steps
+    return Job(args, rank, world, backend, box[0], 4 * 2 * world, range(steps), range(steps, 2 * steps))
 
-    # 1. Train at the launched world size.
+
+def train_gather_and_save(job: Job) -> None:
+    """Steps 1-2: train at the launched world size, gather the full optimizer state, save both files."""
     model = wrap(build_model(), every=1, group=dist.group.WORLD)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
+    loss = train(model, optim, job.first, job.rank, job.world, job.batch)
     params = sum(p.numel() for p in build_model().parameters())
-    loss = train(model, optim, first, rank, world, batch)
     units = sum(isinstance(m, FSDP) for m in model.modules())
-    say(f"fsdp_optim demo: {plural(world)} ({backend}), {params / 1e6:.2f}M parameters in {units} FSDP units, Adam")
-    say(f"  trained steps {first.start}-{first.stop - 1} at {plural(world)}; loss {loss:.4f}")
-
-    # 2. Gather (both transports, timed) and save.
-    full, tensor_ms = timed_gather(model, optim, "tensor", args.repeats)
-    _, object_ms = timed_gather(model, optim, "object", args.repeats)
+    job.say(f"fsdp_optim demo: {plural(job.world)} ({job.backend}), {params / 1e6:.2f}M parameters in {units} FSDP units, Adam")
+    job.say(f"  trained steps {job.first.start}-{job.first.stop - 1} at {plural(job.world)}; loss {loss:.4f}")
+    full, tensor_ms = timed_gather(model, optim, "tensor", job.args.repeats)
+    _, object_ms = timed_gather(model, optim, "object", job.args.repeats)
     model_state = model.state_dict()
-    if rank == 0:
-        torch.save(model_state, os.path.join(out, "model.pt"))
-        torch.save(full, os.path.join(out, "optim.pt"))
-        say(
+    if job.rank == 0:
+        torch.save(model_state, os.path.join(job.out, "model.pt"))
+        torch.save(full, os.path.join(job.out, "optim.pt"))
+        job.say(
             f"  gathered the full optimizer state: {state_bytes(full) / 2**20:.1f} MiB, {len(full['param_names'])} "
             f"parameters; median latency {tensor_ms:.1f} ms (tensor transport) vs {object_ms:.1f} ms "
             f"(broadcast_object_list), {object_ms / tensor_ms:.1f}x"
         )
-        say(f"  saved model.pt and optim.pt to {out}")
-    del model, optim
+        job.say(f"  saved model.pt and optim.pt to {job.out}")
     dist.barrier()
 
-    # 3. Resume on fewer ranks with a different nesting.
-    resumed_world = max(1, world // 2)
-    group = dist.new_group(ranks=list(range(resumed_world)))
+
+def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict] | None:
+    """Step 3: half the ranks, every 2nd layer its own unit; load the shard cut from the full file, train on."""
+    resumed_world = max(1, job.world // 2)
+    group = dist.new_group(ranks=list(range(resumed_world)))  # collective: every rank creates it
     resumed = None
-    if rank < resumed_world:
+    if job.rank < resumed_world:
         model = wrap(build_model(), every=2, group=group)
-        model.load_state_dict(torch.load(os.path.join(out, "model.pt"), weights_only=True))
+        model.load_state_dict(torch.load(os.path.join(job.out, "model.pt"), weights_only=True))
         optim = torch.optim.Adam(model.parameters(), lr=3e-3)
-        saved = torch.load(os.path.join(out, "optim.pt"), weights_only=True)
-        optim.load_state_dict(model.get_shard_from_optim_state_dict(saved, optim=optim))
-        loss = train(model, optim, second, rank, resumed_world, batch)
-        resumed = (model.state_dict(), model.gather_full_optim_state_dict(optim))
-        say(f"  resumed at {plural(resumed_world)} (every 2nd layer its own unit), steps {second.start}-{second.stop - 1}; loss {loss:.4f}")
-    dist.barrier()
-
-    ok = True
-    if rank == 0:
-        # 4. Resume on one process without FSDP, and 5. compare with an uninterrupted run.
-        reference = build_model()
-        reference_optim = torch.optim.Adam(reference.parameters(), lr=3e-3)
-        train(reference, reference_optim, [*first, *second], 0, 1, batch)
-        plain = build_model()
-        plain.load_state_dict(torch.load(os.path.join(out, "model.pt"), weights_only=True))
-        plain_optim = torch.optim.Adam(plain.parameters(), lr=3e-3)
-        plain_optim.load_state_dict(torch.load(os.path.join(out, "optim.pt"), weights_only=True))
-        train(plain, plain_optim, second, 0, 1, batch)
-        control = build_model()
-        control.load_state_dict(torch.load(os.path.join(out, "model.pt"), weights_only=True))
-        train(control, torch.optim.Adam(control.parameters(), lr=3e-3), second, 0, 1, batch)
-        checks = {
-            f"resumed at {plural(resumed_world)} (FSDP)": (max_diff(resumed[0], reference.state_dict()), compare_optim(resumed[1], reference_optim.state_dict())),
-            "resumed on 1 process (no FSDP)": (max_diff(plain.state_dict(), reference.state_dict()), compare_optim(plain_optim.state_dict(), reference_optim.state_dict())),
-        }
-        for what, (param_diff, state_diff) in checks.items():
-            good = param_diff <= args.param_tolerance and state_diff <= args.state_tolerance
-            ok = ok and good
-            say(f"  {what}: max |param diff| {param_diff:.2e}, max |optimizer state diff| {state_diff:.2e} -> {'OK' if good else 'MISMATCH'}")
-        say(
-            f"  (control: resuming with a fresh optimizer instead gives max |param diff| "
-            f"{max_diff(control.state_dict(), reference.state_dict()):.2e}; bounds: params {args.param_tolerance:.0e}, "
-            f"state {args.state_tolerance:.0e})"
+        saved = torch.load(os.path.join(job.out, "optim.pt"), weights_only=True)
+        # The module function works on any fairscale FSDP root (ours, fairscale's own, a subclass).
+        optim.load_state_dict(get_shard_from_optim_state_dict(model, saved, optim=optim))
+        loss = train(model, optim, job.second, job.rank, resumed_world, job.batch)
+        resumed = (model.state_dict(), gather_full_optim_state_dict(model, optim))
+        job.say(
+            f"  resumed at {plural(resumed_world)} (every 2nd layer its own unit), steps "
+            f"{job.second.start}-{job.second.stop - 1}; loss {loss:.4f}"
         )
-        say("continuity verified against uninterrupted training" if ok else "continuity check FAILED")
-    box = [ok]
+    dist.barrier()
+    return resumed
+
+
+def verify(job: Job, resumed: tuple[dict, dict]) -> bool:
+    """Steps 4-5 (rank 0): resume on one process without FSDP; compare both resumes with uninterrupted training."""
+    model_file, optim_file = os.path.join(job.out, "model.pt"), os.path.join(job.out, "optim.pt")
+    reference = build_model()
+    reference_optim = torch.optim.Adam(reference.parameters(), lr=3e-3)
+    train(reference, reference_optim, [*job.first, *job.second], 0, 1, job.batch)
+    plain = build_model()
+    plain.load_state_dict(torch.load(model_file, weights_only=True))
+    plain_optim = torch.optim.Adam(plain.parameters(), lr=3e-3)
+    plain_optim.load_state_dict(torch.load(optim_file, weights_only=True))  # a plain optimizer loads it as is
+    train(plain, plain_optim, job.second, 0, 1, job.batch)
+    control = build_model()  # negative control: the same resume with a fresh optimizer must fail the check
+    control.load_state_dict(torch.load(model_file, weights_only=True))
+    train(control, torch.optim.Adam(control.parameters(), lr=3e-3), job.second, 0, 1, job.batch)
+    checks = {
+        f"resumed at {plural(max(1, job.world // 2))} (FSDP)": (resumed[0], resumed[1]),
+        "resumed on 1 process (no FSDP)": (plain.state_dict(), plain_optim.state_dict()),
+    }
+    ok = True
+    for what, (params, optim_state) in checks.items():
+        param_diff = max_diff(params, reference.state_dict())
+        state_diff = compare_optim(optim_state, reference_optim.state_dict())
+        good = param_diff <= job.args.param_tolerance and state_diff <= job.args.state_tolerance
+        ok = ok and good
+        job.say(
+            f"  {what}: max |param diff| {param_diff:.2e}, max |optimizer state diff| {state_diff:.2e} -> "
+            f"{'OK' if good else 'MISMATCH'}"
+        )
+    job.say(
+        f"  (control: resuming with a fresh optimizer instead gives max |param diff| "
+        f"{max_diff(control.state_dict(), reference.state_dict()):.2e}; bounds: params {job.args.param_tolerance:.0e}, "
+        f"state {job.args.state_tolerance:.0e})"
+    )
+    job.say("continuity verified against uninterrupted training" if ok else "continuity check FAILED")
+    return ok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    job = start(argv)
+    train_gather_and_save(job)
+    resumed = resume_on_fewer_ranks(job)
+    box = [verify(job, resumed) if job.rank == 0 else None]  # rank 0 belongs to the resumed group
     dist.broadcast_object_list(box, src=0)
     dist.destroy_process_group()
     return 0 if box[0] else 1
