@@ -344,7 +344,7 @@ def shard_full_state(
     layout: ModelLayout,
     full: Mapping[str, Any],
     *,
-    live_groups: Sequence[Sequence[int]] | None,
+    members: Sequence[Sequence[int]] | None,
     param_positions: Sequence[int],
     trainable: Sequence[bool],
 ) -> dict[str, Any]:
@@ -353,7 +353,7 @@ def shard_full_state(
     Args:
         layout: the model as it is wrapped now (any world size, any nesting), at this rank.
         full: a full dict (see the module docstring). Never modified.
-        live_groups: flat indices per param group of the live sharded optimizer, in its order, or
+        members: flat indices per param group of the live sharded optimizer, in its order, or
             ``None`` to derive the groups from ``full`` and order flat parameters by ``param_positions``.
         param_positions: a sort key per flat parameter (its position in ``model.parameters()``).
         trainable: ``requires_grad`` per flat parameter; frozen ones may be absent from ``full``.
@@ -361,6 +361,6 @@ def shard_full_state(
     Returns ``{"state": {local_id: {key: shard or scalar}}, "param_groups": [{..., "params": [ids]}]}``,
     ready for ``optim.load_state_dict``. Every tensor is new memory.
     """
-    the_plan = plan(full_dict_source(full), layout, members=live_groups, required=trainable, order=param_positions)
+    the_plan = plan(full_dict_source(full), layout, members=members, required=trainable, order=param_positions)
     assert layout.rank is not None, "shard_full_state needs a layout at one rank"
     return optimizer_state_dict(the_plan, cut_rank(the_plan, layout.rank))

@@ -276,7 +276,7 @@ def shard_all_ranks(model: Synthetic, wrapping: Wrapping, full: dict[str, Any]) 
         shard_full_state(
             wrapping.layout(model, rank),
             full,
-            live_groups=wrapping.live_groups,
+            members=wrapping.live_groups,
             param_positions=wrapping.positions,
             trainable=wrapping.trainable(model),
         )
@@ -478,8 +478,8 @@ def test_ids_follow_param_positions_without_live_optimizer(
     common = {"param_positions": wrapping.positions, "trainable": wrapping.trainable(model)}
     for rank in range(world_size):
         layout = wrapping.layout(model, rank)
-        derived = shard_full_state(layout, full, live_groups=None, **common)
-        explicit = shard_full_state(layout, full, live_groups=by_position, **common)
+        derived = shard_full_state(layout, full, members=None, **common)
+        explicit = shard_full_state(layout, full, members=by_position, **common)
         assert_identical(derived, explicit, f"rank {rank}")
 
 
