@@ -17,12 +17,12 @@ from torch import nn
 
 from .interop import dict_source
 from .layout import ModelLayout, read_layout
-from .local import check_agreement, check_optimizer, group_members, read_local_state
+from .local import LocalState, check_agreement, check_optimizer, group_members, read_local_state
 from .manifest import MANIFEST_NAME, GroupRecord, Manifest, state_entries, wrap
 from .plan import Plan, cut_rank, optimizer_state_dict, plan
 from .preconditions import check_rank, check_root
 from .storage import ShardedCheckpoint, atomic_save, load_file, new_save_id, write_manifest, write_shard_file
-from .transport import agree, broadcast_object, gather_objects, scatter_objects
+from .transport import agree, broadcast_object, dist_rank_and_size, gather_objects, scatter_objects
 
 __all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state", "scatter_full_optim_state"]
 
@@ -73,8 +73,17 @@ def save_sharded_optim_state(fsdp: nn.Module, optim: torch.optim.Optimizer, dire
     Cost: three small object collectives (save id, per-rank summaries to rank 0, outcome) and each
     rank's own file write.
     """
-    check_root(fsdp)
+    layout, local = read_for_save(fsdp, optim)
     directory = Path(directory)
+    group, rank = fsdp.process_group, fsdp.rank  # type: ignore[attr-defined]
+    save_id = broadcast_object(new_save_id() if rank == 0 else None, src=0, group=group)
+    state = {i: {key: _own(v) for key, v in entries.items()} for i, entries in local.state.items()}
+    return commit_save(layout, local, state, type(optim).__name__, directory, save_id, group)
+
+
+def read_for_save(fsdp: nn.Module, optim: torch.optim.Optimizer) -> tuple[ModelLayout, LocalState]:
+    """The layout and this rank's optimizer state, checked to be savable (local; reads only)."""
+    check_root(fsdp)
     layout, params = read_layout(fsdp)
     layout.check_world_sizes()
     local = read_local_state(layout, params, optim.state_dict(), optim.param_groups)
@@ -84,14 +93,26 @@ def save_sharded_optim_state(fsdp: nn.Module, optim: torch.optim.Optimizer, dire
     for i, entries in local.state.items():
         for key, value in entries.items():
             _check_loadable(value, f"optim: state '{key}' of {layout.flat_params[i].describe()}")
-    group, rank, world_size = fsdp.process_group, fsdp.rank, fsdp.world_size  # type: ignore[attr-defined]
+    return layout, local
 
-    save_id = broadcast_object(new_save_id() if rank == 0 else None, src=0, group=group)
+
+def commit_save(
+    layout: ModelLayout,
+    local: LocalState,
+    state: Mapping[int, Mapping[str, Any]],
+    optimizer: str,
+    directory: Path,
+    save_id: str,
+    group: Any,
+) -> Path:
+    """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``), then, once every rank's
+    file is durable, rank 0's manifest (last). A collective over ``group``: a failure on any rank raises
+    on every rank, and then no manifest was written. Shared by the synchronous and asynchronous saves."""
+    rank, world_size = dist_rank_and_size(group)
     failure: Exception | None = None
     record = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        state = {i: {key: _own(v) for key, v in entries.items()} for i, entries in local.state.items()}
         record = write_shard_file(directory, state, save_id=save_id, rank=rank, world_size=world_size)
     except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
         failure = exc
@@ -101,7 +122,7 @@ def save_sharded_optim_state(fsdp: nn.Module, optim: torch.optim.Optimizer, dire
             if world_size > 1:
                 check_agreement(layout, [summary for summary, _ in reports])  # type: ignore[union-attr]
             files = [r for _, r in reports]  # type: ignore[union-attr]
-            write_manifest(directory, _manifest(layout, local.groups, local.state, optim, save_id, files))
+            write_manifest(directory, _manifest(layout, local.groups, state, optimizer, save_id, files))
         except Exception as exc:
             failure = exc
     agree(failure, group=group, what="save_sharded_optim_state failed, no checkpoint was written")
@@ -112,13 +133,13 @@ def _manifest(
     layout: ModelLayout,
     groups: tuple[GroupRecord, ...],
     state: Mapping[int, Mapping[str, Any]],
-    optim: torch.optim.Optimizer,
+    optimizer: str,
     save_id: str,
     files: list[Any],
 ) -> Manifest:
     entries = {i: state_entries(layout.flat_params[i], values) for i, values in state.items()}
     return Manifest.from_layout(
-        layout.at_rank(0), save_id=save_id, optimizer=type(optim).__name__, state=entries, groups=groups, files=files
+        layout.at_rank(0), save_id=save_id, optimizer=optimizer, state=entries, groups=groups, files=files
     )
 
 

@@ -32,6 +32,8 @@ __all__ = [
     "all_gather_objects",
     "broadcast_from_each_rank",
     "broadcast_object",
+    "dist_rank_and_size",
+    "new_gloo_group",
     "gather_flat_tensors",
     "gather_objects",
     "scatter_objects",
@@ -60,6 +62,18 @@ def all_gather_digests(digest: int, group: dist.ProcessGroup | None) -> list[int
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(out, mine, group=group)
     return out.tolist()
+
+
+def new_gloo_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new gloo group over the ranks of ``group`` (a collective over the default group: every process
+    calls it, in the same order), for work that must not share ``group`` with the training loop."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def dist_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size."""
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:

@@ -1,0 +1,157 @@
+"""Asynchronous sharded save: training blocks only while this rank's state is copied into host memory.
+
+``async_save_sharded_optim_state(fsdp, optim, directory)`` checks the state (as the synchronous save
+does), agrees on a save id, copies this rank's shards into staging buffers that are kept and reused
+across saves (pinned when CUDA is present), and returns an :class:`AsyncSave` handle. A background
+thread then writes, checksums and fsyncs the rank file and, once every rank's file is durable, rank 0
+commits the manifest (last, atomically): the same files, atomicity and clean-up as
+:func:`fsdp_optim.save_sharded_optim_state`, which this shares its commit with. The optimizer may step
+while the upload runs.
+
+Thread, not process: the upload is file I/O, hashing and pickling of a few small dicts; ``write``,
+``fsync`` and ``hashlib`` over large buffers release the GIL, so a thread competes little with the
+training loop (measured in ``benchmarks/checkpoint.py``'s training-overhead table) and needs neither a
+second copy of the state in shared memory nor a process start per save.
+
+Coordination runs on a gloo process group of its own (created once per root process group, like
+torchtitan's), never on the training group, so the background thread's collectives cannot interleave
+with the training loop's. At most one save per process is in flight: a new one first waits for the
+previous one, whose failure, if nobody called ``wait()``, is raised then.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .sharded import commit_save, read_for_save
+from .storage import new_save_id
+from .transport import broadcast_object, new_gloo_group
+
+__all__ = ["AsyncSave", "async_save_sharded_optim_state"]
+
+
+class AsyncSave:
+    """The handle of one asynchronous save: :meth:`wait` for its manifest path, :meth:`done` to poll."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._finished = threading.Event()
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def _run(self, upload: Any) -> None:
+        try:
+            self._result = upload()
+        except BaseException as exc:  # surfaced by wait(), on this rank and (through agree) every rank
+            self._error = exc
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        """Whether the upload has finished (successfully or not); never blocks."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until the checkpoint is committed; return the manifest path, or raise the save's error.
+
+        Every rank raises when any rank failed (no manifest was written then). ``TimeoutError`` if
+        ``timeout`` seconds pass first (the save goes on).
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"async save into {self.directory} still running after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self._result is not None, "a finished save without an error has a manifest"
+        return self._result
+
+
+class _Staging:
+    """Host buffers for one root's shards, kept across saves: ``(flat, key)`` -> a tensor of that shape/dtype."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def copy(self, state: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = {}
+        for i, entries in state.items():
+            out[i] = {}
+            for key, value in entries.items():
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    out[i][key] = value.detach().clone() if torch.is_tensor(value) else value
+                    continue
+                buffer = self.buffers.get((i, key))
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
+                    self.buffers[(i, key)] = buffer
+                buffer.copy_(value.detach(), non_blocking=buffer.is_pinned())
+                out[i][key] = buffer
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # pinned copies were non-blocking
+        return out
+
+
+_lock = threading.Lock()
+_inflight: dict[int, AsyncSave] = {}  # id(root) -> its save in flight
+_staging: dict[int, _Staging] = {}  # id(root) -> its reusable buffers
+_groups: dict[Any, Any] = {}  # root process group -> the checkpoint coordination group
+
+
+def _checkpoint_group(fsdp: nn.Module) -> Any:
+    group = fsdp.process_group  # type: ignore[attr-defined]
+    if group not in _groups:
+        _groups[group] = new_gloo_group(group)
+    return _groups[group]
+
+
+def async_save_sharded_optim_state(
+    fsdp: nn.Module, optim: torch.optim.Optimizer, directory: str | os.PathLike[str]
+) -> AsyncSave:
+    """Start saving this rank's optimizer shard (and, on rank 0, the manifest) in the background.
+
+    A collective: call on every rank. Returns once this rank's state is staged in host memory; then
+    the optimizer may step. ``handle.wait()`` returns the manifest path (on every rank) or raises the
+    save's error on every rank; ``handle.done()`` polls. The checkpoint is the optimizer's state at the
+    time of this call. A second save while one is in flight waits for the first (and raises its error
+    if it failed and nobody called ``wait()``). A process that exits or is killed mid-upload leaves
+    the previous checkpoint in ``directory`` loadable (the manifest is committed last).
+
+    The first call creates a gloo process group for checkpoint coordination over the root's ranks
+    (a collective over the default group: every process of the job must make that first call).
+    """
+    key = id(fsdp)
+    previous = _inflight.get(key)
+    if previous is not None:
+        _wait_previous(previous)
+    layout, local = read_for_save(fsdp, optim)
+    group = _checkpoint_group(fsdp)
+    rank = fsdp.rank  # type: ignore[attr-defined]
+    save_id = broadcast_object(new_save_id() if rank == 0 else None, src=0, group=group)
+    staged = _staging.setdefault(key, _Staging()).copy(local.state)
+    handle = AsyncSave(Path(directory))
+    upload = lambda: commit_save(  # noqa: E731 - the thread's whole job, in one call
+        layout, local, staged, type(optim).__name__, Path(directory), save_id, group
+    )
+    with _lock:
+        _inflight[key] = handle
+    threading.Thread(target=handle._run, args=(upload,), name=f"fsdp_optim-async-save-{save_id[:8]}").start()
+    return handle
+
+
+def _wait_previous(previous: AsyncSave) -> None:
+    """Let the previous save finish; raise its error now if nobody has seen it yet."""
+    previous._finished.wait()
+    if previous._error is not None and not previous._reported:
+        previous._reported = True
+        raise RuntimeError(
+            f"the previous async save into {previous.directory} failed and nobody called wait(): "
+            f"{type(previous._error).__name__}: {previous._error}"
+        ) from previous._error
