@@ -6,11 +6,22 @@ setup(
     description="Portable, world-size-independent optimizer state for fairscale FullyShardedDataParallel",
     packages=find_packages(include=["fsdp_optim", "fsdp_optim.*"]),
     python_requires=">=3.10",
-    # torch is pinned exactly: a CPU wheel of this version is what our machines and CI carry.
-    install_requires=["torch==2.13.0", "fairscale==0.4.13", "tqdm"],
+    # Ranges, not pins: a library installs beside the user's own torch. CI tests the exact versions in
+    # constraints.txt (torch 2.13.0, fairscale 0.4.13).
+    install_requires=[
+        # Lower bound: host execution subclasses torch.Stream and builds one for the CPU (torch.Stream("cpu")),
+        # which torch can do since 2.4 (device-generic torch.Stream, pytorch PR #123611); below that,
+        # torch.load(..., mmap=True) (offline reads) needs 2.1. Only 2.13.0 is tested here.
+        "torch>=2.4",
+        # fairscale's private FSDP attributes (flat-parameter layout, streams, bucketer) are read or
+        # switched in layout.read_layout and _host.py; they are stable across 0.4.x only.
+        "fairscale>=0.4.13,<0.5",
+        "tqdm>=4",
+    ],
     entry_points={"console_scripts": ["fsdp-optim = fsdp_optim.cli:main"]},
     extras_require={
-        "test": ["pytest", "parameterized", "hypothesis"],
+        # ruff and mypy run in CI before pytest (.ci/run); exact versions come from constraints.txt.
+        "test": ["pytest", "parameterized", "hypothesis", "ruff", "mypy"],
         "bench": ["matplotlib"],
     },
 )

@@ -10,19 +10,22 @@
   ``save_layout``, ``from_fairscale`` (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
 - ``host_execution()`` (or ``enable_host_execution()`` / ``disable_host_execution()``): a reversible switch
   that runs fairscale's own ``FullyShardedDataParallel`` on CPU with gloo.
+
+Names are imported on first use (PEP 562): ``import fsdp_optim`` loads neither torch nor fairscale, the
+offline functions (``consolidate``, ``reshard``, ``from_fairscale``, ...) load torch but not fairscale or
+the collectives module, and only the in-job functions and the FSDP class bring those in.
 """
 
-from ._host import disable_host_execution, enable_host_execution, host_execution
-from .api import gather_full_optim_state_dict, get_shard_from_optim_state_dict
-from .fsdp import FullyShardedDataParallel
-from .fullstate import FORMAT_VERSION
-from .interop import from_fairscale, to_named
-from .offline import consolidate, reshard
-from .sharded import load_sharded_optim_state, save_layout, save_sharded_optim_state, scatter_full_optim_state
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "AsyncSave",
     "FORMAT_VERSION",
     "FullyShardedDataParallel",
+    "async_save_sharded_optim_state",
     "consolidate",
     "disable_host_execution",
     "enable_host_execution",
@@ -38,3 +41,49 @@ __all__ = [
     "to_named",
 ]
 __version__ = "0.1.0"
+
+# Public name -> the submodule that defines it.
+_HOME = {
+    "AsyncSave": "async_save",
+    "FORMAT_VERSION": "fullstate",
+    "async_save_sharded_optim_state": "async_save",
+    "FullyShardedDataParallel": "fsdp",
+    "consolidate": "offline",
+    "disable_host_execution": "_host",
+    "enable_host_execution": "_host",
+    "from_fairscale": "interop",
+    "gather_full_optim_state_dict": "api",
+    "get_shard_from_optim_state_dict": "api",
+    "host_execution": "_host",
+    "load_sharded_optim_state": "sharded",
+    "reshard": "offline",
+    "save_layout": "sharded",
+    "save_sharded_optim_state": "sharded",
+    "scatter_full_optim_state": "sharded",
+    "to_named": "interop",
+}
+assert sorted(_HOME) == sorted(__all__), "every public name needs a home module"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'fsdp_optim' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # type checkers and IDEs see the real names
+    from .async_save import AsyncSave, async_save_sharded_optim_state
+    from ._host import disable_host_execution, enable_host_execution, host_execution
+    from .api import gather_full_optim_state_dict, get_shard_from_optim_state_dict
+    from .fsdp import FullyShardedDataParallel
+    from .fullstate import FORMAT_VERSION
+    from .interop import from_fairscale, to_named
+    from .offline import consolidate, reshard
+    from .sharded import load_sharded_optim_state, save_layout, save_sharded_optim_state, scatter_full_optim_state

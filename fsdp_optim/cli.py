@@ -1,13 +1,19 @@
 """``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
 
     fsdp-optim inspect PATH [--units]
-    fsdp-optim consolidate DIR -o FILE
-    fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH]
+    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME]
+    fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
     fsdp-optim convert SRC -o FILE [--layout PATH] [--optimizer NAME] [--to full|named]
+
+A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
+every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
 
 Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
 70 an internal error (with its traceback). Every file is read with ``torch.load(..., weights_only=True)``.
 Progress bars appear on a terminal only.
+
+A dispatcher: torch and the package's modules are imported by the verb that needs them, so ``--help``
+and argument errors cost no more than starting Python, and no verb imports fairscale or the collectives.
 """
 
 from __future__ import annotations
@@ -20,17 +26,10 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .flatten import StateKind
-from .fullstate import read_meta
-from .interop import from_fairscale, is_fairscale_native, to_named
-from .manifest import HEADER_KEY, Manifest, dtype_to_str
-from .offline import consolidate, reshard, resolve_layout
-from .preconditions import is_full_dict
-from .storage import atomic_save, load_file, read_manifest, source_kind
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 __all__ = ["main"]
 
@@ -69,6 +68,8 @@ def _step_text(steps: Sequence[Any]) -> str:
 
 
 def _scalar(value: Any) -> Any:
+    import torch
+
     return value.item() if torch.is_tensor(value) and value.dim() == 0 else value
 
 
@@ -77,6 +78,9 @@ def _scalar(value: Any) -> Any:
 
 
 def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: bool) -> None:
+    from .flatten import StateKind
+    from .manifest import dtype_to_str
+
     keys: dict[str, str] = {}
     steps = []
     for flat in manifest.flat_params:
@@ -85,12 +89,13 @@ def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: b
             if e.key == "step":
                 steps.append(_scalar(e.value))
     padding = sum(sum(f.padding()) for f in manifest.flat_params)
+    with_state = sum(len(f.params) for f in manifest.flat_params if f.state)
     out += [
         f"format: {what} (version {manifest.version})",
         f"optimizer: {manifest.optimizer or 'unknown'}",
         f"world size: {manifest.world_size}",
         f"units: {len({f.unit for f in manifest.flat_params})} ({len(manifest.flat_params)} flat parameters)",
-        f"params: {len(manifest.param_order)} ({sum(len(f.params) for f in manifest.flat_params if f.state)} with state)",
+        f"params: {len(manifest.param_order)} ({with_state} with state)",
         f"param groups: {len(manifest.groups)}",
         f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
         f"step: {_step_text(steps)}",
@@ -103,11 +108,22 @@ def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: b
         for i, f in enumerate(manifest.flat_params):
             state = ",".join(e.key for e in f.state) or "-"
             out.append(
-                f"{f.unit or '<root>'} | {i} | {len(f.params)} | {f.numel} | {f.world_size} | {f.padding()} | {dtype_to_str(f.dtype)} | {state}"
+                f"{f.unit or '<root>'} | {i} | {len(f.params)} | {f.numel} | {f.world_size} | {f.padding()} | "
+                f"{dtype_to_str(f.dtype)} | {state}"
             )
 
 
+_NEEDS_LAYOUT = (
+    "--layout PATH (a sharded checkpoint or layout file of the same model, wrapped the same way; see save_layout)"
+)
+
+
 def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
+    import torch
+
+    from .fullstate import read_meta
+    from .interop import is_fairscale_native
+
     meta = read_meta(obj) or {}
     keys: dict[str, str] = {}
     steps = []
@@ -122,10 +138,14 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
                 if key == "step":
                     steps.append(_scalar(value[0] if isinstance(value, list) else value))
     native = is_fairscale_native(obj)
-    what = "fairscale-native full dict (convert it with 'fsdp-optim convert')" if native else (
-        f"fsdp_optim full dict (version {meta.get('version')})" if meta else "plain optimizer state dict"
+    what = (
+        "fairscale-native full dict (from fairscale's gather_full_optim_state_dict: parameters numbered in "
+        "FSDP-instance order, without names)"
+        if native
+        else f"fsdp_optim full dict (version {meta.get('version')})" if meta else "plain optimizer state dict"
     )
-    n_params = len(obj.get("param_names") or obj.get("param_id_map") or [p for g in obj["param_groups"] for p in g["params"]])
+    members = [p for g in obj["param_groups"] for p in g["params"]]
+    n_params = len(obj.get("param_names") or obj.get("param_id_map") or members)
     out += [
         f"format: {what}",
         f"optimizer: {meta.get('optimizer') or 'unknown'}",
@@ -136,9 +156,14 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
         f"step: {_step_text(steps)}",
         f"state bytes: {human_bytes(nbytes)}",
     ]
+    if native:
+        out.append(f"needs: {_NEEDS_LAYOUT} to convert, consolidate or reshard it; --optimizer NAME records its class")
 
 
 def _inspect(args: argparse.Namespace) -> list[str]:
+    from .manifest import HEADER_KEY
+    from .storage import load_file, read_manifest, source_kind
+
     path = Path(args.path)
     out = [f"path: {path}"]
     if source_kind(path) == "sharded":
@@ -166,21 +191,74 @@ def _inspect(args: argparse.Namespace) -> list[str]:
 # the other verbs
 
 
+def _native(path: str | os.PathLike[str]) -> Mapping[str, Any] | None:
+    """The fairscale-native dict in the file at ``path``; ``None`` for anything else, including a path
+    that cannot be read (the verb itself then says what is wrong with it)."""
+    from .interop import is_fairscale_native
+    from .storage import load_file, source_kind
+
+    try:
+        if source_kind(path) != "file":
+            return None
+        obj = load_file(path, mmap=True)
+    except (ValueError, TypeError, OSError):
+        return None
+    return obj if is_fairscale_native(obj) else None
+
+
+def _from_native(native: Mapping[str, Any], args: argparse.Namespace, source: str, verb: str) -> tuple[Any, Any]:
+    """(our full dict, the model's layout) for a fairscale-native ``source``; ``--layout`` is required."""
+    from .interop import from_fairscale
+    from .offline import resolve_layout
+
+    if args.layout is None:
+        raise ValueError(
+            f"layout: {source} is a fairscale-native dict, which names no parameters; to {verb} it, fsdp-optim needs "
+            f"{_NEEDS_LAYOUT}"
+        )
+    layout = resolve_layout(args.layout)
+    return from_fairscale(native, layout, optimizer=args.optimizer), layout
+
+
 def _consolidate(args: argparse.Namespace) -> list[str]:
-    with _progress("consolidate") as progress:
-        full = consolidate(args.directory, progress=progress)
+    from .offline import consolidate
+    from .storage import atomic_save
+
+    native = _native(args.directory)
+    if native is not None:
+        full, _ = _from_native(native, args, args.directory, "consolidate")
+    else:
+        if args.layout is not None or args.optimizer is not None:
+            raise ValueError(f"layout: {args.directory}: --layout and --optimizer are for a fairscale-native dict only")
+        with _progress("consolidate") as progress:
+            full = consolidate(args.directory, progress=progress)
     size = atomic_save(full, args.output)
-    return [f"wrote {args.output}: {len(full['param_names'])} params, {len(full['state'])} with state, {human_bytes(size)}"]
+    params, with_state = len(full["param_names"]), len(full["state"])
+    return [f"wrote {args.output}: {params} params, {with_state} with state, {human_bytes(size)}"]
 
 
 def _reshard(args: argparse.Namespace) -> list[str]:
+    from .offline import reshard
+    from .storage import read_manifest
+
+    source, layout = args.source, args.layout
+    native = _native(source)
+    if native is not None:
+        source, layout = _from_native(native, args, args.source, "reshard")
+    elif args.optimizer is not None:
+        raise ValueError(f"{args.source}: --optimizer is for a fairscale-native dict only (other sources record it)")
     with _progress(f"reshard -> {args.world_size} ranks") as progress:
-        manifest = reshard(args.source, args.world_size, args.output, layout=args.layout, progress=progress)
+        manifest = reshard(source, args.world_size, args.output, layout=layout, progress=progress)
     files = read_manifest(manifest).files
     return [f"wrote {args.output}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]
 
 
 def _convert(args: argparse.Namespace) -> list[str]:
+    from .interop import is_fairscale_native, to_named
+    from .offline import consolidate
+    from .preconditions import is_full_dict
+    from .storage import atomic_save, load_file, source_kind
+
     source = Path(args.source)
     if source_kind(source) == "sharded":
         with _progress("consolidate") as progress:
@@ -189,12 +267,7 @@ def _convert(args: argparse.Namespace) -> list[str]:
     else:
         obj = load_file(source, mmap=True)
         if is_fairscale_native(obj):
-            if args.layout is None:
-                raise ValueError(
-                    f"{source}: a fairscale-native dict needs --layout (a sharded checkpoint or layout file of the "
-                    "same model, wrapped the same way)"
-                )
-            full = from_fairscale(obj, resolve_layout(args.layout), optimizer=args.optimizer)
+            full, _ = _from_native(obj, args, str(source), "convert")
             origin = "fairscale-native dict"
         elif is_full_dict(obj):
             if args.to == "full":
@@ -220,15 +293,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a sharded checkpoint directory, a full dict, a fairscale-native dict or a layout file")
     p.add_argument("--units", action="store_true", help="also list every FSDP unit")
     p.set_defaults(run=_inspect)
-    p = verbs.add_parser("consolidate", help="sharded checkpoint directory -> one full dict file")
-    p.add_argument("directory")
+    p = verbs.add_parser(
+        "consolidate", help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file"
+    )
+    p.add_argument("directory", help="a sharded checkpoint directory, or a fairscale-native dict file with --layout")
     p.add_argument("-o", "--output", required=True, help="the full dict file to write")
+    p.add_argument("--layout", help="for a fairscale-native dict: a sharded checkpoint or layout file of the model")
+    p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
     p.set_defaults(run=_consolidate)
     p = verbs.add_parser("reshard", help="sharded directory or full dict -> sharded directory for M ranks")
-    p.add_argument("source", help="a sharded checkpoint directory or a full dict file")
+    p.add_argument("source", help="a sharded checkpoint directory, a full dict file or a fairscale-native dict file")
     p.add_argument("--world-size", type=int, required=True, metavar="M")
     p.add_argument("-o", "--output", required=True, help="the directory to write (not the source's)")
-    p.add_argument("--layout", help="for a full dict: a sharded checkpoint or layout file of the same model")
+    p.add_argument(
+        "--layout", help="for a full or fairscale-native dict: a sharded checkpoint or layout file of the same model"
+    )
+    p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
     p.set_defaults(run=_reshard)
     p = verbs.add_parser("convert", help="fairscale-native dict -> full dict; full dict -> name-keyed (FSDP2/DCP)")
     p.add_argument("source", help="a fairscale-native dict, a full dict or a sharded checkpoint directory")

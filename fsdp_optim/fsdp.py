@@ -13,8 +13,7 @@ from typing import Any, Literal
 import torch
 from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 
-from . import _host
-from . import api
+from . import _host, api
 
 __all__ = ["FullyShardedDataParallel"]
 
