@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import resource
 import shutil
 import tempfile

@@ -31,8 +31,8 @@ def _job(rank: int, world_size: int, model_name: str, repeats: int, out: str) ->
     import torch.distributed as dist
 
     from benchmarks.models import build, parse_model, train, wrap_fairscale
+    from fsdp_optim import FullyShardedDataParallel as FSDP
     from fsdp_optim import (
-        FullyShardedDataParallel as FSDP,
         consolidate,
         load_sharded_optim_state,
         reshard,

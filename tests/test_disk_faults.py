@@ -469,7 +469,7 @@ def test_a_failed_write_raises_everywhere_and_keeps_the_previous_checkpoint(fail
     assert _digests(f.failing_job, "loaded") == [f.saved], f"{f.how}: the job resumed from something else"
     failed = [m for m in f.failing_job if m[0] == "failed"]
     assert len(failed) == WORLD_SIZE, f"{f.how}: {f.failing_job}"
-    for rank, (_, raised, changed, _) in enumerate(failed):
+    for _, raised, changed, _ in failed:
         assert raised is not None, f"{f.how}: a rank's save returned although a write failed"
         assert changed is None, f"{f.how}: a rank's optimizer changed: {changed}"
     # After the failed save, in the same job, the directory loads back to the previous checkpoint.

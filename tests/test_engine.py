@@ -12,14 +12,14 @@ from __future__ import annotations
 import copy
 from unittest import mock
 
+import _models as M
 import pytest
 import torch
-
-import _models as M
 from _checks import assert_identical
 from _dist import run_ranks
-from fsdp_optim import consolidate, reshard, scatter_full_optim_state
-from fsdp_optim import fullstate, plan as plan_module
+
+from fsdp_optim import consolidate, fullstate, reshard, scatter_full_optim_state
+from fsdp_optim import plan as plan_module
 from fsdp_optim.fullstate import FORMAT_KEY, FORMAT_VERSION, full_dict_source
 from fsdp_optim.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.manifest import Manifest

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import _models as M
 import pytest
 import torch.distributed as dist
-
-import _models as M
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import io
 
+import _models as M
 import pytest
 import torch
-from parameterized import parameterized
-
-import _models as M
 from _checks import assert_full_matches_plain, assert_identical, assert_unchanged, snapshot
 from _dist import run_ranks
+from parameterized import parameterized
 
 
 def _skip_unused_if_flat(flatten: bool):

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import run_ranks
 from torch import nn
 
-from _dist import run_ranks
 from fsdp_optim import FullyShardedDataParallel as FSDP
 
 WORLD_SIZE = 2

@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
+from torch import nn
+
+from fsdp_optim import FullyShardedDataParallel as FSDP
 from fsdp_optim import (
-    FullyShardedDataParallel as FSDP,
     consolidate,
     load_sharded_optim_state,
     reshard,

@@ -36,12 +36,12 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from _checks import assert_identical
 from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _checks import assert_identical
 from fsdp_optim.flatten import StateKind, assemble, cut, split
 from fsdp_optim.fullstate import FORMAT_KEY, FORMAT_VERSION, build_full_state, shard_full_state
 from fsdp_optim.layout import FlatParamLayout, ModelLayout, ParamSpec, shard_bounds

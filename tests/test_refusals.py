@@ -19,14 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import _models as M
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import _models as M
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
+from torch import nn
+
 from fsdp_optim import FullyShardedDataParallel as FSDP
 
 WORLD_SIZE = 2

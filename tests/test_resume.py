@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import _models as M
 import pytest
 import torch
-
-import _models as M
 from _checks import assert_full_matches_plain
 from _dist import run_ranks
 
