@@ -14,6 +14,7 @@ Vocabulary, for one flat parameter of ``numel`` elements sharded over ``W`` rank
 from __future__ import annotations
 
 import copy
+import struct
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any
@@ -59,17 +60,32 @@ def clone_value(value: Any) -> Any:
 
 
 def same_scalar(a: Any, b: Any) -> bool:
-    """Whether two scalar states are the same value: tensors of one dtype and value, or equal Python values."""
+    """Whether two scalar states are the same value, bit for bit: tensors of one dtype, shape and bytes,
+    Python floats of one bit pattern (so NaN equals the same NaN, and 0.0 differs from -0.0), other
+    values equal and of one type; tuples and lists element by element."""
     if torch.is_tensor(a) and torch.is_tensor(b):
-        return a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
-    if torch.is_tensor(a) or torch.is_tensor(b):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+        if a.dtype.is_floating_point or a.dtype.is_complex:  # bytes, not ==: NaN is NaN
+            return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+        return bool(torch.equal(a, b))
+    if torch.is_tensor(a) or torch.is_tensor(b) or type(a) is not type(b):
         return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same_scalar(x, y) for x, y in zip(a, b))
     return bool(a == b)
 
 
 def show_value(value: Any) -> str:
-    """A scalar state for an error message: ``2.0 (torch.float32)`` for a tensor, ``repr`` otherwise."""
-    return f"{value.item()!r} ({value.dtype})" if torch.is_tensor(value) else repr(value)
+    """A scalar state for an error message: ``2.0 (torch.float32)`` for a 0-dim tensor, ``repr`` otherwise."""
+    if torch.is_tensor(value):
+        if value.dim() != 0:
+            return f"a tensor of shape {tuple(value.shape)} ({value.dtype})"
+        return f"{value.item()!r} ({value.dtype})"
+    return repr(value)
 
 
 def split(layout: FlatParamLayout, flat_full: torch.Tensor) -> list[torch.Tensor]:

@@ -45,6 +45,7 @@ from .layout import ModelLayout, ParamSpec
 from .manifest import FlatRecord, GroupRecord, StateEntry, dtype_to_str
 from .plan import Reader, Source, cut_rank, optimizer_state_dict, plan, plan_error
 from .preconditions import check_full_dict, check_version
+from .untrusted import check_state_dict
 
 __all__ = [
     "FORMAT_KEY",
@@ -186,6 +187,7 @@ def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
     :func:`plan`'s job. Nothing is copied: ``read`` copies straight from the dict's tensors.
     """
     check_full_dict(full, label)
+    check_state_dict(full, label)  # bounded walk, tensors, skeleton types: before anything else reads it
     meta = read_meta(full, label)
     scalar_keys = frozenset(meta["scalar_keys"]) if meta and "scalar_keys" in meta else None
     errors: list[str] = []

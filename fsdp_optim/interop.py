@@ -35,6 +35,7 @@ from .flatten import same_scalar, show_value
 from .layout import ModelLayout
 from .manifest import GroupRecord
 from .plan import Source, plan_error, assemble_full, plan
+from .untrusted import check_state_dict
 
 __all__ = ["fairscale_source", "from_fairscale", "is_fairscale_native", "to_named"]
 
@@ -78,6 +79,7 @@ def fairscale_source(
     native: Mapping[str, Any], layout: ModelLayout, *, optimizer: str | None = None, step_dtype: torch.dtype = torch.float32
 ) -> Source:
     """A fairscale-native dict as a planning source: one source flat per parameter, named from ``layout``."""
+    check_state_dict(native, NATIVE)  # bounded walk, tensors, skeleton types: before anything else reads it
     slots = _check_native(native, layout)
     state = native["state"]
     errors: list[str] = []
@@ -190,13 +192,18 @@ def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
             "load it with fsdp_optim at its own world size instead"
         )
     names = full["param_names"]
-    state = {names[pid]: dict(entries) for pid, entries in full["state"].items()}
+    state = {names[pid]: {k: _detached(v) for k, v in entries.items()} for pid, entries in full["state"].items()}
     groups = []
     for group in full["param_groups"]:
-        out = {key: v for key, v in group.items() if key not in ("params", "param_names")}
+        out = {key: _detached(v) for key, v in group.items() if key not in ("params", "param_names")}
         out["params"] = [names[pid] for pid in group["params"]]
         groups.append(out)
     return {"state": state, "param_groups": groups}
+
+
+def _detached(value: Any) -> Any:
+    # The value itself, or one sharing its memory without its autograd history.
+    return value.detach() if torch.is_tensor(value) and value.requires_grad else value
 
 
 def dict_source(obj: Any, layout: ModelLayout, *, label: str, optimizer: str | None = None) -> Source:

@@ -52,6 +52,7 @@ import torch
 from .flatten import StateKind, classify_flat_state, clone_value
 from .layout import FlatParamLayout, ModelLayout, ParamSpec
 from .preconditions import check_version, check_world_size
+from .untrusted import ALLOWED_DTYPES
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -93,8 +94,8 @@ def dtype_to_str(dtype: torch.dtype) -> str:
 
 def dtype_from_str(name: str, *, where: str) -> torch.dtype:
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}: expected a dtype name such as 'float32', found {name!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in ALLOWED_DTYPES:
+        raise ValueError(f"{where}: expected the name of a real dtype such as 'float32', found {name!r}")
     return dtype
 
 
@@ -203,7 +204,13 @@ class StateEntry:
         if kind == StateKind.SCALAR.value:
             if "value" not in d:
                 raise ValueError(f"{where}: scalar state entry has no 'value'")
-            return cls(_get(d, "key", str, where), StateKind.SCALAR, value=d["value"])
+            value = d["value"]
+            if torch.is_tensor(value) and value.dim() != 0:
+                raise ValueError(
+                    f"{where}: scalar state '{d.get('key')}' is a tensor of shape {tuple(value.shape)}, expected a "
+                    "0-dim tensor or a number"
+                )
+            return cls(_get(d, "key", str, where), StateKind.SCALAR, value=value)
         raise ValueError(f"{where}: state kind must be 'sharded' or 'scalar', found {kind!r}")
 
 
@@ -267,6 +274,9 @@ class FlatRecord(FlatParamLayout):
         where = f"{where} (unit '{unit or '<root>'}')"
         world_size = _get(d, "world_size", int, where)
         check_world_size(f"{where}: world_size", world_size)
+        padding = _get(d, "padding", (list, tuple), where)
+        if len(padding) != world_size:  # before anything is computed per declared rank
+            raise ValueError(f"{where}: 'padding' lists {len(padding)} ranks, expected {world_size} (its world size)")
         record = cls(
             unit=unit,
             params=_param_specs(_get(d, "params", (list, tuple), where), where),

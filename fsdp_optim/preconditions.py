@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .untrusted import check_world_size_bound
+
 __all__ = [
     "FULL_DICT_KEYS",
     "check_full_dict",
@@ -47,9 +49,11 @@ def check_rank(name: str, value: Any, world_size: int, *, allow_none: bool = Fal
 
 
 def check_world_size(name: str, value: Any) -> None:
-    """Refuse a world size that is not an int >= 1."""
+    """Refuse a world size that is not an int >= 1, or above the sane bound
+    :data:`fsdp_optim.untrusted.MAX_WORLD_SIZE` (one rank file per rank)."""
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
+    check_world_size_bound(name, value)
 
 
 def check_version(version: Any, source: str, latest: int) -> None:

@@ -180,13 +180,14 @@ def load_sharded_optim_state(
     layout, params = read_layout(fsdp)
     members = group_members(optim.param_groups, params)
     rank = fsdp.rank  # type: ignore[attr-defined]
-    with ShardedCheckpoint(path) as ckpt:
+    with ShardedCheckpoint(path, lazy=True) as ckpt:  # lazy: at the saved layout a rank reads only its own file
         check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
         the_plan = plan(ckpt.source(), layout, members=members)
         if the_plan.identity:
             own = ckpt.load_rank(rank)
             state = {i: own[i] for i in the_plan.flats}
         else:
+            ckpt.open_all()  # before cut_rank allocates what the manifest declares
             state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
     optim.load_state_dict(optimizer_state_dict(the_plan, state))
 

@@ -41,7 +41,7 @@ from .manifest import (
     wrap,
 )
 from .plan import Source
-from .untrusted import UntrustedInputError, check_stored_bytes, load_untrusted, unreadable
+from .untrusted import check_stored_bytes, check_tree, load_untrusted
 
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
@@ -122,18 +122,15 @@ class _RecordingWriter:
         self._file.flush()
 
 
-def load_file(
-    path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, expected_bytes: int | None = None
-) -> Any:
+def load_file(path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.untrusted`.
 
-    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` naming the file for content that
-    cannot be read, and :class:`~fsdp_optim.untrusted.UntrustedInputError` (a ``ValueError``) for a
-    file that is not a regular file (a FIFO, a directory; a symlink where ``follow_symlinks=False``),
+    Raises ``FileNotFoundError`` for nothing there, and ``ValueError`` naming the file for content that
+    cannot be read, for a file that is not a regular file (a FIFO, a directory; a symlink where ``follow_symlinks=False``),
     exceeds a bound or holds what optimizer state does not (quantized, sparse, meta, complex tensors,
     overlapping or zero-stride views, cycles, nesting).
     """
-    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks, expected_bytes=expected_bytes)
+    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks)
 
 
 def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
@@ -176,7 +173,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
                 f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME}; a save that never finished leaves none)"
             )
         raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
-    _, body = unwrap(load_file(file), "manifest", source=str(file))
+    obj = load_file(file)
+    read_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
+    check_tree(obj, str(file))
+    _, body = unwrap(obj, "manifest", source=str(file))
     return Manifest.from_dict(body, source=str(file))
 
 
@@ -255,16 +255,15 @@ class _RankFile:
             # A rank file's name comes from the manifest: it must be a regular file inside the directory.
             payload = load_file(self.path, mmap=mmap, follow_symlinks=False)
             self._check_header(payload)
-            size = self.path.stat().st_size
-            if size != self.record.nbytes:
-                raise unreadable(self.path, f"it is {size} bytes, but the manifest records {self.record.nbytes}")
-            check_stored_bytes(str(self.path), _declared_bytes(self.manifest), size)
+            # What the manifest's shapes make readers allocate is bounded by what the files really hold.
+            check_stored_bytes(str(self.path), _declared_bytes(self.manifest), self.path.stat().st_size)
             self.payload = payload
         return self.payload
 
     def _check_header(self, payload: Any) -> None:
         where = str(self.path)
         head, checksum = read_header(payload, "shard", source=where, covered="unit_checksums", what="fsdp_optim rank file")
+        check_tree(payload, where)
         if "state" not in payload:
             raise ValueError(f"{where}: expected an fsdp_optim rank file, found keys {sorted(map(str, payload))}")
         expected = {

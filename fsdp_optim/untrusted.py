@@ -1,0 +1,518 @@
+"""The gate for what fsdp_optim does not trust: file contents and the objects they (or callers) hand over.
+
+Pure: no ``torch.distributed``; opens files only to read them. Every reader goes through here before it
+allocates anything whose size a file (or a dict) merely *declares*:
+
+- :func:`load_untrusted` (what ``storage.load_file`` does): the path is a regular file (never a FIFO,
+  device, socket or directory; a rank file never a symlink); its size is what the manifest recorded;
+  its zip records are stored uncompressed, lie inside the file and do not overlap (so storages cost at
+  most the file's own bytes); its pickle names only the globals an optimizer checkpoint needs (real
+  dtypes, dense tensors, ``OrderedDict``), scanned opcode by opcode before anything is unpickled; then
+  ``torch.load(weights_only=True)`` and :func:`check_tree` on what it returned.
+- :func:`check_tree`: one walk, memoized by identity (a shared object is visited once, but counted once
+  per reference, so a structure whose expansion is exponential is refused in linear time), iterative
+  (no recursion), refusing cycles, nesting deeper than :data:`MAX_DEPTH` and more than :data:`MAX_NODES`
+  references; then :func:`check_tensor` on every tensor: strided, dense and non-overlapping, inside its
+  storage, of an allowed dtype (:data:`ALLOWED_DTYPES`), not quantized/sparse/meta/nested/a subclass;
+  and no two multi-element tensors share memory (nor is one referenced twice).
+- :func:`check_state_dict`: the above plus the types a state dict's skeleton must have (ids, keys,
+  param groups), so a mistyped dict is refused naming where, instead of failing deep inside.
+- :func:`check_world_size_bound`, :func:`check_stored_bytes`: declared world sizes and state bytes
+  against :data:`MAX_WORLD_SIZE` and the files' real sizes.
+
+Every refusal is a ``ValueError`` naming the file or dict, the place
+inside it and what was expected and found; a file torch cannot parse at all is a ``ValueError`` saying
+it "cannot be read with torch.load(weights_only=True)". :func:`escape` makes untrusted text safe to print.
+"""
+
+from __future__ import annotations
+
+import os
+import pickletools
+import stat
+import struct
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "MAX_DEPTH",
+    "MAX_NODES",
+    "MAX_RECORDS",
+    "MAX_WORLD_SIZE",
+    "check_state_dict",
+    "check_stored_bytes",
+    "check_tensor",
+    "check_tree",
+    "check_world_size_bound",
+    "describe_file",
+    "escape",
+    "load_untrusted",
+    "open_regular",
+]
+
+# Bounds. Real checkpoints stay far below them; each one caps what a crafted input can make us spend.
+MAX_DEPTH = 32  # containers nested in a loaded object (a full dict is 5 deep, a manifest 9)
+MAX_NODES = 1 << 22  # references a walk may visit, a shared object counted once per reference (~800k params)
+MAX_WORLD_SIZE = 1 << 16  # declared or requested world sizes (rank file names hold 5 digits: 99999 at most)
+MAX_RECORDS = 1 << 20  # zip records in one file (a rank file holds one per tensor)
+
+ALLOWED_DTYPES = frozenset(
+    {
+        torch.float16, torch.bfloat16, torch.float32, torch.float64,
+        torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
+        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    }
+)  # fmt: skip
+
+
+def unreadable(where: Any, reason: str) -> ValueError:
+    return ValueError(f"{where}: cannot be read with torch.load(weights_only=True): {reason}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Printing untrusted text
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape(text: str, *, limit: int = 4096) -> str:
+    """``text`` with control characters (C0, DEL, C1, bidirectional overrides) shown as escapes, so a
+    parameter name cannot move the cursor, recolour or rewrite a terminal; cut to ``limit`` characters."""
+    out = []
+    for ch in text[:limit]:
+        code = ord(ch)
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif code < 0x20 or 0x7F <= code < 0xA0:
+            out.append(f"\\x{code:02x}")
+        elif 0x202A <= code <= 0x202E or 0x2066 <= code <= 0x2069 or code in (0x200E, 0x200F, 0x061C):
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out) + (f"... ({len(text) - limit} more characters)" if len(text) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files
+
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> tuple[int, os.stat_result]:
+    """An open descriptor of ``path`` and its ``fstat``, refusing anything but a regular file.
+
+    Opened non-blocking (a FIFO cannot hang the caller) and, with ``follow_symlinks=False``, without
+    following a final symlink. Raises ``FileNotFoundError`` for nothing there and
+    ``ValueError`` for the wrong kind of file.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except OSError as exc:
+        kind = _kind_of(path)
+        if kind is not None:
+            raise ValueError(f"{path}: is {kind}, expected a regular file") from None
+        raise OSError(exc.errno, f"{path}: cannot open it: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}: is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a regular file')}, expected a regular file")
+    return fd, st
+
+
+def _kind_of(path: str | os.PathLike[str]) -> str | None:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+@dataclass(frozen=True)
+class _Record:
+    name: str
+    offset: int  # of its data
+    size: int
+
+
+def _zip_records(fd: int, size: int, where: str) -> list[_Record]:
+    """The records of a ``torch.save`` zip file, each checked to be stored, inside the file and disjoint."""
+    with open(fd, "rb", closefd=False) as f:
+        try:
+            with zipfile.ZipFile(f) as z:
+                infos = z.infolist()
+        except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on garbage
+            raise unreadable(where, f"not a torch.save zip file ({type(exc).__name__}: {exc})") from None
+    if len(infos) > MAX_RECORDS:
+        raise ValueError(f"{where}: holds {len(infos)} zip records, more than the bound {MAX_RECORDS}")
+    records = []
+    for info in infos:
+        name = escape(info.filename, limit=200)
+        if info.flag_bits & 0x1:
+            raise ValueError(f"{where}: zip record '{name}' is encrypted")
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise ValueError(
+                f"{where}: zip record '{name}' is compressed (method {info.compress_type}, {info.compress_size} bytes "
+                f"declaring {info.file_size}); torch.save stores records uncompressed, and a compressed one could inflate"
+            )
+        header = os.pread(fd, 30, info.header_offset)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise unreadable(where, f"zip record '{name}' has no local header at offset {info.header_offset}")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        offset = info.header_offset + 30 + name_len + extra_len
+        if offset + info.file_size > size:
+            raise ValueError(
+                f"{where}: zip record '{name}' declares {info.file_size} bytes at offset {offset}, past the end of "
+                f"the {size}-byte file"
+            )
+        records.append(_Record(info.filename, offset, info.file_size))
+    records.sort(key=lambda r: r.offset)
+    for a, b in zip(records, records[1:]):
+        if a.offset + a.size > b.offset:
+            raise ValueError(
+                f"{where}: zip records '{escape(a.name, limit=200)}' and '{escape(b.name, limit=200)}' overlap "
+                "(one file's bytes counted twice)"
+            )
+    return records
+
+
+# Globals a torch.save file of optimizer state names: dense tensors of real dtypes and OrderedDict.
+_REAL_STORAGES = {"FloatStorage", "DoubleStorage", "HalfStorage", "BFloat16Storage", "ByteStorage", "CharStorage",
+                  "ShortStorage", "IntStorage", "LongStorage", "BoolStorage"}  # fmt: skip
+_ALLOWED_GLOBALS = (
+    {("collections", "OrderedDict"), ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch", "Tensor")}
+    | {("torch._tensor", "_rebuild_from_type_v2")}  # a tensor with Python attributes (a model's state_dict)
+    | {("torch._utils", f) for f in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")}
+    | {("torch", s) for s in _REAL_STORAGES}
+    | {("torch", str(d).removeprefix("torch.")) for d in ALLOWED_DTYPES}
+)
+_REFUSED_GLOBALS = {
+    "_rebuild_qtensor": "a quantized tensor",
+    "_rebuild_sparse_tensor": "a sparse tensor",
+    "_get_layout": "a sparse tensor",
+    "_rebuild_meta_tensor_no_storage": "a meta tensor (a shape without data)",
+    "_rebuild_nested_tensor": "a nested tensor",
+    "_rebuild_wrapper_subclass": "a tensor subclass",
+    "_rebuild_device_tensor_from_numpy": "a tensor rebuilt from numpy",
+    "_rebuild_device_tensor_from_cpu_tensor": "a tensor converted on load",
+    "_rebuild_parameter_with_state": "a parameter with Python state",
+    "bytearray": "a bytearray (its size is an argument: it could allocate anything)",
+    "complex": "a complex number",
+}
+
+
+def _refused_global(module: str, name: str) -> str:
+    if name in _REFUSED_GLOBALS:
+        return _REFUSED_GLOBALS[name]
+    if name.startswith(("Q", "qu", "qi")) or "quint" in name or "qint" in name:
+        return "a quantized tensor"
+    if "omplex" in name:
+        return "a complex tensor"
+    if module.startswith("torch.sparse") or module.startswith("torch.cuda.sparse"):
+        return "a sparse tensor"
+    return "an object that optimizer state does not hold"
+
+
+def _opcodes(data: bytes, where: str) -> Iterator[tuple[Any, Any]]:
+    ops = pickletools.genops(data)
+    while True:
+        try:
+            op, arg, _ = next(ops)
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - a torn pickle: genops raises ValueError and friends
+            raise unreadable(where, f"its pickle is malformed ({type(exc).__name__}: {exc})") from None
+        yield op, arg
+
+
+def _scan_pickle(data: bytes, where: str) -> None:
+    """Refuse a pickle that names a global outside :data:`_ALLOWED_GLOBALS`, before anything is unpickled."""
+    for op, arg in _opcodes(data, where):
+        if op.name == "GLOBAL":
+            module, _, name = str(arg).partition(" ")
+            if (module, name) not in _ALLOWED_GLOBALS:
+                raise ValueError(
+                    f"{where}: holds {_refused_global(module, name)} ({escape(module, limit=80)}."
+                    f"{escape(name, limit=80)}), which fsdp_optim does not read"
+                )
+        elif op.name in ("STACK_GLOBAL", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID"):
+            raise ValueError(f"{where}: its pickle uses {op.name}, which torch.save does not write")
+
+
+def load_untrusted(path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, after the file checks in the module docstring
+    and before returning, :func:`check_tree` on the result (``disjoint=False``: the caller checks that
+    once it knows the file's kind); no returned tensor requires grad.
+
+    The file is opened once: the checks and the load read the same file even if the
+    path is renamed meanwhile (on Linux, where ``/proc/self/fd`` exists, for ``mmap`` too).
+    """
+    where = str(path)
+    fd, st = open_regular(path, follow_symlinks=follow_symlinks)
+    try:
+        records = _zip_records(fd, st.st_size, where)
+        pickles = [r for r in records if r.name.endswith("/data.pkl") and r.name.count("/") == 1]
+        if len(pickles) != 1:
+            raise unreadable(where, f"expected one data.pkl record in the zip file, found {len(pickles)}")
+        _scan_pickle(os.pread(fd, pickles[0].size, pickles[0].offset), where)
+        try:
+            if mmap:
+                proc = f"/proc/self/fd/{fd}"
+                obj = torch.load(proc if os.path.exists(proc) else path, map_location="cpu", weights_only=True, mmap=True)
+            else:
+                os.lseek(fd, 0, os.SEEK_SET)
+                with open(fd, "rb", closefd=False) as f:
+                    obj = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a torn or foreign file: pickle, zip and weights_only errors alike
+            text = str(exc).strip()
+            raise unreadable(where, escape(text.splitlines()[0], limit=300) if text else type(exc).__name__) from None
+    finally:
+        os.close(fd)
+    for t, _ in check_tree(obj, where, disjoint=False):
+        if t.requires_grad:  # a file holds values, never autograd state (leaves: this is allowed)
+            t.requires_grad_(False)
+    return obj
+
+
+def check_stored_bytes(where: str, declared: int, actual: int) -> None:
+    """Refuse a file that is to hold ``declared`` bytes of state but has only ``actual`` bytes."""
+    if declared > actual:
+        raise ValueError(
+            f"{where}: the manifest declares {declared} bytes of state for it, but it has {actual} bytes"
+        )
+
+
+def check_world_size_bound(where: str, value: int) -> None:
+    """Refuse a declared or requested world size above :data:`MAX_WORLD_SIZE`."""
+    if value > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"{where}: world size {value} is above the bound {MAX_WORLD_SIZE} (fsdp_optim.untrusted.MAX_WORLD_SIZE)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Objects
+
+
+def _show_path(where: str, path: tuple[Any, ...]) -> str:
+    return where + "".join(f"[{escape(repr(k), limit=60)}]" for k in path)
+
+
+@dataclass
+class _Tensor:
+    tensor: torch.Tensor
+    path: tuple[Any, ...]
+    references: int = 1
+
+
+def check_tree(
+    obj: Any, where: str, *, disjoint: bool = True, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES
+) -> list[tuple[torch.Tensor, str]]:
+    """Walk ``obj`` once (see the module docstring) and check every tensor; return ``(tensor, where)``
+    for each distinct tensor. Raises ``ValueError`` naming the place.
+
+    ``disjoint``: also refuse multi-element tensors that share memory. Views of one buffer that overlap
+    would let a small file stand for many times its size (every view read or copied in turn); readers
+    check it once they know the file is theirs (a model's ``state_dict`` with tied weights is not).
+    """
+    sizes: dict[int, int] = {}  # id -> references under it (itself included), for finished containers
+    tensors: dict[int, _Tensor] = {}
+    open_ids: set[int] = set()
+    total = 0
+    # Frames: [container, its path, iterator over (key, child), references so far]
+    stack: list[list[Any]] = []
+
+    def visit(node: Any, path: tuple[Any, ...]) -> int | None:
+        """Count a leaf or a memoized container; ``None`` for a container to descend into."""
+        nonlocal total
+        if isinstance(node, (Mapping, list, tuple, set, frozenset)):
+            key = id(node)
+            if key in open_ids:
+                raise ValueError(f"{_show_path(where, path)}: a container that contains itself (a cycle)")
+            if key in sizes:
+                return sizes[key]
+            if len(path) >= max_depth:
+                raise ValueError(f"{_show_path(where, path)}: nested deeper than {max_depth} levels")
+            return None
+        if torch.is_tensor(node):
+            seen = tensors.get(id(node))
+            if seen is None:
+                tensors[id(node)] = _Tensor(node, path)
+            else:
+                seen.references += 1
+        elif isinstance(node, int) and not isinstance(node, bool) and not -(1 << 63) <= node < (1 << 64):
+            raise ValueError(f"{_show_path(where, path)}: an integer of {node.bit_length()} bits")
+        return 1
+
+    def enter(node: Any, path: tuple[Any, ...]) -> None:
+        open_ids.add(id(node))
+        if isinstance(node, Mapping):
+            items: Iterator[tuple[Any, Any]] = ((k, v) for k, v in node.items())
+        elif isinstance(node, (set, frozenset)):
+            items = ((None, v) for v in node)
+        else:
+            items = enumerate(node)
+        stack.append([node, path, items, 1])
+
+    def add(count: int) -> None:
+        nonlocal total
+        total += count
+        if total > max_nodes:
+            raise ValueError(
+                f"{where}: holds more than {max_nodes} objects counting every reference (shared objects once per "
+                "reference); the bound is fsdp_optim.untrusted.MAX_NODES"
+            )
+
+    first = visit(obj, ())
+    if first is None:
+        enter(obj, ())
+        add(1)
+    while stack:
+        frame = stack[-1]
+        node, path, items, _ = frame
+        step = next(items, None)
+        if step is None:
+            stack.pop()
+            open_ids.discard(id(node))
+            sizes[id(node)] = frame[3]
+            if stack:
+                stack[-1][3] += frame[3]
+            continue
+        key, child = step
+        if isinstance(node, Mapping) and visit(key, (*path, key)) is None:
+            raise ValueError(f"{_show_path(where, path)}: has a container as a key")
+        counted = visit(child, (*path, key))
+        if counted is None:
+            add(1)
+            enter(child, (*path, key))
+        else:
+            add(counted)  # a shared container counts all its references again, without a second walk
+            frame[3] += counted
+    out = []
+    for seen in tensors.values():
+        here = _show_path(where, seen.path)
+        check_tensor(seen.tensor, here)
+        if seen.references > 1 and seen.tensor.numel() > 1:
+            raise ValueError(f"{here}: one tensor of {seen.tensor.numel()} elements referenced {seen.references} times")
+        out.append((seen.tensor, here))
+    if disjoint:
+        _check_disjoint(out)
+    return out
+
+
+def check_tensor(t: torch.Tensor, where: str) -> None:
+    """Refuse a tensor that is not a dense, non-overlapping, strided CPU/accelerator tensor of an allowed
+    dtype lying inside its storage (see the module docstring)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(f"{where}: a tensor subclass ({type(t).__name__}), expected a plain tensor")
+    if t.is_quantized:
+        raise ValueError(f"{where}: a quantized tensor ({t.dtype}), expected a plain tensor of real numbers")
+    if t.layout is not torch.strided:
+        raise ValueError(f"{where}: a sparse tensor (layout {t.layout}), expected a dense (strided) tensor")
+    if t.is_nested:
+        raise ValueError(f"{where}: a nested tensor, expected a dense tensor")
+    if t.device.type == "meta":
+        raise ValueError(f"{where}: a meta tensor (a shape {tuple(t.shape)} without data)")
+    if t.dtype not in ALLOWED_DTYPES:
+        kind = "complex" if t.dtype.is_complex else "unsupported"
+        raise ValueError(f"{where}: a {kind} tensor ({t.dtype}); optimizer state here is real numbers")
+    numel = t.numel()
+    if numel == 0:
+        return
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride != expected:
+            raise ValueError(
+                f"{where}: declares shape {tuple(t.shape)} with strides {tuple(t.stride())} over "
+                f"{t.untyped_storage().nbytes()} bytes of storage; expected a dense, non-overlapping tensor "
+                f"({'a zero stride repeats elements' if stride == 0 else 'its elements overlap or leave gaps'})"
+            )
+        expected *= size
+    if (t.storage_offset() + numel) * t.element_size() > t.untyped_storage().nbytes():
+        raise ValueError(
+            f"{where}: {numel} elements at offset {t.storage_offset()} lie outside its storage of "
+            f"{t.untyped_storage().nbytes()} bytes"
+        )
+
+
+def _check_disjoint(tensors: list[tuple[torch.Tensor, str]]) -> None:
+    """Refuse two multi-element tensors sharing memory (views of one buffer must not overlap)."""
+    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for t, here in tensors:
+        if t.numel() > 1:
+            start = int(t.storage_offset()) * t.element_size()
+            key = (str(t.device), t.untyped_storage().data_ptr())
+            spans.setdefault(key, []).append((start, start + int(t.numel()) * t.element_size(), here))
+    for runs in spans.values():
+        runs.sort()
+        for (_, stop, a), (start, _, b) in zip(runs, runs[1:]):
+            if start < stop:
+                raise ValueError(f"{b}: shares memory with {a}; tensors of optimizer state must not overlap")
+
+
+def check_state_dict(obj: Any, where: str) -> None:
+    """:func:`check_tree` plus the skeleton of an optimizer state dict: ``state`` maps ids (ints or
+    strings) to dicts keyed by strings, ``param_groups`` is a list of dicts keyed by strings whose
+    ``params`` lists ids. Only the keys present are checked; what they mean is the engine's job."""
+    check_tree(obj, where)
+    if not isinstance(obj, Mapping):
+        return
+    state = obj.get("state")
+    if isinstance(state, Mapping):
+        for pid, entries in state.items():
+            _check_id(pid, f"{where}['state']")
+            if isinstance(entries, Mapping):
+                _check_keys(entries, f"{where}['state'][{escape(repr(pid), limit=60)}]")
+    names = obj.get("param_names")
+    if isinstance(names, Mapping):
+        for pid in names:
+            _check_id(pid, f"{where}['param_names']")
+    groups = obj.get("param_groups")
+    if isinstance(groups, (list, tuple)):
+        for k, group in enumerate(groups):
+            here = f"{where}['param_groups'][{k}]"
+            if not isinstance(group, Mapping):
+                raise ValueError(f"{here}: a {type(group).__name__}, expected a dict")
+            _check_keys(group, here)
+            params = group.get("params")
+            if not isinstance(params, (list, tuple)):
+                raise ValueError(f"{here}['params']: a {type(params).__name__}, expected a list of ids")
+            for pid in params:
+                _check_id(pid, f"{here}['params']")
+
+
+def _check_id(pid: Any, where: str) -> None:
+    if not isinstance(pid, (int, str)) or isinstance(pid, bool):
+        raise ValueError(f"{where}: parameter id {escape(repr(pid), limit=80)} is a {type(pid).__name__}, expected an int")
+
+
+def _check_keys(d: Mapping[Any, Any], where: str) -> None:
+    for key in d:
+        if not isinstance(key, str):
+            raise ValueError(f"{where}: key {escape(repr(key), limit=80)} is a {type(key).__name__}, expected a string")
+
+
+def describe_file(path: str | os.PathLike[str]) -> str:
+    """What is at ``path`` (for messages): 'a directory', 'a FIFO (named pipe)', ... or 'nothing'."""
+    kind = _kind_of(path)
+    return "nothing" if kind is None and not os.path.lexists(path) else (kind or "a regular file")
+
