@@ -108,3 +108,10 @@ def test_install_requires_are_ranges_and_pins_live_in_constraints() -> None:
     assert pins["torch"] == "2.13.0" and pins["fairscale"] == "0.4.13", pins
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.index('"torch==2.13.0"') < ci.index("-c constraints.txt"), "CI installs the CPU torch wheel first"
+
+
+def test_readme_shows_the_commands_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python -m pip")]
+    assert len(commands) == 2, commands
+    assert "\n".join(commands) in readme, "README's test command must be exactly what .ci/run runs"
