@@ -8,6 +8,8 @@
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard``;
   ``save_layout``, ``from_fairscale`` (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
+- ``to_dcp(source, out_dir)``: any of those sources, or a fairseq/metaseq shard set (see
+  :mod:`fsdp_optim.fairseq` for consolidating and resharding those), written as a PyTorch DCP checkpoint.
 - ``host_execution()`` (or ``enable_host_execution()`` / ``disable_host_execution()``): a reversible switch
   that runs fairscale's own ``FullyShardedDataParallel`` on CPU with gloo.
 
@@ -38,6 +40,7 @@ __all__ = [
     "save_layout",
     "save_sharded_optim_state",
     "scatter_full_optim_state",
+    "to_dcp",
     "to_named",
 ]
 __version__ = "0.1.0"
@@ -60,6 +63,7 @@ _HOME = {
     "save_layout": "sharded",
     "save_sharded_optim_state": "sharded",
     "scatter_full_optim_state": "sharded",
+    "to_dcp": "dcp",
     "to_named": "interop",
 }
 assert sorted(_HOME) == sorted(__all__), "every public name needs a home module"
@@ -79,9 +83,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # type checkers and IDEs see the real names
-    from .async_save import AsyncSave, async_save_sharded_optim_state
     from ._host import disable_host_execution, enable_host_execution, host_execution
     from .api import gather_full_optim_state_dict, get_shard_from_optim_state_dict
+    from .async_save import AsyncSave, async_save_sharded_optim_state
+    from .dcp import to_dcp
     from .fsdp import FullyShardedDataParallel
     from .fullstate import FORMAT_VERSION
     from .interop import from_fairscale, to_named

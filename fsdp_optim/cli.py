@@ -1,9 +1,15 @@
 """``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
 
     fsdp-optim inspect PATH [--units]
-    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME]
+    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--with-model]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
-    fsdp-optim convert SRC -o FILE [--layout PATH] [--optimizer NAME] [--to full|named]
+    fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp]
+
+Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
+fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
+``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see :mod:`fsdp_optim.fairseq_format`).
+A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
+full dict, ``model`` the full weights with ``--with-model``) and resharded into shard files of the same format.
 
 A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
@@ -35,7 +41,13 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 70
 # API parameter names as the command line spells them, for the "name: ..." prefix of an error.
-_FLAGS = {"world_size": "--world-size", "layout": "--layout", "out_dir": "-o/--output"}
+_FLAGS = {
+    "world_size": "--world-size",
+    "layout": "--layout",
+    "out_dir": "-o/--output",
+    "param_order": "--layout",
+    "allow_globals": "--allow-global",
+}
 
 
 @contextlib.contextmanager
@@ -166,6 +178,9 @@ def _inspect(args: argparse.Namespace) -> list[str]:
 
     path = Path(args.path)
     out = [f"path: {path}"]
+    if _is_shard_set(path):
+        _inspect_shards(path, args, out)
+        return out
     if source_kind(path) == "sharded":
         _inspect_manifest(read_manifest(path), "sharded checkpoint", out, units=args.units)
         return out
@@ -185,6 +200,27 @@ def _inspect(args: argparse.Namespace) -> list[str]:
         found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
         raise ValueError(f"{path}: not an optimizer checkpoint this tool knows (found {found})")
     return out
+
+
+def _is_shard_set(path: str | os.PathLike[str]) -> bool:
+    from .fairseq_format import is_shard_set
+
+    return is_shard_set(path)
+
+
+def _inspect_shards(path: Path, args: argparse.Namespace, out: list[str]) -> None:
+    from .fairseq import ShardSet
+
+    with ShardSet(path, allow_globals=args.allow_global) as shards:
+        rank0 = shards.rank0()
+        kind = f"fairseq/metaseq shard set ({shards.metadata_key})"
+        _inspect_manifest(shards.manifest, kind, out, units=args.units)
+        size = sum(p.stat().st_size for p in shards.paths)
+        out.insert(2, f"files: {len(shards.paths)} ({shards.label}), {human_bytes(size)}")
+        extras = {k: _scalar(rank0["last_optimizer_state"][k]) for k in shards.extras}
+        out.append(f"optimizer extras: {', '.join(f'{k}={v!r}' for k, v in extras.items()) or '-'}")
+        kept = [k for k in rank0 if k not in ("model", "last_optimizer_state", shards.metadata_key)]
+        out.append(f"other keys: {', '.join(kept) or '-'}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,6 +260,10 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     from .offline import consolidate
     from .storage import atomic_save
 
+    if _is_shard_set(args.directory):
+        return _consolidate_shards(args)
+    if args.with_model:
+        raise ValueError(f"{args.directory}: --with-model is for a fairseq/metaseq shard set only (it holds weights)")
     native = _native(args.directory)
     if native is not None:
         full, _ = _from_native(native, args, args.directory, "consolidate")
@@ -237,10 +277,43 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
     return [f"wrote {args.output}: {params} params, {with_state} with state, {human_bytes(size)}"]
 
 
+def _consolidate_shards(args: argparse.Namespace) -> list[str]:
+    from .fairseq import consolidate_shards
+    from .storage import atomic_save
+
+    with _progress("consolidate") as progress:
+        out = consolidate_shards(
+            args.directory,
+            with_model=args.with_model,
+            param_order=args.layout,
+            optimizer=args.optimizer,
+            allow_globals=args.allow_global,
+            progress=progress,
+        )
+    size = atomic_save(out, args.output)
+    full = out["last_optimizer_state"]
+    model = f", model: {len(out['model'])} tensors" if "model" in out else ""
+    return [
+        f"wrote {args.output}: a consolidated fairseq checkpoint ({', '.join(out)}); last_optimizer_state: "
+        f"{len(full['param_names'])} params, {len(full['state'])} with state{model}; {human_bytes(size)}"
+    ]
+
+
 def _reshard(args: argparse.Namespace) -> list[str]:
     from .offline import reshard
     from .storage import read_manifest
 
+    if _is_shard_set(args.source):
+        from .fairseq import reshard_shards
+
+        if args.layout is not None or args.optimizer is not None:
+            raise ValueError(f"layout: {args.source}: a fairseq/metaseq shard set carries its own layout and optimizer")
+        with _progress(f"reshard -> {args.world_size} ranks") as progress:
+            written = reshard_shards(
+                args.source, args.world_size, args.output, allow_globals=args.allow_global, progress=progress
+            )
+        size = human_bytes(sum(f.stat().st_size for f in written))
+        return [f"wrote {args.output}: {len(written)} shard files {written[0].name} .. {written[-1].name}, {size}"]
     source, layout = args.source, args.layout
     native = _native(source)
     if native is not None:
@@ -260,9 +333,26 @@ def _convert(args: argparse.Namespace) -> list[str]:
     from .storage import atomic_save, load_file, source_kind
 
     source = Path(args.source)
-    if source_kind(source) == "sharded":
+    full: Mapping[str, Any]
+    if _is_shard_set(source):
+        if args.to == "dcp":
+            return _to_dcp(source, args, "fairseq/metaseq shard set")
+        from .fairseq import consolidate_shards
+
         with _progress("consolidate") as progress:
-            full: Mapping[str, Any] = consolidate(source, progress=progress)
+            out = consolidate_shards(
+                source,
+                param_order=args.layout,
+                optimizer=args.optimizer,
+                allow_globals=args.allow_global,
+                progress=progress,
+            )
+        full, origin = out["last_optimizer_state"], "fairseq/metaseq shard set"
+    elif source_kind(source) == "sharded":
+        if args.to == "dcp":
+            return _to_dcp(source, args, "sharded checkpoint")
+        with _progress("consolidate") as progress:
+            full = consolidate(source, progress=progress)
         origin = "sharded checkpoint"
     else:
         obj = load_file(source, mmap=True)
@@ -270,6 +360,8 @@ def _convert(args: argparse.Namespace) -> list[str]:
             full, _ = _from_native(obj, args, str(source), "convert")
             origin = "fairscale-native dict"
         elif is_full_dict(obj):
+            if args.to == "dcp":
+                return _to_dcp(obj, args, "full dict")
             if args.to == "full":
                 raise ValueError(f"{source}: already a full dict; use --to named to key it by parameter name")
             full, origin = obj, "full dict"
@@ -278,51 +370,123 @@ def _convert(args: argparse.Namespace) -> list[str]:
             raise ValueError(
                 f"{source}: expected a fairscale-native dict, a full dict or a sharded checkpoint, found {found}"
             )
+    if args.to == "dcp":
+        return _to_dcp(full, args, origin)
     result = to_named(full) if args.to == "named" else full
     size = atomic_save(result, args.output)
     return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
+
+
+def _to_dcp(source: Any, args: argparse.Namespace, origin: str) -> list[str]:
+    from .dcp import to_dcp
+
+    shards = origin.startswith("fairseq")
+    with _progress("export to DCP") as progress:
+        done = to_dcp(
+            source,
+            args.output,
+            param_order=args.layout if shards else None,
+            allow_globals=args.allow_global,
+            progress=progress,
+        )
+    size = sum(f.stat().st_size for f in done.path.iterdir())
+    lines = [
+        f"wrote {done.path} (dcp, from a {origin}): model {done.model_tensors} tensors, optimizer state of "
+        f"{done.optim_params} params, {human_bytes(size)}"
+    ]
+    if done.extras:
+        lines.append(f"optimizer extras under 'optim_extra': {', '.join(done.extras)}")
+    if done.not_exported:
+        lines.append(f"not exported (no DCP counterpart): {', '.join(done.not_exported)}")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-optim",
         description="Inspect, consolidate, reshard and convert fsdp_optim optimizer checkpoints (no process group).",
+        epilog="formats read: fsdp_optim sharded checkpoint directories, full dict files, fairscale-native dict "
+        "files (with --layout), fairseq/metaseq shard sets (use_sharded_state: any *-shard<r>.pt file or the path "
+        "before -shard). Formats written: sharded checkpoint, full dict, name-keyed dict, fairseq/metaseq shard "
+        "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp).",
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     p = verbs.add_parser("inspect", help="world size, units, params, optimizer, bytes, step of a checkpoint")
-    p.add_argument("path", help="a sharded checkpoint directory, a full dict, a fairscale-native dict or a layout file")
+    p.add_argument(
+        "path",
+        help="a sharded checkpoint directory, a full dict, a fairscale-native dict, a layout file, or a "
+        "fairseq/metaseq shard set (any *-shard<r>.pt file, or the path before -shard)",
+    )
     p.add_argument("--units", action="store_true", help="also list every FSDP unit")
+    _allow_global(p)
     p.set_defaults(run=_inspect)
     p = verbs.add_parser(
-        "consolidate", help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file"
+        "consolidate",
+        help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file; fairseq/metaseq shard "
+        "set -> one consolidated fairseq checkpoint",
     )
-    p.add_argument("directory", help="a sharded checkpoint directory, or a fairscale-native dict file with --layout")
-    p.add_argument("-o", "--output", required=True, help="the full dict file to write")
-    p.add_argument("--layout", help="for a fairscale-native dict: a sharded checkpoint or layout file of the model")
-    p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
+    p.add_argument(
+        "directory",
+        help="a sharded checkpoint directory, a fairscale-native dict file with --layout, or a fairseq/metaseq "
+        "shard set (-> one consolidated fairseq checkpoint, every key kept)",
+    )
+    p.add_argument("-o", "--output", required=True, help="the file to write")
+    p.add_argument(
+        "--layout",
+        help="a sharded checkpoint or layout file of the model: needed for a fairscale-native dict; for a shard "
+        "set it numbers the parameters in the model's order (else the files' order)",
+    )
+    p.add_argument("--optimizer", help="for a fairscale-native dict or a shard set: the optimizer's class, e.g. Adam")
+    p.add_argument("--with-model", action="store_true", help="for a shard set: also the model's full weights")
+    _allow_global(p)
     p.set_defaults(run=_consolidate)
-    p = verbs.add_parser("reshard", help="sharded directory or full dict -> sharded directory for M ranks")
-    p.add_argument("source", help="a sharded checkpoint directory, a full dict file or a fairscale-native dict file")
+    p = verbs.add_parser(
+        "reshard", help="sharded directory, full dict or fairseq/metaseq shard set -> the same for M ranks"
+    )
+    p.add_argument(
+        "source",
+        help="a sharded checkpoint directory, a full dict file, a fairscale-native dict file, or a fairseq/metaseq "
+        "shard set (-> M shard files of the same format and names)",
+    )
     p.add_argument("--world-size", type=int, required=True, metavar="M")
     p.add_argument("-o", "--output", required=True, help="the directory to write (not the source's)")
     p.add_argument(
         "--layout", help="for a full or fairscale-native dict: a sharded checkpoint or layout file of the same model"
     )
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
+    _allow_global(p)
     p.set_defaults(run=_reshard)
-    p = verbs.add_parser("convert", help="fairscale-native dict -> full dict; full dict -> name-keyed (FSDP2/DCP)")
-    p.add_argument("source", help="a fairscale-native dict, a full dict or a sharded checkpoint directory")
-    p.add_argument("-o", "--output", required=True)
+    p = verbs.add_parser(
+        "convert", help="any source -> full dict, name-keyed dict, or a PyTorch DCP checkpoint (FSDP2, torchtitan)"
+    )
+    p.add_argument(
+        "source",
+        help="a fairscale-native dict, a full dict, a sharded checkpoint directory or a fairseq/metaseq shard set",
+    )
+    p.add_argument("-o", "--output", required=True, help="the file to write (--to dcp: the directory)")
     p.add_argument("--layout", help="for a fairscale-native dict: a sharded checkpoint or layout file of the model")
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
     p.add_argument(
         "--to",
-        choices=("full", "named"),
+        choices=("full", "named", "dcp"),
         default="full",
-        help="full: fsdp_optim's full dict (default); named: keyed by parameter name, for set_optimizer_state_dict",
+        help="full: fsdp_optim's full dict (default); named: keyed by parameter name, for set_optimizer_state_dict; "
+        "dcp: a torch.distributed.checkpoint directory (model weights too, from a shard set) for dcp.load",
     )
+    _allow_global(p)
     p.set_defaults(run=_convert)
     return parser
+
+
+def _allow_global(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-global",
+        action="append",
+        default=[],
+        metavar="MODULE.CLASS",
+        help="for a fairseq/metaseq shard set: allow this class in its cfg when loading (repeatable; only for "
+        "files you trust)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,7 @@ and target rank 1 (real elements ``[3, 6)``, no padding) reads ``b.w[0:3]`` only
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ __all__ = [
     "cut_rank",
     "optimizer_state_dict",
     "plan",
+    "restrict",
 ]
 
 # read(source_flat, key, start, stop, out): copy elements [start, stop) of a source flat's full state into out.
@@ -424,6 +425,14 @@ def assemble_full(
         if after_unit is not None:
             after_unit()
     return out
+
+
+def restrict(plan: Plan, flat: int, key: str | None = None) -> Plan:
+    """``plan`` for target flat ``flat`` only (and only state ``key``): the executors then build one unit, or one
+    state tensor, so a writer that streams its output (one tensor at a time) never holds more. Nothing is re-checked."""
+    flat_plan = plan.flats[flat]
+    entries = tuple(e for e in flat_plan.entries if key is None or e.key == key)
+    return replace(plan, flats={flat: FlatPlan(entries, flat_plan.segments)})
 
 
 def _copy_range(segments: Sequence[Segment], key: str, start: int, stop: int, out: torch.Tensor, read: Reader) -> None:

@@ -1,0 +1,303 @@
+"""Checks across the rank files of a fairseq/metaseq shard set, and which optimizer id is which parameter.
+
+Pure: works on the outlines :func:`fsdp_optim.fairseq_format.summarise` reads (shapes, dtypes, scalars);
+never opens a file. Every refusal names the file (and unit, parameter or id) with expected vs found.
+
+- :func:`check_same_save`: every file comes from the same save of the same model (metadata, model keys,
+  param groups, state keys and scalars such as ``step``, optimizer extras, ``num_updates``);
+- :func:`world_sizes`: per backing parameter, the ranks it is sharded over (an instance shards all its
+  parameters or none), every tensor's size and every recorded padding checked against them;
+- :func:`optimizer_ids`: the files do not record which optimizer id is which parameter;
+  :func:`match_optimizer_ids` finds the one assignment in which every param group lists its parameters in
+  the files' order and every state tensor has its parameter's shard size, or refuses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fairseq_format import Backing, RankSummary
+from .flatten import StateKind, clone_value, same_scalar, show_value
+from .layout import shard_bounds
+from .manifest import StateEntry, digest, dtype_to_str
+
+__all__ = [
+    "check_same_save",
+    "match_optimizer_ids",
+    "model_aliases",
+    "optimizer_ids",
+    "resolve_param_order",
+    "state_entries",
+    "world_sizes",
+]
+
+ParamOrder = Sequence[str] | nn.Module | str | os.PathLike | None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Matching optimizer ids to backing parameters (pure)
+
+
+def match_optimizer_ids(
+    groups: Sequence[Sequence[int]], numels: Mapping[int, int], flat_numels: Sequence[int], *, label: str
+) -> dict[int, int]:
+    """The one assignment ``{optimizer id: flat index}`` in which each param group lists its flats in index
+    order, every id with state (``numels[id]``: its tensors' elements per rank) sits on a flat of that shard
+    size (``flat_numels``), and every id is placed; flats in no group hold no state.
+
+    Forward dynamic programme over the flats, with one position per group; counts stop at 2. Raises
+    ``ValueError`` when no assignment or several fit, naming them.
+    """
+    sizes = tuple(len(g) for g in groups)
+    # layer[pos] = (ways, previous pos, group that took this flat or -1)
+    layers: list[dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]]] = [{(0,) * len(groups): (1, None, -1)}]
+    remaining = sum(sizes)
+    for f, size in enumerate(flat_numels):
+        nxt: dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]] = {}
+        for pos, (ways, _, _) in layers[-1].items():
+            placed = sum(pos)
+            if remaining - placed <= len(flat_numels) - f - 1:  # enough flats left: this one may be skipped
+                _add(nxt, pos, ways, pos, -1)
+            for k, group in enumerate(groups):
+                if pos[k] < sizes[k] and numels.get(group[pos[k]], size) == size:
+                    _add(nxt, pos[:k] + (pos[k] + 1,) + pos[k + 1 :], ways, pos, k)
+        layers.append(nxt)
+    final = layers[-1].get(sizes)
+    if final is None:
+        shown = ", ".join(f"id {i}: {numels[i]}" for g in groups for i in g if i in numels)
+        raise ValueError(
+            f"{label}: the optimizer's param groups (sizes {list(sizes)}) do not fit the FSDP parameters: no order-"
+            f"preserving assignment gives every id a parameter of its state's size (elements per rank: {shown}; "
+            f"parameters: {list(flat_numels)}); pass optimizer_keys to name them"
+        )
+    if final[0] > 1:
+        raise ValueError(
+            f"{label}: cannot tell which FSDP parameters the optimizer holds: several assignments of its "
+            f"{sum(sizes)} ids to the {len(flat_numels)} parameters fit their sizes; pass optimizer_keys to name them"
+        )
+    out: dict[int, int] = {}
+    pos = sizes
+    for f in range(len(flat_numels), 0, -1):
+        _, prev, k = layers[f][pos]
+        if k >= 0:
+            out[groups[k][pos[k] - 1]] = f - 1
+        pos = prev  # type: ignore[assignment]
+    return out
+
+
+def _add(layer: dict, pos: tuple[int, ...], ways: int, prev: tuple[int, ...], k: int) -> None:
+    if pos in layer:
+        layer[pos] = (min(2, layer[pos][0] + ways), *layer[pos][1:])
+    else:
+        layer[pos] = (min(2, ways), prev, k)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks across ranks
+
+
+def check_same_save(summaries: Sequence[RankSummary]) -> None:
+    first = summaries[0]
+    for s in summaries[1:]:
+        hint = "(shards of different saves or models?)"
+        if s.metadata_key != first.metadata_key or s.structure != first.structure or s.buffers != first.buffers:
+            raise ValueError(f"{s.path}: its FSDP metadata describes other parameters than {first.path}'s {hint}")
+        if {k: v[:2] for k, v in s.model.items()} != {k: v[:2] for k, v in first.model.items()}:
+            raise ValueError(f"{s.path}: its 'model' keys, shapes or dtypes differ from {first.path}'s {hint}")
+        if [ids for _, ids in s.groups] != [ids for _, ids in first.groups] or _digest_groups(s) != _digest_groups(
+            first
+        ):
+            raise ValueError(f"{s.path}: its optimizer param_groups differ from {first.path}'s {hint}")
+        if s.extras != first.extras or s.extras_digest != first.extras_digest:
+            raise ValueError(f"{s.path}: optimizer extras {list(s.extras)} differ from {first.path}'s {hint}")
+        if s.num_updates != first.num_updates:
+            raise ValueError(
+                f"{s.path}: num_updates is {s.num_updates!r}, {first.path} has {first.num_updates!r} {hint}"
+            )
+        if set(s.state) != set(first.state):
+            raise ValueError(
+                f"{s.path}: optimizer state for ids {sorted(s.state)}, {first.path} has {sorted(first.state)} {hint}"
+            )
+        for pid, entries in first.state.items():
+            if set(s.state[pid]) != set(entries):
+                raise ValueError(
+                    f"{s.path}: optimizer state keys of id {pid} are {sorted(s.state[pid])}, {first.path} has "
+                    f"{sorted(entries)} {hint}"
+                )
+            for key, value in entries.items():
+                found = s.state[pid][key]
+                if not (found == value if isinstance(value, tuple) else same_scalar(found, value)):
+                    raise ValueError(
+                        f"{s.path}: optimizer state '{key}' of id {pid} is {_show(found)}, {first.path} has "
+                        f"{_show(value)} {hint}"
+                    )
+
+
+def _digest_groups(s: RankSummary) -> str:
+    return digest([dict(hyper) for hyper, _ in s.groups])
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tensor {value[1]}{list(value[0])}"
+    return show_value(value)
+
+
+def world_sizes(summaries: Sequence[RankSummary], order: Sequence[int]) -> tuple[list[int], set[tuple[int, int]]]:
+    """Per backing (in file order), the ranks it is sharded over, and which (backing, rank) hold it whole;
+    every tensor and padding checked against them."""
+    first, n = summaries[0], len(summaries)
+    backings = [first.backings[i] for i in order]
+
+    def sharded(instance: int) -> bool:
+        return n > 1 and any(
+            math.prod(s.model[b.key][0]) < b.numel or s.padding[i] > 0
+            for s in summaries
+            for i, b in enumerate(first.backings)
+            if b.instance == instance
+        )
+
+    instance_sharded = {b.instance: sharded(b.instance) for b in backings}
+    whole_unit = next((b for b in backings if n > 1 and not instance_sharded[b.instance]), None)
+    if whole_unit is not None:
+        raise NotImplementedError(
+            f"{first.path}: FSDP unit '{whole_unit.unit or '<root>'}' is not sharded over the set's {n} ranks (a "
+            "process group of one rank, as for mixture-of-experts layers): its state may differ per rank, which "
+            "shard sets do not support"
+        )
+    sizes = [n if n > 1 else 1 for _ in backings]
+    whole: set[tuple[int, int]] = set()
+    for f, (i, b) in enumerate(zip(order, backings)):
+        for rank, s in enumerate(summaries):
+            shape = s.model[b.key][0]
+            bounds = shard_bounds(b.numel, sizes[f], rank if sizes[f] > 1 else 0)
+            own_shape = not b.flattened and shape == b.params[0].shape
+            if sizes[f] > 1 and own_shape and bounds.numel != b.numel:
+                whole.add((f, rank))
+            elif math.prod(shape) != bounds.numel or not (len(shape) == 1 or (sizes[f] == 1 and own_shape)):
+                raise ValueError(
+                    f"{s.path}: 'model' holds '{b.key}' as {list(shape)}, but the metadata describes {b.numel} "
+                    f"elements ({', '.join(p.name for p in b.params[:3])}) sharded over {sizes[f]} ranks: expected "
+                    f"[{bounds.numel}]"
+                )
+            if s.padding[i] != bounds.padding:
+                raise ValueError(
+                    f"{s.path}: the metadata gives '{b.key}' padding {s.padding[i]}, expected {bounds.padding} for "
+                    f"{b.numel} elements over {sizes[f]} ranks (the shard files of a set of {n}?)"
+                )
+    return sizes, whole
+
+
+def model_aliases(first: RankSummary, keys: Sequence[str]) -> dict[str, str]:
+    """``model`` keys that neither the metadata nor the buffers name: tied parameters, the same storage as a
+    backing parameter's (fairscale's unflattened units keep both names). Anything else is refused."""
+    identity = {first.model[k][2]: k for k in keys}
+    aliases = {}
+    for key, (_, _, ident) in first.model.items():
+        if key in keys or key in first.buffers:
+            continue
+        if ident not in identity:
+            raise ValueError(
+                f"{first.path}: 'model' has '{key}', which is neither a parameter in the metadata, a buffer, nor "
+                "another name of a parameter"
+            )
+        aliases[key] = identity[ident]
+    return aliases
+
+
+def optimizer_ids(
+    first: RankSummary,
+    backings: Sequence[Backing],
+    world_sizes: Sequence[int],
+    optimizer_keys: Sequence[Sequence[str]] | None,
+    label: str,
+) -> dict[int, int]:
+    """``{flat index: optimizer id}`` for the backing parameters the optimizer holds."""
+    groups = [ids for _, ids in first.groups]
+    listed = {pid for ids in groups for pid in ids}
+    stray = sorted(set(first.state) - listed, key=repr)
+    if stray:
+        raise ValueError(f"{first.path}: optimizer state for id {stray[0]!r}, which no param group lists")
+    numels: dict[int, int] = {}
+    for pid, entries in first.state.items():
+        sizes = {math.prod(v[0]) for v in entries.values() if isinstance(v, tuple)}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{first.path}: optimizer state of id {pid} holds tensors of different sizes {sorted(sizes)}"
+            )
+        if sizes:
+            numels[pid] = sizes.pop()
+    flat_numels = [shard_bounds(b.numel, w, 0).numel for b, w in zip(backings, world_sizes)]
+    if optimizer_keys is None:
+        return {f: pid for pid, f in match_optimizer_ids(groups, numels, flat_numels, label=label).items()}
+    index = {b.key: f for f, b in enumerate(backings)}
+    if [len(k) for k in optimizer_keys] != [len(g) for g in groups]:
+        raise ValueError(
+            f"optimizer_keys: {[len(k) for k in optimizer_keys]} keys per group, but the optimizer's groups hold "
+            f"{[len(g) for g in groups]} ids ({label})"
+        )
+    out = {}
+    for keys, ids in zip(optimizer_keys, groups):
+        for key, pid in zip(keys, ids):
+            if key not in index:
+                raise ValueError(
+                    f"optimizer_keys: '{key}' is not a parameter key of {label} (keys: {list(index)[:5]}...)"
+                )
+            if pid in numels and numels[pid] != flat_numels[index[key]]:
+                raise ValueError(
+                    f"optimizer_keys: id {pid} holds state of {numels[pid]} elements per rank, but '{key}' has "
+                    f"{flat_numels[index[key]]} ({label})"
+                )
+            out[index[key]] = pid
+    return out
+
+
+def state_entries(first: RankSummary, pid: int | None, key: str) -> tuple[StateEntry, ...]:
+    if pid is None:
+        return ()
+    out = []
+    for k, value in first.state.get(pid, {}).items():
+        if isinstance(value, tuple):
+            out.append(StateEntry(k, StateKind.SHARDED, dtype=dtype_to_str(value[1])))
+        elif torch.is_tensor(value) or isinstance(value, (int, float)):
+            out.append(StateEntry(k, StateKind.SCALAR, value=clone_value(value)))
+        else:
+            raise ValueError(f"{first.path}: optimizer state '{k}' of '{key}' (id {pid}) is a {type(value).__name__}")
+    dtypes = {str(e.dtype) for e in out if e.kind is StateKind.SHARDED}
+    if len(dtypes) > 1:
+        raise ValueError(f"{first.path}: optimizer state of '{key}' (id {pid}) mixes dtypes {sorted(dtypes)}")
+    return tuple(out)
+
+
+def resolve_param_order(given: ParamOrder, names: Sequence[str], label: str) -> tuple[str, ...]:
+    if given is None:
+        return tuple(names)
+    if isinstance(given, nn.Module):
+        from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
+
+        from .layout import read_layout
+
+        order = (
+            read_layout(given)[0].param_order
+            if isinstance(given, FairscaleFSDP)
+            else [n for n, _ in given.named_parameters()]
+        )
+    elif isinstance(given, (str, os.PathLike)):
+        from .offline import resolve_layout
+
+        order = resolve_layout(given).param_order
+    else:
+        order = list(given)
+    missing = [n for n in names if n not in set(order)]
+    extra = [n for n in order if n not in set(names)]
+    if missing or extra:
+        raise ValueError(
+            f"param_order: must name each parameter of {label} once; missing {missing[:3]}, unknown {extra[:3]}"
+        )
+    return tuple(order)
