@@ -17,6 +17,9 @@ setup(
         # switched in layout.read_layout and _host.py; they are stable across 0.4.x only.
         "fairscale>=0.4.13,<0.5",
         "tqdm>=4",
+        # Checkpoint checksums (xxh3-128, ~7x SHA-256 here); xxh3 entered python-xxhash in 2.0, 3.0 is the
+        # oldest release still maintained. Only the version in constraints.txt is tested.
+        "xxhash>=3",
     ],
     entry_points={"console_scripts": ["fsdp-optim = fsdp_optim.cli:main"]},
     extras_require={

@@ -33,8 +33,8 @@ A rank file (:func:`shard_payload`)::
      "unit_checksums": {flat_index: "sha256:..."},              # digest of state[flat_index]
      "state": {flat_index: {"exp_avg": Tensor[shard_numel], "step": tensor(3.)}}}
 
-Checksums are content digests (:func:`digest`): tensors contribute dtype, shape and raw bytes, other
-values their type and ``repr``. A unit's digest is checked when that unit is read, so a reader that
+Checksums are content digests (:func:`digest`, xxh3-128; SHA-256 in files of earlier versions): tensors
+contribute dtype, shape and raw bytes, other values their type and ``repr``. A unit's digest is checked when that unit is read, so a reader that
 processes one unit at a time never has to touch a whole file first.
 """
 
@@ -43,11 +43,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import xxhash
 
 from .flatten import StateKind, classify_flat_state, clone_value
 from .layout import FlatParamLayout, ModelLayout, ParamSpec
@@ -65,6 +66,7 @@ __all__ = [
     "StateEntry",
     "check_checksum",
     "digest",
+    "digest_matches",
     "dtype_from_str",
     "dtype_to_str",
     "shard_file_name",
@@ -99,11 +101,24 @@ def dtype_from_str(name: str, *, where: str) -> torch.dtype:
     return dtype
 
 
-def digest(value: Any) -> str:
-    """A content digest of a (nested) value: ``"sha256:<hex>"``. Reads tensor bytes without copying them."""
-    h = hashlib.sha256()
+# Checksums guard against corruption, not forgery (a forger rewrites the stored digest too), so new
+# files use xxh3-128 (xxhash: ~12 GB/s on one core here, against ~1.7 GB/s for SHA-256); files written
+# with SHA-256 by earlier versions still verify. The prefix of a digest names its algorithm.
+DIGEST_ALGORITHM = "xxh3-128"
+_HASHES: dict[str, Callable[[], Any]] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def digest(value: Any, algorithm: str = DIGEST_ALGORITHM) -> str:
+    """A content digest of a (nested) value: ``"xxh3-128:<hex>"``. Reads tensor bytes without copying them."""
+    h = _HASHES[algorithm]()
     _feed(h, value)
-    return "sha256:" + h.hexdigest()
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def digest_matches(value: Any, expected: Any) -> bool:
+    """Whether ``expected`` (a stored digest, any supported algorithm) is the digest of ``value``."""
+    algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
+    return algorithm in _HASHES and digest(value, algorithm) == expected
 
 
 def _feed(h: Any, value: Any) -> None:
@@ -160,7 +175,7 @@ def read_header(obj: Any, kind: str, *, source: str, covered: str, what: str | N
 
 def check_checksum(header: Mapping[str, Any], checksum: Any, covered: Any, *, source: str) -> None:
     """Refuse a file whose header checksum does not cover its header and ``covered`` value."""
-    if checksum != digest([dict(header), covered]):
+    if not digest_matches([dict(header), covered], checksum):
         raise ValueError(f"{source}: checksum mismatch in the file header (file is corrupt or was modified)")
 
 

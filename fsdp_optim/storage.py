@@ -32,7 +32,7 @@ from .manifest import (
     FileRecord,
     Manifest,
     check_checksum,
-    digest,
+    digest_matches,
     dtype_from_str,
     read_header,
     shard_file_name,
@@ -289,7 +289,7 @@ class _RankFile:
         if entries is None or not isinstance(entries, Mapping):
             raise ValueError(f"{where}: no state in the file, but the manifest lists keys {[e.key for e in flat.state]}")
         if flat_index not in self.verified:
-            if digest(entries) != payload["unit_checksums"].get(flat_index):
+            if not digest_matches(entries, payload["unit_checksums"].get(flat_index)):
                 raise ValueError(f"{where}: checksum mismatch (file is corrupt or was modified)")
             shard_numel = flat.layout(self.record.rank).shard_numel
             if set(entries) != {e.key for e in flat.state}:

@@ -106,3 +106,15 @@ def test_engine_modules_exist_once() -> None:
     # The parallel paths the engine replaced are gone, not kept beside it.
     assert not hasattr(fullstate, "_check_membership") and not hasattr(fullstate, "GroupSpec")
     assert hasattr(plan_module, "cut_rank") and hasattr(plan_module, "assemble_full")
+
+
+def test_checksums_are_xxh3_and_earlier_sha256_digests_still_verify() -> None:
+    from fsdp_optim.manifest import digest, digest_matches
+
+    value = {"exp_avg": torch.arange(10.0), "step": torch.tensor(3.0), "name": "a.w"}
+    assert digest(value).startswith("xxh3-128:")
+    assert digest_matches(value, digest(value)) and digest_matches(value, digest(value, "sha256"))
+    changed = {**value, "step": torch.tensor(4.0)}
+    assert not digest_matches(changed, digest(value)) and not digest_matches(changed, digest(value, "sha256"))
+    assert not digest_matches(value, "md5:" + digest(value).partition(":")[2])  # unknown algorithm: refused
+    assert not digest_matches(value, None)
