@@ -45,7 +45,7 @@ def _training(row: dict[str, Any] | None) -> str:
     text = f"{row['steps_per_s']:.2f} steps/s, ±{spread(row) / 2:.0%}"
     if row.get("overhead_s") is not None:
         lo, hi = row["overhead_range_s"]
-        text += f"; +{_ms(row['overhead_s'])} ms/ckpt [{_ms(lo)}..{_ms(hi)}]"
+        text += f"; {'+' if row['overhead_s'] >= 0 else ''}{_ms(row['overhead_s'])} ms/ckpt [{_ms(lo)}..{_ms(hi)}]"
         if row.get("overhead_x_dcp") is not None:
             text += f" ({row['overhead_x_dcp']:.2f}x dcp)"
     return text + _mark(row)
@@ -87,7 +87,7 @@ def console(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{r['model']:>6} {r['world_size']:>2} {r['method']:<18} n/a: {r['na']}")
             continue
         fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else ""  # noqa: E731
-        extra = f"+{r['overhead_s'] * 1e3:.0f} ms/ckpt" if r.get("overhead_s") is not None else ""
+        extra = f"{r['overhead_s'] * 1e3:+.0f} ms/ckpt" if r.get("overhead_s") is not None else ""
         lines.append(
             f"{r['model']:>6} {r['world_size']:>2} {r['method']:<18} {r['median_s'] * 1e3:>10.1f} {spread(r):>7.0%} "
             f"{fmt('x_floor', '.2f'):>8} {fmt('x_dcp', '.2f'):>6} "
