@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .sharded import commit_save, read_for_save
-from .storage import new_save_id
-from .transport import broadcast_object, new_gloo_group
+from .sharded import commit_save, read_for_save, start_save
+from .transport import new_gloo_group
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
 
@@ -113,7 +112,7 @@ def _checkpoint_group(fsdp: nn.Module) -> Any:
 
 
 def async_save_sharded_optim_state(
-    fsdp: nn.Module, optim: torch.optim.Optimizer, directory: str | os.PathLike[str]
+    fsdp: nn.Module, optim: torch.optim.Optimizer, directory: str | os.PathLike[str], *, overwrite: bool = False
 ) -> AsyncSave:
     """Start saving this rank's optimizer shard (and, on rank 0, the manifest) in the background.
 
@@ -133,12 +132,12 @@ def async_save_sharded_optim_state(
         _wait_previous(previous)
     layout, local = read_for_save(fsdp, optim)
     group = _checkpoint_group(fsdp)
-    rank = fsdp.rank  # type: ignore[attr-defined]
-    save_id = broadcast_object(new_save_id() if rank == 0 else None, src=0, group=group)
     staged = _staging.setdefault(key, _Staging()).copy(local.state)
+    # Rank 0 holds the directory's lock until the background commit (refusals raise here, on every rank).
+    save_id, lock = start_save(Path(directory), group, overwrite=overwrite, purpose="async_save_sharded_optim_state")
     handle = AsyncSave(Path(directory))
     upload = lambda: commit_save(  # noqa: E731 - the thread's whole job, in one call
-        layout, local, staged, type(optim).__name__, Path(directory), save_id, group
+        layout, local, staged, type(optim).__name__, Path(directory), save_id, group, lock=lock
     )
     with _lock:
         _inflight[key] = handle

@@ -18,10 +18,20 @@ from torch import nn
 from .interop import dict_source
 from .layout import ModelLayout, read_layout
 from .local import LocalState, check_agreement, check_optimizer, group_members, read_local_state
+from .locks import OutputLock
 from .manifest import MANIFEST_NAME, GroupRecord, Manifest, state_entries, wrap
 from .plan import Plan, cut_rank, optimizer_state_dict, plan
 from .preconditions import check_rank, check_root
-from .storage import ShardedCheckpoint, atomic_save, load_file, new_save_id, write_manifest, write_shard_file
+from .storage import (
+    ShardedCheckpoint,
+    atomic_save,
+    begin_write,
+    end_write,
+    load_file,
+    new_save_id,
+    write_manifest,
+    write_shard_file,
+)
 from .transport import agree, broadcast_object, dist_rank_and_size, gather_objects, scatter_objects
 
 __all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state", "scatter_full_optim_state"]
@@ -56,7 +66,9 @@ def _own(value: Any) -> Any:
     return value if whole else value.clone()
 
 
-def save_sharded_optim_state(fsdp: nn.Module, optim: torch.optim.Optimizer, directory: str | os.PathLike[str]) -> Path:
+def save_sharded_optim_state(
+    fsdp: nn.Module, optim: torch.optim.Optimizer, directory: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
     """Write this rank's optimizer shard and, on rank 0, the manifest. A collective: call on every rank.
 
     No gather and no full buffer: every rank writes its own flat shards as they are (padding included)
@@ -68,17 +80,39 @@ def save_sharded_optim_state(fsdp: nn.Module, optim: torch.optim.Optimizer, dire
     rank sees (a shared file system).
 
     Never modifies ``optim`` or its state. Returns the manifest's path (on every rank, once it exists).
-    A failure on any rank raises on every rank, and then no manifest was written.
+    A failure on any rank raises on every rank, and then no manifest was written and the files this
+    save wrote are removed.
 
-    Cost: three small object collectives (save id, per-rank summaries to rank 0, outcome) and each
-    rank's own file write.
+    Rank 0 holds ``directory``'s lock from before the first file is written until the commit (see
+    :func:`start_save`): a concurrent writer of the same directory gets ``OutputLockedError``, one that
+    holds files that are not an fsdp_optim checkpoint's ``ForeignOutputError`` unless ``overwrite``.
+
+    Cost: four small object collectives (lock outcome, save id, per-rank summaries to rank 0, outcome)
+    and each rank's own file write.
     """
     layout, local = read_for_save(fsdp, optim)
     directory = Path(directory)
-    group, rank = fsdp.process_group, fsdp.rank  # type: ignore[attr-defined]
-    save_id = broadcast_object(new_save_id() if rank == 0 else None, src=0, group=group)
     state = {i: {key: _own(v) for key, v in entries.items()} for i, entries in local.state.items()}
-    return commit_save(layout, local, state, type(optim).__name__, directory, save_id, group)
+    save_id, lock = start_save(directory, fsdp.process_group, overwrite=overwrite, purpose="save_sharded_optim_state")
+    return commit_save(layout, local, state, type(optim).__name__, directory, save_id, fsdp.process_group, lock=lock)
+
+
+def start_save(directory: Path, group: Any, *, overwrite: bool, purpose: str) -> tuple[str, OutputLock | None]:
+    """Before any rank writes: rank 0 locks ``directory``, removes what a killed writer left there,
+    refuses foreign contents (unless ``overwrite``) and journals the save
+    (:func:`fsdp_optim.storage.begin_write`). Every rank then learns the save id, or every rank raises
+    rank 0's refusal, with nothing written. Returns ``(save id, the lock on rank 0 or None)``; hand the
+    lock to :func:`commit_save`. Two small collectives."""
+    rank, world_size = dist_rank_and_size(group)
+    save_id, lock, failure = None, None, None
+    if rank == 0:
+        try:
+            save_id = new_save_id()
+            lock = begin_write(directory, save_id=save_id, world_size=world_size, purpose=purpose, overwrite=overwrite)
+        except Exception as exc:  # every rank learns of it through agree()
+            failure = exc
+    agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
+    return broadcast_object(save_id, src=0, group=group), lock
 
 
 def read_for_save(fsdp: nn.Module, optim: torch.optim.Optimizer) -> tuple[ModelLayout, LocalState]:
@@ -104,10 +138,33 @@ def commit_save(
     directory: Path,
     save_id: str,
     group: Any,
+    *,
+    lock: OutputLock | None = None,
 ) -> Path:
     """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``), then, once every rank's
     file is durable, rank 0's manifest (last). A collective over ``group``: a failure on any rank raises
-    on every rank, and then no manifest was written. Shared by the synchronous and asynchronous saves."""
+    on every rank, and then no manifest was written. Shared by the synchronous and asynchronous saves.
+    ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed."""
+    failed = True
+    try:
+        path = _commit(layout, local, state, optimizer, directory, save_id, group, lock)
+        failed = False
+    finally:
+        if lock is not None:
+            end_write(lock, failed=failed)
+    return path
+
+
+def _commit(
+    layout: ModelLayout,
+    local: LocalState,
+    state: Mapping[int, Mapping[str, Any]],
+    optimizer: str,
+    directory: Path,
+    save_id: str,
+    group: Any,
+    lock: OutputLock | None,
+) -> Path:
     rank, world_size = dist_rank_and_size(group)
     failure: Exception | None = None
     record = None
@@ -122,7 +179,8 @@ def commit_save(
             if world_size > 1:
                 check_agreement(layout, [summary for summary, _ in reports])  # type: ignore[union-attr]
             files = [r for _, r in reports]  # type: ignore[union-attr]
-            write_manifest(directory, _manifest(layout, local.groups, state, optimizer, save_id, files))
+            manifest = _manifest(layout, local.groups, state, optimizer, save_id, files)
+            write_manifest(directory, manifest, replaces=lock.entries[-1]["replaces"] if lock is not None else ())
         except Exception as exc:
             failure = exc
     agree(failure, group=group, what="save_sharded_optim_state failed, no checkpoint was written")

@@ -197,17 +197,20 @@ def agree(failure: BaseException | None, *, group: dist.ProcessGroup | None, wha
     """Make every rank agree on whether a step failed: one small all-gather, then every rank raises or none does.
 
     A rank that failed re-raises its own ``failure``; the others raise the first failing rank's error
-    (same type where it is a :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``), prefixed with that
+    (its nearest :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``), prefixed with that
     rank and ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was written"``).
     """
-    mine = None if failure is None else (type(failure).__name__, str(failure))
+    mine = None
+    if failure is not None:  # its own type's name, and the nearest portable type it is (OutputLockedError: OSError)
+        portable = next((c.__name__ for c in type(failure).__mro__ if c.__name__ in _PORTABLE_ERRORS), "RuntimeError")
+        mine = (type(failure).__name__, str(failure), portable)
     outcomes = all_gather_objects(mine, group)
     if failure is not None:
         raise failure
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
-            kind, message = outcome
-            raise _PORTABLE_ERRORS.get(kind, RuntimeError)(f"{what}: rank {rank}: {kind}: {message}")
+            kind, message, portable = outcome
+            raise _PORTABLE_ERRORS.get(portable, RuntimeError)(f"{what}: rank {rank}: {kind}: {message}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,285 @@
+"""One writer at a time per output: an exclusive lock beside each output, and the journal kept in it.
+
+Pure of collectives; touches only the lock file. Every writer (``save_sharded_optim_state``, the async
+save, ``reshard``, the CLI's ``-o`` outputs) holds :func:`lock_output` for its output while it writes::
+
+    ckpt/                                  # the output directory (may not exist yet)
+    .ckpt.fsdp-optim.lock                  # beside it: {"holder": {...}} then one {"journal": {...}} per line
+
+**Which lock, and why.** ``fcntl.flock`` on a lock file beside the output. The kernel drops an flock
+the moment its holder dies (``SIGKILL`` included), so a crashed writer never blocks the next one, and
+no live writer's lock is ever broken on a guess (pid reuse, clock skew, a slow client): a lock is stale
+exactly when its holder is gone. It lives *beside* the output because the output may not exist yet, and
+a refused writer must leave it exactly as it was. The path is resolved first (symlinks, ``..``), so two
+spellings of one directory share one lock.
+
+Where ``flock`` is unsupported (``ENOLCK``/``EOPNOTSUPP``/``ENOSYS``: some network and FUSE file
+systems), or where it does not reach other hosts (NFS mounted with ``local_lock=flock``: set
+``FSDP_OPTIM_LOCK=exclusive``), the lock is the lock file itself, created with ``O_CREAT|O_EXCL``. Such
+a lock is *stale* when its recorded holder is a process of this host that no longer runs (pid and
+start time compared, so a reused pid does not count), or when it is older than
+:data:`STALE_AFTER_S` (its holder refreshes it with every journal entry); a stale lock is broken by an
+atomic rename, so two writers breaking it at once cannot both win.
+
+**The journal.** Before a writer creates a file it records what it is about to create (and what its
+commit will make obsolete) in the lock file. A clean release deletes the lock file; a killed writer
+leaves it, and the next holder of the lock gets those entries (:attr:`OutputLock.previous`), so it can
+remove exactly what the killed writer left, and nothing else (see ``storage.begin_write``).
+
+A second writer gets :class:`OutputLockedError` (an ``OSError``) at once, naming the holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LOCK_SUFFIX",
+    "STALE_AFTER_S",
+    "ForeignOutputError",
+    "OutputLock",
+    "OutputLockedError",
+    "lock_output",
+    "lock_path",
+    "resolve_output",
+]
+
+LOCK_SUFFIX = ".fsdp-optim.lock"
+STALE_AFTER_S = 6 * 3600  # exclusive-file mode only: a lock untouched this long on another host is stale
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+class OutputLockedError(OSError):
+    """Another writer holds the output's lock; the message names it (pid, host, since, what it does)."""
+
+
+class ForeignOutputError(FileExistsError):
+    """The output holds what fsdp_optim did not write (a foreign ``manifest.pt``, other files); writing
+    there needs ``overwrite=True`` (``--overwrite``), and even then nothing foreign is deleted."""
+
+
+def resolve_output(output: str | os.PathLike[str]) -> Path:
+    """``output`` with symlinks and ``..`` resolved, whether or not it exists yet."""
+    return Path(os.path.realpath(output))
+
+
+def lock_path(output: str | os.PathLike[str]) -> Path:
+    """Where the lock of ``output`` lives: ``<parent>/.<name>.fsdp-optim.lock`` of the resolved path."""
+    resolved = resolve_output(output)
+    return resolved.parent / f".{resolved.name}{LOCK_SUFFIX}"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), if known."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _holder(purpose: str) -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "start": _start_ticks(os.getpid()),
+        "since": time.time(),
+        "purpose": purpose,
+    }
+
+
+def _describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "another writer (no holder recorded)"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", 0))))
+    return f"pid {holder.get('pid')} on {holder.get('host')} since {since} ({holder.get('purpose')})"
+
+
+def _parse(text: bytes) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The holder and journal entries of a lock file; a torn last line (a killed write) is ignored."""
+    holder, entries = None, []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("holder"), dict):
+            holder = record["holder"]
+        elif isinstance(record, dict) and isinstance(record.get("journal"), dict):
+            entries.append(record["journal"])
+    return holder, entries
+
+
+def _read_fd(fd: int, limit: int = 1 << 24) -> bytes:
+    chunks, offset = [], 0
+    while offset < limit:
+        chunk = os.pread(fd, 1 << 16, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+class OutputLock:
+    """A held lock on one output. ``previous``: the journal a killed holder left (empty after a clean
+    release). :meth:`journal` records an entry; :meth:`release` (or leaving the ``with`` block) frees it."""
+
+    def __init__(
+        self, output: Path, path: Path, fd: int, mode: str, previous: list[dict[str, Any]], purpose: str
+    ) -> None:
+        self.output = output
+        self.path = path
+        self.mode = mode  # "flock" or "exclusive"
+        self.previous = previous
+        self.entries: list[dict[str, Any]] = []  # this holder's own journal
+        self._fd: int | None = fd
+        self._holder = _holder(purpose)
+        # Appended, not rewritten: a killed holder's journal stays until forget(), after it was acted on.
+        os.pwrite(fd, b"\n" + json.dumps({"holder": self._holder}).encode() + b"\n", os.fstat(fd).st_size)
+        os.fsync(fd)
+
+    def _rewrite(self, records: list[dict[str, Any]]) -> None:
+        assert self._fd is not None, "the lock was released"
+        data = b"".join(json.dumps(r).encode() + b"\n" for r in records)
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+        os.fsync(self._fd)
+
+    def journal(self, entry: dict[str, Any]) -> None:
+        """Append ``entry`` (JSON-serialisable) durably, before doing what it announces."""
+        assert self._fd is not None, "the lock was released"
+        os.pwrite(self._fd, json.dumps({"journal": entry}).encode() + b"\n", os.fstat(self._fd).st_size)
+        os.fsync(self._fd)
+        os.utime(self._fd)  # exclusive-file mode: a live holder's lock never looks old
+        self.entries.append(entry)
+
+    def forget(self) -> None:
+        """Drop every journal entry (what they announced is done or cleaned up); keep holding the lock."""
+        self._rewrite([{"holder": self._holder}])
+        self.previous, self.entries = [], []
+
+    def release(self) -> None:
+        """Delete the lock file, then let go of it (a clean exit leaves nothing behind)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> OutputLock:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def lock_output(output: str | os.PathLike[str], *, purpose: str) -> OutputLock:
+    """Take the exclusive lock of ``output`` (a directory or file, existing or not) or raise
+    :class:`OutputLockedError` naming the holder. Never waits. ``purpose`` says what the holder does
+    (it appears in the second writer's error)."""
+    resolved = resolve_output(output)
+    path = lock_path(resolved)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("FSDP_OPTIM_LOCK", "flock") != "exclusive":
+        for _ in range(100):  # another writer may delete the file between our open and our flock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder, _ = _parse(_read_fd(fd))
+                os.close(fd)
+                raise OutputLockedError(
+                    f"{resolved}: another writer is writing there: {_describe(holder)}; wait for it to finish "
+                    f"(its lock, {path}, is released when it exits or dies)"
+                ) from None
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in _UNSUPPORTED:
+                    raise
+                break  # no flock here: fall back to an exclusive lock file
+            try:
+                same = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                same = None
+            mine = os.fstat(fd)
+            if same is None or (same.st_dev, same.st_ino) != (mine.st_dev, mine.st_ino):
+                os.close(fd)  # we locked a lock file its holder had just deleted: try again
+                continue
+            _, previous = _parse(_read_fd(fd))
+            return OutputLock(resolved, path, fd, "flock", previous, purpose)
+        else:
+            raise OutputLockedError(f"{resolved}: could not take its lock {path} (it keeps being replaced)")
+    return _lock_exclusive(resolved, path, purpose)
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    """Whether a holder recorded on this host still runs (the same process: pid and start time)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    start = holder.get("start")
+    return start is None or _start_ticks(pid) in (None, start)
+
+
+def _lock_exclusive(resolved: Path, path: Path, purpose: str) -> OutputLock:
+    """The fallback: the lock file exists exactly while someone holds the lock (or died holding it)."""
+    previous: list[dict[str, Any]] = []
+    broken_files: list[Path] = []
+    for _ in range(100):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except FileExistsError:
+            pass
+        else:
+            # The dead holder's journal moves into our lock file before its old file goes.
+            os.write(fd, b"".join(json.dumps({"journal": e}).encode() + b"\n" for e in previous))
+            os.fsync(fd)
+            for broken in broken_files:
+                broken.unlink(missing_ok=True)
+            return OutputLock(resolved, path, fd, "exclusive", previous, purpose)
+        try:
+            text, age = path.read_bytes(), time.time() - path.stat().st_mtime
+        except FileNotFoundError:
+            continue  # released meanwhile
+        holder, _ = _parse(text)
+        here = holder is not None and holder.get("host") == socket.gethostname()
+        stale = (here and not _alive(holder)) or age > STALE_AFTER_S  # type: ignore[arg-type]
+        if not stale:
+            raise OutputLockedError(
+                f"{resolved}: another writer is writing there: {_describe(holder)}; wait for it to finish, or, if "
+                f"it is gone and on another host, remove {path} (it counts as stale after {STALE_AFTER_S} s)"
+            )
+        # Break it: rename it away (one breaker wins), then check we took the lock we judged stale.
+        broken = path.with_name(f"{path.name}.stale.{uuid.uuid4().hex[:12]}")
+        try:
+            os.rename(path, broken)
+        except FileNotFoundError:
+            continue
+        if broken.read_bytes() != text:  # someone broke it first and a live writer made a new one: put it back
+            with contextlib.suppress(FileExistsError):
+                os.link(broken, path)
+            broken.unlink(missing_ok=True)
+            continue
+        previous += _parse(text)[1]
+        broken_files.append(broken)
+    raise OutputLockedError(f"{resolved}: could not take its lock {path}")
