@@ -108,8 +108,9 @@ def check_same_save(summaries: Sequence[RankSummary]) -> None:
         hint = "(shards of different saves or models?)"
         if s.metadata_key != first.metadata_key or s.structure != first.structure or s.buffers != first.buffers:
             raise ValueError(f"{s.path}: its FSDP metadata describes other parameters than {first.path}'s {hint}")
-        if {k: v[:2] for k, v in s.model.items()} != {k: v[:2] for k, v in first.model.items()}:
-            raise ValueError(f"{s.path}: its 'model' keys, shapes or dtypes differ from {first.path}'s {hint}")
+        # Shapes are checked against the metadata, per rank (world_sizes), which says more.
+        if {k: v[1] for k, v in s.model.items()} != {k: v[1] for k, v in first.model.items()}:
+            raise ValueError(f"{s.path}: its 'model' keys or dtypes differ from {first.path}'s {hint}")
         if [ids for _, ids in s.groups] != [ids for _, ids in first.groups] or _digest_groups(s) != _digest_groups(
             first
         ):
@@ -184,7 +185,7 @@ def world_sizes(summaries: Sequence[RankSummary], order: Sequence[int]) -> tuple
                 raise ValueError(
                     f"{s.path}: 'model' holds '{b.key}' as {list(shape)}, but the metadata describes {b.numel} "
                     f"elements ({', '.join(p.name for p in b.params[:3])}) sharded over {sizes[f]} ranks: expected "
-                    f"[{bounds.numel}]"
+                    f"[{bounds.numel}] (the set has {n} shard files: is one missing, or from another save?)"
                 )
             if s.padding[i] != bounds.padding:
                 raise ValueError(

@@ -257,7 +257,9 @@ def summarise(payload: Any, path: Path) -> RankSummary:
         raise ValueError(f"{path}: '{OPTIM_KEY}' must be an optimizer state_dict with 'state' and 'param_groups'")
     groups = tuple(({k: v for k, v in g.items() if k != "params"}, tuple(g["params"])) for g in optim["param_groups"])
     state = {
-        pid: {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in entries.items()}
+        pid: {
+            k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) and v.dim() > 0 else _own(v) for k, v in entries.items()
+        }
         for pid, entries in optim["state"].items()
     }
     extras = tuple(k for k in optim if k not in ("state", "param_groups"))
@@ -286,6 +288,11 @@ def summarise(payload: Any, path: Path) -> RankSummary:
         extras_digest=digest({k: optim[k] for k in extras}),
         num_updates=num_updates,
     )
+
+
+def _own(value: Any) -> Any:
+    """A scalar state in memory of its own (a 0-dim tensor of a mapped file would keep the whole mapping)."""
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def _backings(meta: Any, path: Path) -> tuple[tuple[Backing, ...], tuple[int, ...], dict[str, str]]:
