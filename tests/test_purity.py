@@ -1,5 +1,6 @@
 """Only transport.py talks to torch.distributed (and the demo, which is a user program, and dcp.py, which
-writes DCP files with no process group): every other module is pure of collectives. Checked on the source, so a lazy import inside a function counts too."""
+writes DCP files with no process group): every other module is pure of collectives. Checked on the source,
+so a lazy import inside a function counts too."""
 
 from __future__ import annotations
 
