@@ -34,11 +34,11 @@ import torch
 from .fairseq_checks import (
     ParamOrder,
     check_same_save,
+    check_shards,
     model_aliases,
     optimizer_ids,
     resolve_param_order,
     state_entries,
-    world_sizes,
 )
 from .fairseq_format import METADATA_KEYS, OPTIM_KEY, is_shard_set, load_shard, shard_paths, shard_siblings, summarise
 from .fairseq_write import Pending, stream_save
@@ -105,16 +105,16 @@ class ShardSet:
         order = sorted(range(len(first.backings)), key=lambda i: position[first.backings[i].key])
         self.backings = tuple(first.backings[i] for i in order)
         self.keys = tuple(b.key for b in self.backings)
-        self.world_sizes, self.full_on = world_sizes(summaries, order)
+        self.full_on = check_shards(summaries, order)
         self.model_aliases = model_aliases(first, self.keys)
         self.aliases = dict(first.aliases)  # unwrapped alias -> parameter (flattened units' shared_param_info)
-        self.id_of_flat = optimizer_ids(first, self.backings, self.world_sizes, optimizer_keys, self.label)
+        self.id_of_flat = optimizer_ids(first, self.backings, self.world_size, optimizer_keys, self.label)
         flats, weight_flats = [], []
         for i, b in enumerate(self.backings):
             model_dtype = first.model[b.key][1]
             entries = state_entries(first, self.id_of_flat.get(i), b.key)
             dtype = next((getattr(torch, str(e.dtype)) for e in entries if e.kind is StateKind.SHARDED), model_dtype)
-            record = FlatRecord(b.unit, b.params, self.world_sizes[i], None, dtype, b.flattened)
+            record = FlatRecord(b.unit, b.params, self.world_size, None, dtype, b.flattened)
             flats.append(replace(record, state=entries))
             weight = StateEntry(WEIGHT, StateKind.SHARDED, dtype=dtype_to_str(model_dtype))
             weight_flats.append(replace(record, dtype=model_dtype, state=(weight,)))

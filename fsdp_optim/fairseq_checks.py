@@ -5,8 +5,8 @@ never opens a file. Every refusal names the file (and unit, parameter or id) wit
 
 - :func:`check_same_save`: every file comes from the same save of the same model (metadata, model keys,
   param groups, state keys and scalars such as ``step``, optimizer extras, ``num_updates``);
-- :func:`world_sizes`: per backing parameter, the ranks it is sharded over (an instance shards all its
-  parameters or none), every tensor's size and every recorded padding checked against them;
+- :func:`check_shards`: every backing parameter is sharded over the set's ranks (a unit on a process group
+  of one rank is refused), every tensor's size and every recorded padding checked against that;
 - :func:`optimizer_ids`: the files do not record which optimizer id is which parameter;
   :func:`match_optimizer_ids` finds the one assignment in which every param group lists its parameters in
   the files' order and every state tensor has its parameter's shard size, or refuses.
@@ -29,12 +29,12 @@ from .manifest import StateEntry, digest, dtype_to_str
 
 __all__ = [
     "check_same_save",
+    "check_shards",
     "match_optimizer_ids",
     "model_aliases",
     "optimizer_ids",
     "resolve_param_order",
     "state_entries",
-    "world_sizes",
 ]
 
 ParamOrder = Sequence[str] | nn.Module | str | os.PathLike | None
@@ -108,7 +108,7 @@ def check_same_save(summaries: Sequence[RankSummary]) -> None:
         hint = "(shards of different saves or models?)"
         if s.metadata_key != first.metadata_key or s.structure != first.structure or s.buffers != first.buffers:
             raise ValueError(f"{s.path}: its FSDP metadata describes other parameters than {first.path}'s {hint}")
-        # Shapes are checked against the metadata, per rank (world_sizes), which says more.
+        # Shapes are checked against the metadata, per rank (check_shards), which says more.
         if {k: v[1] for k, v in s.model.items()} != {k: v[1] for k, v in first.model.items()}:
             raise ValueError(f"{s.path}: its 'model' keys or dtypes differ from {first.path}'s {hint}")
         if [ids for _, ids in s.groups] != [ids for _, ids in first.groups] or _digest_groups(s) != _digest_groups(
@@ -150,49 +150,41 @@ def _show(value: Any) -> str:
     return show_value(value)
 
 
-def world_sizes(summaries: Sequence[RankSummary], order: Sequence[int]) -> tuple[list[int], set[tuple[int, int]]]:
-    """Per backing (in file order), the ranks it is sharded over, and which (backing, rank) hold it whole;
-    every tensor and padding checked against them."""
+def check_shards(summaries: Sequence[RankSummary], order: Sequence[int]) -> set[tuple[int, int]]:
+    """Every backing parameter (``order``: file order) is sharded over the set's ranks: each rank's tensor has
+    its shard's size and the recorded padding is its shard's. Returns the ``(backing, rank)`` pairs where
+    fairscale left an unflattened parameter that forward never used whole."""
     first, n = summaries[0], len(summaries)
     backings = [first.backings[i] for i in order]
-
-    def sharded(instance: int) -> bool:
-        return n > 1 and any(
-            math.prod(s.model[b.key][0]) < b.numel or s.padding[i] > 0
-            for s in summaries
-            for i, b in enumerate(first.backings)
-            if b.instance == instance
-        )
-
-    instance_sharded = {b.instance: sharded(b.instance) for b in backings}
-    whole_unit = next((b for b in backings if n > 1 and not instance_sharded[b.instance]), None)
-    if whole_unit is not None:
-        raise NotImplementedError(
-            f"{first.path}: FSDP unit '{whole_unit.unit or '<root>'}' is not sharded over the set's {n} ranks (a "
-            "process group of one rank, as for mixture-of-experts layers): its state may differ per rank, which "
-            "shard sets do not support"
-        )
-    sizes = [n if n > 1 else 1 for _ in backings]
+    for instance in sorted({b.instance for b in backings}) if n > 1 else ():
+        members = [(i, b) for i, b in enumerate(first.backings) if b.instance == instance]
+        if not any(math.prod(s.model[b.key][0]) < b.numel or s.padding[i] > 0 for s in summaries for i, b in members):
+            unit = members[0][1].unit or "<root>"
+            raise NotImplementedError(
+                f"{first.path}: FSDP unit '{unit}' is not sharded over the set's {n} ranks (a process group of one "
+                "rank, as for mixture-of-experts layers): its state may differ per rank, which shard sets do not "
+                "support"
+            )
     whole: set[tuple[int, int]] = set()
     for f, (i, b) in enumerate(zip(order, backings)):
         for rank, s in enumerate(summaries):
             shape = s.model[b.key][0]
-            bounds = shard_bounds(b.numel, sizes[f], rank if sizes[f] > 1 else 0)
+            bounds = shard_bounds(b.numel, n, rank)
             own_shape = not b.flattened and shape == b.params[0].shape
-            if sizes[f] > 1 and own_shape and bounds.numel != b.numel:
+            if n > 1 and own_shape and bounds.numel != b.numel:
                 whole.add((f, rank))
-            elif math.prod(shape) != bounds.numel or not (len(shape) == 1 or (sizes[f] == 1 and own_shape)):
+            elif math.prod(shape) != bounds.numel or not (len(shape) == 1 or (n == 1 and own_shape)):
                 raise ValueError(
                     f"{s.path}: 'model' holds '{b.key}' as {list(shape)}, but the metadata describes {b.numel} "
-                    f"elements ({', '.join(p.name for p in b.params[:3])}) sharded over {sizes[f]} ranks: expected "
+                    f"elements ({', '.join(p.name for p in b.params[:3])}) sharded over {n} ranks: expected "
                     f"[{bounds.numel}] (the set has {n} shard files: is one missing, or from another save?)"
                 )
             if s.padding[i] != bounds.padding:
                 raise ValueError(
                     f"{s.path}: the metadata gives '{b.key}' padding {s.padding[i]}, expected {bounds.padding} for "
-                    f"{b.numel} elements over {sizes[f]} ranks (the shard files of a set of {n}?)"
+                    f"{b.numel} elements over {n} ranks (the shard files of a set of {n}?)"
                 )
-    return sizes, whole
+    return whole
 
 
 def model_aliases(first: RankSummary, keys: Sequence[str]) -> dict[str, str]:
@@ -215,7 +207,7 @@ def model_aliases(first: RankSummary, keys: Sequence[str]) -> dict[str, str]:
 def optimizer_ids(
     first: RankSummary,
     backings: Sequence[Backing],
-    world_sizes: Sequence[int],
+    world_size: int,
     optimizer_keys: Sequence[Sequence[str]] | None,
     label: str,
 ) -> dict[int, int]:
@@ -234,7 +226,7 @@ def optimizer_ids(
             )
         if sizes:
             numels[pid] = sizes.pop()
-    flat_numels = [shard_bounds(b.numel, w, 0).numel for b, w in zip(backings, world_sizes)]
+    flat_numels = [shard_bounds(b.numel, world_size, 0).numel for b in backings]
     if optimizer_keys is None:
         return {f: pid for pid, f in match_optimizer_ids(groups, numels, flat_numels, label=label).items()}
     index = {b.key: f for f, b in enumerate(backings)}
