@@ -18,7 +18,7 @@ writer keeps every tensor of one file until the file is closed, so each item get
 (``single_file_per_rank=False``). ``dcp.save`` runs with ``no_dist=True``: no process group, even inside a job.
 
 All-or-nothing: written into a staging directory beside ``out_dir`` and renamed onto it when complete;
-``out_dir`` must not exist or be empty.
+``out_dir`` must not exist or be empty, and is locked while written (a second writer gets ``OutputLockedError``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .fairseq_format import OPTIM_KEY, is_shard_set
 from .flatten import StateKind, clone_value
 from .fullstate import full_dict_source
 from .layout import FlatParamLayout, ModelLayout, ParamSpec
+from .locks import lock_output
 from .plan import Plan, Source, assemble_full, plan, restrict
 from .storage import DEFAULT_MAPPED_BYTES, ShardedCheckpoint, load_file, source_kind
 
@@ -108,15 +109,18 @@ def to_dcp(
         if export.extras:
             state[f"{optim_key}_extra"] = dict(export.extras)
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.dcp-", dir=out.parent))
-        try:
-            writer = FileSystemWriter(staging, single_file_per_rank=False, thread_count=1, sync_files=True)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dist_cp.save(state, storage_writer=writer, planner=_LazyPlanner(producers), no_dist=True)
-            os.replace(staging, out)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with lock_output(out, purpose="fsdp_optim.to_dcp"):
+            if out.exists() and any(out.iterdir()):  # filled meanwhile, before we held the lock
+                raise ValueError(f"out_dir: {out} is no longer empty; DCP needs a directory of its own")
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.dcp-", dir=out.parent))
+            try:
+                writer = FileSystemWriter(staging, single_file_per_rank=False, thread_count=1, sync_files=True)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                    dist_cp.save(state, storage_writer=writer, planner=_LazyPlanner(producers), no_dist=True)
+                os.replace(staging, out)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     return DcpExport(out, len(model or {}), len(optim["state"]), tuple(export.extras), export.not_exported)
 
 

@@ -45,6 +45,7 @@ from .fairseq_write import Pending, stream_save
 from .flatten import StateKind, clone_value, split
 from .fullstate import build_full_state
 from .layout import clean_path
+from .locks import ForeignOutputError, lock_output, resolve_output
 from .manifest import FlatRecord, GroupRecord, Manifest, StateEntry, dtype_to_str
 from .plan import Plan, Source, assemble_full, cut_rank, plan, restrict
 from .preconditions import check_world_size
@@ -300,6 +301,7 @@ def reshard_shards(
     world_size: int,
     out_dir: str | os.PathLike[str],
     *,
+    overwrite: bool = False,
     optimizer_keys: Sequence[Sequence[str]] | None = None,
     allow_globals: Sequence[str] = (),
     progress: Progress = None,
@@ -312,44 +314,53 @@ def reshard_shards(
     extras, each state tensor cut for the rank), the metadata with each rank's padding, and every other key
     of rank 0's file unchanged (``cfg`` still says the old world size: fairseq takes it from the command
     line). A fairscale FSDP job of ``world_size`` ranks loads them with ``load_local_state_dict`` and
-    ``optimizer.load_state_dict``. Units that were not sharded stay whole.
+    ``optimizer.load_state_dict``.
 
-    All-or-nothing: the set is checked and planned first, the files are written into a staging directory
-    beside ``out_dir`` and moved in only when all are complete; shard files of the same prefix with ranks
-    beyond ``world_size`` are then removed from ``out_dir``. Memory: one unit's shard and the mapping bound.
+    ``out_dir`` must not be the source's directory, and is locked while written (a second writer gets
+    ``OutputLockedError``). Shard files of the same name already there are refused (``ForeignOutputError``)
+    unless ``overwrite=True``, which replaces them and removes those of ranks beyond ``world_size`` (so no
+    mixed set is left); other files there are never touched. All-or-nothing: the set is checked and planned
+    first, the files are written into a staging directory beside ``out_dir`` and moved in only when all are
+    complete. Memory: one unit's shard and the mapping bound.
     """
     check_world_size("world_size", world_size)
     out = Path(out_dir)
     with ShardSet(
         path, optimizer_keys=optimizer_keys, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as shards:
-        if out.exists() and out.resolve() == shards.prefix.parent.resolve():
+        name = shards.prefix.name
+        if resolve_output(out) == resolve_output(shards.prefix.parent):
             raise ValueError(f"out_dir: {out} holds the source shards; write to another directory")
         target = shards.manifest.with_world_size(world_size)
         weights = shards.weights.with_world_size(world_size)
         opt_plan = plan(shards.source(), target.layout(0))
         w_plan = plan(shards.weights_source(), weights.layout(0))
         rank0 = shards.rank0()
-        name = shards.prefix.name
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.reshard-", dir=out.parent))
-        try:
-            for rank in range(world_size):
-                obj = _rank_file(shards, rank0, rank, opt_plan, w_plan, progress)
-                stream_save(obj, staging / f"{name}-shard{rank}.pt", after_tensor=shards.trim)
-            out.mkdir(exist_ok=True)
-            written = []
-            for rank in range(world_size):
-                os.replace(staging / f"{name}-shard{rank}.pt", out / f"{name}-shard{rank}.pt")
-                written.append(out / f"{name}-shard{rank}.pt")
-            for stale, files in shard_siblings(out / name).items():
-                if stale >= world_size:
-                    for file in files:
-                        file.unlink(missing_ok=True)
-            _fsync_dir(out)
-            return written
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with lock_output(out, purpose=f"fsdp_optim.fairseq.reshard_shards -> {world_size} ranks"):
+            existing = shard_siblings(out / name)
+            if existing and not overwrite:
+                raise ForeignOutputError(
+                    f"{out}: already holds {name}-shard<r>.pt files (ranks {sorted(existing)}); pass overwrite=True "
+                    "(CLI: --overwrite) to replace them"
+                )
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.reshard-", dir=out.parent))
+            try:
+                for rank in range(world_size):
+                    obj = _rank_file(shards, rank0, rank, opt_plan, w_plan, progress)
+                    stream_save(obj, staging / f"{name}-shard{rank}.pt", after_tensor=shards.trim)
+                out.mkdir(exist_ok=True)
+                written = [out / f"{name}-shard{rank}.pt" for rank in range(world_size)]
+                for file in written:
+                    os.replace(staging / file.name, file)
+                for rank, files in existing.items():
+                    if rank >= world_size:  # a shard of the replaced set: left, it would make a mixed set
+                        for file in files:
+                            file.unlink(missing_ok=True)
+                _fsync_dir(out)
+                return written
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def _rank_file(

@@ -30,6 +30,7 @@ from fsdp_optim.fairseq import OPTIM_KEY, ShardSet, consolidate_shards, reshard_
 from fsdp_optim.fairseq_checks import match_optimizer_ids
 from fsdp_optim.fairseq_write import Pending, stream_save
 from fsdp_optim.layout import shard_bounds
+from fsdp_optim.locks import ForeignOutputError
 
 REL = 1e-4
 ORDER = [name for name, _ in M.make_net().named_parameters()]  # the unwrapped model's, as gather numbers them
@@ -177,7 +178,9 @@ def test_missing_shard_is_named(jobs, tmp_path) -> None:
     # The last shard gone leaves a set whose shards are cut for 3 ranks: the sizes say so.
     shutil.copy(jobs.prefix("groups", 3).parent / f"{F.PREFIX}-shard1.pt", prefix.parent)
     (prefix.parent / f"{F.PREFIX}-shard2.pt").unlink()
-    _refused(prefix, tmp_path, r"-shard0\.pt: 'model' holds 'flat_param_0' as \[34\], .* expected \[51\] \(the set has 2")
+    _refused(
+        prefix, tmp_path, r"-shard0\.pt: 'model' holds 'flat_param_0' as \[34\], .* expected \[51\] \(the set has 2"
+    )
 
 
 def test_shards_of_different_saves_are_named(jobs, tmp_path) -> None:
@@ -234,12 +237,18 @@ def test_output_over_the_source_is_refused(jobs, tmp_path) -> None:
     assert sorted((p.name, p.stat().st_mtime_ns) for p in prefix.parent.iterdir()) == before
 
 
-def test_reshard_replaces_an_older_set_in_the_output(jobs, tmp_path) -> None:
+def test_reshard_over_an_older_set_needs_overwrite(jobs, tmp_path) -> None:
     out = tmp_path / "out"
     reshard_shards(jobs.prefix("groups", 2), 3, out)
-    reshard_shards(jobs.prefix("groups", 3).parent / f"{F.PREFIX}-shard2.pt", 2, out)  # named by any shard file
-    assert sorted(p.name for p in out.iterdir()) == [f"{F.PREFIX}-shard0.pt", f"{F.PREFIX}-shard1.pt"]
+    (out / "notes.txt").write_text("mine")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    with pytest.raises(ForeignOutputError, match=r"out: already holds checkpoint_2-model_part-0-shard<r>.pt files"):
+        reshard_shards(jobs.prefix("groups", 3), 2, out)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
+    reshard_shards(jobs.prefix("groups", 3).parent / f"{F.PREFIX}-shard2.pt", 2, out, overwrite=True)  # any shard file
+    assert sorted(p.name for p in out.iterdir()) == [f"{F.PREFIX}-shard0.pt", f"{F.PREFIX}-shard1.pt", "notes.txt"]
     assert ShardSet(out / F.PREFIX).world_size == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no lock, no staging left
 
 
 # ---------------------------------------------------------------------------------------------------
