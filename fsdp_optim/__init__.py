@@ -10,6 +10,9 @@
   ``save_layout``, ``from_fairscale`` (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
 - ``to_dcp(source, out_dir)``: any of those sources, or a fairseq/metaseq shard set (see
   :mod:`fsdp_optim.fairseq` for consolidating and resharding those), written as a PyTorch DCP checkpoint.
+- Trust (README "Threat model"): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
+  (others are refused with ``NotElementwiseError``); writers lock their output (``OutputLockedError``) and
+  refuse directories holding what is not theirs (``ForeignOutputError``, unless ``overwrite=True``).
 - ``host_execution()`` (or ``enable_host_execution()`` / ``disable_host_execution()``): a reversible switch
   that runs fairscale's own ``FullyShardedDataParallel`` on CPU with gloo.
 
@@ -26,7 +29,10 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "AsyncSave",
     "FORMAT_VERSION",
+    "ForeignOutputError",
     "FullyShardedDataParallel",
+    "NotElementwiseError",
+    "OutputLockedError",
     "async_save_sharded_optim_state",
     "consolidate",
     "disable_host_execution",
@@ -36,6 +42,7 @@ __all__ = [
     "get_shard_from_optim_state_dict",
     "host_execution",
     "load_sharded_optim_state",
+    "register_elementwise_optimizer",
     "reshard",
     "save_layout",
     "save_sharded_optim_state",
@@ -49,6 +56,10 @@ __version__ = "0.1.0"
 _HOME = {
     "AsyncSave": "async_save",
     "FORMAT_VERSION": "fullstate",
+    "ForeignOutputError": "locks",
+    "NotElementwiseError": "elementwise",
+    "OutputLockedError": "locks",
+    "register_elementwise_optimizer": "elementwise",
     "async_save_sharded_optim_state": "async_save",
     "FullyShardedDataParallel": "fsdp",
     "consolidate": "offline",
@@ -87,8 +98,10 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from .api import gather_full_optim_state_dict, get_shard_from_optim_state_dict
     from .async_save import AsyncSave, async_save_sharded_optim_state
     from .dcp import to_dcp
+    from .elementwise import NotElementwiseError, register_elementwise_optimizer
     from .fsdp import FullyShardedDataParallel
     from .fullstate import FORMAT_VERSION
     from .interop import from_fairscale, to_named
+    from .locks import ForeignOutputError, OutputLockedError
     from .offline import consolidate, reshard
     from .sharded import load_sharded_optim_state, save_layout, save_sharded_optim_state, scatter_full_optim_state

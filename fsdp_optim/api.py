@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .elementwise import check_elementwise, state_keys
 from .flatten import StateKind, assemble
 from .fullstate import build_full_state
 from .interop import dict_source
@@ -61,6 +62,7 @@ def gather_full_optim_state_dict(
     key, rank holding real elements), carrying the state's bytes once, and a final barrier.
     """
     check_root(fsdp)
+    check_elementwise(optim, where="optim", keys=state_keys(optim))  # every rank alike, before any collective
     world_size, group = fsdp.world_size, fsdp.process_group  # type: ignore[attr-defined]
     check_rank("recipient_rank", recipient_rank, world_size, allow_none=True)
     if transport not in ("tensor", "object"):
@@ -125,6 +127,9 @@ def get_shard_from_optim_state_dict(
     if optim is not None:
         check_optimizer(source.optimizer, optim, "the full optimizer state dict")
         members = group_members(optim.param_groups, params)
+    else:
+        keys = {e.key for flat in source.flats for e in flat.state}
+        check_elementwise(source.optimizer, where="the full optimizer state dict", keys=keys)
     the_plan = plan(
         source,
         layout,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .elementwise import check_elementwise, state_keys
 from .flatten import StateKind, classify_flat_state, same_scalar, show_value
 from .layout import ModelLayout
 from .manifest import GroupRecord
@@ -84,7 +85,9 @@ def group_members(param_groups: Sequence[Mapping[str, Any]], params: Sequence[nn
 
 
 def check_optimizer(saved: str | None, optim: torch.optim.Optimizer, source: str) -> None:
-    """Refuse loading state ``source`` saved from optimizer class ``saved`` into ``optim`` of another class."""
+    """Refuse loading state ``source`` saved from optimizer class ``saved`` into ``optim`` of another class,
+    or into an optimizer that is not elementwise (:mod:`fsdp_optim.elementwise`)."""
+    check_elementwise(optim, where="optim", keys=state_keys(optim))
     if saved is not None and saved != type(optim).__name__:
         raise ValueError(f"optim: {source} was saved from {saved}, found {type(optim).__name__}")
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .elementwise import check_elementwise, state_keys
 from .interop import dict_source
 from .layout import ModelLayout, read_layout
 from .local import LocalState, check_agreement, check_optimizer, group_members, read_local_state
@@ -118,6 +119,7 @@ def start_save(directory: Path, group: Any, *, overwrite: bool, purpose: str) ->
 def read_for_save(fsdp: nn.Module, optim: torch.optim.Optimizer) -> tuple[ModelLayout, LocalState]:
     """The layout and this rank's optimizer state, checked to be savable (local; reads only)."""
     check_root(fsdp)
+    check_elementwise(optim, where="optim", keys=state_keys(optim))
     layout, params = read_layout(fsdp)
     layout.check_world_sizes()
     local = read_local_state(layout, params, optim.state_dict(), optim.param_groups)

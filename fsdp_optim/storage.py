@@ -156,7 +156,8 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read)."""
     path = Path(path)
-    return (path / MANIFEST_NAME).is_file() if path.is_dir() else path.name == MANIFEST_NAME and path.is_file()
+    # lexists: a manifest.pt that is not a regular file is refused saying so when it is read.
+    return os.path.lexists(path / MANIFEST_NAME) if path.is_dir() else path.name == MANIFEST_NAME and path.is_file()
 
 
 def source_kind(path: str | os.PathLike[str]) -> str:
@@ -181,7 +182,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file."""
     path = Path(path)
     file = path / MANIFEST_NAME if path.is_dir() else path
-    if not file.is_file():
+    if not os.path.lexists(file):
         if path.is_dir():
             raise ValueError(
                 f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME}; a save that never finished leaves none)"
@@ -320,13 +321,16 @@ def owned_files(directory: Path, *, overwrite: bool = False) -> set[str]:
             files = {f.file for f in read_manifest(directory).files}
         except (ValueError, OSError) as exc:
             problem = f"its {MANIFEST_NAME} is not an fsdp_optim manifest ({exc})"
-    foreign = sorted(names - files - ({MANIFEST_NAME} if problem is None else set()))
+    foreign = sorted(names - files - ({MANIFEST_NAME} if problem is None else {MANIFEST_NAME} | files))
     if (foreign or problem) and not overwrite:
-        shown = ", ".join(escape(n, limit=80) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        parts = [problem] if problem else []
+        if foreign:
+            shown = ", ".join(escape(n, limit=80) for n in foreign[:5])
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            parts.append(f"it holds files that are not an fsdp_optim checkpoint's: {shown}{more}")
         raise ForeignOutputError(
-            f"{directory}: holds {problem or 'files'}{'; and ' if problem and foreign else ''}"
-            f"{'files' if problem and foreign else ''}{': ' + shown if foreign else ''} that are not an fsdp_optim "
-            "checkpoint's; pass overwrite=True (--overwrite) to write there anyway (they are never deleted)"
+            f"{directory}: {'; '.join(parts)}; pass overwrite=True (--overwrite) to write there anyway (nothing "
+            "there is deleted)"
         )
     return files if problem is None else set()
 

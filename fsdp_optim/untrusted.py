@@ -161,7 +161,9 @@ def _zip_records(fd: int, size: int, where: str) -> list[_Record]:
             with zipfile.ZipFile(f) as z:
                 infos = z.infolist()
         except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on garbage
-            raise unreadable(where, f"not a torch.save zip file ({type(exc).__name__}: {exc})") from None
+            raise unreadable(
+                where, f"not a zip file, the format torch.save writes since torch 1.6 ({type(exc).__name__}: {exc})"
+            ) from None
     if len(infos) > MAX_RECORDS:
         raise ValueError(f"{where}: holds {len(infos)} zip records, more than the bound {MAX_RECORDS}")
     records = []
@@ -244,18 +246,76 @@ def _opcodes(data: bytes, where: str) -> Iterator[tuple[Any, Any]]:
         yield op, arg
 
 
-def _scan_pickle(data: bytes, where: str) -> None:
-    """Refuse a pickle that names a global outside :data:`_ALLOWED_GLOBALS`, before anything is unpickled."""
+_ITEMSIZE = {"FloatStorage": 4, "DoubleStorage": 8, "HalfStorage": 2, "BFloat16Storage": 2, "ByteStorage": 1,
+             "CharStorage": 1, "ShortStorage": 2, "IntStorage": 4, "LongStorage": 8, "BoolStorage": 1,
+             "UntypedStorage": 1}  # fmt: skip
+_UNKNOWN = object()
+_PUSH_VALUE = {"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "BININT", "BININT1", "BININT2",
+               "LONG1", "LONG4", "INT", "LONG"}  # fmt: skip
+
+
+def _scan_pickle(data: bytes, where: str) -> dict[str, int]:
+    """Refuse a pickle that names a global outside :data:`_ALLOWED_GLOBALS` or holds an integer of more
+    than 64 bits, before anything is unpickled; return the bytes each storage record must hold, as the
+    pickle declares them (``{key: nbytes}``).
+
+    Persistent ids are read the way ``torch.save`` writes them (``MARK 'storage' GLOBAL key location
+    numel TUPLE BINPERSID``, strings possibly memoized); one that cannot be read so is refused.
+    """
+    frames: list[list[Any]] = []  # values pushed since each open MARK (simple values, else _UNKNOWN)
+    memo: dict[Any, Any] = {}
+    last: Any = _UNKNOWN  # the value most recently pushed (what BINPUT memoizes)
+    storages: dict[str, int] = {}
     for op, arg in _opcodes(data, where):
-        if op.name == "GLOBAL":
-            module, _, name = str(arg).partition(" ")
-            if (module, name) not in _ALLOWED_GLOBALS:
+        name, value = op.name, _UNKNOWN
+        if name == "GLOBAL":
+            module, _, attr = str(arg).partition(" ")
+            if (module, attr) not in _ALLOWED_GLOBALS:
                 raise ValueError(
-                    f"{where}: holds {_refused_global(module, name)} ({escape(module, limit=80)}."
-                    f"{escape(name, limit=80)}), which fsdp_optim does not read"
+                    f"{where}: holds {_refused_global(module, attr)} ({escape(module, limit=80)}."
+                    f"{escape(attr, limit=80)}), which fsdp_optim does not read"
                 )
-        elif op.name in ("STACK_GLOBAL", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID"):
-            raise ValueError(f"{where}: its pickle uses {op.name}, which torch.save does not write")
+            value = ("global", attr)
+        elif name in ("STACK_GLOBAL", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "PERSID"):
+            raise ValueError(f"{where}: its pickle uses {name}, which torch.save does not write")
+        elif name in _PUSH_VALUE:
+            if isinstance(arg, int) and not -(1 << 63) <= arg < (1 << 64):
+                raise ValueError(f"{where}: holds an integer of {arg.bit_length()} bits")
+            value = arg
+        if name == "MARK":
+            frames.append([])
+            continue
+        if name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[arg] = last
+            continue
+        if name == "MEMOIZE":
+            memo[len(memo)] = last
+            continue
+        if name in ("BINGET", "LONG_BINGET", "GET"):
+            value = memo.get(arg, _UNKNOWN)
+        elif name == "TUPLE" and frames:
+            value = tuple(frames.pop())
+        elif name == "BINPERSID":
+            _storage_of(last, storages, where)
+        if frames:
+            frames[-1].append(value)
+        last = value
+    return storages
+
+
+def _storage_of(pid: Any, storages: dict[str, int], where: str) -> None:
+    """Record what a ``torch.save`` persistent id ``('storage', type, key, location, numel)`` declares."""
+    if (
+        not isinstance(pid, tuple)
+        or len(pid) != 5
+        or pid[0] != "storage"
+        or not (isinstance(pid[1], tuple) and pid[1][1] in _ITEMSIZE)
+        or not isinstance(pid[2], str)
+        or not isinstance(pid[4], int)
+        or pid[4] < 0
+    ):
+        raise ValueError(f"{where}: a storage reference that is not in torch.save's form ({escape(repr(pid), limit=200)})")
+    storages[pid[2]] = pid[4] * _ITEMSIZE[pid[1][1]]
 
 
 def load_untrusted(path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True) -> Any:
@@ -273,7 +333,16 @@ def load_untrusted(path: str | os.PathLike[str], *, mmap: bool = False, follow_s
         pickles = [r for r in records if r.name.endswith("/data.pkl") and r.name.count("/") == 1]
         if len(pickles) != 1:
             raise unreadable(where, f"expected one data.pkl record in the zip file, found {len(pickles)}")
-        _scan_pickle(os.pread(fd, pickles[0].size, pickles[0].offset), where)
+        declared = _scan_pickle(os.pread(fd, pickles[0].size, pickles[0].offset), where)
+        folder = pickles[0].name.rsplit("/", 1)[0]
+        sizes = {r.name: r.size for r in records}
+        for key, nbytes in declared.items():
+            found = sizes.get(f"{folder}/data/{key}")
+            if found != nbytes:  # torch.load would slice past the record (mmap) or allocate first
+                raise ValueError(
+                    f"{where}: storage '{escape(key, limit=80)}' declares {nbytes} bytes, but its record holds "
+                    f"{'none' if found is None else found}"
+                )
         try:
             if mmap:
                 proc = f"/proc/self/fd/{fd}"
@@ -283,14 +352,23 @@ def load_untrusted(path: str | os.PathLike[str], *, mmap: bool = False, follow_s
                 with open(fd, "rb", closefd=False) as f:
                     obj = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - a torn or foreign file: pickle, zip and weights_only errors alike
-            text = str(exc).strip()
-            raise unreadable(where, escape(text.splitlines()[0], limit=300) if text else type(exc).__name__) from None
+            raise unreadable(where, _reason(exc)) from None
     finally:
         os.close(fd)
     for t, _ in check_tree(obj, where, disjoint=False):
         if t.requires_grad:  # a file holds values, never autograd state (leaves: this is allowed)
             t.requires_grad_(False)
     return obj
+
+
+def _reason(exc: BaseException) -> str:
+    """One line saying why torch could not load a file (past torch's weights_only boilerplate)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    marker = next((i for i, line in enumerate(lines) if "WeightsUnpickler error" in line), None)
+    if marker is not None:
+        rest = lines[marker].split("WeightsUnpickler error:", 1)[1].strip()
+        lines = ([rest] if rest else []) + lines[marker + 1 :]
+    return escape(lines[0], limit=300) if lines else type(exc).__name__
 
 
 def check_stored_bytes(where: str, declared: int, actual: int) -> None:
