@@ -167,6 +167,10 @@ def read_meta(full: Mapping[str, Any], where: str = FULL_DICT) -> Mapping[str, A
     scalar_keys = meta.get("scalar_keys", [])
     if not isinstance(scalar_keys, (list, tuple)) or not all(isinstance(k, str) for k in scalar_keys):
         raise ValueError(f"{where}: '{FORMAT_KEY}' 'scalar_keys' must be a list of key names, found {scalar_keys!r}")
+    for key, kind, expected in (("optimizer", str, "a class name"), ("world_size", int, "an int")):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise ValueError(f"{where}: '{FORMAT_KEY}' '{key}' must be {expected} or None, found {type(value).__name__}")
     return meta
 
 

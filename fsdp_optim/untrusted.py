@@ -548,34 +548,37 @@ def _check_disjoint(tensors: list[tuple[torch.Tensor, str]]) -> None:
 
 
 def check_state_dict(obj: Any, where: str) -> None:
-    """:func:`check_tree` plus the skeleton of an optimizer state dict: ``state`` maps ids (ints or
-    strings) to dicts keyed by strings, ``param_groups`` is a list of dicts keyed by strings whose
-    ``params`` lists ids. Only the keys present are checked; what they mean is the engine's job."""
+    """:func:`check_tree` plus the skeleton of an optimizer state dict (ours, a plain optimizer's or
+    fairscale's), for the keys present: ``state`` maps ids (ints or strings) to dicts keyed by strings,
+    ``param_groups`` is a list of dicts keyed by strings whose ``params`` lists ids, ``param_names`` and
+    ``param_id_map`` map ids, ``uncollected_local_ids`` is a list. What the values mean is the engine's job."""
     check_tree(obj, where)
     if not isinstance(obj, Mapping):
         return
-    state = obj.get("state")
-    if isinstance(state, Mapping):
-        for pid, entries in state.items():
-            _check_id(pid, f"{where}['state']")
-            if isinstance(entries, Mapping):
-                _check_keys(entries, f"{where}['state'][{escape(repr(pid), limit=60)}]")
-    names = obj.get("param_names")
-    if isinstance(names, Mapping):
-        for pid in names:
-            _check_id(pid, f"{where}['param_names']")
-    groups = obj.get("param_groups")
-    if isinstance(groups, (list, tuple)):
-        for k, group in enumerate(groups):
-            here = f"{where}['param_groups'][{k}]"
-            if not isinstance(group, Mapping):
-                raise ValueError(f"{here}: a {type(group).__name__}, expected a dict")
-            _check_keys(group, here)
-            params = group.get("params")
-            if not isinstance(params, (list, tuple)):
-                raise ValueError(f"{here}['params']: a {type(params).__name__}, expected a list of ids")
-            for pid in params:
-                _check_id(pid, f"{here}['params']")
+    for key, kind in (("state", Mapping), ("param_groups", (list, tuple)), ("param_names", Mapping),
+                      ("param_id_map", Mapping), ("uncollected_local_ids", (list, tuple))):  # fmt: skip
+        if key in obj and not isinstance(obj[key], kind):
+            expected = "a dict" if kind is Mapping else "a list"
+            raise ValueError(f"{where}['{key}']: a {type(obj[key]).__name__}, expected {expected}")
+    for pid, entries in obj.get("state", {}).items():
+        _check_id(pid, f"{where}['state']")
+        here = f"{where}['state'][{escape(repr(pid), limit=60)}]"
+        if not isinstance(entries, Mapping):
+            raise ValueError(f"{here}: a {type(entries).__name__}, expected a dict of state keys")
+        _check_keys(entries, here)
+    for key in ("param_names", "param_id_map"):
+        for pid in obj.get(key, {}):
+            _check_id(pid, f"{where}['{key}']")
+    for k, group in enumerate(obj.get("param_groups", ())):
+        here = f"{where}['param_groups'][{k}]"
+        if not isinstance(group, Mapping):
+            raise ValueError(f"{here}: a {type(group).__name__}, expected a dict")
+        _check_keys(group, here)
+        params = group.get("params")
+        if not isinstance(params, (list, tuple)):
+            raise ValueError(f"{here}['params']: a {type(params).__name__}, expected a list of ids")
+        for pid in params:
+            _check_id(pid, f"{here}['params']")
 
 
 def _check_id(pid: Any, where: str) -> None:

@@ -582,3 +582,9 @@ def wait_for(path: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if time.monotonic() > stop:
             raise AssertionError(f"{path} did not appear within {timeout_s} s")
         time.sleep(0.01)
+
+
+def mutate_full(path: Path, seed: int) -> None:
+    """Rewrite the full dict file at ``path`` with one node somewhere inside replaced, removed or retyped."""
+    rng = random.Random(seed)
+    torch.save(_mutate_structure(torch.load(path, weights_only=True), rng), path)

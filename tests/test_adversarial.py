@@ -614,3 +614,30 @@ def test_mutated_checkpoints_raise_only_documented_errors_in_bounds(saved: Path,
             assert outcome.kind == "ok" or outcome.documented(), f"{kind} (seed {seed}): {outcome}"
     assert not A.difference(before, A.tree_digest(where)), f"{kind} (seed {seed}): changed on disk"
     shutil.rmtree(where)
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_mutated_full_dicts_give_the_cli_only_clear_errors(saved: Path, seed: int) -> None:
+    where = saved.parent / f"mutated-full-{seed}"
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir()
+    path = Path(shutil.copy2(saved / "full.pt", where / "full.pt"))
+    if A.bounded(A.mutate_full, path, seed).kind != "ok":
+        shutil.rmtree(where)
+        return
+    before = A.tree_digest(where)
+    for argv in (
+        ("inspect", str(path)),
+        ("convert", str(path), "--to", "named", "-o", str(where / "out" / "named.pt")),
+        ("reshard", str(path), "--world-size", "3", "--layout", str(saved / "layout.pt"), "-o", str(where / "out")),
+    ):
+        outcome = A.bounded(A.cli_entry, *argv)
+        assert outcome.kind == "ok", f"seed {seed}: {argv[0]}: {outcome}"
+        code, _, err = outcome.value
+        assert code in (0, 1) and "Traceback" not in err, f"seed {seed}: {argv[0]}: exit {code}: {err}"
+        if code == 1:
+            assert err.startswith(CLI_ERROR) and err.count("\n") == 1, f"seed {seed}: {argv[0]}: {err!r}"
+        shutil.rmtree(where / "out", ignore_errors=True)
+    assert not A.difference(before, A.tree_digest(where)), f"seed {seed}: changed on disk"
+    shutil.rmtree(where)
