@@ -1,6 +1,6 @@
 """A/B timing of every entry point against another commit: did a change slow a path down?
 
-    python -m benchmarks.engine_ab --baseline ee12e15 [--model 25M] [--rounds 5]
+    python -m benchmarks.engine_ab --baseline ee12e15 [--current REV] [--model 25M] [--rounds 5]
 
 Checks the baseline out into a temporary ``git worktree``, then alternates one timing job per side
 (baseline, current, baseline, ...) so both see the same machine load. Each job is a world-size-2 gloo run
@@ -96,26 +96,30 @@ def _run_side(checkout: Path, model: str, repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", required=True, help="commit to compare with (e.g. the parent of a change)")
+    parser.add_argument("--current", help="commit to measure instead of the working tree (e.g. the change itself)")
     parser.add_argument("--model", default="25M")
     parser.add_argument("--rounds", type=int, default=5, help="alternating job pairs")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per op per job (median)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.baseline], check=True)
+        base, current = Path(tmp) / "baseline", Path(tmp) / "current" if args.current else ROOT
+        for where, rev in ((base, args.baseline), (current, args.current)):
+            if rev:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(where), rev], check=True)
         try:
             sides: dict[str, list[dict[str, float]]] = {"baseline": [], "current": []}
             for r in range(args.rounds):
-                for side, checkout in (("baseline", base), ("current", ROOT)) if r % 2 == 0 else (("current", ROOT), ("baseline", base)):
+                for side, checkout in (("baseline", base), ("current", current)) if r % 2 == 0 else (("current", current), ("baseline", base)):
                     sides[side].append(_run_side(checkout, args.model, args.repeats))
                     print(f"round {r + 1}/{args.rounds} {side}: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sides[side][-1].items()) + " ms", flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+            for where in {base, current} - {ROOT}:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)], check=False)
     med = {side: {op: statistics.median(run[op] for run in runs) for op in OPS} for side, runs in sides.items()}
     spread = {op: (min(r[op] for r in sides["current"]) / max(r[op] for r in sides["baseline"]),
                    max(r[op] for r in sides["current"]) / min(r[op] for r in sides["baseline"])) for op in OPS}
     lines = [
-        f"# Engine A/B: current vs {args.baseline} ({args.model}, W=2 gloo, {args.rounds} alternating rounds, "
+        f"# Engine A/B: {args.current or 'working tree'} vs {args.baseline} ({args.model}, W=2 gloo, {args.rounds} alternating rounds, "
         f"median of {args.repeats} calls per job; load average {os.getloadavg()[0]:.1f})",
         "",
         "| op | baseline ms | current ms | current / baseline | range of ratios over rounds |",

@@ -15,12 +15,12 @@ import resource
 import signal
 import time
 
+import _models as M
 import pytest
 import torch
-
-import _models as M
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
+
 from fsdp_optim import consolidate, load_sharded_optim_state
 from fsdp_optim.async_save import async_save_sharded_optim_state
 
@@ -102,8 +102,8 @@ def test_a_background_failure_raises_on_every_rank_and_keeps_the_previous_checkp
     results = run_ranks(_failure_job, 2, str(tmp_path))
     for rank, errors in enumerate(results):
         assert "wait" in errors, f"rank {rank}: wait() did not raise"
-    assert "rank 1" in results[0]["wait"], results[0]  # rank 0 learns which rank failed
         assert "previous async save" in errors.get("next", ""), (rank, errors)
+    assert "rank 1" in results[0]["wait"], results[0]  # rank 0 learns which rank failed
 
 
 def _killed_job(rank: int, world_size: int, out: str, delay: float) -> None:
