@@ -491,6 +491,9 @@ class _RankFile:
         check_tree(payload, where)
         if "state" not in payload:
             raise ValueError(f"{where}: expected an fsdp_optim rank file, found keys {sorted(map(str, payload))}")
+        for key in ("state", "unit_checksums"):
+            if not isinstance(payload[key], Mapping):
+                raise ValueError(f"{where}: '{key}' is a {type(payload[key]).__name__}, expected a dict by flat parameter")
         expected = {
             "save_id": self.manifest.save_id,
             "rank": self.record.rank,

@@ -355,7 +355,7 @@ def load_untrusted(path: str | os.PathLike[str], *, mmap: bool = False, follow_s
             raise unreadable(where, _reason(exc)) from None
     finally:
         os.close(fd)
-    for t, _ in check_tree(obj, where, disjoint=False):
+    for t in check_tree(obj, where, disjoint=False):
         if t.requires_grad:  # a file holds values, never autograd state (leaves: this is allowed)
             t.requires_grad_(False)
     return obj
@@ -395,6 +395,11 @@ def _show_path(where: str, path: tuple[Any, ...]) -> str:
     return where + "".join(f"[{escape(repr(k), limit=60)}]" for k in path)
 
 
+_CONTAINERS = frozenset({dict, list, tuple})
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_LEAVES = frozenset({int, float, str, bool, type(None), torch.Tensor, torch.nn.Parameter})
+
+
 @dataclass
 class _Tensor:
     tensor: torch.Tensor
@@ -404,9 +409,9 @@ class _Tensor:
 
 def check_tree(
     obj: Any, where: str, *, disjoint: bool = True, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES
-) -> list[tuple[torch.Tensor, str]]:
-    """Walk ``obj`` once (see the module docstring) and check every tensor; return ``(tensor, where)``
-    for each distinct tensor. Raises ``ValueError`` naming the place.
+) -> list[torch.Tensor]:
+    """Walk ``obj`` once (see the module docstring) and check every tensor; return the distinct tensors.
+    Raises ``ValueError`` naming the place.
 
     ``disjoint``: also refuse multi-element tensors that share memory. Views of one buffer that overlap
     would let a small file stand for many times its size (every view read or copied in turn); readers
@@ -421,8 +426,8 @@ def check_tree(
 
     def visit(node: Any, path: tuple[Any, ...]) -> int | None:
         """Count a leaf or a memoized container; ``None`` for a container to descend into."""
-        nonlocal total
-        if isinstance(node, (Mapping, list, tuple, set, frozenset)):
+        kind = type(node)
+        if kind in _CONTAINERS or (kind not in _LEAVES and isinstance(node, (Mapping, list, tuple, set, frozenset))):
             key = id(node)
             if key in open_ids:
                 raise ValueError(f"{_show_path(where, path)}: a container that contains itself (a cycle)")
@@ -431,6 +436,10 @@ def check_tree(
             if len(path) >= max_depth:
                 raise ValueError(f"{_show_path(where, path)}: nested deeper than {max_depth} levels")
             return None
+        if kind in _LEAVES and kind not in _TENSORS:
+            if kind is int and not -(1 << 63) <= node < (1 << 64):
+                raise ValueError(f"{_show_path(where, path)}: an integer of {node.bit_length()} bits")
+            return 1
         if torch.is_tensor(node):
             seen = tensors.get(id(node))
             if seen is None:
@@ -485,66 +494,76 @@ def check_tree(
         else:
             add(counted)  # a shared container counts all its references again, without a second walk
             frame[3] += counted
-    out = []
-    for seen in tensors.values():
-        here = _show_path(where, seen.path)
-        check_tensor(seen.tensor, here)
-        if seen.references > 1 and seen.tensor.numel() > 1:
-            raise ValueError(f"{here}: one tensor of {seen.tensor.numel()} elements referenced {seen.references} times")
-        out.append((seen.tensor, here))
+    for seen in tensors.values():  # where a tensor is, is spelled out only for an error
+        problem = _tensor_problem(seen.tensor)
+        if problem is None and seen.references > 1 and seen.tensor.numel() > 1:
+            problem = f"one tensor of {seen.tensor.numel()} elements referenced {seen.references} times"
+        if problem is not None:
+            raise ValueError(f"{_show_path(where, seen.path)}: {problem}")
     if disjoint:
-        _check_disjoint(out)
-    return out
+        _check_disjoint(list(tensors.values()), where)
+    return [seen.tensor for seen in tensors.values()]
 
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
     """Refuse a tensor that is not a dense, non-overlapping, strided CPU/accelerator tensor of an allowed
     dtype lying inside its storage (see the module docstring)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise ValueError(f"{where}: a tensor subclass ({type(t).__name__}), expected a plain tensor")
+    problem = _tensor_problem(t)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+
+
+def _tensor_problem(t: torch.Tensor) -> str | None:
+    if type(t) not in _TENSORS:
+        return f"a tensor subclass ({type(t).__name__}), expected a plain tensor"
     if t.is_quantized:
-        raise ValueError(f"{where}: a quantized tensor ({t.dtype}), expected a plain tensor of real numbers")
+        return f"a quantized tensor ({t.dtype}), expected a plain tensor of real numbers"
     if t.layout is not torch.strided:
-        raise ValueError(f"{where}: a sparse tensor (layout {t.layout}), expected a dense (strided) tensor")
+        return f"a sparse tensor (layout {t.layout}), expected a dense (strided) tensor"
     if t.is_nested:
-        raise ValueError(f"{where}: a nested tensor, expected a dense tensor")
-    if t.device.type == "meta":
-        raise ValueError(f"{where}: a meta tensor (a shape {tuple(t.shape)} without data)")
+        return "a nested tensor, expected a dense tensor"
+    if t.is_meta:
+        return f"a meta tensor (a shape {tuple(t.shape)} without data)"
     if t.dtype not in ALLOWED_DTYPES:
         kind = "complex" if t.dtype.is_complex else "unsupported"
-        raise ValueError(f"{where}: a {kind} tensor ({t.dtype}); optimizer state here is real numbers")
+        return f"a {kind} tensor ({t.dtype}); optimizer state here is real numbers"
     numel = t.numel()
-    if numel == 0:
-        return
+    if numel <= 1:
+        return None if numel == 0 or t.storage_offset() * t.element_size() < t.untyped_storage().nbytes() else (
+            f"its element at offset {t.storage_offset()} lies outside its storage"
+        )
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
         if stride != expected:
-            raise ValueError(
-                f"{where}: declares shape {tuple(t.shape)} with strides {tuple(t.stride())} over "
+            return (
+                f"declares shape {tuple(t.shape)} with strides {tuple(t.stride())} over "
                 f"{t.untyped_storage().nbytes()} bytes of storage; expected a dense, non-overlapping tensor "
                 f"({'a zero stride repeats elements' if stride == 0 else 'its elements overlap or leave gaps'})"
             )
         expected *= size
-    if (t.storage_offset() + numel) * t.element_size() > t.untyped_storage().nbytes():
-        raise ValueError(
-            f"{where}: {numel} elements at offset {t.storage_offset()} lie outside its storage of "
-            f"{t.untyped_storage().nbytes()} bytes"
-        )
+    nbytes = t.untyped_storage().nbytes()
+    if (t.storage_offset() + numel) * t.element_size() > nbytes:
+        return f"{numel} elements at offset {t.storage_offset()} lie outside its storage of {nbytes} bytes"
+    return None
 
 
-def _check_disjoint(tensors: list[tuple[torch.Tensor, str]]) -> None:
+def _check_disjoint(tensors: list[_Tensor], where: str) -> None:
     """Refuse two multi-element tensors sharing memory (views of one buffer must not overlap)."""
-    spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
-    for t, here in tensors:
+    spans: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    for n, seen in enumerate(tensors):
+        t = seen.tensor
         if t.numel() > 1:
             start = int(t.storage_offset()) * t.element_size()
             key = (str(t.device), t.untyped_storage().data_ptr())
-            spans.setdefault(key, []).append((start, start + int(t.numel()) * t.element_size(), here))
+            spans.setdefault(key, []).append((start, start + int(t.numel()) * t.element_size(), n))
     for runs in spans.values():
         runs.sort()
         for (_, stop, a), (start, _, b) in zip(runs, runs[1:]):
             if start < stop:
-                raise ValueError(f"{b}: shares memory with {a}; tensors of optimizer state must not overlap")
+                raise ValueError(
+                    f"{_show_path(where, tensors[b].path)}: shares memory with {_show_path(where, tensors[a].path)}; "
+                    "tensors of optimizer state must not overlap"
+                )
 
 
 def check_state_dict(obj: Any, where: str) -> None:
@@ -562,10 +581,11 @@ def check_state_dict(obj: Any, where: str) -> None:
             raise ValueError(f"{where}['{key}']: a {type(obj[key]).__name__}, expected {expected}")
     for pid, entries in obj.get("state", {}).items():
         _check_id(pid, f"{where}['state']")
-        here = f"{where}['state'][{escape(repr(pid), limit=60)}]"
-        if not isinstance(entries, Mapping):
-            raise ValueError(f"{here}: a {type(entries).__name__}, expected a dict of state keys")
-        _check_keys(entries, here)
+        if not isinstance(entries, Mapping) or not all(type(key) is str for key in entries):
+            here = f"{where}['state'][{escape(repr(pid), limit=60)}]"
+            if not isinstance(entries, Mapping):
+                raise ValueError(f"{here}: a {type(entries).__name__}, expected a dict of state keys")
+            _check_keys(entries, here)
     for key in ("param_names", "param_id_map"):
         for pid in obj.get(key, {}):
             _check_id(pid, f"{where}['{key}']")
@@ -582,7 +602,7 @@ def check_state_dict(obj: Any, where: str) -> None:
 
 
 def _check_id(pid: Any, where: str) -> None:
-    if not isinstance(pid, (int, str)) or isinstance(pid, bool):
+    if type(pid) is not int and (not isinstance(pid, (int, str)) or isinstance(pid, bool)):
         raise ValueError(f"{where}: parameter id {escape(repr(pid), limit=80)} is a {type(pid).__name__}, expected an int")
 
 
