@@ -25,11 +25,11 @@ from .plan import Plan, cut_rank, optimizer_state_dict, plan
 from .preconditions import check_rank, check_root
 from .storage import (
     ShardedCheckpoint,
-    atomic_save,
     begin_write,
     end_write,
     load_file,
     new_save_id,
+    write_file,
     write_manifest,
     write_shard_file,
 )
@@ -213,7 +213,7 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     layout, _ = read_layout(fsdp)
     manifest = Manifest.from_layout(layout.at_rank(0), save_id="layout")
     path = Path(path)
-    atomic_save(wrap("manifest", manifest.to_dict()), path)
+    write_file(wrap("manifest", manifest.to_dict()), path)  # under the file's lock, like every writer
     return path
 
 
