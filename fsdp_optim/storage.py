@@ -480,8 +480,11 @@ class _RankFile:
             # A rank file's name comes from the manifest: it must be a regular file inside the directory.
             payload = load_file(self.path, mmap=mmap, follow_symlinks=False)
             self._check_header(payload)
-            # What the manifest's shapes make readers allocate is bounded by what the files really hold.
-            check_stored_bytes(str(self.path), _declared_bytes(self.manifest), self.path.stat().st_size)
+            # What the manifest's shapes make readers allocate is bounded by what the files really hold
+            # (and by what the manifest itself says they hold).
+            declared = _declared_bytes(self.manifest)
+            check_stored_bytes(str(self.path), declared, self.path.stat().st_size)
+            check_stored_bytes(f"{self.path} (as the manifest records it)", declared, self.record.nbytes)
             self.payload = payload
         return self.payload
 
