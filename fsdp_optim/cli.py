@@ -195,6 +195,9 @@ def _inspect(args: argparse.Namespace) -> list[str]:
             f"flat parameters with state: {len(obj.get('state', {}))}",
         ]
     elif isinstance(obj, Mapping) and {"state", "param_groups"} <= set(obj):
+        from .untrusted import check_state_dict
+
+        check_state_dict(obj, str(path))  # its skeleton, before the summary walks it
         _inspect_full(obj, out)
     else:
         found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
@@ -258,7 +261,7 @@ def _from_native(native: Mapping[str, Any], args: argparse.Namespace, source: st
 
 def _consolidate(args: argparse.Namespace) -> list[str]:
     from .offline import consolidate
-    from .storage import atomic_save
+    from .storage import write_file
 
     if _is_shard_set(args.directory):
         return _consolidate_shards(args)
@@ -272,7 +275,7 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"layout: {args.directory}: --layout and --optimizer are for a fairscale-native dict only")
         with _progress("consolidate") as progress:
             full = consolidate(args.directory, progress=progress)
-    size = atomic_save(full, args.output)
+    size = write_file(full, args.output, inputs=(args.directory, args.layout))
     params, with_state = len(full["param_names"]), len(full["state"])
     return [f"wrote {args.output}: {params} params, {with_state} with state, {human_bytes(size)}"]
 
@@ -310,7 +313,12 @@ def _reshard(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"layout: {args.source}: a fairseq/metaseq shard set carries its own layout and optimizer")
         with _progress(f"reshard -> {args.world_size} ranks") as progress:
             written = reshard_shards(
-                args.source, args.world_size, args.output, allow_globals=args.allow_global, progress=progress
+                args.source,
+                args.world_size,
+                args.output,
+                overwrite=args.overwrite,
+                allow_globals=args.allow_global,
+                progress=progress,
             )
         size = human_bytes(sum(f.stat().st_size for f in written))
         return [f"wrote {args.output}: {len(written)} shard files {written[0].name} .. {written[-1].name}, {size}"]
@@ -321,7 +329,9 @@ def _reshard(args: argparse.Namespace) -> list[str]:
     elif args.optimizer is not None:
         raise ValueError(f"{args.source}: --optimizer is for a fairscale-native dict only (other sources record it)")
     with _progress(f"reshard -> {args.world_size} ranks") as progress:
-        manifest = reshard(source, args.world_size, args.output, layout=layout, progress=progress)
+        manifest = reshard(
+            source, args.world_size, args.output, layout=layout, progress=progress, overwrite=args.overwrite
+        )
     files = read_manifest(manifest).files
     return [f"wrote {args.output}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]
 
@@ -330,7 +340,7 @@ def _convert(args: argparse.Namespace) -> list[str]:
     from .interop import is_fairscale_native, to_named
     from .offline import consolidate
     from .preconditions import is_full_dict
-    from .storage import atomic_save, load_file, source_kind
+    from .storage import load_file, source_kind, write_file
 
     source = Path(args.source)
     full: Mapping[str, Any]
@@ -373,7 +383,7 @@ def _convert(args: argparse.Namespace) -> list[str]:
     if args.to == "dcp":
         return _to_dcp(full, args, origin)
     result = to_named(full) if args.to == "named" else full
-    size = atomic_save(result, args.output)
+    size = write_file(result, args.output, inputs=(args.source, args.layout))
     return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
 
 
@@ -451,6 +461,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True, metavar="M")
     p.add_argument("-o", "--output", required=True, help="the directory to write (not the source's)")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into -o even if it holds files that are not an fsdp_optim checkpoint's (they are kept)",
+    )
+    p.add_argument(
         "--layout", help="for a full or fairscale-native dict: a sharded checkpoint or layout file of the same model"
     )
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
@@ -494,15 +509,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         lines = args.run(args)
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
-        print(f"fsdp-optim: error: {_one_line(exc)}", file=sys.stderr)
+        from .untrusted import escape  # names and messages may carry a file's text: no terminal controls
+
+        print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception:
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
+    from .untrusted import escape
+
     try:
         for line in lines:
-            print(line, flush=True)
+            print(escape(line, limit=1 << 20), flush=True)
     except BrokenPipeError:  # `fsdp-optim inspect ... | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_OK

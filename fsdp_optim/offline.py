@@ -5,6 +5,8 @@
   and bits).
 - :func:`reshard`: a sharded directory or a full dict -> a sharded directory for ``world_size`` ranks
   that a job of that size loads with no communication (each rank reads its own file).
+- Both also take a fairseq/metaseq shard set (any ``*-shard<r>.pt`` file or the path before ``-shard``),
+  handed to :mod:`fsdp_optim.fairseq` (which has more options and keeps the files' other keys).
 
 Both adapt their input to a :class:`~fsdp_optim.plan.Source`, plan once and execute the plan
 (:func:`~fsdp_optim.plan.assemble_full`, or :func:`~fsdp_optim.plan.cut_rank` once per output rank).
@@ -25,6 +27,8 @@ from typing import Any
 
 from torch import nn
 
+from .fairseq import consolidate_shards, reshard_shards
+from .fairseq_format import OPTIM_KEY, is_shard_set
 from .fullstate import build_full_state, full_dict_source
 from .layout import ModelLayout, read_layout
 from .manifest import Manifest
@@ -41,6 +45,7 @@ from .storage import (
     write_all_or_nothing,
     write_shard_file,
 )
+from .untrusted import check_state_dict
 
 __all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]
 
@@ -68,6 +73,7 @@ def load_full_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A full dict from a file, memory-mapped (``weights_only=True``); ``ValueError`` if it is something else."""
     full = load_file(path, mmap=True)
     check_full_dict(full, str(path))
+    check_state_dict(full, str(path))
     return dict(full)
 
 
@@ -80,7 +86,12 @@ def consolidate(
     checksum are verified as they are read. Returns the dict that ``gather_full_optim_state_dict``
     returned at save time (``{"state", "param_groups", "param_names", "fsdp_optim"}``, all tensors new
     CPU memory), bit for bit. ``progress`` is called after each unit.
+
+    A fairseq/metaseq shard set gives its optimizer's full dict (the wrapper's extras, such as
+    ``loss_scale``, kept as keys of it); :func:`fsdp_optim.fairseq.consolidate_shards` gives the rest too.
     """
+    if is_shard_set(path):
+        return consolidate_shards(path, progress=progress, max_mapped_bytes=max_mapped_bytes)[OPTIM_KEY]
     with ShardedCheckpoint(path, max_mapped_bytes=max_mapped_bytes) as ckpt:
         layout = ckpt.manifest.layout(0)
         the_plan = plan(ckpt.source(), layout)
@@ -111,11 +122,14 @@ def reshard(
     layout: LayoutLike | None = None,
     progress: Progress = None,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``source`` as a sharded checkpoint for ``world_size`` ranks into ``out_dir``; returns its manifest.
 
     Args:
-        source: a sharded checkpoint directory (any world size), or a full dict / a file holding one.
+        source: a sharded checkpoint directory (any world size), or a full dict / a file holding one, or a
+            fairseq/metaseq shard set (written in its own format, see :func:`fsdp_optim.fairseq.reshard_shards`;
+            the return value is then ``out_dir``).
         world_size: ranks of the job that will load it; units that were not sharded stay whole.
         out_dir: created if needed; must not be the source directory. An existing checkpoint there
             is replaced atomically (the manifest is written last).
@@ -123,11 +137,22 @@ def reshard(
             units: a sharded checkpoint or layout file of the same model (any world size), its
             :class:`Manifest`, a :class:`ModelLayout`, or the FSDP-wrapped model.
         progress: called after each unit of each output rank.
+        overwrite: write into ``out_dir`` even if it holds files that are not an fsdp_optim checkpoint's
+            (they are kept; without it such a directory is refused with ``ForeignOutputError``).
 
+    ``out_dir`` is locked while it is written (a second writer gets ``OutputLockedError``) and must not
+    resolve to any input; ``world_size`` is at most :data:`fsdp_optim.untrusted.MAX_WORLD_SIZE`.
     The source is checked against the target once (one plan), then cut once per output rank.
     """
     check_world_size("world_size", world_size)
     out = Path(out_dir)
+    if not isinstance(source, Mapping) and is_shard_set(source):
+        if layout is not None:
+            raise ValueError("layout: a fairseq/metaseq shard set carries its own layout (its metadata)")
+        reshard_shards(
+            source, world_size, out, overwrite=overwrite, progress=progress, max_mapped_bytes=max_mapped_bytes
+        )
+        return out
     if not isinstance(source, Mapping) and source_kind(source) == "sharded":
         if out.exists() and out.resolve() == checkpoint_dir(source).resolve():
             raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
@@ -137,7 +162,12 @@ def reshard(
             target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
             the_plan = plan(ckpt.source(), target.layout(0))
             return write_all_or_nothing(
-                out, lambda staging: _write_ranks(the_plan, target, staging, _then(ckpt.trim, progress))
+                out,
+                lambda staging: _write_ranks(the_plan, target, staging, _then(ckpt.trim, progress)),
+                save_id=target.save_id,
+                world_size=world_size,
+                inputs=(source,),
+                overwrite=overwrite,
             )
     if layout is None:
         raise ValueError(
@@ -149,7 +179,14 @@ def reshard(
     the_source = full_dict_source(full, label=label)
     target = Manifest.from_layout(resolve_layout(layout), save_id=new_save_id()).with_world_size(world_size)
     the_plan = plan(the_source, target.layout(0))
-    return write_all_or_nothing(out, lambda staging: _write_ranks(the_plan, target, staging, progress))
+    return write_all_or_nothing(
+        out,
+        lambda staging: _write_ranks(the_plan, target, staging, progress),
+        save_id=target.save_id,
+        world_size=world_size,
+        inputs=(source, layout),
+        overwrite=overwrite,
+    )
 
 
 def _write_ranks(the_plan: Plan, target: Manifest, out: Path, after_unit: Progress) -> Manifest:
