@@ -421,6 +421,14 @@ def _parser() -> argparse.ArgumentParser:
         "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp).",
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    _add_inspect(verbs)
+    _add_consolidate(verbs)
+    _add_reshard(verbs)
+    _add_convert(verbs)
+    return parser
+
+
+def _add_inspect(verbs: Any) -> None:
     p = verbs.add_parser("inspect", help="world size, units, params, optimizer, bytes, step of a checkpoint")
     p.add_argument(
         "path",
@@ -430,6 +438,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--units", action="store_true", help="also list every FSDP unit")
     _allow_global(p)
     p.set_defaults(run=_inspect)
+
+
+def _add_consolidate(verbs: Any) -> None:
     p = verbs.add_parser(
         "consolidate",
         help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file; fairseq/metaseq shard "
@@ -450,6 +461,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--with-model", action="store_true", help="for a shard set: also the model's full weights")
     _allow_global(p)
     p.set_defaults(run=_consolidate)
+
+
+def _add_reshard(verbs: Any) -> None:
     p = verbs.add_parser(
         "reshard", help="sharded directory, full dict or fairseq/metaseq shard set -> the same for M ranks"
     )
@@ -471,6 +485,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
     _allow_global(p)
     p.set_defaults(run=_reshard)
+
+
+def _add_convert(verbs: Any) -> None:
     p = verbs.add_parser(
         "convert", help="any source -> full dict, name-keyed dict, or a PyTorch DCP checkpoint (FSDP2, torchtitan)"
     )
@@ -490,7 +507,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     _allow_global(p)
     p.set_defaults(run=_convert)
-    return parser
 
 
 def _allow_global(p: argparse.ArgumentParser) -> None:

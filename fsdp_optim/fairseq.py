@@ -344,23 +344,33 @@ def reshard_shards(
                     f"{out}: already holds {name}-shard<r>.pt files (ranks {sorted(existing)}); pass overwrite=True "
                     "(CLI: --overwrite) to replace them"
                 )
-            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.reshard-", dir=out.parent))
-            try:
-                for rank in range(world_size):
-                    obj = _rank_file(shards, rank0, rank, opt_plan, w_plan, progress)
-                    stream_save(obj, staging / f"{name}-shard{rank}.pt", after_tensor=shards.trim)
-                out.mkdir(exist_ok=True)
-                written = [out / f"{name}-shard{rank}.pt" for rank in range(world_size)]
-                for file in written:
-                    os.replace(staging / file.name, file)
-                for rank, files in existing.items():
-                    if rank >= world_size:  # a shard of the replaced set: left, it would make a mixed set
-                        for file in files:
-                            file.unlink(missing_ok=True)
-                _fsync_dir(out)
-                return written
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+            write = lambda rank, file: stream_save(  # noqa: E731 - one rank's file, streamed
+                _rank_file(shards, rank0, rank, opt_plan, w_plan, progress), file, after_tensor=shards.trim
+            )
+            return _write_set(out, name, world_size, existing, write)
+
+
+def _write_set(
+    out: Path, name: str, world_size: int, existing: Mapping[int, Sequence[Path]], write: Callable[[int, Path], Any]
+) -> list[Path]:
+    """Write every rank's file into a staging directory beside ``out``, then move them in (all or nothing)
+    and remove the replaced set's files of ranks beyond ``world_size``."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.reshard-", dir=out.parent))
+    try:
+        for rank in range(world_size):
+            write(rank, staging / f"{name}-shard{rank}.pt")
+        out.mkdir(exist_ok=True)
+        written = [out / f"{name}-shard{rank}.pt" for rank in range(world_size)]
+        for file in written:
+            os.replace(staging / file.name, file)
+        for rank, files in existing.items():
+            if rank >= world_size:  # a shard of the replaced set: left, it would make a mixed set
+                for file in files:
+                    file.unlink(missing_ok=True)
+        _fsync_dir(out)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _rank_file(

@@ -154,31 +154,54 @@ def reshard(
         )
         return out
     if not isinstance(source, Mapping) and source_kind(source) == "sharded":
-        if out.exists() and out.resolve() == checkpoint_dir(source).resolve():
-            raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
         if layout is not None:
             raise ValueError("layout: a sharded source carries its own layout; pass layout only with a full dict")
-        with ShardedCheckpoint(source, max_mapped_bytes=max_mapped_bytes) as ckpt:
-            target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
-            the_plan = plan(ckpt.source(), target.layout(0))
-            return write_all_or_nothing(
-                out,
-                lambda staging: _write_ranks(the_plan, target, staging, _then(ckpt.trim, progress)),
-                save_id=target.save_id,
-                world_size=world_size,
-                inputs=(source,),
-                overwrite=overwrite,
-            )
+        return _reshard_sharded(source, world_size, out, progress, max_mapped_bytes, overwrite)
     if layout is None:
         raise ValueError(
             f"layout: resharding a full dict ({source if not isinstance(source, Mapping) else 'dict'}) needs the "
             "model's layout: a sharded checkpoint or layout file of the same model, or the FSDP model"
         )
+    return _reshard_full(source, world_size, out, layout, progress, overwrite)
+
+
+def _reshard_sharded(
+    source: str | os.PathLike[str],
+    world_size: int,
+    out: Path,
+    progress: Progress,
+    max_mapped_bytes: int,
+    overwrite: bool,
+) -> Path:
+    """A sharded checkpoint re-cut for ``world_size`` ranks: one plan, then one rank file at a time."""
+    if out.exists() and out.resolve() == checkpoint_dir(source).resolve():
+        raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
+    with ShardedCheckpoint(source, max_mapped_bytes=max_mapped_bytes) as ckpt:
+        target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
+        the_plan = plan(ckpt.source(), target.layout(0))
+        return write_all_or_nothing(
+            out,
+            lambda staging: _write_ranks(the_plan, target, staging, _then(ckpt.trim, progress)),
+            save_id=target.save_id,
+            world_size=world_size,
+            inputs=(source,),
+            overwrite=overwrite,
+        )
+
+
+def _reshard_full(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+    world_size: int,
+    out: Path,
+    layout: LayoutLike,
+    progress: Progress,
+    overwrite: bool,
+) -> Path:
+    """A full dict (in memory or a file) cut for ``world_size`` ranks of ``layout``: one plan, then one rank at a time."""
     label = "the full dict" if isinstance(source, Mapping) else str(source)
     full = source if isinstance(source, Mapping) else load_full_file(source)
-    the_source = full_dict_source(full, label=label)
     target = Manifest.from_layout(resolve_layout(layout), save_id=new_save_id()).with_world_size(world_size)
-    the_plan = plan(the_source, target.layout(0))
+    the_plan = plan(full_dict_source(full, label=label), target.layout(0))
     return write_all_or_nothing(
         out,
         lambda staging: _write_ranks(the_plan, target, staging, progress),
@@ -197,7 +220,8 @@ def _write_ranks(the_plan: Plan, target: Manifest, out: Path, after_unit: Progre
         records.append(write_shard_file(out, state, save_id=target.save_id, rank=rank, world_size=target.world_size))
         del state
     flats = tuple(
-        replace(f, state=the_plan.flats[t].entries if t in the_plan.flats else ()) for t, f in enumerate(target.flat_params)
+        replace(f, state=the_plan.flats[t].entries if t in the_plan.flats else ())
+        for t, f in enumerate(target.flat_params)
     )
     return replace(
         target, optimizer=the_plan.source.optimizer, flat_params=flats, groups=the_plan.groups, files=tuple(records)

@@ -417,83 +417,7 @@ def check_tree(
     would let a small file stand for many times its size (every view read or copied in turn); readers
     check it once they know the file is theirs (a model's ``state_dict`` with tied weights is not).
     """
-    sizes: dict[int, int] = {}  # id -> references under it (itself included), for finished containers
-    tensors: dict[int, _Tensor] = {}
-    open_ids: set[int] = set()
-    total = 0
-    # Frames: [container, its path, iterator over (key, child), references so far]
-    stack: list[list[Any]] = []
-
-    def visit(node: Any, path: tuple[Any, ...]) -> int | None:
-        """Count a leaf or a memoized container; ``None`` for a container to descend into."""
-        kind = type(node)
-        if kind in _CONTAINERS or (kind not in _LEAVES and isinstance(node, (Mapping, list, tuple, set, frozenset))):
-            key = id(node)
-            if key in open_ids:
-                raise ValueError(f"{_show_path(where, path)}: a container that contains itself (a cycle)")
-            if key in sizes:
-                return sizes[key]
-            if len(path) >= max_depth:
-                raise ValueError(f"{_show_path(where, path)}: nested deeper than {max_depth} levels")
-            return None
-        if kind in _LEAVES and kind not in _TENSORS:
-            if kind is int and not -(1 << 63) <= node < (1 << 64):
-                raise ValueError(f"{_show_path(where, path)}: an integer of {node.bit_length()} bits")
-            return 1
-        if torch.is_tensor(node):
-            seen = tensors.get(id(node))
-            if seen is None:
-                tensors[id(node)] = _Tensor(node, path)
-            else:
-                seen.references += 1
-        elif isinstance(node, int) and not isinstance(node, bool) and not -(1 << 63) <= node < (1 << 64):
-            raise ValueError(f"{_show_path(where, path)}: an integer of {node.bit_length()} bits")
-        return 1
-
-    def enter(node: Any, path: tuple[Any, ...]) -> None:
-        open_ids.add(id(node))
-        if isinstance(node, Mapping):
-            items: Iterator[tuple[Any, Any]] = ((k, v) for k, v in node.items())
-        elif isinstance(node, (set, frozenset)):
-            items = ((None, v) for v in node)
-        else:
-            items = enumerate(node)
-        stack.append([node, path, items, 1])
-
-    def add(count: int) -> None:
-        nonlocal total
-        total += count
-        if total > max_nodes:
-            raise ValueError(
-                f"{where}: holds more than {max_nodes} objects counting every reference (shared objects once per "
-                "reference); the bound is fsdp_optim.untrusted.MAX_NODES"
-            )
-
-    first = visit(obj, ())
-    if first is None:
-        enter(obj, ())
-        add(1)
-    while stack:
-        frame = stack[-1]
-        node, path, items, _ = frame
-        step = next(items, None)
-        if step is None:
-            stack.pop()
-            open_ids.discard(id(node))
-            sizes[id(node)] = frame[3]
-            if stack:
-                stack[-1][3] += frame[3]
-            continue
-        key, child = step
-        if isinstance(node, Mapping) and visit(key, (*path, key)) is None:
-            raise ValueError(f"{_show_path(where, path)}: has a container as a key")
-        counted = visit(child, (*path, key))
-        if counted is None:
-            add(1)
-            enter(child, (*path, key))
-        else:
-            add(counted)  # a shared container counts all its references again, without a second walk
-            frame[3] += counted
+    tensors = _Walk(where, max_depth, max_nodes).run(obj)
     for seen in tensors.values():  # where a tensor is, is spelled out only for an error
         problem = _tensor_problem(seen.tensor)
         if problem is None and seen.references > 1 and seen.tensor.numel() > 1:
@@ -503,6 +427,90 @@ def check_tree(
     if disjoint:
         _check_disjoint(list(tensors.values()), where)
     return [seen.tensor for seen in tensors.values()]
+
+
+class _Walk:
+    """One iterative, memoized, bounded walk of a loaded object (no recursion: depth is data here)."""
+
+    def __init__(self, where: str, max_depth: int, max_nodes: int) -> None:
+        self.where, self.max_depth, self.max_nodes = where, max_depth, max_nodes
+        self.sizes: dict[int, int] = {}  # id -> references under it (itself included), for finished containers
+        self.tensors: dict[int, _Tensor] = {}
+        self.open_ids: set[int] = set()
+        self.total = 0
+        # Frames: [container, its path, iterator over (key, child), references so far]
+        self.stack: list[list[Any]] = []
+
+    def run(self, obj: Any) -> dict[int, _Tensor]:
+        if self.visit(obj, ()) is None:
+            self.enter(obj, ())
+            self.add(1)
+        while self.stack:
+            frame = self.stack[-1]
+            node, path, items, _ = frame
+            step = next(items, None)
+            if step is None:
+                self.stack.pop()
+                self.open_ids.discard(id(node))
+                self.sizes[id(node)] = frame[3]
+                if self.stack:
+                    self.stack[-1][3] += frame[3]
+                continue
+            key, child = step
+            if isinstance(node, Mapping) and self.visit(key, (*path, key)) is None:
+                raise ValueError(f"{_show_path(self.where, path)}: has a container as a key")
+            counted = self.visit(child, (*path, key))
+            if counted is None:
+                self.add(1)
+                self.enter(child, (*path, key))
+            else:
+                self.add(counted)  # a shared container counts all its references again, without a second walk
+                frame[3] += counted
+        return self.tensors
+
+    def visit(self, node: Any, path: tuple[Any, ...]) -> int | None:
+        """Count a leaf or a memoized container; ``None`` for a container to descend into."""
+        kind = type(node)
+        if kind in _CONTAINERS or (kind not in _LEAVES and isinstance(node, (Mapping, list, tuple, set, frozenset))):
+            key = id(node)
+            if key in self.open_ids:
+                raise ValueError(f"{_show_path(self.where, path)}: a container that contains itself (a cycle)")
+            if key in self.sizes:
+                return self.sizes[key]
+            if len(path) >= self.max_depth:
+                raise ValueError(f"{_show_path(self.where, path)}: nested deeper than {self.max_depth} levels")
+            return None
+        if kind in _LEAVES and kind not in _TENSORS:
+            if kind is int and not -(1 << 63) <= node < (1 << 64):
+                raise ValueError(f"{_show_path(self.where, path)}: an integer of {node.bit_length()} bits")
+            return 1
+        if torch.is_tensor(node):
+            seen = self.tensors.get(id(node))
+            if seen is None:
+                self.tensors[id(node)] = _Tensor(node, path)
+            else:
+                seen.references += 1
+        elif isinstance(node, int) and not isinstance(node, bool) and not -(1 << 63) <= node < (1 << 64):
+            raise ValueError(f"{_show_path(self.where, path)}: an integer of {node.bit_length()} bits")
+        return 1
+
+    def enter(self, node: Any, path: tuple[Any, ...]) -> None:
+        self.open_ids.add(id(node))
+        if isinstance(node, Mapping):
+            items: Iterator[tuple[Any, Any]] = ((k, v) for k, v in node.items())
+        elif isinstance(node, (set, frozenset)):
+            items = ((None, v) for v in node)
+        else:
+            items = enumerate(node)
+        self.stack.append([node, path, items, 1])
+
+    def add(self, count: int) -> None:
+        self.total += count
+        if self.total > self.max_nodes:
+            raise ValueError(
+                f"{self.where}: holds more than {self.max_nodes} objects counting every reference (shared objects "
+                "once per reference); the bound is fsdp_optim.untrusted.MAX_NODES"
+            )
 
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
