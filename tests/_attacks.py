@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
-import multiprocessing.forkserver
 import os
 import pickle
 import random
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+from _dist import forkserver_context
 
 from fsdp_optim.manifest import HEADER_KEY, MANIFEST_NAME, digest, unwrap
 
@@ -70,20 +69,7 @@ class Outcome:
 
 
 def _context() -> Any:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # effective if this is the session's first forkserver
-    saved = os.environ.get("PYTHONPATH")
-    # The checkout's package and this directory, whatever else is installed (an editable install elsewhere).
-    here = Path(__file__).resolve().parent
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), *filter(None, [saved])])
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    return ctx
+    return forkserver_context(PRELOAD)
 
 
 def _vm_size() -> int:

@@ -9,13 +9,15 @@ call with that rank's traceback; a rank stuck past the deadline is killed, so no
 from __future__ import annotations
 
 import datetime
+import multiprocessing.forkserver
 import os
 import pickle
 import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,3 +112,26 @@ def run_ranks(
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+def forkserver_context(preload: Sequence[str]) -> Any:
+    """A ``forkserver`` context whose server has imported ``preload``, so a job costs a fork, not an
+    interpreter start. The preload list takes effect when the server starts (the session's first call).
+
+    The server imports ``preload`` before it learns the caller's ``sys.path`` (Python 3.11 drops it), but
+    it inherits the environment: this checkout's root and ``tests/`` go on ``PYTHONPATH`` while it starts,
+    ahead of whatever else is installed (an editable install elsewhere).
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    saved = os.environ.get("PYTHONPATH")
+    here = Path(__file__).resolve().parent
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), *filter(None, [saved])])
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return ctx

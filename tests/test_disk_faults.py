@@ -31,7 +31,6 @@ file store of its own job, so a killed job leaves nothing behind that the next o
 from __future__ import annotations
 
 import datetime
-import multiprocessing.forkserver
 import os
 import random
 import re
@@ -54,8 +53,8 @@ import _models as M
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _checks import assert_identical, snapshot
+from _dist import forkserver_context
 from torch import nn
 
 from fsdp_optim import FullyShardedDataParallel as FSDP
@@ -78,21 +77,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fairscale.nn", "fsdp_
 
 
 def _context() -> Any:
-    ctx = mp.get_context("forkserver")
-    # Takes effect when the forkserver starts (the first job of the session).
-    ctx.set_forkserver_preload(PRELOAD)
-    # The forkserver imports those before it learns the test's sys.path (Python 3.11 drops it), but it
-    # inherits the environment: put this directory on PYTHONPATH while it starts.
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), *filter(None, [saved])])
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    return ctx
+    return forkserver_context(PRELOAD)
 
 
 def _rank_main(fn: Callable[..., None], rank: int, world_size: int, store: str, conn: Connection, args: tuple) -> None:
