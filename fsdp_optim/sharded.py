@@ -147,45 +147,32 @@ def commit_save(
     file is durable, rank 0's manifest (last). A collective over ``group``: a failure on any rank raises
     on every rank, and then no manifest was written. Shared by the synchronous and asynchronous saves.
     ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed."""
-    failed = True
-    try:
-        path = _commit(layout, local, state, optimizer, directory, save_id, group, lock)
-        failed = False
-    finally:
-        if lock is not None:
-            end_write(lock, failed=failed)
-    return path
-
-
-def _commit(
-    layout: ModelLayout,
-    local: LocalState,
-    state: Mapping[int, Mapping[str, Any]],
-    optimizer: str,
-    directory: Path,
-    save_id: str,
-    group: Any,
-    lock: OutputLock | None,
-) -> Path:
     rank, world_size = dist_rank_and_size(group)
     failure: Exception | None = None
     record = None
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        record = write_shard_file(directory, state, save_id=save_id, rank=rank, world_size=world_size)
-    except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
-        failure = exc
-    reports = gather_objects((local.summary, record), dst=0, group=group)
-    if rank == 0 and failure is None and all(r is not None for _, r in reports):  # type: ignore[union-attr]
         try:
-            if world_size > 1:
-                check_agreement(layout, [summary for summary, _ in reports])  # type: ignore[union-attr]
-            files = [r for _, r in reports]  # type: ignore[union-attr]
-            manifest = _manifest(layout, local.groups, state, optimizer, save_id, files)
-            write_manifest(directory, manifest, replaces=lock.entries[-1]["replaces"] if lock is not None else ())
-        except Exception as exc:
+            directory.mkdir(parents=True, exist_ok=True)
+            record = write_shard_file(directory, state, save_id=save_id, rank=rank, world_size=world_size)
+        except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
             failure = exc
-    agree(failure, group=group, what="save_sharded_optim_state failed, no checkpoint was written")
+        reports = gather_objects((local.summary, record), dst=0, group=group)
+        if rank == 0 and failure is None and all(r is not None for _, r in reports):  # type: ignore[union-attr]
+            try:
+                if world_size > 1:
+                    check_agreement(layout, [summary for summary, _ in reports])  # type: ignore[union-attr]
+                files = [r for _, r in reports]  # type: ignore[union-attr]
+                manifest = _manifest(layout, local.groups, state, optimizer, save_id, files)
+                write_manifest(directory, manifest, replaces=lock.entries[-1]["replaces"] if lock is not None else ())
+            except Exception as exc:
+                failure = exc
+        agree(failure, group=group, what="save_sharded_optim_state failed, no checkpoint was written")
+    except BaseException:
+        if lock is not None:
+            end_write(lock, failed=True)
+        raise
+    if lock is not None:
+        end_write(lock, failed=False)
     return directory / MANIFEST_NAME
 
 
