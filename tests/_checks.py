@@ -65,3 +65,25 @@ def assert_full_matches_plain(
 
 def assert_unchanged(before: Mapping[str, Any], optim: torch.optim.Optimizer) -> None:
     assert_identical(before, snapshot(optim.state_dict()), "optimizer state")
+
+
+def assert_fsdp2_matches_plain(
+    final: Mapping[str, Any], net: Any, plain: Any, *, names: Mapping[int, str], skip: Callable[[str], bool], rel: float
+) -> None:
+    """An FSDP2 run's full ``{"model", "optim"}`` (optimizer keyed by name, as DCP gives it) equals plain
+    training: the model within ``rel`` of ``net``, the optimizer as :func:`assert_full_matches_plain` says.
+    ``names`` maps the plain optimizer's ids to parameter names; parameters where ``skip`` holds are skipped."""
+    for key, value in net.state_dict().items():
+        if not skip(key):
+            atol = rel * float(value.abs().max())
+            torch.testing.assert_close(final["model"][key], value, rtol=rel, atol=atol, msg=lambda m: f"{key}: {m}")
+    expected_groups = plain.state_dict()["param_groups"]
+    for got, want in zip(final["optim"]["param_groups"], expected_groups, strict=True):
+        assert got["params"] == [names[i] for i in want["params"]]
+        # DCP hands tuples back as lists (betas); the values must be the same.
+        hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in got.items() if k != "params"}
+        assert hyper == {k: v for k, v in want.items() if k != "params"}
+    index = {n: i for i, n in names.items()}
+    state = {index[n]: entries for n, entries in final["optim"]["state"].items() if not skip(n)}
+    ours = {"state": state, "param_groups": expected_groups, "param_names": names}
+    assert_full_matches_plain(ours, plain.state_dict(), skip=skip, rel=rel)

@@ -15,7 +15,7 @@ import _fairseq as F
 import _models as M
 import pytest
 import torch
-from _checks import assert_full_matches_plain, assert_identical
+from _checks import assert_fsdp2_matches_plain, assert_identical
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import fsdp_optim
@@ -43,20 +43,7 @@ def _read(dcp_dir: Path, tmp_path: Path) -> dict:
 def test_fsdp2_resumes_from_the_export(jobs, world_size) -> None:
     final = jobs.fsdp2[world_size]
     net, plain = F.reference("groups")
-    for key, value in net.state_dict().items():
-        if not _skip_unused(key):
-            atol = REL * float(value.abs().max())
-            torch.testing.assert_close(final["model"][key], value, rtol=REL, atol=atol, msg=lambda m: f"{key}: {m}")
-    names = M.plain_param_names(net)
-    expected_groups = plain.state_dict()["param_groups"]
-    for got, want in zip(final["optim"]["param_groups"], expected_groups, strict=True):
-        assert got["params"] == [names[i] for i in want["params"]]
-        hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in got.items() if k != "params"}
-        assert hyper == {k: v for k, v in want.items() if k != "params"}
-    index = {n: i for i, n in names.items()}
-    state = {index[n]: entries for n, entries in final["optim"]["state"].items() if not _skip_unused(n)}
-    ours = {"state": state, "param_groups": expected_groups, "param_names": names}
-    assert_full_matches_plain(ours, plain.state_dict(), skip=_skip_unused, rel=REL)
+    assert_fsdp2_matches_plain(final, net, plain, names=M.plain_param_names(net), skip=_skip_unused, rel=REL)
 
 
 def test_export_holds_weights_state_and_extras(jobs, tmp_path) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import _models as M
 import pytest
 import torch
-from _checks import assert_full_matches_plain, assert_identical
+from _checks import assert_fsdp2_matches_plain, assert_identical
 from _dist import run_ranks
 
 from fsdp_optim import from_fairscale, save_layout, to_named
@@ -169,22 +169,8 @@ def test_export_to_fsdp2_continues_training(job) -> None:
     _, results = job
     net, plain = M.train_plain("adam", range(TOTAL))
     final = results["fsdp2"]
-    for key, value in net.state_dict().items():
-        if not _skip_unused(key):
-            atol = REL * float(value.abs().max())
-            torch.testing.assert_close(final["model"][key], value, rtol=REL, atol=atol, msg=lambda m: f"{key}: {m}")
-    # FSDP2's full optimizer state is keyed by name; key it by the plain optimizer's ids to compare.
-    names = M.plain_param_names(net)
-    expected_groups = plain.state_dict()["param_groups"]
-    for got, want in zip(final["optim"]["param_groups"], expected_groups, strict=True):
-        assert got["params"] == [names[i] for i in want["params"]]
-        # DCP hands tuples back as lists (betas); the values must be the same.
-        hyper = {k: tuple(v) if isinstance(v, list) else v for k, v in got.items() if k != "params"}
-        assert hyper == {k: v for k, v in want.items() if k != "params"}
-    index = {n: i for i, n in names.items()}
-    state = {index[n]: entries for n, entries in final["optim"]["state"].items() if not _skip_unused(n)}
-    ours = {"state": state, "param_groups": expected_groups, "param_names": names}
-    assert_full_matches_plain(ours, plain.state_dict(), skip=_skip_unused, rel=REL)
+    # FSDP2's full optimizer state is keyed by name; it is keyed by the plain optimizer's ids to compare.
+    assert_fsdp2_matches_plain(final, net, plain, names=M.plain_param_names(net), skip=_skip_unused, rel=REL)
 
 
 def test_to_named_checks_input_and_shares_tensors(job) -> None:
