@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 from _dist import forkserver_context
+from _forge import forge_manifest, forge_rank_file
+from _forge import manifest_rank_file as rank_file
 
-from fsdp_optim.manifest import HEADER_KEY, MANIFEST_NAME, digest, unwrap
+from fsdp_optim.manifest import MANIFEST_NAME, digest
 
 # What a child may raise: the documented exception types of fsdp_optim (and their subclasses).
 DOCUMENTED = ("ValueError", "TypeError", "FileNotFoundError", "OSError", "NotImplementedError")
@@ -290,37 +292,7 @@ def write_torch_zip(
     return path
 
 
-def forge_manifest(directory: Path, edit: Callable[[dict[str, Any]], None], *, version: int = 1) -> None:
-    """Rewrite ``directory``'s manifest with ``edit`` applied to its body, checksum recomputed."""
-    path = directory / MANIFEST_NAME
-    _, body = unwrap(torch.load(path, weights_only=True), "manifest", source=str(path))
-    edit(body)
-    head = {"kind": "manifest", "version": version}
-    torch.save({HEADER_KEY: {**head, "checksum": digest([head, body])}, "body": body}, path)
-
-
-def rank_file(directory: Path, rank: int) -> Path:
-    _, body = unwrap(torch.load(directory / MANIFEST_NAME, weights_only=True), "manifest", source="")
-    return directory / next(f["file"] for f in body["files"] if f["rank"] == rank)
-
-
-def forge_rank_file(directory: Path, rank: int, edit: Callable[[dict[int, dict[str, Any]]], None]) -> None:
-    """Rewrite one rank file with ``edit`` applied to its state, every checksum (and the manifest's
-    record of the file) recomputed: only the fsdp_optim gate can tell."""
-    path = rank_file(directory, rank)
-    payload = torch.load(path, weights_only=True)
-    state = {i: dict(entries) for i, entries in payload["state"].items()}
-    edit(state)
-    head = {k: v for k, v in payload[HEADER_KEY].items() if k != "checksum"}
-    unit_checksums = {i: digest(entries) for i, entries in state.items()}
-    checksum = digest([head, unit_checksums])
-    torch.save({HEADER_KEY: {**head, "checksum": checksum}, "unit_checksums": unit_checksums, "state": state}, path)
-
-    def record(body: dict[str, Any]) -> None:
-        entry = next(f for f in body["files"] if f["rank"] == rank)
-        entry.update(checksum=checksum, bytes=path.stat().st_size)
-
-    forge_manifest(directory, record)
+# forge_manifest / forge_rank_file: tests/_forge.py (shared with the refusal catalogue).
 
 
 def patch_zip_entry(path: Path, name: str, *, size: int | None = None, header_offset_of: str | None = None) -> None:

@@ -40,11 +40,12 @@ import torch
 import torch.distributed as dist
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
+from _forge import forge_manifest, forge_rank_file
 from torch import nn
 
 from fsdp_optim import consolidate, load_sharded_optim_state, reshard, save_layout, save_sharded_optim_state
 from fsdp_optim.cli import main as cli
-from fsdp_optim.manifest import HEADER_KEY, MANIFEST_NAME, digest, unwrap
+from fsdp_optim.manifest import MANIFEST_NAME, digest
 from fsdp_optim.storage import read_manifest
 
 WORLD_SIZE = 2
@@ -106,34 +107,7 @@ def random_bytes(path: Path, n: int = 4096) -> None:
 # A writer that follows the documented format (fsdp_optim/manifest.py) and puts the wrong thing in it.
 
 
-def forge_manifest(directory: Path, edit: Callable[[dict[str, Any]], None], *, version: int = 1) -> None:
-    """Rewrite ``directory``'s manifest with ``edit`` applied to its body, checksum recomputed."""
-    path = directory / MANIFEST_NAME
-    _, body = unwrap(torch.load(path, weights_only=True), "manifest", source=str(path))
-    edit(body)
-    head = {"kind": "manifest", "version": version}
-    torch.save({HEADER_KEY: {**head, "checksum": digest([head, body])}, "body": body}, path)
-
-
-def forge_rank_file(
-    directory: Path, rank: int, edit: Callable[[dict[int, dict[str, Any]]], None] = lambda state: None, **header: Any
-) -> None:
-    """Rewrite one rank file with ``edit`` applied to its state (and ``header`` fields replaced), every
-    checksum recomputed, and the manifest's record of the file updated to match."""
-    path = rank_file(directory, rank)
-    payload = torch.load(path, weights_only=True)
-    state = {i: dict(entries) for i, entries in payload["state"].items()}
-    edit(state)
-    head = {k: v for k, v in payload[HEADER_KEY].items() if k != "checksum"} | header
-    unit_checksums = {i: digest(entries) for i, entries in state.items()}
-    checksum = digest([head, unit_checksums])
-    torch.save({HEADER_KEY: {**head, "checksum": checksum}, "unit_checksums": unit_checksums, "state": state}, path)
-
-    def record(body: dict[str, Any]) -> None:
-        entry = next(f for f in body["files"] if f["rank"] == rank)
-        entry.update(checksum=checksum, bytes=path.stat().st_size)
-
-    forge_manifest(directory, record)
+# forge_manifest / forge_rank_file: tests/_forge.py (shared with the adversarial suite).
 
 
 # --- the catalogue -------------------------------------------------------------------------------------
