@@ -167,3 +167,45 @@ def save_durably(obj: Any, path: str | os.PathLike[str]) -> Path:
         f.flush()
         os.fsync(f.fileno())
     return path
+
+
+def fresh_load_methods(
+    prefix: str,
+    optim: torch.optim.Optimizer,
+    new_optimizer: Callable[[], torch.optim.Optimizer],
+    load_into: Callable[[torch.optim.Optimizer, Path], None],
+    other_wrong: Callable[[torch.optim.Optimizer, Any], str],
+    *,
+    same_dir: Path,
+    other_dir: Path | None,
+    other_reference: Path | None,
+    probes: Probes,
+) -> dict[str, Method]:
+    """``{prefix}_load_same`` (and ``{prefix}_load_other``): ``load_into`` a fresh optimizer, built
+    untimed before each call. The same-W result must equal the live ``optim``; ``other_wrong(loaded,
+    reference full dict)`` says what is wrong with the other-W result ("" when right)."""
+    fresh: list[torch.optim.Optimizer] = []
+
+    def prepare() -> None:
+        fresh[:] = [new_optimizer()]
+
+    def load(directory: Path) -> Callable[[], torch.optim.Optimizer]:
+        def call() -> torch.optim.Optimizer:
+            target = fresh.pop()
+            load_into(target, directory)
+            return target
+
+        return call
+
+    def same_as_live(loaded: torch.optim.Optimizer) -> str:
+        return wrong(difference(loaded.state_dict(), optim.state_dict(), "state_dict"))
+
+    def same_as_other(loaded: torch.optim.Optimizer) -> str:
+        return other_wrong(loaded, torch.load(other_reference, mmap=True, weights_only=True))  # type: ignore[arg-type]
+
+    same = f"{prefix}_load_same"
+    methods = {same: probes.wrap(same, Method(load(same_dir), prepare=prepare), same_as_live)}
+    if other_dir is not None:
+        other = f"{prefix}_load_other"
+        methods[other] = probes.wrap(other, Method(load(other_dir), prepare=prepare), same_as_other)
+    return methods

@@ -21,7 +21,6 @@ the other job's full state dict.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import models
-from .ckpt_common import Probes, difference, disk_bytes, fsync_path, remove, wrong
+from .ckpt_common import Probes, difference, disk_bytes, fresh_load_methods, fsync_path, remove, wrong
 from .measure import Method
 
 
@@ -120,34 +119,25 @@ def load_methods(
     other_reference: Path | None,
     probes: Probes,
 ) -> dict[str, Method]:
-    fresh: list[torch.optim.Optimizer] = []
+    def load_into(target: torch.optim.Optimizer, directory: Path) -> None:
+        state = _state(model, target)
+        dcp.load(state, checkpoint_id=directory)
+        set_optimizer_state_dict(model, target, optim_state_dict=state["optim"])
 
-    def prepare() -> None:
-        fresh[:] = [torch.optim.Adam(model.parameters(), lr=models.LR)]
-
-    def load(directory: Path) -> Callable[[], torch.optim.Optimizer]:
-        def call() -> torch.optim.Optimizer:
-            target = fresh.pop()
-            state = _state(model, target)
-            dcp.load(state, checkpoint_id=directory)
-            set_optimizer_state_dict(model, target, optim_state_dict=state["optim"])
-            return target
-
-        return call
-
-    def same_as_live(loaded: torch.optim.Optimizer) -> str:
-        return wrong(difference(loaded.state_dict(), optim.state_dict(), "state_dict"))
-
-    def same_as_other(loaded: torch.optim.Optimizer) -> str:
-        full = torch.load(other_reference, mmap=True, weights_only=True)  # type: ignore[arg-type]
+    def other_wrong(loaded: torch.optim.Optimizer, full: Any) -> str:
         return wrong(difference(loaded.state_dict()["state"], _expected_shards(model, loaded, full), "state"))
 
-    methods = {"dcp_load_same": probes.wrap("dcp_load_same", Method(load(same_dir), prepare=prepare), same_as_live)}
-    if other_dir is not None:
-        methods["dcp_load_other"] = probes.wrap(
-            "dcp_load_other", Method(load(other_dir), prepare=prepare), same_as_other
-        )
-    return methods
+    return fresh_load_methods(
+        "dcp",
+        optim,
+        lambda: torch.optim.Adam(model.parameters(), lr=models.LR),
+        load_into,
+        other_wrong,
+        same_dir=same_dir,
+        other_dir=other_dir,
+        other_reference=other_reference,
+        probes=probes,
+    )
 
 
 def offline_methods(

@@ -27,7 +27,7 @@ from torch import nn
 import fsdp_optim
 
 from . import models
-from .ckpt_common import Probes, difference, disk_bytes, remove, save_durably, wrong
+from .ckpt_common import Probes, difference, disk_bytes, fresh_load_methods, remove, save_durably, wrong
 from .measure import Method
 
 ASYNC_NAME = "async_save_sharded_optim_state"
@@ -85,33 +85,22 @@ def load_methods(
     probes: Probes,
 ) -> dict[str, Method]:
     """Loads into a fresh optimizer, built (untimed) before each call."""
-    fresh: list[torch.optim.Optimizer] = []
 
-    def prepare() -> None:
-        fresh[:] = [torch.optim.Adam(model.parameters(), lr=models.LR)]
-
-    def load(directory: Path) -> Callable[[], torch.optim.Optimizer]:
-        def call() -> torch.optim.Optimizer:
-            target = fresh.pop()
-            fsdp_optim.load_sharded_optim_state(model, target, directory)
-            return target
-
-        return call
-
-    def same_as_live(loaded: torch.optim.Optimizer) -> str:
-        return wrong(difference(loaded.state_dict(), optim.state_dict(), "state_dict"))
-
-    def same_as_other(loaded: torch.optim.Optimizer) -> str:
-        full = torch.load(other_reference, mmap=True, weights_only=True)  # type: ignore[arg-type]
+    def other_wrong(loaded: torch.optim.Optimizer, full: Any) -> str:
         expected = model.get_shard_from_optim_state_dict(full, optim=loaded)  # type: ignore[operator]
         return wrong(difference(loaded.state_dict(), expected, "state_dict"))
 
-    methods = {"ours_load_same": probes.wrap("ours_load_same", Method(load(same_dir), prepare=prepare), same_as_live)}
-    if other_dir is not None:
-        methods["ours_load_other"] = probes.wrap(
-            "ours_load_other", Method(load(other_dir), prepare=prepare), same_as_other
-        )
-    return methods
+    return fresh_load_methods(
+        "ours",
+        optim,
+        lambda: torch.optim.Adam(model.parameters(), lr=models.LR),
+        lambda target, directory: fsdp_optim.load_sharded_optim_state(model, target, directory),
+        other_wrong,
+        same_dir=same_dir,
+        other_dir=other_dir,
+        other_reference=other_reference,
+        probes=probes,
+    )
 
 
 def offline_methods(
