@@ -60,8 +60,8 @@ def _measure(op: str, directory: str, limit: int) -> None:
     import torch
 
     from fsdp_optim import consolidate, reshard
-    from fsdp_optim.flatten import assemble
-    from fsdp_optim.storage import read_manifest
+    from fsdp_optim.core.flatten import assemble
+    from fsdp_optim.formats.sharded.reader import read_manifest
 
     def naive() -> dict:
         manifest = read_manifest(directory)
@@ -101,7 +101,7 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from fsdp_optim.storage import DEFAULT_MAPPED_BYTES, read_manifest
+    from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, read_manifest
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt_mem_"))
     directory = workdir / "ckpt"

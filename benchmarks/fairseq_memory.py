@@ -83,7 +83,7 @@ def _load_all(prefix: Path, out: Path) -> None:
     """The baseline: every shard in memory at once, re-cut unit by unit, each new file saved whole."""
     import torch
 
-    from fsdp_optim.layout import shard_bounds
+    from fsdp_optim.core.layout import shard_bounds
 
     files = [torch.load(p, map_location="cpu", weights_only=False) for p in sorted(prefix.parent.glob(f"{prefix.name}-shard*.pt"))]
     meta = files[0]["shard_metadata"]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_optim.layout import read_layout as describe
+from fsdp_optim.job.root import read_layout as describe
 
 
 @dataclass

@@ -54,28 +54,28 @@ __version__ = "0.1.0"
 
 # Public name -> the submodule that defines it.
 _HOME = {
-    "AsyncSave": "async_save",
-    "FORMAT_VERSION": "fullstate",
-    "ForeignOutputError": "locks",
-    "NotElementwiseError": "elementwise",
-    "OutputLockedError": "locks",
-    "register_elementwise_optimizer": "elementwise",
-    "async_save_sharded_optim_state": "async_save",
-    "FullyShardedDataParallel": "fsdp",
-    "consolidate": "offline",
-    "disable_host_execution": "_host",
-    "enable_host_execution": "_host",
-    "from_fairscale": "interop",
-    "gather_full_optim_state_dict": "api",
-    "get_shard_from_optim_state_dict": "api",
-    "host_execution": "_host",
-    "load_sharded_optim_state": "sharded",
-    "reshard": "offline",
-    "save_layout": "sharded",
-    "save_sharded_optim_state": "sharded",
-    "scatter_full_optim_state": "sharded",
-    "to_dcp": "dcp",
-    "to_named": "interop",
+    "AsyncSave": "job.async_save",
+    "FORMAT_VERSION": "formats.fullstate",
+    "ForeignOutputError": "disk.locks",
+    "NotElementwiseError": "core.elementwise",
+    "OutputLockedError": "disk.locks",
+    "register_elementwise_optimizer": "core.elementwise",
+    "async_save_sharded_optim_state": "job.async_save",
+    "FullyShardedDataParallel": "job.fsdp",
+    "consolidate": "offline.operations",
+    "disable_host_execution": "job.host",
+    "enable_host_execution": "job.host",
+    "from_fairscale": "formats.fairscale",
+    "gather_full_optim_state_dict": "job.api",
+    "get_shard_from_optim_state_dict": "job.api",
+    "host_execution": "job.host",
+    "load_sharded_optim_state": "job.sharded",
+    "reshard": "offline.operations",
+    "save_layout": "job.sharded",
+    "save_sharded_optim_state": "job.sharded",
+    "scatter_full_optim_state": "job.sharded",
+    "to_dcp": "offline.export",
+    "to_named": "formats.fairscale",
 }
 assert sorted(_HOME) == sorted(__all__), "every public name needs a home module"
 
@@ -94,14 +94,19 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # type checkers and IDEs see the real names
-    from ._host import disable_host_execution, enable_host_execution, host_execution
-    from .api import gather_full_optim_state_dict, get_shard_from_optim_state_dict
-    from .async_save import AsyncSave, async_save_sharded_optim_state
-    from .dcp import to_dcp
-    from .elementwise import NotElementwiseError, register_elementwise_optimizer
-    from .fsdp import FullyShardedDataParallel
-    from .fullstate import FORMAT_VERSION
-    from .interop import from_fairscale, to_named
-    from .locks import ForeignOutputError, OutputLockedError
-    from .offline import consolidate, reshard
-    from .sharded import load_sharded_optim_state, save_layout, save_sharded_optim_state, scatter_full_optim_state
+    from fsdp_optim.core.elementwise import NotElementwiseError, register_elementwise_optimizer
+    from fsdp_optim.disk.locks import ForeignOutputError, OutputLockedError
+    from fsdp_optim.formats.fairscale import from_fairscale, to_named
+    from fsdp_optim.formats.fullstate import FORMAT_VERSION
+    from fsdp_optim.job.api import gather_full_optim_state_dict, get_shard_from_optim_state_dict
+    from fsdp_optim.job.async_save import AsyncSave, async_save_sharded_optim_state
+    from fsdp_optim.job.fsdp import FullyShardedDataParallel
+    from fsdp_optim.job.host import disable_host_execution, enable_host_execution, host_execution
+    from fsdp_optim.job.sharded import (
+        load_sharded_optim_state,
+        save_layout,
+        save_sharded_optim_state,
+        scatter_full_optim_state,
+    )
+    from fsdp_optim.offline.export import to_dcp
+    from fsdp_optim.offline.operations import consolidate, reshard

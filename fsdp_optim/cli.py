@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .manifest import Manifest
+    from fsdp_optim.formats.sharded.manifest import Manifest
 
 __all__ = ["main"]
 
@@ -90,8 +90,8 @@ def _scalar(value: Any) -> Any:
 
 
 def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: bool) -> None:
-    from .flatten import StateKind
-    from .manifest import dtype_to_str
+    from fsdp_optim.core.dtypes import dtype_to_str
+    from fsdp_optim.core.flatten import StateKind
 
     keys: dict[str, str] = {}
     steps = []
@@ -133,8 +133,8 @@ _NEEDS_LAYOUT = (
 def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
     import torch
 
-    from .fullstate import read_meta
-    from .interop import is_fairscale_native
+    from fsdp_optim.formats.fairscale import is_fairscale_native
+    from fsdp_optim.formats.fullstate import read_meta
 
     meta = read_meta(obj) or {}
     keys: dict[str, str] = {}
@@ -173,8 +173,9 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> list[str]:
-    from .manifest import HEADER_KEY
-    from .storage import load_file, read_manifest, source_kind
+    from fsdp_optim.disk.atomic import load_file
+    from fsdp_optim.formats.sharded.manifest import HEADER_KEY
+    from fsdp_optim.formats.sharded.reader import read_manifest, source_kind
 
     path = Path(args.path)
     out = [f"path: {path}"]
@@ -195,7 +196,7 @@ def _inspect(args: argparse.Namespace) -> list[str]:
             f"flat parameters with state: {len(obj.get('state', {}))}",
         ]
     elif isinstance(obj, Mapping) and {"state", "param_groups"} <= set(obj):
-        from .untrusted import check_state_dict
+        from fsdp_optim.disk.untrusted import check_state_dict
 
         check_state_dict(obj, str(path))  # its skeleton, before the summary walks it
         _inspect_full(obj, out)
@@ -206,13 +207,13 @@ def _inspect(args: argparse.Namespace) -> list[str]:
 
 
 def _is_shard_set(path: str | os.PathLike[str]) -> bool:
-    from .fairseq_format import is_shard_set
+    from fsdp_optim.formats.fairseq.files import is_shard_set
 
     return is_shard_set(path)
 
 
 def _inspect_shards(path: Path, args: argparse.Namespace, out: list[str]) -> None:
-    from .fairseq import ShardSet
+    from fsdp_optim.offline.fairseq import ShardSet
 
     with ShardSet(path, allow_globals=args.allow_global) as shards:
         rank0 = shards.rank0()
@@ -233,8 +234,9 @@ def _inspect_shards(path: Path, args: argparse.Namespace, out: list[str]) -> Non
 def _native(path: str | os.PathLike[str]) -> Mapping[str, Any] | None:
     """The fairscale-native dict in the file at ``path``; ``None`` for anything else, including a path
     that cannot be read (the verb itself then says what is wrong with it)."""
-    from .interop import is_fairscale_native
-    from .storage import load_file, source_kind
+    from fsdp_optim.disk.atomic import load_file
+    from fsdp_optim.formats.fairscale import is_fairscale_native
+    from fsdp_optim.formats.sharded.reader import source_kind
 
     try:
         if source_kind(path) != "file":
@@ -247,8 +249,8 @@ def _native(path: str | os.PathLike[str]) -> Mapping[str, Any] | None:
 
 def _from_native(native: Mapping[str, Any], args: argparse.Namespace, source: str, verb: str) -> tuple[Any, Any]:
     """(our full dict, the model's layout) for a fairscale-native ``source``; ``--layout`` is required."""
-    from .interop import from_fairscale
-    from .offline import resolve_layout
+    from fsdp_optim.formats.fairscale import from_fairscale
+    from fsdp_optim.offline.operations import resolve_layout
 
     if args.layout is None:
         raise ValueError(
@@ -260,8 +262,8 @@ def _from_native(native: Mapping[str, Any], args: argparse.Namespace, source: st
 
 
 def _consolidate(args: argparse.Namespace) -> list[str]:
-    from .offline import consolidate
-    from .storage import write_file
+    from fsdp_optim.formats.sharded.writer import write_file
+    from fsdp_optim.offline.operations import consolidate
 
     if _is_shard_set(args.directory):
         return _consolidate_shards(args)
@@ -281,8 +283,8 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
 
 
 def _consolidate_shards(args: argparse.Namespace) -> list[str]:
-    from .fairseq import consolidate_shards
-    from .storage import atomic_save
+    from fsdp_optim.disk.atomic import atomic_save
+    from fsdp_optim.offline.fairseq import consolidate_shards
 
     with _progress("consolidate") as progress:
         out = consolidate_shards(
@@ -303,11 +305,11 @@ def _consolidate_shards(args: argparse.Namespace) -> list[str]:
 
 
 def _reshard(args: argparse.Namespace) -> list[str]:
-    from .offline import reshard
-    from .storage import read_manifest
+    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.offline.operations import reshard
 
     if _is_shard_set(args.source):
-        from .fairseq import reshard_shards
+        from fsdp_optim.offline.fairseq import reshard_shards
 
         if args.layout is not None or args.optimizer is not None:
             raise ValueError(f"layout: {args.source}: a fairseq/metaseq shard set carries its own layout and optimizer")
@@ -337,17 +339,19 @@ def _reshard(args: argparse.Namespace) -> list[str]:
 
 
 def _convert(args: argparse.Namespace) -> list[str]:
-    from .interop import is_fairscale_native, to_named
-    from .offline import consolidate
-    from .preconditions import is_full_dict
-    from .storage import load_file, source_kind, write_file
+    from fsdp_optim.core.preconditions import is_full_dict
+    from fsdp_optim.disk.atomic import load_file
+    from fsdp_optim.formats.fairscale import is_fairscale_native, to_named
+    from fsdp_optim.formats.sharded.reader import source_kind
+    from fsdp_optim.formats.sharded.writer import write_file
+    from fsdp_optim.offline.operations import consolidate
 
     source = Path(args.source)
     full: Mapping[str, Any]
     if _is_shard_set(source):
         if args.to == "dcp":
             return _to_dcp(source, args, "fairseq/metaseq shard set")
-        from .fairseq import consolidate_shards
+        from fsdp_optim.offline.fairseq import consolidate_shards
 
         with _progress("consolidate") as progress:
             out = consolidate_shards(
@@ -388,7 +392,7 @@ def _convert(args: argparse.Namespace) -> list[str]:
 
 
 def _to_dcp(source: Any, args: argparse.Namespace, origin: str) -> list[str]:
-    from .dcp import to_dcp
+    from fsdp_optim.offline.export import to_dcp
 
     shards = origin.startswith("fairseq")
     with _progress("export to DCP") as progress:
@@ -525,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         lines = args.run(args)
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
-        from .untrusted import escape  # names and messages may carry a file's text: no terminal controls
+        from fsdp_optim.disk.untrusted import escape  # names and messages may carry a file's text: no terminal controls
 
         print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -533,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
-    from .untrusted import escape
+    from fsdp_optim.disk.untrusted import escape
 
     try:
         for line in lines:

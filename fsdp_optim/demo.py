@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import FullyShardedDataParallel as FSDP
-from . import gather_full_optim_state_dict, get_shard_from_optim_state_dict
+from fsdp_optim import FullyShardedDataParallel as FSDP
+from fsdp_optim import gather_full_optim_state_dict, get_shard_from_optim_state_dict
 
 VOCAB, DIM, SEQ = 64, 96, 16
 

@@ -38,7 +38,8 @@ from _dist import forkserver_context
 from _forge import forge_manifest, forge_rank_file
 from _forge import manifest_rank_file as rank_file
 
-from fsdp_optim.manifest import MANIFEST_NAME, digest
+from fsdp_optim.core.checksums import digest
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 
 # What a child may raise: the documented exception types of fsdp_optim (and their subclasses).
 DOCUMENTED = ("ValueError", "TypeError", "FileNotFoundError", "OSError", "NotImplementedError")
@@ -170,7 +171,7 @@ def to_named_entry(full: Any) -> int:
 
 
 def load_full_entry(path: str) -> int:
-    from fsdp_optim.offline import load_full_file
+    from fsdp_optim.offline.operations import load_full_file
 
     return len(load_full_file(path)["state"])
 
@@ -526,7 +527,7 @@ def save_job(directory: str, seed: int, saves: int, report: str, env: dict[str, 
 def hold_lock(output: str, purpose: str, held: str, env: dict[str, str]) -> None:
     """Take ``output``'s lock, touch ``held``, and keep it until killed."""
     os.environ.update(env)
-    from fsdp_optim.locks import lock_output
+    from fsdp_optim.disk.locks import lock_output
 
     lock = lock_output(output, purpose=purpose)  # noqa: F841 - held until the process dies
     Path(held).touch()

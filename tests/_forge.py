@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.manifest import HEADER_KEY, MANIFEST_NAME, digest, unwrap
+from fsdp_optim.core.checksums import digest
+from fsdp_optim.formats.sharded.manifest import HEADER_KEY, MANIFEST_NAME, unwrap
 
 
 def forge_manifest(directory: Path, edit: Callable[[dict[str, Any]], None], *, version: int = 1) -> None:

@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp_optim import save_layout, save_sharded_optim_state
-from fsdp_optim.manifest import MANIFEST_NAME
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 
 WORLD_SIZE = 2
 CLI_ERROR = "fsdp-optim: error: "

@@ -22,7 +22,7 @@ from _checks import assert_identical, snapshot
 from _dist import run_ranks
 
 from fsdp_optim import consolidate, load_sharded_optim_state
-from fsdp_optim.async_save import async_save_sharded_optim_state
+from fsdp_optim.job.async_save import async_save_sharded_optim_state
 
 
 def _setup(rank: int, world_size: int) -> tuple:

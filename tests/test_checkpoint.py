@@ -24,13 +24,15 @@ from _checks import assert_full_matches_plain, assert_identical, assert_unchange
 from _dist import run_ranks
 
 from fsdp_optim import consolidate, load_sharded_optim_state, reshard, save_sharded_optim_state
-from fsdp_optim.manifest import HEADER_KEY, MANIFEST_NAME, Manifest, digest, unwrap
-from fsdp_optim.plan import Source, plan
-from fsdp_optim.storage import ShardedCheckpoint, read_manifest, write_shard_file
+from fsdp_optim.core.checksums import digest
+from fsdp_optim.core.plan import plan
+from fsdp_optim.formats.sharded.manifest import HEADER_KEY, MANIFEST_NAME, Manifest, manifest_source, unwrap
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.writer import write_shard_file
 
 
 def plan_recut(manifest: Manifest, target):  # the engine's plan for a checkpoint's records (nothing is read)
-    return plan(Source.of_manifest(manifest, "checkpoint", read=None), target)  # type: ignore[arg-type]
+    return plan(manifest_source(manifest, "checkpoint", read=None), target)  # type: ignore[arg-type]
 
 OPTIMIZERS = ["adamw", "nadam"]  # tensors + step; NAdam adds a second 0-dim state (mu_product)
 FIRST_SAVE, SAVE_AT, TOTAL = 2, 3, 5
@@ -283,7 +285,7 @@ def test_resume_at_another_world_size_three_ways(saved, tmp_path) -> None:
             assert_full_matches_plain(final, plain.state_dict(), skip=_skip_unused, rel=REL)
 
 
-PURE = ["manifest.py", "storage.py", "plan.py", "offline.py", "interop.py", "cli.py"]
+PURE = ["formats/sharded/manifest.py", "formats/sharded/reader.py", "formats/sharded/writer.py", "core/plan.py", "offline/operations.py", "formats/fairscale.py", "cli.py"]
 
 
 @pytest.mark.parametrize("module", PURE)

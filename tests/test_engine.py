@@ -18,12 +18,13 @@ import torch
 from _checks import assert_identical
 from _dist import run_ranks
 
-from fsdp_optim import consolidate, fullstate, reshard, scatter_full_optim_state
-from fsdp_optim import plan as plan_module
-from fsdp_optim.fullstate import FORMAT_KEY, FORMAT_VERSION, full_dict_source
-from fsdp_optim.layout import FlatParamLayout, ModelLayout, ParamSpec
-from fsdp_optim.manifest import Manifest
-from fsdp_optim.plan import plan
+from fsdp_optim import consolidate, reshard, scatter_full_optim_state
+from fsdp_optim.core import plan as plan_module
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
+from fsdp_optim.core.plan import plan
+from fsdp_optim.formats import fullstate
+from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, full_dict_source
+from fsdp_optim.formats.sharded.manifest import Manifest
 
 SHAPES = {"a.w": (3, 5), "a.b": (5,), "b.w": (7,)}
 
@@ -50,8 +51,8 @@ def test_offline_reshard_of_a_full_dict_plans_once_for_every_rank(tmp_path) -> N
     full = _full()
     given = copy.deepcopy(full)
     layout = Manifest.from_layout(_layout(), save_id="layout")
-    with mock.patch("fsdp_optim.offline.plan", wraps=plan) as planned, mock.patch(
-        "fsdp_optim.offline.full_dict_source", wraps=full_dict_source
+    with mock.patch("fsdp_optim.offline.operations.plan", wraps=plan) as planned, mock.patch(
+        "fsdp_optim.offline.operations.full_dict_source", wraps=full_dict_source
     ) as adapted:
         reshard(full, 4, tmp_path / "out", layout=layout)
     assert (planned.call_count, adapted.call_count) == (1, 1)
@@ -88,8 +89,8 @@ def _scatter_counting(rank: int, world_size: int) -> dict:
         M.train_step(root, optim, *M.local_batch(step, rank, world_size))
     full = root.gather_full_optim_state_dict(optim, recipient_rank=0)
     fresh = M.OPTIMIZERS["adamw"](M.fsdp_param_groups(root))
-    with mock.patch("fsdp_optim.sharded.plan", wraps=plan) as planned, mock.patch(
-        "fsdp_optim.interop.full_dict_source", wraps=full_dict_source
+    with mock.patch("fsdp_optim.job.sharded.plan", wraps=plan) as planned, mock.patch(
+        "fsdp_optim.formats.fairscale.full_dict_source", wraps=full_dict_source
     ) as adapted:
         scatter_full_optim_state(root, fresh, full if rank == 0 else None, src_rank=0)
     return {"plans": planned.call_count, "sources": adapted.call_count, "loaded": fresh.state_dict(), "own": optim.state_dict()}
@@ -109,7 +110,7 @@ def test_engine_modules_exist_once() -> None:
 
 
 def test_checksums_are_xxh3_and_earlier_sha256_digests_still_verify() -> None:
-    from fsdp_optim.manifest import digest, digest_matches
+    from fsdp_optim.core.checksums import digest, digest_matches
 
     value = {"exp_avg": torch.arange(10.0), "step": torch.tensor(3.0), "name": "a.w"}
     assert digest(value).startswith("xxh3-128:")

@@ -26,11 +26,11 @@ from _checks import assert_full_matches_plain, assert_identical
 
 import fsdp_optim
 from fsdp_optim.cli import main
+from fsdp_optim.core.layout import shard_bounds
+from fsdp_optim.disk.locks import ForeignOutputError
+from fsdp_optim.disk.stream_save import Pending, stream_save
 from fsdp_optim.fairseq import OPTIM_KEY, ShardSet, consolidate_shards, reshard_shards
-from fsdp_optim.fairseq_checks import match_optimizer_ids
-from fsdp_optim.fairseq_write import Pending, stream_save
-from fsdp_optim.layout import shard_bounds
-from fsdp_optim.locks import ForeignOutputError
+from fsdp_optim.formats.fairseq.checks import match_optimizer_ids
 
 REL = 1e-4
 ORDER = [name for name, _ in M.make_net().named_parameters()]  # the unwrapped model's, as gather numbers them

@@ -16,7 +16,7 @@ from _checks import assert_full_matches_plain, assert_identical, assert_unchange
 from _dist import run_ranks
 
 import fsdp_optim
-from fsdp_optim import _host
+from fsdp_optim.job import host as _host
 
 STEPS = 3
 REL = 1e-5

@@ -32,7 +32,7 @@ from fsdp_optim import (
     save_sharded_optim_state,
     to_named,
 )
-from fsdp_optim.fullstate import PER_RANK_KEY
+from fsdp_optim.formats.fullstate import PER_RANK_KEY
 
 STEPS = 3
 

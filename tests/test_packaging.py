@@ -28,7 +28,7 @@ from _dist import run_ranks
 import fsdp_optim
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("fairscale", "fsdp_optim.transport", "fsdp_optim.fsdp", "fsdp_optim.api", "fsdp_optim.sharded")
+HEAVY = ("fairscale", "fsdp_optim.job.transport", "fsdp_optim.job.fsdp", "fsdp_optim.job.api", "fsdp_optim.job.sharded")
 
 
 def _modules_after(code: str) -> set[str]:

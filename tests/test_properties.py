@@ -42,10 +42,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fsdp_optim.flatten import StateKind, assemble, cut, split
-from fsdp_optim.fullstate import FORMAT_KEY, FORMAT_VERSION, build_full_state, shard_full_state
-from fsdp_optim.layout import FlatParamLayout, ModelLayout, ParamSpec, shard_bounds
-from fsdp_optim.local import check_agreement, read_local_state
+from fsdp_optim.core.flatten import StateKind, assemble, cut, split
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec, shard_bounds
+from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, build_full_state, shard_full_state
+from fsdp_optim.job.local import check_agreement, read_local_state
 
 # Each property runs in a few seconds at these settings on one core; derandomized so that CI explores
 # the same examples every run (a new failure is a code change, not a dice roll). A failure is reported

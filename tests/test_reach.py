@@ -49,8 +49,8 @@ from fairscale.nn import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
 
 import fsdp_optim
 from fsdp_optim.cli import main as cli
-from fsdp_optim.interop import is_fairscale_native
-from fsdp_optim.preconditions import is_full_dict
+from fsdp_optim.core.preconditions import is_full_dict
+from fsdp_optim.formats.fairscale import is_fairscale_native
 
 ROOTS = ["fairscale", "fairseq_style", "auto_wrap", "ours"]  # ours last: see the module docstring
 WRAPPED_BY_OTHERS = ["fairseq_style", "auto_wrap"]

@@ -30,9 +30,10 @@ import torch
 from _dist import run_ranks
 
 from fsdp_optim import consolidate, save_sharded_optim_state
-from fsdp_optim.locks import LOCK_SUFFIX
-from fsdp_optim.manifest import MANIFEST_NAME, digest
-from fsdp_optim.storage import read_manifest
+from fsdp_optim.core.checksums import digest
+from fsdp_optim.disk.locks import LOCK_SUFFIX
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
+from fsdp_optim.formats.sharded.reader import read_manifest
 
 TRIALS = int(os.environ.get("FSDP_OPTIM_WRITER_TRIALS", "1"))
 FLOCK: dict[str, str] = {}

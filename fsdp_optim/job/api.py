@@ -13,15 +13,29 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .elementwise import check_elementwise, state_keys
-from .flatten import StateKind, assemble
-from .fullstate import build_full_state
-from .interop import dict_source
-from .layout import ModelLayout, ShardBounds, read_layout
-from .local import LocalState, check_agreement, check_optimizer, group_members, read_local_state, summary_digest
-from .plan import cut_rank, optimizer_state_dict, plan
-from .preconditions import check_rank, check_root
-from .transport import Transfer, all_gather_digests, all_gather_objects, broadcast_from_each_rank, gather_flat_tensors
+from fsdp_optim.core.elementwise import check_elementwise, state_keys
+from fsdp_optim.core.flatten import StateKind, assemble
+from fsdp_optim.core.layout import ModelLayout, ShardBounds
+from fsdp_optim.core.plan import cut_rank, optimizer_state_dict, plan
+from fsdp_optim.core.preconditions import check_rank
+from fsdp_optim.formats.fairscale import dict_source
+from fsdp_optim.formats.fullstate import build_full_state
+from fsdp_optim.job.local import (
+    LocalState,
+    check_agreement,
+    check_optimizer,
+    group_members,
+    read_local_state,
+    summary_digest,
+)
+from fsdp_optim.job.root import check_root, read_layout
+from fsdp_optim.job.transport import (
+    Transfer,
+    all_gather_digests,
+    all_gather_objects,
+    broadcast_from_each_rank,
+    gather_flat_tensors,
+)
 
 __all__ = ["gather_full_optim_state_dict", "get_shard_from_optim_state_dict"]
 

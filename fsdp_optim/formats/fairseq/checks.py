@@ -15,17 +15,17 @@ never opens a file. Every refusal names the file (and unit, parameter or id) wit
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
-from .fairseq_format import Backing, RankSummary
-from .flatten import StateKind, clone_value, same_scalar, show_value
-from .layout import shard_bounds
-from .manifest import StateEntry, digest, dtype_to_str
+from fsdp_optim.core.checksums import digest
+from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.flatten import StateKind, clone_value, same_scalar, show_value
+from fsdp_optim.core.layout import shard_bounds
+from fsdp_optim.core.records import StateEntry
+from fsdp_optim.formats.fairseq.files import Backing, RankSummary
 
 __all__ = [
     "check_same_save",
@@ -37,7 +37,7 @@ __all__ = [
     "state_entries",
 ]
 
-ParamOrder = Sequence[str] | nn.Module | str | os.PathLike | None
+ParamOrder = Sequence[str] | None  # the unwrapped model's names, in named_parameters() order
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,24 +269,14 @@ def state_entries(first: RankSummary, pid: int | None, key: str) -> tuple[StateE
 
 
 def resolve_param_order(given: ParamOrder, names: Sequence[str], label: str) -> tuple[str, ...]:
+    """``given`` (the unwrapped model's names in order; ``None``: the files' own order) checked against ``names``.
+
+    A module or a path is resolved to names by the offline layer (:func:`fsdp_optim.offline.layouts.param_names`)."""
     if given is None:
         return tuple(names)
-    if isinstance(given, nn.Module):
-        from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
-
-        from .layout import read_layout
-
-        order = (
-            read_layout(given)[0].param_order
-            if isinstance(given, FairscaleFSDP)
-            else [n for n, _ in given.named_parameters()]
-        )
-    elif isinstance(given, (str, os.PathLike)):
-        from .offline import resolve_layout
-
-        order = resolve_layout(given).param_order
-    else:
-        order = list(given)
+    if isinstance(given, (str, bytes)) or not all(isinstance(n, str) for n in given):
+        raise TypeError(f"param_order: expected a sequence of parameter names, found {type(given).__name__}")
+    order = list(given)
     missing = [n for n in names if n not in set(order)]
     extra = [n for n in order if n not in set(names)]
     if missing or extra:

@@ -15,25 +15,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .elementwise import check_elementwise, state_keys
-from .interop import dict_source
-from .layout import ModelLayout, read_layout
-from .local import LocalState, check_agreement, check_optimizer, group_members, read_local_state
-from .locks import OutputLock
-from .manifest import MANIFEST_NAME, GroupRecord, Manifest, state_entries, wrap
-from .plan import Plan, cut_rank, optimizer_state_dict, plan
-from .preconditions import check_rank, check_root
-from .storage import (
-    ShardedCheckpoint,
-    begin_write,
-    end_write,
-    load_file,
-    new_save_id,
-    write_file,
-    write_manifest,
-    write_shard_file,
-)
-from .transport import agree, broadcast_object, dist_rank_and_size, gather_objects, scatter_objects
+from fsdp_optim.core.elementwise import check_elementwise, state_keys
+from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan
+from fsdp_optim.core.preconditions import check_rank
+from fsdp_optim.core.records import GroupRecord, state_entries
+from fsdp_optim.disk.atomic import load_file, new_save_id
+from fsdp_optim.disk.locks import OutputLock
+from fsdp_optim.formats.fairscale import dict_source
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest, wrap
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_file, write_manifest, write_shard_file
+from fsdp_optim.job.local import LocalState, check_agreement, check_optimizer, group_members, read_local_state
+from fsdp_optim.job.root import check_root, read_layout
+from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, gather_objects, scatter_objects
 
 __all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state", "scatter_full_optim_state"]
 

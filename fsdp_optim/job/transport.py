@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import ShardBounds
+from fsdp_optim.core.layout import ShardBounds
 
 __all__ = [
     "Transfer",

@@ -40,12 +40,13 @@ from typing import Any
 
 import torch
 
-from .flatten import StateKind, clone_value, same_scalar, show_value, split
-from .layout import ModelLayout, ParamSpec
-from .manifest import FlatRecord, GroupRecord, StateEntry, dtype_to_str
-from .plan import Reader, Source, cut_rank, optimizer_state_dict, plan, plan_error
-from .preconditions import check_full_dict, check_version
-from .untrusted import check_state_dict
+from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.flatten import StateKind, clone_value, same_scalar, show_value, split
+from fsdp_optim.core.layout import ModelLayout, ParamSpec
+from fsdp_optim.core.plan import Reader, Source, cut_rank, optimizer_state_dict, plan, plan_error
+from fsdp_optim.core.preconditions import check_full_dict, check_version
+from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.disk.untrusted import check_state_dict
 
 __all__ = [
     "FORMAT_KEY",

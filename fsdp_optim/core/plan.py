@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from .flatten import StateKind, clone_value, same_scalar, show_value
-from .layout import FlatParamLayout, ModelLayout
-from .manifest import FlatRecord, GroupRecord, Manifest, StateEntry, dtype_from_str, dtype_to_str
+from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
+from fsdp_optim.core.flatten import StateKind, clone_value, same_scalar, show_value
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout
+from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
 
 __all__ = [
     "FlatPlan",
@@ -89,28 +90,6 @@ class Source:
     def reader(self, rank: int) -> Reader:
         """What rank ``rank`` reads: its own copy of per-rank flats, the shared state of the others."""
         return self.rank_reader(rank) if self.rank_reader is not None else self.read
-
-    @classmethod
-    def of_manifest(
-        cls,
-        manifest: Manifest,
-        label: str,
-        read: Reader,
-        load_rank: Callable[[int], Mapping[int, Mapping[str, Any]]] | None = None,
-        rank_reader: Callable[[int], Reader] | None = None,
-    ) -> Source:
-        """A sharded checkpoint's records (its manifest) as a source; ``read`` reads its rank files."""
-        return cls(
-            label,
-            manifest.optimizer,
-            manifest.flat_params,
-            manifest.groups,
-            read,
-            manifest.world_size,
-            True,
-            load_rank,
-            rank_reader,
-        )
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .layout import FlatParamLayout
+from fsdp_optim.core.layout import FlatParamLayout
 
 __all__ = ["StateKind", "assemble", "classify_flat_state", "clone_value", "cut", "same_scalar", "show_value", "split"]
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .elementwise import check_elementwise, state_keys
-from .flatten import StateKind, classify_flat_state, same_scalar, show_value
-from .layout import ModelLayout
-from .manifest import GroupRecord
+from fsdp_optim.core.elementwise import check_elementwise, state_keys
+from fsdp_optim.core.flatten import StateKind, classify_flat_state, same_scalar, show_value
+from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.core.records import GroupRecord
 
 __all__ = ["LocalState", "check_agreement", "check_optimizer", "group_members", "read_local_state", "summary_digest"]
 

@@ -52,8 +52,8 @@ from typing import Any
 
 import torch
 
-from .layout import ParamSpec, clean_path
-from .manifest import digest
+from fsdp_optim.core.checksums import digest
+from fsdp_optim.core.layout import ParamSpec, clean_path
 
 __all__ = [
     "DATA_ONLY_GLOBALS",

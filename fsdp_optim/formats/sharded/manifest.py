@@ -40,20 +40,17 @@ processes one unit at a time never has to touch a whole file first.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-import xxhash
-
-from .flatten import StateKind, classify_flat_state, clone_value
-from .layout import FlatParamLayout, ModelLayout, ParamSpec
-from .preconditions import check_version, check_world_size
-from .untrusted import ALLOWED_DTYPES
+from fsdp_optim.core.checksums import digest, digest_matches
+from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.flatten import StateKind
+from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.core.plan import Reader, Source
+from fsdp_optim.core.preconditions import check_version, check_world_size
+from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry, get_checked
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -68,11 +65,9 @@ __all__ = [
     "digest",
     "digest_matches",
     "dtype_from_str",
-    "dtype_to_str",
     "shard_file_name",
     "read_header",
     "shard_payload",
-    "state_entries",
     "unwrap",
     "wrap",
 ]
@@ -88,60 +83,6 @@ def shard_file_name(save_id: str, rank: int, world_size: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # dtypes and checksums
-
-
-def dtype_to_str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_str(name: str, *, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or dtype not in ALLOWED_DTYPES:
-        raise ValueError(f"{where}: expected the name of a real dtype such as 'float32', found {name!r}")
-    return dtype
-
-
-# Checksums guard against corruption, not forgery (a forger rewrites the stored digest too), so new
-# files use xxh3-128 (xxhash: ~12 GB/s on one core here, against ~1.7 GB/s for SHA-256); files written
-# with SHA-256 by earlier versions still verify. The prefix of a digest names its algorithm.
-DIGEST_ALGORITHM = "xxh3-128"
-_HASHES: dict[str, Callable[[], Any]] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-
-
-def digest(value: Any, algorithm: str = DIGEST_ALGORITHM) -> str:
-    """A content digest of a (nested) value: ``"xxh3-128:<hex>"``. Reads tensor bytes without copying them."""
-    h = _HASHES[algorithm]()
-    _feed(h, value)
-    return f"{algorithm}:{h.hexdigest()}"
-
-
-def digest_matches(value: Any, expected: Any) -> bool:
-    """Whether ``expected`` (a stored digest, any supported algorithm) is the digest of ``value``."""
-    algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
-    return algorithm in _HASHES and digest(value, algorithm) == expected
-
-
-def _feed(h: Any, value: Any) -> None:
-    if torch.is_tensor(value):
-        t = value.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        h.update(f"T{dtype_to_str(t.dtype)}{tuple(t.shape)}|".encode())
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            h.update(memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())))
-    elif isinstance(value, Mapping):
-        h.update(f"D{len(value)}|".encode())
-        for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):
-            _feed(h, key)
-            _feed(h, value[key])
-    elif isinstance(value, (list, tuple)):
-        h.update(f"{type(value).__name__}{len(value)}|".encode())
-        for item in value:
-            _feed(h, item)
-    else:
-        h.update(f"{type(value).__name__}:{value!r}|".encode())
 
 
 def wrap(kind: str, body: Any, **header: Any) -> dict[str, Any]:
@@ -194,159 +135,6 @@ def shard_payload(
 
 
 @dataclass(frozen=True)
-class StateEntry:
-    """One optimizer state key of a flat parameter: a sharded tensor (with its dtype) or a shared scalar."""
-
-    key: str
-    kind: StateKind
-    dtype: str | None = None  # sharded entries only
-    value: Any = None  # scalar entries only: a 0-dim tensor or a Python value
-    # Sharded entries of a source that knows each parameter's state shape (a full dict); never saved.
-    shape: tuple[int, ...] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        if self.kind is StateKind.SHARDED:
-            return {"key": self.key, "kind": self.kind.value, "dtype": self.dtype}
-        return {"key": self.key, "kind": self.kind.value, "value": self.value}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, where: str) -> StateEntry:
-        kind = _get(d, "kind", str, where)
-        if kind == StateKind.SHARDED.value:
-            dtype = _get(d, "dtype", str, where)
-            dtype_from_str(dtype, where=f"{where}, state '{d.get('key')}'")
-            return cls(_get(d, "key", str, where), StateKind.SHARDED, dtype=dtype)
-        if kind == StateKind.SCALAR.value:
-            if "value" not in d:
-                raise ValueError(f"{where}: scalar state entry has no 'value'")
-            value = d["value"]
-            if torch.is_tensor(value) and value.dim() != 0:
-                raise ValueError(
-                    f"{where}: scalar state '{d.get('key')}' is a tensor of shape {tuple(value.shape)}, expected a "
-                    "0-dim tensor or a number"
-                )
-            return cls(_get(d, "key", str, where), StateKind.SCALAR, value=value)
-        raise ValueError(f"{where}: state kind must be 'sharded' or 'scalar', found {kind!r}")
-
-
-def state_entries(flat: FlatParamLayout, values: Mapping[str, Any]) -> tuple[StateEntry, ...]:
-    """The entries describing one flat parameter's shard ``values`` (``{key: padded shard or scalar}``).
-
-    Scalars keep an independent copy of their value. Raises ``NotImplementedError`` for state that is
-    neither shard-shaped nor 0-dim (see :func:`~fsdp_optim.flatten.classify_flat_state`).
-    """
-    return tuple(
-        StateEntry(key, kind, dtype=dtype_to_str(values[key].dtype))
-        if kind is StateKind.SHARDED
-        else StateEntry(key, kind, value=clone_value(values[key]))
-        for key, kind in classify_flat_state(flat, values).items()
-    )
-
-
-@dataclass(frozen=True)
-class FlatRecord(FlatParamLayout):
-    """A rank-independent :class:`~fsdp_optim.layout.FlatParamLayout` (``rank`` is ``None``) plus its saved state."""
-
-    state: tuple[StateEntry, ...] = ()
-
-    def layout(self, rank: int) -> FlatParamLayout:
-        """This unit as ``rank`` holds it, without the state entries."""
-        flat = FlatParamLayout(self.unit, self.params, self.world_size, None, self.dtype, self.flattened, self.per_rank)
-        return flat.at_rank(rank)
-
-    @classmethod
-    def from_layout(cls, flat: FlatParamLayout, state: Sequence[StateEntry] = ()) -> FlatRecord:
-        return cls(
-            unit=flat.unit,
-            params=flat.params,
-            world_size=flat.world_size,
-            rank=None,
-            dtype=flat.dtype,
-            flattened=flat.flattened,
-            per_rank=flat.per_rank,
-            state=tuple(state),
-        )
-
-    def entry(self, key: str) -> StateEntry:
-        return next(e for e in self.state if e.key == key)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "unit": self.unit,
-            "flattened": self.flattened,
-            "dtype": dtype_to_str(self.dtype),
-            "world_size": self.world_size,
-            "numel": self.numel,
-            "padding": self.padding(),
-            "per_rank": self.per_rank,
-            "params": [{"name": p.name, "shape": list(p.shape), "numel": p.numel, "offset": p.offset} for p in self.params],
-            "state": [e.to_dict() for e in self.state],
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, where: str) -> FlatRecord:
-        unit = _get(d, "unit", str, where)
-        where = f"{where} (unit '{unit or '<root>'}')"
-        world_size = _get(d, "world_size", int, where)
-        check_world_size(f"{where}: world_size", world_size)
-        padding = _get(d, "padding", (list, tuple), where)
-        if len(padding) != world_size:  # before anything is computed per declared rank
-            raise ValueError(f"{where}: 'padding' lists {len(padding)} ranks, expected {world_size} (its world size)")
-        record = cls(
-            unit=unit,
-            params=_param_specs(_get(d, "params", (list, tuple), where), where),
-            world_size=world_size,
-            rank=None,
-            dtype=dtype_from_str(_get(d, "dtype", str, where), where=where),
-            flattened=_get(d, "flattened", bool, where),
-            per_rank=_get({"per_rank": False, **d}, "per_rank", bool, where),  # absent in files before MoE support
-            state=tuple(StateEntry.from_dict(e, where=where) for e in _get(d, "state", (list, tuple), where)),
-        )
-        for key, expected in (("numel", record.numel), ("padding", record.padding())):
-            found = d.get(key, expected)
-            if (list(found) if isinstance(found, (list, tuple)) else found) != expected:
-                raise ValueError(f"{where}: '{key}' is {found!r}, expected {expected} from the shapes and world size")
-        return record
-
-
-def _param_specs(params: Sequence[Any], where: str) -> tuple[ParamSpec, ...]:
-    """Checked :class:`ParamSpec` records from their saved dicts; offsets follow from the shapes."""
-    specs, offset = [], 0
-    for p in params:
-        name = _get(p, "name", str, where)
-        shape = tuple(_get(p, "shape", (list, tuple), f"{where}, parameter '{name}'"))
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-            raise ValueError(f"{where}: parameter '{name}' has shape {shape}, expected non-negative ints")
-        if p.get("offset", offset) != offset or p.get("numel", math.prod(shape)) != math.prod(shape):
-            raise ValueError(
-                f"{where}: parameter '{name}' says offset {p.get('offset')} and numel {p.get('numel')}, "
-                f"expected {offset} and {math.prod(shape)} from the shapes before it"
-            )
-        specs.append(ParamSpec(name, shape, offset))
-        offset += math.prod(shape)
-    return tuple(specs)
-
-
-@dataclass(frozen=True)
-class GroupRecord:
-    """One param group: hyperparameters (everything but ``params``) and its flat parameters, in optimizer order."""
-
-    hyperparams: Mapping[str, Any]
-    flat_indices: tuple[int, ...]
-    named: bool = False  # the optimizer's group carried "param_names"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"hyperparams": dict(self.hyperparams), "flat_indices": list(self.flat_indices), "named": self.named}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, where: str) -> GroupRecord:
-        indices = _get(d, "flat_indices", (list, tuple), where)
-        if not all(isinstance(i, int) for i in indices):
-            raise ValueError(f"{where}: 'flat_indices' must be ints, found {indices!r}")
-        return cls(dict(_get(d, "hyperparams", Mapping, where)), tuple(indices), _get(d, "named", bool, where))
-
-
-@dataclass(frozen=True)
 class FileRecord:
     """One rank file: its name inside the checkpoint directory, checksum and size in bytes."""
 
@@ -360,10 +148,10 @@ class FileRecord:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str) -> FileRecord:
-        name = _get(d, "file", str, where)
+        name = get_checked(d, "file", str, where)
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise ValueError(f"{where}: file name must be a plain name inside the checkpoint directory, found {name!r}")
-        return cls(_get(d, "rank", int, where), name, _get(d, "checksum", str, where), _get(d, "bytes", int, where))
+        return cls(get_checked(d, "rank", int, where), name, get_checked(d, "checksum", str, where), get_checked(d, "bytes", int, where))
 
 
 @dataclass(frozen=True)
@@ -440,18 +228,18 @@ class Manifest:
             raise ValueError(f"{source}: 'optimizer' must be a class name or None, found {optimizer!r}")
         flats = tuple(
             FlatRecord.from_dict(f, where=f"{source}, flat_params[{i}]")
-            for i, f in enumerate(_get(d, "flat_params", (list, tuple), source))
+            for i, f in enumerate(get_checked(d, "flat_params", (list, tuple), source))
         )
         groups = tuple(
             GroupRecord.from_dict(g, where=f"{source}, param_groups[{k}]")
-            for k, g in enumerate(_get(d, "param_groups", (list, tuple), source))
+            for k, g in enumerate(get_checked(d, "param_groups", (list, tuple), source))
         )
-        files = tuple(FileRecord.from_dict(f, where=f"{source}, files") for f in _get(d, "files", (list, tuple), source))
+        files = tuple(FileRecord.from_dict(f, where=f"{source}, files") for f in get_checked(d, "files", (list, tuple), source))
         manifest = cls(
-            save_id=_get(d, "save_id", str, source),
+            save_id=get_checked(d, "save_id", str, source),
             optimizer=optimizer,
-            world_size=_get(d, "world_size", int, source),
-            param_order=tuple(_get(d, "param_order", (list, tuple), source)),
+            world_size=get_checked(d, "world_size", int, source),
+            param_order=tuple(get_checked(d, "param_order", (list, tuple), source)),
             flat_params=flats,
             groups=groups,
             files=files,
@@ -497,14 +285,22 @@ class Manifest:
                 raise ValueError(f"{source}: expected one file per rank 0..{self.world_size - 1}, found ranks {ranks}")
 
 
-def _get(d: Any, key: str, kind: Any, where: str) -> Any:
-    if not isinstance(d, Mapping):
-        raise ValueError(f"{where}: expected a dict, found {type(d).__name__}")
-    if key not in d:
-        raise ValueError(f"{where}: missing '{key}' (found keys {sorted(map(str, d))})")
-    value = d[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        expected = " or ".join(getattr(k, "__name__", str(k)) for k in kinds)
-        raise ValueError(f"{where}: '{key}' must be {expected}, found {type(value).__name__} {value!r}")
-    return value
+def manifest_source(
+    manifest: Manifest,
+    label: str,
+    read: Reader,
+    load_rank: Callable[[int], Mapping[int, Mapping[str, Any]]] | None = None,
+    rank_reader: Callable[[int], Reader] | None = None,
+) -> Source:
+    """A checkpoint's records (its manifest) as a planning source; ``read`` reads its rank files."""
+    return Source(
+        label,
+        manifest.optimizer,
+        manifest.flat_params,
+        manifest.groups,
+        read,
+        manifest.world_size,
+        True,
+        load_rank,
+        rank_reader,
+    )

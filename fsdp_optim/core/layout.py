@@ -15,13 +15,11 @@ Padding is never communicated: FSDP cuts a flat tensor of ``numel`` elements wit
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
 
-__all__ = ["FlatParamLayout", "ModelLayout", "ParamSpec", "ShardBounds", "clean_path", "read_layout", "shard_bounds"]
+__all__ = ["FlatParamLayout", "ModelLayout", "ParamSpec", "ShardBounds", "clean_path", "shard_bounds"]
 
 # Path segments that fairscale inserts between a module and its children.
 _WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
@@ -157,69 +155,7 @@ def clean_path(path: str) -> str:
     return ".".join(part for part in path.split(".") if part and part not in _WRAPPER_SEGMENTS)
 
 
-def _join(*parts: str) -> str:
+def join_path(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def _fsdp_instances(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    from fairscale.nn import FullyShardedDataParallel
-
-    for path, module in root.named_modules():
-        if isinstance(module, FullyShardedDataParallel):
-            yield path, module
-
-
-def read_layout(root: nn.Module) -> tuple[ModelLayout, list[nn.Parameter]]:
-    """Read the layout of a fairscale-FSDP-wrapped ``root`` and the live parameters it describes.
-
-    Returns ``(layout, params)`` where ``params[i]`` is the parameter object (what the optimizer holds)
-    whose layout is ``layout.flat_params[i]``. Works before any forward pass.
-    """
-    # Module order of the unwrapped model: the wrapped tree visits modules in the same order, with
-    # wrapper modules mapping onto the path of the module they wrap.
-    module_rank: dict[str, int] = {}
-    for path, _ in root.named_modules():
-        module_rank.setdefault(clean_path(path), len(module_rank))
-
-    flats: list[FlatParamLayout] = []
-    live: list[nn.Parameter] = []
-    order_keys: dict[str, tuple[int, int]] = {}
-    root_world_size = root.world_size  # type: ignore[attr-defined]
-    for path, instance in _fsdp_instances(root):
-        unit = clean_path(path)
-        for index, param in enumerate(instance.params):
-            if getattr(param, "_is_shared", False):
-                raise NotImplementedError(
-                    f"FSDP unit '{unit}' holds a parameter shared with another FSDP instance "
-                    "(append_shared_param); fsdp_optim does not support cross-instance sharing"
-                )
-            if hasattr(param, "_param_infos"):  # a FlatParameter
-                names = [clean_path(_join(unit, module_name, attr)) for module_name, _, attr in param._param_infos]
-                shapes = [tuple(s) for s in param._param_shapes]
-                flattened = True
-            else:
-                names = [clean_path(_join(unit, instance._param_name_groups[index][0]))]
-                shapes = [tuple(param._orig_size)]
-                flattened = False
-            specs, offset = [], 0
-            for name, shape in zip(names, shapes):
-                specs.append(ParamSpec(name, shape, offset))
-                offset += math.prod(shape)
-                owner = name.rpartition(".")[0]
-                order_keys[name] = (module_rank.get(owner, len(module_rank)), len(order_keys))
-            sharded = bool(param._is_sharded)
-            flats.append(
-                FlatParamLayout(
-                    unit=unit,
-                    params=tuple(specs),
-                    world_size=instance.world_size if sharded else 1,
-                    rank=instance.rank if sharded else 0,
-                    dtype=param.dtype,
-                    flattened=flattened,
-                    # Not sharded inside a larger world: its process group is this rank alone (MoE experts).
-                    per_rank=not sharded and root_world_size > 1,
-                )
-            )
-            live.append(param)
-    order = tuple(sorted(order_keys, key=order_keys.__getitem__))
-    return ModelLayout(tuple(flats), order, root_world_size, root.rank), live  # type: ignore[attr-defined]

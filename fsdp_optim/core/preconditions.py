@@ -10,29 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .untrusted import check_world_size_bound
+from fsdp_optim.core.limits import check_world_size_bound
 
 __all__ = [
     "FULL_DICT_KEYS",
     "check_full_dict",
     "check_rank",
-    "check_root",
     "check_version",
     "check_world_size",
     "is_full_dict",
 ]
 
 FULL_DICT_KEYS = ("state", "param_groups", "param_names")
-
-
-def check_root(fsdp: Any) -> None:
-    """Refuse anything but the root instance of a fairscale ``FullyShardedDataParallel`` (or a subclass)."""
-    from fairscale.nn import FullyShardedDataParallel
-
-    if not isinstance(fsdp, FullyShardedDataParallel):
-        raise TypeError(f"fsdp: expected a fairscale FullyShardedDataParallel root, found {type(fsdp).__name__}")
-    if fsdp._is_root is False:
-        raise ValueError("fsdp: expected the root FSDP instance, found a nested one; call this on the root")
 
 
 def _is_int(value: Any) -> bool:

@@ -25,48 +25,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
-from .fairseq import consolidate_shards, reshard_shards
-from .fairseq_format import OPTIM_KEY, is_shard_set
-from .fullstate import build_full_state, full_dict_source
-from .layout import ModelLayout, read_layout
-from .manifest import Manifest
-from .plan import Plan, assemble_full, cut_rank, plan
-from .preconditions import check_full_dict, check_world_size
-from .storage import (
+from fsdp_optim.core.plan import Plan, assemble_full, cut_rank, plan
+from fsdp_optim.core.preconditions import check_full_dict, check_world_size
+from fsdp_optim.disk.atomic import load_file, new_save_id
+from fsdp_optim.disk.untrusted import check_state_dict
+from fsdp_optim.formats.fairseq.files import OPTIM_KEY, is_shard_set
+from fsdp_optim.formats.fairseq.shards import consolidate_shards, reshard_shards
+from fsdp_optim.formats.fullstate import build_full_state, full_dict_source
+from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
     ShardedCheckpoint,
     checkpoint_dir,
-    load_file,
-    new_save_id,
-    read_manifest,
     source_kind,
-    write_all_or_nothing,
-    write_shard_file,
 )
-from .untrusted import check_state_dict
+from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file
+from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 
 __all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]
 
-LayoutLike = ModelLayout | Manifest | nn.Module | str | os.PathLike
 Progress = Callable[[], None] | None  # called once per FSDP unit done (the CLI draws a bar with it)
-
-
-def resolve_layout(layout: LayoutLike) -> ModelLayout:
-    """A :class:`ModelLayout` from a layout, a manifest, a fairscale-FSDP-wrapped root module, or a path
-    to a sharded checkpoint directory, its manifest, or a file written by ``save_layout``."""
-    if isinstance(layout, ModelLayout):
-        return layout
-    if isinstance(layout, Manifest):
-        return layout.layout(0)
-    if isinstance(layout, nn.Module):
-        return read_layout(layout)[0].at_rank(0)
-    if isinstance(layout, (str, os.PathLike)):
-        return read_manifest(layout).layout(0)
-    raise TypeError(
-        f"layout: expected a ModelLayout, Manifest, FSDP root module or path, found {type(layout).__name__}"
-    )
 
 
 def load_full_file(path: str | os.PathLike[str]) -> dict[str, Any]:

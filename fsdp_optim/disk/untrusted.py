@@ -38,37 +38,23 @@ from typing import Any
 
 import torch
 
+from fsdp_optim.core.dtypes import ALLOWED_DTYPES
+from fsdp_optim.core.limits import MAX_DEPTH, MAX_NODES, MAX_RECORDS
+
 __all__ = [
     "ALLOWED_DTYPES",
     "MAX_DEPTH",
     "MAX_NODES",
     "MAX_RECORDS",
-    "MAX_WORLD_SIZE",
     "check_state_dict",
     "check_stored_bytes",
     "check_tensor",
     "check_tree",
-    "check_world_size_bound",
     "describe_file",
     "escape",
     "load_untrusted",
     "open_regular",
 ]
-
-# Bounds. Real checkpoints stay far below them; each one caps what a crafted input can make us spend.
-MAX_DEPTH = 32  # containers nested in a loaded object (a full dict is 5 deep, a manifest 9)
-MAX_NODES = 1 << 22  # references a walk may visit, a shared object counted once per reference (~800k params)
-MAX_WORLD_SIZE = 1 << 16  # declared or requested world sizes (rank file names hold 5 digits: 99999 at most)
-MAX_RECORDS = 1 << 20  # zip records in one file (a rank file holds one per tensor)
-
-ALLOWED_DTYPES = frozenset(
-    {
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-        torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
-        torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.uint16, torch.uint32, torch.uint64, torch.bool,
-    }
-)  # fmt: skip
 
 
 def unreadable(where: Any, reason: str) -> ValueError:
@@ -376,14 +362,6 @@ def check_stored_bytes(where: str, declared: int, actual: int) -> None:
     if declared > actual:
         raise ValueError(
             f"{where}: the manifest declares {declared} bytes of state for it, but it has {actual} bytes"
-        )
-
-
-def check_world_size_bound(where: str, value: int) -> None:
-    """Refuse a declared or requested world size above :data:`MAX_WORLD_SIZE`."""
-    if value > MAX_WORLD_SIZE:
-        raise ValueError(
-            f"{where}: world size {value} is above the bound {MAX_WORLD_SIZE} (fsdp_optim.untrusted.MAX_WORLD_SIZE)"
         )
 
 

@@ -13,7 +13,8 @@ from typing import Any, Literal
 import torch
 from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 
-from . import _host, api
+from fsdp_optim.job import api
+from fsdp_optim.job import host as _host
 
 __all__ = ["FullyShardedDataParallel"]
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .sharded import commit_save, read_for_save, start_save
-from .transport import new_gloo_group
+from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
+from fsdp_optim.job.transport import new_gloo_group
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
 

@@ -1,0 +1,61 @@
+"""Content digests of nested values (tensors read without copying): what every checkpoint records and every reader checks."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from fsdp_optim.core.dtypes import dtype_to_str
+
+# Checksums guard against corruption, not forgery (a forger rewrites the stored digest too), so new
+# files use xxh3-128 (xxhash: ~12 GB/s on one core here, against ~1.7 GB/s for SHA-256); files written
+# with SHA-256 by earlier versions still verify. The prefix of a digest names its algorithm.
+DIGEST_ALGORITHM = "xxh3-128"
+
+
+
+_HASHES: dict[str, Callable[[], Any]] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+
+def digest(value: Any, algorithm: str = DIGEST_ALGORITHM) -> str:
+    """A content digest of a (nested) value: ``"xxh3-128:<hex>"``. Reads tensor bytes without copying them."""
+    h = _HASHES[algorithm]()
+    _feed(h, value)
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+
+def digest_matches(value: Any, expected: Any) -> bool:
+    """Whether ``expected`` (a stored digest, any supported algorithm) is the digest of ``value``."""
+    algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
+    return algorithm in _HASHES and digest(value, algorithm) == expected
+
+
+
+def _feed(h: Any, value: Any) -> None:
+    if torch.is_tensor(value):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        h.update(f"T{dtype_to_str(t.dtype)}{tuple(t.shape)}|".encode())
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            h.update(memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())))
+    elif isinstance(value, Mapping):
+        h.update(f"D{len(value)}|".encode())
+        for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):
+            _feed(h, key)
+            _feed(h, value[key])
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__}{len(value)}|".encode())
+        for item in value:
+            _feed(h, item)
+    else:
+        h.update(f"{type(value).__name__}:{value!r}|".encode())

@@ -1,0 +1,27 @@
+"""Bounds on what a caller or a file may declare (world sizes, nesting, records), checked before anything is allocated."""
+
+from __future__ import annotations
+
+# Bounds. Real checkpoints stay far below them; each one caps what a crafted input can make us spend.
+MAX_DEPTH = 32  # containers nested in a loaded object (a full dict is 5 deep, a manifest 9)
+
+
+
+MAX_NODES = 1 << 22  # references a walk may visit, a shared object counted once per reference (~800k params)
+
+
+
+MAX_WORLD_SIZE = 1 << 16  # declared or requested world sizes (rank file names hold 5 digits: 99999 at most)
+
+
+
+MAX_RECORDS = 1 << 20  # zip records in one file (a rank file holds one per tensor)
+
+
+
+def check_world_size_bound(where: str, value: int) -> None:
+    """Refuse a declared or requested world size above :data:`MAX_WORLD_SIZE`."""
+    if value > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"{where}: world size {value} is above the bound {MAX_WORLD_SIZE} (fsdp_optim.untrusted.MAX_WORLD_SIZE)"
+        )

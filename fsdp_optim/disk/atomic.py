@@ -1,0 +1,104 @@
+"""Atomic file writes (temporary file, fsync, rename, fsync the directory) and the one gated read of a torch file.
+
+Writes go to a hidden temporary file in the target directory, are flushed and ``fsync``-ed, then renamed over the final
+name, and the directory is ``fsync``-ed: a crash leaves either the old file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import IO, Any, cast
+
+import torch
+
+from fsdp_optim.disk.untrusted import load_untrusted
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex
+
+
+
+def fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str], *, tag: str | None = None) -> int:
+    """``torch.save(obj)`` to ``path`` through a temporary file, fsync and rename. Returns the file's size.
+
+    The temporary file is ``.<name>[.<tag>].tmp.<pid>.<random>`` beside ``path``, created exclusively
+    (never through an existing file or symlink); a writer that journals ``tag`` before writing lets the
+    next holder of its lock recognise the file if it is killed (:func:`begin_write`).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{f'.{tag}' if tag else ''}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    writer = None
+    try:
+        with open(tmp, "xb") as f:
+            writer = _RecordingWriter(f)
+            torch.save(obj, cast("IO[bytes]", writer))
+            f.flush()
+            os.fsync(f.fileno())
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        # torch.save's zip writer reports a failed write (disk full, file too large) as a bare
+        # RuntimeError about stream positions; surface the operating system's error and the file.
+        cause = exc if isinstance(exc, OSError) else (writer.error if writer is not None else None)
+        if cause is not None and isinstance(exc, (OSError, RuntimeError)):
+            raise OSError(cause.errno, f"{path}: cannot write the checkpoint file: {cause.strerror or cause}") from exc
+        raise
+    fsync_dir(path.parent)
+    return size
+
+
+
+class _RecordingWriter:
+    """A file object for ``torch.save`` that remembers the first ``OSError`` its writes raised."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+
+def load_file(path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.untrusted`.
+
+    Raises ``FileNotFoundError`` for nothing there, and ``ValueError`` naming the file for content that
+    cannot be read, for a file that is not a regular file (a FIFO, a directory; a symlink where ``follow_symlinks=False``),
+    exceeds a bound or holds what optimizer state does not (quantized, sparse, meta, complex tensors,
+    overlapping or zero-stride views, cycles, nesting).
+    """
+    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks)
+
+
+
+# atomic_save's temporary names: ".<final>.tmp.<pid>.<8 hex>", or with a tag ".<final>.<12 hex>.tmp.<pid>.<8 hex>".
+TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.tmp\.\d+\.[0-9a-f]{8}$")
+
+
+
+TAGGED_TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.(?P<tag>[0-9a-f]{12})\.tmp\.\d+\.[0-9a-f]{8}$")

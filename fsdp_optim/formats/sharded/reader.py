@@ -1,0 +1,305 @@
+"""Checkpoint files: atomic writes, ``weights_only`` reads with checks, and a memory-bounded shard reader.
+
+Never imports ``torch.distributed``. Every file is read with ``torch.load(..., weights_only=True)``.
+
+Writes go to a hidden temporary file in the target directory, are flushed and ``fsync``-ed, then renamed
+over the final name, and the directory is ``fsync``-ed: a crash leaves either the old file or the new
+one, never a torn one. A sharded checkpoint becomes visible only when its manifest is renamed into
+place, and rank files carry the save's id in their names, so saving into a directory that already
+holds a checkpoint never touches the files the old manifest points to until the new manifest exists.
+
+:class:`ShardedCheckpoint` reads rank files with ``mmap=True`` and hands out one unit at a time; the
+pages it has touched are released (the mappings dropped) whenever they exceed ``max_mapped_bytes``, so
+a consumer that copies what it needs keeps its resident memory near its own output plus that bound.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_optim.core.checksums import digest_matches
+from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
+from fsdp_optim.core.plan import Source
+from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.disk.untrusted import check_stored_bytes, check_tree
+from fsdp_optim.formats.sharded.manifest import (
+    MANIFEST_NAME,
+    FileRecord,
+    Manifest,
+    check_checksum,
+    manifest_source,
+    read_header,
+    unwrap,
+)
+
+__all__ = [
+    "DEFAULT_MAPPED_BYTES",
+    "ShardedCheckpoint",
+    "checkpoint_dir",
+    "is_sharded_checkpoint",
+    "load_file",
+    "read_manifest",
+    "source_kind",
+]
+
+DEFAULT_MAPPED_BYTES = 64 << 20
+
+
+def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    """The directory of a sharded checkpoint given the directory or its manifest file."""
+    path = Path(path)
+    return path.parent if path.is_file() else path
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read)."""
+    path = Path(path)
+    # lexists: a manifest.pt that is not a regular file is refused saying so when it is read.
+    return os.path.lexists(path / MANIFEST_NAME) if path.is_dir() else path.name == MANIFEST_NAME and path.is_file()
+
+
+def source_kind(path: str | os.PathLike[str]) -> str:
+    """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"``.
+
+    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory without a manifest.
+    """
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        return "sharded"
+    if path.is_dir():
+        raise ValueError(
+            f"{path}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} (no {MANIFEST_NAME}: "
+            "a save that never finished leaves none), and not a full dict file"
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory (there is no such checkpoint directory or file)")
+    return "file"
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file."""
+    path = Path(path)
+    file = path / MANIFEST_NAME if path.is_dir() else path
+    if not os.path.lexists(file):
+        if path.is_dir():
+            raise ValueError(
+                f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME}; a save that never finished leaves none)"
+            )
+        raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
+    obj = load_file(file)
+    read_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
+    check_tree(obj, str(file))
+    _, body = unwrap(obj, "manifest", source=str(file))
+    return Manifest.from_dict(body, source=str(file))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writers never destroy: lock, recover, refuse what is not ours, journal, commit
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if torch.is_tensor(value) else 0
+
+
+def _declared_bytes(manifest: Manifest) -> int:
+    """Bytes of sharded state the manifest says every rank file holds (one shard of each unit, padding
+    included; a unit over one rank whole): a file smaller than that was not written from this manifest."""
+    total = 0
+    for flat in manifest.flat_params:
+        shard_numel = -(-flat.numel // flat.world_size)
+        for e in flat.state:
+            if e.kind is StateKind.SHARDED:
+                total += shard_numel * dtype_from_str(e.dtype, where=e.key).itemsize  # type: ignore[arg-type]
+    return total
+
+
+class _RankFile:
+    """One rank file, mapped lazily; its header is checked against the manifest on first use."""
+
+    def __init__(self, directory: Path, record: FileRecord, manifest: Manifest) -> None:
+        self.path = directory / record.file
+        self.record = record
+        self.manifest = manifest
+        self.payload: Mapping[str, Any] | None = None
+        self.verified: set[int] = set()
+
+    def open(self, *, mmap: bool) -> Mapping[str, Any]:
+        if self.payload is None:
+            # A rank file's name comes from the manifest: it must be a regular file inside the directory.
+            payload = load_file(self.path, mmap=mmap, follow_symlinks=False)
+            self._check_header(payload)
+            # What the manifest's shapes make readers allocate is bounded by what the files really hold
+            # (and by what the manifest itself says they hold).
+            declared = _declared_bytes(self.manifest)
+            check_stored_bytes(str(self.path), declared, self.path.stat().st_size)
+            check_stored_bytes(f"{self.path} (as the manifest records it)", declared, self.record.nbytes)
+            self.payload = payload
+        return self.payload
+
+    def _check_header(self, payload: Any) -> None:
+        where = str(self.path)
+        head, checksum = read_header(payload, "shard", source=where, covered="unit_checksums", what="fsdp_optim rank file")
+        check_tree(payload, where)
+        if "state" not in payload:
+            raise ValueError(f"{where}: expected an fsdp_optim rank file, found keys {sorted(map(str, payload))}")
+        for key in ("state", "unit_checksums"):
+            if not isinstance(payload[key], Mapping):
+                raise ValueError(f"{where}: '{key}' is a {type(payload[key]).__name__}, expected a dict by flat parameter")
+        expected = {
+            "save_id": self.manifest.save_id,
+            "rank": self.record.rank,
+            "world_size": self.manifest.world_size,
+        }
+        for key, value in expected.items():
+            if head.get(key) != value:
+                raise ValueError(
+                    f"{where}: {key} is {head.get(key)!r}, expected {value!r} from the manifest (a file of another save?)"
+                )
+        if checksum != self.record.checksum:
+            raise ValueError(f"{where}: checksum {checksum} differs from the manifest's {self.record.checksum}")
+        check_checksum(head, checksum, payload["unit_checksums"], source=where)
+
+    def unit(self, flat_index: int, *, mmap: bool) -> tuple[Mapping[str, Any], int]:
+        """The verified entries of one flat parameter and the bytes they occupy."""
+        payload = self.open(mmap=mmap)
+        flat = self.manifest.flat_params[flat_index]
+        where = f"{self.path}, unit '{flat.unit or '<root>'}' (flat parameter {flat_index})"
+        entries = payload["state"].get(flat_index)
+        if entries is None or not isinstance(entries, Mapping):
+            raise ValueError(f"{where}: no state in the file, but the manifest lists keys {[e.key for e in flat.state]}")
+        if flat_index not in self.verified:
+            if not digest_matches(entries, payload["unit_checksums"].get(flat_index)):
+                raise ValueError(f"{where}: checksum mismatch (file is corrupt or was modified)")
+            shard_numel = flat.layout(self.record.rank).shard_numel
+            if set(entries) != {e.key for e in flat.state}:
+                raise ValueError(f"{where}: state keys {sorted(entries)}, expected {[e.key for e in flat.state]}")
+            for e in flat.state:
+                value = entries[e.key]
+                if e.kind is StateKind.SHARDED:
+                    dtype = dtype_from_str(e.dtype, where=where)  # type: ignore[arg-type]
+                    if not torch.is_tensor(value) or tuple(value.shape) != (shard_numel,) or value.dtype != dtype:
+                        found = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+                        raise ValueError(f"{where}: state '{e.key}' is {found}, expected ({shard_numel},) {dtype}")
+                elif not same_scalar(value, e.value):
+                    # Every reader must resume the same way: the manifest's value is what offline tools use.
+                    raise ValueError(
+                        f"{where}: scalar state '{e.key}' is {show_value(value)}, but the manifest records "
+                        f"{show_value(e.value)}"
+                    )
+            self.verified.add(flat_index)
+        return entries, sum(_nbytes(v) for v in entries.values())
+
+    def release(self) -> None:
+        self.payload = None
+
+
+class ShardedCheckpoint:
+    """A sharded checkpoint directory opened for reading: its verified manifest and lazy rank files.
+
+    Read one unit at a time with :meth:`unit` (or :meth:`copy_range`), copy what you keep, and call
+    :meth:`trim` between units: mapped pages are dropped once they exceed ``max_mapped_bytes``.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES, lazy: bool = False
+    ) -> None:
+        self.directory = checkpoint_dir(path)
+        self.manifest = read_manifest(path)
+        if not self.manifest.files:
+            raise ValueError(f"{path}: the manifest lists no rank files (a layout file, not a checkpoint)")
+        self.max_mapped_bytes = max_mapped_bytes
+        self._files = {f.rank: _RankFile(self.directory, f, self.manifest) for f in self.manifest.files}
+        self._mapped = 0
+        self.peak_mapped = 0
+        if not lazy:
+            self.open_all()
+
+    def open_all(self) -> None:
+        """Map every rank file and check its header and size against the manifest (no unit is read yet).
+
+        Done before anything is planned or allocated, unless ``lazy=True``: the manifest's shapes then
+        cannot make a reader allocate more than the rank files really hold. Only a reader that reads
+        nothing but its own rank's file (:meth:`load_rank`, a job at the saved layout) opens lazily.
+        """
+        for f in self._files.values():
+            f.open(mmap=True)
+
+    def source(self) -> Source:
+        """This checkpoint as a planning source (reads go through :meth:`copy_range`)."""
+        rank_reader = self.reader if any(f.per_rank for f in self.manifest.flat_params) else None
+        return manifest_source(self.manifest, str(self.directory), self.copy_range, self.load_rank, rank_reader)
+
+    def __enter__(self) -> ShardedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.release()
+        self._mapped = 0
+
+    def unit(self, rank: int, flat_index: int) -> Mapping[str, Any]:
+        """Rank ``rank``'s verified entries for flat parameter ``flat_index`` (file-backed: copy what you keep)."""
+        entries, nbytes = self._files[self._file_rank(rank, flat_index)].unit(flat_index, mmap=True)
+        self._mapped += nbytes
+        self.peak_mapped = max(self.peak_mapped, self._mapped)
+        return entries
+
+    def _file_rank(self, rank: int, flat_index: int) -> int:
+        # A unit that is not sharded is stored whole in every rank file; read rank 0's, unless every
+        # rank holds its own copy (per-rank units, MoE experts).
+        flat = self.manifest.flat_params[flat_index]
+        return rank if flat.world_size > 1 or flat.per_rank else 0
+
+    def load_rank(self, rank: int) -> dict[int, dict[str, Any]]:
+        """Every unit of one rank file, read into memory (not mapped) and verified."""
+        f = self._files[rank]
+        if f.payload is not None:  # mapped by open_all(): read the file again, into memory
+            f.release()
+            f.verified.clear()
+        try:
+            out = {}
+            for i, flat in enumerate(self.manifest.flat_params):
+                if flat.state:
+                    entries, _ = f.unit(i, mmap=False)
+                    out[i] = dict(entries)
+            return out
+        finally:
+            f.release()
+
+    def reader(self, rank: int) -> Callable[[int, str, int, int, torch.Tensor], None]:
+        """:meth:`copy_range`, except that per-rank units are read from rank ``rank``'s own file."""
+
+        def read(flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+            if self.manifest.flat_params[flat_index].per_rank:
+                out.copy_(self.unit(rank, flat_index)[key][start:stop])
+            else:
+                self.copy_range(flat_index, key, start, stop, out)
+
+        return read
+
+    def copy_range(self, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Copy elements ``[start, stop)`` of flat parameter ``flat_index``'s full state ``key`` into ``out``."""
+        flat = self.manifest.flat_params[flat_index]
+        for rank in range(flat.world_size):
+            bounds = flat.layout(rank).bounds()
+            lo, hi = max(start, bounds.start), min(stop, bounds.stop)
+            if lo < hi:
+                shard = self.unit(rank, flat_index)[key]
+                out[lo - start : hi - start].copy_(shard[lo - bounds.start : hi - bounds.start])
+
+    def trim(self) -> None:
+        """Drop the file mappings if the pages touched since the last drop exceed ``max_mapped_bytes``."""
+        if self._mapped > self.max_mapped_bytes:
+            self.close()
+
+    def files(self) -> Iterator[Path]:
+        return (self.directory / f.file for f in self.manifest.files)

@@ -1,0 +1,9 @@
+"""Offline work on checkpoints: no process group, no model, no fairscale.
+
+``open_source`` (``sources.py``) is the one place that decides what kind of input a path or dict is;
+``operations.py`` holds ``consolidate`` / ``reshard`` over the sources it returns.
+"""
+
+from fsdp_optim.offline.operations import consolidate, load_full_file, reshard, resolve_layout
+
+__all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]

@@ -1,0 +1,27 @@
+"""The public fairseq / metaseq entry points: the adapter of :mod:`fsdp_optim.formats.fairseq`, with what a
+caller may hand as ``param_order`` (a module, a checkpoint path) resolved to names first."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fsdp_optim.formats.fairseq import shards as _shards
+from fsdp_optim.formats.fairseq.shards import reshard_shards
+from fsdp_optim.offline.layouts import ParamOrder, param_names
+
+__all__ = ["ShardSet", "consolidate_shards", "reshard_shards"]
+
+
+class ShardSet(_shards.ShardSet):
+    __doc__ = _shards.ShardSet.__doc__
+
+    def __init__(self, path: str | os.PathLike[str], *, param_order: ParamOrder = None, **options: Any) -> None:
+        super().__init__(path, param_order=param_names(param_order), **options)
+
+
+def consolidate_shards(path: str | os.PathLike[str], *, param_order: ParamOrder = None, **options: Any) -> dict[str, Any]:
+    return _shards.consolidate_shards(path, param_order=param_names(param_order), **options)
+
+
+consolidate_shards.__doc__ = _shards.consolidate_shards.__doc__

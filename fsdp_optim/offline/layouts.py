@@ -1,0 +1,58 @@
+"""What a caller may hand as a layout or a parameter order, resolved to names: a ``ModelLayout``, a manifest, a
+fairscale-FSDP root (read through ``job.root``), a plain module, or a path to a checkpoint or layout file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from torch import nn
+
+from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.job.root import read_layout
+
+LayoutLike = ModelLayout | Manifest | nn.Module | str | os.PathLike
+
+
+
+def resolve_layout(layout: LayoutLike) -> ModelLayout:
+    """A :class:`ModelLayout` from a layout, a manifest, a fairscale-FSDP-wrapped root module, or a path
+    to a sharded checkpoint directory, its manifest, or a file written by ``save_layout``."""
+    if isinstance(layout, ModelLayout):
+        return layout
+    if isinstance(layout, Manifest):
+        return layout.layout(0)
+    if isinstance(layout, nn.Module):
+        return read_layout(layout)[0].at_rank(0)
+    if isinstance(layout, (str, os.PathLike)):
+        return read_manifest(layout).layout(0)
+    raise TypeError(
+        f"layout: expected a ModelLayout, Manifest, FSDP root module or path, found {type(layout).__name__}"
+    )
+
+
+ParamOrder = Sequence[str] | nn.Module | str | os.PathLike | None
+
+
+def param_names(given: ParamOrder) -> tuple[str, ...] | None:
+    """The unwrapped model's parameter names in ``named_parameters()`` order, from what a caller handed as
+    ``param_order``: ``None`` stays ``None`` (the files' own order), a fairscale-FSDP root is read through its
+    layout, a plain module by ``named_parameters()``, a path through :func:`resolve_layout`, names as given."""
+    if given is None:
+        return None
+    if isinstance(given, nn.Module):
+        from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
+
+        if isinstance(given, FairscaleFSDP):
+            return read_layout(given)[0].param_order
+        return tuple(n for n, _ in given.named_parameters())
+    if isinstance(given, (str, os.PathLike)):
+        return resolve_layout(given).param_order
+    if isinstance(given, Sequence) and all(isinstance(n, str) for n in given):
+        return tuple(given)
+    raise TypeError(
+        f"param_order: expected parameter names, a module or a checkpoint path, found {type(given).__name__}"
+    )
