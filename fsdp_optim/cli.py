@@ -262,7 +262,7 @@ def _from_native(native: Mapping[str, Any], args: argparse.Namespace, source: st
 
 
 def _consolidate(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.formats.sharded.writer import write_file
+    from fsdp_optim.disk.staged import write_file
     from fsdp_optim.offline.operations import consolidate
 
     if _is_shard_set(args.directory):
@@ -283,7 +283,7 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
 
 
 def _consolidate_shards(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.disk.atomic import atomic_save
+    from fsdp_optim.disk.staged import write_file
     from fsdp_optim.offline.fairseq import consolidate_shards
 
     with _progress("consolidate") as progress:
@@ -295,7 +295,7 @@ def _consolidate_shards(args: argparse.Namespace) -> list[str]:
             allow_globals=args.allow_global,
             progress=progress,
         )
-    size = atomic_save(out, args.output)
+    size = write_file(out, args.output, inputs=(args.directory, args.layout))
     full = out["last_optimizer_state"]
     model = f", model: {len(out['model'])} tensors" if "model" in out else ""
     return [
@@ -341,9 +341,9 @@ def _reshard(args: argparse.Namespace) -> list[str]:
 def _convert(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.core.preconditions import is_full_dict
     from fsdp_optim.disk.atomic import load_file
+    from fsdp_optim.disk.staged import write_file
     from fsdp_optim.formats.fairscale import is_fairscale_native, to_named
     from fsdp_optim.formats.sharded.reader import source_kind
-    from fsdp_optim.formats.sharded.writer import write_file
     from fsdp_optim.offline.operations import consolidate
 
     source = Path(args.source)

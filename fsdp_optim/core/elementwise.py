@@ -33,6 +33,7 @@ __all__ = [
     "TORCH_ELEMENTWISE",
     "NotElementwiseError",
     "check_elementwise",
+    "check_optimizer_name",
     "register_elementwise_optimizer",
     "state_keys",
 ]
@@ -93,3 +94,42 @@ def check_elementwise(optimizer: Any, *, where: str, keys: Iterable[str] = (), s
         f"unwrapped parameters, so fsdp_optim refuses it. If {name} is elementwise, declare it with "
         f"fsdp_optim.register_elementwise_optimizer({name})"
     )
+
+
+# The state keys each torch.optim optimizer can keep per parameter (any subset, depending on its options).
+TORCH_STATE_KEYS: dict[str, frozenset[str]] = {
+    "SGD": frozenset({"momentum_buffer"}),
+    "Adam": frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    "AdamW": frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    "Adamax": frozenset({"step", "exp_avg", "exp_inf"}),
+    "NAdam": frozenset({"step", "mu_product", "exp_avg", "exp_avg_sq"}),
+    "RAdam": frozenset({"step", "exp_avg", "exp_avg_sq"}),
+    "Adagrad": frozenset({"step", "sum"}),
+    "Adadelta": frozenset({"step", "square_avg", "acc_delta"}),
+    "RMSprop": frozenset({"step", "square_avg", "momentum_buffer", "grad_avg"}),
+    "ASGD": frozenset({"step", "eta", "mu", "ax"}),
+    "Rprop": frozenset({"step", "prev", "step_size"}),
+    "SparseAdam": frozenset({"step", "exp_avg", "exp_avg_sq"}),
+}
+
+
+def check_optimizer_name(name: str | None, keys: Iterable[str], *, where: str) -> None:
+    """Refuse a class name a caller gives for state it hands over (``--optimizer``): it must be one of
+    ``torch.optim``'s or a registered elementwise optimizer, and for ``torch.optim``'s the state ``keys`` found
+    must be ones that optimizer keeps (Adam's ``exp_avg`` labelled ``SGD`` would load and then fail)."""
+    if name is None:
+        return
+    if not isinstance(name, str) or not (name in TORCH_STATE_KEYS or name in _registered or name in SHAPE_DEPENDENT):
+        known = ", ".join(sorted(TORCH_STATE_KEYS))
+        raise ValueError(
+            f"{where}: {name!r} is not an optimizer fsdp_optim knows; expected a torch.optim class name ({known}) "
+            "or one declared with fsdp_optim.register_elementwise_optimizer"
+        )
+    check_elementwise(name, where=where, keys=keys)
+    expected = TORCH_STATE_KEYS.get(name)
+    found = {str(k) for k in keys}
+    if expected is not None and not found <= expected:
+        raise ValueError(
+            f"{where}: the state holds {sorted(found)}, but {name} keeps only {sorted(expected)}; "
+            f"{sorted(found - expected)} cannot be {name}'s (name the optimizer that wrote it)"
+        )

@@ -23,6 +23,8 @@ All-or-nothing: written into a staging directory beside ``out_dir`` and renamed 
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,9 +38,10 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.plan import Plan, Source, assemble_full, plan, restrict
+from fsdp_optim.disk.staged import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
 
-__all__ = ["model_dict", "optim_dict", "write_dcp"]
+__all__ = ["DCP_DIRECTORY", "METADATA", "model_dict", "optim_dict", "write_dcp"]
 
 Progress = Callable[[], None] | None
 
@@ -149,3 +152,29 @@ def write_dcp(state: Mapping[str, Any], producers: Mapping[int, Callable[[], tor
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dist_cp.save(dict(state), storage_writer=writer, planner=_LazyPlanner(producers), no_dist=True)
+
+
+class _DcpClaims:
+    """A DCP output directory (for :mod:`fsdp_optim.disk.staged`): it must be new or empty; its files are DCP's
+    (``.metadata`` written last is the commit point; ``__<rank>_<n>.distcp`` the data)."""
+
+    def survey(self, directory: Path) -> Survey:  # noqa: ARG002 - nothing in an existing directory is ours
+        return Survey(overwrite_means="write there anyway")
+
+    def created(self, entry: Mapping[str, Any]) -> set[str]:  # noqa: ARG002 - known only once DCP has written
+        return set()
+
+    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
+        return set()
+
+    def referenced(self, directory: Path) -> set[str]:
+        names = set(os.listdir(directory))
+        return names if METADATA in names else set()  # committed: keep everything; else what was moved in goes
+
+    def deletable(self, name: str) -> bool:
+        return _DCP_FILE.match(name) is not None
+
+
+METADATA = ".metadata"
+_DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
+DCP_DIRECTORY = _DcpClaims()

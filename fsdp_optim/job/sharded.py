@@ -22,10 +22,11 @@ from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import load_file, new_save_id
 from fsdp_optim.disk.locks import OutputLock
+from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.fairscale import dict_source
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest, wrap
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_file, write_manifest, write_shard_file
+from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
 from fsdp_optim.job.local import LocalState, check_agreement, check_optimizer, group_members, read_local_state
 from fsdp_optim.job.root import check_root, read_layout
 from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, gather_objects, scatter_objects

@@ -5,8 +5,6 @@ checkpoint through the writer of :mod:`fsdp_optim.formats.dcp`.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +14,12 @@ import torch
 
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Source
-from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.locks import lock_output
-from fsdp_optim.formats.dcp import Progress, model_dict, optim_dict, write_dcp
-from fsdp_optim.formats.fairseq.checks import ParamOrder
-from fsdp_optim.formats.fairseq.files import OPTIM_KEY, is_shard_set
-from fsdp_optim.formats.fairseq.shards import ShardSet
-from fsdp_optim.formats.fullstate import full_dict_source
-from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint, source_kind
-from fsdp_optim.offline.layouts import param_names
+from fsdp_optim.disk.staged import staged_output
+from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, write_dcp
+from fsdp_optim.formats.fairseq.files import OPTIM_KEY
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
+from fsdp_optim.offline.layouts import ParamOrder
+from fsdp_optim.offline.sources import Opened, open_source
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,11 @@ def to_dcp(
         raise ValueError(
             f"out_dir: {out} exists and is not an empty directory; DCP output needs a directory of its own"
         )
-    with _open(source, param_order, optimizer_keys, allow_globals, max_mapped_bytes) as export:
+    with open_source(
+        source, layout=param_order, optimizer_keys=optimizer_keys, allow_globals=allow_globals,
+        max_mapped_bytes=max_mapped_bytes,
+    ) as opened:
+        export = _export(opened)
         producers: dict[int, Callable[[], torch.Tensor]] = {}
         optim = optim_dict(export.source, export.order, producers, export.trim, progress)
         state: dict[str, Any] = {}
@@ -89,21 +88,17 @@ def to_dcp(
         if export.extras:
             state[f"{optim_key}_extra"] = dict(export.extras)
         out.parent.mkdir(parents=True, exist_ok=True)
-        with lock_output(out, purpose="fsdp_optim.to_dcp"):
-            if out.exists() and any(out.iterdir()):  # filled meanwhile, before we held the lock
-                raise ValueError(f"out_dir: {out} is no longer empty; DCP needs a directory of its own")
-            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.dcp-", dir=out.parent))
-            try:
-                write_dcp(state, producers, staging)
-                os.replace(staging, out)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+        with staged_output(out, DCP_DIRECTORY, purpose="fsdp_optim.to_dcp", inputs=(source,)) as stage:
+            stage.last = (METADATA,)
+            write_dcp(state, producers, stage.dir)
     return DcpExport(out, len(model or {}), len(optim["state"]), tuple(export.extras), export.not_exported)
 
 
 
 @dataclass
 class _Export:
+    """What DCP export needs of an opened source: the optimizer state, and a shard set's weights and extras."""
+
     source: Source
     order: Sequence[str]
     trim: Callable[[], None]
@@ -112,55 +107,23 @@ class _Export:
     buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
     extras: Mapping[str, Any] = field(default_factory=dict)
     not_exported: tuple[str, ...] = ()
-    close: Callable[[], None] | None = None
-
-    def __enter__(self) -> _Export:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.close is not None:
-            self.close()
 
 
-
-def _open(
-    source: str | os.PathLike[str] | Mapping[str, Any],
-    param_order: ParamOrder,
-    optimizer_keys: Sequence[Sequence[str]] | None,
-    allow_globals: Sequence[str],
-    max_mapped_bytes: int,
-) -> _Export:
-    if isinstance(source, Mapping):
-        return _full(source, "the full dict")
-    if is_shard_set(source):
-        shards = ShardSet(
-            source,
-            param_order=param_names(param_order),
-            optimizer_keys=optimizer_keys,
-            allow_globals=allow_globals,
-            max_mapped_bytes=max_mapped_bytes,
-        )
-        rank0 = shards.rank0()
-        aliases = {**shards.aliases, **{alias: shards.full_name(key) for alias, key in shards.model_aliases.items()}}
-        return _Export(
-            source=shards.source(),
-            order=shards.manifest.param_order,
-            trim=shards.trim,
-            weights=shards.weights_source(),
-            aliases=aliases,
-            buffers={name: rank0["model"][name].clone() for name in shards.buffers},
-            extras={key: clone_value(rank0[OPTIM_KEY][key]) for key in shards.extras},
-            not_exported=tuple(k for k in rank0 if k not in ("model", OPTIM_KEY)),
-            close=shards.close,
-        )
-    if source_kind(source) == "sharded":
-        ckpt = ShardedCheckpoint(source, max_mapped_bytes=max_mapped_bytes)
-        return _Export(ckpt.source(), ckpt.manifest.param_order, ckpt.trim, close=ckpt.close)
-    return _full(load_file(source, mmap=True), str(source))
-
-
-
-def _full(full: Mapping[str, Any], label: str) -> _Export:
-    the_source = full_dict_source(full, label=label)
-    order = [f.params[0].name for f in the_source.flats]
-    return _Export(the_source, order, lambda: None)
+def _export(opened: Opened) -> _Export:
+    if opened.source is None:
+        raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to export")
+    shards = opened.shards
+    if shards is None:
+        return _Export(opened.source, opened.order, opened.trim)
+    rank0 = shards.rank0()
+    aliases = {**shards.aliases, **{alias: shards.full_name(key) for alias, key in shards.model_aliases.items()}}
+    return _Export(
+        source=opened.source,
+        order=opened.order,
+        trim=opened.trim,
+        weights=shards.weights_source(),
+        aliases=aliases,
+        buffers={name: rank0["model"][name].clone() for name in shards.buffers},
+        extras={key: clone_value(rank0[OPTIM_KEY][key]) for key in shards.extras},
+        not_exported=tuple(k for k in rank0 if k not in ("model", OPTIM_KEY)),
+    )

@@ -34,25 +34,27 @@ def resolve_layout(layout: LayoutLike) -> ModelLayout:
     )
 
 
-ParamOrder = Sequence[str] | nn.Module | str | os.PathLike | None
+ParamOrder = Sequence[str] | LayoutLike | None
 
 
 def param_names(given: ParamOrder) -> tuple[str, ...] | None:
     """The unwrapped model's parameter names in ``named_parameters()`` order, from what a caller handed as
-    ``param_order``: ``None`` stays ``None`` (the files' own order), a fairscale-FSDP root is read through its
-    layout, a plain module by ``named_parameters()``, a path through :func:`resolve_layout`, names as given."""
+    ``param_order``: ``None`` stays ``None`` (the files' own order), names stay as given, a plain (unwrapped)
+    module gives ``named_parameters()``, anything :func:`resolve_layout` takes gives its layout's order."""
     if given is None:
         return None
-    if isinstance(given, nn.Module):
-        from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
-
-        if isinstance(given, FairscaleFSDP):
-            return read_layout(given)[0].param_order
+    if isinstance(given, nn.Module) and not _is_fsdp(given):
         return tuple(n for n, _ in given.named_parameters())
-    if isinstance(given, (str, os.PathLike)):
+    if isinstance(given, (ModelLayout, Manifest, nn.Module, str, os.PathLike)):
         return resolve_layout(given).param_order
     if isinstance(given, Sequence) and all(isinstance(n, str) for n in given):
         return tuple(given)
     raise TypeError(
         f"param_order: expected parameter names, a module or a checkpoint path, found {type(given).__name__}"
     )
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from fairscale.nn import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)

@@ -20,27 +20,25 @@ output shard plus that bound.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.core.plan import Plan, assemble_full, cut_rank, plan
+from fsdp_optim.core.plan import Plan, Source, assemble_full, cut_rank, plan
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.disk.atomic import load_file, new_save_id
 from fsdp_optim.disk.untrusted import check_state_dict
-from fsdp_optim.formats.fairseq.files import OPTIM_KEY, is_shard_set
-from fsdp_optim.formats.fairseq.shards import consolidate_shards, reshard_shards
-from fsdp_optim.formats.fullstate import build_full_state, full_dict_source
+from fsdp_optim.formats.fairseq.files import OPTIM_KEY
+from fsdp_optim.formats.fairseq.shards import consolidate_set, reshard_set
+from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
-    ShardedCheckpoint,
-    checkpoint_dir,
-    source_kind,
 )
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
+from fsdp_optim.offline.sources import NEEDS_LAYOUT, Kind, Opened, open_source
 
 __all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]
 
@@ -56,7 +54,13 @@ def load_full_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def consolidate(
-    path: str | os.PathLike[str], *, progress: Progress = None, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES
+    path: str | os.PathLike[str],
+    *,
+    layout: LayoutLike | None = None,
+    optimizer: str | None = None,
+    allow_globals: Sequence[str] = (),
+    progress: Progress = None,
+    max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
 ) -> dict[str, Any]:
     """The full dict of a sharded checkpoint, without a process group or the model.
 
@@ -67,17 +71,33 @@ def consolidate(
 
     A fairseq/metaseq shard set gives its optimizer's full dict (the wrapper's extras, such as
     ``loss_scale``, kept as keys of it); :func:`fsdp_optim.fairseq.consolidate_shards` gives the rest too.
+    A fairscale-native dict file is converted (``layout`` required, see :func:`fsdp_optim.from_fairscale`).
+    ``layout``, ``optimizer`` and ``allow_globals`` apply as :mod:`fsdp_optim.offline.sources` says.
     """
-    if is_shard_set(path):
-        return consolidate_shards(path, progress=progress, max_mapped_bytes=max_mapped_bytes)[OPTIM_KEY]
-    with ShardedCheckpoint(path, max_mapped_bytes=max_mapped_bytes) as ckpt:
-        layout = ckpt.manifest.layout(0)
-        the_plan = plan(ckpt.source(), layout)
-        after_unit = _then(ckpt.trim, progress)
-        flat_states = assemble_full(the_plan, after_unit=after_unit)
-        per_rank = None
-        if layout.per_rank_units():  # MoE experts: every rank's own copy, from its own file
-            per_rank = {r: assemble_full(the_plan, after_unit=after_unit, per_rank=r) for r in range(layout.world_size)}
+    with open_source(
+        path, layout=layout, optimizer=optimizer, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
+    ) as opened:
+        return full_state(opened, progress=progress)
+
+
+def full_state(opened: Opened, *, progress: Progress = None, with_model: bool = False) -> dict[str, Any]:
+    """The full dict of an opened source (a shard set's with its extras; ``with_model``: the fairseq checkpoint)."""
+    if opened.shards is not None:
+        out = consolidate_set(opened.shards, with_model=with_model, progress=progress)
+        return out if with_model else out[OPTIM_KEY]
+    if opened.kind is Kind.FULL:
+        raise ValueError(f"{opened.label}: already a full dict (the output of gather_full_optim_state_dict)")
+    if opened.kind is Kind.NATIVE and opened.full is not None:
+        return dict(opened.full)
+    if opened.checkpoint is None or opened.source is None or opened.layout is None:
+        raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to consolidate")
+    layout, ckpt = opened.layout, opened.checkpoint
+    the_plan = plan(opened.source, layout)
+    after_unit = _then(ckpt.trim, progress)
+    flat_states = assemble_full(the_plan, after_unit=after_unit)
+    per_rank = None
+    if layout.per_rank_units():  # MoE experts: every rank's own copy, from its own file
+        per_rank = {r: assemble_full(the_plan, after_unit=after_unit, per_rank=r) for r in range(layout.world_size)}
     return build_full_state(layout, the_plan.groups, flat_states, optimizer=ckpt.manifest.optimizer, per_rank=per_rank)
 
 
@@ -98,6 +118,8 @@ def reshard(
     out_dir: str | os.PathLike[str],
     *,
     layout: LayoutLike | None = None,
+    optimizer: str | None = None,
+    allow_globals: Sequence[str] = (),
     progress: Progress = None,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
     overwrite: bool = False,
@@ -124,68 +146,57 @@ def reshard(
     """
     check_world_size("world_size", world_size)
     out = Path(out_dir)
-    if not isinstance(source, Mapping) and is_shard_set(source):
-        if layout is not None:
-            raise ValueError("layout: a fairseq/metaseq shard set carries its own layout (its metadata)")
-        reshard_shards(
-            source, world_size, out, overwrite=overwrite, progress=progress, max_mapped_bytes=max_mapped_bytes
-        )
-        return out
-    if not isinstance(source, Mapping) and source_kind(source) == "sharded":
-        if layout is not None:
-            raise ValueError("layout: a sharded source carries its own layout; pass layout only with a full dict")
-        return _reshard_sharded(source, world_size, out, progress, max_mapped_bytes, overwrite)
-    if layout is None:
-        raise ValueError(
-            f"layout: resharding a full dict ({source if not isinstance(source, Mapping) else 'dict'}) needs the "
-            "model's layout: a sharded checkpoint or layout file of the same model, or the FSDP model"
-        )
-    return _reshard_full(source, world_size, out, layout, progress, overwrite)
+    with open_source(
+        source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,
+        max_mapped_bytes=max_mapped_bytes,
+    ) as opened:
+        if opened.shards is not None:
+            reshard_set(opened.shards, world_size, out, overwrite=overwrite, progress=progress)
+            return out
+        if opened.checkpoint is not None:
+            return _reshard_sharded(opened, source, world_size, out, progress, overwrite)
+        if opened.kind is Kind.NATIVE:
+            layout = opened.layout
+        if layout is None or opened.source is None:
+            raise ValueError(
+                f"layout: resharding a {opened.kind.value} ({opened.label}) needs the model's layout: {NEEDS_LAYOUT}"
+            )
+        return _reshard_full(opened.source, source, world_size, out, layout, progress, overwrite)
 
 
 def _reshard_sharded(
-    source: str | os.PathLike[str],
-    world_size: int,
-    out: Path,
-    progress: Progress,
-    max_mapped_bytes: int,
-    overwrite: bool,
+    opened: Opened, given: Any, world_size: int, out: Path, progress: Progress, overwrite: bool
 ) -> Path:
     """A sharded checkpoint re-cut for ``world_size`` ranks: one plan, then one rank file at a time."""
-    if out.exists() and out.resolve() == checkpoint_dir(source).resolve():
+    ckpt = opened.checkpoint
+    if ckpt is None or opened.source is None:
+        raise ValueError(f"{opened.label}: expected a sharded checkpoint, found a {opened.kind.value}")
+    if out.exists() and out.resolve() == ckpt.directory.resolve():
         raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
-    with ShardedCheckpoint(source, max_mapped_bytes=max_mapped_bytes) as ckpt:
-        target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
-        the_plan = plan(ckpt.source(), target.layout(0))
-        return write_all_or_nothing(
-            out,
-            lambda staging: _write_ranks(the_plan, target, staging, _then(ckpt.trim, progress)),
-            save_id=target.save_id,
-            world_size=world_size,
-            inputs=(source,),
-            overwrite=overwrite,
-        )
+    target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
+    the_plan = plan(opened.source, target.layout(0))
+    return write_all_or_nothing(
+        out,
+        lambda staging: _write_ranks(the_plan, target, staging, _then(ckpt.trim, progress)),
+        save_id=target.save_id,
+        world_size=world_size,
+        inputs=(given,),
+        overwrite=overwrite,
+    )
 
 
 def _reshard_full(
-    source: str | os.PathLike[str] | Mapping[str, Any],
-    world_size: int,
-    out: Path,
-    layout: LayoutLike,
-    progress: Progress,
-    overwrite: bool,
+    source: Source, given: Any, world_size: int, out: Path, layout: LayoutLike, progress: Progress, overwrite: bool
 ) -> Path:
     """A full dict (in memory or a file) cut for ``world_size`` ranks of ``layout``: one plan, then one rank at a time."""
-    label = "the full dict" if isinstance(source, Mapping) else str(source)
-    full = source if isinstance(source, Mapping) else load_full_file(source)
     target = Manifest.from_layout(resolve_layout(layout), save_id=new_save_id()).with_world_size(world_size)
-    the_plan = plan(full_dict_source(full, label=label), target.layout(0))
+    the_plan = plan(source, target.layout(0))
     return write_all_or_nothing(
         out,
         lambda staging: _write_ranks(the_plan, target, staging, progress),
         save_id=target.save_id,
         world_size=world_size,
-        inputs=(source, layout),
+        inputs=(given, layout),
         overwrite=overwrite,
     )
 

@@ -54,6 +54,8 @@ import torch
 
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.layout import ParamSpec, clean_path
+from fsdp_optim.core.limits import MAX_WORLD_SIZE
+from fsdp_optim.disk.staged import Survey
 
 __all__ = [
     "DATA_ONLY_GLOBALS",
@@ -95,6 +97,38 @@ def shard_siblings(prefix: Path) -> dict[int, list[Path]]:
             if match and match["prefix"] == prefix.name and entry.is_file():
                 found.setdefault(int(match["rank"]), []).append(entry)
     return found
+
+
+@dataclass(frozen=True)
+class SetClaims:
+    """What an output directory of a shard set named ``name`` owns (for :mod:`fsdp_optim.disk.staged`): its
+    ``{name}-shard<r>.pt`` files. Other files (a fairseq checkpoint directory holds many) are never foreign, and
+    never touched; an existing set of the same name is replaced only with ``overwrite``."""
+
+    name: str
+
+    def survey(self, directory: Path) -> Survey:
+        existing = shard_siblings(directory / self.name)
+        names = frozenset(p.name for files in existing.values() for p in files)
+        problem = f"already holds {self.name}-shard<r>.pt files (ranks {sorted(existing)})" if existing else None
+        return Survey(replaces=names, known=frozenset(os.listdir(directory)), problem=problem, overwrite_means="replace them")
+
+    def created(self, entry: Mapping[str, Any]) -> set[str]:
+        world_size = entry.get("world_size")
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or not 0 < world_size <= MAX_WORLD_SIZE:
+            return set()
+        return {f"{self.name}-shard{r}.pt" for r in range(world_size)}
+
+    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
+        return set()
+
+    def referenced(self, directory: Path) -> set[str]:
+        # No manifest says which set is current: whatever is there is kept, so a recovery never deletes a set.
+        return set(os.listdir(directory))
+
+    def deletable(self, name: str) -> bool:
+        match = _SHARD_FILE.match(name)
+        return match is not None and match["prefix"] == self.name
 
 
 def is_shard_set(path: str | os.PathLike[str]) -> bool:

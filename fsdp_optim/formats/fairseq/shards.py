@@ -22,8 +22,6 @@ import copy
 import ctypes
 import ctypes.util
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -37,8 +35,8 @@ from fsdp_optim.core.layout import clean_path
 from fsdp_optim.core.plan import Plan, Source, assemble_full, cut_rank, plan, restrict
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
-from fsdp_optim.disk.atomic import fsync_dir
-from fsdp_optim.disk.locks import ForeignOutputError, lock_output, resolve_output
+from fsdp_optim.disk.locks import resolve_output
+from fsdp_optim.disk.staged import staged_output
 from fsdp_optim.disk.stream_save import Pending, stream_save
 from fsdp_optim.formats.fairseq.checks import (
     ParamOrder,
@@ -52,10 +50,10 @@ from fsdp_optim.formats.fairseq.checks import (
 from fsdp_optim.formats.fairseq.files import (
     METADATA_KEYS,
     OPTIM_KEY,
+    SetClaims,
     is_shard_set,
     load_shard,
     shard_paths,
-    shard_siblings,
     summarise,
 )
 from fsdp_optim.formats.fullstate import build_full_state
@@ -284,26 +282,31 @@ def consolidate_shards(
         optimizer=optimizer,
         max_mapped_bytes=max_mapped_bytes,
     ) as shards:
-        layout = shards.manifest.layout(0)
-        the_plan = plan(shards.source(), layout)
-        states = {}
-        for t in the_plan.flats:
-            states.update(assemble_full(restrict(the_plan, t)))
-            shards.trim()
-            if progress is not None:
-                progress()
-        full = build_full_state(layout, the_plan.groups, states, optimizer=optimizer)
-        rank0 = shards.rank0()
-        full.update({k: copy.deepcopy(rank0[OPTIM_KEY][k]) for k in shards.extras})
-        out: dict[str, Any] = {}
-        for key, value in rank0.items():
-            if key == OPTIM_KEY:
-                out[key] = full
-            elif key == "model":
-                if with_model:
-                    out[key] = shards.full_weights(rank0, progress=progress)
-            elif key != shards.metadata_key:
-                out[key] = copy.deepcopy(value)
+        return consolidate_set(shards, with_model=with_model, progress=progress)
+
+
+def consolidate_set(shards: ShardSet, *, with_model: bool, progress: Progress = None) -> dict[str, Any]:
+    """:func:`consolidate_shards` of a set already open (its optimizer name and order are the set's)."""
+    layout = shards.manifest.layout(0)
+    the_plan = plan(shards.source(), layout)
+    states = {}
+    for t in the_plan.flats:
+        states.update(assemble_full(restrict(the_plan, t)))
+        shards.trim()
+        if progress is not None:
+            progress()
+    full = build_full_state(layout, the_plan.groups, states, optimizer=shards.manifest.optimizer)
+    rank0 = shards.rank0()
+    full.update({k: copy.deepcopy(rank0[OPTIM_KEY][k]) for k in shards.extras})
+    out: dict[str, Any] = {}
+    for key, value in rank0.items():
+        if key == OPTIM_KEY:
+            out[key] = full
+        elif key == "model":
+            if with_model:
+                out[key] = shards.full_weights(rank0, progress=progress)
+        elif key != shards.metadata_key:
+            out[key] = copy.deepcopy(value)
     return out
 
 
@@ -335,53 +338,35 @@ def reshard_shards(
     complete. Memory: one unit's shard and the mapping bound.
     """
     check_world_size("world_size", world_size)
-    out = Path(out_dir)
     with ShardSet(
         path, optimizer_keys=optimizer_keys, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as shards:
-        name = shards.prefix.name
-        if resolve_output(out) == resolve_output(shards.prefix.parent):
-            raise ValueError(f"out_dir: {out} holds the source shards; write to another directory")
-        target = shards.manifest.with_world_size(world_size)
-        weights = shards.weights.with_world_size(world_size)
-        opt_plan = plan(shards.source(), target.layout(0))
-        w_plan = plan(shards.weights_source(), weights.layout(0))
-        rank0 = shards.rank0()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with lock_output(out, purpose=f"fsdp_optim.fairseq.reshard_shards -> {world_size} ranks"):
-            existing = shard_siblings(out / name)
-            if existing and not overwrite:
-                raise ForeignOutputError(
-                    f"{out}: already holds {name}-shard<r>.pt files (ranks {sorted(existing)}); pass overwrite=True "
-                    "(CLI: --overwrite) to replace them"
-                )
-            write = lambda rank, file: stream_save(  # noqa: E731 - one rank's file, streamed
-                _rank_file(shards, rank0, rank, opt_plan, w_plan, progress), file, after_tensor=shards.trim
-            )
-            return _write_set(out, name, world_size, existing, write)
+        return reshard_set(shards, world_size, Path(out_dir), overwrite=overwrite, progress=progress)
 
 
-def _write_set(
-    out: Path, name: str, world_size: int, existing: Mapping[int, Sequence[Path]], write: Callable[[int, Path], Any]
+def reshard_set(
+    shards: ShardSet, world_size: int, out: Path, *, overwrite: bool = False, progress: Progress = None
 ) -> list[Path]:
-    """Write every rank's file into a staging directory beside ``out``, then move them in (all or nothing)
-    and remove the replaced set's files of ranks beyond ``world_size``."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.reshard-", dir=out.parent))
-    try:
+    """:func:`reshard_shards` of a set already open."""
+    check_world_size("world_size", world_size)
+    name = shards.prefix.name
+    if resolve_output(out) == resolve_output(shards.prefix.parent):
+        raise ValueError(f"out_dir: {out} holds the source shards; write to another directory")
+    target = shards.manifest.with_world_size(world_size)
+    weights = shards.weights.with_world_size(world_size)
+    opt_plan = plan(shards.source(), target.layout(0))
+    w_plan = plan(shards.weights_source(), weights.layout(0))
+    rank0 = shards.rank0()
+    purpose = f"fsdp_optim.fairseq.reshard_shards -> {world_size} ranks"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with staged_output(out, SetClaims(name), purpose=purpose, overwrite=overwrite, entry={"world_size": world_size}) as stage:
         for rank in range(world_size):
-            write(rank, staging / f"{name}-shard{rank}.pt")
-        out.mkdir(exist_ok=True)
-        written = [out / f"{name}-shard{rank}.pt" for rank in range(world_size)]
-        for file in written:
-            os.replace(staging / file.name, file)
-        for rank, files in existing.items():
-            if rank >= world_size:  # a shard of the replaced set: left, it would make a mixed set
-                for file in files:
-                    file.unlink(missing_ok=True)
-        fsync_dir(out)
-        return written
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            stream_save(
+                _rank_file(shards, rank0, rank, opt_plan, w_plan, progress),
+                stage.dir / f"{name}-shard{rank}.pt",
+                after_tensor=shards.trim,
+            )
+    return [out / f"{name}-shard{rank}.pt" for rank in range(world_size)]
 
 
 def _rank_file(

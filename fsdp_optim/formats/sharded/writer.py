@@ -1,21 +1,26 @@
-"""Writing a sharded checkpoint: rank files, the manifest last, and the rules every writer follows (lock, recover,
-refuse what is not ours, journal, commit). Writers never destroy: only what a manifest or a journal recorded is deleted.
+"""Writing our sharded checkpoint: rank files, then the manifest last (the commit point), through the one way
+out (:mod:`fsdp_optim.disk.staged`). :data:`CHECKPOINT` tells that writer what a checkpoint directory owns:
+
+    ckpt/manifest.pt                               # ours when it reads as our manifest
+    ckpt/optim-<save id 12 hex>-rank00000-of-00002.pt   # ours when that manifest lists it
+    ckpt/anything else                             # foreign: refused without overwrite, never deleted
+
+A write is journaled as ``{"save_id": 32 hex, "world_size": W, "replaces": [...], "staging": name}``: from the
+save id and world size the next writer knows, by name, every file a killed write can have left.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
-from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, new_save_id
-from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
-from fsdp_optim.disk.untrusted import describe_file, escape
+from fsdp_optim.disk.atomic import atomic_save, new_save_id
+from fsdp_optim.disk.locks import OutputLock
+from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
 from fsdp_optim.formats.sharded.manifest import (
     MANIFEST_NAME,
     FileRecord,
@@ -26,12 +31,64 @@ from fsdp_optim.formats.sharded.manifest import (
 )
 from fsdp_optim.formats.sharded.reader import read_manifest
 
+__all__ = [
+    "CHECKPOINT",
+    "begin_write",
+    "end_write",
+    "write_all_or_nothing",
+    "write_manifest",
+    "write_shard_file",
+]
+
 _SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.pt$")
-
-
-
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 
+
+class _CheckpointClaims:
+    """What a sharded checkpoint directory owns (see the module docstring)."""
+
+    def survey(self, directory: Path) -> Survey:
+        if MANIFEST_NAME not in os.listdir(directory):
+            return Survey()
+        try:
+            files = frozenset(f.file for f in read_manifest(directory).files)
+        except (ValueError, OSError) as exc:
+            return Survey(known=frozenset({MANIFEST_NAME}), problem=f"its {MANIFEST_NAME} is not an fsdp_optim manifest ({exc})")
+        return Survey(replaces=files, known=files | {MANIFEST_NAME})
+
+    def created(self, entry: Mapping[str, Any]) -> set[str]:
+        save_id, world_size = _journaled(entry)
+        if save_id is None or world_size is None:
+            return set()
+        return {shard_file_name(save_id, r, world_size) for r in range(world_size)}
+
+    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:
+        save_id, _ = _journaled(entry)
+        return set() if save_id is None else {(MANIFEST_NAME, save_id[:12])}
+
+    def referenced(self, directory: Path) -> set[str] | None:
+        if not os.path.lexists(directory / MANIFEST_NAME):
+            return set()
+        try:
+            return {MANIFEST_NAME} | {f.file for f in read_manifest(directory).files}
+        except (ValueError, OSError):
+            return None
+
+    def deletable(self, name: str) -> bool:
+        return _SHARD_FILE.match(name) is not None
+
+
+CHECKPOINT = _CheckpointClaims()
+
+
+def _journaled(entry: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """The save id and world size a journal entry announces, if both are well formed (a journal is a file)."""
+    sid, world_size = entry.get("save_id"), entry.get("world_size")
+    if not (isinstance(sid, str) and _SAVE_ID.match(sid)):
+        return None, None
+    if not (isinstance(world_size, int) and not isinstance(world_size, bool) and 0 < world_size <= MAX_WORLD_SIZE):
+        return None, None
+    return sid, world_size
 
 
 def write_shard_file(
@@ -44,55 +101,13 @@ def write_shard_file(
     return FileRecord(rank, name, checksum, size)
 
 
-
 def write_manifest(directory: Path, manifest: Manifest, *, replaces: Iterable[str] = ()) -> Path:
     """Commit a checkpoint: write its manifest atomically (last), then remove the rank files of the
     checkpoint it replaces (``replaces``: the previous manifest's files, from :func:`begin_write`)."""
     path = directory / MANIFEST_NAME
     atomic_save(wrap("manifest", manifest.to_dict()), path, tag=manifest.save_id[:12])
-    remove_stale_files(directory, replaces, keep={f.file for f in manifest.files})
+    remove_recorded(directory, replaces, CHECKPOINT, keep={f.file for f in manifest.files})
     return path
-
-
-
-def remove_stale_files(directory: Path, names: Iterable[str], *, keep: set[str]) -> list[str]:
-    """Delete ``names`` but ``keep`` from ``directory``: only rank-file names, only files (never a
-    directory), never followed. ``names`` come from a manifest of ours or our lock's journal: a file
-    this package did not record is never deleted, whatever its name."""
-    removed = []
-    for name in sorted(set(names) - keep):
-        target = directory / name
-        if _SHARD_FILE.match(name) and (target.is_symlink() or target.is_file()):
-            target.unlink(missing_ok=True)
-            removed.append(name)
-    return removed
-
-
-
-def check_not_input(output: str | os.PathLike[str], inputs: Iterable[Any], *, name: str = "out_dir") -> None:
-    """Refuse an output that resolves (real path, or the same inode) to one of ``inputs``: a file, a
-    checkpoint directory (or its manifest) and every file in that directory."""
-    real = resolve_output(output)
-    for given in inputs:
-        if given is None or isinstance(given, Mapping) or not isinstance(given, (str, os.PathLike)):
-            continue
-        path = Path(given)
-        candidates = [path]
-        directory = path if path.is_dir() else path.parent if path.name == MANIFEST_NAME else None
-        if directory is not None:
-            candidates += [directory, *directory.iterdir()]
-        for candidate in candidates:
-            if resolve_output(candidate) == real or _same_inode(candidate, real):
-                raise ValueError(f"{name}: {output} is {candidate}, one of the inputs; write to another path")
-
-
-
-def _same_inode(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
 
 
 def begin_write(
@@ -103,146 +118,16 @@ def begin_write(
     purpose: str,
     inputs: Iterable[Any] = (),
     overwrite: bool = False,
-    staging: str | None = None,
 ) -> OutputLock:
-    """What a writer of a checkpoint directory does before it writes anything; returns the held lock.
-
-    1. Refuse ``out`` if it is one of ``inputs`` (:func:`check_not_input`).
-    2. Take ``out``'s lock (:func:`fsdp_optim.locks.lock_output`; a second writer gets ``OutputLockedError``).
-    3. Remove what a killed writer of ``out`` left, exactly as its journal announced it (:func:`recover`).
-    4. Refuse a directory holding anything but ours (:func:`owned_files`) unless ``overwrite``.
-    5. Journal this write: its save id and world size (so its rank files and temporary files are known
-       by name), the rank files its commit will replace, its staging directory (beside ``out``).
-
-    Finish with :func:`end_write`, which removes this write's files if it failed.
-    """
-    check_not_input(out, inputs)
-    lock = lock_output(out, purpose=purpose)
-    try:
-        if lock.previous:
-            recover(lock.output, lock.previous)
-            lock.forget()
-        replaces = owned_files(lock.output, overwrite=overwrite)
-        lock.journal(
-            {"save_id": save_id, "world_size": world_size, "replaces": sorted(replaces), "staging": staging}
-        )
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
+    """Open ``out`` for a save written in place by every rank of a job (:func:`fsdp_optim.disk.staged.open_output`
+    with this format's claims); finish with :func:`end_write`."""
+    entry = {"save_id": save_id, "world_size": world_size}
+    return open_output(out, CHECKPOINT, entry, purpose=purpose, inputs=inputs, overwrite=overwrite)
 
 
 def end_write(lock: OutputLock, *, failed: bool) -> None:
     """Release a lock from :func:`begin_write`; if the write failed, first remove what it created."""
-    try:
-        if failed:
-            recover(lock.output, lock.entries)
-    finally:
-        lock.release()
-
-
-
-def owned_files(directory: Path, *, overwrite: bool = False) -> set[str]:
-    """The rank files of the checkpoint in ``directory`` (what a new commit there replaces).
-
-    Ours is ``manifest.pt`` when it reads as an fsdp_optim manifest, and the rank files it lists.
-    Anything else (a foreign or unreadable ``manifest.pt``, any other file or directory) is *foreign*:
-    refused with :class:`ForeignOutputError` unless ``overwrite``, and never deleted either way.
-    Something that exists and is not a directory is refused always.
-    """
-    if not os.path.lexists(directory):
-        return set()
-    if not directory.is_dir():
-        raise ForeignOutputError(f"{directory}: exists and is not a directory ({describe_file(directory)})")
-    names = set(os.listdir(directory))
-    files: set[str] = set()
-    problem = None
-    if MANIFEST_NAME in names:
-        try:
-            files = {f.file for f in read_manifest(directory).files}
-        except (ValueError, OSError) as exc:
-            problem = f"its {MANIFEST_NAME} is not an fsdp_optim manifest ({exc})"
-    foreign = sorted(names - files - ({MANIFEST_NAME} if problem is None else {MANIFEST_NAME} | files))
-    if (foreign or problem) and not overwrite:
-        parts = [problem] if problem else []
-        if foreign:
-            shown = ", ".join(escape(n, limit=80) for n in foreign[:5])
-            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-            parts.append(f"it holds files that are not an fsdp_optim checkpoint's: {shown}{more}")
-        raise ForeignOutputError(
-            f"{directory}: {'; '.join(parts)}; pass overwrite=True (--overwrite) to write there anyway (nothing "
-            "there is deleted)"
-        )
-    return files if problem is None else set()
-
-
-
-def _referenced(directory: Path) -> set[str] | None:
-    """Names the checkpoint in ``directory`` uses; empty without a manifest, ``None`` if it is unreadable."""
-    if not os.path.lexists(directory / MANIFEST_NAME):
-        return set()
-    try:
-        return {MANIFEST_NAME} | {f.file for f in read_manifest(directory).files}
-    except (ValueError, OSError):
-        return None
-
-
-
-def recover(directory: Path, entries: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Remove what journal ``entries`` announced and the checkpoint in ``directory`` does not use.
-
-    For a write of save id ``s`` at world size ``W``: its rank files ``optim-<s>-rank*-of-W.pt`` and
-    their temporary files, its manifest's temporary file, the files it was to replace (once a newer
-    manifest no longer names them) and its staging directory beside ``directory``; for a single file
-    written with a tag, that file's temporary files. Rank files are kept while the manifest cannot be
-    read (nothing proves them unused). Nothing else is touched.
-    """
-    referenced = _referenced(directory) if directory.is_dir() else set()
-    own: set[str] = set()
-    tagged: set[tuple[str, str]] = set()
-    replaced: set[str] = set()
-    stagings = []
-    for entry in entries:
-        sid, world_size = entry.get("save_id"), entry.get("world_size")
-        if isinstance(sid, str) and _SAVE_ID.match(sid) and isinstance(world_size, int) and 0 < world_size <= MAX_WORLD_SIZE:
-            own.update(shard_file_name(sid, r, world_size) for r in range(world_size))
-            tagged.add((MANIFEST_NAME, sid[:12]))
-            staging = entry.get("staging")
-            if isinstance(staging, str) and "/" not in staging and staging.startswith("."):
-                stagings.append((directory.parent / staging, sid, world_size))
-        if isinstance(entry.get("replaces"), list):
-            replaced.update(n for n in entry["replaces"] if isinstance(n, str))
-        if isinstance(entry.get("file"), str) and isinstance(entry.get("tag"), str):
-            tagged.add((entry["file"], entry["tag"]))
-    removed = []
-    if directory.is_dir():
-        removed += _sweep(directory, own, tagged)
-        if referenced is not None:
-            removed += remove_stale_files(directory, own | replaced, keep=referenced)
-    for staging, sid, world_size in stagings:
-        if staging.is_dir() and not staging.is_symlink():
-            names = {shard_file_name(sid, r, world_size) for r in range(world_size)}
-            removed += _sweep(staging, names, set()) + remove_stale_files(staging, names, keep=set())
-            with contextlib.suppress(OSError):  # not empty: something not ours is in there, leave it
-                staging.rmdir()
-    return removed
-
-
-
-def _sweep(directory: Path, own: set[str], tagged: set[tuple[str, str]]) -> list[str]:
-    """Delete the temporary files of ``own`` names and of ``(name, tag)`` pairs in ``directory``."""
-    removed = []
-    for entry in os.scandir(directory):
-        plain, with_tag = TEMP_NAME.match(entry.name), TAGGED_TEMP_NAME.match(entry.name)
-        ours = (plain is not None and plain["final"] in own) or (
-            with_tag is not None and (with_tag["final"], with_tag["tag"]) in tagged
-        )
-        if ours and not entry.is_dir(follow_symlinks=False):
-            Path(entry.path).unlink(missing_ok=True)
-            removed.append(entry.name)
-    return removed
-
+    close_output(lock, CHECKPOINT, failed=failed)
 
 
 def write_all_or_nothing(
@@ -254,43 +139,11 @@ def write_all_or_nothing(
     inputs: Iterable[Any] = (),
     overwrite: bool = False,
 ) -> Path:
-    """Have ``write`` put every rank file into a staging directory beside ``out`` and return the manifest;
-    only then move the files into ``out`` and commit the manifest there (last). Holds ``out``'s lock
-    throughout (:func:`begin_write`: refused if ``out`` is an input, locked, or foreign without
-    ``overwrite``). A refused or failed write leaves ``out`` exactly as it was, or absent, and no
-    staging behind; one killed midway is cleaned up by the next writer of ``out`` (given the save id and
-    world size the manifest will have, by which its files are journaled)."""
-    save_id = save_id or new_save_id()
-    name = f".{resolve_output(out).name}.fsdp-optim-staging.{save_id[:12]}"
-    lock = begin_write(
-        out, save_id=save_id, world_size=world_size or 1, purpose="reshard", inputs=inputs, overwrite=overwrite, staging=name
-    )
-    target, staging = lock.output, lock.output.parent / name
-    failed = True
-    try:
-        staging.mkdir(mode=0o700)
-        manifest = write(staging)
-        target.mkdir(exist_ok=True)
-        for entry in staging.iterdir():
-            os.replace(entry, target / entry.name)
-        write_manifest(target, manifest, replaces=lock.entries[-1]["replaces"])
-        failed = False
-    finally:
-        recover(target, [{**lock.entries[-1], "replaces": []}])  # the staging directory, and on failure our files
-        end_write(lock, failed=failed)
+    """Have ``write`` put every rank file into the staging directory and return the manifest; then the files
+    move into ``out`` and the manifest is committed there, last (:func:`fsdp_optim.disk.staged.staged_output`).
+    ``save_id`` and ``world_size`` are the manifest's: by them a killed write's files are journaled."""
+    entry = {"save_id": save_id or new_save_id(), "world_size": world_size or 1}
+    with staged_output(out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, entry=entry) as stage:
+        manifest = write(stage.dir)
+        stage.commit = lambda target: write_manifest(target, manifest)
     return Path(out) / MANIFEST_NAME
-
-
-
-def write_file(obj: Any, path: str | os.PathLike[str], *, inputs: Iterable[Any] = ()) -> int:
-    """:func:`atomic_save` of a single output file under its lock, refused if it is one of ``inputs``;
-    the temporary file is journaled, so one left by a killed writer is removed by the next. Returns
-    the file's size. An existing file at ``path`` is replaced (that is what ``-o FILE`` asks for)."""
-    check_not_input(path, inputs, name="output")
-    tag = uuid.uuid4().hex[:12]
-    with lock_output(path, purpose="write a file") as lock:
-        if lock.previous:
-            recover(lock.output.parent, lock.previous)
-            lock.forget()
-        lock.journal({"file": lock.output.name, "tag": tag})
-        return atomic_save(obj, lock.output, tag=tag)

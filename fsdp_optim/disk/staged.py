@@ -1,0 +1,310 @@
+"""The one way out: every writer of fsdp_optim writes through :func:`staged_output` (a directory of files) or
+:func:`write_file` (one file), or, for a save shared by the ranks of a job, :func:`open_output` /
+:func:`close_output` (the same steps, with the files written in place by every rank).
+
+What every writer gets, whatever the format::
+
+    out/                                   # the output (may not exist yet)
+    .out.fsdp-optim.lock                   # beside it: the lock and its journal (disk/locks.py)
+    .out.fsdp-optim-staging.<12 hex>/      # files are written here, then moved into out/
+
+1. ``out`` must not be (or hold) one of ``inputs`` (:func:`check_not_input`).
+2. ``out``'s lock is taken (a second writer gets ``OutputLockedError``).
+3. What a killed writer of ``out`` left is removed, exactly as its journal announced it (:func:`recover`).
+4. Content of ``out`` that the format does not claim is *foreign*: refused with ``ForeignOutputError`` unless
+   ``overwrite``, and never deleted either way.
+5. The write is journaled before any file exists (its staging directory, the names it will create, what
+   its commit replaces); the files are staged, moved in, and the format's commit runs last (our manifest).
+6. A refused or failed write leaves ``out`` as it was; a killed one is cleaned up by the next writer.
+
+A format says what is its own with a :class:`Claims` (``formats/sharded/writer.py``: our checkpoint;
+``formats/fairseq``: a shard set; ``formats/dcp.py``: a DCP directory). This module knows no format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, fsync_dir
+from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
+from fsdp_optim.disk.untrusted import describe_file, escape
+
+__all__ = [
+    "Claims",
+    "Survey",
+    "Stage",
+    "check_not_input",
+    "close_output",
+    "open_output",
+    "recover",
+    "staged_output",
+    "write_file",
+]
+
+STAGING_MARK = ".fsdp-optim-staging."
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What a format finds in an existing output directory."""
+
+    replaces: frozenset[str] = frozenset()  # names a new commit there makes obsolete (removed after it)
+    known: frozenset[str] = frozenset()  # names that are not foreign (the rest is refused without overwrite)
+    problem: str | None = None  # why it cannot simply be written over (refused without overwrite)
+    overwrite_means: str = "write there anyway (nothing there is deleted)"
+
+
+class Claims(Protocol):
+    """What a format owns in an output directory, so the one writer can refuse, replace and recover."""
+
+    def survey(self, directory: Path) -> Survey:
+        """The existing directory as this format sees it."""
+
+    def created(self, entry: Mapping[str, Any]) -> set[str]:
+        """Names that the write journaled as ``entry`` creates (temporary files of these go too)."""
+
+    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:
+        """``(name, tag)`` of files the write journaled as ``entry`` saves with a tagged temporary file."""
+
+    def referenced(self, directory: Path) -> set[str] | None:
+        """Names the committed output in ``directory`` uses (kept by a recovery); ``None``: unreadable."""
+
+    def deletable(self, name: str) -> bool:
+        """Whether a recorded name may be deleted at all (a shape check: never a name this format can't make)."""
+
+
+@dataclass
+class Stage:
+    """An output being written: put files into ``dir``; they are moved into ``out`` when the block ends."""
+
+    out: Path
+    dir: Path
+    lock: OutputLock
+    replaces: frozenset[str]
+    last: Sequence[str] = ()  # names moved in after every other file (a format's commit point)
+    commit: Callable[[Path], Any] | None = None  # runs after the move, before the replaced files go
+    moved: list[str] = field(default_factory=list)
+
+
+def check_not_input(output: str | os.PathLike[str], inputs: Iterable[Any], *, name: str = "out_dir") -> None:
+    """Refuse an output that resolves (real path, or the same inode) to one of ``inputs``: a file, a
+    directory (or a file in it, such as its manifest) and every file in that directory."""
+    real = resolve_output(output)
+    for given in inputs:
+        if given is None or isinstance(given, Mapping) or not isinstance(given, (str, os.PathLike)):
+            continue
+        path = Path(given)
+        candidates = [path]
+        directory = path if path.is_dir() else path.parent if path.name.startswith("manifest.") else None
+        if directory is not None:
+            candidates += [directory, *directory.iterdir()]
+        for candidate in candidates:
+            if resolve_output(candidate) == real or _same_inode(candidate, real):
+                raise ValueError(f"{name}: {output} is {candidate}, one of the inputs; write to another path")
+
+
+def _same_inode(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def open_output(
+    out: str | os.PathLike[str],
+    claims: Claims,
+    entry: Mapping[str, Any],
+    *,
+    purpose: str,
+    inputs: Iterable[Any] = (),
+    overwrite: bool = False,
+) -> OutputLock:
+    """Steps 1-4 and the journal of step 5 for ``out``; returns the held lock, whose last journal entry is
+    ``entry`` plus ``"replaces"`` (the names the commit makes obsolete). Finish with :func:`close_output`."""
+    check_not_input(out, inputs)
+    lock = lock_output(out, purpose=purpose)
+    try:
+        if lock.previous:
+            recover(lock.output, lock.previous, claims)
+            lock.forget()
+        replaces = _owned_or_refuse(lock.output, claims, overwrite=overwrite)
+        lock.journal({**entry, "replaces": sorted(replaces)})
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def close_output(lock: OutputLock, claims: Claims, *, failed: bool) -> None:
+    """Release a lock from :func:`open_output`; if the write failed, first remove what it created."""
+    try:
+        if failed:
+            recover(lock.output, lock.entries, claims)
+    finally:
+        lock.release()
+
+
+def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> set[str]:
+    """What a commit in ``directory`` replaces; foreign content refused unless ``overwrite`` (kept either way)."""
+    if not os.path.lexists(directory):
+        return set()
+    if not directory.is_dir():
+        raise ForeignOutputError(f"{directory}: exists and is not a directory ({describe_file(directory)})")
+    survey = claims.survey(directory)
+    foreign = sorted(set(os.listdir(directory)) - survey.known)
+    if (foreign or survey.problem) and not overwrite:
+        parts = [survey.problem] if survey.problem else []
+        if foreign:
+            shown = ", ".join(escape(n, limit=80) for n in foreign[:5])
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            parts.append(f"it holds files that are not an fsdp_optim checkpoint's: {shown}{more}")
+        raise ForeignOutputError(
+            f"{directory}: {'; '.join(parts)}; pass overwrite=True (--overwrite) to {survey.overwrite_means}"
+        )
+    return set(survey.replaces)
+
+
+@contextlib.contextmanager
+def staged_output(
+    out: str | os.PathLike[str],
+    claims: Claims,
+    *,
+    purpose: str,
+    inputs: Iterable[Any] = (),
+    overwrite: bool = False,
+    entry: Mapping[str, Any] | None = None,
+) -> Iterator[Stage]:
+    """Write a directory output all or nothing: the block fills ``stage.dir``; on a clean exit its files are
+    moved into ``out`` (``stage.last`` last), ``stage.commit`` runs, and the files of the output it replaces
+    are removed. ``entry``: what to journal besides the staging name (a format's ``created`` reads it)."""
+    tag = uuid.uuid4().hex[:12]
+    name = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
+    lock = open_output(out, claims, {**(entry or {}), "staging": name}, purpose=purpose, inputs=inputs,
+                       overwrite=overwrite)
+    stage = Stage(lock.output, lock.output.parent / name, lock, frozenset(lock.entries[-1]["replaces"]))
+    failed = True
+    try:
+        stage.dir.mkdir(mode=0o700)
+        yield stage
+        _move_in(stage, claims)
+        failed = False
+    finally:
+        _remove_staging(stage.dir)
+        close_output(lock, claims, failed=failed)
+
+
+def _move_in(stage: Stage, claims: Claims) -> None:
+    names = sorted(os.listdir(stage.dir), key=lambda n: (n in stage.last, stage.last.index(n) if n in stage.last else 0))
+    stage.lock.journal({**stage.lock.entries[-1], "moved": names})  # a kill from here on is undone by name
+    stage.out.mkdir(exist_ok=True)
+    for n in names:
+        os.replace(stage.dir / n, stage.out / n)
+        stage.moved.append(n)
+    fsync_dir(stage.out)
+    if stage.commit is not None:
+        stage.commit(stage.out)
+    remove_recorded(stage.out, stage.replaces - set(names), claims, keep=set(names))
+
+
+def _remove_staging(staging: Path) -> None:
+    if staging.is_dir() and not staging.is_symlink():
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_recorded(directory: Path, names: Iterable[str], claims: Claims, *, keep: set[str]) -> list[str]:
+    """Delete ``names`` but ``keep`` from ``directory``: only names the format can make, only files (never a
+    directory), never followed. ``names`` come from a record of ours (a manifest, a journal)."""
+    removed = []
+    for n in sorted(set(names) - keep):
+        target = directory / n
+        if claims.deletable(n) and (target.is_symlink() or target.is_file()):
+            target.unlink(missing_ok=True)
+            removed.append(n)
+    return removed
+
+
+def recover(directory: Path, entries: Sequence[Mapping[str, Any]], claims: Claims) -> list[str]:
+    """Remove what journal ``entries`` announced and the output in ``directory`` does not use: the files each
+    write creates (``claims.created``) and their temporary files, the files moved in by a write that never
+    committed, the files a commit replaced once the output no longer names them, and the staging directories.
+    Files are kept while the output's own record cannot be read (nothing proves them unused)."""
+    referenced = claims.referenced(directory) if directory.is_dir() else set()
+    own: set[str] = set()
+    tagged: set[tuple[str, str]] = set()
+    replaced: set[str] = set()
+    for entry in entries:
+        own |= claims.created(entry) | {n for n in entry.get("moved", ()) if isinstance(n, str)}
+        if isinstance(entry.get("replaces"), list):
+            replaced.update(n for n in entry["replaces"] if isinstance(n, str))
+        if isinstance(entry.get("file"), str) and isinstance(entry.get("tag"), str):
+            tagged.add((entry["file"], entry["tag"]))
+        tagged |= claims.tagged(entry)
+    removed = []
+    if directory.is_dir():
+        removed += sweep_temporaries(directory, own, tagged)
+        if referenced is not None:
+            removed += remove_recorded(directory, own | replaced, claims, keep=referenced)
+    for entry in entries:
+        staging = entry.get("staging")
+        if isinstance(staging, str) and "/" not in staging and staging.startswith("."):
+            path = directory.parent / staging
+            if path.is_dir() and not path.is_symlink():
+                # a staging directory is this package's alone (its name was journaled): what the format can make goes
+                removed += sweep_temporaries(path, own, set()) + remove_recorded(path, os.listdir(path), claims, keep=set())
+                with contextlib.suppress(OSError):  # not empty: something not ours is in there, leave it
+                    path.rmdir()
+    return removed
+
+
+def sweep_temporaries(directory: Path, own: set[str], tagged: set[tuple[str, str]]) -> list[str]:
+    """Delete the temporary files (``disk.atomic`` names) of ``own`` names and of ``(name, tag)`` pairs."""
+    removed = []
+    for entry in os.scandir(directory):
+        plain, with_tag = TEMP_NAME.match(entry.name), TAGGED_TEMP_NAME.match(entry.name)
+        ours = (plain is not None and plain["final"] in own) or (
+            with_tag is not None and (with_tag["final"], with_tag["tag"]) in tagged
+        )
+        if ours and not entry.is_dir(follow_symlinks=False):
+            Path(entry.path).unlink(missing_ok=True)
+            removed.append(entry.name)
+    return removed
+
+
+class _FileClaims:
+    """A single output file claims nothing in a directory; its temporary file is journaled by tag."""
+
+    def survey(self, directory: Path) -> Survey:  # noqa: ARG002
+        return Survey()
+
+    def created(self, entry: Mapping[str, Any]) -> set[str]:  # noqa: ARG002
+        return set()
+
+    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
+        return set()
+
+    def referenced(self, directory: Path) -> set[str]:  # noqa: ARG002
+        return set()
+
+    def deletable(self, name: str) -> bool:  # noqa: ARG002
+        return False
+
+
+def write_file(obj: Any, path: str | os.PathLike[str], *, inputs: Iterable[Any] = ()) -> int:
+    """``torch.save`` of a single output file, atomically, under its lock, refused if it is one of ``inputs``;
+    the temporary file is journaled, so one left by a killed writer is removed by the next. Returns the file's
+    size. An existing file at ``path`` is replaced (that is what ``-o FILE`` asks for)."""
+    check_not_input(path, inputs, name="output")
+    tag = uuid.uuid4().hex[:12]
+    with lock_output(path, purpose="write a file") as lock:
+        if lock.previous:
+            recover(lock.output.parent, lock.previous, _FileClaims())
+            lock.forget()
+        lock.journal({"file": lock.output.name, "tag": tag})
+        return atomic_save(obj, lock.output, tag=tag)

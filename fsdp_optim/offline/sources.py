@@ -1,0 +1,215 @@
+"""The one way in: what kind of input a path or dict is, decided once (:func:`detect`), and opened as a planning
+source (:func:`open_source`). Every offline function and every CLI verb starts here; the options that depend
+on the kind (``layout``, ``optimizer``, ``allow_globals``, ``optimizer_keys``) are accepted or refused here, by one table.
+
+    kind                        what it is                                       layout        optimizer
+    sharded checkpoint          a directory of ours (or its manifest)            refused       refused
+    layout file                 save_layout's file (a manifest, no rank files)   refused       refused
+    rank file                   one rank's file of a sharded checkpoint          refused       refused
+    full dict                   gather_full_optim_state_dict's output            target only   refused
+    fairscale-native dict       fairscale's own gather output (ids, no names)    required      checked
+    fairseq/metaseq shard set   use_sharded_state files (..-shard<r>.pt)         param order   checked
+                                (reshard keeps the set's own order and optimizer: both refused there)
+
+"target only": a full dict has no FSDP units; a verb that cuts it (reshard) takes the model's layout as its
+target. "checked": the name must be a known optimizer whose state keys are the ones found
+(:func:`fsdp_optim.core.elementwise.check_optimizer_name`). ``allow_globals`` applies to shard sets only.
+
+An opened source::
+
+    Opened(kind, label,
+           source=Source(...)  # the optimizer state for core.plan (None for a layout or rank file)
+           layout=ModelLayout  # the units it was saved with, or the given layout (None for a full dict)
+           order=("embed.weight", ...), trim=<drop mappings>, full=<the dict> (full / fairscale-native),
+           manifest=Manifest (sharded, layout file, shard set), shards=ShardSet, checkpoint=ShardedCheckpoint)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_optim.core.elementwise import check_optimizer_name
+from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.core.plan import Source
+from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
+from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.disk.untrusted import check_state_dict
+from fsdp_optim.formats.fairscale import from_fairscale, is_fairscale_native
+from fsdp_optim.formats.fairseq import shards as fairseq_shards
+from fsdp_optim.formats.fairseq.files import is_shard_set
+from fsdp_optim.formats.fullstate import full_dict_source
+from fsdp_optim.formats.sharded.manifest import HEADER_KEY, Manifest
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint, read_manifest, source_kind
+from fsdp_optim.offline.fairseq import ShardSet
+from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
+
+__all__ = ["Kind", "Opened", "detect", "open_source"]
+
+
+class Kind(enum.Enum):
+    SHARDED = "sharded checkpoint"
+    LAYOUT = "layout file"
+    RANK_FILE = "rank file of a sharded checkpoint"
+    FULL = "full dict"
+    NATIVE = "fairscale-native dict"
+    SHARD_SET = "fairseq/metaseq shard set"
+
+
+# kind -> (what --layout means for it, whether --optimizer applies); see the module docstring.
+_LAYOUT = {Kind.FULL: "target", Kind.NATIVE: "required", Kind.SHARD_SET: "order"}
+_OPTIMIZER = {Kind.NATIVE, Kind.SHARD_SET}
+_LAYOUT_USE = (
+    "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
+    "(the model's parameter order) and, for reshard, a full dict (the target's units)"
+)
+NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
+
+
+@dataclass
+class Opened:
+    """A source opened by :func:`open_source` (see the module docstring for the fields)."""
+
+    kind: Kind
+    label: str
+    source: Source | None = None
+    layout: ModelLayout | None = None
+    order: tuple[str, ...] = ()
+    trim: Callable[[], None] = lambda: None
+    full: Mapping[str, Any] | None = None
+    manifest: Manifest | None = None
+    shards: fairseq_shards.ShardSet | None = None
+    checkpoint: ShardedCheckpoint | None = None
+    raw: Any = None  # the loaded object of a layout or rank file
+
+
+def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any]:
+    """The kind of ``given`` and, for a file, its loaded content (memory-mapped, through the untrusted gate).
+
+    Raises ``FileNotFoundError`` for nothing there and ``ValueError`` naming what was found otherwise."""
+    if isinstance(given, Mapping):
+        return (Kind.NATIVE if is_fairscale_native(given) else Kind.FULL), given
+    if is_shard_set(given):
+        return Kind.SHARD_SET, None
+    if source_kind(given) == "sharded":
+        return Kind.SHARDED, None
+    obj = load_file(given, mmap=True)
+    header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
+    if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):
+        return (Kind.LAYOUT if header["kind"] == "manifest" else Kind.RANK_FILE), obj
+    if is_fairscale_native(obj):
+        return Kind.NATIVE, obj
+    if is_full_dict(obj):
+        return Kind.FULL, obj
+    found = f"keys {sorted(map(str, obj))[:12]}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
+    raise ValueError(
+        f"{given}: not an optimizer checkpoint fsdp_optim knows (a sharded checkpoint, a full dict, a fairscale-native "
+        f"dict or a fairseq/metaseq shard set); found {found}"
+    )
+
+
+def check_options(
+    kind: Kind,
+    label: str,
+    *,
+    layout: Any,
+    optimizer: str | None,
+    allow_globals: Sequence[str],
+    target: bool,
+    optimizer_keys: Any = None,
+) -> None:
+    """Refuse an option that does not apply to ``kind`` (the table of the module docstring), the same way for
+    every entry point; ``target``: the caller cuts the source for a layout of its own (reshard)."""
+    use = _LAYOUT.get(kind)
+    if kind is Kind.SHARD_SET and target:  # resharding a set keeps its own ids, order and optimizer
+        use = None
+        if optimizer is not None:
+            raise ValueError(f"optimizer: {label} is a {kind.value}; resharding it keeps the optimizer its files hold")
+    if layout is not None and (use is None or (use == "target" and not target)):
+        raise ValueError(f"layout: {label} is a {kind.value}; {_LAYOUT_USE}")
+    if layout is None and use == "required":
+        raise ValueError(
+            f"layout: {label} is a {kind.value}, which names no parameters; fsdp_optim needs the model's layout: "
+            f"{NEEDS_LAYOUT}"
+        )
+    if optimizer is not None and kind not in _OPTIMIZER:
+        raise ValueError(
+            f"optimizer: {label} is a {kind.value}, which records its optimizer; --optimizer applies to a "
+            "fairscale-native dict or a fairseq/metaseq shard set only"
+        )
+    if optimizer_keys is not None and kind is not Kind.SHARD_SET:
+        raise ValueError(f"optimizer_keys: {label} is a {kind.value}; optimizer_keys applies to fairseq/metaseq shard sets")
+    if allow_globals and kind is not Kind.SHARD_SET:
+        raise ValueError(f"allow_globals: {label} is a {kind.value}; --allow-global applies to fairseq/metaseq shard sets")
+
+
+@contextlib.contextmanager
+def open_source(
+    given: str | os.PathLike[str] | Mapping[str, Any],
+    *,
+    layout: ParamOrder = None,
+    optimizer: str | None = None,
+    allow_globals: Sequence[str] = (),
+    optimizer_keys: Sequence[Sequence[str]] | None = None,
+    target: bool = False,
+    max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+) -> Iterator[Opened]:
+    """Decide what ``given`` is (once), check the options against it, and open it; files stay open (memory-mapped)
+    until the block ends. ``target``: the caller cuts the source for a layout of its own (see the table)."""
+    kind, obj = detect(given)
+    label = "the full dict" if isinstance(given, Mapping) else str(given)
+    check_options(
+        kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
+        optimizer_keys=optimizer_keys,
+    )
+    if kind is Kind.SHARD_SET:
+        with ShardSet(
+            given,  # type: ignore[arg-type]  # detect() returns SHARD_SET for paths only
+            param_order=layout,
+            optimizer=optimizer,
+            optimizer_keys=optimizer_keys,
+            allow_globals=allow_globals,
+            max_mapped_bytes=max_mapped_bytes,
+        ) as shards:
+            check_optimizer_name(optimizer, _source_keys(shards.source()), where=f"optimizer: {label}")
+            yield Opened(kind, label, shards.source(), shards.manifest.layout(0), shards.manifest.param_order,
+                         shards.trim, manifest=shards.manifest, shards=shards)
+        return
+    if kind is Kind.SHARDED:
+        with ShardedCheckpoint(given, max_mapped_bytes=max_mapped_bytes) as ckpt:  # type: ignore[arg-type]
+            yield Opened(kind, label, ckpt.source(), ckpt.manifest.layout(0), ckpt.manifest.param_order, ckpt.trim,
+                         manifest=ckpt.manifest, checkpoint=ckpt)
+        return
+    yield _open_loaded(kind, label, obj, given, layout, optimizer)
+
+
+def _open_loaded(kind: Kind, label: str, obj: Any, given: Any, layout: Any, optimizer: str | None) -> Opened:
+    """A source already in memory (a dict, or a file :func:`detect` loaded)."""
+    if kind in (Kind.LAYOUT, Kind.RANK_FILE):
+        manifest = read_manifest(given) if kind is Kind.LAYOUT else None
+        return Opened(kind, label, manifest=manifest, raw=obj)
+    if kind is Kind.NATIVE:
+        model = resolve_layout(layout)
+        check_optimizer_name(optimizer, _native_keys(obj), where=f"optimizer: {label}")
+        full = from_fairscale(obj, model, optimizer=optimizer)
+        return Opened(kind, label, full_dict_source(full, label=label), model, model.param_order, full=full)
+    check_full_dict(obj, label)
+    if not isinstance(given, Mapping):
+        check_state_dict(obj, label)
+    source = full_dict_source(obj, label=label)
+    order = tuple(f.params[0].name for f in source.flats)
+    return Opened(kind, label, source, None, order, full=obj)
+
+
+def _source_keys(source: Source) -> set[str]:
+    return {e.key for flat in source.flats for e in flat.state}
+
+
+def _native_keys(native: Mapping[str, Any]) -> set[str]:
+    state = native.get("state")
+    return {str(k) for entries in state.values() if isinstance(entries, Mapping) for k in entries} if isinstance(
+        state, Mapping) else set()
