@@ -47,6 +47,7 @@ _FLAGS = {
     "out_dir": "-o/--output",
     "param_order": "--layout",
     "allow_globals": "--allow-global",
+    "optimizer": "--optimizer",
 }
 
 
@@ -173,49 +174,34 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.disk.atomic import load_file
-    from fsdp_optim.formats.sharded.manifest import HEADER_KEY
-    from fsdp_optim.formats.sharded.reader import read_manifest, source_kind
+    from fsdp_optim.offline.sources import Kind, open_source
 
     path = Path(args.path)
     out = [f"path: {path}"]
-    if _is_shard_set(path):
-        _inspect_shards(path, args, out)
-        return out
-    if source_kind(path) == "sharded":
-        _inspect_manifest(read_manifest(path), "sharded checkpoint", out, units=args.units)
-        return out
-    obj = load_file(path, mmap=True)
-    header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
-    if isinstance(header, Mapping) and header.get("kind") == "manifest":
-        _inspect_manifest(read_manifest(path), "layout file", out, units=args.units)
-    elif isinstance(header, Mapping) and header.get("kind") == "shard":
-        out += [
-            "format: one rank file of a sharded checkpoint (inspect its directory for the whole)",
-            f"rank: {header.get('rank')} of {header.get('world_size')}",
-            f"flat parameters with state: {len(obj.get('state', {}))}",
-        ]
-    elif isinstance(obj, Mapping) and {"state", "param_groups"} <= set(obj):
-        from fsdp_optim.disk.untrusted import check_state_dict
+    with open_source(path, allow_globals=args.allow_global, describe_only=True) as opened:
+        if opened.kind is Kind.SHARD_SET:
+            _inspect_shards(opened, args, out)
+        elif opened.manifest is not None:
+            what = "layout file" if opened.kind is Kind.LAYOUT else "sharded checkpoint"
+            _inspect_manifest(opened.manifest, what, out, units=args.units)
+        elif opened.kind is Kind.RANK_FILE:
+            header = opened.raw["fsdp_optim_checkpoint"]
+            out += [
+                "format: one rank file of a sharded checkpoint (inspect its directory for the whole)",
+                f"rank: {header.get('rank')} of {header.get('world_size')}",
+                f"flat parameters with state: {len(opened.raw.get('state', {}))}",
+            ]
+        else:
+            from fsdp_optim.disk.untrusted import check_state_dict
 
-        check_state_dict(obj, str(path))  # its skeleton, before the summary walks it
-        _inspect_full(obj, out)
-    else:
-        found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
-        raise ValueError(f"{path}: not an optimizer checkpoint this tool knows (found {found})")
+            check_state_dict(opened.raw, str(path))  # its skeleton, before the summary walks it
+            _inspect_full(opened.raw, out)
     return out
 
 
-def _is_shard_set(path: str | os.PathLike[str]) -> bool:
-    from fsdp_optim.formats.fairseq.files import is_shard_set
-
-    return is_shard_set(path)
-
-
-def _inspect_shards(path: Path, args: argparse.Namespace, out: list[str]) -> None:
-    from fsdp_optim.offline.fairseq import ShardSet
-
-    with ShardSet(path, allow_globals=args.allow_global) as shards:
+def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> None:
+    shards = opened.shards
+    if True:
         rank0 = shards.rank0()
         kind = f"fairseq/metaseq shard set ({shards.metadata_key})"
         _inspect_manifest(shards.manifest, kind, out, units=args.units)
@@ -231,178 +217,86 @@ def _inspect_shards(path: Path, args: argparse.Namespace, out: list[str]) -> Non
 # the other verbs
 
 
-def _native(path: str | os.PathLike[str]) -> Mapping[str, Any] | None:
-    """The fairscale-native dict in the file at ``path``; ``None`` for anything else, including a path
-    that cannot be read (the verb itself then says what is wrong with it)."""
-    from fsdp_optim.disk.atomic import load_file
-    from fsdp_optim.formats.fairscale import is_fairscale_native
-    from fsdp_optim.formats.sharded.reader import source_kind
+def _open(args: argparse.Namespace, path: Any, **options: Any) -> Any:
+    """The verb's source through the one way in, with the options every verb spells the same."""
+    from fsdp_optim.offline.sources import open_source
 
-    try:
-        if source_kind(path) != "file":
-            return None
-        obj = load_file(path, mmap=True)
-    except (ValueError, TypeError, OSError):
-        return None
-    return obj if is_fairscale_native(obj) else None
-
-
-def _from_native(native: Mapping[str, Any], args: argparse.Namespace, source: str, verb: str) -> tuple[Any, Any]:
-    """(our full dict, the model's layout) for a fairscale-native ``source``; ``--layout`` is required."""
-    from fsdp_optim.formats.fairscale import from_fairscale
-    from fsdp_optim.offline.operations import resolve_layout
-
-    if args.layout is None:
-        raise ValueError(
-            f"layout: {source} is a fairscale-native dict, which names no parameters; to {verb} it, fsdp-optim needs "
-            f"{_NEEDS_LAYOUT}"
-        )
-    layout = resolve_layout(args.layout)
-    return from_fairscale(native, layout, optimizer=args.optimizer), layout
+    return open_source(
+        path, layout=args.layout, optimizer=args.optimizer, allow_globals=args.allow_global, **options
+    )
 
 
 def _consolidate(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.staged import write_file
-    from fsdp_optim.offline.operations import consolidate
+    from fsdp_optim.offline.operations import full_state
+    from fsdp_optim.offline.sources import Kind
 
-    if _is_shard_set(args.directory):
-        return _consolidate_shards(args)
-    if args.with_model:
-        raise ValueError(f"{args.directory}: --with-model is for a fairseq/metaseq shard set only (it holds weights)")
-    native = _native(args.directory)
-    if native is not None:
-        full, _ = _from_native(native, args, args.directory, "consolidate")
-    else:
-        if args.layout is not None or args.optimizer is not None:
-            raise ValueError(f"layout: {args.directory}: --layout and --optimizer are for a fairscale-native dict only")
-        with _progress("consolidate") as progress:
-            full = consolidate(args.directory, progress=progress)
-    size = write_file(full, args.output, inputs=(args.directory, args.layout))
-    params, with_state = len(full["param_names"]), len(full["state"])
+    with _open(args, args.directory) as opened, _progress("consolidate") as progress:
+        shards = opened.kind is Kind.SHARD_SET
+        if args.with_model and not shards:
+            raise ValueError(
+                f"{args.directory}: --with-model is for a fairseq/metaseq shard set only (it holds weights)"
+            )
+        out = full_state(opened, progress=progress, with_model=shards)
+        if shards and not args.with_model:
+            out.pop("model", None)
+        size = write_file(out, args.output, inputs=(args.directory, args.layout))
+    if shards:
+        full = out["last_optimizer_state"]
+        model = f", model: {len(out['model'])} tensors" if "model" in out else ""
+        return [
+            f"wrote {args.output}: a consolidated fairseq checkpoint ({', '.join(out)}); last_optimizer_state: "
+            f"{len(full['param_names'])} params, {len(full['state'])} with state{model}; {human_bytes(size)}"
+        ]
+    params, with_state = len(out["param_names"]), len(out["state"])
     return [f"wrote {args.output}: {params} params, {with_state} with state, {human_bytes(size)}"]
 
 
-def _consolidate_shards(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.disk.staged import write_file
-    from fsdp_optim.offline.fairseq import consolidate_shards
-
-    with _progress("consolidate") as progress:
-        out = consolidate_shards(
-            args.directory,
-            with_model=args.with_model,
-            param_order=args.layout,
-            optimizer=args.optimizer,
-            allow_globals=args.allow_global,
-            progress=progress,
-        )
-    size = write_file(out, args.output, inputs=(args.directory, args.layout))
-    full = out["last_optimizer_state"]
-    model = f", model: {len(out['model'])} tensors" if "model" in out else ""
-    return [
-        f"wrote {args.output}: a consolidated fairseq checkpoint ({', '.join(out)}); last_optimizer_state: "
-        f"{len(full['param_names'])} params, {len(full['state'])} with state{model}; {human_bytes(size)}"
-    ]
-
-
 def _reshard(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.formats.fairseq.shards import reshard_set
     from fsdp_optim.formats.sharded.reader import read_manifest
-    from fsdp_optim.offline.operations import reshard
+    from fsdp_optim.offline.operations import reshard_opened
 
-    if _is_shard_set(args.source):
-        from fsdp_optim.offline.fairseq import reshard_shards
-
-        if args.layout is not None or args.optimizer is not None:
-            raise ValueError(f"layout: {args.source}: a fairseq/metaseq shard set carries its own layout and optimizer")
-        with _progress(f"reshard -> {args.world_size} ranks") as progress:
-            written = reshard_shards(
-                args.source,
-                args.world_size,
-                args.output,
-                overwrite=args.overwrite,
-                allow_globals=args.allow_global,
-                progress=progress,
-            )
-        size = human_bytes(sum(f.stat().st_size for f in written))
-        return [f"wrote {args.output}: {len(written)} shard files {written[0].name} .. {written[-1].name}, {size}"]
-    source, layout = args.source, args.layout
-    native = _native(source)
-    if native is not None:
-        source, layout = _from_native(native, args, args.source, "reshard")
-    elif args.optimizer is not None:
-        raise ValueError(f"{args.source}: --optimizer is for a fairscale-native dict only (other sources record it)")
-    with _progress(f"reshard -> {args.world_size} ranks") as progress:
-        manifest = reshard(
-            source, args.world_size, args.output, layout=layout, progress=progress, overwrite=args.overwrite
+    out = Path(args.output)
+    with _open(args, args.source, target=True) as opened, _progress(f"reshard -> {args.world_size} ranks") as bar:
+        if opened.shards is not None:
+            written = reshard_set(opened.shards, args.world_size, out, overwrite=args.overwrite, progress=bar)
+            size = human_bytes(sum(f.stat().st_size for f in written))
+            return [f"wrote {out}: {len(written)} shard files {written[0].name} .. {written[-1].name}, {size}"]
+        manifest = reshard_opened(
+            opened, args.world_size, out, layout=args.layout, given=args.source, progress=bar, overwrite=args.overwrite
         )
     files = read_manifest(manifest).files
-    return [f"wrote {args.output}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]
+    return [f"wrote {out}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]
 
 
 def _convert(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.core.preconditions import is_full_dict
-    from fsdp_optim.disk.atomic import load_file
     from fsdp_optim.disk.staged import write_file
-    from fsdp_optim.formats.fairscale import is_fairscale_native, to_named
-    from fsdp_optim.formats.sharded.reader import source_kind
-    from fsdp_optim.offline.operations import consolidate
+    from fsdp_optim.formats.fairscale import to_named
+    from fsdp_optim.offline.operations import full_state
+    from fsdp_optim.offline.sources import Kind
 
-    source = Path(args.source)
-    full: Mapping[str, Any]
-    if _is_shard_set(source):
+    with _open(args, args.source) as opened:
+        origin = opened.kind.value
         if args.to == "dcp":
-            return _to_dcp(source, args, "fairseq/metaseq shard set")
-        from fsdp_optim.offline.fairseq import consolidate_shards
-
-        with _progress("consolidate") as progress:
-            out = consolidate_shards(
-                source,
-                param_order=args.layout,
-                optimizer=args.optimizer,
-                allow_globals=args.allow_global,
-                progress=progress,
-            )
-        full, origin = out["last_optimizer_state"], "fairseq/metaseq shard set"
-    elif source_kind(source) == "sharded":
-        if args.to == "dcp":
-            return _to_dcp(source, args, "sharded checkpoint")
-        with _progress("consolidate") as progress:
-            full = consolidate(source, progress=progress)
-        origin = "sharded checkpoint"
-    else:
-        obj = load_file(source, mmap=True)
-        if is_fairscale_native(obj):
-            full, _ = _from_native(obj, args, str(source), "convert")
-            origin = "fairscale-native dict"
-        elif is_full_dict(obj):
-            if args.to == "dcp":
-                return _to_dcp(obj, args, "full dict")
+            return _to_dcp(opened, args, origin)
+        if opened.kind is Kind.FULL:
             if args.to == "full":
-                raise ValueError(f"{source}: already a full dict; use --to named to key it by parameter name")
-            full, origin = obj, "full dict"
+                raise ValueError(f"{args.source}: already a full dict; use --to named to key it by parameter name")
+            full = opened.full
         else:
-            found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
-            raise ValueError(
-                f"{source}: expected a fairscale-native dict, a full dict or a sharded checkpoint, found {found}"
-            )
-    if args.to == "dcp":
-        return _to_dcp(full, args, origin)
-    result = to_named(full) if args.to == "named" else full
-    size = write_file(result, args.output, inputs=(args.source, args.layout))
+            with _progress("consolidate") as progress:
+                full = full_state(opened, progress=progress)
+        result = to_named(full) if args.to == "named" else full
+        size = write_file(result, args.output, inputs=(args.source, args.layout))
     return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
 
 
-def _to_dcp(source: Any, args: argparse.Namespace, origin: str) -> list[str]:
-    from fsdp_optim.offline.export import to_dcp
+def _to_dcp(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
+    from fsdp_optim.offline.export import export_opened
 
-    shards = origin.startswith("fairseq")
     with _progress("export to DCP") as progress:
-        done = to_dcp(
-            source,
-            args.output,
-            param_order=args.layout if shards else None,
-            allow_globals=args.allow_global,
-            progress=progress,
-        )
+        done = export_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress)
     size = sum(f.stat().st_size for f in done.path.iterdir())
     lines = [
         f"wrote {done.path} (dcp, from a {origin}): model {done.model_tensors} tensors, optimizer state of "

@@ -64,35 +64,53 @@ def to_dcp(
         dcp.load(state, checkpoint_id=out_dir)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     """
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(
-            f"out_dir: {out} exists and is not an empty directory; DCP output needs a directory of its own"
-        )
+    _check_empty(Path(out_dir))
     with open_source(
         source, layout=param_order, optimizer_keys=optimizer_keys, allow_globals=allow_globals,
         max_mapped_bytes=max_mapped_bytes,
     ) as opened:
-        export = _export(opened)
-        producers: dict[int, Callable[[], torch.Tensor]] = {}
-        optim = optim_dict(export.source, export.order, producers, export.trim, progress)
-        state: dict[str, Any] = {}
-        model = None
-        if export.weights is not None:
-            model = model_dict(
-                export.weights, export.order, export.trim, producers, progress, aliases=export.aliases, buffers=export.buffers
-            )
-        if model is not None:
-            state[model_key] = model
-        state[optim_key] = optim
-        if export.extras:
-            state[f"{optim_key}_extra"] = dict(export.extras)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with staged_output(out, DCP_DIRECTORY, purpose="fsdp_optim.to_dcp", inputs=(source,)) as stage:
-            stage.last = (METADATA,)
-            write_dcp(state, producers, stage.dir)
-    return DcpExport(out, len(model or {}), len(optim["state"]), tuple(export.extras), export.not_exported)
+        return export_opened(opened, out_dir, inputs=(source,), model_key=model_key, optim_key=optim_key,
+                             progress=progress)
 
+
+def _check_empty(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(
+            f"out_dir: {out} exists and is not an empty directory; DCP output needs a directory of its own"
+        )
+
+
+def export_opened(
+    opened: Opened,
+    out_dir: str | os.PathLike[str],
+    *,
+    inputs: Sequence[Any] = (),
+    model_key: str = "model",
+    optim_key: str = "optim",
+    progress: Progress = None,
+) -> DcpExport:
+    """:func:`to_dcp` of a source already opened by :func:`~fsdp_optim.offline.sources.open_source`."""
+    out = Path(out_dir)
+    _check_empty(out)
+    export = _export(opened)
+    producers: dict[int, Callable[[], torch.Tensor]] = {}
+    optim = optim_dict(export.source, export.order, producers, export.trim, progress)
+    state: dict[str, Any] = {}
+    model = None
+    if export.weights is not None:
+        model = model_dict(
+            export.weights, export.order, export.trim, producers, progress, aliases=export.aliases,
+            buffers=export.buffers,
+        )
+        state[model_key] = model
+    state[optim_key] = optim
+    if export.extras:
+        state[f"{optim_key}_extra"] = dict(export.extras)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with staged_output(out, DCP_DIRECTORY, purpose="fsdp_optim.to_dcp", inputs=inputs) as stage:
+        stage.last = (METADATA,)
+        write_dcp(state, producers, stage.dir)
+    return DcpExport(out, len(model or {}), len(optim["state"]), tuple(export.extras), export.not_exported)
 
 
 @dataclass

@@ -85,12 +85,12 @@ def full_state(opened: Opened, *, progress: Progress = None, with_model: bool = 
     if opened.shards is not None:
         out = consolidate_set(opened.shards, with_model=with_model, progress=progress)
         return out if with_model else out[OPTIM_KEY]
-    if opened.kind is Kind.FULL:
-        raise ValueError(f"{opened.label}: already a full dict (the output of gather_full_optim_state_dict)")
+    if opened.kind is not Kind.SHARDED and opened.kind is not Kind.NATIVE:
+        raise ValueError(_nothing_to_consolidate(opened))
     if opened.kind is Kind.NATIVE and opened.full is not None:
         return dict(opened.full)
     if opened.checkpoint is None or opened.source is None or opened.layout is None:
-        raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to consolidate")
+        raise ValueError(_nothing_to_consolidate(opened))
     layout, ckpt = opened.layout, opened.checkpoint
     the_plan = plan(opened.source, layout)
     after_unit = _then(ckpt.trim, progress)
@@ -99,6 +99,17 @@ def full_state(opened: Opened, *, progress: Progress = None, with_model: bool = 
     if layout.per_rank_units():  # MoE experts: every rank's own copy, from its own file
         per_rank = {r: assemble_full(the_plan, after_unit=after_unit, per_rank=r) for r in range(layout.world_size)}
     return build_full_state(layout, the_plan.groups, flat_states, optimizer=ckpt.manifest.optimizer, per_rank=per_rank)
+
+
+def _nothing_to_consolidate(opened: Opened) -> str:
+    """Why a source that is no sharded checkpoint cannot be consolidated, in the terms of what was expected."""
+    if opened.kind is Kind.LAYOUT:
+        return f"{opened.label}: a layout file lists no rank files: it holds no optimizer state to consolidate"
+    found = opened.kind.value
+    if isinstance(opened.raw, Mapping):
+        found += f" (keys {sorted(map(str, opened.raw))[:8]})"
+    hint = "; it already is a full dict" if opened.kind is Kind.FULL else "; consolidate its directory"
+    return f"{opened.label}: expected an fsdp_optim manifest file, found a {found}{hint}"
 
 
 def _then(first: Callable[[], None], second: Progress) -> Callable[[], None]:
@@ -153,15 +164,31 @@ def reshard(
         if opened.shards is not None:
             reshard_set(opened.shards, world_size, out, overwrite=overwrite, progress=progress)
             return out
-        if opened.checkpoint is not None:
-            return _reshard_sharded(opened, source, world_size, out, progress, overwrite)
-        if opened.kind is Kind.NATIVE:
-            layout = opened.layout
-        if layout is None or opened.source is None:
-            raise ValueError(
-                f"layout: resharding a {opened.kind.value} ({opened.label}) needs the model's layout: {NEEDS_LAYOUT}"
-            )
-        return _reshard_full(opened.source, source, world_size, out, layout, progress, overwrite)
+        return reshard_opened(opened, world_size, out, layout=layout, given=source, progress=progress,
+                              overwrite=overwrite)
+
+
+def reshard_opened(
+    opened: Opened,
+    world_size: int,
+    out: Path,
+    *,
+    layout: LayoutLike | None,
+    given: Any,
+    progress: Progress = None,
+    overwrite: bool = False,
+) -> Path:
+    """:func:`reshard` of a source already open (not a shard set: see ``reshard_set``); returns the manifest."""
+    check_world_size("world_size", world_size)
+    if opened.checkpoint is not None:
+        return _reshard_sharded(opened, given, world_size, out, progress, overwrite)
+    if opened.kind is Kind.NATIVE:
+        layout = opened.layout
+    if layout is None or opened.source is None:
+        raise ValueError(
+            f"layout: resharding a {opened.kind.value} ({opened.label}) needs the model's layout: {NEEDS_LAYOUT}"
+        )
+    return _reshard_full(opened.source, given, world_size, out, layout, progress, overwrite)
 
 
 def _reshard_sharded(

@@ -84,7 +84,7 @@ class Opened:
     manifest: Manifest | None = None
     shards: fairseq_shards.ShardSet | None = None
     checkpoint: ShardedCheckpoint | None = None
-    raw: Any = None  # the loaded object of a layout or rank file
+    raw: Any = None  # the loaded object of a file (a dict: the dict itself)
 
 
 def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any]:
@@ -105,11 +105,8 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return Kind.NATIVE, obj
     if is_full_dict(obj):
         return Kind.FULL, obj
-    found = f"keys {sorted(map(str, obj))[:12]}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
-    raise ValueError(
-        f"{given}: not an optimizer checkpoint fsdp_optim knows (a sharded checkpoint, a full dict, a fairscale-native "
-        f"dict or a fairseq/metaseq shard set); found {found}"
-    )
+    check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
+    return Kind.FULL, obj
 
 
 def check_options(
@@ -133,8 +130,8 @@ def check_options(
         raise ValueError(f"layout: {label} is a {kind.value}; {_LAYOUT_USE}")
     if layout is None and use == "required":
         raise ValueError(
-            f"layout: {label} is a {kind.value}, which names no parameters; fsdp_optim needs the model's layout: "
-            f"{NEEDS_LAYOUT}"
+            f"layout: {label} is a {kind.value}, which names no parameters; fsdp_optim needs --layout PATH "
+            f"(layout=): {NEEDS_LAYOUT}"
         )
     if optimizer is not None and kind not in _OPTIMIZER:
         raise ValueError(
@@ -156,12 +153,17 @@ def open_source(
     allow_globals: Sequence[str] = (),
     optimizer_keys: Sequence[Sequence[str]] | None = None,
     target: bool = False,
+    describe_only: bool = False,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
 ) -> Iterator[Opened]:
     """Decide what ``given`` is (once), check the options against it, and open it; files stay open (memory-mapped)
-    until the block ends. ``target``: the caller cuts the source for a layout of its own (see the table)."""
+    until the block ends. ``target``: the caller cuts the source for a layout of its own (see the table);
+    ``describe_only`` (inspect): a fairscale-native dict is opened without a layout, as ``raw`` only."""
     kind, obj = detect(given)
     label = "the full dict" if isinstance(given, Mapping) else str(given)
+    if describe_only and kind is Kind.NATIVE and layout is None:
+        yield Opened(kind, label, raw=obj)
+        return
     check_options(
         kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
         optimizer_keys=optimizer_keys,
@@ -196,13 +198,13 @@ def _open_loaded(kind: Kind, label: str, obj: Any, given: Any, layout: Any, opti
         model = resolve_layout(layout)
         check_optimizer_name(optimizer, _native_keys(obj), where=f"optimizer: {label}")
         full = from_fairscale(obj, model, optimizer=optimizer)
-        return Opened(kind, label, full_dict_source(full, label=label), model, model.param_order, full=full)
+        return Opened(kind, label, full_dict_source(full, label=label), model, model.param_order, full=full, raw=obj)
     check_full_dict(obj, label)
     if not isinstance(given, Mapping):
         check_state_dict(obj, label)
     source = full_dict_source(obj, label=label)
     order = tuple(f.params[0].name for f in source.flats)
-    return Opened(kind, label, source, None, order, full=obj)
+    return Opened(kind, label, source, None, order, full=obj, raw=obj)
 
 
 def _source_keys(source: Source) -> set[str]:
