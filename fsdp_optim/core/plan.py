@@ -61,6 +61,8 @@ def plan_error(errors: Sequence[str]) -> ValueError:
     shown = "; ".join(errors[:_MAX_LISTED])
     more = len(errors) - _MAX_LISTED
     error = ValueError(shown + (f" (and {more} more problems)" if more > 0 else ""))
+    # A plain ValueError carrying the list: transport.agree re-raises only built-in error types on the other
+    # ranks, so a subclass would arrive there as a RuntimeError.
     error.errors = tuple(errors)  # type: ignore[attr-defined]
     return error
 
@@ -365,7 +367,7 @@ def cut_rank(
                 entries[e.key] = clone_value(e.value)
                 continue
             # Segments tile the flat, so each real element is written once; only the padding needs zeros.
-            shard = torch.empty(bounds.numel, dtype=dtype_from_str(e.dtype, where=e.key))  # type: ignore[arg-type]
+            shard = torch.empty(bounds.numel, dtype=dtype_from_str(e.dtype, where=e.key))
             shard[bounds.real :].zero_()
             _copy_range(flat_plan.segments, e.key, bounds.start, bounds.stop, shard, read)
             entries[e.key] = shard
@@ -397,7 +399,7 @@ def assemble_full(
             if e.kind is StateKind.SCALAR:
                 entries[e.key] = clone_value(e.value)
                 continue
-            flat_full = torch.empty(numel, dtype=dtype_from_str(e.dtype, where=e.key))  # type: ignore[arg-type]
+            flat_full = torch.empty(numel, dtype=dtype_from_str(e.dtype, where=e.key))
             _copy_range(flat_plan.segments, e.key, 0, numel, flat_full, read)
             entries[e.key] = flat_full
         out[t] = entries

@@ -263,7 +263,7 @@ def _lock_exclusive(resolved: Path, path: Path, purpose: str) -> OutputLock:
             continue  # released meanwhile
         holder, _ = _parse(text)
         here = holder is not None and holder.get("host") == socket.gethostname()
-        stale = (here and not _alive(holder)) or age > STALE_AFTER_S  # type: ignore[arg-type]
+        stale = (here and holder is not None and not _alive(holder)) or age > STALE_AFTER_S
         if not stale:
             raise OutputLockedError(
                 f"{resolved}: another writer is writing there: {_describe(holder)}; wait for it to finish, or, if "

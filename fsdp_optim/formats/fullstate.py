@@ -238,9 +238,17 @@ def _per_rank_sections(
     if sections is None:
         return []
     world_size = meta.get("world_size") if meta else None
-    if not isinstance(sections, Mapping) or sorted(sections) != list(range(world_size or 0)) or world_size == 1:
+    # The header's world size is an int or None (read_meta checks it); without one (> 1) no section fits.
+    if (
+        not isinstance(world_size, int)
+        or world_size < 2
+        or not isinstance(sections, Mapping)
+        or sorted(sections) != list(range(world_size))
+    ):
         found = sorted(sections) if isinstance(sections, Mapping) else type(sections).__name__
-        errors.append(f"{label}: '{PER_RANK_KEY}' must map every rank 0..W-1 of world size {world_size} (> 1), found {found}")
+        errors.append(
+            f"{label}: '{PER_RANK_KEY}' must map every rank 0..W-1 of world size {world_size} (> 1), found {found}"
+        )
         return []
     ordered = [sections[r] for r in range(world_size)]
     expected = set(ordered[0]) if isinstance(ordered[0], Mapping) else set()
@@ -334,9 +342,10 @@ def param_record(
         else:
             out.append(StateEntry(key, StateKind.SHARDED, dtype=dtype_to_str(value.dtype), shape=tuple(value.shape)))
     tensor = next((e for e in out if e.kind is StateKind.SHARDED), None)
-    shape = tensor.shape if tensor is not None else ()
-    dtype = getattr(torch, tensor.dtype) if tensor is not None else torch.float32  # type: ignore[arg-type]
-    spec = ParamSpec(name, shape, 0)  # type: ignore[arg-type]
+    # A sharded entry built above always has its dtype name and shape.
+    shape = tensor.shape if tensor is not None and tensor.shape is not None else ()
+    dtype = getattr(torch, tensor.dtype) if tensor is not None and tensor.dtype is not None else torch.float32
+    spec = ParamSpec(name, shape, 0)
     return FlatRecord(unit="", params=(spec,), world_size=1, rank=None, dtype=dtype, flattened=False, state=tuple(out))
 
 

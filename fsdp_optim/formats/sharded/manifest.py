@@ -202,7 +202,7 @@ class Manifest:
         for flat in self.flat_params:
             for e in flat.state:
                 if e.kind is StateKind.SHARDED:
-                    total += flat.numel * dtype_from_str(e.dtype, where="state").itemsize  # type: ignore[arg-type]
+                    total += flat.numel * dtype_from_str(e.dtype, where="state").itemsize
         return total
 
     def to_dict(self) -> dict[str, Any]:

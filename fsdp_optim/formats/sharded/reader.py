@@ -115,7 +115,7 @@ def _declared_bytes(manifest: Manifest) -> int:
         shard_numel = -(-flat.numel // flat.world_size)
         for e in flat.state:
             if e.kind is StateKind.SHARDED:
-                total += shard_numel * dtype_from_str(e.dtype, where=e.key).itemsize  # type: ignore[arg-type]
+                total += shard_numel * dtype_from_str(e.dtype, where=e.key).itemsize
     return total
 
 
@@ -182,7 +182,7 @@ class _RankFile:
             for e in flat.state:
                 value = entries[e.key]
                 if e.kind is StateKind.SHARDED:
-                    dtype = dtype_from_str(e.dtype, where=where)  # type: ignore[arg-type]
+                    dtype = dtype_from_str(e.dtype, where=where)
                     if not torch.is_tensor(value) or tuple(value.shape) != (shard_numel,) or value.dtype != dtype:
                         found = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
                         raise ValueError(f"{where}: state '{e.key}' is {found}, expected ({shard_numel},) {dtype}")
