@@ -179,7 +179,7 @@ def plan(
         raise plan_error(errors)
     if members is None:
         members = [sorted(m, key=(lambda t: order[t]) if order is not None else None) for m in derived]
-    out_groups = tuple(GroupRecord(g.hyperparams, tuple(m), g.named) for g, m in zip(source.groups, members, strict=True))
+    out_groups = tuple(replace(g, flat_indices=tuple(m)) for g, m in zip(source.groups, members, strict=True))
     return Plan(source, target, out_groups, flats, _is_identity(source, target))
 
 
@@ -212,7 +212,9 @@ def _sources_of(
     for spec in flat.params:
         s, saved = where[spec.name]
         if source.shapes_known and saved.shape != spec.shape:
-            errors.append(f"parameter '{spec.name}' has shape {spec.shape} in the model but {saved.shape} in {source.label}")
+            errors.append(
+                f"parameter '{spec.name}' has shape {spec.shape} in the model but {saved.shape} in {source.label}"
+            )
         if s not in used:
             used.append(s)
     return used

@@ -48,7 +48,8 @@ class _Storage:
 
 
 class _Pickler(pickle.Pickler):
-    """``torch.save``'s pickler (storages by persistent id), plus :class:`Pending` as a tensor with a storage to come."""
+    """``torch.save``'s pickler (storages by persistent id), plus :class:`Pending` as a tensor with a storage to
+    come."""
 
     def __init__(self, buffer: io.BytesIO) -> None:
         super().__init__(buffer, protocol=_PROTOCOL)
@@ -110,7 +111,8 @@ def stream_save(obj: Any, path: str | os.PathLike[str], *, after_tensor: Callabl
                         or not tensor.is_contiguous()
                     ):
                         raise AssertionError(
-                            f"{path}: produced {tensor.dtype}{tuple(tensor.shape)}, promised {record.dtype}{record.shape}"
+                            f"{path}: produced {tensor.dtype}{tuple(tensor.shape)}, promised "
+                            f"{record.dtype}{record.shape}"
                         )
                     storage = tensor.untyped_storage()
                     assert storage.nbytes() == tensor.nbytes, f"{path}: a produced tensor must own its storage"

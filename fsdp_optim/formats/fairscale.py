@@ -76,7 +76,11 @@ def from_fairscale(
 
 
 def fairscale_source(
-    native: Mapping[str, Any], layout: ModelLayout, *, optimizer: str | None = None, step_dtype: torch.dtype = torch.float32
+    native: Mapping[str, Any],
+    layout: ModelLayout,
+    *,
+    optimizer: str | None = None,
+    step_dtype: torch.dtype = torch.float32,
 ) -> Source:
     """A fairscale-native dict as a planning source: one source flat per parameter, named from ``layout``."""
     check_state_dict(native, NATIVE)  # bounded walk, tensors, skeleton types: before anything else reads it

@@ -171,7 +171,9 @@ def read_meta(full: Mapping[str, Any], where: str = FULL_DICT) -> Mapping[str, A
     for key, kind, expected in (("optimizer", str, "a class name"), ("world_size", int, "an int")):
         value = meta.get(key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise ValueError(f"{where}: '{FORMAT_KEY}' '{key}' must be {expected} or None, found {type(value).__name__}")
+            raise ValueError(
+                f"{where}: '{FORMAT_KEY}' '{key}' must be {expected} or None, found {type(value).__name__}"
+            )
     return meta
 
 
@@ -270,14 +272,18 @@ def _per_rank_record(
     records = [param_record(name, entries, scalar_keys, label, errors) for entries in per_rank]
     for rank, record in enumerate(records[1:], start=1):
         for mine, theirs in zip(records[0].state, record.state):
-            same = (mine.key, mine.kind, mine.dtype, mine.shape) == (theirs.key, theirs.kind, theirs.dtype, theirs.shape)
+            same = (mine.key, mine.kind, mine.dtype, mine.shape) == (
+                theirs.key, theirs.kind, theirs.dtype, theirs.shape
+            )
             if not same or (mine.kind is StateKind.SCALAR and not same_scalar(mine.value, theirs.value)):
                 errors.append(
                     f"per-rank state '{mine.key}' of parameter '{name}' differs between rank 0 and rank {rank} in "
                     f"{label}: {_entry_text(mine)} vs {_entry_text(theirs)}; only tensor values may differ per rank"
                 )
         if [e.key for e in record.state] != [e.key for e in records[0].state]:
-            errors.append(f"per-rank state of parameter '{name}' has other keys on rank {rank} than on rank 0 in {label}")
+            errors.append(
+                f"per-rank state of parameter '{name}' has other keys on rank {rank} than on rank 0 in {label}"
+            )
     return replace(records[0], per_rank=True)
 
 
@@ -299,7 +305,9 @@ def _names(full: Mapping[str, Any], label: str, errors: list[str]) -> dict[Any, 
     return names
 
 
-def _groups(full: Mapping[str, Any], index: Mapping[Any, int], label: str, errors: list[str]) -> tuple[GroupRecord, ...]:
+def _groups(
+    full: Mapping[str, Any], index: Mapping[Any, int], label: str, errors: list[str]
+) -> tuple[GroupRecord, ...]:
     groups, listed = [], set()
     for k, group in enumerate(full["param_groups"]):
         if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):

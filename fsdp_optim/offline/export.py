@@ -80,9 +80,8 @@ def to_dcp(
         state: dict[str, Any] = {}
         model = None
         if export.weights is not None:
-            model = model_dict(
-                export.weights, export.order, export.trim, producers, progress, aliases=export.aliases, buffers=export.buffers
-            )
+            model = model_dict(export.weights, export.order, export.trim, producers, progress,
+                               aliases=export.aliases, buffers=export.buffers)
         if model is not None:
             state[model_key] = model
         state[optim_key] = optim

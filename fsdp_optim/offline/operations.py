@@ -175,7 +175,8 @@ def _reshard_full(
     progress: Progress,
     overwrite: bool,
 ) -> Path:
-    """A full dict (in memory or a file) cut for ``world_size`` ranks of ``layout``: one plan, then one rank at a time."""
+    """A full dict (in memory or a file) cut for ``world_size`` ranks of ``layout``: one plan, then one rank at a
+    time."""
     label = "the full dict" if isinstance(source, Mapping) else str(source)
     full = source if isinstance(source, Mapping) else load_full_file(source)
     target = Manifest.from_layout(resolve_layout(layout), save_id=new_save_id()).with_world_size(world_size)

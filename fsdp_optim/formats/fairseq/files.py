@@ -15,7 +15,8 @@ fairseq: ``checkpoint_last-shard0.pt``), each ``torch.save``-d by one rank of a 
 
     {"param_metadata": [{"fsdp_path": "block1", "no_broadcast_optim_state": False,
                          "shared_param_info": [("embed.weight", "head.weight")],
-                         "params": {"flat_param_0": {"names": ["0.weight", "0.bias"], "shapes": [Size([7, 6]), Size([7])],
+                         "params": {"flat_param_0": {"names": ["0.weight", "0.bias"],
+                                                      "shapes": [Size([7, 6]), Size([7])],
                                                       "numels": [42, 7], "padding": 1}}}, ...],   # padding: this rank's
      "buffer_names": ["decoder.version", ...]}
 
@@ -178,7 +179,8 @@ def load_shard(path: Path, *, allow_globals: Sequence[str] = (), mmap: bool = Tr
             unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path)) if zipped else []
             if unsafe:
                 raise ValueError(
-                    f"{path}: holds objects of {', '.join(unsafe)}, which weights_only loading refuses (fsdp_optim never "
+                    f"{path}: holds objects of {', '.join(unsafe)}, which weights_only loading refuses "
+                    "(fsdp_optim never "
                     "runs code from a checkpoint file); if you trust the file, allow them with allow_globals="
                     f"{unsafe!r} (CLI: --allow-global NAME)"
                 ) from exc

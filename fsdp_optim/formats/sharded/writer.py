@@ -205,7 +205,12 @@ def recover(directory: Path, entries: Sequence[Mapping[str, Any]]) -> list[str]:
     stagings = []
     for entry in entries:
         sid, world_size = entry.get("save_id"), entry.get("world_size")
-        if isinstance(sid, str) and _SAVE_ID.match(sid) and isinstance(world_size, int) and 0 < world_size <= MAX_WORLD_SIZE:
+        if (
+            isinstance(sid, str)
+            and _SAVE_ID.match(sid)
+            and isinstance(world_size, int)
+            and 0 < world_size <= MAX_WORLD_SIZE
+        ):
             own.update(shard_file_name(sid, r, world_size) for r in range(world_size))
             tagged.add((MANIFEST_NAME, sid[:12]))
             staging = entry.get("staging")
@@ -263,7 +268,13 @@ def write_all_or_nothing(
     save_id = save_id or new_save_id()
     name = f".{resolve_output(out).name}.fsdp-optim-staging.{save_id[:12]}"
     lock = begin_write(
-        out, save_id=save_id, world_size=world_size or 1, purpose="reshard", inputs=inputs, overwrite=overwrite, staging=name
+        out,
+        save_id=save_id,
+        world_size=world_size or 1,
+        purpose="reshard",
+        inputs=inputs,
+        overwrite=overwrite,
+        staging=name,
     )
     target, staging = lock.output, lock.output.parent / name
     failed = True
