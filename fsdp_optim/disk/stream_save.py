@@ -115,7 +115,11 @@ def stream_save(obj: Any, path: str | os.PathLike[str], *, after_tensor: Callabl
                             f"{record.dtype}{record.shape}"
                         )
                     storage = tensor.untyped_storage()
-                    assert storage.nbytes() == tensor.nbytes, f"{path}: a produced tensor must own its storage"
+                    if storage.nbytes() != tensor.nbytes:  # a producer's (the caller's) tensor, checked for real
+                        raise ValueError(
+                            f"{path}: a produced tensor must own its storage: expected {tensor.nbytes} bytes of "
+                            f"storage, found {storage.nbytes()}"
+                        )
                     archive.write_record(f"data/{key}", storage, storage.nbytes())
                     del tensor, storage
                     if after_tensor is not None:

@@ -386,5 +386,6 @@ def shard_full_state(
     ready for ``optim.load_state_dict``. Every tensor is new memory.
     """
     the_plan = plan(full_dict_source(full), layout, members=members, required=trainable, order=param_positions)
-    assert layout.rank is not None, "shard_full_state needs a layout at one rank"
+    if not isinstance(layout.rank, int):
+        raise ValueError(f"layout: shard_full_state needs a layout at one rank, found rank {layout.rank!r}")
     return optimizer_state_dict(the_plan, cut_rank(the_plan, layout.rank))

@@ -164,7 +164,7 @@ class ShardSet:
         self._copy(flat, start, stop, out, lambda r: self._file(r)[OPTIM_KEY]["state"][pid][key], whole=False)
 
     def read_weights(self, flat: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
-        assert key == WEIGHT, key
+        assert key == WEIGHT, f"a weights plan has the one entry '{WEIGHT}', asked for {key!r}"
         self._copy(flat, start, stop, out, lambda r: self._file(r)["model"][self.keys[flat]], whole=True)
 
     def _copy(
