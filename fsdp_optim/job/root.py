@@ -83,7 +83,7 @@ def _read(instance: nn.Module, name: str, kind: type[_T], unit: str) -> _T:
     value = getattr(instance, name, None)
     if not isinstance(value, kind):
         raise TypeError(
-            f"FSDP unit '{unit}': expected fairscale FSDP's attribute '{name}' to be a {kind.__name__}, found "
+            f"FSDP unit '{unit}': expected fairscale FSDP's attribute '{name}' of type {kind.__name__}, found "
             f"{type(value).__name__}; fsdp_optim reads fairscale 0.4.x's FullyShardedDataParallel"
         )
     return value
