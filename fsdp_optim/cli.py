@@ -94,11 +94,11 @@ def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: b
     from fsdp_optim.core.dtypes import dtype_to_str
     from fsdp_optim.core.flatten import StateKind
 
-    keys: dict[str, str] = {}
+    keys: dict[str, str | None] = {}  # a sharded entry of a checked manifest always names its dtype
     steps = []
     for flat in manifest.flat_params:
         for e in flat.state:
-            keys.setdefault(e.key, e.dtype if e.kind is StateKind.SHARDED else "scalar")  # type: ignore[arg-type]
+            keys.setdefault(e.key, e.dtype if e.kind is StateKind.SHARDED else "scalar")
             if e.key == "step":
                 steps.append(_scalar(e.value))
     padding = sum(sum(f.padding()) for f in manifest.flat_params)
@@ -138,7 +138,7 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
     from fsdp_optim.formats.fullstate import read_meta
 
     meta = read_meta(obj) or {}
-    keys: dict[str, str] = {}
+    keys: dict[str, str | None] = {}  # a sharded entry of a checked manifest always names its dtype
     steps = []
     nbytes = 0
     for entries in obj["state"].values():

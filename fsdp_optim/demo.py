@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,9 @@ def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(model: nn.Module, optim: torch.optim.Optimizer, steps: Sequence[int], rank: int, ranks: int, batch: int) -> float:
+def train(
+    model: nn.Module, optim: torch.optim.Optimizer, steps: Sequence[int], rank: int, ranks: int, batch: int
+) -> float:
     loss = torch.zeros(())
     for step in steps:
         inputs, targets = global_batch(step, batch)
@@ -96,10 +99,16 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, steps: Sequence[int], 
     return loss.item()
 
 
-def timed_gather(model: FSDP, optim: torch.optim.Optimizer, transport: str, repeats: int) -> tuple[dict | None, float]:
+def timed_gather(
+    model: FSDP,
+    optim: torch.optim.Optimizer,
+    transport: Literal["tensor", "object"],
+    repeats: int,
+    group: dist.ProcessGroup,
+) -> tuple[dict | None, float]:
     times, full = [], None
     for _ in range(repeats + 1):  # the first call warms up
-        dist.barrier(model.process_group)
+        dist.barrier(group)
         start = time.perf_counter()
         full = model.gather_full_optim_state_dict(optim, transport=transport)
         times.append(time.perf_counter() - start)
@@ -169,24 +178,33 @@ def start(argv: Sequence[str] | None) -> Job:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     box = [args.out or (tempfile.mkdtemp(prefix="fsdp_optim_demo_") if rank == 0 else None)]
     dist.broadcast_object_list(box, src=0)
-    os.makedirs(box[0], exist_ok=True)
+    out = box[0]
+    if not isinstance(out, str):
+        raise RuntimeError(f"expected rank 0 to broadcast the checkpoint directory, found {out!r}")
+    os.makedirs(out, exist_ok=True)
     steps = args.steps
-    return Job(args, rank, world, backend, box[0], 4 * 2 * world, range(steps), range(steps, 2 * steps))
+    return Job(args, rank, world, backend, out, 4 * 2 * world, range(steps), range(steps, 2 * steps))
 
 
 def train_gather_and_save(job: Job) -> None:
     """Steps 1-2: train at the launched world size, gather the full optimizer state, save both files."""
-    model = wrap(build_model(), every=1, group=dist.group.WORLD)
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("expected the default process group to exist (start() joins it), found None")
+    model = wrap(build_model(), every=1, group=world)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
     loss = train(model, optim, job.first, job.rank, job.world, job.batch)
     params = sum(p.numel() for p in build_model().parameters())
     units = sum(isinstance(m, FSDP) for m in model.modules())
-    job.say(f"fsdp_optim demo: {plural(job.world)} ({job.backend}), {params / 1e6:.2f}M parameters in {units} FSDP units, Adam")
+    job.say(
+        f"fsdp_optim demo: {plural(job.world)} ({job.backend}), {params / 1e6:.2f}M parameters in {units} FSDP units, "
+        "Adam"
+    )
     job.say(f"  trained steps {job.first.start}-{job.first.stop - 1} at {plural(job.world)}; loss {loss:.4f}")
-    full, tensor_ms = timed_gather(model, optim, "tensor", job.args.repeats)
-    _, object_ms = timed_gather(model, optim, "object", job.args.repeats)
+    full, tensor_ms = timed_gather(model, optim, "tensor", job.args.repeats, world)
+    _, object_ms = timed_gather(model, optim, "object", job.args.repeats, world)
     model_state = model.state_dict()
-    if job.rank == 0:
+    if full is not None:  # rank 0, the recipient
         torch.save(model_state, os.path.join(job.out, "model.pt"))
         torch.save(full, os.path.join(job.out, "optim.pt"))
         job.say(
@@ -211,7 +229,10 @@ def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict] | None:
         # The module function works on any fairscale FSDP root (ours, fairscale's own, a subclass).
         optim.load_state_dict(get_shard_from_optim_state_dict(model, saved, optim=optim))
         loss = train(model, optim, job.second, job.rank, resumed_world, job.batch)
-        resumed = (model.state_dict(), gather_full_optim_state_dict(model, optim))
+        model_state = model.state_dict()  # a collective: every rank of the group
+        gathered = gather_full_optim_state_dict(model, optim)
+        if gathered is not None:  # rank 0, the recipient
+            resumed = (model_state, gathered)
         job.say(
             f"  resumed at {plural(resumed_world)} (every 2nd layer its own unit), steps "
             f"{job.second.start}-{job.second.stop - 1}; loss {loss:.4f}"
@@ -261,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = start(argv)
     train_gather_and_save(job)
     resumed = resume_on_fewer_ranks(job)
-    box = [verify(job, resumed) if job.rank == 0 else None]  # rank 0 belongs to the resumed group
+    box = [verify(job, resumed) if resumed is not None else None]  # rank 0 belongs to the resumed group
     dist.broadcast_object_list(box, src=0)
     dist.destroy_process_group()
     return 0 if box[0] else 1

@@ -3,8 +3,9 @@
     core (0)  <  disk (1)  <  formats (2)  <  job (3)  <  offline (4)  <  the package's top files (5)
 
 A module imports only from its own layer or lower ones; no module imports itself back through others (no
-cycles); fairscale's private attributes are read only where ``job/root.py`` and ``job/host.py`` read them;
-no module is over 400 lines and no function over 60.
+cycles); fairscale's private attributes, and the attributes its FSDP sets on an instance (``fsdp.world_size``,
+``.process_group``, ``.params``), are read only where ``job/root.py`` and ``job/host.py`` read them; no module is
+over 400 lines and no function over 60; every ``assert`` carries a message.
 """
 
 from __future__ import annotations
@@ -108,6 +109,52 @@ def test_fairscale_privates_only_in_their_two_homes() -> None:
         ours = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         found = sorted(_private_reads(path) & theirs - ours)
         assert not found, f"{rel} reads fairscale's private attributes {found}; only {FAIRSCALE_HOMES} may"
+
+
+def _fsdp_instance_attributes() -> set[str]:
+    """Public attributes fairscale's FSDP assigns on ``self`` (``world_size``, ``params``...), less nn.Module's."""
+    import fairscale.nn.data_parallel.fully_sharded_data_parallel as fsdp_module
+    from torch import nn
+
+    tree = ast.parse(Path(fsdp_module.__file__).read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "FullyShardedDataParallel")
+    assigned = {
+        node.attr
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name) and node.value.id == "self"
+    }
+    return {a for a in assigned if not a.startswith("_") and a not in dir(nn.Module())}
+
+
+# What modules call a fairscale FSDP instance; the typed record job/root.py returns is named `root`, not these.
+FSDP_NAMES = ("fsdp", "model", "instance", "module")
+
+
+def test_fsdp_instance_attributes_only_in_their_two_homes() -> None:
+    attributes = _fsdp_instance_attributes()
+    assert {"world_size", "rank", "process_group", "params"} <= attributes  # the test reads fairscale right
+    for path in MODULES:
+        rel = str(path.relative_to(PACKAGE))
+        if rel in FAIRSCALE_HOMES:
+            continue
+        found = sorted(
+            f"{node.value.id}.{node.attr} (line {node.lineno})"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id in FSDP_NAMES and node.attr in attributes
+        )
+        assert not found, f"{rel} reads fairscale FSDP's attributes {found}; read them from job.root.verify_root's Root"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_assert_has_a_message(path: Path) -> None:
+    bare = [node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assert) and node.msg is None]
+    assert not bare, (
+        f"{path.relative_to(PACKAGE)}: assert without a message at lines {bare}; python -O strips asserts, so what a "
+        "caller or a file supplies needs a real check (ValueError/TypeError, expected vs found), and an internal "
+        "invariant a message saying what broke"
+    )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))

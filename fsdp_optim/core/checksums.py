@@ -1,4 +1,5 @@
-"""Content digests of nested values (tensors read without copying): what every checkpoint records and every reader checks."""
+"""Content digests of nested values (tensors read without copying): what every checkpoint records and every
+reader checks."""
 
 from __future__ import annotations
 

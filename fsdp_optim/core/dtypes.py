@@ -10,7 +10,8 @@ def dtype_to_str(dtype: torch.dtype) -> str:
 
 
 
-def dtype_from_str(name: str, *, where: str) -> torch.dtype:
+def dtype_from_str(name: object, *, where: str) -> torch.dtype:
+    """The dtype a file or record names (``"float32"``); anything else, ``None`` included, is a ``ValueError``."""
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype) or dtype not in ALLOWED_DTYPES:
         raise ValueError(f"{where}: expected the name of a real dtype such as 'float32', found {name!r}")

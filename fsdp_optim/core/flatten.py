@@ -118,8 +118,11 @@ def cut(layout: FlatParamLayout, tensors: Sequence[torch.Tensor], *, rank: int |
     bounds = layout.bounds(rank)
     # Parameters tile [0, numel) back to back, so every real element below is written by one copy:
     # only the padding needs zeros (zero-filling it all would touch every page twice).
-    assert not layout.params or layout.params[0].offset == 0, layout.describe()
-    assert all(a.offset + a.numel == b.offset for a, b in zip(layout.params, layout.params[1:])), layout.describe()
+    # Offsets are derived from the shapes wherever a layout is built (read_layout, a manifest's records).
+    assert not layout.params or layout.params[0].offset == 0, f"{layout.describe()}: the first offset is not 0"
+    assert all(a.offset + a.numel == b.offset for a, b in zip(layout.params, layout.params[1:])), (
+        f"{layout.describe()}: parameters do not tile the flat parameter back to back"
+    )
     shard = torch.empty(bounds.numel, dtype=tensors[0].dtype if tensors else layout.dtype)
     shard[bounds.real :].zero_()
     for spec, tensor in zip(layout.params, tensors, strict=True):

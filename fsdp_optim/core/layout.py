@@ -99,7 +99,8 @@ class FlatParamLayout:
 
     def bounds(self, rank: int | None = None) -> ShardBounds:
         rank = self.rank if rank is None else rank
-        assert rank is not None, f"{self.describe()}: a rank-independent record needs an explicit rank"
+        if rank is None:
+            raise ValueError(f"rank: {self.describe()} is rank-independent, expected an explicit rank, found None")
         return shard_bounds(self.numel, self.world_size, rank)
 
     def at_rank(self, rank: int) -> FlatParamLayout:

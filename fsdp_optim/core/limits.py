@@ -1,4 +1,5 @@
-"""Bounds on what a caller or a file may declare (world sizes, nesting, records), checked before anything is allocated."""
+"""Bounds on what a caller or a file may declare (world sizes, nesting, records), checked before anything is
+allocated."""
 
 from __future__ import annotations
 

@@ -61,6 +61,8 @@ def plan_error(errors: Sequence[str]) -> ValueError:
     shown = "; ".join(errors[:_MAX_LISTED])
     more = len(errors) - _MAX_LISTED
     error = ValueError(shown + (f" (and {more} more problems)" if more > 0 else ""))
+    # A plain ValueError carrying the list: transport.agree re-raises only built-in error types on the other
+    # ranks, so a subclass would arrive there as a RuntimeError.
     error.errors = tuple(errors)  # type: ignore[attr-defined]
     return error
 
@@ -177,7 +179,7 @@ def plan(
         raise plan_error(errors)
     if members is None:
         members = [sorted(m, key=(lambda t: order[t]) if order is not None else None) for m in derived]
-    out_groups = tuple(GroupRecord(g.hyperparams, tuple(m), g.named) for g, m in zip(source.groups, members, strict=True))
+    out_groups = tuple(replace(g, flat_indices=tuple(m)) for g, m in zip(source.groups, members, strict=True))
     return Plan(source, target, out_groups, flats, _is_identity(source, target))
 
 
@@ -210,7 +212,9 @@ def _sources_of(
     for spec in flat.params:
         s, saved = where[spec.name]
         if source.shapes_known and saved.shape != spec.shape:
-            errors.append(f"parameter '{spec.name}' has shape {spec.shape} in the model but {saved.shape} in {source.label}")
+            errors.append(
+                f"parameter '{spec.name}' has shape {spec.shape} in the model but {saved.shape} in {source.label}"
+            )
         if s not in used:
             used.append(s)
     return used
@@ -365,7 +369,7 @@ def cut_rank(
                 entries[e.key] = clone_value(e.value)
                 continue
             # Segments tile the flat, so each real element is written once; only the padding needs zeros.
-            shard = torch.empty(bounds.numel, dtype=dtype_from_str(e.dtype, where=e.key))  # type: ignore[arg-type]
+            shard = torch.empty(bounds.numel, dtype=dtype_from_str(e.dtype, where=e.key))
             shard[bounds.real :].zero_()
             _copy_range(flat_plan.segments, e.key, bounds.start, bounds.stop, shard, read)
             entries[e.key] = shard
@@ -397,7 +401,7 @@ def assemble_full(
             if e.kind is StateKind.SCALAR:
                 entries[e.key] = clone_value(e.value)
                 continue
-            flat_full = torch.empty(numel, dtype=dtype_from_str(e.dtype, where=e.key))  # type: ignore[arg-type]
+            flat_full = torch.empty(numel, dtype=dtype_from_str(e.dtype, where=e.key))
             _copy_range(flat_plan.segments, e.key, 0, numel, flat_full, read)
             entries[e.key] = flat_full
         out[t] = entries

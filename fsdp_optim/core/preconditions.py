@@ -72,8 +72,11 @@ def check_full_dict(obj: Any, where: str) -> None:
         hint = " (a fairscale-native dict: pass the model's layout to convert it)" if "param_id_map" in obj else ""
         raise ValueError(
             f"{where}: expected a full optimizer state dict with 'state', 'param_groups' and 'param_names' (the "
-            f"output of gather_full_optim_state_dict); it has no '{missing[0]}' key (found keys {_some_keys(obj)}){hint}"
+            f"output of gather_full_optim_state_dict); it has no '{missing[0]}' key (found keys "
+            f"{_some_keys(obj)}){hint}"
         )
     for key, kind in (("state", Mapping), ("param_groups", (list, tuple)), ("param_names", Mapping)):
         if not isinstance(obj[key], kind):
-            raise TypeError(f"{where}: '{key}' must be a {'dict' if kind is Mapping else 'list'}, found {type(obj[key]).__name__}")
+            raise TypeError(
+                f"{where}: '{key}' must be a {'dict' if kind is Mapping else 'list'}, found {type(obj[key]).__name__}"
+            )

@@ -106,7 +106,9 @@ class FlatRecord(FlatParamLayout):
             "numel": self.numel,
             "padding": self.padding(),
             "per_rank": self.per_rank,
-            "params": [{"name": p.name, "shape": list(p.shape), "numel": p.numel, "offset": p.offset} for p in self.params],
+            "params": [
+                {"name": p.name, "shape": list(p.shape), "numel": p.numel, "offset": p.offset} for p in self.params
+            ],
             "state": [e.to_dict() for e in self.state],
         }
 
@@ -126,7 +128,8 @@ class FlatRecord(FlatParamLayout):
             rank=None,
             dtype=dtype_from_str(get_checked(d, "dtype", str, where), where=where),
             flattened=get_checked(d, "flattened", bool, where),
-            per_rank=get_checked({"per_rank": False, **d}, "per_rank", bool, where),  # absent in files before MoE support
+            # absent in files before MoE support
+            per_rank=get_checked({"per_rank": False, **d}, "per_rank", bool, where),
             state=tuple(StateEntry.from_dict(e, where=where) for e in get_checked(d, "state", (list, tuple), where)),
         )
         for key, expected in (("numel", record.numel), ("padding", record.padding())):
@@ -172,7 +175,8 @@ class GroupRecord:
         indices = get_checked(d, "flat_indices", (list, tuple), where)
         if not all(isinstance(i, int) for i in indices):
             raise ValueError(f"{where}: 'flat_indices' must be ints, found {indices!r}")
-        return cls(dict(get_checked(d, "hyperparams", Mapping, where)), tuple(indices), get_checked(d, "named", bool, where))
+        hyperparams = dict(get_checked(d, "hyperparams", Mapping, where))
+        return cls(hyperparams, tuple(indices), get_checked(d, "named", bool, where))
 
 
 

@@ -88,7 +88,8 @@ def load_file(path: str | os.PathLike[str], *, mmap: bool = False, follow_symlin
     """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.untrusted`.
 
     Raises ``FileNotFoundError`` for nothing there, and ``ValueError`` naming the file for content that
-    cannot be read, for a file that is not a regular file (a FIFO, a directory; a symlink where ``follow_symlinks=False``),
+    cannot be read, for a file that is not a regular file (a FIFO, a directory; a symlink where
+    ``follow_symlinks=False``),
     exceeds a bound or holds what optimizer state does not (quantized, sparse, meta, complex tensors,
     overlapping or zero-stride views, cycles, nesting).
     """

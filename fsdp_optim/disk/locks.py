@@ -149,19 +149,25 @@ class OutputLock:
         os.pwrite(fd, b"\n" + json.dumps({"holder": self._holder}).encode() + b"\n", os.fstat(fd).st_size)
         os.fsync(fd)
 
+    def _held(self) -> int:
+        """The lock file's descriptor; a released lock (after ``end_write``) cannot be written through."""
+        if self._fd is None:
+            raise ValueError(f"{self.output}: this output lock was released; expected a held lock")
+        return self._fd
+
     def _rewrite(self, records: list[dict[str, Any]]) -> None:
-        assert self._fd is not None, "the lock was released"
+        fd = self._held()
         data = b"".join(json.dumps(r).encode() + b"\n" for r in records)
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0)
-        os.fsync(self._fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
 
     def journal(self, entry: dict[str, Any]) -> None:
         """Append ``entry`` (JSON-serialisable) durably, before doing what it announces."""
-        assert self._fd is not None, "the lock was released"
-        os.pwrite(self._fd, json.dumps({"journal": entry}).encode() + b"\n", os.fstat(self._fd).st_size)
-        os.fsync(self._fd)
-        os.utime(self._fd)  # exclusive-file mode: a live holder's lock never looks old
+        fd = self._held()
+        os.pwrite(fd, json.dumps({"journal": entry}).encode() + b"\n", os.fstat(fd).st_size)
+        os.fsync(fd)
+        os.utime(fd)  # exclusive-file mode: a live holder's lock never looks old
         self.entries.append(entry)
 
     def forget(self) -> None:
@@ -263,7 +269,7 @@ def _lock_exclusive(resolved: Path, path: Path, purpose: str) -> OutputLock:
             continue  # released meanwhile
         holder, _ = _parse(text)
         here = holder is not None and holder.get("host") == socket.gethostname()
-        stale = (here and not _alive(holder)) or age > STALE_AFTER_S  # type: ignore[arg-type]
+        stale = (here and holder is not None and not _alive(holder)) or age > STALE_AFTER_S
         if not stale:
             raise OutputLockedError(
                 f"{resolved}: another writer is writing there: {_describe(holder)}; wait for it to finish, or, if "

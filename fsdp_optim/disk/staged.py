@@ -201,7 +201,8 @@ def staged_output(
 
 
 def _move_in(stage: Stage, claims: Claims) -> None:
-    names = sorted(os.listdir(stage.dir), key=lambda n: (n in stage.last, stage.last.index(n) if n in stage.last else 0))
+    last = list(stage.last)
+    names = sorted(os.listdir(stage.dir), key=lambda n: (n in last, last.index(n) if n in last else 0))
     stage.lock.journal({**stage.lock.entries[-1], "moved": names})  # a kill from here on is undone by name
     stage.out.mkdir(exist_ok=True)
     for n in names:
@@ -257,7 +258,8 @@ def recover(directory: Path, entries: Sequence[Mapping[str, Any]], claims: Claim
             path = directory.parent / staging
             if path.is_dir() and not path.is_symlink():
                 # a staging directory is this package's alone (its name was journaled): what the format can make goes
-                removed += sweep_temporaries(path, own, set()) + remove_recorded(path, os.listdir(path), claims, keep=set())
+                removed += sweep_temporaries(path, own, set())
+                removed += remove_recorded(path, os.listdir(path), claims, keep=set())
                 with contextlib.suppress(OSError):  # not empty: something not ours is in there, leave it
                     path.rmdir()
     return removed

@@ -48,7 +48,8 @@ class _Storage:
 
 
 class _Pickler(pickle.Pickler):
-    """``torch.save``'s pickler (storages by persistent id), plus :class:`Pending` as a tensor with a storage to come."""
+    """``torch.save``'s pickler (storages by persistent id), plus :class:`Pending` as a tensor with a storage to
+    come."""
 
     def __init__(self, buffer: io.BytesIO) -> None:
         super().__init__(buffer, protocol=_PROTOCOL)
@@ -110,10 +111,15 @@ def stream_save(obj: Any, path: str | os.PathLike[str], *, after_tensor: Callabl
                         or not tensor.is_contiguous()
                     ):
                         raise AssertionError(
-                            f"{path}: produced {tensor.dtype}{tuple(tensor.shape)}, promised {record.dtype}{record.shape}"
+                            f"{path}: produced {tensor.dtype}{tuple(tensor.shape)}, promised "
+                            f"{record.dtype}{record.shape}"
                         )
                     storage = tensor.untyped_storage()
-                    assert storage.nbytes() == tensor.nbytes, f"{path}: a produced tensor must own its storage"
+                    if storage.nbytes() != tensor.nbytes:  # a producer's (the caller's) tensor, checked for real
+                        raise ValueError(
+                            f"{path}: a produced tensor must own its storage: expected {tensor.nbytes} bytes of "
+                            f"storage, found {storage.nbytes()}"
+                        )
                     archive.write_record(f"data/{key}", storage, storage.nbytes())
                     del tensor, storage
                     if after_tensor is not None:

@@ -121,7 +121,9 @@ def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) 
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise ValueError(f"{path}: is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a regular file')}, expected a regular file")
+        raise ValueError(
+            f"{path}: is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a regular file')}, expected a regular file"
+        )
     return fd, st
 
 
@@ -160,7 +162,8 @@ def _zip_records(fd: int, size: int, where: str) -> list[_Record]:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
             raise ValueError(
                 f"{where}: zip record '{name}' is compressed (method {info.compress_type}, {info.compress_size} bytes "
-                f"declaring {info.file_size}); torch.save stores records uncompressed, and a compressed one could inflate"
+                f"declaring {info.file_size}); torch.save stores records uncompressed, and a compressed one could "
+                "inflate"
             )
         header = os.pread(fd, 30, info.header_offset)
         if len(header) != 30 or header[:4] != b"PK\x03\x04":
@@ -189,7 +192,10 @@ _REAL_STORAGES = {"FloatStorage", "DoubleStorage", "HalfStorage", "BFloat16Stora
 _ALLOWED_GLOBALS = (
     {("collections", "OrderedDict"), ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch", "Tensor")}
     | {("torch._tensor", "_rebuild_from_type_v2")}  # a tensor with Python attributes (a model's state_dict)
-    | {("torch._utils", f) for f in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")}
+    | {
+        ("torch._utils", f)
+        for f in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter")
+    }
     | {("torch", s) for s in _REAL_STORAGES}
     | {("torch", str(d).removeprefix("torch.")) for d in ALLOWED_DTYPES}
 )
@@ -300,7 +306,9 @@ def _storage_of(pid: Any, storages: dict[str, int], where: str) -> None:
         or not isinstance(pid[4], int)
         or pid[4] < 0
     ):
-        raise ValueError(f"{where}: a storage reference that is not in torch.save's form ({escape(repr(pid), limit=200)})")
+        raise ValueError(
+            f"{where}: a storage reference that is not in torch.save's form ({escape(repr(pid), limit=200)})"
+        )
     storages[pid[2]] = pid[4] * _ITEMSIZE[pid[1][1]]
 
 
@@ -332,7 +340,8 @@ def load_untrusted(path: str | os.PathLike[str], *, mmap: bool = False, follow_s
         try:
             if mmap:
                 proc = f"/proc/self/fd/{fd}"
-                obj = torch.load(proc if os.path.exists(proc) else path, map_location="cpu", weights_only=True, mmap=True)
+                where_from = proc if os.path.exists(proc) else path
+                obj = torch.load(where_from, map_location="cpu", weights_only=True, mmap=True)
             else:
                 os.lseek(fd, 0, os.SEEK_SET)
                 with open(fd, "rb", closefd=False) as f:
@@ -589,7 +598,9 @@ def check_state_dict(obj: Any, where: str) -> None:
 
 def _check_id(pid: Any, where: str) -> None:
     if type(pid) is not int and (not isinstance(pid, (int, str)) or isinstance(pid, bool)):
-        raise ValueError(f"{where}: parameter id {escape(repr(pid), limit=80)} is a {type(pid).__name__}, expected an int")
+        raise ValueError(
+            f"{where}: parameter id {escape(repr(pid), limit=80)} is a {type(pid).__name__}, expected an int"
+        )
 
 
 def _check_keys(d: Mapping[Any, Any], where: str) -> None:

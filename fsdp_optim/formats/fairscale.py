@@ -33,9 +33,9 @@ import torch
 from fsdp_optim.core.flatten import same_scalar, show_value
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source, assemble_full, plan, plan_error
+from fsdp_optim.core.records import GroupRecord
 from fsdp_optim.disk.untrusted import check_state_dict
 from fsdp_optim.formats.fullstate import FORMAT_KEY, PER_RANK_KEY, build_full_state, full_dict_source, param_record
-from fsdp_optim.core.records import GroupRecord
 
 __all__ = ["fairscale_source", "from_fairscale", "is_fairscale_native", "to_named"]
 
@@ -76,7 +76,11 @@ def from_fairscale(
 
 
 def fairscale_source(
-    native: Mapping[str, Any], layout: ModelLayout, *, optimizer: str | None = None, step_dtype: torch.dtype = torch.float32
+    native: Mapping[str, Any],
+    layout: ModelLayout,
+    *,
+    optimizer: str | None = None,
+    step_dtype: torch.dtype = torch.float32,
 ) -> Source:
     """A fairscale-native dict as a planning source: one source flat per parameter, named from ``layout``."""
     check_state_dict(native, NATIVE)  # bounded walk, tensors, skeleton types: before anything else reads it

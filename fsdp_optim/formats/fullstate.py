@@ -171,7 +171,9 @@ def read_meta(full: Mapping[str, Any], where: str = FULL_DICT) -> Mapping[str, A
     for key, kind, expected in (("optimizer", str, "a class name"), ("world_size", int, "an int")):
         value = meta.get(key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise ValueError(f"{where}: '{FORMAT_KEY}' '{key}' must be {expected} or None, found {type(value).__name__}")
+            raise ValueError(
+                f"{where}: '{FORMAT_KEY}' '{key}' must be {expected} or None, found {type(value).__name__}"
+            )
     return meta
 
 
@@ -238,9 +240,17 @@ def _per_rank_sections(
     if sections is None:
         return []
     world_size = meta.get("world_size") if meta else None
-    if not isinstance(sections, Mapping) or sorted(sections) != list(range(world_size or 0)) or world_size == 1:
+    # The header's world size is an int or None (read_meta checks it); without one (> 1) no section fits.
+    if (
+        not isinstance(world_size, int)
+        or world_size < 2
+        or not isinstance(sections, Mapping)
+        or sorted(sections) != list(range(world_size))
+    ):
         found = sorted(sections) if isinstance(sections, Mapping) else type(sections).__name__
-        errors.append(f"{label}: '{PER_RANK_KEY}' must map every rank 0..W-1 of world size {world_size} (> 1), found {found}")
+        errors.append(
+            f"{label}: '{PER_RANK_KEY}' must map every rank 0..W-1 of world size {world_size} (> 1), found {found}"
+        )
         return []
     ordered = [sections[r] for r in range(world_size)]
     expected = set(ordered[0]) if isinstance(ordered[0], Mapping) else set()
@@ -262,14 +272,18 @@ def _per_rank_record(
     records = [param_record(name, entries, scalar_keys, label, errors) for entries in per_rank]
     for rank, record in enumerate(records[1:], start=1):
         for mine, theirs in zip(records[0].state, record.state):
-            same = (mine.key, mine.kind, mine.dtype, mine.shape) == (theirs.key, theirs.kind, theirs.dtype, theirs.shape)
+            same = (mine.key, mine.kind, mine.dtype, mine.shape) == (
+                theirs.key, theirs.kind, theirs.dtype, theirs.shape
+            )
             if not same or (mine.kind is StateKind.SCALAR and not same_scalar(mine.value, theirs.value)):
                 errors.append(
                     f"per-rank state '{mine.key}' of parameter '{name}' differs between rank 0 and rank {rank} in "
                     f"{label}: {_entry_text(mine)} vs {_entry_text(theirs)}; only tensor values may differ per rank"
                 )
         if [e.key for e in record.state] != [e.key for e in records[0].state]:
-            errors.append(f"per-rank state of parameter '{name}' has other keys on rank {rank} than on rank 0 in {label}")
+            errors.append(
+                f"per-rank state of parameter '{name}' has other keys on rank {rank} than on rank 0 in {label}"
+            )
     return replace(records[0], per_rank=True)
 
 
@@ -291,7 +305,9 @@ def _names(full: Mapping[str, Any], label: str, errors: list[str]) -> dict[Any, 
     return names
 
 
-def _groups(full: Mapping[str, Any], index: Mapping[Any, int], label: str, errors: list[str]) -> tuple[GroupRecord, ...]:
+def _groups(
+    full: Mapping[str, Any], index: Mapping[Any, int], label: str, errors: list[str]
+) -> tuple[GroupRecord, ...]:
     groups, listed = [], set()
     for k, group in enumerate(full["param_groups"]):
         if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
@@ -334,9 +350,10 @@ def param_record(
         else:
             out.append(StateEntry(key, StateKind.SHARDED, dtype=dtype_to_str(value.dtype), shape=tuple(value.shape)))
     tensor = next((e for e in out if e.kind is StateKind.SHARDED), None)
-    shape = tensor.shape if tensor is not None else ()
-    dtype = getattr(torch, tensor.dtype) if tensor is not None else torch.float32  # type: ignore[arg-type]
-    spec = ParamSpec(name, shape, 0)  # type: ignore[arg-type]
+    # A sharded entry built above always has its dtype name and shape.
+    shape = tensor.shape if tensor is not None and tensor.shape is not None else ()
+    dtype = getattr(torch, tensor.dtype) if tensor is not None and tensor.dtype is not None else torch.float32
+    spec = ParamSpec(name, shape, 0)
     return FlatRecord(unit="", params=(spec,), world_size=1, rank=None, dtype=dtype, flattened=False, state=tuple(out))
 
 
@@ -369,5 +386,6 @@ def shard_full_state(
     ready for ``optim.load_state_dict``. Every tensor is new memory.
     """
     the_plan = plan(full_dict_source(full), layout, members=members, required=trainable, order=param_positions)
-    assert layout.rank is not None, "shard_full_state needs a layout at one rank"
+    if not isinstance(layout.rank, int):
+        raise ValueError(f"layout: shard_full_state needs a layout at one rank, found rank {layout.rank!r}")
     return optimizer_state_dict(the_plan, cut_rank(the_plan, layout.rank))

@@ -24,12 +24,12 @@ from fsdp_optim.job.local import (
     LocalState,
     check_agreement,
     check_optimizer,
-    group_members,
     read_local_state,
     summary_digest,
 )
-from fsdp_optim.job.root import check_root, read_layout
+from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.transport import (
+    ProcessGroup,
     Transfer,
     all_gather_digests,
     all_gather_objects,
@@ -75,29 +75,31 @@ def gather_full_optim_state_dict(
     summaries themselves only if ranks disagree), then one message per (flat parameter, tensor state
     key, rank holding real elements), carrying the state's bytes once, and a final barrier.
     """
-    check_root(fsdp)
+    root = verify_root(fsdp)
     check_elementwise(optim, where="optim", keys=state_keys(optim))  # every rank alike, before any collective
-    world_size, group = fsdp.world_size, fsdp.process_group  # type: ignore[attr-defined]
-    check_rank("recipient_rank", recipient_rank, world_size, allow_none=True)
+    check_rank("recipient_rank", recipient_rank, root.world_size, allow_none=True)
     if transport not in ("tensor", "object"):
         raise ValueError(f"transport: expected 'tensor' or 'object', found {transport!r}")
-    layout, params = read_layout(fsdp)
+    layout = root.layout
     layout.check_world_sizes()
-    local = read_local_state(layout, params, optim.state_dict(), optim.param_groups)
+    local = read_local_state(layout, root.params, optim.state_dict(), optim.param_groups)
     if transport == "object":
-        flat_tensors = _gather_objects(layout, local, recipient_rank, fsdp.rank, group)  # type: ignore[attr-defined]
+        flat_tensors = _gather_objects(layout, local, recipient_rank, root.rank, root.group)
     else:
-        flat_tensors = _gather_tensors(layout, local, recipient_rank, world_size, group)
+        flat_tensors = _gather_tensors(layout, local, recipient_rank, root.world_size, root.group)
     if flat_tensors is None:
         return None
-    ranks = range(world_size) if layout.per_rank_units() else []
+    ranks = range(root.world_size) if layout.per_rank_units() else []
     flat_states = _flat_states(layout, local, flat_tensors, None)
     per_rank = {r: _flat_states(layout, local, flat_tensors, r) for r in ranks}
     return build_full_state(layout, local.groups, flat_states, optimizer=type(optim).__name__, per_rank=per_rank)
 
 
 def _flat_states(
-    layout: ModelLayout, local: LocalState, flat_tensors: Mapping[tuple[int, str, int | None], torch.Tensor], rank: int | None
+    layout: ModelLayout,
+    local: LocalState,
+    flat_tensors: Mapping[tuple[int, str, int | None], torch.Tensor],
+    rank: int | None,
 ) -> dict[int, dict[str, Any]]:
     """``{flat: {key: flat full tensor or scalar}}``: shared flats (``rank`` None) or rank ``rank``'s per-rank flats."""
     return {
@@ -132,26 +134,23 @@ def get_shard_from_optim_state_dict(
 
     Returns ``{"state": {local_id: {key: padded shard or scalar}}, "param_groups": [...]}``.
     """
-    check_root(fsdp)
-    layout, params = read_layout(fsdp)
-    position = {id(p): i for i, p in enumerate(fsdp.parameters())}
+    root = verify_root(fsdp, optim)
+    layout, params = root.layout, root.params
     optimizer = type(optim).__name__ if optim is not None else None
     source = dict_source(full_optim_state_dict, layout, label="the full dict", optimizer=optimizer)
-    members = None
     if optim is not None:
         check_optimizer(source.optimizer, optim, "the full optimizer state dict")
-        members = group_members(optim.param_groups, params)
     else:
         keys = {e.key for flat in source.flats for e in flat.state}
         check_elementwise(source.optimizer, where="the full optimizer state dict", keys=keys)
     the_plan = plan(
         source,
         layout,
-        members=members,
+        members=root.members,
         required=[p.requires_grad for p in params],
-        order=[position.get(id(p), len(position)) for p in params],
+        order=root.positions,
     )
-    return optimizer_state_dict(the_plan, cut_rank(the_plan, layout.rank))  # type: ignore[arg-type]
+    return optimizer_state_dict(the_plan, cut_rank(the_plan, root.rank))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,14 +158,15 @@ def get_shard_from_optim_state_dict(
 
 
 def _gather_tensors(
-    layout: ModelLayout, local: LocalState, recipient_rank: int | None, world_size: int, group: Any
+    layout: ModelLayout, local: LocalState, recipient_rank: int | None, world_size: int, group: ProcessGroup
 ) -> dict[tuple[int, str, int | None], torch.Tensor] | None:
     """Flat full tensors keyed ``(flat, key, None)``, and ``(flat, key, r)`` for rank r's per-rank flats."""
     if world_size > 1:
         digests = all_gather_digests(summary_digest(local.summary), group)
         if len(set(digests)) > 1:  # only then pay for the full summaries, to say what differs
             check_agreement(layout, all_gather_objects(local.summary, group))
-    transfers, keys = [], []
+    transfers: list[Transfer] = []
+    keys: list[tuple[int, str, int | None]] = []
     for i in sorted(local.state):
         flat = layout.flat_params[i]
         for key, kind, dtype in local.summary[i]:
@@ -187,7 +187,7 @@ def _gather_tensors(
 
 
 def _gather_objects(
-    layout: ModelLayout, local: LocalState, recipient_rank: int | None, rank: int, group: Any
+    layout: ModelLayout, local: LocalState, recipient_rank: int | None, rank: int, group: ProcessGroup
 ) -> dict[tuple[int, str, int | None], torch.Tensor] | None:
     received = broadcast_from_each_rank((local.summary, _shards(local)), group)
     check_agreement(layout, [summary for summary, _ in received])

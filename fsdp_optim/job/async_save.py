@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
-from fsdp_optim.job.transport import new_gloo_group
+from fsdp_optim.job.transport import ProcessGroup, new_gloo_group
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
 
@@ -101,11 +102,10 @@ class _Staging:
 _lock = threading.Lock()
 _inflight: dict[int, AsyncSave] = {}  # id(root) -> its save in flight
 _staging: dict[int, _Staging] = {}  # id(root) -> its reusable buffers
-_groups: dict[Any, Any] = {}  # root process group -> the checkpoint coordination group
+_groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
 
 
-def _checkpoint_group(fsdp: nn.Module) -> Any:
-    group = fsdp.process_group  # type: ignore[attr-defined]
+def _checkpoint_group(group: ProcessGroup) -> ProcessGroup:
     if group not in _groups:
         _groups[group] = new_gloo_group(group)
     return _groups[group]
@@ -130,14 +130,15 @@ def async_save_sharded_optim_state(
     previous = _inflight.get(key)
     if previous is not None:
         _wait_previous(previous)
-    layout, local = read_for_save(fsdp, optim)
-    group = _checkpoint_group(fsdp)
+    root = verify_root(fsdp)
+    local = read_for_save(root, optim)
+    group = _checkpoint_group(root.group)
     staged = _staging.setdefault(key, _Staging()).copy(local.state)
     # Rank 0 holds the directory's lock until the background commit (refusals raise here, on every rank).
     save_id, lock = start_save(Path(directory), group, overwrite=overwrite, purpose="async_save_sharded_optim_state")
     handle = AsyncSave(Path(directory))
     upload = lambda: commit_save(  # noqa: E731 - the thread's whole job, in one call
-        layout, local, staged, type(optim).__name__, Path(directory), save_id, group, lock=lock
+        root.layout, local, staged, type(optim).__name__, Path(directory), save_id, group, lock=lock
     )
     with _lock:
         _inflight[key] = handle

@@ -132,7 +132,9 @@ def check_agreement(layout: ModelLayout, summaries: Sequence[Mapping[int, Any]])
                 )
             for key, (kind, value) in ours.items():
                 other_kind, other = theirs[key]
-                same = kind is other_kind and (value == other if kind is StateKind.SHARDED else same_scalar(value, other))
+                same = kind is other_kind and (
+                    value == other if kind is StateKind.SHARDED else same_scalar(value, other)
+                )
                 if not same:
                     raise ValueError(
                         f"optimizer state '{key}' of {flat.describe()} differs across ranks: rank 0 has "

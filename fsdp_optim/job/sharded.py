@@ -8,7 +8,8 @@ class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParal
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,16 @@ from fsdp_optim.formats.fairscale import dict_source
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest, wrap
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
-from fsdp_optim.job.local import LocalState, check_agreement, check_optimizer, group_members, read_local_state
-from fsdp_optim.job.root import check_root, read_layout
-from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, gather_objects, scatter_objects
+from fsdp_optim.job.local import LocalState, check_agreement, check_optimizer, read_local_state
+from fsdp_optim.job.root import Root, verify_root
+from fsdp_optim.job.transport import (
+    ProcessGroup,
+    agree,
+    broadcast_object,
+    dist_rank_and_size,
+    gather_objects,
+    scatter_objects,
+)
 
 __all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state", "scatter_full_optim_state"]
 
@@ -87,14 +95,17 @@ def save_sharded_optim_state(
     Cost: four small object collectives (lock outcome, save id, per-rank summaries to rank 0, outcome)
     and each rank's own file write.
     """
-    layout, local = read_for_save(fsdp, optim)
+    root = verify_root(fsdp)
+    local = read_for_save(root, optim)
     directory = Path(directory)
     state = {i: {key: _own(v) for key, v in entries.items()} for i, entries in local.state.items()}
-    save_id, lock = start_save(directory, fsdp.process_group, overwrite=overwrite, purpose="save_sharded_optim_state")
-    return commit_save(layout, local, state, type(optim).__name__, directory, save_id, fsdp.process_group, lock=lock)
+    save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_sharded_optim_state")
+    return commit_save(root.layout, local, state, type(optim).__name__, directory, save_id, root.group, lock=lock)
 
 
-def start_save(directory: Path, group: Any, *, overwrite: bool, purpose: str) -> tuple[str, OutputLock | None]:
+def start_save(
+    directory: Path, group: ProcessGroup, *, overwrite: bool, purpose: str
+) -> tuple[str, OutputLock | None]:
     """Before any rank writes: rank 0 locks ``directory``, removes what a killed writer left there,
     refuses foreign contents (unless ``overwrite``) and journals the save
     (:func:`fsdp_optim.storage.begin_write`). Every rank then learns the save id, or every rank raises
@@ -112,20 +123,19 @@ def start_save(directory: Path, group: Any, *, overwrite: bool, purpose: str) ->
     return broadcast_object(save_id, src=0, group=group), lock
 
 
-def read_for_save(fsdp: nn.Module, optim: torch.optim.Optimizer) -> tuple[ModelLayout, LocalState]:
-    """The layout and this rank's optimizer state, checked to be savable (local; reads only)."""
-    check_root(fsdp)
+def read_for_save(root: Root, optim: torch.optim.Optimizer) -> LocalState:
+    """This rank's optimizer state, checked to be savable (local; reads only)."""
     check_elementwise(optim, where="optim", keys=state_keys(optim))
-    layout, params = read_layout(fsdp)
+    layout = root.layout
     layout.check_world_sizes()
-    local = read_local_state(layout, params, optim.state_dict(), optim.param_groups)
+    local = read_local_state(layout, root.params, optim.state_dict(), optim.param_groups)
     for k, group in enumerate(local.groups):
         for key, value in group.hyperparams.items():
             _check_loadable(value, f"optim: hyperparameter '{key}' of param group {k}")
     for i, entries in local.state.items():
         for key, value in entries.items():
             _check_loadable(value, f"optim: state '{key}' of {layout.flat_params[i].describe()}")
-    return layout, local
+    return local
 
 
 def commit_save(
@@ -135,7 +145,7 @@ def commit_save(
     optimizer: str,
     directory: Path,
     save_id: str,
-    group: Any,
+    group: ProcessGroup,
     *,
     lock: OutputLock | None = None,
 ) -> Path:
@@ -152,12 +162,12 @@ def commit_save(
             record = write_shard_file(directory, state, save_id=save_id, rank=rank, world_size=world_size)
         except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
             failure = exc
-        reports = gather_objects((local.summary, record), dst=0, group=group)
-        if rank == 0 and failure is None and all(r is not None for _, r in reports):  # type: ignore[union-attr]
+        reports = gather_objects((local.summary, record), dst=0, group=group)  # None except on rank 0
+        if reports is not None and failure is None and all(r is not None for _, r in reports):
             try:
                 if world_size > 1:
-                    check_agreement(layout, [summary for summary, _ in reports])  # type: ignore[union-attr]
-                files = [r for _, r in reports]  # type: ignore[union-attr]
+                    check_agreement(layout, [summary for summary, _ in reports])
+                files = [r for _, r in reports]
                 manifest = _manifest(layout, local.groups, state, optimizer, save_id, files)
                 write_manifest(directory, manifest, replaces=lock.entries[-1]["replaces"] if lock is not None else ())
             except Exception as exc:
@@ -192,9 +202,7 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     The file stands in for the model where a layout is needed offline: ``reshard`` of a full dict,
     ``convert`` of a fairscale-native dict, ``fsdp-optim ... --layout FILE``.
     """
-    check_root(fsdp)
-    layout, _ = read_layout(fsdp)
-    manifest = Manifest.from_layout(layout.at_rank(0), save_id="layout")
+    manifest = Manifest.from_layout(verify_root(fsdp).layout.at_rank(0), save_id="layout")
     path = Path(path)
     write_file(wrap("manifest", manifest.to_dict()), path)  # under the file's lock, like every writer
     return path
@@ -216,13 +224,11 @@ def load_sharded_optim_state(
     and shapes, param groups, state keys and dtypes, checksums. Errors are ``ValueError`` naming the
     parameter or file, with what was expected and what was found.
     """
-    check_root(fsdp)
+    root = verify_root(fsdp, optim)
     if not Path(path).is_dir() and Path(path).name != MANIFEST_NAME:
-        scatter_full_optim_state(fsdp, optim, path, src_rank=src_rank)
+        _scatter(root, optim, path, src_rank)
         return
-    layout, params = read_layout(fsdp)
-    members = group_members(optim.param_groups, params)
-    rank = fsdp.rank  # type: ignore[attr-defined]
+    layout, members, rank = root.layout, root.members, root.rank
     with ShardedCheckpoint(path, lazy=True) as ckpt:  # lazy: at the saved layout a rank reads only its own file
         check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
         the_plan = plan(ckpt.source(), layout, members=members)
@@ -254,32 +260,40 @@ def scatter_full_optim_state(
     Cost: one small all-gather (the outcome of the check), then per other rank one pickled skeleton plus
     one message per state tensor, then one small all-gather.
     """
-    check_root(fsdp)
-    group, rank, world_size = fsdp.process_group, fsdp.rank, fsdp.world_size  # type: ignore[attr-defined]
-    check_rank("src_rank", src_rank, world_size)
-    layout, params = read_layout(fsdp)
-    members = group_members(optim.param_groups, params)
+    _scatter(verify_root(fsdp, optim), optim, full, src_rank)
+
+
+def _scatter(
+    root: Root,
+    optim: torch.optim.Optimizer,
+    full: Mapping[str, Any] | str | os.PathLike[str] | None,
+    src_rank: int,
+) -> None:
+    """:func:`scatter_full_optim_state` on a verified root (built with ``optim``, so its members are known)."""
+    check_rank("src_rank", src_rank, root.world_size)
     the_plan: Plan | None = None
     own: dict[str, Any] | None = None
     failure: Exception | None = None
-    if rank == src_rank:
+    if root.rank == src_rank:
         try:
-            the_plan = _plan_full(full, layout, members, optim, src_rank)
-            own = optimizer_state_dict(the_plan, cut_rank(the_plan, rank))
+            the_plan = _plan_full(full, root.layout, root.members, optim, src_rank)
+            own = optimizer_state_dict(the_plan, cut_rank(the_plan, root.rank))
         except Exception as exc:  # every rank learns of it through agree()
             failure = exc
-    agree(failure, group=group, what="scatter_full_optim_state refused the full dict")
+    agree(failure, group=root.group, what="scatter_full_optim_state refused the full dict")
+    # After agree(), src_rank holds a plan (or it would have raised) and the other ranks only receive.
+    make = partial(_cut_for, the_plan) if the_plan is not None else None
+    optim.load_state_dict(scatter_objects(make, own, src=src_rank, group=root.group))
 
-    def cut_for(r: int) -> dict[str, Any]:
-        return optimizer_state_dict(the_plan, cut_rank(the_plan, r))  # type: ignore[arg-type]
 
-    optim.load_state_dict(scatter_objects(cut_for if rank == src_rank else None, own, src=src_rank, group=group))
+def _cut_for(the_plan: Plan, r: int) -> dict[str, Any]:
+    return optimizer_state_dict(the_plan, cut_rank(the_plan, r))
 
 
 def _plan_full(
     full: Mapping[str, Any] | str | os.PathLike[str] | None,
     layout: ModelLayout,
-    members: list[list[int]],
+    members: Sequence[Sequence[int]] | None,
     optim: torch.optim.Optimizer,
     src_rank: int,
 ) -> Plan:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fsdp_optim.core.layout import ShardBounds
 
 __all__ = [
+    "ProcessGroup",
     "Transfer",
     "agree",
     "all_gather_objects",
@@ -38,6 +39,8 @@ __all__ = [
     "gather_objects",
     "scatter_objects",
 ]
+
+ProcessGroup = dist.ProcessGroup  # for modules that hold a group but never talk through it (job/root.py)
 
 # On NCCL, staging buffers on the GPU are flushed once this many bytes are in flight.
 _STAGING_BYTES = 256 << 20
@@ -155,7 +158,10 @@ def gather_flat_tensors(
                     io.pending.append(dist.isend(piece.to(io.device), dst=_global(group, recipient), group=group))
             elif out is not None:
                 buffer = io.buffer_for(out[bounds.start : bounds.stop])
-                work = _broadcast(buffer, src, group) if recipient is None else dist.irecv(buffer, src=_global(group, src), group=group)
+                if recipient is None:
+                    work = _broadcast(buffer, src, group)
+                else:
+                    work = dist.irecv(buffer, src=_global(group, src), group=group)
                 io.pending.append(work)
         if io.staged_bytes > _STAGING_BYTES:
             io.flush()
@@ -244,14 +250,16 @@ def scatter_objects(
         agree(None, group=group, what="scatter failed")
         return received
     failure: BaseException | None = None
+    if make is None:  # a caller's mistake, reported on every rank like a failing make()
+        failure = TypeError(f"make: rank {src} (src) must pass a function building rank r's payload, found None")
     for dst in range(dist.get_world_size(group)):
         if dst == src:
             continue
         tensors: list[torch.Tensor] = []
         skeleton = None
-        if failure is None:
+        if failure is None and make is not None:
             try:
-                skeleton = _strip(make(dst), tensors)  # type: ignore[misc]
+                skeleton = _strip(make(dst), tensors)
             except Exception as exc:  # every rank learns of it through agree() below
                 failure = exc
         dist.send_object_list([skeleton], dst=_global(group, dst), group=group, device=device)
@@ -308,7 +316,12 @@ def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) 
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
+    if group is not None:
+        return group
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("no default process group: call torch.distributed.init_process_group first")
+    return world
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:

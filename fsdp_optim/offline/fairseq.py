@@ -20,7 +20,9 @@ class ShardSet(_shards.ShardSet):
         super().__init__(path, param_order=param_names(param_order), **options)
 
 
-def consolidate_shards(path: str | os.PathLike[str], *, param_order: ParamOrder = None, **options: Any) -> dict[str, Any]:
+def consolidate_shards(
+    path: str | os.PathLike[str], *, param_order: ParamOrder = None, **options: Any
+) -> dict[str, Any]:
     return _shards.consolidate_shards(path, param_order=param_names(param_order), **options)
 
 

@@ -215,7 +215,8 @@ def _reshard_sharded(
 def _reshard_full(
     source: Source, given: Any, world_size: int, out: Path, layout: LayoutLike, progress: Progress, overwrite: bool
 ) -> Path:
-    """A full dict (in memory or a file) cut for ``world_size`` ranks of ``layout``: one plan, then one rank at a time."""
+    """A full dict (in memory or a file) cut for ``world_size`` ranks of ``layout``: one plan, then one rank at a
+    time."""
     target = Manifest.from_layout(resolve_layout(layout), save_id=new_save_id()).with_world_size(world_size)
     the_plan = plan(source, target.layout(0))
     return write_all_or_nothing(

@@ -1,6 +1,7 @@
 """The one way in: what kind of input a path or dict is, decided once (:func:`detect`), and opened as a planning
 source (:func:`open_source`). Every offline function and every CLI verb starts here; the options that depend
-on the kind (``layout``, ``optimizer``, ``allow_globals``, ``optimizer_keys``) are accepted or refused here, by one table.
+on the kind (``layout``, ``optimizer``, ``allow_globals``, ``optimizer_keys``) are accepted or refused here, by
+one table.
 
     kind                        what it is                                       layout        optimizer
     sharded checkpoint          a directory of ours (or its manifest)            refused       refused
@@ -139,9 +140,9 @@ def check_options(
             "fairscale-native dict or a fairseq/metaseq shard set only"
         )
     if optimizer_keys is not None and kind is not Kind.SHARD_SET:
-        raise ValueError(f"optimizer_keys: {label} is a {kind.value}; optimizer_keys applies to fairseq/metaseq shard sets")
+        raise ValueError(f"optimizer_keys: {label} is a {kind.value}; it applies to fairseq/metaseq shard sets")
     if allow_globals and kind is not Kind.SHARD_SET:
-        raise ValueError(f"allow_globals: {label} is a {kind.value}; --allow-global applies to fairseq/metaseq shard sets")
+        raise ValueError(f"allow_globals: {label} is a {kind.value}; it applies to fairseq/metaseq shard sets")
 
 
 @contextlib.contextmanager

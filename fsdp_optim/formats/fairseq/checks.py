@@ -55,11 +55,11 @@ def match_optimizer_ids(
     ``ValueError`` when no assignment or several fit, naming them.
     """
     sizes = tuple(len(g) for g in groups)
-    # layer[pos] = (ways, previous pos, group that took this flat or -1)
-    layers: list[dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]]] = [{(0,) * len(groups): (1, None, -1)}]
+    # layer[pos] = (ways, previous pos (() at the start, never followed), group that took this flat or -1)
+    layers: list[dict[tuple[int, ...], tuple[int, tuple[int, ...], int]]] = [{(0,) * len(groups): (1, (), -1)}]
     remaining = sum(sizes)
     for f, size in enumerate(flat_numels):
-        nxt: dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]] = {}
+        nxt: dict[tuple[int, ...], tuple[int, tuple[int, ...], int]] = {}
         for pos, (ways, _, _) in layers[-1].items():
             placed = sum(pos)
             if remaining - placed <= len(flat_numels) - f - 1:  # enough flats left: this one may be skipped
@@ -87,7 +87,7 @@ def match_optimizer_ids(
         _, prev, k = layers[f][pos]
         if k >= 0:
             out[groups[k][pos[k] - 1]] = f - 1
-        pos = prev  # type: ignore[assignment]
+        pos = prev
     return out
 
 

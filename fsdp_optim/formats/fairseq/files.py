@@ -15,7 +15,8 @@ fairseq: ``checkpoint_last-shard0.pt``), each ``torch.save``-d by one rank of a 
 
     {"param_metadata": [{"fsdp_path": "block1", "no_broadcast_optim_state": False,
                          "shared_param_info": [("embed.weight", "head.weight")],
-                         "params": {"flat_param_0": {"names": ["0.weight", "0.bias"], "shapes": [Size([7, 6]), Size([7])],
+                         "params": {"flat_param_0": {"names": ["0.weight", "0.bias"],
+                                                      "shapes": [Size([7, 6]), Size([7])],
                                                       "numels": [42, 7], "padding": 1}}}, ...],   # padding: this rank's
      "buffer_names": ["decoder.version", ...]}
 
@@ -111,7 +112,8 @@ class SetClaims:
         existing = shard_siblings(directory / self.name)
         names = frozenset(p.name for files in existing.values() for p in files)
         problem = f"already holds {self.name}-shard<r>.pt files (ranks {sorted(existing)})" if existing else None
-        return Survey(replaces=names, known=frozenset(os.listdir(directory)), problem=problem, overwrite_means="replace them")
+        known = frozenset(os.listdir(directory))
+        return Survey(replaces=names, known=known, problem=problem, overwrite_means="replace them")
 
     def created(self, entry: Mapping[str, Any]) -> set[str]:
         world_size = entry.get("world_size")
@@ -212,7 +214,8 @@ def load_shard(path: Path, *, allow_globals: Sequence[str] = (), mmap: bool = Tr
             unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path)) if zipped else []
             if unsafe:
                 raise ValueError(
-                    f"{path}: holds objects of {', '.join(unsafe)}, which weights_only loading refuses (fsdp_optim never "
+                    f"{path}: holds objects of {', '.join(unsafe)}, which weights_only loading refuses "
+                    "(fsdp_optim never "
                     "runs code from a checkpoint file); if you trust the file, allow them with allow_globals="
                     f"{unsafe!r} (CLI: --allow-global NAME)"
                 ) from exc

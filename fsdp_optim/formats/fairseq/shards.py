@@ -162,7 +162,7 @@ class ShardSet:
         self._copy(flat, start, stop, out, lambda r: self._file(r)[OPTIM_KEY]["state"][pid][key], whole=False)
 
     def read_weights(self, flat: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
-        assert key == WEIGHT, key
+        assert key == WEIGHT, f"a weights plan has the one entry '{WEIGHT}', asked for {key!r}"
         self._copy(flat, start, stop, out, lambda r: self._file(r)["model"][self.keys[flat]], whole=True)
 
     def _copy(
@@ -359,7 +359,8 @@ def reshard_set(
     rank0 = shards.rank0()
     purpose = f"fsdp_optim.fairseq.reshard_shards -> {world_size} ranks"
     out.parent.mkdir(parents=True, exist_ok=True)
-    with staged_output(out, SetClaims(name), purpose=purpose, overwrite=overwrite, entry={"world_size": world_size}) as stage:
+    entry = {"world_size": world_size}
+    with staged_output(out, SetClaims(name), purpose=purpose, overwrite=overwrite, entry=entry) as stage:
         for rank in range(world_size):
             stream_save(
                 _rank_file(shards, rank0, rank, opt_plan, w_plan, progress),

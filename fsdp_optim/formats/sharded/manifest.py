@@ -34,8 +34,8 @@ A rank file (:func:`shard_payload`)::
      "state": {flat_index: {"exp_avg": Tensor[shard_numel], "step": tensor(3.)}}}
 
 Checksums are content digests (:func:`digest`, xxh3-128; SHA-256 in files of earlier versions): tensors
-contribute dtype, shape and raw bytes, other values their type and ``repr``. A unit's digest is checked when that unit is read, so a reader that
-processes one unit at a time never has to touch a whole file first.
+contribute dtype, shape and raw bytes, other values their type and ``repr``. A unit's digest is checked when
+that unit is read, so a reader that processes one unit at a time never has to touch a whole file first.
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
     return header, obj["body"]
 
 
-def read_header(obj: Any, kind: str, *, source: str, covered: str, what: str | None = None) -> tuple[dict[str, Any], Any]:
+def read_header(
+    obj: Any, kind: str, *, source: str, covered: str, what: str | None = None
+) -> tuple[dict[str, Any], Any]:
     """The checked header of a file we wrote (kind and version; not yet the checksum): ``(header, checksum)``.
 
     ``covered`` is the key whose value the header's checksum covers besides the header itself.
@@ -127,7 +129,8 @@ def shard_payload(
     unit_checksums = {i: digest(entries) for i, entries in state.items()}
     head = {"kind": "shard", "version": CHECKPOINT_VERSION, "save_id": save_id, "rank": rank, "world_size": world_size}
     checksum = digest([head, unit_checksums])
-    return {HEADER_KEY: {**head, "checksum": checksum}, "unit_checksums": unit_checksums, "state": dict(state)}, checksum
+    payload = {HEADER_KEY: {**head, "checksum": checksum}, "unit_checksums": unit_checksums, "state": dict(state)}
+    return payload, checksum
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,7 +154,12 @@ class FileRecord:
         name = get_checked(d, "file", str, where)
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise ValueError(f"{where}: file name must be a plain name inside the checkpoint directory, found {name!r}")
-        return cls(get_checked(d, "rank", int, where), name, get_checked(d, "checksum", str, where), get_checked(d, "bytes", int, where))
+        return cls(
+            get_checked(d, "rank", int, where),
+            name,
+            get_checked(d, "checksum", str, where),
+            get_checked(d, "bytes", int, where),
+        )
 
 
 @dataclass(frozen=True)
@@ -202,7 +210,7 @@ class Manifest:
         for flat in self.flat_params:
             for e in flat.state:
                 if e.kind is StateKind.SHARDED:
-                    total += flat.numel * dtype_from_str(e.dtype, where="state").itemsize  # type: ignore[arg-type]
+                    total += flat.numel * dtype_from_str(e.dtype, where="state").itemsize
         return total
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,7 +242,9 @@ class Manifest:
             GroupRecord.from_dict(g, where=f"{source}, param_groups[{k}]")
             for k, g in enumerate(get_checked(d, "param_groups", (list, tuple), source))
         )
-        files = tuple(FileRecord.from_dict(f, where=f"{source}, files") for f in get_checked(d, "files", (list, tuple), source))
+        files = tuple(
+            FileRecord.from_dict(f, where=f"{source}, files") for f in get_checked(d, "files", (list, tuple), source)
+        )
         manifest = cls(
             save_id=get_checked(d, "save_id", str, source),
             optimizer=optimizer,
@@ -260,10 +270,13 @@ class Manifest:
             )
         for i, flat in enumerate(self.flat_params):
             if flat.per_rank and (flat.world_size != 1 or self.world_size == 1):
-                raise ValueError(f"{source}: unit '{flat.unit}' is per-rank, which needs world size 1 inside a larger world")
+                raise ValueError(
+                    f"{source}: unit '{flat.unit}' is per-rank, which needs world size 1 inside a larger world"
+                )
             if flat.world_size not in (1, self.world_size):
                 raise ValueError(
-                    f"{source}: unit '{flat.unit}' is sharded over {flat.world_size} ranks, expected 1 or {self.world_size}"
+                    f"{source}: unit '{flat.unit}' is sharded over {flat.world_size} ranks, expected 1 or "
+                    f"{self.world_size}"
                 )
             if len({e.key for e in flat.state}) != len(flat.state):
                 raise ValueError(f"{source}: unit '{flat.unit}' (flat_params[{i}]) lists a state key twice")
@@ -272,7 +285,8 @@ class Manifest:
             for i in group.flat_indices:
                 if not 0 <= i < len(self.flat_params) or i in seen:
                     raise ValueError(
-                        f"{source}: param group {k} lists flat parameter {i}; expected each of 0..{len(self.flat_params) - 1} "
+                        f"{source}: param group {k} lists flat parameter {i}; expected each of "
+                        f"0..{len(self.flat_params) - 1} "
                         "at most once over all groups"
                     )
                 seen.add(i)

@@ -89,7 +89,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if not os.path.lexists(file):
         if path.is_dir():
             raise ValueError(
-                f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME}; a save that never finished leaves none)"
+                f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME}; a save that never finished leaves "
+                "none)"
             )
         raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
     obj = load_file(file)
@@ -115,7 +116,7 @@ def _declared_bytes(manifest: Manifest) -> int:
         shard_numel = -(-flat.numel // flat.world_size)
         for e in flat.state:
             if e.kind is StateKind.SHARDED:
-                total += shard_numel * dtype_from_str(e.dtype, where=e.key).itemsize  # type: ignore[arg-type]
+                total += shard_numel * dtype_from_str(e.dtype, where=e.key).itemsize
     return total
 
 
@@ -144,13 +145,17 @@ class _RankFile:
 
     def _check_header(self, payload: Any) -> None:
         where = str(self.path)
-        head, checksum = read_header(payload, "shard", source=where, covered="unit_checksums", what="fsdp_optim rank file")
+        head, checksum = read_header(
+            payload, "shard", source=where, covered="unit_checksums", what="fsdp_optim rank file"
+        )
         check_tree(payload, where)
         if "state" not in payload:
             raise ValueError(f"{where}: expected an fsdp_optim rank file, found keys {sorted(map(str, payload))}")
         for key in ("state", "unit_checksums"):
             if not isinstance(payload[key], Mapping):
-                raise ValueError(f"{where}: '{key}' is a {type(payload[key]).__name__}, expected a dict by flat parameter")
+                raise ValueError(
+                    f"{where}: '{key}' is a {type(payload[key]).__name__}, expected a dict by flat parameter"
+                )
         expected = {
             "save_id": self.manifest.save_id,
             "rank": self.record.rank,
@@ -159,7 +164,8 @@ class _RankFile:
         for key, value in expected.items():
             if head.get(key) != value:
                 raise ValueError(
-                    f"{where}: {key} is {head.get(key)!r}, expected {value!r} from the manifest (a file of another save?)"
+                    f"{where}: {key} is {head.get(key)!r}, expected {value!r} from the manifest (a file of another "
+                    "save?)"
                 )
         if checksum != self.record.checksum:
             raise ValueError(f"{where}: checksum {checksum} differs from the manifest's {self.record.checksum}")
@@ -172,7 +178,9 @@ class _RankFile:
         where = f"{self.path}, unit '{flat.unit or '<root>'}' (flat parameter {flat_index})"
         entries = payload["state"].get(flat_index)
         if entries is None or not isinstance(entries, Mapping):
-            raise ValueError(f"{where}: no state in the file, but the manifest lists keys {[e.key for e in flat.state]}")
+            raise ValueError(
+                f"{where}: no state in the file, but the manifest lists keys {[e.key for e in flat.state]}"
+            )
         if flat_index not in self.verified:
             if not digest_matches(entries, payload["unit_checksums"].get(flat_index)):
                 raise ValueError(f"{where}: checksum mismatch (file is corrupt or was modified)")
@@ -182,9 +190,11 @@ class _RankFile:
             for e in flat.state:
                 value = entries[e.key]
                 if e.kind is StateKind.SHARDED:
-                    dtype = dtype_from_str(e.dtype, where=where)  # type: ignore[arg-type]
+                    dtype = dtype_from_str(e.dtype, where=where)
                     if not torch.is_tensor(value) or tuple(value.shape) != (shard_numel,) or value.dtype != dtype:
-                        found = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+                        found = (
+                            f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+                        )
                         raise ValueError(f"{where}: state '{e.key}' is {found}, expected ({shard_numel},) {dtype}")
                 elif not same_scalar(value, e.value):
                     # Every reader must resume the same way: the manifest's value is what offline tools use.

@@ -53,7 +53,8 @@ class _CheckpointClaims:
         try:
             files = frozenset(f.file for f in read_manifest(directory).files)
         except (ValueError, OSError) as exc:
-            return Survey(known=frozenset({MANIFEST_NAME}), problem=f"its {MANIFEST_NAME} is not an fsdp_optim manifest ({exc})")
+            problem = f"its {MANIFEST_NAME} is not an fsdp_optim manifest ({exc})"
+            return Survey(known=frozenset({MANIFEST_NAME}), problem=problem)
         return Survey(replaces=files, known=files | {MANIFEST_NAME})
 
     def created(self, entry: Mapping[str, Any]) -> set[str]:
