@@ -12,7 +12,6 @@ from torch import nn
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import read_manifest
-from fsdp_optim.job.root import read_layout
 
 LayoutLike = ModelLayout | Manifest | nn.Module | str | os.PathLike
 
@@ -25,7 +24,9 @@ def resolve_layout(layout: LayoutLike) -> ModelLayout:
         return layout
     if isinstance(layout, Manifest):
         return layout.layout(0)
-    if isinstance(layout, nn.Module):
+    if isinstance(layout, nn.Module):  # a live FSDP model: read in the job layer (loads the collectives)
+        from fsdp_optim.job.root import read_layout
+
         return read_layout(layout)[0].at_rank(0)
     if isinstance(layout, (str, os.PathLike)):
         return read_manifest(layout).layout(0)
