@@ -305,7 +305,7 @@ def consolidate_shards(
             shards.trim()
             if progress is not None:
                 progress()
-        full = build_full_state(layout, the_plan.groups, states, optimizer=optimizer)
+        full = build_full_state(layout, the_plan.groups, states, optimizer=shards.manifest.optimizer)
         rank0 = shards.rank0()
         full.update({k: copy.deepcopy(rank0[OPTIM_KEY][k]) for k in shards.extras})
         out: dict[str, Any] = {}
