@@ -189,3 +189,18 @@ def test_consolidation_labels_and_refuses_by_the_recorded_optimizer(written, tmp
     with pytest.raises(NotElementwiseError):
         reshard_shards(refused, 3, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_launcher_passes_torchrun_environment_to_fairseq() -> None:
+    from fsdp_optim.fairseq_launch import distributed_args, main
+
+    env = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert distributed_args(["data-bin", "--cpu"], env) == [
+        "data-bin", "--cpu", "--distributed-init-method", "env://", "--distributed-rank", "1",
+        "--distributed-world-size", "3", "--distributed-no-spawn",
+    ]  # fmt: skip
+    assert distributed_args(["data-bin"], {"RANK": "0"}) == ["data-bin"]  # not under torchrun: fairseq decides
+    given = ["data-bin", "--distributed-init-method", "tcp://h:1"]
+    assert distributed_args(given, env) == given  # the caller's own settings win
+    with pytest.raises(SystemExit, match=r"\{train,validate\} FAIRSEQ_ARGS.*found \['generate'\]"):
+        main(["generate", "data-bin"])
