@@ -26,5 +26,19 @@ setup(
         # ruff and mypy run in CI before pytest (.ci/run); exact versions come from constraints.txt.
         "test": ["pytest", "parameterized", "hypothesis", "ruff", "mypy"],
         "bench": ["matplotlib"],
+        # fairseq-fixed's own requirements but torchaudio (which would replace a CPU torch): fairseq-fixed itself is
+        # installed after these with --no-build-isolation --no-deps (.ci/install-fairseq, README "With fairseq").
+        "fairseq": [
+            "hydra-core==1.3.*",
+            "omegaconf==2.3.*",
+            "cython",
+            "numpy",
+            "bitarray",
+            "sacrebleu",
+            "regex",
+            "cffi",
+            "scikit-learn",
+            "packaging",
+        ],
     },
 )

@@ -207,8 +207,13 @@ def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> No
         _inspect_manifest(shards.manifest, kind, out, units=args.units)
         size = sum(p.stat().st_size for p in shards.paths)
         out.insert(2, f"files: {len(shards.paths)} ({shards.label}), {human_bytes(size)}")
+        recorded = " / ".join(n for n in shards.recorded_optimizer if n)
+        if recorded:  # fairseq's own class: say which torch.optim class's state it keeps
+            out[:] = [f"{line} (recorded: {recorded})" if line.startswith("optimizer: ") else line for line in out]
         extras = {k: _scalar(rank0["last_optimizer_state"][k]) for k in shards.extras}
         out.append(f"optimizer extras: {', '.join(f'{k}={v!r}' for k, v in extras.items()) or '-'}")
+        unsaved = f"; not saved (non-persistent): {', '.join(shards.unsaved_buffers)}" if shards.unsaved_buffers else ""
+        out.append(f"buffers: {', '.join(shards.buffers) or '-'}{unsaved}")
         kept = [k for k in rank0 if k not in ("model", "last_optimizer_state", shards.metadata_key)]
         out.append(f"other keys: {', '.join(kept) or '-'}")
 

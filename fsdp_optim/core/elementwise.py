@@ -8,10 +8,10 @@ updates each element from that element alone: its state on a flat shard is, elem
 state it would have on the unwrapped parameter, so it can be cut and reassembled at any world size.
 A *shape-dependent* optimizer computes state from the tensor's shape: Adafactor's factored second
 moment (a row and a column vector of a 2-D parameter; on a flat shard, one vector of another meaning),
-LBFGS's history over all parameters at once, Muon's orthogonalised updates. On a flat shard such state
-is not the unwrapped optimizer's, and no conversion makes it so: fsdp_optim refuses those optimizers
-on every path (gather, save, get_shard, load, scatter) with :class:`NotElementwiseError`, naming the
-optimizer and its state keys.
+LBFGS's history over all parameters at once, Muon's orthogonalised updates, LAMB's trust ratio (the norms
+of each whole parameter). On a flat shard such state is not the unwrapped optimizer's, and no conversion
+makes it so: fsdp_optim refuses those optimizers on every path (gather, save, get_shard, load, scatter)
+with :class:`NotElementwiseError`, naming the optimizer and its state keys.
 
 Known elementwise: :data:`TORCH_ELEMENTWISE` (``torch.optim``'s). Declare your own with
 :func:`register_elementwise_optimizer` (a class, or its name as the checkpoint records it), in every
@@ -42,7 +42,7 @@ TORCH_ELEMENTWISE = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop"}
     | {"SparseAdam"}
 )
-SHAPE_DEPENDENT = frozenset({"Adafactor", "LBFGS", "Muon", "Shampoo", "DistributedShampoo", "SOAP", "SM3"})
+SHAPE_DEPENDENT = frozenset({"Adafactor", "LBFGS", "Muon", "Shampoo", "DistributedShampoo", "SOAP", "SM3", "LAMB"})
 _registered: set[str] = set()
 
 

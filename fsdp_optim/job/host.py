@@ -29,7 +29,12 @@ no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_e
 4. runs fairscale's ``_init_param_attributes`` with ``Tensor.pin_memory()`` returning the tensor itself,
    and ``clip_grad_norm_`` with ``Tensor.cuda()`` returning the tensor itself (a torch-function mode
    active during those two methods only: no other code sees it);
-5. makes fairscale's default ``compute_device`` the CPU.
+5. makes fairscale's default ``compute_device`` the CPU;
+6. works around one fairscale bug that is not about CUDA (GPUs have it too: fairscale issue #1193, PR
+   #1149): ``load_local_state_dict`` before the first forward of a model with nested units frees full
+   parameters that were never made and raises ``'FlatParameter' object has no attribute
+   '_full_param_padded'``; ``_free_full_params`` skips the parameters that have none. On a GPU, call
+   ``model.local_state_dict()`` once before loading (it initialises every unit).
 
 Leaving the switch (the outermost exit) restores every one of these names to the very object it was and
 destroys the ``record_stream`` registration (``torch.library.Library._destroy``), so fairscale is exactly
@@ -59,6 +64,7 @@ __all__ = [
     "host_execution",
     "is_enabled",
     "new_stream",
+    "without_transfers",
 ]
 
 
@@ -127,7 +133,7 @@ _TORCH_VIEW = _TorchWithHostCuda()
 class _NothingToMove(TorchFunctionMode):
     """``Tensor.pin_memory()`` and ``Tensor.cuda()`` return the tensor itself; every other call runs as is.
 
-    Active only while one of fairscale's methods wrapped by :func:`_without_transfers` runs: on a host
+    Active only while one of fairscale's methods wrapped by :func:`without_transfers` runs: on a host
     without an accelerator the CPU tensor already is where those calls would put it.
     """
 
@@ -137,7 +143,9 @@ class _NothingToMove(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _without_transfers(method: Callable[..., Any]) -> Callable[..., Any]:
+def without_transfers(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` run with ``Tensor.pin_memory()`` and ``Tensor.cuda()`` returning the tensor itself."""
+
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         with _NothingToMove():
@@ -155,6 +163,26 @@ def _with_host_streams(setup_streams: Callable[[Any], None]) -> Callable[[Any], 
             # dict is already shared with every child instance, so filling it in place reaches them too.
             for name in ("fp32_to_fp16", "all_gather", "post_backward"):
                 self._streams[name] = new_stream()
+
+    return wrapper
+
+
+def _free_only_made(free_full_params: Callable[..., None]) -> Callable[..., None]:
+    """fairscale's ``_free_full_params`` over only the parameters whose full buffers exist.
+
+    Works around a fairscale bug (not the switch's; GPUs have it too: fairscale issue #1193, PR #1149):
+    ``load_local_state_dict`` lazily initialises the root instance only, then frees every nested instance's
+    full parameters, which ``_init_param_attributes`` makes only on an instance's first use, so a resume
+    before any forward raises ``AttributeError: 'FlatParameter' object has no attribute
+    '_full_param_padded'``. A parameter never initialised has nothing to free; the rest is fairscale's code.
+    """
+
+    @functools.wraps(free_full_params)
+    def wrapper(self: Any, params: Any = None) -> None:
+        chosen = self.params if params is None else params
+        made = [p for p in chosen if hasattr(p, "_full_param_padded" if p._is_sharded else "_fp16_shard")]
+        free_full_params(self, made)
+        self.has_full_params = False  # what fairscale sets, also when nothing was made
 
     return wrapper
 
@@ -196,8 +224,9 @@ def _replacements() -> list[tuple[Any, str, Callable[[Any], Any]]]:
         (fairscale_fsdp, "_get_default_cuda_device", lambda _: _default_compute_device),
         (bucketer, "enable_nccl_base_collectives", lambda _: False),
         (cls, "_setup_streams", _with_host_streams),
-        (cls, "_init_param_attributes", _without_transfers),
-        (cls, "clip_grad_norm_", _without_transfers),
+        (cls, "_init_param_attributes", without_transfers),
+        (cls, "clip_grad_norm_", without_transfers),
+        (cls, "_free_full_params", _free_only_made),
     ]
 
 

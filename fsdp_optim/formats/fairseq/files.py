@@ -18,7 +18,7 @@ fairseq: ``checkpoint_last-shard0.pt``), each ``torch.save``-d by one rank of a 
                          "params": {"flat_param_0": {"names": ["0.weight", "0.bias"],
                                                       "shapes": [Size([7, 6]), Size([7])],
                                                       "numels": [42, 7], "padding": 1}}}, ...],   # padding: this rank's
-     "buffer_names": ["decoder.version", ...]}
+     "buffer_names": ["decoder.version", ...]}   # every buffer, non-persistent ones too (never in "model")
 
 Each *backing parameter* (a flat parameter, or a parameter an instance left unflattened) becomes one
 source flat in :mod:`fsdp_optim.fairseq`, in the order the files store them (the ``model`` dict's order,
@@ -57,6 +57,7 @@ from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.layout import ParamSpec, clean_path
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.staged import Survey
+from fsdp_optim.formats.fairseq.optimizers import recorded_names
 
 __all__ = [
     "DATA_ONLY_GLOBALS",
@@ -263,7 +264,8 @@ class RankSummary:
     backings: tuple[Backing, ...]
     padding: tuple[int, ...]  # per backing, as recorded
     structure: str  # digest of the metadata without padding
-    buffers: tuple[str, ...]
+    buffers: tuple[str, ...]  # the buffers the file holds (persistent ones)
+    unsaved_buffers: tuple[str, ...]  # listed in buffer_names but not saved: non-persistent buffers
     aliases: Mapping[str, str]  # unwrapped alias -> parameter name (shared_param_info)
     model: Mapping[str, tuple[tuple[int, ...], torch.dtype, tuple[int, int]]]  # key -> shape, dtype, storage identity
     groups: tuple[tuple[Mapping[str, Any], tuple[int, ...]], ...]
@@ -271,6 +273,7 @@ class RankSummary:
     extras: tuple[str, ...]  # optimizer keys besides state and param_groups
     extras_digest: str
     num_updates: Any
+    optimizer: tuple[str | None, str | None]  # as recorded: class (optimizer_history), registered name (cfg)
 
 
 def summarise(payload: Any, path: Path) -> RankSummary:
@@ -312,7 +315,9 @@ def summarise(payload: Any, path: Path) -> RankSummary:
         backings=backings,
         padding=padding,
         structure=digest([(b.unit, b.name, b.params) for b in backings] + [sorted(aliases.items())]),
-        buffers=tuple(meta.get("buffer_names", ())),
+        # fairscale lists every buffer (named_buffers()); the state dict holds only the persistent ones.
+        buffers=tuple(n for n in meta.get("buffer_names", ()) if n in model),
+        unsaved_buffers=tuple(n for n in meta.get("buffer_names", ()) if n not in model),
         aliases=aliases,
         model={
             k: (tuple(v.shape), v.dtype, (v.untyped_storage().data_ptr(), int(v.storage_offset())))
@@ -324,6 +329,7 @@ def summarise(payload: Any, path: Path) -> RankSummary:
         extras=extras,
         extras_digest=digest({k: optim[k] for k in extras}),
         num_updates=num_updates,
+        optimizer=recorded_names(payload),
     )
 
 

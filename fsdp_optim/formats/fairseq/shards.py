@@ -50,12 +50,14 @@ from fsdp_optim.formats.fairseq.checks import (
 from fsdp_optim.formats.fairseq.files import (
     METADATA_KEYS,
     OPTIM_KEY,
+    RankSummary,
     SetClaims,
     is_shard_set,
     load_shard,
     shard_paths,
     summarise,
 )
+from fsdp_optim.formats.fairseq.optimizers import torch_optimizer
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
@@ -83,7 +85,10 @@ class ShardSet:
         optimizer_keys: per param group, the ``model`` keys (``"block1.flat_param_0"``) of the optimizer's
             parameters in its order; needed only when the sizes leave the ids ambiguous.
         allow_globals: classes (``"module.Class"``) to allow when loading, besides plain data.
-        optimizer: the optimizer's class name for the full dict's header (``None``: unknown, not checked).
+        optimizer: the optimizer's class name for the full dict's header. ``None``: the ``torch.optim`` class
+            whose state the optimizer the files record keeps (``FairseqAdam``: ``AdamW``; see
+            :mod:`~fsdp_optim.formats.fairseq.optimizers`), refusing shape-dependent ones (Adafactor); for an
+            optimizer not known there, unknown and not checked.
     """
 
     def __init__(
@@ -106,7 +111,7 @@ class ShardSet:
         self.world_size = len(self.paths)
         self.metadata_key = first.metadata_key
         self.extras = first.extras
-        self.buffers = first.buffers
+        self.buffers, self.unsaved_buffers = first.buffers, first.unsaved_buffers  # unsaved: non-persistent
         # The files' order: the model dict's, which is the wrapped model's parameters() order.
         position = {key: i for i, key in enumerate(first.model)}
         missing = next((b.key for b in first.backings if b.key not in position), None)
@@ -119,6 +124,22 @@ class ShardSet:
         self.model_aliases = model_aliases(first, self.keys)
         self.aliases = dict(first.aliases)  # unwrapped alias -> parameter (flattened units' shared_param_info)
         self.id_of_flat = optimizer_ids(first, self.backings, self.world_size, optimizer_keys, self.label)
+        flats, weight_flats, groups = self._records(first)
+        self.recorded_optimizer = first.optimizer  # (class, registered name) as fairseq / metaseq record them
+        if optimizer is None:  # the torch.optim class whose state it keeps; shape-dependent ones are refused
+            optimizer = torch_optimizer(*first.optimizer, where=self.label)
+        names = resolve_param_order(param_order, [p.name for b in self.backings for p in b.params], self.label)
+        self.manifest = Manifest("fairseq", optimizer, self.world_size, names, tuple(flats), groups)
+        self.manifest.check(source=self.label)
+        self.weights = replace(
+            self.manifest, flat_params=tuple(weight_flats), groups=(GroupRecord({}, tuple(range(len(flats)))),)
+        )
+        self._files: list[Any] = [None] * self.world_size
+        self._mapped = 0
+        self.peak_mapped = 0
+
+    def _records(self, first: RankSummary) -> tuple[list[FlatRecord], list[FlatRecord], tuple[GroupRecord, ...]]:
+        """The optimizer's and the weights' flat records, one per backing parameter, and the param groups."""
         flats, weight_flats = [], []
         for i, b in enumerate(self.backings):
             model_dtype = first.model[b.key][1]
@@ -137,15 +158,7 @@ class ShardSet:
             )
             for hyper, ids in first.groups
         )
-        names = resolve_param_order(param_order, [p.name for b in self.backings for p in b.params], self.label)
-        self.manifest = Manifest("fairseq", optimizer, self.world_size, names, tuple(flats), groups)
-        self.manifest.check(source=self.label)
-        self.weights = replace(
-            self.manifest, flat_params=tuple(weight_flats), groups=(GroupRecord({}, tuple(range(len(flats)))),)
-        )
-        self._files: list[Any] = [None] * self.world_size
-        self._mapped = 0
-        self.peak_mapped = 0
+        return flats, weight_flats, groups
 
     # -- sources and reads -----------------------------------------------------------------------------
 
