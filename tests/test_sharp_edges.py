@@ -172,20 +172,20 @@ def test_fairscale_own_gather_and_get_shard_under_the_switch_match_plain_adam(jo
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{how} {name}: {m}")
 
 
-def test_a_fairscale_dict_whose_moments_are_byte_identical_is_refused_naming_the_check(job) -> None:
+def test_a_fairscale_dict_whose_moments_are_byte_identical_is_refused_naming_the_check(job, capsys, tmp_path) -> None:
     out, _ = job
     native = torch.load(out / "native.pt", weights_only=True)
-    layout = fsdp_optim.offline.resolve_layout(out / "layout.pt")
-    broken = copy.deepcopy(native)
-    for entries in broken["state"].values():
+    for entries in native["state"].values():
         if "exp_avg" in entries:
             entries["exp_avg"] = entries["exp_avg_sq"].clone()  # what fairscale's CPU gather used to return
-    before = copy.deepcopy(broken)
-    with pytest.raises(ValueError, match="byte-identical") as info:
-        fsdp_optim.from_fairscale(broken, layout, optimizer="Adam")
-    assert "exp_avg" in str(info.value) and "exp_avg_sq" in str(info.value)
-    torch.testing.assert_close(broken, before)  # nothing changed
-    fsdp_optim.from_fairscale(native, layout, optimizer="Adam")  # the real one converts
+    torch.save(native, tmp_path / "broken.pt")
+    before = (tmp_path / "broken.pt").read_bytes()
+    argv = ["--layout", str(out / "layout.pt"), "--optimizer", "Adam", "-o", str(tmp_path / "full.pt")]
+    assert main(["convert", str(tmp_path / "broken.pt"), *argv]) == 1
+    err = capsys.readouterr().err
+    assert "byte-identical" in err and "'exp_avg' and 'exp_avg_sq'" in err and "plausibility check" in err, err
+    assert (tmp_path / "broken.pt").read_bytes() == before and not (tmp_path / "full.pt").exists()
+    assert main(["convert", str(out / "native.pt"), *argv]) == 0, capsys.readouterr().err  # the real one converts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,5 +256,3 @@ def test_readme_quick_start_and_clip_grad_norm(job) -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert "download.pytorch.org/whl/cpu" in readme  # the CPU wheel on a machine without CUDA
     assert "not shimmed on CPU" not in readme  # the host switch does shim clip_grad_norm_
-
-

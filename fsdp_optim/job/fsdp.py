@@ -41,7 +41,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
         if not torch.cuda.is_available():
             # For the rest of the process (a model outlives any scope we could pick); idempotent.
             _host.enable_for_process()
-        super().__init__(module, *args, **kwargs)
+        with _host.quiet():  # fairscale's first Tensor.storage() call warns of a deprecation; not the user's to fix
+            super().__init__(module, *args, **kwargs)
 
     # -- optimizer state ---------------------------------------------------------------------------
 

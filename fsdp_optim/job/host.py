@@ -13,7 +13,11 @@ in places that have nothing to do with the maths of sharding:
 4. with ``move_params_to_cpu`` / ``cpu_offload`` / ``move_grads_to_cpu`` it pins the CPU copies
    (``Tensor.pin_memory()``), which raises "Cannot access accelerator device when none is available";
 5. ``clip_grad_norm_`` moves the local norm with ``.cuda()``; and without ``compute_device`` it
-   defaults to ``torch.device("cuda")``.
+   defaults to ``torch.device("cuda")``;
+6. its ``gather_full_optim_state_dict`` receives every state key into one reused buffer and keeps
+   ``x.cpu()`` of it, a copy on a GPU but the very same tensor on a CPU: every key of a parameter ends up
+   holding the last key's values (Adam's ``exp_avg`` equal to ``exp_avg_sq``); and it turns the live
+   optimizer's ``step`` tensors into Python numbers, after which ``Adam.step()`` raises.
 
 On a CPU every operation is synchronous and there is nothing to pin or move, so each of these is a
 no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_execution` /
@@ -29,7 +33,14 @@ no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_e
 4. runs fairscale's ``_init_param_attributes`` with ``Tensor.pin_memory()`` returning the tensor itself,
    and ``clip_grad_norm_`` with ``Tensor.cuda()`` returning the tensor itself (a torch-function mode
    active during those two methods only: no other code sees it);
-5. makes fairscale's default ``compute_device`` the CPU.
+5. makes fairscale's default ``compute_device`` the CPU;
+6. runs fairscale's ``_gather_optim_state`` with ``Tensor.cpu()`` of a CPU tensor returning a copy (what
+   it returns from a GPU), and its ``gather_full_optim_state_dict`` with the live optimizer's ``step``
+   values put back afterwards, so fairscale's own gather gives the right dict on a CPU and leaves the
+   optimizer as it was (``tests/test_sharp_edges.py``);
+7. uses the list form of fairscale's parameter all-gather too (no deprecated ``_all_gather_base``), and
+   silences torch's ``TypedStorage`` deprecation inside fairscale's constructor, where fairscale first
+   calls ``Tensor.storage()`` (torch warns once per process): warnings nobody using the package can act on.
 
 Leaving the switch (the outermost exit) restores every one of these names to the very object it was and
 destroys the ``record_stream`` registration (``torch.library.Library._destroy``), so fairscale is exactly
@@ -43,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +158,66 @@ def _without_transfers(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class _CopyOnHost(TorchFunctionMode):
+    """``Tensor.cpu()`` of a CPU tensor returns a copy, as it does from a GPU; every other call runs as is."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.cpu and args[0].device.type == "cpu":
+            return args[0].clone()
+        return func(*args, **(kwargs or {}))
+
+
+def _copying_to_host(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _CopyOnHost():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+def _keeping_the_optimizer(gather: Callable[..., Any]) -> Callable[..., Any]:
+    """fairscale's gather with every live ``step`` value put back afterwards (it turns them into floats)."""
+
+    @functools.wraps(gather)
+    def wrapper(self: Any, optim: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        steps = [(state, state["step"]) for state in optim.state.values() if "step" in state]
+        try:
+            return gather(self, optim, *args, **kwargs)
+        finally:
+            for state, step in steps:
+                state["step"] = step
+
+    return wrapper
+
+
+# Deprecations raised inside fairscale's code that nobody using it can act on; filtered only while our
+# wrappers run (``warnings.catch_warnings``), never process-wide.
+QUIET = (
+    (UserWarning, r"TypedStorage is deprecated"),
+    (FutureWarning, r"`torch\.distributed\._all_gather_base` is a private function"),
+    (FutureWarning, r"`torch\.distributed\._reduce_scatter_base` is a private function"),
+)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Filter :data:`QUIET` for the duration of the block only."""
+    with warnings.catch_warnings():
+        for category, message in QUIET:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
+
+
+def _quietly(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with quiet():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
 def _with_host_streams(setup_streams: Callable[[Any], None]) -> Callable[[Any], None]:
     @functools.wraps(setup_streams)
     def wrapper(self: Any) -> None:
@@ -195,9 +267,13 @@ def _replacements() -> list[tuple[Any, str, Callable[[Any], Any]]]:
         (fairscale_fsdp, "torch", lambda _: _TORCH_VIEW),
         (fairscale_fsdp, "_get_default_cuda_device", lambda _: _default_compute_device),
         (bucketer, "enable_nccl_base_collectives", lambda _: False),
+        (fairscale_fsdp, "enable_nccl_base_collectives", lambda _: False),
         (cls, "_setup_streams", _with_host_streams),
         (cls, "_init_param_attributes", _without_transfers),
         (cls, "clip_grad_norm_", _without_transfers),
+        (cls, "_shard_parameters_", _quietly),
+        (cls, "_gather_optim_state", _copying_to_host),
+        (cls, "gather_full_optim_state_dict", _keeping_the_optimizer),
     ]
 
 
@@ -268,7 +344,7 @@ def disable_host_execution() -> None:
     """Undo one :func:`enable_host_execution`; the last one restores fairscale's module exactly.
 
     Every replaced name (the module's ``torch``, its default compute device, the bucketer's collective
-    flag, three methods of fairscale's ``FullyShardedDataParallel``) gets back the object it held before,
+    flag and its own, six methods of fairscale's ``FullyShardedDataParallel``) gets back the object it held before,
     and the ``aten::record_stream`` CPU kernel registered by the switch is unregistered. While
     ``fsdp_optim.FullyShardedDataParallel`` has enabled host execution for the process (see
     :func:`enable_for_process`), nothing is restored.
