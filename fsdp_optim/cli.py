@@ -305,7 +305,7 @@ def _consolidate_shards(args: argparse.Namespace) -> list[str]:
 
 
 def _reshard(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.reader import read_manifest, source_kind
     from fsdp_optim.offline.operations import reshard
 
     if _is_shard_set(args.source):
@@ -330,6 +330,11 @@ def _reshard(args: argparse.Namespace) -> list[str]:
         source, layout = _from_native(native, args, args.source, "reshard")
     elif args.optimizer is not None:
         raise ValueError(f"{args.source}: --optimizer is for a fairscale-native dict only (other sources record it)")
+    elif layout is None and source_kind(source) == "file":
+        raise ValueError(
+            f"layout: resharding a full dict ({source}) needs the FSDP wrapping, which a full dict does not record: "
+            f"pass {_NEEDS_LAYOUT}"
+        )
     with _progress(f"reshard -> {args.world_size} ranks") as progress:
         manifest = reshard(
             source, args.world_size, args.output, layout=layout, progress=progress, overwrite=args.overwrite
@@ -424,7 +429,10 @@ def _parser() -> argparse.ArgumentParser:
         "before -shard). Formats written: sharded checkpoint, full dict, name-keyed dict, fairseq/metaseq shard "
         "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp).",
     )
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    from fsdp_optim import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB", help="what to do (VERB --help for more)")
     _add_inspect(verbs)
     _add_consolidate(verbs)
     _add_reshard(verbs)
@@ -476,7 +484,7 @@ def _add_reshard(verbs: Any) -> None:
         help="a sharded checkpoint directory, a full dict file, a fairscale-native dict file, or a fairseq/metaseq "
         "shard set (-> M shard files of the same format and names)",
     )
-    p.add_argument("--world-size", type=int, required=True, metavar="M")
+    p.add_argument("--world-size", type=int, required=True, metavar="M", help="the number of ranks to write files for")
     p.add_argument("-o", "--output", required=True, help="the directory to write (not the source's)")
     p.add_argument(
         "--overwrite",

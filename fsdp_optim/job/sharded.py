@@ -217,7 +217,8 @@ def load_sharded_optim_state(
     """
     check_root(fsdp)
     if not Path(path).is_dir() and Path(path).name != MANIFEST_NAME:
-        scatter_full_optim_state(fsdp, optim, path, src_rank=src_rank)
+        _refuse_shard_set(path)
+        _scatter(fsdp, optim, path, src_rank=src_rank, what=f"load_sharded_optim_state({str(path)!r}) loaded nothing")
         return
     layout, params = read_layout(fsdp)
     members = group_members(optim.param_groups, params)
@@ -253,6 +254,10 @@ def scatter_full_optim_state(
     Cost: one small all-gather (the outcome of the check), then per other rank one pickled skeleton plus
     one message per state tensor, then one small all-gather.
     """
+    _scatter(fsdp, optim, full, src_rank=src_rank, what="scatter_full_optim_state refused the full dict")
+
+
+def _scatter(fsdp: nn.Module, optim: torch.optim.Optimizer, full: Any, *, src_rank: int, what: str) -> None:
     check_root(fsdp)
     group, rank, world_size = fsdp.process_group, fsdp.rank, fsdp.world_size  # type: ignore[attr-defined]
     check_rank("src_rank", src_rank, world_size)
@@ -267,12 +272,25 @@ def scatter_full_optim_state(
             own = optimizer_state_dict(the_plan, cut_rank(the_plan, rank))
         except Exception as exc:  # every rank learns of it through agree()
             failure = exc
-    agree(failure, group=group, what="scatter_full_optim_state refused the full dict")
+    agree(failure, group=group, what=what)
 
     def cut_for(r: int) -> dict[str, Any]:
         return optimizer_state_dict(the_plan, cut_rank(the_plan, r))  # type: ignore[arg-type]
 
     optim.load_state_dict(scatter_objects(cut_for if rank == src_rank else None, own, src=src_rank, group=group))
+
+
+def _refuse_shard_set(path: str | os.PathLike[str]) -> None:
+    """A fairseq/metaseq shard set (a prefix or one ``-shard<r>.pt`` file) is not a full dict: say what it is."""
+    from fsdp_optim.formats.fairseq.files import is_shard_set
+
+    if is_shard_set(path):
+        raise ValueError(
+            f"{path}: a fairseq/metaseq shard set (files {Path(path).name}-shard<r>.pt or one of them), which "
+            "load_sharded_optim_state does not read; it loads an fsdp_optim sharded checkpoint directory or a full "
+            f"dict file: write one with `fsdp-optim reshard {path} ...` (another world size) or "
+            f"`fsdp-optim convert {path} -o full.pt`, then load that"
+        )
 
 
 def _plan_full(
@@ -286,8 +304,12 @@ def _plan_full(
     if full is None:
         raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
     label = "the full dict" if isinstance(full, Mapping) else str(full)
+    if not isinstance(full, Mapping) and not os.path.lexists(full):
+        raise FileNotFoundError(
+            f"{full}: no such file or directory; expected a sharded checkpoint directory (holding {MANIFEST_NAME}) "
+            "or a full dict file"
+        )
     obj = full if isinstance(full, Mapping) else load_file(full, mmap=True)
     source = dict_source(obj, layout, label=label, optimizer=type(optim).__name__)
     check_optimizer(source.optimizer, optim, "the full optimizer state dict")
     return plan(source, layout, members=members)
-
