@@ -54,13 +54,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from fsdp_optim.job.host_fixes import copying_to_host, keeping_the_optimizer, quietly
 
 __all__ = [
     "HostStream",
@@ -158,66 +159,6 @@ def _without_transfers(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class _CopyOnHost(TorchFunctionMode):
-    """``Tensor.cpu()`` of a CPU tensor returns a copy, as it does from a GPU; every other call runs as is."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.Tensor.cpu and args[0].device.type == "cpu":
-            return args[0].clone()
-        return func(*args, **(kwargs or {}))
-
-
-def _copying_to_host(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _CopyOnHost():
-            return method(*args, **kwargs)
-
-    return wrapper
-
-
-def _keeping_the_optimizer(gather: Callable[..., Any]) -> Callable[..., Any]:
-    """fairscale's gather with every live ``step`` value put back afterwards (it turns them into floats)."""
-
-    @functools.wraps(gather)
-    def wrapper(self: Any, optim: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        steps = [(state, state["step"]) for state in optim.state.values() if "step" in state]
-        try:
-            return gather(self, optim, *args, **kwargs)
-        finally:
-            for state, step in steps:
-                state["step"] = step
-
-    return wrapper
-
-
-# Deprecations raised inside fairscale's code that nobody using it can act on; filtered only while our
-# wrappers run (``warnings.catch_warnings``), never process-wide.
-QUIET = (
-    (UserWarning, r"TypedStorage is deprecated"),
-    (FutureWarning, r"`torch\.distributed\._all_gather_base` is a private function"),
-    (FutureWarning, r"`torch\.distributed\._reduce_scatter_base` is a private function"),
-)
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Filter :data:`QUIET` for the duration of the block only."""
-    with warnings.catch_warnings():
-        for category, message in QUIET:
-            warnings.filterwarnings("ignore", message=message, category=category)
-        yield
-
-
-def _quietly(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with quiet():
-            return method(*args, **kwargs)
-
-    return wrapper
-
-
 def _with_host_streams(setup_streams: Callable[[Any], None]) -> Callable[[Any], None]:
     @functools.wraps(setup_streams)
     def wrapper(self: Any) -> None:
@@ -271,9 +212,9 @@ def _replacements() -> list[tuple[Any, str, Callable[[Any], Any]]]:
         (cls, "_setup_streams", _with_host_streams),
         (cls, "_init_param_attributes", _without_transfers),
         (cls, "clip_grad_norm_", _without_transfers),
-        (cls, "_shard_parameters_", _quietly),
-        (cls, "_gather_optim_state", _copying_to_host),
-        (cls, "gather_full_optim_state_dict", _keeping_the_optimizer),
+        (cls, "_shard_parameters_", quietly),
+        (cls, "_gather_optim_state", copying_to_host),
+        (cls, "gather_full_optim_state_dict", keeping_the_optimizer),
     ]
 
 
