@@ -1,15 +1,18 @@
 """``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
 
     fsdp-optim inspect PATH [--units]
-    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--with-model]
+    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp]
+    fsdp-optim verify PATH
 
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
 fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
 ``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see :mod:`fsdp_optim.fairseq_format`).
 A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
-full dict, ``model`` the full weights with ``--with-model``) and resharded into shard files of the same format.
+full dict, ``model`` the full weights unless ``--no-model``, as fairseq's own consolidation keeps them) and
+resharded into shard files of the same format. ``verify`` checks every file of a checkpoint or shard set
+(present, of its size, checksums matching) and exits 1 naming each damaged file.
 
 A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
@@ -183,6 +186,11 @@ def _inspect(args: argparse.Namespace) -> list[str]:
         _inspect_shards(path, args, out)
         return out
     if source_kind(path) == "sharded":
+        from fsdp_optim.offline.verify import present_and_sized
+
+        damaged = present_and_sized(path)
+        if damaged:
+            raise ValueError(f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)")
         _inspect_manifest(read_manifest(path), "sharded checkpoint", out, units=args.units)
         return out
     obj = load_file(path, mmap=True)
@@ -227,6 +235,18 @@ def _inspect_shards(path: Path, args: argparse.Namespace, out: list[str]) -> Non
         out.append(f"other keys: {', '.join(kept) or '-'}")
 
 
+def _verify(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.untrusted import escape
+    from fsdp_optim.offline.verify import verify
+
+    report = verify(args.path, allow_globals=args.allow_global)
+    lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]
+    if report.ok:
+        return [*lines, f"verified: {len(report.files)} files, every one present, of its size, checksums matching"]
+    print("\n".join(escape(line, limit=1 << 20) for line in lines), flush=True)
+    raise ValueError(f"{args.path}: damaged: {'; '.join(report.damaged())}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # the other verbs
 
@@ -241,7 +261,7 @@ def _native(path: str | os.PathLike[str]) -> Mapping[str, Any] | None:
     try:
         if source_kind(path) != "file":
             return None
-        obj = load_file(path, mmap=True)
+        obj = load_file(path, mmap=True, disjoint=True)
     except (ValueError, TypeError, OSError):
         return None
     return obj if is_fairscale_native(obj) else None
@@ -267,8 +287,9 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
 
     if _is_shard_set(args.directory):
         return _consolidate_shards(args)
-    if args.with_model:
-        raise ValueError(f"{args.directory}: --with-model is for a fairseq/metaseq shard set only (it holds weights)")
+    if args.with_model or args.no_model:
+        flag = "--with-model" if args.with_model else "--no-model"
+        raise ValueError(f"{args.directory}: {flag} is for a fairseq/metaseq shard set only (it holds weights)")
     native = _native(args.directory)
     if native is not None:
         full, _ = _from_native(native, args, args.directory, "consolidate")
@@ -289,7 +310,7 @@ def _consolidate_shards(args: argparse.Namespace) -> list[str]:
     with _progress("consolidate") as progress:
         out = consolidate_shards(
             args.directory,
-            with_model=args.with_model,
+            with_model=not args.no_model,
             param_order=args.layout,
             optimizer=args.optimizer,
             allow_globals=args.allow_global,
@@ -374,7 +395,7 @@ def _convert(args: argparse.Namespace) -> list[str]:
             full = consolidate(source, progress=progress)
         origin = "sharded checkpoint"
     else:
-        obj = load_file(source, mmap=True)
+        obj = load_file(source, mmap=True, disjoint=True)
         if is_fairscale_native(obj):
             full, _ = _from_native(obj, args, str(source), "convert")
             origin = "fairscale-native dict"
@@ -437,6 +458,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_consolidate(verbs)
     _add_reshard(verbs)
     _add_convert(verbs)
+    p = verbs.add_parser("verify", help="every file of a checkpoint: present, of its size, checksums matching")
+    p.add_argument("path", help="a sharded checkpoint directory, a fairseq/metaseq shard set, or a single file")
+    _allow_global(p)
+    p.set_defaults(run=_verify)
     return parser
 
 
@@ -470,7 +495,10 @@ def _add_consolidate(verbs: Any) -> None:
         "set it numbers the parameters in the model's order (else the files' order)",
     )
     p.add_argument("--optimizer", help="for a fairscale-native dict or a shard set: the optimizer's class, e.g. Adam")
-    p.add_argument("--with-model", action="store_true", help="for a shard set: also the model's full weights")
+    p.add_argument(
+        "--no-model", action="store_true", help="for a shard set: leave out the model's full weights (kept by default)"
+    )
+    p.add_argument("--with-model", action="store_true", help="for a shard set: keep the model's weights (the default)")
     _allow_global(p)
     p.set_defaults(run=_consolidate)
 

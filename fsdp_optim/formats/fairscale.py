@@ -83,7 +83,7 @@ def fairscale_source(
     step_dtype: torch.dtype = torch.float32,
 ) -> Source:
     """A fairscale-native dict as a planning source: one source flat per parameter, named from ``layout``."""
-    check_state_dict(native, NATIVE)  # bounded walk, tensors, skeleton types: before anything else reads it
+    check_state_dict(native, NATIVE, in_memory=True)  # bounded walk, tensor kinds, skeleton: before any read
     slots = _check_native(native, layout)
     state = native["state"]
     errors: list[str] = []

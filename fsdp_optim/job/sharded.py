@@ -309,7 +309,7 @@ def _plan_full(
             f"{full}: no such file or directory; expected a sharded checkpoint directory (holding {MANIFEST_NAME}) "
             "or a full dict file"
         )
-    obj = full if isinstance(full, Mapping) else load_file(full, mmap=True)
+    obj = full if isinstance(full, Mapping) else load_file(full, mmap=True, disjoint=True)
     source = dict_source(obj, layout, label=label, optimizer=type(optim).__name__)
     check_optimizer(source.optimizer, optim, "the full optimizer state dict")
     return plan(source, layout, members=members)

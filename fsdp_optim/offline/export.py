@@ -156,7 +156,7 @@ def _open(
     if source_kind(source) == "sharded":
         ckpt = ShardedCheckpoint(source, max_mapped_bytes=max_mapped_bytes)
         return _Export(ckpt.source(), ckpt.manifest.param_order, ckpt.trim, close=ckpt.close)
-    return _full(load_file(source, mmap=True), str(source))
+    return _full(load_file(source, mmap=True, disjoint=True), str(source))
 
 
 
