@@ -6,8 +6,9 @@
 - ``FORMAT_VERSION``: version of the full dict format written under the ``"fsdp_optim"`` key.
 - Checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
-  dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard``;
-  ``save_layout``, ``from_fairscale`` (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
+  dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
+  ``verify`` (every file present, of its size, checksums matching); ``save_layout``, ``from_fairscale``
+  (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
 - ``to_dcp(source, out_dir)``: any of those sources, or a fairseq/metaseq shard set (see
   :mod:`fsdp_optim.fairseq` for consolidating and resharding those), written as a PyTorch DCP checkpoint.
 - Trust (README "Threat model"): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
@@ -49,6 +50,7 @@ __all__ = [
     "scatter_full_optim_state",
     "to_dcp",
     "to_named",
+    "verify",
 ]
 __version__ = "0.1.0"
 
@@ -76,6 +78,7 @@ _HOME = {
     "scatter_full_optim_state": "job.sharded",
     "to_dcp": "offline.export",
     "to_named": "formats.fairscale",
+    "verify": "offline.verify",
 }
 assert sorted(_HOME) == sorted(__all__), "every public name needs a home module"
 
@@ -110,3 +113,4 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     )
     from fsdp_optim.offline.export import to_dcp
     from fsdp_optim.offline.operations import consolidate, reshard
+    from fsdp_optim.offline.verify import verify

@@ -1,15 +1,18 @@
 """``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
 
     fsdp-optim inspect PATH [--units]
-    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--with-model]
+    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp]
+    fsdp-optim verify PATH
 
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
 fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
 ``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see :mod:`fsdp_optim.fairseq_format`).
 A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
-full dict, ``model`` the full weights with ``--with-model``) and resharded into shard files of the same format.
+full dict, ``model`` the full weights unless ``--no-model``, as fairseq's own consolidation keeps them) and
+resharded into shard files of the same format. ``verify`` checks every file of a checkpoint or shard set
+(present, of its size, checksums matching) and exits 1 naming each damaged file.
 
 A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
@@ -182,6 +185,14 @@ def _inspect(args: argparse.Namespace) -> list[str]:
         if opened.kind is Kind.SHARD_SET:
             _inspect_shards(opened, args, out)
         elif opened.manifest is not None:
+            if opened.kind is Kind.SHARDED:
+                from fsdp_optim.offline.verify import present_and_sized
+
+                damaged = present_and_sized(path)
+                if damaged:
+                    raise ValueError(
+                        f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)"
+                    )
             what = "layout file" if opened.kind is Kind.LAYOUT else "sharded checkpoint"
             _inspect_manifest(opened.manifest, what, out, units=args.units)
         elif opened.kind is Kind.RANK_FILE:
@@ -218,6 +229,18 @@ def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> No
         out.append(f"other keys: {', '.join(kept) or '-'}")
 
 
+def _verify(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.untrusted import escape
+    from fsdp_optim.offline.verify import verify
+
+    report = verify(args.path, allow_globals=args.allow_global)
+    lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]
+    if report.ok:
+        return [*lines, f"verified: {len(report.files)} files, every one present, of its size, checksums matching"]
+    print("\n".join(escape(line, limit=1 << 20) for line in lines), flush=True)
+    raise ValueError(f"{args.path}: damaged: {'; '.join(report.damaged())}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # the other verbs
 
@@ -238,13 +261,10 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
 
     with _open(args, args.directory) as opened, _progress("consolidate") as progress:
         shards = opened.kind is Kind.SHARD_SET
-        if args.with_model and not shards:
-            raise ValueError(
-                f"{args.directory}: --with-model is for a fairseq/metaseq shard set only (it holds weights)"
-            )
-        out = full_state(opened, progress=progress, with_model=shards)
-        if shards and not args.with_model:
-            out.pop("model", None)
+        if (args.with_model or args.no_model) and not shards:
+            flag = "--with-model" if args.with_model else "--no-model"
+            raise ValueError(f"{args.directory}: {flag} is for a fairseq/metaseq shard set only (it holds weights)")
+        out = full_state(opened, progress=progress, fairseq_checkpoint=shards, with_model=not args.no_model)
         size = write_file(out, args.output, inputs=(args.directory, args.layout))
     if shards:
         full = out["last_optimizer_state"]
@@ -323,11 +343,18 @@ def _parser() -> argparse.ArgumentParser:
         "before -shard). Formats written: sharded checkpoint, full dict, name-keyed dict, fairseq/metaseq shard "
         "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp).",
     )
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    from fsdp_optim import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB", help="what to do (VERB --help for more)")
     _add_inspect(verbs)
     _add_consolidate(verbs)
     _add_reshard(verbs)
     _add_convert(verbs)
+    p = verbs.add_parser("verify", help="every file of a checkpoint: present, of its size, checksums matching")
+    p.add_argument("path", help="a sharded checkpoint directory, a fairseq/metaseq shard set, or a single file")
+    _allow_global(p)
+    p.set_defaults(run=_verify)
     return parser
 
 
@@ -361,7 +388,10 @@ def _add_consolidate(verbs: Any) -> None:
         "set it numbers the parameters in the model's order (else the files' order)",
     )
     p.add_argument("--optimizer", help="for a fairscale-native dict or a shard set: the optimizer's class, e.g. Adam")
-    p.add_argument("--with-model", action="store_true", help="for a shard set: also the model's full weights")
+    p.add_argument(
+        "--no-model", action="store_true", help="for a shard set: leave out the model's full weights (kept by default)"
+    )
+    p.add_argument("--with-model", action="store_true", help="for a shard set: keep the model's weights (the default)")
     _allow_global(p)
     p.set_defaults(run=_consolidate)
 
@@ -375,7 +405,7 @@ def _add_reshard(verbs: Any) -> None:
         help="a sharded checkpoint directory, a full dict file, a fairscale-native dict file, or a fairseq/metaseq "
         "shard set (-> M shard files of the same format and names)",
     )
-    p.add_argument("--world-size", type=int, required=True, metavar="M")
+    p.add_argument("--world-size", type=int, required=True, metavar="M", help="the number of ranks to write files for")
     p.add_argument("-o", "--output", required=True, help="the directory to write (not the source's)")
     p.add_argument(
         "--overwrite",

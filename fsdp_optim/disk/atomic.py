@@ -84,16 +84,20 @@ class _RecordingWriter:
 
 
 
-def load_file(path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True) -> Any:
+def load_file(
+    path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False
+) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.untrusted`.
 
     Raises ``FileNotFoundError`` for nothing there, and ``ValueError`` naming the file for content that
     cannot be read, for a file that is not a regular file (a FIFO, a directory; a symlink where
     ``follow_symlinks=False``),
     exceeds a bound or holds what optimizer state does not (quantized, sparse, meta, complex tensors,
-    overlapping or zero-stride views, cycles, nesting).
+    overlapping or zero-stride views, cycles, nesting). ``disjoint=True`` for a file that must hold an
+    optimizer state dict: two of its tensors sharing memory are refused too (a dict handed over in memory
+    is checked for less: ``check_tree(in_memory=True)``).
     """
-    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks)
+    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks, disjoint=disjoint)
 
 
 

@@ -150,7 +150,9 @@ def _zip_records(fd: int, size: int, where: str) -> list[_Record]:
                 infos = z.infolist()
         except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on garbage
             raise unreadable(
-                where, f"not a zip file, the format torch.save writes since torch 1.6 ({type(exc).__name__}: {exc})"
+                where,
+                f"not a zip file: truncated, or not the format torch.save writes since torch 1.6 "
+                f"({type(exc).__name__}: {exc})",
             ) from None
     if len(infos) > MAX_RECORDS:
         raise ValueError(f"{where}: holds {len(infos)} zip records, more than the bound {MAX_RECORDS}")
@@ -312,10 +314,12 @@ def _storage_of(pid: Any, storages: dict[str, int], where: str) -> None:
     storages[pid[2]] = pid[4] * _ITEMSIZE[pid[1][1]]
 
 
-def load_untrusted(path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True) -> Any:
+def load_untrusted(
+    path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False
+) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, after the file checks in the module docstring
-    and before returning, :func:`check_tree` on the result (``disjoint=False``: the caller checks that
-    once it knows the file's kind); no returned tensor requires grad.
+    and before returning, :func:`check_tree` on the result (``disjoint=False`` by default: a caller that
+    knows the file holds optimizer state passes ``True``); no returned tensor requires grad.
 
     The file is opened once: the checks and the load read the same file even if the
     path is renamed meanwhile (on Linux, where ``/proc/self/fd`` exists, for ``mmap`` too).
@@ -350,7 +354,7 @@ def load_untrusted(path: str | os.PathLike[str], *, mmap: bool = False, follow_s
             raise unreadable(where, _reason(exc)) from None
     finally:
         os.close(fd)
-    for t in check_tree(obj, where, disjoint=False):
+    for t in check_tree(obj, where, disjoint=disjoint):
         if t.requires_grad:  # a file holds values, never autograd state (leaves: this is allowed)
             t.requires_grad_(False)
     return obj
@@ -395,7 +399,13 @@ class _Tensor:
 
 
 def check_tree(
-    obj: Any, where: str, *, disjoint: bool = True, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES
+    obj: Any,
+    where: str,
+    *,
+    disjoint: bool = True,
+    in_memory: bool = False,
+    max_depth: int = MAX_DEPTH,
+    max_nodes: int = MAX_NODES,
 ) -> list[torch.Tensor]:
     """Walk ``obj`` once (see the module docstring) and check every tensor; return the distinct tensors.
     Raises ``ValueError`` naming the place.
@@ -403,15 +413,19 @@ def check_tree(
     ``disjoint``: also refuse multi-element tensors that share memory. Views of one buffer that overlap
     would let a small file stand for many times its size (every view read or copied in turn); readers
     check it once they know the file is theirs (a model's ``state_dict`` with tied weights is not).
+
+    ``in_memory``: ``obj`` is what a caller holds, not what a file declares. Views (transposed, strided,
+    expanded) and tensors shared or referenced twice cost nothing to read and are accepted (readers copy
+    where needed); only each tensor's kind is checked (dtype, layout, not meta, not a subclass).
     """
     tensors = _Walk(where, max_depth, max_nodes).run(obj)
     for seen in tensors.values():  # where a tensor is, is spelled out only for an error
-        problem = _tensor_problem(seen.tensor)
-        if problem is None and seen.references > 1 and seen.tensor.numel() > 1:
+        problem = _kind_problem(seen.tensor) if in_memory else _tensor_problem(seen.tensor)
+        if problem is None and not in_memory and seen.references > 1 and seen.tensor.numel() > 1:
             problem = f"one tensor of {seen.tensor.numel()} elements referenced {seen.references} times"
         if problem is not None:
             raise ValueError(f"{_show_path(where, seen.path)}: {problem}")
-    if disjoint:
+    if disjoint and not in_memory:
         _check_disjoint(list(tensors.values()), where)
     return [seen.tensor for seen in tensors.values()]
 
@@ -509,6 +523,10 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
 
 
 def _tensor_problem(t: torch.Tensor) -> str | None:
+    return _kind_problem(t) or _layout_problem(t)
+
+
+def _kind_problem(t: torch.Tensor) -> str | None:
     if type(t) not in _TENSORS:
         return f"a tensor subclass ({type(t).__name__}), expected a plain tensor"
     if t.is_quantized:
@@ -522,6 +540,10 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     if t.dtype not in ALLOWED_DTYPES:
         kind = "complex" if t.dtype.is_complex else "unsupported"
         return f"a {kind} tensor ({t.dtype}); optimizer state here is real numbers"
+    return None
+
+
+def _layout_problem(t: torch.Tensor) -> str | None:
     numel = t.numel()
     if numel <= 1:
         return None if numel == 0 or t.storage_offset() * t.element_size() < t.untyped_storage().nbytes() else (
@@ -561,12 +583,13 @@ def _check_disjoint(tensors: list[_Tensor], where: str) -> None:
                 )
 
 
-def check_state_dict(obj: Any, where: str) -> None:
+def check_state_dict(obj: Any, where: str, *, in_memory: bool = False) -> None:
     """:func:`check_tree` plus the skeleton of an optimizer state dict (ours, a plain optimizer's or
     fairscale's), for the keys present: ``state`` maps ids (ints or strings) to dicts keyed by strings,
     ``param_groups`` is a list of dicts keyed by strings whose ``params`` lists ids, ``param_names`` and
-    ``param_id_map`` map ids, ``uncollected_local_ids`` is a list. What the values mean is the engine's job."""
-    check_tree(obj, where)
+    ``param_id_map`` map ids, ``uncollected_local_ids`` is a list. What the values mean is the engine's job.
+    ``in_memory``: a dict the caller holds (see :func:`check_tree`); a file's went through the gate already."""
+    check_tree(obj, where, in_memory=in_memory)
     if not isinstance(obj, Mapping):
         return
     for key, kind in (("state", Mapping), ("param_groups", (list, tuple)), ("param_names", Mapping),

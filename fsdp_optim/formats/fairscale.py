@@ -83,7 +83,7 @@ def fairscale_source(
     step_dtype: torch.dtype = torch.float32,
 ) -> Source:
     """A fairscale-native dict as a planning source: one source flat per parameter, named from ``layout``."""
-    check_state_dict(native, NATIVE)  # bounded walk, tensors, skeleton types: before anything else reads it
+    check_state_dict(native, NATIVE, in_memory=True)  # bounded walk, tensor kinds, skeleton: before any read
     slots = _check_native(native, layout)
     state = native["state"]
     errors: list[str] = []
@@ -99,6 +99,8 @@ def fairscale_source(
                 if _is_number(per_param[gid].get("step")):
                     per_param[gid]["step"] = torch.tensor(float(per_param[gid]["step"]), dtype=step_dtype)
     names = [layout.flat_params[i].params[p].name for i, p in slots]
+    for gid, entries in per_param.items():
+        _check_plausible(names[gid], entries, errors)
     flats = tuple(param_record(names[gid], per_param.get(gid, {}), None, NATIVE, errors) for gid in range(len(slots)))
     if errors:
         raise plan_error(errors)
@@ -109,6 +111,37 @@ def fairscale_source(
 
     groups = (GroupRecord(hyper, tuple(range(len(slots)))),)
     return Source(NATIVE, optimizer, flats, groups, read, shapes_known=False)
+
+
+# Second moments: sums of squares, never negative (Adam/AdamW/NAdam/RAdam/Adamax's and RMSprop's).
+_NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg")
+
+
+def _check_plausible(name: str, entries: Mapping[str, Any], errors: list[str]) -> None:
+    """Refuse state no optimizer step produces, naming the check (fairscale's CPU gather once wrote it).
+
+    - two state tensors of one parameter byte-identical and not all zero (an elementwise optimizer keeps
+      different quantities under different keys: Adam's ``exp_avg`` is a mean, ``exp_avg_sq`` a mean of
+      squares);
+    - a second moment (:data:`_NON_NEGATIVE`) holding a negative value.
+    """
+    tensors = [(k, v) for k, v in entries.items() if torch.is_tensor(v) and v.dim() > 0 and v.is_floating_point()]
+    for i, (key, value) in enumerate(tensors):
+        for other, twin in tensors[i + 1 :]:
+            if value.shape == twin.shape and value.dtype == twin.dtype and bool(value.any()):
+                if torch.equal(value.reshape(-1).view(torch.uint8), twin.reshape(-1).view(torch.uint8)):
+                    errors.append(
+                        f"parameter '{name}': '{key}' and '{other}' are byte-identical, which no optimizer step "
+                        "gives (plausibility check: distinct state keys hold distinct values). fairscale's own "
+                        "gather_full_optim_state_dict returns such a dict on a CPU outside "
+                        "fsdp_optim.host_execution(); gather again inside it, or with "
+                        "fsdp_optim.gather_full_optim_state_dict"
+                    )
+        if key in _NON_NEGATIVE and bool((value < 0).any()):
+            errors.append(
+                f"parameter '{name}': '{key}' holds negative values, expected a second moment (plausibility "
+                f"check: '{key}' is a mean of squares, never negative)"
+            )
 
 
 def _is_number(value: Any) -> bool:

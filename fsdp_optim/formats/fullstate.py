@@ -194,7 +194,7 @@ def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
     :func:`plan`'s job. Nothing is copied: ``read`` copies straight from the dict's tensors.
     """
     check_full_dict(full, label)
-    check_state_dict(full, label)  # bounded walk, tensors, skeleton types: before anything else reads it
+    check_state_dict(full, label, in_memory=True)  # bounded walk, tensor kinds, skeleton: before any read
     meta = read_meta(full, label)
     scalar_keys = frozenset(meta["scalar_keys"]) if meta and "scalar_keys" in meta else None
     errors: list[str] = []

@@ -55,6 +55,15 @@ class AsyncSave:
         finally:
             self._finished.set()
 
+    def __repr__(self) -> str:
+        if not self._finished.is_set():
+            status = "running"
+        elif self._error is not None:
+            status = f"failed: {type(self._error).__name__}: {self._error}"
+        else:
+            status = f"committed: {self._result}"
+        return f"<AsyncSave into {str(self.directory)!r}: {status}>"
+
     def done(self) -> bool:
         """Whether the upload has finished (successfully or not); never blocks."""
         return self._finished.is_set()

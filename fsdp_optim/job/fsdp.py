@@ -15,6 +15,7 @@ from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 
 from fsdp_optim.job import api
 from fsdp_optim.job import host as _host
+from fsdp_optim.job.host_fixes import quiet
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -41,7 +42,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
         if not torch.cuda.is_available():
             # For the rest of the process (a model outlives any scope we could pick); idempotent.
             _host.enable_for_process()
-        super().__init__(module, *args, **kwargs)
+        with quiet():  # fairscale's first Tensor.storage() call warns of a deprecation; not the user's to fix
+            super().__init__(module, *args, **kwargs)
 
     # -- optimizer state ---------------------------------------------------------------------------
 

@@ -13,7 +13,11 @@ in places that have nothing to do with the maths of sharding:
 4. with ``move_params_to_cpu`` / ``cpu_offload`` / ``move_grads_to_cpu`` it pins the CPU copies
    (``Tensor.pin_memory()``), which raises "Cannot access accelerator device when none is available";
 5. ``clip_grad_norm_`` moves the local norm with ``.cuda()``; and without ``compute_device`` it
-   defaults to ``torch.device("cuda")``.
+   defaults to ``torch.device("cuda")``;
+6. its ``gather_full_optim_state_dict`` receives every state key into one reused buffer and keeps
+   ``x.cpu()`` of it, a copy on a GPU but the very same tensor on a CPU: every key of a parameter ends up
+   holding the last key's values (Adam's ``exp_avg`` equal to ``exp_avg_sq``); and it turns the live
+   optimizer's ``step`` tensors into Python numbers, after which ``Adam.step()`` raises.
 
 On a CPU every operation is synchronous and there is nothing to pin or move, so each of these is a
 no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_execution` /
@@ -34,7 +38,14 @@ no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_e
    #1149): ``load_local_state_dict`` before the first forward of a model with nested units frees full
    parameters that were never made and raises ``'FlatParameter' object has no attribute
    '_full_param_padded'``; ``_free_full_params`` skips the parameters that have none. On a GPU, call
-   ``model.local_state_dict()`` once before loading (it initialises every unit).
+   ``model.local_state_dict()`` once before loading (it initialises every unit);
+7. runs fairscale's ``_gather_optim_state`` with ``Tensor.cpu()`` of a CPU tensor returning a copy (what
+   it returns from a GPU), and its ``gather_full_optim_state_dict`` with the live optimizer's ``step``
+   values put back afterwards, so fairscale's own gather gives the right dict on a CPU and leaves the
+   optimizer as it was (``tests/test_sharp_edges.py``);
+8. uses the list form of fairscale's parameter all-gather too (no deprecated ``_all_gather_base``), and
+   silences torch's ``TypedStorage`` deprecation inside fairscale's constructor, where fairscale first
+   calls ``Tensor.storage()`` (torch warns once per process): warnings nobody using the package can act on.
 
 Leaving the switch (the outermost exit) restores every one of these names to the very object it was and
 destroys the ``record_stream`` registration (``torch.library.Library._destroy``), so fairscale is exactly
@@ -54,6 +65,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from fsdp_optim.job.host_fixes import copying_to_host, keeping_the_optimizer, quietly
 
 __all__ = [
     "HostStream",
@@ -223,10 +236,14 @@ def _replacements() -> list[tuple[Any, str, Callable[[Any], Any]]]:
         (fairscale_fsdp, "torch", lambda _: _TORCH_VIEW),
         (fairscale_fsdp, "_get_default_cuda_device", lambda _: _default_compute_device),
         (bucketer, "enable_nccl_base_collectives", lambda _: False),
+        (fairscale_fsdp, "enable_nccl_base_collectives", lambda _: False),
         (cls, "_setup_streams", _with_host_streams),
         (cls, "_init_param_attributes", without_transfers),
         (cls, "clip_grad_norm_", without_transfers),
         (cls, "_free_full_params", _free_only_made),
+        (cls, "_shard_parameters_", quietly),
+        (cls, "_gather_optim_state", copying_to_host),
+        (cls, "gather_full_optim_state_dict", keeping_the_optimizer),
     ]
 
 
@@ -297,7 +314,7 @@ def disable_host_execution() -> None:
     """Undo one :func:`enable_host_execution`; the last one restores fairscale's module exactly.
 
     Every replaced name (the module's ``torch``, its default compute device, the bucketer's collective
-    flag, three methods of fairscale's ``FullyShardedDataParallel``) gets back the object it held before,
+    flag and its own, six methods of fairscale's ``FullyShardedDataParallel``) gets back the object it held before,
     and the ``aten::record_stream`` CPU kernel registered by the switch is unregistered. While
     ``fsdp_optim.FullyShardedDataParallel`` has enabled host execution for the process (see
     :func:`enable_for_process`), nothing is restored.

@@ -226,7 +226,9 @@ def load_sharded_optim_state(
     """
     root = verify_root(fsdp, optim)
     if not Path(path).is_dir() and Path(path).name != MANIFEST_NAME:
-        _scatter(root, optim, path, src_rank)
+        _refuse_shard_set(path)
+        what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
+        _scatter(root, optim, path, src_rank, what=what)
         return
     layout, members, rank = root.layout, root.members, root.rank
     with ShardedCheckpoint(path, lazy=True) as ckpt:  # lazy: at the saved layout a rank reads only its own file
@@ -260,7 +262,7 @@ def scatter_full_optim_state(
     Cost: one small all-gather (the outcome of the check), then per other rank one pickled skeleton plus
     one message per state tensor, then one small all-gather.
     """
-    _scatter(verify_root(fsdp, optim), optim, full, src_rank)
+    _scatter(verify_root(fsdp, optim), optim, full, src_rank, what="scatter_full_optim_state refused the full dict")
 
 
 def _scatter(
@@ -268,8 +270,11 @@ def _scatter(
     optim: torch.optim.Optimizer,
     full: Mapping[str, Any] | str | os.PathLike[str] | None,
     src_rank: int,
+    *,
+    what: str,
 ) -> None:
-    """:func:`scatter_full_optim_state` on a verified root (built with ``optim``, so its members are known)."""
+    """:func:`scatter_full_optim_state` on a verified root (built with ``optim``, so its members are known);
+    ``what`` names the caller's operation in a refusal every rank raises."""
     check_rank("src_rank", src_rank, root.world_size)
     the_plan: Plan | None = None
     own: dict[str, Any] | None = None
@@ -280,7 +285,7 @@ def _scatter(
             own = optimizer_state_dict(the_plan, cut_rank(the_plan, root.rank))
         except Exception as exc:  # every rank learns of it through agree()
             failure = exc
-    agree(failure, group=root.group, what="scatter_full_optim_state refused the full dict")
+    agree(failure, group=root.group, what=what)
     # After agree(), src_rank holds a plan (or it would have raised) and the other ranks only receive.
     make = partial(_cut_for, the_plan) if the_plan is not None else None
     optim.load_state_dict(scatter_objects(make, own, src=src_rank, group=root.group))
@@ -288,6 +293,19 @@ def _scatter(
 
 def _cut_for(the_plan: Plan, r: int) -> dict[str, Any]:
     return optimizer_state_dict(the_plan, cut_rank(the_plan, r))
+
+
+def _refuse_shard_set(path: str | os.PathLike[str]) -> None:
+    """A fairseq/metaseq shard set (a prefix or one ``-shard<r>.pt`` file) is not a full dict: say what it is."""
+    from fsdp_optim.formats.fairseq.files import is_shard_set
+
+    if is_shard_set(path):
+        raise ValueError(
+            f"{path}: a fairseq/metaseq shard set (files {Path(path).name}-shard<r>.pt or one of them), which "
+            "load_sharded_optim_state does not read; it loads an fsdp_optim sharded checkpoint directory or a full "
+            f"dict file: write one with `fsdp-optim reshard {path} ...` (another world size) or "
+            f"`fsdp-optim convert {path} -o full.pt`, then load that"
+        )
 
 
 def _plan_full(
@@ -301,8 +319,12 @@ def _plan_full(
     if full is None:
         raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
     label = "the full dict" if isinstance(full, Mapping) else str(full)
-    obj = full if isinstance(full, Mapping) else load_file(full, mmap=True)
+    if not isinstance(full, Mapping) and not os.path.lexists(full):
+        raise FileNotFoundError(
+            f"{full}: no such file or directory; expected a sharded checkpoint directory (holding {MANIFEST_NAME}) "
+            "or a full dict file"
+        )
+    obj = full if isinstance(full, Mapping) else load_file(full, mmap=True, disjoint=True)
     source = dict_source(obj, layout, label=label, optimizer=type(optim).__name__)
     check_optimizer(source.optimizer, optim, "the full optimizer state dict")
     return plan(source, layout, members=members)
-

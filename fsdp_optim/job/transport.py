@@ -17,6 +17,7 @@ barrier makes every rank agree that the transfer completed.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -202,21 +203,40 @@ _PORTABLE_ERRORS = {e.__name__: e for e in (ValueError, TypeError, NotImplemente
 def agree(failure: BaseException | None, *, group: dist.ProcessGroup | None, what: str) -> None:
     """Make every rank agree on whether a step failed: one small all-gather, then every rank raises or none does.
 
-    A rank that failed re-raises its own ``failure``; the others raise the first failing rank's error
-    (its nearest :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``), prefixed with that
-    rank and ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was written"``).
+    A rank that failed re-raises its own ``failure``; the others raise the first failing rank's error with
+    its type (a builtin or one of fsdp_optim's, such as ``ForeignOutputError``; else the nearest
+    :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``) and its message, followed by that rank and
+    ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was written"``). So
+    ``except ForeignOutputError`` catches it on every rank.
     """
     mine = None
-    if failure is not None:  # its own type's name, and the nearest portable type it is (OutputLockedError: OSError)
-        portable = next((c.__name__ for c in type(failure).__mro__ if c.__name__ in _PORTABLE_ERRORS), "RuntimeError")
-        mine = (type(failure).__name__, str(failure), portable)
+    if failure is not None:  # its own type, and the nearest portable type it is (OutputLockedError: OSError)
+        kind = type(failure)
+        portable = next((c.__name__ for c in kind.__mro__ if c.__name__ in _PORTABLE_ERRORS), "RuntimeError")
+        mine = (kind.__module__, kind.__qualname__, str(failure), portable)
     outcomes = all_gather_objects(mine, group)
     if failure is not None:
         raise failure
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
-            kind, message, portable = outcome
-            raise _PORTABLE_ERRORS.get(portable, RuntimeError)(f"{what}: rank {rank}: {kind}: {message}")
+            module, qualname, message, portable = outcome
+            text = f"{message} [raised on rank {rank}; {what}]"
+            fallback = _PORTABLE_ERRORS.get(portable, RuntimeError)
+            try:
+                error = _error_type(module, qualname, fallback)(text)
+            except Exception:  # a constructor that takes more than a message
+                error = fallback(text)
+            raise error
+
+
+def _error_type(module: str, qualname: str, fallback: type[Exception]) -> type[Exception]:
+    """The exception class ``module.qualname`` when it is a builtin or fsdp_optim's own; else ``fallback``."""
+    if module != "builtins" and module.partition(".")[0] != __name__.partition(".")[0]:
+        return fallback
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else fallback
 
 
 @dataclass(frozen=True)

@@ -80,11 +80,14 @@ def consolidate(
         return full_state(opened, progress=progress)
 
 
-def full_state(opened: Opened, *, progress: Progress = None, with_model: bool = False) -> dict[str, Any]:
-    """The full dict of an opened source (a shard set's with its extras; ``with_model``: the fairseq checkpoint)."""
+def full_state(
+    opened: Opened, *, progress: Progress = None, fairseq_checkpoint: bool = False, with_model: bool = False
+) -> dict[str, Any]:
+    """The full dict of an opened source (a shard set's with its extras). For a shard set, ``fairseq_checkpoint``
+    gives the whole consolidated fairseq checkpoint instead (every key; the weights with ``with_model``)."""
     if opened.shards is not None:
         out = consolidate_set(opened.shards, with_model=with_model, progress=progress)
-        return out if with_model else out[OPTIM_KEY]
+        return out if fairseq_checkpoint else out[OPTIM_KEY]
     if opened.kind is not Kind.SHARDED and opened.kind is not Kind.NATIVE:
         raise ValueError(_nothing_to_consolidate(opened))
     if opened.kind is Kind.NATIVE and opened.full is not None:

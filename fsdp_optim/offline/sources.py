@@ -49,7 +49,7 @@ from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheck
 from fsdp_optim.offline.fairseq import ShardSet
 from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
 
-__all__ = ["Kind", "Opened", "detect", "open_source"]
+__all__ = ["Kind", "Opened", "detect", "open_source", "path_kind"]
 
 
 class Kind(enum.Enum):
@@ -94,11 +94,10 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
     Raises ``FileNotFoundError`` for nothing there and ``ValueError`` naming what was found otherwise."""
     if isinstance(given, Mapping):
         return (Kind.NATIVE if is_fairscale_native(given) else Kind.FULL), given
-    if is_shard_set(given):
-        return Kind.SHARD_SET, None
-    if source_kind(given) == "sharded":
-        return Kind.SHARDED, None
-    obj = load_file(given, mmap=True)
+    kind = path_kind(given)
+    if kind is not None:
+        return kind, None
+    obj = load_file(given, mmap=True, disjoint=True)  # a file must not hold overlapping tensors
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):
         return (Kind.LAYOUT if header["kind"] == "manifest" else Kind.RANK_FILE), obj
@@ -108,6 +107,16 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return Kind.FULL, obj
     check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
     return Kind.FULL, obj
+
+
+def path_kind(path: str | os.PathLike[str]) -> Kind | None:
+    """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
+    sharded checkpoint, or ``None`` for a file whose content says the rest (:func:`detect`)."""
+    if is_shard_set(path):
+        return Kind.SHARD_SET
+    if source_kind(path) == "sharded":
+        return Kind.SHARDED
+    return None
 
 
 def check_options(

@@ -107,13 +107,25 @@ def read_header(
     """
     what = what or f"fsdp_optim {kind} file"
     if not isinstance(obj, Mapping) or not isinstance(obj.get(HEADER_KEY), Mapping) or covered not in obj:
-        found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
-        raise ValueError(f"{source}: expected an {what}, found {found}")
+        raise ValueError(f"{source}: expected an {what}, found {_describe(obj)}")
     header = dict(obj[HEADER_KEY])
     if header.get("kind") != kind:
         raise ValueError(f"{source}: expected an {what}, found a {header.get('kind')!r} file")
     check_version(header.get("version"), source, CHECKPOINT_VERSION)
     return header, header.pop("checksum", None)
+
+
+def _describe(obj: Any) -> str:
+    """What a file that is not ours holds, in the user's terms (a key list only for the unknown)."""
+    if isinstance(obj, Mapping) and {"state", "param_groups"} <= set(obj):
+        if "param_id_map" in obj:
+            kind = "a fairscale-native dict (from fairscale's gather_full_optim_state_dict; convert it with a layout)"
+        elif "param_names" in obj:
+            kind = "already a full dict (what gather_full_optim_state_dict and consolidate write)"
+        else:
+            kind = "a plain optimizer state dict"
+        return f"{kind} with keys ({', '.join(repr(str(k)) for k in obj)})"
+    return str(sorted(map(str, obj))) if isinstance(obj, Mapping) else type(obj).__name__
 
 
 def check_checksum(header: Mapping[str, Any], checksum: Any, covered: Any, *, source: str) -> None:
@@ -262,6 +274,12 @@ class Manifest:
         """Raise ``ValueError`` unless the records are consistent with each other."""
         check_world_size(f"{source}: world_size", self.world_size)
         names = [p.name for f in self.flat_params for p in f.params]
+        wrong = next((n for n in self.param_order if not isinstance(n, str)), None)
+        if wrong is not None:
+            raise ValueError(
+                f"{source}: 'param_order' holds {repr(wrong)[:80]}, a {type(wrong).__name__}; expected parameter names "
+                "(strings), as the model's named_parameters() gives them"
+            )
         if sorted(names) != sorted(self.param_order) or len(set(names)) != len(names):
             extra = sorted(set(names) ^ set(self.param_order)) or [n for n in names if names.count(n) > 1]
             raise ValueError(

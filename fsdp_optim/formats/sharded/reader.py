@@ -133,7 +133,7 @@ class _RankFile:
     def open(self, *, mmap: bool) -> Mapping[str, Any]:
         if self.payload is None:
             # A rank file's name comes from the manifest: it must be a regular file inside the directory.
-            payload = load_file(self.path, mmap=mmap, follow_symlinks=False)
+            payload = self._load(mmap=mmap)
             self._check_header(payload)
             # What the manifest's shapes make readers allocate is bounded by what the files really hold
             # (and by what the manifest itself says they hold).
@@ -142,6 +142,25 @@ class _RankFile:
             check_stored_bytes(f"{self.path} (as the manifest records it)", declared, self.record.nbytes)
             self.payload = payload
         return self.payload
+
+    def _load(self, *, mmap: bool) -> Any:
+        """:func:`load_file`, its errors saying what the manifest knows: the file's rank and size."""
+        nbytes = self.record.nbytes
+        try:
+            return load_file(self.path, mmap=mmap, follow_symlinks=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{self.path}: no such file: the manifest lists it as rank {self.record.rank}'s file of {nbytes} "
+                "bytes (the checkpoint is damaged; fsdp-optim verify checks every file)"
+            ) from None
+        except ValueError:
+            size = self.path.stat().st_size if self.path.is_file() else None
+            if size is None or size >= nbytes:
+                raise
+            raise ValueError(
+                f"{self.path}: cannot be read with torch.load(weights_only=True): truncated: {size} of {nbytes} bytes "
+                "(the size the manifest records; a copy or write that did not finish?)"
+            ) from None
 
     def _check_header(self, payload: Any) -> None:
         where = str(self.path)
