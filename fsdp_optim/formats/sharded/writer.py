@@ -13,20 +13,25 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
-from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, new_save_id
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write, new_save_id
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
 from fsdp_optim.disk.untrusted import describe_file, escape
 from fsdp_optim.formats.sharded.manifest import (
+    CHECKPOINT_VERSION,
+    LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
+    MANIFEST_NAMES,
     FileRecord,
     Manifest,
     shard_file_name,
-    shard_payload,
-    wrap,
 )
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
+from fsdp_optim.formats.sharded.rank_file import write_rank_file
+from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
+from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 
-_SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.pt$")
+# Rank files of both formats; a format-2 commit also removes the manifest.pt of the format-1 checkpoint it replaces.
+_SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
 
 
 
@@ -37,11 +42,23 @@ _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 def write_shard_file(
     directory: Path, state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
 ) -> FileRecord:
-    """Write one rank's file atomically; its record for the manifest."""
-    payload, checksum = shard_payload(state, save_id=save_id, rank=rank, world_size=world_size)
+    """Write one rank's file atomically (format 2: a safetensors file, :mod:`.rank_file`); its record for the manifest.
+
+    ``state`` is ``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's to hold.
+    """
     name = shard_file_name(save_id, rank, world_size)
-    size = atomic_save(payload, directory / name)
-    return FileRecord(rank, name, checksum, size)
+    metadata = {
+        "format": "fsdp_optim",
+        "kind": "shard",
+        "version": str(CHECKPOINT_VERSION),
+        "save_id": save_id,
+        "rank": str(rank),
+        "world_size": str(world_size),
+    }
+    size, (checksum, segments) = atomic_write(
+        directory / name, lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES)
+    )
+    return FileRecord(rank, name, checksum, size, segments)
 
 
 
@@ -49,7 +66,8 @@ def write_manifest(directory: Path, manifest: Manifest, *, replaces: Iterable[st
     """Commit a checkpoint: write its manifest atomically (last), then remove the rank files of the
     checkpoint it replaces (``replaces``: the previous manifest's files, from :func:`begin_write`)."""
     path = directory / MANIFEST_NAME
-    atomic_save(wrap("manifest", manifest.to_dict()), path, tag=manifest.save_id[:12])
+    data = manifest_to_json(manifest)  # before anything is written: a value JSON cannot hold is refused here
+    atomic_write(path, lambda file: file.write(data), tag=manifest.save_id[:12])
     remove_stale_files(directory, replaces, keep={f.file for f in manifest.files})
     return path
 
@@ -62,7 +80,7 @@ def remove_stale_files(directory: Path, names: Iterable[str], *, keep: set[str])
     removed = []
     for name in sorted(set(names) - keep):
         target = directory / name
-        if _SHARD_FILE.match(name) and (target.is_symlink() or target.is_file()):
+        if (_SHARD_FILE.match(name) or name == LEGACY_MANIFEST_NAME) and (target.is_symlink() or target.is_file()):
             target.unlink(missing_ok=True)
             removed.append(name)
     return removed
@@ -78,7 +96,7 @@ def check_not_input(output: str | os.PathLike[str], inputs: Iterable[Any], *, na
             continue
         path = Path(given)
         candidates = [path]
-        directory = path if path.is_dir() else path.parent if path.name == MANIFEST_NAME else None
+        directory = path if path.is_dir() else path.parent if path.name in MANIFEST_NAMES else None
         if directory is not None:
             candidates += [directory, *directory.iterdir()]
         for candidate in candidates:
@@ -146,10 +164,12 @@ def end_write(lock: OutputLock, *, failed: bool) -> None:
 def owned_files(directory: Path, *, overwrite: bool = False) -> set[str]:
     """The rank files of the checkpoint in ``directory`` (what a new commit there replaces).
 
-    Ours is ``manifest.pt`` when it reads as an fsdp_optim manifest, and the rank files it lists.
-    Anything else (a foreign or unreadable ``manifest.pt``, any other file or directory) is *foreign*:
-    refused with :class:`ForeignOutputError` unless ``overwrite``, and never deleted either way.
-    Something that exists and is not a directory is refused always.
+    Ours is ``manifest.json`` (or ``manifest.pt``, format 1) when it reads as an fsdp_optim manifest, and the
+    rank files it lists; a ``manifest.pt`` beside a ``manifest.json`` (a format-2 commit over format 1 that
+    was killed before removing it) is ours too, with its files, when it reads as ours. Anything else (a
+    foreign or unreadable manifest, any other file or directory) is *foreign*: refused with
+    :class:`ForeignOutputError` unless ``overwrite``, and never deleted either way. Something that exists
+    and is not a directory is refused always.
     """
     if not os.path.lexists(directory):
         return set()
@@ -157,15 +177,16 @@ def owned_files(directory: Path, *, overwrite: bool = False) -> set[str]:
         raise ForeignOutputError(f"{directory}: exists and is not a directory ({describe_file(directory)})")
     names = set(os.listdir(directory))
     files: set[str] = set()
-    problem = None
-    if MANIFEST_NAME in names:
+    problems = []
+    for manifest in (n for n in MANIFEST_NAMES if n in names):
         try:
-            files = {f.file for f in read_manifest(directory).files}
+            listed = {f.file for f in read_manifest(directory / manifest).files}
+            files |= listed | ({manifest} if manifest == LEGACY_MANIFEST_NAME else set())
         except (ValueError, OSError) as exc:
-            problem = f"its {MANIFEST_NAME} is not an fsdp_optim manifest ({exc})"
-    foreign = sorted(names - files - ({MANIFEST_NAME} if problem is None else {MANIFEST_NAME} | files))
-    if (foreign or problem) and not overwrite:
-        parts = [problem] if problem else []
+            problems.append(f"its {manifest} is not an fsdp_optim manifest ({exc})")
+    foreign = sorted(names - files - set(MANIFEST_NAMES)) if not problems else sorted(names - set(MANIFEST_NAMES))
+    if (foreign or problems) and not overwrite:
+        parts = list(problems)
         if foreign:
             shown = ", ".join(escape(n, limit=80) for n in foreign[:5])
             more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
@@ -174,19 +195,18 @@ def owned_files(directory: Path, *, overwrite: bool = False) -> set[str]:
             f"{directory}: {'; '.join(parts)}; pass overwrite=True (--overwrite) to write there anyway (nothing "
             "there is deleted)"
         )
-    return files if problem is None else set()
-
+    return files if not problems else set()
 
 
 def _referenced(directory: Path) -> set[str] | None:
     """Names the checkpoint in ``directory`` uses; empty without a manifest, ``None`` if it is unreadable."""
-    if not os.path.lexists(directory / MANIFEST_NAME):
+    manifest = manifest_file(directory)
+    if manifest is None:
         return set()
     try:
-        return {MANIFEST_NAME} | {f.file for f in read_manifest(directory).files}
+        return {manifest.name} | {f.file for f in read_manifest(manifest).files}
     except (ValueError, OSError):
         return None
-
 
 
 def recover(directory: Path, entries: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -206,8 +226,8 @@ def recover(directory: Path, entries: Sequence[Mapping[str, Any]]) -> list[str]:
     for entry in entries:
         sid, world_size = entry.get("save_id"), entry.get("world_size")
         if isinstance(sid, str) and _SAVE_ID.match(sid) and isinstance(world_size, int) and 0 < world_size <= MAX_WORLD_SIZE:
-            own.update(shard_file_name(sid, r, world_size) for r in range(world_size))
-            tagged.add((MANIFEST_NAME, sid[:12]))
+            own.update(shard_file_name(sid, r, world_size, version=v) for r in range(world_size) for v in (1, 2))
+            tagged.update((name, sid[:12]) for name in MANIFEST_NAMES)
             staging = entry.get("staging")
             if isinstance(staging, str) and "/" not in staging and staging.startswith("."):
                 stagings.append((directory.parent / staging, sid, world_size))
@@ -222,7 +242,7 @@ def recover(directory: Path, entries: Sequence[Mapping[str, Any]]) -> list[str]:
             removed += remove_stale_files(directory, own | replaced, keep=referenced)
     for staging, sid, world_size in stagings:
         if staging.is_dir() and not staging.is_symlink():
-            names = {shard_file_name(sid, r, world_size) for r in range(world_size)}
+            names = {shard_file_name(sid, r, world_size, version=v) for r in range(world_size) for v in (1, 2)}
             removed += _sweep(staging, names, set()) + remove_stale_files(staging, names, keep=set())
             with contextlib.suppress(OSError):  # not empty: something not ours is in there, leave it
                 staging.rmdir()
