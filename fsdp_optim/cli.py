@@ -185,6 +185,10 @@ def _inspect(args: argparse.Namespace) -> list[str]:
     if source_kind(path) == "sharded":
         _inspect_manifest(read_manifest(path), "sharded checkpoint", out, units=args.units)
         return out
+    if path.suffix == ".safetensors":
+        from fsdp_optim.formats.sharded.rank_file import describe_rank_file
+
+        return out + describe_rank_file(path)
     obj = load_file(path, mmap=True)
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") == "manifest":

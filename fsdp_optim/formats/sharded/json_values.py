@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
+from fsdp_optim.disk.untrusted import escape
 
 __all__ = ["MAX_TENSOR_BYTES", "from_json", "to_json"]
 
@@ -113,10 +114,12 @@ def _tensor_from_json(body: Any, where: str) -> torch.Tensor:
         raise ValueError(f"{where}: '$tensor' must be an object with 'dtype', 'shape', 'hex', found {found}")
     dtype = dtype_from_str(body["dtype"], where=where)
     shape, text = body["shape"], body["hex"]
-    if not isinstance(shape, list) or len(shape) > 8 or not all(type(s) is int and 0 <= s <= MAX_TENSOR_BYTES for s in shape):
-        raise ValueError(f"{where}: tensor shape {shape!r}, expected at most 8 non-negative ints")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(type(s) is int and 0 <= s for s in shape):
+        raise ValueError(f"{where}: tensor shape {escape(repr(shape), limit=80)}, expected at most 8 non-negative ints")
     nbytes = math.prod(shape) * dtype.itemsize
-    if not isinstance(text, str) or len(text) != 2 * nbytes or nbytes > MAX_TENSOR_BYTES:
+    if nbytes > MAX_TENSOR_BYTES:
+        raise ValueError(f"{where}: tensor of shape {shape} declares {nbytes} bytes; a JSON manifest holds up to {MAX_TENSOR_BYTES}")
+    if not isinstance(text, str) or len(text) != 2 * nbytes:
         found = f"{len(text) // 2} bytes" if isinstance(text, str) else type(text).__name__
         raise ValueError(f"{where}: tensor {dtype_to_str(dtype)}{shape} needs {nbytes} bytes of 'hex', found {found}")
     try:

@@ -39,7 +39,7 @@ from fsdp_optim.disk.untrusted import escape, open_regular
 from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
 from fsdp_optim.formats.sharded.segments import Segment, check_segments, chunk_digests, chunk_elements, plan_segments
 
-__all__ = ["MAX_HEADER_BYTES", "Header", "MappedFile", "RankFile", "read_header", "write_rank_file"]
+__all__ = ["MAX_HEADER_BYTES", "Header", "MappedFile", "RankFile", "describe_rank_file", "read_header", "write_rank_file"]
 
 MAX_HEADER_BYTES = 1 << 20  # ours holds one entry per dtype: a few hundred bytes
 _WRITE_BYTES = 8 << 20  # bytes per write call
@@ -153,6 +153,25 @@ def _check_disjoint(header: Mapping[str, Any], data: int, where: str) -> None:
         raise ValueError(f"{where}: the tensors cover {at} bytes of data, but the file holds {data} after its header")
 
 
+def describe_rank_file(path: Path) -> list[str]:
+    """What ``fsdp-optim inspect`` prints about one format-2 rank file (its checked header only)."""
+    fd, st = open_regular(path)
+    try:
+        header = read_header(fd, st.st_size, str(path))
+    finally:
+        os.close(fd)
+    meta = header.metadata
+    if meta.get("format") != "fsdp_optim" or meta.get("kind") != "shard":
+        raise ValueError(f"{path}: a safetensors file, but not an fsdp_optim rank file (its metadata: {escape(repr(dict(meta)), limit=200)})")
+    tensors = ", ".join(f"{name} [{numel}]" for name, (_, numel, _) in header.tensors.items()) or "-"
+    return [
+        f"format: one rank file of a sharded checkpoint (version {escape(meta.get('version', '?'), limit=20)}; "
+        "inspect its directory for the whole)",
+        f"rank: {escape(meta.get('rank', '?'), limit=20)} of {escape(meta.get('world_size', '?'), limit=20)}",
+        f"tensors: {tensors}",
+    ]
+
+
 class MappedFile:
     """A rank file mapped once; :meth:`view` returns verified zero-copy views of its segments."""
 
@@ -167,6 +186,7 @@ class MappedFile:
             os.close(fd)
         self.size = st.st_size
         self._verified: set[tuple[str, int, int]] = set()
+        self.bytes_verified = 0  # bytes hashed so far: every byte read from the file is hashed once before use
 
     def view(self, s: Segment, start: int, stop: int, chunk_bytes: int, where: str) -> torch.Tensor:
         """Elements ``[start, stop)`` of segment ``s``, every chunk they touch verified against its checksum."""
@@ -181,6 +201,7 @@ class MappedFile:
                         f"{where}: checksum mismatch in elements {lo}..{hi} of state '{s.key}' (file is corrupt or was modified)"
                     )
                 self._verified.add((s.tensor, s.offset, k))
+                self.bytes_verified += (hi - lo) * dtype.itemsize
         return self._elements(base, dtype, s.offset + start, stop - start)
 
     def _elements(self, base: int, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
@@ -204,6 +225,7 @@ class MappedFile:
                     at += got
             finally:
                 os.close(fd)
+        self.bytes_verified += s.numel * dtype.itemsize
         if chunk_digests(out, chunk_bytes) != s.checksums:
             raise ValueError(f"{where}: checksum mismatch in state '{s.key}' (file is corrupt or was modified)")
         return out
