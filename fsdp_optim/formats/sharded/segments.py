@@ -13,13 +13,13 @@ last one shorter; chunk ``k`` covers elements ``[k * per, min((k + 1) * per, num
 1-D slice. A reader verifies every chunk it touches before it uses a byte of it, so a re-cut read of a
 range costs at most one chunk more on each side than the range itself.
 
-Why a few large tensors and not one per (unit, key), measured (``python -m benchmarks.format2 --layout``,
-Adam, two sharded keys per unit, float32, W=2, one rank file, safetensors 0.8.0)::
+Why a few large tensors and not one per (unit, key), measured (``python -m benchmarks.format2 --layout``:
+safetensors 0.8.0's own writer, two float32 keys per unit, one rank file; bytes beyond the payload)::
 
-    units   payload      one tensor per (unit, key)    one tensor per dtype
-    256     1.0 MiB      header 34.6 KiB (+3.3 %)       header 0.2 KiB (+0.02 %)
-    256     16 KiB       header 34.6 KiB (x 3.2)        header 0.2 KiB (+1.2 %)
-    4096    100 MiB      header 578 KiB  (+0.6 %)       header 0.2 KiB
+    units   payload      one tensor per (unit, key)     one tensor per dtype
+    256     1.0 MiB      header 38,936 B (+3.7 %)       header 120 B (+0.01 %)
+    256     16 KiB       header 36,256 B (x 3.2)        header 120 B (+0.7 %)
+    4096    100 MiB      header 672,688 B (+0.6 %)      header 128 B (+0.0001 %)
 
 The header of a per-(unit, key) file grows ~70 bytes per tensor (a name, dtype, shape and offsets in
 JSON) whatever the tensor's size, so a model of many small units is dominated by it; the per-dtype layout
