@@ -20,6 +20,9 @@ setup(
         # Checkpoint checksums (xxh3-128, ~7x SHA-256 here); xxh3 entered python-xxhash in 2.0, 3.0 is the
         # oldest release still maintained. Only the version in constraints.txt is tested.
         "xxhash>=3",
+        # Format-2 rank files are safetensors files; 0.4 is the oldest release whose safe_open reads the metadata
+        # and slices we write and check against. Only the version in constraints.txt is tested.
+        "safetensors>=0.4",
     ],
     entry_points={"console_scripts": ["fsdp-optim = fsdp_optim.cli:main"]},
     extras_require={

@@ -195,6 +195,10 @@ def _inspect(args: argparse.Namespace) -> list[str]:
                     )
             what = "layout file" if opened.kind is Kind.LAYOUT else "sharded checkpoint"
             _inspect_manifest(opened.manifest, what, out, units=args.units)
+        elif opened.kind is Kind.RANK_FILE and opened.raw is None:  # format 2: a safetensors rank file
+            from fsdp_optim.formats.sharded.rank_file import describe_rank_file
+
+            out += describe_rank_file(path)
         elif opened.kind is Kind.RANK_FILE:
             header = opened.raw["fsdp_optim_checkpoint"]
             out += [

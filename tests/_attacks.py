@@ -20,10 +20,12 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
+import json
 import os
 import pickle
 import random
 import resource
+import struct
 import sys
 import time
 import traceback
@@ -35,11 +37,18 @@ from typing import Any
 
 import torch
 from _dist import forkserver_context
-from _forge import forge_manifest, forge_rank_file
+from _forge import forge_manifest, forge_manifest_json, forge_rank_file, forge_safetensors, read_safetensors, to_format1
 from _forge import manifest_rank_file as rank_file
 
 from fsdp_optim.core.checksums import digest
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
+from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME
+
+__all__ = ["forge_manifest", "forge_manifest_json", "forge_rank_file", "forge_safetensors", "rank_file", "to_format1"]
+
+
+def manifest_of(directory: Path) -> str:
+    """The name of the manifest in ``directory`` (format 2's, else format 1's)."""
+    return MANIFEST_NAME if (directory / MANIFEST_NAME).exists() else LEGACY_MANIFEST_NAME
 
 # What a child may raise: the documented exception types of fsdp_optim (and their subclasses).
 DOCUMENTED = ("ValueError", "TypeError", "FileNotFoundError", "OSError", "NotImplementedError")
@@ -464,10 +473,21 @@ def mutate(directory: Path, seed: int, kind: str) -> None:
     if kind in ("flip", "truncate", "insert", "zero"):
         _mutate_bytes(target, rng, kind)
         return
-    if target.name == MANIFEST_NAME:
+    if target.name == LEGACY_MANIFEST_NAME:
         forge_manifest(directory, lambda body: body.update(_mutate_structure(body, rng)))
         return
+    if target.name == MANIFEST_NAME:  # structure (checksum recomputed either way: it is the manifest's own)
+        forge_manifest_json(directory, lambda body: body.update(_mutate_structure(body, rng)))
+        return
     rank = next(r for r in range(64) if rank_file(directory, r) == target)
+    if target.suffix == ".safetensors":  # its header, with (or without) the manifest's record updated
+        if kind == "structure, checksums recomputed":
+            forge_safetensors(directory, rank, lambda header: header.update(_mutate_structure(header, rng)))
+        else:
+            header, data = read_safetensors(target)
+            text = json.dumps(_mutate_structure(header, rng)).encode()
+            target.write_bytes(struct.pack("<Q", len(text)) + text + data)
+        return
     if kind == "structure, checksums recomputed":
         forge_rank_file(directory, rank, lambda state: state.update(_mutate_structure(state, rng)))
     else:

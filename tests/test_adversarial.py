@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp_optim import save_layout, save_sharded_optim_state
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
+from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME
 
 WORLD_SIZE = 2
 CLI_ERROR = "fsdp-optim: error: "
@@ -62,6 +62,9 @@ def _job(rank: int, world_size: int, out_dir: str) -> None:
     if rank == 0:
         torch.save(full, out / "full.pt")
         save_layout(model, out / "layout.pt")
+        # "ckpt2" as saved (format 2); "ckpt" rewritten as format 1, which the attacks before format 2 forge.
+        shutil.copytree(out / "ckpt", out / "ckpt2")
+        A.to_format1(out / "ckpt")
 
 
 @pytest.fixture(scope="module")
@@ -321,8 +324,8 @@ def fifo_as_a_rank_file(case: Case) -> Path:
 @attack("path", "ValueError", "a FIFO", "expected a regular file", entries=DIRECTORY)
 def fifo_as_the_manifest(case: Case) -> Path:
     d = case.copy()
-    (d / MANIFEST_NAME).unlink()
-    os.mkfifo(d / MANIFEST_NAME)
+    (d / LEGACY_MANIFEST_NAME).unlink()
+    os.mkfifo(d / LEGACY_MANIFEST_NAME)
     return d
 
 
@@ -463,7 +466,7 @@ def reshard_into_a_directory_of_someone_elses_files(case: Case) -> Path:
 @attack("writer", "ForeignOutputError", "manifest.pt is not an fsdp_optim manifest", entries=("reshard into",))
 def reshard_into_a_directory_with_a_foreign_manifest(case: Case) -> Path:
     case.out.mkdir()
-    torch.save(M.make_net().state_dict(), case.out / MANIFEST_NAME)
+    torch.save(M.make_net().state_dict(), case.out / LEGACY_MANIFEST_NAME)
     return case.copy()
 
 
@@ -471,6 +474,153 @@ def reshard_into_a_directory_with_a_foreign_manifest(case: Case) -> Path:
 def reshard_into_a_regular_file(case: Case) -> Path:
     case.out.write_text("a file where the output directory goes")
     return case.copy()
+
+
+# Format 2 (manifest.json, safetensors rank files; "ckpt2"): the same classes of attack on the files it reads.
+
+
+@attack("bomb", "ValueError", "declares a 1152921504606846976-byte header", "expected at most", entries=RANK_FILES)
+def format2_header_length_of_an_exbibyte(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_safetensors(d, 1, header_length=1 << 60)
+    return d
+
+
+@attack("bomb", "ValueError", "data_offsets [0, 4611686018427387904] lie outside", entries=RANK_FILES)
+def format2_tensor_declaring_four_exbibytes(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_safetensors(d, 1, lambda h: h["float32"].update(shape=[1 << 60], data_offsets=[0, 1 << 62]))
+    return d
+
+
+@attack("bomb", "ValueError", "overlaps the tensor before it", entries=RANK_FILES)
+def format2_two_tensors_over_the_same_bytes(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_safetensors(d, 1, lambda h: h.update(float64=dict(h["float32"], dtype="F64", shape=[h["float32"]["shape"][0] // 2])))
+    return d
+
+
+@attack("bomb", "ValueError", "unit 'block1'", "is 49 elements", "expected 549755813", entries=RANK_FILES)
+def format2_manifest_declaring_a_terabyte_parameter(case: Case) -> Path:
+    d = case.copy("ckpt2")
+
+    def grow(body: dict[str, Any]) -> None:
+        flat = next(f for f in body["flat_params"] if f["unit"] == "block1")
+        flat["params"] = [{"name": p["name"], "shape": [1 << 20, 1 << 20] if i == 0 else p["shape"]}
+                          for i, p in enumerate(flat["params"])]
+        numel = sum(int(torch.Size(p["shape"]).numel()) for p in flat["params"])
+        flat.update(numel=numel, padding=[0, -(-numel // 2) * 2 - numel])
+
+    A.forge_manifest_json(d, grow, raw=True)
+    return d
+
+
+@attack("bomb", "ValueError", "world size 1000000000", "above the bound", entries=DIRECTORY)
+def format2_manifest_declaring_a_billion_ranks(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_manifest_json(d, lambda body: body.update(world_size=10**9), raw=True)
+    return d
+
+
+@attack("bomb", "ValueError", "not a JSON manifest", entries=DIRECTORY)
+def format2_manifest_nested_a_million_deep(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    (d / MANIFEST_NAME).write_text("[" * 1_000_000 + "]" * 1_000_000)
+    return d
+
+
+@attack("bomb", "ValueError", "not a JSON manifest", "digits", entries=DIRECTORY)
+def format2_manifest_integer_of_a_hundred_thousand_digits(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    text = (d / MANIFEST_NAME).read_text()
+    (d / MANIFEST_NAME).write_text(text.replace('"world_size":2', '"world_size":' + "9" * 100_000, 1))
+    return d
+
+
+@attack("bomb", "ValueError", "declares 4294967296 bytes", entries=DIRECTORY)
+def format2_manifest_scalar_declaring_four_gigabytes(case: Case) -> Path:
+    d = case.copy("ckpt2")
+
+    def huge(body: dict[str, Any]) -> None:
+        entry = next(e for e in body["flat_params"][1]["state"] if e["key"] == "step")
+        entry["value"] = {"$tensor": {"dtype": "float32", "shape": [1 << 15, 1 << 15], "hex": ""}}
+
+    A.forge_manifest_json(d, huge, raw=True)
+    return d
+
+
+@attack("malformed", "ValueError", "dtype 'BF16', expected 'F32'", entries=RANK_FILES)
+def format2_wrong_dtype_in_a_rank_file(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_safetensors(d, 1, lambda h: h["float32"].update(dtype="BF16"))
+    return d
+
+
+@attack("malformed", "ValueError", "'world_size' must be int", "found str", entries=DIRECTORY)
+def format2_manifest_world_size_as_a_string(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_manifest_json(d, lambda body: body.update(world_size="2"), raw=True)
+    return d
+
+
+@attack("malformed", "ValueError", "'params' must be list or tuple", "found int", entries=DIRECTORY)
+def format2_manifest_params_as_a_number(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_manifest_json(d, lambda body: body["flat_params"][1].update(params=7), raw=True)
+    return d
+
+
+@attack("malformed", "ValueError", "expected one of the tags", entries=DIRECTORY)
+def format2_manifest_hyperparameter_with_an_unknown_tag(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_manifest_json(d, lambda body: body["param_groups"][0]["hyperparams"].update(lr={"$reduce": "os.system"}), raw=True)
+    return d
+
+
+@attack("malformed", "ValueError", "'checksums' must be strings", entries=DIRECTORY)
+def format2_manifest_checksums_as_numbers(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_manifest_json(d, lambda body: body["files"][0]["segments"][0].update(checksums=[1, 2]), raw=True)
+    return d
+
+
+@attack("path", "ValueError", "a FIFO", "expected a regular file", entries=DIRECTORY)
+def format2_fifo_as_the_manifest(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    (d / MANIFEST_NAME).unlink()
+    os.mkfifo(d / MANIFEST_NAME)
+    return d
+
+
+@attack("path", "ValueError", "a FIFO", "expected a regular file", entries=RANK_FILES)
+def format2_fifo_as_a_rank_file(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    path = A.rank_file(d, 1)
+    path.unlink()
+    os.mkfifo(path)
+    return d
+
+
+@attack("path", "ValueError", "a symbolic link", "expected a regular file", entries=RANK_FILES)
+def format2_rank_file_symlinked_out_of_the_directory(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    path = A.rank_file(d, 1)
+    outside = case.where / "elsewhere.safetensors"
+    path.rename(outside)
+    path.symlink_to(outside)
+    return d
+
+
+@attack("writer", "ForeignOutputError", "manifest.json is not an fsdp_optim manifest", entries=("reshard into",))
+def format2_reshard_into_a_directory_with_a_foreign_manifest(case: Case) -> Path:
+    case.out.mkdir()
+    (case.out / MANIFEST_NAME).write_text('{"model": "someone else\'s"}')
+    return case.copy("ckpt2")
+
+
+@attack("writer", "ValueError", "one of the inputs", entries=("cli consolidate into its own manifest",))
+def format2_consolidate_output_is_its_own_manifest(case: Case) -> Path:
+    return case.copy("ckpt2")
 
 
 # --- running an attack -----------------------------------------------------------------------------------
@@ -492,7 +642,7 @@ def _call(entry: str, given: Any, case: Case, attack: Attack) -> A.Outcome:
         "reshard to a million ranks": lambda: (A.reshard_entry, (str(given), 10**6, out)),
         "reshard into a symlink to the source": lambda: (A.reshard_entry, (str(given), 3, str(case.where / "alias"))),
         "cli consolidate into its own manifest": lambda: (
-            A.cli_entry, ("consolidate", str(given), "-o", str(Path(given) / MANIFEST_NAME))
+            A.cli_entry, ("consolidate", str(given), "-o", str(Path(given) / A.manifest_of(Path(given))))
         ),
         "cli convert into a hard link of its source": lambda: (
             A.cli_entry, ("convert", str(given), "--to", "named", "-o", str(case.where / "link.pt"))
@@ -556,9 +706,10 @@ def test_catalogue_is_large_enough() -> None:
     assert len(ATTACKS) >= 40 and len(by_class) >= 6, by_class
 
 
-def test_escaped_names_are_printed_escaped(saved: Path, tmp_path: Path) -> None:
-    """``inspect --units`` of a checkpoint whose unit and parameter names carry control sequences."""
-    d = Case(saved, tmp_path).copy()
+@pytest.mark.parametrize("name", ["ckpt", "ckpt2"])
+def test_escaped_names_are_printed_escaped(name: str, saved: Path, tmp_path: Path) -> None:
+    """``inspect --units`` of a checkpoint (format 1, 2) whose unit and parameter names carry control sequences."""
+    d = Case(saved, tmp_path).copy(name)
 
     def rename(body: dict[str, Any]) -> None:
         hostile = "block1\x1b]0;owned\x07\x1b[2J"
@@ -566,7 +717,7 @@ def test_escaped_names_are_printed_escaped(saved: Path, tmp_path: Path) -> None:
             if flat["unit"] == "block1":
                 flat["unit"] = hostile
 
-    A.forge_manifest(d, rename)
+    (A.forge_manifest_json if name == "ckpt2" else A.forge_manifest)(d, rename)
     outcome = A.bounded(A.cli_entry, "inspect", str(d), "--units")
     code, text, err = outcome.value
     assert code == 0 and err == "", err
@@ -591,15 +742,16 @@ def test_overwrite_writes_beside_foreign_files_and_keeps_them(saved: Path, tmp_p
 MUTATIONS = ("flip", "truncate", "insert", "zero", "structure", "structure, checksums recomputed")
 
 
-@settings(max_examples=36, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=48, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(data=st.data())
 def test_mutated_checkpoints_raise_only_documented_errors_in_bounds(saved: Path, data: st.DataObject) -> None:
     kind = data.draw(st.sampled_from(MUTATIONS), label="mutation")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    where = saved.parent / f"mutated-{seed}-{MUTATIONS.index(kind)}"
+    name = data.draw(st.sampled_from(["ckpt", "ckpt2"]), label="format")
+    where = saved.parent / f"mutated-{seed}-{MUTATIONS.index(kind)}-{name}"
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir()
-    d = Path(shutil.copytree(saved / "ckpt", where / "ckpt"))
+    d = Path(shutil.copytree(saved / name, where / "ckpt"))
     if A.bounded(A.mutate, d, seed, kind).kind != "ok":
         shutil.rmtree(where)
         return  # a mutation torch.save would not write: nothing to test

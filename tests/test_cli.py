@@ -58,7 +58,7 @@ def test_inspect_every_kind_of_file(files, capsys) -> None:
     out, _ = files
     code, text, err = _run(capsys, "inspect", out / "ckpt", "--units")
     assert code == 0 and err == "", err
-    for line in ("format: sharded checkpoint", "optimizer: SGD", "world size: 2", "units: 5 (5 flat parameters)",
+    for line in ("format: sharded checkpoint (version 2)", "optimizer: SGD", "world size: 2", "units: 5 (5 flat parameters)",
                  "params: 18 (16 with state)", "param groups: 1", "state keys: momentum_buffer (float32)", "step: -"):
         assert line in text, text
     assert "block2.inner | 3 | 4 |" in text and "files: 2 rank files" in text
@@ -104,7 +104,7 @@ def test_bad_input_gives_one_line_and_exit_code_1(files, capsys, tmp_path) -> No
     cases = [
         (("inspect", tmp_path / "missing.pt"), "missing.pt: no such file"),
         (("inspect", tmp_path / "notes.txt"), "cannot be read with torch.load(weights_only=True)"),
-        (("inspect", tmp_path / "emptydir"), "without a manifest.pt"),
+        (("inspect", tmp_path / "emptydir"), "without a manifest.json or manifest.pt"),
         (("consolidate", tmp_path / "emptydir", "-o", tmp_path / "x.pt"), "not a sharded checkpoint directory"),
         (("reshard", out / "full.pt", "--world-size", 2, "-o", tmp_path / "r"), "--layout: resharding a full dict"),
         (("reshard", out / "ckpt", "--world-size", 0, "-o", tmp_path / "r"), "expected an int >= 1, found 0"),

@@ -25,6 +25,7 @@ output file; in the job, the optimizer's state deep-compares equal to a copy tak
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import struct
 import traceback
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
-from _forge import forge_manifest, forge_rank_file
+from _forge import V1_MANIFEST, forge_manifest, forge_manifest_json, forge_rank_file, forge_safetensors, to_format1
 from torch import nn
 
 from fsdp_optim import consolidate, load_sharded_optim_state, reshard, save_layout, save_sharded_optim_state
@@ -52,6 +53,7 @@ from fsdp_optim.formats.sharded.reader import read_manifest
 WORLD_SIZE = 2
 STEPS = 2  # before the checkpoint every case starts from: "step" is 2.0 there
 CONTROL = "unedited"
+CONTROL2 = "unedited format 2"
 
 
 # --- what the cases start from -----------------------------------------------------------------------
@@ -184,10 +186,10 @@ def empty_rank_file(src: Source) -> Path:
     return d
 
 
-@refusal(ValueError, MANIFEST_NAME, "cannot be read with torch.load(weights_only=True)", entries=WITH_INSPECT)
+@refusal(ValueError, V1_MANIFEST, "cannot be read with torch.load(weights_only=True)", entries=WITH_INSPECT)
 def truncated_manifest(src: Source) -> Path:
     d = src.copy()
-    truncate(d / MANIFEST_NAME, 0.7)
+    truncate(d / V1_MANIFEST, 0.7)
     return d
 
 
@@ -198,19 +200,19 @@ def flipped_byte_in_a_tensor(src: Source) -> Path:
     return d
 
 
-@refusal(ValueError, MANIFEST_NAME, "checksum mismatch", entries=WITH_INSPECT)
+@refusal(ValueError, V1_MANIFEST, "checksum mismatch", entries=WITH_INSPECT)
 def flipped_byte_in_a_manifest_tensor(src: Source) -> Path:
     d = src.copy()  # the manifest's tensors are the scalar states: "step" of each unit
-    flip_tensor_byte(d / MANIFEST_NAME, largest=False)
+    flip_tensor_byte(d / V1_MANIFEST, largest=False)
     return d
 
 
-@refusal(ValueError, MANIFEST_NAME, "checksum mismatch", entries=WITH_INSPECT)
+@refusal(ValueError, V1_MANIFEST, "checksum mismatch", entries=WITH_INSPECT)
 def manifest_edited_by_hand(src: Source) -> Path:
     d = src.copy()
-    wrapped = torch.load(d / MANIFEST_NAME, weights_only=True)
+    wrapped = torch.load(d / V1_MANIFEST, weights_only=True)
     wrapped["body"]["world_size"] = 3
-    torch.save(wrapped, d / MANIFEST_NAME)
+    torch.save(wrapped, d / V1_MANIFEST)
     return d
 
 
@@ -225,10 +227,10 @@ def rank_file_header_edited_by_hand(src: Source) -> Path:
     return d
 
 
-@refusal(ValueError, MANIFEST_NAME, "cannot be read with torch.load(weights_only=True)", entries=WITH_INSPECT)
+@refusal(ValueError, V1_MANIFEST, "cannot be read with torch.load(weights_only=True)", entries=WITH_INSPECT)
 def random_bytes_as_manifest(src: Source) -> Path:
     d = src.copy()
-    random_bytes(d / MANIFEST_NAME)
+    random_bytes(d / V1_MANIFEST)
     return d
 
 
@@ -240,11 +242,11 @@ def random_bytes_as_rank_file(src: Source) -> Path:
 
 
 @refusal(
-    ValueError, MANIFEST_NAME, "expected an fsdp_optim manifest file, found", "'embed.weight'", entries=WITH_INSPECT
+    ValueError, V1_MANIFEST, "expected an fsdp_optim manifest file, found", "'embed.weight'", entries=WITH_INSPECT
 )
 def model_state_dict_as_manifest(src: Source) -> Path:
     d = src.copy()
-    torch.save(M.make_net().state_dict(), d / MANIFEST_NAME)
+    torch.save(M.make_net().state_dict(), d / V1_MANIFEST)
     return d
 
 
@@ -290,7 +292,7 @@ def rank_file_from_another_world_size(src: Source) -> Path:
 # Written by a writer that put the wrong thing in (checksums recomputed).
 
 
-@refusal(ValueError, MANIFEST_NAME, "format version 2", "reads 1..1", entries=WITH_INSPECT)
+@refusal(ValueError, V1_MANIFEST, "format version 2", "reads 1..1", entries=WITH_INSPECT)
 def newer_format_version_in_the_manifest(src: Source) -> Path:
     d = src.copy()
     forge_manifest(d, lambda body: body.update(version=2), version=2)
@@ -304,14 +306,14 @@ def newer_format_version_in_a_rank_file(src: Source) -> Path:
     return d
 
 
-@refusal(ValueError, MANIFEST_NAME, "one file per rank 0..1", "found ranks [0]", entries=WITH_INSPECT)
+@refusal(ValueError, V1_MANIFEST, "one file per rank 0..1", "found ranks [0]", entries=WITH_INSPECT)
 def manifest_lists_no_file_for_a_rank(src: Source) -> Path:
     d = src.copy()
     forge_manifest(d, lambda body: body.update(files=[f for f in body["files"] if f["rank"] == 0]))
     return d
 
 
-@refusal(ValueError, MANIFEST_NAME, "plain name inside the checkpoint directory", "'../optim.pt'", entries=WITH_INSPECT)
+@refusal(ValueError, V1_MANIFEST, "plain name inside the checkpoint directory", "'../optim.pt'", entries=WITH_INSPECT)
 def manifest_names_a_file_outside_its_directory(src: Source) -> Path:
     d = src.copy()
     forge_manifest(d, lambda body: body["files"][1].update(file="../optim.pt"))
@@ -352,10 +354,248 @@ def scalar_state_of_a_rank_file_differs_from_the_manifest(src: Source) -> Path:
     return d
 
 
+# Format 2 (manifest.json, safetensors rank files; the job's "ckpt2"): damaged, mixed, or written by a writer
+# that follows the format and puts the wrong thing in it (checksums recomputed, the manifest's records updated).
+
+V2 = "ckpt2"
+
+
+@refusal(FileNotFoundError, "{v2rank1}", "no such file")
+def format2_missing_rank_file(src: Source) -> Path:
+    d = src.copy(V2)
+    rank_file(d, 1).unlink()
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "tensor 'float32'", "data_offsets", "lie outside the file's")
+def format2_truncated_rank_file(src: Source) -> Path:
+    d = src.copy(V2)
+    truncate(rank_file(d, 1), 0.5)
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "0 bytes, too short for a safetensors file")
+def format2_empty_rank_file(src: Source) -> Path:
+    d = src.copy(V2)
+    rank_file(d, 1).write_bytes(b"")
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "unit '", "checksum mismatch in elements")
+def format2_flipped_byte_in_a_shard(src: Source) -> Path:
+    d = src.copy(V2)
+    path = rank_file(d, 1)
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    data = bytearray(path.read_bytes())
+    data[8 + n + (len(data) - 8 - n) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "not a JSON manifest", entries=WITH_INSPECT)
+def format2_truncated_manifest(src: Source) -> Path:
+    d = src.copy(V2)
+    truncate(d / MANIFEST_NAME, 0.7)
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "not a JSON manifest", entries=WITH_INSPECT)
+def format2_random_bytes_as_manifest(src: Source) -> Path:
+    d = src.copy(V2)
+    random_bytes(d / MANIFEST_NAME)
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "checksum mismatch in the manifest", entries=WITH_INSPECT)
+def format2_manifest_edited_by_hand(src: Source) -> Path:
+    d = src.copy(V2)
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    doc["body"]["param_groups"][0]["hyperparams"]["lr"] = 0.5
+    (d / MANIFEST_NAME).write_text(json.dumps(doc))
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "expected an fsdp_optim manifest", "found list", entries=WITH_INSPECT)
+def format2_manifest_that_is_a_json_list(src: Source) -> Path:
+    d = src.copy(V2)
+    (d / MANIFEST_NAME).write_text("[1, 2, 3]")
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "format version 3", "reads manifest.json of version 2", entries=WITH_INSPECT)
+def format2_newer_format_version(src: Source) -> Path:
+    d = src.copy(V2)
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    doc["fsdp_optim_checkpoint"]["version"] = 3
+    (d / MANIFEST_NAME).write_text(json.dumps(doc))
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "'world_size' must be int", "found str '2'", entries=WITH_INSPECT)
+def format2_manifest_world_size_as_a_string(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_manifest_json(d, lambda body: body.update(world_size="2"), raw=True)
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "'flat_params' must be list or tuple", "found dict", entries=WITH_INSPECT)
+def format2_manifest_units_as_an_object(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_manifest_json(d, lambda body: body.update(flat_params={"0": body["flat_params"][0]}), raw=True)
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "expected one of the tags", "'$pickle'", entries=WITH_INSPECT)
+def format2_manifest_value_with_an_unknown_tag(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_manifest_json(d, lambda body: body["param_groups"][0]["hyperparams"].update(lr={"$pickle": "cos\nsystem"}), raw=True)
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "declares 4294967296 bytes", "holds up to 4096", entries=WITH_INSPECT)
+def format2_manifest_scalar_tensor_declaring_four_gigabytes(src: Source) -> Path:
+    d = src.copy(V2)
+
+    def huge_step(body: dict[str, Any]) -> None:
+        entry = next(e for e in body["flat_params"][1]["state"] if e["key"] == "step")
+        entry["value"] = {"$tensor": {"dtype": "float32", "shape": [1 << 30], "hex": ""}}
+
+    forge_manifest_json(d, huge_step, raw=True)
+    return d
+
+
+@refusal(ValueError, MANIFEST_NAME, "missing 'segments'", entries=WITH_INSPECT)
+def format2_manifest_without_segments(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_manifest_json(d, lambda body: body["files"][1].pop("segments"), raw=True)
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "declares a 1099511627776-byte header", "expected at most")
+def format2_header_length_beyond_the_file(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, header_length=1 << 40)
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "the safetensors header is not JSON")
+def format2_header_that_is_not_json(src: Source) -> Path:
+    d = src.copy(V2)
+    path = rank_file(d, 1)
+    raw = bytearray(path.read_bytes())
+    raw[8:16] = b"\xff\xfe{{{{{{"
+    path.write_bytes(bytes(raw))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "tensor 'float32'", "data_offsets [0, 4611686018427387904] lie outside")
+def format2_tensor_declaring_four_exbibytes(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, lambda h: h["float32"].update(shape=[1 << 60], data_offsets=[0, 1 << 62]))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "tensor 'float32'", "span", "expected", "for shape")
+def format2_shape_disagreeing_with_its_offsets(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, lambda h: h["float32"].update(shape=[h["float32"]["shape"][0] + 1]))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "at data_offsets", "overlaps the tensor before it")
+def format2_overlapping_tensors(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, lambda h: h.update(float64={"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "tensor 'float32'", "dtype 'F16', expected 'F32'")
+def format2_wrong_dtype_in_the_header(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, lambda h: h["float32"].update(dtype="F16"))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "shape [2, 49]", "expected [n]")
+def format2_two_dimensional_tensor(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, lambda h: h["float32"].update(shape=[2, 49]))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "world_size is '3'", "expected '2' from the manifest")
+def format2_rank_file_of_another_world_size(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, lambda h: h["__metadata__"].update(world_size="3"))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "save_id is", "expected", "from the manifest")
+def format2_rank_file_of_another_save(src: Source) -> Path:
+    d = src.copy(V2)
+    shutil.copy2(rank_file(src.saved / "other2", 1), rank_file(d, 1))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "rank is '0', expected '1'")
+def format2_rank_file_of_another_rank(src: Source) -> Path:
+    d = src.copy(V2)
+    shutil.copy2(rank_file(d, 0), rank_file(d, 1))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "the tensors cover", "but the file holds")
+def format2_data_appended_after_the_last_tensor(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, data=lambda b: b + bytes(4))
+    return d
+
+
+def _segments(body: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    return next(f for f in body["files"] if f["rank"] == rank)["segments"]
+
+
+@refusal(ValueError, "{v2rank1}", "segment of flat parameter", "overlaps the one before")
+def format2_manifest_segments_overlapping(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_manifest_json(d, lambda body: _segments(body, 1)[1].update(offset=_segments(body, 1)[0]["offset"]), raw=True)
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "unit 'block1' state 'exp_avg' is 50 elements", "expected 49 elements")
+def format2_manifest_segment_longer_than_its_shard(src: Source) -> Path:
+    d = src.copy(V2)
+
+    def longer(body: dict[str, Any]) -> None:
+        seg = next(s for s in _segments(body, 1) if s["flat"] == 1 and s["key"] == "exp_avg")
+        seg["numel"] += 1
+
+    forge_manifest_json(d, longer, raw=True)
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "flat parameter 1, state 'exp_avg_sq' is missing")
+def format2_manifest_missing_a_segment(src: Source) -> Path:
+    d = src.copy(V2)
+
+    def drop(body: dict[str, Any]) -> None:
+        body["files"][1]["segments"] = [s for s in _segments(body, 1) if (s["flat"], s["key"]) != (1, "exp_avg_sq")]
+
+    forge_manifest_json(d, drop, raw=True)
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "0 chunk checksums, expected 1")
+def format2_manifest_without_chunk_checksums(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_manifest_json(d, lambda body: _segments(body, 1)[0].update(checksums=[]), raw=True)
+    return d
+
+
 # Paths that are not sharded checkpoints.
 
 
-@refusal(ValueError, "not a sharded checkpoint", "no manifest.pt", entries=PATHS)
+@refusal(ValueError, "not a sharded checkpoint", "no manifest.json or manifest.pt", entries=PATHS)
 def empty_directory(src: Source) -> Path:
     d = src.where / "empty"
     d.mkdir()
@@ -370,7 +610,7 @@ def path_that_does_not_exist(src: Source) -> Path:
 @refusal(ValueError, "not a sharded checkpoint", "a save that never finished", entries=PATHS)
 def save_that_never_finished(src: Source) -> Path:
     d = src.copy()  # every rank file written, no manifest
-    (d / MANIFEST_NAME).unlink()
+    (d / V1_MANIFEST).unlink()
     return d
 
 
@@ -399,12 +639,12 @@ def manifest_from_another_optimizer_class(src: Source) -> Path:
     return d
 
 
-@refusal(ValueError, MANIFEST_NAME, "format version 2", job="deep")
+@refusal(ValueError, V1_MANIFEST, "format version 2", job="deep")
 def newer_format_version_loaded_in_a_job(src: Source) -> Path:
     return newer_format_version_in_the_manifest(src)
 
 
-@refusal(ValueError, MANIFEST_NAME, "cannot be read", job="deep")
+@refusal(ValueError, V1_MANIFEST, "cannot be read", job="deep")
 def truncated_manifest_loaded_in_a_job(src: Source) -> Path:
     return truncated_manifest(src)
 
@@ -490,6 +730,21 @@ def random_bytes_as_a_full_dict_file(src: Source) -> Path:
 @refusal(ValueError, "not a sharded checkpoint", job="deep")
 def empty_directory_loaded_in_a_job(src: Source) -> Path:
     return empty_directory(src)
+
+
+@refusal(ValueError, "{v2rank1}", "checksum mismatch", job="deep", refusing=(1,))
+def format2_flipped_byte_in_own_rank_file_in_a_job(src: Source) -> Path:
+    return format2_flipped_byte_in_a_shard(src)
+
+
+@refusal(ValueError, "{v2rank1}", "save_id is", job="deep", refusing=(1,))
+def format2_rank_file_of_another_save_in_a_job(src: Source) -> Path:
+    return format2_rank_file_of_another_save(src)
+
+
+@refusal(ValueError, MANIFEST_NAME, "checksum mismatch in the manifest", job="deep")
+def format2_manifest_edited_by_hand_in_a_job(src: Source) -> Path:
+    return format2_manifest_edited_by_hand(src)
 
 
 # --- the job: makes every file the cases start from, then tries the job cases -------------------------
@@ -593,11 +848,18 @@ def _job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         torch.save(full, out / "full.pt")
         save_layout(model, out / "layout.pt")
         reshard(out / "ckpt", 3, out / "ws3")
+        # Format 2 as saved ("ckpt2", "other2"); every other checkpoint rewritten as format 1 for the cases
+        # that forge format-1 files.
+        for name in ("ckpt", "other"):
+            shutil.copytree(out / name, out / f"{name}2")
+        for name in ("ckpt", "other", "wider", "smaller", "extra", "ws3"):
+            to_format1(out / name)
     live = _live_models(rank)
     dist.barrier()
     outcomes = {kind: _try_in_job(rank, kind, case, live, out) for kind, case in CASES.items() if case.job}
-    control = Refusal(lambda src: src.copy(), Exception, (), job="deep", refusing=())
-    outcomes[CONTROL] = _try_in_job(rank, CONTROL, control, live, out)
+    for name, control_of in ((CONTROL, "ckpt"), (CONTROL2, "ckpt2")):
+        control = Refusal(lambda src, n=control_of: src.copy(n), Exception, (), job="deep", refusing=())  # type: ignore[misc]
+        outcomes[name] = _try_in_job(rank, name, control, live, out)
     return {"full": full, "outcomes": outcomes}
 
 
@@ -617,6 +879,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     out = tmp_path_factory.mktemp("disk-refusals")
     results = run_ranks(_job, WORLD_SIZE, str(out))
     names = {f"rank{r}": rank_file(out / "ckpt", r).name for r in range(WORLD_SIZE)}
+    names |= {f"v2rank{r}": rank_file(out / "ckpt2", r).name for r in range(WORLD_SIZE)}
     return Saved(out, results[0]["full"], [r["outcomes"] for r in results], names)
 
 
@@ -682,7 +945,7 @@ def test_offline_refusal_is_clear_and_changes_nothing(
     assert _tree_difference(before, _tree(inputs)) is None, f"{entry}: the input changed"
     if entry == "reshard":
         target = outputs / "target"
-        kept = {MANIFEST_NAME} | {f.file for f in read_manifest(target).files}
+        kept = {V1_MANIFEST} | {f.file for f in read_manifest(target).files}
         assert {k: v for k, v in _tree(outputs).items() if Path(k).name in kept} == {
             k: v for k, v in outputs_before.items() if Path(k).name in kept
         }, "reshard touched the checkpoint already in its target directory"
@@ -692,13 +955,14 @@ def test_offline_refusal_is_clear_and_changes_nothing(
         assert _tree_difference(outputs_before, _tree(outputs)) is None, f"{entry}: wrote something"
 
 
+@pytest.mark.parametrize("name", ["ckpt", "ckpt2"])
 @pytest.mark.parametrize("entry", sorted({e for c in CASES.values() for e in c.entries}))
-def test_offline_control_succeeds(entry: str, saved: Saved, tmp_path: Path, capsys) -> None:
-    """The unedited checkpoint goes through every entry point, so each case fails for its own reason."""
+def test_offline_control_succeeds(entry: str, name: str, saved: Saved, tmp_path: Path, capsys) -> None:
+    """The unedited checkpoint (format 1, and 2) goes through every entry point, so each case fails for its own reason."""
     inputs, outputs = tmp_path / "in", tmp_path / "out"
     inputs.mkdir()
     outputs.mkdir()
-    path = Source(saved.out, inputs).copy()
+    path = Source(saved.out, inputs).copy(name)
     raised, message = _attempt(entry, path, outputs, capsys)
     assert raised in (None, "exit 0"), f"{entry}: {raised}: {message}"
     if entry == "consolidate":
@@ -724,14 +988,15 @@ def test_job_refusal_is_clear_and_changes_nothing(kind: str, saved: Saved) -> No
     assert saved.outcomes[0][kind]["files_changed"] is None, saved.outcomes[0][kind]["files_changed"]
 
 
-def test_job_control_succeeds(saved: Saved) -> None:
+@pytest.mark.parametrize("control", [CONTROL, CONTROL2])
+def test_job_control_succeeds(control: str, saved: Saved) -> None:
     for rank, per_rank in enumerate(saved.outcomes):
-        got = per_rank[CONTROL]
+        got = per_rank[control]
         assert got["error"] is None, f"rank {rank}: {got}"
         assert got["optim_changed"] is not None, (
             f"rank {rank}: loading the checkpoint should change the trained optimizer"
         )
-    assert saved.outcomes[0][CONTROL]["files_changed"] is None
+    assert saved.outcomes[0][control]["files_changed"] is None
 
 
 def test_catalogue_covers_enough_kinds() -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, BinaryIO, TypeVar, cast
 
 import torch
 
@@ -63,6 +64,31 @@ def atomic_save(obj: Any, path: str | os.PathLike[str], *, tag: str | None = Non
     fsync_dir(path.parent)
     return size
 
+
+
+T = TypeVar("T")
+
+
+def atomic_write(
+    path: str | os.PathLike[str], write: Callable[[BinaryIO], T], *, tag: str | None = None
+) -> tuple[int, T]:
+    """Like :func:`atomic_save`, for a file whose bytes ``write(file)`` writes: ``(its size, what write returned)``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{f'.{tag}' if tag else ''}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "xb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"{path}: cannot write the checkpoint file: {exc.strerror or exc}") from exc
+        raise
+    fsync_dir(path.parent)
+    return size, result
 
 
 class _RecordingWriter:

@@ -63,7 +63,7 @@ class OutputLockedError(OSError):
 
 
 class ForeignOutputError(FileExistsError):
-    """The output holds what fsdp_optim did not write (a foreign ``manifest.pt``, other files); writing
+    """The output holds what fsdp_optim did not write (a foreign manifest, other files); writing
     there needs ``overwrite=True`` (``--overwrite``), and even then nothing foreign is deleted."""
 
 

@@ -25,7 +25,8 @@ from fsdp_optim.disk.atomic import load_file, new_save_id
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.fairscale import dict_source
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest, wrap
+from fsdp_optim.formats.sharded.json_values import to_json
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest, wrap
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
 from fsdp_optim.job.local import LocalState, check_agreement, check_optimizer, read_local_state
@@ -77,7 +78,7 @@ def save_sharded_optim_state(
     """Write this rank's optimizer shard and, on rank 0, the manifest. A collective: call on every rank.
 
     No gather and no full buffer: every rank writes its own flat shards as they are (padding included)
-    to ``directory/optim-<save id>-rank<r>-of-<W>.pt``; rank 0 then writes ``manifest.pt`` with the layout
+    to ``directory/optim-<save id>-rank<r>-of-<W>.safetensors``; rank 0 then writes ``manifest.json`` with the layout
     (units, parameter names, shapes, dtypes, padding, world size, param groups, scalar states, file
     checksums; see :mod:`fsdp_optim.manifest`). Each file is written atomically and the manifest last,
     so a crash at any point leaves the previous checkpoint in ``directory`` loadable; files of earlier
@@ -132,9 +133,13 @@ def read_for_save(root: Root, optim: torch.optim.Optimizer) -> LocalState:
     for k, group in enumerate(local.groups):
         for key, value in group.hyperparams.items():
             _check_loadable(value, f"optim: hyperparameter '{key}' of param group {k}")
+            to_json(value, f"optim: hyperparameter '{key}' of param group {k}")  # the JSON manifest holds it exactly
     for i, entries in local.state.items():
         for key, value in entries.items():
-            _check_loadable(value, f"optim: state '{key}' of {layout.flat_params[i].describe()}")
+            where = f"optim: state '{key}' of {layout.flat_params[i].describe()}"
+            _check_loadable(value, where)
+            if not torch.is_tensor(value) or value.dim() == 0:
+                to_json(value, where)  # a scalar: the manifest holds it
     return local
 
 
@@ -225,7 +230,7 @@ def load_sharded_optim_state(
     parameter or file, with what was expected and what was found.
     """
     root = verify_root(fsdp, optim)
-    if not Path(path).is_dir() and Path(path).name != MANIFEST_NAME:
+    if not Path(path).is_dir() and Path(path).name not in MANIFEST_NAMES:
         _refuse_shard_set(path)
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
         _scatter(root, optim, path, src_rank, what=what)

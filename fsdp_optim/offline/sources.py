@@ -30,8 +30,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.elementwise import check_optimizer_name
@@ -68,6 +70,7 @@ _LAYOUT_USE = (
     "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
     "(the model's parameter order) and, for reshard, a full dict (the target's units)"
 )
+RANK_FILE_NAME = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
 NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
 
 
@@ -97,6 +100,8 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
     kind = path_kind(given)
     if kind is not None:
         return kind, None
+    if RANK_FILE_NAME.match(Path(given).name) and Path(given).suffix == ".safetensors":
+        return Kind.RANK_FILE, None  # format 2: read only through its checkpoint's manifest
     obj = load_file(given, mmap=True, disjoint=True)  # a file must not hold overlapping tensors
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):

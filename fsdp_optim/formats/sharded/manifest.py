@@ -4,12 +4,26 @@ Pure: no file access, no ``torch.distributed``. Everything a record turns into i
 ``str``/``int``/``float``/``bool``/``None``/lists/tuples/tensors, so that ``torch.load(..., weights_only=True)``
 reads it back; dtypes are stored as strings (``"float32"``).
 
-A sharded checkpoint directory holds one manifest and one file per rank::
+A sharded checkpoint directory holds one manifest and one file per rank. Format 2 (written since this
+version; no pickle anywhere)::
 
     ckpt/
-      manifest.pt                          # written last, atomically: the checkpoint exists once it does
-      optim-3f2a9c1b0d4e-rank00000-of-00002.pt
-      optim-3f2a9c1b0d4e-rank00001-of-00002.pt
+      manifest.json                                  # written last, atomically: the checkpoint exists once it does
+      optim-3f2a9c1b0d4e-rank00000-of-00002.safetensors
+      optim-3f2a9c1b0d4e-rank00001-of-00002.safetensors
+
+``manifest.json`` is ``{"fsdp_optim_checkpoint": {"kind": "manifest", "version": 2, "checksum": ...},
+"body": Manifest.to_dict()}`` in exact JSON (:mod:`.json_values`: tuples, tensors and non-finite floats
+tagged, so every value reads back with its type and bits), the checksum covering the body's canonical
+JSON text. Version 2 adds ``"chunk_bytes"`` and, per file, ``"segments"`` (where each shard lies in the
+rank file, with chunk checksums: :mod:`.segments`); a rank file is a safetensors file (:mod:`.rank_file`)
+whose header's digest is the file's ``"checksum"``. Scalar states (``step``, ...) live in the manifest only:
+they are tiny, shared by every rank (a save checks that the ranks agree), and exact in JSON, where a
+0-dim tensor per unit per rank would grow every rank file's header and duplicate them.
+
+Format 1 (``manifest.pt`` and ``optim-...-rankNNNNN-of-NNNNN.pt`` torch files, described below) stays
+readable; a directory holding both manifests is read through ``manifest.json`` (a format-2 save over a
+format-1 checkpoint removes ``manifest.pt`` after its commit).
 
 The manifest (``Manifest.to_dict()``, wrapped with a checksum by :func:`wrap`)::
 
@@ -26,7 +40,7 @@ The manifest (``Manifest.to_dict()``, wrapped with a checksum by :func:`wrap`)::
                        "named": False}, ...],
      "files": [{"rank": 0, "file": "optim-...-rank00000-of-00002.pt", "checksum": "sha256:...", "bytes": 4711}]}
 
-A rank file (:func:`shard_payload`)::
+A format-1 rank file (:func:`shard_payload`)::
 
     {"fsdp_optim_checkpoint": {"kind": "shard", "version": 1, "save_id": ..., "rank": 0, "world_size": 2,
                                "checksum": "sha256:..."},       # digest of the header and unit_checksums
@@ -51,11 +65,14 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Reader, Source
 from fsdp_optim.core.preconditions import check_version, check_world_size
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry, get_checked
+from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, Segment
 
 __all__ = [
     "CHECKPOINT_VERSION",
     "HEADER_KEY",
+    "LEGACY_MANIFEST_NAME",
     "MANIFEST_NAME",
+    "MANIFEST_NAMES",
     "FileRecord",
     "FlatRecord",
     "GroupRecord",
@@ -72,13 +89,17 @@ __all__ = [
     "wrap",
 ]
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # what every writer writes; 1 stays readable
+TORCH_FILE_VERSION = 1  # the version in the header of the torch files of format 1 (and of layout files)
 HEADER_KEY = "fsdp_optim_checkpoint"
-MANIFEST_NAME = "manifest.pt"
+MANIFEST_NAME = "manifest.json"
+LEGACY_MANIFEST_NAME = "manifest.pt"
+MANIFEST_NAMES = (MANIFEST_NAME, LEGACY_MANIFEST_NAME)  # in order of precedence
 
 
-def shard_file_name(save_id: str, rank: int, world_size: int) -> str:
-    return f"optim-{save_id[:12]}-rank{rank:05d}-of-{world_size:05d}.pt"
+def shard_file_name(save_id: str, rank: int, world_size: int, *, version: int = CHECKPOINT_VERSION) -> str:
+    suffix = "safetensors" if version >= 2 else "pt"
+    return f"optim-{save_id[:12]}-rank{rank:05d}-of-{world_size:05d}.{suffix}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -87,7 +108,7 @@ def shard_file_name(save_id: str, rank: int, world_size: int) -> str:
 
 def wrap(kind: str, body: Any, **header: Any) -> dict[str, Any]:
     """``{HEADER_KEY: {"kind", "version", "checksum", **header}, "body": body}``; the checksum covers both."""
-    head = {"kind": kind, "version": CHECKPOINT_VERSION, **header}
+    head = {"kind": kind, "version": TORCH_FILE_VERSION, **header}
     return {HEADER_KEY: {**head, "checksum": digest([head, body])}, "body": body}
 
 
@@ -111,7 +132,7 @@ def read_header(
     header = dict(obj[HEADER_KEY])
     if header.get("kind") != kind:
         raise ValueError(f"{source}: expected an {what}, found a {header.get('kind')!r} file")
-    check_version(header.get("version"), source, CHECKPOINT_VERSION)
+    check_version(header.get("version"), source, TORCH_FILE_VERSION)
     return header, header.pop("checksum", None)
 
 
@@ -139,7 +160,7 @@ def shard_payload(
 ) -> tuple[dict[str, Any], str]:
     """A rank file's content and its checksum (which the manifest also records)."""
     unit_checksums = {i: digest(entries) for i, entries in state.items()}
-    head = {"kind": "shard", "version": CHECKPOINT_VERSION, "save_id": save_id, "rank": rank, "world_size": world_size}
+    head = {"kind": "shard", "version": TORCH_FILE_VERSION, "save_id": save_id, "rank": rank, "world_size": world_size}
     checksum = digest([head, unit_checksums])
     payload = {HEADER_KEY: {**head, "checksum": checksum}, "unit_checksums": unit_checksums, "state": dict(state)}
     return payload, checksum
@@ -151,26 +172,36 @@ def shard_payload(
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One rank file: its name inside the checkpoint directory, checksum and size in bytes."""
+    """One rank file: its name inside the checkpoint directory, checksum and size in bytes; in format 2 also
+    where each shard lies in it (``segments``; see :mod:`.segments`)."""
 
     rank: int
     file: str
     checksum: str
     nbytes: int
+    segments: tuple[Segment, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "file": self.file, "checksum": self.checksum, "bytes": self.nbytes}
+    def to_dict(self, version: int = CHECKPOINT_VERSION) -> dict[str, Any]:
+        d = {"rank": self.rank, "file": self.file, "checksum": self.checksum, "bytes": self.nbytes}
+        return {**d, "segments": [s.to_dict() for s in self.segments]} if version >= 2 else d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, where: str) -> FileRecord:
+    def from_dict(cls, d: Mapping[str, Any], *, where: str, version: int = CHECKPOINT_VERSION) -> FileRecord:
         name = get_checked(d, "file", str, where)
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise ValueError(f"{where}: file name must be a plain name inside the checkpoint directory, found {name!r}")
+        segments: tuple[Segment, ...] = ()
+        if version >= 2:
+            segments = tuple(
+                Segment.from_dict(s, where=f"{where} '{name}', segments[{k}]")
+                for k, s in enumerate(get_checked(d, "segments", (list, tuple), where))
+            )
         return cls(
             get_checked(d, "rank", int, where),
             name,
             get_checked(d, "checksum", str, where),
             get_checked(d, "bytes", int, where),
+            segments,
         )
 
 
@@ -186,6 +217,7 @@ class Manifest:
     groups: tuple[GroupRecord, ...]
     files: tuple[FileRecord, ...] = ()
     version: int = CHECKPOINT_VERSION
+    chunk_bytes: int = CHUNK_BYTES  # format 2: bytes per chunk checksum of the rank files' segments
 
     @classmethod
     def from_layout(
@@ -214,7 +246,15 @@ class Manifest:
             replace(f, world_size=world_size) if f.world_size > 1 or self.world_size == 1 else f
             for f in self.flat_params
         )
-        return replace(self, world_size=world_size, flat_params=flats, files=())
+        # A new checkpoint's description: written in the current format whatever this one was read from.
+        return replace(
+            self,
+            world_size=world_size,
+            flat_params=flats,
+            files=(),
+            version=CHECKPOINT_VERSION,
+            chunk_bytes=CHUNK_BYTES,
+        )
 
     def state_bytes(self) -> int:
         """Bytes of sharded state, padding excluded (what a full dict holds)."""
@@ -226,7 +266,7 @@ class Manifest:
         return total
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "version": self.version,
             "save_id": self.save_id,
             "optimizer": self.optimizer,
@@ -234,8 +274,9 @@ class Manifest:
             "param_order": list(self.param_order),
             "flat_params": [f.to_dict() for f in self.flat_params],
             "param_groups": [g.to_dict() for g in self.groups],
-            "files": [f.to_dict() for f in self.files],
+            "files": [f.to_dict(self.version) for f in self.files],
         }
+        return {**d, "chunk_bytes": self.chunk_bytes} if self.version >= 2 else d
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str) -> Manifest:
@@ -243,6 +284,10 @@ class Manifest:
         if not isinstance(d, Mapping):
             raise ValueError(f"{source}: expected a manifest dict, found {type(d).__name__}")
         check_version(d.get("version"), source, CHECKPOINT_VERSION)
+        version = d["version"]
+        chunk_bytes = get_checked(d, "chunk_bytes", int, source) if version >= 2 else CHUNK_BYTES
+        if not 1 <= chunk_bytes <= 1 << 40:
+            raise ValueError(f"{source}: 'chunk_bytes' is {chunk_bytes}, expected a positive number of bytes")
         optimizer = d.get("optimizer")
         if optimizer is not None and not isinstance(optimizer, str):
             raise ValueError(f"{source}: 'optimizer' must be a class name or None, found {optimizer!r}")
@@ -255,7 +300,8 @@ class Manifest:
             for k, g in enumerate(get_checked(d, "param_groups", (list, tuple), source))
         )
         files = tuple(
-            FileRecord.from_dict(f, where=f"{source}, files") for f in get_checked(d, "files", (list, tuple), source)
+            FileRecord.from_dict(f, where=f"{source}, files", version=version)
+            for f in get_checked(d, "files", (list, tuple), source)
         )
         manifest = cls(
             save_id=get_checked(d, "save_id", str, source),
@@ -265,7 +311,8 @@ class Manifest:
             flat_params=flats,
             groups=groups,
             files=files,
-            version=d["version"],
+            version=version,
+            chunk_bytes=chunk_bytes,
         )
         manifest.check(source=source)
         return manifest

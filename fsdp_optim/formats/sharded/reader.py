@@ -1,6 +1,9 @@
-"""Checkpoint files: atomic writes, ``weights_only`` reads with checks, and a memory-bounded shard reader.
+"""Checkpoint files: atomic writes, checked reads of both formats, and a memory-bounded shard reader.
 
-Never imports ``torch.distributed``. Every file is read with ``torch.load(..., weights_only=True)``.
+Never imports ``torch.distributed``. Format 2 (``manifest.json``, safetensors rank files) is read without
+pickle: the JSON manifest through :mod:`.manifest_json`, rank files mapped once each and read by byte
+range through :mod:`.rank_file`. Format 1 files are read with ``torch.load(..., weights_only=True)``
+through the gate of :mod:`fsdp_optim.disk.untrusted`.
 
 Writes go to a hidden temporary file in the target directory, are flushed and ``fsync``-ed, then renamed
 over the final name, and the directory is ``fsync``-ed: a crash leaves either the old file or the new
@@ -27,9 +30,11 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.plan import Source
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.untrusted import check_stored_bytes, check_tree
+from fsdp_optim.disk.untrusted import check_stored_bytes, check_tree, open_regular
 from fsdp_optim.formats.sharded.manifest import (
+    LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
+    MANIFEST_NAMES,
     FileRecord,
     Manifest,
     check_checksum,
@@ -37,6 +42,8 @@ from fsdp_optim.formats.sharded.manifest import (
     read_header,
     unwrap,
 )
+from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json
+from fsdp_optim.formats.sharded.rank_file import RankFile
 
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
@@ -57,11 +64,16 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
     return path.parent if path.is_file() else path
 
 
+def manifest_file(directory: Path) -> Path | None:
+    """The manifest of the checkpoint in ``directory``: ``manifest.json`` (format 2), else ``manifest.pt`` (1)."""
+    # lexists: a manifest that is not a regular file is refused saying so when it is read.
+    return next((directory / n for n in MANIFEST_NAMES if os.path.lexists(directory / n)), None)
+
+
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read)."""
     path = Path(path)
-    # lexists: a manifest.pt that is not a regular file is refused saying so when it is read.
-    return os.path.lexists(path / MANIFEST_NAME) if path.is_dir() else path.name == MANIFEST_NAME and path.is_file()
+    return manifest_file(path) is not None if path.is_dir() else path.name in MANIFEST_NAMES and path.is_file()
 
 
 def source_kind(path: str | os.PathLike[str]) -> str:
@@ -74,8 +86,9 @@ def source_kind(path: str | os.PathLike[str]) -> str:
         return "sharded"
     if path.is_dir():
         raise ValueError(
-            f"{path}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} (no {MANIFEST_NAME}: "
-            "a save that never finished leaves none), and not a full dict file"
+            f"{path}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} or "
+            f"{LEGACY_MANIFEST_NAME} "
+            "(a save that never finished leaves none), and not a full dict file"
         )
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory (there is no such checkpoint directory or file)")
@@ -85,19 +98,32 @@ def source_kind(path: str | os.PathLike[str]) -> str:
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file."""
     path = Path(path)
-    file = path / MANIFEST_NAME if path.is_dir() else path
-    if not os.path.lexists(file):
+    file = manifest_file(path) if path.is_dir() else path
+    if file is None or not os.path.lexists(file):
         if path.is_dir():
             raise ValueError(
-                f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME}; a save that never finished leaves "
-                "none)"
+                f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME} or {LEGACY_MANIFEST_NAME}; a save "
+                "that never finished leaves none)"
             )
         raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
+    if file.suffix == ".json":
+        return manifest_from_json(_read_bounded(file), source=str(file))
     obj = load_file(file)
     read_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
     check_tree(obj, str(file))
     _, body = unwrap(obj, "manifest", source=str(file))
     return Manifest.from_dict(body, source=str(file))
+
+
+def _read_bounded(file: Path) -> bytes:
+    fd, st = open_regular(file)
+    try:
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{file}: {st.st_size} bytes, above the bound for a manifest ({MAX_MANIFEST_BYTES})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(st.st_size + 1)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -232,7 +258,9 @@ class ShardedCheckpoint:
     """A sharded checkpoint directory opened for reading: its verified manifest and lazy rank files.
 
     Read one unit at a time with :meth:`unit` (or :meth:`copy_range`), copy what you keep, and call
-    :meth:`trim` between units: mapped pages are dropped once they exceed ``max_mapped_bytes``.
+    :meth:`trim` between units: mapped pages are dropped once they exceed ``max_mapped_bytes``. In
+    format 2, :meth:`copy_range` reads only the chunks of the rank files that the range touches,
+    verifying each before it copies from it straight into the destination.
     """
 
     def __init__(
@@ -243,7 +271,8 @@ class ShardedCheckpoint:
         if not self.manifest.files:
             raise ValueError(f"{path}: the manifest lists no rank files (a layout file, not a checkpoint)")
         self.max_mapped_bytes = max_mapped_bytes
-        self._files = {f.rank: _RankFile(self.directory, f, self.manifest) for f in self.manifest.files}
+        kind = RankFile if self.manifest.version >= 2 else _RankFile
+        self._files: dict[int, Any] = {f.rank: kind(self.directory, f, self.manifest) for f in self.manifest.files}
         self._mapped = 0
         self.peak_mapped = 0
         if not lazy:
@@ -257,7 +286,7 @@ class ShardedCheckpoint:
         nothing but its own rank's file (:meth:`load_rank`, a job at the saved layout) opens lazily.
         """
         for f in self._files.values():
-            f.open(mmap=True)
+            f.open() if isinstance(f, RankFile) else f.open(mmap=True)
 
     def source(self) -> Source:
         """This checkpoint as a planning source (reads go through :meth:`copy_range`)."""
@@ -277,10 +306,18 @@ class ShardedCheckpoint:
 
     def unit(self, rank: int, flat_index: int) -> Mapping[str, Any]:
         """Rank ``rank``'s verified entries for flat parameter ``flat_index`` (file-backed: copy what you keep)."""
-        entries, nbytes = self._files[self._file_rank(rank, flat_index)].unit(flat_index, mmap=True)
+        f = self._files[self._file_rank(rank, flat_index)]
+        if isinstance(f, RankFile):
+            entries = f.unit(flat_index)
+            self._touched(sum(_nbytes(v) for v in entries.values()))
+            return entries
+        entries, nbytes = f.unit(flat_index, mmap=True)
+        self._touched(nbytes)
+        return entries
+
+    def _touched(self, nbytes: int) -> None:
         self._mapped += nbytes
         self.peak_mapped = max(self.peak_mapped, self._mapped)
-        return entries
 
     def _file_rank(self, rank: int, flat_index: int) -> int:
         # A unit that is not sharded is stored whole in every rank file; read rank 0's, unless every
@@ -291,6 +328,11 @@ class ShardedCheckpoint:
     def load_rank(self, rank: int) -> dict[int, dict[str, Any]]:
         """Every unit of one rank file, read into memory (not mapped) and verified."""
         f = self._files[rank]
+        if isinstance(f, RankFile):
+            try:
+                return {i: f.unit(i, mapped=False) for i, flat in enumerate(self.manifest.flat_params) if flat.state}
+            finally:
+                f.release()
         if f.payload is not None:  # mapped by open_all(): read the file again, into memory
             f.release()
             f.verified.clear()
@@ -309,7 +351,7 @@ class ShardedCheckpoint:
 
         def read(flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
             if self.manifest.flat_params[flat_index].per_rank:
-                out.copy_(self.unit(rank, flat_index)[key][start:stop])
+                self._copy(rank, flat_index, key, start, stop, out)
             else:
                 self.copy_range(flat_index, key, start, stop, out)
 
@@ -322,13 +364,27 @@ class ShardedCheckpoint:
             bounds = flat.layout(rank).bounds()
             lo, hi = max(start, bounds.start), min(stop, bounds.stop)
             if lo < hi:
-                shard = self.unit(rank, flat_index)[key]
-                out[lo - start : hi - start].copy_(shard[lo - bounds.start : hi - bounds.start])
+                self._copy(rank, flat_index, key, lo - bounds.start, hi - bounds.start, out[lo - start : hi - start])
+
+    def _copy(self, rank: int, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Elements ``[start, stop)`` of rank ``rank``'s shard of ``key`` into ``out``."""
+        f = self._files[self._file_rank(rank, flat_index)]
+        if isinstance(f, RankFile):
+            out.copy_(f.view(flat_index, key, start, stop))
+            self._touched((stop - start) * out.element_size())
+        else:
+            out.copy_(self.unit(rank, flat_index)[key][start:stop])
 
     def trim(self) -> None:
-        """Drop the file mappings if the pages touched since the last drop exceed ``max_mapped_bytes``."""
+        """Drop the pages touched since the last drop if they exceed ``max_mapped_bytes``."""
         if self._mapped > self.max_mapped_bytes:
-            self.close()
+            if self.manifest.version >= 2:  # keep the mappings (their headers are checked), drop their pages
+                for f in self._files.values():
+                    if f.file is not None:
+                        f.file.drop_pages()
+                self._mapped = 0
+            else:
+                self.close()
 
     def files(self) -> Iterator[Path]:
         return (self.directory / f.file for f in self.manifest.files)

@@ -1,8 +1,8 @@
 """Writing our sharded checkpoint: rank files, then the manifest last (the commit point), through the one way
 out (:mod:`fsdp_optim.disk.staged`). :data:`CHECKPOINT` tells that writer what a checkpoint directory owns:
 
-    ckpt/manifest.pt                               # ours when it reads as our manifest
-    ckpt/optim-<save id 12 hex>-rank00000-of-00002.pt   # ours when that manifest lists it
+    ckpt/manifest.json                   # ours when it reads as our manifest (format 1: manifest.pt)
+    ckpt/optim-<save id 12 hex>-rank00000-of-00002.safetensors   # ours when that manifest lists it (format 1: .pt)
     ckpt/anything else                             # foreign: refused without overwrite, never deleted
 
 A write is journaled as ``{"save_id": 32 hex, "world_size": W, "replaces": [...], "staging": name}``: from the
@@ -18,18 +18,22 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
-from fsdp_optim.disk.atomic import atomic_save, new_save_id
+from fsdp_optim.disk.atomic import atomic_write, new_save_id
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
 from fsdp_optim.formats.sharded.manifest import (
+    CHECKPOINT_VERSION,
+    LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
+    MANIFEST_NAMES,
     FileRecord,
     Manifest,
     shard_file_name,
-    shard_payload,
-    wrap,
 )
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
+from fsdp_optim.formats.sharded.rank_file import write_rank_file
+from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
+from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 
 __all__ = [
     "CHECKPOINT",
@@ -40,7 +44,8 @@ __all__ = [
     "write_shard_file",
 ]
 
-_SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.pt$")
+# Rank files of both formats; a format-2 commit also removes the manifest.pt of the format-1 checkpoint it replaces.
+_SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -48,35 +53,43 @@ class _CheckpointClaims:
     """What a sharded checkpoint directory owns (see the module docstring)."""
 
     def survey(self, directory: Path) -> Survey:
-        if MANIFEST_NAME not in os.listdir(directory):
-            return Survey()
-        try:
-            files = frozenset(f.file for f in read_manifest(directory).files)
-        except (ValueError, OSError) as exc:
-            problem = f"its {MANIFEST_NAME} is not an fsdp_optim manifest ({exc})"
-            return Survey(known=frozenset({MANIFEST_NAME}), problem=problem)
-        return Survey(replaces=files, known=files | {MANIFEST_NAME})
+        # manifest.json (or manifest.pt, format 1) and the rank files it lists are ours; a manifest.pt beside a
+        # manifest.json (a format-2 commit over format 1, killed before removing it) is ours too, with its files.
+        names = set(os.listdir(directory))
+        files: set[str] = set()
+        problems = []
+        for manifest in (n for n in MANIFEST_NAMES if n in names):
+            try:
+                listed = {f.file for f in read_manifest(directory / manifest).files}
+                files |= listed | ({manifest} if manifest == LEGACY_MANIFEST_NAME else set())
+            except (ValueError, OSError) as exc:
+                problems.append(f"its {manifest} is not an fsdp_optim manifest ({exc})")
+        known = frozenset(files | set(MANIFEST_NAMES))
+        if problems:
+            return Survey(known=frozenset(names & set(MANIFEST_NAMES)), problem="; ".join(problems))
+        return Survey(replaces=frozenset(files), known=known)
 
     def created(self, entry: Mapping[str, Any]) -> set[str]:
         save_id, world_size = _journaled(entry)
         if save_id is None or world_size is None:
             return set()
-        return {shard_file_name(save_id, r, world_size) for r in range(world_size)}
+        return {shard_file_name(save_id, r, world_size, version=v) for r in range(world_size) for v in (1, 2)}
 
     def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:
         save_id, _ = _journaled(entry)
-        return set() if save_id is None else {(MANIFEST_NAME, save_id[:12])}
+        return set() if save_id is None else {(name, save_id[:12]) for name in MANIFEST_NAMES}
 
     def referenced(self, directory: Path) -> set[str] | None:
-        if not os.path.lexists(directory / MANIFEST_NAME):
+        manifest = manifest_file(directory)
+        if manifest is None:
             return set()
         try:
-            return {MANIFEST_NAME} | {f.file for f in read_manifest(directory).files}
+            return {manifest.name} | {f.file for f in read_manifest(manifest).files}
         except (ValueError, OSError):
             return None
 
     def deletable(self, name: str) -> bool:
-        return _SHARD_FILE.match(name) is not None
+        return _SHARD_FILE.match(name) is not None or name == LEGACY_MANIFEST_NAME
 
 
 CHECKPOINT = _CheckpointClaims()
@@ -95,18 +108,31 @@ def _journaled(entry: Mapping[str, Any]) -> tuple[str | None, int | None]:
 def write_shard_file(
     directory: Path, state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
 ) -> FileRecord:
-    """Write one rank's file atomically; its record for the manifest."""
-    payload, checksum = shard_payload(state, save_id=save_id, rank=rank, world_size=world_size)
+    """Write one rank's file atomically (format 2: a safetensors file, :mod:`.rank_file`); its record for the manifest.
+
+    ``state`` is ``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's to hold.
+    """
     name = shard_file_name(save_id, rank, world_size)
-    size = atomic_save(payload, directory / name)
-    return FileRecord(rank, name, checksum, size)
+    metadata = {
+        "format": "fsdp_optim",
+        "kind": "shard",
+        "version": str(CHECKPOINT_VERSION),
+        "save_id": save_id,
+        "rank": str(rank),
+        "world_size": str(world_size),
+    }
+    size, (checksum, segments) = atomic_write(
+        directory / name, lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES)
+    )
+    return FileRecord(rank, name, checksum, size, segments)
 
 
 def write_manifest(directory: Path, manifest: Manifest, *, replaces: Iterable[str] = ()) -> Path:
     """Commit a checkpoint: write its manifest atomically (last), then remove the rank files of the
     checkpoint it replaces (``replaces``: the previous manifest's files, from :func:`begin_write`)."""
     path = directory / MANIFEST_NAME
-    atomic_save(wrap("manifest", manifest.to_dict()), path, tag=manifest.save_id[:12])
+    data = manifest_to_json(manifest)  # before anything is written: a value JSON cannot hold is refused here
+    atomic_write(path, lambda file: file.write(data), tag=manifest.save_id[:12])
     remove_recorded(directory, replaces, CHECKPOINT, keep={f.file for f in manifest.files})
     return path
 

@@ -1,0 +1,176 @@
+"""Where each shard lies in a format-2 rank file, and the chunk checksums that guard it: records and pure checks.
+
+Pure: no file access. A format-2 rank file (:mod:`.rank_file`) is a safetensors file holding one 1-D tensor
+per dtype (named by the dtype: ``"float32"``), the concatenation of that rank's shards of that dtype; the
+manifest records, per rank file, one :class:`Segment` per (unit, sharded state key)::
+
+    {"flat": 1, "key": "exp_avg", "tensor": "float32", "offset": 46, "numel": 46,     # elements, in "float32"
+     "checksums": ["xxh3-128:...", ...]}                                                # one per chunk
+
+A segment is cut into chunks of ``chunk_bytes`` (the manifest's, :data:`CHUNK_BYTES` when written), the
+last one shorter; chunk ``k`` covers elements ``[k * per, min((k + 1) * per, numel))`` with
+``per = chunk_bytes // itemsize``, and its checksum is :func:`~fsdp_optim.core.checksums.digest` of that
+1-D slice. A reader verifies every chunk it touches before it uses a byte of it, so a re-cut read of a
+range costs at most one chunk more on each side than the range itself.
+
+Why a few large tensors and not one per (unit, key), measured (``python -m benchmarks.format2 --layout``:
+safetensors 0.8.0's own writer, two float32 keys per unit, one rank file; bytes beyond the payload)::
+
+    units   payload      one tensor per (unit, key)     one tensor per dtype
+    256     1.0 MiB      header 38,936 B (+3.7 %)       header 120 B (+0.01 %)
+    256     16 KiB       header 36,256 B (x 3.2)        header 120 B (+0.7 %)
+    4096    100 MiB      header 672,688 B (+0.6 %)      header 128 B (+0.0001 %)
+
+The header of a per-(unit, key) file grows ~70 bytes per tensor (a name, dtype, shape and offsets in
+JSON) whatever the tensor's size, so a model of many small units is dominated by it; the per-dtype layout
+keeps every rank file within ``payload x 1.02 + 4 KiB`` and moves the per-segment facts (offsets,
+checksums) to the manifest, which every reader reads anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdp_optim.core.checksums import digest
+from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.flatten import StateKind
+from fsdp_optim.core.records import FlatRecord, get_checked
+
+__all__ = ["CHUNK_BYTES", "Segment", "check_segments", "chunk_digests", "chunk_elements", "plan_segments"]
+
+# 256 KiB: a 100M-parameter Adam state (800 MB over the rank files) records ~3,200 checksums (~150 KiB of
+# manifest); a re-cut read of r bytes reads at most r + 512 KiB (<= 1.1 r from 5 MiB on).
+CHUNK_BYTES = 1 << 18
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One shard of one state key in a rank file: ``numel`` elements at element ``offset`` of ``tensor``."""
+
+    flat: int
+    key: str
+    tensor: str
+    offset: int
+    numel: int
+    checksums: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "flat": self.flat,
+            "key": self.key,
+            "tensor": self.tensor,
+            "offset": self.offset,
+            "numel": self.numel,
+            "checksums": list(self.checksums),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, where: str) -> Segment:
+        ints = [get_checked(d, k, int, where) for k in ("flat", "offset", "numel")]
+        if min(ints) < 0:
+            raise ValueError(f"{where}: 'flat', 'offset' and 'numel' must be non-negative, found {ints}")
+        checksums = get_checked(d, "checksums", (list, tuple), where)
+        if not all(isinstance(c, str) for c in checksums):
+            raise ValueError(f"{where}: 'checksums' must be strings, found {[type(c).__name__ for c in checksums][:3]}")
+        key, tensor = get_checked(d, "key", str, where), get_checked(d, "tensor", str, where)
+        return cls(ints[0], key, tensor, ints[1], ints[2], tuple(checksums))
+
+
+def chunk_elements(dtype: torch.dtype, chunk_bytes: int) -> int:
+    """Elements per checksum chunk of a ``dtype`` segment."""
+    return max(1, chunk_bytes // dtype.itemsize)
+
+
+def chunk_digests(values: torch.Tensor, chunk_bytes: int) -> tuple[str, ...]:
+    """The chunk checksums of a 1-D segment (no copy)."""
+    per = chunk_elements(values.dtype, chunk_bytes)
+    return tuple(digest(values[k : k + per]) for k in range(0, values.numel(), per))
+
+
+def plan_segments(
+    state: Mapping[int, Mapping[str, Any]],
+) -> tuple[dict[str, list[tuple[int, str, torch.Tensor]]], dict[str, int]]:
+    """The tensors of a rank file: ``{dtype name: [(flat, key, 1-D shard), ...]}`` in file order and each
+    tensor's element count. Sharded state is every tensor of at least one dimension; 0-dim tensors and
+    Python numbers are scalars, which the manifest holds (they are tiny, shared by every rank, and exact in JSON)."""
+    tensors: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
+    for i in sorted(state):
+        for key, value in state[i].items():
+            if torch.is_tensor(value) and value.dim() >= 1:
+                tensors.setdefault(str(value.dtype).removeprefix("torch."), []).append((i, key, value.reshape(-1)))
+    return tensors, {name: sum(v.numel() for _, _, v in parts) for name, parts in tensors.items()}
+
+
+def check_segments(
+    segments: Sequence[Segment],
+    tensors: Mapping[str, int],
+    flat_params: Sequence[FlatRecord],
+    rank: int,
+    chunk_bytes: int,
+    *,
+    where: str,
+) -> dict[tuple[int, str], Segment]:
+    """Refuse segments that do not tile this rank file's ``tensors`` (``{name: numel}``, from its checked
+    header) with exactly the shards the manifest's units say the file holds; return them by (flat, key)."""
+    by_key: dict[tuple[int, str], Segment] = {}
+    for s in segments:
+        if (s.flat, s.key) in by_key:
+            raise ValueError(f"{where}: segment of flat parameter {s.flat}, state '{s.key}' is listed twice")
+        by_key[(s.flat, s.key)] = s
+    expected = {
+        (i, e.key): e
+        for i, flat in enumerate(flat_params)
+        for e in flat.state
+        if e.kind is StateKind.SHARDED
+    }
+    if set(by_key) != set(expected):
+        odd = sorted(set(by_key) ^ set(expected))[0]
+        raise ValueError(
+            f"{where}: the manifest's segments list {len(by_key)} shards, expected one per sharded state key of "
+            f"every unit ({len(expected)}); e.g. flat parameter {odd[0]}, state '{odd[1]}' is "
+            f"{'unexpected' if odd in by_key else 'missing'}"
+        )
+    for (i, key), s in by_key.items():
+        flat, entry = flat_params[i], expected[(i, key)]
+        numel = flat.layout(rank).shard_numel
+        if s.tensor != entry.dtype or s.numel != numel:
+            raise ValueError(
+                f"{where}: segment of unit '{flat.unit or '<root>'}' state '{key}' is {s.numel} elements of "
+                f"tensor {s.tensor!r}, expected {numel} elements of {entry.dtype!r}"
+            )
+        per = chunk_elements(dtype_from_str(s.tensor, where=where), chunk_bytes)
+        if len(s.checksums) != -(-numel // per):
+            raise ValueError(
+                f"{where}: segment of unit '{flat.unit or '<root>'}' state '{key}' has {len(s.checksums)} chunk "
+                f"checksums, expected {-(-numel // per)} ({numel} elements, {per} per chunk)"
+            )
+    _check_tiling(by_key.values(), tensors, where)
+    return by_key
+
+
+def _check_tiling(segments: Any, tensors: Mapping[str, int], where: str) -> None:
+    """Each tensor must be covered exactly once, in order, by its segments (no overlap, no gap, in bounds)."""
+    per_tensor: dict[str, list[Segment]] = {}
+    for s in segments:
+        per_tensor.setdefault(s.tensor, []).append(s)
+    if set(per_tensor) != set(tensors):
+        raise ValueError(
+            f"{where}: holds tensors {sorted(tensors)}, but the manifest's segments use "
+            f"{sorted(per_tensor)}"
+        )
+    for name, parts in per_tensor.items():
+        at = 0
+        for s in sorted(parts, key=lambda s: s.offset):
+            if s.offset != at:
+                what = "overlaps the one before" if s.offset < at else f"leaves a gap after element {at}"
+                raise ValueError(
+                    f"{where}: segment of flat parameter {s.flat} state '{s.key}' at offset {s.offset} of "
+                    f"'{name}' {what}"
+                )
+            at += s.numel
+        if at != tensors[name]:
+            raise ValueError(f"{where}: tensor '{name}' holds {tensors[name]} elements, but its segments cover {at}")

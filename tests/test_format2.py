@@ -1,0 +1,203 @@
+"""Format 2 (``manifest.json`` in exact JSON, safetensors rank files read by byte range) and format 1 still read.
+
+- The committed format-1 fixture (``tests/fixtures/v1_adam_w2``, written by fsdp_optim before format 2)
+  consolidates to exactly the full dict fairscale gathered then, loads into a world-size-2 job exactly as
+  fairscale cuts that dict, reshards into format 2, and ``inspect`` says which format it is.
+- Values of the JSON manifest round-trip with their types and bits (tensors of every dtype, non-finite and
+  negative-zero floats, tuples, complex numbers, dicts whose keys look like tags); what JSON cannot hold is
+  refused by name before anything is written.
+- A format-2 rank file is a safetensors file any safetensors reader opens, holds nothing but the shards, and
+  stays within ``payload x 1.02 + 4 KiB`` at 256 units; a re-cut read of part of a unit reads (hashes) at
+  most 1.1x the bytes it copies, straight into the destination.
+- A writer replacing a format-1 checkpoint with a format-2 one removes ``manifest.pt`` and the old files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import _models as M
+import pytest
+import torch
+from _checks import assert_identical
+from _dist import run_ranks
+from safetensors import safe_open
+
+from fsdp_optim import consolidate, load_sharded_optim_state, reshard
+from fsdp_optim.cli import main as cli
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
+from fsdp_optim.core.records import GroupRecord, state_entries
+from fsdp_optim.formats.sharded.json_values import from_json, to_json
+from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME, Manifest
+from fsdp_optim.formats.sharded.manifest_json import manifest_from_json, manifest_to_json
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
+from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file
+
+FIXTURE = Path(__file__).parent / "fixtures" / "v1_adam_w2"
+
+
+# --- format 1: the committed fixture ---------------------------------------------------------------------
+
+
+def _fixture_full() -> dict:
+    return torch.load(FIXTURE / "full.pt", weights_only=True)
+
+
+def test_format1_fixture_consolidates_exactly(tmp_path: Path) -> None:
+    assert read_manifest(FIXTURE / "ckpt").version == 1
+    assert sorted(os.listdir(FIXTURE / "ckpt"))[0] == LEGACY_MANIFEST_NAME
+    assert_identical(consolidate(FIXTURE / "ckpt"), _fixture_full(), "format 1 consolidated")
+    assert_identical(consolidate(FIXTURE / "ckpt", max_mapped_bytes=1), _fixture_full(), "format 1, tight")
+    # Resharded into format 2 (a new checkpoint is always format 2), then back to two ranks: same bits.
+    reshard(FIXTURE / "ckpt", 3, tmp_path / "ws3")
+    reshard(tmp_path / "ws3", 2, tmp_path / "ws2")
+    assert read_manifest(tmp_path / "ws3").version == 2 and (tmp_path / "ws2" / MANIFEST_NAME).is_file()
+    full = consolidate(tmp_path / "ws2")
+    assert_identical(full, _fixture_full(), "format 1 -> 2 (3 ranks) -> 2 (2 ranks)")
+
+
+def _load_fixture(rank: int, world_size: int, fixture: str) -> bool:
+    full = torch.load(os.path.join(fixture, "full.pt"), weights_only=True)
+    for nesting in ("deep", "shallow"):  # the saved layout (each rank reads its own file), and a re-cut
+        root = M.wrap(M.make_net(), nesting)
+        optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+        M.train_step(root, optim, *M.local_batch(7, rank, world_size))  # a state that the load must replace
+        load_sharded_optim_state(root, optim, os.path.join(fixture, "ckpt"))
+        assert_identical(optim.state_dict(), root.get_shard_from_optim_state_dict(full, optim=optim), nesting)
+    return True
+
+
+def test_format1_fixture_loads_exactly_in_a_job() -> None:
+    assert all(run_ranks(_load_fixture, 2, str(FIXTURE)))
+
+
+def test_inspect_names_the_format_version(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli(["inspect", str(FIXTURE / "ckpt")]) == 0
+    assert "format: sharded checkpoint (version 1)" in capsys.readouterr().out
+    reshard(FIXTURE / "ckpt", 2, tmp_path / "v2")
+    assert cli(["inspect", str(tmp_path / "v2")]) == 0
+    assert "format: sharded checkpoint (version 2)" in capsys.readouterr().out
+    assert cli(["inspect", str(tmp_path / "v2" / MANIFEST_NAME)]) == 0
+    assert "(version 2)" in capsys.readouterr().out
+
+
+def test_a_format2_commit_over_format1_removes_the_old_files(tmp_path: Path) -> None:
+    target = Path(shutil.copytree(FIXTURE / "ckpt", tmp_path / "ckpt"))
+    reshard(FIXTURE / "ckpt", 3, target)  # into the directory that holds the format-1 checkpoint
+    manifest = read_manifest(target)
+    assert manifest.version == 2
+    assert sorted(os.listdir(target)) == sorted([MANIFEST_NAME, *(f.file for f in manifest.files)])
+    assert_identical(consolidate(target)["state"], _fixture_full()["state"], "format 2 over format 1")
+
+
+# --- exact JSON -------------------------------------------------------------------------------------------
+
+_VALUES = [
+    None, True, False, 0, -(2**80), 2.5, -0.0, 5e-324, float("inf"), float("-inf"), "β\n", [1, (2, 3)], (0.9, 0.999),
+    complex(1.5, -0.0), {"$tuple": 1, "plain": [None]}, {"lr": (1, [2.0])},
+]  # fmt: skip
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.uint8,
+           torch.bool, torch.int8, torch.uint16]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", _VALUES, ids=repr)
+def test_json_values_round_trip_with_their_types(value: object) -> None:
+    import json
+
+    back = from_json(json.loads(json.dumps(to_json(value, "v"), allow_nan=False)), "v")
+    assert repr(back) == repr(value) and type(back) is type(value)
+    if isinstance(value, float):
+        assert math.copysign(1, back) == math.copysign(1, value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_json_tensors_round_trip_bit_exactly(dtype: torch.dtype) -> None:
+    import json
+
+    raw = torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.uint8) if dtype == torch.bool else torch.arange(6, dtype=torch.uint8) * 37
+    for t in (raw.view(dtype) if dtype.itemsize == 1 else torch.randn(6).to(dtype), torch.tensor(3.0).to(dtype)):
+        t = t.reshape(2, -1) if t.dim() else t
+        back = from_json(json.loads(json.dumps(to_json(t, "t"))), "t")
+        assert back.dtype == t.dtype and back.shape == t.shape
+        assert torch.equal(back.view(torch.uint8) if t.dim() else back.reshape(1).view(torch.uint8),
+                           t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8))  # fmt: skip
+    nan = torch.tensor(float("nan"))
+    assert torch.equal(from_json(to_json(nan, "n"), "n").view(torch.int32), nan.view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({1: 2}, "a dict keyed by int"),
+        (torch.zeros(2000), "a tensor of 8000 bytes"),
+        (object(), "a object, which a JSON manifest cannot hold exactly"),
+        (torch.zeros(2, dtype=torch.complex64), "a torch.strided torch.complex64 tensor; a JSON manifest holds dense real"),
+    ],
+    ids=["int keys", "big tensor", "object", "complex tensor"],
+)
+def test_what_json_cannot_hold_is_refused_by_name(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=f"hyperparams\\['x'\\]: {message}"):
+        to_json({"x": value}, "hyperparams")
+
+
+def _manifest(units: int, numel: int, *, hyper: dict | None = None) -> tuple[Manifest, dict[int, dict]]:
+    """A world-size-1 manifest of ``units`` Adam units of ``numel`` float32 elements, and its state."""
+    flats = tuple(FlatParamLayout(f"u{i}", (ParamSpec(f"u{i}.w", (numel,), 0),), 1, 0, torch.float32, True) for i in range(units))
+    layout = ModelLayout(flats, tuple(f"u{i}.w" for i in range(units)), 1, 0)
+    g = torch.Generator().manual_seed(0)
+    state = {
+        i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(numel, generator=g), "exp_avg_sq": torch.rand(numel, generator=g)}
+        for i in range(units)
+    }
+    entries = {i: state_entries(flats[i], state[i]) for i in range(units)}
+    groups = (GroupRecord(hyper or {"lr": torch.tensor(0.01), "betas": (0.9, 0.999), "eps": 1e-8}, tuple(range(units))),)
+    return Manifest.from_layout(layout, save_id="ab" * 16, optimizer="Adam", state=entries, groups=groups), state
+
+
+def test_manifest_json_round_trips_exactly() -> None:
+    manifest, _ = _manifest(3, 10)
+    back = manifest_from_json(manifest_to_json(manifest), source="m.json")
+    assert back.to_dict().keys() == manifest.to_dict().keys()
+    assert_identical(back.to_dict(), manifest.to_dict(), "manifest")  # the tensor lr, the tuple betas, step's dtype
+    with pytest.raises(ValueError, match=r"m.json: checksum mismatch in the manifest"):
+        manifest_from_json(manifest_to_json(manifest).replace(b'"numel":10', b'"numel":11'), source="m.json")
+
+
+def _write(directory: Path, manifest: Manifest, state: dict[int, dict]) -> Path:
+    def write(staging: Path) -> Manifest:
+        record = write_shard_file(staging, state, save_id=manifest.save_id, rank=0, world_size=1)
+        return Manifest(**{**manifest.__dict__, "files": (record,)})
+
+    return write_all_or_nothing(directory, write, save_id=manifest.save_id, world_size=1)
+
+
+def test_a_rank_file_is_a_safetensors_file_of_shards_only(tmp_path: Path) -> None:
+    manifest, state = _manifest(256, 1024)  # 256 units: 2 MiB of shards, 768 scalars that stay in the manifest
+    _write(tmp_path / "ckpt", manifest, state)
+    record = read_manifest(tmp_path / "ckpt").files[0]
+    payload = sum(v.numel() * v.element_size() for entries in state.values() for v in entries.values() if v.dim())
+    assert record.nbytes <= payload * 1.02 + 4096, (record.nbytes, payload)
+    with safe_open(str(tmp_path / "ckpt" / record.file), framework="pt") as f:
+        assert list(f.keys()) == ["float32"] and f.metadata()["kind"] == "shard"
+        data = f.get_tensor("float32")
+    for s in record.segments:
+        assert torch.equal(data[s.offset : s.offset + s.numel], state[s.flat][s.key])
+    assert_identical(consolidate(tmp_path / "ckpt")["state"][5], state[5], "unit 5")
+
+
+def test_a_recut_read_reads_little_more_than_it_copies(tmp_path: Path) -> None:
+    numel = 8 << 20  # one 32 MiB unit
+    manifest, state = _manifest(1, numel)
+    _write(tmp_path / "ckpt", manifest, state)
+    start, stop = numel // 3 + 5, 2 * numel // 3 - 7  # a third of the unit, cut mid-chunk at both ends
+    out = torch.empty(stop - start)
+    with ShardedCheckpoint(tmp_path / "ckpt") as ckpt:
+        ckpt.copy_range(0, "exp_avg_sq", start, stop, out)
+        read = ckpt._files[0].file.bytes_verified
+    assert torch.equal(out, state[0]["exp_avg_sq"][start:stop])
+    copied = out.numel() * 4
+    assert copied < read <= copied + 2 * CHUNK_BYTES and read <= 1.1 * copied, (read, copied)
