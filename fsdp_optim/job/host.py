@@ -34,8 +34,8 @@ no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_e
    and ``clip_grad_norm_`` with ``Tensor.cuda()`` returning the tensor itself (a torch-function mode
    active during those two methods only: no other code sees it);
 5. makes fairscale's default ``compute_device`` the CPU;
-6. works around one fairscale bug that is not about CUDA (GPUs have it too: fairscale issue #1193, PR
-   #1149): ``load_local_state_dict`` before the first forward of a model with nested units frees full
+6. works around one fairscale bug that is not about CUDA (the path is the same on GPUs; fairscale issue
+   #1193 and PR #1149 report it from GPU jobs): ``load_local_state_dict`` before the first forward of a model with nested units frees full
    parameters that were never made and raises ``'FlatParameter' object has no attribute
    '_full_param_padded'``; ``_free_full_params`` skips the parameters that have none. On a GPU, call
    ``model.local_state_dict()`` once before loading (it initialises every unit);
@@ -183,7 +183,8 @@ def _with_host_streams(setup_streams: Callable[[Any], None]) -> Callable[[Any], 
 def _free_only_made(free_full_params: Callable[..., None]) -> Callable[..., None]:
     """fairscale's ``_free_full_params`` over only the parameters whose full buffers exist.
 
-    Works around a fairscale bug (not the switch's; GPUs have it too: fairscale issue #1193, PR #1149):
+    Works around a fairscale bug, not the switch's (nothing on the path depends on the device; fairscale issue
+    #1193 and PR #1149 report it from GPU jobs):
     ``load_local_state_dict`` lazily initialises the root instance only, then frees every nested instance's
     full parameters, which ``_init_param_attributes`` makes only on an instance's first use, so a resume
     before any forward raises ``AttributeError: 'FlatParameter' object has no attribute
@@ -194,8 +195,7 @@ def _free_only_made(free_full_params: Callable[..., None]) -> Callable[..., None
     def wrapper(self: Any, params: Any = None) -> None:
         chosen = self.params if params is None else params
         made = [p for p in chosen if hasattr(p, "_full_param_padded" if p._is_sharded else "_fp16_shard")]
-        free_full_params(self, made)
-        self.has_full_params = False  # what fairscale sets, also when nothing was made
+        free_full_params(self, made)  # also when nothing was made: it marks the instance as holding none
 
     return wrapper
 
