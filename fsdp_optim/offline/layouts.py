@@ -12,7 +12,7 @@ from torch import nn
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import read_manifest
-from fsdp_optim.job.root import read_layout
+from fsdp_optim.job.root import verify_root
 
 LayoutLike = ModelLayout | Manifest | nn.Module | str | os.PathLike
 
@@ -26,7 +26,7 @@ def resolve_layout(layout: LayoutLike) -> ModelLayout:
     if isinstance(layout, Manifest):
         return layout.layout(0)
     if isinstance(layout, nn.Module):
-        return read_layout(layout)[0].at_rank(0)
+        return verify_root(layout).layout.at_rank(0)  # refuses a nested instance or a module that is not FSDP
     if isinstance(layout, (str, os.PathLike)):
         return read_manifest(layout).layout(0)
     raise TypeError(
