@@ -35,9 +35,9 @@ no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_e
    active during those two methods only: no other code sees it);
 5. makes fairscale's default ``compute_device`` the CPU;
 6. works around one fairscale bug that is not about CUDA (the path is the same on GPUs; fairscale issue
-   #1193 and PR #1149 report it from GPU jobs): ``load_local_state_dict`` before the first forward of a model with nested units frees full
-   parameters that were never made and raises ``'FlatParameter' object has no attribute
-   '_full_param_padded'``; ``_free_full_params`` skips the parameters that have none. On a GPU, call
+   #1193 and PR #1149 report it from GPU jobs): ``load_local_state_dict`` before the first forward of a
+   model with nested units frees full parameters that were never made and raises ``'FlatParameter' object
+   has no attribute '_full_param_padded'``; ``_free_full_params`` skips the parameters that have none. On a GPU, call
    ``model.local_state_dict()`` once before loading (it initialises every unit);
 7. runs fairscale's ``_gather_optim_state`` with ``Tensor.cpu()`` of a CPU tensor returning a copy (what
    it returns from a GPU), and its ``gather_full_optim_state_dict`` with the live optimizer's ``step``

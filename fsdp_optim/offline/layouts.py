@@ -25,9 +25,9 @@ def resolve_layout(layout: LayoutLike) -> ModelLayout:
     if isinstance(layout, Manifest):
         return layout.layout(0)
     if isinstance(layout, nn.Module):  # a live FSDP model: read in the job layer (loads the collectives)
-        from fsdp_optim.job.root import read_layout
+        from fsdp_optim.job.root import verify_root
 
-        return read_layout(layout)[0].at_rank(0)
+        return verify_root(layout).layout.at_rank(0)  # refuses a nested instance or a module that is not FSDP
     if isinstance(layout, (str, os.PathLike)):
         return read_manifest(layout).layout(0)
     raise TypeError(

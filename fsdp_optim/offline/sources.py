@@ -183,9 +183,10 @@ def open_source(
         kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
         optimizer_keys=optimizer_keys,
     )
-    if kind is Kind.SHARD_SET:
+    # detect() gives SHARD_SET and SHARDED for paths only; the isinstance checks say so to the type checker.
+    if kind is Kind.SHARD_SET and not isinstance(given, Mapping):
         with ShardSet(
-            given,  # type: ignore[arg-type]  # detect() returns SHARD_SET for paths only
+            given,
             param_order=layout,
             optimizer=optimizer,
             optimizer_keys=optimizer_keys,
@@ -196,8 +197,8 @@ def open_source(
             yield Opened(kind, label, shards.source(), shards.manifest.layout(0), shards.manifest.param_order,
                          shards.trim, manifest=shards.manifest, shards=shards)
         return
-    if kind is Kind.SHARDED:
-        with ShardedCheckpoint(given, max_mapped_bytes=max_mapped_bytes) as ckpt:  # type: ignore[arg-type]
+    if kind is Kind.SHARDED and not isinstance(given, Mapping):
+        with ShardedCheckpoint(given, max_mapped_bytes=max_mapped_bytes) as ckpt:
             yield Opened(kind, label, ckpt.source(), ckpt.manifest.layout(0), ckpt.manifest.param_order, ckpt.trim,
                          manifest=ckpt.manifest, checkpoint=ckpt)
         return
