@@ -207,7 +207,7 @@ def _inspect(args: argparse.Namespace) -> list[str]:
                 f"flat parameters with state: {len(opened.raw.get('state', {}))}",
             ]
         else:
-            from fsdp_optim.disk.untrusted import check_state_dict
+            from fsdp_optim.disk.objects import check_state_dict
 
             check_state_dict(opened.raw, str(path))  # its skeleton, before the summary walks it
             _inspect_full(opened.raw, out)
@@ -234,7 +234,7 @@ def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> No
 
 
 def _verify(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.disk.untrusted import escape
+    from fsdp_optim.disk.text import escape
     from fsdp_optim.offline.verify import verify
 
     report = verify(args.path, allow_globals=args.allow_global)
@@ -282,7 +282,7 @@ def _consolidate(args: argparse.Namespace) -> list[str]:
 
 
 def _reshard(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.formats.fairseq.shards import reshard_set
+    from fsdp_optim.formats.fairseq.recut import reshard_set
     from fsdp_optim.formats.sharded.reader import read_manifest
     from fsdp_optim.offline.operations import reshard_opened
 
@@ -462,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         lines = args.run(args)
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
-        from fsdp_optim.disk.untrusted import escape  # names and messages may carry a file's text: no terminal controls
+        from fsdp_optim.disk.text import escape  # names and messages may carry a file's text: no terminal controls
 
         print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -470,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
-    from fsdp_optim.disk.untrusted import escape
+    from fsdp_optim.disk.text import escape
 
     try:
         for line in lines:

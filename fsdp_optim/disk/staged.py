@@ -34,7 +34,8 @@ from typing import Any, Protocol
 
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, fsync_dir
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
-from fsdp_optim.disk.untrusted import describe_file, escape
+from fsdp_optim.disk.text import escape
+from fsdp_optim.disk.untrusted import describe_file
 
 __all__ = [
     "Claims",

@@ -34,7 +34,7 @@ from fsdp_optim.core.flatten import same_scalar, show_value
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source, assemble_full, plan, plan_error
 from fsdp_optim.core.records import GroupRecord
-from fsdp_optim.disk.untrusted import check_state_dict
+from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.fullstate import FORMAT_KEY, PER_RANK_KEY, build_full_state, full_dict_source, param_record
 
 __all__ = ["fairscale_source", "from_fairscale", "is_fairscale_native", "to_named"]

@@ -46,7 +46,7 @@ from fsdp_optim.core.layout import ModelLayout, ParamSpec
 from fsdp_optim.core.plan import Reader, Source, cut_rank, optimizer_state_dict, plan, plan_error
 from fsdp_optim.core.preconditions import check_full_dict, check_version
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
-from fsdp_optim.disk.untrusted import check_state_dict
+from fsdp_optim.disk.objects import check_state_dict
 
 __all__ = [
     "FORMAT_KEY",

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fsdp_optim.formats.fairseq import recut as _recut
 from fsdp_optim.formats.fairseq import shards as _shards
-from fsdp_optim.formats.fairseq.shards import reshard_shards
+from fsdp_optim.formats.fairseq.recut import reshard_shards
 from fsdp_optim.offline.layouts import ParamOrder, param_names
 
 __all__ = ["ShardSet", "consolidate_shards", "reshard_shards"]
@@ -23,7 +24,7 @@ class ShardSet(_shards.ShardSet):
 def consolidate_shards(
     path: str | os.PathLike[str], *, param_order: ParamOrder = None, **options: Any
 ) -> dict[str, Any]:
-    return _shards.consolidate_shards(path, param_order=param_names(param_order), **options)
+    return _recut.consolidate_shards(path, param_order=param_names(param_order), **options)
 
 
-consolidate_shards.__doc__ = _shards.consolidate_shards.__doc__
+consolidate_shards.__doc__ = _recut.consolidate_shards.__doc__

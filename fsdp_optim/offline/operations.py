@@ -28,9 +28,9 @@ from typing import Any
 from fsdp_optim.core.plan import Plan, Source, assemble_full, cut_rank, plan
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.disk.atomic import load_file, new_save_id
-from fsdp_optim.disk.untrusted import check_state_dict
+from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
-from fsdp_optim.formats.fairseq.shards import consolidate_set, reshard_set
+from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import (

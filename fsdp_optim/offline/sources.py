@@ -41,7 +41,7 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.untrusted import check_state_dict
+from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.fairscale import from_fairscale, is_fairscale_native
 from fsdp_optim.formats.fairseq import shards as fairseq_shards
 from fsdp_optim.formats.fairseq.files import is_shard_set

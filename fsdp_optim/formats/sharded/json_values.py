@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
-from fsdp_optim.disk.untrusted import escape
+from fsdp_optim.disk.text import escape
 
 __all__ = ["MAX_TENSOR_BYTES", "from_json", "to_json"]
 

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from fsdp_optim.core.checksums import digest, digest_matches
-from fsdp_optim.disk.untrusted import escape
+from fsdp_optim.disk.text import escape
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
 from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, Manifest
 

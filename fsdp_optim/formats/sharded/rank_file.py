@@ -35,7 +35,8 @@ import torch
 from fsdp_optim.core.checksums import digest, digest_matches
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
-from fsdp_optim.disk.untrusted import escape, open_regular
+from fsdp_optim.disk.text import escape
+from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
 from fsdp_optim.formats.sharded.segments import Segment, check_segments, chunk_digests, chunk_elements, plan_segments
 

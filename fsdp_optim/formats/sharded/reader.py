@@ -30,7 +30,8 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.plan import Source
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.untrusted import check_stored_bytes, check_tree, open_regular
+from fsdp_optim.disk.objects import check_tree
+from fsdp_optim.disk.untrusted import check_stored_bytes, open_regular
 from fsdp_optim.formats.sharded.manifest import (
     LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
