@@ -166,3 +166,10 @@ def test_small_modules_and_functions(path: Path) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = node.end_lineno - node.lineno + 1
             assert length <= 60, f"{path.name}:{node.lineno} {node.name} is {length} lines, at most 60"
+
+
+def test_every_folder_is_a_package() -> None:
+    # setup.py's find_packages() installs only folders with an __init__.py: a folder without one is lost
+    folders = {p.parent for p in MODULES}
+    missing = sorted(str(f.relative_to(PACKAGE)) for f in folders if not (f / "__init__.py").exists())
+    assert not missing, f"folders without __init__.py (not installed by pip install .): {missing}"
