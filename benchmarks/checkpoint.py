@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from fsdp_optim import ckpt_job, ckpt_report, ckpt_tables, models, spawn
-from fsdp_optim.ckpt_train import TrainConfig
-from fsdp_optim.gather import _csv, _load, machine
+from . import ckpt_job, ckpt_report, ckpt_tables, models, spawn
+from .ckpt_train import TrainConfig
+from .gather import _csv, _load, machine
 
 # ---- configuration ---------------------------------------------------------------------------------
 MODELS = ("25M", "100M")

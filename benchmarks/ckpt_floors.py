@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.ckpt_common import save_durably
+from .ckpt_common import save_durably
 
 
 def rank_file(directory: str | os.PathLike[str], rank: int) -> Path:

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_optim import ckpt_dcp, ckpt_floors, ckpt_ours, ckpt_train, models
-from fsdp_optim.ckpt_common import Probes, disk_bytes, remove
-from fsdp_optim.measure import Measurement, Method, NotAvailable, measure, release_memory, tensor_bytes
+from . import ckpt_dcp, ckpt_floors, ckpt_ours, ckpt_train, models
+from .ckpt_common import Probes, disk_bytes, remove
+from .measure import Measurement, Method, NotAvailable, measure, release_memory, tensor_bytes
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_optim
-from fsdp_optim import models
-from fsdp_optim.ckpt_common import Probes, difference, disk_bytes, fresh_load_methods, remove, save_durably, wrong
-from fsdp_optim.measure import Method
+
+from . import models
+from .ckpt_common import Probes, difference, disk_bytes, fresh_load_methods, remove, save_durably, wrong
+from .measure import Method
 
 ASYNC_NAME = "async_save_sharded_optim_state"
 

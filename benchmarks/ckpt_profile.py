@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_optim import ckpt_floors, models, spawn
-from fsdp_optim.checkpoint import STORAGE
-from fsdp_optim.measure import release_memory
+from . import ckpt_floors, models, spawn
+from .checkpoint import STORAGE
+from .measure import release_memory
 
 PAGE = resource.getpagesize()
 # (label, how to find it): ("cum", file suffix, function) = inclusive time of that function;

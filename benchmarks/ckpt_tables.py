@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.ckpt_report import LABELS, ORDER, TRAIN, targets, wrong_results
-from fsdp_optim.measure import MiB
-from fsdp_optim.report import spread
+from .ckpt_report import LABELS, ORDER, TRAIN, targets, wrong_results
+from .measure import MiB
+from .report import spread
 
 
 def _ms(seconds: float) -> str:

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp_optim
-from fsdp_optim import ckpt_dcp, ckpt_ours, models
-from fsdp_optim.measure import Method
+
+from . import ckpt_dcp, ckpt_ours, models
+from .measure import Method
 
 VARIANTS = ("train_ours_none", "train_ours_sync", "train_ours_async", "train_dcp_none", "train_dcp_sync", "train_dcp_async")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fsdp_optim import models, report, spawn, suite
+from . import models, report, spawn, suite
 
 # ---- configuration ---------------------------------------------------------------------------------
 MODELS = ("25M", "100M")

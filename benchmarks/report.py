@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.measure import Measurement, MiB, NotAvailable
+from .measure import Measurement, MiB, NotAvailable
 
 FLOOR = "floor_p2p_fresh"
 COPY_FLOOR = "floor_copy"

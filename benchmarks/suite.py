@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_optim import checks, floors, models, peers
-from fsdp_optim.measure import Measurement, Method, NotAvailable, measure, release_memory
+from . import checks, floors, models, peers
+from .measure import Measurement, Method, NotAvailable, measure, release_memory
 
 
 @dataclass(frozen=True)
