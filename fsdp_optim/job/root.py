@@ -28,18 +28,18 @@ _T = TypeVar("_T")
 class Root:
     """A fairscale FSDP root instance, checked once and read once: everything the entry points need.
 
-    For a root over 2 ranks holding two units (``layers.0``, then the root's own parameters), at rank 1::
+    For a root over 2 ranks with one nested unit (the root's own parameters, then ``layers.0``), at rank 1::
 
-        Root(layout=ModelLayout(flat_params=(<unit 'layers.0'>, <unit ''>), ..., world_size=2, rank=1),
+        Root(layout=ModelLayout(flat_params=(<unit ''>, <unit 'layers.0'>), ..., world_size=2, rank=1),
              params=(FlatParameter[ceil(n0/2)], FlatParameter[ceil(n1/2)]),  # layout.flat_params order
-             positions=(1, 0),        # params[i]'s index in fsdp.parameters()
+             positions=(0, 1),        # params[i]'s index in fsdp.parameters()
              group=<ProcessGroup>, rank=1, world_size=2,
              members=((0, 1),))       # with an optimizer: flat indices per param group; else None
     """
 
     layout: ModelLayout  # at this rank: layout.rank == rank, layout.world_size == world_size
     params: tuple[nn.Parameter, ...]  # the live parameters the optimizer holds; params[i] is layout.flat_params[i]
-    positions: tuple[int, ...]  # params[i]'s index in fsdp.parameters() (len(params) for one it does not yield)
+    positions: tuple[int, ...]  # params[i]'s index in fsdp.parameters() (past the end for one it does not yield)
     group: ProcessGroup  # the root's process group: every collective of an entry point runs on it
     rank: int  # this process's rank in ``group``
     world_size: int  # ``group``'s size
