@@ -29,8 +29,11 @@ from typing import Any
 
 import torch
 
-from . import ckpt_job, ckpt_report, ckpt_tables, models, spawn
-from .ckpt_train import TrainConfig
+from . import models, spawn
+from .ckpt import job as ckpt_job
+from .ckpt import report as ckpt_report
+from .ckpt import tables as ckpt_tables
+from .ckpt.train import TrainConfig
 from .gather import _csv, _load, machine
 
 # ---- configuration ---------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from . import report
-from .measure import Measurement, NotAvailable
+from .. import report
+from ..measure import Measurement, NotAvailable
 
 FLOOR_OF = {
     "ours_save": "floor_save",

@@ -26,9 +26,9 @@ from torch import nn
 
 import fsdp_optim
 
-from . import models
-from .ckpt_common import Probes, difference, disk_bytes, fresh_load_methods, remove, save_durably, wrong
-from .measure import Method
+from .. import models
+from ..measure import Method
+from .common import Probes, difference, disk_bytes, fresh_load_methods, remove, save_durably, wrong
 
 ASYNC_NAME = "async_save_sharded_optim_state"
 

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .ckpt_report import LABELS, ORDER, TRAIN, targets, wrong_results
-from .measure import MiB
-from .report import spread
+from ..measure import MiB
+from ..report import spread
+from .report import LABELS, ORDER, TRAIN, targets, wrong_results
 
 
 def _ms(seconds: float) -> str:

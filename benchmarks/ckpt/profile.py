@@ -30,9 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import ckpt_floors, models, spawn
-from .checkpoint import STORAGE
-from .measure import release_memory
+from .. import models, spawn
+from ..checkpoint import STORAGE
+from ..measure import release_memory
+from . import floors as ckpt_floors
 
 PAGE = resource.getpagesize()
 # (label, how to find it): ("cum", file suffix, function) = inclusive time of that function;

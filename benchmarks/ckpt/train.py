@@ -23,8 +23,10 @@ from torch import nn
 
 import fsdp_optim
 
-from . import ckpt_dcp, ckpt_ours, models
-from .measure import Method
+from .. import models
+from ..measure import Method
+from . import dcp as ckpt_dcp
+from . import ours as ckpt_ours
 
 VARIANTS = ("train_ours_none", "train_ours_sync", "train_ours_async", "train_dcp_none", "train_dcp_sync", "train_dcp_async")
 

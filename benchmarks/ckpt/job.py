@@ -25,9 +25,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import ckpt_dcp, ckpt_floors, ckpt_ours, ckpt_train, models
-from .ckpt_common import Probes, disk_bytes, remove
-from .measure import Measurement, Method, NotAvailable, measure, release_memory, tensor_bytes
+from .. import models
+from ..measure import Measurement, Method, NotAvailable, measure, release_memory, tensor_bytes
+from . import dcp as ckpt_dcp
+from . import floors as ckpt_floors
+from . import ours as ckpt_ours
+from . import train as ckpt_train
+from .common import Probes, disk_bytes, remove
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from . import models
-from .ckpt_common import Probes, difference, disk_bytes, fresh_load_methods, fsync_path, remove, wrong
-from .measure import Method
+from .. import models
+from ..measure import Method
+from .common import Probes, difference, disk_bytes, fresh_load_methods, fsync_path, remove, wrong
 
 
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

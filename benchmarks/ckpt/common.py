@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .measure import Measurement, Method, NotAvailable
+from ..measure import Measurement, Method, NotAvailable
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
