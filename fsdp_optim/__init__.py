@@ -9,6 +9,8 @@
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
   ``verify`` (every file present, of its size, checksums matching); ``save_layout``, ``from_fairscale``
   (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
+- ``to_safetensors(source, out)`` / ``load_full_state(path)``: the full state by parameter name in one safetensors
+  file (``<name>/<key>`` tensors, hyperparameters and checksums in its metadata), and any source back as a full dict.
 - ``to_dcp(source, out_dir)``: any of those sources, or a fairseq/metaseq shard set (see
   :mod:`fsdp_optim.fairseq` for consolidating and resharding those), written as a PyTorch DCP checkpoint.
 - Trust (README "Threat model"): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
@@ -42,6 +44,7 @@ __all__ = [
     "gather_full_optim_state_dict",
     "get_shard_from_optim_state_dict",
     "host_execution",
+    "load_full_state",
     "load_sharded_optim_state",
     "register_elementwise_optimizer",
     "reshard",
@@ -50,6 +53,7 @@ __all__ = [
     "scatter_full_optim_state",
     "to_dcp",
     "to_named",
+    "to_safetensors",
     "verify",
 ]
 __version__ = "0.1.0"
@@ -71,6 +75,7 @@ _HOME = {
     "gather_full_optim_state_dict": "job.api",
     "get_shard_from_optim_state_dict": "job.api",
     "host_execution": "job.host",
+    "load_full_state": "offline.named",
     "load_sharded_optim_state": "job.sharded",
     "reshard": "offline.operations",
     "save_layout": "job.sharded",
@@ -78,6 +83,7 @@ _HOME = {
     "scatter_full_optim_state": "job.sharded",
     "to_dcp": "offline.export",
     "to_named": "formats.fairscale",
+    "to_safetensors": "offline.named",
     "verify": "offline.verify",
 }
 assert sorted(_HOME) == sorted(__all__), "every public name needs a home module"
@@ -112,5 +118,6 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
         scatter_full_optim_state,
     )
     from fsdp_optim.offline.export import to_dcp
+    from fsdp_optim.offline.named import load_full_state, to_safetensors
     from fsdp_optim.offline.operations import consolidate, reshard
     from fsdp_optim.offline.verify import verify

@@ -3,7 +3,7 @@
     fsdp-optim inspect PATH [--units]
     fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
-    fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp]
+    fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp|safetensors]
     fsdp-optim verify PATH
 
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
@@ -307,6 +307,8 @@ def _convert(args: argparse.Namespace) -> list[str]:
 
     with _open(args, args.source) as opened:
         origin = opened.kind.value
+        if args.to == "safetensors":
+            return _to_safetensors(opened, args, origin)
         if args.to == "dcp":
             return _to_dcp(opened, args, origin)
         if opened.kind is Kind.FULL:
@@ -319,6 +321,16 @@ def _convert(args: argparse.Namespace) -> list[str]:
         result = to_named(full) if args.to == "named" else full
         size = write_file(result, args.output, inputs=(args.source, args.layout))
     return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
+
+
+def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
+    """``--to safetensors``: one named safetensors file (``<param name>/<state key>`` tensors) of any source."""
+    from fsdp_optim.offline.named import write_opened
+
+    with _progress("write safetensors") as progress:
+        path = None if isinstance(args.source, dict) else args.source
+        size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=path)
+    return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}"]
 
 
 def _to_dcp(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
@@ -437,10 +449,11 @@ def _add_convert(verbs: Any) -> None:
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
     p.add_argument(
         "--to",
-        choices=("full", "named", "dcp"),
+        choices=("full", "named", "dcp", "safetensors"),
         default="full",
         help="full: fsdp_optim's full dict (default); named: keyed by parameter name, for set_optimizer_state_dict; "
-        "dcp: a torch.distributed.checkpoint directory (model weights too, from a shard set) for dcp.load",
+        "dcp: a torch.distributed.checkpoint directory (model weights too, from a shard set) for dcp.load; "
+        "safetensors: one .safetensors file of <param name>/<state key> tensors (load_full_state reads it back)",
     )
     _allow_global(p)
     p.set_defaults(run=_convert)

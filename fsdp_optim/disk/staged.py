@@ -30,9 +30,9 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
-from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, fsync_dir
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write, fsync_dir
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import describe_file
@@ -47,6 +47,7 @@ __all__ = [
     "recover",
     "staged_output",
     "write_file",
+    "write_stream",
 ]
 
 STAGING_MARK = ".fsdp-optim-staging."
@@ -303,11 +304,26 @@ def write_file(obj: Any, path: str | os.PathLike[str], *, inputs: Iterable[Any] 
     """``torch.save`` of a single output file, atomically, under its lock, refused if it is one of ``inputs``;
     the temporary file is journaled, so one left by a killed writer is removed by the next. Returns the file's
     size. An existing file at ``path`` is replaced (that is what ``-o FILE`` asks for)."""
+    return _write_one(path, inputs, "write a file", lambda out, tag: atomic_save(obj, out, tag=tag))
+
+
+def write_stream(
+    write: Callable[[BinaryIO], Any], path: str | os.PathLike[str], *, inputs: Iterable[Any] = (), purpose: str
+) -> int:
+    """:func:`write_file` for a format that writes its own bytes: ``write(file)`` fills the (seekable) temporary
+    file. Returns the file's size."""
+    return _write_one(path, inputs, purpose, lambda out, tag: atomic_write(out, write, tag=tag)[0])
+
+
+def _write_one(
+    path: str | os.PathLike[str], inputs: Iterable[Any], purpose: str, save: Callable[[Path, str], int]
+) -> int:
+    """Check, lock, recover, journal, then ``save(final path, tag)`` (an atomic write with that tag)."""
     check_not_input(path, inputs, name="output")
     tag = uuid.uuid4().hex[:12]
-    with lock_output(path, purpose="write a file") as lock:
+    with lock_output(path, purpose=purpose) as lock:
         if lock.previous:
             recover(lock.output.parent, lock.previous, _FileClaims())
             lock.forget()
         lock.journal({"file": lock.output.name, "tag": tag})
-        return atomic_save(obj, lock.output, tag=tag)
+        return save(lock.output, tag)

@@ -7,6 +7,7 @@ state from :mod:`.local`, and the bytes move through :mod:`.transport`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -16,10 +17,13 @@ from torch import nn
 from fsdp_optim.core.elementwise import check_elementwise, state_keys
 from fsdp_optim.core.flatten import StateKind, assemble
 from fsdp_optim.core.layout import ModelLayout, ShardBounds
-from fsdp_optim.core.plan import cut_rank, optimizer_state_dict, plan
+from fsdp_optim.core.plan import Source, cut_rank, optimizer_state_dict, plan
 from fsdp_optim.core.preconditions import check_rank
+from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.formats.fairscale import dict_source
 from fsdp_optim.formats.fullstate import build_full_state
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.job.local import (
     LocalState,
     check_agreement,
@@ -113,7 +117,10 @@ def _flat_states(
 
 
 def get_shard_from_optim_state_dict(
-    fsdp: nn.Module, full_optim_state_dict: Mapping[str, Any], *, optim: torch.optim.Optimizer | None = None
+    fsdp: nn.Module,
+    full_optim_state_dict: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """This rank's piece of a full dict, ready for ``optim.load_state_dict``. Local: no collective.
 
@@ -127,7 +134,9 @@ def get_shard_from_optim_state_dict(
         fsdp: the root instance of fairscale's ``FullyShardedDataParallel`` or of any subclass.
         full_optim_state_dict: from :func:`gather_full_optim_state_dict`, a plain optimizer's
             ``state_dict()`` with a ``"param_names"`` map added, or fairscale's own gathered dict
-            (``param_id_map``, ``uncollected_local_ids``; this model must be wrapped as it was then).
+            (``param_id_map``, ``uncollected_local_ids``; this model must be wrapped as it was then);
+            or the path of a file holding one, or of a named safetensors file (``to_safetensors``), of
+            which only this rank's byte ranges are read (and checked).
         optim: the sharded optimizer it will be loaded into. When given, param ids follow its
             param groups' order and its group membership is checked against the dict's; otherwise
             the ids follow ``fsdp.parameters()`` order within each of the dict's groups.
@@ -137,7 +146,7 @@ def get_shard_from_optim_state_dict(
     root = verify_root(fsdp, optim)
     layout, params = root.layout, root.params
     optimizer = type(optim).__name__ if optim is not None else None
-    source = dict_source(full_optim_state_dict, layout, label="the full dict", optimizer=optimizer)
+    source = full_source(full_optim_state_dict, layout, optimizer=optimizer)
     if optim is not None:
         check_optimizer(source.optimizer, optim, "the full optimizer state dict")
     else:
@@ -151,6 +160,23 @@ def get_shard_from_optim_state_dict(
         order=root.positions,
     )
     return optimizer_state_dict(the_plan, cut_rank(the_plan, root.rank))
+
+
+def full_source(
+    full: Mapping[str, Any] | str | os.PathLike[str], layout: ModelLayout, *, optimizer: str | None
+) -> Source:
+    """The planning source of a full dict handed to a live model: in memory, a file holding one (memory-mapped),
+    or a named safetensors file (read range by range, each range checked as it is read)."""
+    if not isinstance(full, (str, os.PathLike)):  # a dict, or what dict_source refuses by name
+        return dict_source(full, layout, label="the full dict", optimizer=optimizer)
+    if not os.path.lexists(full):
+        raise FileNotFoundError(
+            f"{full}: no such file or directory; expected a sharded checkpoint directory (holding {MANIFEST_NAME}), "
+            "a full dict file or a named safetensors file"
+        )
+    if is_named_safetensors(full):
+        return NamedSafetensors(full).source()
+    return dict_source(load_file(full, mmap=True, disjoint=True), layout, label=str(full), optimizer=optimizer)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Orchestration only: the layout comes from :mod:`.layout`, the maths from :mod:`.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -58,7 +59,10 @@ class FullyShardedDataParallel(_FairscaleFSDP):
         return api.gather_full_optim_state_dict(self, optim, recipient_rank=recipient_rank, transport=transport)
 
     def get_shard_from_optim_state_dict(
-        self, full_optim_state_dict: Mapping[str, Any], *, optim: torch.optim.Optimizer | None = None
+        self,
+        full_optim_state_dict: Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
         """:func:`fsdp_optim.get_shard_from_optim_state_dict` on this (root) instance; see there."""
         return api.get_shard_from_optim_state_dict(self, full_optim_state_dict, optim=optim)

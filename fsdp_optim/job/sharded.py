@@ -21,14 +21,14 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan
 from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.core.records import GroupRecord, state_entries
-from fsdp_optim.disk.atomic import load_file, new_save_id
+from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import write_file
-from fsdp_optim.formats.fairscale import dict_source
 from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest, wrap
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
+from fsdp_optim.job.api import full_source
 from fsdp_optim.job.local import LocalState, check_agreement, check_optimizer, read_local_state
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.transport import (
@@ -261,7 +261,8 @@ def scatter_full_optim_state(
     ``src_rank`` checks the dict against the model and optimizer once (one plan, as
     ``get_shard_from_optim_state_dict`` does), then cuts and sends each rank its own padded shards, one
     rank at a time: no rank but ``src_rank`` ever holds more than its own shard, and ``src_rank`` holds
-    the dict (memory-mapped when read from a file) plus one rank's shard. A fairscale-native dict is
+    the dict (memory-mapped when read from a file; a named safetensors file is read one rank's ranges at a
+    time, each checked) plus one rank's shard. A fairscale-native dict is
     accepted too (the model gives its layout). A dict the model refuses raises the same error on every rank.
 
     Cost: one small all-gather (the outcome of the check), then per other rank one pickled skeleton plus
@@ -323,13 +324,6 @@ def _plan_full(
     """The one plan for a full (or fairscale-native) dict given in memory or as a file."""
     if full is None:
         raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
-    label = "the full dict" if isinstance(full, Mapping) else str(full)
-    if not isinstance(full, Mapping) and not os.path.lexists(full):
-        raise FileNotFoundError(
-            f"{full}: no such file or directory; expected a sharded checkpoint directory (holding {MANIFEST_NAME}) "
-            "or a full dict file"
-        )
-    obj = full if isinstance(full, Mapping) else load_file(full, mmap=True, disjoint=True)
-    source = dict_source(obj, layout, label=label, optimizer=type(optim).__name__)
+    source = full_source(full, layout, optimizer=type(optim).__name__)
     check_optimizer(source.optimizer, optim, "the full optimizer state dict")
     return plan(source, layout, members=members)

@@ -88,6 +88,8 @@ def full_state(
     if opened.shards is not None:
         out = consolidate_set(opened.shards, with_model=with_model, progress=progress)
         return out if fairseq_checkpoint else out[OPTIM_KEY]
+    if opened.named is not None:  # a named safetensors file: the dict it was written from
+        return opened.named.full_state()
     if opened.kind is not Kind.SHARDED and opened.kind is not Kind.NATIVE:
         raise ValueError(_nothing_to_consolidate(opened))
     if opened.kind is Kind.NATIVE and opened.full is not None:

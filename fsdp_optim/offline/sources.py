@@ -10,6 +10,7 @@ one table.
     full dict                   gather_full_optim_state_dict's output            target only   refused
     fairscale-native dict       fairscale's own gather output (ids, no names)    required      checked
     fairseq/metaseq shard set   use_sharded_state files (..-shard<r>.pt)         param order   checked
+    named safetensors file      to_safetensors' file (<name>/<key> tensors)      target only   refused
                                 (reshard keeps the set's own order and optimizer: both refused there)
 
 "target only": a full dict has no FSDP units; a verb that cuts it (reshard) takes the model's layout as its
@@ -22,7 +23,8 @@ An opened source::
            source=Source(...)  # the optimizer state for core.plan (None for a layout or rank file)
            layout=ModelLayout  # the units it was saved with, or the given layout (None for a full dict)
            order=("embed.weight", ...), trim=<drop mappings>, full=<the dict> (full / fairscale-native),
-           manifest=Manifest (sharded, layout file, shard set), shards=ShardSet, checkpoint=ShardedCheckpoint)
+           manifest=Manifest (sharded, layout file, shard set), shards=ShardSet, checkpoint=ShardedCheckpoint,
+           named=NamedSafetensors)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from fsdp_optim.formats.fairscale import from_fairscale, is_fairscale_native
 from fsdp_optim.formats.fairseq import shards as fairseq_shards
 from fsdp_optim.formats.fairseq.files import is_shard_set
 from fsdp_optim.formats.fullstate import full_dict_source
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
 from fsdp_optim.formats.sharded.manifest import HEADER_KEY, Manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint, read_manifest, source_kind
 from fsdp_optim.offline.fairseq import ShardSet
@@ -61,10 +64,11 @@ class Kind(enum.Enum):
     FULL = "full dict"
     NATIVE = "fairscale-native dict"
     SHARD_SET = "fairseq/metaseq shard set"
+    NAMED = "named safetensors file"
 
 
 # kind -> (what --layout means for it, whether --optimizer applies); see the module docstring.
-_LAYOUT = {Kind.FULL: "target", Kind.NATIVE: "required", Kind.SHARD_SET: "order"}
+_LAYOUT = {Kind.FULL: "target", Kind.NAMED: "target", Kind.NATIVE: "required", Kind.SHARD_SET: "order"}
 _OPTIMIZER = {Kind.NATIVE, Kind.SHARD_SET}
 _LAYOUT_USE = (
     "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
@@ -88,6 +92,7 @@ class Opened:
     manifest: Manifest | None = None
     shards: fairseq_shards.ShardSet | None = None
     checkpoint: ShardedCheckpoint | None = None
+    named: NamedSafetensors | None = None
     raw: Any = None  # the loaded object of a file (a dict: the dict itself)
 
 
@@ -102,6 +107,8 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return kind, None
     if RANK_FILE_NAME.match(Path(given).name) and Path(given).suffix == ".safetensors":
         return Kind.RANK_FILE, None  # format 2: read only through its checkpoint's manifest
+    if is_named_safetensors(given):  # any other safetensors file: ours, or refused by name when it is not
+        return Kind.NAMED, None
     obj = load_file(given, mmap=True, disjoint=True)  # a file must not hold overlapping tensors
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):
@@ -196,6 +203,10 @@ def open_source(
             check_optimizer_name(optimizer, _source_keys(shards.source()), where=f"optimizer: {label}")
             yield Opened(kind, label, shards.source(), shards.manifest.layout(0), shards.manifest.param_order,
                          shards.trim, manifest=shards.manifest, shards=shards)
+        return
+    if kind is Kind.NAMED:
+        with NamedSafetensors(given, max_mapped_bytes=max_mapped_bytes) as named:  # type: ignore[arg-type]
+            yield Opened(kind, label, named.source(), None, named.document.param_order, named.trim, named=named)
         return
     if kind is Kind.SHARDED and not isinstance(given, Mapping):
         with ShardedCheckpoint(given, max_mapped_bytes=max_mapped_bytes) as ckpt:

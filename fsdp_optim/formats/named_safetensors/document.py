@@ -1,0 +1,364 @@
+"""The metadata of a named safetensors optimizer file: exact JSON values, the document, the checked file header.
+
+Pure apart from reading a file's first bytes in :func:`read_header`; never imports ``torch.distributed``.
+
+A file is a plain safetensors file (8-byte little-endian header length, a JSON header, the data) whose tensors
+are named ``<parameter name>/<state key>`` (``layer1.weight/exp_avg``: full, unsharded, shaped like the
+parameter; ``layer1.weight/step``: a 0-dim tensor). Its ``__metadata__`` holds one entry, ``"fsdp_optim"``, a
+JSON document (:class:`Document`)::
+
+    {"format": "fsdp_optim.named_safetensors", "version": 1, "optimizer": "Adam",
+     "param_order": ["embed.weight", ...],                     # what ids are numbered by (see fullstate)
+     "shapes_known": true, "shapes": {"embed.weight": [11, 6], ...},
+     "param_groups": [{"hyperparams": {"lr": 0.01, "betas": {"$tuple": [0.9, 0.999]}, ...},
+                       "params": ["embed.weight", ...], "named": false}, ...],
+     "state": {"embed.weight": [{"key": "step", "kind": "scalar", "tensor": "embed.weight/step"},
+                                {"key": "exp_avg", "kind": "sharded", "tensor": "embed.weight/exp_avg"}, ...]},
+     "tensors": {"embed.weight/exp_avg": {"digest": "xxh3-128:...", "chunks": ["xxh3-128:...", ...]}, ...},
+     "chunk_bytes": 1048576,
+     "header": {"version": 1, "optimizer": "Adam", "world_size": 2, "scalar_keys": ["step"]}}
+
+Values that JSON alone would blur are tagged as the sharded checkpoint's manifest tags them
+(:mod:`fsdp_optim.formats.sharded.json_values`): a tuple is ``{"$tuple": [...]}`` (``betas`` stays a tuple), a
+non-finite float ``{"$float": "inf"}``, a small tensor (a tensor learning rate) ``{"$tensor": {...}}``; finite
+floats, ints, bools, strings, lists and dicts with string keys are JSON's own, which Python reads back exactly.
+Anything else (an object, a dict keyed by ints) is refused by name. A Python scalar state (``step`` as a
+float) is an entry with ``"value"`` instead of ``"tensor"``.
+
+Checksums: ``digest`` is :func:`fsdp_optim.core.checksums.digest` of the whole tensor, checked by a reader
+that reads all of it; a tensor over ``chunk_bytes`` also has ``chunks``, the digests of its flat bytes cut
+into ``chunk_bytes`` pieces (each hashed as a 1-D tensor), so a reader of a range reads and checks only the
+1 MiB pieces that cover it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdp_optim.core.limits import MAX_RECORDS
+from fsdp_optim.core.preconditions import check_version
+from fsdp_optim.formats.sharded.json_values import from_json, to_json
+
+FORMAT = "fsdp_optim.named_safetensors"
+VERSION = 1
+METADATA_KEY = "fsdp_optim"
+CHUNK_BYTES = 1 << 20
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header
+
+# safetensors dtype names; float8 "fnuz" kinds and complex have no name there that every reader knows.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class FormatError(ValueError):
+    """A file that is not a readable named safetensors optimizer file; the message names the file and what is wrong."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact JSON values: the sharded manifest's (formats/sharded/json_values.py), one encoding for both files
+
+
+def encode(value: Any, where: str) -> Any:
+    """``value`` as exact JSON (:func:`~fsdp_optim.formats.sharded.json_values.to_json`); ``ValueError`` naming
+    ``where`` for what JSON cannot hold exactly."""
+    return to_json(value, where)
+
+
+def decode(value: Any, where: str) -> Any:
+    """The inverse of :func:`encode`; :class:`FormatError` for JSON that :func:`encode` does not write."""
+    try:
+        return from_json(value, where)
+    except ValueError as exc:
+        raise FormatError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The document
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One state key of one parameter: a tensor of the file (``tensor``) or a Python scalar (``value``)."""
+
+    key: str
+    kind: str  # "sharded" (shaped like the parameter) or "scalar" (0-dim tensor or Python value)
+    tensor: str | None = None
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class Group:
+    hyperparams: Mapping[str, Any]
+    params: tuple[str, ...]  # parameter names, in id order
+    named: bool
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor of the file: header fields (checked against the data size) and its checksums."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the file
+    nbytes: int
+    digest: str
+    chunks: tuple[str, ...]  # empty: the tensor is one piece, checked by ``digest``
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Document:
+    """The ``"fsdp_optim"`` metadata, decoded (see the module docstring)."""
+
+    optimizer: str | None
+    param_order: tuple[str, ...]
+    shapes: Mapping[str, tuple[int, ...]]
+    shapes_known: bool
+    groups: tuple[Group, ...]
+    state: Mapping[str, tuple[Entry, ...]]
+    header: Mapping[str, Any]
+    chunk_bytes: int = CHUNK_BYTES
+
+    def to_json(self, checksums: Mapping[str, Mapping[str, Any]]) -> str:
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "optimizer": self.optimizer,
+            "param_order": list(self.param_order),
+            "shapes_known": self.shapes_known,
+            "shapes": {name: list(shape) for name, shape in self.shapes.items()},
+            "param_groups": [
+                {"hyperparams": _hyperparams(g, group.hyperparams), "params": list(group.params), "named": group.named}
+                for g, group in enumerate(self.groups)
+            ],
+            "state": {name: [_entry_json(name, e) for e in entries] for name, entries in self.state.items()},
+            "tensors": checksums,
+            "chunk_bytes": self.chunk_bytes,
+            "header": encode(dict(self.header), "the full dict's 'fsdp_optim' block"),
+        }
+        return json.dumps(doc, allow_nan=False, separators=(",", ":"))
+
+
+def _hyperparams(g: int, hyperparams: Mapping[Any, Any]) -> Any:
+    bad = next((k for k in hyperparams if not isinstance(k, str)), None)
+    if bad is not None:
+        raise ValueError(f"param group {g} has hyperparameter key {bad!r}, a {type(bad).__name__}; expected strings")
+    return {k: encode(v, f"param group {g} hyperparameter '{k}'") for k, v in hyperparams.items()}
+
+
+def _entry_json(name: str, e: Entry) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": e.key, "kind": e.kind}
+    if e.tensor is not None:
+        out["tensor"] = e.tensor
+    else:
+        out["value"] = encode(e.value, f"scalar state '{e.key}' of parameter '{name}'")
+    return out
+
+
+def _get(d: Any, key: str, kind: Any, where: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise FormatError(f"{where}: missing '{key}'")
+    value = d[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise FormatError(f"{where}: '{key}' must be {expected}, found {json.dumps(value)[:60]}")
+    return value
+
+
+def parse_document(text: str, where: str) -> tuple[Document, dict[str, Any]]:
+    """The decoded document and its raw ``"tensors"`` map (checksums), every field checked."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise FormatError(f"{where}: the '{METADATA_KEY}' metadata is not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise FormatError(f"{where}: the '{METADATA_KEY}' metadata says format {found!r}, expected {FORMAT!r}")
+    try:
+        check_version(doc.get("version"), where, VERSION)
+    except ValueError as exc:
+        raise FormatError(str(exc)) from None
+    order = tuple(_get(doc, "param_order", list, where))
+    shapes_raw = _get(doc, "shapes", dict, where)
+    shapes = {n: tuple(_shape(s, f"{where}: shape of '{n}'")) for n, s in shapes_raw.items()}
+    groups = []
+    for g, raw in enumerate(_get(doc, "param_groups", list, where)):
+        at = f"{where}: param group {g}"
+        hyper = {k: decode(v, f"{at} hyperparameter '{k}'") for k, v in _get(raw, "hyperparams", dict, at).items()}
+        groups.append(Group(hyper, tuple(_get(raw, "params", list, at)), _get(raw, "named", bool, at)))
+    state = {
+        name: tuple(_entry(e, name, where) for e in _get_list(entries, where))
+        for name, entries in _get(doc, "state", dict, where).items()
+    }
+    names = set(order)
+    for name in [*state, *(n for g in groups for n in g.params), *shapes]:
+        if not isinstance(name, str) or name not in names:
+            raise FormatError(f"{where}: parameter {name!r} is not in 'param_order'")
+    chunk_bytes = _get(doc, "chunk_bytes", int, where)
+    if chunk_bytes < 64 or chunk_bytes % 64:
+        raise FormatError(f"{where}: 'chunk_bytes' is {chunk_bytes}, expected a positive multiple of 64")
+    header = decode(_get(doc, "header", dict, where), f"{where}: 'header'")
+    optimizer = _get(doc, "optimizer", (str, type(None)), where)
+    known = _get(doc, "shapes_known", bool, where)
+    document = Document(optimizer, order, shapes, known, tuple(groups), state, header, chunk_bytes)
+    return document, _get(doc, "tensors", dict, where)
+
+
+def _get_list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise FormatError(f"{where}: a parameter's state must be a list of entries, found {json.dumps(value)[:60]}")
+    return value
+
+
+def _entry(raw: Any, name: str, where: str) -> Entry:
+    at = f"{where}: state of parameter '{name}'"
+    key = _get(raw, "key", str, at)
+    kind = _get(raw, "kind", str, at)
+    if kind not in ("sharded", "scalar"):
+        raise FormatError(f"{at}: state '{key}' has kind {kind!r}, expected 'sharded' or 'scalar'")
+    if "tensor" in raw:
+        return Entry(key, kind, tensor=_get(raw, "tensor", str, at))
+    if kind == "sharded" or "value" not in raw:
+        raise FormatError(f"{at}: state '{key}' names no tensor" + ("" if kind == "sharded" else " and has no 'value'"))
+    return Entry(key, kind, value=decode(raw["value"], f"{at}, state '{key}'"))
+
+
+def _shape(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
+        raise FormatError(f"{where}: expected a list of non-negative ints, found {json.dumps(value)[:60]}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------
+# The file header
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[Document, dict[str, TensorInfo]]:
+    """The checked document and every tensor's place in the file, before any data is read.
+
+    Refused with :class:`FormatError` naming the file: a header length past the file or over 100 MB, a header
+    that is not a JSON object, a dtype safetensors does not name, a shape whose bytes differ from its offsets,
+    offsets that overlap, leave gaps or pass the end of the file, metadata that is missing or not JSON, and a
+    document that names tensors the header lacks or lacks checksums of the ones it has.
+    """
+    where = str(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise FormatError(f"{where}: {size} bytes, too short for a safetensors file (8-byte header length first)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise FormatError(f"{where}: header length {n} is past the file's {size} bytes or over {MAX_HEADER_BYTES}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:
+        raise FormatError(f"{where}: the safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{where}: the safetensors header must be a JSON object, found {type(header).__name__}")
+    metadata = header.pop("__metadata__", None)
+    if not isinstance(metadata, dict) or not isinstance(metadata.get(METADATA_KEY), str):
+        raise FormatError(
+            f"{where}: a safetensors file without fsdp_optim's '{METADATA_KEY}' metadata (not a named optimizer "
+            "state file)"
+        )
+    document, checksums = parse_document(metadata[METADATA_KEY], where)
+    if len(header) > MAX_RECORDS:
+        raise FormatError(f"{where}: {len(header)} tensors, over the bound {MAX_RECORDS}")
+    tensors = _tensors(header, checksums, 8 + n, size, where)
+    _check_names(document, tensors, where)
+    return document, tensors
+
+
+def _tensors(
+    header: Mapping[str, Any], checksums: Mapping[str, Any], data_start: int, size: int, where: str
+) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
+    spans = []
+    for name, info in header.items():
+        at = f"{where}: tensor '{name}'"
+        dtype_name = _get(info, "dtype", str, at)
+        if dtype_name not in DTYPES:
+            raise FormatError(f"{at} has dtype {dtype_name!r}, expected one of {sorted(DTYPES)}")
+        dtype = DTYPES[dtype_name]
+        shape = tuple(_shape(_get(info, "shape", list, at), f"{at}: shape"))
+        offsets = _get(info, "data_offsets", list, at)
+        if len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
+            raise FormatError(f"{at}: 'data_offsets' must be two ints, found {offsets!r}")
+        begin, end = offsets
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise FormatError(
+                f"{at}: shape {list(shape)} of {dtype_name} is {nbytes} bytes but its offsets {offsets} hold "
+                f"{end - begin}"
+            )
+        sums = checksums.get(name)
+        if not isinstance(sums, dict) or not isinstance(sums.get("digest"), str):
+            raise FormatError(f"{at} has no checksum in the '{METADATA_KEY}' metadata")
+        chunks = sums.get("chunks", [])
+        if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
+            raise FormatError(f"{at}: its chunk checksums must be a list of strings")
+        spans.append((begin, end, name))
+        out[name] = TensorInfo(dtype, shape, data_start + begin, nbytes, sums["digest"], tuple(chunks))
+    spans.sort()
+    expected = 0
+    for begin, end, name in spans:
+        if begin != expected:
+            what = "overlaps the tensor before it" if begin < expected else "leaves a gap before it"
+            raise FormatError(
+                f"{where}: tensor '{name}' starts at byte {begin} of the data, which {what} (expected {expected})"
+            )
+        expected = end
+    if data_start + expected != size:
+        raise FormatError(f"{where}: the tensors end at byte {data_start + expected} but the file has {size} bytes")
+    return out
+
+
+def _check_names(document: Document, tensors: Mapping[str, TensorInfo], where: str) -> None:
+    named = set()
+    for name, entries in document.state.items():
+        for e in entries:
+            if e.tensor is None:
+                continue
+            info = tensors.get(e.tensor)
+            if info is None:
+                raise FormatError(
+                    f"{where}: state '{e.key}' of parameter '{name}' names tensor '{e.tensor}', which the file lacks"
+                )
+            want = () if e.kind == "scalar" else document.shapes.get(name, info.shape)
+            if info.shape != want:
+                raise FormatError(f"{where}: tensor '{e.tensor}' has shape {list(info.shape)}, expected {list(want)}")
+            if e.tensor in named:
+                raise FormatError(f"{where}: tensor '{e.tensor}' is named by two state entries")
+            named.add(e.tensor)
+            chunks = chunk_digests_needed(info.nbytes, document.chunk_bytes)
+            if len(info.chunks) != chunks:
+                found = len(info.chunks)
+                raise FormatError(f"{where}: tensor '{e.tensor}' has {found} chunk checksums, expected {chunks}")
+    extra = sorted(set(tensors) - named)
+    if extra:
+        raise FormatError(f"{where}: tensor '{extra[0]}' (and {len(extra) - 1} more) belongs to no parameter's state")
+
+
+def chunk_digests_needed(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """How many chunk checksums a tensor of ``nbytes`` carries (0: only its whole digest)."""
+    return math.ceil(nbytes / chunk_bytes) if nbytes > chunk_bytes else 0
+

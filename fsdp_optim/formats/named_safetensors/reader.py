@@ -1,0 +1,214 @@
+"""Read a named safetensors optimizer file as a planning source, range by range, every byte it uses checked.
+
+:class:`NamedSafetensors` checks the whole header first (:func:`.document.read_header`), then reads tensors
+through ``safetensors.safe_open`` (memory-mapped): ``read`` copies elements ``[start, stop)`` of one state
+tensor with ``get_slice`` reads of just those bytes (a flat range of an n-dim tensor is at most ``2n - 1``
+slices). Checksums, once per piece: a tensor of at most ``chunk_bytes`` (1 MiB) is read whole the first time
+and checked against its digest; a larger one is checked per 1 MiB chunk, reading the chunks that cover the
+range asked for (so a rank's range costs its bytes plus at most 2 MiB). A failing piece raises
+:class:`ChecksumError` naming the file, the tensor and its byte range. Mapped pages are released (the file
+closed and reopened on the next read) once the bytes read exceed ``max_mapped_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fsdp_optim.core.checksums import digest_matches
+from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.flatten import StateKind, clone_value
+from fsdp_optim.core.layout import ParamSpec
+from fsdp_optim.core.plan import Source, plan
+from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.formats.fullstate import build_full_state
+from fsdp_optim.formats.named_safetensors.document import Entry, TensorInfo, read_header
+from fsdp_optim.formats.named_safetensors.writer import per_parameter
+from fsdp_optim.formats.sharded.segments import chunk_elements
+
+__all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]
+
+DEFAULT_MAPPED_BYTES = 64 << 20
+
+
+class ChecksumError(ValueError):
+    """Bytes of a tensor that do not match the checksum the file recorded for them."""
+
+
+def is_named_safetensors(path: Any) -> bool:
+    """Whether ``path`` is a file that starts like a safetensors file (a length, then ``{``); the rest is unchecked."""
+    try:
+        if not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except (OSError, TypeError, ValueError):
+        return False
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") >= 2
+
+
+class NamedSafetensors:
+    """A named safetensors optimizer file opened for reading; a context manager (``close`` drops the mapping)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES) -> None:
+        self.path = str(path)
+        self.document, self.tensors = read_header(path)
+        self.max_mapped_bytes = max_mapped_bytes
+        self._handle: Any = None
+        self._mapped = 0
+        self._whole: set[str] = set()  # tensors checked whole
+        self._chunks: set[tuple[str, int]] = set()  # (tensor, chunk) checked
+        self._scalars = {e.tensor: self._read_scalar(e.tensor) for es in self.document.state.values() for e in es
+                         if e.kind == "scalar" and e.tensor is not None}  # fmt: skip
+
+    def __enter__(self) -> NamedSafetensors:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle = None
+        self._mapped = 0
+
+    def trim(self) -> None:
+        """Close the file (dropping its mapped pages) once the bytes read since the last close exceed the bound."""
+        if self._mapped > self.max_mapped_bytes:
+            self.close()
+
+    # -----------------------------------------------------------------------------------------------
+    # Reading
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``name`` flattened, new memory, the bytes they come from checked."""
+        info = self.tensors[name]
+        if not 0 <= start <= stop <= info.numel:
+            raise IndexError(f"{self.path}: tensor '{name}' has {info.numel} elements, asked for [{start}, {stop})")
+        if name in self._whole:
+            return self._read(name, info, start, stop)
+        if not info.chunks or (start, stop) == (0, info.numel):
+            whole = self._read(name, info, 0, info.numel)
+            self._check(name, whole.view(info.shape), info.digest, 0, info.nbytes)
+            self._whole.add(name)
+            return whole[start:stop] if (start, stop) != (0, info.numel) else whole
+        per = chunk_elements(info.dtype, self.document.chunk_bytes)
+        first, last = start // per, math.ceil(stop / per)
+        if all((name, c) in self._chunks for c in range(first, last)):
+            return self._read(name, info, start, stop)
+        lo, hi = first * per, min(last * per, info.numel)
+        covering = self._read(name, info, lo, hi)
+        for c in range(first, last):
+            piece = covering[c * per - lo : min((c + 1) * per, info.numel) - lo]
+            if (name, c) not in self._chunks:
+                nbytes = piece.numel() * info.dtype.itemsize
+                self._check(name, piece, info.chunks[c], c * self.document.chunk_bytes, nbytes)
+                self._chunks.add((name, c))
+        return covering[start - lo : stop - lo].clone() if (lo, hi) != (start, stop) else covering
+
+    def _check(self, name: str, tensor: torch.Tensor, expected: str, offset: int, nbytes: int) -> None:
+        if not digest_matches(tensor, expected):
+            raise ChecksumError(
+                f"{self.path}: tensor '{name}' fails its checksum in bytes [{offset}, {offset + nbytes}) of its data "
+                f"(recorded {expected}); the file is corrupt or was modified"
+            )
+
+    def _read(self, name: str, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
+        if self._handle is None:
+            self._handle = safe_open(self.path, framework="pt", device="cpu")
+        if not info.shape:
+            out = self._handle.get_slice(name)[()].reshape(-1)
+        else:
+            parts = [self._handle.get_slice(name)[index].reshape(-1) for index in _pieces(info.shape, start, stop, ())]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=info.dtype)
+        self._mapped += out.numel() * info.dtype.itemsize
+        assert out.numel() == stop - start and out.dtype == info.dtype, f"{name}: read {out.numel()} of {stop - start}"
+        return out
+
+    def _read_scalar(self, name: str) -> torch.Tensor:
+        return self.read_flat(name, 0, 1).reshape(())  # scalar entries are 0-dim (document.read_header checks)
+
+    # -----------------------------------------------------------------------------------------------
+    # As a planning source, and as a full dict
+
+    def source(self) -> Source:
+        """The file as a planning source: one flat per parameter (world size 1), ``read`` through :meth:`read_flat`."""
+        doc = self.document
+        flats = tuple(self._record(name, doc.state.get(name, ())) for name in doc.param_order)
+        index = {name: i for i, name in enumerate(doc.param_order)}
+        groups = tuple(GroupRecord(dict(g.hyperparams), tuple(index[n] for n in g.params), g.named) for g in doc.groups)
+        tensor_of = {(index[name], e.key): e.tensor for name, es in doc.state.items() for e in es if e.tensor}
+
+        def read(i: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+            out.copy_(self.read_flat(tensor_of[(i, key)], start, stop))  # type: ignore[arg-type]
+
+        return Source(self.path, doc.optimizer, flats, groups, read, shapes_known=doc.shapes_known)
+
+    def _record(self, name: str, entries: tuple[Entry, ...]) -> FlatRecord:
+        state = []
+        for e in entries:
+            if e.kind == StateKind.SHARDED.value:
+                info = self.tensors[e.tensor]  # type: ignore[index]
+                state.append(StateEntry(e.key, StateKind.SHARDED, dtype=dtype_to_str(info.dtype), shape=info.shape))
+            else:
+                value = self._scalars[e.tensor].clone() if e.tensor is not None else e.value
+                state.append(StateEntry(e.key, StateKind.SCALAR, value=value))
+        dtypes = [self.tensors[e.tensor].dtype for e in entries if e.kind == StateKind.SHARDED.value and e.tensor]
+        spec = ParamSpec(name, self.document.shapes.get(name, ()), 0)
+        return FlatRecord("", (spec,), 1, None, dtypes[0] if dtypes else torch.float32, False, state=tuple(state))
+
+    def full_state(self) -> dict[str, Any]:
+        """The full dict the file was written from (as ``gather_full_optim_state_dict`` returns it), bit for bit.
+
+        Planned like any source (the plan checks the document's groups and entries), then each tensor is read
+        whole and checked, straight into the dict (no second copy); the mapping is trimmed after each one.
+        """
+        doc = self.document
+        source = self.source()
+        rank = {name: i for i, name in enumerate(doc.param_order)}
+        target = per_parameter(source, doc.param_order)
+        the_plan = plan(source, target, order=[rank[f.params[0].name] for f in target.flat_params])
+        tensor_of = {(name, e.key): e.tensor for name, es in doc.state.items() for e in es if e.tensor is not None}
+        flat_states: dict[int, dict[str, Any]] = {}
+        for t, flat_plan in the_plan.flats.items():
+            name = target.flat_params[t].params[0].name
+            entries: dict[str, Any] = {}
+            for e in flat_plan.entries:
+                if e.kind is StateKind.SCALAR:
+                    entries[e.key] = clone_value(e.value)
+                else:
+                    tensor = tensor_of[(name, e.key)]
+                    entries[e.key] = self.read_flat(tensor, 0, self.tensors[tensor].numel)
+                    self.trim()
+            flat_states[t] = entries
+        full = build_full_state(target, the_plan.groups, flat_states, optimizer=doc.optimizer)
+        full["fsdp_optim"] = dict(doc.header)
+        return full
+
+
+def _pieces(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    """Index tuples whose ``get_slice`` reads, flattened and joined, are elements ``[start, stop)`` of a tensor."""
+    if start >= stop:
+        return
+    inner = math.prod(shape[1:])
+    if start % inner == 0 and stop % inner == 0:
+        yield (*prefix, slice(start // inner, stop // inner))
+        return
+    row = start // inner
+    if start % inner:  # a partial first row
+        end = min(stop, (row + 1) * inner)
+        yield from _pieces(shape[1:], start - row * inner, end - row * inner, (*prefix, row))
+        if end == stop:
+            return
+        row += 1
+    full_rows = stop // inner
+    if full_rows > row:
+        yield (*prefix, slice(row, full_rows))
+    if stop % inner:  # a partial last row
+        yield from _pieces(shape[1:], 0, stop - full_rows * inner, (*prefix, full_rows))

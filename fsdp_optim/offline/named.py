@@ -1,0 +1,156 @@
+"""The full optimizer state by parameter name in one safetensors file, from any source, and back.
+
+- :func:`to_safetensors`: any source :func:`~fsdp_optim.offline.sources.open_source` opens (a full dict or its
+  file, a sharded checkpoint, a fairseq/metaseq shard set, a fairscale-native dict with its layout, another such
+  file) -> one safetensors file (:mod:`fsdp_optim.formats.named_safetensors`), one tensor at a time, through the
+  one way out (``disk.staged.write_stream``: locked, journaled, atomic).
+- :func:`load_full_state`: such a file, or any other source kind, -> the full dict that
+  ``gather_full_optim_state_dict`` returns.
+
+Memory while converting: one state tensor, plus at most about ``max_mapped_bytes`` of pages of the source's
+mapped files (a full dict file is mapped afresh whenever that many bytes were read through its mapping).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, BinaryIO
+
+import torch
+
+from fsdp_optim.core.flatten import clone_value
+from fsdp_optim.core.plan import Source
+from fsdp_optim.core.preconditions import check_full_dict
+from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.staged import write_stream
+from fsdp_optim.formats.fullstate import read_meta
+from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES
+from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors
+from fsdp_optim.offline.layouts import LayoutLike
+from fsdp_optim.offline.operations import full_state
+from fsdp_optim.offline.sources import Kind, Opened, open_source
+
+__all__ = ["load_full_state", "to_safetensors"]
+
+
+def to_safetensors(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+    out: str | os.PathLike[str],
+    *,
+    layout: LayoutLike | None = None,
+    optimizer: str | None = None,
+    allow_globals: Sequence[str] = (),
+    progress: Callable[[], None] | None = None,
+    max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+) -> int:
+    """Write ``source`` as one named safetensors file ``out`` (tensors ``<param name>/<state key>``); returns its size.
+
+    The full dict's hyperparameters, ids, key order, scalars (0-dim tensors as tensors, Python numbers as
+    numbers) and ``"fsdp_optim"`` block come back from :func:`load_full_state` bit for bit. Refused before
+    ``out`` is touched: per-rank state (MoE experts), dtypes and hyperparameters the format cannot hold.
+    A shard set's wrapper extras (``loss_scale``) and other keys are not kept. ``layout``, ``optimizer`` and
+    ``allow_globals`` apply as :mod:`fsdp_optim.offline.sources` says (a fairscale-native dict needs ``layout``).
+    """
+    with open_source(
+        source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
+    ) as opened:
+        given = None if isinstance(source, Mapping) else source
+        return write_opened(opened, out, inputs=(source,), progress=progress, path=given, bound=max_mapped_bytes)
+
+
+def write_opened(
+    opened: Opened,
+    out: str | os.PathLike[str],
+    *,
+    inputs: Sequence[Any] = (),
+    progress: Callable[[], None] | None = None,
+    path: str | os.PathLike[str] | None = None,
+    bound: int = DEFAULT_MAPPED_BYTES,
+) -> int:
+    """:func:`to_safetensors` of a source already opened by :func:`~fsdp_optim.offline.sources.open_source`
+    (``path``: the full dict file it was opened from, mapped afresh every ``bound`` bytes read)."""
+    if opened.source is None:
+        raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to convert")
+    the_source, trim = opened.source, opened.trim
+    if opened.kind is Kind.FULL and path is not None:
+        the_source, trim = _MappedFullDict(path, bound).source(opened.source)
+    prepared = prepare_named_safetensors(the_source, order=opened.order, header=_header(opened))
+
+    def write(f: BinaryIO) -> None:
+        prepared.write(f, trim=trim, progress=progress)
+
+    return write_stream(write, out, inputs=inputs, purpose="fsdp_optim.to_safetensors")
+
+
+def _header(opened: Opened) -> Mapping[str, Any] | None:
+    """The ``"fsdp_optim"`` block to keep: a full dict's own, or the file's; ``None``: made from the source."""
+    if opened.named is not None:
+        return opened.named.document.header
+    if opened.full is not None:
+        meta = read_meta(opened.full, opened.label)
+        return dict(meta) if meta is not None else None
+    return None
+
+
+class _MappedFullDict:
+    """A full dict file read through ``torch.load(mmap=True)``, mapped afresh once ``bound`` bytes were read:
+    dropping the old mapping releases the pages it touched, which count in the process's resident memory."""
+
+    def __init__(self, path: str | os.PathLike[str], bound: int) -> None:
+        self.path, self.bound = path, bound
+        self.full: Mapping[str, Any] | None = None
+        self._read = 0
+
+    def _load(self) -> Mapping[str, Any]:
+        full = load_file(self.path, mmap=True, disjoint=True)
+        check_full_dict(full, str(self.path))
+        check_state_dict(full, str(self.path))
+        return full
+
+    def source(self, first: Source) -> tuple[Source, Callable[[], None]]:
+        """``first`` (the planning source of the same file) reading through this mapping, and its trim."""
+        full = self._load()
+        ids = list(full["param_names"])
+        if [full["param_names"][i] for i in ids] != [f.params[0].name for f in first.flats]:
+            raise ValueError(f"{self.path}: the file changed while it was read (its parameters differ)")
+        self.full = full
+
+        def read(i: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+            if self.full is None:
+                self.full = self._load()
+            out.copy_(self.full["state"][ids[i]][key].reshape(-1)[start:stop])
+            self._read += out.numel() * out.element_size()
+
+        # Scalars (0-dim tensors) would keep a mapping, and every page read through it, alive: copy them.
+        flats = tuple(
+            replace(f, state=tuple(replace(e, value=clone_value(e.value)) for e in f.state)) for f in first.flats
+        )
+        return replace(first, flats=flats, read=read), self.trim
+
+    def trim(self) -> None:
+        if self._read > self.bound:
+            self.full, self._read = None, 0
+
+
+def load_full_state(
+    path: str | os.PathLike[str],
+    *,
+    layout: LayoutLike | None = None,
+    optimizer: str | None = None,
+    allow_globals: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The full dict (``{"state", "param_groups", "param_names", "fsdp_optim"}``, as ``gather_full_optim_state_dict``
+    returns it; every tensor new CPU memory) from a named safetensors file, a full dict file, a sharded
+    checkpoint directory, a fairseq/metaseq shard set or a fairscale-native dict (with ``layout``). Offline: no
+    process group, no model. Every byte read is checked against the file's checksums; errors name the file.
+    """
+    with open_source(path, layout=layout, optimizer=optimizer, allow_globals=allow_globals) as opened:
+        if opened.kind is Kind.FULL:
+            full = load_file(path)  # into memory, not mapped
+            check_full_dict(full, opened.label)
+            check_state_dict(full, opened.label)
+            return dict(full)
+        return full_state(opened)
