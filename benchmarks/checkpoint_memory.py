@@ -57,18 +57,17 @@ def _measure(op: str, directory: str, limit: int) -> None:
     """Runs in a fresh interpreter; prints one JSON line."""
     import gc
 
-    import torch
-
     from fsdp_optim import consolidate, reshard
     from fsdp_optim.core.flatten import assemble
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 
-    def naive() -> dict:
-        manifest = read_manifest(directory)
-        files = [torch.load(Path(directory) / f.file, weights_only=True) for f in manifest.files]
+    def naive() -> dict:  # every rank file read whole into memory, then assembled
+        with ShardedCheckpoint(directory, lazy=True) as ckpt:
+            manifest = ckpt.manifest
+            files = [ckpt.load_rank(f.rank) for f in manifest.files]
         layout = manifest.layout(0)
         return {
-            i: {e.key: assemble(layout.flat_params[i], [f["state"][i][e.key] for f in files]) for e in rec.state if e.dtype}
+            i: {e.key: assemble(layout.flat_params[i], [f[i][e.key] for f in files]) for e in rec.state if e.dtype}
             for i, rec in enumerate(manifest.flat_params)
             if rec.state
         }
@@ -101,11 +100,11 @@ def main() -> None:
 
     import torch.multiprocessing as mp
 
-    from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, read_manifest
+    from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, is_sharded_checkpoint, read_manifest
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt_mem_"))
     directory = workdir / "ckpt"
-    if not (directory / "manifest.pt").exists():
+    if not is_sharded_checkpoint(directory):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

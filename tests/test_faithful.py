@@ -159,6 +159,7 @@ def _job(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     if rank == 0:  # a rank file whose state tensors are nn.Parameters (they unpickle requiring grad)
         import _attacks as A
 
+        A.to_format1(out / "nan")  # only format 1 (pickle) can hold a Parameter
         A.forge_rank_file(
             out / "nan", 1, lambda state: state.update({i: {k: torch.nn.Parameter(v) if v.dim() else v
                                                              for k, v in e.items()} for i, e in state.items()})

@@ -139,19 +139,19 @@ def _entry(name: str, e: Any, data: int, where: str) -> tuple[str, int, int]:
     """One tensor entry checked alone: ``(dtype name, numel, start byte in the data)``."""
     at = f"{where}: tensor '{escape(str(name), limit=80)}'"
     if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-        found = sorted(e) if isinstance(e, dict) else type(e).__name__
+        found = escape(repr(sorted(e)), limit=120) if isinstance(e, dict) else type(e).__name__
         raise ValueError(f"{at}: expected an object with 'dtype', 'shape', 'data_offsets', found {found}")
     dtype = _TORCH_NAMES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
     if dtype is None or dtype != name:
         raise ValueError(
-            f"{at}: dtype {e['dtype']!r}, expected "
+            f"{at}: dtype {escape(repr(e['dtype']), limit=40)}, expected "
             f"{_SAFETENSORS_DTYPES.get(name, 'the dtype it is named by')!r}"
         )
     shape, offsets = e["shape"], e["data_offsets"]
     if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
-        raise ValueError(f"{at}: shape {shape!r}, expected [n] (one non-negative int)")
+        raise ValueError(f"{at}: shape {escape(repr(shape), limit=80)}, expected [n] (one non-negative int)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise ValueError(f"{at}: data_offsets {offsets!r}, expected [begin, end] (two ints)")
+        raise ValueError(f"{at}: data_offsets {escape(repr(offsets), limit=80)}, expected [begin, end] (two ints)")
     begin, end = offsets
     nbytes = shape[0] * dtype_from_str(dtype, where=at).itemsize
     if not 0 <= begin <= end <= data:
