@@ -30,41 +30,27 @@ An opened source::
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source
-from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
-from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.formats.fairscale import from_fairscale, is_fairscale_native
+from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fairseq import shards as fairseq_shards
-from fsdp_optim.formats.fairseq.files import is_shard_set
 from fsdp_optim.formats.fullstate import full_dict_source
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
-from fsdp_optim.formats.sharded.manifest import HEADER_KEY, Manifest
-from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint, read_manifest, source_kind
+from fsdp_optim.formats.kinds import Kind, detect
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint, read_manifest
 from fsdp_optim.offline.fairseq import ShardSet
 from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
 
-__all__ = ["Kind", "Opened", "detect", "open_source", "path_kind"]
-
-
-class Kind(enum.Enum):
-    SHARDED = "sharded checkpoint"
-    LAYOUT = "layout file"
-    RANK_FILE = "rank file of a sharded checkpoint"
-    FULL = "full dict"
-    NATIVE = "fairscale-native dict"
-    SHARD_SET = "fairseq/metaseq shard set"
-    NAMED = "named safetensors file"
+__all__ = ["Kind", "Opened", "detect", "open_source"]
 
 
 # kind -> (what --layout means for it, whether --optimizer applies); see the module docstring.
@@ -74,7 +60,6 @@ _LAYOUT_USE = (
     "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
     "(the model's parameter order) and, for reshard, a full dict (the target's units)"
 )
-RANK_FILE_NAME = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
 NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
 
 
@@ -94,41 +79,6 @@ class Opened:
     checkpoint: ShardedCheckpoint | None = None
     named: NamedSafetensors | None = None
     raw: Any = None  # the loaded object of a file (a dict: the dict itself)
-
-
-def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any]:
-    """The kind of ``given`` and, for a file, its loaded content (memory-mapped, through the untrusted gate).
-
-    Raises ``FileNotFoundError`` for nothing there and ``ValueError`` naming what was found otherwise."""
-    if isinstance(given, Mapping):
-        return (Kind.NATIVE if is_fairscale_native(given) else Kind.FULL), given
-    kind = path_kind(given)
-    if kind is not None:
-        return kind, None
-    if RANK_FILE_NAME.match(Path(given).name) and Path(given).suffix == ".safetensors":
-        return Kind.RANK_FILE, None  # format 2: read only through its checkpoint's manifest
-    if is_named_safetensors(given):  # any other safetensors file: ours, or refused by name when it is not
-        return Kind.NAMED, None
-    obj = load_file(given, mmap=True, disjoint=True)  # a file must not hold overlapping tensors
-    header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
-    if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):
-        return (Kind.LAYOUT if header["kind"] == "manifest" else Kind.RANK_FILE), obj
-    if is_fairscale_native(obj):
-        return Kind.NATIVE, obj
-    if is_full_dict(obj):
-        return Kind.FULL, obj
-    check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
-    return Kind.FULL, obj
-
-
-def path_kind(path: str | os.PathLike[str]) -> Kind | None:
-    """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
-    sharded checkpoint, or ``None`` for a file whose content says the rest (:func:`detect`)."""
-    if is_shard_set(path):
-        return Kind.SHARD_SET
-    if source_kind(path) == "sharded":
-        return Kind.SHARDED
-    return None
 
 
 def check_options(

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.formats.fairseq.files import load_shard, shard_paths, summarise
+from fsdp_optim.formats.kinds import Kind, path_kind
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
-from fsdp_optim.offline.sources import Kind, path_kind
 
 __all__ = ["FileCheck", "Verification", "present_and_sized", "verify"]
 

@@ -1,0 +1,73 @@
+"""What kind of input a path or a dict is, decided in one function (:func:`detect`; :func:`path_kind` is its
+part that reads no file). The offline layer opens what it finds (``offline/sources.open_source``); ``verify``
+classifies a damaged checkpoint with :func:`path_kind`. (A job's ``load_sharded_optim_state`` only asks which way
+to read a path, a directory on every rank or a file on ``src_rank`` alone, by its name: other ranks may not see
+that file, so no rank may open it to classify it.)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
+from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.formats.fairscale import is_fairscale_native
+from fsdp_optim.formats.fairseq.files import is_shard_set
+from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
+from fsdp_optim.formats.sharded.manifest import HEADER_KEY
+from fsdp_optim.formats.sharded.reader import source_kind
+
+__all__ = ["RANK_FILE_NAME", "Kind", "detect", "path_kind"]
+
+
+class Kind(enum.Enum):
+    SHARDED = "sharded checkpoint"
+    LAYOUT = "layout file"
+    RANK_FILE = "rank file of a sharded checkpoint"
+    FULL = "full dict"
+    NATIVE = "fairscale-native dict"
+    SHARD_SET = "fairseq/metaseq shard set"
+    NAMED = "named safetensors file"
+
+
+RANK_FILE_NAME = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
+
+
+def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any]:
+    """The kind of ``given`` and, for a file, its loaded content (memory-mapped, through the untrusted gate).
+
+    Raises ``FileNotFoundError`` for nothing there and ``ValueError`` naming what was found otherwise."""
+    if isinstance(given, Mapping):
+        return (Kind.NATIVE if is_fairscale_native(given) else Kind.FULL), given
+    kind = path_kind(given)
+    if kind is not None:
+        return kind, None
+    if RANK_FILE_NAME.match(Path(given).name) and Path(given).suffix == ".safetensors":
+        return Kind.RANK_FILE, None  # format 2: read only through its checkpoint's manifest
+    if is_named_safetensors(given):  # any other safetensors file: ours, or refused by name when it is not
+        return Kind.NAMED, None
+    obj = load_file(given, mmap=True, disjoint=True)  # a file must not hold overlapping tensors
+    header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
+    if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):
+        return (Kind.LAYOUT if header["kind"] == "manifest" else Kind.RANK_FILE), obj
+    if is_fairscale_native(obj):
+        return Kind.NATIVE, obj
+    if is_full_dict(obj):
+        return Kind.FULL, obj
+    check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
+    return Kind.FULL, obj
+
+
+def path_kind(path: str | os.PathLike[str]) -> Kind | None:
+    """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
+    sharded checkpoint, or ``None`` for a file whose content says the rest (:func:`detect`)."""
+    if is_shard_set(path):
+        return Kind.SHARD_SET
+    if source_kind(path) == "sharded":
+        return Kind.SHARDED
+    return None
