@@ -1,0 +1,194 @@
+"""``fsdp-optim inspect`` and ``verify``: what a checkpoint holds, and whether every file of it is intact."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fsdp_optim.formats.sharded.manifest import Manifest
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit} ({n} B)"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+
+def _step_text(steps: Sequence[Any]) -> str:
+    if not steps:
+        return "-"
+    values = sorted({float(s) for s in steps})
+    shown = [str(int(v)) if v.is_integer() else repr(v) for v in values]
+    return shown[0] if len(shown) == 1 else f"{shown[0]}..{shown[-1]} ({len(shown)} distinct)"
+
+
+
+def _scalar(value: Any) -> Any:
+    import torch
+
+    return value.item() if torch.is_tensor(value) and value.dim() == 0 else value
+
+
+
+def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: bool) -> None:
+    from fsdp_optim.core.dtypes import dtype_to_str
+    from fsdp_optim.core.flatten import StateKind
+
+    keys: dict[str, str | None] = {}  # a sharded entry of a checked manifest always names its dtype
+    steps = []
+    for flat in manifest.flat_params:
+        for e in flat.state:
+            keys.setdefault(e.key, e.dtype if e.kind is StateKind.SHARDED else "scalar")
+            if e.key == "step":
+                steps.append(_scalar(e.value))
+    padding = sum(sum(f.padding()) for f in manifest.flat_params)
+    with_state = sum(len(f.params) for f in manifest.flat_params if f.state)
+    out += [
+        f"format: {what} (version {manifest.version})",
+        f"optimizer: {manifest.optimizer or 'unknown'}",
+        f"world size: {manifest.world_size}",
+        f"units: {len({f.unit for f in manifest.flat_params})} ({len(manifest.flat_params)} flat parameters)",
+        f"params: {len(manifest.param_order)} ({with_state} with state)",
+        f"param groups: {len(manifest.groups)}",
+        f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
+        f"step: {_step_text(steps)}",
+        f"state bytes: {human_bytes(manifest.state_bytes())}, padding elements: {padding}",
+    ]
+    if manifest.files:
+        out.append(f"files: {len(manifest.files)} rank files, {human_bytes(sum(f.nbytes for f in manifest.files))}")
+    if units:
+        out.append("unit | flat | params | numel | world size | padding per rank | dtype | state")
+        for i, f in enumerate(manifest.flat_params):
+            state = ",".join(e.key for e in f.state) or "-"
+            out.append(
+                f"{f.unit or '<root>'} | {i} | {len(f.params)} | {f.numel} | {f.world_size} | {f.padding()} | "
+                f"{dtype_to_str(f.dtype)} | {state}"
+            )
+
+
+
+_NEEDS_LAYOUT = (
+    "--layout PATH (a sharded checkpoint or layout file of the same model, wrapped the same way; see save_layout)"
+)
+
+
+
+def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
+    import torch
+
+    from fsdp_optim.formats.fairscale import is_fairscale_native
+    from fsdp_optim.formats.fullstate import read_meta
+
+    meta = read_meta(obj) or {}
+    keys: dict[str, str | None] = {}  # a sharded entry of a checked manifest always names its dtype
+    steps = []
+    nbytes = 0
+    for entries in obj["state"].values():
+        for key, value in entries.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                keys.setdefault(key, str(value.dtype).removeprefix("torch."))
+                nbytes += value.numel() * value.element_size()
+            else:
+                keys.setdefault(key, "scalar")
+                if key == "step":
+                    steps.append(_scalar(value[0] if isinstance(value, list) else value))
+    native = is_fairscale_native(obj)
+    what = (
+        "fairscale-native full dict (from fairscale's gather_full_optim_state_dict: parameters numbered in "
+        "FSDP-instance order, without names)"
+        if native
+        else f"fsdp_optim full dict (version {meta.get('version')})" if meta else "plain optimizer state dict"
+    )
+    members = [p for g in obj["param_groups"] for p in g["params"]]
+    n_params = len(obj.get("param_names") or obj.get("param_id_map") or members)
+    out += [
+        f"format: {what}",
+        f"optimizer: {meta.get('optimizer') or 'unknown'}",
+        f"world size: {meta.get('world_size', 'unknown')}",
+        f"params: {n_params} ({len(obj['state'])} with state)",
+        f"param groups: {len(obj['param_groups'])}",
+        f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
+        f"step: {_step_text(steps)}",
+        f"state bytes: {human_bytes(nbytes)}",
+    ]
+    if native:
+        out.append(f"needs: {_NEEDS_LAYOUT} to convert, consolidate or reshard it; --optimizer NAME records its class")
+
+
+
+def run_inspect(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.offline.sources import Kind, open_source
+
+    path = Path(args.path)
+    out = [f"path: {path}"]
+    with open_source(path, allow_globals=args.allow_global, describe_only=True) as opened:
+        if opened.kind is Kind.SHARD_SET:
+            _inspect_shards(opened, args, out)
+        elif opened.manifest is not None:
+            if opened.kind is Kind.SHARDED:
+                from fsdp_optim.offline.verify import present_and_sized
+
+                damaged = present_and_sized(path)
+                if damaged:
+                    raise ValueError(
+                        f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)"
+                    )
+            what = "layout file" if opened.kind is Kind.LAYOUT else "sharded checkpoint"
+            _inspect_manifest(opened.manifest, what, out, units=args.units)
+        elif opened.kind is Kind.RANK_FILE and opened.raw is None:  # format 2: a safetensors rank file
+            from fsdp_optim.formats.sharded.rank_file import describe_rank_file
+
+            out += describe_rank_file(path)
+        elif opened.kind is Kind.RANK_FILE:
+            header = opened.raw["fsdp_optim_checkpoint"]
+            out += [
+                "format: one rank file of a sharded checkpoint (inspect its directory for the whole)",
+                f"rank: {header.get('rank')} of {header.get('world_size')}",
+                f"flat parameters with state: {len(opened.raw.get('state', {}))}",
+            ]
+        else:
+            from fsdp_optim.disk.objects import check_state_dict
+
+            check_state_dict(opened.raw, str(path))  # its skeleton, before the summary walks it
+            _inspect_full(opened.raw, out)
+    return out
+
+
+
+def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> None:
+    shards = opened.shards
+    if True:
+        rank0 = shards.rank0()
+        kind = f"fairseq/metaseq shard set ({shards.metadata_key})"
+        _inspect_manifest(shards.manifest, kind, out, units=args.units)
+        size = sum(p.stat().st_size for p in shards.paths)
+        out.insert(2, f"files: {len(shards.paths)} ({shards.label}), {human_bytes(size)}")
+        recorded = " / ".join(n for n in shards.recorded_optimizer if n)
+        if recorded:  # fairseq's own class: say which torch.optim class's state it keeps
+            out[:] = [f"{line} (recorded: {recorded})" if line.startswith("optimizer: ") else line for line in out]
+        extras = {k: _scalar(rank0["last_optimizer_state"][k]) for k in shards.extras}
+        out.append(f"optimizer extras: {', '.join(f'{k}={v!r}' for k, v in extras.items()) or '-'}")
+        unsaved = f"; not saved (non-persistent): {', '.join(shards.unsaved_buffers)}" if shards.unsaved_buffers else ""
+        out.append(f"buffers: {', '.join(shards.buffers) or '-'}{unsaved}")
+        kept = [k for k in rank0 if k not in ("model", "last_optimizer_state", shards.metadata_key)]
+        out.append(f"other keys: {', '.join(kept) or '-'}")
+
+
+
+def run_verify(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.text import escape
+    from fsdp_optim.offline.verify import verify
+
+    report = verify(args.path, allow_globals=args.allow_global)
+    lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]
+    if report.ok:
+        return [*lines, f"verified: {len(report.files)} files, every one present, of its size, checksums matching"]
+    print("\n".join(escape(line, limit=1 << 20) for line in lines), flush=True)
+    raise ValueError(f"{args.path}: damaged: {'; '.join(report.damaged())}")

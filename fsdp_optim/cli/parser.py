@@ -1,0 +1,134 @@
+"""The command line's grammar: one ``_add_<verb>`` per verb; every flag has help text."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fsdp_optim.cli.inspect import run_inspect, run_verify
+from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-optim",
+        description="Inspect, consolidate, reshard and convert fsdp_optim optimizer checkpoints (no process group).",
+        epilog="formats read: fsdp_optim sharded checkpoint directories, full dict files, fairscale-native dict "
+        "files (with --layout), fairseq/metaseq shard sets (use_sharded_state: any *-shard<r>.pt file or the path "
+        "before -shard). Formats written: sharded checkpoint, full dict, name-keyed dict, fairseq/metaseq shard "
+        "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp).",
+    )
+    from fsdp_optim import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB", help="what to do (VERB --help for more)")
+    _add_inspect(verbs)
+    _add_consolidate(verbs)
+    _add_reshard(verbs)
+    _add_convert(verbs)
+    p = verbs.add_parser("verify", help="every file of a checkpoint: present, of its size, checksums matching")
+    p.add_argument("path", help="a sharded checkpoint directory, a fairseq/metaseq shard set, or a single file")
+    _allow_global(p)
+    p.set_defaults(run=run_verify)
+    return parser
+
+
+
+def _add_inspect(verbs: Any) -> None:
+    p = verbs.add_parser("inspect", help="world size, units, params, optimizer, bytes, step of a checkpoint")
+    p.add_argument(
+        "path",
+        help="a sharded checkpoint directory, a full dict, a fairscale-native dict, a layout file, or a "
+        "fairseq/metaseq shard set (any *-shard<r>.pt file, or the path before -shard)",
+    )
+    p.add_argument("--units", action="store_true", help="also list every FSDP unit")
+    _allow_global(p)
+    p.set_defaults(run=run_inspect)
+
+
+
+def _add_consolidate(verbs: Any) -> None:
+    p = verbs.add_parser(
+        "consolidate",
+        help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file; fairseq/metaseq shard "
+        "set -> one consolidated fairseq checkpoint",
+    )
+    p.add_argument(
+        "directory",
+        help="a sharded checkpoint directory, a fairscale-native dict file with --layout, or a fairseq/metaseq "
+        "shard set (-> one consolidated fairseq checkpoint, every key kept)",
+    )
+    p.add_argument("-o", "--output", required=True, help="the file to write")
+    p.add_argument(
+        "--layout",
+        help="a sharded checkpoint or layout file of the model: needed for a fairscale-native dict; for a shard "
+        "set it numbers the parameters in the model's order (else the files' order)",
+    )
+    p.add_argument("--optimizer", help="for a fairscale-native dict or a shard set: the optimizer's class, e.g. Adam")
+    p.add_argument(
+        "--no-model", action="store_true", help="for a shard set: leave out the model's full weights (kept by default)"
+    )
+    p.add_argument("--with-model", action="store_true", help="for a shard set: keep the model's weights (the default)")
+    _allow_global(p)
+    p.set_defaults(run=run_consolidate)
+
+
+
+def _add_reshard(verbs: Any) -> None:
+    p = verbs.add_parser(
+        "reshard", help="sharded directory, full dict or fairseq/metaseq shard set -> the same for M ranks"
+    )
+    p.add_argument(
+        "source",
+        help="a sharded checkpoint directory, a full dict file, a fairscale-native dict file, or a fairseq/metaseq "
+        "shard set (-> M shard files of the same format and names)",
+    )
+    p.add_argument("--world-size", type=int, required=True, metavar="M", help="the number of ranks to write files for")
+    p.add_argument("-o", "--output", required=True, help="the directory to write (not the source's)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into -o even if it holds files that are not an fsdp_optim checkpoint's (they are kept)",
+    )
+    p.add_argument(
+        "--layout", help="for a full or fairscale-native dict: a sharded checkpoint or layout file of the same model"
+    )
+    p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
+    _allow_global(p)
+    p.set_defaults(run=run_reshard)
+
+
+
+def _add_convert(verbs: Any) -> None:
+    p = verbs.add_parser(
+        "convert", help="any source -> full dict, name-keyed dict, or a PyTorch DCP checkpoint (FSDP2, torchtitan)"
+    )
+    p.add_argument(
+        "source",
+        help="a fairscale-native dict, a full dict, a sharded checkpoint directory or a fairseq/metaseq shard set",
+    )
+    p.add_argument("-o", "--output", required=True, help="the file to write (--to dcp: the directory)")
+    p.add_argument("--layout", help="for a fairscale-native dict: a sharded checkpoint or layout file of the model")
+    p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
+    p.add_argument(
+        "--to",
+        choices=("full", "named", "dcp", "safetensors"),
+        default="full",
+        help="full: fsdp_optim's full dict (default); named: keyed by parameter name, for set_optimizer_state_dict; "
+        "dcp: a torch.distributed.checkpoint directory (model weights too, from a shard set) for dcp.load; "
+        "safetensors: one .safetensors file of <param name>/<state key> tensors (load_full_state reads it back)",
+    )
+    _allow_global(p)
+    p.set_defaults(run=run_convert)
+
+
+
+def _allow_global(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-global",
+        action="append",
+        default=[],
+        metavar="MODULE.CLASS",
+        help="for a fairseq/metaseq shard set: allow this class in its cfg when loading (repeatable; only for "
+        "files you trust)",
+    )

@@ -1,0 +1,133 @@
+"""``fsdp-optim consolidate``, ``reshard`` and ``convert``: each opens its source through the one way in
+(:func:`fsdp_optim.offline.sources.open_source`) and writes through the one way out (``disk/staged.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fsdp_optim.cli.inspect import human_bytes
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str) -> Iterator[Callable[[], None] | None]:
+    """A per-unit callback drawing a ``tqdm`` bar on a terminal (``None`` elsewhere)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(desc=desc, unit="unit", leave=False) as bar:
+        yield lambda: bar.update()
+
+
+
+def _open(args: argparse.Namespace, path: Any, **options: Any) -> Any:
+    """The verb's source through the one way in, with the options every verb spells the same."""
+    from fsdp_optim.offline.sources import open_source
+
+    return open_source(
+        path, layout=args.layout, optimizer=args.optimizer, allow_globals=args.allow_global, **options
+    )
+
+
+
+def run_consolidate(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.staged import write_file
+    from fsdp_optim.offline.operations import full_state
+    from fsdp_optim.offline.sources import Kind
+
+    with _open(args, args.directory) as opened, progress_bar("consolidate") as progress:
+        shards = opened.kind is Kind.SHARD_SET
+        if (args.with_model or args.no_model) and not shards:
+            flag = "--with-model" if args.with_model else "--no-model"
+            raise ValueError(f"{args.directory}: {flag} is for a fairseq/metaseq shard set only (it holds weights)")
+        out = full_state(opened, progress=progress, fairseq_checkpoint=shards, with_model=not args.no_model)
+        size = write_file(out, args.output, inputs=(args.directory, args.layout))
+    if shards:
+        full = out["last_optimizer_state"]
+        model = f", model: {len(out['model'])} tensors" if "model" in out else ""
+        return [
+            f"wrote {args.output}: a consolidated fairseq checkpoint ({', '.join(out)}); last_optimizer_state: "
+            f"{len(full['param_names'])} params, {len(full['state'])} with state{model}; {human_bytes(size)}"
+        ]
+    params, with_state = len(out["param_names"]), len(out["state"])
+    return [f"wrote {args.output}: {params} params, {with_state} with state, {human_bytes(size)}"]
+
+
+
+def run_reshard(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.formats.fairseq.recut import reshard_set
+    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.offline.operations import reshard_opened
+
+    out = Path(args.output)
+    with _open(args, args.source, target=True) as opened, progress_bar(f"reshard -> {args.world_size} ranks") as bar:
+        if opened.shards is not None:
+            written = reshard_set(opened.shards, args.world_size, out, overwrite=args.overwrite, progress=bar)
+            size = human_bytes(sum(f.stat().st_size for f in written))
+            return [f"wrote {out}: {len(written)} shard files {written[0].name} .. {written[-1].name}, {size}"]
+        manifest = reshard_opened(
+            opened, args.world_size, out, layout=args.layout, given=args.source, progress=bar, overwrite=args.overwrite
+        )
+    files = read_manifest(manifest).files
+    return [f"wrote {out}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]
+
+
+
+def run_convert(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.staged import write_file
+    from fsdp_optim.formats.fairscale import to_named
+    from fsdp_optim.offline.operations import full_state
+    from fsdp_optim.offline.sources import Kind
+
+    with _open(args, args.source) as opened:
+        origin = opened.kind.value
+        if args.to == "safetensors":
+            return _to_safetensors(opened, args, origin)
+        if args.to == "dcp":
+            return _to_dcp(opened, args, origin)
+        if opened.kind is Kind.FULL:
+            if args.to == "full":
+                raise ValueError(f"{args.source}: already a full dict; use --to named to key it by parameter name")
+            full = opened.full
+        else:
+            with progress_bar("consolidate") as progress:
+                full = full_state(opened, progress=progress)
+        result = to_named(full) if args.to == "named" else full
+        size = write_file(result, args.output, inputs=(args.source, args.layout))
+    return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
+
+
+
+def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
+    """``--to safetensors``: one named safetensors file (``<param name>/<state key>`` tensors) of any source."""
+    from fsdp_optim.offline.named import write_opened
+
+    with progress_bar("write safetensors") as progress:
+        path = None if isinstance(args.source, dict) else args.source
+        size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=path)
+    return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}"]
+
+
+
+def _to_dcp(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
+    from fsdp_optim.offline.export import export_opened
+
+    with progress_bar("export to DCP") as progress:
+        done = export_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress)
+    size = sum(f.stat().st_size for f in done.path.iterdir())
+    lines = [
+        f"wrote {done.path} (dcp, from a {origin}): model {done.model_tensors} tensors, optimizer state of "
+        f"{done.optim_params} params, {human_bytes(size)}"
+    ]
+    if done.extras:
+        lines.append(f"optimizer extras under 'optim_extra': {', '.join(done.extras)}")
+    if done.not_exported:
+        lines.append(f"not exported (no DCP counterpart): {', '.join(done.not_exported)}")
+    return lines
