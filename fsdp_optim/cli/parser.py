@@ -88,7 +88,8 @@ def _add_reshard(verbs: Any) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="write into -o even if it holds files that are not an fsdp_optim checkpoint's (they are kept)",
+        help="replace a checkpoint already in -o, and write there even if it holds files that are not an "
+        "fsdp_optim checkpoint's (those are kept)",
     )
     p.add_argument(
         "--layout", help="for a full or fairscale-native dict: a sharded checkpoint or layout file of the same model"

@@ -72,8 +72,10 @@ def run_reshard(args: argparse.Namespace) -> list[str]:
             written = reshard_set(opened.shards, args.world_size, out, overwrite=args.overwrite, progress=bar)
             size = human_bytes(sum(f.stat().st_size for f in written))
             return [f"wrote {out}: {len(written)} shard files {written[0].name} .. {written[-1].name}, {size}"]
+        # A checkpoint already in -o is replaced only with --overwrite (the API replaces it atomically).
         manifest = reshard_opened(
-            opened, args.world_size, out, layout=args.layout, given=args.source, progress=bar, overwrite=args.overwrite
+            opened, args.world_size, out, layout=args.layout, given=args.source, progress=bar,
+            overwrite=args.overwrite, replace_existing=False,
         )
     files = read_manifest(manifest).files
     return [f"wrote {out}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]

@@ -127,9 +127,11 @@ def open_output(
     purpose: str,
     inputs: Iterable[Any] = (),
     overwrite: bool = False,
+    replace: bool = True,
 ) -> OutputLock:
     """Steps 1-4 and the journal of step 5 for ``out``; returns the held lock, whose last journal entry is
-    ``entry`` plus ``"replaces"`` (the names the commit makes obsolete). Finish with :func:`close_output`."""
+    ``entry`` plus ``"replaces"`` (the names the commit makes obsolete). Finish with :func:`close_output`.
+    ``replace=False``: an output of this format already there is refused too, unless ``overwrite``."""
     check_not_input(out, inputs)
     lock = lock_output(out, purpose=purpose)
     try:
@@ -137,6 +139,11 @@ def open_output(
             recover(lock.output, lock.previous, claims)
             lock.forget()
         replaces = _owned_or_refuse(lock.output, claims, overwrite=overwrite)
+        if replaces and not replace and not overwrite:
+            raise ForeignOutputError(
+                f"{lock.output}: already holds a checkpoint ({len(replaces)} of its files, e.g. "
+                f"{sorted(replaces)[0]}); pass overwrite=True (--overwrite) to replace it"
+            )
         lock.journal({**entry, "replaces": sorted(replaces)})
     except BaseException:
         lock.release()
@@ -181,6 +188,7 @@ def staged_output(
     purpose: str,
     inputs: Iterable[Any] = (),
     overwrite: bool = False,
+    replace: bool = True,
     entry: Mapping[str, Any] | None = None,
 ) -> Iterator[Stage]:
     """Write a directory output all or nothing: the block fills ``stage.dir``; on a clean exit its files are
@@ -189,7 +197,7 @@ def staged_output(
     tag = uuid.uuid4().hex[:12]
     name = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
     lock = open_output(out, claims, {**(entry or {}), "staging": name}, purpose=purpose, inputs=inputs,
-                       overwrite=overwrite)
+                       overwrite=overwrite, replace=replace)
     stage = Stage(lock.output, lock.output.parent / name, lock, frozenset(lock.entries[-1]["replaces"]))
     failed = True
     try:

@@ -182,22 +182,24 @@ def reshard_opened(
     given: Any,
     progress: Progress = None,
     overwrite: bool = False,
+    replace_existing: bool = True,
 ) -> Path:
-    """:func:`reshard` of a source already open (not a shard set: see ``reshard_set``); returns the manifest."""
+    """:func:`reshard` of a source already open (not a shard set: see ``reshard_set``); returns the manifest.
+    ``replace_existing=False`` (the CLI): a checkpoint already in ``out`` is refused unless ``overwrite``."""
     check_world_size("world_size", world_size)
     if opened.checkpoint is not None:
-        return _reshard_sharded(opened, given, world_size, out, progress, overwrite)
+        return _reshard_sharded(opened, given, world_size, out, progress, overwrite, replace_existing)
     if opened.kind is Kind.NATIVE:
         layout = opened.layout
     if layout is None or opened.source is None:
         raise ValueError(
             f"layout: resharding a {opened.kind.value} ({opened.label}) needs the model's layout: {NEEDS_LAYOUT}"
         )
-    return _reshard_full(opened.source, given, world_size, out, layout, progress, overwrite)
+    return _reshard_full(opened.source, given, world_size, out, layout, progress, overwrite, replace_existing)
 
 
 def _reshard_sharded(
-    opened: Opened, given: Any, world_size: int, out: Path, progress: Progress, overwrite: bool
+    opened: Opened, given: Any, world_size: int, out: Path, progress: Progress, overwrite: bool, replace_existing: bool
 ) -> Path:
     """A sharded checkpoint re-cut for ``world_size`` ranks: one plan, then one rank file at a time."""
     ckpt = opened.checkpoint
@@ -214,11 +216,19 @@ def _reshard_sharded(
         world_size=world_size,
         inputs=(given,),
         overwrite=overwrite,
+        replace=replace_existing,
     )
 
 
 def _reshard_full(
-    source: Source, given: Any, world_size: int, out: Path, layout: LayoutLike, progress: Progress, overwrite: bool
+    source: Source,
+    given: Any,
+    world_size: int,
+    out: Path,
+    layout: LayoutLike,
+    progress: Progress,
+    overwrite: bool,
+    replace_existing: bool,
 ) -> Path:
     """A full dict (in memory or a file) cut for ``world_size`` ranks of ``layout``: one plan, then one rank at a
     time."""
@@ -231,6 +241,7 @@ def _reshard_full(
         world_size=world_size,
         inputs=(given, layout),
         overwrite=overwrite,
+        replace=replace_existing,
     )
 
 

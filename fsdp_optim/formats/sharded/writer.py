@@ -165,12 +165,15 @@ def write_all_or_nothing(
     world_size: int | None = None,
     inputs: Iterable[Any] = (),
     overwrite: bool = False,
+    replace: bool = True,
 ) -> Path:
     """Have ``write`` put every rank file into the staging directory and return the manifest; then the files
     move into ``out`` and the manifest is committed there, last (:func:`fsdp_optim.disk.staged.staged_output`).
     ``save_id`` and ``world_size`` are the manifest's: by them a killed write's files are journaled."""
     entry = {"save_id": save_id or new_save_id(), "world_size": world_size or 1}
-    with staged_output(out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, entry=entry) as stage:
+    with staged_output(
+        out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace, entry=entry
+    ) as stage:
         manifest = write(stage.dir)
         stage.commit = lambda target: write_manifest(target, manifest)
     return Path(out) / MANIFEST_NAME
