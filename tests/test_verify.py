@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ import pytest
 import torch
 from _checks import assert_identical
 from _dist import run_ranks
-from _forge import forge_manifest, manifest_rank_file
+from _forge import forge_manifest, forge_manifest_json, manifest_rank_file, to_format1
 
 import fsdp_optim
 from fsdp_optim.cli import main
@@ -61,6 +63,21 @@ def _copy(files: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(files / "ckpt", tmp_path / "ckpt"))
 
 
+def _flip_tensor_byte(path: Path) -> None:
+    """Flip one byte in the middle of the tensor data of a rank file (format 2: safetensors, the data after
+    the 8-byte header length and the JSON header; format 1: the largest zip record of torch.save)."""
+    raw = bytearray(path.read_bytes())
+    if path.suffix == ".safetensors":
+        start = 8 + int.from_bytes(raw[:8], "little")
+        raw[start + (len(raw) - start) // 2] ^= 0xFF
+    else:
+        with zipfile.ZipFile(path) as z:
+            info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
+        raw[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
 def test_verify_passes_intact_checkpoints_file_by_file(files, capsys) -> None:
     report = fsdp_optim.verify(files / "ckpt")
     assert report.ok and len(report.files) == 3, report.lines()  # the manifest and two rank files
@@ -81,11 +98,8 @@ def test_verify_names_each_damaged_file_and_exits_1(files, capsys, tmp_path, dam
         victim.write_bytes(victim.read_bytes()[: size // 2])
     elif damage == "deleted":
         victim.unlink()
-    else:  # one byte of tensor data, far from the zip bookkeeping: only a checksum can tell
-        data = bytearray(victim.read_bytes())
-        index = bytes(data).index(b"data/0") + 200
-        data[index] ^= 0xFF
-        victim.write_bytes(bytes(data))
+    else:  # one byte of tensor data, far from the file's bookkeeping: only a checksum can tell
+        _flip_tensor_byte(victim)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
     report = fsdp_optim.verify(ckpt)
     assert not report.ok
@@ -115,11 +129,11 @@ def test_a_truncated_rank_file_is_reported_as_truncated(files, tmp_path) -> None
     ckpt = _copy(files, tmp_path)
     victim = manifest_rank_file(ckpt, 1)
     size = victim.stat().st_size
-    victim.write_bytes(victim.read_bytes()[:3000])
+    victim.write_bytes(victim.read_bytes()[: size // 2])
     with pytest.raises(ValueError) as info:
         fsdp_optim.consolidate(ckpt)
     message = str(info.value)
-    assert victim.name in message and "truncated" in message and f"3000 of {size} bytes" in message, message
+    assert victim.name in message and "truncated" in message and f"{size // 2} of {size} bytes" in message, message
     assert "torch 1.6" not in message
 
 
@@ -129,9 +143,14 @@ def test_consolidating_a_full_dict_says_it_already_is_one(files, capsys, tmp_pat
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_a_param_order_holding_an_int_is_named(files, capsys, tmp_path) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_param_order_holding_an_int_is_named(files, capsys, tmp_path, version: int) -> None:
     ckpt = _copy(files, tmp_path)
-    forge_manifest(ckpt, lambda body: body["param_order"].__setitem__(0, 5))
+    if version == 1:
+        to_format1(ckpt)
+        forge_manifest(ckpt, lambda body: body["param_order"].__setitem__(0, 5))
+    else:
+        forge_manifest_json(ckpt, lambda body: body["param_order"].__setitem__(0, 5), raw=True)
     code, text, err = _run(capsys, "inspect", ckpt)
     assert code == 1 and "param_order" in err and "not supported between" not in err, err
 

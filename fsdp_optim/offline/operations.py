@@ -112,8 +112,12 @@ def _nothing_to_consolidate(opened: Opened) -> str:
         return f"{opened.label}: a layout file lists no rank files: it holds no optimizer state to consolidate"
     found = opened.kind.value
     if isinstance(opened.raw, Mapping):
-        found += f" (keys {sorted(map(str, opened.raw))[:8]})"
-    hint = "; it already is a full dict" if opened.kind is Kind.FULL else "; consolidate its directory"
+        found += f" (keys {', '.join(repr(k) for k in sorted(map(str, opened.raw))[:8])})"
+    hint = (
+        "; it is already a full dict: nothing to consolidate (load it, or reshard it with --layout)"
+        if opened.kind is Kind.FULL
+        else "; consolidate its directory"
+    )
     return f"{opened.label}: expected an fsdp_optim manifest file, found a {found}{hint}"
 
 

@@ -280,10 +280,29 @@ class RankFile:
 
     def open(self) -> MappedFile:
         if self.file is None:
-            file = MappedFile(self.path)
+            file = self._map()
             self._check(file)
             self.file = file
         return self.file
+
+    def _map(self) -> MappedFile:
+        """The mapped file, its errors saying what the manifest knows: the file's rank and size."""
+        nbytes = self.record.nbytes
+        try:
+            return MappedFile(self.path)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{self.path}: no such file: the manifest lists it as rank {self.record.rank}'s file of {nbytes} "
+                "bytes (the checkpoint is damaged; fsdp-optim verify checks every file)"
+            ) from None
+        except ValueError as exc:
+            size = self.path.stat().st_size if self.path.is_file() else None
+            if size is None or size >= nbytes:
+                raise
+            raise ValueError(
+                f"{self.path}: truncated: {size} of {nbytes} bytes (the size the manifest records; a copy or write "
+                f"that did not finish?): {str(exc).removeprefix(f'{self.path}: ')}"
+            ) from None
 
     def _check(self, file: MappedFile) -> None:
         where, meta = str(self.path), file.header.metadata
@@ -311,7 +330,8 @@ class RankFile:
                 f"{self.record.checksum}"
             )
         if file.size != self.record.nbytes:
-            raise ValueError(f"{where}: {file.size} bytes, but the manifest records {self.record.nbytes}")
+            what = "truncated: " if file.size < self.record.nbytes else ""
+            raise ValueError(f"{where}: {what}{file.size} of {self.record.nbytes} bytes, the size the manifest records")
         tensors = {name: numel for name, (_, numel, _) in file.header.tensors.items()}
         self.segments = check_segments(
             self.record.segments,
