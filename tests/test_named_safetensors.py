@@ -257,3 +257,11 @@ def test_hyperparameters_the_format_cannot_hold_are_refused(tmp_path, value, fou
     with pytest.raises(ValueError, match=rf"param group 0 hyperparameter 'lr'.*{found}"):
         to_safetensors(full, tmp_path / "x.st")
     assert list(tmp_path.iterdir()) == [], "a refused write leaves nothing behind"
+
+
+def test_inspect_describes_the_file(tmp_path, capsys) -> None:
+    to_safetensors(_big_full(), tmp_path / "i.st")
+    assert main(["inspect", str(tmp_path / "i.st")]) == 0
+    out = capsys.readouterr().out
+    assert "format: named safetensors file" in out and "optimizer: Adam" in out and "params: 2 (2 with state)" in out
+    assert "state keys: step (scalar), exp_avg (float32), exp_avg_sq (float32)" in out and "step: 4" in out

@@ -142,6 +142,8 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
                     )
             what = "layout file" if opened.kind is Kind.LAYOUT else "sharded checkpoint"
             _inspect_manifest(opened.manifest, what, out, units=args.units)
+        elif opened.named is not None:
+            out += _inspect_named(opened.named)
         elif opened.kind is Kind.RANK_FILE and opened.raw is None:  # format 2: a safetensors rank file
             from fsdp_optim.formats.sharded.rank_file import describe_rank_file
 
@@ -160,6 +162,28 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
             _inspect_full(opened.raw, out)
     return out
 
+
+
+def _inspect_named(named: Any) -> list[str]:
+    """A named safetensors file, from its checked header (no tensor is read but the 0-dim scalars)."""
+    doc = named.document
+    keys: dict[str, str] = {}
+    for entries in doc.state.values():
+        for e in entries:
+            info = named.tensors.get(e.tensor) if e.tensor is not None else None
+            shown = "scalar" if e.kind == "scalar" or info is None else str(info.dtype).removeprefix("torch.")
+            keys.setdefault(e.key, shown)
+    steps = [_scalar(named.scalar(name, "step")) for name in doc.state if named.scalar(name, "step") is not None]
+    return [
+        f"format: named safetensors file (<param name>/<state key> tensors; version {doc.header.get('version')})",
+        f"optimizer: {doc.optimizer or 'unknown'}",
+        f"world size: {doc.header.get('world_size', 'unknown')}",
+        f"params: {len(doc.param_order)} ({len(doc.state)} with state)",
+        f"param groups: {len(doc.groups)}",
+        f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
+        f"step: {_step_text(steps)}",
+        f"state bytes: {human_bytes(sum(t.nbytes for t in named.tensors.values()))}",
+    ]
 
 
 def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> None:

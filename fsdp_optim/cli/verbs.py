@@ -112,8 +112,7 @@ def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[
     from fsdp_optim.offline.named import write_opened
 
     with progress_bar("write safetensors") as progress:
-        path = None if isinstance(args.source, dict) else args.source
-        size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=path)
+        size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=args.source)
     return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}"]
 
 

@@ -78,6 +78,13 @@ class NamedSafetensors:
             self._handle = None
         self._mapped = 0
 
+    def scalar(self, name: str, key: str) -> Any:
+        """Parameter ``name``'s scalar state ``key`` (a 0-dim tensor or a Python number), ``None`` if it has none."""
+        entry = next((e for e in self.document.state.get(name, ()) if e.key == key and e.kind == "scalar"), None)
+        if entry is None:
+            return None
+        return self._scalars[entry.tensor] if entry.tensor is not None else entry.value
+
     def trim(self) -> None:
         """Close the file (dropping its mapped pages) once the bytes read since the last close exceed the bound."""
         if self._mapped > self.max_mapped_bytes:
