@@ -595,7 +595,7 @@ def format2_manifest_without_chunk_checksums(src: Source) -> Path:
 # Paths that are not sharded checkpoints.
 
 
-@refusal(ValueError, "not a sharded checkpoint", "no manifest.json or manifest.pt", entries=PATHS)
+@refusal(ValueError, "not a sharded checkpoint", "manifest.json or manifest.pt", entries=PATHS)
 def empty_directory(src: Source) -> Path:
     d = src.where / "empty"
     d.mkdir()

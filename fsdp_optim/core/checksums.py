@@ -32,6 +32,21 @@ def digest(value: Any, algorithm: str = DIGEST_ALGORITHM) -> str:
 
 
 
+def chunk_digests(values: torch.Tensor, per: int) -> tuple[str, ...]:
+    """``digest(values[k : k + per])`` for every ``k`` in ``range(0, numel, per)`` of a 1-D tensor: the same
+    digests, without building a slice and walking it per chunk (a 100M-parameter state has ~12,000 chunks)."""
+    assert values.dim() == 1 and per > 0, f"expected a 1-D tensor and chunks > 0, found {tuple(values.shape)}, {per}"
+    t = values.detach().cpu().contiguous()
+    name, size, n = dtype_to_str(t.dtype), t.element_size(), t.numel()
+    whole = memoryview((ctypes.c_char * (n * size)).from_address(t.data_ptr())) if n else memoryview(b"")
+    out = []
+    for k in range(0, n, per):
+        h = xxhash.xxh3_128(f"T{name}({min(per, n - k)},)|".encode())
+        h.update(whole[k * size : min(k + per, n) * size])
+        out.append(f"{DIGEST_ALGORITHM}:{h.hexdigest()}")
+    return tuple(out)
+
+
 def digest_matches(value: Any, expected: Any) -> bool:
     """Whether ``expected`` (a stored digest, any supported algorithm) is the digest of ``value``."""
     algorithm = expected.partition(":")[0] if isinstance(expected, str) else None

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from fsdp_optim.core.checksums import digest, digest_matches
+from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.text import escape
@@ -219,16 +219,18 @@ class MappedFile:
         dtype_name, _, base = self.header.tensors[s.tensor]
         dtype = dtype_from_str(dtype_name, where=where)
         per = chunk_elements(dtype, chunk_bytes)
-        for k in range(start // per, -(-stop // per)):
-            if (s.tensor, s.offset, k) not in self._verified:
-                lo, hi = k * per, min((k + 1) * per, s.numel)
-                if not digest_matches(self._elements(base, dtype, s.offset + lo, hi - lo), s.checksums[k]):
+        todo = [k for k in range(start // per, -(-stop // per)) if (s.tensor, s.offset, k) not in self._verified]
+        if todo:  # one pass over the unverified chunks (and any verified ones between them: rare, harmless)
+            lo, hi = todo[0] * per, min((todo[-1] + 1) * per, s.numel)
+            found = chunk_digests(self._elements(base, dtype, s.offset + lo, hi - lo), chunk_bytes)
+            for k, checksum in enumerate(found, start=todo[0]):
+                if checksum != s.checksums[k]:
                     raise ValueError(
-                        f"{where}: checksum mismatch in elements {lo}..{hi} of state '{s.key}' (file is corrupt "
-                        "or was modified)"
+                        f"{where}: checksum mismatch in elements {k * per}..{min((k + 1) * per, s.numel)} of state "
+                        f"'{s.key}' (file is corrupt or was modified)"
                     )
                 self._verified.add((s.tensor, s.offset, k))
-                self.bytes_verified += (hi - lo) * dtype.itemsize
+            self.bytes_verified += (hi - lo) * dtype.itemsize
         return self._elements(base, dtype, s.offset + start, stop - start)
 
     def _elements(self, base: int, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.core.checksums import digest
+from fsdp_optim.core.checksums import chunk_digests as digests_of_chunks
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.records import FlatRecord, get_checked
@@ -87,9 +87,8 @@ def chunk_elements(dtype: torch.dtype, chunk_bytes: int) -> int:
 
 
 def chunk_digests(values: torch.Tensor, chunk_bytes: int) -> tuple[str, ...]:
-    """The chunk checksums of a 1-D segment (no copy)."""
-    per = chunk_elements(values.dtype, chunk_bytes)
-    return tuple(digest(values[k : k + per]) for k in range(0, values.numel(), per))
+    """The chunk checksums of a 1-D segment (no copy): ``digest`` of each chunk's slice."""
+    return digests_of_chunks(values, chunk_elements(values.dtype, chunk_bytes))
 
 
 def plan_segments(
