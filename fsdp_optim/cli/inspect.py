@@ -80,10 +80,9 @@ _NEEDS_LAYOUT = (
 
 
 
-def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
+def _inspect_full(obj: Mapping[str, Any], out: list[str], *, native: bool) -> None:
     import torch
 
-    from fsdp_optim.formats.fairscale import is_fairscale_native
     from fsdp_optim.formats.fullstate import read_meta
 
     meta = read_meta(obj) or {}
@@ -99,7 +98,6 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str]) -> None:
                 keys.setdefault(key, "scalar")
                 if key == "step":
                     steps.append(_scalar(value[0] if isinstance(value, list) else value))
-    native = is_fairscale_native(obj)
     what = (
         "fairscale-native full dict (from fairscale's gather_full_optim_state_dict: parameters numbered in "
         "FSDP-instance order, without names)"
@@ -159,7 +157,7 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
             from fsdp_optim.disk.objects import check_state_dict
 
             check_state_dict(opened.raw, str(path))  # its skeleton, before the summary walks it
-            _inspect_full(opened.raw, out)
+            _inspect_full(opened.raw, out, native=opened.kind is Kind.NATIVE)
     return out
 
 

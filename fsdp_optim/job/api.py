@@ -19,10 +19,10 @@ from fsdp_optim.core.flatten import StateKind, assemble
 from fsdp_optim.core.layout import ModelLayout, ShardBounds
 from fsdp_optim.core.plan import Source, cut_rank, optimizer_state_dict, plan
 from fsdp_optim.core.preconditions import check_rank
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.formats.fairscale import dict_source
 from fsdp_optim.formats.fullstate import build_full_state
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
+from fsdp_optim.formats.kinds import Kind, detect
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.job.local import (
     LocalState,
@@ -174,9 +174,15 @@ def full_source(
             f"{full}: no such file or directory; expected a sharded checkpoint directory (holding {MANIFEST_NAME}), "
             "a full dict file or a named safetensors file"
         )
-    if is_named_safetensors(full):
+    kind, obj = detect(full)  # the one decision of what an input is (formats/kinds.py)
+    if kind is Kind.NAMED:
         return NamedSafetensors(full).source()
-    return dict_source(load_file(full, mmap=True, disjoint=True), layout, label=str(full), optimizer=optimizer)
+    if kind not in (Kind.FULL, Kind.NATIVE):
+        raise ValueError(
+            f"{full}: a {kind.value}, not a full dict; load a sharded checkpoint with load_sharded_optim_state, or "
+            "write a full dict first (fsdp-optim consolidate / convert)"
+        )
+    return dict_source(obj, layout, label=str(full), optimizer=optimizer)
 
 
 # ---------------------------------------------------------------------------------------------------
