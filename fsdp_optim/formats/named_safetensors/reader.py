@@ -6,8 +6,10 @@ tensor with ``get_slice`` reads of just those bytes (a flat range of an n-dim te
 slices). Checksums, once per piece: a tensor of at most ``chunk_bytes`` (1 MiB) is read whole the first time
 and checked against its digest; a larger one is checked per 1 MiB chunk, reading the chunks that cover the
 range asked for (so a rank's range costs its bytes plus at most 2 MiB). A failing piece raises
-:class:`ChecksumError` naming the file, the tensor and its byte range. Mapped pages are released (the file
-closed and reopened on the next read) once the bytes read exceed ``max_mapped_bytes``.
+:class:`ChecksumError` naming the file, the tensor and its byte range. ``get_slice`` hands out views of its
+private (copy-on-write) mapping of the file, so :meth:`NamedSafetensors.source` copies each range into the
+caller's buffer and :meth:`NamedSafetensors.full_state` copies each tensor; the file is closed once the bytes
+read exceed ``max_mapped_bytes``, which drops the mapping and its pages when no view of it is left.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ class NamedSafetensors:
     # Reading
 
     def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of tensor ``name`` flattened, new memory, the bytes they come from checked."""
+        """Elements ``[start, stop)`` of tensor ``name`` flattened, the bytes they come from checked.
+
+        May be a view of the file's private (copy-on-write) mapping, which it keeps alive: copy what you keep."""
         info = self.tensors[name]
         if not 0 <= start <= stop <= info.numel:
             raise IndexError(f"{self.path}: tensor '{name}' has {info.numel} elements, asked for [{start}, {stop})")
@@ -139,7 +143,7 @@ class NamedSafetensors:
         return out
 
     def _read_scalar(self, name: str) -> torch.Tensor:
-        return self.read_flat(name, 0, 1).reshape(())  # scalar entries are 0-dim (document.read_header checks)
+        return self.read_flat(name, 0, 1).reshape(()).clone()  # 0-dim (read_header checks); not a view of the map
 
     # -----------------------------------------------------------------------------------------------
     # As a planning source, and as a full dict
@@ -174,7 +178,7 @@ class NamedSafetensors:
         """The full dict the file was written from (as ``gather_full_optim_state_dict`` returns it), bit for bit.
 
         Planned like any source (the plan checks the document's groups and entries), then each tensor is read
-        whole and checked, straight into the dict (no second copy); the mapping is trimmed after each one.
+        whole, checked and copied into the dict (new memory); the mapping is trimmed after each one.
         """
         doc = self.document
         source = self.source()
@@ -191,7 +195,8 @@ class NamedSafetensors:
                     entries[e.key] = clone_value(e.value)
                 else:
                     tensor = tensor_of[(name, e.key)]
-                    entries[e.key] = self.read_flat(tensor, 0, self.tensors[tensor].numel)
+                    # A copy: the view would keep the file's mapping, and every page of it, alive.
+                    entries[e.key] = self.read_flat(tensor, 0, self.tensors[tensor].numel).clone()
                     self.trim()
             flat_states[t] = entries
         full = build_full_state(target, the_plan.groups, flat_states, optimizer=doc.optimizer)
