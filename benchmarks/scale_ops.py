@@ -1,0 +1,215 @@
+"""The offline and planning measurements of ``benchmarks.scale``: synthetic layouts, our operations, their floors.
+
+Every timed operation runs in a forked child (:func:`in_child`) that reports its wall time and its peak RSS
+growth (``ru_maxrss`` minus the RSS it started with), so one operation's memory never hides another's.
+
+- A checkpoint of ``units`` FSDP units at world size ``W`` is made by resharding a full dict (Adam:
+  ``exp_avg``, ``exp_avg_sq`` per parameter, ``step``): each unit holds ``per_unit`` float32 elements (a
+  weight and a bias), so the state per rank is tiny and the cost is the bookkeeping, not the bytes.
+- Floors (``floor_reshard``, ``floor_consolidate``): read every rank file with plain ``torch.load``
+  (``weights_only``, mapped), copy each state tensor's real elements into one buffer per (unit, key), then
+  write the same files (``W'`` rank files of one tensor per (unit, key), or one file of full tensors) with
+  ``torch.save`` and an ``fsync`` per file. No checks, no checksums, no manifest, no staging.
+- Planning (:func:`plan_one_rank`): a manifest's dict parsed and checked (``Manifest.from_dict``), one plan
+  against the same units re-cut for ``3W/4`` ranks, then one rank's reads and the saved ranks they touch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import resource
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_optim.cli import main as cli_main
+from fsdp_optim.core.flatten import StateKind
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
+from fsdp_optim.core.plan import plan, rank_reads, saved_ranks
+from fsdp_optim.core.records import GroupRecord, StateEntry
+from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
+from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source, wrap
+from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.writer import write_file
+
+KEYS = ("exp_avg", "exp_avg_sq")
+BIAS = 16
+
+
+def layout(units: int, world_size: int, per_unit: int) -> ModelLayout:
+    """``units`` flattened units ``u{k}`` (``u{k}.w``: per_unit - 16 elements, ``u{k}.b``: 16) over ``world_size``."""
+    flats, names = [], []
+    for u in range(units):
+        w, b = ParamSpec(f"u{u}.w", (per_unit - BIAS,), 0), ParamSpec(f"u{u}.b", (BIAS,), per_unit - BIAS)
+        flats.append(FlatParamLayout(f"u{u}", (w, b), world_size, 0, torch.float32, True))
+        names += [w.name, b.name]
+    return ModelLayout(tuple(flats), tuple(names), world_size, 0)
+
+
+def full_dict(lay: ModelLayout) -> dict[str, Any]:
+    """Adam's full dict for ``lay``: random ``exp_avg`` / ``exp_avg_sq``, ``step`` 3."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {p.name: p.shape for f in lay.flat_params for p in f.params}
+    state = {
+        pid: {"step": torch.tensor(3.0), "exp_avg": torch.randn(shapes[n], generator=g), "exp_avg_sq": torch.rand(shapes[n], generator=g)}
+        for pid, n in enumerate(lay.param_order)
+    }
+    meta = {"version": FORMAT_VERSION, "optimizer": "Adam", "world_size": lay.world_size, "scalar_keys": ["step"]}
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(lay.param_order)))}]
+    return {"state": state, "param_groups": groups, "param_names": dict(enumerate(lay.param_order)), FORMAT_KEY: meta}
+
+
+def manifest(units: int, world_size: int, per_unit: int) -> Manifest:
+    """The manifest such a checkpoint has (no files): what a reader of one rank parses and plans from."""
+    entries = (
+        *(StateEntry(k, StateKind.SHARDED, dtype="float32") for k in KEYS),
+        StateEntry("step", StateKind.SCALAR, value=torch.tensor(3.0)),
+    )
+    return Manifest.from_layout(
+        layout(units, world_size, per_unit),
+        save_id="0" * 32,
+        optimizer="Adam",
+        state=dict.fromkeys(range(units), entries),
+        groups=(GroupRecord({"lr": 1e-3}, tuple(range(units))),),
+    )
+
+
+def in_child(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    """``fn()`` in a forked child: ``(seconds, peak RSS growth in bytes, its picklable result)``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, report, leave without running the parent's cleanup
+        os.close(read)
+        try:
+            start_rss = _rss()
+            t0 = time.perf_counter()
+            result = fn()
+            seconds = time.perf_counter() - t0
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start_rss
+            payload = pickle.dumps(("ok", seconds, max(peak, 0), result))
+        except BaseException as exc:  # reported to the parent, which raises it
+            payload = pickle.dumps(("error", 0.0, 0, repr(exc)))
+        with os.fdopen(write, "wb") as f:
+            f.write(payload)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        status, seconds, peak, result = pickle.loads(f.read())
+    os.waitpid(pid, 0)
+    if status != "ok":
+        raise RuntimeError(f"measured operation failed: {result}")
+    return seconds, peak, result
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def disk_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def inspect(directory: Path) -> int:
+    """``fsdp-optim inspect DIR --units``: its output lines (what a user reads at this scale)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(["inspect", str(directory), "--units"])
+    assert code == 0, out.getvalue()[-400:]
+    return len(out.getvalue().splitlines())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Floors
+
+
+def _save_durably(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_all(files: list[Path], numel: list[int], world_size: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank file read with plain ``torch.load``; each state tensor's real part copied into its unit's buffer."""
+    full = [{k: torch.empty(n) for k in KEYS} for n in numel]
+    for rank, path in enumerate(files):
+        payload = torch.load(path, mmap=True, weights_only=True)
+        for u, entries in payload["state"].items():
+            c = -(-numel[u] // world_size)
+            lo, hi = min(rank * c, numel[u]), min((rank + 1) * c, numel[u])
+            for k in KEYS:
+                full[u][k][lo:hi].copy_(entries[k][: hi - lo])
+    return full
+
+
+def floor_reshard(files: list[Path], numel: list[int], world_size: int, new_size: int, out: Path) -> None:
+    """Read everything, write ``new_size`` rank files of one padded tensor per (unit, key), fsync each."""
+    full = _read_all(files, numel, world_size)
+    out.mkdir(parents=True, exist_ok=True)
+    for rank in range(new_size):
+        state = {}
+        for u, n in enumerate(numel):
+            c = -(-n // new_size)
+            lo, hi = min(rank * c, n), min((rank + 1) * c, n)
+            entries = {}
+            for k in KEYS:
+                shard = torch.zeros(c)
+                shard[: hi - lo].copy_(full[u][k][lo:hi])
+                entries[k] = shard
+            state[u] = entries
+        _save_durably({"state": state}, out / f"rank{rank}.pt")
+
+
+def floor_consolidate(files: list[Path], numel: list[int], world_size: int, out: Path) -> None:
+    """Read everything, write one file of full tensors, fsync it."""
+    full = _read_all(files, numel, world_size)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_durably({"state": dict(enumerate(full))}, out / "full.pt")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Planning one rank
+
+
+def plan_one_rank(units: int, world_size: int, per_unit: int, *, from_file: Path | None = None, traced: bool = True) -> dict[str, Any]:
+    """Parse + check a manifest (its dict, or ``from_file`` as written), plan a re-cut to ``3W/4``, plan one rank.
+
+    Returns seconds per phase (untraced) and, with ``traced``, tracemalloc's peak over a second run.
+    """
+    body = manifest(units, world_size, per_unit).to_dict() if from_file is None else None
+    rank = world_size // 3  # a rank with real elements in every unit, away from the edges
+
+    def phases() -> dict[str, float]:
+        t0 = time.perf_counter()
+        m = read_manifest(from_file) if from_file is not None else Manifest.from_dict(body, source="manifest")
+        t1 = time.perf_counter()
+        the_plan = plan(manifest_source(m, "ckpt", lambda *a: None), m.with_world_size(world_size * 3 // 4).layout(0))
+        t2 = time.perf_counter()
+        reads = rank_reads(the_plan, rank)
+        files = saved_ranks(the_plan, rank, reads)
+        t3 = time.perf_counter()
+        assert reads and files, (units, world_size)
+        return {"read_s": t1 - t0, "plan_s": t2 - t1, "rank_s": t3 - t2, "files": len(files), "reads": len(reads)}
+
+    timed = phases()
+    out: dict[str, Any] = {**timed, "total_s": timed["read_s"] + timed["plan_s"] + timed["rank_s"]}
+    if traced:
+        tracemalloc.start()
+        phases()
+        out["peak_traced"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return out
+
+
+def write_manifest_file(units: int, world_size: int, per_unit: int, path: Path) -> int:
+    """The manifest of such a checkpoint as our writer writes it; its size in bytes."""
+    write_file(wrap("manifest", manifest(units, world_size, per_unit).to_dict()), path)
+    return path.stat().st_size
