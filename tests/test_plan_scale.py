@@ -1,10 +1,11 @@
 """Planning that scales (issue 18): a rank plans only the units and saved ranks it overlaps, by interval lookup.
 
-Pure: records and tensors, no process, no file. The interval planner (``rank_reads``, ``saved_ranks``,
+Records and tensors, no process (the last test writes real files). The interval planner (``rank_reads``, ``saved_ranks``,
 ``intervals.pieces``) is compared with the brute-force planner it replaced, which walked every segment
 of every unit and every saved rank of every unit (``shard_bounds`` per (unit, rank)), on random layouts;
 and a rank of a 4,096-rank job with 1,000 units is planned while counting the per-(unit, rank) records
-built (``FlatParamLayout.at_rank`` and ``shard_bounds``, wrapped: call counters on the real code).
+built (``FlatParamLayout.at_rank`` and ``shard_bounds``, wrapped: call counters on the real code); and a
+rank re-cutting its shard from a real checkpoint reads only the rank files its plan names.
 """
 
 from __future__ import annotations
@@ -144,3 +145,43 @@ def test_planning_one_rank_of_4096_with_1000_units_builds_no_per_rank_records() 
     # 8256 elements over 3072 ranks (3 each) lie on one or two of the 4096 saved ranks (2 or 3 each)
     assert 1 <= len(files) <= 2 * units and all(0 <= f < world_size for f in files)
     assert files == _brute_ranks(the_plan, list(reads[:3]))  # every unit has the same shapes
+
+
+def test_a_rank_re_cutting_its_shard_reads_only_the_rank_files_it_overlaps(tmp_path) -> None:
+    """Real files: a checkpoint of 8 ranks re-cut for rank 1 of 4 needs saved ranks 1..3 only; with every
+    other rank file removed, the lazy reader (as a job's load uses it) still builds the same shard."""
+    import shutil
+
+    from fsdp_optim import reshard
+    from fsdp_optim.formats.sharded.manifest import Manifest
+    from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+
+    names = [f"u{u}.{p}" for u in range(3) for p in ("w", "b")]
+    sizes = {n: (37 if n.endswith("w") else 5) for n in names}
+    saved = ModelLayout(_units(names, sizes, [2, 4], 8), tuple(names), 8, 0)
+    g = torch.Generator().manual_seed(0)
+    state = {i: {"step": torch.tensor(2.0), "exp_avg": torch.randn(sizes[n], generator=g)} for i, n in enumerate(names)}
+    full = {
+        "state": state,
+        "param_groups": [{"lr": 0.1, "params": list(range(len(names)))}],
+        "param_names": dict(enumerate(names)),
+        "fsdp_optim": {"version": 1, "optimizer": "Adam", "world_size": 8, "scalar_keys": ["step"]},
+    }
+    reshard(full, 8, tmp_path / "ckpt", layout=Manifest.from_layout(saved, save_id="layout"))
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "whole")
+    target = ModelLayout(_units(names, sizes, [2, 4], 4), tuple(names), 4, 0)
+    with ShardedCheckpoint(tmp_path / "whole") as ckpt:
+        the_plan = plan(ckpt.source(), target)
+        expected = cut_rank(the_plan, 1)
+        needed = saved_ranks(the_plan, 1)
+        removed = [tmp_path / "ckpt" / f.file for f in ckpt.manifest.files if f.rank not in needed]
+    assert needed == [1, 2, 3], needed  # 42 elements a unit: rank 1 of 4 holds [11, 22), saved chunks are 6 long
+    for path in removed:
+        path.unlink()
+    with ShardedCheckpoint(tmp_path / "ckpt", lazy=True) as ckpt:
+        the_plan = plan(ckpt.source(), target)
+        ckpt.open_ranks(saved_ranks(the_plan, 1))
+        found = cut_rank(the_plan, 1)
+    assert found.keys() == expected.keys()
+    for t in expected:
+        assert torch.equal(found[t]["exp_avg"], expected[t]["exp_avg"]) and found[t]["step"] == expected[t]["step"], t
