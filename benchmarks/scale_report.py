@@ -36,7 +36,7 @@ def tables(result: dict[str, Any]) -> str:
             [[str(r["world_size"]), str(r["units"]),
               r["source"] + (f" ({r['manifest_bytes'] / MIB:.1f} MiB)" if "manifest_bytes" in r else ""),
               f"{r['read_s']:.3f}", f"{r['plan_s']:.3f}", f"{r['rank_s']:.4f}", f"{r['total_s']:.3f}",
-              f"{r['peak_traced'] / MIB:.0f}" if "peak_traced" in r else "n/a", f"{r['rss'] / MIB:.0f}", str(r["files"])]
+              f"{r['peak_traced'] / MIB:.1f}" if "peak_traced" in r else "n/a", f"{r['rss'] / MIB:.0f}", str(r["files"])]
              for r in result["planning"]],
         ))
         out.append("")
@@ -57,6 +57,7 @@ def tables(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -71,7 +72,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(ws, [r["reshard_s"] for r in rows], "o-", label=f"reshard, {units} units")
             ax.plot(ws, [r["floor_reshard_s"] for r in rows], "o--", label=f"floor, {units} units")
             ax.plot(ws, [r["consolidate_s"] for r in rows], "s-", label=f"consolidate, {units} units")
+        ticks = sorted({r["world_size"] for r in off})
         ax.set(xscale="log", yscale="log", xlabel="source world size W", ylabel="seconds", title="offline W -> 3W/4")
+        ax.set_xticks(ticks, [str(w) for w in ticks], minor=False)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=7)
     plan = [r for r in result["planning"] if r["source"] == "dict"]
     if plan:
@@ -80,7 +84,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             rows = [r for r in plan if r["units"] == units]
             ax.plot([r["world_size"] for r in rows], [r["total_s"] for r in rows], "o-", label=f"{units} units")
         ax.axhline(1.0, color="grey", ls=":", label="target 1 s")
+        ticks = sorted({r["world_size"] for r in plan})
         ax.set(xscale="log", yscale="log", xlabel="world size W", ylabel="seconds", title="planning one rank")
+        ax.set_xticks(ticks, [str(w) for w in ticks], minor=False)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=7)
     jobs = result["jobs"]
     if jobs:
@@ -90,8 +97,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
                            ("load_other_s", "load 2W -> W")):
             pts = [(r["world_size"], r[key]) for r in jobs if key in r]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-        ax.set(xscale="log", xticks=ws, xticklabels=[str(w) for w in ws], xlabel="job world size W", ylabel="seconds",
-               title=f"in a job, {jobs[0]['units']} units")
+        ax.set(xscale="log", xlabel="job world size W", ylabel="seconds", title=f"in a job, {jobs[0]['units']} units")
+        ax.set_xticks(ws, [str(w) for w in ws], minor=False)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
