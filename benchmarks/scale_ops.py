@@ -1,7 +1,8 @@
 """The offline and planning measurements of ``benchmarks.scale``: synthetic layouts, our operations, their floors.
 
 Every timed operation runs in a forked child (:func:`in_child`) that reports its wall time and its peak RSS
-growth (``ru_maxrss`` minus the RSS it started with), so one operation's memory never hides another's.
+growth (``VmHWM``, reset at the start, minus the RSS it started with), so one operation's memory never
+hides another's.
 
 - A checkpoint of ``units`` FSDP units at world size ``W`` is made by resharding a full dict (Adam:
   ``exp_avg``, ``exp_avg_sq`` per parameter, ``step``): each unit holds ``per_unit`` float32 elements (a
@@ -20,7 +21,6 @@ import contextlib
 import io
 import os
 import pickle
-import resource
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -88,11 +88,14 @@ def in_child(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     if pid == 0:  # the child: measure, report, leave without running the parent's cleanup
         os.close(read)
         try:
-            start_rss = _rss()
+            torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread, like every floor here
+            # A forked child inherits its parent's peak (ru_maxrss too): reset it, measure from here.
+            Path("/proc/self/clear_refs").write_text("5")
+            start_rss = _status("VmRSS")
             t0 = time.perf_counter()
             result = fn()
             seconds = time.perf_counter() - t0
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start_rss
+            peak = _status("VmHWM") - start_rss
             payload = pickle.dumps(("ok", seconds, max(peak, 0), result))
         except BaseException as exc:  # reported to the parent, which raises it
             payload = pickle.dumps(("error", 0.0, 0, repr(exc)))
@@ -108,9 +111,12 @@ def in_child(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     return seconds, peak, result
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory field in bytes (``VmRSS``: resident now, ``VmHWM``: peak since the reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def disk_bytes(directory: Path) -> int:
