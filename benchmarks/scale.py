@@ -1,18 +1,19 @@
 """Benchmark: sharded checkpoints at scale (many ranks, many units), ours against the floors, in one run.
 
     python -m benchmarks.scale                          # default: ~5 min on 2 cores
-    python -m benchmarks.scale --offline 256x256,1024x256 --plan 4096x1000 --jobs 32,16,8,4   # the big sizes
+    python -m benchmarks.scale --offline 256x256,1024x64 --plan 4096x1000 --skip-jobs   # the big offline sizes
+    python -m benchmarks.scale --offline "" --plan "" --jobs 32,16                      # a 32-rank job
     python -m benchmarks.scale --skip-jobs --offline 64x64 --out benchmarks/out              # a quick look
 
 1. Offline, one process (``WxU``: a checkpoint of ``U`` units at ``W`` ranks, made by resharding a full dict;
    1,536 float32 elements per unit, so ~12 KiB of Adam state per unit in all): ``reshard`` to ``3W/4``
-   ranks against the read-everything-write-everything floor (the same rank files read with plain
-   ``torch.load``, the same number of files written, one tensor per (unit, key), ``fsync`` per file);
+   ranks against the read-everything-write-everything floor (the same rank files read with the plain
+   loader, the same number of files of the same bytes written, ``fsync`` per file: ``scale_ops``);
    ``consolidate`` (+ ``torch.save`` + ``fsync`` of the full dict) against its floor (one file written);
    ``fsdp-optim inspect --units``. Each operation runs in a forked child: its time and peak RSS growth.
 2. Planning only (``WxU``): one rank of a job re-cutting a ``W``-rank checkpoint for ``3W/4`` ranks: its
    manifest's dict parsed and checked, the one plan, the rank's reads and the saved ranks they touch.
-   Seconds and tracemalloc's peak; and, for the first size, the same from the manifest file as written.
+   Seconds and tracemalloc's peak; and the same for each offline checkpoint, from its manifest file as written.
 3. In a job (``--jobs``: world sizes, largest first, 128 units): gather to rank 0, save, load at the same
    world size, and load the checkpoint of the job of twice the ranks (a re-cut), against the same-W load.
 
@@ -39,7 +40,6 @@ from fsdp_optim.formats.sharded.manifest import Manifest
 # ---- configuration ---------------------------------------------------------------------------------
 OFFLINE = ((16, 64), (64, 64), (64, 256))  # (W, units)
 PLAN = ((256, 100), (1024, 100), (4096, 100), (256, 1000), (1024, 1000), (4096, 1000))
-PLAN_FROM_FILE = (256, 1000)  # also read from the manifest file as written (format 1: ~O(W x units) to read)
 JOBS = (16, 8, 4)
 JOB_UNITS = 128
 JOB_WIDTH = 16
@@ -58,7 +58,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
     p.add_argument("--offline", type=_sizes, default=OFFLINE, help="WxU,... checkpoints for reshard/consolidate")
     p.add_argument("--plan", type=_sizes, default=PLAN, help="WxU,... sizes planned for one rank")
-    p.add_argument("--plan-from-file", type=_sizes, default=(PLAN_FROM_FILE,), help="WxU,... also read from the file")
     p.add_argument("--jobs", type=lambda s: tuple(int(x) for x in s.split(",")), default=JOBS, help="job world sizes")
     p.add_argument("--skip-jobs", action="store_true")
     p.add_argument("--repeats", type=int, default=REPEATS)
@@ -81,16 +80,21 @@ def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
     row["make_s"], row["make_rss"], _ = scale_ops.in_child(make)
     row["disk_bytes"] = scale_ops.disk_bytes(src)
     files = sorted(src.glob("optim-*"))
-    numel = [PER_UNIT] * units
     measured = {
         "inspect": lambda: scale_ops.inspect(src),
-        "floor_reshard": lambda: scale_ops.floor_reshard(files, numel, world_size, new_size, root / "floor-r"),
+        "floor_reshard": lambda: scale_ops.floor_reshard(files, new_size, root / "floor-r"),
         "reshard": lambda: reshard(src, new_size, root / "resharded"),
-        "floor_consolidate": lambda: scale_ops.floor_consolidate(files, numel, world_size, root / "floor-c"),
+        "floor_consolidate": lambda: scale_ops.floor_consolidate(files, root / "floor-c"),
         "consolidate": lambda: scale_ops._save_durably(consolidate(src), root / "full.pt"),
     }
     for name, fn in measured.items():
         row[f"{name}_s"], row[f"{name}_rss"], _ = scale_ops.in_child(fn)
+    _, rss, planned = scale_ops.in_child(
+        lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT, from_file=src, traced=False)
+    )
+    manifest_bytes = sum(p.stat().st_size for p in src.glob("manifest.*"))
+    row["plan_from_file"] = {"world_size": world_size, "units": units, "source": "file", "rss": rss,
+                             "manifest_bytes": manifest_bytes, **planned}
     row["resharded_disk_bytes"] = scale_ops.disk_bytes(root / "resharded")
     row["floor_disk_bytes"] = scale_ops.disk_bytes(root / "floor-r")
     row["reshard_x_floor"] = row["reshard_s"] / row["floor_reshard_s"]
@@ -98,19 +102,26 @@ def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
     return row
 
 
-def planning(sizes: tuple[tuple[int, int], ...], from_file: tuple[tuple[int, int], ...], root: Path) -> list[dict[str, Any]]:
+def warm_up(root: Path) -> None:
+    """Every measured path once, in this process, on 2 units at 2 ranks: the forked children then start with
+    everything imported and every one-time cost paid (as a long-running tool would)."""
+    lay = scale_ops.layout(2, 2, PER_UNIT)
+    reshard(scale_ops.full_dict(lay), 2, root / "src", layout=Manifest.from_layout(lay, save_id="layout"))
+    files = sorted((root / "src").glob("optim-*"))
+    scale_ops.inspect(root / "src")
+    scale_ops.floor_reshard(files, 1, root / "floor-r")
+    reshard(root / "src", 1, root / "resharded")
+    scale_ops.floor_consolidate(files, root / "floor-c")
+    scale_ops._save_durably(consolidate(root / "src"), root / "full.pt")
+    scale_ops.plan_one_rank(2, 4, PER_UNIT, traced=False)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def planning(sizes: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
     rows = []
     for world_size, units in sizes:
-        seconds, rss, result = scale_ops.in_child(lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT))
+        _, rss, result = scale_ops.in_child(lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT))
         rows.append({"world_size": world_size, "units": units, "source": "dict", "rss": rss, **result})
-    for world_size, units in from_file:
-        path = root / f"manifest-{world_size}x{units}.pt"
-        write_s, _, nbytes = scale_ops.in_child(lambda: scale_ops.write_manifest_file(units, world_size, PER_UNIT, path))
-        seconds, rss, result = scale_ops.in_child(
-            lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT, from_file=path, traced=False)
-        )
-        rows.append({"world_size": world_size, "units": units, "source": "file", "rss": rss, "manifest_bytes": nbytes,
-                     "manifest_write_s": write_s, **result})
     return rows
 
 
@@ -140,12 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result: dict[str, Any] = {"machine": _machine(), "commit": _commit(), "per_unit": PER_UNIT, "offline": [],
                                   "planning": [], "jobs": []}
+        warm_up(root / "warm-up")
         for world_size, units in args.offline:
             print(f"offline W={world_size} units={units}", flush=True)
             result["offline"].append(offline(world_size, units, root / f"off-{world_size}x{units}"))
             shutil.rmtree(root / f"off-{world_size}x{units}", ignore_errors=True)
         print("planning", flush=True)
-        result["planning"] = planning(args.plan, args.plan_from_file, root)
+        result["planning"] = planning(args.plan) + [r["plan_from_file"] for r in result["offline"]]
         if not args.skip_jobs:
             print(f"jobs W={args.jobs}", flush=True)
             result["jobs"] = jobs(args.jobs, args.repeats, root)

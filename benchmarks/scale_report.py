@@ -16,8 +16,8 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 def tables(result: dict[str, Any]) -> str:
     out = [f"Machine: {result['machine']}; commit {result['commit']}; {result.get('seconds', 0):.0f} s in all.", ""]
     if result["offline"]:
-        out += ["Offline (one process; seconds, peak RSS growth in MiB; floor = plain torch.load of the same files, "
-                "the same number of files written with torch.save + fsync):", ""]
+        out += ["Offline (one process; seconds, peak RSS growth in MiB; floor = the same files read with the plain "
+                "loader, the same bytes written to as many files, fsync each):", ""]
         out.append(_table(
             ["W -> W'", "units", "disk MiB", "make s", "inspect s", "reshard s", "floor s", "x floor", "RSS",
              "consolidate s", "floor s", "x floor", "RSS"],
