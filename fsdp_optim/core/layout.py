@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fsdp_optim.core.intervals import padding_per_rank
+
 __all__ = ["FlatParamLayout", "ModelLayout", "ParamSpec", "ShardBounds", "clean_path", "shard_bounds"]
 
 # Path segments that fairscale inserts between a module and its children.
@@ -108,8 +110,8 @@ class FlatParamLayout:
         return replace(self, rank=rank if self.world_size > 1 else 0)
 
     def padding(self) -> list[int]:
-        """Padding elements per rank, derived from ``numel`` and ``world_size``."""
-        return [self.bounds(r).padding for r in range(self.world_size)]
+        """Padding elements per rank, derived from ``numel`` and ``world_size`` (arithmetic, no record per rank)."""
+        return padding_per_rank(self.numel, self.world_size)
 
     @property
     def shard_numel(self) -> int:

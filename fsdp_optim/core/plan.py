@@ -8,9 +8,8 @@ executes the plan per rank with :func:`cut_rank` (padded shards for one rank) or
 (world-size-independent flat tensors). A new check belongs in :func:`plan`; a new format is one adapter
 that builds a :class:`Source`.
 
-A source is a list of *source flats* (:class:`~fsdp_optim.manifest.FlatRecord`: parameters, shapes,
-world size, state entries), its param groups and a ``read`` callback. For a sharded checkpoint the
-source flats are the saved FSDP units; for a full dict every parameter is a source flat of its own.
+The records (:class:`Source`, :class:`Plan`, :class:`Segment`) live in :mod:`fsdp_optim.core.source`, the
+executors in :mod:`fsdp_optim.core.execute`; both are importable from here too.
 
 Worked example. Source: a checkpoint saved at world size 2 with units ``a`` (params ``a.w`` [2, 3],
 ``a.b`` [3]) and ``b`` (``b.w`` [4]). Target: one unit holding ``a.b``, ``b.w`` (9 elements at
@@ -24,21 +23,30 @@ and target rank 1 (real elements ``[3, 6)``, no padding) reads ``b.w[0:3]`` only
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-import torch
-
-from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
-from fsdp_optim.core.flatten import StateKind, clone_value, same_scalar, show_value
+from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.execute import (
+    Read,
+    assemble_full,
+    cut_rank,
+    optimizer_state_dict,
+    rank_reads,
+    restrict,
+    saved_ranks,
+)
+from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
+from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout
-from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.records import FlatRecord, StateEntry
+from fsdp_optim.core.source import FlatPlan, Plan, Reader, Segment, Source, plan_error
 
 __all__ = [
     "FlatPlan",
     "Plan",
-    "plan_error",
+    "Read",
     "Reader",
     "Segment",
     "Source",
@@ -46,79 +54,11 @@ __all__ = [
     "cut_rank",
     "optimizer_state_dict",
     "plan",
+    "plan_error",
+    "rank_reads",
     "restrict",
+    "saved_ranks",
 ]
-
-# read(source_flat, key, start, stop, out): copy elements [start, stop) of a source flat's full state into out.
-Reader = Callable[[int, str, int, int, torch.Tensor], None]
-
-_MAX_LISTED = 5  # errors spelled out in one PlanError; the rest are counted
-
-
-def plan_error(errors: Sequence[str]) -> ValueError:
-    """The ``ValueError`` for a source that does not fit its target: every problem found (the first
-    few spelled out, each naming what and where with expected vs found), all of them in ``.errors``."""
-    shown = "; ".join(errors[:_MAX_LISTED])
-    more = len(errors) - _MAX_LISTED
-    error = ValueError(shown + (f" (and {more} more problems)" if more > 0 else ""))
-    # A plain ValueError carrying the list: transport.agree re-raises only built-in error types on the other
-    # ranks, so a subclass would arrive there as a RuntimeError.
-    error.errors = tuple(errors)  # type: ignore[attr-defined]
-    return error
-
-
-@dataclass(frozen=True)
-class Source:
-    """Optimizer state anywhere (a full dict, a sharded checkpoint, a foreign format), as the planner sees it.
-
-    ``flats[i]`` are rank-independent records with their state entries; ``groups`` hold the
-    hyperparameters and, per group, indices into ``flats``; ``read`` copies real elements of a source
-    flat's full (unpadded) state. ``load_rank`` (sharded sources only) reads one saved rank's whole
-    state ``{flat index: {key: padded shard or scalar}}``, used when the target is the saved layout.
-    """
-
-    label: str  # names the source in errors: "the full dict", "/ckpt/step100"
-    optimizer: str | None  # class name it was saved from; None when unknown
-    flats: tuple[FlatRecord, ...]
-    groups: tuple[GroupRecord, ...]
-    read: Reader
-    world_size: int | None = None  # the world size it was saved at, when that means anything
-    # False: a parameter without state has an unknown shape (full dicts); state shapes are checked instead.
-    shapes_known: bool = True
-    load_rank: Callable[[int], Mapping[int, Mapping[str, Any]]] | None = field(default=None, compare=False)
-    # For sources with per-rank flats (MoE experts): the reader that reads rank r's own copy of them.
-    rank_reader: Callable[[int], Reader] | None = field(default=None, compare=False)
-
-    def reader(self, rank: int) -> Reader:
-        """What rank ``rank`` reads: its own copy of per-rank flats, the shared state of the others."""
-        return self.rank_reader(rank) if self.rank_reader is not None else self.read
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Elements ``[start, stop)`` of a target flat are elements ``[source_start, ...)`` of source flat ``source``."""
-
-    start: int
-    stop: int
-    source: int
-    source_start: int
-
-
-@dataclass(frozen=True)
-class FlatPlan:
-    entries: tuple[StateEntry, ...]  # what the target flat's state holds (scalars carry their value)
-    segments: tuple[Segment, ...]  # tile [0, numel) of the target flat, in order
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How to build every target flat's state. ``groups`` hold the source's hyperparameters and target flat indices."""
-
-    source: Source
-    target: ModelLayout
-    groups: tuple[GroupRecord, ...]
-    flats: Mapping[int, FlatPlan]  # target flat index -> plan, only for flats with state
-    identity: bool  # same units at the same world size: rank r's state is saved rank r's, as it is
 
 
 def plan(
@@ -147,12 +87,7 @@ def plan(
     _check_world_sizes(target, errors)
     where = {spec.name: (i, spec) for i, flat in enumerate(source.flats) for spec in flat.params}
     group_of = {i: k for k, g in enumerate(source.groups) for i in g.flat_indices}
-    target_names = {name for flat in target.flat_params for name in flat.names}
-    extra = sorted(name for name in where if name not in target_names)
-    if extra:
-        errors.append(
-            f"{source.label} has parameter '{extra[0]}' (and {len(extra) - 1} more), which the model does not have"
-        )
+    _check_extra(source, where, target, errors)
     if members is not None and len(members) != len(source.groups):
         errors.append(f"the optimizer has {len(members)} param groups but {source.label} has {len(source.groups)}")
         raise plan_error(errors)
@@ -180,7 +115,17 @@ def plan(
     if members is None:
         members = [sorted(m, key=(lambda t: order[t]) if order is not None else None) for m in derived]
     out_groups = tuple(replace(g, flat_indices=tuple(m)) for g, m in zip(source.groups, members, strict=True))
-    return Plan(source, target, out_groups, flats, _is_identity(source, target))
+    shards = (ShardIndex.of(target.flat_params), ShardIndex.of(source.flats))
+    return Plan(source, target, out_groups, flats, _is_identity(source, target), *shards)
+
+
+def _check_extra(source: Source, where: Mapping[str, Any], target: ModelLayout, errors: list[str]) -> None:
+    target_names = {name for flat in target.flat_params for name in flat.names}
+    extra = sorted(name for name in where if name not in target_names)
+    if extra:
+        errors.append(
+            f"{source.label} has parameter '{extra[0]}' (and {len(extra) - 1} more), which the model does not have"
+        )
 
 
 def _check_world_sizes(target: ModelLayout, errors: list[str]) -> None:
@@ -345,102 +290,3 @@ def _is_identity(source: Source, target: ModelLayout) -> bool:
         s.params == t.params and s.world_size == t.world_size and s.dtype == t.dtype
         for s, t in zip(source.flats, target.flat_params)
     )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Executors: the plan, per rank or whole. They only copy; every check happened in plan().
-
-
-def cut_rank(
-    plan: Plan, rank: int, read: Reader | None = None, *, after_unit: Callable[[], None] | None = None
-) -> dict[int, dict[str, Any]]:
-    """Rank ``rank``'s state ``{target flat index: {key: padded shard or scalar}}``; every tensor new memory.
-
-    Only the source elements that land in the rank's slice are read (through ``read``, default the
-    source's own). ``after_unit`` runs after each flat (to release file mappings).
-    """
-    read = read or plan.source.reader(rank)
-    out: dict[int, dict[str, Any]] = {}
-    for t, flat_plan in plan.flats.items():
-        bounds = plan.target.flat_params[t].bounds(rank if plan.target.flat_params[t].world_size > 1 else 0)
-        entries: dict[str, Any] = {}
-        for e in flat_plan.entries:
-            if e.kind is StateKind.SCALAR:
-                entries[e.key] = clone_value(e.value)
-                continue
-            # Segments tile the flat, so each real element is written once; only the padding needs zeros.
-            shard = torch.empty(bounds.numel, dtype=dtype_from_str(e.dtype, where=e.key))
-            shard[bounds.real :].zero_()
-            _copy_range(flat_plan.segments, e.key, bounds.start, bounds.stop, shard, read)
-            entries[e.key] = shard
-        out[t] = entries
-        if after_unit is not None:
-            after_unit()
-    return out
-
-
-def assemble_full(
-    plan: Plan,
-    read: Reader | None = None,
-    *,
-    after_unit: Callable[[], None] | None = None,
-    per_rank: int | None = None,
-) -> dict[int, dict[str, Any]]:
-    """Every target flat's full state ``{target flat index: {key: flat tensor (numel,) or scalar}}``, new memory.
-
-    Shared flats only by default; with ``per_rank=r``, only the per-rank flats, as rank ``r`` holds them.
-    """
-    read = read or (plan.source.read if per_rank is None else plan.source.reader(per_rank))
-    out: dict[int, dict[str, Any]] = {}
-    for t, flat_plan in plan.flats.items():
-        if plan.target.flat_params[t].per_rank != (per_rank is not None):
-            continue
-        numel = plan.target.flat_params[t].numel
-        entries: dict[str, Any] = {}
-        for e in flat_plan.entries:
-            if e.kind is StateKind.SCALAR:
-                entries[e.key] = clone_value(e.value)
-                continue
-            flat_full = torch.empty(numel, dtype=dtype_from_str(e.dtype, where=e.key))
-            _copy_range(flat_plan.segments, e.key, 0, numel, flat_full, read)
-            entries[e.key] = flat_full
-        out[t] = entries
-        if after_unit is not None:
-            after_unit()
-    return out
-
-
-def restrict(plan: Plan, flat: int, key: str | None = None) -> Plan:
-    """``plan`` for target flat ``flat`` only (and only state ``key``): the executors then build one unit, or one
-    state tensor, so a writer that streams its output (one tensor at a time) never holds more. Nothing is re-checked."""
-    flat_plan = plan.flats[flat]
-    entries = tuple(e for e in flat_plan.entries if key is None or e.key == key)
-    return replace(plan, flats={flat: FlatPlan(entries, flat_plan.segments)})
-
-
-def _copy_range(segments: Sequence[Segment], key: str, start: int, stop: int, out: torch.Tensor, read: Reader) -> None:
-    """Fill ``out`` with elements ``[start, stop)`` of a target flat from the segments that overlap them."""
-    for seg in segments:
-        lo, hi = max(seg.start, start), min(seg.stop, stop)
-        if lo < hi:
-            first = seg.source_start + lo - seg.start
-            read(seg.source, key, first, first + hi - lo, out[lo - start : hi - start])
-
-
-def optimizer_state_dict(plan: Plan, state: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
-    """``{target flat: entries}`` -> what ``optim.load_state_dict`` takes; ids follow the plan's groups.
-
-    ``{"state": {local_id: {key: shard or scalar}}, "param_groups": [{...hyperparams, "params": [local_id]}]}``
-    """
-    out_state: dict[int, Any] = {}
-    out_groups = []
-    next_id = 0
-    for group in plan.groups:
-        ids = []
-        for t in group.flat_indices:
-            if t in state:
-                out_state[next_id] = dict(state[t])
-            ids.append(next_id)
-            next_id += 1
-        out_groups.append({**{k: clone_value(v) for k, v in group.hyperparams.items()}, "params": ids})
-    return {"state": out_state, "param_groups": out_groups}

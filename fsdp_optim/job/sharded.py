@@ -18,7 +18,7 @@ from torch import nn
 
 from fsdp_optim.core.elementwise import check_elementwise, state_keys
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan
+from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import new_save_id
@@ -243,7 +243,9 @@ def load_sharded_optim_state(
             own = ckpt.load_rank(rank)
             state = {i: own[i] for i in the_plan.flats}
         else:
-            ckpt.open_all()  # before cut_rank allocates what the manifest declares
+            # Before cut_rank allocates what the manifest declares: the rank files this rank reads, checked
+            # (found by interval lookup; a rank re-cut from W to W/2 reads about two files, not W).
+            ckpt.open_ranks(saved_ranks(the_plan, rank) or [0])
             state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
     optim.load_state_dict(optimizer_state_dict(the_plan, state))
 

@@ -19,7 +19,7 @@ a consumer that copies what it needs keeps its resident memory near its own outp
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from fsdp_optim.core.checksums import digest_matches
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
+from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
@@ -135,12 +136,12 @@ def _nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if torch.is_tensor(value) else 0
 
 
-def _declared_bytes(manifest: Manifest) -> int:
+def _declared_bytes(manifest: Manifest, shards: ShardIndex) -> int:
     """Bytes of sharded state the manifest says every rank file holds (one shard of each unit, padding
     included; a unit over one rank whole): a file smaller than that was not written from this manifest."""
     total = 0
-    for flat in manifest.flat_params:
-        shard_numel = -(-flat.numel // flat.world_size)
+    for i, flat in enumerate(manifest.flat_params):
+        shard_numel = shards.shard_numel(i)
         for e in flat.state:
             if e.kind is StateKind.SHARDED:
                 total += shard_numel * dtype_from_str(e.dtype, where=e.key).itemsize
@@ -150,10 +151,11 @@ def _declared_bytes(manifest: Manifest) -> int:
 class _RankFile:
     """One rank file, mapped lazily; its header is checked against the manifest on first use."""
 
-    def __init__(self, directory: Path, record: FileRecord, manifest: Manifest) -> None:
+    def __init__(self, directory: Path, record: FileRecord, manifest: Manifest, shards: ShardIndex) -> None:
         self.path = directory / record.file
         self.record = record
         self.manifest = manifest
+        self.shards = shards
         self.payload: Mapping[str, Any] | None = None
         self.verified: set[int] = set()
 
@@ -164,7 +166,7 @@ class _RankFile:
             self._check_header(payload)
             # What the manifest's shapes make readers allocate is bounded by what the files really hold
             # (and by what the manifest itself says they hold).
-            declared = _declared_bytes(self.manifest)
+            declared = _declared_bytes(self.manifest, self.shards)
             check_stored_bytes(str(self.path), declared, self.path.stat().st_size)
             check_stored_bytes(f"{self.path} (as the manifest records it)", declared, self.record.nbytes)
             self.payload = payload
@@ -230,7 +232,7 @@ class _RankFile:
         if flat_index not in self.verified:
             if not digest_matches(entries, payload["unit_checksums"].get(flat_index)):
                 raise ValueError(f"{where}: checksum mismatch (file is corrupt or was modified)")
-            shard_numel = flat.layout(self.record.rank).shard_numel
+            shard_numel = self.shards.shard_numel(flat_index)
             if set(entries) != {e.key for e in flat.state}:
                 raise ValueError(f"{where}: state keys {sorted(entries)}, expected {[e.key for e in flat.state]}")
             for e in flat.state:
@@ -272,8 +274,13 @@ class ShardedCheckpoint:
         if not self.manifest.files:
             raise ValueError(f"{path}: the manifest lists no rank files (a layout file, not a checkpoint)")
         self.max_mapped_bytes = max_mapped_bytes
-        kind = RankFile if self.manifest.version >= 2 else _RankFile
-        self._files: dict[int, Any] = {f.rank: kind(self.directory, f, self.manifest) for f in self.manifest.files}
+        self.shards = ShardIndex.of(self.manifest.flat_params)  # per-unit ints: ranks and ranges by arithmetic
+        self._files: dict[int, Any] = {
+            f.rank: RankFile(self.directory, f, self.manifest)
+            if self.manifest.version >= 2
+            else _RankFile(self.directory, f, self.manifest, self.shards)
+            for f in self.manifest.files
+        }
         self._mapped = 0
         self.peak_mapped = 0
         if not lazy:
@@ -286,7 +293,12 @@ class ShardedCheckpoint:
         cannot make a reader allocate more than the rank files really hold. Only a reader that reads
         nothing but its own rank's file (:meth:`load_rank`, a job at the saved layout) opens lazily.
         """
-        for f in self._files.values():
+        self.open_ranks(self._files)
+
+    def open_ranks(self, ranks: Iterable[int]) -> None:
+        """:meth:`open_all` for rank files ``ranks`` only: those a plan reads (``core.plan.saved_ranks``)."""
+        for rank in ranks:
+            f = self._files[rank]
             f.open() if isinstance(f, RankFile) else f.open(mmap=True)
 
     def source(self) -> Source:
@@ -360,12 +372,9 @@ class ShardedCheckpoint:
 
     def copy_range(self, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Copy elements ``[start, stop)`` of flat parameter ``flat_index``'s full state ``key`` into ``out``."""
-        flat = self.manifest.flat_params[flat_index]
-        for rank in range(flat.world_size):
-            bounds = flat.layout(rank).bounds()
-            lo, hi = max(start, bounds.start), min(stop, bounds.stop)
-            if lo < hi:
-                self._copy(rank, flat_index, key, lo - bounds.start, hi - bounds.start, out[lo - start : hi - start])
+        chunk = self.shards.shard_numel(flat_index)
+        for rank, lo, hi in self.shards.pieces(flat_index, start, stop):  # only the ranks holding [start, stop)
+            self._copy(rank, flat_index, key, lo - rank * chunk, hi - rank * chunk, out[lo - start : hi - start])
 
     def _copy(self, rank: int, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements ``[start, stop)`` of rank ``rank``'s shard of ``key`` into ``out``."""

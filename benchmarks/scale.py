@@ -1,0 +1,190 @@
+"""Benchmark: sharded checkpoints at scale (many ranks, many units), ours against the floors, in one run.
+
+    python -m benchmarks.scale                          # default: ~5 min on 2 cores
+    python -m benchmarks.scale --offline 256x256,1024x64 --plan 4096x1000 --skip-jobs   # the big offline sizes
+    python -m benchmarks.scale --offline "" --plan "" --jobs 32,16                      # a 32-rank job
+    python -m benchmarks.scale --skip-jobs --offline 64x64 --out benchmarks/out              # a quick look
+
+1. Offline, one process (``WxU``: a checkpoint of ``U`` units at ``W`` ranks, made by resharding a full dict;
+   1,536 float32 elements per unit, so ~12 KiB of Adam state per unit in all): ``reshard`` to ``3W/4``
+   ranks against the read-everything-write-everything floor (the same rank files read with the plain
+   loader, the same number of files of the same bytes written, ``fsync`` per file: ``scale_ops``);
+   ``consolidate`` (+ ``torch.save`` + ``fsync`` of the full dict) against its floor (one file written);
+   ``fsdp-optim inspect --units``. Each operation runs in a forked child: its time and peak RSS growth.
+2. Planning only (``WxU``): one rank of a job re-cutting a ``W``-rank checkpoint for ``3W/4`` ranks: its
+   manifest's dict parsed and checked, the one plan, the rank's reads and the saved ranks they touch.
+   Seconds and tracemalloc's peak; and the same for each offline checkpoint, from its manifest file as written.
+3. In a job (``--jobs``: world sizes, largest first, 128 units): gather to rank 0, save, load at the same
+   world size, and load the checkpoint of the job of twice the ranks (a re-cut), against the same-W load.
+
+Prints tables, writes ``<out>/scale.json``, ``scale.md`` and ``scale.png`` (default ``benchmarks/results``).
+Checkpoints live on tmpfs (``/dev/shm``) so that the time is the code's, not the disk's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import scale_job, scale_ops, spawn
+from fsdp_optim import consolidate, reshard
+from fsdp_optim.formats.sharded.manifest import Manifest
+
+# ---- configuration ---------------------------------------------------------------------------------
+OFFLINE = ((16, 64), (64, 64), (64, 256))  # (W, units)
+PLAN = ((256, 100), (1024, 100), (4096, 100), (256, 1000), (1024, 1000), (4096, 1000))
+JOBS = (16, 8, 4)
+JOB_UNITS = 128
+JOB_WIDTH = 16
+REPEATS = 3
+PER_UNIT = 1536
+STORAGE = Path("/dev/shm")
+RESULTS = Path(__file__).parent / "results"
+# -----------------------------------------------------------------------------------------------------
+
+
+def _sizes(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((int(w), int(u)) for w, u in (part.split("x") for part in text.split(",") if part))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
+    p.add_argument("--offline", type=_sizes, default=OFFLINE, help="WxU,... checkpoints for reshard/consolidate")
+    p.add_argument("--plan", type=_sizes, default=PLAN, help="WxU,... sizes planned for one rank")
+    p.add_argument("--jobs", type=lambda s: tuple(int(x) for x in s.split(",")), default=JOBS, help="job world sizes")
+    p.add_argument("--skip-jobs", action="store_true")
+    p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--dir", type=Path, default=STORAGE, help="where checkpoints are written (default tmpfs)")
+    return p.parse_args(argv)
+
+
+def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
+    """One checkpoint of ``units`` at ``world_size``: made, inspected, resharded, consolidated; and the floors."""
+    new_size = world_size * 3 // 4
+    lay = scale_ops.layout(units, world_size, PER_UNIT)
+    src = root / "src"
+    root.mkdir(parents=True, exist_ok=True)
+    row: dict[str, Any] = {"world_size": world_size, "units": units, "to": new_size}
+
+    def make() -> None:
+        reshard(scale_ops.full_dict(lay), world_size, src, layout=Manifest.from_layout(lay, save_id="layout"))
+
+    row["make_s"], row["make_rss"], _ = scale_ops.in_child(make)
+    row["disk_bytes"] = scale_ops.disk_bytes(src)
+    files = sorted(src.glob("optim-*"))
+    measured = {
+        "inspect": lambda: scale_ops.inspect(src),
+        "floor_reshard": lambda: scale_ops.floor_reshard(files, new_size, root / "floor-r"),
+        "reshard": lambda: reshard(src, new_size, root / "resharded"),
+        "floor_consolidate": lambda: scale_ops.floor_consolidate(files, root / "floor-c"),
+        "consolidate": lambda: scale_ops._save_durably(consolidate(src), root / "full.pt"),
+    }
+    for name, fn in measured.items():
+        row[f"{name}_s"], row[f"{name}_rss"], _ = scale_ops.in_child(fn)
+    _, rss, planned = scale_ops.in_child(
+        lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT, from_file=src, traced=False)
+    )
+    manifest_bytes = sum(p.stat().st_size for p in src.glob("manifest.*"))
+    row["plan_from_file"] = {"world_size": world_size, "units": units, "source": "file", "rss": rss,
+                             "manifest_bytes": manifest_bytes, **planned}
+    row["resharded_disk_bytes"] = scale_ops.disk_bytes(root / "resharded")
+    row["floor_disk_bytes"] = scale_ops.disk_bytes(root / "floor-r")
+    row["reshard_x_floor"] = row["reshard_s"] / row["floor_reshard_s"]
+    row["consolidate_x_floor"] = row["consolidate_s"] / row["floor_consolidate_s"]
+    return row
+
+
+def warm_up(root: Path) -> None:
+    """Every measured path once, in this process, on 2 units at 2 ranks: the forked children then start with
+    everything imported and every one-time cost paid (as a long-running tool would)."""
+    lay = scale_ops.layout(2, 2, PER_UNIT)
+    reshard(scale_ops.full_dict(lay), 2, root / "src", layout=Manifest.from_layout(lay, save_id="layout"))
+    files = sorted((root / "src").glob("optim-*"))
+    scale_ops.inspect(root / "src")
+    scale_ops.floor_reshard(files, 1, root / "floor-r")
+    reshard(root / "src", 1, root / "resharded")
+    scale_ops.floor_consolidate(files, root / "floor-c")
+    scale_ops._save_durably(consolidate(root / "src"), root / "full.pt")
+    scale_ops.plan_one_rank(2, 4, PER_UNIT, traced=False)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def planning(sizes: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
+    rows = []
+    for world_size, units in sizes:
+        _, rss, result = scale_ops.in_child(lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT))
+        rows.append({"world_size": world_size, "units": units, "source": "dict", "rss": rss, **result})
+    return rows
+
+
+def jobs(world_sizes: tuple[int, ...], repeats: int, root: Path) -> list[dict[str, Any]]:
+    rows, previous = [], None
+    for world_size in sorted(world_sizes, reverse=True):
+        own = root / f"job{world_size}"
+        other = str(root / f"job{previous}") if previous == 2 * world_size else None
+        t0 = time.perf_counter()
+        results = spawn.run_ranks(scale_job.run, world_size, JOB_UNITS, JOB_WIDTH, str(own), other, repeats)
+        row = {**results[0], "job_s": time.perf_counter() - t0, "disk_bytes": scale_ops.disk_bytes(own)}
+        if other is not None:
+            row["from"] = previous
+            row["other_x_same"] = row["load_other_s"] / row["load_same_s"]
+        rows.append(row)
+        print(f"  job W={world_size}: {time.perf_counter() - t0:.0f} s", flush=True)
+        previous = world_size
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks.scale_report import plot, tables
+
+    args = parse_args(argv)
+    started = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="fsdp-optim-scale-", dir=args.dir))
+    try:
+        result: dict[str, Any] = {"machine": _machine(), "commit": _commit(), "per_unit": PER_UNIT, "offline": [],
+                                  "planning": [], "jobs": []}
+        warm_up(root / "warm-up")
+        for world_size, units in args.offline:
+            print(f"offline W={world_size} units={units}", flush=True)
+            result["offline"].append(offline(world_size, units, root / f"off-{world_size}x{units}"))
+            shutil.rmtree(root / f"off-{world_size}x{units}", ignore_errors=True)
+        print("planning", flush=True)
+        result["planning"] = planning(args.plan) + [r["plan_from_file"] for r in result["offline"]]
+        if not args.skip_jobs:
+            print(f"jobs W={args.jobs}", flush=True)
+            result["jobs"] = jobs(args.jobs, args.repeats, root)
+        result["seconds"] = time.perf_counter() - started
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text = tables(result)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scale.json").write_text(json.dumps(result, indent=1))
+    (args.out / "scale.md").write_text(text + "\n")
+    plot(result, args.out / "scale.png")
+    print(f"wrote {args.out}/scale.{{json,md,png}} in {result['seconds']:.0f} s")
+
+
+def _machine() -> str:
+    import os
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The offline and planning measurements of ``benchmarks.scale``: synthetic layouts, our operations, their floors.
+
+Every timed operation runs in a forked child (:func:`in_child`) that reports its wall time and its peak RSS
+growth (``VmHWM``, reset at the start, minus the RSS it started with), so one operation's memory never
+hides another's.
+
+- A checkpoint of ``units`` FSDP units at world size ``W`` is made by resharding a full dict (Adam:
+  ``exp_avg``, ``exp_avg_sq`` per parameter, ``step``): each unit holds ``per_unit`` float32 elements (a
+  weight and a bias), so the state per rank is tiny and the cost is the bookkeeping, not the bytes.
+- Floors (``floor_reshard``, ``floor_consolidate``): read every rank file with the plain loader
+  (``safetensors.torch.load_file``; ``torch.load`` for format-1 files), copy every element once into ``W'``
+  equal buffers (or one), and write each as a safetensors file of one tensor, as a format-2 rank file is,
+  with an ``fsync`` per file. No checks, no checksums, no manifest, no staging, no re-cutting per unit.
+- Planning (:func:`plan_one_rank`): a manifest's dict parsed and checked (``Manifest.from_dict``), one plan
+  against the same units re-cut for ``3W/4`` ranks, then one rank's reads and the saved ranks they touch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import io
+import os
+import pickle
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from fsdp_optim.cli import main as cli_main
+from fsdp_optim.core.flatten import StateKind
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
+from fsdp_optim.core.plan import plan, rank_reads, saved_ranks
+from fsdp_optim.core.records import GroupRecord, StateEntry
+from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
+from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
+from fsdp_optim.formats.sharded.reader import read_manifest
+
+KEYS = ("exp_avg", "exp_avg_sq")
+BIAS = 16
+
+
+def layout(units: int, world_size: int, per_unit: int) -> ModelLayout:
+    """``units`` flattened units ``u{k}`` (``u{k}.w``: per_unit - 16 elements, ``u{k}.b``: 16) over ``world_size``."""
+    flats, names = [], []
+    for u in range(units):
+        w, b = ParamSpec(f"u{u}.w", (per_unit - BIAS,), 0), ParamSpec(f"u{u}.b", (BIAS,), per_unit - BIAS)
+        flats.append(FlatParamLayout(f"u{u}", (w, b), world_size, 0, torch.float32, True))
+        names += [w.name, b.name]
+    return ModelLayout(tuple(flats), tuple(names), world_size, 0)
+
+
+def full_dict(lay: ModelLayout) -> dict[str, Any]:
+    """Adam's full dict for ``lay``: random ``exp_avg`` / ``exp_avg_sq``, ``step`` 3."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {p.name: p.shape for f in lay.flat_params for p in f.params}
+    state = {
+        pid: {"step": torch.tensor(3.0), "exp_avg": torch.randn(shapes[n], generator=g), "exp_avg_sq": torch.rand(shapes[n], generator=g)}
+        for pid, n in enumerate(lay.param_order)
+    }
+    meta = {"version": FORMAT_VERSION, "optimizer": "Adam", "world_size": lay.world_size, "scalar_keys": ["step"]}
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(lay.param_order)))}]
+    return {"state": state, "param_groups": groups, "param_names": dict(enumerate(lay.param_order)), FORMAT_KEY: meta}
+
+
+def manifest(units: int, world_size: int, per_unit: int) -> Manifest:
+    """The manifest such a checkpoint has (no files): what a reader of one rank parses and plans from."""
+    entries = (
+        *(StateEntry(k, StateKind.SHARDED, dtype="float32") for k in KEYS),
+        StateEntry("step", StateKind.SCALAR, value=torch.tensor(3.0)),
+    )
+    return Manifest.from_layout(
+        layout(units, world_size, per_unit),
+        save_id="0" * 32,
+        optimizer="Adam",
+        state=dict.fromkeys(range(units), entries),
+        groups=(GroupRecord({"lr": 1e-3}, tuple(range(units))),),
+    )
+
+
+def in_child(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    """``fn()`` in a forked child: ``(seconds, peak RSS growth in bytes, its picklable result)``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, report, leave without running the parent's cleanup
+        os.close(read)
+        try:
+            torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread, like every floor here
+            # A forked child inherits its parent's peak (ru_maxrss too): reset it, measure from here.
+            Path("/proc/self/clear_refs").write_text("5")
+            start_rss = _status("VmRSS")
+            t0 = time.perf_counter()
+            result = fn()
+            seconds = time.perf_counter() - t0
+            peak = _status("VmHWM") - start_rss
+            payload = pickle.dumps(("ok", seconds, max(peak, 0), result))
+        except BaseException as exc:  # reported to the parent, which raises it
+            payload = pickle.dumps(("error", 0.0, 0, repr(exc)))
+        with os.fdopen(write, "wb") as f:
+            f.write(payload)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        status, seconds, peak, result = pickle.loads(f.read())
+    os.waitpid(pid, 0)
+    if status != "ok":
+        raise RuntimeError(f"measured operation failed: {result}")
+    return seconds, peak, result
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory field in bytes (``VmRSS``: resident now, ``VmHWM``: peak since the reset)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def disk_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def inspect(directory: Path) -> int:
+    """``fsdp-optim inspect DIR --units``: its output lines (what a user reads at this scale)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(["inspect", str(directory), "--units"])
+    assert code == 0, out.getvalue()[-400:]
+    return len(out.getvalue().splitlines())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Floors
+
+
+def _save_durably(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    safetensors.torch.save_file(tensors, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_all(files: list[Path]) -> list[torch.Tensor]:
+    """Every tensor of every rank file, read into memory with the plain loaders (no checks, no checksums)."""
+    out: list[torch.Tensor] = []
+    for path in files:
+        if path.suffix == ".safetensors":
+            out += safetensors.torch.load_file(str(path)).values()
+        else:
+            payload = torch.load(path, mmap=True, weights_only=True)
+            out += [v.clone() for e in payload["state"].values() for v in e.values() if torch.is_tensor(v) and v.dim()]
+    return out
+
+
+def _write_parts(tensors: list[torch.Tensor], parts: int, out: Path, name: str) -> None:
+    """Copy the tensors' elements once, as one stream, into ``parts`` equal buffers; write each (one tensor a
+    file, as a format-2 rank file holds one tensor per dtype) with an fsync."""
+    numel = sum(t.numel() for t in tensors)
+    bounds = [numel * k // parts for k in range(parts + 1)]
+    bufs = [torch.empty(bounds[k + 1] - bounds[k]) for k in range(parts)]
+    cursor = 0
+    for t in tensors:
+        start, stop = cursor, cursor + t.numel()
+        first = max(bisect.bisect_right(bounds, start) - 1, 0)
+        for k in range(first, parts):
+            lo, hi = max(start, bounds[k]), min(stop, bounds[k + 1])
+            if lo >= hi:
+                break
+            bufs[k][lo - bounds[k] : hi - bounds[k]].copy_(t.reshape(-1)[lo - start : hi - start])
+        cursor = stop
+    out.mkdir(parents=True, exist_ok=True)
+    for k, buf in enumerate(bufs):
+        _write_safetensors({"float32": buf}, out / f"{name}{k}.safetensors")
+
+
+def floor_reshard(files: list[Path], new_size: int, out: Path) -> None:
+    """Read every rank file, write ``new_size`` files of the same bytes, fsync each."""
+    _write_parts(_read_all(files), new_size, out, "rank")
+
+
+def floor_consolidate(files: list[Path], out: Path) -> None:
+    """Read every rank file, write one file of the same bytes, fsync it."""
+    _write_parts(_read_all(files), 1, out, "full")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Planning one rank
+
+
+def plan_one_rank(units: int, world_size: int, per_unit: int, *, from_file: Path | None = None, traced: bool = True) -> dict[str, Any]:
+    """Parse + check a manifest (its dict, or the checkpoint ``from_file``'s as written), plan a re-cut to ``3W/4``,
+    plan one rank.
+
+    Returns seconds per phase (untraced) and, with ``traced``, tracemalloc's peak over a second run.
+    """
+    body = manifest(units, world_size, per_unit).to_dict() if from_file is None else None
+    rank = world_size // 3  # a rank with real elements in every unit, away from the edges
+
+    def phases() -> dict[str, float]:
+        t0 = time.perf_counter()
+        m = read_manifest(from_file) if from_file is not None else Manifest.from_dict(body, source="manifest")
+        t1 = time.perf_counter()
+        the_plan = plan(manifest_source(m, "ckpt", lambda *a: None), m.with_world_size(world_size * 3 // 4).layout(0))
+        t2 = time.perf_counter()
+        reads = rank_reads(the_plan, rank)
+        files = saved_ranks(the_plan, rank, reads)
+        t3 = time.perf_counter()
+        assert reads and files, (units, world_size)
+        return {"read_s": t1 - t0, "plan_s": t2 - t1, "rank_s": t3 - t2, "files": len(files), "reads": len(reads)}
+
+    phases()  # warm-up: first calls pay one-time costs (lazy imports, caches)
+    timed = phases()
+    out: dict[str, Any] = {**timed, "total_s": timed["read_s"] + timed["plan_s"] + timed["rank_s"]}
+    if traced:
+        tracemalloc.start()
+        phases()
+        out["peak_traced"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return out
