@@ -13,9 +13,10 @@ disturbed run is the best estimate of the code's cost; page cache warm, files on
 - ``consolidate``: the full dict (``fsdp_optim.consolidate``).
 
 and compared with the floor of its format, reading every file whole: ``torch.load(f, weights_only=True)``
-of each format-1 file, ``safetensors.torch.load(f.read_bytes())`` of each format-2 rank file. ``bytes`` is the size on
+of each format-1 file, ``safetensors.torch.load_file`` of each format-2 rank file with every tensor copied
+into memory (``load_file`` maps the file; the copy reads it). ``bytes`` is the size on
 disk; ``read/payload`` is the bytes a format-2 other-W load hashed (read) over the shards' bytes (which it copies).
-Each result is compared bit for bit with the state written. Prints a table, writes JSON.
+Each result is checked bit for bit against the state written. Prints a table, writes JSON.
 
 ``python -m benchmarks.format2 [--quick] [--dir DIR] [--layout]``; ``--layout`` prints the rank-file
 header measurement behind the per-dtype layout (see ``fsdp_optim/formats/sharded/segments.py``).
@@ -122,7 +123,7 @@ def floor_v1(directory: Path) -> None:
 
 def floor_v2(directory: Path) -> None:
     for f in sorted(directory.glob("*.safetensors")):
-        safetensors.torch.load(f.read_bytes())  # load_file maps the file lazily: this reads it
+        _ = {k: v.clone() for k, v in safetensors.torch.load_file(f).items()}  # load_file maps lazily: clone reads
     json.loads((directory / "manifest.json").read_bytes())
 
 
