@@ -8,33 +8,17 @@ Real files from a real world-size-2 fairscale job (SGD with momentum: state ``mo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import _models as M
 import pytest
 import torch
 from _dist import run_ranks
+from test_cli import _job  # the same real job: a sharded checkpoint, its full dict, fairscale's native dict
 
-from fsdp_optim import consolidate, reshard, save_sharded_optim_state
+from fsdp_optim import consolidate, reshard
 from fsdp_optim.cli import main
 from fsdp_optim.formats.kinds import Kind, detect
 from fsdp_optim.formats.sharded.reader import read_manifest
-
-
-def _job(rank: int, world_size: int, out: str) -> None:
-    from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
-
-    root = M.wrap(M.make_net(), "deep")
-    optim = M.OPTIMIZERS["sgd_momentum"](root.parameters())
-    for step in range(2):
-        M.train_step(root, optim, *M.local_batch(step, rank, world_size))
-    save_sharded_optim_state(root, optim, os.path.join(out, "ckpt"))
-    full = root.gather_full_optim_state_dict(optim)
-    native = FairscaleFSDP.gather_full_optim_state_dict(root, optim)
-    if rank == 0:
-        torch.save(full, os.path.join(out, "full.pt"))
-        torch.save(native, os.path.join(out, "native.pt"))
 
 
 @pytest.fixture(scope="module")

@@ -36,34 +36,22 @@ def fsync_dir(directory: Path) -> None:
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str], *, tag: str | None = None) -> int:
-    """``torch.save(obj)`` to ``path`` through a temporary file, fsync and rename. Returns the file's size.
+    """``torch.save(obj)`` to ``path`` through :func:`atomic_write` (temporary file, fsync, rename). Returns the
+    file's size. torch's zip writer reports a failed write (disk full, file too large) as a bare ``RuntimeError``
+    about stream positions; the operating system's error and the file are raised instead."""
+    writers: list[_RecordingWriter] = []
 
-    The temporary file is ``.<name>[.<tag>].tmp.<pid>.<random>`` beside ``path``, created exclusively
-    (never through an existing file or symlink); a writer that journals ``tag`` before writing lets the
-    next holder of its lock recognise the file if it is killed (:func:`begin_write`).
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}{f'.{tag}' if tag else ''}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    writer = None
+    def write(file: BinaryIO) -> None:
+        writers.append(_RecordingWriter(file))
+        torch.save(obj, cast("IO[bytes]", writers[-1]))
+
     try:
-        with open(tmp, "xb") as f:
-            writer = _RecordingWriter(f)
-            torch.save(obj, cast("IO[bytes]", writer))
-            f.flush()
-            os.fsync(f.fileno())
-        size = tmp.stat().st_size
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        # torch.save's zip writer reports a failed write (disk full, file too large) as a bare
-        # RuntimeError about stream positions; surface the operating system's error and the file.
-        cause = exc if isinstance(exc, OSError) else (writer.error if writer is not None else None)
-        if cause is not None and isinstance(exc, (OSError, RuntimeError)):
-            raise OSError(cause.errno, f"{path}: cannot write the checkpoint file: {cause.strerror or cause}") from exc
-        raise
-    fsync_dir(path.parent)
-    return size
-
+        return atomic_write(path, write, tag=tag)[0]
+    except RuntimeError as exc:
+        cause = writers[-1].error if writers else None
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"{path}: cannot write the checkpoint file: {cause.strerror or cause}") from exc
 
 
 T = TypeVar("T")
@@ -72,7 +60,12 @@ T = TypeVar("T")
 def atomic_write(
     path: str | os.PathLike[str], write: Callable[[BinaryIO], T], *, tag: str | None = None
 ) -> tuple[int, T]:
-    """Like :func:`atomic_save`, for a file whose bytes ``write(file)`` writes: ``(its size, what write returned)``."""
+    """Write ``path`` atomically: ``write(file)`` fills a temporary file beside it, which is flushed, fsynced and
+    renamed over ``path``, then the directory is fsynced; returns ``(the file's size, what write returned)``.
+
+    The temporary file is ``.<name>[.<tag>].tmp.<pid>.<random>``, created exclusively (never through an existing
+    file or symlink); a writer that journals ``tag`` before writing lets the next holder of its lock recognise
+    the file if it is killed (``disk/staged.py``). A failure removes it and leaves ``path`` as it was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{f'.{tag}' if tag else ''}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
