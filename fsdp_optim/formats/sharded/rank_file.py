@@ -302,8 +302,8 @@ class RankFile:
             if size is None or size >= nbytes:
                 raise
             raise ValueError(
-                f"{self.path}: truncated: {size} of {nbytes} bytes (the size the manifest records; a copy or write "
-                f"that did not finish?): {str(exc).removeprefix(f'{self.path}: ')}"
+                f"{exc}; truncated: {size} of {nbytes} bytes, the size the manifest records (a copy or write that did "
+                "not finish?)"
             ) from None
 
     def _check(self, file: MappedFile) -> None:
@@ -332,8 +332,7 @@ class RankFile:
                 f"{self.record.checksum}"
             )
         if file.size != self.record.nbytes:
-            what = "truncated: " if file.size < self.record.nbytes else ""
-            raise ValueError(f"{where}: {what}{file.size} of {self.record.nbytes} bytes, the size the manifest records")
+            raise ValueError(f"{where}: {file.size} bytes, but the manifest records {self.record.nbytes}")
         tensors = {name: numel for name, (_, numel, _) in file.header.tensors.items()}
         self.segments = check_segments(
             self.record.segments,

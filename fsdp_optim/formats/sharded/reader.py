@@ -182,10 +182,10 @@ class _RankFile:
                 f"{self.path}: no such file: the manifest lists it as rank {self.record.rank}'s file of {nbytes} "
                 "bytes (the checkpoint is damaged; fsdp-optim verify checks every file)"
             ) from None
-        except ValueError:
+        except ValueError as exc:
             size = self.path.stat().st_size if self.path.is_file() else None
-            if size is None or size >= nbytes:
-                raise
+            if size is None or size >= nbytes or "cannot be read with torch.load" not in str(exc):
+                raise  # readable but refused (a forged file): that refusal says what is wrong
             raise ValueError(
                 f"{self.path}: cannot be read with torch.load(weights_only=True): truncated: {size} of {nbytes} bytes "
                 "(the size the manifest records; a copy or write that did not finish?)"
