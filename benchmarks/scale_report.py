@@ -13,18 +13,25 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _get(row: dict[str, Any], key: str, fmt: str) -> str:
+    return format(row[key], fmt) if key in row else "n/a"
+
+
 def tables(result: dict[str, Any]) -> str:
     out = [f"Machine: {result['machine']}; commit {result['commit']}; {result.get('seconds', 0):.0f} s in all.", ""]
     if result["offline"]:
         out += ["Offline (one process; seconds, peak RSS growth in MiB; floor = the same files read with the plain "
-                "loader, the same bytes written to as many files, fsync each):", ""]
+                "loader, the same bytes written to as many files, fsync each; re-cut floor = that plus the manifest "
+                "as plain JSON and every (unit, key) re-cut per output rank):", ""]
         out.append(_table(
-            ["W -> W'", "units", "disk MiB", "make s", "inspect s", "reshard s", "floor s", "x floor", "RSS",
+            ["W -> W'", "units", "disk MiB", "make s", "inspect s", "reshard s", "floor s", "x floor", "re-cut floor s",
+             "x re-cut", "RSS",
              "consolidate s", "floor s", "x floor", "RSS"],
             [[f"{r['world_size']} -> {r['to']}", str(r["units"]), f"{r['disk_bytes'] / MIB:.1f}", f"{r['make_s']:.1f}",
-              f"{r['inspect_s']:.2f}", f"{r['reshard_s']:.1f}", f"{r['floor_reshard_s']:.1f}",
-              f"{r['reshard_x_floor']:.2f}", f"{r['reshard_rss'] / MIB:.0f}", f"{r['consolidate_s']:.1f}",
-              f"{r['floor_consolidate_s']:.1f}", f"{r['consolidate_x_floor']:.2f}", f"{r['consolidate_rss'] / MIB:.0f}"]
+              f"{r['inspect_s']:.2f}", f"{r['reshard_s']:.2f}", f"{r['floor_reshard_s']:.3f}",
+              f"{r['reshard_x_floor']:.1f}", _get(r, "floor_recut_s", ".3f"), _get(r, "reshard_x_recut", ".2f"),
+              f"{r['reshard_rss'] / MIB:.0f}", f"{r['consolidate_s']:.2f}",
+              f"{r['floor_consolidate_s']:.3f}", f"{r['consolidate_x_floor']:.1f}", f"{r['consolidate_rss'] / MIB:.0f}"]
              for r in result["offline"]],
         ))
         out.append("")
