@@ -302,8 +302,8 @@ class RankFile:
             if size is None or size >= nbytes:
                 raise
             raise ValueError(
-                f"{exc}; truncated: {size} of {nbytes} bytes, the size the manifest records (a copy or write that did "
-                "not finish?)"
+                f"{self.path}: truncated: {size} of {nbytes} bytes (the size the manifest records; a copy or write "
+                f"that did not finish?): {str(exc).removeprefix(f'{self.path}: ')}"
             ) from None
 
     def _check(self, file: MappedFile) -> None:
