@@ -82,6 +82,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rest = distributed_args(args[1:], os.environ) if args[0] == "train" else args[1:]
     sys.argv = [f"fairseq-{args[0]}", *rest]
     tool.cli_main()
+    # fairseq leaves its process group up; tearing it down before exit keeps a rank from aborting as the
+    # interpreter exits (seen once under load: SIGABRT after "done training").
+    from fsdp_optim.job.transport import shut_down
+
+    shut_down()
 
 
 if __name__ == "__main__":

@@ -335,4 +335,4 @@ def test_cli_help_lists_the_formats(capsys) -> None:
     assert "fairseq/metaseq shard sets" in text and "PyTorch DCP (convert --to dcp)" in text
     with pytest.raises(SystemExit):
         main(["convert", "--help"])
-    assert "{full,named,dcp}" in capsys.readouterr().out
+    assert "{full,named,dcp,safetensors}" in capsys.readouterr().out

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from fsdp_optim.core.layout import ShardBounds
 
 __all__ = [
+    "shut_down",
     "ProcessGroup",
     "Transfer",
     "agree",
@@ -73,6 +74,13 @@ def new_gloo_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     calls it, in the same order), for work that must not share ``group`` with the training loop."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def shut_down() -> None:
+    """Destroy the default process group if a program left it up: torch's c10d threads must be joined before the
+    interpreter exits, or a process can abort at exit ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def dist_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
