@@ -77,7 +77,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
             rows = [r for r in off if r["units"] == units]
             ws = [r["world_size"] for r in rows]
             ax.plot(ws, [r["reshard_s"] for r in rows], "o-", label=f"reshard, {units} units")
-            ax.plot(ws, [r["floor_reshard_s"] for r in rows], "o--", label=f"floor, {units} units")
+            ax.plot(ws, [r["floor_reshard_s"] for r in rows], "o--", label=f"byte floor, {units} units")
+            if all("floor_recut_s" in r for r in rows):
+                ax.plot(ws, [r["floor_recut_s"] for r in rows], "o:", label=f"re-cut floor, {units} units")
             ax.plot(ws, [r["consolidate_s"] for r in rows], "s-", label=f"consolidate, {units} units")
         ticks = sorted({r["world_size"] for r in off})
         ax.set(xscale="log", yscale="log", xlabel="source world size W", ylabel="seconds", title="offline W -> 3W/4")
