@@ -99,6 +99,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=7)
     jobs = result["jobs"]
+    for ax, shown in zip(axes, (off, plan, jobs)):
+        if not shown:
+            ax.axis("off")
     if jobs:
         ax = axes[2]
         ws = [r["world_size"] for r in jobs]
