@@ -290,8 +290,8 @@ class ShardedCheckpoint:
         """Map every rank file and check its header and size against the manifest (no unit is read yet).
 
         Done before anything is planned or allocated, unless ``lazy=True``: the manifest's shapes then
-        cannot make a reader allocate more than the rank files really hold. Only a reader that reads
-        nothing but its own rank's file (:meth:`load_rank`, a job at the saved layout) opens lazily.
+        cannot make a reader allocate more than the rank files really hold. A job opens lazily: its own
+        file at the saved layout (:meth:`load_rank`), else the files its plan reads (:meth:`open_ranks`).
         """
         self.open_ranks(self._files)
 
