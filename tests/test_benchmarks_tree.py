@@ -1,6 +1,6 @@
 """The benchmarks import what exists: every ``from .x import a`` / ``from . import x`` in ``benchmarks/`` names a
 module of the folder and names it defines, and no benchmark imports a package module that is not there.
-Checked on the source (no benchmark is run or imported: they need the ``bench`` extra)."""
+Checked on the source (no benchmark is run or imported: they need the ``bench`` extra; the package's modules are)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,12 @@ def test_benchmark_imports_resolve(path: Path) -> None:
                     module.name == "__init__.py" and _module_file(module.parent, alias.name) is not None
                 ):  # a name it defines, or a submodule of a package
                     problems.append(f"line {node.lineno}: .{node.module} defines no {alias.name}")
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_optim"):
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fsdp_optim":
             if importlib.util.find_spec(node.module) is None:
                 problems.append(f"line {node.lineno}: no module {node.module}")
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name) and importlib.util.find_spec(f"{node.module}.{alias.name}") is None:
+                    problems.append(f"line {node.lineno}: {node.module} has no {alias.name}")
     assert not problems, f"{path.relative_to(ROOT)}: {problems}"
