@@ -25,10 +25,10 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import torch
 
@@ -289,22 +289,14 @@ class RankFile:
 
     def _map(self) -> MappedFile:
         """The mapped file, its errors saying what the manifest knows: the file's rank and size."""
-        nbytes = self.record.nbytes
-        try:
-            return MappedFile(self.path)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{self.path}: no such file: the manifest lists it as rank {self.record.rank}'s file of {nbytes} "
-                "bytes (the checkpoint is damaged; fsdp-optim verify checks every file)"
-            ) from None
-        except ValueError as exc:
-            size = self.path.stat().st_size if self.path.is_file() else None
-            if size is None or size >= nbytes:
-                raise
-            raise ValueError(
-                f"{self.path}: truncated: {size} of {nbytes} bytes (the size the manifest records; a copy or write "
-                f"that did not finish?): {str(exc).removeprefix(f'{self.path}: ')}"
-            ) from None
+
+        def truncated(exc: ValueError, size: int) -> str:
+            return (
+                f"{self.path}: truncated: {size} of {self.record.nbytes} bytes (the size the manifest records; a copy "
+                f"or write that did not finish?): {str(exc).removeprefix(f'{self.path}: ')}"
+            )
+
+        return open_recorded(self.path, self.record, lambda: MappedFile(self.path), truncated)
 
     def _check(self, file: MappedFile) -> None:
         where, meta = str(self.path), file.header.metadata
@@ -371,3 +363,27 @@ class RankFile:
         if self.file is not None:
             self.file.close()
         self.file = None
+
+
+T = TypeVar("T")
+
+
+def open_recorded(
+    path: Path, record: Any, open_file: Callable[[], T], truncated: Callable[[ValueError, int], str | None]
+) -> T:
+    """``open_file()`` for a rank file a manifest lists (``record``: its rank and size), its errors saying what the
+    manifest knows: a missing file names its rank and size; a ``ValueError`` from a file smaller than recorded is
+    re-raised as ``truncated(exc, size)`` (``None`` keeps the original refusal, which says what is wrong)."""
+    try:
+        return open_file()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path}: no such file: the manifest lists it as rank {record.rank}'s file of {record.nbytes} "
+            "bytes (the checkpoint is damaged; fsdp-optim verify checks every file)"
+        ) from None
+    except ValueError as exc:
+        size = path.stat().st_size if path.is_file() else None
+        message = None if size is None or size >= record.nbytes else truncated(exc, size)
+        if message is None:
+            raise
+        raise ValueError(message) from None

@@ -45,7 +45,7 @@ from fsdp_optim.formats.sharded.manifest import (
     unwrap,
 )
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json
-from fsdp_optim.formats.sharded.rank_file import RankFile
+from fsdp_optim.formats.sharded.rank_file import RankFile, open_recorded
 
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
@@ -174,22 +174,17 @@ class _RankFile:
 
     def _load(self, *, mmap: bool) -> Any:
         """:func:`load_file`, its errors saying what the manifest knows: the file's rank and size."""
-        nbytes = self.record.nbytes
-        try:
-            return load_file(self.path, mmap=mmap, follow_symlinks=False)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{self.path}: no such file: the manifest lists it as rank {self.record.rank}'s file of {nbytes} "
-                "bytes (the checkpoint is damaged; fsdp-optim verify checks every file)"
-            ) from None
-        except ValueError as exc:
-            size = self.path.stat().st_size if self.path.is_file() else None
-            if size is None or size >= nbytes or "cannot be read with torch.load" not in str(exc):
-                raise  # readable but refused (a forged file): that refusal says what is wrong
-            raise ValueError(
-                f"{self.path}: cannot be read with torch.load(weights_only=True): truncated: {size} of {nbytes} bytes "
-                "(the size the manifest records; a copy or write that did not finish?)"
-            ) from None
+
+        def truncated(exc: ValueError, size: int) -> str | None:
+            if "cannot be read with torch.load" not in str(exc):
+                return None  # readable but refused (a forged file): that refusal says what is wrong
+            return (
+                f"{self.path}: cannot be read with torch.load(weights_only=True): truncated: {size} of "
+                f"{self.record.nbytes} bytes (the size the manifest records; a copy or write that did not finish?)"
+            )
+
+        return open_recorded(self.path, self.record, lambda: load_file(self.path, mmap=mmap, follow_symlinks=False),
+                             truncated)
 
     def _check_header(self, payload: Any) -> None:
         where = str(self.path)
