@@ -201,8 +201,12 @@ def floor_recut(src: Path, new_size: int, out: Path) -> None:
     numel = [f["numel"] for f in body["flat_params"]]
     world_size = body["world_size"]
     files = {f["rank"]: safetensors.torch.load_file(str(src / f["file"])) for f in body["files"]}
-    where = {(f["rank"], g["flat"], g["key"]): (g["tensor"], g["offset"]) for f in body["files"] for g in f["segments"]}
-    order = sorted({(u, k) for (_, u, k) in where})
+    # Format 3: shards in (unit, key) order, each ceil(numel / W) elements, the same offsets in every file.
+    order = sorted((u, e["key"]) for u, f in enumerate(body["flat_params"]) for e in f["state"] if e["kind"] == "sharded")
+    offsets = [0]
+    for u, _ in order:
+        offsets.append(offsets[-1] + -(-numel[u] // world_size))
+    where = {(r, u, k): ("float32", offsets[i]) for r in files for i, (u, k) in enumerate(order)}
     out.mkdir(parents=True, exist_ok=True)
     for rank in range(new_size):
         parts = []

@@ -37,13 +37,21 @@ from typing import Any
 
 import torch
 from _dist import forkserver_context
-from _forge import forge_manifest, forge_manifest_json, forge_rank_file, forge_safetensors, read_safetensors, to_format1
+from _forge import (
+    forge_manifest,
+    forge_manifest_json,
+    forge_manifest_text,
+    forge_rank_file,
+    forge_safetensors,
+    read_safetensors,
+    to_format1,
+)
 from _forge import manifest_rank_file as rank_file
 
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME
 
-__all__ = ["forge_manifest", "forge_manifest_json", "forge_rank_file", "forge_safetensors", "rank_file", "to_format1"]
+__all__ = ["forge_manifest", "forge_manifest_json", "forge_manifest_text", "forge_rank_file", "forge_safetensors", "rank_file", "to_format1"]
 
 
 def manifest_of(directory: Path) -> str:

@@ -116,9 +116,25 @@ def forge_manifest_json(directory: Path, edit: Callable[[Any], object], *, raw: 
     body = doc["body"] if raw else from_json(doc["body"], "body")
     edit(body)
     body = body if raw else to_json(body, "body")
-    doc[HEADER_KEY]["checksum"] = digest(_canonical(body))
-    doc["body"] = body
-    path.write_text(json.dumps(doc))
+    head = doc[HEADER_KEY]
+    if head.get("version") == 2:  # format 2: the checksum covers the body's canonical text
+        head["checksum"] = digest(_canonical(body))
+        path.write_text(json.dumps({HEADER_KEY: head, "body": body}))
+        return
+    text = json.dumps(body, separators=(",", ":"))  # format 3: the body's bytes as written, on one line
+    head["checksum"] = digest(text)
+    path.write_text(f'{{"{HEADER_KEY}":{json.dumps(head, separators=(",", ":"))},"body":{text}}}\n')
+
+
+def forge_manifest_text(directory: Path, edit: Callable[[str], str]) -> None:
+    """Rewrite the body of ``directory``'s (format-3) ``manifest.json`` as text with ``edit``, checksum recomputed:
+    what only a text edit can make (an integer too long to parse)."""
+    path = directory / MANIFEST_NAME
+    head, _, rest = path.read_text().partition(',"body":')
+    body = edit(rest[:-2])  # the body, without the closing brace and newline
+    doc_head = json.loads(head[len(f'{{"{HEADER_KEY}":') :])
+    doc_head["checksum"] = digest(body)
+    path.write_text(f'{{"{HEADER_KEY}":{json.dumps(doc_head, separators=(",", ":"))},"body":{body}}}\n')
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, Any], bytes]:

@@ -25,6 +25,7 @@ and requires that only documented exceptions come out, within the same bounds.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import zipfile
@@ -502,7 +503,7 @@ def format2_two_tensors_over_the_same_bytes(case: Case) -> Path:
     return d
 
 
-@attack("bomb", "ValueError", "unit 'block1'", "is 49 elements", "expected 549755813", entries=RANK_FILES)
+@attack("bomb", "ValueError", "unit 'block1'", "alone is declared 549755813", entries=RANK_FILES)
 def format2_manifest_declaring_a_terabyte_parameter(case: Case) -> Path:
     d = case.copy("ckpt2")
 
@@ -534,8 +535,7 @@ def format2_manifest_nested_a_million_deep(case: Case) -> Path:
 @attack("bomb", "ValueError", "not a JSON manifest", "digits", entries=DIRECTORY)
 def format2_manifest_integer_of_a_hundred_thousand_digits(case: Case) -> Path:
     d = case.copy("ckpt2")
-    text = (d / MANIFEST_NAME).read_text()
-    (d / MANIFEST_NAME).write_text(text.replace('"world_size":2', '"world_size":' + "9" * 100_000, 1))
+    A.forge_manifest_text(d, lambda text: text.replace('"world_size":2', '"world_size":' + "9" * 100_000, 1))
     return d
 
 
@@ -579,10 +579,18 @@ def format2_manifest_hyperparameter_with_an_unknown_tag(case: Case) -> Path:
     return d
 
 
-@attack("malformed", "ValueError", "'checksums' must be strings", entries=DIRECTORY)
-def format2_manifest_checksums_as_numbers(case: Case) -> Path:
+@attack("malformed", "ValueError", "chunk checksums of 'float32' must be a list of strings", entries=DIRECTORY)
+def format3_header_checksums_as_numbers(case: Case) -> Path:
     d = case.copy("ckpt2")
-    A.forge_manifest_json(d, lambda body: body["files"][0]["segments"][0].update(checksums=[1, 2]), raw=True)
+    A.forge_safetensors(d, 0, lambda h: h["__metadata__"].update(checksums=json.dumps({"float32": [1, 2]})))
+    return d
+
+
+@attack("bomb", "ValueError", "-byte header, expected at most", "1/256 of the file", entries=DIRECTORY)
+def format3_header_with_a_million_chunk_checksums(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    many = json.dumps({"float32": ["xxh3-128:" + "0" * 32] * 1_000_000})  # 45 MB of header for a 1 KiB file
+    A.forge_safetensors(d, 0, lambda h: h["__metadata__"].update(checksums=many))
     return d
 
 

@@ -58,7 +58,7 @@ def test_inspect_every_kind_of_file(files, capsys) -> None:
     out, _ = files
     code, text, err = _run(capsys, "inspect", out / "ckpt", "--units")
     assert code == 0 and err == "", err
-    for line in ("format: sharded checkpoint (version 2)", "optimizer: SGD", "world size: 2", "units: 5 (5 flat parameters)",
+    for line in ("format: sharded checkpoint (version 3)", "optimizer: SGD", "world size: 2", "units: 5 (5 flat parameters)",
                  "params: 18 (16 with state)", "param groups: 1", "state keys: momentum_buffer (float32)", "step: -"):
         assert line in text, text
     assert "block2.inner | 3 | 4 |" in text and "files: 2 rank files" in text

@@ -73,6 +73,10 @@ class Source:
     def file(self, name: str) -> Path:
         return Path(shutil.copy2(self.saved / name, self.where / name))
 
+    def format2(self) -> Path:
+        """A copy of the committed format-2 checkpoint (written by an earlier fsdp_optim), to edit."""
+        return Path(shutil.copytree(FORMAT2_FIXTURE / "ckpt", self.where / "old2"))
+
 
 def rank_file(directory: Path, rank: int) -> Path:
     return directory / next(f.file for f in read_manifest(directory).files if f.rank == rank)
@@ -357,7 +361,8 @@ def scalar_state_of_a_rank_file_differs_from_the_manifest(src: Source) -> Path:
 # Format 2 (manifest.json, safetensors rank files; the job's "ckpt2"): damaged, mixed, or written by a writer
 # that follows the format and puts the wrong thing in it (checksums recomputed, the manifest's records updated).
 
-V2 = "ckpt2"
+V2 = "ckpt2"  # written by this version (format 3; the cases' names say "format2" since safetensors came in 2)
+FORMAT2_FIXTURE = Path(__file__).parent / "fixtures" / "v2_adam_w2"
 
 
 @refusal(FileNotFoundError, "{v2rank1}", "no such file")
@@ -422,11 +427,11 @@ def format2_manifest_that_is_a_json_list(src: Source) -> Path:
     return d
 
 
-@refusal(ValueError, MANIFEST_NAME, "format version 3", "reads manifest.json of version 2", entries=WITH_INSPECT)
+@refusal(ValueError, MANIFEST_NAME, "format version 4", "reads manifest.json of versions 2, 3", entries=WITH_INSPECT)
 def format2_newer_format_version(src: Source) -> Path:
     d = src.copy(V2)
     doc = json.loads((d / MANIFEST_NAME).read_text())
-    doc["fsdp_optim_checkpoint"]["version"] = 3
+    doc["fsdp_optim_checkpoint"]["version"] = 4
     (d / MANIFEST_NAME).write_text(json.dumps(doc))
     return d
 
@@ -466,7 +471,7 @@ def format2_manifest_scalar_tensor_declaring_four_gigabytes(src: Source) -> Path
 
 @refusal(ValueError, MANIFEST_NAME, "missing 'segments'", entries=WITH_INSPECT)
 def format2_manifest_without_segments(src: Source) -> Path:
-    d = src.copy(V2)
+    d = src.format2()
     forge_manifest_json(d, lambda body: body["files"][1].pop("segments"), raw=True)
     return d
 
@@ -555,16 +560,16 @@ def _segments(body: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     return next(f for f in body["files"] if f["rank"] == rank)["segments"]
 
 
-@refusal(ValueError, "{v2rank1}", "segment of flat parameter", "overlaps the one before")
+@refusal(ValueError, "{oldrank1}", "segment of flat parameter", "overlaps the one before")
 def format2_manifest_segments_overlapping(src: Source) -> Path:
-    d = src.copy(V2)
+    d = src.format2()
     forge_manifest_json(d, lambda body: _segments(body, 1)[1].update(offset=_segments(body, 1)[0]["offset"]), raw=True)
     return d
 
 
-@refusal(ValueError, "{v2rank1}", "unit 'block1' state 'exp_avg' is 50 elements", "expected 49 elements")
+@refusal(ValueError, "{oldrank1}", "unit 'block1' state 'exp_avg' is 50 elements", "expected 49 elements")
 def format2_manifest_segment_longer_than_its_shard(src: Source) -> Path:
-    d = src.copy(V2)
+    d = src.format2()
 
     def longer(body: dict[str, Any]) -> None:
         seg = next(s for s in _segments(body, 1) if s["flat"] == 1 and s["key"] == "exp_avg")
@@ -574,9 +579,9 @@ def format2_manifest_segment_longer_than_its_shard(src: Source) -> Path:
     return d
 
 
-@refusal(ValueError, "{v2rank1}", "flat parameter 1, state 'exp_avg_sq' is missing")
+@refusal(ValueError, "{oldrank1}", "flat parameter 1, state 'exp_avg_sq' is missing")
 def format2_manifest_missing_a_segment(src: Source) -> Path:
-    d = src.copy(V2)
+    d = src.format2()
 
     def drop(body: dict[str, Any]) -> None:
         body["files"][1]["segments"] = [s for s in _segments(body, 1) if (s["flat"], s["key"]) != (1, "exp_avg_sq")]
@@ -585,10 +590,65 @@ def format2_manifest_missing_a_segment(src: Source) -> Path:
     return d
 
 
-@refusal(ValueError, "{v2rank1}", "0 chunk checksums, expected 1")
+@refusal(ValueError, "{oldrank1}", "0 chunk checksums, expected 1")
 def format2_manifest_without_chunk_checksums(src: Source) -> Path:
-    d = src.copy(V2)
+    d = src.format2()
     forge_manifest_json(d, lambda body: _segments(body, 1)[0].update(checksums=[]), raw=True)
+    return d
+
+
+
+
+# Format 3 keeps its chunk checksums in each rank file's header; a forger who rewrites them also rewrites the
+# manifest's record of the file (forge_safetensors does), so only the structure of what is there can refuse.
+
+
+def _checksums(edit: Callable[[dict[str, Any]], object]) -> Callable[[dict[str, Any]], None]:
+    def apply(header: dict[str, Any]) -> None:
+        found = json.loads(header["__metadata__"]["checksums"])
+        edit(found)
+        header["__metadata__"]["checksums"] = json.dumps(found)
+
+    return apply
+
+
+@refusal(ValueError, "{v2rank1}", "tensor 'float32' has 0 chunk checksums, expected 1")
+def format3_header_without_chunk_checksums(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, _checksums(lambda c: c.update(float32=[])))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "chunk checksums for tensors []", "expected ['float32']")
+def format3_header_checksums_of_no_tensor(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, _checksums(lambda c: c.clear()))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "the header's 'checksums' is not JSON")
+def format3_header_checksums_that_are_not_json(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, lambda h: h["__metadata__"].update(checksums="[[[{"))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "chunk_bytes is '1'", "expected '65536' from the manifest")
+def format3_rank_file_of_another_chunk_size(src: Source) -> Path:
+    d = src.copy(V2)
+    forge_safetensors(d, 1, lambda h: h["__metadata__"].update(chunk_bytes="1"))
+    return d
+
+
+@refusal(ValueError, "{v2rank1}", "holds tensors {{'float32': 301}}", "the manifest's units make {{'float32': 302}}")
+def format3_rank_file_one_element_short(src: Source) -> Path:
+    d = src.copy(V2)
+
+    def shorter(h: dict[str, Any]) -> None:
+        n = h["float32"]["shape"][0]
+        h["float32"].update(shape=[n - 1], data_offsets=[0, 4 * (n - 1)])
+
+    forge_safetensors(d, 1, shorter, data=lambda b: b[:-4])
     return d
 
 
@@ -880,6 +940,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     results = run_ranks(_job, WORLD_SIZE, str(out))
     names = {f"rank{r}": rank_file(out / "ckpt", r).name for r in range(WORLD_SIZE)}
     names |= {f"v2rank{r}": rank_file(out / "ckpt2", r).name for r in range(WORLD_SIZE)}
+    names |= {f"oldrank{r}": rank_file(FORMAT2_FIXTURE / "ckpt", r).name for r in range(WORLD_SIZE)}
     return Saved(out, results[0]["full"], [r["outcomes"] for r in results], names)
 
 

@@ -1,8 +1,9 @@
-"""Format 2 (``manifest.json`` in exact JSON, safetensors rank files read by byte range) and format 1 still read.
+"""Format 3 (``manifest.json`` in exact JSON, safetensors rank files read by byte range); formats 1 and 2 still read.
 
-- The committed format-1 fixture (``tests/fixtures/v1_adam_w2``, written by fsdp_optim before format 2)
-  consolidates to exactly the full dict fairscale gathered then, loads into a world-size-2 job exactly as
-  fairscale cuts that dict, reshards into format 2, and ``inspect`` says which format it is.
+- The committed fixtures of formats 1 and 2 (``tests/fixtures/v1_adam_w2``, ``v2_adam_w2``, written by earlier
+  fsdp_optim) consolidate to exactly the full dict fairscale gathered then, load into a world-size-2 job
+  exactly as fairscale cuts that dict, reshard into format 3, and ``inspect`` says which format each is.
+- The manifest holds nothing per (unit, rank): its size grows by a file record per rank, whatever the units.
 - Values of the JSON manifest round-trip with their types and bits (tensors of every dtype, non-finite and
   negative-zero floats, tuples, complex numbers, dicts whose keys look like tags); what JSON cannot hold is
   refused by name before anything is written.
@@ -31,33 +32,36 @@ from fsdp_optim.cli import main as cli
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
-from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME, Manifest
+from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json, manifest_to_json
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file
 
-FIXTURE = Path(__file__).parent / "fixtures" / "v1_adam_w2"
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE = FIXTURES / "v1_adam_w2"
+OLD = {1: FIXTURES / "v1_adam_w2", 2: FIXTURES / "v2_adam_w2"}  # checkpoints written by earlier versions
 
 
-# --- format 1: the committed fixture ---------------------------------------------------------------------
+# --- formats 1 and 2: the committed fixtures ----------------------------------------------------------------
 
 
-def _fixture_full() -> dict:
-    return torch.load(FIXTURE / "full.pt", weights_only=True)
+def _fixture_full(fixture: Path = FIXTURE) -> dict:
+    return torch.load(fixture / "full.pt", weights_only=True)
 
 
-def test_format1_fixture_consolidates_exactly(tmp_path: Path) -> None:
-    assert read_manifest(FIXTURE / "ckpt").version == 1
-    assert sorted(os.listdir(FIXTURE / "ckpt"))[0] == LEGACY_MANIFEST_NAME
-    assert_identical(consolidate(FIXTURE / "ckpt"), _fixture_full(), "format 1 consolidated")
-    assert_identical(consolidate(FIXTURE / "ckpt", max_mapped_bytes=1), _fixture_full(), "format 1, tight")
-    # Resharded into format 2 (a new checkpoint is always format 2), then back to two ranks: same bits.
-    reshard(FIXTURE / "ckpt", 3, tmp_path / "ws3")
+@pytest.mark.parametrize("version", sorted(OLD))
+def test_old_format_fixtures_consolidate_exactly(tmp_path: Path, version: int) -> None:
+    fixture = OLD[version]
+    assert read_manifest(fixture / "ckpt").version == version
+    assert_identical(consolidate(fixture / "ckpt"), _fixture_full(fixture), f"format {version} consolidated")
+    assert_identical(consolidate(fixture / "ckpt", max_mapped_bytes=1), _fixture_full(fixture), "tight")
+    # Resharded into the current format (a new checkpoint always is), then back to two ranks: same bits.
+    reshard(fixture / "ckpt", 3, tmp_path / "ws3")
     reshard(tmp_path / "ws3", 2, tmp_path / "ws2")
-    assert read_manifest(tmp_path / "ws3").version == 2 and (tmp_path / "ws2" / MANIFEST_NAME).is_file()
+    assert read_manifest(tmp_path / "ws3").version == CHECKPOINT_VERSION == 3
     full = consolidate(tmp_path / "ws2")
-    assert_identical(full, _fixture_full(), "format 1 -> 2 (3 ranks) -> 2 (2 ranks)")
+    assert_identical(full, _fixture_full(fixture), f"format {version} -> 3 (3 ranks) -> 3 (2 ranks)")
 
 
 def _load_fixture(rank: int, world_size: int, fixture: str) -> bool:
@@ -71,27 +75,29 @@ def _load_fixture(rank: int, world_size: int, fixture: str) -> bool:
     return True
 
 
-def test_format1_fixture_loads_exactly_in_a_job() -> None:
-    assert all(run_ranks(_load_fixture, 2, str(FIXTURE)))
+@pytest.mark.parametrize("version", sorted(OLD))
+def test_old_format_fixtures_load_exactly_in_a_job(version: int) -> None:
+    assert all(run_ranks(_load_fixture, 2, str(OLD[version])))
 
 
 def test_inspect_names_the_format_version(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert cli(["inspect", str(FIXTURE / "ckpt")]) == 0
-    assert "format: sharded checkpoint (version 1)" in capsys.readouterr().out
-    reshard(FIXTURE / "ckpt", 2, tmp_path / "v2")
-    assert cli(["inspect", str(tmp_path / "v2")]) == 0
-    assert "format: sharded checkpoint (version 2)" in capsys.readouterr().out
-    assert cli(["inspect", str(tmp_path / "v2" / MANIFEST_NAME)]) == 0
-    assert "(version 2)" in capsys.readouterr().out
+    for version, fixture in OLD.items():
+        assert cli(["inspect", str(fixture / "ckpt")]) == 0
+        assert f"format: sharded checkpoint (version {version})" in capsys.readouterr().out
+    reshard(FIXTURE / "ckpt", 2, tmp_path / "v3")
+    assert cli(["inspect", str(tmp_path / "v3")]) == 0
+    assert "format: sharded checkpoint (version 3)" in capsys.readouterr().out
+    assert cli(["inspect", str(tmp_path / "v3" / MANIFEST_NAME)]) == 0
+    assert "(version 3)" in capsys.readouterr().out
 
 
-def test_a_format2_commit_over_format1_removes_the_old_files(tmp_path: Path) -> None:
+def test_a_format3_commit_over_format1_removes_the_old_files(tmp_path: Path) -> None:
     target = Path(shutil.copytree(FIXTURE / "ckpt", tmp_path / "ckpt"))
     reshard(FIXTURE / "ckpt", 3, target)  # into the directory that holds the format-1 checkpoint
     manifest = read_manifest(target)
-    assert manifest.version == 2
+    assert manifest.version == 3
     assert sorted(os.listdir(target)) == sorted([MANIFEST_NAME, *(f.file for f in manifest.files)])
-    assert_identical(consolidate(target)["state"], _fixture_full()["state"], "format 2 over format 1")
+    assert_identical(consolidate(target)["state"], _fixture_full()["state"], "format 3 over format 1")
 
 
 # --- exact JSON -------------------------------------------------------------------------------------------
@@ -184,8 +190,13 @@ def test_a_rank_file_is_a_safetensors_file_of_shards_only(tmp_path: Path) -> Non
     with safe_open(str(tmp_path / "ckpt" / record.file), framework="pt") as f:
         assert list(f.keys()) == ["float32"] and f.metadata()["kind"] == "shard"
         data = f.get_tensor("float32")
-    for s in record.segments:
-        assert torch.equal(data[s.offset : s.offset + s.numel], state[s.flat][s.key])
+    # Where each shard lies follows from the units alone: (flat, key) order, back to back.
+    at = 0
+    for i in range(256):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(data[at : at + 1024], state[i][key])
+            at += 1024
+    assert at == data.numel()
     assert_identical(consolidate(tmp_path / "ckpt")["state"][5], state[5], "unit 5")
 
 
@@ -201,3 +212,38 @@ def test_a_recut_read_reads_little_more_than_it_copies(tmp_path: Path) -> None:
     assert torch.equal(out, state[0]["exp_avg_sq"][start:stop])
     copied = out.numel() * 4
     assert copied < read <= copied + 2 * CHUNK_BYTES and read <= 1.1 * copied, (read, copied)
+
+
+def test_the_manifest_grows_by_a_file_record_per_rank_not_per_unit_and_rank(tmp_path: Path) -> None:
+    manifest, state = _manifest(64, 100)
+    _write(tmp_path / "w1", manifest, state)
+    sizes = {}
+    for world_size in (4, 32):
+        reshard(tmp_path / "w1", world_size, tmp_path / f"w{world_size}")
+        sizes[world_size] = (tmp_path / f"w{world_size}" / MANIFEST_NAME).stat().st_size
+        body = read_manifest(tmp_path / f"w{world_size}").to_dict()
+        assert all("padding" not in f for f in body["flat_params"]) and all(len(f) == 4 for f in body["files"])
+    per_rank = (sizes[32] - sizes[4]) / 28
+    assert per_rank < 160, (sizes, per_rank)  # a file record each (name, checksum, size), nothing per unit
+
+
+def test_stream_chunk_digests_equal_those_of_the_concatenation() -> None:
+    from fsdp_optim.core.checksums import chunk_digests, stream_chunk_digests
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(100):
+        sizes = torch.randint(0, 40, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+        parts = [torch.randn(n, generator=g) for n in sizes]
+        per = int(torch.randint(1, 17, (1,), generator=g))
+        whole = torch.cat(parts) if parts else torch.empty(0)
+        assert stream_chunk_digests(parts, per, whole.numel()) == chunk_digests(whole, per), (trial, sizes, per)
+
+
+def test_nan_hyperparameters_keep_their_sign_and_payload_bits() -> None:
+    import json
+    import struct
+
+    for bits in ("7ff8000000000000", "fff8000000000000", "7ff0000000000123", "fff4000000000001"):
+        value = struct.unpack(">d", bytes.fromhex(bits))[0]
+        back = from_json(json.loads(json.dumps(to_json({"lr": (value, 1.0)}, "v"), allow_nan=False)), "v")["lr"][0]
+        assert struct.pack(">d", back).hex() == bits

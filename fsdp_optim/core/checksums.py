@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +44,37 @@ def chunk_digests(values: torch.Tensor, per: int) -> tuple[str, ...]:
         h = xxhash.xxh3_128(f"T{name}({min(per, n - k)},)|".encode())
         h.update(whole[k * size : min(k + per, n) * size])
         out.append(f"{DIGEST_ALGORITHM}:{h.hexdigest()}")
+    return tuple(out)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())) if nbytes else memoryview(b"")
+
+
+def stream_chunk_digests(parts: Iterable[torch.Tensor], per: int, total: int) -> tuple[str, ...]:
+    """:func:`chunk_digests` of the concatenation of the 1-D ``parts`` (``total`` elements of one dtype in all),
+    without concatenating them: a chunk may span several parts, a part several chunks."""
+    assert per > 0 and total >= 0, f"expected chunks > 0 and a total >= 0, found {per}, {total}"
+    out: list[str] = []
+    h, left, name, size, seen = None, 0, "", 0, 0
+    for part in parts:
+        t = part.detach().cpu().contiguous()
+        name, size = dtype_to_str(t.dtype), t.element_size()
+        raw, at, n = _raw(t), 0, t.numel()
+        seen += n
+        while at < n:
+            if h is None:
+                left = min(per, total - len(out) * per)
+                h = xxhash.xxh3_128(f"T{name}({left},)|".encode())
+            take = min(left, n - at)
+            h.update(raw[at * size : (at + take) * size])
+            at, left = at + take, left - take
+            if left == 0:
+                out.append(f"{DIGEST_ALGORITHM}:{h.hexdigest()}")
+                h = None
+    assert seen == total and h is None, f"the parts hold {seen} elements, expected {total}"
     return tuple(out)
 
 

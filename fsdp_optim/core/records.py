@@ -104,7 +104,6 @@ class FlatRecord(FlatParamLayout):
             "dtype": dtype_to_str(self.dtype),
             "world_size": self.world_size,
             "numel": self.numel,
-            "padding": self.padding(),
             "per_rank": self.per_rank,
             "params": [
                 {"name": p.name, "shape": list(p.shape), "numel": p.numel, "offset": p.offset} for p in self.params
@@ -118,9 +117,12 @@ class FlatRecord(FlatParamLayout):
         where = f"{where} (unit '{unit or '<root>'}')"
         world_size = get_checked(d, "world_size", int, where)
         check_world_size(f"{where}: world_size", world_size)
-        padding = get_checked(d, "padding", (list, tuple), where)
-        if len(padding) != world_size:  # before anything is computed per declared rank
-            raise ValueError(f"{where}: 'padding' lists {len(padding)} ranks, expected {world_size} (its world size)")
+        if "padding" in d:  # formats 1 and 2 listed it per rank; it follows from numel and world size
+            padding = get_checked(d, "padding", (list, tuple), where)
+            if len(padding) != world_size:  # before anything is computed per declared rank
+                raise ValueError(
+                    f"{where}: 'padding' lists {len(padding)} ranks, expected {world_size} (its world size)"
+                )
         record = cls(
             unit=unit,
             params=_param_specs(get_checked(d, "params", (list, tuple), where), where),
@@ -132,10 +134,14 @@ class FlatRecord(FlatParamLayout):
             per_rank=get_checked({"per_rank": False, **d}, "per_rank", bool, where),
             state=tuple(StateEntry.from_dict(e, where=where) for e in get_checked(d, "state", (list, tuple), where)),
         )
-        for key, expected in (("numel", record.numel), ("padding", record.padding())):
-            found = d.get(key, expected)
-            if (list(found) if isinstance(found, (list, tuple)) else found) != expected:
-                raise ValueError(f"{where}: '{key}' is {found!r}, expected {expected} from the shapes and world size")
+        for key in ("numel", "padding"):
+            if key in d:
+                expected = record.numel if key == "numel" else record.padding()
+                found = list(d[key]) if isinstance(d[key], (list, tuple)) else d[key]
+                if found != expected:
+                    raise ValueError(
+                        f"{where}: '{key}' is {d[key]!r}, expected {expected} from the shapes and world size"
+                    )
         return record
 
 
@@ -180,7 +186,14 @@ class GroupRecord:
 
 
 
+_MISSING = object()
+
+
 def get_checked(d: Any, key: str, kind: Any, where: str) -> Any:
+    if type(d) is dict:  # the common case, without the ABC checks (a manifest calls this ~20 times per unit)
+        value = d.get(key, _MISSING)
+        if value is not _MISSING and type(value) in (kind if isinstance(kind, tuple) else (kind,)):
+            return value
     if not isinstance(d, Mapping):
         raise ValueError(f"{where}: expected a dict, found {type(d).__name__}")
     if key not in d:

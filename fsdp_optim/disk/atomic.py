@@ -84,6 +84,26 @@ def atomic_write(
     return size, result
 
 
+def durable_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], T]) -> tuple[int, T]:
+    """Create ``path`` (exclusively: never through an existing file or symlink), fill it with ``write(file)``,
+    flush and fsync it; returns ``(its size, what write returned)``. No rename and no directory fsync: for a
+    file in a staging directory, which becomes visible only when the whole output is moved in and its
+    directory fsynced (``disk/staged.py``). A failure removes the file."""
+    path = Path(path)
+    try:
+        with open(path, "xb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+    except BaseException as exc:
+        path.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OSError(exc.errno, f"{path}: cannot write the checkpoint file: {exc.strerror or exc}") from exc
+        raise
+    return size, result
+
+
 class _RecordingWriter:
     """A file object for ``torch.save`` that remembers the first ``OSError`` its writes raised."""
 

@@ -9,6 +9,7 @@ Everything else is an object with one reserved key::
 
     (0.9, 0.999)            -> {"$tuple": [0.9, 0.999]}
     float("inf")            -> {"$float": "inf"}                  # also "-inf", "nan"
+    -float("nan")           -> {"$float": "nan:fff8000000000000"} # a NaN of other bits: its 8 bytes
     complex(1, 2)           -> {"$complex": [1.0, 2.0]}
     tensor(3.)              -> {"$tensor": {"dtype": "float32", "shape": [], "hex": "00004040"}}  # raw little-endian
     {"$x": 1}               -> {"$dict": {"$x": 1}}               # a dict whose keys look reserved
@@ -21,6 +22,8 @@ hyperparameters and scalar states are small; shard-sized state belongs in the ra
 from __future__ import annotations
 
 import math
+import re
+import struct
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -36,33 +39,69 @@ MAX_TENSOR_BYTES = 4096
 _TAGS = ("$tuple", "$float", "$complex", "$tensor", "$dict")
 
 
+_PLAIN = (type(None), bool, int, str)
+
+
+class _At:
+    """Where a value sits in the tree, kept as parts and joined only for an error message (cheap per node)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.parts: list[str] = []
+
+    def __str__(self) -> str:
+        return self.where + "".join(self.parts)
+
+
 def to_json(value: Any, where: str) -> Any:
     """``value`` as JSON-safe values (see the module docstring); ``where`` names it in errors."""
-    if value is None or isinstance(value, (bool, int, str)):
+    return _to(value, _At(where))
+
+
+def _to(value: Any, at: _At) -> Any:
+    if isinstance(value, _PLAIN):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else {"$float": repr(value)}
+        return value if math.isfinite(value) else {"$float": _non_finite(value)}
     if isinstance(value, complex):
-        return {"$complex": [to_json(value.real, where), to_json(value.imag, where)]}
-    if isinstance(value, tuple):
-        return {"$tuple": [to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return {"$complex": [_to(value.real, at), _to(value.imag, at)]}
+    if isinstance(value, (tuple, list)):
+        out = [v if isinstance(v, _PLAIN) else _item(v, f"[{i}]", at) for i, v in enumerate(value)]
+        return {"$tuple": out} if isinstance(value, tuple) else out
     if isinstance(value, Mapping):
         if not all(isinstance(k, str) for k in value):
             bad = next(k for k in value if not isinstance(k, str))
             raise ValueError(
-                f"{where}: a dict keyed by {type(bad).__name__} ({bad!r}); a JSON manifest holds str keys "
+                f"{at}: a dict keyed by {type(bad).__name__} ({bad!r}); a JSON manifest holds str keys "
                 "only"
             )
-        out = {k: to_json(v, f"{where}['{k}']") for k, v in value.items()}
-        return {"$dict": out} if any(k.startswith("$") for k in value) else out
+        out_dict = {k: v if isinstance(v, _PLAIN) else _item(v, f"['{k}']", at) for k, v in value.items()}
+        return {"$dict": out_dict} if any(k.startswith("$") for k in value) else out_dict
     if torch.is_tensor(value):
-        return {"$tensor": _tensor_to_json(value, where)}
+        return {"$tensor": _tensor_to_json(value, str(at))}
     raise ValueError(
-        f"{where}: a {type(value).__name__}, which a JSON manifest cannot hold exactly; expected None, bool, int, "
+        f"{at}: a {type(value).__name__}, which a JSON manifest cannot hold exactly; expected None, bool, int, "
         "float, complex, str, a small dense CPU tensor, or lists/tuples/dicts of them"
     )
+
+
+_QUIET_NAN = struct.pack(">d", float("nan"))
+_NAN_BITS = re.compile(r"nan:[0-9a-f]{16}")
+
+
+def _non_finite(value: float) -> str:
+    """``"inf"``, ``"-inf"``, ``"nan"``; a NaN of other bits (sign, payload) as ``"nan:<its 8 bytes, hex>"``."""
+    bits = struct.pack(">d", value)
+    if value == value or bits == _QUIET_NAN:
+        return repr(value)
+    return f"nan:{bits.hex()}"
+
+
+def _item(value: Any, part: str, at: _At) -> Any:
+    at.parts.append(part)
+    out = _to(value, at)
+    at.parts.pop()
+    return out
 
 
 def _tensor_to_json(t: torch.Tensor, where: str) -> dict[str, Any]:
@@ -83,39 +122,52 @@ def _tensor_to_json(t: torch.Tensor, where: str) -> dict[str, Any]:
 
 def from_json(value: Any, where: str) -> Any:
     """The value :func:`to_json` was given, from what ``json.loads`` read (checked: a crafted file is refused)."""
+    return _from(value, _At(where))
+
+
+def _from(value: Any, at: _At) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        return [from_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [v if isinstance(v, _PLAIN) else _back(v, f"[{i}]", at) for i, v in enumerate(value)]
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: expected a JSON value, found {type(value).__name__}")
+        raise ValueError(f"{at}: expected a JSON value, found {type(value).__name__}")
     tags = [k for k in value if k.startswith("$")]
     if not tags:
-        return {k: from_json(v, f"{where}['{k}']") for k, v in value.items()}
+        return {k: v if isinstance(v, _PLAIN) else _back(v, f"['{k}']", at) for k, v in value.items()}
     if len(value) != 1 or tags[0] not in _TAGS:
         raise ValueError(
-            f"{where}: expected one of the tags {list(_TAGS)} alone in an object, found keys "
+            f"{at}: expected one of the tags {list(_TAGS)} alone in an object, found keys "
             f"{sorted(value)[:5]}"
         )
     tag, body = tags[0], value[tags[0]]
     if tag == "$dict":
         if not isinstance(body, dict):
-            raise ValueError(f"{where}: '$dict' holds a {type(body).__name__}, expected an object")
-        return {k: from_json(v, f"{where}['{k}']") for k, v in body.items()}
+            raise ValueError(f"{at}: '$dict' holds a {type(body).__name__}, expected an object")
+        return {k: _back(v, f"['{k}']", at) for k, v in body.items()}
     if tag == "$tuple":
         if not isinstance(body, list):
-            raise ValueError(f"{where}: '$tuple' holds a {type(body).__name__}, expected a list")
-        return tuple(from_json(v, f"{where}[{i}]") for i, v in enumerate(body))
+            raise ValueError(f"{at}: '$tuple' holds a {type(body).__name__}, expected a list")
+        return tuple(_back(v, f"[{i}]", at) for i, v in enumerate(body))
     if tag == "$float":
-        if body not in ("inf", "-inf", "nan"):
-            raise ValueError(f"{where}: '$float' is {body!r}, expected 'inf', '-inf' or 'nan'")
-        return float(body)
+        if body in ("inf", "-inf", "nan"):
+            return float(body)
+        if isinstance(body, str) and _NAN_BITS.fullmatch(body):
+            return struct.unpack(">d", bytes.fromhex(body[4:]))[0]
+        raise ValueError(f"{at}: '$float' is {body!r}, expected 'inf', '-inf', 'nan' or 'nan:<16 hex digits>'")
     if tag == "$complex":
         if not (isinstance(body, list) and len(body) == 2 and all(isinstance(v, (int, float, dict)) for v in body)):
-            raise ValueError(f"{where}: '$complex' is {body!r}, expected [real, imag]")
-        re, im = (from_json(v, where) for v in body)
+            raise ValueError(f"{at}: '$complex' is {body!r}, expected [real, imag]")
+        re, im = (_from(v, at) for v in body)
         return complex(re, im)
-    return _tensor_from_json(body, where)
+    return _tensor_from_json(body, str(at))
+
+
+def _back(value: Any, part: str, at: _At) -> Any:
+    at.parts.append(part)
+    out = _from(value, at)
+    at.parts.pop()
+    return out
 
 
 def _tensor_from_json(body: Any, where: str) -> torch.Tensor:

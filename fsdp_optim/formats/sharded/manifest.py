@@ -4,7 +4,7 @@ Pure: no file access, no ``torch.distributed``. Everything a record turns into i
 ``str``/``int``/``float``/``bool``/``None``/lists/tuples/tensors, so that ``torch.load(..., weights_only=True)``
 reads it back; dtypes are stored as strings (``"float32"``).
 
-A sharded checkpoint directory holds one manifest and one file per rank. Format 2 (written since this
+A sharded checkpoint directory holds one manifest and one file per rank. Format 3 (written since this
 version; no pickle anywhere)::
 
     ckpt/
@@ -12,33 +12,37 @@ version; no pickle anywhere)::
       optim-3f2a9c1b0d4e-rank00000-of-00002.safetensors
       optim-3f2a9c1b0d4e-rank00001-of-00002.safetensors
 
-``manifest.json`` is ``{"fsdp_optim_checkpoint": {"kind": "manifest", "version": 2, "checksum": ...},
+``manifest.json`` is ``{"fsdp_optim_checkpoint": {"kind": "manifest", "version": 3, "checksum": ...},
 "body": Manifest.to_dict()}`` in exact JSON (:mod:`.json_values`: tuples, tensors and non-finite floats
 tagged, so every value reads back with its type and bits), the checksum covering the body's canonical
-JSON text. Version 2 adds ``"chunk_bytes"`` and, per file, ``"segments"`` (where each shard lies in the
-rank file, with chunk checksums: :mod:`.segments`); a rank file is a safetensors file (:mod:`.rank_file`)
-whose header's digest is the file's ``"checksum"``. Scalar states (``step``, ...) live in the manifest only:
-they are tiny, shared by every rank (a save checks that the ranks agree), and exact in JSON, where a
-0-dim tensor per unit per rank would grow every rank file's header and duplicate them.
+JSON text. Its size grows with units + parameters + ranks, never with units x ranks: nothing in it is
+per (unit, rank). A rank file is a safetensors file (:mod:`.rank_file`) whose header's digest is the
+file's ``"checksum"``; where each shard lies in it follows from the units (:mod:`.segments`), and its
+chunk checksums are in its own header. Scalar states (``step``, ...) live in the manifest only: they are
+tiny, shared by every rank (a save checks that the ranks agree), and exact in JSON, where a 0-dim tensor
+per unit per rank would grow every rank file's header and duplicate them.
 
-Format 1 (``manifest.pt`` and ``optim-...-rankNNNNN-of-NNNNN.pt`` torch files, described below) stays
-readable; a directory holding both manifests is read through ``manifest.json`` (a format-2 save over a
-format-1 checkpoint removes ``manifest.pt`` after its commit).
+Format 2 (the same files; its manifest lists, per rank file, ``"segments"`` with their chunk checksums,
+and per unit ``"padding"`` per rank) and format 1 (``manifest.pt`` and ``optim-...-rankNNNNN-of-NNNNN.pt``
+torch files, described below) stay readable; a directory holding both manifests is read through
+``manifest.json`` (a save over a format-1 checkpoint removes ``manifest.pt`` after its commit).
 
-The manifest (``Manifest.to_dict()``, wrapped with a checksum by :func:`wrap`)::
+The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by :func:`wrap`)::
 
-    {"version": 1, "save_id": "3f2a9c1b0d4e...", "optimizer": "Adam", "world_size": 2,
+    {"version": 3, "save_id": "3f2a9c1b0d4e...", "optimizer": "Adam", "world_size": 2,
      "param_order": ["embed.weight", ...],             # the unwrapped model's named_parameters() order
      "flat_params": [                                  # FSDP-instance order, as in layout.ModelLayout
         {"unit": "block1", "flattened": True, "dtype": "float32", "world_size": 2, "numel": 91,
-         "padding": [0, 1],                             # per rank, derived from numel and world size
+         "per_rank": False,                             # formats 1, 2: "padding": [0, 1], per rank
          "params": [{"name": "block1.0.weight", "shape": [7, 6], "numel": 42, "offset": 0}, ...],
          "state": [{"key": "exp_avg", "kind": "sharded", "dtype": "float32"},
                    {"key": "step", "kind": "scalar", "value": tensor(3.)}]},
         ...],
      "param_groups": [{"hyperparams": {"lr": 0.01, "betas": (0.9, 0.999), ...}, "flat_indices": [0, 2],
                        "named": False}, ...],
-     "files": [{"rank": 0, "file": "optim-...-rank00000-of-00002.pt", "checksum": "sha256:...", "bytes": 4711}]}
+     "files": [{"rank": 0, "file": "optim-...-rank00000-of-00002.safetensors", "checksum": "xxh3-128:...",
+                "bytes": 4711}],
+     "chunk_bytes": 65536}                             # formats 2, 3
 
 A format-1 rank file (:func:`shard_payload`)::
 
@@ -89,7 +93,7 @@ __all__ = [
     "wrap",
 ]
 
-CHECKPOINT_VERSION = 2  # what every writer writes; 1 stays readable
+CHECKPOINT_VERSION = 3  # what every writer writes; 1 and 2 stay readable
 TORCH_FILE_VERSION = 1  # the version in the header of the torch files of format 1 (and of layout files)
 HEADER_KEY = "fsdp_optim_checkpoint"
 MANIFEST_NAME = "manifest.json"
@@ -173,7 +177,7 @@ def shard_payload(
 @dataclass(frozen=True)
 class FileRecord:
     """One rank file: its name inside the checkpoint directory, checksum and size in bytes; in format 2 also
-    where each shard lies in it (``segments``; see :mod:`.segments`)."""
+    where each shard lies in it (``segments``; format 3 derives that from the units: see :mod:`.segments`)."""
 
     rank: int
     file: str
@@ -183,7 +187,7 @@ class FileRecord:
 
     def to_dict(self, version: int = CHECKPOINT_VERSION) -> dict[str, Any]:
         d = {"rank": self.rank, "file": self.file, "checksum": self.checksum, "bytes": self.nbytes}
-        return {**d, "segments": [s.to_dict() for s in self.segments]} if version >= 2 else d
+        return {**d, "segments": [s.to_dict() for s in self.segments]} if version == 2 else d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, where: str, version: int = CHECKPOINT_VERSION) -> FileRecord:
@@ -191,7 +195,7 @@ class FileRecord:
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise ValueError(f"{where}: file name must be a plain name inside the checkpoint directory, found {name!r}")
         segments: tuple[Segment, ...] = ()
-        if version >= 2:
+        if version == 2:  # format 3 derives them (segments.file_layout); format 1 had none
             segments = tuple(
                 Segment.from_dict(s, where=f"{where} '{name}', segments[{k}]")
                 for k, s in enumerate(get_checked(d, "segments", (list, tuple), where))

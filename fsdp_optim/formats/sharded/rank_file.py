@@ -1,179 +1,86 @@
-"""Format-2 rank files: safetensors files written as a stream, read by byte range through one checked mapping.
+"""Rank files (formats 2 and 3): safetensors files written as a stream, read by byte range through one mapping.
 
-The file (the safetensors layout: an 8-byte little-endian header length, a JSON header, the data)::
+A format-3 rank file (see :mod:`.segments` for where each shard lies in it)::
 
-    <u64 n> {"__metadata__": {"format": "fsdp_optim", "kind": "shard", "version": "2", "save_id": "3f2a...",
-                              "rank": "0", "world_size": "2"},
+    <u64 n> {"__metadata__": {"format": "fsdp_optim", "kind": "shard", "version": "3", "save_id": "3f2a...",
+                              "rank": "0", "world_size": "2", "chunk_bytes": "65536",
+                              "checksums": "{\"float32\": [\"xxh3-128:...\", ...]}"},    # JSON in a string
              "float32": {"dtype": "F32", "shape": [184], "data_offsets": [0, 736]}, ...}   <data>
 
-one 1-D tensor per dtype (see :mod:`.segments` for why, and for where each shard lies in it). Any
-safetensors reader opens it (``safetensors.safe_open(path, framework="pt")``). We write it ourselves,
-streaming each shard's bytes straight from the optimizer's tensors: ``safetensors.torch.save_file`` takes
-a dict of whole tensors, which would cost a copy of the rank's state to concatenate them.
-
-Reading never trusts the header: :func:`read_header` bounds its length by the file and
-:data:`MAX_HEADER_BYTES` before reading it, and refuses unknown dtypes, shapes that are not one
-non-negative int, offsets out of the data, overlapping or not tiling it, and byte counts that disagree
-with the shapes, each as a ``ValueError`` naming the file, what was expected and what was found.
-:class:`MappedFile` then maps the file once (private, read-only use) and hands out zero-copy views of
-verified chunks.
+one 1-D tensor per dtype; the manifest records the digest of the header (which covers the chunk checksums)
+and the file's size. Any safetensors reader opens it (``safetensors.safe_open(path, framework="pt")``). We
+write it ourselves, streaming each shard's bytes straight from the optimizer's tensors:
+``safetensors.torch.save_file`` takes a dict of whole tensors, which would cost a copy of the rank's state
+to concatenate them. A format-2 file is the same without ``chunk_bytes`` and ``checksums`` (its manifest
+lists them per segment).
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 import torch
 
-from fsdp_optim.core.checksums import digest
+from fsdp_optim.core.checksums import digest, stream_chunk_digests
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
-from fsdp_optim.formats.sharded.segments import Segment, check_segments, chunk_digests, chunk_elements, plan_segments
+from fsdp_optim.formats.sharded.mapped import MappedFile
+from fsdp_optim.formats.sharded.safetensors_header import encode_header, read_header
+from fsdp_optim.formats.sharded.segments import (
+    Grid,
+    Placement,
+    check_segments,
+    chunk_elements,
+    grids_v3,
+    placements_v2,
+    plan_segments,
+)
 
-__all__ = [
-    "MAX_HEADER_BYTES",
-    "Header",
-    "MappedFile",
-    "RankFile",
-    "describe_rank_file",
-    "read_header",
-    "write_rank_file",
-]
+__all__ = ["FileLayout", "RankFile", "describe_rank_file", "open_recorded", "write_rank_file", "write_rank_tensors"]
 
-MAX_HEADER_BYTES = 1 << 20  # ours holds one entry per dtype: a few hundred bytes
 _WRITE_BYTES = 8 << 20  # bytes per write call
-_SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2", "float8_e5m2fnuz": "F8_E5M2FNUZ",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16",
-}  # fmt: skip
-_TORCH_NAMES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class Header:
-    """A checked rank-file header: its metadata, ``{name: (dtype name, numel, byte offset in the file)}``, its
-    digest."""
-
-    metadata: Mapping[str, str]
-    tensors: Mapping[str, tuple[str, int, int]]
-    checksum: str
+FileLayout = tuple[Mapping[tuple[int, str], tuple[str, int, int]], Mapping[str, int]]  # segments.file_layout's
 
 
 def write_rank_file(
     file: BinaryIO, state: Mapping[int, Mapping[str, Any]], metadata: Mapping[str, str], chunk_bytes: int
-) -> tuple[str, tuple[Segment, ...]]:
-    """Write a rank file of ``state`` (``{flat: {key: padded 1-D shard or scalar}}``; scalars are skipped) to
-    ``file``; return its header's checksum and the segments the manifest records."""
+) -> str:
+    """Write a format-3 rank file of ``state`` (``{flat: {key: padded 1-D shard or scalar}}``; scalars are the
+    manifest's) to ``file``: one pass hashing the shards' chunks, one writing them. Returns the header's digest."""
     tensors, sizes = plan_segments(state)
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    segments, at = [], 0
-    for name, parts in tensors.items():
-        nbytes = sizes[name] * dtype_from_str(name, where="state").itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[name], "shape": [sizes[name]], "data_offsets": [at, at + nbytes]}
-        at += nbytes
-        offset = 0
-        for flat, key, values in parts:
-            segments.append(Segment(flat, key, name, offset, values.numel(), chunk_digests(values, chunk_bytes)))
-            offset += values.numel()
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    file.write(struct.pack("<Q", len(text)) + text)
+    return write_rank_tensors(file, {name: [v for _, _, v in parts] for name, parts in tensors.items()}, sizes,
+                              metadata, chunk_bytes)  # fmt: skip
+
+
+def write_rank_tensors(
+    file: BinaryIO,
+    tensors: Mapping[str, Sequence[torch.Tensor]],
+    sizes: Mapping[str, int],
+    metadata: Mapping[str, str],
+    chunk_bytes: int,
+) -> str:
+    """Write a format-3 rank file whose tensor ``name`` is the concatenation of ``tensors[name]`` (1-D parts,
+    ``sizes[name]`` elements in all, in :func:`~.segments.file_layout` order). Returns the header's digest."""
+    checksums = {
+        name: stream_chunk_digests(parts, chunk_elements(dtype_from_str(name, where="state"), chunk_bytes), sizes[name])
+        for name, parts in tensors.items()
+    }
+    meta = {**metadata, "chunk_bytes": str(chunk_bytes), "checksums": json.dumps(checksums, separators=(",", ":"))}
+    header = encode_header(meta, sizes)
+    file.write(header)
     for parts in tensors.values():
-        for _, _, values in parts:
+        for values in parts:
             raw = values.contiguous().view(torch.uint8)
             for start in range(0, raw.numel(), _WRITE_BYTES):
                 file.write(memoryview(raw[start : start + _WRITE_BYTES].numpy()))  # type: ignore[arg-type]
-    return digest(text), tuple(segments)
-
-
-def read_header(fd: int, size: int, where: str) -> Header:
-    """The checked header of the safetensors file open as ``fd`` (``size`` bytes long)."""
-    if size < 8:
-        raise ValueError(
-            f"{where}: {size} bytes, too short for a safetensors file (expected an 8-byte header length "
-            "first)"
-        )
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    if n > min(size - 8, MAX_HEADER_BYTES):
-        raise ValueError(
-            f"{where}: declares a {n}-byte header, expected at most {min(size - 8, MAX_HEADER_BYTES)} (the file has "
-            f"{size} bytes; headers are bounded by {MAX_HEADER_BYTES})"
-        )
-    text = os.pread(fd, n, 8)
-    try:
-        header = json.loads(text, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{where}: the safetensors header is not JSON ({escape(str(exc), limit=200)})") from None
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
-        raise ValueError(
-            f"{where}: the safetensors header must be an object with an object '__metadata__', found "
-            f"{type(header).__name__}"
-        )
-    metadata = header.pop("__metadata__", {})
-    if not all(isinstance(v, str) for v in metadata.values()):
-        raise ValueError(f"{where}: '__metadata__' values must be strings (the safetensors format)")
-    data = size - 8 - n
-    tensors = {name: _entry(name, e, data, where) for name, e in header.items()}
-    _check_disjoint(header, data, where)
-    offsets = {name: (dt, numel, 8 + n + start) for name, (dt, numel, start) in tensors.items()}
-    return Header(metadata, offsets, digest(text))
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"non-standard constant {name}")
-
-
-def _entry(name: str, e: Any, data: int, where: str) -> tuple[str, int, int]:
-    """One tensor entry checked alone: ``(dtype name, numel, start byte in the data)``."""
-    at = f"{where}: tensor '{escape(str(name), limit=80)}'"
-    if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-        found = escape(repr(sorted(e)), limit=120) if isinstance(e, dict) else type(e).__name__
-        raise ValueError(f"{at}: expected an object with 'dtype', 'shape', 'data_offsets', found {found}")
-    dtype = _TORCH_NAMES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
-    if dtype is None or dtype != name:
-        raise ValueError(
-            f"{at}: dtype {escape(repr(e['dtype']), limit=40)}, expected "
-            f"{_SAFETENSORS_DTYPES.get(name, 'the dtype it is named by')!r}"
-        )
-    shape, offsets = e["shape"], e["data_offsets"]
-    if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
-        raise ValueError(f"{at}: shape {escape(repr(shape), limit=80)}, expected [n] (one non-negative int)")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise ValueError(f"{at}: data_offsets {escape(repr(offsets), limit=80)}, expected [begin, end] (two ints)")
-    begin, end = offsets
-    nbytes = shape[0] * dtype_from_str(dtype, where=at).itemsize
-    if not 0 <= begin <= end <= data:
-        raise ValueError(f"{at}: data_offsets [{begin}, {end}] lie outside the file's {data} bytes of data")
-    if end - begin != nbytes:
-        raise ValueError(
-            f"{at}: data_offsets [{begin}, {end}] span {end - begin} bytes, expected {nbytes} for shape "
-            f"{shape} {dtype}"
-        )
-    return dtype, shape[0], begin
-
-
-def _check_disjoint(header: Mapping[str, Any], data: int, where: str) -> None:
-    """The tensors must tile the data exactly (what safetensors itself requires): no overlap, no gap."""
-    at = 0
-    for begin, end, name in sorted((e["data_offsets"][0], e["data_offsets"][1], n) for n, e in header.items()):
-        if begin != at:
-            what = "overlaps the tensor before it" if begin < at else f"leaves bytes {at}..{begin} unused"
-            raise ValueError(f"{where}: tensor '{escape(name, limit=80)}' at data_offsets [{begin}, {end}] {what}")
-        at = end
-    if at != data:
-        raise ValueError(f"{where}: the tensors cover {at} bytes of data, but the file holds {data} after its header")
+    return digest(header[8:])
 
 
 def describe_rank_file(path: Path) -> list[str]:
@@ -198,87 +105,19 @@ def describe_rank_file(path: Path) -> list[str]:
     ]
 
 
-class MappedFile:
-    """A rank file mapped once; :meth:`view` returns verified zero-copy views of its segments."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        fd, st = open_regular(path, follow_symlinks=False)  # its name comes from the manifest
-        try:
-            self.header = read_header(fd, st.st_size, str(path))
-            # A private mapping: writable views for torch.frombuffer, never written to.
-            self._map = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE) if st.st_size else None
-        finally:
-            os.close(fd)
-        self.size = st.st_size
-        self._verified: set[tuple[str, int, int]] = set()
-        self.bytes_verified = 0  # bytes hashed so far: every byte read from the file is hashed once before use
-
-    def view(self, s: Segment, start: int, stop: int, chunk_bytes: int, where: str) -> torch.Tensor:
-        """Elements ``[start, stop)`` of segment ``s``, every chunk they touch verified against its checksum."""
-        dtype_name, _, base = self.header.tensors[s.tensor]
-        dtype = dtype_from_str(dtype_name, where=where)
-        per = chunk_elements(dtype, chunk_bytes)
-        todo = [k for k in range(start // per, -(-stop // per)) if (s.tensor, s.offset, k) not in self._verified]
-        if todo:  # one pass over the unverified chunks (and any verified ones between them: rare, harmless)
-            lo, hi = todo[0] * per, min((todo[-1] + 1) * per, s.numel)
-            found = chunk_digests(self._elements(base, dtype, s.offset + lo, hi - lo), chunk_bytes)
-            for k, checksum in enumerate(found, start=todo[0]):
-                if checksum != s.checksums[k]:
-                    raise ValueError(
-                        f"{where}: checksum mismatch in elements {k * per}..{min((k + 1) * per, s.numel)} of state "
-                        f"'{s.key}' (file is corrupt or was modified)"
-                    )
-                self._verified.add((s.tensor, s.offset, k))
-            self.bytes_verified += (hi - lo) * dtype.itemsize
-        return self._elements(base, dtype, s.offset + start, stop - start)
-
-    def _elements(self, base: int, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
-        if count == 0 or self._map is None:
-            return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(self._map, dtype=dtype, count=count, offset=base + offset * dtype.itemsize)
-
-    def read(self, s: Segment, chunk_bytes: int, where: str) -> torch.Tensor:
-        """Segment ``s`` read into a new tensor (not mapped), verified chunk by chunk."""
-        dtype_name, _, base = self.header.tensors[s.tensor]
-        dtype = dtype_from_str(dtype_name, where=where)
-        out = torch.empty(s.numel, dtype=dtype)
-        if s.numel:
-            fd, _ = open_regular(self.path, follow_symlinks=False)
-            try:
-                raw, at, start = out.view(torch.uint8).numpy(), 0, base + s.offset * dtype.itemsize
-                while at < raw.nbytes:
-                    got = os.preadv(fd, [raw[at:]], start + at)  # type: ignore[list-item]
-                    if got <= 0:
-                        raise ValueError(f"{where}: the file ended early (it changed while being read)")
-                    at += got
-            finally:
-                os.close(fd)
-        self.bytes_verified += s.numel * dtype.itemsize
-        if chunk_digests(out, chunk_bytes) != s.checksums:
-            raise ValueError(f"{where}: checksum mismatch in state '{s.key}' (file is corrupt or was modified)")
-        return out
-
-    def drop_pages(self) -> None:
-        """Release the pages touched so far (and forget what was verified: they will be read again)."""
-        if self._map is not None:
-            self._map.madvise(mmap.MADV_DONTNEED)
-        self._verified.clear()
-
-    def close(self) -> None:
-        self._verified.clear()
-        self._map = None  # unmapped once no view of it is left
-
-
 class RankFile:
-    """One format-2 rank file of a checkpoint, opened (mapped, header checked against the manifest) on first use."""
+    """One rank file of a checkpoint (format 2 or 3), opened (mapped, header checked against the manifest) on first
+    use. ``layout``: where the manifest's units put each shard in every format-3 file (``segments.file_layout``),
+    computed once per checkpoint; unused for format 2, whose manifest lists each file's segments."""
 
-    def __init__(self, directory: Path, record: FileRecord, manifest: Manifest) -> None:
+    def __init__(self, directory: Path, record: FileRecord, manifest: Manifest, layout: FileLayout) -> None:
         self.path = directory / record.file
         self.record = record
         self.manifest = manifest
+        self.layout = layout
         self.file: MappedFile | None = None
-        self.segments: dict[tuple[int, str], Segment] = {}
+        self.grids: dict[str, Grid] = {}  # format 3: per tensor
+        self.placements: dict[tuple[int, str], Placement] = {}  # format 2: per shard
 
     def open(self) -> MappedFile:
         if self.file is None:
@@ -311,6 +150,8 @@ class RankFile:
             "rank": str(self.record.rank),
             "world_size": str(self.manifest.world_size),
         }
+        if self.manifest.version >= 3:
+            expected["chunk_bytes"] = str(self.manifest.chunk_bytes)
         for key, value in expected.items():
             if meta.get(key) != value:
                 found = escape(repr(meta.get(key)), limit=80)
@@ -326,24 +167,33 @@ class RankFile:
         if file.size != self.record.nbytes:
             raise ValueError(f"{where}: {file.size} bytes, but the manifest records {self.record.nbytes}")
         tensors = {name: numel for name, (_, numel, _) in file.header.tensors.items()}
-        self.segments = check_segments(
-            self.record.segments,
-            tensors,
-            self.manifest.flat_params,
-            self.record.rank,
-            self.manifest.chunk_bytes,
+        if self.manifest.version >= 3:
+            checksums, chunk = _checksums(meta, where), self.manifest.chunk_bytes
+            units = [f.unit for f in self.manifest.flat_params]
+            self.grids = grids_v3(checksums, self.layout, tensors, chunk, where=where, units=units)
+            return
+        segments = check_segments(
+            self.record.segments, tensors, self.manifest.flat_params, self.record.rank, self.manifest.chunk_bytes,
             where=where,
-        )
+        )  # fmt: skip
+        self.placements = placements_v2(segments)
 
     def where(self, flat_index: int) -> str:
         flat = self.manifest.flat_params[flat_index]
         return f"{self.path}, unit '{flat.unit or '<root>'}' (flat parameter {flat_index})"
 
+    def placement(self, flat_index: int, key: str) -> Placement:
+        """Where this file holds its shard of ``key`` of flat parameter ``flat_index`` (the file must be open)."""
+        if not self.grids:
+            return self.placements[(flat_index, key)]
+        tensor, offset, numel = self.layout[0][(flat_index, key)]
+        return Placement(flat_index, key, tensor, offset, numel, self.grids[tensor])
+
     def view(self, flat_index: int, key: str, start: int, stop: int) -> torch.Tensor:
         """Verified zero-copy view of elements ``[start, stop)`` of this file's shard of ``key``."""
         file = self.open()
-        segment, chunk = self.segments[(flat_index, key)], self.manifest.chunk_bytes
-        return file.view(segment, start, stop, chunk, self.where(flat_index))
+        p = self.placement(flat_index, key)
+        return file.view(p, start, stop, self.manifest.chunk_bytes, self.where(flat_index))
 
     def unit(self, flat_index: int, *, mapped: bool = True) -> dict[str, Any]:
         """One unit's entries: its verified shards (mapped views, or read into memory) and the manifest's scalars."""
@@ -353,16 +203,57 @@ class RankFile:
             if e.kind is not StateKind.SHARDED:
                 out[e.key] = clone_value(e.value)  # the optimizer owns what it loads: never the manifest's record
                 continue
-            s = self.segments[(flat_index, e.key)]
-            chunk = self.manifest.chunk_bytes
-            where = self.where(flat_index)
-            out[e.key] = file.view(s, 0, s.numel, chunk, where) if mapped else file.read(s, chunk, where)
+            p, chunk, where = self.placement(flat_index, e.key), self.manifest.chunk_bytes, self.where(flat_index)
+            out[e.key] = file.view(p, 0, p.numel, chunk, where) if mapped else file.read(p, chunk, where)
         return out
+
+    def load_all(self) -> dict[int, dict[str, Any]]:
+        """Every unit's entries read into memory: format 3 reads each tensor whole (one read per dtype, verified)
+        and hands out views of it; format 2 reads shard by shard."""
+        self.open()
+        flats = self.manifest.flat_params
+        if not self.grids:
+            return {i: self.unit(i, mapped=False) for i, flat in enumerate(flats) if flat.state}
+        whole = {name: self.read_whole(name) for name in self.grids}
+        out: dict[int, dict[str, Any]] = {}
+        for i, flat in enumerate(flats):
+            for e in flat.state:
+                if e.kind is StateKind.SHARDED:
+                    tensor, offset, numel = self.layout[0][(i, e.key)]
+                    out.setdefault(i, {})[e.key] = whole[tensor][offset : offset + numel]
+                else:
+                    out.setdefault(i, {})[e.key] = clone_value(e.value)
+        return out
+
+    def read_whole(self, tensor: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Format 3: tensor ``tensor`` read whole (into ``out`` if given) and verified; a mismatch names the units."""
+        file = self.open()
+
+        def holds(lo: int, hi: int) -> str:
+            hits = [(f, k) for (f, k), (t, at, n) in self.layout[0].items() if t == tensor and at < hi and at + n > lo]
+            if not hits:
+                return ""
+            unit = self.manifest.flat_params[hits[0][0]].unit or "<root>"
+            more = f" and {len(hits) - 1} more shards" if len(hits) > 1 else ""
+            return f", unit '{unit}' state '{hits[0][1]}'{more}"
+
+        return file.read_tensor(self.grids[tensor], self.manifest.chunk_bytes, str(self.path), out, holds)
 
     def release(self) -> None:
         if self.file is not None:
             self.file.close()
         self.file = None
+
+
+def _checksums(meta: Mapping[str, str], where: str) -> Any:
+    """The chunk checksums a format-3 header holds: ``{tensor: [digest, ...]}`` (checked further by the caller)."""
+    try:
+        found = json.loads(meta.get("checksums", "null"))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{where}: the header's 'checksums' is not JSON ({escape(str(exc), limit=120)})") from None
+    if not isinstance(found, dict):
+        raise ValueError(f"{where}: the header's 'checksums' must be an object by tensor, found {type(found).__name__}")
+    return found
 
 
 T = TypeVar("T")

@@ -25,32 +25,30 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.core.checksums import digest_matches
-from fsdp_optim.core.dtypes import dtype_from_str
-from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
-from fsdp_optim.disk.untrusted import check_stored_bytes, open_regular
+from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
 from fsdp_optim.formats.sharded.manifest import (
     LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
     MANIFEST_NAMES,
-    FileRecord,
     Manifest,
-    check_checksum,
     manifest_source,
     read_header,
     unwrap,
 )
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json
-from fsdp_optim.formats.sharded.rank_file import RankFile, open_recorded
+from fsdp_optim.formats.sharded.rank_file import RankFile
+from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
 
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
     "ShardedCheckpoint",
     "checkpoint_dir",
+    "is_json_manifest",
     "is_sharded_checkpoint",
     "load_file",
     "read_manifest",
@@ -108,13 +106,30 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
                 "that never finished leaves none)"
             )
         raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
-    if file.suffix == ".json":
+    if file.suffix == ".json" or _starts_with_brace(file):  # a JSON manifest (a layout file, whatever its name)
         return manifest_from_json(_read_bounded(file), source=str(file))
     obj = load_file(file)
     read_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
     check_tree(obj, str(file))
     _, body = unwrap(obj, "manifest", source=str(file))
     return Manifest.from_dict(body, source=str(file))
+
+
+def is_json_manifest(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file that starts like a JSON document (a layout file of ours, or a manifest)."""
+    return Path(path).is_file() and _starts_with_brace(Path(path))
+
+
+def _starts_with_brace(file: Path) -> bool:
+    """Whether a regular file's first byte is ``{`` (JSON; a torch file starts with a zip header)."""
+    try:
+        fd, _ = open_regular(file)
+    except (OSError, ValueError):
+        return False  # the torch reader says what is wrong with it
+    try:
+        return os.pread(fd, 1, 0) == b"{"
+    finally:
+        os.close(fd)
 
 
 def _read_bounded(file: Path) -> bytes:
@@ -129,127 +144,7 @@ def _read_bounded(file: Path) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Writers never destroy: lock, recover, refuse what is not ours, journal, commit
-
-
-def _nbytes(value: Any) -> int:
-    return value.numel() * value.element_size() if torch.is_tensor(value) else 0
-
-
-def _declared_bytes(manifest: Manifest, shards: ShardIndex) -> int:
-    """Bytes of sharded state the manifest says every rank file holds (one shard of each unit, padding
-    included; a unit over one rank whole): a file smaller than that was not written from this manifest."""
-    total = 0
-    for i, flat in enumerate(manifest.flat_params):
-        shard_numel = shards.shard_numel(i)
-        for e in flat.state:
-            if e.kind is StateKind.SHARDED:
-                total += shard_numel * dtype_from_str(e.dtype, where=e.key).itemsize
-    return total
-
-
-class _RankFile:
-    """One rank file, mapped lazily; its header is checked against the manifest on first use."""
-
-    def __init__(self, directory: Path, record: FileRecord, manifest: Manifest, shards: ShardIndex) -> None:
-        self.path = directory / record.file
-        self.record = record
-        self.manifest = manifest
-        self.shards = shards
-        self.payload: Mapping[str, Any] | None = None
-        self.verified: set[int] = set()
-
-    def open(self, *, mmap: bool) -> Mapping[str, Any]:
-        if self.payload is None:
-            # A rank file's name comes from the manifest: it must be a regular file inside the directory.
-            payload = self._load(mmap=mmap)
-            self._check_header(payload)
-            # What the manifest's shapes make readers allocate is bounded by what the files really hold
-            # (and by what the manifest itself says they hold).
-            declared = _declared_bytes(self.manifest, self.shards)
-            check_stored_bytes(str(self.path), declared, self.path.stat().st_size)
-            check_stored_bytes(f"{self.path} (as the manifest records it)", declared, self.record.nbytes)
-            self.payload = payload
-        return self.payload
-
-    def _load(self, *, mmap: bool) -> Any:
-        """:func:`load_file`, its errors saying what the manifest knows: the file's rank and size."""
-
-        def truncated(exc: ValueError, size: int) -> str | None:
-            if "cannot be read with torch.load" not in str(exc):
-                return None  # readable but refused (a forged file): that refusal says what is wrong
-            return (
-                f"{self.path}: cannot be read with torch.load(weights_only=True): truncated: {size} of "
-                f"{self.record.nbytes} bytes (the size the manifest records; a copy or write that did not finish?)"
-            )
-
-        return open_recorded(self.path, self.record, lambda: load_file(self.path, mmap=mmap, follow_symlinks=False),
-                             truncated)
-
-    def _check_header(self, payload: Any) -> None:
-        where = str(self.path)
-        head, checksum = read_header(
-            payload, "shard", source=where, covered="unit_checksums", what="fsdp_optim rank file"
-        )
-        check_tree(payload, where)
-        if "state" not in payload:
-            raise ValueError(f"{where}: expected an fsdp_optim rank file, found keys {sorted(map(str, payload))}")
-        for key in ("state", "unit_checksums"):
-            if not isinstance(payload[key], Mapping):
-                raise ValueError(
-                    f"{where}: '{key}' is a {type(payload[key]).__name__}, expected a dict by flat parameter"
-                )
-        expected = {
-            "save_id": self.manifest.save_id,
-            "rank": self.record.rank,
-            "world_size": self.manifest.world_size,
-        }
-        for key, value in expected.items():
-            if head.get(key) != value:
-                raise ValueError(
-                    f"{where}: {key} is {head.get(key)!r}, expected {value!r} from the manifest (a file of another "
-                    "save?)"
-                )
-        if checksum != self.record.checksum:
-            raise ValueError(f"{where}: checksum {checksum} differs from the manifest's {self.record.checksum}")
-        check_checksum(head, checksum, payload["unit_checksums"], source=where)
-
-    def unit(self, flat_index: int, *, mmap: bool) -> tuple[Mapping[str, Any], int]:
-        """The verified entries of one flat parameter and the bytes they occupy."""
-        payload = self.open(mmap=mmap)
-        flat = self.manifest.flat_params[flat_index]
-        where = f"{self.path}, unit '{flat.unit or '<root>'}' (flat parameter {flat_index})"
-        entries = payload["state"].get(flat_index)
-        if entries is None or not isinstance(entries, Mapping):
-            raise ValueError(
-                f"{where}: no state in the file, but the manifest lists keys {[e.key for e in flat.state]}"
-            )
-        if flat_index not in self.verified:
-            if not digest_matches(entries, payload["unit_checksums"].get(flat_index)):
-                raise ValueError(f"{where}: checksum mismatch (file is corrupt or was modified)")
-            shard_numel = self.shards.shard_numel(flat_index)
-            if set(entries) != {e.key for e in flat.state}:
-                raise ValueError(f"{where}: state keys {sorted(entries)}, expected {[e.key for e in flat.state]}")
-            for e in flat.state:
-                value = entries[e.key]
-                if e.kind is StateKind.SHARDED:
-                    dtype = dtype_from_str(e.dtype, where=where)
-                    if not torch.is_tensor(value) or tuple(value.shape) != (shard_numel,) or value.dtype != dtype:
-                        found = (
-                            f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
-                        )
-                        raise ValueError(f"{where}: state '{e.key}' is {found}, expected ({shard_numel},) {dtype}")
-                elif not same_scalar(value, e.value):
-                    # Every reader must resume the same way: the manifest's value is what offline tools use.
-                    raise ValueError(
-                        f"{where}: scalar state '{e.key}' is {show_value(value)}, but the manifest records "
-                        f"{show_value(e.value)}"
-                    )
-            self.verified.add(flat_index)
-        return entries, sum(_nbytes(v) for v in entries.values())
-
-    def release(self) -> None:
-        self.payload = None
+# Reading: one rank file per rank, format 3 and 2 mapped (rank_file.RankFile), format 1 through the gate (legacy)
 
 
 class ShardedCheckpoint:
@@ -270,10 +165,14 @@ class ShardedCheckpoint:
             raise ValueError(f"{path}: the manifest lists no rank files (a layout file, not a checkpoint)")
         self.max_mapped_bytes = max_mapped_bytes
         self.shards = ShardIndex.of(self.manifest.flat_params)  # per-unit ints: ranks and ranges by arithmetic
+        # Format 3: where each shard lies, the same in every rank file, from the units (once, not per file).
+        shards = manifest_shards(self.manifest.flat_params, self.shards) if self.manifest.version >= 3 else []
+        layout = file_layout(shards)
+        self.layout = layout
         self._files: dict[int, Any] = {
-            f.rank: RankFile(self.directory, f, self.manifest)
+            f.rank: RankFile(self.directory, f, self.manifest, layout)
             if self.manifest.version >= 2
-            else _RankFile(self.directory, f, self.manifest, self.shards)
+            else LegacyRankFile(self.directory, f, self.manifest, self.shards)
             for f in self.manifest.files
         }
         self._mapped = 0
@@ -317,7 +216,7 @@ class ShardedCheckpoint:
         f = self._files[self._file_rank(rank, flat_index)]
         if isinstance(f, RankFile):
             entries = f.unit(flat_index)
-            self._touched(sum(_nbytes(v) for v in entries.values()))
+            self._touched(sum(nbytes(v) for v in entries.values()))
             return entries
         entries, nbytes = f.unit(flat_index, mmap=True)
         self._touched(nbytes)
@@ -338,7 +237,7 @@ class ShardedCheckpoint:
         f = self._files[rank]
         if isinstance(f, RankFile):
             try:
-                return {i: f.unit(i, mapped=False) for i, flat in enumerate(self.manifest.flat_params) if flat.state}
+                return f.load_all()
             finally:
                 f.release()
         if f.payload is not None:  # mapped by open_all(): read the file again, into memory
@@ -379,6 +278,14 @@ class ShardedCheckpoint:
             self._touched((stop - start) * out.element_size())
         else:
             out.copy_(self.unit(rank, flat_index)[key][start:stop])
+
+    def read_rows(self, tensor: str, ranks: range, out: torch.Tensor) -> None:
+        """Format 3: tensor ``tensor`` of rank files ``ranks`` read whole into the rows of ``out``, each verified."""
+        assert self.manifest.version >= 3 and out.shape == (len(ranks), self.layout[1][tensor]), "format 3 rows"
+        for row, rank in enumerate(ranks):
+            f = self._files[rank]
+            f.read_whole(tensor, out[row])
+            f.release()
 
     def trim(self) -> None:
         """Drop the pages touched since the last drop if they exceed ``max_mapped_bytes``."""

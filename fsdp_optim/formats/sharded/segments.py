@@ -1,17 +1,31 @@
-"""Where each shard lies in a format-2 rank file, and the chunk checksums that guard it: records and pure checks.
+"""Where each shard lies in a rank file, and the chunk checksums that guard it: records and pure checks.
 
-Pure: no file access. A format-2 rank file (:mod:`.rank_file`) is a safetensors file holding one 1-D tensor
-per dtype (named by the dtype: ``"float32"``), the concatenation of that rank's shards of that dtype; the
-manifest records, per rank file, one :class:`Segment` per (unit, sharded state key)::
+Pure: no file access. A rank file (:mod:`.rank_file`) is a safetensors file holding one 1-D tensor per dtype
+(named by the dtype: ``"float32"``), the concatenation of that rank's padded shards of that dtype.
 
-    {"flat": 1, "key": "exp_avg", "tensor": "float32", "offset": 46, "numel": 46,     # elements, in "float32"
-     "checksums": ["xxh3-128:...", ...]}                                                # one per chunk
+Format 3 (written since this version) records nothing per shard: the shards lie in every rank file in the
+same order, ``(flat index, state key)`` sorted, each ``ceil(numel / world_size)`` elements long (a unit that is
+not sharded: ``numel``), so a unit's offset is a prefix sum over the units before it, the same in every
+file (:func:`file_layout`). The chunk checksums cut each *tensor* (not each shard) into chunks of
+``chunk_bytes``; they live in the rank file's own header (``__metadata__["checksums"]``), which the
+manifest's per-file digest covers, so a reader parses the checksums of the files it opens and no
+others, and the manifest grows with units + ranks, never units x ranks::
 
-A segment is cut into chunks of ``chunk_bytes`` (the manifest's, :data:`CHUNK_BYTES` when written), the
-last one shorter; chunk ``k`` covers elements ``[k * per, min((k + 1) * per, numel))`` with
-``per = chunk_bytes // itemsize``, and its checksum is :func:`~fsdp_optim.core.checksums.digest` of that
-1-D slice. A reader verifies every chunk it touches before it uses a byte of it, so a re-cut read of a
-range costs at most one chunk more on each side than the range itself.
+    units 0 (exp_avg, exp_avg_sq: 3 elements each), 1 (exp_avg: 2 elements) ->
+    "float32": [u0.exp_avg 0..3 | u0.exp_avg_sq 3..6 | u1.exp_avg 6..8]      # the same offsets in every rank file
+    __metadata__["checksums"] = '{"float32": ["xxh3-128:...", ...]}'          # chunk k: elements [k*per, (k+1)*per)
+
+Format 2 recorded, per rank file, one :class:`Segment` per (unit, sharded state key) in the manifest, with
+the chunk checksums of that segment alone (chunks starting at the segment)::
+
+    {"flat": 1, "key": "exp_avg", "tensor": "float32", "offset": 46, "numel": 46, "checksums": [...]}
+
+which made the manifest grow as ranks x units (16.6 MiB, 2.5 s to parse, at 256 ranks x 256 units); it
+stays readable. Both come down to :class:`Placement`: a shard's place in its tensor and the
+:class:`Grid` of checksums that covers it. Chunk ``k`` of a grid covers elements
+``[origin + k * per, min(origin + (k + 1) * per, end))`` with ``per = chunk_bytes // itemsize``, and its
+checksum is :func:`~fsdp_optim.core.checksums.digest` of that 1-D slice. A reader verifies every chunk it
+touches before it uses a byte of it, so a range read costs at most one chunk more on each side.
 
 Why a few large tensors and not one per (unit, key), measured (``python -m benchmarks.format2 --layout``:
 safetensors 0.8.0's own writer, two float32 keys per unit, one rank file; bytes beyond the payload)::
@@ -21,15 +35,14 @@ safetensors 0.8.0's own writer, two float32 keys per unit, one rank file; bytes 
     256     16 KiB       header 36,256 B (x 3.2)        header 120 B (+0.7 %)
     4096    100 MiB      header 672,688 B (+0.6 %)      header 128 B (+0.0001 %)
 
-The header of a per-(unit, key) file grows ~70 bytes per tensor (a name, dtype, shape and offsets in
-JSON) whatever the tensor's size, so a model of many small units is dominated by it; the per-dtype layout
-keeps every rank file within ``payload x 1.02 + 4 KiB`` and moves the per-segment facts (offsets,
-checksums) to the manifest, which every reader reads anyway.
+The header of a per-(unit, key) file grows ~70 bytes per tensor whatever the tensor's size, so a model of
+many small units is dominated by it; one tensor per dtype keeps a rank file within ``payload x 1.02 +
+4 KiB`` (its chunk checksums add ~48 bytes per 64 KiB: 0.07 %).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +51,23 @@ import torch
 from fsdp_optim.core.checksums import chunk_digests as digests_of_chunks
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind
+from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.records import FlatRecord, get_checked
 
-__all__ = ["CHUNK_BYTES", "Segment", "check_segments", "chunk_digests", "chunk_elements", "plan_segments"]
+__all__ = [
+    "CHUNK_BYTES",
+    "Grid",
+    "Placement",
+    "Segment",
+    "check_segments",
+    "chunk_digests",
+    "chunk_elements",
+    "file_layout",
+    "grids_v3",
+    "manifest_shards",
+    "placements_v2",
+    "plan_segments",
+]
 
 # 64 KiB: a re-cut read of r bytes reads at most r + 128 KiB (<= 1.1 r from 1.25 MiB on: a third of a
 # 1M-parameter unit's shard), at ~1.5x the hashing time of 256 KiB chunks (2.4 against 3.6 GB/s here);
@@ -58,6 +85,10 @@ class Segment:
     offset: int
     numel: int
     checksums: tuple[str, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,15 +125,123 @@ def chunk_digests(values: torch.Tensor, chunk_bytes: int) -> tuple[str, ...]:
 def plan_segments(
     state: Mapping[int, Mapping[str, Any]],
 ) -> tuple[dict[str, list[tuple[int, str, torch.Tensor]]], dict[str, int]]:
-    """The tensors of a rank file: ``{dtype name: [(flat, key, 1-D shard), ...]}`` in file order and each
-    tensor's element count. Sharded state is every tensor of at least one dimension; 0-dim tensors and
-    Python numbers are scalars, which the manifest holds (they are tiny, shared by every rank, and exact in JSON)."""
+    """The tensors of a rank file: ``{dtype name: [(flat, key, 1-D shard), ...]}`` in file order (that of
+    :func:`file_layout`) and each tensor's element count. Sharded state is every tensor of at least one
+    dimension; 0-dim tensors and Python numbers are scalars, which the manifest holds (they are tiny, shared
+    by every rank, and exact in JSON)."""
     tensors: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     for i in sorted(state):
-        for key, value in state[i].items():
+        for key, value in sorted(state[i].items()):  # (flat, key) order: see file_layout
             if torch.is_tensor(value) and value.dim() >= 1:
                 tensors.setdefault(str(value.dtype).removeprefix("torch."), []).append((i, key, value.reshape(-1)))
     return tensors, {name: sum(v.numel() for _, _, v in parts) for name, parts in tensors.items()}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Chunk checksums over elements ``[origin, end)`` of tensor ``tensor``: chunk ``k`` covers
+    ``[origin + k * per, min(origin + (k + 1) * per, end))``. Format 3: a whole tensor; format 2: one segment."""
+
+    tensor: str
+    origin: int
+    end: int
+    checksums: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one shard lies: ``numel`` elements at element ``offset`` of ``tensor``, guarded by ``grid``."""
+
+    flat: int
+    key: str
+    tensor: str
+    offset: int
+    numel: int
+    grid: Grid
+
+
+Shard = tuple[int, str, str, int]  # (flat index, state key, dtype name, padded shard numel)
+
+
+def file_layout(shards: Iterable[Shard]) -> tuple[dict[tuple[int, str], tuple[str, int, int]], dict[str, int]]:
+    """Where format 3 puts each shard: ``{(flat, key): (tensor, offset, numel)}`` and ``{tensor: numel}``.
+
+    The one rule that writer and reader share: shards in ``(flat, key)`` order, each appended to the tensor of
+    its dtype. ``shards`` come from a rank's state (writing) or from the manifest's units (reading).
+    """
+    where: dict[tuple[int, str], tuple[str, int, int]] = {}
+    sizes: dict[str, int] = {}
+    for flat, key, tensor, numel in sorted(shards):
+        at = sizes.get(tensor, 0)
+        where[(flat, key)] = (tensor, at, numel)
+        sizes[tensor] = at + numel
+    return where, sizes
+
+
+def manifest_shards(flat_params: Sequence[FlatRecord], shards: ShardIndex) -> list[Shard]:
+    """The shards every rank file of a checkpoint holds, from its units: each sharded state key of each unit."""
+    return [
+        (i, e.key, str(e.dtype), shards.shard_numel(i))
+        for i, flat in enumerate(flat_params)
+        for e in flat.state
+        if e.kind is StateKind.SHARDED
+    ]
+
+
+def grids_v3(
+    checksums: Mapping[str, Any],
+    layout: tuple[Mapping[tuple[int, str], tuple[str, int, int]], Mapping[str, int]],
+    tensors: Mapping[str, int],
+    chunk_bytes: int,
+    *,
+    where: str,
+    units: Sequence[str] = (),
+) -> dict[str, Grid]:
+    """The checked chunk grids of a format-3 rank file: its header's ``checksums`` (``{tensor: [digest, ...]}``)
+    against the tensors the manifest's units put in it (``layout``, :func:`file_layout`'s) and those its header
+    holds (``tensors``: ``{name: numel}``). ``units`` names the units in errors."""
+    sizes = layout[1]
+    if dict(tensors) != dict(sizes):
+        raise ValueError(
+            f"{where}: holds tensors {dict(sorted(tensors.items()))} (name: elements), but the manifest's units "
+            f"make {dict(sorted(sizes.items()))}{_largest(layout[0], tensors, units)}"
+        )
+    if set(checksums) != set(sizes):
+        raise ValueError(f"{where}: chunk checksums for tensors {sorted(checksums)}, expected {sorted(sizes)}")
+    grids = {}
+    for name, numel in sizes.items():
+        listed = checksums[name]
+        per = chunk_elements(dtype_from_str(name, where=where), chunk_bytes)
+        if not isinstance(listed, list) or not all(isinstance(c, str) for c in listed):
+            raise ValueError(f"{where}: chunk checksums of '{name}' must be a list of strings")
+        if len(listed) != -(-numel // per):
+            raise ValueError(
+                f"{where}: tensor '{name}' has {len(listed)} chunk checksums, expected {-(-numel // per)} "
+                f"({numel} elements, {per} per chunk)"
+            )
+        grids[name] = Grid(name, 0, numel, tuple(listed))
+    return grids
+
+
+def _largest(
+    where: Mapping[tuple[int, str], tuple[str, int, int]], tensors: Mapping[str, int], units: Sequence[str]
+) -> str:
+    """Names the largest shard the manifest declares when it alone exceeds what the file holds."""
+    if not where:
+        return ""
+    (flat, key), (tensor, _, numel) = max(where.items(), key=lambda item: item[1][2])
+    if numel <= tensors.get(tensor, 0):
+        return ""
+    unit = units[flat] if flat < len(units) else str(flat)
+    return f"; unit '{unit or '<root>'}' state '{key}' alone is declared {numel} elements per rank"
+
+
+def placements_v2(segments: Mapping[tuple[int, str], Segment]) -> dict[tuple[int, str], Placement]:
+    """Format 2's checked segments as placements, each with a grid of its own."""
+    return {
+        k: Placement(s.flat, s.key, s.tensor, s.offset, s.numel, Grid(s.tensor, s.offset, s.end, s.checksums))
+        for k, s in segments.items()
+    }
 
 
 def check_segments(

@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
-from fsdp_optim.disk.atomic import atomic_write, new_save_id
+from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
 from fsdp_optim.formats.sharded.manifest import (
@@ -31,7 +33,7 @@ from fsdp_optim.formats.sharded.manifest import (
     shard_file_name,
 )
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.rank_file import write_rank_file
+from fsdp_optim.formats.sharded.rank_file import write_rank_file, write_rank_tensors
 from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 
@@ -42,6 +44,7 @@ __all__ = [
     "write_all_or_nothing",
     "write_manifest",
     "write_shard_file",
+    "write_shard_tensors",
 ]
 
 # Rank files of both formats; a format-2 commit also removes the manifest.pt of the format-1 checkpoint it replaces.
@@ -105,15 +108,8 @@ def _journaled(entry: Mapping[str, Any]) -> tuple[str | None, int | None]:
     return sid, world_size
 
 
-def write_shard_file(
-    directory: Path, state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
-) -> FileRecord:
-    """Write one rank's file atomically (format 2: a safetensors file, :mod:`.rank_file`); its record for the manifest.
-
-    ``state`` is ``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's to hold.
-    """
-    name = shard_file_name(save_id, rank, world_size)
-    metadata = {
+def _metadata(save_id: str, rank: int, world_size: int) -> dict[str, str]:
+    return {
         "format": "fsdp_optim",
         "kind": "shard",
         "version": str(CHECKPOINT_VERSION),
@@ -121,10 +117,35 @@ def write_shard_file(
         "rank": str(rank),
         "world_size": str(world_size),
     }
-    size, (checksum, segments) = atomic_write(
-        directory / name, lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES)
+
+
+def write_shard_file(
+    directory: Path, state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
+) -> FileRecord:
+    """Write one rank's file atomically (a safetensors file, :mod:`.rank_file`); its record for the manifest.
+
+    ``state`` is ``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's to hold.
+    """
+    name = shard_file_name(save_id, rank, world_size)
+    metadata = _metadata(save_id, rank, world_size)
+    size, checksum = atomic_write(directory / name, lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES))
+    return FileRecord(rank, name, checksum, size)
+
+
+def write_shard_tensors(
+    directory: Path, tensors: Mapping[str, torch.Tensor], *, save_id: str, rank: int, world_size: int
+) -> FileRecord:
+    """:func:`write_shard_file` of a rank whose shards are already laid out as the file holds them: ``{dtype
+    name: 1-D tensor}`` in ``segments.file_layout`` order (what a block re-cut builds), into a staging directory."""
+    name = shard_file_name(save_id, rank, world_size)
+    metadata = _metadata(save_id, rank, world_size)
+    parts = {k: [v] for k, v in tensors.items()}
+    sizes = {k: v.numel() for k, v in tensors.items()}
+    # Into a staging directory (write_all_or_nothing): the commit moves it in and fsyncs the directory.
+    size, checksum = durable_write(
+        directory / name, lambda file: write_rank_tensors(file, parts, sizes, metadata, CHUNK_BYTES)
     )
-    return FileRecord(rank, name, checksum, size, segments)
+    return FileRecord(rank, name, checksum, size)
 
 
 def write_manifest(directory: Path, manifest: Manifest, *, replaces: Iterable[str] = ()) -> Path:

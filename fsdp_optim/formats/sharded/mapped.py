@@ -1,0 +1,139 @@
+"""A rank file mapped once, handing out zero-copy views of chunks it has verified.
+
+Every byte handed out was hashed first, at the granularity of the chunk grid that guards it
+(:class:`~fsdp_optim.formats.sharded.segments.Grid`): a view of elements ``[a, b)`` of a shard verifies the
+chunks that ``[a, b)`` touches (once per mapping), so a range read hashes at most one chunk more on each
+side than it copies. The mapping is private and read-only in use (``torch.frombuffer`` needs a writable
+buffer; nothing writes to it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.sharded.safetensors_header import read_header
+from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
+
+__all__ = ["MappedFile"]
+
+
+class MappedFile:
+    """A rank file mapped once; :meth:`view` returns verified zero-copy views of its shards."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd, st = open_regular(path, follow_symlinks=False)  # its name comes from the manifest
+        try:
+            self.header = read_header(fd, st.st_size, str(path))
+            # A private mapping: writable views for torch.frombuffer, never written to.
+            self._map = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE) if st.st_size else None
+        finally:
+            os.close(fd)
+        self.size = st.st_size
+        self._verified: set[tuple[str, int, int]] = set()  # (tensor, grid origin, chunk)
+        self.bytes_verified = 0  # bytes hashed so far: every byte read from the file is hashed once before use
+
+    def _dtype(self, tensor: str, where: str) -> tuple[torch.dtype, int]:
+        dtype_name, _, base = self.header.tensors[tensor]
+        return dtype_from_str(dtype_name, where=where), base
+
+    def view(self, p: Placement, start: int, stop: int, chunk_bytes: int, where: str) -> torch.Tensor:
+        """Elements ``[start, stop)`` of shard ``p``, every chunk they touch verified against its checksum."""
+        dtype, base = self._dtype(p.tensor, where)
+        if stop <= start:
+            return torch.empty(0, dtype=dtype)
+        g, per = p.grid, chunk_elements(dtype, chunk_bytes)
+        first, last = (p.offset + start - g.origin) // per, -(-(p.offset + stop - g.origin) // per)
+        todo = [k for k in range(first, last) if (g.tensor, g.origin, k) not in self._verified]
+        if todo:  # one pass over the unverified chunks (and any verified ones between them: rare, harmless)
+            lo, hi = g.origin + todo[0] * per, min(g.origin + (todo[-1] + 1) * per, g.end)
+            found = chunk_digests(self._elements(base, dtype, lo, hi - lo), chunk_bytes)
+            for k, checksum in enumerate(found, start=todo[0]):
+                if checksum != g.checksums[k]:
+                    raise ValueError(self._mismatch(p, g, k, per, where))
+                self._verified.add((g.tensor, g.origin, k))
+            self.bytes_verified += (hi - lo) * dtype.itemsize
+        return self._elements(base, dtype, p.offset + start, stop - start)
+
+    @staticmethod
+    def _mismatch(p: Placement, g: Grid, k: int, per: int, where: str) -> str:
+        lo, hi = g.origin + k * per, min(g.origin + (k + 1) * per, g.end)
+        return (
+            f"{where}: checksum mismatch in elements {lo - p.offset}..{hi - p.offset} of state '{p.key}' "
+            f"(chunk {k} of tensor '{g.tensor}'; file is corrupt or was modified)"
+        )
+
+    def _elements(self, base: int, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+        if count == 0 or self._map is None:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(self._map, dtype=dtype, count=count, offset=base + offset * dtype.itemsize)
+
+    def read(self, p: Placement, chunk_bytes: int, where: str) -> torch.Tensor:
+        """Shard ``p`` read into new memory (not mapped) with the chunks around it, verified; a view of its part."""
+        dtype, base = self._dtype(p.tensor, where)
+        g, per = p.grid, chunk_elements(dtype, chunk_bytes)
+        first, last = (p.offset - g.origin) // per, -(-(p.offset + p.numel - g.origin) // per)
+        lo, hi = g.origin + first * per, min(g.origin + last * per, g.end)
+        out = self._pread(base + lo * dtype.itemsize, max(hi - lo, 0), dtype, where)
+        if chunk_digests(out, chunk_bytes) != g.checksums[first:last]:
+            raise ValueError(f"{where}: checksum mismatch in state '{p.key}' (file is corrupt or was modified)")
+        return out[p.offset - lo : p.offset - lo + p.numel]
+
+    def read_tensor(
+        self,
+        g: Grid,
+        chunk_bytes: int,
+        where: str,
+        out: torch.Tensor | None = None,
+        holds: Callable[[int, int], str] | None = None,
+    ) -> torch.Tensor:
+        """A whole tensor that ``g`` covers read into new memory (or into ``out``, contiguous, of its size) and
+        verified (format 3: one pread per dtype). ``holds(lo, hi)`` names what elements ``[lo, hi)`` belong to."""
+        dtype, base = self._dtype(g.tensor, where)
+        out = self._pread(base + g.origin * dtype.itemsize, g.end - g.origin, dtype, where, out)
+        for k, checksum in enumerate(chunk_digests(out, chunk_bytes)):
+            if checksum != g.checksums[k]:
+                per = chunk_elements(dtype, chunk_bytes)
+                lo, hi = k * per, min((k + 1) * per, g.end)
+                raise ValueError(
+                    f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of tensor "
+                    f"'{g.tensor}' (file is corrupt or was modified)"
+                )
+        return out
+
+    def _pread(
+        self, start: int, count: int, dtype: torch.dtype, where: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(count, dtype=dtype)
+        assert out.is_contiguous() and out.numel() == count and out.dtype == dtype, f"{where}: a wrong buffer"
+        if count:
+            fd, _ = open_regular(self.path, follow_symlinks=False)
+            try:
+                raw, at = out.view(torch.uint8).numpy(), 0
+                while at < raw.nbytes:
+                    got = os.preadv(fd, [raw[at:]], start + at)  # type: ignore[list-item]
+                    if got <= 0:
+                        raise ValueError(f"{where}: the file ended early (it changed while being read)")
+                    at += got
+            finally:
+                os.close(fd)
+        self.bytes_verified += count * dtype.itemsize
+        return out
+
+    def drop_pages(self) -> None:
+        """Release the pages touched so far (and forget what was verified: they will be read again)."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+        self._verified.clear()
+
+    def close(self) -> None:
+        self._verified.clear()
+        self._map = None  # unmapped once no view of it is left
