@@ -22,9 +22,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.plan import Plan, Source, assemble_full, cut_rank, plan
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.disk.atomic import load_file, new_save_id
@@ -32,17 +34,18 @@ from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fullstate import build_full_state
+from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import (
-    DEFAULT_MAPPED_BYTES,
-)
-from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint
+from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file, write_shard_tensors
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.sources import NEEDS_LAYOUT, Kind, Opened, open_source
 
 __all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]
 
 Progress = Callable[[], None] | None  # called once per FSDP unit done (the CLI draws a bar with it)
+# A block re-cut holds a group's source and output rank files in memory: at most this much (else unit by unit).
+BLOCK_BYTES = 256 << 20
 
 
 def load_full_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -99,11 +102,29 @@ def full_state(
     layout, ckpt = opened.layout, opened.checkpoint
     the_plan = plan(opened.source, layout)
     after_unit = _then(ckpt.trim, progress)
-    flat_states = assemble_full(the_plan, after_unit=after_unit)
+    flat_states = _blocks_of(the_plan, ckpt, after_unit) or assemble_full(the_plan, after_unit=after_unit)
     per_rank = None
     if layout.per_rank_units():  # MoE experts: every rank's own copy, from its own file
         per_rank = {r: assemble_full(the_plan, after_unit=after_unit, per_rank=r) for r in range(layout.world_size)}
     return build_full_state(layout, the_plan.groups, flat_states, optimizer=ckpt.manifest.optimizer, per_rank=per_rank)
+
+
+def _blocks_of(the_plan: Plan, ckpt: ShardedCheckpoint, after_unit: Callable[[], None]) -> dict[int, dict[str, Any]]:
+    """:func:`assemble_full`'s result read as whole rank files (:func:`recut.full_flats`) when the plan's units are
+    the checkpoint's own and the rows fit :data:`BLOCK_BYTES`; empty otherwise."""
+    units = [(f.unit, f.params) for f in ckpt.manifest.flat_params]
+    if [(f.unit, f.params) for f in the_plan.target.flat_params] != units:
+        return {}
+    flats = recut.full_flats(ckpt, BLOCK_BYTES)
+    if flats is None:
+        return {}
+    out = {}
+    for t, flat_plan in the_plan.flats.items():
+        out[t] = {
+            e.key: flats[(t, e.key)] if e.kind is StateKind.SHARDED else clone_value(e.value) for e in flat_plan.entries
+        }
+        after_unit()
+    return out
 
 
 def _nothing_to_consolidate(opened: Opened) -> str:
@@ -212,10 +233,17 @@ def _reshard_sharded(
     if out.exists() and out.resolve() == ckpt.directory.resolve():
         raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
     target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
-    the_plan = plan(opened.source, target.layout(0))
+    the_plan = plan(opened.source, target.layout(0))  # every check, whichever way the ranks are then cut
+    write = partial(_write_ranks, the_plan, target, after_unit=_then(ckpt.trim, progress))
+    final = _described(the_plan, target)
+    if recut.applicable(ckpt, final):
+        blocks = recut.Recut.of(ckpt, final)
+        group = recut.group_size(blocks, ckpt.layout[1], BLOCK_BYTES)
+        if group:
+            write = partial(_write_blocks, ckpt, blocks, group, final, progress=progress)
     return write_all_or_nothing(
         out,
-        lambda staging: _write_ranks(the_plan, target, staging, _then(ckpt.trim, progress)),
+        write,
         save_id=target.save_id,
         world_size=world_size,
         inputs=(given,),
@@ -249,17 +277,35 @@ def _reshard_full(
     )
 
 
+def _described(the_plan: Plan, target: Manifest) -> Manifest:
+    """``target``'s manifest as the plan fills it (state entries, groups, optimizer), without files yet."""
+    flats = tuple(
+        replace(f, state=the_plan.flats[t].entries if t in the_plan.flats else ())
+        for t, f in enumerate(target.flat_params)
+    )
+    return replace(target, optimizer=the_plan.source.optimizer, flat_params=flats, groups=the_plan.groups)
+
+
 def _write_ranks(the_plan: Plan, target: Manifest, out: Path, after_unit: Progress) -> Manifest:
-    """Cut and write every rank file of ``target`` into ``out``; return the manifest (not yet written)."""
+    """Cut and write every rank file of ``target`` into ``out``, unit by unit; return the manifest (not yet
+    written)."""
     records = []
     for rank in range(target.world_size):
         state = cut_rank(the_plan, rank, after_unit=after_unit)
         records.append(write_shard_file(out, state, save_id=target.save_id, rank=rank, world_size=target.world_size))
         del state
-    flats = tuple(
-        replace(f, state=the_plan.flats[t].entries if t in the_plan.flats else ())
-        for t, f in enumerate(target.flat_params)
-    )
-    return replace(
-        target, optimizer=the_plan.source.optimizer, flat_params=flats, groups=the_plan.groups, files=tuple(records)
-    )
+    return replace(_described(the_plan, target), files=tuple(records))
+
+
+def _write_blocks(
+    ckpt: ShardedCheckpoint, blocks: recut.Recut, group: int, target: Manifest, out: Path, progress: Progress
+) -> Manifest:
+    """Write every rank file of ``target`` into ``out`` by block re-cut (:mod:`fsdp_optim.formats.sharded.recut`),
+    ``group`` output ranks at a time; ``progress`` is called after each output rank."""
+    records = []
+    for rank, tensors in recut.recut_groups(ckpt, blocks, group):
+        record = write_shard_tensors(out, tensors, save_id=target.save_id, rank=rank, world_size=target.world_size)
+        records.append(record)
+        if progress is not None:
+            progress()
+    return replace(target, files=tuple(records))
