@@ -20,7 +20,7 @@ from fsdp_optim.formats.fairscale import is_fairscale_native
 from fsdp_optim.formats.fairseq.files import is_shard_set
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.manifest import HEADER_KEY
-from fsdp_optim.formats.sharded.reader import source_kind
+from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind
 
 __all__ = ["RANK_FILE_NAME", "Kind", "detect", "path_kind"]
 
@@ -51,6 +51,8 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return Kind.RANK_FILE, None  # format 2: read only through its checkpoint's manifest
     if is_named_safetensors(given):  # any other safetensors file: ours, or refused by name when it is not
         return Kind.NAMED, None
+    if is_json_manifest(given):  # a layout file (save_layout writes a manifest without files, in JSON)
+        return Kind.LAYOUT, None
     obj = load_file(given, mmap=True, disjoint=True)  # a file must not hold overlapping tensors
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):

@@ -23,9 +23,10 @@ from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.locks import OutputLock
-from fsdp_optim.disk.staged import write_file
+from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.formats.sharded.json_values import to_json
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest, wrap
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
+from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
 from fsdp_optim.job.api import full_source
@@ -209,7 +210,8 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     """
     manifest = Manifest.from_layout(verify_root(fsdp).layout.at_rank(0), save_id="layout")
     path = Path(path)
-    write_file(wrap("manifest", manifest.to_dict()), path)  # under the file's lock, like every writer
+    data = manifest_to_json(manifest)  # a manifest without files, in JSON: no pickle (format 1 wrote a torch file)
+    write_stream(lambda file: file.write(data), path, purpose="save_layout")  # under the file's lock, like every writer
     return path
 
 
