@@ -69,6 +69,7 @@ def test_inspect_every_kind_of_file(files, capsys) -> None:
     assert code == 0 and "fairscale-native full dict" in text
     code, text, _ = _run(capsys, "inspect", out / "layout.pt")
     assert code == 0 and "format: layout file" in text and "state keys: -" in text
+    assert (out / "layout.pt").read_bytes().startswith(b'{"fsdp_optim_checkpoint":{"kind":"manifest","version":3')
     rank_file = next((out / "ckpt").glob("optim-*rank00001*"))
     code, text, _ = _run(capsys, "inspect", rank_file)
     assert code == 0 and "rank: 1 of 2" in text
