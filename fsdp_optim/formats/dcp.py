@@ -30,6 +30,7 @@ All-or-nothing: written into a staging directory beside ``out_dir`` and renamed 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import warnings
@@ -192,8 +193,10 @@ def _append(stream: Any, item: WriteItem, planner: SavePlanner, name: str) -> Wr
     offset = stream.tell()
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
+        assert isinstance(data, io.BytesIO), f"{item.index.fqn}: a byte item resolves to BytesIO, got {type(data)}"
         stream.write(data.getbuffer())
     else:
+        assert isinstance(data, torch.Tensor), f"{item.index.fqn}: a tensor item resolved to {type(data)}"
         tensor = data.detach().cpu()
         if tensor.untyped_storage().nbytes() != tensor.nbytes:  # torch.save writes a whole storage
             tensor = tensor.clone()
