@@ -7,7 +7,7 @@ A synthetic Adam state (``LAYERS`` parameters of ``DIM x DIM`` fp32, each with `
 full dict file and resharded into our sharded checkpoint at world size 2, the export's source. Each row then
 runs in a fresh interpreter, rows interleaved over ``--repeat`` rounds: after imports, ``gc`` + ``malloc_trim``
 and a peak-RSS reset (``5`` into ``/proc/self/clear_refs``), it runs once; reported are the median wall time
-and the largest VmHWM minus the VmRSS before it (mapped pages of the source that were touched count too).
+and the median and largest VmHWM minus the VmRSS before it (mapped pages of the source that were touched count too).
 
 Rows:
 
@@ -22,9 +22,9 @@ Rows:
   from there), saved by ``dcp.save`` with its defaults (one file per rank).
 
 Targets: ours grows by at most the largest tensor + 64 MiB (the source's mapping bound), the writer adds at most
-8 MiB to the reading floor, and it takes no longer than the per-tensor writer. Mapped pages of the source count
-in RSS as the kernel maps them (fault-around, page cache state), so the floor itself varies between runs; hence
-the largest over the rounds.
+8 MiB to the reading floor, and it takes no longer than the per-tensor writer. Peak growth varies between runs of the
+same row (mapped pages of the source count in RSS as the kernel maps them; the allocator's reuse of freed
+blocks): the table shows the median and the largest over the rounds; the floor comparison uses medians.
 """
 
 from __future__ import annotations
@@ -175,6 +175,8 @@ def _summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "seconds": statistics.median(r["seconds"] for r in mine),
             "all_seconds": [r["seconds"] for r in mine],
             "peak_growth": max(r["peak_growth"] for r in mine),
+            "median_growth": statistics.median(r["peak_growth"] for r in mine),
+            "all_growth": [r["peak_growth"] for r in mine],
             "files": mine[-1]["files"],
             "bytes": mine[-1]["bytes"],
         }
@@ -186,15 +188,17 @@ def _print(rows: dict[str, dict[str, Any]], layers: int, largest: int, state_byt
     print(f"state: {layers} params of {DIM}x{DIM} fp32, Adam: {state_bytes / MiB:,.0f} MiB of tensors, "
           f"largest tensor {largest / MiB:,.0f} MiB; source: our sharded checkpoint at W=2")  # fmt: skip
     print(f"{'row':<24} {'files':>6} {'MiB':>6} {'seconds':>8} {'x per-tensor':>13} {'x dcp.save':>11} "
-          f"{'peak RSS growth MiB':>20} {'/ largest':>10}")  # fmt: skip
+          f"{'peak RSS growth MiB: median':>28} {'max':>5} {'/ largest':>10}")  # fmt: skip
     for op, r in rows.items():
         print(f"{op:<24} {r['files']:>6} {r['bytes'] / MiB:>6,.0f} {r['seconds']:>8.2f} "
               f"{r['seconds'] / base['seconds']:>13.2f} {r['seconds'] / rows['dcp.save (peer)']['seconds']:>11.2f} "
-              f"{r['peak_growth'] / MiB:>20,.0f} {r['peak_growth'] / largest:>10.2f}")  # fmt: skip
+              f"{r['median_growth'] / MiB:>28,.0f} {r['peak_growth'] / MiB:>5,.0f} "
+              f"{r['median_growth'] / largest:>10.2f}")  # fmt: skip
     ours = rows["to_dcp (ours)"]
     targets = {
-        "memory: growth <= largest tensor + 64 MiB": ours["peak_growth"] <= largest + SLACK,
-        "memory: growth <= read-only floor + 8 MiB": ours["peak_growth"] <= rows["read only (floor)"]["peak_growth"] + 8 * MiB,
+        "memory: max growth <= largest tensor + 64 MiB": ours["peak_growth"] <= largest + SLACK,
+        "memory: median growth <= read-only floor's + 8 MiB":
+            ours["median_growth"] <= rows["read only (floor)"]["median_growth"] + 8 * MiB,
         "time: <= per-tensor writer": ours["seconds"] <= base["seconds"],
         "files: 1 data file + .metadata": ours["files"] == 2,
     }

@@ -36,7 +36,7 @@ import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dist_cp
@@ -188,7 +188,7 @@ class _StreamingWriter(FileSystemWriter):
         return done
 
 
-def _append(stream: Any, item: WriteItem, planner: SavePlanner, name: str) -> WriteResult:
+def _append(stream: BinaryIO, item: WriteItem, planner: SavePlanner, name: str) -> WriteResult:
     """Write one item at the end of ``stream``; nothing of it stays referenced once this returns."""
     offset = stream.tell()
     data = planner.resolve_data(item)
