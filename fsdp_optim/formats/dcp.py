@@ -171,7 +171,8 @@ class _StreamingWriter(FileSystemWriter):
 
     What DCP's reader needs of each item is a ``_StorageInfo(file name, offset, length)`` in the metadata's
     ``storage_data`` (its ``WriteResult``): a tensor's slice holds ``torch.save`` of that tensor (its storage
-    exactly the tensor's bytes), a byte item's slice its raw bytes."""
+    exactly the tensor's bytes), a byte item's slice its raw bytes. ``_StorageInfo`` is DCP's private record,
+    used rather than copied: the pickled ``.metadata`` must name torch's own class for any reader to load it."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0.distcp"
