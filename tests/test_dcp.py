@@ -4,23 +4,27 @@ The jobs are tests/_fairseq.py's (shared with test_fairseq.py): "groups" shard s
 world sizes 2 and 3 are exported offline; FSDP2 (``fully_shard``) at world sizes 1, 2 and 3 loads an export
 with ``dcp.load`` + ``set_state_dict`` (the README recipe) and trains on: the result matches uninterrupted
 unwrapped training. Every source kind (shard set, sharded checkpoint of ours, full dict file, full dict)
-exports the same optimizer state; a refused export writes nothing.
+exports the same optimizer state, as one data file (``__0_0.distcp``) plus ``.metadata`` that ``dcp.load``
+reads exactly; a refused export writes nothing.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import _fairseq as F
 import _models as M
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from _checks import assert_fsdp2_matches_plain, assert_identical
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import fsdp_optim
 from fsdp_optim.cli import main
 from fsdp_optim.fairseq import OPTIM_KEY, ShardSet, consolidate_shards
+from fsdp_optim.formats.dcp import DATA_FILE, METADATA
 
 REL = 1e-4
 
@@ -57,6 +61,26 @@ def test_export_holds_weights_state_and_extras(jobs, tmp_path) -> None:
     order = ShardSet(prefix).manifest.param_order
     for got, want in zip(back["optim"]["param_groups"], named["param_groups"], strict=True):
         assert got == {**want, "params": sorted(want["params"], key=order.index)}
+
+
+def test_export_is_one_data_file_that_dcp_load_reads_exactly(jobs, tmp_path) -> None:
+    directory = jobs.dcp_dirs[2]
+    assert sorted(p.name for p in directory.iterdir()) == [METADATA, DATA_FILE]
+    expected = _read(directory, tmp_path)  # checked against the shard set by the test above
+    target = _zeros_like(expected)
+    dcp.load(target, checkpoint_id=directory, no_dist=True)
+    assert_identical(target, expected)
+
+
+def _zeros_like(tree: Any) -> Any:
+    """The same structure, tensors zeroed, other values replaced: what ``dcp.load`` must fill in."""
+    if torch.is_tensor(tree):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {key: _zeros_like(value) for key, value in tree.items()}
+    if isinstance(tree, list) and all(isinstance(v, dict) for v in tree):
+        return [_zeros_like(v) for v in tree]
+    return None
 
 
 def test_every_source_exports_the_same_state(jobs, tmp_path) -> None:

@@ -13,9 +13,16 @@ loads with ``dcp.load`` + ``set_state_dict``. The state dict it saves is keyed a
 Every tensor is a full (unsharded) tensor by unwrapped name; DCP cuts what each rank of the loading job
 reads. Streaming: the plan (:func:`fsdp_optim.plan.plan`, target = one flat per parameter) is made before
 anything is written; DCP's planner is handed zero-stride placeholders and makes each real tensor only when
-the writer asks for it (:class:`_LazyPlanner`), reading just that parameter's range of the source. DCP's
-writer keeps every tensor of one file until the file is closed, so each item gets a file of its own
-(``single_file_per_rank=False``). ``dcp.save`` runs with ``no_dist=True``: no process group, even inside a job.
+the writer asks for it (:class:`_LazyPlanner`), reading just that parameter's range of the source.
+
+Files: one data file, ``__0_0.distcp`` (what ``dcp.save`` names a one-rank save's file), plus ``.metadata``.
+DCP's own ``FileSystemWriter`` keeps every tensor of a file referenced until it closes that file (it gathers
+them for its safetensors mode), so one file through it would hold the whole state; :class:`_StreamingWriter`
+asks for one item, appends it to the file as DCP's reader expects (``torch.save`` bytes of the tensor at a
+recorded offset and length) and drops it before asking for the next: memory is one tensor, whatever the file
+count. One file rather than a split at some size: the split would bound nothing (memory is per tensor), and
+DCP's reader opens each file per load plan anyway. ``dcp.save`` runs with ``no_dist=True``: no process group,
+even inside a job.
 
 All-or-nothing: written into a staging directory beside ``out_dir`` and renamed onto it when complete;
 ``out_dir`` must not exist or be empty, and is locked while written (a second writer gets ``OutputLockedError``).
@@ -23,17 +30,21 @@ All-or-nothing: written into a staging directory beside ``out_dir`` and renamed 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dist_cp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
@@ -41,7 +52,7 @@ from fsdp_optim.core.plan import Plan, Source, assemble_full, plan, restrict
 from fsdp_optim.disk.staged import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
 
-__all__ = ["DCP_DIRECTORY", "METADATA", "model_dict", "optim_dict", "write_dcp"]
+__all__ = ["DATA_FILE", "DCP_DIRECTORY", "METADATA", "model_dict", "optim_dict", "write_dcp"]
 
 Progress = Callable[[], None] | None
 
@@ -142,27 +153,70 @@ def model_dict(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Sources
+# Writing
 
 
 def write_dcp(state: Mapping[str, Any], producers: Mapping[int, Callable[[], torch.Tensor]], staging: Path) -> None:
-    """Save ``state`` as a DCP checkpoint into ``staging`` with no process group; placeholder tensors are made
-    by ``producers`` one at a time as DCP's writer asks for them."""
-    writer = FileSystemWriter(staging, single_file_per_rank=False, thread_count=1, sync_files=True)
+    """Save ``state`` as a DCP checkpoint into ``staging`` (``DATA_FILE`` and ``METADATA``) with no process
+    group; placeholder tensors are made by ``producers`` one at a time as the writer asks for them."""
+    writer = _StreamingWriter(staging, thread_count=1, sync_files=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dist_cp.save(dict(state), storage_writer=writer, planner=_LazyPlanner(producers), no_dist=True)
 
 
+class _StreamingWriter(FileSystemWriter):
+    """DCP's file-system writer (plans, ``.metadata``), except that the data goes into one file, one item at a
+    time: each is resolved, appended and dropped before the next is resolved.
+
+    What DCP's reader needs of each item is a ``_StorageInfo(file name, offset, length)`` in the metadata's
+    ``storage_data`` (its ``WriteResult``): a tensor's slice holds ``torch.save`` of that tensor (its storage
+    exactly the tensor's bytes), a byte item's slice its raw bytes. ``_StorageInfo`` is DCP's private record,
+    used rather than copied: the pickled ``.metadata`` must name torch's own class for any reader to load it."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        assert name == DATA_FILE, f"a save with no process group is rank 0's, expected {DATA_FILE}, got {name}"
+        results = []
+        with open(Path(self.path) / name, "wb") as stream:
+            for item in plan.items:
+                results.append(_append(stream, item, planner, name))
+            stream.flush()
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+
+def _append(stream: BinaryIO, item: WriteItem, planner: SavePlanner, name: str) -> WriteResult:
+    """Write one item at the end of ``stream``; nothing of it stays referenced once this returns."""
+    offset = stream.tell()
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        assert isinstance(data, io.BytesIO), f"{item.index.fqn}: a byte item resolves to BytesIO, got {type(data)}"
+        stream.write(data.getbuffer())
+    else:
+        assert isinstance(data, torch.Tensor), f"{item.index.fqn}: a tensor item resolved to {type(data)}"
+        tensor = data.detach().cpu()
+        if tensor.untyped_storage().nbytes() != tensor.nbytes:  # torch.save writes a whole storage
+            tensor = tensor.clone()
+        torch.save(tensor, stream)
+        del tensor
+    del data
+    length = stream.tell() - offset
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+
+
 class _DcpClaims:
-    """A DCP output directory (for :mod:`fsdp_optim.disk.staged`): it must be new or empty; its files are DCP's
-    (``.metadata`` written last is the commit point; ``__<rank>_<n>.distcp`` the data)."""
+    """A DCP output directory (for :mod:`fsdp_optim.disk.staged`): it must be new or empty; a write creates
+    ``DATA_FILE`` then ``METADATA`` (moved in last: the commit point); other DCP names are deletable too."""
 
     def survey(self, directory: Path) -> Survey:  # noqa: ARG002 - nothing in an existing directory is ours
         return Survey(overwrite_means="write there anyway")
 
-    def created(self, entry: Mapping[str, Any]) -> set[str]:  # noqa: ARG002 - known only once DCP has written
-        return set()
+    def created(self, entry: Mapping[str, Any]) -> set[str]:  # noqa: ARG002 - every write makes the same two
+        return {DATA_FILE, METADATA}
 
     def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
         return set()
@@ -176,5 +230,6 @@ class _DcpClaims:
 
 
 METADATA = ".metadata"
+DATA_FILE = "__0_0.distcp"  # the one data file: DCP's name for rank 0's first file
 _DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
 DCP_DIRECTORY = _DcpClaims()

@@ -1,0 +1,242 @@
+"""Export to PyTorch DCP: files written, time and peak memory of ``to_dcp`` against the old writer and ``dcp.save``.
+
+    python -m benchmarks.dcp_export [--layers N] [--repeat R] [--workdir DIR] [--json FILE]
+
+A synthetic Adam state (``LAYERS`` parameters of ``DIM x DIM`` fp32, each with ``exp_avg``, ``exp_avg_sq`` and a
+0-dim ``step``: 24 x 2048^2 = 100.7M parameters, 768 MiB of state, largest tensor 16 MiB) is written once as a
+full dict file and resharded into our sharded checkpoint at world size 2, the export's source. Each row then
+runs in a fresh interpreter, rows interleaved over ``--repeat`` rounds: after imports, ``gc`` + ``malloc_trim``
+and a peak-RSS reset (``5`` into ``/proc/self/clear_refs``), it runs once; reported are the median wall time
+and the median and largest VmHWM minus the VmRSS before it (mapped pages of the source that were touched count too).
+
+Rows:
+
+- ``to_dcp`` (ours): one data file, each tensor made from the source when the writer asks, appended, dropped.
+- ``per-tensor writer``: what ``to_dcp`` did before, reproduced here: the same lazy planner and staging, through
+  DCP's ``FileSystemWriter(single_file_per_rank=False)`` (one file per item).
+- ``torch one-file writer``: the same lazy planner through ``FileSystemWriter(single_file_per_rank=True)``:
+  why the old path needed a file per tensor (DCP's writer keeps every tensor of a file until it closes it).
+- ``read only (floor)``: the export's reading alone: open the source, make every tensor as ``to_dcp`` does and
+  drop it, write nothing. Any writer's memory and time sit on top of this.
+- ``dcp.save`` (the peer): the same state as a named dict already in memory (loaded untimed, growth counted
+  from there), saved by ``dcp.save`` with its defaults (one file per rank).
+
+Targets: ours grows by at most the largest tensor + 64 MiB (the source's mapping bound), the writer adds at most
+8 MiB to the reading floor, and it takes no longer than the per-tensor writer. Peak growth varies between runs of the
+same row (mapped pages of the source count in RSS as the kernel maps them; the allocator's reuse of freed
+blocks): the table shows the median and the largest over the rounds; the floor comparison uses medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import importlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+LAYERS, DIM = 24, 2048
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+OPS = ["to_dcp (ours)", "per-tensor writer", "torch one-file writer", "dcp.save (peer)", "read only (floor)"]
+SLACK = 64 * MiB  # the source reader's mapping bound (DEFAULT_MAPPED_BYTES)
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _make(work: Path, layers: int) -> None:
+    """``full.pt`` (our full dict) and ``ckpt/`` (it resharded for 2 ranks); in a process of its own."""
+    import torch
+
+    import fsdp_optim
+    from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        i: {"step": torch.tensor(7.0), "exp_avg": torch.randn(DIM, DIM, generator=g),
+            "exp_avg_sq": torch.rand(DIM, DIM, generator=g)}
+        for i in range(layers)
+    }  # fmt: skip
+    full = {
+        "state": state,
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                          "params": list(range(layers))}],  # fmt: skip
+        "param_names": {i: f"layers.{i}.weight" for i in range(layers)},
+        "fsdp_optim": {"version": 1, "optimizer": "Adam", "world_size": 2, "scalar_keys": ["step"]},
+    }
+    torch.save(full, work / "full.pt")
+    names = [f"layers.{i}.weight" for i in range(layers)]  # one flattened FSDP unit per layer
+    flats = tuple(FlatParamLayout(f"layers.{i}", (ParamSpec(n, (DIM, DIM), 0),), 2, 0, torch.float32, True)
+                  for i, n in enumerate(names))  # fmt: skip
+    fsdp_optim.reshard(full, 2, work / "ckpt", layout=ModelLayout(flats, tuple(names), 2, 0))
+
+
+def _torch_writer(source: Path, out: Path, *, one_file: bool) -> None:
+    """``to_dcp`` of a source holding optimizer state only, written through DCP's own ``FileSystemWriter``."""
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fsdp_optim.disk.staged import staged_output
+    from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, _LazyPlanner, optim_dict
+    from fsdp_optim.offline.sources import open_source
+
+    with open_source(source) as opened:
+        producers: dict[int, Any] = {}
+        assert opened.source is not None, f"{source}: holds no optimizer state"
+        state = {"optim": optim_dict(opened.source, opened.order, producers, opened.trim, None)}
+        with staged_output(out, DCP_DIRECTORY, purpose="benchmark", inputs=(source,)) as stage:
+            stage.last = (METADATA,)
+            writer = FileSystemWriter(stage.dir, single_file_per_rank=one_file, thread_count=1, sync_files=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dist_cp.save(state, storage_writer=writer, planner=_LazyPlanner(producers), no_dist=True)
+
+
+def _read_only(source: Path) -> None:
+    from fsdp_optim.formats.dcp import optim_dict
+    from fsdp_optim.offline.sources import open_source
+
+    with open_source(source) as opened:
+        producers: dict[int, Any] = {}
+        assert opened.source is not None, f"{source}: holds no optimizer state"
+        optim_dict(opened.source, opened.order, producers, opened.trim, None)
+        for make in producers.values():
+            make()
+
+
+def _measure(op: str, work: str) -> None:
+    """Runs in a fresh interpreter; prints one JSON line."""
+    import torch
+    import torch.distributed.checkpoint as dist_cp
+
+    import fsdp_optim
+
+    # every module a row uses is imported before the measured window (fsdp_optim imports its names lazily)
+    for module in ("fsdp_optim.offline.export", "fsdp_optim.offline.sources", "fsdp_optim.disk.staged"):
+        importlib.import_module(module)
+
+    w = Path(work)
+    out = w / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    named: Any = None
+    if op == "dcp.save (peer)":
+        named = {"optim": fsdp_optim.to_named(torch.load(w / "full.pt", weights_only=True))}
+    operations = {
+        "to_dcp (ours)": lambda: fsdp_optim.to_dcp(w / "ckpt", out),
+        "per-tensor writer": lambda: _torch_writer(w / "ckpt", out, one_file=False),
+        "torch one-file writer": lambda: _torch_writer(w / "ckpt", out, one_file=True),
+        "dcp.save (peer)": lambda: dist_cp.save(named, checkpoint_id=out, no_dist=True),
+        "read only (floor)": lambda: _read_only(w / "ckpt"),
+    }
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status("VmRSS")
+    start = time.perf_counter()
+    operations[op]()
+    seconds = time.perf_counter() - start
+    peak = _status("VmHWM")
+    files = sorted(os.listdir(out)) if out.exists() else []
+    size = sum((out / name).stat().st_size for name in files)
+    print(json.dumps({"op": op, "seconds": seconds, "peak_growth": peak - before, "files": len(files), "bytes": size}))
+
+
+def _run(op: str, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.dcp_export", "--measure", op, str(work)],
+        capture_output=True, text=True, env=env, check=False, cwd=ROOT,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"{op}: exited {out.returncode}: {out.stderr[-2000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for op in OPS:
+        mine = [r for r in runs if r["op"] == op]
+        rows[op] = {
+            "seconds": statistics.median(r["seconds"] for r in mine),
+            "all_seconds": [r["seconds"] for r in mine],
+            "peak_growth": max(r["peak_growth"] for r in mine),
+            "median_growth": statistics.median(r["peak_growth"] for r in mine),
+            "all_growth": [r["peak_growth"] for r in mine],
+            "files": mine[-1]["files"],
+            "bytes": mine[-1]["bytes"],
+        }
+    return rows
+
+
+def _print(rows: dict[str, dict[str, Any]], layers: int, largest: int, state_bytes: int) -> dict[str, bool]:
+    base = rows["per-tensor writer"]
+    print(f"state: {layers} params of {DIM}x{DIM} fp32, Adam: {state_bytes / MiB:,.0f} MiB of tensors, "
+          f"largest tensor {largest / MiB:,.0f} MiB; source: our sharded checkpoint at W=2")  # fmt: skip
+    print(f"{'row':<24} {'files':>6} {'MiB':>6} {'seconds':>8} {'x per-tensor':>13} {'x dcp.save':>11} "
+          f"{'peak RSS growth MiB: median':>28} {'max':>5} {'/ largest':>10}")  # fmt: skip
+    for op, r in rows.items():
+        print(f"{op:<24} {r['files']:>6} {r['bytes'] / MiB:>6,.0f} {r['seconds']:>8.2f} "
+              f"{r['seconds'] / base['seconds']:>13.2f} {r['seconds'] / rows['dcp.save (peer)']['seconds']:>11.2f} "
+              f"{r['median_growth'] / MiB:>28,.0f} {r['peak_growth'] / MiB:>5,.0f} "
+              f"{r['median_growth'] / largest:>10.2f}")  # fmt: skip
+    ours = rows["to_dcp (ours)"]
+    targets = {
+        "memory: max growth <= largest tensor + 64 MiB": ours["peak_growth"] <= largest + SLACK,
+        "memory: median growth <= read-only floor's + 8 MiB":
+            ours["median_growth"] <= rows["read only (floor)"]["median_growth"] + 8 * MiB,
+        "time: <= per-tensor writer": ours["seconds"] <= base["seconds"],
+        "files: 1 data file + .metadata": ours["files"] == 2,
+    }
+    for name, met in targets.items():
+        print(f"  {'met   ' if met else 'MISSED'} {name}")
+    return targets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--measure", nargs=2, metavar=("OP", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        _measure(*args.measure)
+        return
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="dcp_export_"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if not (work / "ckpt").exists():
+        code = f"from benchmarks.dcp_export import _make; from pathlib import Path; _make(Path({str(work)!r}), {args.layers})"
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=ROOT)
+    runs = []
+    for r in range(args.repeat):
+        for i in range(len(OPS)):
+            runs.append(_run(OPS[(i + r) % len(OPS)], work, env))  # the order rotates every round
+    rows = _summarize(runs)
+    largest = DIM * DIM * 4
+    state_bytes = args.layers * (2 * largest + 4)
+    targets = _print(rows, args.layers, largest, state_bytes)
+    if args.json:
+        report = {"layers": args.layers, "dim": DIM, "state_bytes": state_bytes, "largest_tensor": largest,
+                  "repeat": args.repeat, "rows": rows, "targets": targets}  # fmt: skip
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
