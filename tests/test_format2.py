@@ -247,3 +247,18 @@ def test_nan_hyperparameters_keep_their_sign_and_payload_bits() -> None:
         value = struct.unpack(">d", bytes.fromhex(bits))[0]
         back = from_json(json.loads(json.dumps(to_json({"lr": (value, 1.0)}, "v"), allow_nan=False)), "v")["lr"][0]
         assert struct.pack(">d", back).hex() == bits
+
+
+def test_a_reformatted_format3_manifest_is_refused_on_its_bytes(tmp_path: Path) -> None:
+    import json
+
+    manifest, state = _manifest(2, 10)
+    _write(tmp_path / "ckpt", manifest, state)
+    path = tmp_path / "ckpt" / MANIFEST_NAME
+    original = path.read_bytes()
+    path.write_text(json.dumps(json.loads(original), indent=1))  # the same JSON values, other bytes
+    with pytest.raises(ValueError, match="checked on its bytes as written .* reformatted or modified"):
+        read_manifest(tmp_path / "ckpt")
+    path.write_bytes(original.replace(b'"numel":10', b'"numel":11'))  # a value edited in place
+    with pytest.raises(ValueError, match="checksum mismatch in the manifest"):
+        read_manifest(tmp_path / "ckpt")

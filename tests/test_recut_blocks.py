@@ -50,15 +50,27 @@ def _tensors(directory: Path) -> list[dict[str, torch.Tensor]]:
     return [load_file(str(directory / f.file)) for f in sorted(read_manifest(directory).files, key=lambda f: f.rank)]
 
 
+def _source(tmp_path: Path, world_size: int) -> dict[str, Any]:
+    """A checkpoint of the six units at ``world_size`` in ``tmp_path / "src"``; returns the full dict it holds."""
+    full = _full(_layout(4))
+    reshard(full, world_size, tmp_path / "src", layout=_layout(4))
+    return full
+
+
+def _count(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Calls of ``recut.<name>`` (each appends 1), the function still doing its work."""
+    used: list[int] = []
+    real = getattr(recut, name)
+    monkeypatch.setattr(recut, name, lambda *a: used.append(1) or real(*a))
+    return used
+
+
 @pytest.mark.parametrize("source_size", [1, 3, 8])
 def test_block_recut_writes_what_the_unit_by_unit_path_writes(
     tmp_path: Path, source_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    full = _full(_layout(4))
-    reshard(full, source_size, tmp_path / "src", layout=_layout(4))
-    used = []
-    real = recut.recut_groups
-    monkeypatch.setattr(recut, "recut_groups", lambda *a: used.append(a[2]) or real(*a))
+    full = _source(tmp_path, source_size)
+    used = _count(monkeypatch, "recut_groups")
     for world_size in (1, 2, 3, 5, 8, 13):
         monkeypatch.setattr(operations, "BLOCK_BYTES", 256 << 20)
         reshard(tmp_path / "src", world_size, tmp_path / f"blocks{world_size}")
@@ -90,11 +102,8 @@ def test_small_groups_split_the_output_ranks(tmp_path: Path, monkeypatch: pytest
 def test_consolidate_by_whole_rank_files_equals_unit_by_unit(
     tmp_path: Path, source_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    full = _full(_layout(4))
-    reshard(full, source_size, tmp_path / "src", layout=_layout(4))
-    used = []
-    real = recut.full_flats
-    monkeypatch.setattr(recut, "full_flats", lambda *a: used.append(1) or real(*a))
+    full = _source(tmp_path, source_size)
+    used = _count(monkeypatch, "full_flats")
     blocks = consolidate(tmp_path / "src")
     monkeypatch.setattr(operations, "BLOCK_BYTES", 0)
     units = consolidate(tmp_path / "src")
