@@ -14,13 +14,14 @@ a simple consolidation script does.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from .peak import measured
 
 UNITS, DIM, WORLD_SIZE = 16, 1024, 4  # 16.8M parameters: Adam state of 2 x 67 MB
 MiB = 1 << 20
@@ -46,16 +47,10 @@ def _job(rank: int, world_size: int, port: int, directory: str) -> None:
     dist.destroy_process_group()
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _measure(op: str, directory: str, limit: int) -> None:
     """Runs in a fresh interpreter; prints one JSON line."""
-    import gc
 
     from fsdp_optim import consolidate, reshard
     from fsdp_optim.core.flatten import assemble
@@ -77,13 +72,8 @@ def _measure(op: str, directory: str, limit: int) -> None:
         "reshard": lambda: reshard(directory, 3, tempfile.mkdtemp(), max_mapped_bytes=limit),
         "naive": naive,
     }
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
-    result = operations[op]()
-    peak = _status("VmHWM")
-    print(json.dumps({"op": op, "limit": limit, "peak_growth": peak - before, "alive": result is not None}))
+    _, growth, result = measured(operations[op])
+    print(json.dumps({"op": op, "limit": limit, "peak_growth": growth, "alive": result is not None}))
 
 
 def main() -> None:

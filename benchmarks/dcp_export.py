@@ -30,8 +30,6 @@ blocks): the table shows the median and the largest over the rounds; the floor c
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import importlib
 import json
 import os
@@ -40,10 +38,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from .peak import measured
 
 LAYERS, DIM = 24, 2048
 MiB = 1 << 20
@@ -52,11 +51,6 @@ OPS = ["to_dcp (ours)", "per-tensor writer", "torch one-file writer", "dcp.save 
 SLACK = 64 * MiB  # the source reader's mapping bound (DEFAULT_MAPPED_BYTES)
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _make(work: Path, layers: int) -> None:
@@ -144,17 +138,10 @@ def _measure(op: str, work: str) -> None:
         "read only (floor)": lambda: _read_only(w / "ckpt"),
     }
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
-    start = time.perf_counter()
-    operations[op]()
-    seconds = time.perf_counter() - start
-    peak = _status("VmHWM")
+    seconds, growth, _ = measured(operations[op])
     files = sorted(os.listdir(out)) if out.exists() else []
     size = sum((out / name).stat().st_size for name in files)
-    print(json.dumps({"op": op, "seconds": seconds, "peak_growth": peak - before, "files": len(files), "bytes": size}))
+    print(json.dumps({"op": op, "seconds": seconds, "peak_growth": growth, "files": len(files), "bytes": size}))
 
 
 def _run(op: str, work: Path, env: dict[str, str]) -> dict[str, Any]:

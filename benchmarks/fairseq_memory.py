@@ -22,15 +22,15 @@ the VmRSS before it. RSS counts the touched pages of memory-mapped files, so the
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from .peak import measured
 
 VOCAB, DIM, HIDDEN, BLOCKS = 16000, 1024, 4096, 10  # 16.4M in the root unit + 10 x 8.4M = 100.3M parameters
 WORLD_SIZE, TARGET = 4, 3
@@ -72,11 +72,6 @@ def _job(rank: int, world_size: int, port: int, directory: str) -> None:
     dist.destroy_process_group()
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _load_all(prefix: Path, out: Path) -> None:
@@ -117,7 +112,6 @@ def _load_all(prefix: Path, out: Path) -> None:
 
 def _measure(op: str, prefix: str, workdir: str) -> None:
     """Runs in a fresh interpreter; prints one JSON line."""
-    import gc
 
     import torch  # noqa: F401 - imported before the measurement starts
 
@@ -131,17 +125,10 @@ def _measure(op: str, prefix: str, workdir: str) -> None:
         "to_dcp": lambda: to_dcp(prefix, out),
         "consolidate": lambda: consolidate_shards(prefix, with_model=True),
     }
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
-    start = time.perf_counter()
-    result = operations[op]()
-    seconds = time.perf_counter() - start
-    peak = _status("VmHWM")
+    seconds, growth, result = measured(operations[op])
     written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.exists() else 0
     shutil.rmtree(out.parent, ignore_errors=True)
-    print(json.dumps({"op": op, "peak_growth": peak - before, "seconds": seconds, "written": written, "alive": result is not None}))
+    print(json.dumps({"op": op, "peak_growth": growth, "seconds": seconds, "written": written, "alive": result is not None}))
 
 
 def main() -> None:

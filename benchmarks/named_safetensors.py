@@ -17,16 +17,15 @@ same dict (the save timed after an untimed ``torch.load``, its RSS growth counte
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from .peak import measured
 
 LAYERS, DIM = 46, 2048  # 192.9M parameters: Adam state 1.44 GiB in fp32
 MiB = 1 << 20
@@ -34,11 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 OPS = ["torch.save", "naive convert", "ours convert", "torch.load", "safetensors load_file*", "ours load_full_state"]
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _make(path: Path, layers: int) -> None:
@@ -79,15 +73,8 @@ def _measure(op: str, work: str) -> None:
         "safetensors load_file*": lambda: load_file(w / "naive.safetensors"),
         "ours load_full_state": lambda: load_full_state(w / "ours.safetensors"),
     }
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
-    start = time.perf_counter()
-    result = operations[op]()
-    seconds = time.perf_counter() - start
-    peak = _status("VmHWM")
-    print(json.dumps({"op": op, "seconds": seconds, "peak_growth": peak - before, "alive": result is not None}))
+    seconds, growth, result = measured(operations[op])
+    print(json.dumps({"op": op, "seconds": seconds, "peak_growth": growth, "alive": result is not None}))
 
 
 def main() -> None:

@@ -42,6 +42,8 @@ from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.reader import read_manifest
 
+from .peak import status_bytes
+
 KEYS = ("exp_avg", "exp_avg_sq")
 BIAS = 16
 
@@ -94,11 +96,11 @@ def in_child(fn: Callable[[], Any]) -> tuple[float, int, Any]:
             torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread, like every floor here
             # A forked child inherits its parent's peak (ru_maxrss too): reset it, measure from here.
             Path("/proc/self/clear_refs").write_text("5")
-            start_rss = _status("VmRSS")
+            start_rss = status_bytes("VmRSS")
             t0 = time.perf_counter()
             result = fn()
             seconds = time.perf_counter() - t0
-            peak = _status("VmHWM") - start_rss
+            peak = status_bytes("VmHWM") - start_rss
             payload = pickle.dumps(("ok", seconds, max(peak, 0), result))
         except BaseException as exc:  # reported to the parent, which raises it
             payload = pickle.dumps(("error", 0.0, 0, repr(exc)))
@@ -114,12 +116,6 @@ def in_child(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     return seconds, peak, result
 
 
-def _status(field: str) -> int:
-    """A ``/proc/self/status`` memory field in bytes (``VmRSS``: resident now, ``VmHWM``: peak since the reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def disk_bytes(directory: Path) -> int:
