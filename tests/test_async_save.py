@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import time
+from typing import Any
 
 import _models as M
 import pytest
@@ -132,3 +133,41 @@ def test_a_kill_mid_upload_leaves_a_loadable_checkpoint(tmp_path, delay: float) 
         except AssertionError:
             matches.append(False)
     assert any(matches), "the checkpoint left behind is neither the previous save nor the new one"
+
+
+def _deferred_copy_job(rank: int, world_size: int, out: str) -> dict:
+    """The copy into host memory runs after the call returns; the next step (or load_state_dict) waits for it."""
+    from fsdp_optim.job import async_save as A
+
+    root, optim = _setup(rank, world_size)
+    real = A._Staging.copy
+
+    def slow_copy(self: Any, state: Any) -> Any:  # a copy that takes long enough to be overtaken if unguarded
+        time.sleep(0.5)
+        return real(self, state)
+
+    A._Staging.copy = slow_copy  # type: ignore[method-assign]
+    try:
+        results = {}
+        for how in ("step", "load_state_dict"):
+            at_call = snapshot(optim.state_dict())
+            handle = async_save_sharded_optim_state(root, optim, os.path.join(out, how))
+            results[f"{how}: returned before the copy"] = not handle.staged.is_set()
+            if how == "step":
+                M.train_step(root, optim, *M.local_batch(9, rank, world_size))  # steps at once: must wait
+            else:
+                optim.load_state_dict(M.OPTIMIZERS["adam"](M.fsdp_param_groups(root)).state_dict())
+            results[f"{how}: waited for the copy"] = handle.staged.is_set()
+            handle.wait()
+            fresh = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+            load_sharded_optim_state(root, fresh, os.path.join(out, how))
+            assert_identical(fresh.state_dict()["state"], at_call["state"], f"rank {rank}, {how}: state at the call")
+            M.train_step(root, optim, *M.local_batch(10, rank, world_size))
+    finally:
+        A._Staging.copy = real  # type: ignore[method-assign]
+    return results
+
+
+def test_the_copy_runs_after_the_call_and_the_next_step_waits_for_it(tmp_path) -> None:
+    for results in run_ranks(_deferred_copy_job, 2, str(tmp_path)):
+        assert all(results.values()), results

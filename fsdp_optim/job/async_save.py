@@ -1,12 +1,18 @@
-"""Asynchronous sharded save: training blocks only while this rank's state is copied into host memory.
+"""Asynchronous sharded save: training blocks only for the checks and the agreement on a save id.
 
 ``async_save_sharded_optim_state(fsdp, optim, directory)`` checks the state (as the synchronous save
-does), agrees on a save id, copies this rank's shards into staging buffers that are kept and reused
-across saves (pinned when CUDA is present), and returns an :class:`AsyncSave` handle. A background
-thread then writes, checksums and fsyncs the rank file and, once every rank's file is durable, rank 0
-commits the manifest (last, atomically): the same files, atomicity and clean-up as
-:func:`fsdp_optim.save_sharded_optim_state`, which this shares its commit with. The optimizer may step
-while the upload runs.
+does), agrees on a save id and returns an :class:`AsyncSave` handle. A background thread then copies this
+rank's shards into staging buffers that are kept and reused across saves (pinned when CUDA is present),
+writes, checksums and fsyncs the rank file and, once every rank's file is durable, rank 0 commits the
+manifest (last, atomically): the same files, atomicity and clean-up as
+:func:`fsdp_optim.save_sharded_optim_state`, which this shares its commit with.
+
+The copy overlaps what the training loop does next (forward and backward never touch optimizer state): the
+optimizer's next ``step()`` or ``load_state_dict()`` waits, through a pre-hook registered once per optimizer,
+until the copy is done, so the checkpoint is the state at the call. Code that writes into the optimizer's
+state tensors by other means calls :meth:`AsyncSave.wait_staged` first. A loop that steps right away waits
+as long as a copy before returning would have taken; one that runs a forward and backward first does not
+wait at all (``benchmarks/checkpoint.py`` measures the blocking part and the training overhead).
 
 Thread, not process: the upload is file I/O, hashing and pickling of a few small dicts; ``write``,
 ``fsync`` and ``hashlib`` over large buffers release the GIL, so a thread competes little with the
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,7 @@ class AsyncSave:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._finished = threading.Event()
+        self.staged = threading.Event()  # set once the background copy of this rank's state is done
         self._result: Path | None = None
         self._error: BaseException | None = None
         self._reported = False
@@ -53,7 +61,13 @@ class AsyncSave:
         except BaseException as exc:  # surfaced by wait(), on this rank and (through agree) every rank
             self._error = exc
         finally:
+            self.staged.set()  # never left unset: a step waiting for it must not hang on a failed save
             self._finished.set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until this rank's state is copied into host memory (the optimizer may then change it by any
+        means); ``False`` if ``timeout`` seconds pass first."""
+        return self.staged.wait(timeout)
 
     def __repr__(self) -> str:
         if not self._finished.is_set():
@@ -108,6 +122,36 @@ class _Staging:
         return out
 
 
+class _StepGuard:
+    """Pre-hooks on one optimizer's ``step`` and ``load_state_dict``: wait until the last async save's copy is done."""
+
+    def __init__(self, optim: torch.optim.Optimizer) -> None:
+        self.pending: threading.Event | None = None
+        optim.register_step_pre_hook(self._before_step)
+        optim.register_load_state_dict_pre_hook(self._before_load)
+
+    def _wait(self) -> None:
+        pending = self.pending
+        if pending is not None:
+            pending.wait()
+
+    def _before_step(self, *_: Any) -> None:  # called with (optimizer, args, kwargs)
+        self._wait()
+
+    def _before_load(self, *_: Any) -> None:  # called with (optimizer, state_dict), which goes on unchanged
+        self._wait()
+
+
+_guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard] = weakref.WeakKeyDictionary()
+
+
+def _guard(optim: torch.optim.Optimizer) -> _StepGuard:
+    with _lock:
+        if optim not in _guards:
+            _guards[optim] = _StepGuard(optim)
+        return _guards[optim]
+
+
 _lock = threading.Lock()
 _inflight: dict[int, AsyncSave] = {}  # id(root) -> its save in flight
 _staging: dict[int, _Staging] = {}  # id(root) -> its reusable buffers
@@ -125,11 +169,13 @@ def async_save_sharded_optim_state(
 ) -> AsyncSave:
     """Start saving this rank's optimizer shard (and, on rank 0, the manifest) in the background.
 
-    A collective: call on every rank. Returns once this rank's state is staged in host memory; then
-    the optimizer may step. ``handle.wait()`` returns the manifest path (on every rank) or raises the
-    save's error on every rank; ``handle.done()`` polls. The checkpoint is the optimizer's state at the
-    time of this call. A second save while one is in flight waits for the first (and raises its error
-    if it failed and nobody called ``wait()``). A process that exits or is killed mid-upload leaves
+    A collective: call on every rank. Returns once the state is checked and a save id agreed; the copy of this
+    rank's state into host memory runs in the background, and the optimizer's next ``step()`` (or
+    ``load_state_dict()``) waits for it (``handle.wait_staged()`` for any other change of the state).
+    ``handle.wait()`` returns the manifest path (on every rank) or raises the save's error on every rank;
+    ``handle.done()`` polls. The checkpoint is the optimizer's state at the time of this call. A second save
+    while one is in flight waits for the first (and raises its error if it failed and nobody called
+    ``wait()``). A process that exits or is killed mid-upload leaves
     the previous checkpoint in ``directory`` loadable (the manifest is committed last).
 
     The first call creates a gloo process group for checkpoint coordination over the root's ranks
@@ -142,13 +188,21 @@ def async_save_sharded_optim_state(
     root = verify_root(fsdp)
     local = read_for_save(root, optim)
     group = _checkpoint_group(root.group)
-    staged = _staging.setdefault(key, _Staging()).copy(local.state)
+    staging = _staging.setdefault(key, _Staging())
     # Rank 0 holds the directory's lock until the background commit (refusals raise here, on every rank).
     save_id, lock = start_save(Path(directory), group, overwrite=overwrite, purpose="async_save_sharded_optim_state")
     handle = AsyncSave(Path(directory))
+
+    def staged() -> dict[int, dict[str, Any]]:  # in the thread; optim.step() waits for it (_StepGuard)
+        try:
+            return staging.copy(local.state)
+        finally:
+            handle.staged.set()
+
     upload = lambda: commit_save(  # noqa: E731 - the thread's whole job, in one call
         root.layout, local, staged, type(optim).__name__, Path(directory), save_id, group, lock=lock
     )
+    _guard(optim).pending = handle.staged
     with _lock:
         _inflight[key] = handle
     threading.Thread(target=handle._run, args=(upload,), name=f"fsdp_optim-async-save-{save_id[:8]}").start()

@@ -8,7 +8,7 @@ class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParal
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -147,7 +147,7 @@ def read_for_save(root: Root, optim: torch.optim.Optimizer) -> LocalState:
 def commit_save(
     layout: ModelLayout,
     local: LocalState,
-    state: Mapping[int, Mapping[str, Any]],
+    state: Mapping[int, Mapping[str, Any]] | Callable[[], Mapping[int, Mapping[str, Any]]],
     optimizer: str,
     directory: Path,
     save_id: str,
@@ -155,17 +155,19 @@ def commit_save(
     *,
     lock: OutputLock | None = None,
 ) -> Path:
-    """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``), then, once every rank's
-    file is durable, rank 0's manifest (last). A collective over ``group``: a failure on any rank raises
-    on every rank, and then no manifest was written. Shared by the synchronous and asynchronous saves.
+    """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``, or a function that makes it), then,
+    once every rank's file is durable, rank 0's manifest (last). A collective over ``group``: a failure on any
+    rank raises on every rank, and then no manifest was written. Shared by the synchronous and asynchronous saves.
     ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed."""
     rank, world_size = dist_rank_and_size(group)
     failure: Exception | None = None
     record = None
+    shards: Mapping[int, Mapping[str, Any]] = {}
     try:
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            record = write_shard_file(directory, state, save_id=save_id, rank=rank, world_size=world_size)
+            shards = state() if callable(state) else state  # (async save: its staging copy, a failure agreed on)
+            record = write_shard_file(directory, shards, save_id=save_id, rank=rank, world_size=world_size)
         except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
             failure = exc
         reports = gather_objects((local.summary, record), dst=0, group=group)  # None except on rank 0
@@ -174,7 +176,7 @@ def commit_save(
                 if world_size > 1:
                     check_agreement(layout, [summary for summary, _ in reports])
                 files = [r for _, r in reports]
-                manifest = _manifest(layout, local.groups, state, optimizer, save_id, files)
+                manifest = _manifest(layout, local.groups, shards, optimizer, save_id, files)
                 write_manifest(directory, manifest, replaces=lock.entries[-1]["replaces"] if lock is not None else ())
             except Exception as exc:
                 failure = exc
