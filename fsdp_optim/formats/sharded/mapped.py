@@ -9,6 +9,7 @@ buffer; nothing writes to it).
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fsdp_optim.core.checksums import stream_chunk_digests
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.safetensors_header import read_header
@@ -101,6 +103,33 @@ class MappedFile:
         for k, checksum in enumerate(chunk_digests(out, chunk_bytes)):
             if checksum != g.checksums[k]:
                 per = chunk_elements(dtype, chunk_bytes)
+                lo, hi = k * per, min((k + 1) * per, g.end)
+                raise ValueError(
+                    f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of tensor "
+                    f"'{g.tensor}' (file is corrupt or was modified)"
+                )
+        return out
+
+    def read_parts(
+        self,
+        g: Grid,
+        parts: list[tuple[int, int]],
+        chunk_bytes: int,
+        where: str,
+        holds: Callable[[int, int], str] | None = None,
+    ) -> list[torch.Tensor]:
+        """The tensor that ``g`` covers read as separate tensors, ``parts`` (``(offset, numel)``, tiling it in
+        order), each in memory of its own, all verified in one pass over the chunks (which may span parts).
+        Memory of one shard each, as an optimizer holds it: freed and reused shard by shard, not all at once."""
+        dtype, base = self._dtype(g.tensor, where)
+        assert [o for o, _ in parts] == list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin)) and (
+            not parts or parts[-1][0] + parts[-1][1] == g.end
+        ), f"{where}: parts that do not tile the tensor"
+        out = [self._pread(base + offset * dtype.itemsize, numel, dtype, where) for offset, numel in parts]
+        per = chunk_elements(dtype, chunk_bytes)
+        found = stream_chunk_digests(out, per, g.end - g.origin)
+        for k, (checksum, expected) in enumerate(zip(found, g.checksums)):
+            if checksum != expected:
                 lo, hi = k * per, min((k + 1) * per, g.end)
                 raise ValueError(
                     f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of tensor "
