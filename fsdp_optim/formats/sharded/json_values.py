@@ -33,13 +33,33 @@ import torch
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.disk.text import escape
 
-__all__ = ["MAX_TENSOR_BYTES", "from_json", "to_json"]
+__all__ = ["MAX_TENSOR_BYTES", "from_json", "has_reserved_key", "to_json"]
 
 MAX_TENSOR_BYTES = 4096
 _TAGS = ("$tuple", "$float", "$complex", "$tensor", "$dict")
 
 
 _PLAIN = (type(None), bool, int, str)
+_UNRESERVED: set[str] = set()  # keys seen that do not start with "$": a manifest repeats a few dozen names
+_UNRESERVED_MAX = 4096
+
+
+def has_reserved_key(d: Mapping[Any, Any]) -> bool:
+    """Whether a dict has a ``str`` key starting with ``$`` (checked as a set difference, in C, for the keys
+    seen before: a manifest's dicts repeat the same few names thousands of times)."""
+    new = d.keys() - _UNRESERVED
+    if not new:
+        return False
+    if any(isinstance(k, str) and k.startswith("$") for k in new):
+        return True
+    if len(_UNRESERVED) < _UNRESERVED_MAX and all(type(k) is str for k in new):
+        _UNRESERVED.update(new)
+    return False
+
+
+def _non_str_keys(d: Mapping[Any, Any]) -> list[Any]:
+    """The keys of ``d`` that are not ``str`` (the keys seen before are known to be)."""
+    return [k for k in d.keys() - _UNRESERVED if not isinstance(k, str)]
 
 
 class _At:
@@ -47,10 +67,10 @@ class _At:
 
     def __init__(self, where: str) -> None:
         self.where = where
-        self.parts: list[str] = []
+        self.parts: list[str | int] = []  # a dict key (str: "['k']") or a list index (int: "[3]")
 
     def __str__(self) -> str:
-        return self.where + "".join(self.parts)
+        return self.where + "".join(f"['{p}']" if isinstance(p, str) else f"[{p}]" for p in self.parts)
 
 
 def to_json(value: Any, where: str) -> Any:
@@ -66,17 +86,17 @@ def _to(value: Any, at: _At) -> Any:
     if isinstance(value, complex):
         return {"$complex": [_to(value.real, at), _to(value.imag, at)]}
     if isinstance(value, (tuple, list)):
-        out = [v if isinstance(v, _PLAIN) else _item(v, f"[{i}]", at) for i, v in enumerate(value)]
+        out = [v if isinstance(v, _PLAIN) else _item(v, i, at) for i, v in enumerate(value)]
         return {"$tuple": out} if isinstance(value, tuple) else out
     if isinstance(value, Mapping):
-        if not all(isinstance(k, str) for k in value):
-            bad = next(k for k in value if not isinstance(k, str))
+        if _non_str_keys(value):
+            bad = _non_str_keys(value)[0]
             raise ValueError(
                 f"{at}: a dict keyed by {type(bad).__name__} ({bad!r}); a JSON manifest holds str keys "
                 "only"
             )
-        out_dict = {k: v if isinstance(v, _PLAIN) else _item(v, f"['{k}']", at) for k, v in value.items()}
-        return {"$dict": out_dict} if any(k.startswith("$") for k in value) else out_dict
+        out_dict = {k: v if isinstance(v, _PLAIN) else _item(v, k, at) for k, v in value.items()}
+        return {"$dict": out_dict} if has_reserved_key(value) else out_dict
     if torch.is_tensor(value):
         return {"$tensor": _tensor_to_json(value, str(at))}
     raise ValueError(
@@ -97,7 +117,7 @@ def _non_finite(value: float) -> str:
     return f"nan:{bits.hex()}"
 
 
-def _item(value: Any, part: str, at: _At) -> Any:
+def _item(value: Any, part: str | int, at: _At) -> Any:
     at.parts.append(part)
     out = _to(value, at)
     at.parts.pop()
@@ -129,12 +149,12 @@ def _from(value: Any, at: _At) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        return [v if isinstance(v, _PLAIN) else _back(v, f"[{i}]", at) for i, v in enumerate(value)]
+        return [v if isinstance(v, _PLAIN) else _back(v, i, at) for i, v in enumerate(value)]
     if not isinstance(value, dict):
         raise ValueError(f"{at}: expected a JSON value, found {type(value).__name__}")
-    tags = [k for k in value if k.startswith("$")]
+    tags = [k for k in value if k.startswith("$")] if has_reserved_key(value) else []
     if not tags:
-        return {k: v if isinstance(v, _PLAIN) else _back(v, f"['{k}']", at) for k, v in value.items()}
+        return {k: v if isinstance(v, _PLAIN) else _back(v, k, at) for k, v in value.items()}
     if len(value) != 1 or tags[0] not in _TAGS:
         raise ValueError(
             f"{at}: expected one of the tags {list(_TAGS)} alone in an object, found keys "
@@ -144,11 +164,11 @@ def _from(value: Any, at: _At) -> Any:
     if tag == "$dict":
         if not isinstance(body, dict):
             raise ValueError(f"{at}: '$dict' holds a {type(body).__name__}, expected an object")
-        return {k: _back(v, f"['{k}']", at) for k, v in body.items()}
+        return {k: _back(v, k, at) for k, v in body.items()}
     if tag == "$tuple":
         if not isinstance(body, list):
             raise ValueError(f"{at}: '$tuple' holds a {type(body).__name__}, expected a list")
-        return tuple(_back(v, f"[{i}]", at) for i, v in enumerate(body))
+        return tuple(_back(v, i, at) for i, v in enumerate(body))
     if tag == "$float":
         if body in ("inf", "-inf", "nan"):
             return float(body)
@@ -163,7 +183,7 @@ def _from(value: Any, at: _At) -> Any:
     return _tensor_from_json(body, str(at))
 
 
-def _back(value: Any, part: str, at: _At) -> Any:
+def _back(value: Any, part: str | int, at: _At) -> Any:
     at.parts.append(part)
     out = _from(value, at)
     at.parts.pop()

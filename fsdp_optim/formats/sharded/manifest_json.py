@@ -21,7 +21,7 @@ from typing import Any
 
 from fsdp_optim.core.checksums import digest, digest_matches
 from fsdp_optim.disk.text import escape
-from fsdp_optim.formats.sharded.json_values import from_json, to_json
+from fsdp_optim.formats.sharded.json_values import from_json, has_reserved_key, to_json
 from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, Manifest
 
 __all__ = ["MAX_MANIFEST_BYTES", "manifest_from_json", "manifest_to_json"]
@@ -119,7 +119,7 @@ class _Untagged(Exception):
 
 def _tagged(obj: dict[str, Any]) -> Any:
     """:func:`from_json` of one object while parsing, its members restored already (innermost first)."""
-    if not any(k.startswith("$") for k in obj):
+    if not has_reserved_key(obj):
         return obj
     if len(obj) != 1 or "$dict" in obj:
         raise _Untagged
