@@ -60,10 +60,15 @@ class Recut:
 
 
 def applicable(ckpt: ShardedCheckpoint, target: Manifest) -> bool:
-    """Whether a block re-cut can write ``target`` from ``ckpt``: format 3, the same units, none per rank."""
+    """Whether a block re-cut can write ``target`` from ``ckpt``: format 3, the same units with the same sharded
+    state keys and dtypes, none per rank."""
+    if ckpt.manifest.version < 3 or any(f.per_rank for f in target.flat_params):
+        return False
     units = [(f.unit, f.params) for f in target.flat_params]
-    same_units = [(f.unit, f.params) for f in ckpt.manifest.flat_params] == units
-    return ckpt.manifest.version >= 3 and same_units and not any(f.per_rank for f in target.flat_params)
+    if [(f.unit, f.params) for f in ckpt.manifest.flat_params] != units:
+        return False
+    keys = [(i, k, t) for (i, k, t, _) in manifest_shards(target.flat_params, ShardIndex.of(target.flat_params))]
+    return sorted(keys) == sorted((i, k, t) for (i, k), (t, _, _) in ckpt.layout[0].items())
 
 
 def group_size(recut: Recut, source_sizes: Mapping[str, int], budget: int) -> int:
