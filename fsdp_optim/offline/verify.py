@@ -111,8 +111,8 @@ def _check_file(
         return FileCheck(path, False, f"{what}{size} of {nbytes} bytes (the size the manifest records)")
     if sizes_only:
         return FileCheck(path, True, f"ok: {size} bytes")
-    # torch.save files are zips with a CRC-32 per record; format-2 rank files are safetensors, whose chunk
-    # checksums (in the manifest) the read below verifies.
+    # torch.save files are zips with a CRC-32 per record; format-2 and -3 rank files are safetensors, whose chunk
+    # checksums (in the manifest, format 2; in the file's header, format 3) the read below verifies.
     problem = None if path.suffix == ".safetensors" else _zip_problem(path)
     if problem is not None:
         return FileCheck(path, False, problem)

@@ -85,7 +85,7 @@ def write_rank_tensors(
 
 
 def describe_rank_file(path: Path) -> list[str]:
-    """What ``fsdp-optim inspect`` prints about one format-2 rank file (its checked header only)."""
+    """What ``fsdp-optim inspect`` prints about one rank file of format 2 or 3 (its checked header only)."""
     fd, st = open_regular(path)
     try:
         header = read_header(fd, st.st_size, str(path))

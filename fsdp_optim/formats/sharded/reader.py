@@ -1,6 +1,6 @@
 """Checkpoint files: atomic writes, checked reads of both formats, and a memory-bounded shard reader.
 
-Never imports ``torch.distributed``. Format 2 (``manifest.json``, safetensors rank files) is read without
+Never imports ``torch.distributed``. Formats 3 and 2 (``manifest.json``, safetensors rank files) are read without
 pickle: the JSON manifest through :mod:`.manifest_json`, rank files mapped once each and read by byte
 range through :mod:`.rank_file`. Format 1 files are read with ``torch.load(..., weights_only=True)``
 through the gate of :mod:`fsdp_optim.disk.untrusted`.
@@ -65,7 +65,7 @@ def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def manifest_file(directory: Path) -> Path | None:
-    """The manifest of the checkpoint in ``directory``: ``manifest.json`` (format 2), else ``manifest.pt`` (1)."""
+    """The manifest of the checkpoint in ``directory``: ``manifest.json`` (formats 2, 3), else ``manifest.pt`` (1)."""
     # lexists: a manifest that is not a regular file is refused saying so when it is read.
     return next((directory / n for n in MANIFEST_NAMES if os.path.lexists(directory / n)), None)
 
@@ -152,7 +152,7 @@ class ShardedCheckpoint:
 
     Read one unit at a time with :meth:`unit` (or :meth:`copy_range`), copy what you keep, and call
     :meth:`trim` between units: mapped pages are dropped once they exceed ``max_mapped_bytes``. In
-    format 2, :meth:`copy_range` reads only the chunks of the rank files that the range touches,
+    formats 2 and 3, :meth:`copy_range` reads only the chunks of the rank files that the range touches,
     verifying each before it copies from it straight into the destination.
     """
 

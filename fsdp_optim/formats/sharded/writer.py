@@ -47,7 +47,7 @@ __all__ = [
     "write_shard_tensors",
 ]
 
-# Rank files of both formats; a format-2 commit also removes the manifest.pt of the format-1 checkpoint it replaces.
+# Rank files of every format; a JSON-manifest commit also removes a format-1 checkpoint's manifest.pt.
 _SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -57,7 +57,7 @@ class _CheckpointClaims:
 
     def survey(self, directory: Path) -> Survey:
         # manifest.json (or manifest.pt, format 1) and the rank files it lists are ours; a manifest.pt beside a
-        # manifest.json (a format-2 commit over format 1, killed before removing it) is ours too, with its files.
+        # manifest.json (a JSON-manifest commit over format 1, killed before removing it) is ours too, with its files.
         names = set(os.listdir(directory))
         files: set[str] = set()
         problems = []
