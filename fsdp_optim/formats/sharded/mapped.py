@@ -100,14 +100,7 @@ class MappedFile:
         verified (format 3: one pread per dtype). ``holds(lo, hi)`` names what elements ``[lo, hi)`` belong to."""
         dtype, base = self._dtype(g.tensor, where)
         out = self._pread(base + g.origin * dtype.itemsize, g.end - g.origin, dtype, where, out)
-        for k, checksum in enumerate(chunk_digests(out, chunk_bytes)):
-            if checksum != g.checksums[k]:
-                per = chunk_elements(dtype, chunk_bytes)
-                lo, hi = k * per, min((k + 1) * per, g.end)
-                raise ValueError(
-                    f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of tensor "
-                    f"'{g.tensor}' (file is corrupt or was modified)"
-                )
+        _check_grid(chunk_digests(out, chunk_bytes), g, chunk_elements(dtype, chunk_bytes), where, holds)
         return out
 
     def read_parts(
@@ -127,14 +120,7 @@ class MappedFile:
         ), f"{where}: parts that do not tile the tensor"
         out = [self._pread(base + offset * dtype.itemsize, numel, dtype, where) for offset, numel in parts]
         per = chunk_elements(dtype, chunk_bytes)
-        found = stream_chunk_digests(out, per, g.end - g.origin)
-        for k, (checksum, expected) in enumerate(zip(found, g.checksums)):
-            if checksum != expected:
-                lo, hi = k * per, min((k + 1) * per, g.end)
-                raise ValueError(
-                    f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of tensor "
-                    f"'{g.tensor}' (file is corrupt or was modified)"
-                )
+        _check_grid(stream_chunk_digests(out, per, g.end - g.origin), g, per, where, holds)
         return out
 
     def _pread(
@@ -166,3 +152,17 @@ class MappedFile:
     def close(self) -> None:
         self._verified.clear()
         self._map = None  # unmapped once no view of it is left
+
+
+def _check_grid(
+    found: tuple[str, ...], g: Grid, per: int, where: str, holds: Callable[[int, int], str] | None
+) -> None:
+    """Refuse the first chunk whose digest (``found``, the whole grid's) differs from ``g``'s, naming its elements
+    and, through ``holds(lo, hi)``, what they belong to."""
+    for k, (checksum, expected) in enumerate(zip(found, g.checksums)):
+        if checksum != expected:
+            lo, hi = k * per, min((k + 1) * per, g.end)
+            raise ValueError(
+                f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of tensor "
+                f"'{g.tensor}' (file is corrupt or was modified)"
+            )
