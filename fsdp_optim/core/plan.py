@@ -39,7 +39,7 @@ from fsdp_optim.core.execute import (
 )
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.layout import FlatParamLayout, ModelLayout
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.records import FlatRecord, StateEntry
 from fsdp_optim.core.source import FlatPlan, Plan, Reader, Segment, Source, plan_error
 
@@ -53,12 +53,23 @@ __all__ = [
     "assemble_full",
     "cut_rank",
     "optimizer_state_dict",
+    "per_parameter",
     "plan",
     "plan_error",
     "rank_reads",
     "restrict",
     "saved_ranks",
 ]
+
+
+def per_parameter(source: Source, order: Sequence[str]) -> ModelLayout:
+    """The source's parameters, each a flat of its own at world size 1: the target that makes full tensors."""
+    flats = tuple(
+        FlatParamLayout(flat.unit, (ParamSpec(spec.name, spec.shape, 0),), 1, 0, flat.dtype, False)
+        for flat in source.flats
+        for spec in flat.params
+    )
+    return ModelLayout(flats, tuple(order), 1, 0)
 
 
 def plan(

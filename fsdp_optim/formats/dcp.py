@@ -47,8 +47,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from fsdp_optim.core.flatten import StateKind, clone_value
-from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
-from fsdp_optim.core.plan import Plan, Source, assemble_full, plan, restrict
+from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, plan, restrict
 from fsdp_optim.disk.staged import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
 
@@ -84,7 +83,7 @@ def optim_dict(
     source: Source, order: Sequence[str], producers: dict[int, Any], trim: Callable[[], None], progress: Progress
 ) -> dict[str, Any]:
     """``{"state": {name: entries}, "param_groups": [...]}`` with placeholders; planned for one flat per parameter."""
-    the_plan = plan(source, _per_parameter(source, order))
+    the_plan = plan(source, per_parameter(source, order))
     rank = {name: i for i, name in enumerate(order)}
     names = [f.params[0].name for f in the_plan.target.flat_params]
     state: dict[str, Any] = {}
@@ -118,16 +117,6 @@ def _maker(
     return make
 
 
-def _per_parameter(source: Source, order: Sequence[str]) -> ModelLayout:
-    """The source's parameters, each a flat of its own at world size 1: the target that makes full tensors."""
-    flats = tuple(
-        FlatParamLayout(flat.unit, (ParamSpec(spec.name, spec.shape, 0),), 1, 0, flat.dtype, False)
-        for flat in source.flats
-        for spec in flat.params
-    )
-    return ModelLayout(flats, tuple(order), 1, 0)
-
-
 def model_dict(
     weights: Source,
     order: Sequence[str],
@@ -140,7 +129,7 @@ def model_dict(
 ) -> dict[str, Any]:
     """The model's entry of a DCP save: ``{name: placeholder}`` whose tensors ``producers`` make when DCP asks,
     plus ``aliases`` (tied names) and ``buffers`` as given."""
-    the_plan = plan(weights, _per_parameter(weights, order))
+    the_plan = plan(weights, per_parameter(weights, order))
     out: dict[str, Any] = {}
     for t in the_plan.flats:
         spec = the_plan.target.flat_params[t].params[0]

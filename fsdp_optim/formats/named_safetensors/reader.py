@@ -26,11 +26,10 @@ from fsdp_optim.core.checksums import digest_matches
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import ParamSpec
-from fsdp_optim.core.plan import Source, plan
+from fsdp_optim.core.plan import Source, per_parameter, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.named_safetensors.document import Entry, TensorInfo, read_header
-from fsdp_optim.formats.named_safetensors.writer import per_parameter
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
 __all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]

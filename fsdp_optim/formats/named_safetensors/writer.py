@@ -26,8 +26,7 @@ import torch
 from fsdp_optim.core.checksums import DIGEST_ALGORITHM, digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
-from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
-from fsdp_optim.core.plan import Plan, Source, assemble_full, plan, restrict
+from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, plan, restrict
 from fsdp_optim.formats.fullstate import FORMAT_VERSION
 from fsdp_optim.formats.named_safetensors.document import (
     CHUNK_BYTES,
@@ -40,7 +39,7 @@ from fsdp_optim.formats.named_safetensors.document import (
 )
 from fsdp_optim.formats.sharded.segments import chunk_digests
 
-__all__ = ["NamedWrite", "per_parameter", "prepare_named_safetensors"]
+__all__ = ["NamedWrite", "prepare_named_safetensors"]
 
 _PLACEHOLDER = f"{DIGEST_ALGORITHM}:{'0' * 32}"
 
@@ -59,16 +58,6 @@ class _Item:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-def per_parameter(source: Source, order: Sequence[str]) -> ModelLayout:
-    """The source's parameters, each a flat of its own at world size 1: the target that makes full tensors."""
-    flats = tuple(
-        FlatParamLayout(flat.unit, (ParamSpec(spec.name, spec.shape, 0),), 1, 0, flat.dtype, False)
-        for flat in source.flats
-        for spec in flat.params
-    )
-    return ModelLayout(flats, tuple(order), 1, 0)
 
 
 @dataclass(frozen=True)
