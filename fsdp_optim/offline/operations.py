@@ -112,8 +112,7 @@ def full_state(
 def _blocks_of(the_plan: Plan, ckpt: ShardedCheckpoint, after_unit: Callable[[], None]) -> dict[int, dict[str, Any]]:
     """:func:`assemble_full`'s result read as whole rank files (:func:`recut.full_flats`) when the plan's units are
     the checkpoint's own and the rows fit :data:`BLOCK_BYTES`; empty otherwise."""
-    units = [(f.unit, f.params) for f in ckpt.manifest.flat_params]
-    if [(f.unit, f.params) for f in the_plan.target.flat_params] != units:
+    if not recut.same_units(ckpt, the_plan.target.flat_params):
         return {}
     flats = recut.full_flats(ckpt, BLOCK_BYTES)
     if flats is None:

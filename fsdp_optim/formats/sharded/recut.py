@@ -21,18 +21,19 @@ cuts unit by unit (its memory bound is one output rank plus the mapping bound).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
+from fsdp_optim.core.layout import FlatParamLayout
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
 
-__all__ = ["Recut", "applicable", "full_flats", "group_size", "recut_groups"]
+__all__ = ["Recut", "applicable", "full_flats", "group_size", "recut_groups", "same_units"]
 
 Where = Mapping[tuple[int, str], tuple[str, int, int]]  # (flat, key) -> (tensor, offset, numel)
 
@@ -59,13 +60,17 @@ class Recut:
         return sum(n * dtype_from_str(name, where="state").itemsize for name, n in sizes.items())
 
 
+def same_units(ckpt: ShardedCheckpoint, flats: Sequence[FlatParamLayout]) -> bool:
+    """Whether ``flats`` are the checkpoint's own units (names and parameters, in order), whatever their world size."""
+    return [(f.unit, f.params) for f in flats] == [(f.unit, f.params) for f in ckpt.manifest.flat_params]
+
+
 def applicable(ckpt: ShardedCheckpoint, target: Manifest) -> bool:
     """Whether a block re-cut can write ``target`` from ``ckpt``: format 3, the same units with the same sharded
     state keys and dtypes, none per rank."""
     if ckpt.manifest.version < 3 or any(f.per_rank for f in target.flat_params):
         return False
-    units = [(f.unit, f.params) for f in target.flat_params]
-    if [(f.unit, f.params) for f in ckpt.manifest.flat_params] != units:
+    if not same_units(ckpt, target.flat_params):
         return False
     keys = [(i, k, t) for (i, k, t, _) in manifest_shards(target.flat_params, ShardIndex.of(target.flat_params))]
     return sorted(keys) == sorted((i, k, t) for (i, k), (t, _, _) in ckpt.layout[0].items())
