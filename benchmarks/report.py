@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -325,6 +326,21 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
 
 
 def write(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
+    return write_files(rows, meta, out_dir, name, plot=plot, markdown=markdown, targets=targets)
+
+
+def write_files(
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+    out_dir: Path,
+    name: str,
+    *,
+    plot: Callable[[list[dict[str, Any]], Path, str], bool],
+    markdown: Callable[[list[dict[str, Any]], dict[str, Any], str | None], str],
+    targets: Callable[[list[dict[str, Any]]], Any],
+) -> dict[str, Path]:
+    """``<name>.md``, ``<name>.json`` and (when matplotlib is there) ``<name>.png`` of one benchmark's rows, made
+    by that benchmark's ``plot``, ``markdown`` and ``targets``; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"md": out_dir / f"{name}.md", "json": out_dir / f"{name}.json", "png": out_dir / f"{name}.png"}
     has_png = plot(rows, paths["png"], f"{meta['machine']}\n{meta['backend']}, {meta['finished']}")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..measure import MiB
-from ..report import spread
+from ..report import spread, write_files
 from .report import LABELS, ORDER, TRAIN, targets, wrong_results
 
 
@@ -229,11 +228,4 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
 
 
 def write(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / f"{name}.md", "json": out_dir / f"{name}.json", "png": out_dir / f"{name}.png"}
-    has_png = plot(rows, paths["png"], f"{meta['machine']}\n{meta['backend']}, {meta['finished']}")
-    paths["md"].write_text(markdown(rows, meta, paths["png"].name if has_png else None))
-    paths["json"].write_text(json.dumps({"meta": meta, "targets": targets(rows), "rows": rows}, indent=1, default=str))
-    if not has_png:
-        paths.pop("png")
-    return paths
+    return write_files(rows, meta, out_dir, name, plot=plot, markdown=markdown, targets=targets)
