@@ -4,7 +4,10 @@
   fairscale FSDP root (fairscale's own class, a subclass such as fairseq's, or ours): no re-wrapping.
 - ``FullyShardedDataParallel``: fairscale's FSDP, runnable on CPU/gloo, with the same two as methods.
 - ``FORMAT_VERSION``: version of the full dict format written under the ``"fsdp_optim"`` key.
-- Checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
+- The whole training state: ``save_checkpoint(model, optim, path, extra=...)`` / ``load_checkpoint(model, optim,
+  path) -> extra`` (weights, buffers, optimizer state and loop state in one atomic sharded checkpoint, loaded at
+  any world size and nesting without materializing the full model).
+- Optimizer checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
   ``verify`` (every file present, of its size, checksums matching); ``save_layout``, ``from_fairscale``
@@ -44,10 +47,12 @@ __all__ = [
     "gather_full_optim_state_dict",
     "get_shard_from_optim_state_dict",
     "host_execution",
+    "load_checkpoint",
     "load_full_state",
     "load_sharded_optim_state",
     "register_elementwise_optimizer",
     "reshard",
+    "save_checkpoint",
     "save_layout",
     "save_sharded_optim_state",
     "scatter_full_optim_state",
@@ -75,9 +80,11 @@ _HOME = {
     "gather_full_optim_state_dict": "job.api",
     "get_shard_from_optim_state_dict": "job.api",
     "host_execution": "job.host",
+    "load_checkpoint": "job.whole_load",
     "load_full_state": "offline.named",
     "load_sharded_optim_state": "job.sharded",
     "reshard": "offline.operations",
+    "save_checkpoint": "job.whole_save",
     "save_layout": "job.sharded",
     "save_sharded_optim_state": "job.sharded",
     "scatter_full_optim_state": "job.sharded",
@@ -117,6 +124,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
         save_sharded_optim_state,
         scatter_full_optim_state,
     )
+    from fsdp_optim.job.whole_load import load_checkpoint
+    from fsdp_optim.job.whole_save import save_checkpoint
     from fsdp_optim.offline.export import to_dcp
     from fsdp_optim.offline.named import load_full_state, to_safetensors
     from fsdp_optim.offline.operations import consolidate, reshard

@@ -17,6 +17,10 @@ from fsdp_optim.core.flatten import StateKind, classify_flat_state, clone_value
 from fsdp_optim.core.layout import FlatParamLayout, ParamSpec
 from fsdp_optim.core.preconditions import check_world_size
 
+# The state key under which a whole checkpoint keeps each unit's own padded parameter shard, beside the
+# optimizer's keys in the same rank files (no optimizer names a state key with "@").
+WEIGHTS_KEY = "@param"
+
 
 @dataclass(frozen=True)
 class StateEntry:

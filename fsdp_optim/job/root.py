@@ -19,7 +19,7 @@ from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec, clea
 from fsdp_optim.job.local import group_members
 from fsdp_optim.job.transport import ProcessGroup
 
-__all__ = ["Root", "check_root", "read_layout", "verify_root"]
+__all__ = ["Root", "check_root", "read_aliases", "read_layout", "verify_root"]
 
 _T = TypeVar("_T")
 
@@ -160,3 +160,29 @@ def _flat_layout(
         per_rank=not sharded and per_rank_possible,
     )
     return flat, names
+
+
+def read_aliases(root: nn.Module, layout: ModelLayout) -> tuple[tuple[str, str], ...]:
+    """``(alias, parameter)`` for every tied parameter: a name under which ``unwrapped_model.state_dict()`` holds
+    a parameter that :attr:`ModelLayout.param_order` lists under another name (``head.weight`` -> ``embed.weight``).
+
+    A flattened unit records its ties in the flat parameter (fairscale's ``_shared_param_infos``); an
+    unflattened one keeps the parameter object under both names.
+    """
+    known = set(layout.param_order)
+    aliases: dict[str, str] = {}
+    for path, instance in _fsdp_instances(root):
+        unit = clean_path(path)
+        for param in _read(instance, "params", list, unit):
+            for module_name, prim_name, _, attr, _, prim_attr in getattr(param, "_shared_param_infos", ()):
+                alias = clean_path(join_path(unit, module_name, attr))
+                aliases[alias] = clean_path(join_path(unit, prim_name, prim_attr))
+    by_object: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        by_object.setdefault(id(param), []).append(clean_path(name))
+    for names in by_object.values():
+        primary = next((n for n in names if n in known), None)
+        for name in names:
+            if primary is not None and name != primary and name not in known:
+                aliases[name] = primary
+    return tuple(sorted((a, p) for a, p in aliases.items() if a not in known and p in known))

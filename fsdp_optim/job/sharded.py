@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,12 @@ from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import write_stream
+from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
 from fsdp_optim.job.api import full_source
 from fsdp_optim.job.local import LocalState, check_agreement, check_optimizer, read_local_state
@@ -62,7 +65,7 @@ def _check_loadable(value: Any, where: str) -> None:
         )
 
 
-def _own(value: Any) -> Any:
+def own_tensor(value: Any) -> Any:
     """A CPU tensor that ``torch.save`` writes without a larger backing storage; other values as they are."""
     if not torch.is_tensor(value):
         return value
@@ -100,7 +103,7 @@ def save_sharded_optim_state(
     root = verify_root(fsdp)
     local = read_for_save(root, optim)
     directory = Path(directory)
-    state = {i: {key: _own(v) for key, v in entries.items()} for i, entries in local.state.items()}
+    state = {i: {key: own_tensor(v) for key, v in entries.items()} for i, entries in local.state.items()}
     save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_sharded_optim_state")
     return commit_save(root.layout, local, state, type(optim).__name__, directory, save_id, root.group, lock=lock)
 
@@ -148,35 +151,40 @@ def commit_save(
     layout: ModelLayout,
     local: LocalState,
     state: Mapping[int, Mapping[str, Any]] | Callable[[], Mapping[int, Mapping[str, Any]]],
-    optimizer: str,
+    optimizer: str | None,
     directory: Path,
     save_id: str,
     group: ProcessGroup,
     *,
     lock: OutputLock | None = None,
+    side: Side | None = None,
 ) -> Path:
-    """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``, or a function that makes it), then,
-    once every rank's file is durable, rank 0's manifest (last). A collective over ``group``: a failure on any
-    rank raises on every rank, and then no manifest was written. Shared by the synchronous and asynchronous saves.
+    """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``, or a function that makes it) and,
+    for a whole checkpoint, its ``side`` file; then, once every rank's files are durable, rank 0's manifest (last).
+    A collective over ``group``: a failure on any rank raises on every rank, and then no manifest was written.
+    Shared by the synchronous and asynchronous saves and :func:`fsdp_optim.job.whole.save_checkpoint`.
     ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed."""
     rank, world_size = dist_rank_and_size(group)
     failure: Exception | None = None
-    record = None
+    record = aux = None
     shards: Mapping[int, Mapping[str, Any]] = {}
     try:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             shards = state() if callable(state) else state  # (async save: its staging copy, a failure agreed on)
             record = write_shard_file(directory, shards, save_id=save_id, rank=rank, world_size=world_size)
+            aux = side.write(directory, save_id, rank, world_size) if side is not None else None
         except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
             failure = exc
-        reports = gather_objects((local.summary, record), dst=0, group=group)  # None except on rank 0
-        if reports is not None and failure is None and all(r is not None for _, r in reports):
+        reports = gather_objects((local.summary, record, aux), dst=0, group=group)  # None except on rank 0
+        if reports is not None and failure is None and all(r is not None for _, r, _ in reports):
             try:
                 if world_size > 1:
-                    check_agreement(layout, [summary for summary, _ in reports])
-                files = [r for _, r in reports]
+                    check_agreement(layout, [summary for summary, _, _ in reports])
+                files = [r for _, r, _ in reports]
                 manifest = _manifest(layout, local.groups, shards, optimizer, save_id, files)
+                if side is not None:
+                    manifest = replace(manifest, training=side.record(tuple(a for _, _, a in reports)))
                 write_manifest(directory, manifest, replaces=lock.entries[-1]["replaces"] if lock is not None else ())
             except Exception as exc:
                 failure = exc
@@ -190,11 +198,20 @@ def commit_save(
     return directory / MANIFEST_NAME
 
 
+@dataclass(frozen=True)
+class Side:
+    """What a whole checkpoint writes beside each rank file: ``write(directory, save_id, rank, world_size)`` makes
+    the rank's side file, ``record(side files of every rank)`` the manifest's ``"training"`` section (rank 0)."""
+
+    write: Callable[[Path, str, int, int], FileRecord]
+    record: Callable[[tuple[FileRecord, ...]], TrainingRecord]
+
+
 def _manifest(
     layout: ModelLayout,
     groups: tuple[GroupRecord, ...],
     state: Mapping[int, Mapping[str, Any]],
-    optimizer: str,
+    optimizer: str | None,
     save_id: str,
     files: list[Any],
 ) -> Manifest:

@@ -68,8 +68,10 @@ from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Reader, Source
 from fsdp_optim.core.preconditions import check_version, check_world_size
-from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry, get_checked
-from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, Segment
+from fsdp_optim.core.records import WEIGHTS_KEY, FlatRecord, GroupRecord, StateEntry, get_checked
+from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
+from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
+from fsdp_optim.formats.sharded.training import TrainingRecord
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -93,7 +95,6 @@ __all__ = [
     "wrap",
 ]
 
-CHECKPOINT_VERSION = 3  # what every writer writes; 1 and 2 stay readable
 TORCH_FILE_VERSION = 1  # the version in the header of the torch files of format 1 (and of layout files)
 HEADER_KEY = "fsdp_optim_checkpoint"
 MANIFEST_NAME = "manifest.json"
@@ -175,41 +176,6 @@ def shard_payload(
 
 
 @dataclass(frozen=True)
-class FileRecord:
-    """One rank file: its name inside the checkpoint directory, checksum and size in bytes; in format 2 also
-    where each shard lies in it (``segments``; format 3 derives that from the units: see :mod:`.segments`)."""
-
-    rank: int
-    file: str
-    checksum: str
-    nbytes: int
-    segments: tuple[Segment, ...] = ()
-
-    def to_dict(self, version: int = CHECKPOINT_VERSION) -> dict[str, Any]:
-        d = {"rank": self.rank, "file": self.file, "checksum": self.checksum, "bytes": self.nbytes}
-        return {**d, "segments": [s.to_dict() for s in self.segments]} if version == 2 else d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, where: str, version: int = CHECKPOINT_VERSION) -> FileRecord:
-        name = get_checked(d, "file", str, where)
-        if "/" in name or "\\" in name or name in ("", ".", ".."):
-            raise ValueError(f"{where}: file name must be a plain name inside the checkpoint directory, found {name!r}")
-        segments: tuple[Segment, ...] = ()
-        if version == 2:  # format 3 derives them (segments.file_layout); format 1 had none
-            segments = tuple(
-                Segment.from_dict(s, where=f"{where} '{name}', segments[{k}]")
-                for k, s in enumerate(get_checked(d, "segments", (list, tuple), where))
-            )
-        return cls(
-            get_checked(d, "rank", int, where),
-            name,
-            get_checked(d, "checksum", str, where),
-            get_checked(d, "bytes", int, where),
-            segments,
-        )
-
-
-@dataclass(frozen=True)
 class Manifest:
     """Everything needed to rebuild the full optimizer state, or any rank's shard, without the model."""
 
@@ -222,6 +188,7 @@ class Manifest:
     files: tuple[FileRecord, ...] = ()
     version: int = CHECKPOINT_VERSION
     chunk_bytes: int = CHUNK_BYTES  # format 2: bytes per chunk checksum of the rank files' segments
+    training: TrainingRecord | None = None  # a whole checkpoint's weights, buffers and side files (.training)
 
     @classmethod
     def from_layout(
@@ -256,6 +223,7 @@ class Manifest:
             world_size=world_size,
             flat_params=flats,
             files=(),
+            training=None,  # side files are per rank: a re-cut whole checkpoint writes its own
             version=CHECKPOINT_VERSION,
             chunk_bytes=CHUNK_BYTES,
         )
@@ -280,7 +248,8 @@ class Manifest:
             "param_groups": [g.to_dict() for g in self.groups],
             "files": [f.to_dict(self.version) for f in self.files],
         }
-        return {**d, "chunk_bytes": self.chunk_bytes} if self.version >= 2 else d
+        d = {**d, "chunk_bytes": self.chunk_bytes} if self.version >= 2 else d
+        return d if self.training is None else {**d, "training": self.training.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str) -> Manifest:
@@ -317,6 +286,7 @@ class Manifest:
             files=files,
             version=version,
             chunk_bytes=chunk_bytes,
+            training=TrainingRecord.from_dict(d["training"], where=source) if "training" in d else None,
         )
         manifest.check(source=source)
         return manifest
@@ -360,12 +330,19 @@ class Manifest:
                     )
                 seen.add(i)
         for i, flat in enumerate(self.flat_params):
-            if flat.state and i not in seen:
+            if any(e.key != WEIGHTS_KEY for e in flat.state) and i not in seen:
                 raise ValueError(f"{source}: unit '{flat.unit}' has optimizer state but is in no param group")
         if self.files:
             ranks = sorted(f.rank for f in self.files)
             if ranks != list(range(self.world_size)):
                 raise ValueError(f"{source}: expected one file per rank 0..{self.world_size - 1}, found ranks {ranks}")
+        if self.training is not None:
+            self.training.check(self.world_size, names, self.files, source=source)
+
+    def file_names(self) -> set[str]:
+        """Every file the checkpoint lists: rank files and, in a whole checkpoint, its side files."""
+        side = self.training.files if self.training is not None else ()
+        return {f.file for f in (*self.files, *side)}
 
 
 def manifest_source(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
+from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import open_regular
@@ -43,6 +45,7 @@ from fsdp_optim.formats.sharded.manifest import (
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
+from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
 
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
@@ -196,9 +199,37 @@ class ShardedCheckpoint:
             f.open() if isinstance(f, RankFile) else f.open(mmap=True)
 
     def source(self) -> Source:
-        """This checkpoint as a planning source (reads go through :meth:`copy_range`)."""
-        rank_reader = self.reader if any(f.per_rank for f in self.manifest.flat_params) else None
-        return manifest_source(self.manifest, str(self.directory), self.copy_range, self.load_rank, rank_reader)
+        """This checkpoint's optimizer state as a planning source (reads go through :meth:`copy_range`); a whole
+        checkpoint's weights are left out (:meth:`weights_source`)."""
+        manifest = replace(self.manifest, flat_params=optimizer_flats(self.manifest.flat_params))
+        load_rank = self._keys_of(lambda key: key != WEIGHTS_KEY)
+        return manifest_source(manifest, str(self.directory), self.copy_range, load_rank, self._rank_reader())
+
+    def weights_source(self) -> Source:
+        """A whole checkpoint's model weights as a planning source: one group of every unit, one state key
+        (:data:`~fsdp_optim.core.records.WEIGHTS_KEY`). ``ValueError`` for an optimizer-only checkpoint."""
+        if self.manifest.training is None:
+            raise ValueError(
+                f"{self.directory}: an optimizer-only checkpoint (no model weights; written by "
+                "save_sharded_optim_state); load it with load_sharded_optim_state, or save with save_checkpoint"
+            )
+        flats = weights_flats(self.manifest.flat_params)
+        groups = (GroupRecord({}, tuple(range(len(flats)))),)
+        manifest = replace(self.manifest, flat_params=flats, groups=groups, optimizer="model weights")
+        load_rank = self._keys_of(lambda key: key == WEIGHTS_KEY)
+        return manifest_source(manifest, str(self.directory), self.copy_range, load_rank, self._rank_reader())
+
+    def _rank_reader(self) -> Callable[[int], Callable[[int, str, int, int, torch.Tensor], None]] | None:
+        return self.reader if any(f.per_rank for f in self.manifest.flat_params) else None
+
+    def _keys_of(self, keep: Callable[[str], bool]) -> Callable[[int], dict[int, dict[str, Any]]]:
+        """:meth:`load_rank` limited to the state keys ``keep`` accepts (units left without any dropped)."""
+
+        def load(rank: int) -> dict[int, dict[str, Any]]:
+            units = ((i, {k: v for k, v in entries.items() if keep(k)}) for i, entries in self.load_rank(rank).items())
+            return {i: entries for i, entries in units if entries}
+
+        return load
 
     def __enter__(self) -> ShardedCheckpoint:
         return self

@@ -3,6 +3,7 @@ out (:mod:`fsdp_optim.disk.staged`). :data:`CHECKPOINT` tells that writer what a
 
     ckpt/manifest.json                   # ours when it reads as our manifest (format 1: manifest.pt)
     ckpt/optim-<save id 12 hex>-rank00000-of-00002.safetensors   # ours when that manifest lists it (format 1: .pt)
+    ckpt/train-<save id 12 hex>-rank00000-of-00002.safetensors   # a whole checkpoint's side files: the same
     ckpt/anything else                             # foreign: refused without overwrite, never deleted
 
 A write is journaled as ``{"save_id": 32 hex, "world_size": W, "replaces": [...], "staging": name}``: from the
@@ -36,6 +37,7 @@ from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.rank_file import write_rank_file, write_rank_tensors
 from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
+from fsdp_optim.formats.sharded.training import side_file_name
 
 __all__ = [
     "CHECKPOINT",
@@ -48,7 +50,11 @@ __all__ = [
 ]
 
 # Rank files of every format; a JSON-manifest commit also removes a format-1 checkpoint's manifest.pt.
-_SHARD_FILE = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
+# Side files of a whole checkpoint (train-...) are the same kind: per save id and rank, listed by the manifest.
+_SHARD_FILE = re.compile(
+    r"^(optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)"
+    r"|train-[0-9a-f]+-rank\d+-of-\d+\.safetensors)$"
+)
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -63,7 +69,7 @@ class _CheckpointClaims:
         problems = []
         for manifest in (n for n in MANIFEST_NAMES if n in names):
             try:
-                listed = {f.file for f in read_manifest(directory / manifest).files}
+                listed = read_manifest(directory / manifest).file_names()
                 files |= listed | ({manifest} if manifest == LEGACY_MANIFEST_NAME else set())
             except (ValueError, OSError) as exc:
                 problems.append(f"its {manifest} is not an fsdp_optim manifest ({exc})")
@@ -76,7 +82,8 @@ class _CheckpointClaims:
         save_id, world_size = _journaled(entry)
         if save_id is None or world_size is None:
             return set()
-        return {shard_file_name(save_id, r, world_size, version=v) for r in range(world_size) for v in (1, 2)}
+        names = {shard_file_name(save_id, r, world_size, version=v) for r in range(world_size) for v in (1, 2)}
+        return names | {side_file_name(save_id, r, world_size) for r in range(world_size)}
 
     def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:
         save_id, _ = _journaled(entry)
@@ -87,7 +94,7 @@ class _CheckpointClaims:
         if manifest is None:
             return set()
         try:
-            return {manifest.name} | {f.file for f in read_manifest(manifest).files}
+            return {manifest.name} | read_manifest(manifest).file_names()
         except (ValueError, OSError):
             return None
 
@@ -154,7 +161,7 @@ def write_manifest(directory: Path, manifest: Manifest, *, replaces: Iterable[st
     path = directory / MANIFEST_NAME
     data = manifest_to_json(manifest)  # before anything is written: a value JSON cannot hold is refused here
     atomic_write(path, lambda file: file.write(data), tag=manifest.save_id[:12])
-    remove_recorded(directory, replaces, CHECKPOINT, keep={f.file for f in manifest.files})
+    remove_recorded(directory, replaces, CHECKPOINT, keep=manifest.file_names())
     return path
 
 

@@ -1,0 +1,151 @@
+"""A whole checkpoint's side files: one per rank, holding that rank's ``extra`` and (rank 0, or every rank when
+they differ) the model's buffers. A safetensors file, read whole and checked against the manifest's digest of its
+bytes before any of it is parsed (side files are small: loop state and buffers, not weights)::
+
+    <u64 n> {"__metadata__": {"format": "fsdp_optim", "kind": "side", "version": "1", "save_id": "3f2a...",
+                              "rank": "0", "world_size": "2",
+                              "extra": "{\\"step\\": 100, \\"rng\\": {\\"$extra\\": 0}, ...}"},  # JSON in a string
+             "buffers/norm.running_mean": {...}, "extra/0": {"dtype": "U8", "shape": [5056], ...}}  <data>
+
+``extra`` is any tree of dicts (``str`` keys), lists, tuples, JSON scalars and tensors: tensors become
+``{"$extra": k}`` in the JSON and tensor ``extra/<k>`` in the file; the rest is the manifest's exact JSON
+(:mod:`.json_values`: tuples, non-finite floats and ``$``-keys tagged), so every value comes back with its type.
+Nesting is bounded by :data:`MAX_DEPTH`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from fsdp_optim.disk.atomic import atomic_write
+from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.json_values import from_json, to_json
+from fsdp_optim.formats.sharded.training import side_file_name
+
+__all__ = ["MAX_DEPTH", "SideContent", "decode_extra", "encode_extra", "read_side_file", "write_side_file"]
+
+MAX_DEPTH = 64  # levels of nesting in ``extra``
+_REF = "$extra"
+_BUFFER, _EXTRA = "buffers/", "extra/"
+SideContent = tuple[dict[str, torch.Tensor], Any]  # (buffers by name, extra)
+
+
+def encode_extra(value: Any, where: str = "extra") -> tuple[str, dict[str, torch.Tensor]]:
+    """``value`` as JSON text with each tensor replaced by a reference, and the tensors (CPU, contiguous)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _encode(value, tensors, where, 0)
+    return json.dumps(tree, separators=(",", ":"), allow_nan=False), tensors
+
+
+def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{where}: nested more than {MAX_DEPTH} levels deep; flatten the structure")
+    if torch.is_tensor(value):
+        key = str(len(tensors))
+        tensors[key] = value.detach().cpu().contiguous().clone()
+        return {_REF: int(key)}
+    if isinstance(value, Mapping):
+        bad = next((k for k in value if not isinstance(k, str)), None)
+        if bad is not None:
+            raise TypeError(f"{where}: a dict key {bad!r} ({type(bad).__name__}); extra's dict keys must be str")
+        body = {k: _encode(v, tensors, f"{where}['{k}']", depth + 1) for k, v in value.items()}
+        return {"$dict": body} if any(k.startswith("$") for k in body) else body
+    if isinstance(value, (list, tuple)):
+        items = [_encode(v, tensors, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+        return {"$tuple": items} if isinstance(value, tuple) else items
+    try:
+        return to_json(value, where)
+    except ValueError as exc:
+        raise TypeError(f"{exc}; extra holds dicts, lists, tuples, numbers, strings, bools, None and tensors") from None
+
+
+def decode_extra(text: str, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
+    """The value :func:`encode_extra` was given (every reference checked to name a tensor of the file)."""
+    try:
+        tree = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{where}: its extra is not JSON ({type(exc).__name__})") from None
+    return _decode(tree, tensors, where, 0)
+
+
+def _decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{where}: extra nested more than {MAX_DEPTH} levels deep")
+    if isinstance(tree, list):
+        return [_decode(v, tensors, where, depth + 1) for v in tree]
+    if not isinstance(tree, dict):
+        return from_json(tree, where)
+    if set(tree) == {_REF}:
+        name = f"{_EXTRA}{tree[_REF]}"
+        if name not in tensors:
+            raise ValueError(f"{where}: extra refers to tensor '{name}', which the file does not hold")
+        return tensors[name]
+    if set(tree) == {"$tuple"} and isinstance(tree["$tuple"], list):
+        return tuple(_decode(v, tensors, where, depth + 1) for v in tree["$tuple"])
+    if set(tree) == {"$dict"} and isinstance(tree["$dict"], dict):
+        return {k: _decode(v, tensors, where, depth + 1) for k, v in tree["$dict"].items()}
+    if any(k.startswith("$") for k in tree):
+        return from_json(tree, where)  # a tagged scalar ($float, $complex, $tensor) or a refusal naming it
+    return {k: _decode(v, tensors, where, depth + 1) for k, v in tree.items()}
+
+
+def _file_digest(data: bytes) -> str:
+    return f"xxh3-128:{xxhash.xxh3_128(data).hexdigest()}"
+
+
+def write_side_file(
+    directory: Path,
+    *,
+    save_id: str,
+    rank: int,
+    world_size: int,
+    buffers: Mapping[str, torch.Tensor],
+    extra: tuple[str, Mapping[str, torch.Tensor]],
+) -> FileRecord:
+    """Write one rank's side file atomically; its record for the manifest (digest of the file's bytes)."""
+    text, extra_tensors = extra
+    tensors = {_BUFFER + n: _owned(t) for n, t in buffers.items()}
+    tensors.update({_EXTRA + k: t for k, t in extra_tensors.items()})
+    metadata = {
+        "format": "fsdp_optim", "kind": "side", "version": "1", "save_id": save_id,
+        "rank": str(rank), "world_size": str(world_size), "extra": text,
+    }  # fmt: skip
+    data = save_safetensors(tensors, metadata)
+    name = side_file_name(save_id, rank, world_size)
+    size, checksum = atomic_write(directory / name, lambda f: (f.write(data), _file_digest(data))[1])
+    return FileRecord(rank, name, checksum, size)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous()
+
+
+def read_side_file(directory: Path, record: FileRecord) -> SideContent:
+    """``(buffers, extra)`` of a side file, after checking its size and digest against ``record``."""
+    path = directory / record.file
+    fd, st = open_regular(path, follow_symlinks=False)
+    try:
+        if st.st_size != record.nbytes:
+            raise ValueError(f"{path}: {st.st_size} bytes, but the manifest records {record.nbytes} (truncated?)")
+        data = os.pread(fd, record.nbytes, 0)
+    finally:
+        os.close(fd)
+    if len(data) != record.nbytes or _file_digest(data) != record.checksum:
+        raise ValueError(f"{path}: checksum mismatch (the side file is damaged or was modified)")
+    tensors = load_safetensors(data)
+    header_size = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8 : 8 + header_size]).get("__metadata__", {})
+    where = f"{path}"
+    buffers = {n[len(_BUFFER) :]: t for n, t in tensors.items() if n.startswith(_BUFFER)}
+    extra = decode_extra(metadata.get("extra", "null"), tensors, where)
+    return buffers, extra

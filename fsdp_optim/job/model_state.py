@@ -1,0 +1,55 @@
+"""The live model's own state as a whole checkpoint reads and writes it: weight shards and persistent buffers.
+
+Public torch API only (``named_modules``, ``named_buffers``, ``Parameter.data``); fairscale's private attributes
+stay in :mod:`fsdp_optim.job.root`. Names are those of the unwrapped model (wrapper segments dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from fsdp_optim.core.checksums import digest
+from fsdp_optim.core.layout import clean_path, join_path
+from fsdp_optim.job.root import Root
+
+__all__ = ["buffers_digest", "persistent_buffers", "weight_shards"]
+
+
+def weight_shards(root: Root) -> dict[int, torch.Tensor]:
+    """``{flat index: this rank's padded 1-D shard}``: the live parameters' data (the fp32 master shard under
+    mixed precision), not copied. ``ValueError`` when a parameter is not in its sharded state (inside
+    ``summon_full_params`` or a forward pass), naming its unit."""
+    shards = {}
+    for i, (flat, param) in enumerate(zip(root.layout.flat_params, root.params, strict=True)):
+        data = param.data
+        if data.dim() != 1 or data.numel() != flat.shard_numel:
+            raise ValueError(
+                f"{flat.describe()}: its parameter holds {tuple(data.shape)} elements, expected this rank's flat "
+                f"shard of {flat.shard_numel}; save or load between training steps, outside summon_full_params "
+                "and forward"
+            )
+        shards[i] = data
+    return shards
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: buffer}`` for every buffer that ``unwrapped_model.state_dict()`` would hold (non-persistent
+    buffers left out), in module order; a buffer shared by several modules appears under its first name."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in skip or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            out[clean_path(join_path(path, name))] = buffer
+    return out
+
+
+def buffers_digest(buffers: Mapping[str, torch.Tensor]) -> str:
+    """One digest of every buffer's name, dtype, shape and bytes: equal on ranks whose buffers are equal."""
+    return digest(dict(buffers))

@@ -1,0 +1,157 @@
+"""Loading a whole checkpoint into a live model (and optimizer): all or nothing, on every rank, at any world size.
+
+Each rank first reads and checks everything it will change into new memory (its weight shards and optimizer
+state re-cut from the byte ranges it needs, its buffers and ``extra`` from the side files), the ranks agree,
+and only then does any rank copy into its parameters and buffers and load its optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
+from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.side_file import read_side_file
+from fsdp_optim.formats.sharded.training import TrainingRecord
+from fsdp_optim.job.local import check_optimizer
+from fsdp_optim.job.model_state import persistent_buffers, weight_shards
+from fsdp_optim.job.root import Root, verify_root
+from fsdp_optim.job.transport import agree
+
+__all__ = ["load_checkpoint"]
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """Everything one rank will change, read and checked into memory of its own."""
+
+    weights: dict[int, torch.Tensor]  # {flat index: padded shard}
+    buffers: dict[str, torch.Tensor]
+    optim_state: dict[str, Any] | None  # for optim.load_state_dict
+    extra: Any
+
+
+def load_checkpoint(
+    model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.PathLike[str]
+) -> Any:
+    """Load a whole checkpoint (:func:`fsdp_optim.save_checkpoint`) into ``model`` and ``optim``; return ``extra``.
+
+    A collective: call on every rank. Works at the saved world size (each rank reads its own files) and at any
+    other world size and FSDP nesting of the same model (each rank re-cuts its shards from the byte ranges of
+    the rank files that overlap them, one unit at a time): no rank holds more than its own shards plus a bounded
+    read buffer, and no rank materializes the full model. ``optim=None`` loads the model alone.
+
+    All or nothing: every rank first reads and checks what it will change (parameter names, shapes and dtypes,
+    buffers, optimizer class, param groups and state, checksums of every byte it reads), the ranks agree, and
+    only then is anything changed; a failure on any rank raises the same ``ValueError`` on every rank, with no
+    parameter, buffer or optimizer changed anywhere.
+
+    ``extra``: at the saved world size, rank r gets what rank r saved; at another, rank r gets saved rank
+    ``r % saved_world_size``'s (so ranks beyond the saved count share a copy: reseed per-rank RNG from it, e.g.
+    ``torch.manual_seed(base_seed + rank)``, when the world size changed). Buffers saved per rank (they differed
+    across ranks at save time) load only at the saved world size.
+    """
+    root = verify_root(model, optim)
+    staged, failure = None, None
+    try:
+        staged = _stage(root, model, optim, Path(path))
+    except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
+        failure = exc
+    agree(failure, group=root.group, what=f"load_checkpoint({str(path)!r}) changed nothing on any rank")
+    assert staged is not None, "agree() raises on every rank when any rank failed"
+    _commit(root, model, optim, staged)
+    return staged.extra
+
+
+def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Path) -> _Staged:
+    layout, rank = root.layout, root.rank
+    live_buffers = persistent_buffers(model)
+    weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is read
+    with ShardedCheckpoint(path, lazy=True) as ckpt:
+        training = ckpt.manifest.training
+        weights_plan = plan(ckpt.weights_source(), layout, members=[list(range(len(layout.flat_params)))])
+        optim_plan = _optim_plan(ckpt, root, optim) if optim is not None else None
+        assert training is not None, "weights_source() refuses a checkpoint without a training section"
+        _check_buffers(training, live_buffers, ckpt.manifest.world_size, root.world_size, str(ckpt.directory))
+        if weights_plan.identity:
+            own = ckpt.load_rank(rank)
+            weights = {i: own[i][WEIGHTS_KEY] for i in weights_plan.flats}
+            kept = optim_plan.flats if optim_plan is not None else {}
+            state = {i: {k: v for k, v in own[i].items() if k != WEIGHTS_KEY} for i in kept}
+        else:
+            ckpt.open_ranks(saved_ranks(weights_plan, rank) or [0])
+            weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(weights_plan, rank, after_unit=ckpt.trim).items()}
+            state = cut_rank(optim_plan, rank, after_unit=ckpt.trim) if optim_plan is not None else {}
+        optim_state = optimizer_state_dict(optim_plan, state) if optim_plan is not None else None
+        buffers, extra = _read_side(ckpt, training, rank)
+    return _Staged(weights, buffers, optim_state, extra)
+
+
+def _optim_plan(ckpt: ShardedCheckpoint, root: Root, optim: torch.optim.Optimizer) -> Plan:
+    if ckpt.manifest.optimizer is None:
+        raise ValueError(
+            f"optim: {ckpt.directory} holds the model alone (saved with optim=None); load it with optim=None and "
+            "start the optimizer afresh"
+        )
+    check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
+    return plan(ckpt.source(), root.layout, members=root.members)
+
+
+def _check_buffers(
+    training: TrainingRecord, live: Mapping[str, torch.Tensor], saved_world: int, world: int, where: str
+) -> None:
+    """Refuse a checkpoint whose buffers are not the model's: names, shapes, dtypes; per-rank buffers at another W."""
+    saved = training.buffer_specs()
+    errors = [f"buffer '{n}' of the model is missing from {where}" for n in live if n not in saved]
+    errors += [f"{where} has buffer '{n}', which the model does not have" for n in saved if n not in live]
+    for name in (n for n in saved if n in live):
+        spec, buffer = saved[name], live[name]
+        if spec.shape != tuple(buffer.shape) or spec.dtype != dtype_to_str(buffer.dtype):
+            errors.append(
+                f"buffer '{name}' is {spec.dtype}{list(spec.shape)} in {where}, expected "
+                f"{dtype_to_str(buffer.dtype)}{list(buffer.shape)} as in the model"
+            )
+    if training.buffers_per_rank and saved_world != world:
+        errors.append(
+            f"{where}: its buffers differed across its {saved_world} ranks (each rank saved its own), so they load "
+            f"only at world size {saved_world}, found {world}"
+        )
+    if errors:
+        raise ValueError("; ".join(errors[:5]) + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+
+
+def _read_side(ckpt: ShardedCheckpoint, training: TrainingRecord, rank: int) -> tuple[dict[str, torch.Tensor], Any]:
+    """This rank's buffers and ``extra`` from the side files (saved rank ``rank % W``'s extra)."""
+    saved = rank % ckpt.manifest.world_size
+    buffers, extra = read_side_file(ckpt.directory, training.side_file(saved))
+    if not training.buffers_per_rank and saved != 0:
+        buffers, _ = read_side_file(ckpt.directory, training.side_file(0))
+    specs = training.buffer_specs()
+    found = {n: (dtype_to_str(t.dtype), tuple(t.shape)) for n, t in buffers.items()}
+    if found != {n: (s.dtype, s.shape) for n, s in specs.items()}:
+        raise ValueError(
+            f"{ckpt.directory}: the side files hold buffers {sorted(found.items())[:3]}..., the manifest lists "
+            f"{sorted((n, (s.dtype, s.shape)) for n, s in specs.items())[:3]}...; the checkpoint is inconsistent"
+        )
+    return buffers, extra
+
+
+def _commit(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: _Staged) -> None:
+    """Copy what was staged into the live model and optimizer (every check passed on every rank)."""
+    live_buffers = persistent_buffers(model)
+    with torch.no_grad():
+        for i, param in enumerate(root.params):
+            param.data.copy_(staged.weights[i])
+        for name, value in staged.buffers.items():
+            live_buffers[name].copy_(value)
+    if optim is not None and staged.optim_state is not None:
+        optim.load_state_dict(staged.optim_state)
