@@ -6,7 +6,7 @@
 - ``FORMAT_VERSION``: version of the full dict format written under the ``"fsdp_optim"`` key.
 - The whole training state: ``save_checkpoint(model, optim, path, extra=...)`` / ``load_checkpoint(model, optim,
   path) -> extra`` (weights, buffers, optimizer state and loop state in one atomic sharded checkpoint, loaded at
-  any world size and nesting without materializing the full model).
+  any world size and nesting without materializing the full model); ``async_save_checkpoint`` in the background.
 - Optimizer checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
@@ -39,6 +39,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "NotElementwiseError",
     "OutputLockedError",
+    "async_save_checkpoint",
     "async_save_sharded_optim_state",
     "consolidate",
     "disable_host_execution",
@@ -71,6 +72,7 @@ _HOME = {
     "NotElementwiseError": "core.elementwise",
     "OutputLockedError": "disk.locks",
     "register_elementwise_optimizer": "core.elementwise",
+    "async_save_checkpoint": "job.whole_save",
     "async_save_sharded_optim_state": "job.async_save",
     "FullyShardedDataParallel": "job.fsdp",
     "consolidate": "offline.operations",
@@ -125,7 +127,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
         scatter_full_optim_state,
     )
     from fsdp_optim.job.whole_load import load_checkpoint
-    from fsdp_optim.job.whole_save import save_checkpoint
+    from fsdp_optim.job.whole_save import async_save_checkpoint, save_checkpoint
     from fsdp_optim.offline.export import to_dcp
     from fsdp_optim.offline.named import load_full_state, to_safetensors
     from fsdp_optim.offline.operations import consolidate, reshard

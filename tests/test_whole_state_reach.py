@@ -83,3 +83,22 @@ def test_moe_experts_round_trip_and_refuse_another_world_size(tmp_path) -> None:
     assert all(e is not None and "per-rank" in e and "world size 2" in e for e in errors), errors
     assert len(set(errors)) == 1, "every rank raises the same error"
     assert os.path.exists(os.path.join(ckpt, "manifest.json"))
+
+
+def _async(rank: int, world_size: int, out: str) -> None:
+    root = M.wrap(make_net(), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+    M.train_step(root, optim, *M.local_batch(0, rank, world_size))
+    at_save = {"model": root.state_dict(), "optim": snapshot(optim.state_dict())}
+    handle = fsdp_optim.async_save_checkpoint(root, optim, out, extra={"step": 1})
+    M.train_step(root, optim, *M.local_batch(1, rank, world_size))  # step() waits for the copy, then changes all
+    handle.wait()
+    fresh = M.wrap(make_net(seed=5), "deep")
+    fresh_optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(fresh))
+    assert fsdp_optim.load_checkpoint(fresh, fresh_optim, out) == {"step": 1}
+    assert_identical(fresh.state_dict(), at_save["model"], f"rank {rank}: model as at the call")
+    assert_identical(fresh_optim.state_dict(), at_save["optim"], f"rank {rank}: optimizer as at the call")
+
+
+def test_async_whole_checkpoint_is_the_state_at_the_call(tmp_path) -> None:
+    run_ranks(_async, 2, str(tmp_path / "async"))
