@@ -11,6 +11,9 @@
   (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
 - ``to_safetensors(source, out)`` / ``load_full_state(path)``: the full state by parameter name in one safetensors
   file (``<name>/<key>`` tensors, hyperparameters and checksums in its metadata), and any source back as a full dict.
+- ``diff(a, b, atol=, rtol=)``: two sources of one model (any formats, world sizes, nesting) compared per
+  parameter and state key, one tensor of each at a time: bitwise, max abs/rel error, ULP distance, NaN/Inf counts,
+  hyperparameters and steps; a frozen report.
 - ``to_dcp(source, out_dir)``: any of those sources, or a fairseq/metaseq shard set (see
   :mod:`fsdp_optim.fairseq` for consolidating and resharding those), written as a PyTorch DCP checkpoint.
 - Trust (README "Threat model"): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
@@ -38,6 +41,7 @@ __all__ = [
     "OutputLockedError",
     "async_save_sharded_optim_state",
     "consolidate",
+    "diff",
     "disable_host_execution",
     "enable_host_execution",
     "from_fairscale",
@@ -69,6 +73,7 @@ _HOME = {
     "async_save_sharded_optim_state": "job.async_save",
     "FullyShardedDataParallel": "job.fsdp",
     "consolidate": "offline.operations",
+    "diff": "offline.diff",
     "disable_host_execution": "job.host",
     "enable_host_execution": "job.host",
     "from_fairscale": "formats.fairscale",
@@ -117,6 +122,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
         save_sharded_optim_state,
         scatter_full_optim_state,
     )
+    from fsdp_optim.offline.diff import diff
     from fsdp_optim.offline.export import to_dcp
     from fsdp_optim.offline.named import load_full_state, to_safetensors
     from fsdp_optim.offline.operations import consolidate, reshard

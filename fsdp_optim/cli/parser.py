@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fsdp_optim.cli.diff import add_diff
 from fsdp_optim.cli.inspect import run_inspect, run_verify
 from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 
@@ -26,11 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_consolidate(verbs)
     _add_reshard(verbs)
     _add_convert(verbs)
+    _add_verify(verbs)
+    add_diff(verbs)
+    return parser
+
+
+def _add_verify(verbs: Any) -> None:
     p = verbs.add_parser("verify", help="every file of a checkpoint: present, of its size, checksums matching")
     p.add_argument("path", help="a sharded checkpoint directory, a fairseq/metaseq shard set, or a single file")
     _allow_global(p)
     p.set_defaults(run=run_verify)
-    return parser
 
 
 
