@@ -7,7 +7,8 @@
 - Checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
-  ``verify`` (every file present, of its size, checksums matching); ``save_layout``, ``from_fairscale``
+  ``verify`` (every file present, of its size, checksums matching; ``deep=True``: also what a resumed run would
+  trip on); ``save_layout``, ``from_fairscale``
   (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
 - ``to_safetensors(source, out)`` / ``load_full_state(path)``: the full state by parameter name in one safetensors
   file (``<name>/<key>`` tensors, hyperparameters and checksums in its metadata), and any source back as a full dict.

@@ -4,7 +4,7 @@
     fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp|safetensors]
-    fsdp-optim verify PATH
+    fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
     fsdp-optim diff A B [--atol X] [--rtol Y] [--json]
 
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
@@ -20,7 +20,8 @@ every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:
 
 ``diff`` compares two sources of one model (any formats, world sizes and nesting) per parameter and state key
 and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they differ, and 2 for bad
-usage or input.
+usage or input. ``verify --deep`` also reads the state for what a resumed run would trip on and exits 1 naming
+each finding's parameter and state key.
 
 Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
 70 an internal error (with its traceback). Every file is read with ``torch.load(..., weights_only=True)``.

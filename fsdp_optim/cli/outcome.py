@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Outcome:
-    """Lines for stdout and the exit code (``diff``: 1 when the sources differ)."""
+    """Lines for stdout and the exit code (``diff``: 1 when the sources differ; ``verify``: 1 for findings)."""
 
     lines: tuple[str, ...]
     code: int
