@@ -176,3 +176,41 @@ def test_compare_tensors_ulp_and_signed_zero() -> None:
     assert wide.max_ulp == 2 * 0x3FF0000000000000 and wide.max_abs == 2.0
     half = compare_tensors(torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1.0078125], dtype=torch.bfloat16))
     assert half.max_ulp == 1
+
+
+def _shards_job(rank: int, world_size: int, out: str) -> None:
+    """A world-size-2 job (gloo, our class, Adam over two param groups): a metaseq-style shard set and the full dict."""
+    import _fairseq as F
+    import _models as M
+
+    root = M.wrap(M.make_net(), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+    for step in range(2):
+        M.train_step(root, optim, *M.local_batch(step, rank, world_size))
+    full = fsdp_optim.gather_full_optim_state_dict(root, optim)
+    if rank == 0:
+        torch.save(full, Path(out) / "full.pt")
+    state = F.checkpoint_dict(root, optim, flavour="metaseq", num_updates=2, loss_scale=None)
+    F.save_shard(state, Path(out) / "shards" / F.PREFIX, rank)
+
+
+def test_a_shard_set_against_its_full_dict_and_its_reshard(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import _fairseq as F
+    from _dist import run_ranks
+
+    from fsdp_optim.fairseq import reshard_shards
+
+    run_ranks(_shards_job, 2, str(tmp_path))
+    shards = tmp_path / "shards" / F.PREFIX
+    reshard_shards(shards, 3, tmp_path / "w3")
+    (resharded,) = {p.name.split("-shard")[0] for p in (tmp_path / "w3").iterdir() if "-shard" in p.name}
+    report = fsdp_optim.diff(shards, tmp_path / "w3" / resharded)
+    assert report.equal and report.summary.tensors == 32, report.differences or report.settings
+    # Against the job's own full dict every value is equal; the set records fairseq's optimizer, whose torch class
+    # is AdamW, where the full dict says Adam: a setting that differs, and diff says so.
+    report = fsdp_optim.diff(shards, tmp_path / "full.pt")
+    assert report.summary.rows_different == 0 and report.summary.tensors_equal == 32
+    assert [(d.key, d.a, d.b) for d in report.settings] == [("optimizer", "AdamW", "Adam")]
+    assert fsdp_optim.verify(shards, deep=True).ok
+    assert _cli(capsys, "diff", tmp_path / "w3" / resharded, shards)[0] == 0
+    assert _cli(capsys, "diff", tmp_path / "w3" / resharded, tmp_path / "full.pt")[0] == 1
