@@ -10,10 +10,14 @@
 - Optimizer checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
-  ``verify`` (every file present, of its size, checksums matching); ``save_layout``, ``from_fairscale``
+  ``verify`` (every file present, of its size, checksums matching; ``deep=True``: also what a resumed run would
+  trip on); ``save_layout``, ``from_fairscale``
   (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
 - ``to_safetensors(source, out)`` / ``load_full_state(path)``: the full state by parameter name in one safetensors
   file (``<name>/<key>`` tensors, hyperparameters and checksums in its metadata), and any source back as a full dict.
+- ``diff(a, b, atol=, rtol=)``: two sources of one model (any formats, world sizes, nesting) compared per
+  parameter and state key, one tensor of each at a time: bitwise, max abs/rel error, ULP distance, NaN/Inf counts,
+  hyperparameters and steps; a frozen report.
 - ``to_dcp(source, out_dir)``: any of those sources, or a fairseq/metaseq shard set (see
   :mod:`fsdp_optim.fairseq` for consolidating and resharding those), written as a PyTorch DCP checkpoint.
 - Trust (README "Threat model"): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
@@ -42,6 +46,7 @@ __all__ = [
     "async_save_checkpoint",
     "async_save_sharded_optim_state",
     "consolidate",
+    "diff",
     "disable_host_execution",
     "enable_host_execution",
     "from_fairscale",
@@ -76,6 +81,7 @@ _HOME = {
     "async_save_sharded_optim_state": "job.async_save",
     "FullyShardedDataParallel": "job.fsdp",
     "consolidate": "offline.operations",
+    "diff": "offline.diff",
     "disable_host_execution": "job.host",
     "enable_host_execution": "job.host",
     "from_fairscale": "formats.fairscale",
@@ -128,6 +134,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     )
     from fsdp_optim.job.whole_load import load_checkpoint
     from fsdp_optim.job.whole_save import async_save_checkpoint, save_checkpoint
+    from fsdp_optim.offline.diff import diff
     from fsdp_optim.offline.export import to_dcp
     from fsdp_optim.offline.named import load_full_state, to_safetensors
     from fsdp_optim.offline.operations import consolidate, reshard

@@ -4,7 +4,8 @@
     fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp|safetensors]
-    fsdp-optim verify PATH
+    fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
+    fsdp-optim diff A B [--atol X] [--rtol Y] [--json]
 
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
 fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
@@ -16,6 +17,11 @@ resharded into shard files of the same format. ``verify`` checks every file of a
 
 A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
+
+``diff`` compares two sources of one model (any formats, world sizes and nesting) per parameter and state key
+and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they differ, and 2 for bad
+usage or input. ``verify --deep`` also reads the state for what a resumed run would trip on and exits 1 naming
+each finding's parameter and state key.
 
 Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
 70 an internal error (with its traceback). Every file is read with ``torch.load(..., weights_only=True)``.
@@ -63,24 +69,26 @@ _parser = build_parser  # the grammar, for tests and docs that print --help
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        lines = args.run(args)
+        result = args.run(args)
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         from fsdp_optim.disk.text import escape  # names and messages may carry a file's text: no terminal controls
 
         print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return int(getattr(args, "bad_input_exit", EXIT_BAD_INPUT))  # diff: 2, as its usage errors
     except Exception:
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
+    from fsdp_optim.cli.outcome import Outcome
     from fsdp_optim.disk.text import escape
 
+    lines, code = (result.lines, result.code) if isinstance(result, Outcome) else (result, EXIT_OK)
     try:
         for line in lines:
             print(escape(line, limit=1 << 20), flush=True)
     except BrokenPipeError:  # `fsdp-optim inspect ... | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return EXIT_OK
+    return code
 
 
 def _one_line(exc: BaseException) -> str:

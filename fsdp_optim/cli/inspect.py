@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_optim.cli.outcome import Outcome
+
 if TYPE_CHECKING:
     from fsdp_optim.formats.sharded.manifest import Manifest
 
@@ -204,13 +206,21 @@ def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> No
 
 
 
-def run_verify(args: argparse.Namespace) -> list[str]:
+def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
+    import json
+
     from fsdp_optim.disk.text import escape
     from fsdp_optim.offline.verify import verify
 
-    report = verify(args.path, allow_globals=args.allow_global)
+    report = verify(args.path, allow_globals=args.allow_global, deep=args.deep, layout=args.layout)
+    if args.json:
+        return Outcome(tuple(json.dumps(report.to_json(), indent=1).splitlines()), 0 if report.ok else 1)
     lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]
     if report.ok:
-        return [*lines, f"verified: {len(report.files)} files, every one present, of its size, checksums matching"]
+        deep = "; state: all finite, second moments >= 0, steps and hyperparameters sound" if report.deep else ""
+        verdict = f"verified: {len(report.files)} files, every one present, of its size, checksums matching"
+        return [*lines, verdict + deep]
     print("\n".join(escape(line, limit=1 << 20) for line in lines), flush=True)
-    raise ValueError(f"{args.path}: damaged: {'; '.join(report.damaged())}")
+    intact = not report.problems and all(f.ok for f in report.files)
+    what = f"{len(report.findings)} findings a resumed run would trip on" if intact else "damaged"
+    raise ValueError(f"{args.path}: {what}: {'; '.join(report.damaged())}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fsdp_optim.cli.diff import add_diff
 from fsdp_optim.cli.inspect import run_inspect, run_verify
 from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 
@@ -26,11 +27,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_consolidate(verbs)
     _add_reshard(verbs)
     _add_convert(verbs)
+    _add_verify(verbs)
+    add_diff(verbs)
+    return parser
+
+
+def _add_verify(verbs: Any) -> None:
     p = verbs.add_parser("verify", help="every file of a checkpoint: present, of its size, checksums matching")
     p.add_argument("path", help="a sharded checkpoint directory, a fairseq/metaseq shard set, or a single file")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also read the state for what a resumed run would trip on: NaN/Inf values, a negative second moment, "
+        "steps that disagree in a param group, hyperparameters out of range (exit 1 naming each)",
+    )
+    p.add_argument(
+        "--layout", help="with --deep: a sharded checkpoint or layout file of the model, to check parameters and shapes"
+    )
+    p.add_argument("--json", action="store_true", help="print the verdict, every file and every finding as JSON")
     _allow_global(p)
     p.set_defaults(run=run_verify)
-    return parser
 
 
 

@@ -7,8 +7,15 @@
 - a fairseq/metaseq shard set: every ``-shard<r>.pt`` file of ranks 0..N-1 present, every zip record's
   CRC-32, each file readable (``weights_only``) with its optimizer state and FSDP metadata, and the set
   consistent (one save, one model);
+- a named safetensors file: every tensor against its checksums (the file's JSON metadata, checked first);
 - any other file (a full dict, a fairscale-native dict, a layout file): its zip records' CRC-32 and the
   reading gate of :mod:`fsdp_optim.disk.untrusted`.
+
+With ``deep=True``, an intact checkpoint (any source :func:`~fsdp_optim.offline.sources.open_source` reads) is also
+read one state tensor at a time for what a resumed run would trip on (:mod:`fsdp_optim.offline.deep`): non-finite
+values, a negative second moment, steps that disagree inside a param group, hyperparameters out of range and,
+given a model ``layout``, parameters missing, extra or of another shape. Each is a
+:class:`~fsdp_optim.offline.deep.Finding` naming the parameter and state key; any makes ``ok`` false.
 
 A damaged file is reported, not raised: :attr:`Verification.ok` is false and the file's
 :class:`FileCheck` says what is wrong (missing, ``truncated: 3000 of 6985 bytes``, a checksum). A path that
@@ -20,16 +27,19 @@ from __future__ import annotations
 import os
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.formats.fairseq.files import load_shard, shard_paths, summarise
 from fsdp_optim.formats.kinds import Kind, path_kind
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
+from fsdp_optim.offline.deep import Finding, deep_findings
+from fsdp_optim.offline.layouts import LayoutLike
 
-__all__ = ["FileCheck", "Verification", "present_and_sized", "verify"]
+__all__ = ["FileCheck", "Finding", "Verification", "present_and_sized", "verify"]
 
 
 @dataclass(frozen=True)
@@ -43,38 +53,84 @@ class FileCheck:
 
 @dataclass(frozen=True)
 class Verification:
-    """What :func:`verify` found: one :class:`FileCheck` per file, and problems of the whole (``problems``)."""
+    """What :func:`verify` found: one :class:`FileCheck` per file, problems of the whole (``problems``) and, deep,
+    the findings in the state (``deep`` says whether it was read for them)."""
 
     path: Path
     kind: str
     files: tuple[FileCheck, ...]
     problems: tuple[str, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    deep: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.problems and all(f.ok for f in self.files)
+        return not self.problems and not self.findings and all(f.ok for f in self.files)
 
     def lines(self) -> list[str]:
-        """The report: one line per file (``name: ok ...`` or ``name: what is wrong``), then the problems."""
-        return [f"{f.path.name}: {f.detail}" for f in self.files] + list(self.problems)
+        """The report: one line per file (``name: ok ...`` or ``name: what is wrong``), the problems, the findings."""
+        files = [f"{f.path.name}: {f.detail}" for f in self.files]
+        return files + list(self.problems) + [str(f) for f in self.findings]
 
     def damaged(self) -> list[str]:
-        """One line per problem, each naming its file."""
-        return [f"{f.path}: {f.detail}" for f in self.files if not f.ok] + list(self.problems)
+        """One line per problem, each naming its file (or its parameter and state key)."""
+        files = [f"{f.path}: {f.detail}" for f in self.files if not f.ok]
+        return files + list(self.problems) + [str(f) for f in self.findings]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "ok": self.ok,
+            "deep": self.deep,
+            "files": [{"path": str(f.path), "ok": f.ok, "detail": f.detail} for f in self.files],
+            "problems": list(self.problems),
+            "findings": [
+                {"param": f.param, "group": f.group, "key": f.key, "problem": f.problem} for f in self.findings
+            ],
+        }
 
 
-def verify(path: str | os.PathLike[str], *, allow_globals: Sequence[str] = ()) -> Verification:
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    allow_globals: Sequence[str] = (),
+    deep: bool = False,
+    layout: LayoutLike | None = None,
+) -> Verification:
     """Check every file of the checkpoint at ``path`` (see the module docstring); nothing is written.
 
-    ``allow_globals``: for a shard set, classes its ``cfg`` may hold (as ``ShardSet`` takes them).
+    ``allow_globals``: for a shard set, classes its ``cfg`` may hold (as ``ShardSet`` takes them). ``deep``: also
+    read the state for what a resumed run would trip on (only when every file is intact); ``layout`` (deep only):
+    the model's layout (a sharded checkpoint or layout file of it) to check parameters and shapes against.
     """
+    if layout is not None and not deep:
+        raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
+    checked = _verify_files(path, tuple(allow_globals))
+    if not deep or not checked.ok:
+        return replace(checked, deep=deep)
+    return replace(checked, deep=True, findings=deep_findings(path, allow_globals=allow_globals, layout=layout))
+
+
+def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
     kind = path_kind(path)
     if kind is Kind.SHARD_SET:
-        return _verify_shards(Path(path), tuple(allow_globals))
+        return _verify_shards(Path(path), allow_globals)
     if kind is Kind.SHARDED:
         return _verify_sharded(Path(path))
+    if is_named_safetensors(path):
+        return Verification(Path(path), "named safetensors file", (_check_file(Path(path), _read_named, zipped=False),))
     check = _check_file(Path(path), lambda p: load_file(p, mmap=True))
     return Verification(Path(path), "file", (check,))
+
+
+def _read_named(path: Path) -> str:
+    """Every tensor of a named safetensors file read whole, so that each is checked against its checksums."""
+    with NamedSafetensors(path) as named:
+        for name, info in named.tensors.items():
+            named.read_flat(name, 0, info.numel)
+            named.trim()
+        return f", {len(named.tensors)} tensors, checksums match"
 
 
 def present_and_sized(path: str | os.PathLike[str]) -> list[str]:
@@ -97,7 +153,12 @@ def _zip_problem(path: Path) -> str | None:
 
 
 def _check_file(
-    path: Path, read: Callable[[Path], object], *, nbytes: int | None = None, sizes_only: bool = False
+    path: Path,
+    read: Callable[[Path], object],
+    *,
+    nbytes: int | None = None,
+    sizes_only: bool = False,
+    zipped: bool = True,
 ) -> FileCheck:
     """Presence, size (against ``nbytes`` when known), zip CRCs, then ``read(path)``; never raises for damage."""
     if not os.path.lexists(path):
@@ -113,7 +174,7 @@ def _check_file(
         return FileCheck(path, True, f"ok: {size} bytes")
     # torch.save files are zips with a CRC-32 per record; format-2 and -3 rank files are safetensors, whose chunk
     # checksums (in the manifest, format 2; in the file's header, format 3) the read below verifies.
-    problem = None if path.suffix == ".safetensors" else _zip_problem(path)
+    problem = None if path.suffix == ".safetensors" or not zipped else _zip_problem(path)
     if problem is not None:
         return FileCheck(path, False, problem)
     try:
