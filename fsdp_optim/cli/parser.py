@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from fsdp_optim.cli.inspect import run_inspect, run_verify
+from fsdp_optim.cli.listing import run_list
 from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 
 
@@ -30,7 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a sharded checkpoint directory, a fairseq/metaseq shard set, or a single file")
     _allow_global(p)
     p.set_defaults(run=run_verify)
+    _add_list(verbs)
     return parser
+
+
+def _add_list(verbs: Any) -> None:
+    p = verbs.add_parser(
+        "list", help="the step directories of a CheckpointManager root: state, world size, what each holds, bytes"
+    )
+    p.add_argument("root", help="the root directory given to fsdp_optim.CheckpointManager")
+    p.add_argument("--json", action="store_true", help="one JSON object: {root, steps: [{step, state, ...}]}")
+    p.add_argument(
+        "--quick", action="store_true", help="check the files' presence and sizes only (default: every checksum)"
+    )
+    p.set_defaults(run=run_list)
 
 
 
