@@ -28,7 +28,7 @@ from torch import nn
 from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
 from fsdp_optim.job.root import verify_root
-from fsdp_optim.job.transport import broadcast_object, dist_rank_and_size, group_initialized
+from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, group_initialized
 from fsdp_optim.job.whole_load import load_checkpoint
 from fsdp_optim.job.whole_save import save_checkpoint
 
@@ -91,7 +91,9 @@ class CheckpointManager:
     ) -> Path | None:
         """Call on every rank after every step: when ``step % every == 0``, save the whole state into
         :meth:`path` (``save_checkpoint``: a collective; a step saved before is replaced atomically) and return
-        that directory; else return None at once (no collective, no file access).
+        that directory; else return None at once (no collective, no file access). A torn save of that step (a run
+        killed mid-save) is cleaned up first; a step directory holding foreign files, or a manifest that is not
+        readable as ours, is refused on every rank (``ForeignOutputError``), never overwritten.
 
         After the save committed, rank 0 prunes (no collective): every step directory of ours older than ``step``
         that is not kept (the newest ``keep`` complete steps up to ``step``, every complete step divisible by
@@ -132,13 +134,18 @@ class CheckpointManager:
         in :attr:`skipped` (:class:`SkippedStep` records) and warned about.
 
         Same answer on every rank: inside a job (a default process group is initialized) rank 0 verifies and
-        broadcasts its finding (a collective over the default group: every process calls it); without one the
-        calling process verifies by itself. Cost: every byte of each candidate read once, newest first, until
-        one verifies.
+        broadcasts its finding (two small collectives over the default group: every process calls it; an error on
+        rank 0 is raised on every rank); without one the calling process verifies by itself. Cost: every byte of
+        each candidate read once, newest first, until one verifies.
         """
         if group_initialized():
             rank, _ = dist_rank_and_size(None)
-            found = _find_latest(self.root) if rank == 0 else None
+            found, failure = None, None
+            try:
+                found = _find_latest(self.root) if rank == 0 else None
+            except Exception as exc:  # every rank raises it (through agree) rather than waiting for rank 0
+                failure = exc
+            agree(failure, group=None, what=f"CheckpointManager.latest() could not read {self.root}")
             step, skipped = broadcast_object(found, src=0, group=None)
             warn = rank == 0
         else:
