@@ -6,7 +6,9 @@
 - ``FORMAT_VERSION``: version of the full dict format written under the ``"fsdp_optim"`` key.
 - The whole training state: ``save_checkpoint(model, optim, path, extra=...)`` / ``load_checkpoint(model, optim,
   path) -> extra`` (weights, buffers, optimizer state and loop state in one atomic sharded checkpoint, loaded at
-  any world size and nesting without materializing the full model); ``async_save_checkpoint`` in the background.
+  any world size and nesting without materializing the full model); ``async_save_checkpoint`` in the background;
+  ``CheckpointManager(root, every=, keep=)`` saves one every ``every`` steps of a training loop, prunes old ones,
+  and restores the newest verified one.
 - Optimizer checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "AsyncSave",
+    "CheckpointManager",
     "FORMAT_VERSION",
     "ForeignOutputError",
     "FullyShardedDataParallel",
@@ -72,6 +75,7 @@ __version__ = "0.1.0"
 # Public name -> the submodule that defines it.
 _HOME = {
     "AsyncSave": "job.async_save",
+    "CheckpointManager": "job.manager",
     "FORMAT_VERSION": "formats.fullstate",
     "ForeignOutputError": "disk.locks",
     "NotElementwiseError": "core.elementwise",
@@ -126,6 +130,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.job.async_save import AsyncSave, async_save_sharded_optim_state
     from fsdp_optim.job.fsdp import FullyShardedDataParallel
     from fsdp_optim.job.host import disable_host_execution, enable_host_execution, host_execution
+    from fsdp_optim.job.manager import CheckpointManager
     from fsdp_optim.job.sharded import (
         load_sharded_optim_state,
         save_layout,

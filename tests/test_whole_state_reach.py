@@ -102,3 +102,25 @@ def _async(rank: int, world_size: int, out: str) -> None:
 
 def test_async_whole_checkpoint_is_the_state_at_the_call(tmp_path) -> None:
     run_ranks(_async, 2, str(tmp_path / "async"))
+
+
+def _async_manager(rank: int, world_size: int, root: str) -> int | None:
+    model = M.wrap(make_net(), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(model))
+    manager = fsdp_optim.CheckpointManager(root, every=1, keep=2, async_save=True)
+    for step in range(1, 5):
+        M.train_step(model, optim, *M.local_batch(step, rank, world_size))
+        manager.save(step, model, optim, extra={"step": step})
+    at_last = {"model": model.state_dict(), "optim": snapshot(optim.state_dict())}
+    manager.wait()
+    fresh = M.wrap(make_net(seed=9), "deep")
+    fresh_optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(fresh))
+    assert manager.restore(fresh, fresh_optim) == {"step": 4}
+    assert_identical(fresh.state_dict(), at_last["model"], f"rank {rank}: restored model")
+    assert_identical(fresh_optim.state_dict(), at_last["optim"], f"rank {rank}: restored optimizer")
+    return manager.latest()
+
+
+def test_manager_with_async_saves_keeps_the_newest_and_restores_them(tmp_path) -> None:
+    assert run_ranks(_async_manager, 2, str(tmp_path)) == [4, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]

@@ -6,6 +6,7 @@
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp|safetensors]
     fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
     fsdp-optim diff A B [--atol X] [--rtol Y] [--json]
+    fsdp-optim list ROOT [--json] [--quick]
 
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
 fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
@@ -13,7 +14,9 @@ fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of 
 A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
 full dict, ``model`` the full weights unless ``--no-model``, as fairseq's own consolidation keeps them) and
 resharded into shard files of the same format. ``verify`` checks every file of a checkpoint or shard set
-(present, of its size, checksums matching) and exits 1 naming each damaged file.
+(present, of its size, checksums matching) and exits 1 naming each damaged file. ``list`` shows the step directories
+of a :class:`~fsdp_optim.CheckpointManager` root (complete / torn / damaged and why, world size, what each holds,
+bytes) and exits 0.
 
 A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.

@@ -7,6 +7,7 @@ from typing import Any
 
 from fsdp_optim.cli.diff import add_diff
 from fsdp_optim.cli.inspect import run_inspect, run_verify
+from fsdp_optim.cli.listing import run_list
 from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(verbs)
     _add_verify(verbs)
     add_diff(verbs)
+    _add_list(verbs)
     return parser
 
 
@@ -47,6 +49,18 @@ def _add_verify(verbs: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the verdict, every file and every finding as JSON")
     _allow_global(p)
     p.set_defaults(run=run_verify)
+
+
+def _add_list(verbs: Any) -> None:
+    p = verbs.add_parser(
+        "list", help="the step directories of a CheckpointManager root: state, world size, what each holds, bytes"
+    )
+    p.add_argument("root", help="the root directory given to fsdp_optim.CheckpointManager")
+    p.add_argument("--json", action="store_true", help="one JSON object: {root, steps: [{step, state, ...}]}")
+    p.add_argument(
+        "--quick", action="store_true", help="check the files' presence and sizes only (default: every checksum)"
+    )
+    p.set_defaults(run=run_list)
 
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +26,22 @@ from fsdp_optim.core.compare import CHUNK, nonfinite_counts
 __all__ = ["SECOND_MOMENTS", "hyperparam_problems", "scalar_problems", "step_outliers", "tensor_problems"]
 
 SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg", "acc_delta"})
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: of state ``key`` of parameter ``param``, of hyperparameter ``key`` of param group ``group``,
+    or of a parameter against the model's layout (presence or shape: ``key`` ``None``)."""
+
+    param: str | None
+    key: str | None
+    problem: str
+    group: int | None = None
+
+    def __str__(self) -> str:
+        where = f"param group {self.group}" if self.param is None else f"parameter '{self.param}'"
+        what = "" if self.key is None else (f", '{self.key}'" if self.param is None else f", state '{self.key}'")
+        return f"{where}{what}: {self.problem}"
 
 
 def tensor_problems(key: str, x: torch.Tensor) -> list[str]:

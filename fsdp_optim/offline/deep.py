@@ -10,32 +10,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 from fsdp_optim.core.flatten import StateKind
-from fsdp_optim.core.health import hyperparam_problems, scalar_problems, step_outliers, tensor_problems
+from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems, step_outliers, tensor_problems
 from fsdp_optim.formats.kinds import Kind, path_kind
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.sources import open_source
 
 __all__ = ["Finding", "deep_findings"]
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem: of state ``key`` of parameter ``param``, of hyperparameter ``key`` of param group ``group``,
-    or of a parameter against the model's layout (presence or shape: ``key`` ``None``)."""
-
-    param: str | None
-    key: str | None
-    problem: str
-    group: int | None = None
-
-    def __str__(self) -> str:
-        where = f"param group {self.group}" if self.param is None else f"parameter '{self.param}'"
-        what = "" if self.key is None else (f", '{self.key}'" if self.param is None else f", state '{self.key}'")
-        return f"{where}{what}: {self.problem}"
 
 
 def deep_findings(
