@@ -7,8 +7,14 @@
 - a fairseq/metaseq shard set: every ``-shard<r>.pt`` file of ranks 0..N-1 present, every zip record's
   CRC-32, each file readable (``weights_only``) with its optimizer state and FSDP metadata, and the set
   consistent (one save, one model);
-- any other file (a full dict, a fairscale-native dict, a layout file): its zip records' CRC-32 and the
-  reading gate of :mod:`fsdp_optim.disk.untrusted`.
+- a named safetensors file of ours (``to_safetensors``, ``convert --to safetensors``): its header and
+  document, then every tensor's chunk checksums and whole digest;
+- a layout file (JSON, ``save_layout``): its manifest checks (its own checksum);
+- any other file (a full dict, a fairscale-native dict, a format-1 layout file): its zip records' CRC-32 and
+  the reading gate of :mod:`fsdp_optim.disk.untrusted`.
+
+A rank file alone is refused (``ValueError``): it is checked against its checkpoint's manifest, so verify the
+checkpoint directory.
 
 A damaged file is reported, not raised: :attr:`Verification.ok` is false and the file's
 :class:`FileCheck` says what is wrong (missing, ``truncated: 3000 of 6985 bytes``, a checksum). A path that
@@ -25,9 +31,10 @@ from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.formats.fairseq.files import load_shard, shard_paths, summarise
-from fsdp_optim.formats.kinds import Kind, path_kind
+from fsdp_optim.formats.kinds import RANK_FILE_NAME, Kind, path_kind
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir, is_json_manifest, read_manifest
 
 __all__ = ["FileCheck", "Verification", "present_and_sized", "verify"]
 
@@ -43,24 +50,36 @@ class FileCheck:
 
 @dataclass(frozen=True)
 class Verification:
-    """What :func:`verify` found: one :class:`FileCheck` per file, and problems of the whole (``problems``)."""
+    """What :func:`verify` found: one :class:`FileCheck` per file, and every problem (``problems``): one line
+    per damaged file (naming it), then the problems of the whole. ``ok`` is false exactly when ``problems`` is
+    not empty."""
 
     path: Path
     kind: str
     files: tuple[FileCheck, ...]
     problems: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        damaged = _file_problems(self.files)
+        object.__setattr__(self, "problems", damaged + tuple(p for p in self.problems if p not in damaged))
+
     @property
     def ok(self) -> bool:
-        return not self.problems and all(f.ok for f in self.files)
+        return not self.problems
 
     def lines(self) -> list[str]:
-        """The report: one line per file (``name: ok ...`` or ``name: what is wrong``), then the problems."""
-        return [f"{f.path.name}: {f.detail}" for f in self.files] + list(self.problems)
+        """The report: one line per file (``name: ok ...`` or ``name: what is wrong``), then the problems of
+        the whole."""
+        damaged = _file_problems(self.files)
+        return [f"{f.path.name}: {f.detail}" for f in self.files] + [p for p in self.problems if p not in damaged]
 
     def damaged(self) -> list[str]:
         """One line per problem, each naming its file."""
-        return [f"{f.path}: {f.detail}" for f in self.files if not f.ok] + list(self.problems)
+        return list(self.problems)
+
+
+def _file_problems(files: tuple[FileCheck, ...]) -> tuple[str, ...]:
+    return tuple(f"{f.path}: {f.detail}" for f in files if not f.ok)
 
 
 def verify(path: str | os.PathLike[str], *, allow_globals: Sequence[str] = ()) -> Verification:
@@ -73,8 +92,31 @@ def verify(path: str | os.PathLike[str], *, allow_globals: Sequence[str] = ()) -
         return _verify_shards(Path(path), tuple(allow_globals))
     if kind is Kind.SHARDED:
         return _verify_sharded(Path(path))
-    check = _check_file(Path(path), lambda p: load_file(p, mmap=True))
-    return Verification(Path(path), "file", (check,))
+    file = Path(path)
+    if RANK_FILE_NAME.match(file.name):
+        raise ValueError(
+            f"{file}: a rank file of a sharded checkpoint is checked against its manifest; verify the checkpoint "
+            f"directory ({file.parent}) instead"
+        )
+    if is_named_safetensors(file):
+        return Verification(file, Kind.NAMED.value, (_check_file(file, _read_named, zipped=False),))
+    if is_json_manifest(file):
+        return Verification(file, Kind.LAYOUT.value, (_check_file(file, _read_layout, zipped=False),))
+    check = _check_file(file, lambda p: load_file(p, mmap=True))
+    return Verification(file, "file", (check,))
+
+
+def _read_named(path: Path) -> str:
+    """A named safetensors file's header and document, then every checksum it records."""
+    with NamedSafetensors(path) as named:
+        count = named.check_every_checksum()
+    return f", {count} tensors, checksums match"
+
+
+def _read_layout(path: Path) -> str:
+    """A layout file's manifest checks (its own checksum, its records)."""
+    manifest = read_manifest(path)
+    return f", layout of {len(manifest.param_order)} params, checksum matches"
 
 
 def present_and_sized(path: str | os.PathLike[str]) -> list[str]:
@@ -97,9 +139,15 @@ def _zip_problem(path: Path) -> str | None:
 
 
 def _check_file(
-    path: Path, read: Callable[[Path], object], *, nbytes: int | None = None, sizes_only: bool = False
+    path: Path,
+    read: Callable[[Path], object],
+    *,
+    nbytes: int | None = None,
+    sizes_only: bool = False,
+    zipped: bool = True,
 ) -> FileCheck:
-    """Presence, size (against ``nbytes`` when known), zip CRCs, then ``read(path)``; never raises for damage."""
+    """Presence, size (against ``nbytes`` when known), zip CRCs (a torch file: ``zipped``), then ``read(path)``;
+    never raises for damage."""
     if not os.path.lexists(path):
         expected = f" ({nbytes} bytes)" if nbytes is not None else ""
         return FileCheck(path, False, f"missing{expected}")
@@ -113,7 +161,7 @@ def _check_file(
         return FileCheck(path, True, f"ok: {size} bytes")
     # torch.save files are zips with a CRC-32 per record; format-2 and -3 rank files are safetensors, whose chunk
     # checksums (in the manifest, format 2; in the file's header, format 3) the read below verifies.
-    problem = None if path.suffix == ".safetensors" else _zip_problem(path)
+    problem = None if path.suffix == ".safetensors" or not zipped else _zip_problem(path)
     if problem is not None:
         return FileCheck(path, False, problem)
     try:

@@ -122,6 +122,20 @@ class NamedSafetensors:
                 self._chunks.add((name, c))
         return covering[start - lo : stop - lo].clone() if (lo, hi) != (start, stop) else covering
 
+    def check_every_checksum(self) -> int:
+        """Read every tensor and check every checksum the file records for it (each chunk, then the whole
+        digest), the mapping trimmed as it goes; raises :class:`ChecksumError` for the first failing piece.
+        Returns the number of tensors checked."""
+        for name, info in self.tensors.items():
+            per = chunk_elements(info.dtype, self.document.chunk_bytes)
+            for c in range(len(info.chunks)):  # a tensor over chunk_bytes has 2 or more chunks
+                self.read_flat(name, c * per, min((c + 1) * per, info.numel))
+                self.trim()
+            self._whole.discard(name)
+            self.read_flat(name, 0, info.numel)
+            self.trim()
+        return len(self.tensors)
+
     def _check(self, name: str, tensor: torch.Tensor, expected: str, offset: int, nbytes: int) -> None:
         if not digest_matches(tensor, expected):
             raise ChecksumError(
