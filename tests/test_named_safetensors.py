@@ -287,3 +287,21 @@ def test_verify_checks_every_chunk_of_a_named_safetensors_file(tmp_path, capsys)
     out, err = capsys.readouterr()
     assert "fails its checksum" in err and "zip" not in err, err
     assert path.read_bytes() != before and len(path.read_bytes()) == len(before)  # verify changed nothing
+
+
+def test_convert_infers_the_target_from_the_extension_and_refuses_a_mismatch(tmp_path, capsys) -> None:
+    """Issue 29: ``convert SRC -o out.safetensors`` (no ``--to``) wrote a torch pickle under a .safetensors name."""
+    full = _big_full()
+    to_safetensors(full, tmp_path / "src.st")
+    assert main(["convert", str(tmp_path / "src.st"), "-o", str(tmp_path / "out.safetensors")]) == 0
+    assert (tmp_path / "out.safetensors").read_bytes()[:2] != b"PK"  # not a torch (zip) file
+    assert_identical(load_full_state(tmp_path / "out.safetensors"), full, "inferred safetensors")
+    assert main(["convert", str(tmp_path / "src.st"), "-o", str(tmp_path / "out.pt")]) == 0
+    assert_identical(torch.load(tmp_path / "out.pt", weights_only=True), full, "inferred full")
+    capsys.readouterr()
+    for to, name in [("full", "x.safetensors"), ("named", "x.safetensors"), ("safetensors", "x.pt"), ("dcp", "x.pth")]:
+        with pytest.raises(SystemExit) as usage:
+            main(["convert", str(tmp_path / "src.st"), "--to", to, "-o", str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert usage.value.code == 2 and f"--to {to} was given" in err and name in err, (to, err)
+        assert not (tmp_path / name).exists(), name

@@ -6,6 +6,9 @@
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp|safetensors]
     fsdp-optim verify PATH
 
+``convert`` without ``--to`` writes what ``-o``'s extension names (``.safetensors``: the named safetensors file;
+``.pt``/``.pth`` or any other: the full dict); a ``--to`` the extension contradicts is a usage error (exit 2).
+
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
 fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
 ``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see :mod:`fsdp_optim.fairseq_format`).
@@ -62,6 +65,10 @@ _parser = build_parser  # the grammar, for tests and docs that print --help
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check = getattr(args, "check", None)  # a usage check that needs more than one flag (exit 2, as argparse's)
+    problem = check(args) if check is not None else None
+    if problem is not None:
+        args.usage_error(problem)  # the verb's parser: its usage line, the message, exit 2
     try:
         lines = args.run(args)
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
