@@ -21,7 +21,8 @@ A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) 
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
 
 Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
-70 an internal error (with its traceback). Every file is read with ``torch.load(..., weights_only=True)``.
+70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
+saying what was left as it was; no traceback). Every file is read with ``torch.load(..., weights_only=True)``.
 Progress bars appear on a terminal only.
 
 A dispatcher: torch and the package's modules are imported by the verb that needs them, so ``--help``
@@ -30,9 +31,12 @@ and argument errors cost no more than starting Python, and no verb imports fairs
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 
@@ -40,7 +44,7 @@ from fsdp_optim.cli.parser import build_parser
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 70
+EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
 # API parameter names as the command line spells them, for the "name: ..." prefix of an error.
 _FLAGS = {
     "world_size": "--world-size",
@@ -69,25 +73,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = check(args) if check is not None else None
     if problem is not None:
         args.usage_error(problem)  # the verb's parser: its usage line, the message, exit 2
+    interrupts = _Interrupts()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupts) if on_main_thread else None
+    try:
+        return _run(args, interrupts)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+class _Interrupts:
+    """The SIGINT handler of a run: the first Ctrl-C raises ``KeyboardInterrupt`` (the writers' cleanup runs as
+    it unwinds) and is remembered, so an error a library made of it (torch's writer turns it into a
+    ``RuntimeError``) still reads as an interrupt; a later Ctrl-C is ignored, so that cleanup finishes."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:  # noqa: ARG002 - the handler signature
+        if not self.seen:
+            self.seen = True
+            raise KeyboardInterrupt
+
+
+def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
+    from fsdp_optim.disk.text import escape  # names and messages may carry a file's text: no terminal controls
+
+    left = _left_as_it_was(args)
     try:
         lines = args.run(args)
-    except (ValueError, TypeError, OSError, NotImplementedError) as exc:
-        from fsdp_optim.disk.text import escape  # names and messages may carry a file's text: no terminal controls
-
-        print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception:
+    except BaseException as exc:
+        if interrupts.seen or isinstance(exc, KeyboardInterrupt):
+            print(escape(f"interrupted; {left}", limit=2000), file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
+            print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if not isinstance(exc, Exception):
+            raise
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
-    from fsdp_optim.disk.text import escape
-
     try:
         for line in lines:
             print(escape(line, limit=1 << 20), flush=True)
     except BrokenPipeError:  # `fsdp-optim inspect ... | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except KeyboardInterrupt:
+        print("interrupted; the work was done, only its report was cut short", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK
+
+
+def _left_as_it_was(args: argparse.Namespace) -> str:
+    """What an interrupt leaves, said before the verb runs: every writer stages its output and commits last,
+    removing what it staged when interrupted, so the output is as it was before."""
+    output = getattr(args, "output", None)
+    if output is None:
+        return "nothing was written"
+    if os.path.lexists(output):
+        return f"{output} was left as it was"
+    return f"nothing was written to {output}"
 
 
 def _one_line(exc: BaseException) -> str:
