@@ -29,7 +29,7 @@ from fsdp_optim.core.layout import ParamSpec
 from fsdp_optim.core.plan import Source, per_parameter, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
 from fsdp_optim.formats.fullstate import build_full_state
-from fsdp_optim.formats.named_safetensors.document import Entry, TensorInfo, read_header
+from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_header
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
 __all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]
@@ -152,7 +152,11 @@ class NamedSafetensors:
             parts = [self._handle.get_slice(name)[index].reshape(-1) for index in _pieces(info.shape, start, stop, ())]
             out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=info.dtype)
         self._mapped += out.numel() * info.dtype.itemsize
-        assert out.numel() == stop - start and out.dtype == info.dtype, f"{name}: read {out.numel()} of {stop - start}"
+        if out.numel() != stop - start or out.dtype != info.dtype:  # the file changed since its header was checked
+            raise FormatError(
+                f"{self.path}: tensor '{name}' elements [{start}, {stop}): expected {stop - start} {info.dtype} "
+                f"elements, read {out.numel()} {out.dtype} (the file changed while being read?)"
+            )
         return out
 
     def _read_scalar(self, name: str) -> torch.Tensor:
