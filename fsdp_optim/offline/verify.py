@@ -13,8 +13,9 @@
 - any other file (a full dict, a fairscale-native dict, a format-1 layout file): its zip records' CRC-32 and
   the reading gate of :mod:`fsdp_optim.disk.untrusted`.
 
-A rank file alone is refused (``ValueError``): it is checked against its checkpoint's manifest, so verify the
-checkpoint directory.
+The kind of a file comes from :func:`fsdp_optim.formats.kinds.sniff_kind` (names and first bytes), as
+:func:`~fsdp_optim.formats.kinds.detect` decides it. A safetensors rank file alone is refused (``ValueError``):
+it is checked against its checkpoint's manifest, so verify the checkpoint directory.
 
 A damaged file is reported, not raised: :attr:`Verification.ok` is false and the file's
 :class:`FileCheck` says what is wrong (missing, ``truncated: 3000 of 6985 bytes``, a checksum). A path that
@@ -31,10 +32,10 @@ from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.formats.fairseq.files import load_shard, shard_paths, summarise
-from fsdp_optim.formats.kinds import RANK_FILE_NAME, Kind, path_kind
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
+from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir, is_json_manifest, read_manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir, read_manifest
 
 __all__ = ["FileCheck", "Verification", "present_and_sized", "verify"]
 
@@ -93,15 +94,16 @@ def verify(path: str | os.PathLike[str], *, allow_globals: Sequence[str] = ()) -
     if kind is Kind.SHARDED:
         return _verify_sharded(Path(path))
     file = Path(path)
-    if RANK_FILE_NAME.match(file.name):
+    kind = sniff_kind(file)
+    if kind is Kind.RANK_FILE:
         raise ValueError(
             f"{file}: a rank file of a sharded checkpoint is checked against its manifest; verify the checkpoint "
             f"directory ({file.parent}) instead"
         )
-    if is_named_safetensors(file):
-        return Verification(file, Kind.NAMED.value, (_check_file(file, _read_named, zipped=False),))
-    if is_json_manifest(file):
-        return Verification(file, Kind.LAYOUT.value, (_check_file(file, _read_layout, zipped=False),))
+    if kind is Kind.NAMED:
+        return Verification(file, kind.value, (_check_file(file, _read_named, zipped=False),))
+    if kind is Kind.LAYOUT:
+        return Verification(file, kind.value, (_check_file(file, _read_layout, zipped=False),))
     check = _check_file(file, lambda p: load_file(p, mmap=True))
     return Verification(file, "file", (check,))
 
