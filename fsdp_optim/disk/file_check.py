@@ -30,8 +30,9 @@ class FileCheck:
 
 @dataclass(frozen=True)
 class Verification:
-    """What a verification found: one :class:`FileCheck` per file, problems of the whole (``problems``) and, deep,
-    the findings in the state (``deep`` says whether it was read for them)."""
+    """What a verification found: one :class:`FileCheck` per file, every problem (``problems``: one line per damaged
+    file, naming it, then the problems of the whole) and, deep, the findings in the state (``deep`` says whether it
+    was read for them). ``ok`` is false exactly when ``problems`` or ``findings`` is not empty."""
 
     path: Path
     kind: str
@@ -40,19 +41,24 @@ class Verification:
     findings: tuple[Finding, ...] = ()
     deep: bool = False
 
+    def __post_init__(self) -> None:
+        damaged = _file_problems(self.files)
+        object.__setattr__(self, "problems", damaged + tuple(p for p in self.problems if p not in damaged))
+
     @property
     def ok(self) -> bool:
-        return not self.problems and not self.findings and all(f.ok for f in self.files)
+        return not self.problems and not self.findings
 
     def lines(self) -> list[str]:
-        """The report: one line per file (``name: ok ...`` or ``name: what is wrong``), the problems, the findings."""
+        """The report: one line per file (``name: ok ...`` or ``name: what is wrong``), the problems of the whole,
+        the findings."""
+        damaged = _file_problems(self.files)
         files = [f"{f.path.name}: {f.detail}" for f in self.files]
-        return files + list(self.problems) + [str(f) for f in self.findings]
+        return files + [p for p in self.problems if p not in damaged] + [str(f) for f in self.findings]
 
     def damaged(self) -> list[str]:
         """One line per problem, each naming its file (or its parameter and state key)."""
-        files = [f"{f.path}: {f.detail}" for f in self.files if not f.ok]
-        return files + list(self.problems) + [str(f) for f in self.findings]
+        return list(self.problems) + [str(f) for f in self.findings]
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -66,6 +72,10 @@ class Verification:
                 {"param": f.param, "group": f.group, "key": f.key, "problem": f.problem} for f in self.findings
             ],
         }
+
+
+def _file_problems(files: tuple[FileCheck, ...]) -> tuple[str, ...]:
+    return tuple(f"{f.path}: {f.detail}" for f in files if not f.ok)
 
 
 def _zip_problem(path: Path) -> str | None:

@@ -8,8 +8,15 @@
 - a fairseq/metaseq shard set: every ``-shard<r>.pt`` file of ranks 0..N-1 present, every zip record's
   CRC-32, each file readable (``weights_only``) with its optimizer state and FSDP metadata, and the set
   consistent (one save, one model);
-- any other file (a full dict, a fairscale-native dict, a layout file): its zip records' CRC-32 and the
-  reading gate of :mod:`fsdp_optim.disk.untrusted`.
+- a named safetensors file of ours (``to_safetensors``, ``convert --to safetensors``): its header and
+  document, then every tensor's chunk checksums and whole digest;
+- a layout file (JSON, ``save_layout``): its manifest checks (its own checksum);
+- any other file (a full dict, a fairscale-native dict, a format-1 layout file): its zip records' CRC-32 and
+  the reading gate of :mod:`fsdp_optim.disk.untrusted`.
+
+The kind of a file comes from :func:`fsdp_optim.formats.kinds.sniff_kind` (names and first bytes), as
+:func:`~fsdp_optim.formats.kinds.detect` decides it. A safetensors rank file alone is refused (``ValueError``):
+it is checked against its checkpoint's manifest, so verify the checkpoint directory.
 
 A damaged file is reported, not raised: :attr:`Verification.ok` is false and the file's
 :class:`FileCheck` says what is wrong (missing, ``truncated: 3000 of 6985 bytes``, a checksum). A path that
@@ -26,8 +33,9 @@ from pathlib import Path
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
 from fsdp_optim.formats.fairseq.files import load_shard, shard_paths, summarise
-from fsdp_optim.formats.kinds import Kind, path_kind
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
+from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+from fsdp_optim.formats.sharded.reader import read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
 from fsdp_optim.offline.deep import Finding, deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
@@ -62,19 +70,32 @@ def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) 
         return _verify_shards(Path(path), allow_globals)
     if kind is Kind.SHARDED:
         return verify_sharded(Path(path))
-    if is_named_safetensors(path):
-        return Verification(Path(path), "named safetensors file", (check_file(Path(path), _read_named, zipped=False),))
-    check = check_file(Path(path), lambda p: load_file(p, mmap=True))
-    return Verification(Path(path), "file", (check,))
+    file = Path(path)
+    kind = sniff_kind(file)
+    if kind is Kind.RANK_FILE:
+        raise ValueError(
+            f"{file}: a rank file of a sharded checkpoint is checked against its manifest; verify the checkpoint "
+            f"directory ({file.parent}) instead"
+        )
+    if kind is Kind.NAMED:
+        return Verification(file, kind.value, (check_file(file, _read_named, zipped=False),))
+    if kind is Kind.LAYOUT:
+        return Verification(file, kind.value, (check_file(file, _read_layout, zipped=False),))
+    check = check_file(file, lambda p: load_file(p, mmap=True))
+    return Verification(file, "file", (check,))
 
 
 def _read_named(path: Path) -> str:
-    """Every tensor of a named safetensors file read whole, so that each is checked against its checksums."""
+    """A named safetensors file's header and document, then every checksum it records."""
     with NamedSafetensors(path) as named:
-        for name, info in named.tensors.items():
-            named.read_flat(name, 0, info.numel)
-            named.trim()
-        return f", {len(named.tensors)} tensors, checksums match"
+        count = named.check_every_checksum()
+    return f", {count} tensors, checksums match"
+
+
+def _read_layout(path: Path) -> str:
+    """A layout file's manifest checks (its own checksum, its records)."""
+    manifest = read_manifest(path)
+    return f", layout of {len(manifest.param_order)} params, checksum matches"
 
 
 def _verify_shards(path: Path, allow_globals: tuple[str, ...]) -> Verification:

@@ -312,7 +312,13 @@ class ShardedCheckpoint:
 
     def read_rows(self, tensor: str, ranks: range, out: torch.Tensor) -> None:
         """Format 3: tensor ``tensor`` of rank files ``ranks`` read whole into the rows of ``out``, each verified."""
-        assert self.manifest.version >= 3 and out.shape == (len(ranks), self.layout[1][tensor]), "format 3 rows"
+        expected = (len(ranks), self.layout[1].get(tensor))
+        if self.manifest.version < 3 or tuple(out.shape) != expected:
+            raise ValueError(
+                f"{self.directory}: rows of tensor '{tensor}' of rank files {ranks.start}..{ranks.stop - 1}: "
+                f"expected a format-3 checkpoint and rows {expected}, found format {self.manifest.version} and "
+                f"rows {tuple(out.shape)}"
+            )
         for row, rank in enumerate(ranks):
             f = self._files[rank]
             f.read_whole(tensor, out[row])
