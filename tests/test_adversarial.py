@@ -351,6 +351,27 @@ def rank_file_symlinked_out_of_the_directory(case: Case) -> Path:
     return d
 
 
+def _manifest_symlinked_to_another_checkpoints(case: Case, name: str) -> Path:
+    d, other = case.copy(name), Path(shutil.copytree(case.saved / name, case.where / "other"))
+    manifest = A.manifest_of(d)
+    (d / manifest).unlink()
+    (d / manifest).symlink_to(other / manifest)  # the same save's: followed, it would read as valid
+    return d
+
+
+SYMLINKED = (*DIRECTORY, "cli verify", "cli reshard")
+
+
+@attack("path", "ValueError", "manifest.pt: is a symbolic link", "expected a regular file", entries=SYMLINKED)
+def manifest_symlinked_to_another_checkpoints_manifest(case: Case) -> Path:
+    return _manifest_symlinked_to_another_checkpoints(case, "ckpt")
+
+
+@attack("path", "ValueError", "manifest.json: is a symbolic link", "expected a regular file", entries=SYMLINKED)
+def format3_manifest_symlinked_to_another_checkpoints_manifest(case: Case) -> Path:
+    return _manifest_symlinked_to_another_checkpoints(case, "ckpt2")
+
+
 @attack("path", "ValueError", "a character device", entries=("load", "cli convert", "cli inspect"))
 def dev_zero_as_a_full_dict(case: Case) -> str:
     return "/dev/zero"  # endless bytes: reading it would never finish
@@ -646,6 +667,8 @@ def _call(entry: str, given: Any, case: Case, attack: Attack) -> A.Outcome:
         "reshard full": lambda: (A.reshard_entry, (str(given), 3, out, layout)),
         "cli consolidate": lambda: (A.cli_entry, ("consolidate", str(given), "-o", f"{out}/full.pt")),
         "cli inspect": lambda: (A.cli_entry, ("inspect", str(given), "--units")),
+        "cli verify": lambda: (A.cli_entry, ("verify", str(given))),
+        "cli reshard": lambda: (A.cli_entry, ("reshard", str(given), "--world-size", "3", "-o", out)),
         "cli convert": lambda: (A.cli_entry, ("convert", str(given), "--to", "named", "-o", f"{out}/named.pt")),
         "reshard dict": lambda: (A.reshard_built, (builder, full, 3, out, layout)),
         "to_named": lambda: (A.to_named_built, (builder, full)),
@@ -668,7 +691,8 @@ def _check(entry: str, outcome: A.Outcome, attack: Attack, case: Case) -> None:
     if entry.startswith("cli"):
         assert outcome.kind == "ok", f"{entry}: the CLI itself raised: {outcome}"
         code, text, err = outcome.value
-        assert code == 1 and text == "", f"{entry}: exit {code}, stdout {text!r}, stderr {err!r}"
+        report = entry == "cli verify"  # verify reports each file on stdout, then fails naming the damaged ones
+        assert code == 1 and (text == "" or report), f"{entry}: exit {code}, stdout {text!r}, stderr {err!r}"
         assert err.startswith(CLI_ERROR) and err.count("\n") == 1 and "Traceback" not in err, f"{entry}: {err!r}"
         assert not any(ord(c) < 0x20 for c in err[:-1]), f"{entry}: a raw control character: {err!r}"
         if attack.cls == "names":
