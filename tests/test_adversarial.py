@@ -649,6 +649,14 @@ def format2_reshard_into_a_directory_with_a_foreign_manifest(case: Case) -> Path
     return case.copy("ckpt2")
 
 
+@attack("writer", "ForeignOutputError", "manifest.json is not an fsdp_optim manifest", "even with overwrite",
+        entries=("reshard into, overwrite", "cli reshard into, overwrite"))
+def format3_reshard_with_overwrite_over_a_foreign_manifest(case: Case) -> Path:
+    case.out.mkdir()
+    (case.out / MANIFEST_NAME).write_text('{"model": "someone else\'s"}')  # our commit would rename over it
+    return case.copy("ckpt2")
+
+
 @attack("writer", "ValueError", "one of the inputs", entries=("cli consolidate into its own manifest",))
 def format2_consolidate_output_is_its_own_manifest(case: Case) -> Path:
     return case.copy("ckpt2")
@@ -681,6 +689,10 @@ def _call(entry: str, given: Any, case: Case, attack: Attack) -> A.Outcome:
             A.cli_entry, ("convert", str(given), "--to", "named", "-o", str(case.where / "link.pt"))
         ),
         "reshard into": lambda: (A.reshard_entry, (str(given), 3, out)),
+        "reshard into, overwrite": lambda: (A.reshard_entry, (str(given), 3, out, None, True)),
+        "cli reshard into, overwrite": lambda: (
+            A.cli_entry, ("reshard", str(given), "--world-size", "3", "-o", out, "--overwrite")
+        ),
     }
     fn, args = calls[entry]()
     return A.bounded(fn, *args)
