@@ -62,7 +62,7 @@ class Survey:
     known: frozenset[str] = frozenset()  # names that are not foreign (the rest is refused without overwrite)
     problem: str | None = None  # why it cannot simply be written over (refused without overwrite)
     overwrite_means: str = "write there anyway (nothing there is deleted)"
-    refused: str | None = None  # why it cannot be written at all, even with overwrite (a foreign file the commit replaces)
+    refused: str | None = None  # why it is refused even with overwrite (a foreign file the commit would replace)
 
 
 class Claims(Protocol):
