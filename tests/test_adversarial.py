@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp_optim import save_layout, save_sharded_optim_state
-from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME
+from fsdp_optim.formats.sharded.manifest import HEADER_KEY, LEGACY_MANIFEST_NAME, MANIFEST_NAME
 
 WORLD_SIZE = 2
 CLI_ERROR = "fsdp-optim: error: "
@@ -572,6 +572,57 @@ def format2_manifest_scalar_declaring_four_gigabytes(case: Case) -> Path:
     return d
 
 
+def _nested(depth: int) -> Any:
+    value: Any = 0.5
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+DEEP = (*DIRECTORY, "cli reshard", "reshard with it as the layout", "cli reshard with it as the layout")
+
+
+@attack("bomb", "ValueError", "nested deeper than 64", "['param_groups'][0]['hyperparams']['lr']", entries=DEEP)
+def format3_manifest_hyperparameter_nested_six_hundred_deep(case: Case) -> Path:
+    d = case.copy("ckpt2")  # json.loads reads 600 levels; what consumes the value recursively would not
+    A.forge_manifest_json(d, lambda body: body["param_groups"][0]["hyperparams"].update(lr=_nested(600)), raw=True)
+    return d
+
+
+@attack("bomb", "ValueError", "nested deeper than 64", "['body']['flat_params'][0]['state']", entries=DIRECTORY)
+def format2_manifest_scalar_state_nested_six_hundred_deep(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    doc[HEADER_KEY]["version"] = doc["body"]["version"] = 2  # format 2: the general reader (checksum canonical)
+    next(e for e in doc["body"]["flat_params"][0]["state"] if e["key"] == "step")["value"] = _nested(600)
+    (d / MANIFEST_NAME).write_text(json.dumps(doc))
+    A.forge_manifest_json(d, lambda body: None, raw=True)
+    return d
+
+
+@attack("malformed", "ValueError", "the key 'checksum' appears twice", entries=DIRECTORY)
+def format3_manifest_with_a_second_checksum_after_a_wrong_one(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    text = (d / MANIFEST_NAME).read_text()
+    wrong = '"checksum":"xxh3-128:' + "0" * 32 + '",'
+    (d / MANIFEST_NAME).write_text(text.replace('"checksum":', wrong + '"checksum":', 1))  # json keeps the last
+    return d
+
+
+@attack("malformed", "ValueError", "the key 'world_size' appears twice", entries=DIRECTORY)
+def format3_manifest_with_a_second_world_size(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_manifest_text(d, lambda text: text.replace('"world_size":2', '"world_size":3,"world_size":2', 1))
+    return d
+
+
+@attack("malformed", "ValueError", "the key 'format' appears twice", entries=RANK_FILES)
+def format3_rank_file_header_with_a_key_twice(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_safetensors(d, 1, text=lambda t: t.replace(b'"format":', b'"format":"not ours","format":', 1))
+    return d
+
+
 @attack("malformed", "ValueError", "dtype 'BF16', expected 'F32'", entries=RANK_FILES)
 def format2_wrong_dtype_in_a_rank_file(case: Case) -> Path:
     d = case.copy("ckpt2")
@@ -689,6 +740,10 @@ def _call(entry: str, given: Any, case: Case, attack: Attack) -> A.Outcome:
             A.cli_entry, ("convert", str(given), "--to", "named", "-o", str(case.where / "link.pt"))
         ),
         "reshard into": lambda: (A.reshard_entry, (str(given), 3, out)),
+        "reshard with it as the layout": lambda: (A.reshard_entry, (full, 3, out, str(Path(given) / MANIFEST_NAME))),
+        "cli reshard with it as the layout": lambda: (
+            A.cli_entry, ("reshard", full, "--world-size", "3", "--layout", str(Path(given) / MANIFEST_NAME), "-o", out)
+        ),
         "reshard into, overwrite": lambda: (A.reshard_entry, (str(given), 3, out, None, True)),
         "cli reshard into, overwrite": lambda: (
             A.cli_entry, ("reshard", str(given), "--world-size", "3", "-o", out, "--overwrite")

@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from fsdp_optim.core.checksums import digest, digest_matches
+from fsdp_optim.disk.json_input import DuplicateKeyError, RefusedJSON, check_depth, duplicate, loads, unique_object
 from fsdp_optim.disk.text import escape
 from fsdp_optim.formats.sharded.json_values import from_json, has_reserved_key, to_json
 from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, Manifest
@@ -74,7 +75,9 @@ def manifest_from_json(data: bytes, *, source: str) -> Manifest:
 
 def _json(data: bytes, source: str) -> Any:
     try:
-        return json.loads(data, parse_constant=_refuse_constant)
+        return loads(data, where=source, parse_constant=_refuse_constant)
+    except RefusedJSON:
+        raise
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"{source}: not a JSON manifest ({escape(str(exc), limit=200)})") from None
 
@@ -98,11 +101,14 @@ def _read_as_written(body: bytes, head: dict[str, Any], source: str) -> Manifest
     if not digest_matches(body.decode("utf-8", "replace"), head.get("checksum")):
         raise ValueError(f"{source}: checksum mismatch in the manifest (file is corrupt or was modified)")
     try:
-        parsed = json.loads(body, object_hook=_tagged, parse_constant=_refuse_constant)
+        parsed = json.loads(body, object_pairs_hook=_tagged, parse_constant=_refuse_constant)
     except _Untagged:  # refused or unusual (a '$dict'): the general reader says where, or reads it
         parsed = from_json(_json(body, source), source)
+    except DuplicateKeyError as exc:
+        raise duplicate(exc, source) from None
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{source}: not a JSON manifest ({escape(str(exc), limit=200)})") from None
+    check_depth(parsed, f"{source}: the body")
     return _manifest(parsed, version, source)
 
 
@@ -117,8 +123,12 @@ class _Untagged(Exception):
     """An object the parsing hook leaves to :func:`from_json` (which refuses it with its place, or reads it)."""
 
 
-def _tagged(obj: dict[str, Any]) -> Any:
-    """:func:`from_json` of one object while parsing, its members restored already (innermost first)."""
+def _tagged(pairs: list[tuple[str, Any]]) -> Any:
+    """:func:`from_json` of one object while parsing, its members restored already (innermost first), each
+    key once."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        unique_object(pairs)  # raises, naming the key
     if not has_reserved_key(obj):
         return obj
     if len(obj) != 1 or "$dict" in obj:
