@@ -825,6 +825,27 @@ def test_escaped_names_are_printed_escaped(name: str, saved: Path, tmp_path: Pat
     assert "\x1b" not in text and "\x07" not in text and "block1\\x1b]0;owned\\x07\\x1b[2J" in text, text
 
 
+def test_a_step_out_of_every_float_range_is_shown_or_refused_never_a_traceback(saved: Path, tmp_path: Path) -> None:
+    """A ``step`` of ``10**400`` (valid JSON, checksum right): ``inspect`` shows it, and what cannot hold it
+    refuses it clearly; no ``OverflowError`` out of the CLI (exit 70)."""
+    d = Case(saved, tmp_path).copy("ckpt2")
+
+    def huge(body: dict[str, Any]) -> None:
+        for flat in body["flat_params"]:
+            for e in flat["state"]:
+                if e["key"] == "step":
+                    e["value"] = 10**400
+
+    A.forge_manifest_json(d, huge, raw=True)
+    code, text, err = A.bounded(A.cli_entry, "inspect", str(d), "--units").value
+    assert code == 0 and err == "" and "step" in text and "(401 digits)" in text, (code, text, err)
+    out = tmp_path / "out"
+    for argv in (("consolidate", str(d), "-o", str(out / "full.pt")), ("reshard", str(d), "--world-size", "3", "-o", str(out))):
+        code, _, err = A.bounded(A.cli_entry, *argv).value
+        assert code in (0, 1) and "Traceback" not in err, (argv[0], code, err)
+        assert code == 0 or (err.startswith(CLI_ERROR) and err.count("\n") == 1), (argv[0], err)
+
+
 def test_overwrite_writes_beside_foreign_files_and_keeps_them(saved: Path, tmp_path: Path) -> None:
     case = Case(saved, tmp_path)
     source = reshard_into_a_directory_of_someone_elses_files(case)
