@@ -546,7 +546,7 @@ def format2_manifest_declaring_a_billion_ranks(case: Case) -> Path:
     return d
 
 
-@attack("bomb", "ValueError", "not a JSON manifest", entries=DIRECTORY)
+@attack("bomb", "ValueError", "nested deeper than 64 levels", entries=DIRECTORY)
 def format2_manifest_nested_a_million_deep(case: Case) -> Path:
     d = case.copy("ckpt2")
     (d / MANIFEST_NAME).write_text("[" * 1_000_000 + "]" * 1_000_000)
@@ -844,6 +844,33 @@ def test_a_step_out_of_every_float_range_is_shown_or_refused_never_a_traceback(s
         code, _, err = A.bounded(A.cli_entry, *argv).value
         assert code in (0, 1) and "Traceback" not in err, (argv[0], code, err)
         assert code == 0 or (err.startswith(CLI_ERROR) and err.count("\n") == 1), (argv[0], err)
+
+
+@pytest.mark.parametrize("content", ["holes", "one long string"])
+def test_reading_a_large_manifest_costs_a_small_multiple_of_its_bytes(saved: Path, tmp_path: Path, content: str) -> None:
+    """A format-3 manifest of ~60 MB under the cap (``MAX_MANIFEST_BYTES``): a sparse file (header as written,
+    then holes: its checksum cannot match) or a valid one (checksum right) holding one long string.
+    ``inspect`` grows by at most 3x the file + 64 MiB (it copied and hashed the ``repr`` of the text: 5-11x)."""
+    from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES
+
+    d = Case(saved, tmp_path).copy("ckpt2")
+    size = min(60_000_000, MAX_MANIFEST_BYTES - (1 << 20))
+    if content == "holes":
+        head = (d / MANIFEST_NAME).read_bytes().partition(b',"body":')[0] + b',"body":'
+        with open(d / MANIFEST_NAME, "r+b") as f:
+            f.truncate(size)  # holes: NUL bytes that take no disk
+            f.write(head)
+            f.seek(size - 2)
+            f.write(b"}\n")
+    else:
+        long = "x" * size
+        A.forge_manifest_json(d, lambda body: body["param_groups"][0]["hyperparams"].update(note=long), raw=True)
+    nbytes = (d / MANIFEST_NAME).stat().st_size
+    outcome = A.bounded(A.cli_peak_entry, "inspect", str(d), memory=4 << 30)
+    assert outcome.kind == "ok", outcome
+    code, err, growth = outcome.value
+    assert code in (0, 1) and "Traceback" not in err, (code, err)
+    assert growth <= 3 * nbytes + (64 << 20), f"{content}: {nbytes} bytes of manifest, peak RSS grew {growth} bytes"
 
 
 def test_overwrite_writes_beside_foreign_files_and_keeps_them(saved: Path, tmp_path: Path) -> None:

@@ -145,7 +145,7 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
             if opened.kind is Kind.SHARDED:
                 from fsdp_optim.offline.verify import present_and_sized
 
-                damaged = present_and_sized(path)
+                damaged = present_and_sized(path, opened.manifest)  # the manifest read once
                 if damaged:
                     raise ValueError(
                         f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)"

@@ -26,7 +26,7 @@ from pathlib import Path
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.formats.fairseq.files import load_shard, shard_paths, summarise
 from fsdp_optim.formats.kinds import Kind, path_kind
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
 
 __all__ = ["FileCheck", "Verification", "present_and_sized", "verify"]
@@ -77,11 +77,11 @@ def verify(path: str | os.PathLike[str], *, allow_globals: Sequence[str] = ()) -
     return Verification(Path(path), "file", (check,))
 
 
-def present_and_sized(path: str | os.PathLike[str]) -> list[str]:
+def present_and_sized(path: str | os.PathLike[str], manifest: Manifest | None = None) -> list[str]:
     """The cheap part of :func:`verify` for a sharded checkpoint: its rank files present with the manifest's
-    sizes (one ``stat`` each); one line per damaged file, naming it."""
+    sizes (one ``stat`` each); one line per damaged file, naming it. ``manifest``: the one read already."""
     directory = checkpoint_dir(path)
-    manifest = ShardedCheckpoint(directory, lazy=True).manifest
+    manifest = ShardedCheckpoint(directory, lazy=True).manifest if manifest is None else manifest
     checks = [_check_file(directory / f.file, lambda _: None, nbytes=f.nbytes, sizes_only=True) for f in manifest.files]
     return [f"{c.path.name}: {c.detail}" for c in checks if not c.ok]
 

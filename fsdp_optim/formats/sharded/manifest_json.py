@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from fsdp_optim.core.checksums import digest, digest_matches
+from fsdp_optim.core.checksums import digest, digest_matches, text_digest_matches
 from fsdp_optim.disk.json_input import DuplicateKeyError, RefusedJSON, check_depth, duplicate, loads, unique_object
 from fsdp_optim.disk.text import escape
 from fsdp_optim.formats.sharded.json_values import from_json, has_reserved_key, to_json
@@ -28,7 +28,7 @@ from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, 
 __all__ = ["MAX_MANIFEST_BYTES", "manifest_from_json", "manifest_to_json"]
 
 JSON_VERSIONS = (2, CHECKPOINT_VERSION)  # format 1 wrote manifest.pt
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 64 << 20  # a 1,024-rank, 1,000-unit manifest is 0.1-20 MiB (README, "Bounds")
 _WRITTEN = re.compile(rb'\A\{"' + HEADER_KEY.encode() + rb'":(\{[^{}]*\}),"body":')
 
 
@@ -53,7 +53,7 @@ def manifest_from_json(data: bytes, *, source: str) -> Manifest:
     if written is not None and data.endswith(b"}\n"):
         head = _json(written.group(1), source)
         if isinstance(head, dict) and head.get("version") == CHECKPOINT_VERSION:
-            return _read_as_written(data[written.end() : -2], head, source)
+            return _read_as_written(data, written.end(), head, source)
     doc = _json(data, source)
     if not isinstance(doc, dict) or not isinstance(doc.get(HEADER_KEY), dict) or "body" not in doc:
         found = sorted(map(str, doc))[:10] if isinstance(doc, dict) else type(doc).__name__
@@ -73,7 +73,7 @@ def manifest_from_json(data: bytes, *, source: str) -> Manifest:
     return _manifest(from_json(doc["body"], source), version, source)
 
 
-def _json(data: bytes, source: str) -> Any:
+def _json(data: str | bytes, source: str) -> Any:
     try:
         return loads(data, where=source, parse_constant=_refuse_constant)
     except RefusedJSON:
@@ -95,11 +95,16 @@ def _check_head(head: Any, source: str) -> int:
     return version
 
 
-def _read_as_written(body: bytes, head: dict[str, Any], source: str) -> Manifest:
-    """A format-3 body: its checksum checked on its bytes, then parsed once, tagged values restored as parsed."""
+def _read_as_written(data: bytes, start: int, head: dict[str, Any], source: str) -> Manifest:
+    """A format-3 body (``data[start:-2]``): its checksum checked on its bytes, then parsed once, tagged values
+    restored as parsed. Memory: ``data``, the body's text once (a str), and what it parses to."""
     version = _check_head(head, source)
-    if not digest_matches(body.decode("utf-8", "replace"), head.get("checksum")):
+    if not text_digest_matches(data, head.get("checksum"), start, len(data) - 2):
         raise ValueError(f"{source}: checksum mismatch in the manifest (file is corrupt or was modified)")
+    try:
+        body = str(memoryview(data)[start:-2], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source}: not a JSON manifest ({escape(str(exc), limit=200)})") from None
     try:
         parsed = json.loads(body, object_pairs_hook=_tagged, parse_constant=_refuse_constant)
     except _Untagged:  # refused or unusual (a '$dict'): the general reader says where, or reads it
