@@ -109,9 +109,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
                 "that never finished leaves none)"
             )
         raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
+    follow = file.name not in MANIFEST_NAMES  # a manifest is never followed through a symlink (a layout file is)
     if file.suffix == ".json" or _starts_with_brace(file):  # a JSON manifest (a layout file, whatever its name)
-        return manifest_from_json(_read_bounded(file), source=str(file))
-    obj = load_file(file)
+        return manifest_from_json(_read_bounded(file, follow_symlinks=follow), source=str(file))
+    obj = load_file(file, follow_symlinks=follow)
     read_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
     check_tree(obj, str(file))
     _, body = unwrap(obj, "manifest", source=str(file))
@@ -135,8 +136,8 @@ def _starts_with_brace(file: Path) -> bool:
         os.close(fd)
 
 
-def _read_bounded(file: Path) -> bytes:
-    fd, st = open_regular(file)
+def _read_bounded(file: Path, *, follow_symlinks: bool) -> bytes:
+    fd, st = open_regular(file, follow_symlinks=follow_symlinks)
     try:
         if st.st_size > MAX_MANIFEST_BYTES:
             raise ValueError(f"{file}: {st.st_size} bytes, above the bound for a manifest ({MAX_MANIFEST_BYTES})")

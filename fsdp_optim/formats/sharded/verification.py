@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
 from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
 from fsdp_optim.formats.sharded.side_file import read_side_file
 
@@ -52,11 +52,11 @@ def verify_sharded(path: str | os.PathLike[str]) -> Verification:
     return Verification(directory, "sharded checkpoint", tuple(checks))
 
 
-def present_and_sized(path: str | os.PathLike[str]) -> list[str]:
+def present_and_sized(path: str | os.PathLike[str], manifest: Manifest | None = None) -> list[str]:
     """The cheap part of :func:`verify_sharded`: every file the manifest lists present with its size (one ``stat``
-    each); one line per damaged file, naming it."""
+    each); one line per damaged file, naming it. ``manifest``: the one read already."""
     directory = checkpoint_dir(path)
-    manifest = ShardedCheckpoint(directory, lazy=True).manifest
+    manifest = ShardedCheckpoint(directory, lazy=True).manifest if manifest is None else manifest
     side_files = manifest.training.files if manifest.training is not None else ()
     checks = [
         check_file(directory / f.file, lambda _: None, nbytes=f.nbytes, sizes_only=True)
