@@ -50,8 +50,9 @@ def _add_inspect(verbs: Any) -> None:
 def _add_consolidate(verbs: Any) -> None:
     p = verbs.add_parser(
         "consolidate",
-        help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file; fairseq/metaseq shard "
-        "set -> one consolidated fairseq checkpoint",
+        help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file; a whole checkpoint "
+        "(save_checkpoint) -> one file {'model': unwrapped state_dict, 'optimizer': full dict, 'extra'}; "
+        "fairseq/metaseq shard set -> one consolidated fairseq checkpoint",
     )
     p.add_argument(
         "directory",
@@ -66,9 +67,21 @@ def _add_consolidate(verbs: Any) -> None:
     )
     p.add_argument("--optimizer", help="for a fairscale-native dict or a shard set: the optimizer's class, e.g. Adam")
     p.add_argument(
-        "--no-model", action="store_true", help="for a shard set: leave out the model's full weights (kept by default)"
+        "--no-model",
+        action="store_true",
+        help="for a shard set or a whole checkpoint: leave out the model's full weights (kept by default); a whole "
+        "checkpoint then gives the optimizer's full dict alone",
     )
-    p.add_argument("--with-model", action="store_true", help="for a shard set: keep the model's weights (the default)")
+    p.add_argument(
+        "--with-model", action="store_true", help="for a shard set or a whole checkpoint: keep the weights (default)"
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        metavar="R",
+        help="for a whole checkpoint: whose side file gives extra (default 0) and, when they were saved per rank, "
+        "the buffers (then required)",
+    )
     _allow_global(p)
     p.set_defaults(run=run_consolidate)
 
