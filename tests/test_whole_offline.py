@@ -16,6 +16,7 @@ from test_whole_state import REL, SAVE_AT, TOTAL, _extra, _save, make_net
 
 import fsdp_optim
 from fsdp_optim.cli import main
+from fsdp_optim.cli.inspect import human_bytes
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +145,41 @@ def test_reshard_refuses_per_rank_buffers_at_another_world_size(per_rank, tmp_pa
     with pytest.raises(ValueError, match=r"world_size: .*differed across its 2 ranks.*found 3"):
         fsdp_optim.reshard(per_rank, 3, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_inspect_whole_says_model_buffers_and_extra(saved, capsys) -> None:
+    path, _ = saved
+    assert main(["inspect", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    params = len(list(make_net().parameters()))
+    nbytes = sum(p.numel() * p.element_size() for p in make_net().parameters())
+    assert "format: whole sharded checkpoint (model, optimizer, extra) (version 3)" in lines
+    assert f"model: {params} params + 1 tied names (head.weight -> embed.weight), weights {human_bytes(nbytes)} (float32)" in lines
+    assert "buffers: 1 (block1.seen) in rank 0's side file" in lines
+    assert "extra of ranks 0..1: step, rank, rng, scheduler, $odd key" in lines
+    assert not any("@param" in line for line in lines), "the optimizer's lines leave the weights out"
+
+
+def test_verify_whole_checks_side_files(saved, tmp_path, capsys) -> None:
+    import shutil
+
+    from fsdp_optim.formats.sharded.reader import read_manifest
+
+    path, _ = saved
+    report = fsdp_optim.verify(path)
+    training = read_manifest(path).training
+    assert report.ok and len(report.files) == 1 + 2 + 2, report.lines()
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    side = copy / training.files[1].file
+    data = bytearray(side.read_bytes())
+    data[-1] ^= 0x01  # one bit of rank 1's extra
+    side.write_bytes(bytes(data))
+    report = fsdp_optim.verify(copy)
+    assert not report.ok
+    assert report.damaged() == [f"{side}: checksum mismatch (the side file is damaged or was modified)"]
+    assert main(["verify", str(copy)]) == 1
+    assert side.name in capsys.readouterr().err
+    side.write_bytes(bytes(data[:-1]))
+    assert main(["inspect", str(copy)]) == 1  # inspect checks sizes, side files included
+    assert "bytes (the size the manifest records)" in capsys.readouterr().err

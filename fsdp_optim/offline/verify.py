@@ -3,7 +3,8 @@
 - a sharded checkpoint of ours: the manifest (its own checksum), then per rank file: present, its size the
   manifest's, the header's checksum the manifest's, and every byte of state against its checksum (format 2:
   every chunk's; format 1: every zip record's CRC-32 and every unit's digest), each file read once, into
-  memory, and released;
+  memory, and released; a whole checkpoint's side files too (present, of the manifest's size, the digest of
+  all their bytes the manifest's, their buffers and extra readable);
 - a fairseq/metaseq shard set: every ``-shard<r>.pt`` file of ranks 0..N-1 present, every zip record's
   CRC-32, each file readable (``weights_only``) with its optimizer state and FSDP metadata, and the set
   consistent (one save, one model);
@@ -26,8 +27,10 @@ from pathlib import Path
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.formats.fairseq.files import load_shard, shard_paths, summarise
 from fsdp_optim.formats.kinds import Kind, path_kind
+from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
+from fsdp_optim.formats.sharded.side_file import read_side_file
 
 __all__ = ["FileCheck", "Verification", "present_and_sized", "verify"]
 
@@ -82,7 +85,11 @@ def present_and_sized(path: str | os.PathLike[str]) -> list[str]:
     sizes (one ``stat`` each); one line per damaged file, naming it."""
     directory = checkpoint_dir(path)
     manifest = ShardedCheckpoint(directory, lazy=True).manifest
-    checks = [_check_file(directory / f.file, lambda _: None, nbytes=f.nbytes, sizes_only=True) for f in manifest.files]
+    side = manifest.training.files if manifest.training is not None else ()
+    checks = [
+        _check_file(directory / f.file, lambda _: None, nbytes=f.nbytes, sizes_only=True)
+        for f in (*manifest.files, *side)
+    ]
     return [f"{c.path.name}: {c.detail}" for c in checks if not c.ok]
 
 
@@ -141,6 +148,13 @@ def _verify_sharded(path: Path) -> Verification:
                 return f", {len(units)} units, checksums match"
 
             checks.append(_check_file(directory / record.file, read, nbytes=record.nbytes))
+    for side in manifest.training.files if manifest.training is not None else ():
+
+        def read_side(_: Path, record: FileRecord = side) -> str:
+            buffers, _extra = read_side_file(directory, record)
+            return f", side file of rank {record.rank}: {len(buffers)} buffers and extra, checksum matches"
+
+        checks.append(_check_file(directory / side.file, read_side, nbytes=side.nbytes))
     return Verification(directory, "sharded checkpoint", tuple(checks))
 
 
