@@ -183,3 +183,55 @@ def test_verify_whole_checks_side_files(saved, tmp_path, capsys) -> None:
     side.write_bytes(bytes(data[:-1]))
     assert main(["inspect", str(copy)]) == 1  # inspect checks sizes, side files included
     assert "bytes (the size the manifest records)" in capsys.readouterr().err
+
+
+def _resume_fsdp2(rank: int, world_size: int, dcp_dir: str) -> dict[str, Any]:
+    """FSDP2 (``fully_shard``) loads the DCP export by torchtitan's keys and trains on."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    net = make_net(seed=123)
+    for unit in M.NESTINGS["deep"]:
+        fully_shard(net.get_submodule(unit), mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    optim = M.OPTIMIZERS["adam"](M.plain_param_groups(net))
+    model_sd, optim_sd = get_state_dict(net, optim)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=dcp_dir)
+    set_model_state_dict(net, state["model"])
+    set_optimizer_state_dict(net, optim, state["optimizer"])
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    loaded = get_model_state_dict(net, options=full)
+    for step in range(SAVE_AT, TOTAL):
+        M.train_step(net, optim, *M.local_batch(step, rank, world_size))
+    final = {"model": get_model_state_dict(net, options=full), "optim": get_optimizer_state_dict(net, optim, options=full)}
+    return {"loaded": loaded, **final} if rank == 0 else {}
+
+
+def test_convert_whole_to_dcp_resumes_fsdp2(saved, tmp_path, capsys) -> None:
+    from _checks import assert_fsdp2_matches_plain
+
+    path, reference = saved
+    out = tmp_path / "dcp"
+    assert main(["convert", str(path), "--to", "dcp", "-o", str(out)]) == 0
+    assert "model 20 tensors" in capsys.readouterr().out  # 18 parameters, the tied name, the buffer
+    final = run_ranks(_resume_fsdp2, 2, str(out))[0]
+    for key, value in reference["model"].items():  # what fairscale's root.state_dict() held at save time
+        assert_identical(final["loaded"][key], value, key)
+    net, plain = M.train_plain("adam", range(TOTAL), net=make_net())
+    skip = lambda name: _skip_unused(name) or name.endswith("seen")  # noqa: E731
+    assert_fsdp2_matches_plain(final, net, plain, names=M.plain_param_names(net), skip=skip, rel=REL)
+    assert torch.equal(final["model"]["block1.seen"], torch.arange(4.0) + 10.0)
