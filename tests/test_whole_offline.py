@@ -235,3 +235,46 @@ def test_convert_whole_to_dcp_resumes_fsdp2(saved, tmp_path, capsys) -> None:
     skip = lambda name: _skip_unused(name) or name.endswith("seen")  # noqa: E731
     assert_fsdp2_matches_plain(final, net, plain, names=M.plain_param_names(net), skip=skip, rel=REL)
     assert torch.equal(final["model"]["block1.seen"], torch.arange(4.0) + 10.0)
+
+
+@pytest.mark.parametrize("max_size", [None, "600B"], ids=["one_file", "index"])
+def test_convert_whole_to_safetensors_loads_strict(saved, tmp_path, max_size) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    path, reference = saved
+    out = tmp_path / "hf"
+    argv = ["convert", str(path), "--to", "safetensors", "-o", str(out)]
+    assert main(argv + (["--max-shard-size", max_size] if max_size else [])) == 0
+    names = sorted(p.name for p in out.iterdir())
+    if max_size is None:
+        assert names == ["model.safetensors", "optimizer.safetensors"]
+        state = load_file(out / "model.safetensors")
+    else:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) > 2 and names == sorted([*files, "model.safetensors.index.json", "optimizer.safetensors"])
+        assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+        state = {}
+        for name in files:
+            part = load_file(out / name)
+            assert sum(t.numel() * t.element_size() for t in part.values()) <= 600 or len(part) == 1, name
+            assert all(index["weight_map"][k] == name for k in part)
+            state.update(part)
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    net = make_net(seed=123)
+    net.load_state_dict(state, strict=True)
+    for key, value in reference["model"].items():
+        assert_identical(net.state_dict()[key], value, key)
+    optim = fsdp_optim.load_full_state(out / "optimizer.safetensors")
+    assert_identical(_content(optim), _content(reference["optim"]), "optimizer")
+
+
+def test_convert_whole_refuses_what_does_not_apply(saved, tmp_path, capsys) -> None:
+    path, _ = saved
+    assert main(["convert", str(path), "--to", "dcp", "--max-shard-size", "1GB", "-o", str(tmp_path / "x")]) == 1
+    assert "--max-shard-size: applies to --to safetensors" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_shard_size: expected bytes"):
+        fsdp_optim.to_safetensors(path, tmp_path / "y", max_shard_size="lots")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -50,6 +50,7 @@ _FLAGS = {
     "optimizer": "--optimizer",
     "rank": "--rank",
     "with_model": "--with-model",
+    "max_shard_size": "--max-shard-size",
 }
 
 

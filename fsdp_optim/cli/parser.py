@@ -130,7 +130,15 @@ def _add_convert(verbs: Any) -> None:
         default="full",
         help="full: fsdp_optim's full dict (default); named: keyed by parameter name, for set_optimizer_state_dict; "
         "dcp: a torch.distributed.checkpoint directory (model weights too, from a shard set) for dcp.load; "
-        "safetensors: one .safetensors file of <param name>/<state key> tensors (load_full_state reads it back)",
+        "safetensors: one .safetensors file of <param name>/<state key> tensors (load_full_state reads it back); "
+        "of a whole checkpoint, a directory -o DIR: model.safetensors (or model-0000k-of-0000N.safetensors and "
+        "model.safetensors.index.json, as Hugging Face shards them) and optimizer.safetensors",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="--to safetensors of a whole checkpoint: the largest model file before it is split, as Hugging Face "
+        "spells it (default 5GB = 5*10**9 bytes; 500MiB, or bytes)",
     )
     _allow_global(p)
     p.set_defaults(run=run_convert)

@@ -116,6 +116,8 @@ def run_convert(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.offline.operations import full_state
     from fsdp_optim.offline.sources import Kind
 
+    if args.max_shard_size is not None and args.to != "safetensors":
+        raise ValueError(f"max_shard_size: applies to --to safetensors (of a whole checkpoint), not --to {args.to}")
     with _open(args, args.source) as opened:
         origin = opened.kind.value
         if args.to == "safetensors":
@@ -138,9 +140,15 @@ def run_convert(args: argparse.Namespace) -> list[str]:
 def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
     """``--to safetensors``: one named safetensors file (``<param name>/<state key>`` tensors) of any source."""
     from fsdp_optim.offline.named import write_opened
+    from fsdp_optim.offline.whole import is_whole
 
     with progress_bar("write safetensors") as progress:
-        size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=args.source)
+        size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=args.source,
+                            max_shard_size=args.max_shard_size)  # fmt: skip
+    if is_whole(opened.checkpoint):
+        names = ", ".join(sorted(p.name for p in Path(args.output).iterdir()))
+        return [f"wrote {args.output} (safetensors: the model as Hugging Face stores it, the optimizer by parameter "
+                f"name; from a whole {origin}): {names}; {human_bytes(size)}"]  # fmt: skip
     return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}"]
 
 

@@ -75,6 +75,7 @@ class WholeModel:
     extra: Any  # the chosen rank's
     rank: int  # whose side file gave ``extra`` (and the buffers, when saved per rank)
     world_size: int  # of the checkpoint
+    optimizer: str | None = None  # the optimizer's class name, None when saved with optim=None
 
     def entries(self, wrap: Callable[[ModelTensor], T]) -> dict[str, T | torch.Tensor]:
         """``{name: wrap(param)}`` in parameter order, then every alias (the same object as its parameter's), then
@@ -87,6 +88,10 @@ class WholeModel:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped model's ``state_dict()`` in memory (each parameter read once; aliases share it)."""
         return self.entries(lambda p: p.make())  # type: ignore[return-value]
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.optimizer is not None
 
     def param_bytes(self) -> int:
         return sum(p.nbytes for p in self.params)
@@ -121,7 +126,9 @@ def whole_model(ckpt: ShardedCheckpoint, *, rank: int | None = None, progress: P
     the_plan = plan(weights, per_parameter(weights, ckpt.manifest.param_order))
     params = tuple(_param(the_plan, t, ckpt.trim, progress) for t in sorted(the_plan.flats, key=_order(the_plan)))
     buffers, extra = read_rank_side(ckpt.directory, training, chosen)
-    return WholeModel(params, training.aliases, buffers, extra, chosen, ckpt.manifest.world_size)
+    return WholeModel(
+        params, training.aliases, buffers, extra, chosen, ckpt.manifest.world_size, ckpt.manifest.optimizer
+    )
 
 
 def _side_rank(training: TrainingRecord, rank: int | None, ckpt: ShardedCheckpoint) -> int:
