@@ -1,7 +1,7 @@
 """``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
 
     fsdp-optim inspect PATH [--units]
-    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model]
+    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model] [--rank R]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp|safetensors]
     fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
@@ -16,10 +16,11 @@ fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of 
 ``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see :mod:`fsdp_optim.fairseq_format`).
 A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
 full dict, ``model`` the full weights unless ``--no-model``, as fairseq's own consolidation keeps them) and
-resharded into shard files of the same format. ``verify`` checks every file of a checkpoint or shard set
-(present, of its size, checksums matching) and exits 1 naming each damaged file. ``list`` shows the step directories
-of a :class:`~fsdp_optim.CheckpointManager` root (complete / torn / damaged and why, world size, what each holds,
-bytes) and exits 0.
+resharded into shard files of the same format. A whole checkpoint (``save_checkpoint``) is consolidated into one
+file ``{"model": the unwrapped model's state_dict(), "optimizer": the full dict, "extra": rank 0's (--rank R)}``.
+``verify`` checks every file of a checkpoint or shard set (present, of its size, checksums matching) and exits 1
+naming each damaged file. ``list`` shows the step directories of a :class:`~fsdp_optim.CheckpointManager` root
+(complete / torn / damaged and why, world size, what each holds, bytes) and exits 0.
 
 A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
@@ -62,6 +63,9 @@ _FLAGS = {
     "param_order": "--layout",
     "allow_globals": "--allow-global",
     "optimizer": "--optimizer",
+    "rank": "--rank",
+    "with_model": "--with-model",
+    "max_shard_size": "--max-shard-size",
 }
 
 

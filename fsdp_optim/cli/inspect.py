@@ -55,6 +55,12 @@ def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: b
     from fsdp_optim.core.dtypes import dtype_to_str
     from fsdp_optim.core.flatten import StateKind
 
+    if manifest.training is not None:  # a whole checkpoint: the optimizer's lines without the weights key
+        from dataclasses import replace
+
+        from fsdp_optim.formats.sharded.training import optimizer_flats
+
+        manifest = replace(manifest, flat_params=optimizer_flats(manifest.flat_params))
     keys: dict[str, str | None] = {}  # a sharded entry of a checked manifest always names its dtype
     steps = []
     for flat in manifest.flat_params:
@@ -153,7 +159,11 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
                         f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)"
                     )
             what = "layout file" if opened.kind is Kind.LAYOUT else "sharded checkpoint"
-            _inspect_manifest(opened.manifest, what, out, units=args.units)
+            whole = opened.checkpoint is not None and opened.manifest.training is not None
+            _inspect_manifest(opened.manifest, f"whole {what} (model, optimizer, extra)" if whole else what, out,
+                              units=args.units)
+            if whole:
+                out += _inspect_training(opened.checkpoint)
         elif opened.named is not None:
             out += _inspect_named(opened.named)
         elif opened.kind is Kind.RANK_FILE and opened.raw is None:  # format 2: a safetensors rank file
@@ -174,6 +184,42 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
             _inspect_full(opened.raw, out, native=opened.kind is Kind.NATIVE)
     return out
 
+
+
+def _inspect_training(ckpt: Any) -> list[str]:
+    """A whole checkpoint's model, buffers and per-rank extra (its side files read: they are small)."""
+    from fsdp_optim.core.dtypes import dtype_from_str
+    from fsdp_optim.core.records import WEIGHTS_KEY
+    from fsdp_optim.formats.sharded.side_file import read_side_file
+
+    manifest, training = ckpt.manifest, ckpt.manifest.training
+    weights = [(f, e) for f in manifest.flat_params for e in f.state if e.key == WEIGHTS_KEY]
+    nbytes = sum(f.numel * dtype_from_str(e.dtype, where="weights").itemsize for f, e in weights)
+    dtypes = sorted({e.dtype for _, e in weights})
+    params = sum(len(f.params) for f, _ in weights)
+    tied = ", ".join(f"{a} -> {b}" for a, b in training.aliases)
+    where = "every rank's side file (they differed across ranks)" if training.buffers_per_rank else "rank 0's side file"
+    buffers = ", ".join(b.name for b in training.buffers)
+    out = [
+        f"model: {params} params{f' + {len(training.aliases)} tied names ({tied})' if tied else ''}, weights "
+        f"{human_bytes(nbytes)} ({', '.join(dtypes) or '-'})",
+        f"buffers: {len(training.buffers)} ({buffers or '-'}) in {where}",
+        f"side files: {len(training.files)}, {human_bytes(sum(f.nbytes for f in training.files))}",
+    ]
+    by_keys: dict[str, list[int]] = {}
+    for record in training.files:
+        _, extra = read_side_file(ckpt.directory, record)
+        shown = ", ".join(map(str, extra)) if isinstance(extra, Mapping) else type(extra).__name__
+        by_keys.setdefault(shown or "-", []).append(record.rank)
+    for shown, ranks in by_keys.items():
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks_text(ranks)}"
+        out.append(f"extra of {which}: {shown}")
+    return out
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    contiguous = list(ranks) == list(range(ranks[0], ranks[-1] + 1))
+    return f"{ranks[0]}..{ranks[-1]}" if contiguous else ", ".join(map(str, ranks))
 
 
 def _inspect_named(named: Any) -> list[str]:

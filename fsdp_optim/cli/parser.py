@@ -81,8 +81,9 @@ def _add_inspect(verbs: Any) -> None:
 def _add_consolidate(verbs: Any) -> None:
     p = verbs.add_parser(
         "consolidate",
-        help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file; fairseq/metaseq shard "
-        "set -> one consolidated fairseq checkpoint",
+        help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file; a whole checkpoint "
+        "(save_checkpoint) -> one file {'model': unwrapped state_dict, 'optimizer': full dict, 'extra'}; "
+        "fairseq/metaseq shard set -> one consolidated fairseq checkpoint",
     )
     p.add_argument(
         "directory",
@@ -97,9 +98,21 @@ def _add_consolidate(verbs: Any) -> None:
     )
     p.add_argument("--optimizer", help="for a fairscale-native dict or a shard set: the optimizer's class, e.g. Adam")
     p.add_argument(
-        "--no-model", action="store_true", help="for a shard set: leave out the model's full weights (kept by default)"
+        "--no-model",
+        action="store_true",
+        help="for a shard set or a whole checkpoint: leave out the model's full weights (kept by default); a whole "
+        "checkpoint then gives the optimizer's full dict alone",
     )
-    p.add_argument("--with-model", action="store_true", help="for a shard set: keep the model's weights (the default)")
+    p.add_argument(
+        "--with-model", action="store_true", help="for a shard set or a whole checkpoint: keep the weights (default)"
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        metavar="R",
+        help="for a whole checkpoint: whose side file gives extra (default 0) and, when they were saved per rank, "
+        "the buffers (then required)",
+    )
     _allow_global(p)
     p.set_defaults(run=run_consolidate)
 
@@ -148,8 +161,17 @@ def _add_convert(verbs: Any) -> None:
         default=None,
         help="full: fsdp_optim's full dict (the default, and for a -o ending in .pt or .pth); named: keyed by "
         "parameter name, for set_optimizer_state_dict; dcp: a torch.distributed.checkpoint directory (model "
-        "weights too, from a shard set) for dcp.load; safetensors: one .safetensors file of <param name>/<state "
-        "key> tensors (load_full_state reads it back; the default for a -o ending in .safetensors)",
+        "weights too, from a shard set or a whole checkpoint) for dcp.load; safetensors: one .safetensors file of "
+        "<param name>/<state key> tensors (load_full_state reads it back; the default for a -o ending in "
+        ".safetensors); of a whole checkpoint, a directory -o DIR: model.safetensors (or "
+        "model-0000k-of-0000N.safetensors and model.safetensors.index.json, as Hugging Face shards them) and "
+        "optimizer.safetensors",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="--to safetensors of a whole checkpoint: the largest model file before it is split, as Hugging Face "
+        "spells it (default 5GB = 5*10**9 bytes; 500MiB, or bytes)",
     )
     _allow_global(p)
     p.set_defaults(run=run_convert, check=check_convert_target, usage_error=p.error)

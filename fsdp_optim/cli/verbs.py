@@ -41,12 +41,20 @@ def run_consolidate(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.staged import write_file
     from fsdp_optim.offline.operations import full_state
     from fsdp_optim.offline.sources import Kind
+    from fsdp_optim.offline.whole import check_whole_options, is_whole
 
     with _open(args, args.directory) as opened, progress_bar("consolidate") as progress:
         shards = opened.kind is Kind.SHARD_SET
-        if (args.with_model or args.no_model) and not shards:
+        whole = is_whole(opened.checkpoint)
+        if (args.with_model or args.no_model) and not (shards or whole):
             flag = "--with-model" if args.with_model else "--no-model"
-            raise ValueError(f"{args.directory}: {flag} is for a fairseq/metaseq shard set only (it holds weights)")
+            raise ValueError(
+                f"{args.directory}: {flag} is for a fairseq/metaseq shard set or a whole checkpoint only (they hold "
+                "weights)"
+            )
+        if whole and not args.no_model:
+            return _consolidate_whole(opened, args, progress)
+        check_whole_options(opened.checkpoint, args.rank)
         out = full_state(opened, progress=progress, fairseq_checkpoint=shards, with_model=not args.no_model)
         size = write_file(out, args.output, inputs=(args.directory, args.layout))
     if shards:
@@ -59,6 +67,21 @@ def run_consolidate(args: argparse.Namespace) -> list[str]:
     params, with_state = len(out["param_names"]), len(out["state"])
     return [f"wrote {args.output}: {params} params, {with_state} with state, {human_bytes(size)}"]
 
+
+def _consolidate_whole(opened: Any, args: argparse.Namespace, progress: Callable[[], None] | None) -> list[str]:
+    """A whole checkpoint -> one file ``{"model", "optimizer", "extra"}``, each parameter streamed."""
+    from fsdp_optim.offline.operations import optimizer_of
+    from fsdp_optim.offline.whole import whole_model, write_whole
+
+    whole = whole_model(opened.checkpoint, rank=args.rank, progress=progress)
+    optimizer = optimizer_of(opened, progress)
+    size = write_whole(whole, optimizer, args.output, inputs=(args.directory, args.layout))
+    optim = "none (saved with optim=None)" if optimizer is None else f"{len(optimizer['state'])} params with state"
+    return [
+        f"wrote {args.output}: {{'model', 'optimizer', 'extra'}}: model {len(whole.params)} params "
+        f"({human_bytes(whole.param_bytes())}), {len(whole.aliases)} tied names, {len(whole.buffers)} buffers; "
+        f"optimizer {optim}; extra of rank {whole.rank}; {human_bytes(size)}"
+    ]
 
 
 def run_reshard(args: argparse.Namespace) -> list[str]:
@@ -77,8 +100,13 @@ def run_reshard(args: argparse.Namespace) -> list[str]:
             opened, args.world_size, out, layout=args.layout, given=args.source, progress=bar,
             overwrite=args.overwrite, replace_existing=False,
         )
-    files = read_manifest(manifest).files
-    return [f"wrote {out}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"]
+    resharded = read_manifest(manifest)
+    files = resharded.files
+    line = f"wrote {out}: {len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"
+    if resharded.training is not None:  # a whole checkpoint: weights in the rank files, side files carried
+        sides = resharded.training.files
+        line += f" (weights included), {len(sides)} side files, {human_bytes(sum(f.nbytes for f in sides))}"
+    return [line]
 
 
 
@@ -88,6 +116,8 @@ def run_convert(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.offline.operations import full_state
     from fsdp_optim.offline.sources import Kind
 
+    if args.max_shard_size is not None and args.to != "safetensors":
+        raise ValueError(f"max_shard_size: applies to --to safetensors (of a whole checkpoint), not --to {args.to}")
     with _open(args, args.source) as opened:
         origin = opened.kind.value
         if args.to == "safetensors":
@@ -110,9 +140,15 @@ def run_convert(args: argparse.Namespace) -> list[str]:
 def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
     """``--to safetensors``: one named safetensors file (``<param name>/<state key>`` tensors) of any source."""
     from fsdp_optim.offline.named import write_opened
+    from fsdp_optim.offline.whole import is_whole
 
     with progress_bar("write safetensors") as progress:
-        size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=args.source)
+        size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=args.source,
+                            max_shard_size=args.max_shard_size)  # fmt: skip
+    if is_whole(opened.checkpoint):
+        names = ", ".join(sorted(p.name for p in Path(args.output).iterdir()))
+        return [f"wrote {args.output} (safetensors: the model as Hugging Face stores it, the optimizer by parameter "
+                f"name; from a whole {origin}): {names}; {human_bytes(size)}"]  # fmt: skip
     return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}"]
 
 

@@ -23,11 +23,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["Pending", "stream_save"]
+__all__ = ["Pending", "stream_save", "stream_write"]
 
 _PROTOCOL = 2  # torch.save's default
 
@@ -89,43 +89,51 @@ def stream_save(obj: Any, path: str | os.PathLike[str], *, after_tensor: Callabl
 
     ``obj`` may mix :class:`Pending` placeholders with ordinary values and CPU tensors.
     """
+    path = Path(path)
+    with open(path, "wb") as f:
+        stream_write(obj, f, after_tensor=after_tensor, where=str(path))
+        f.flush()
+        os.fsync(f.fileno())
+    return path.stat().st_size
+
+
+def stream_write(
+    obj: Any, f: BinaryIO, *, after_tensor: Callable[[], None] | None = None, where: str = "the output"
+) -> None:
+    """:func:`stream_save` into an open binary file ``f`` (the caller's atomic output: it flushes and syncs)."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)
     data = buffer.getvalue()
-    path = Path(path)
-    with open(path, "wb") as f:
-        with torch.serialization._open_zipfile_writer(f) as archive:
-            archive.write_record("data.pkl", data, len(data))
-            archive.write_record(".format_version", "1", 1)
-            alignment = str(torch.serialization._get_storage_alignment())
-            archive.write_record(".storage_alignment", alignment, len(alignment))
-            archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-            for key in sorted(pickler.records, key=int):
-                record = pickler.records[key]
-                if isinstance(record, Pending):
-                    tensor = record.produce()
-                    if (
-                        tensor.dtype != record.dtype
-                        or tuple(tensor.shape) != record.shape
-                        or not tensor.is_contiguous()
-                    ):
-                        raise AssertionError(
-                            f"{path}: produced {tensor.dtype}{tuple(tensor.shape)}, promised "
-                            f"{record.dtype}{record.shape}"
-                        )
-                    storage = tensor.untyped_storage()
-                    if storage.nbytes() != tensor.nbytes:  # a producer's (the caller's) tensor, checked for real
-                        raise ValueError(
-                            f"{path}: a produced tensor must own its storage: expected {tensor.nbytes} bytes of "
-                            f"storage, found {storage.nbytes()}"
-                        )
-                    archive.write_record(f"data/{key}", storage, storage.nbytes())
-                    del tensor, storage
-                    if after_tensor is not None:
-                        after_tensor()
-                else:
-                    archive.write_record(f"data/{key}", record, record.nbytes())
-        f.flush()
-        os.fsync(f.fileno())
-    return path.stat().st_size
+    with torch.serialization._open_zipfile_writer(f) as archive:
+        archive.write_record("data.pkl", data, len(data))
+        archive.write_record(".format_version", "1", 1)
+        alignment = str(torch.serialization._get_storage_alignment())
+        archive.write_record(".storage_alignment", alignment, len(alignment))
+        archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key in sorted(pickler.records, key=int):
+            record = pickler.records[key]
+            if isinstance(record, Pending):
+                storage = _produced(record, where)
+                archive.write_record(f"data/{key}", storage, storage.nbytes())
+                del storage
+                if after_tensor is not None:
+                    after_tensor()
+            else:
+                archive.write_record(f"data/{key}", record, record.nbytes())
+
+
+def _produced(record: Pending, where: str) -> torch.UntypedStorage:
+    """The storage of ``record.produce()``, checked to be what was promised (its pickle is already written)."""
+    tensor = record.produce()
+    if tensor.dtype != record.dtype or tuple(tensor.shape) != record.shape or not tensor.is_contiguous():
+        raise AssertionError(
+            f"{where}: produced {tensor.dtype}{tuple(tensor.shape)}, promised {record.dtype}{record.shape}"
+        )
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != tensor.nbytes:  # a producer's (the caller's) tensor, checked for real
+        raise ValueError(
+            f"{where}: a produced tensor must own its storage: expected {tensor.nbytes} bytes of "
+            f"storage, found {storage.nbytes()}"
+        )
+    return storage

@@ -51,7 +51,7 @@ from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, pla
 from fsdp_optim.disk.staged import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
 
-__all__ = ["DATA_FILE", "DCP_DIRECTORY", "METADATA", "model_dict", "optim_dict", "write_dcp"]
+__all__ = ["DATA_FILE", "DCP_DIRECTORY", "METADATA", "model_dict", "optim_dict", "placeholder", "write_dcp"]
 
 Progress = Callable[[], None] | None
 
@@ -70,7 +70,7 @@ class _LazyPlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
-def _placeholder(
+def placeholder(
     shape: tuple[int, ...], dtype: torch.dtype, make: Callable[[], torch.Tensor], producers: dict[int, Any]
 ) -> torch.Tensor:
     """A tensor of the right shape and dtype that owns one element (zero strides); ``make`` gives the real one."""
@@ -95,7 +95,7 @@ def optim_dict(
                 entries[e.key] = clone_value(e.value)
             else:
                 make = _maker(the_plan, t, e.key, spec.shape, trim, progress)
-                entries[e.key] = _placeholder(spec.shape, getattr(torch, str(e.dtype)), make, producers)
+                entries[e.key] = placeholder(spec.shape, getattr(torch, str(e.dtype)), make, producers)
         state[spec.name] = entries
     groups = []
     for group in the_plan.groups:
@@ -135,7 +135,7 @@ def model_dict(
         spec = the_plan.target.flat_params[t].params[0]
         dtype = the_plan.target.flat_params[t].dtype
         make = _maker(the_plan, t, WEIGHT, spec.shape, trim, progress)
-        out[spec.name] = _placeholder(spec.shape, dtype, make, producers)
+        out[spec.name] = placeholder(spec.shape, dtype, make, producers)
     out.update({alias: out[name] for alias, name in aliases.items()})
     out.update(buffers)
     return out

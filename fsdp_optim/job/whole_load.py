@@ -20,7 +20,7 @@ from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.side_file import read_side_file
+from fsdp_optim.formats.sharded.side_file import read_rank_side
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
@@ -94,7 +94,7 @@ def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, pa
             weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(weights_plan, rank, after_unit=ckpt.trim).items()}
             state = cut_rank(optim_plan, rank, after_unit=ckpt.trim) if optim_plan is not None else {}
         optim_state = optimizer_state_dict(optim_plan, state) if optim_plan is not None else None
-        buffers, extra = _read_side(ckpt, training, rank)
+        buffers, extra = read_rank_side(ckpt.directory, training, rank % ckpt.manifest.world_size)
     return _Staged(weights, buffers, optim_state, extra)
 
 
@@ -136,22 +136,6 @@ def _castable(saved: str, live: torch.dtype) -> bool:
     mixed precision keeps buffers in the compute dtype after the first forward and in fp32 before it."""
     found = dtype_from_str(saved, where="buffer")
     return found == live or (found.is_floating_point and live.is_floating_point)
-
-
-def _read_side(ckpt: ShardedCheckpoint, training: TrainingRecord, rank: int) -> tuple[dict[str, torch.Tensor], Any]:
-    """This rank's buffers and ``extra`` from the side files (saved rank ``rank % W``'s extra)."""
-    saved = rank % ckpt.manifest.world_size
-    buffers, extra = read_side_file(ckpt.directory, training.side_file(saved))
-    if not training.buffers_per_rank and saved != 0:
-        buffers, _ = read_side_file(ckpt.directory, training.side_file(0))
-    specs = training.buffer_specs()
-    found = {n: (dtype_to_str(t.dtype), tuple(t.shape)) for n, t in buffers.items()}
-    if found != {n: (s.dtype, s.shape) for n, s in specs.items()}:
-        raise ValueError(
-            f"{ckpt.directory}: the side files hold buffers {sorted(found.items())[:3]}..., the manifest lists "
-            f"{sorted((n, (s.dtype, s.shape)) for n, s in specs.items())[:3]}...; the checkpoint is inconsistent"
-        )
-    return buffers, extra
 
 
 def _commit(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: _Staged) -> None:

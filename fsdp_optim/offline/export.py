@@ -1,12 +1,18 @@
 """``to_dcp``: any source (full dict, sharded checkpoint, fairseq/metaseq shard set) written as a PyTorch DCP
 checkpoint through the writer of :mod:`fsdp_optim.formats.dcp`.
+
+A whole checkpoint (:func:`fsdp_optim.save_checkpoint`) is written in torchtitan's layout, ``{"model": the unwrapped
+model's state_dict() (parameters, tied names, rank 0's buffers), "optimizer": {"state": {name: ...},
+"param_groups": [...]}}``, which an FSDP2 job loads with ``get_state_dict`` / ``dcp.load`` / ``set_state_dict``
+(``set_model_state_dict`` / ``set_optimizer_state_dict``). Its per-rank ``extra`` is not exported (DCP would give
+every rank one copy): ``fsdp_optim.consolidate(path, rank=r)["extra"]`` reads it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +21,12 @@ import torch
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Source
 from fsdp_optim.disk.staged import staged_output
-from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, write_dcp
+from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, placeholder, write_dcp
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder
 from fsdp_optim.offline.sources import Opened, open_source
+from fsdp_optim.offline.whole import is_whole, whole_model
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ def to_dcp(
     out_dir: str | os.PathLike[str],
     *,
     model_key: str = "model",
-    optim_key: str = "optim",
+    optim_key: str | None = None,
     param_order: ParamOrder = None,
     optimizer_keys: Sequence[Sequence[str]] | None = None,
     allow_globals: Sequence[str] = (),
@@ -52,7 +59,9 @@ def to_dcp(
         source: a full dict, or a path: a sharded checkpoint directory (or its manifest), a full dict file,
             or a fairseq/metaseq shard set (any shard file or the path before ``-shard``).
         out_dir: must not exist, or be an empty directory.
-        model_key, optim_key: the top-level names, as the loading job's ``dcp.load`` dict spells them.
+        model_key, optim_key: the top-level names, as the loading job's ``dcp.load`` dict spells them; ``optim_key``
+            defaults to ``"optimizer"`` for a whole checkpoint (torchtitan's ``{"model", "optimizer"}``) and to
+            ``"optim"`` for every other source (as before).
         param_order, optimizer_keys, allow_globals: for a shard set (see :class:`~fsdp_optim.fairseq.ShardSet`);
             the order of the names in each param group.
         progress: called after each tensor written.
@@ -86,18 +95,26 @@ def export_opened(
     *,
     inputs: Sequence[Any] = (),
     model_key: str = "model",
-    optim_key: str = "optim",
+    optim_key: str | None = None,
     progress: Progress = None,
 ) -> DcpExport:
     """:func:`to_dcp` of a source already opened by :func:`~fsdp_optim.offline.sources.open_source`."""
     out = Path(out_dir)
     _check_empty(out)
     export = _export(opened)
+    whole = is_whole(opened.checkpoint)
+    optim_key = optim_key or ("optimizer" if whole else "optim")
     producers: dict[int, Callable[[], torch.Tensor]] = {}
     optim = optim_dict(export.source, export.order, producers, export.trim, progress)
     state: dict[str, Any] = {}
     model = None
-    if export.weights is not None:
+    if whole:  # the unwrapped model's state_dict, each parameter made when the writer asks for it
+        assert opened.checkpoint is not None, "a whole checkpoint is a sharded checkpoint"
+        weights = whole_model(opened.checkpoint, progress=progress)
+        model = weights.entries(lambda p: placeholder(p.shape, p.dtype, p.make, producers))
+        state[model_key] = model
+        export = replace(export, not_exported=("extra (per rank: fsdp_optim.consolidate(path, rank=r) gives it)",))
+    elif export.weights is not None:
         model = model_dict(
             export.weights, export.order, export.trim, producers, progress, aliases=export.aliases,
             buffers=export.buffers,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -23,15 +25,17 @@ import torch
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
-from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.disk.atomic import durable_write, load_file
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.disk.staged import write_stream
+from fsdp_optim.disk.staged import staged_output, write_stream
+from fsdp_optim.formats import hf_safetensors as hf
 from fsdp_optim.formats.fullstate import read_meta
 from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.operations import full_state
 from fsdp_optim.offline.sources import Kind, Opened, open_source
+from fsdp_optim.offline.whole import ModelTensor, is_whole, whole_model
 
 __all__ = ["load_full_state", "to_safetensors"]
 
@@ -45,8 +49,16 @@ def to_safetensors(
     allow_globals: Sequence[str] = (),
     progress: Callable[[], None] | None = None,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+    max_shard_size: int | str | None = None,
 ) -> int:
     """Write ``source`` as one named safetensors file ``out`` (tensors ``<param name>/<state key>``); returns its size.
+
+    A whole checkpoint (:func:`fsdp_optim.save_checkpoint`) is written as a directory ``out`` instead (returns the
+    bytes of its files): the model as Hugging Face stores it (``model.safetensors``, or above ``max_shard_size``,
+    default ``"5GB"``, ``model-0000k-of-0000N.safetensors`` files and ``model.safetensors.index.json``; see
+    :mod:`fsdp_optim.formats.hf_safetensors`) and the optimizer as ``optimizer.safetensors`` in the named format
+    below. The model files hold the unwrapped ``state_dict()``: tied names as copies of their parameter (safetensors
+    shares no storage; ``load_state_dict(strict=True)`` needs every name) and rank 0's buffers.
 
     The full dict's hyperparameters, ids, key order, scalars (0-dim tensors as tensors, Python numbers as
     numbers) and ``"fsdp_optim"`` block come back from :func:`load_full_state` bit for bit. Refused before
@@ -58,7 +70,8 @@ def to_safetensors(
         source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as opened:
         given = None if isinstance(source, Mapping) else source
-        return write_opened(opened, out, inputs=(source,), progress=progress, path=given, bound=max_mapped_bytes)
+        return write_opened(opened, out, inputs=(source,), progress=progress, path=given, bound=max_mapped_bytes,
+                            max_shard_size=max_shard_size)
 
 
 def write_opened(
@@ -69,11 +82,16 @@ def write_opened(
     progress: Callable[[], None] | None = None,
     path: str | os.PathLike[str] | None = None,
     bound: int = DEFAULT_MAPPED_BYTES,
+    max_shard_size: int | str | None = None,
 ) -> int:
     """:func:`to_safetensors` of a source already opened by :func:`~fsdp_optim.offline.sources.open_source`
     (``path``: the full dict file it was opened from, mapped afresh every ``bound`` bytes read)."""
     if opened.source is None:
         raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to convert")
+    if is_whole(opened.checkpoint):
+        return write_whole_safetensors(opened, out, inputs=inputs, progress=progress, max_shard_size=max_shard_size)
+    if max_shard_size is not None:
+        raise ValueError(f"max_shard_size: {opened.label} holds no model weights (it applies to a whole checkpoint)")
     the_source, trim = opened.source, opened.trim
     if opened.kind is Kind.FULL and path is not None:
         the_source, trim = _MappedFullDict(path, bound).source(opened.source)
@@ -83,6 +101,45 @@ def write_opened(
         prepared.write(f, trim=trim, progress=progress)
 
     return write_stream(write, out, inputs=inputs, purpose="fsdp_optim.to_safetensors")
+
+
+def write_whole_safetensors(
+    opened: Opened,
+    out: str | os.PathLike[str],
+    *,
+    inputs: Sequence[Any],
+    progress: Callable[[], None] | None,
+    max_shard_size: int | str | None,
+) -> int:
+    """A whole checkpoint as a directory of model files and ``optimizer.safetensors`` (see :func:`to_safetensors`),
+    all or nothing; every check (plans, dtypes, sizes) before the output is touched. Returns the bytes written."""
+    assert opened.checkpoint is not None and opened.source is not None, "a whole checkpoint is a sharded checkpoint"
+    max_bytes = hf.parse_size(hf.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    model = whole_model(opened.checkpoint, progress=progress)
+    tensors = [hf.Tensor(n, tuple(t.shape), t.dtype, t.make if isinstance(t, ModelTensor) else _clone(t))
+               for n, t in model.entries(lambda p: p).items()]  # fmt: skip
+    hf.check_dtypes(tensors)
+    groups = hf.shard(tensors, max_bytes)
+    names = hf.file_names(len(groups))
+    optimizer = prepare_named_safetensors(opened.source, order=opened.order) if model.has_optimizer else None
+    files = [*names, *([hf.INDEX] if len(groups) > 1 else []), *(["optimizer.safetensors"] if optimizer else [])]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with staged_output(out, hf.HF_DIRECTORY, purpose="fsdp_optim.to_safetensors", inputs=inputs,
+                       entry={"files": files}) as stage:  # fmt: skip
+        stage.last = (hf.INDEX if len(groups) > 1 else hf.SINGLE,)
+        for name, group in zip(names, groups):
+            durable_write(stage.dir / name, partial(hf.write_file, tensors=group, after=opened.trim))
+        if len(groups) > 1:
+            data = hf.index(groups)
+            durable_write(stage.dir / hf.INDEX, lambda f: f.write(data))
+        if optimizer is not None:
+            write_optimizer = partial(optimizer.write, trim=opened.trim)
+            durable_write(stage.dir / "optimizer.safetensors", write_optimizer)
+        return sum((stage.dir / n).stat().st_size for n in files)
+
+
+def _clone(tensor: Any) -> Callable[[], torch.Tensor]:
+    return lambda: tensor.detach().clone().contiguous()
 
 
 def _header(opened: Opened) -> Mapping[str, Any] | None:

@@ -40,8 +40,16 @@ from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheck
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file, write_shard_tensors
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.sources import NEEDS_LAYOUT, Kind, Opened, open_source
+from fsdp_optim.offline.whole import (
+    carry_side_files,
+    check_resharding,
+    check_whole_options,
+    is_whole,
+    whole_model,
+    whole_state,
+)
 
-__all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]
+__all__ = ["consolidate", "load_full_file", "optimizer_of", "reshard", "resolve_layout"]
 
 Progress = Callable[[], None] | None  # called once per FSDP unit done (the CLI draws a bar with it)
 # A block re-cut holds a group's source and output rank files in memory: at most this much (else unit by unit).
@@ -64,6 +72,8 @@ def consolidate(
     allow_globals: Sequence[str] = (),
     progress: Progress = None,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+    rank: int | None = None,
+    with_model: bool | None = None,
 ) -> dict[str, Any]:
     """The full dict of a sharded checkpoint, without a process group or the model.
 
@@ -76,11 +86,37 @@ def consolidate(
     ``loss_scale``, kept as keys of it); :func:`fsdp_optim.fairseq.consolidate_shards` gives the rest too.
     A fairscale-native dict file is converted (``layout`` required, see :func:`fsdp_optim.from_fairscale`).
     ``layout``, ``optimizer`` and ``allow_globals`` apply as :mod:`fsdp_optim.offline.sources` says.
+
+    A whole checkpoint (:func:`fsdp_optim.save_checkpoint`) gives the unwrapped model too, in one dict::
+
+        {"model": {"embed.weight": Tensor[11, 6], ..., "head.weight": <embed.weight's tensor>, buffers},
+         "optimizer": <the full dict above> (None when saved with optim=None),
+         "extra": <saved rank 0's extra>}
+
+    ``model.load_state_dict(out["model"])`` (``strict=True``) loads it into the model without FSDP, and a plain
+    optimizer over its ``named_parameters()`` grouped as in the job takes ``out["optimizer"]`` (ids follow the
+    groups, as :func:`fsdp_optim.gather_full_optim_state_dict` numbers them); see :mod:`fsdp_optim.offline.whole`.
+    ``rank``: whose side file gives ``extra`` (and the buffers, required when they were saved per rank);
+    ``with_model=False``: the optimizer's full dict alone, as for an optimizer-only checkpoint. Both apply to a
+    whole checkpoint only.
     """
     with open_source(
         path, layout=layout, optimizer=optimizer, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as opened:
+        if is_whole(opened.checkpoint) and with_model is not False:
+            assert opened.checkpoint is not None, "is_whole() holds for an opened checkpoint only"
+            model = whole_model(opened.checkpoint, rank=rank, progress=progress)
+            return whole_state(model, optimizer_of(opened, progress))
+        check_whole_options(opened.checkpoint, rank)
+        if with_model is not None and not is_whole(opened.checkpoint):
+            raise ValueError(f"with_model: {opened.label} holds no model weights (not a whole checkpoint)")
         return full_state(opened, progress=progress)
+
+
+def optimizer_of(opened: Opened, progress: Progress) -> dict[str, Any] | None:
+    """A whole checkpoint's optimizer as a full dict, ``None`` when it was saved with ``optim=None``."""
+    assert opened.checkpoint is not None, "a whole checkpoint is a sharded checkpoint"
+    return None if opened.checkpoint.manifest.optimizer is None else full_state(opened, progress=progress)
 
 
 def full_state(
@@ -232,7 +268,11 @@ def _reshard_sharded(
     if out.exists() and out.resolve() == ckpt.directory.resolve():
         raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
     target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
-    the_plan = plan(opened.source, target.layout(0))  # every check, whichever way the ranks are then cut
+    whole = is_whole(ckpt)  # its weights ride along with the optimizer's keys, its side files are carried
+    if whole:
+        check_resharding(ckpt, world_size)
+    source = ckpt.whole_source() if whole else opened.source
+    the_plan = plan(source, target.layout(0))  # every check, whichever way the ranks are then cut
     write = partial(_write_ranks, the_plan, target, after_unit=_then(ckpt.trim, progress))
     final = _described(the_plan, target)
     if recut.applicable(ckpt, final):
@@ -240,6 +280,8 @@ def _reshard_sharded(
         group = recut.group_size(blocks, ckpt.layout[1], BLOCK_BYTES)
         if group:
             write = partial(_write_blocks, ckpt, blocks, group, final, progress=progress)
+    if whole:
+        write = partial(_then_sides, ckpt, write)
     return write_all_or_nothing(
         out,
         write,
@@ -249,6 +291,11 @@ def _reshard_sharded(
         overwrite=overwrite,
         replace=replace_existing,
     )
+
+
+def _then_sides(ckpt: ShardedCheckpoint, write: Callable[[Path], Manifest], staging: Path) -> Manifest:
+    """``write``'s rank files, then a whole checkpoint's side files and training section (:func:`carry_side_files`)."""
+    return carry_side_files(ckpt, staging, write(staging))
 
 
 def _reshard_full(

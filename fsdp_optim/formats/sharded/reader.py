@@ -220,6 +220,11 @@ class ShardedCheckpoint:
         load_rank = self._keys_of(lambda key: key == WEIGHTS_KEY)
         return manifest_source(manifest, str(self.directory), self.copy_range, load_rank, self._rank_reader())
 
+    def whole_source(self) -> Source:
+        """Every state key of every unit (a whole checkpoint's weights beside its optimizer state) as one planning
+        source, in the optimizer's groups (a frozen unit's weights in none): what an offline reshard re-cuts."""
+        return manifest_source(self.manifest, str(self.directory), self.copy_range, self.load_rank, self._rank_reader())
+
     def _rank_reader(self) -> Callable[[int], Callable[[int, str, int, int, torch.Tensor], None]] | None:
         return self.reader if any(f.per_rank for f in self.manifest.flat_params) else None
 

@@ -26,13 +26,16 @@ import xxhash
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
-from fsdp_optim.formats.sharded.training import side_file_name
+from fsdp_optim.formats.sharded.training import TrainingRecord, side_file_name
 
-__all__ = ["MAX_DEPTH", "SideContent", "decode_extra", "encode_extra", "read_side_file", "write_side_file"]
+__all__ = [
+    "MAX_DEPTH", "SideContent", "decode_extra", "encode_extra", "read_rank_side", "read_side_file", "write_side_file"
+]
 
 MAX_DEPTH = 64  # levels of nesting in ``extra``
 _REF = "$extra"
@@ -148,4 +151,20 @@ def read_side_file(directory: Path, record: FileRecord) -> SideContent:
     where = f"{path}"
     buffers = {n[len(_BUFFER) :]: t for n, t in tensors.items() if n.startswith(_BUFFER)}
     extra = decode_extra(metadata.get("extra", "null"), tensors, where)
+    return buffers, extra
+
+
+def read_rank_side(directory: Path, training: TrainingRecord, saved_rank: int) -> SideContent:
+    """Saved rank ``saved_rank``'s ``(buffers, extra)``: its own buffers when they were saved per rank, else rank
+    0's; ``ValueError`` when the buffers found are not those the manifest lists (names, dtypes, shapes)."""
+    buffers, extra = read_side_file(directory, training.side_file(saved_rank))
+    if not training.buffers_per_rank and saved_rank != 0:
+        buffers, _ = read_side_file(directory, training.side_file(0))
+    specs = training.buffer_specs()
+    found = {n: (dtype_to_str(t.dtype), tuple(t.shape)) for n, t in buffers.items()}
+    if found != {n: (s.dtype, s.shape) for n, s in specs.items()}:
+        raise ValueError(
+            f"{directory}: the side files hold buffers {sorted(found.items())[:3]}..., the manifest lists "
+            f"{sorted((n, (s.dtype, s.shape)) for n, s in specs.items())[:3]}...; the checkpoint is inconsistent"
+        )
     return buffers, extra

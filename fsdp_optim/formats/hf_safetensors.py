@@ -1,0 +1,151 @@
+"""A model's weights by name as Hugging Face stores them: ``model.safetensors``, or above a size several
+``model-00001-of-0000N.safetensors`` files with ``model.safetensors.index.json``, written one tensor at a time.
+
+::
+
+    out/model.safetensors                       # every tensor, when they fit max_shard_size
+    out/model-00001-of-00002.safetensors        # else tensors in order, a new file whenever the next would
+    out/model-00002-of-00002.safetensors        #   push the current one past max_shard_size (a larger tensor
+    out/model.safetensors.index.json            #   gets a file of its own), and the index, written last:
+        {"metadata": {"total_size": <bytes of all tensors>}, "weight_map": {"embed.weight": "model-00001-...", ...}}
+
+Each file's ``__metadata__`` is ``{"format": "pt"}`` (what ``transformers`` writes). Sizes parse as ``transformers``
+does: ``"5GB"`` is 5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30, an int is bytes; the default is its ``"5GB"``.
+The header of a file is made from the shapes and dtypes before any tensor is read; each tensor is then made,
+written and dropped: memory is one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from fsdp_optim.disk.staged import Survey
+from fsdp_optim.formats.named_safetensors.document import DTYPE_NAMES
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "SINGLE", "Tensor", "parse_size", "shard", "write_file"]
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: name, shape, dtype and ``make()`` (a new CPU tensor, called when its bytes are due)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def parse_size(size: int | str, *, name: str = "max_shard_size") -> int:
+    """Bytes of ``size`` (``"5GB"``, ``"500MiB"``, ``1000``); ``ValueError`` naming ``name`` for anything else."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if match is None:
+            raise ValueError(f"{name}: expected bytes as an int or a size such as '5GB' or '500MiB', found {size!r}")
+        value = int(float(match[1]) * _UNITS[match[2] or ""])
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive size, found {size!r}")
+    return value
+
+
+def shard(tensors: Sequence[Tensor], max_bytes: int) -> list[list[Tensor]]:
+    """Tensors in order, a new group whenever the next would push the current one past ``max_bytes``."""
+    groups: list[list[Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    return groups
+
+
+def file_names(count: int) -> list[str]:
+    return [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def check_dtypes(tensors: Sequence[Tensor]) -> None:
+    bad = next((t for t in tensors if t.dtype not in DTYPE_NAMES), None)
+    if bad is not None:
+        raise ValueError(f"tensor '{bad.name}' has dtype {bad.dtype}, which safetensors cannot name")
+
+
+def write_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
+    """One safetensors file of ``tensors``: the header from their shapes, then each made, written and dropped."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        span = [offset, offset + t.nbytes]
+        header[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": span}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    f.write(struct.pack("<Q", len(text)) + text)
+    for t in tensors:
+        tensor = t.make()
+        if tensor.dtype != t.dtype or tuple(tensor.shape) != t.shape:
+            raise AssertionError(f"{t.name}: made {tensor.dtype}{tuple(tensor.shape)}, promised {t.dtype}{t.shape}")
+        data = tensor.detach().contiguous().reshape(-1)
+        if data.numel():
+            f.write(data.view(torch.uint8).numpy().data)
+        del tensor, data
+        if after is not None:
+            after()
+
+
+def index(groups: Sequence[Sequence[Tensor]]) -> bytes:
+    """``model.safetensors.index.json`` of several files (``transformers``' shape)."""
+    names = file_names(len(groups))
+    weight_map = {t.name: names[i] for i, group in enumerate(groups) for t in group}
+    total = sum(t.nbytes for group in groups for t in group)
+    return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
+
+
+_OURS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|optimizer\.safetensors)$")
+
+
+class _HfClaims:
+    """An output directory of model files (for :mod:`fsdp_optim.disk.staged`): new or empty (what is there is
+    foreign: refused without overwrite, kept with it); a write journals the names it creates; the index (or the
+    single model file) moves in last, the commit point."""
+
+    def survey(self, directory: Path) -> Survey:  # noqa: ARG002 - nothing in an existing directory is ours
+        return Survey(overwrite_means="write there anyway (files of the same names are replaced)")
+
+    def created(self, entry: Mapping[str, Any]) -> set[str]:
+        files = entry.get("files")
+        return {n for n in files if isinstance(n, str) and _OURS.match(n)} if isinstance(files, list) else set()
+
+    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
+        return set()
+
+    def referenced(self, directory: Path) -> set[str]:
+        names = set(os.listdir(directory))
+        return names if {SINGLE, INDEX} & names else set()
+
+    def deletable(self, name: str) -> bool:
+        return _OURS.match(name) is not None
+
+
+HF_DIRECTORY = _HfClaims()
