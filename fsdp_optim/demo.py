@@ -1,4 +1,4 @@
-"""The main job: train under FSDP, gather a full checkpoint, resume at another world size, verify.
+"""The main job: train under FSDP, save the whole training state, resume at another world size, verify.
 
 Run it as users run FSDP jobs::
 
@@ -7,10 +7,12 @@ Run it as users run FSDP jobs::
 Any world size works. On CPU it uses gloo (NCCL when CUDA is present). Steps:
 
 1. train a small model with nested FSDP units and Adam at the launched world size ``W``;
-2. gather the full optimizer state (timing both transports) and save model + optimizer to files;
-3. resume on a process group of ``max(1, W // 2)`` ranks with a different FSDP nesting, load the
-   optimizer shard cut from the full file, keep training;
-4. resume once more on one process without FSDP (plain model, plain ``torch.optim.Adam``);
+2. time the gather of the full optimizer state (both transports), then save the whole training state
+   (weights, buffers, optimizer state, the loop's step) as one sharded checkpoint with ``save_checkpoint``;
+3. resume on a process group of ``max(1, W // 2)`` ranks with a different FSDP nesting: ``load_checkpoint``
+   re-cuts every rank's weight and optimizer shards from the checkpoint; keep training;
+4. resume once more on one process without FSDP: ``consolidate`` the checkpoint offline into the unwrapped
+   model's ``state_dict()`` and a plain ``torch.optim.Adam`` state dict;
 5. compare both resumed runs with an uninterrupted unwrapped run and exit non-zero on a mismatch.
 """
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_optim import FullyShardedDataParallel as FSDP
-from fsdp_optim import gather_full_optim_state_dict, get_shard_from_optim_state_dict
+from fsdp_optim import consolidate, gather_full_optim_state_dict, load_checkpoint, save_checkpoint
 
 VOCAB, DIM, SEQ = 64, 96, 16
 
@@ -151,6 +153,11 @@ class Job:
     first: range  # steps before the checkpoint
     second: range  # steps after it
 
+    @property
+    def checkpoint(self) -> str:
+        """The whole checkpoint of the step the resumes start from."""
+        return os.path.join(self.out, f"step-{self.first.stop:08d}")
+
     def say(self, text: str) -> None:
         if self.rank == 0:
             print(text, flush=True)
@@ -187,7 +194,7 @@ def start(argv: Sequence[str] | None) -> Job:
 
 
 def train_gather_and_save(job: Job) -> None:
-    """Steps 1-2: train at the launched world size, gather the full optimizer state, save both files."""
+    """Steps 1-2: train at the launched world size, time the gather, save the whole state as a sharded checkpoint."""
     world = dist.group.WORLD
     if world is None:
         raise RuntimeError("expected the default process group to exist (start() joins it), found None")
@@ -203,38 +210,40 @@ def train_gather_and_save(job: Job) -> None:
     job.say(f"  trained steps {job.first.start}-{job.first.stop - 1} at {plural(job.world)}; loss {loss:.4f}")
     full, tensor_ms = timed_gather(model, optim, "tensor", job.args.repeats, world)
     _, object_ms = timed_gather(model, optim, "object", job.args.repeats, world)
-    model_state = model.state_dict()
     if full is not None:  # rank 0, the recipient
-        torch.save(model_state, os.path.join(job.out, "model.pt"))
-        torch.save(full, os.path.join(job.out, "optim.pt"))
         job.say(
             f"  gathered the full optimizer state: {state_bytes(full) / 2**20:.1f} MiB, {len(full['param_names'])} "
             f"parameters; median latency {tensor_ms:.1f} ms (tensor transport) vs {object_ms:.1f} ms "
             f"(broadcast_object_list), {object_ms / tensor_ms:.1f}x"
         )
-        job.say(f"  saved model.pt and optim.pt to {job.out}")
-    dist.barrier()
+    start = time.perf_counter()
+    save_checkpoint(model, optim, job.checkpoint, extra={"step": job.first.stop, "loss": loss})
+    files = len(os.listdir(job.checkpoint))
+    job.say(
+        f"  saved the whole training state (weights, optimizer, step) to {job.checkpoint}: {files} files, no rank "
+        f"gathered the model; {1e3 * (time.perf_counter() - start):.0f} ms"
+    )
 
 
 def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict] | None:
-    """Step 3: half the ranks, every 2nd layer its own unit; load the shard cut from the full file, train on."""
+    """Step 3: half the ranks, every 2nd layer its own unit; load_checkpoint re-cuts every shard; train on."""
     resumed_world = max(1, job.world // 2)
     group = dist.new_group(ranks=list(range(resumed_world)))  # collective: every rank creates it
     resumed = None
     if job.rank < resumed_world:
         model = wrap(build_model(), every=2, group=group)
-        model.load_state_dict(torch.load(os.path.join(job.out, "model.pt"), weights_only=True))
         optim = torch.optim.Adam(model.parameters(), lr=3e-3)
-        saved = torch.load(os.path.join(job.out, "optim.pt"), weights_only=True)
-        # The module function works on any fairscale FSDP root (ours, fairscale's own, a subclass).
-        optim.load_state_dict(get_shard_from_optim_state_dict(model, saved, optim=optim))
+        # Works on any fairscale FSDP root (ours, fairscale's own, a subclass), at any world size and nesting.
+        extra = load_checkpoint(model, optim, job.checkpoint)
+        if extra["step"] != job.second.start:
+            raise RuntimeError(f"expected the checkpoint of step {job.second.start}, found {extra['step']}")
         loss = train(model, optim, job.second, job.rank, resumed_world, job.batch)
         model_state = model.state_dict()  # a collective: every rank of the group
         gathered = gather_full_optim_state_dict(model, optim)
         if gathered is not None:  # rank 0, the recipient
             resumed = (model_state, gathered)
         job.say(
-            f"  resumed at {plural(resumed_world)} (every 2nd layer its own unit), steps "
+            f"  resumed at {plural(resumed_world)} (every 2nd layer its own unit) from step {extra['step']}, steps "
             f"{job.second.start}-{job.second.stop - 1}; loss {loss:.4f}"
         )
     dist.barrier()
@@ -243,17 +252,17 @@ def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict] | None:
 
 def verify(job: Job, resumed: tuple[dict, dict]) -> bool:
     """Steps 4-5 (rank 0): resume on one process without FSDP; compare both resumes with uninterrupted training."""
-    model_file, optim_file = os.path.join(job.out, "model.pt"), os.path.join(job.out, "optim.pt")
     reference = build_model()
     reference_optim = torch.optim.Adam(reference.parameters(), lr=3e-3)
     train(reference, reference_optim, [*job.first, *job.second], 0, 1, job.batch)
+    whole = consolidate(job.checkpoint)  # offline: {"model": state_dict(), "optimizer": full dict, "extra": ...}
     plain = build_model()
-    plain.load_state_dict(torch.load(model_file, weights_only=True))
+    plain.load_state_dict(whole["model"])  # strict: every name of the unwrapped model, tied weights included
     plain_optim = torch.optim.Adam(plain.parameters(), lr=3e-3)
-    plain_optim.load_state_dict(torch.load(optim_file, weights_only=True))  # a plain optimizer loads it as is
+    plain_optim.load_state_dict(whole["optimizer"])  # a plain optimizer loads it as is
     train(plain, plain_optim, job.second, 0, 1, job.batch)
     control = build_model()  # negative control: the same resume with a fresh optimizer must fail the check
-    control.load_state_dict(torch.load(model_file, weights_only=True))
+    control.load_state_dict(whole["model"])
     train(control, torch.optim.Adam(control.parameters(), lr=3e-3), job.second, 0, 1, job.batch)
     checks = {
         f"resumed at {plural(max(1, job.world // 2))} (FSDP)": (resumed[0], resumed[1]),
