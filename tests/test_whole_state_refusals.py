@@ -55,12 +55,18 @@ def _refusals(rank: int, world_size: int, out_dir: str) -> dict[str, str]:
     other_buffer = M.wrap(make_net(), "deep")
     other_buffer.module.register_buffer("extra_buffer", torch.zeros(3))
     sgd = torch.optim.SGD(root.parameters(), lr=0.1)
+    wider = make_net()
+    wider.block1.add_module("extra", torch.nn.Linear(2, 2))  # a parameter the checkpoint does not have
+    wider = M.wrap(wider, "deep")
+    double = M.wrap(make_net().half(), "deep", compute_dtype=torch.float16)  # every parameter in another dtype
     cases = {
         "damaged": (root, optim, out / "damaged"),
         "other_buffer": (other_buffer, M.OPTIMIZERS["adam"](M.fsdp_param_groups(other_buffer)), out / "good"),
         "other_optimizer": (root, sgd, out / "good"),
         "optimizer_only": (root, optim, out / "optim_only"),
         "model_only_with_optim": (root, optim, out / "model_only"),
+        "other_model": (wider, M.OPTIMIZERS["adam"](M.fsdp_param_groups(wider)), out / "good"),
+        "other_dtype": (double, M.OPTIMIZERS["adam"](M.fsdp_param_groups(double)), out / "good"),
     }
     errors = {}
     for name, (model, opt, path) in cases.items():
@@ -82,6 +88,8 @@ EXPECTED = {
     "other_optimizer": "saved from Adam, found SGD",
     "optimizer_only": "load_sharded_optim_state",
     "model_only_with_optim": "optim=None",
+    "other_model": "block1.extra.weight",
+    "other_dtype": "float16",
 }
 
 
