@@ -6,14 +6,20 @@
 - ``FORMAT_VERSION``: version of the full dict format written under the ``"fsdp_optim"`` key.
 - The whole training state: ``save_checkpoint(model, optim, path, extra=...)`` / ``load_checkpoint(model, optim,
   path) -> extra`` (weights, buffers, optimizer state and loop state in one atomic sharded checkpoint, loaded at
-  any world size and nesting without materializing the full model).
+  any world size and nesting without materializing the full model); ``async_save_checkpoint`` in the background;
+  ``CheckpointManager(root, every=, keep=)`` saves one every ``every`` steps of a training loop, prunes old ones,
+  and restores the newest verified one.
 - Optimizer checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
-  ``verify`` (every file present, of its size, checksums matching); ``save_layout``, ``from_fairscale``
+  ``verify`` (every file present, of its size, checksums matching; ``deep=True``: also what a resumed run would
+  trip on); ``save_layout``, ``from_fairscale``
   (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
 - ``to_safetensors(source, out)`` / ``load_full_state(path)``: the full state by parameter name in one safetensors
   file (``<name>/<key>`` tensors, hyperparameters and checksums in its metadata), and any source back as a full dict.
+- ``diff(a, b, atol=, rtol=)``: two sources of one model (any formats, world sizes, nesting) compared per
+  parameter and state key, one tensor of each at a time: bitwise, max abs/rel error, ULP distance, NaN/Inf counts,
+  hyperparameters and steps; a frozen report.
 - ``to_dcp(source, out_dir)``: any of those sources, or a fairseq/metaseq shard set (see
   :mod:`fsdp_optim.fairseq` for consolidating and resharding those), written as a PyTorch DCP checkpoint.
 - Trust (README "Threat model"): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
@@ -34,13 +40,16 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "AsyncSave",
+    "CheckpointManager",
     "FORMAT_VERSION",
     "ForeignOutputError",
     "FullyShardedDataParallel",
     "NotElementwiseError",
     "OutputLockedError",
+    "async_save_checkpoint",
     "async_save_sharded_optim_state",
     "consolidate",
+    "diff",
     "disable_host_execution",
     "enable_host_execution",
     "from_fairscale",
@@ -66,14 +75,17 @@ __version__ = "0.1.0"
 # Public name -> the submodule that defines it.
 _HOME = {
     "AsyncSave": "job.async_save",
+    "CheckpointManager": "job.manager",
     "FORMAT_VERSION": "formats.fullstate",
     "ForeignOutputError": "disk.locks",
     "NotElementwiseError": "core.elementwise",
     "OutputLockedError": "disk.locks",
     "register_elementwise_optimizer": "core.elementwise",
+    "async_save_checkpoint": "job.whole_save",
     "async_save_sharded_optim_state": "job.async_save",
     "FullyShardedDataParallel": "job.fsdp",
     "consolidate": "offline.operations",
+    "diff": "offline.diff",
     "disable_host_execution": "job.host",
     "enable_host_execution": "job.host",
     "from_fairscale": "formats.fairscale",
@@ -118,6 +130,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.job.async_save import AsyncSave, async_save_sharded_optim_state
     from fsdp_optim.job.fsdp import FullyShardedDataParallel
     from fsdp_optim.job.host import disable_host_execution, enable_host_execution, host_execution
+    from fsdp_optim.job.manager import CheckpointManager
     from fsdp_optim.job.sharded import (
         load_sharded_optim_state,
         save_layout,
@@ -125,7 +138,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
         scatter_full_optim_state,
     )
     from fsdp_optim.job.whole_load import load_checkpoint
-    from fsdp_optim.job.whole_save import save_checkpoint
+    from fsdp_optim.job.whole_save import async_save_checkpoint, save_checkpoint
+    from fsdp_optim.offline.diff import diff
     from fsdp_optim.offline.export import to_dcp
     from fsdp_optim.offline.named import load_full_state, to_safetensors
     from fsdp_optim.offline.operations import consolidate, reshard

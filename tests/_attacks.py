@@ -207,6 +207,27 @@ def cli_entry(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"/proc/self/status has no {field}")
+
+
+def cli_peak_entry(*argv: str) -> tuple[int, str, int]:
+    """``fsdp-optim argv`` (as :func:`cli_entry`) and its peak RSS growth in bytes (``VmHWM`` reset first,
+    as ``benchmarks/peak.py`` measures): exit code, stderr, growth."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
+    code, _, err = cli_entry(*argv)
+    return code, err, _status_bytes("VmHWM") - before
+
+
 # ---------------------------------------------------------------------------------------------------
 # Directory digests
 

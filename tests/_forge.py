@@ -151,19 +151,21 @@ def forge_safetensors(
     *,
     data: Callable[[bytes], bytes] = lambda data: data,
     header_length: int | None = None,
+    text: Callable[[bytes], bytes] = lambda text: text,
 ) -> None:
     """Rewrite rank ``rank``'s format-2 file with ``edit`` applied to its header and ``data`` to its data;
     the manifest's record of the file (header checksum, size) is updated to match. ``header_length``
-    replaces the declared length of the header (the bytes written stay the edited header's)."""
+    replaces the declared length of the header (the bytes written stay the edited header's); ``text`` edits
+    the header's JSON text (to write what no encoder would: a key twice)."""
     path = manifest_rank_file(directory, rank)
     header, payload = read_safetensors(path)
     edit(header)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text) if header_length is None else header_length) + text + data(payload))
+    raw = text(json.dumps(header, separators=(",", ":")).encode())
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw) if header_length is None else header_length) + raw + data(payload))
 
     def record(body: dict[str, Any]) -> None:
         entry = next(f for f in body["files"] if f["rank"] == rank)
-        entry.update(checksum=digest(text), bytes=os.path.getsize(path))
+        entry.update(checksum=digest(raw), bytes=os.path.getsize(path))
 
     forge_manifest_json(directory, record, raw=True)

@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp_optim import save_layout, save_sharded_optim_state
-from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME
+from fsdp_optim.formats.sharded.manifest import HEADER_KEY, LEGACY_MANIFEST_NAME, MANIFEST_NAME
 
 WORLD_SIZE = 2
 CLI_ERROR = "fsdp-optim: error: "
@@ -351,6 +351,27 @@ def rank_file_symlinked_out_of_the_directory(case: Case) -> Path:
     return d
 
 
+def _manifest_symlinked_to_another_checkpoints(case: Case, name: str) -> Path:
+    d, other = case.copy(name), Path(shutil.copytree(case.saved / name, case.where / "other"))
+    manifest = A.manifest_of(d)
+    (d / manifest).unlink()
+    (d / manifest).symlink_to(other / manifest)  # the same save's: followed, it would read as valid
+    return d
+
+
+SYMLINKED = (*DIRECTORY, "cli verify", "cli reshard")
+
+
+@attack("path", "ValueError", "manifest.pt: is a symbolic link", "expected a regular file", entries=SYMLINKED)
+def manifest_symlinked_to_another_checkpoints_manifest(case: Case) -> Path:
+    return _manifest_symlinked_to_another_checkpoints(case, "ckpt")
+
+
+@attack("path", "ValueError", "manifest.json: is a symbolic link", "expected a regular file", entries=SYMLINKED)
+def format3_manifest_symlinked_to_another_checkpoints_manifest(case: Case) -> Path:
+    return _manifest_symlinked_to_another_checkpoints(case, "ckpt2")
+
+
 @attack("path", "ValueError", "a character device", entries=("load", "cli convert", "cli inspect"))
 def dev_zero_as_a_full_dict(case: Case) -> str:
     return "/dev/zero"  # endless bytes: reading it would never finish
@@ -525,7 +546,7 @@ def format2_manifest_declaring_a_billion_ranks(case: Case) -> Path:
     return d
 
 
-@attack("bomb", "ValueError", "not a JSON manifest", entries=DIRECTORY)
+@attack("bomb", "ValueError", "nested deeper than 64 levels", entries=DIRECTORY)
 def format2_manifest_nested_a_million_deep(case: Case) -> Path:
     d = case.copy("ckpt2")
     (d / MANIFEST_NAME).write_text("[" * 1_000_000 + "]" * 1_000_000)
@@ -548,6 +569,57 @@ def format2_manifest_scalar_declaring_four_gigabytes(case: Case) -> Path:
         entry["value"] = {"$tensor": {"dtype": "float32", "shape": [1 << 15, 1 << 15], "hex": ""}}
 
     A.forge_manifest_json(d, huge, raw=True)
+    return d
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 0.5
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+DEEP = (*DIRECTORY, "cli reshard", "reshard with it as the layout", "cli reshard with it as the layout")
+
+
+@attack("bomb", "ValueError", "nested deeper than 64", "['param_groups'][0]['hyperparams']['lr']", entries=DEEP)
+def format3_manifest_hyperparameter_nested_six_hundred_deep(case: Case) -> Path:
+    d = case.copy("ckpt2")  # json.loads reads 600 levels; what consumes the value recursively would not
+    A.forge_manifest_json(d, lambda body: body["param_groups"][0]["hyperparams"].update(lr=_nested(600)), raw=True)
+    return d
+
+
+@attack("bomb", "ValueError", "nested deeper than 64", "['body']['flat_params'][0]['state']", entries=DIRECTORY)
+def format2_manifest_scalar_state_nested_six_hundred_deep(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    doc[HEADER_KEY]["version"] = doc["body"]["version"] = 2  # format 2: the general reader (checksum canonical)
+    next(e for e in doc["body"]["flat_params"][0]["state"] if e["key"] == "step")["value"] = _nested(600)
+    (d / MANIFEST_NAME).write_text(json.dumps(doc))
+    A.forge_manifest_json(d, lambda body: None, raw=True)
+    return d
+
+
+@attack("malformed", "ValueError", "the key 'checksum' appears twice", entries=DIRECTORY)
+def format3_manifest_with_a_second_checksum_after_a_wrong_one(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    text = (d / MANIFEST_NAME).read_text()
+    wrong = '"checksum":"xxh3-128:' + "0" * 32 + '",'
+    (d / MANIFEST_NAME).write_text(text.replace('"checksum":', wrong + '"checksum":', 1))  # json keeps the last
+    return d
+
+
+@attack("malformed", "ValueError", "the key 'world_size' appears twice", entries=DIRECTORY)
+def format3_manifest_with_a_second_world_size(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_manifest_text(d, lambda text: text.replace('"world_size":2', '"world_size":3,"world_size":2', 1))
+    return d
+
+
+@attack("malformed", "ValueError", "the key 'format' appears twice", entries=RANK_FILES)
+def format3_rank_file_header_with_a_key_twice(case: Case) -> Path:
+    d = case.copy("ckpt2")
+    A.forge_safetensors(d, 1, text=lambda t: t.replace(b'"format":', b'"format":"not ours","format":', 1))
     return d
 
 
@@ -628,6 +700,14 @@ def format2_reshard_into_a_directory_with_a_foreign_manifest(case: Case) -> Path
     return case.copy("ckpt2")
 
 
+@attack("writer", "ForeignOutputError", "manifest.json is not an fsdp_optim manifest", "even with overwrite",
+        entries=("reshard into, overwrite", "cli reshard into, overwrite"))
+def format3_reshard_with_overwrite_over_a_foreign_manifest(case: Case) -> Path:
+    case.out.mkdir()
+    (case.out / MANIFEST_NAME).write_text('{"model": "someone else\'s"}')  # our commit would rename over it
+    return case.copy("ckpt2")
+
+
 @attack("writer", "ValueError", "one of the inputs", entries=("cli consolidate into its own manifest",))
 def format2_consolidate_output_is_its_own_manifest(case: Case) -> Path:
     return case.copy("ckpt2")
@@ -646,6 +726,8 @@ def _call(entry: str, given: Any, case: Case, attack: Attack) -> A.Outcome:
         "reshard full": lambda: (A.reshard_entry, (str(given), 3, out, layout)),
         "cli consolidate": lambda: (A.cli_entry, ("consolidate", str(given), "-o", f"{out}/full.pt")),
         "cli inspect": lambda: (A.cli_entry, ("inspect", str(given), "--units")),
+        "cli verify": lambda: (A.cli_entry, ("verify", str(given))),
+        "cli reshard": lambda: (A.cli_entry, ("reshard", str(given), "--world-size", "3", "-o", out)),
         "cli convert": lambda: (A.cli_entry, ("convert", str(given), "--to", "named", "-o", f"{out}/named.pt")),
         "reshard dict": lambda: (A.reshard_built, (builder, full, 3, out, layout)),
         "to_named": lambda: (A.to_named_built, (builder, full)),
@@ -658,6 +740,14 @@ def _call(entry: str, given: Any, case: Case, attack: Attack) -> A.Outcome:
             A.cli_entry, ("convert", str(given), "--to", "named", "-o", str(case.where / "link.pt"))
         ),
         "reshard into": lambda: (A.reshard_entry, (str(given), 3, out)),
+        "reshard with it as the layout": lambda: (A.reshard_entry, (full, 3, out, str(Path(given) / MANIFEST_NAME))),
+        "cli reshard with it as the layout": lambda: (
+            A.cli_entry, ("reshard", full, "--world-size", "3", "--layout", str(Path(given) / MANIFEST_NAME), "-o", out)
+        ),
+        "reshard into, overwrite": lambda: (A.reshard_entry, (str(given), 3, out, None, True)),
+        "cli reshard into, overwrite": lambda: (
+            A.cli_entry, ("reshard", str(given), "--world-size", "3", "-o", out, "--overwrite")
+        ),
     }
     fn, args = calls[entry]()
     return A.bounded(fn, *args)
@@ -668,7 +758,8 @@ def _check(entry: str, outcome: A.Outcome, attack: Attack, case: Case) -> None:
     if entry.startswith("cli"):
         assert outcome.kind == "ok", f"{entry}: the CLI itself raised: {outcome}"
         code, text, err = outcome.value
-        assert code == 1 and text == "", f"{entry}: exit {code}, stdout {text!r}, stderr {err!r}"
+        report = entry == "cli verify"  # verify reports each file on stdout, then fails naming the damaged ones
+        assert code == 1 and (text == "" or report), f"{entry}: exit {code}, stdout {text!r}, stderr {err!r}"
         assert err.startswith(CLI_ERROR) and err.count("\n") == 1 and "Traceback" not in err, f"{entry}: {err!r}"
         assert not any(ord(c) < 0x20 for c in err[:-1]), f"{entry}: a raw control character: {err!r}"
         if attack.cls == "names":
@@ -732,6 +823,54 @@ def test_escaped_names_are_printed_escaped(name: str, saved: Path, tmp_path: Pat
     code, text, err = outcome.value
     assert code == 0 and err == "", err
     assert "\x1b" not in text and "\x07" not in text and "block1\\x1b]0;owned\\x07\\x1b[2J" in text, text
+
+
+def test_a_step_out_of_every_float_range_is_shown_or_refused_never_a_traceback(saved: Path, tmp_path: Path) -> None:
+    """A ``step`` of ``10**400`` (valid JSON, checksum right): ``inspect`` shows it, and what cannot hold it
+    refuses it clearly; no ``OverflowError`` out of the CLI (exit 70)."""
+    d = Case(saved, tmp_path).copy("ckpt2")
+
+    def huge(body: dict[str, Any]) -> None:
+        for flat in body["flat_params"]:
+            for e in flat["state"]:
+                if e["key"] == "step":
+                    e["value"] = 10**400
+
+    A.forge_manifest_json(d, huge, raw=True)
+    code, text, err = A.bounded(A.cli_entry, "inspect", str(d), "--units").value
+    assert code == 0 and err == "" and "step" in text and "(401 digits)" in text, (code, text, err)
+    out = tmp_path / "out"
+    for argv in (("consolidate", str(d), "-o", str(out / "full.pt")), ("reshard", str(d), "--world-size", "3", "-o", str(out))):
+        code, _, err = A.bounded(A.cli_entry, *argv).value
+        assert code in (0, 1) and "Traceback" not in err, (argv[0], code, err)
+        assert code == 0 or (err.startswith(CLI_ERROR) and err.count("\n") == 1), (argv[0], err)
+
+
+@pytest.mark.parametrize("content", ["holes", "one long string"])
+def test_reading_a_large_manifest_costs_a_small_multiple_of_its_bytes(saved: Path, tmp_path: Path, content: str) -> None:
+    """A format-3 manifest of ~60 MB under the cap (``MAX_MANIFEST_BYTES``): a sparse file (header as written,
+    then holes: its checksum cannot match) or a valid one (checksum right) holding one long string.
+    ``inspect`` grows by at most 3x the file + 64 MiB (it copied and hashed the ``repr`` of the text: 5-11x)."""
+    from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES
+
+    d = Case(saved, tmp_path).copy("ckpt2")
+    size = min(60_000_000, MAX_MANIFEST_BYTES - (1 << 20))
+    if content == "holes":
+        head = (d / MANIFEST_NAME).read_bytes().partition(b',"body":')[0] + b',"body":'
+        with open(d / MANIFEST_NAME, "r+b") as f:
+            f.truncate(size)  # holes: NUL bytes that take no disk
+            f.write(head)
+            f.seek(size - 2)
+            f.write(b"}\n")
+    else:
+        long = "x" * size
+        A.forge_manifest_json(d, lambda body: body["param_groups"][0]["hyperparams"].update(note=long), raw=True)
+    nbytes = (d / MANIFEST_NAME).stat().st_size
+    outcome = A.bounded(A.cli_peak_entry, "inspect", str(d), memory=4 << 30)
+    assert outcome.kind == "ok", outcome
+    code, err, growth = outcome.value
+    assert code in (0, 1) and "Traceback" not in err, (code, err)
+    assert growth <= 3 * nbytes + (64 << 20), f"{content}: {nbytes} bytes of manifest, peak RSS grew {growth} bytes"
 
 
 def test_overwrite_writes_beside_foreign_files_and_keeps_them(saved: Path, tmp_path: Path) -> None:

@@ -117,8 +117,9 @@ def test_cli_converts_every_source_to_dcp(jobs, tmp_path, capsys) -> None:
     full = fsdp_optim.consolidate(prefix)
     torch.save(full, tmp_path / "full.pt")
     fsdp_optim.reshard(full, 3, tmp_path / "ours", layout=ShardSet(prefix).manifest)
-    for name in ("full.pt", "ours"):
-        code = main(["convert", str(tmp_path / name), "--to", "dcp", "-o", str(tmp_path / f"dcp-{name}")])
+    for name in ("full.pt", "ours"):  # a DCP directory named like a torch file (dcp-full.pt) is a usage error
+        out_dir = tmp_path / f"dcp-{Path(name).stem}"
+        code = main(["convert", str(tmp_path / name), "--to", "dcp", "-o", str(out_dir)])
         out, err = capsys.readouterr()
         assert code == 0 and "model 0 tensors, optimizer state of 16 params" in out, err
-        assert_identical(_read(tmp_path / f"dcp-{name}", tmp_path)["optim"], _read(jobs.dcp_dirs[2], tmp_path)["optim"])
+        assert_identical(_read(out_dir, tmp_path)["optim"], _read(jobs.dcp_dirs[2], tmp_path)["optim"])

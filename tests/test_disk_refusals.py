@@ -709,18 +709,18 @@ def truncated_manifest_loaded_in_a_job(src: Source) -> Path:
     return truncated_manifest(src)
 
 
-@refusal(FileNotFoundError, "{rank1}", "no such file", job="deep", refusing=(1,))
+@refusal(FileNotFoundError, "{rank1}", "no such file", job="deep")  # every rank refuses: a load is all or nothing
 def own_rank_file_missing_in_a_job(src: Source) -> Path:
     # Same world size and layout: each rank reads only its own file, so only rank 1 can notice.
     return missing_rank_file(src)
 
 
-@refusal(ValueError, "{rank1}", "checksum mismatch", job="deep", refusing=(1,))
+@refusal(ValueError, "{rank1}", "checksum mismatch", job="deep")  # every rank refuses: a load is all or nothing
 def flipped_byte_in_own_rank_file_in_a_job(src: Source) -> Path:
     return flipped_byte_in_a_tensor(src)
 
 
-@refusal(ValueError, "{rank1}", "save_id is", job="deep", refusing=(1,))
+@refusal(ValueError, "{rank1}", "save_id is", job="deep")  # every rank refuses: a load is all or nothing
 def rank_file_of_another_save_in_a_job(src: Source) -> Path:
     return rank_file_of_another_save(src)
 
@@ -773,7 +773,7 @@ def checkpoint_with_more_param_groups_than_the_optimizer(src: Source) -> Path:
     return src.copy()
 
 
-@refusal(ValueError, "{rank1}", "'step'", "3.0", "2.0", job="deep", refusing=(1,))
+@refusal(ValueError, "{rank1}", "'step'", "3.0", "2.0", job="deep")  # every rank refuses: a load is all or nothing
 def scalar_state_of_own_rank_file_differs_from_the_manifest_in_a_job(src: Source) -> Path:
     # Each rank reads only its own file here: rank 1 alone can tell, and must, or it resumes at step 3.
     return scalar_state_of_a_rank_file_differs_from_the_manifest(src)
@@ -792,12 +792,12 @@ def empty_directory_loaded_in_a_job(src: Source) -> Path:
     return empty_directory(src)
 
 
-@refusal(ValueError, "{v2rank1}", "checksum mismatch", job="deep", refusing=(1,))
+@refusal(ValueError, "{v2rank1}", "checksum mismatch", job="deep")  # every rank refuses: a load is all or nothing
 def format2_flipped_byte_in_own_rank_file_in_a_job(src: Source) -> Path:
     return format2_flipped_byte_in_a_shard(src)
 
 
-@refusal(ValueError, "{v2rank1}", "save_id is", job="deep", refusing=(1,))
+@refusal(ValueError, "{v2rank1}", "save_id is", job="deep")  # every rank refuses: a load is all or nothing
 def format2_rank_file_of_another_save_in_a_job(src: Source) -> Path:
     return format2_rank_file_of_another_save(src)
 
@@ -1039,7 +1039,7 @@ def test_job_refusal_is_clear_and_changes_nothing(kind: str, saved: Saved) -> No
     case = CASES[kind]
     for rank, per_rank in enumerate(saved.outcomes):
         got = per_rank[kind]
-        if rank not in case.refusing:  # this rank's own files are fine: it loads them (a local operation)
+        if rank not in case.refusing:  # the control: every rank loads
             assert got["error"] is None, f"rank {rank}: expected a load, got {got}"
             continue
         assert got["error"] in case.error_names, f"rank {rank}: expected {' or '.join(case.error_names)}, got {got}"

@@ -265,3 +265,43 @@ def test_inspect_describes_the_file(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "format: named safetensors file" in out and "optimizer: Adam" in out and "params: 2 (2 with state)" in out
     assert "state keys: step (scalar), exp_avg (float32), exp_avg_sq (float32)" in out and "step: 4" in out
+
+
+def test_verify_checks_every_chunk_of_a_named_safetensors_file(tmp_path, capsys) -> None:
+    """Issue 29: verify read our own safetensors file as a torch zip ("not a zip file") and said ok=False with
+    no problem. It now checks the header, each chunk and each whole digest, and names a flipped byte's chunk."""
+    path = tmp_path / "optim.safetensors"
+    to_safetensors(_big_full(), path)
+    report = fsdp_optim.verify(path)
+    assert report.ok and report.problems == () and report.kind == "named safetensors file", report.lines()
+    assert main(["verify", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "checksums match" in out and err == "", (out, err)
+    before = path.read_bytes()
+    _corrupt(path, "big.weight/exp_avg_sq", (1 << 20) + 8)  # the second chunk
+    report = fsdp_optim.verify(path)
+    assert not report.ok and len(report.problems) == 1, report.problems  # ok=False always says why
+    assert str(path) in report.problems[0] and "big.weight/exp_avg_sq" in report.problems[0], report.problems
+    assert "bytes [1048576, 1680000)" in report.problems[0], report.problems
+    assert main(["verify", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "fails its checksum" in err and "zip" not in err, err
+    assert path.read_bytes() != before and len(path.read_bytes()) == len(before)  # verify changed nothing
+
+
+def test_convert_infers_the_target_from_the_extension_and_refuses_a_mismatch(tmp_path, capsys) -> None:
+    """Issue 29: ``convert SRC -o out.safetensors`` (no ``--to``) wrote a torch pickle under a .safetensors name."""
+    full = _big_full()
+    to_safetensors(full, tmp_path / "src.st")
+    assert main(["convert", str(tmp_path / "src.st"), "-o", str(tmp_path / "out.safetensors")]) == 0
+    assert (tmp_path / "out.safetensors").read_bytes()[:2] != b"PK"  # not a torch (zip) file
+    assert_identical(load_full_state(tmp_path / "out.safetensors"), full, "inferred safetensors")
+    assert main(["convert", str(tmp_path / "src.st"), "-o", str(tmp_path / "out.pt")]) == 0
+    assert_identical(torch.load(tmp_path / "out.pt", weights_only=True), full, "inferred full")
+    capsys.readouterr()
+    for to, name in [("full", "x.safetensors"), ("named", "x.safetensors"), ("safetensors", "x.pt"), ("dcp", "x.pth")]:
+        with pytest.raises(SystemExit) as usage:
+            main(["convert", str(tmp_path / "src.st"), "--to", to, "-o", str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert usage.value.code == 2 and f"--to {to} was given" in err and name in err, (to, err)
+        assert not (tmp_path / name).exists(), name

@@ -204,3 +204,17 @@ def test_consolidating_a_shard_set_keeps_the_model_unless_no_model(files, capsys
     code, text, err = _run(capsys, "consolidate", prefix, "-o", tmp_path / "d.pt", "--no-model")
     assert code == 0, err
     assert "model" not in torch.load(tmp_path / "d.pt", weights_only=False)
+
+
+def test_verify_knows_a_json_layout_file_and_refuses_a_lone_rank_file(files, tmp_path) -> None:
+    """Issue 29: verify read every file that was not a directory as a torch zip ("not a zip file")."""
+    layout = tmp_path / "layout.json"
+    shutil.copy(files / "ckpt" / "manifest.json", layout)  # a manifest is a layout file with rank files listed
+    report = fsdp_optim.verify(layout)
+    assert report.ok and report.kind == "layout file", report.lines()
+    layout.write_text(layout.read_text().replace('"optimizer":"Adam"', '"optimizer":"Adan"', 1))
+    report = fsdp_optim.verify(layout)
+    assert not report.ok and report.problems and "layout.json" in report.problems[0], report.problems
+    rank_file = manifest_rank_file(files / "ckpt", 0)
+    with pytest.raises(ValueError, match="verify the checkpoint directory"):
+        fsdp_optim.verify(rank_file)

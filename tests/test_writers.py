@@ -228,13 +228,29 @@ def test_a_save_into_a_directory_holding_foreign_files_is_refused_on_every_rank(
     shutil.rmtree(directory)
 
 
-def _save_into(rank: int, world_size: int, directory: str) -> tuple[str, str, list[str]]:
+def test_a_save_with_overwrite_over_a_foreign_manifest_json_is_refused_and_keeps_it(tmp_path: Path) -> None:
+    """``overwrite=True`` writes beside foreign files, but our commit would rename over another tool's
+    ``manifest.json``: refused on every rank, the file kept byte for byte."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    foreign = b'{"model": "someone else\'s"}'
+    (directory / "manifest.json").write_bytes(foreign)
+    results = run_ranks(_save_into, 2, str(directory), True)
+    for rank, (error, message, names) in enumerate(results):
+        assert error in ("ForeignOutputError", "OSError"), f"rank {rank}: {error}: {message}"
+        assert "manifest.json is not an fsdp_optim manifest" in message and "even with overwrite" in message, message
+        assert names == ["manifest.json"], f"rank {rank} saw {names}: something was written"
+    assert (directory / "manifest.json").read_bytes() == foreign, "the foreign manifest.json changed"
+    shutil.rmtree(directory)
+
+
+def _save_into(rank: int, world_size: int, directory: str, overwrite: bool = False) -> tuple[str, str, list[str]]:
     model = M.wrap(M.make_net(), "deep")
     optim = M.OPTIMIZERS["adamw"](M.fsdp_param_groups(model))
     M.train_step(model, optim, *M.local_batch(0, rank, world_size))
     before = {k: v.clone() for k, v in optim.state_dict()["state"].get(0, {}).items() if torch.is_tensor(v)}
     try:
-        save_sharded_optim_state(model, optim, directory)
+        save_sharded_optim_state(model, optim, directory, overwrite=overwrite)
         raise AssertionError("the save was not refused")
     except OSError as exc:
         outcome = (type(exc).__name__, str(exc))

@@ -4,7 +4,12 @@
     fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp|safetensors]
-    fsdp-optim verify PATH
+    fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
+    fsdp-optim diff A B [--atol X] [--rtol Y] [--json]
+    fsdp-optim list ROOT [--json] [--quick]
+
+``convert`` without ``--to`` writes what ``-o``'s extension names (``.safetensors``: the named safetensors file;
+``.pt``/``.pth`` or any other: the full dict); a ``--to`` the extension contradicts is a usage error (exit 2).
 
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
 fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
@@ -12,13 +17,21 @@ fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of 
 A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
 full dict, ``model`` the full weights unless ``--no-model``, as fairseq's own consolidation keeps them) and
 resharded into shard files of the same format. ``verify`` checks every file of a checkpoint or shard set
-(present, of its size, checksums matching) and exits 1 naming each damaged file.
+(present, of its size, checksums matching) and exits 1 naming each damaged file. ``list`` shows the step directories
+of a :class:`~fsdp_optim.CheckpointManager` root (complete / torn / damaged and why, world size, what each holds,
+bytes) and exits 0.
 
 A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
 
+``diff`` compares two sources of one model (any formats, world sizes and nesting) per parameter and state key
+and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they differ, and 2 for bad
+usage or input. ``verify --deep`` also reads the state for what a resumed run would trip on and exits 1 naming
+each finding's parameter and state key.
+
 Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
-70 an internal error (with its traceback). Every file is read with ``torch.load(..., weights_only=True)``.
+70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
+saying what was left as it was; no traceback). Every file is read with ``torch.load(..., weights_only=True)``.
 Progress bars appear on a terminal only.
 
 A dispatcher: torch and the package's modules are imported by the verb that needs them, so ``--help``
@@ -27,9 +40,12 @@ and argument errors cost no more than starting Python, and no verb imports fairs
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 
@@ -37,7 +53,7 @@ from fsdp_optim.cli.parser import build_parser
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 70
+EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
 # API parameter names as the command line spells them, for the "name: ..." prefix of an error.
 _FLAGS = {
     "world_size": "--world-size",
@@ -62,25 +78,75 @@ _parser = build_parser  # the grammar, for tests and docs that print --help
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check = getattr(args, "check", None)  # a usage check that needs more than one flag (exit 2, as argparse's)
+    problem = check(args) if check is not None else None
+    if problem is not None:
+        args.usage_error(problem)  # the verb's parser: its usage line, the message, exit 2
+    interrupts = _Interrupts()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupts) if on_main_thread else None
     try:
-        lines = args.run(args)
-    except (ValueError, TypeError, OSError, NotImplementedError) as exc:
-        from fsdp_optim.disk.text import escape  # names and messages may carry a file's text: no terminal controls
+        return _run(args, interrupts)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGINT, previous)
 
-        print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception:
+
+class _Interrupts:
+    """The SIGINT handler of a run: the first Ctrl-C raises ``KeyboardInterrupt`` (the writers' cleanup runs as
+    it unwinds) and is remembered, so an error a library made of it (torch's writer turns it into a
+    ``RuntimeError``) still reads as an interrupt; a later Ctrl-C is ignored, so that cleanup finishes."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:  # noqa: ARG002 - the handler signature
+        if not self.seen:
+            self.seen = True
+            raise KeyboardInterrupt
+
+
+def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
+    from fsdp_optim.disk.text import escape  # names and messages may carry a file's text: no terminal controls
+
+    left = _left_as_it_was(args)
+    try:
+        result = args.run(args)
+    except BaseException as exc:
+        if interrupts.seen or isinstance(exc, KeyboardInterrupt):
+            print(escape(f"interrupted; {left}", limit=2000), file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
+            print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
+            return int(getattr(args, "bad_input_exit", EXIT_BAD_INPUT))  # diff: 2, as its usage errors
+        if not isinstance(exc, Exception):
+            raise
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
-    from fsdp_optim.disk.text import escape
+    from fsdp_optim.cli.outcome import Outcome
 
+    lines, code = (result.lines, result.code) if isinstance(result, Outcome) else (result, EXIT_OK)
     try:
         for line in lines:
             print(escape(line, limit=1 << 20), flush=True)
     except BrokenPipeError:  # `fsdp-optim inspect ... | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return EXIT_OK
+    except KeyboardInterrupt:
+        print("interrupted; the work was done, only its report was cut short", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return code
+
+
+def _left_as_it_was(args: argparse.Namespace) -> str:
+    """What an interrupt leaves, said before the verb runs: every writer stages its output and commits last,
+    removing what it staged when interrupted, so the output is as it was before."""
+    output = getattr(args, "output", None)
+    if output is None:
+        return "nothing was written"
+    if os.path.lexists(output):
+        return f"{output} was left as it was"
+    return f"nothing was written to {output}"
 
 
 def _one_line(exc: BaseException) -> str:

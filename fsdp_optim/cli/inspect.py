@@ -7,11 +7,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_optim.cli.outcome import Outcome
+
 if TYPE_CHECKING:
     from fsdp_optim.formats.sharded.manifest import Manifest
 
 
 def human_bytes(n: int) -> str:
+    if not 0 <= n < 1 << 60:  # a file's declared sizes: no float of them (10**400 has none)
+        return f"{n} B"
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
@@ -24,9 +28,19 @@ def human_bytes(n: int) -> str:
 def _step_text(steps: Sequence[Any]) -> str:
     if not steps:
         return "-"
-    values = sorted({float(s) for s in steps})
-    shown = [str(int(v)) if v.is_integer() else repr(v) for v in values]
+    # Sorted as numbers (int and float compare exactly, none converted: a step of 10**400 has no float), NaN
+    # and other kinds of value after them, as text.
+    numbers = sorted({s for s in steps if type(s) in (int, float) and s == s})
+    others = sorted({repr(s)[:40] for s in steps if not (type(s) in (int, float) and s == s)})
+    shown = [_number_text(v) for v in numbers] + others
     return shown[0] if len(shown) == 1 else f"{shown[0]}..{shown[-1]} ({len(shown)} distinct)"
+
+
+def _number_text(v: int | float) -> str:
+    if type(v) is float and v.is_integer():
+        return str(int(v))
+    text = str(v) if type(v) is int else repr(v)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
 
 
 
@@ -133,7 +147,7 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
             if opened.kind is Kind.SHARDED:
                 from fsdp_optim.offline.verify import present_and_sized
 
-                damaged = present_and_sized(path)
+                damaged = present_and_sized(path, opened.manifest)  # the manifest read once
                 if damaged:
                     raise ValueError(
                         f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)"
@@ -204,13 +218,21 @@ def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> No
 
 
 
-def run_verify(args: argparse.Namespace) -> list[str]:
+def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
+    import json
+
     from fsdp_optim.disk.text import escape
     from fsdp_optim.offline.verify import verify
 
-    report = verify(args.path, allow_globals=args.allow_global)
+    report = verify(args.path, allow_globals=args.allow_global, deep=args.deep, layout=args.layout)
+    if args.json:
+        return Outcome(tuple(json.dumps(report.to_json(), indent=1).splitlines()), 0 if report.ok else 1)
     lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]
     if report.ok:
-        return [*lines, f"verified: {len(report.files)} files, every one present, of its size, checksums matching"]
+        deep = "; state: all finite, second moments >= 0, steps and hyperparameters sound" if report.deep else ""
+        verdict = f"verified: {len(report.files)} files, every one present, of its size, checksums matching"
+        return [*lines, verdict + deep]
     print("\n".join(escape(line, limit=1 << 20) for line in lines), flush=True)
-    raise ValueError(f"{args.path}: damaged: {'; '.join(report.damaged())}")
+    intact = not report.problems and all(f.ok for f in report.files)
+    what = f"{len(report.findings)} findings a resumed run would trip on" if intact else "damaged"
+    raise ValueError(f"{args.path}: {what}: {'; '.join(report.damaged())}")

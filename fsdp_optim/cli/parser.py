@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from fsdp_optim.cli.diff import add_diff
 from fsdp_optim.cli.inspect import run_inspect, run_verify
+from fsdp_optim.cli.listing import run_list
 from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 
 
@@ -26,11 +29,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_consolidate(verbs)
     _add_reshard(verbs)
     _add_convert(verbs)
+    _add_verify(verbs)
+    add_diff(verbs)
+    _add_list(verbs)
+    return parser
+
+
+def _add_verify(verbs: Any) -> None:
     p = verbs.add_parser("verify", help="every file of a checkpoint: present, of its size, checksums matching")
     p.add_argument("path", help="a sharded checkpoint directory, a fairseq/metaseq shard set, or a single file")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also read the state for what a resumed run would trip on: NaN/Inf values, a negative second moment, "
+        "steps that disagree in a param group, hyperparameters out of range (exit 1 naming each)",
+    )
+    p.add_argument(
+        "--layout", help="with --deep: a sharded checkpoint or layout file of the model, to check parameters and shapes"
+    )
+    p.add_argument("--json", action="store_true", help="print the verdict, every file and every finding as JSON")
     _allow_global(p)
     p.set_defaults(run=run_verify)
-    return parser
+
+
+def _add_list(verbs: Any) -> None:
+    p = verbs.add_parser(
+        "list", help="the step directories of a CheckpointManager root: state, world size, what each holds, bytes"
+    )
+    p.add_argument("root", help="the root directory given to fsdp_optim.CheckpointManager")
+    p.add_argument("--json", action="store_true", help="one JSON object: {root, steps: [{step, state, ...}]}")
+    p.add_argument(
+        "--quick", action="store_true", help="check the files' presence and sizes only (default: every checksum)"
+    )
+    p.set_defaults(run=run_list)
 
 
 
@@ -114,13 +145,42 @@ def _add_convert(verbs: Any) -> None:
     p.add_argument(
         "--to",
         choices=("full", "named", "dcp", "safetensors"),
-        default="full",
-        help="full: fsdp_optim's full dict (default); named: keyed by parameter name, for set_optimizer_state_dict; "
-        "dcp: a torch.distributed.checkpoint directory (model weights too, from a shard set) for dcp.load; "
-        "safetensors: one .safetensors file of <param name>/<state key> tensors (load_full_state reads it back)",
+        default=None,
+        help="full: fsdp_optim's full dict (the default, and for a -o ending in .pt or .pth); named: keyed by "
+        "parameter name, for set_optimizer_state_dict; dcp: a torch.distributed.checkpoint directory (model "
+        "weights too, from a shard set) for dcp.load; safetensors: one .safetensors file of <param name>/<state "
+        "key> tensors (load_full_state reads it back; the default for a -o ending in .safetensors)",
     )
     _allow_global(p)
-    p.set_defaults(run=run_convert)
+    p.set_defaults(run=run_convert, check=check_convert_target, usage_error=p.error)
+
+
+# What each known extension of -o is written as (the first is the default for it); another is refused.
+_EXTENSION_TARGETS = {".safetensors": ("safetensors",), ".pt": ("full", "named"), ".pth": ("full", "named")}
+
+
+def check_convert_target(args: argparse.Namespace) -> str | None:
+    """Set ``args.to`` from ``-o``'s extension when ``--to`` is not given; a usage error (the message) when
+    ``--to`` writes something else than the extension says (a torch pickle named ``.safetensors``)."""
+    suffix = Path(args.output).suffix.lower()
+    allowed = _EXTENSION_TARGETS.get(suffix)
+    if args.to is None:
+        args.to = allowed[0] if allowed is not None else "full"
+        return None
+    if allowed is None or args.to in allowed:
+        return None
+    return (
+        f"-o {args.output}: a {suffix} name is for --to {' or --to '.join(allowed)}, but --to {args.to} was given "
+        f"(it writes {_WRITES[args.to]}); rename the output or drop --to"
+    )
+
+
+_WRITES = {
+    "full": "a torch file of the full dict",
+    "named": "a torch file keyed by parameter name",
+    "dcp": "a DCP directory",
+    "safetensors": "a safetensors file",
+}
 
 
 

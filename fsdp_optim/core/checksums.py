@@ -3,6 +3,7 @@ reader checks."""
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
@@ -83,6 +84,35 @@ def digest_matches(value: Any, expected: Any) -> bool:
     algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
     return algorithm in _HASHES and digest(value, algorithm) == expected
 
+
+
+_TEXT_CHUNK = 1 << 20
+
+
+def text_digest_matches(data: bytes, expected: Any, start: int = 0, end: int | None = None) -> bool:
+    """``digest_matches(data[start:end].decode("utf-8", "replace"), expected)``, the text decoded and escaped
+    (``repr``) a chunk at a time: memory stays the chunk's, not 5-11x the text's (a manifest's checksum)."""
+    algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
+    if algorithm not in _HASHES:
+        return False
+    end = len(data) if end is None else end
+    h = _HASHES[algorithm]()
+    # repr() quotes with ' unless the text holds ' and no ": the one choice that depends on the whole text
+    # (a ' or " byte is never part of a longer UTF-8 sequence, and 'replace' makes no quotes).
+    double = data.find(b"'", start, end) >= 0 and data.find(b'"', start, end) < 0
+    quote = '"' if double else "'"
+    h.update(f"str:{quote}".encode())
+    decoder, view = codecs.getincrementaldecoder("utf-8")("replace"), memoryview(data)
+    for k in range(start, max(start, end), _TEXT_CHUNK):
+        h.update(_escaped(decoder.decode(view[k : min(k + _TEXT_CHUNK, end)]), double).encode())
+    h.update(_escaped(decoder.decode(b"", final=True), double).encode())
+    h.update(f"{quote}|".encode())
+    return f"{algorithm}:{h.hexdigest()}" == expected
+
+
+def _escaped(text: str, double: bool) -> str:
+    """``repr(text)`` without its quotes, as ``repr`` of the whole text escapes it (its quote is " if ``double``)."""
+    return repr(text)[1:-1] if double else repr(text + '"')[1:-2]
 
 
 _PLAIN = frozenset({int, float, str, bool, type(None)})  # leaves fed as "type:repr|"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 # Bounds. Real checkpoints stay far below them; each one caps what a crafted input can make us spend.
 MAX_DEPTH = 32  # containers nested in a loaded object (a full dict is 5 deep, a manifest 9)
+MAX_JSON_DEPTH = 64  # containers nested in a JSON file we read (a manifest is 9 deep, tagged values included)
 
 
 

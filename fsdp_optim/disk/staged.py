@@ -12,7 +12,8 @@ What every writer gets, whatever the format::
 2. ``out``'s lock is taken (a second writer gets ``OutputLockedError``).
 3. What a killed writer of ``out`` left is removed, exactly as its journal announced it (:func:`recover`).
 4. Content of ``out`` that the format does not claim is *foreign*: refused with ``ForeignOutputError`` unless
-   ``overwrite``, and never deleted either way.
+   ``overwrite``, and never deleted either way (a foreign file where the format commits, such as another
+   tool's ``manifest.json``, is refused even with ``overwrite``: the commit would replace it).
 5. The write is journaled before any file exists (its staging directory, the names it will create, what
    its commit replaces); the files are staged, moved in, and the format's commit runs last (our manifest).
 6. A refused or failed write leaves ``out`` as it was; a killed one is cleaned up by the next writer.
@@ -61,6 +62,7 @@ class Survey:
     known: frozenset[str] = frozenset()  # names that are not foreign (the rest is refused without overwrite)
     problem: str | None = None  # why it cannot simply be written over (refused without overwrite)
     overwrite_means: str = "write there anyway (nothing there is deleted)"
+    refused: str | None = None  # why it is refused even with overwrite (a foreign file the commit would replace)
 
 
 class Claims(Protocol):
@@ -167,6 +169,8 @@ def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> set
     if not directory.is_dir():
         raise ForeignOutputError(f"{directory}: exists and is not a directory ({describe_file(directory)})")
     survey = claims.survey(directory)
+    if survey.refused:  # the commit would replace (delete) a foreign file: never, whatever the caller allows
+        raise ForeignOutputError(f"{directory}: {survey.refused}")
     foreign = sorted(set(os.listdir(directory)) - survey.known)
     if (foreign or survey.problem) and not overwrite:
         parts = [survey.problem] if survey.problem else []

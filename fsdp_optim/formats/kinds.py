@@ -22,7 +22,7 @@ from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.manifest import HEADER_KEY
 from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind
 
-__all__ = ["RANK_FILE_NAME", "Kind", "detect", "path_kind"]
+__all__ = ["RANK_FILE_NAME", "Kind", "detect", "path_kind", "sniff_kind"]
 
 
 class Kind(enum.Enum):
@@ -44,15 +44,9 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
     Raises ``FileNotFoundError`` for nothing there and ``ValueError`` naming what was found otherwise."""
     if isinstance(given, Mapping):
         return (Kind.NATIVE if is_fairscale_native(given) else Kind.FULL), given
-    kind = path_kind(given)
+    kind = path_kind(given) or sniff_kind(given)
     if kind is not None:
         return kind, None
-    if RANK_FILE_NAME.match(Path(given).name) and Path(given).suffix == ".safetensors":
-        return Kind.RANK_FILE, None  # format 2: read only through its checkpoint's manifest
-    if is_named_safetensors(given):  # any other safetensors file: ours, or refused by name when it is not
-        return Kind.NAMED, None
-    if is_json_manifest(given):  # a layout file (save_layout writes a manifest without files, in JSON)
-        return Kind.LAYOUT, None
     obj = load_file(given, mmap=True, disjoint=True)  # a file must not hold overlapping tensors
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):
@@ -63,6 +57,19 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return Kind.FULL, obj
     check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
     return Kind.FULL, obj
+
+
+def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
+    """What a file that is no torch file is, by its name and first bytes (no ``torch.load``, so ``verify`` asks
+    it too): a rank file of a checkpoint (safetensors, formats 2 and 3), a named safetensors file, a JSON layout
+    file; ``None`` for anything else (a torch file: :func:`detect` loads it to say more)."""
+    if RANK_FILE_NAME.match(Path(path).name) and Path(path).suffix == ".safetensors":
+        return Kind.RANK_FILE  # read only through its checkpoint's manifest
+    if is_named_safetensors(path):  # any other safetensors file: ours, or refused by name when it is not
+        return Kind.NAMED
+    if is_json_manifest(path):  # a layout file (save_layout writes a manifest without files, in JSON)
+        return Kind.LAYOUT
+    return None
 
 
 def path_kind(path: str | os.PathLike[str]) -> Kind | None:

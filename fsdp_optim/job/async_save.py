@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +158,8 @@ _staging: dict[int, _Staging] = {}  # id(root) -> its reusable buffers
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
 
 
-def _checkpoint_group(group: ProcessGroup) -> ProcessGroup:
+def checkpoint_group(group: ProcessGroup) -> ProcessGroup:
+    """The gloo group that coordinates async saves over ``group``'s ranks (created on first use, then kept)."""
     if group not in _groups:
         _groups[group] = new_gloo_group(group)
     return _groups[group]
@@ -182,30 +183,50 @@ def async_save_sharded_optim_state(
     (a collective over the default group: every process of the job must make that first call).
     """
     key = id(fsdp)
+    finish_previous(key)
+    root = verify_root(fsdp)
+    local = read_for_save(root, optim)
+    group = checkpoint_group(root.group)
+    # Rank 0 holds the directory's lock until the background commit (refusals raise here, on every rank).
+    save_id, lock = start_save(Path(directory), group, overwrite=overwrite, purpose="async_save_sharded_optim_state")
+    upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
+        root.layout, local, staged, type(optim).__name__, Path(directory), save_id, group, lock=lock
+    )
+    return launch(key, Path(directory), optim, local.state, upload, name=save_id[:8])
+
+
+def finish_previous(key: int) -> None:
+    """Before a new async save of root ``key``: let the one in flight finish (raising its unseen failure)."""
     previous = _inflight.get(key)
     if previous is not None:
         _wait_previous(previous)
-    root = verify_root(fsdp)
-    local = read_for_save(root, optim)
-    group = _checkpoint_group(root.group)
+
+
+def launch(
+    key: int,
+    directory: Path,
+    optim: torch.optim.Optimizer,
+    state: Mapping[int, Mapping[str, Any]],
+    upload: Callable[[Callable[[], dict[int, dict[str, Any]]]], Path],
+    *,
+    name: str,
+) -> AsyncSave:
+    """Start the background thread of an async save of root ``key``: it copies ``state`` (``{flat: {key: live
+    tensor}}``) into this root's reusable staging buffers, then runs ``upload(staged)`` (which calls ``staged()``
+    for the copy). ``optim``'s next ``step()`` / ``load_state_dict()`` waits for the copy."""
     staging = _staging.setdefault(key, _Staging())
-    # Rank 0 holds the directory's lock until the background commit (refusals raise here, on every rank).
-    save_id, lock = start_save(Path(directory), group, overwrite=overwrite, purpose="async_save_sharded_optim_state")
-    handle = AsyncSave(Path(directory))
+    handle = AsyncSave(directory)
 
     def staged() -> dict[int, dict[str, Any]]:  # in the thread; optim.step() waits for it (_StepGuard)
         try:
-            return staging.copy(local.state)
+            return staging.copy(state)
         finally:
             handle.staged.set()
 
-    upload = lambda: commit_save(  # noqa: E731 - the thread's whole job, in one call
-        root.layout, local, staged, type(optim).__name__, Path(directory), save_id, group, lock=lock
-    )
     _guard(optim).pending = handle.staged
     with _lock:
         _inflight[key] = handle
-    threading.Thread(target=handle._run, args=(upload,), name=f"fsdp_optim-async-save-{save_id[:8]}").start()
+    threading.Thread(target=handle._run, args=(lambda: upload(staged),), name=f"fsdp_optim-async-save-{name}").start()
     return handle
 
 

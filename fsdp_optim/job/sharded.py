@@ -237,12 +237,16 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
 def load_sharded_optim_state(
     fsdp: nn.Module, optim: torch.optim.Optimizer, path: str | os.PathLike[str], *, src_rank: int = 0
 ) -> None:
-    """Load a checkpoint into this rank's ``optim``.
+    """Load a checkpoint into this rank's ``optim``, all or nothing on every rank.
 
-    - ``path`` a sharded checkpoint directory (or its manifest): local, no collective. At the saved world
-      size and layout each rank reads only its own file; otherwise (another world size, another FSDP
+    - ``path`` a sharded checkpoint directory (or its manifest): a collective over ``fsdp``'s process group
+      (one small all-gather of each rank's outcome, :func:`~fsdp_optim.job.transport.agree`). At the saved
+      world size and layout each rank reads only its own file; otherwise (another world size, another FSDP
       nesting of the same parameters) each rank re-cuts its shard from the parts of the rank files that
-      overlap it, one unit at a time.
+      overlap it, one unit at a time. Every rank checks and reads its state into new memory first; only when
+      every rank succeeded does any rank call ``optim.load_state_dict``. A damaged rank file (or any other
+      failure on one rank) raises on every rank: the failing rank its own error, the others that error's type
+      and message with the rank that raised it, and no optimizer is changed anywhere.
     - ``path`` a file holding a full dict (or a fairscale-native one): a collective, see
       :func:`scatter_full_optim_state`; only ``src_rank`` reads the file.
 
@@ -256,6 +260,20 @@ def load_sharded_optim_state(
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
         _scatter(root, optim, path, src_rank, what=what)
         return
+    loaded: dict[str, Any] | None = None
+    failure: Exception | None = None
+    try:
+        loaded = _read_sharded(root, optim, path)
+    except Exception as exc:  # every rank learns of it through agree(), before any optimizer is touched
+        failure = exc
+    agree(failure, group=root.group, what=f"load_sharded_optim_state({str(path)!r}) changed no optimizer")
+    assert loaded is not None, "agree() raises on every rank when any rank failed"
+    optim.load_state_dict(loaded)
+
+
+def _read_sharded(root: Root, optim: torch.optim.Optimizer, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """This rank's state from a sharded checkpoint, checked and read into new memory, as
+    ``optim.load_state_dict`` takes it; nothing is changed."""
     layout, members, rank = root.layout, root.members, root.rank
     with ShardedCheckpoint(path, lazy=True) as ckpt:  # lazy: at the saved layout a rank reads only its own file
         check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
@@ -268,7 +286,7 @@ def load_sharded_optim_state(
             # (found by interval lookup; a rank re-cut from W to W/2 reads about two files, not W).
             ckpt.open_ranks(saved_ranks(the_plan, rank) or [0])
             state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
-    optim.load_state_dict(optimizer_state_dict(the_plan, state))
+    return optimizer_state_dict(the_plan, state)
 
 
 def scatter_full_optim_state(

@@ -39,6 +39,7 @@ __all__ = [
     "new_gloo_group",
     "gather_flat_tensors",
     "gather_objects",
+    "group_initialized",
     "scatter_objects",
 ]
 
@@ -81,6 +82,11 @@ def shut_down() -> None:
     interpreter exits, or a process can abort at exit ("terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def group_initialized() -> bool:
+    """Whether this process has joined a default process group (a job, not a single offline process)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def dist_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
@@ -58,7 +58,9 @@ def load_checkpoint(
     ``extra``: at the saved world size, rank r gets what rank r saved; at another, rank r gets saved rank
     ``r % saved_world_size``'s (so ranks beyond the saved count share a copy: reseed per-rank RNG from it, e.g.
     ``torch.manual_seed(base_seed + rank)``, when the world size changed). Buffers saved per rank (they differed
-    across ranks at save time) load only at the saved world size.
+    across ranks at save time) load only at the saved world size. Parameters load only into their saved dtype;
+    a floating-point buffer loads into another floating-point dtype with a cast (mixed precision keeps buffers in
+    the compute dtype once the model has run a forward pass, in fp32 before).
     """
     root = verify_root(model, optim)
     staged, failure = None, None
@@ -115,7 +117,7 @@ def _check_buffers(
     errors += [f"{where} has buffer '{n}', which the model does not have" for n in saved if n not in live]
     for name in (n for n in saved if n in live):
         spec, buffer = saved[name], live[name]
-        if spec.shape != tuple(buffer.shape) or spec.dtype != dtype_to_str(buffer.dtype):
+        if spec.shape != tuple(buffer.shape) or not _castable(spec.dtype, buffer.dtype):
             errors.append(
                 f"buffer '{name}' is {spec.dtype}{list(spec.shape)} in {where}, expected "
                 f"{dtype_to_str(buffer.dtype)}{list(buffer.shape)} as in the model"
@@ -127,6 +129,13 @@ def _check_buffers(
         )
     if errors:
         raise ValueError("; ".join(errors[:5]) + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+
+
+def _castable(saved: str, live: torch.dtype) -> bool:
+    """A buffer loads into one of its own dtype or, floating point into floating point, with a cast: fairscale's
+    mixed precision keeps buffers in the compute dtype after the first forward and in fp32 before it."""
+    found = dtype_from_str(saved, where="buffer")
+    return found == live or (found.is_floating_point and live.is_floating_point)
 
 
 def _read_side(ckpt: ShardedCheckpoint, training: TrainingRecord, rank: int) -> tuple[dict[str, torch.Tensor], Any]:

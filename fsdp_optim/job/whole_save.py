@@ -22,13 +22,14 @@ from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
+from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previous, launch
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.sharded import Side, commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.transport import agree, all_gather_objects
 
-__all__ = ["save_checkpoint"]
+__all__ = ["async_save_checkpoint", "save_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,7 @@ def save_checkpoint(
         path/train-<id>-rank00000-of-00002.safetensors          # extra (+ buffers) of rank 0
     """
     root = verify_root(model, optim)
-    prepared, failure = None, None
-    try:
-        prepared = _prepare(root, model, optim, extra)
-    except Exception as exc:  # every rank learns of it through agree(), with nothing written
-        failure = exc
-    agree(failure, group=root.group, what="save_checkpoint refused its input, nothing was written")
-    assert prepared is not None, "agree() raises on every rank when any rank failed"
-    per_rank = len(set(all_gather_objects(buffers_digest(prepared.buffers), root.group))) > 1
+    prepared, per_rank = _prepare_everywhere(root, model, optim, extra)
     directory = Path(path)
     save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
     side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
@@ -89,14 +83,65 @@ def save_checkpoint(
     )
 
 
-def _prepare(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any) -> _Prepared:
-    """Read and check everything this rank saves (reads only; the tensors are the live ones unless on a GPU)."""
+def async_save_checkpoint(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    path: str | os.PathLike[str],
+    *,
+    extra: Any = None,
+    overwrite: bool = False,
+) -> AsyncSave:
+    """:func:`save_checkpoint` in the background: returns an :class:`~fsdp_optim.AsyncSave` handle once the state
+    is checked, the buffers and ``extra`` copied and a save id agreed (a collective: call on every rank).
+
+    The weight shards and optimizer state are copied into reused host buffers by a background thread, which then
+    writes the files and commits the manifest; ``optim``'s next ``step()`` or ``load_state_dict()`` waits for the
+    copy (the only calls that change weights and state in a training loop; call ``handle.wait_staged()`` before
+    changing them by other means, e.g. ``load_checkpoint``). ``handle.wait()`` returns the manifest path or
+    raises the save's error on every rank. One save per model in flight; the next one waits for it.
+    """
+    key = id(model)
+    finish_previous(key)
+    root = verify_root(model, optim)
+    prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True)
+    directory = Path(path)
+    group = checkpoint_group(root.group)
+    save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
+    side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
+    optimizer = type(optim).__name__
+    upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
+        root.layout, prepared.local, staged, optimizer, directory, save_id, group, lock=lock, side=side
+    )
+    return launch(key, directory, optim, prepared.state, upload, name=save_id[:8])
+
+
+def _prepare_everywhere(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any, *, copy_buffers: bool = False
+) -> tuple[_Prepared, bool]:
+    """:func:`_prepare` on every rank, agreed (a failure anywhere raises everywhere, nothing written), and whether
+    the buffers differ across ranks (one digest per rank, all-gathered)."""
+    prepared, failure = None, None
+    try:
+        prepared = _prepare(root, model, optim, extra, copy_buffers)
+    except Exception as exc:  # every rank learns of it through agree(), with nothing written
+        failure = exc
+    agree(failure, group=root.group, what="save_checkpoint refused its input, nothing was written")
+    assert prepared is not None, "agree() raises on every rank when any rank failed"
+    return prepared, len(set(all_gather_objects(buffers_digest(prepared.buffers), root.group))) > 1
+
+
+def _prepare(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any, copy_buffers: bool
+) -> _Prepared:
+    """Read and check everything this rank saves (reads only; the tensors are the live ones unless on a GPU or
+    ``copy_buffers``: forward changes buffers, and an async save's copy runs beside it)."""
     local = read_for_save(root, optim) if optim is not None else LocalState((), {}, {})
     state: dict[int, dict[str, Any]] = {}
     for i, shard in weight_shards(root).items():
         entries = {key: own_tensor(value) for key, value in local.state.get(i, {}).items()}
         state[i] = {**entries, WEIGHTS_KEY: own_tensor(shard)}
-    buffers = {name: own_tensor(b) for name, b in persistent_buffers(model).items()}
+    live = persistent_buffers(model)
+    buffers = {name: b.detach().cpu().clone() if copy_buffers else own_tensor(b) for name, b in live.items()}
     return _Prepared(local, state, buffers, encode_extra(extra), read_aliases(model, root.layout))
 
 

@@ -45,6 +45,7 @@ import torch
 
 from fsdp_optim.core.limits import MAX_RECORDS
 from fsdp_optim.core.preconditions import check_version
+from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
 
 FORMAT = "fsdp_optim.named_safetensors"
@@ -185,7 +186,9 @@ def _get(d: Any, key: str, kind: Any, where: str) -> Any:
 def parse_document(text: str, where: str) -> tuple[Document, dict[str, Any]]:
     """The decoded document and its raw ``"tensors"`` map (checksums), every field checked."""
     try:
-        doc = json.loads(text)
+        doc = loads(text, where=f"{where}: the '{METADATA_KEY}' metadata")
+    except RefusedJSON as exc:
+        raise FormatError(str(exc)) from None
     except ValueError as exc:
         raise FormatError(f"{where}: the '{METADATA_KEY}' metadata is not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -269,7 +272,9 @@ def read_header(path: str | os.PathLike[str]) -> tuple[Document, dict[str, Tenso
             raise FormatError(f"{where}: header length {n} is past the file's {size} bytes or over {MAX_HEADER_BYTES}")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = loads(raw.decode("utf-8"), where=f"{where}: the safetensors header")
+    except RefusedJSON as exc:
+        raise FormatError(str(exc)) from None
     except ValueError as exc:
         raise FormatError(f"{where}: the safetensors header is not JSON ({exc})") from None
     if not isinstance(header, dict):

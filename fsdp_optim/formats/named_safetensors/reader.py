@@ -29,7 +29,7 @@ from fsdp_optim.core.layout import ParamSpec
 from fsdp_optim.core.plan import Source, per_parameter, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
 from fsdp_optim.formats.fullstate import build_full_state
-from fsdp_optim.formats.named_safetensors.document import Entry, TensorInfo, read_header
+from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_header
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
 __all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]
@@ -122,6 +122,20 @@ class NamedSafetensors:
                 self._chunks.add((name, c))
         return covering[start - lo : stop - lo].clone() if (lo, hi) != (start, stop) else covering
 
+    def check_every_checksum(self) -> int:
+        """Read every tensor and check every checksum the file records for it (each chunk, then the whole
+        digest), the mapping trimmed as it goes; raises :class:`ChecksumError` for the first failing piece.
+        Returns the number of tensors checked."""
+        for name, info in self.tensors.items():
+            per = chunk_elements(info.dtype, self.document.chunk_bytes)
+            for c in range(len(info.chunks)):  # a tensor over chunk_bytes has 2 or more chunks
+                self.read_flat(name, c * per, min((c + 1) * per, info.numel))
+                self.trim()
+            self._whole.discard(name)
+            self.read_flat(name, 0, info.numel)
+            self.trim()
+        return len(self.tensors)
+
     def _check(self, name: str, tensor: torch.Tensor, expected: str, offset: int, nbytes: int) -> None:
         if not digest_matches(tensor, expected):
             raise ChecksumError(
@@ -138,7 +152,11 @@ class NamedSafetensors:
             parts = [self._handle.get_slice(name)[index].reshape(-1) for index in _pieces(info.shape, start, stop, ())]
             out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=info.dtype)
         self._mapped += out.numel() * info.dtype.itemsize
-        assert out.numel() == stop - start and out.dtype == info.dtype, f"{name}: read {out.numel()} of {stop - start}"
+        if out.numel() != stop - start or out.dtype != info.dtype:  # the file changed since its header was checked
+            raise FormatError(
+                f"{self.path}: tensor '{name}' elements [{start}, {stop}): expected {stop - start} {info.dtype} "
+                f"elements, read {out.numel()} {out.dtype} (the file changed while being read?)"
+            )
         return out
 
     def _read_scalar(self, name: str) -> torch.Tensor:

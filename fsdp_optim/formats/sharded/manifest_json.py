@@ -19,7 +19,8 @@ import json
 import re
 from typing import Any
 
-from fsdp_optim.core.checksums import digest, digest_matches
+from fsdp_optim.core.checksums import digest, digest_matches, text_digest_matches
+from fsdp_optim.disk.json_input import DuplicateKeyError, RefusedJSON, check_depth, duplicate, loads, unique_object
 from fsdp_optim.disk.text import escape
 from fsdp_optim.formats.sharded.json_values import from_json, has_reserved_key, to_json
 from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, Manifest
@@ -27,7 +28,7 @@ from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, 
 __all__ = ["MAX_MANIFEST_BYTES", "manifest_from_json", "manifest_to_json"]
 
 JSON_VERSIONS = (2, CHECKPOINT_VERSION)  # format 1 wrote manifest.pt
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 64 << 20  # a 1,024-rank, 1,000-unit manifest is 0.1-20 MiB (README, "Bounds")
 _WRITTEN = re.compile(rb'\A\{"' + HEADER_KEY.encode() + rb'":(\{[^{}]*\}),"body":')
 
 
@@ -52,7 +53,7 @@ def manifest_from_json(data: bytes, *, source: str) -> Manifest:
     if written is not None and data.endswith(b"}\n"):
         head = _json(written.group(1), source)
         if isinstance(head, dict) and head.get("version") == CHECKPOINT_VERSION:
-            return _read_as_written(data[written.end() : -2], head, source)
+            return _read_as_written(data, written.end(), head, source)
     doc = _json(data, source)
     if not isinstance(doc, dict) or not isinstance(doc.get(HEADER_KEY), dict) or "body" not in doc:
         found = sorted(map(str, doc))[:10] if isinstance(doc, dict) else type(doc).__name__
@@ -72,9 +73,11 @@ def manifest_from_json(data: bytes, *, source: str) -> Manifest:
     return _manifest(from_json(doc["body"], source), version, source)
 
 
-def _json(data: bytes, source: str) -> Any:
+def _json(data: str | bytes, source: str) -> Any:
     try:
-        return json.loads(data, parse_constant=_refuse_constant)
+        return loads(data, where=source, parse_constant=_refuse_constant)
+    except RefusedJSON:
+        raise
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"{source}: not a JSON manifest ({escape(str(exc), limit=200)})") from None
 
@@ -92,17 +95,25 @@ def _check_head(head: Any, source: str) -> int:
     return version
 
 
-def _read_as_written(body: bytes, head: dict[str, Any], source: str) -> Manifest:
-    """A format-3 body: its checksum checked on its bytes, then parsed once, tagged values restored as parsed."""
+def _read_as_written(data: bytes, start: int, head: dict[str, Any], source: str) -> Manifest:
+    """A format-3 body (``data[start:-2]``): its checksum checked on its bytes, then parsed once, tagged values
+    restored as parsed. Memory: ``data``, the body's text once (a str), and what it parses to."""
     version = _check_head(head, source)
-    if not digest_matches(body.decode("utf-8", "replace"), head.get("checksum")):
+    if not text_digest_matches(data, head.get("checksum"), start, len(data) - 2):
         raise ValueError(f"{source}: checksum mismatch in the manifest (file is corrupt or was modified)")
     try:
-        parsed = json.loads(body, object_hook=_tagged, parse_constant=_refuse_constant)
+        body = str(memoryview(data)[start:-2], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source}: not a JSON manifest ({escape(str(exc), limit=200)})") from None
+    try:
+        parsed = json.loads(body, object_pairs_hook=_tagged, parse_constant=_refuse_constant)
     except _Untagged:  # refused or unusual (a '$dict'): the general reader says where, or reads it
         parsed = from_json(_json(body, source), source)
+    except DuplicateKeyError as exc:
+        raise duplicate(exc, source) from None
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{source}: not a JSON manifest ({escape(str(exc), limit=200)})") from None
+    check_depth(parsed, f"{source}: the body")
     return _manifest(parsed, version, source)
 
 
@@ -117,8 +128,12 @@ class _Untagged(Exception):
     """An object the parsing hook leaves to :func:`from_json` (which refuses it with its place, or reads it)."""
 
 
-def _tagged(obj: dict[str, Any]) -> Any:
-    """:func:`from_json` of one object while parsing, its members restored already (innermost first)."""
+def _tagged(pairs: list[tuple[str, Any]]) -> Any:
+    """:func:`from_json` of one object while parsing, its members restored already (innermost first), each
+    key once."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        unique_object(pairs)  # raises, naming the key
     if not has_reserved_key(obj):
         return obj
     if len(obj) != 1 or "$dict" in obj:

@@ -115,9 +115,13 @@ class MappedFile:
         order), each in memory of its own, all verified in one pass over the chunks (which may span parts).
         Memory of one shard each, as an optimizer holds it: freed and reused shard by shard, not all at once."""
         dtype, base = self._dtype(g.tensor, where)
-        assert [o for o, _ in parts] == list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin)) and (
-            not parts or parts[-1][0] + parts[-1][1] == g.end
-        ), f"{where}: parts that do not tile the tensor"
+        starts = list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin))
+        if [o for o, _ in parts] != starts or (parts and parts[-1][0] + parts[-1][1] != g.end):
+            raise ValueError(
+                f"{where}: the shards of tensor '{g.tensor}' do not tile its elements {g.origin}..{g.end}: expected "
+                f"shards starting at {starts[:8]}, found {[o for o, _ in parts][:8]} (a manifest and rank file "
+                "that disagree)"
+            )
         out = [self._pread(base + offset * dtype.itemsize, numel, dtype, where) for offset, numel in parts]
         per = chunk_elements(dtype, chunk_bytes)
         _check_grid(stream_chunk_digests(out, per, g.end - g.origin), g, per, where, holds)
@@ -128,7 +132,12 @@ class MappedFile:
     ) -> torch.Tensor:
         if out is None:
             out = torch.empty(count, dtype=dtype)
-        assert out.is_contiguous() and out.numel() == count and out.dtype == dtype, f"{where}: a wrong buffer"
+        if not out.is_contiguous() or out.numel() != count or out.dtype != dtype:
+            raise ValueError(
+                f"{where}: bytes {start}.. hold {count} {dtype} elements, but the buffer for them has {out.numel()} "
+                f"{out.dtype} elements{'' if out.is_contiguous() else ', not contiguous'} (a manifest and rank file "
+                "that disagree)"
+            )
         if count:
             fd, _ = open_regular(self.path, follow_symlinks=False)
             try:

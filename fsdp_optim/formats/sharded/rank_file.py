@@ -29,6 +29,7 @@ import torch
 from fsdp_optim.core.checksums import digest, stream_chunk_digests
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
+from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
@@ -254,7 +255,9 @@ class RankFile:
 def _checksums(meta: Mapping[str, str], where: str) -> Any:
     """The chunk checksums a format-3 header holds: ``{tensor: [digest, ...]}`` (checked further by the caller)."""
     try:
-        found = json.loads(meta.get("checksums", "null"))
+        found = loads(meta.get("checksums", "null"), where=f"{where}: the header's 'checksums'")
+    except RefusedJSON:
+        raise
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{where}: the header's 'checksums' is not JSON ({escape(str(exc), limit=120)})") from None
     if not isinstance(found, dict):

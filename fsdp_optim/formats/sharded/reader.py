@@ -109,9 +109,10 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
                 "that never finished leaves none)"
             )
         raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
+    follow = file.name not in MANIFEST_NAMES  # a manifest is never followed through a symlink (a layout file is)
     if file.suffix == ".json" or _starts_with_brace(file):  # a JSON manifest (a layout file, whatever its name)
-        return manifest_from_json(_read_bounded(file), source=str(file))
-    obj = load_file(file)
+        return manifest_from_json(_read_bounded(file, follow_symlinks=follow), source=str(file))
+    obj = load_file(file, follow_symlinks=follow)
     read_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
     check_tree(obj, str(file))
     _, body = unwrap(obj, "manifest", source=str(file))
@@ -135,8 +136,8 @@ def _starts_with_brace(file: Path) -> bool:
         os.close(fd)
 
 
-def _read_bounded(file: Path) -> bytes:
-    fd, st = open_regular(file)
+def _read_bounded(file: Path, *, follow_symlinks: bool) -> bytes:
+    fd, st = open_regular(file, follow_symlinks=follow_symlinks)
     try:
         if st.st_size > MAX_MANIFEST_BYTES:
             raise ValueError(f"{file}: {st.st_size} bytes, above the bound for a manifest ({MAX_MANIFEST_BYTES})")
@@ -312,7 +313,13 @@ class ShardedCheckpoint:
 
     def read_rows(self, tensor: str, ranks: range, out: torch.Tensor) -> None:
         """Format 3: tensor ``tensor`` of rank files ``ranks`` read whole into the rows of ``out``, each verified."""
-        assert self.manifest.version >= 3 and out.shape == (len(ranks), self.layout[1][tensor]), "format 3 rows"
+        expected = (len(ranks), self.layout[1].get(tensor))
+        if self.manifest.version < 3 or tuple(out.shape) != expected:
+            raise ValueError(
+                f"{self.directory}: rows of tensor '{tensor}' of rank files {ranks.start}..{ranks.stop - 1}: "
+                f"expected a format-3 checkpoint and rows {expected}, found format {self.manifest.version} and "
+                f"rows {tuple(out.shape)}"
+            )
         for row, rank in enumerate(ranks):
             f = self._files[rank]
             f.read_whole(tensor, out[row])

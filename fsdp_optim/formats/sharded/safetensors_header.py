@@ -22,6 +22,7 @@ from typing import Any
 
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.text import escape
 
 __all__ = ["MAX_HEADER_BYTES", "SAFETENSORS_DTYPES", "Header", "encode_header", "header_bound", "read_header"]
@@ -82,7 +83,9 @@ def read_header(fd: int, size: int, where: str) -> Header:
         )
     text = os.pread(fd, n, 8)
     try:
-        header = json.loads(text, parse_constant=_refuse_constant)
+        header = loads(text, where=f"{where}: the safetensors header", parse_constant=_refuse_constant)
+    except RefusedJSON:
+        raise
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{where}: the safetensors header is not JSON ({escape(str(exc), limit=200)})") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):

@@ -5,6 +5,7 @@ out (:mod:`fsdp_optim.disk.staged`). :data:`CHECKPOINT` tells that writer what a
     ckpt/optim-<save id 12 hex>-rank00000-of-00002.safetensors   # ours when that manifest lists it (format 1: .pt)
     ckpt/train-<save id 12 hex>-rank00000-of-00002.safetensors   # a whole checkpoint's side files: the same
     ckpt/anything else                             # foreign: refused without overwrite, never deleted
+    (a manifest.json that does not read as ours: refused even with overwrite, since our commit would replace it)
 
 A write is journaled as ``{"save_id": 32 hex, "world_size": W, "replaces": [...], "staging": name}``: from the
 save id and world size the next writer knows, by name, every file a killed write can have left.
@@ -66,14 +67,20 @@ class _CheckpointClaims:
         # manifest.json (a JSON-manifest commit over format 1, killed before removing it) is ours too, with its files.
         names = set(os.listdir(directory))
         files: set[str] = set()
-        problems = []
+        problems: list[str] = []
+        refused: str | None = None
         for manifest in (n for n in MANIFEST_NAMES if n in names):
             try:
                 listed = read_manifest(directory / manifest).file_names()
                 files |= listed | ({manifest} if manifest == LEGACY_MANIFEST_NAME else set())
             except (ValueError, OSError) as exc:
-                problems.append(f"its {manifest} is not an fsdp_optim manifest ({exc})")
+                problem = f"its {manifest} is not an fsdp_optim manifest ({exc})"
+                refused = problem if manifest == MANIFEST_NAME else refused
+                problems.append(problem)
         known = frozenset(files | set(MANIFEST_NAMES))
+        if refused:  # our commit renames its manifest.json over this one: that would delete it
+            why = "the commit would replace it, so it is refused even with overwrite (move or delete it yourself)"
+            return Survey(known=known, refused=f"{refused}; {why}")
         if problems:
             return Survey(known=frozenset(names & set(MANIFEST_NAMES)), problem="; ".join(problems))
         return Survey(replaces=frozenset(files), known=known)

@@ -1,0 +1,86 @@
+"""``fsdp-optim diff A B``: a short summary table of :func:`fsdp_optim.diff` (``--json``: the whole record).
+
+Exit codes: 0 equal (bit for bit, or within ``--atol``/``--rtol``), 1 different, 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING, Any
+
+from fsdp_optim.cli.outcome import Outcome
+
+if TYPE_CHECKING:
+    from fsdp_optim.offline.diff_report import DiffReport, DiffRow
+
+EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD = 0, 1, 2
+
+
+def add_diff(verbs: Any) -> None:
+    p = verbs.add_parser(
+        "diff",
+        help="compare two sources of one model per parameter and state key (exit 0 equal, 1 different, 2 bad input)",
+        description="Compare the optimizer state of A and B, whatever their formats, world sizes and nesting: per "
+        "parameter and state key, bitwise equality, max abs / rel error, max ULP distance, NaN and Inf counts; "
+        "hyperparameters, steps, and what is on one side only. Reads one tensor of each side at a time.",
+    )
+    p.add_argument("a", help="a sharded checkpoint directory, full dict file, named safetensors file or shard set")
+    p.add_argument("b", help="the same kinds as A (the reference of relative errors)")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
+    p.add_argument("--rtol", type=float, default=0.0, help="tolerance relative to |B| (default 0: bitwise)")
+    p.add_argument("--json", action="store_true", help="print the whole report (every row) as JSON")
+    p.add_argument("--limit", type=int, default=20, metavar="N", help="rows of differences shown (default 20)")
+    p.add_argument(
+        "--allow-global", action="append", default=[], metavar="MODULE.CLASS",
+        help="for a fairseq/metaseq shard set: allow this class in its cfg when loading (repeatable)",
+    )
+    p.set_defaults(run=run_diff, bad_input_exit=EXIT_BAD)
+
+
+def run_diff(args: argparse.Namespace) -> Outcome:
+    from fsdp_optim.offline.diff import diff
+
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, allow_globals=args.allow_global)
+    code = EXIT_EQUAL if report.equal else EXIT_DIFFERENT
+    if args.json:
+        return Outcome(tuple(json.dumps(report.to_json(), indent=1, allow_nan=False).splitlines()), code)
+    return Outcome(tuple(summary_lines(report, limit=args.limit)), code)
+
+
+def summary_lines(report: DiffReport, *, limit: int = 20) -> list[str]:
+    """The summary table: the two sources, counts, maxima, the first ``limit`` differing rows, settings, verdict."""
+    s = report.summary
+    tolerance = "bitwise" if report.atol == 0 and report.rtol == 0 else f"atol {report.atol:g}, rtol {report.rtol:g}"
+    lines = [
+        f"a: {report.a} ({report.kind_a})",
+        f"b: {report.b} ({report.kind_b})",
+        f"params: {s.params_a} in a, {s.params_b} in b; compared: {s.tensors} tensors ({s.tensors_equal} bitwise "
+        f"equal), {s.scalars} scalars; tolerance: {tolerance}",
+        f"max abs error: {s.max_abs:.6g}, max rel error: {s.max_rel:.6g}, max ULP distance: {s.max_ulp}",
+        f"NaN: {s.nan_a} in a, {s.nan_b} in b; Inf: {s.inf_a} in a, {s.inf_b} in b",
+    ]
+    differences = report.differences
+    if differences:
+        lines.append("param | key | status | max abs | max rel | ULP | NaN a/b | Inf a/b | detail")
+        lines += [_row(r) for r in differences[:limit]]
+        if len(differences) > limit:
+            lines.append(f"... and {len(differences) - limit} more (--json lists every row)")
+    if report.settings:
+        lines.append("settings that differ (group | key | a | b):")
+        lines += [f"{'-' if d.group is None else d.group} | {d.key} | {d.a} | {d.b}" for d in report.settings]
+    if report.equal:
+        lines.append(f"verdict: equal ({tolerance})")
+    else:
+        lines.append(
+            f"verdict: different: {len(differences)} of {len(report.rows)} rows, {len(report.settings)} setting(s)"
+        )
+    return lines
+
+
+def _row(r: DiffRow) -> str:
+    ulp = "-" if r.max_ulp is None else str(r.max_ulp)
+    return (
+        f"{r.param} | {r.key or '-'} | {r.status} | {r.max_abs:.6g} | {r.max_rel:.6g} | {ulp} | "
+        f"{r.nan_a}/{r.nan_b} | {r.inf_a}/{r.inf_b} | {r.detail or '-'}"
+    )

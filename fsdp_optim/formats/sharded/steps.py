@@ -1,0 +1,132 @@
+"""A checkpoint manager's root on disk: what each step directory holds, and removing one of ours.
+
+    root/step-00000008/manifest.json + optim-* + train-*   complete (verified: every file, every checksum)
+    root/step-00000010/optim-* train-* (no manifest)         torn: a save killed before its commit
+    root/step-00000006/... one file fails its checksum       damaged
+    root/.step-00000010.fsdp-optim.lock                      the writer's lock and journal, beside the directory
+    root/notes.txt, root/runs/, root/step-00000002/notes.txt foreign: never deleted, nor a directory holding it
+
+A step directory is *ours* when its name is :func:`~fsdp_optim.core.steps.step_dir_name`'s and it holds only
+names our writer makes (``manifest.json``, rank and side files, their temporary files), with a manifest that
+reads as ours or no manifest at all (torn). Only ours are ever removed (:func:`remove_step`), under the
+directory's own lock, so a writer of that step cannot be running at the time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fsdp_optim.core.steps import parse_step_dir
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, fsync_dir
+from fsdp_optim.disk.locks import OutputLockedError, lock_output
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
+from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
+from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
+from fsdp_optim.formats.sharded.writer import CHECKPOINT
+
+__all__ = ["COMPLETE", "DAMAGED", "TORN", "StepDir", "find_step_dirs", "remove_step", "survey_step"]
+
+COMPLETE, TORN, DAMAGED = "complete", "torn", "damaged"
+
+
+@dataclass(frozen=True)
+class StepDir:
+    """What one step directory holds. ``state``: :data:`COMPLETE`, :data:`TORN` (no manifest) or :data:`DAMAGED`
+    (``reason`` says which file and what); ``foreign``: names in it that our writer never makes."""
+
+    step: int
+    path: Path
+    state: str
+    reason: str
+    nbytes: int  # of the regular files in the directory
+    foreign: tuple[str, ...] = ()
+    world_size: int | None = None  # from a readable manifest
+    model: bool = False  # holds the weights (a whole checkpoint), not the optimizer state alone
+    optimizer: str | None = None  # the optimizer's class, None when saved without one
+    manifest_readable: bool = False
+
+    @property
+    def ours(self) -> bool:
+        """Recognised as a checkpoint of ours, which a prune may remove: nothing foreign in it, and a manifest of
+        ours or none at all."""
+        return not self.foreign and (self.manifest_readable or self.state == TORN)
+
+
+def _is_ours(name: str) -> bool:
+    """A name our writer makes inside a checkpoint directory (or its temporary file, left by a killed write)."""
+    temp = TEMP_NAME.match(name) or TAGGED_TEMP_NAME.match(name)
+    final = temp.group("final") if temp else name
+    return final in MANIFEST_NAMES or CHECKPOINT.deletable(final)
+
+
+def find_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every step directory in ``root`` (a real directory, not a link), by step; [] when
+    ``root`` does not exist yet."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in os.scandir(root):
+        step = parse_step_dir(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            found.append((step, Path(entry.path)))
+    return sorted(found)
+
+
+def survey_step(step: int, path: Path, *, verify: bool = True) -> StepDir:
+    """Classify one step directory; ``verify``: every byte against its checksum (else sizes only, one ``stat``
+    per file). Never raises for what it finds; reads nothing outside ``path``."""
+    names = sorted(os.listdir(path))
+    foreign = tuple(n for n in names if not _is_ours(n) or not (path / n).is_file())
+    nbytes = sum((path / n).stat().st_size for n in names if (path / n).is_file() and not (path / n).is_symlink())
+    base = StepDir(step, path, TORN, "", nbytes, foreign)
+    if manifest_file(path) is None:
+        ours = [n for n in names if n not in foreign]
+        shown = ", ".join(ours[:3]) + (", ..." if len(ours) > 3 else "")
+        return replace(base, reason=f"no manifest: a save that did not finish ({len(ours)} files: {shown or '-'})")
+    try:
+        manifest = read_manifest(path)
+    except (ValueError, OSError) as exc:
+        return replace(base, state=DAMAGED, reason=f"its manifest is not readable: {exc}")
+    base = _described(base, manifest)
+    if verify:
+        report = verify_sharded(path)
+        damaged = [line.removeprefix(f"{path}{os.sep}") for line in report.damaged()]
+    else:
+        damaged = present_and_sized(path)
+    if damaged:
+        return replace(base, state=DAMAGED, reason="; ".join(damaged))
+    return replace(base, state=COMPLETE)
+
+
+def _described(base: StepDir, manifest: Manifest) -> StepDir:
+    return replace(
+        base,
+        world_size=manifest.world_size,
+        model=manifest.training is not None,
+        optimizer=manifest.optimizer,
+        manifest_readable=True,
+    )
+
+
+def remove_step(step_dir: StepDir) -> bool:
+    """Remove a step directory of ours (:attr:`StepDir.ours`), under its lock: its files, the directory, then its
+    lock file. False, with nothing removed, when a writer holds its lock or it now holds something foreign."""
+    assert step_dir.ours, f"remove_step is for a step directory of ours, not {step_dir.path} ({step_dir.foreign})"
+    try:
+        lock = lock_output(step_dir.path, purpose="remove an old checkpoint (CheckpointManager)")
+    except OutputLockedError:
+        return False
+    with lock:
+        names = os.listdir(step_dir.path)
+        if any(not _is_ours(n) or not (step_dir.path / n).is_file() for n in names):
+            return False  # something foreign arrived since the survey: keep all of it
+        manifests = [n for n in names if n in MANIFEST_NAMES]
+        for name in manifests + [n for n in names if n not in manifests]:  # the commit point first: torn, not damaged
+            (step_dir.path / name).unlink(missing_ok=True)
+        os.rmdir(step_dir.path)
+        fsync_dir(step_dir.path.parent)
+        lock.forget()
+    return True

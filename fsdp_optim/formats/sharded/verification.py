@@ -1,0 +1,65 @@
+"""Verifying our sharded checkpoint end to end, changing nothing: the manifest (its own checksum), then per rank
+file: present, of the manifest's size, its header's checksum the manifest's, every byte of state against its
+checksum (format 2 and 3: every chunk's; format 1: every zip record's CRC-32 and every unit's digest); and, in a
+whole checkpoint, every side file: present, of its size, its bytes against the manifest's digest. Each file is read
+once, into memory, and released. :func:`fsdp_optim.verify` calls this for a sharded checkpoint; the checkpoint
+manager (:mod:`fsdp_optim.job.manager`) and ``fsdp-optim list`` call it for each step directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
+from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
+from fsdp_optim.formats.sharded.side_file import read_side_file
+
+__all__ = ["present_and_sized", "verify_sharded"]
+
+
+def verify_sharded(path: str | os.PathLike[str]) -> Verification:
+    """One :class:`FileCheck` per file of the checkpoint at ``path`` (its directory or manifest); never raises for
+    damage (an unreadable manifest is the manifest's failed check)."""
+    directory = checkpoint_dir(path)
+    manifest_path = directory / MANIFEST_NAME
+    try:
+        ckpt = ShardedCheckpoint(directory, lazy=True)
+    except (ValueError, OSError) as exc:
+        detail = str(exc).removeprefix(f"{manifest_path}: ")
+        return Verification(directory, "sharded checkpoint", (FileCheck(manifest_path, False, detail),))
+    manifest = ckpt.manifest
+    side_files = manifest.training.files if manifest.training is not None else ()
+    listed = f"{len(manifest.files)} rank files" + (f" and {len(side_files)} side files" if side_files else "")
+    checks = [FileCheck(manifest_path, True, f"ok: manifest of {listed}, checksum matches")]
+    with ckpt:
+        for record in manifest.files:
+
+            def read(_: Path, rank: int = record.rank) -> str:
+                units = ckpt.load_rank(rank)
+                return f", {len(units)} units, checksums match"
+
+            checks.append(check_file(directory / record.file, read, nbytes=record.nbytes))
+    for side in side_files:
+
+        def read_side(_: Path, record: FileRecord = side) -> str:
+            read_side_file(directory, record)
+            return ", digest matches"
+
+        checks.append(check_file(directory / side.file, read_side, nbytes=side.nbytes))
+    return Verification(directory, "sharded checkpoint", tuple(checks))
+
+
+def present_and_sized(path: str | os.PathLike[str], manifest: Manifest | None = None) -> list[str]:
+    """The cheap part of :func:`verify_sharded`: every file the manifest lists present with its size (one ``stat``
+    each); one line per damaged file, naming it. ``manifest``: the one read already."""
+    directory = checkpoint_dir(path)
+    manifest = ShardedCheckpoint(directory, lazy=True).manifest if manifest is None else manifest
+    side_files = manifest.training.files if manifest.training is not None else ()
+    checks = [
+        check_file(directory / f.file, lambda _: None, nbytes=f.nbytes, sizes_only=True)
+        for f in (*manifest.files, *side_files)
+    ]
+    return [f"{c.path.name}: {c.detail}" for c in checks if not c.ok]

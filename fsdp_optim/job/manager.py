@@ -1,0 +1,201 @@
+"""``CheckpointManager``: whole-state checkpoints of a training loop, one directory per saved step, old ones pruned.
+
+    manager = fsdp_optim.CheckpointManager("ckpt", every=1000, keep=3, keep_every=10_000)
+    extra = manager.restore(model, optim)            # None on a fresh run
+    start = extra["step"] if extra is not None else 0
+    for step in range(start + 1, total + 1):
+        train_one_step(...)
+        manager.save(step, model, optim, extra={"step": step, ...})   # every rank, every step
+
+Saving is :func:`fsdp_optim.save_checkpoint` into ``root/step-NNNNNNNN/`` (a collective, atomic: the manifest is
+written last); pruning runs on rank 0 alone after the save committed and removes only step directories that are
+ours (:mod:`fsdp_optim.formats.sharded.steps`). Finding the newest usable step verifies every file of each candidate
+(:func:`fsdp_optim.formats.sharded.verification.verify_sharded`, what :func:`fsdp_optim.verify` runs), newest first,
+skipping torn and damaged ones and saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
+from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
+from fsdp_optim.job.async_save import AsyncSave
+from fsdp_optim.job.root import verify_root
+from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, group_initialized
+from fsdp_optim.job.whole_load import load_checkpoint
+from fsdp_optim.job.whole_save import async_save_checkpoint, save_checkpoint
+
+__all__ = ["CheckpointManager", "SkippedStep"]
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """A step directory :meth:`CheckpointManager.latest` passed over: ``state`` ``"torn"`` (no manifest: a save
+    that did not finish) or ``"damaged"`` (``reason`` names the file and what is wrong with it)."""
+
+    step: int
+    path: Path
+    state: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"step {self.step} ({self.path}) is {self.state}: {self.reason}"
+
+
+class CheckpointManager:
+    """Save a training loop's whole state every ``every`` steps under ``root``, keep the newest ``keep`` complete
+    steps (and every step divisible by ``keep_every``), and find the newest usable one to resume from.
+
+    ``async_save=True`` saves with :func:`fsdp_optim.async_save_checkpoint` (the loop blocks only for the checks;
+    the optimizer's next ``step()`` waits for the copy): the save is waited for, and pruned after, at the next
+    :meth:`save` that saves, at :meth:`wait`, :meth:`latest` and :meth:`restore`. Call :meth:`wait` before the
+    process exits. A model saved without an optimizer is saved synchronously.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        every: int,
+        keep: int,
+        keep_every: int | None = None,
+        async_save: bool = False,
+    ) -> None:
+        check_schedule(every, keep, keep_every)
+        self.async_save = async_save
+        self._pending: tuple[int, AsyncSave, int] | None = None  # (step, its handle, this rank) of a save in flight
+        self.root = Path(root)
+        self.every, self.keep, self.keep_every = every, keep, keep_every
+        self.skipped: tuple[SkippedStep, ...] = ()  # what the last latest() passed over, newest first
+
+    def __repr__(self) -> str:
+        schedule = f"every={self.every}, keep={self.keep}, keep_every={self.keep_every}"
+        return f"CheckpointManager({str(self.root)!r}, {schedule})"
+
+    def path(self, step: int) -> Path:
+        """The directory of ``step``: ``root/step-00000042``."""
+        return self.root / step_dir_name(step)
+
+    def save(
+        self, step: int, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any = None
+    ) -> Path | None:
+        """Call on every rank after every step: when ``step % every == 0``, save the whole state into
+        :meth:`path` (``save_checkpoint``: a collective; a step saved before is replaced atomically) and return
+        that directory; else return None at once (no collective, no file access). A torn save of that step (a run
+        killed mid-save) is cleaned up first; a step directory holding foreign files, or a manifest that is not
+        readable as ours, is refused on every rank (``ForeignOutputError``), never overwritten.
+
+        After the save committed, rank 0 prunes (no collective): every step directory of ours older than ``step``
+        that is not kept (the newest ``keep`` complete steps up to ``step``, every complete step divisible by
+        ``keep_every``) is removed, torn and damaged ones included; a directory holding anything that fsdp_optim
+        did not write is kept, with a warning naming it, and so is anything in ``root`` that is not a step
+        directory. Steps newer than ``step`` (a run resumed from an older step) are left alone. A prune that
+        fails warns rather than raises, so that every rank goes on to the same next step.
+        """
+        directory = self.path(step)
+        if step % self.every != 0:
+            return None
+        self.wait()
+        rank, _ = dist_rank_and_size(verify_root(model).group)
+        if self.async_save and optim is not None:
+            self._pending = (step, async_save_checkpoint(model, optim, directory, extra=extra), rank)
+            return directory
+        save_checkpoint(model, optim, directory, extra=extra)
+        self._pruned(step, rank)
+        return directory
+
+    def wait(self) -> Path | None:
+        """Wait for the async save in flight, if any (raising its error on every rank), then prune after it; the
+        directory it committed, or None. A collective when a save is in flight."""
+        if self._pending is None:
+            return None
+        step, handle, rank = self._pending
+        self._pending = None
+        handle.wait()
+        self._pruned(step, rank)
+        return self.path(step)
+
+    def _pruned(self, step: int, rank: int) -> None:
+        if rank == 0:
+            try:
+                self._prune(step)
+            except OSError as exc:
+                warnings.warn(f"CheckpointManager: pruning {self.root} after step {step} failed: {exc}", stacklevel=3)
+
+    def _prune(self, saved: int) -> None:
+        found = [survey_step(s, p, verify=False) for s, p in find_step_dirs(self.root) if s < saved]
+        complete = [d.step for d in found if d.state == COMPLETE] + [saved]
+        kept = steps_to_keep(complete, keep=self.keep, keep_every=self.keep_every)
+        for step_dir in (d for d in found if d.step not in kept):
+            if not step_dir.ours:
+                warnings.warn(f"CheckpointManager kept {step_dir.path}: {_why_not_ours(step_dir)}", stacklevel=3)
+            elif not remove_step(step_dir):
+                warnings.warn(
+                    f"CheckpointManager kept {step_dir.path}: another writer holds it, or it now holds files that "
+                    "fsdp_optim did not write",
+                    stacklevel=3,
+                )
+
+    def latest(self) -> int | None:
+        """The newest step whose checkpoint is complete and verified (every file present, of its size, every
+        checksum matching), or None. Newer step directories that are torn or damaged are skipped: they are listed
+        in :attr:`skipped` (:class:`SkippedStep` records) and warned about.
+
+        Same answer on every rank: inside a job (a default process group is initialized) rank 0 verifies and
+        broadcasts its finding (two small collectives over the default group: every process calls it; an error on
+        rank 0 is raised on every rank); without one the calling process verifies by itself. Cost: every byte of
+        each candidate read once, newest first, until one verifies.
+        """
+        self.wait()
+        if group_initialized():
+            rank, _ = dist_rank_and_size(None)
+            found, failure = None, None
+            try:
+                found = _find_latest(self.root) if rank == 0 else None
+            except Exception as exc:  # every rank raises it (through agree) rather than waiting for rank 0
+                failure = exc
+            agree(failure, group=None, what=f"CheckpointManager.latest() could not read {self.root}")
+            step, skipped = broadcast_object(found, src=0, group=None)
+            warn = rank == 0
+        else:
+            (step, skipped), warn = _find_latest(self.root), True
+        self.skipped = tuple(skipped)
+        for record in self.skipped if warn else ():
+            warnings.warn(f"CheckpointManager.latest() skipped {record}", stacklevel=2)
+        return step
+
+    def restore(self, model: nn.Module, optim: torch.optim.Optimizer | None, step: int | None = None) -> Any:
+        """Load ``step`` (default: :meth:`latest`) into ``model`` and ``optim`` with :func:`fsdp_optim.load_checkpoint`
+        and return its ``extra``; None when there is nothing to restore (no usable step: a fresh run). A collective:
+        call on every rank."""
+        self.wait()
+        if step is None:
+            step = self.latest()
+            if step is None:
+                return None
+        return load_checkpoint(model, optim, self.path(step))
+
+
+def _find_latest(root: Path) -> tuple[int | None, list[SkippedStep]]:
+    skipped: list[SkippedStep] = []
+    for step, path in reversed(find_step_dirs(root)):
+        step_dir = survey_step(step, path, verify=True)
+        if step_dir.state == COMPLETE:
+            return step, skipped
+        skipped.append(SkippedStep(step, path, step_dir.state, step_dir.reason))
+    return None, skipped
+
+
+def _why_not_ours(step_dir: StepDir) -> str:
+    if step_dir.foreign:
+        shown = ", ".join(step_dir.foreign[:3]) + (", ..." if len(step_dir.foreign) > 3 else "")
+        return f"it holds what fsdp_optim did not write ({shown}); remove those to let it be pruned"
+    return f"it is not a checkpoint fsdp_optim can read ({step_dir.reason}); it is left for you to inspect"

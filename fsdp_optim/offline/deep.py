@@ -1,0 +1,73 @@
+"""``verify(path, deep=True)``: beyond checksums, what a resumed run would trip on (the checks of
+:mod:`fsdp_optim.core.health`), each :class:`Finding` naming the parameter and state key (or the param group and
+hyperparameter); with a model layout, also every parameter's presence and shape against it.
+
+Streamed: the source is planned once for one flat per parameter
+(:class:`~fsdp_optim.offline.per_param.PerParameter`) and read one state tensor at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+from fsdp_optim.core.flatten import StateKind
+from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems, step_outliers, tensor_problems
+from fsdp_optim.formats.kinds import Kind, path_kind
+from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
+from fsdp_optim.offline.per_param import PerParameter
+from fsdp_optim.offline.sources import open_source
+
+__all__ = ["Finding", "deep_findings"]
+
+
+def deep_findings(
+    path: str | os.PathLike[str], *, allow_globals: Sequence[str] = (), layout: LayoutLike | None = None
+) -> tuple[Finding, ...]:
+    """Every finding of the state at ``path`` (any source :func:`open_source` reads), one tensor at a time."""
+    model = resolve_layout(layout) if layout is not None else None
+    shard_set = path_kind(path) is Kind.SHARD_SET
+    with open_source(path, allow_globals=allow_globals if shard_set else ()) as opened:
+        view = PerParameter.of(opened)
+        found = [*_settings(view), *_state(view)]
+        if model is not None:
+            shapes = {spec.name: spec.shape for flat in model.flat_params for spec in flat.params}
+            found += _against_layout(view, shapes)
+    return tuple(found)
+
+
+def _settings(view: PerParameter) -> Iterator[Finding]:
+    """Hyperparameters out of range, and steps that disagree inside a param group."""
+    for g, (hyperparams, members) in enumerate(view.groups):
+        for key, problem in hyperparam_problems(hyperparams):
+            yield Finding(None, key, problem, group=g)
+        steps = [(name, view.entries(name)["step"].value) for name in members if "step" in view.entries(name)]
+        for name, problem in step_outliers(steps):
+            yield Finding(name, "step", problem, group=g)
+
+
+def _state(view: PerParameter) -> Iterator[Finding]:
+    """Each state value of each parameter: tensors read one at a time."""
+    for name in view.names:
+        for key, entry in view.entries(name).items():
+            if entry.kind is StateKind.SCALAR:
+                problems = scalar_problems(key, entry.value)
+            else:
+                problems = tensor_problems(key, view.tensor(name, key))
+            yield from (Finding(name, key, p) for p in problems)
+
+
+def _against_layout(view: PerParameter, shapes: dict[str, tuple[int, ...]]) -> Iterator[Finding]:
+    """Every parameter of the model present, of its shape; none the model lacks. Without state, a full dict does
+    not know a parameter's shape: that one is checked for presence only."""
+    known = view.plan.source.shapes_known
+    for name, shape in shapes.items():
+        if name not in view.index:
+            yield Finding(name, None, "in the model's layout but not in the checkpoint")
+            continue
+        found = view.shape(name)
+        if (known or view.entries(name)) and found != shape:
+            yield Finding(name, None, f"shape {found} in the checkpoint, expected {shape} (the model's layout)")
+    for name in view.names:
+        if name not in shapes:
+            yield Finding(name, None, "in the checkpoint but not in the model's layout")

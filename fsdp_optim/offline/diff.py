@@ -1,0 +1,204 @@
+"""``diff``: two sources of the same model's optimizer state compared per parameter and state key, whatever
+their world sizes, nesting and formats (any kind :func:`~fsdp_optim.offline.sources.open_source` reads: a
+sharded checkpoint of any version, a full dict or its file, a named safetensors file, a fairseq/metaseq shard
+set).
+
+Streaming: each source is planned once for one flat per parameter
+(:class:`~fsdp_optim.offline.per_param.PerParameter`); then, parameter by parameter and key by key, one tensor of
+``a`` and one of ``b`` are made, compared (:func:`~fsdp_optim.core.compare.compare_tensors`) and dropped. Memory
+is two state tensors of one parameter, never either whole state.
+
+What is compared (each difference a row or a setting of :class:`~fsdp_optim.offline.diff_report.DiffReport`):
+parameters and state keys present on one side only; shapes; tensors (bitwise, max abs / rel error, max ULP
+distance, NaN and Inf counts); scalar states (``step``, ...); the optimizer's class, the number of param groups,
+every hyperparameter of each group and each group's members.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fsdp_optim.core.compare import compare_tensors
+from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
+from fsdp_optim.core.records import StateEntry
+from fsdp_optim.formats.kinds import Kind, path_kind
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
+from fsdp_optim.offline.diff_report import (
+    DIFFERENT,
+    EQUAL,
+    KIND,
+    ONLY_A,
+    ONLY_B,
+    SHAPE,
+    WITHIN,
+    DiffReport,
+    DiffRow,
+    SettingDiff,
+    summarise,
+)
+from fsdp_optim.offline.per_param import PerParameter
+from fsdp_optim.offline.sources import open_source
+
+__all__ = ["diff"]
+
+Given = str | os.PathLike[str] | Mapping[str, Any]
+
+
+def diff(
+    a: Given,
+    b: Given,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    allow_globals: Sequence[str] = (),
+    max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+) -> DiffReport:
+    """Compare the optimizer state of ``a`` with ``b`` (see the module docstring); nothing is written.
+
+    Args:
+        a, b: any source: a path (sharded checkpoint directory or manifest, full dict file, named safetensors
+            file, fairseq/metaseq shard set) or a full dict.
+        atol, rtol: two tensors are the same when ``|a - b| <= atol + rtol * |b|`` everywhere; both 0 (the
+            default): only when they are equal bit for bit.
+        allow_globals: for a shard set, classes its ``cfg`` may hold.
+
+    Returns a :class:`~fsdp_optim.offline.diff_report.DiffReport`; ``report.equal`` is the verdict. Raises
+    ``ValueError`` / ``FileNotFoundError`` for an input that is not a source, as the readers do.
+    """
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == math.inf:
+            raise ValueError(f"{name}: expected a finite number >= 0, found {value!r}")
+    with contextlib.ExitStack() as stack:
+        views = []
+        for given in (a, b):
+            globals_ = allow_globals if not isinstance(given, Mapping) and path_kind(given) is Kind.SHARD_SET else ()
+            opened = stack.enter_context(
+                open_source(given, allow_globals=globals_, max_mapped_bytes=max_mapped_bytes)
+            )
+            views.append(PerParameter.of(opened))
+        va, vb = views
+        rows = tuple(_rows(va, vb, float(atol), float(rtol)))
+        settings = tuple(_settings(va, vb))
+    summary = summarise(rows, settings, len(va.names), len(vb.names))
+    return DiffReport(va.label, vb.label, va.kind, vb.kind, float(atol), float(rtol), rows, settings, summary)
+
+
+def _rows(va: PerParameter, vb: PerParameter, atol: float, rtol: float) -> Iterator[DiffRow]:
+    """Every parameter of ``a`` in its order, then those only ``b`` has."""
+    in_a, in_b = set(va.names), set(vb.names)
+    for name in va.names:
+        if name in in_b:
+            yield from _param_rows(name, va, vb, atol, rtol)
+        else:
+            yield DiffRow(name, None, ONLY_A)
+    yield from (DiffRow(name, None, ONLY_B) for name in vb.names if name not in in_a)
+
+
+def _param_rows(name: str, va: PerParameter, vb: PerParameter, atol: float, rtol: float) -> Iterator[DiffRow]:
+    ea, eb = va.entries(name), vb.entries(name)
+    shape_a, shape_b = va.shape(name), vb.shape(name)
+    # Without state a full dict does not know a parameter's shape, so shapes are compared where both know them.
+    known = (ea and eb) or (va.plan.source.shapes_known and vb.plan.source.shapes_known)
+    if known and shape_a != shape_b:
+        yield DiffRow(name, None, SHAPE, detail=f"{shape_a} in a, {shape_b} in b")
+        return
+    for key in [*ea, *(k for k in eb if k not in ea)]:
+        if key not in eb:
+            yield DiffRow(name, key, ONLY_A)
+        elif key not in ea:
+            yield DiffRow(name, key, ONLY_B)
+        else:
+            yield _entry_row(name, key, ea[key], eb[key], va, vb, atol, rtol)
+
+
+def _entry_row(
+    name: str, key: str, ea: StateEntry, eb: StateEntry, va: PerParameter, vb: PerParameter, atol: float, rtol: float
+) -> DiffRow:
+    if ea.kind is not eb.kind:
+        shown = {StateKind.SCALAR: "a scalar", StateKind.SHARDED: "a tensor"}
+        return DiffRow(name, key, KIND, detail=f"{shown[ea.kind]} in a, {shown[eb.kind]} in b")
+    if ea.kind is StateKind.SCALAR:
+        return _scalar_row(name, key, ea.value, eb.value, atol, rtol)
+    ta = va.tensor(name, key)
+    tb = vb.tensor(name, key)
+    stats = compare_tensors(ta, tb, atol=atol, rtol=rtol)
+    del ta, tb
+    status = _status(stats.bitwise_equal, stats.close, atol, rtol)
+    return DiffRow(
+        name, key, status, stats.numel, ea.dtype, eb.dtype, stats.bitwise_equal, stats.max_abs, stats.max_rel,
+        stats.max_ulp, stats.nan_a, stats.nan_b, stats.inf_a, stats.inf_b,
+    )
+
+
+def _status(bitwise: bool, close: bool, atol: float, rtol: float) -> str:
+    if bitwise:
+        return EQUAL
+    return WITHIN if close and (atol > 0 or rtol > 0) else DIFFERENT
+
+
+def _scalar_row(name: str, key: str, x: Any, y: Any, atol: float, rtol: float) -> DiffRow:
+    """A scalar state (``step``, ...): bit for bit means one type, dtype and bit pattern (:func:`same_scalar`)."""
+    bitwise = same_scalar(x, y)
+    detail = "" if bitwise else f"{show_value(x)} in a, {show_value(y)} in b"
+    tx, ty = _as_tensor(x), _as_tensor(y)
+    dtype_a, dtype_b = _dtype_name(x), _dtype_name(y)
+    if tx is None or ty is None:
+        return DiffRow(name, key, EQUAL if bitwise else DIFFERENT, 1, dtype_a, dtype_b, bitwise, scalar=True,
+                       detail=detail)
+    stats = compare_tensors(tx, ty, atol=atol, rtol=rtol)
+    return DiffRow(
+        name, key, _status(bitwise, stats.close, atol, rtol), 1, dtype_a, dtype_b, bitwise, stats.max_abs,
+        stats.max_rel, stats.max_ulp, stats.nan_a, stats.nan_b, stats.inf_a, stats.inf_b, scalar=True, detail=detail,
+    )
+
+
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    """A number or 0-dim tensor as a 1-element tensor (``None`` for anything else)."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.detach().reshape(1).cpu()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor([value], dtype=torch.float64 if isinstance(value, float) else torch.int64)
+    return None
+
+
+def _dtype_name(value: Any) -> str:
+    return str(value.dtype).removeprefix("torch.") if torch.is_tensor(value) else type(value).__name__
+
+
+def _settings(va: PerParameter, vb: PerParameter) -> Iterator[SettingDiff]:
+    """The optimizer's class, the number of param groups, and per group its hyperparameters and members."""
+    if va.optimizer and vb.optimizer and va.optimizer != vb.optimizer:
+        yield SettingDiff(None, "optimizer", va.optimizer, vb.optimizer)
+    if len(va.groups) != len(vb.groups):
+        yield SettingDiff(None, "param_groups", f"{len(va.groups)} groups", f"{len(vb.groups)} groups")
+    for g, ((ha, ma), (hb, mb)) in enumerate(zip(va.groups, vb.groups)):
+        for key in [*ha, *(k for k in hb if k not in ha)]:
+            if key not in ha or key not in hb or not _same_setting(ha[key], hb[key]):
+                yield SettingDiff(g, key, _shown(ha, key), _shown(hb, key))
+        if set(ma) != set(mb):
+            first = sorted(set(ma) ^ set(mb))[0]
+            side = "a" if first in ma else "b"
+            yield SettingDiff(g, "params", f"{len(ma)} params", f"{len(mb)} params ('{first}' only in {side})")
+
+
+def _shown(hyperparams: Mapping[str, Any], key: str) -> str:
+    return show_value(hyperparams[key]) if key in hyperparams else "absent"
+
+
+def _same_setting(x: Any, y: Any) -> bool:
+    """Hyperparameters as a resumed run sees them: ``(0.9, 0.999)`` and ``[0.9, 0.999]`` alike, ``0`` and
+    ``0.0`` alike, floats otherwise exactly; tensors bit for bit."""
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return len(x) == len(y) and all(_same_setting(p, q) for p, q in zip(x, y))
+    if torch.is_tensor(x) or torch.is_tensor(y):
+        return same_scalar(x, y)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y))
+    if numbers:
+        return bool(x == y) or (math.isnan(x) and math.isnan(y))
+    return type(x) is type(y) and bool(x == y)
