@@ -1,8 +1,8 @@
 """The whole-state checkpoint, as ``Method``s, through ``fsdp_optim``'s public API only.
 
 - ``whole_save``: ``save_checkpoint(model, optim, dir)`` (weights, buffers, optimizer state; durable, manifest last);
-- ``whole_async``: an asynchronous whole-state save when the package has one (``ASYNC_NAME``); timed: the
-  blocking call, recorded: the time until its handle's ``wait()`` returns;
+- ``whole_async``: ``async_save_checkpoint(model, optim, dir)`` when the package has it (``ASYNC_NAME``); timed:
+  the blocking call, recorded: the time until its handle's ``wait()`` returns (the checkpoint durable, committed);
 - ``whole_load_same``: ``load_checkpoint(model, fresh_adam, dir)`` from this job's checkpoint;
 - ``whole_load_other``: the same from a checkpoint a job of another world size saved, into the same model at
   another FSDP nesting (``models.wrap_fairscale_linears``: a unit per Linear instead of per block).

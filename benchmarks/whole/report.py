@@ -158,7 +158,7 @@ def console(rows: list[dict[str, Any]]) -> str:
 def verdicts_text(rows: list[dict[str, Any]]) -> str:
     lines = []
     for v in targets(rows):
-        met = "PASS" if v["met"] else "MISS" if v["met"] is False else "n/a "
+        met = "PASS" if v["met"] else "MISS" if v["met"] is False else "info" if v["value"] is not None else "n/a "
         value = f"{v['value']:.2f}" if v["value"] is not None else "-"
         lines.append(f"{met} {v['target']:<50} {v['model']:>5} W={v['world_size']}  {value:>7}  {v['detail']}")
     return "\n".join(lines)
@@ -187,7 +187,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
         "|---|---|---|---|---|---|---|",
     ]
     for v in targets(rows):
-        verdict = "PASS" if v["met"] else "**MISS**" if v["met"] is False else "n/a"
+        verdict = "PASS" if v["met"] else "**MISS**" if v["met"] is False else "info" if v["value"] is not None else "n/a"
         limit = "64 MiB" if v["target"].endswith("64 MiB") else (f"{v['limit']}" if v["limit"] is not None else "-")
         value = f"{v['value']:.2f}" if v["value"] is not None else "-"
         lines.append(f"| {v['target']} | {v['model']} | {v['world_size']} | {value} | {limit} | {verdict} | {v['detail']} |")
