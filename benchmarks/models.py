@@ -1,4 +1,4 @@
-"""The benchmark models, their three FSDP wrappings, and the training steps that give Adam real state.
+"""The benchmark models, their FSDP wrappings (fairscale at two nestings, FSDP1, FSDP2), and the training steps that give Adam real state.
 
 A model is a residual MLP stack: ``inp`` (d x d), ``layers`` blocks of LayerNorm + d -> 4d -> d, ``out``
 (d x d). Every block is its own FSDP unit; ``inp``/``out`` stay in the root unit (nested FSDP).
@@ -90,6 +90,19 @@ def wrap_fairscale(spec: ModelSpec, device: torch.device) -> nn.Module:
     model = build(spec, device)
     for i, block in enumerate(model.layers):
         model.layers[i] = FSDP(block, flatten_parameters=True)
+    return FSDP(model, flatten_parameters=True)
+
+
+def wrap_fairscale_linears(spec: ModelSpec, device: torch.device) -> nn.Module:
+    """fsdp_optim's FSDP at another nesting: one unit per Linear inside each block (``fc1``, ``fc2``), then the
+    root holding the rest (``inp``, ``out``, every LayerNorm): what a checkpoint of ``wrap_fairscale`` is
+    re-cut into when it loads at another nesting."""
+    from fsdp_optim import FullyShardedDataParallel as FSDP
+
+    model = build(spec, device)
+    for block in model.layers:
+        block.fc1 = FSDP(block.fc1, flatten_parameters=True)  # type: ignore[assignment]
+        block.fc2 = FSDP(block.fc2, flatten_parameters=True)  # type: ignore[assignment]
     return FSDP(model, flatten_parameters=True)
 
 
