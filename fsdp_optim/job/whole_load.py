@@ -27,7 +27,9 @@ from fsdp_optim.job.model_state import persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.transport import agree
 
-__all__ = ["load_checkpoint"]
+__all__ = ["LOAD_WINDOW_BYTES", "load_checkpoint"]
+
+LOAD_WINDOW_BYTES = 32 << 20  # file pages a re-cutting load keeps mapped before it drops them
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, pa
     layout, rank = root.layout, root.rank
     live_buffers = persistent_buffers(model)
     weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is read
-    with ShardedCheckpoint(path, lazy=True) as ckpt:
+    # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
+    # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
+    with ShardedCheckpoint(path, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
         training = ckpt.manifest.training
         weights_plan = plan(ckpt.weights_source(), layout, members=[list(range(len(layout.flat_params)))])
         optim_plan = _optim_plan(ckpt, root, optim) if optim is not None else None
