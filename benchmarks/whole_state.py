@@ -32,6 +32,7 @@ from . import models, spawn
 from .checkpoint import package, plan
 from .gather import _csv, _load, machine
 from .whole import job as whole_job
+from .whole import offline as whole_offline
 from .whole import report as whole_report
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -98,6 +99,10 @@ def run_jobs(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs:
         log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} ... (load average {_load()})")
         loads[world_size] = _load()
         payload = spawn_job(job(world_size), world_size)
+        work = root / f"work-W{world_size}"
+        payload["results"] |= whole_offline.measure(
+            Path(sources[world_size].checkpoint), work / "dcp", work, repeats=args.repeats
+        )
         new = whole_report.rows_of(spec.name, world_size, payload)
         rows += new
         log(f"W={world_size} done {payload['timings']}")

@@ -25,7 +25,12 @@ FLOOR_OF = {
     "dcp_load_same": "floor_load",
     "fullsd_load": "floor_load",
 }
-DCP_OF = {"whole_save": "dcp_save", "whole_async": "dcp_async", "whole_load_same": "dcp_load_same"}
+DCP_OF = {
+    "whole_save": "dcp_save",
+    "whole_async": "dcp_async",
+    "whole_load_same": "dcp_load_same",
+    "whole_consolidate": "dcp_consolidate",
+}
 LABELS = {
     "floor_save": "floor: per-rank torch.save (weights + optim) + fsync",
     "whole_save": "ours save_checkpoint",
@@ -38,6 +43,8 @@ LABELS = {
     "dcp_load_same": "DCP load + set_state_dict, same W",
     "whole_load_other": "ours load_checkpoint, other W + other nesting",
     "fullsd_load": "fairscale full torch.load + load_state_dict",
+    "whole_consolidate": "ours consolidate + torch.save, offline (model + optimizer)",
+    "dcp_consolidate": "DCP dcp_to_torch_save, offline (model + optimizer)",
 }
 ORDER = tuple(LABELS)
 SLACK = 64 * MiB  # RSS growth allowed above a rank's own shard bytes
@@ -51,6 +58,7 @@ TARGETS = (
     ("load same W RSS growth <= own shard + 64 MiB", "whole_load_same", "own", None),
     ("load other W RSS growth <= own shard + 64 MiB", "whole_load_other", "own", None),
     ("async blocking part <= 0.25x DCP async_save's", "whole_async", "dcp", 0.25),
+    ("offline consolidate <= DCP dcp_to_torch_save", "whole_consolidate", "dcp", 1.0),
 )
 
 
