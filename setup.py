@@ -33,7 +33,7 @@ setup(
         # (tests/test_docs.py); the test extra includes it so that it can never be skipped there.
         "docs": ["mkdocs", "mkdocstrings[python]", "pymdown-extensions"],
         # fairseq-fixed's own requirements but torchaudio (which would replace a CPU torch): fairseq-fixed itself is
-        # installed after these with --no-build-isolation --no-deps (.ci/install-fairseq, README "With fairseq").
+        # installed after these with --no-build-isolation --no-deps (.ci/install-fairseq, docs/migrating.md).
         "fairseq": [
             "hydra-core==1.3.*",
             "omegaconf==2.3.*",
