@@ -27,10 +27,13 @@ setup(
     entry_points={"console_scripts": ["fsdp-optim = fsdp_optim.cli:main"]},
     extras_require={
         # ruff and mypy run in CI before pytest (.ci/run); exact versions come from constraints.txt.
-        "test": ["pytest", "parameterized", "hypothesis", "ruff", "mypy"],
+        "test": ["pytest", "parameterized", "hypothesis", "ruff", "mypy", "fsdp_optim[docs]"],
         "bench": ["matplotlib"],
+        # The documentation site (mkdocs.yml, docs/): `python -m mkdocs build --strict`, which CI runs as a test
+        # (tests/test_docs.py); the test extra includes it so that it can never be skipped there.
+        "docs": ["mkdocs", "mkdocstrings[python]", "pymdown-extensions"],
         # fairseq-fixed's own requirements but torchaudio (which would replace a CPU torch): fairseq-fixed itself is
-        # installed after these with --no-build-isolation --no-deps (.ci/install-fairseq, README "With fairseq").
+        # installed after these with --no-build-isolation --no-deps (.ci/install-fairseq, docs/migrating.md).
         "fairseq": [
             "hydra-core==1.3.*",
             "omegaconf==2.3.*",

@@ -22,7 +22,7 @@
   hyperparameters and steps; a frozen report.
 - ``to_dcp(source, out_dir)``: any of those sources, or a fairseq/metaseq shard set (see
   :mod:`fsdp_optim.fairseq` for consolidating and resharding those), written as a PyTorch DCP checkpoint.
-- Trust (README "Threat model"): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
+- Trust (docs/threat-model.md): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
   (others are refused with ``NotElementwiseError``); writers lock their output (``OutputLockedError``) and
   refuse directories holding what is not theirs (``ForeignOutputError``, unless ``overwrite=True``).
 - ``host_execution()`` (or ``enable_host_execution()`` / ``disable_host_execution()``): a reversible switch

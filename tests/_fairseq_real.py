@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-INSTALL = 'python -m pip install -q "torch==2.13.0" && bash .ci/install-fairseq (README "With fairseq / metaseq")'
+INSTALL = 'python -m pip install -q "torch==2.13.0" && bash .ci/install-fairseq (docs/migrating.md "With fairseq / metaseq")'
 ARCH = [
     "--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
     "--decoder-embed-dim", "32", "--decoder-input-dim", "32", "--decoder-output-dim", "32",

@@ -28,7 +28,7 @@ from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, 
 __all__ = ["MAX_MANIFEST_BYTES", "manifest_from_json", "manifest_to_json"]
 
 JSON_VERSIONS = (2, CHECKPOINT_VERSION)  # format 1 wrote manifest.pt
-MAX_MANIFEST_BYTES = 64 << 20  # a 1,024-rank, 1,000-unit manifest is 0.1-20 MiB (README, "Bounds")
+MAX_MANIFEST_BYTES = 64 << 20  # a 1,024-rank, 1,000-unit manifest is 0.1-20 MiB (docs/threat-model.md, "Bounds")
 _WRITTEN = re.compile(rb'\A\{"' + HEADER_KEY.encode() + rb'":(\{[^{}]*\}),"body":')
 
 

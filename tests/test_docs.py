@@ -1,0 +1,144 @@
+"""The documentation site builds with no warning (``mkdocs build --strict``, as the docs extra installs it; CI
+installs it through the test extra, so this is skipped only where mkdocs is missing), and its API reference
+renders every public name of ``fsdp_optim``."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _dist import run_ranks
+
+import fsdp_optim
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from docs.blocks import Block, all_blocks  # noqa: E402 - the repository root is not on the path under pytest
+
+blocks_of = all_blocks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason='needs the docs extra: pip install -e ".[docs]"')
+def test_mkdocs_build_strict_renders_every_public_name(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    api = (site / "api" / "index.html").read_text()
+    anchors = set(re.findall(r'id="(fsdp_optim\.[\w.]+)"', api))
+    missing = [name for name in fsdp_optim.__all__ if f"fsdp_optim.{fsdp_optim._HOME[name]}.{name}" not in anchors]
+    assert not missing, f"public names the API reference does not render: {missing}"
+    assert ":func:`" not in api and ":mod:`" not in api, "a Sphinx role was printed as it is"
+
+
+# ---- Every ```python block of README.md and docs/*.md runs (docs/blocks.py says how a marker changes that).
+#
+# Blocks run in document order, page by page, each page in a directory of its own that its blocks share (a later
+# block reads what an earlier one saved), each block in a fresh namespace on every rank of a gloo job: 2 ranks, or
+# the world size its marker names (those jobs run after the 2-rank one). A block may use the names PRELUDE gives
+# (a small model class, a wrapped model and its optimizer after a step, a training function, ...), which stand for
+# the user's own. `init_process_group` is a no-op there: the job has its group already.
+
+PRELUDE = """
+import torch
+import fsdp_optim
+
+class MyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.block, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 2)
+        self.register_buffer("seen", torch.zeros(2))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.block(torch.relu(self.embed(x)))))
+
+def wrapped():
+    net = MyModel()
+    net.block = fsdp_optim.FullyShardedDataParallel(net.block)
+    return fsdp_optim.FullyShardedDataParallel(net)
+
+def train(model, optim, batch=None):
+    torch.manual_seed(torch.distributed.get_rank())
+    model(torch.randn(4, 8) if batch is None else batch).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+train_step = train
+model = wrapped()
+optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+train(model, optim)
+step = 1000
+scheduler = torch.optim.lr_scheduler.StepLR(optim, step_size=10)
+loader = [torch.randn(4, 8) for _ in range(3)]
+"""
+
+
+def _run_blocks(rank: int, world_size: int, root: str, blocks: list[tuple[str, str, str]]) -> dict[str, str]:
+    """Run each (name, page directory, source) in order on this rank; {name: traceback} of those that raised."""
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    failed: dict[str, str] = {}
+    original = dist.init_process_group
+    dist.init_process_group = lambda *args, **kwargs: None  # type: ignore[assignment]
+    here = os.getcwd()
+    try:
+        for name, page_dir, source in blocks:
+            os.makedirs(os.path.join(root, page_dir), exist_ok=True)
+            os.chdir(os.path.join(root, page_dir))
+            namespace: dict[str, object] = {"__name__": "__docs__"}
+            try:
+                exec(compile(PRELUDE, "<prelude>", "exec"), namespace)
+                exec(compile(source, name, "exec"), namespace)
+            except Exception:
+                failed[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        dist.init_process_group = original
+        os.chdir(here)
+    return failed
+
+
+PYTHON_BLOCKS = blocks_of("python")
+
+
+@pytest.fixture(scope="module")
+def python_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("docs-python")
+    failed: dict[str, str] = {}
+    for world_size in sorted({b.world_size for b in PYTHON_BLOCKS}, key=lambda w: (w != 2, w)):
+        todo = [
+            (b.name, b.page.replace("/", "_"), b.body)
+            for b in PYTHON_BLOCKS
+            if b.world_size == world_size and b.not_run is None
+        ]
+        for per_rank in run_ranks(_run_blocks, world_size, str(root), todo):
+            for name, error in per_rank.items():
+                failed.setdefault(name, error)
+    return failed
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.name for b in PYTHON_BLOCKS])
+def test_python_block_runs(block: Block, python_outcomes: dict[str, str]) -> None:
+    if block.not_run is not None:
+        assert block.not_run.strip(), f"{block.name}: a 'not run' marker must say why"
+        pytest.skip(f"not run: {block.not_run}")
+    assert block.name not in python_outcomes, python_outcomes[block.name]
+
+
+def test_few_blocks_are_not_run() -> None:
+    not_run = [b.name for b in PYTHON_BLOCKS if b.not_run is not None]
+    assert len(not_run) <= 5, f"keep 'not run' markers few: {not_run}"
