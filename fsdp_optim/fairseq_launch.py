@@ -29,6 +29,7 @@ Whole checkpoints of ours beside fairseq's own (opt-in, on any machine): ``train
                                trainer.optimizer.optimizer,  # the torch optimizer inside fairseq's wrapper
                                DIR / "step-00000020",
                                extra={"num_updates": 20, "epoch": 1, "val_loss": 4.1,  # None if not validated
+                                      "optimizer": "FairseqAdam",  # type(trainer.optimizer).__name__
                                       "train_iterator": epoch_itr.state_dict(),
                                       "lr_scheduler": trainer.lr_scheduler.state_dict(),
                                       "cfg": fairseq's cfg as plain JSON})
@@ -163,6 +164,7 @@ def _save_whole(directory: Path, trainer: Any, epoch_itr: Any, val_loss: Any) ->
         "num_updates": trainer.get_num_updates(),
         "epoch": epoch_itr.epoch,
         "val_loss": plain_json(val_loss),
+        "optimizer": type(trainer.optimizer).__name__,
         "train_iterator": plain_json(epoch_itr.state_dict()),
         "lr_scheduler": plain_json(scheduler.state_dict()) if scheduler is not None else None,
         "cfg": plain_json(OmegaConf.to_container(trainer.cfg, resolve=True)),
