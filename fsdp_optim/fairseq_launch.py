@@ -18,19 +18,44 @@ unchanged after three things this module does first, and only on a machine witho
    without GPUs, and its spawn path starts ``torch.cuda.device_count()`` (zero) processes.
 
 On a GPU machine nothing is switched or patched: fairseq runs as it ships.
+
+Whole checkpoints of ours beside fairseq's own (opt-in, on any machine): ``train ... --fsdp-optim-checkpoints DIR``
+(taken out of the arguments before fairseq parses them) makes every one of fairseq's checkpoint saves (its
+``checkpoint_utils.save_checkpoint``, which every rank calls at the same updates) also write
+``DIR/step-NNNNNNNN`` (the update count, 8 digits: :class:`fsdp_optim.CheckpointManager`'s layout) with
+:func:`fsdp_optim.save_checkpoint` on every rank, after fairseq's own files::
+
+    fsdp_optim.save_checkpoint(trainer.model,                # the FSDP root (--ddp-backend fully_sharded)
+                               trainer.optimizer.optimizer,  # the torch optimizer inside fairseq's wrapper
+                               DIR / "step-00000020",
+                               extra={"num_updates": 20, "epoch": 1, "val_loss": 4.1,  # None if not validated
+                                      "optimizer": "FairseqAdam",  # type(trainer.optimizer).__name__
+                                      "train_iterator": epoch_itr.state_dict(),
+                                      "lr_scheduler": trainer.lr_scheduler.state_dict(),
+                                      "cfg": fairseq's cfg as plain JSON})
+
+``cfg`` is ``OmegaConf.to_container(cfg, resolve=True)`` with every value JSON cannot hold as its ``str``:
+``fsdp-optim consolidate DIR/step-00000020 -o FILE`` gives ``{"model", "optimizer", "extra"}``, and
+``task.build_model(extra["cfg"]["model"])`` (``cfg`` through ``OmegaConf.create``) builds the unwrapped model
+that loads ``FILE["model"]`` with ``strict=True``. fairseq's own saves (``--use-sharded-state`` or not) run
+unchanged; ``--no-save`` writes neither.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["distributed_args", "main", "patch_fairseq"]
+__all__ = ["checkpoints_arg", "distributed_args", "main", "patch_fairseq", "plain_json", "save_whole_checkpoints"]
 
 TOOLS = {"train": "fairseq_cli.train", "validate": "fairseq_cli.validate"}
+CHECKPOINTS_FLAG = "--fsdp-optim-checkpoints"
 
 
 def patch_fairseq() -> None:
@@ -68,6 +93,85 @@ def distributed_args(argv: Sequence[str], environ: dict[str, str] | os._Environ[
     ]
 
 
+def checkpoints_arg(argv: Sequence[str]) -> tuple[list[str], Path | None]:
+    """``argv`` without ``--fsdp-optim-checkpoints DIR`` (or ``=DIR``), and ``DIR`` (None when not given)."""
+    rest: list[str] = []
+    found: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == CHECKPOINTS_FLAG:
+            value = next(args, None)
+            if value is None or value.startswith("--"):
+                raise SystemExit(f"{CHECKPOINTS_FLAG}: expected a directory, found {value or 'nothing'}")
+            found.append(value)
+        elif arg.startswith(CHECKPOINTS_FLAG + "="):
+            found.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+    if len(found) > 1:
+        raise SystemExit(f"{CHECKPOINTS_FLAG}: expected once, found {len(found)} times ({found})")
+    return rest, Path(found[0]) if found else None
+
+
+def plain_json(value: Any) -> Any:
+    """``value`` (a tree of dicts, lists, tuples, scalars) with only what JSON holds: dict keys as ``str``,
+    tuples as lists, numpy scalars as Python numbers, non-finite floats and anything else as its ``str``."""
+    if isinstance(value, Mapping):
+        return {str(k): plain_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    item = getattr(value, "item", None)  # numpy and 0-d torch scalars
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        return plain_json(item())
+    return str(value)
+
+
+def save_whole_checkpoints(directory: str | os.PathLike[str]) -> None:
+    """Make each of fairseq's checkpoint saves also write ``directory/step-NNNNNNNN`` with
+    :func:`fsdp_optim.save_checkpoint` on every rank (module docstring). For the rest of the process; a second
+    call replaces the directory."""
+    from fairseq import checkpoint_utils
+
+    fairseq_save = getattr(checkpoint_utils.save_checkpoint, "_fsdp_optim_wrapped", checkpoint_utils.save_checkpoint)
+
+    def saving(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any) -> Any:
+        saved = fairseq_save(cfg, trainer, epoch_itr, val_loss)
+        if not cfg.no_save:
+            _save_whole(Path(directory), trainer, epoch_itr, val_loss)
+        return saved
+
+    # fairseq keeps its best loss as an attribute of the function its module names `save_checkpoint`
+    saving._fsdp_optim_wrapped = fairseq_save  # type: ignore[attr-defined]
+    checkpoint_utils.save_checkpoint = saving
+
+
+def _save_whole(directory: Path, trainer: Any, epoch_itr: Any, val_loss: Any) -> Path:
+    """Every rank: fairseq's model and optimizer, and what its loop needs back, as one whole checkpoint."""
+    from omegaconf import OmegaConf
+
+    from fsdp_optim.core.steps import step_dir_name
+    from fsdp_optim.job.whole_save import save_checkpoint
+
+    optim = trainer.optimizer.optimizer  # FairseqOptimizer (FP16Optimizer too) -> the torch optimizer it steps
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise TypeError(f"trainer.optimizer.optimizer: expected a torch.optim.Optimizer, found {type(optim).__name__}")
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    extra = {
+        "num_updates": trainer.get_num_updates(),
+        "epoch": epoch_itr.epoch,
+        "val_loss": plain_json(val_loss),
+        "optimizer": type(trainer.optimizer).__name__,
+        "train_iterator": plain_json(epoch_itr.state_dict()),
+        "lr_scheduler": plain_json(scheduler.state_dict()) if scheduler is not None else None,
+        "cfg": plain_json(OmegaConf.to_container(trainer.cfg, resolve=True)),
+    }
+    return save_checkpoint(trainer.model, optim, directory / step_dir_name(extra["num_updates"]), extra=extra)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in TOOLS:
@@ -79,7 +183,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     tool = importlib.import_module(TOOLS[args[0]])
     patch_fairseq()
-    rest = distributed_args(args[1:], os.environ) if args[0] == "train" else args[1:]
+    rest, whole = checkpoints_arg(args[1:]) if args[0] == "train" else (args[1:], None)
+    if whole is not None:
+        save_whole_checkpoints(whole)
+    rest = distributed_args(rest, os.environ) if args[0] == "train" else rest
     sys.argv = [f"fairseq-{args[0]}", *rest]
     tool.cli_main()
     # fairseq leaves its process group up; tearing it down before exit keeps a rank from aborting as the

@@ -5,10 +5,13 @@ Every fairseq step runs fairseq's own command-line code in its own process with 
 
 - :func:`make_data`: a small synthetic corpus (written here, no download) binarised by ``fairseq-preprocess``;
 - :func:`train`: ``fairseq-train`` of a tiny ``transformer_lm`` (two decoder layers, each its own FSDP unit,
-  plus the root: three nested units) with ``--ddp-backend fully_sharded --use-sharded-state``; run as this
+  plus the root: three nested units) with ``--ddp-backend fully_sharded --use-sharded-state`` (and, given
+  ``whole``, the launcher's ``--fsdp-optim-checkpoints``: our whole checkpoints beside fairseq's); run as this
   file, so that right after fairseq's ``Trainer.load_checkpoint`` each rank records its live model shard
   (``local_state_dict()``) and optimizer state into ``live-<rank>.pt`` (nothing else is changed);
 - :func:`validate`: ``fairseq-validate`` of a consolidated checkpoint;
+- :func:`plain_model`: fairseq's model built from a consolidated whole checkpoint's saved cfg, unwrapped,
+  loading its weights with ``strict=True``, and the fairseq checkpoint file that ``fairseq-validate`` reads;
 - :func:`fsdp2_resume`: a rank function for ``run_ranks``: fairseq's model, unwrapped, under FSDP2
   (``fully_shard``) loads a DCP export and checks it against the consolidated checkpoint.
 """
@@ -90,11 +93,17 @@ def make_data(root: Path) -> Path:
     return data
 
 
-def train(data: Path, save_dir: Path, world_size: int, max_update: int, *, restore: Path | None = None) -> str:
-    """fairseq-train at ``world_size`` (torchrun, this file as the launcher) until ``max_update``; its output."""
+def train(
+    data: Path, save_dir: Path, world_size: int, max_update: int, *, restore: Path | None = None,
+    whole: Path | None = None,
+) -> str:  # fmt: skip
+    """fairseq-train at ``world_size`` (torchrun, this file as the launcher) until ``max_update``; its output.
+    ``whole``: also our whole checkpoint at each of fairseq's saves, ``whole/step-NNNNNNNN``."""
     argv = [str(data), *TRAIN, "--save-dir", str(save_dir), "--max-update", str(max_update)]
     if restore is not None:
         argv += ["--restore-file", str(restore)]
+    if whole is not None:
+        argv += ["--fsdp-optim-checkpoints", str(whole)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size)]
     log = save_dir.parent / f"{save_dir.name}.log"
     return run([*torchrun, __file__, "train", *argv], log)
@@ -108,6 +117,26 @@ def validate(data: Path, checkpoint: Path) -> str:
 
 def fsdp_optim(*argv: Any, log: Path) -> str:
     return run([sys.executable, "-m", "fsdp_optim", *map(str, argv)], log)
+
+
+def plain_model(consolidated: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """From ``fsdp-optim consolidate`` of a whole checkpoint the launcher wrote (``{"model", "optimizer",
+    "extra"}``): fairseq's model built by ``task.build_model`` from the cfg in ``extra``, no FSDP, loading
+    ``consolidated["model"]`` with ``strict=True``; and that model as the fairseq checkpoint file
+    ``checkpoint_utils.load_model_ensemble_and_task`` reads (``cfg``, ``model``, and the ``optimizer_history`` /
+    ``extra_state`` its upgrade step requires; no optimizer state, which validating does not read)."""
+    from fairseq import tasks
+    from omegaconf import OmegaConf
+
+    extra = consolidated["extra"]
+    cfg = OmegaConf.create(extra["cfg"])
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    model.load_state_dict(consolidated["model"], strict=True)
+    history = {"criterion_name": "CrossEntropyCriterion", "optimizer_name": extra["optimizer"],
+               "lr_scheduler_state": extra["lr_scheduler"], "num_updates": extra["num_updates"]}  # fmt: skip
+    state = {"train_iterator": extra["train_iterator"], "val_loss": extra["val_loss"], "epoch": extra["epoch"]}
+    return model, {"cfg": extra["cfg"], "model": model.state_dict(), "optimizer_history": [history],
+                   "extra_state": state}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------

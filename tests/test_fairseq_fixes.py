@@ -204,3 +204,18 @@ def test_launcher_passes_torchrun_environment_to_fairseq() -> None:
     assert distributed_args(given, env) == given  # the caller's own settings win
     with pytest.raises(SystemExit, match=r"\{train,validate\} FAIRSEQ_ARGS.*found \['generate'\]"):
         main(["generate", "data-bin"])
+
+
+def test_launcher_takes_its_checkpoint_flag_out_of_fairseqs_arguments() -> None:
+    from fsdp_optim.fairseq_launch import checkpoints_arg, plain_json
+
+    assert checkpoints_arg(["data-bin", "--cpu"]) == (["data-bin", "--cpu"], None)
+    for given in (["data-bin", "--fsdp-optim-checkpoints", "ours", "--cpu"], ["data-bin", "--fsdp-optim-checkpoints=ours", "--cpu"]):
+        assert checkpoints_arg(given) == (["data-bin", "--cpu"], Path("ours"))
+    with pytest.raises(SystemExit, match=r"expected a directory, found --cpu"):
+        checkpoints_arg(["--fsdp-optim-checkpoints", "--cpu"])
+    with pytest.raises(SystemExit, match=r"expected once, found 2 times"):
+        checkpoints_arg(["--fsdp-optim-checkpoints", "a", "--fsdp-optim-checkpoints=b"])
+    assert plain_json({"betas": (0.9, 0.98), 1: float("inf"), "n": None, "enum": Path("x")}) == {
+        "betas": [0.9, 0.98], "1": "inf", "n": None, "enum": "x"}  # fmt: skip
+    assert plain_json(torch.tensor(2.5)) == 2.5

@@ -13,7 +13,11 @@ fails, naming the install steps: it never skips.
    validation loss exactly, W=3 and W=1 (other batches per rank) nearly;
 4. ``fsdp-optim consolidate --with-model`` of update 20 gives fairscale's own consolidated weights (plus the
    tied name fairscale drops), and ``fairseq-validate`` on it reproduces the loss fairseq logged;
-5. ``fsdp-optim convert --to dcp``, and an FSDP2 job at W=2 loads it into fairseq's model and AdamW.
+5. ``fsdp-optim convert --to dcp``, and an FSDP2 job at W=2 loads it into fairseq's model and AdamW;
+6. the same W=2 training also writes our whole checkpoints (the launcher's ``--fsdp-optim-checkpoints``):
+   ``fsdp-optim consolidate`` of update 20 gives the weights and optimizer state of the shard set's
+   consolidation bit for bit, fairseq's model built from the saved cfg (no FSDP) loads them with
+   ``strict=True``, and ``fairseq-validate`` on it reproduces the loss fairseq logged.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def fairseq_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pytest.fail(f"fairseq is not installed ({exc}); this test needs it. Install it as CI does: {R.INSTALL}")
     root = tmp_path_factory.mktemp("fairseq")
     data = R.make_data(root)
-    logs = {"w2": R.train(data, root / "w2", 2, UPDATES)}
+    logs = {"w2": R.train(data, root / "w2", 2, UPDATES, whole=root / "whole")}
     for w in (3, 1):
         out = R.fsdp_optim("reshard", root / "w2" / SET, "--world-size", w, "-o", root / f"set{w}", log=root / "r.log")
         assert f"{w} shard files" in out, out
@@ -111,3 +115,34 @@ def test_fsdp2_resumes_from_the_dcp_export(fairseq_run, tmp_path) -> None:
     R.fsdp_optim("convert", source, "--to", "dcp", "-o", tmp_path / "dcp", log=tmp_path / "d.log")
     checked = run_ranks(R.fsdp2_resume, 2, tmp_path / "c.pt", tmp_path / "dcp", deadline_s=R.TIMEOUT_S)[0]
     assert checked["weights"] > 30 and checked["optim_params"] > 30, checked
+
+
+def test_whole_checkpoint_consolidated_validates_as_a_plain_model(fairseq_run, tmp_path) -> None:
+    root = fairseq_run["root"]
+    assert sorted(p.name for p in (root / "whole").iterdir()) == ["step-00000010", "step-00000020"]
+    R.fsdp_optim("consolidate", root / "whole" / f"step-{UPDATES:08d}", "-o", tmp_path / "whole.pt", log=tmp_path / "w.log")
+    consolidated = _load(tmp_path / "whole.pt")
+    assert consolidated["extra"]["num_updates"] == UPDATES
+    R.fsdp_optim("consolidate", root / "w2" / f"checkpoint_1_{UPDATES}", "--with-model", "-o", tmp_path / "set.pt",
+                 log=tmp_path / "s.log")  # fmt: skip
+    from_set = _load(tmp_path / "set.pt")
+    assert consolidated["model"].keys() == from_set["model"].keys()
+    for name, value in from_set["model"].items():
+        assert torch.equal(consolidated["model"][name], value), f"model {name}: whole and shard-set consolidations differ"
+    ours, theirs = consolidated["optimizer"], from_set["last_optimizer_state"]
+    by_name = {theirs["param_names"][pid]: entries for pid, entries in theirs["state"].items()}
+    assert sorted(ours["param_names"].values()) == sorted(by_name)
+    for pid, entries in ours["state"].items():
+        want = by_name[ours["param_names"][pid]]
+        assert entries.keys() == want.keys()
+        for key, value in entries.items():
+            f64 = torch.float64 if key == "step" else None  # a step is a number however it is held
+            assert torch.equal(torch.as_tensor(value, dtype=f64), torch.as_tensor(want[key], dtype=f64)), key
+    model, checkpoint = R.plain_model(consolidated)  # strict=True
+    assert not any(name.startswith("_fsdp") or "flat_param" in name for name in model.state_dict())
+    torch.save(checkpoint, tmp_path / "plain.pt")
+    text = R.validate(fairseq_run["data"], tmp_path / "plain.pt")
+    logged = R.valid_losses(fairseq_run["logs"]["w2"])[UPDATES]
+    validated = R.VALID_LOSS_ALONE.findall(text)
+    print(f"fairseq logged {logged} at update {UPDATES}; fairseq-validate of the whole checkpoint's model: {validated}")
+    assert validated == [logged], text[-2000:]
