@@ -29,6 +29,7 @@ from fsdp_optim.core.plan import Plan, assemble_full, per_parameter, plan, restr
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.disk.stream_save import Pending, stream_write
+from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor  # one parameter, made when due
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import encode_extra, read_rank_side, write_side_file
@@ -48,21 +49,6 @@ __all__ = [
 
 T = TypeVar("T")
 Progress = Callable[[], None] | None
-
-
-@dataclass(frozen=True)
-class ModelTensor:
-    """One parameter of the unwrapped model: its name, shape, dtype, and ``make()`` (a new CPU tensor, read from the
-    rank files when called)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    make: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
 
 
 @dataclass(frozen=True)
