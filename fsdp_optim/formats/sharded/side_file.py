@@ -28,6 +28,7 @@ from safetensors.torch import save as save_safetensors
 
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
+from fsdp_optim.disk.json_input import loads
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
@@ -74,11 +75,7 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str, depth: int
 
 def decode_extra(text: str, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
     """The value :func:`encode_extra` was given (every reference checked to name a tensor of the file)."""
-    try:
-        tree = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{where}: its extra is not JSON ({type(exc).__name__})") from None
-    return _decode(tree, tensors, where, 0)
+    return _decode(loads(text, where=f"{where}, extra"), tensors, where, 0)  # unique keys, bounded depth
 
 
 def _decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, depth: int) -> Any:
@@ -147,7 +144,7 @@ def read_side_file(directory: Path, record: FileRecord) -> SideContent:
         raise ValueError(f"{path}: checksum mismatch (the side file is damaged or was modified)")
     tensors = load_safetensors(data)
     header_size = int.from_bytes(data[:8], "little")
-    metadata = json.loads(data[8 : 8 + header_size]).get("__metadata__", {})
+    metadata = loads(data[8 : 8 + header_size], where=f"{path}, header").get("__metadata__", {})
     where = f"{path}"
     buffers = {n[len(_BUFFER) :]: t for n, t in tensors.items() if n.startswith(_BUFFER)}
     extra = decode_extra(metadata.get("extra", "null"), tensors, where)
