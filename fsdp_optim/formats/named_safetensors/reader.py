@@ -1,6 +1,6 @@
 """Read a named safetensors optimizer file as a planning source, range by range, every byte it uses checked.
 
-:class:`NamedSafetensors` checks the whole header first (:func:`.document.read_header`), then reads tensors
+:class:`NamedSafetensors` checks the whole header first (:func:`.document.read_named_header`), then reads tensors
 through ``safetensors.safe_open`` (memory-mapped): ``read`` copies elements ``[start, stop)`` of one state
 tensor with ``get_slice`` reads of just those bytes (a flat range of an n-dim tensor is at most ``2n - 1``
 slices). Checksums, once per piece: a tensor of at most ``chunk_bytes`` (1 MiB) is read whole the first time
@@ -29,7 +29,7 @@ from fsdp_optim.core.layout import ParamSpec
 from fsdp_optim.core.plan import Source, per_parameter, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
 from fsdp_optim.formats.fullstate import build_full_state
-from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_header
+from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_named_header
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
 __all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]
@@ -58,7 +58,7 @@ class NamedSafetensors:
 
     def __init__(self, path: str | os.PathLike[str], *, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES) -> None:
         self.path = str(path)
-        self.document, self.tensors = read_header(path)
+        self.document, self.tensors = read_named_header(path)
         self.max_mapped_bytes = max_mapped_bytes
         self._handle: Any = None
         self._mapped = 0
@@ -160,7 +160,7 @@ class NamedSafetensors:
         return out
 
     def _read_scalar(self, name: str) -> torch.Tensor:
-        return self.read_flat(name, 0, 1).reshape(()).clone()  # 0-dim (read_header checks); not a view of the map
+        return self.read_flat(name, 0, 1).reshape(()).clone()  # 0-dim (read_named_header checks); not a view of the map
 
     # -----------------------------------------------------------------------------------------------
     # As a planning source, and as a full dict
