@@ -28,6 +28,7 @@ from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import ParamSpec
 from fsdp_optim.core.plan import Source, per_parameter, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_named_header
 from fsdp_optim.formats.sharded.segments import chunk_elements
@@ -44,12 +45,13 @@ class ChecksumError(ValueError):
 def is_named_safetensors(path: Any) -> bool:
     """Whether ``path`` is a file that starts like a safetensors file (a length, then ``{``); the rest is unchecked."""
     try:
-        if not os.path.isfile(path):
-            return False
-        with open(path, "rb") as f:
-            head = f.read(9)
+        fd, _ = open_regular(path)
     except (OSError, TypeError, ValueError):
         return False
+    try:
+        head = os.pread(fd, 9, 0)
+    finally:
+        os.close(fd)
     return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") >= 2
 
 
