@@ -172,7 +172,9 @@ class NamedSafetensors:
         doc = self.document
         flats = tuple(self._record(name, doc.state.get(name, ())) for name in doc.param_order)
         index = {name: i for i, name in enumerate(doc.param_order)}
-        groups = tuple(GroupRecord(dict(g.hyperparams), tuple(index[n] for n in g.params), g.named) for g in doc.groups)
+        groups = tuple(
+            GroupRecord(dict(g.hyperparams), tuple(index[n] for n in g.params), named=g.named) for g in doc.groups
+        )
         tensor_of = {(index[name], e.key): e.tensor for name, es in doc.state.items() for e in es if e.tensor}
 
         def read(i: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
@@ -191,7 +193,9 @@ class NamedSafetensors:
                 state.append(StateEntry(e.key, StateKind.SCALAR, value=value))
         dtypes = [self.tensors[e.tensor].dtype for e in entries if e.kind == StateKind.SHARDED.value and e.tensor]
         spec = ParamSpec(name, self.document.shapes.get(name, ()), 0)
-        return FlatRecord("", (spec,), 1, None, dtypes[0] if dtypes else torch.float32, False, state=tuple(state))
+        dtype = dtypes[0] if dtypes else torch.float32
+        return FlatRecord(unit="", params=(spec,), world_size=1, rank=None, dtype=dtype, flattened=False,
+                          state=tuple(state))
 
     def full_state(self) -> dict[str, Any]:
         """The full dict the file was written from (as ``gather_full_optim_state_dict`` returns it), bit for bit.
