@@ -171,3 +171,34 @@ def _deferred_copy_job(rank: int, world_size: int, out: str) -> dict:
 def test_the_copy_runs_after_the_call_and_the_next_step_waits_for_it(tmp_path) -> None:
     for results in run_ranks(_deferred_copy_job, 2, str(tmp_path)):
         assert all(results.values()), results
+
+
+
+def _many_roots_job(rank: int, world_size: int, out: str) -> dict:
+    import gc
+
+    from fsdp_optim.job import async_save as A
+
+    root, optim = _setup(rank, world_size)
+    saves = []
+    for s in range(3):  # many saves of one root: one handle and one set of buffers, reused
+        async_save_sharded_optim_state(root, optim, os.path.join(out, "kept")).wait()
+        M.train_step(root, optim, *M.local_batch(s, rank, world_size))
+        saves.append((len(A._inflight), len(A._staging), len(A._staging[root].buffers)))
+    dropped = []
+    for r in range(3):  # roots saved once and dropped (untrained: fairscale's backward hooks keep a trained one)
+        other = M.wrap(M.make_net(), "deep")
+        async_save_sharded_optim_state(other, M.OPTIMIZERS["adam"](M.fsdp_param_groups(other)), f"{out}/d{r}").wait()
+        del other
+        gc.collect()
+        dropped.append((len(A._inflight), len(A._staging)))
+    return {"saves": saves, "dropped": dropped}
+
+
+def test_a_long_job_of_many_roots_and_saves_keeps_nothing_it_no_longer_needs(tmp_path) -> None:
+    for rank, held in enumerate(run_ranks(_many_roots_job, 2, str(tmp_path))):
+        saves, dropped = held["saves"], held["dropped"]
+        assert len(set(saves)) == 1 and saves[0][:2] == (1, 1) and saves[0][2] > 0, (
+            f"rank {rank}: (handles, staging sets, buffers) after each save of one root: {saves}"
+        )
+        assert dropped == [(1, 1)] * 3, f"rank {rank}: (handles, staging sets) after each dropped root: {dropped}"

@@ -28,7 +28,8 @@ import fsdp_optim
 from fsdp_optim import load_full_state, save_sharded_optim_state, to_safetensors
 from fsdp_optim.cli import main
 from fsdp_optim.core.flatten import same_scalar
-from fsdp_optim.formats.named_safetensors.document import FormatError, read_header
+from fsdp_optim.formats.named_safetensors.document import FormatError
+from fsdp_optim.formats.named_safetensors.document import read_named_header as read_header
 from fsdp_optim.formats.named_safetensors.reader import ChecksumError, NamedSafetensors
 
 OPTIMIZERS = ["adam", "adamw", "sgd_momentum"]

@@ -65,7 +65,7 @@ __all__ = [
 def per_parameter(source: Source, order: Sequence[str]) -> ModelLayout:
     """The source's parameters, each a flat of its own at world size 1: the target that makes full tensors."""
     flats = tuple(
-        FlatParamLayout(flat.unit, (ParamSpec(spec.name, spec.shape, 0),), 1, 0, flat.dtype, False)
+        FlatParamLayout(flat.unit, (ParamSpec(spec.name, spec.shape, 0),), 1, 0, flat.dtype, flattened=False)
         for flat in source.flats
         for spec in flat.params
     )

@@ -82,7 +82,9 @@ class FlatRecord(FlatParamLayout):
 
     def layout(self, rank: int) -> FlatParamLayout:
         """This unit as ``rank`` holds it, without the state entries."""
-        flat = FlatParamLayout(self.unit, self.params, self.world_size, None, self.dtype, self.flattened, self.per_rank)
+        flat = FlatParamLayout(
+            self.unit, self.params, self.world_size, None, self.dtype, flattened=self.flattened, per_rank=self.per_rank
+        )
         return flat.at_rank(rank)
 
     @classmethod

@@ -28,7 +28,10 @@ it "cannot be read with torch.load(weights_only=True)". :func:`escape` makes unt
 from __future__ import annotations
 
 import os
+import pickle
 import stat
+import zipfile
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,6 +49,7 @@ __all__ = [
     "MAX_RECORDS",
     "check_stored_bytes",
     "describe_file",
+    "load_foreign",
     "load_untrusted",
     "open_regular",
 ]
@@ -149,6 +153,45 @@ def load_untrusted(
         if t.requires_grad:  # a file holds values, never autograd state (leaves: this is allowed)
             t.requires_grad_(False)
     return obj
+
+
+def load_foreign(path: str | os.PathLike[str], *, allowed_globals: Sequence[Any] = (), mmap: bool = True) -> Any:
+    """A torch file another program wrote (fairseq/metaseq shards): ``torch.load(weights_only=True)`` on the CPU
+    with ``allowed_globals`` (data-only classes the caller names) allowed, memory-mapped if ``mmap`` and the
+    file is a zip (a legacy pre-1.6 ``torch.save`` file cannot be mapped: it is read whole).
+
+    The file is opened once, as a regular file, and loaded from that descriptor (on Linux, where
+    ``/proc/self/fd`` exists). Its pickle is not scanned against the optimizer-state globals (such files hold
+    configs); ``weights_only`` refuses every other class, and the refusal names all of them.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    fd, _ = open_regular(path)
+    try:
+        proc = f"/proc/self/fd/{fd}"
+        source: str | os.PathLike[str] = proc if os.path.exists(proc) else path
+        zipped = zipfile.is_zipfile(source)
+        with torch.serialization.safe_globals(list(allowed_globals)):
+            try:
+                return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap and zipped)
+            except pickle.UnpicklingError as exc:
+                unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source)) if zipped else []
+                if unsafe:
+                    raise ValueError(
+                        f"{path}: holds objects of {', '.join(unsafe)}, which weights_only loading refuses "
+                        "(fsdp_optim never runs code from a checkpoint file); if you trust the file, allow them "
+                        f"with allow_globals={unsafe!r} (CLI: --allow-global NAME)"
+                    ) from exc
+                raise unreadable(str(path), _first_line(exc)) from exc
+            except Exception as exc:  # noqa: BLE001 - a torn or foreign file: zip and pickle errors alike
+                raise unreadable(str(path), _first_line(exc)) from exc
+    finally:
+        os.close(fd)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _reason(exc: BaseException) -> str:

@@ -319,7 +319,7 @@ def _groups(
             listed.add(pid)
         hyper = {key: v for key, v in group.items() if key not in ("params", "param_names")}
         members = tuple(index[pid] for pid in group["params"] if pid in index)
-        groups.append(GroupRecord(hyper, members, "param_names" in group))
+        groups.append(GroupRecord(hyper, members, named="param_names" in group))
     for pid in full["state"]:
         if pid not in listed:
             errors.append(f"{label} has state for id {pid!r}, which no param group lists")

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import re
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any, BinaryIO
 import torch
 
 from fsdp_optim.disk.staged import Survey
-from fsdp_optim.formats.named_safetensors.document import DTYPE_NAMES
+from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "SINGLE", "Tensor", "parse_size", "shard", "write_file"]
 
@@ -86,22 +85,14 @@ def file_names(count: int) -> list[str]:
 
 
 def check_dtypes(tensors: Sequence[Tensor]) -> None:
-    bad = next((t for t in tensors if t.dtype not in DTYPE_NAMES), None)
+    bad = next((t for t in tensors if t.dtype not in PORTABLE_DTYPES), None)
     if bad is not None:
         raise ValueError(f"tensor '{bad.name}' has dtype {bad.dtype}, which safetensors cannot name")
 
 
 def write_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
     """One safetensors file of ``tensors``: the header from their shapes, then each made, written and dropped."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for t in tensors:
-        span = [offset, offset + t.nbytes]
-        header[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": span}
-        offset += t.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    f.write(struct.pack("<Q", len(text)) + text)
+    f.write(encode_header({"format": "pt"}, ((t.name, t.dtype, t.shape) for t in tensors)))
     for t in tensors:
         tensor = t.make()
         if tensor.dtype != t.dtype or tuple(tensor.shape) != t.shape:

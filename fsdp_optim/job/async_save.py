@@ -153,8 +153,10 @@ def _guard(optim: torch.optim.Optimizer) -> _StepGuard:
 
 
 _lock = threading.Lock()
-_inflight: dict[int, AsyncSave] = {}  # id(root) -> its save in flight
-_staging: dict[int, _Staging] = {}  # id(root) -> its reusable buffers
+# One entry per live root, dropped with the root: a job that builds many roots (or saves many times) keeps
+# at most one handle and one set of buffers per root it still holds (tests/test_async_save.py counts them).
+_inflight: weakref.WeakKeyDictionary[nn.Module, AsyncSave] = weakref.WeakKeyDictionary()  # its last save
+_staging: weakref.WeakKeyDictionary[nn.Module, _Staging] = weakref.WeakKeyDictionary()  # its reusable buffers
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
 
 
@@ -182,8 +184,7 @@ def async_save_sharded_optim_state(
     The first call creates a gloo process group for checkpoint coordination over the root's ranks
     (a collective over the default group: every process of the job must make that first call).
     """
-    key = id(fsdp)
-    finish_previous(key)
+    finish_previous(fsdp)
     root = verify_root(fsdp)
     local = read_for_save(root, optim)
     group = checkpoint_group(root.group)
@@ -192,18 +193,19 @@ def async_save_sharded_optim_state(
     upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
         root.layout, local, staged, type(optim).__name__, Path(directory), save_id, group, lock=lock
     )
-    return launch(key, Path(directory), optim, local.state, upload, name=save_id[:8])
+    return launch(fsdp, Path(directory), optim, local.state, upload, name=save_id[:8])
 
 
-def finish_previous(key: int) -> None:
+def finish_previous(key: nn.Module) -> None:
     """Before a new async save of root ``key``: let the one in flight finish (raising its unseen failure)."""
-    previous = _inflight.get(key)
+    with _lock:
+        previous = _inflight.get(key)
     if previous is not None:
         _wait_previous(previous)
 
 
 def launch(
-    key: int,
+    key: nn.Module,
     directory: Path,
     optim: torch.optim.Optimizer,
     state: Mapping[int, Mapping[str, Any]],
@@ -214,7 +216,8 @@ def launch(
     """Start the background thread of an async save of root ``key``: it copies ``state`` (``{flat: {key: live
     tensor}}``) into this root's reusable staging buffers, then runs ``upload(staged)`` (which calls ``staged()``
     for the copy). ``optim``'s next ``step()`` / ``load_state_dict()`` waits for the copy."""
-    staging = _staging.setdefault(key, _Staging())
+    with _lock:
+        staging = _staging.setdefault(key, _Staging())
     handle = AsyncSave(directory)
 
     def staged() -> dict[int, dict[str, Any]]:  # in the thread; optim.step() waits for it (_StepGuard)

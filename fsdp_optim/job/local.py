@@ -54,7 +54,7 @@ def read_local_state(
             if optim_state["state"].get(pid):
                 state[i] = optim_state["state"][pid]
         hyper = {key: v for key, v in packed.items() if key not in ("params", "param_names")}
-        groups.append(GroupRecord(hyper, tuple(indices), "param_names" in packed))
+        groups.append(GroupRecord(hyper, tuple(indices), named="param_names" in packed))
     summary = {}
     for i, entries in state.items():
         kinds = classify_flat_state(layout.flat_params[i], entries)

@@ -100,8 +100,7 @@ def async_save_checkpoint(
     changing them by other means, e.g. ``load_checkpoint``). ``handle.wait()`` returns the manifest path or
     raises the save's error on every rank. One save per model in flight; the next one waits for it.
     """
-    key = id(model)
-    finish_previous(key)
+    finish_previous(model)
     root = verify_root(model, optim)
     prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True)
     directory = Path(path)
@@ -112,7 +111,7 @@ def async_save_checkpoint(
     upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
         root.layout, prepared.local, staged, optimizer, directory, save_id, group, lock=lock, side=side
     )
-    return launch(key, directory, optim, prepared.state, upload, name=save_id[:8])
+    return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
 
 
 def _prepare_everywhere(

@@ -43,9 +43,7 @@ import argparse
 import importlib
 import math
 import os
-import pickle
 import re
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +55,7 @@ from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.layout import ParamSpec, clean_path
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.staged import Survey
+from fsdp_optim.disk.untrusted import load_foreign
 from fsdp_optim.formats.fairseq.optimizers import recorded_names
 
 __all__ = [
@@ -202,32 +201,11 @@ def _resolve_global(name: str) -> Any:
 
 
 def load_shard(path: Path, *, allow_globals: Sequence[str] = (), mmap: bool = True) -> Any:
-    """``torch.load(path, weights_only=True, mmap=...)`` with :data:`DATA_ONLY_GLOBALS` (and ``allow_globals``)
+    """``torch.load(path, weights_only=True, mmap=...)`` through the gate for foreign files
+    (:func:`~fsdp_optim.disk.untrusted.load_foreign`) with :data:`DATA_ONLY_GLOBALS` (and ``allow_globals``)
     allowed. Refuses a file that holds other classes, naming all of them."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
     allowed = [*DATA_ONLY_GLOBALS, *(_resolve_global(name) for name in allow_globals)]
-    zipped = zipfile.is_zipfile(path)  # a legacy (pre-1.6) torch.save file cannot be mapped: it is read whole
-    with torch.serialization.safe_globals(allowed):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipped)
-        except pickle.UnpicklingError as exc:
-            unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path)) if zipped else []
-            if unsafe:
-                raise ValueError(
-                    f"{path}: holds objects of {', '.join(unsafe)}, which weights_only loading refuses "
-                    "(fsdp_optim never "
-                    "runs code from a checkpoint file); if you trust the file, allow them with allow_globals="
-                    f"{unsafe!r} (CLI: --allow-global NAME)"
-                ) from exc
-            raise ValueError(f"{path}: cannot be read with torch.load(weights_only=True): {_first_line(exc)}") from exc
-        except Exception as exc:  # a torn or foreign file: zip and pickle errors alike
-            raise ValueError(f"{path}: cannot be read with torch.load(weights_only=True): {_first_line(exc)}") from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return load_foreign(path, allowed_globals=allowed, mmap=mmap)
 
 
 # ---------------------------------------------------------------------------------------------------

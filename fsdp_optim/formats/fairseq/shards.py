@@ -136,7 +136,7 @@ class ShardSet:
             model_dtype = first.model[b.key][1]
             entries = state_entries(first, self.id_of_flat.get(i), b.key)
             dtype = next((getattr(torch, str(e.dtype)) for e in entries if e.kind is StateKind.SHARDED), model_dtype)
-            record = FlatRecord(b.unit, b.params, self.world_size, None, dtype, b.flattened)
+            record = FlatRecord(b.unit, b.params, self.world_size, None, dtype, flattened=b.flattened)
             flats.append(replace(record, state=entries))
             weight = StateEntry(WEIGHT, StateKind.SHARDED, dtype=dtype_to_str(model_dtype))
             weight_flats.append(replace(record, dtype=model_dtype, state=(weight,)))
@@ -145,7 +145,7 @@ class ShardSet:
             GroupRecord(
                 {k: v for k, v in hyper.items() if k != "param_names"},
                 tuple(flat_of_id[pid] for pid in ids),
-                "param_names" in hyper,
+                named="param_names" in hyper,
             )
             for hyper, ids in first.groups
         )

@@ -1,6 +1,6 @@
 """The metadata of a named safetensors optimizer file: exact JSON values, the document, the checked file header.
 
-Pure apart from reading a file's first bytes in :func:`read_header`; never imports ``torch.distributed``.
+Pure apart from reading a file's first bytes in :func:`read_named_header`; never imports ``torch.distributed``.
 
 A file is a plain safetensors file (8-byte little-endian header length, a JSON header, the data) whose tensors
 are named ``<parameter name>/<state key>`` (``layer1.weight/exp_avg``: full, unsharded, shaped like the
@@ -36,32 +36,32 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fsdp_optim.core.limits import MAX_RECORDS
 from fsdp_optim.core.preconditions import check_version
 from fsdp_optim.disk.json_input import RefusedJSON, loads
+from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.safetensors_container import (
+    DTYPES,
+    MAX_HEADER_BYTES,
+    PORTABLE_DTYPES,
+    HeaderError,
+    HeaderRules,
+    Span,
+    read_header,
+)
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
 
 FORMAT = "fsdp_optim.named_safetensors"
 VERSION = 1
 METADATA_KEY = "fsdp_optim"
-CHUNK_BYTES = 1 << 20
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header
-
-# safetensors dtype names; float8 "fnuz" kinds and complex have no name there that every reader knows.
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# Bytes per chunk checksum of a named file's large tensors (a rank file's grid is segments.CHUNK_BYTES, 64 KiB:
+# a rank reads a range of a rank file, while a named file is read tensor by tensor).
+NAMED_CHUNK_BYTES = 1 << 20
 
 
 class FormatError(ValueError):
@@ -134,7 +134,7 @@ class Document:
     groups: tuple[Group, ...]
     state: Mapping[str, tuple[Entry, ...]]
     header: Mapping[str, Any]
-    chunk_bytes: int = CHUNK_BYTES
+    chunk_bytes: int = NAMED_CHUNK_BYTES
 
     def to_json(self, checksums: Mapping[str, Mapping[str, Any]]) -> str:
         doc = {
@@ -252,89 +252,54 @@ def _shape(value: Any, where: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------------
 # The file header
 
+def _portable(at: str, name: str, dtype: str, shape: list[int]) -> None:  # noqa: ARG001 - the rules' signature
+    """A named file is for any safetensors reader: no dtype that not every reader names."""
+    if DTYPES[dtype] not in PORTABLE_DTYPES:
+        raise HeaderError(f"{at} has dtype {dtype!r}, expected one of {sorted(PORTABLE_DTYPES.values())}")
 
-def read_header(path: str | os.PathLike[str]) -> tuple[Document, dict[str, TensorInfo]]:
+
+NAMED_HEADER_RULES = HeaderRules(MAX_HEADER_BYTES, 0, "safetensors' own 100 MB", _portable)
+
+
+def read_named_header(path: str | os.PathLike[str]) -> tuple[Document, dict[str, TensorInfo]]:
     """The checked document and every tensor's place in the file, before any data is read.
 
-    Refused with :class:`FormatError` naming the file: a header length past the file or over 100 MB, a header
-    that is not a JSON object, a dtype safetensors does not name, a shape whose bytes differ from its offsets,
-    offsets that overlap, leave gaps or pass the end of the file, metadata that is missing or not JSON, and a
-    document that names tensors the header lacks or lacks checksums of the ones it has.
+    The file is opened through :func:`~fsdp_optim.disk.untrusted.open_regular` and its header read by
+    :func:`~fsdp_optim.formats.safetensors_container.read_header`. Refused with :class:`FormatError` naming the
+    file: a header length past the file or over 100 MB, a header that is not a JSON object, a dtype that not
+    every safetensors reader names, a shape whose bytes differ from its offsets, offsets that overlap, leave
+    gaps or pass the end of the file, metadata that is missing or not JSON, and a document that names tensors
+    the header lacks or lacks checksums of the ones it has.
     """
     where = str(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise FormatError(f"{where}: {size} bytes, too short for a safetensors file (8-byte header length first)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise FormatError(f"{where}: header length {n} is past the file's {size} bytes or over {MAX_HEADER_BYTES}")
-        raw = f.read(n)
+    fd, st = open_regular(path)
     try:
-        header = loads(raw.decode("utf-8"), where=f"{where}: the safetensors header")
-    except RefusedJSON as exc:
+        header = read_header(fd, st.st_size, where, NAMED_HEADER_RULES)
+    except HeaderError as exc:
         raise FormatError(str(exc)) from None
-    except ValueError as exc:
-        raise FormatError(f"{where}: the safetensors header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{where}: the safetensors header must be a JSON object, found {type(header).__name__}")
-    metadata = header.pop("__metadata__", None)
-    if not isinstance(metadata, dict) or not isinstance(metadata.get(METADATA_KEY), str):
+    finally:
+        os.close(fd)
+    text = header.metadata.get(METADATA_KEY)
+    if text is None:
         raise FormatError(
             f"{where}: a safetensors file without fsdp_optim's '{METADATA_KEY}' metadata (not a named optimizer "
             "state file)"
         )
-    document, checksums = parse_document(metadata[METADATA_KEY], where)
-    if len(header) > MAX_RECORDS:
-        raise FormatError(f"{where}: {len(header)} tensors, over the bound {MAX_RECORDS}")
-    tensors = _tensors(header, checksums, 8 + n, size, where)
+    document, checksums = parse_document(text, where)
+    tensors = {name: _tensor(name, span, checksums, where) for name, span in header.tensors.items()}
     _check_names(document, tensors, where)
     return document, tensors
 
 
-def _tensors(
-    header: Mapping[str, Any], checksums: Mapping[str, Any], data_start: int, size: int, where: str
-) -> dict[str, TensorInfo]:
-    out: dict[str, TensorInfo] = {}
-    spans = []
-    for name, info in header.items():
-        at = f"{where}: tensor '{name}'"
-        dtype_name = _get(info, "dtype", str, at)
-        if dtype_name not in DTYPES:
-            raise FormatError(f"{at} has dtype {dtype_name!r}, expected one of {sorted(DTYPES)}")
-        dtype = DTYPES[dtype_name]
-        shape = tuple(_shape(_get(info, "shape", list, at), f"{at}: shape"))
-        offsets = _get(info, "data_offsets", list, at)
-        if len(offsets) != 2 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets):
-            raise FormatError(f"{at}: 'data_offsets' must be two ints, found {offsets!r}")
-        begin, end = offsets
-        nbytes = math.prod(shape) * dtype.itemsize
-        if not 0 <= begin <= end or end - begin != nbytes:
-            raise FormatError(
-                f"{at}: shape {list(shape)} of {dtype_name} is {nbytes} bytes but its offsets {offsets} hold "
-                f"{end - begin}"
-            )
-        sums = checksums.get(name)
-        if not isinstance(sums, dict) or not isinstance(sums.get("digest"), str):
-            raise FormatError(f"{at} has no checksum in the '{METADATA_KEY}' metadata")
-        chunks = sums.get("chunks", [])
-        if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
-            raise FormatError(f"{at}: its chunk checksums must be a list of strings")
-        spans.append((begin, end, name))
-        out[name] = TensorInfo(dtype, shape, data_start + begin, nbytes, sums["digest"], tuple(chunks))
-    spans.sort()
-    expected = 0
-    for begin, end, name in spans:
-        if begin != expected:
-            what = "overlaps the tensor before it" if begin < expected else "leaves a gap before it"
-            raise FormatError(
-                f"{where}: tensor '{name}' starts at byte {begin} of the data, which {what} (expected {expected})"
-            )
-        expected = end
-    if data_start + expected != size:
-        raise FormatError(f"{where}: the tensors end at byte {data_start + expected} but the file has {size} bytes")
-    return out
+def _tensor(name: str, span: Span, checksums: Mapping[str, Any], where: str) -> TensorInfo:
+    at = f"{where}: tensor '{name}'"
+    sums = checksums.get(name)
+    if not isinstance(sums, dict) or not isinstance(sums.get("digest"), str):
+        raise FormatError(f"{at} has no checksum in the '{METADATA_KEY}' metadata")
+    chunks = sums.get("chunks", [])
+    if not isinstance(chunks, list) or not all(isinstance(c, str) for c in chunks):
+        raise FormatError(f"{at}: its chunk checksums must be a list of strings")
+    return TensorInfo(span.dtype, span.shape, span.start, span.nbytes, sums["digest"], tuple(chunks))
 
 
 def _check_names(document: Document, tensors: Mapping[str, TensorInfo], where: str) -> None:
@@ -363,7 +328,7 @@ def _check_names(document: Document, tensors: Mapping[str, TensorInfo], where: s
         raise FormatError(f"{where}: tensor '{extra[0]}' (and {len(extra) - 1} more) belongs to no parameter's state")
 
 
-def chunk_digests_needed(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+def chunk_digests_needed(nbytes: int, chunk_bytes: int = NAMED_CHUNK_BYTES) -> int:
     """How many chunk checksums a tensor of ``nbytes`` carries (0: only its whole digest)."""
     return math.ceil(nbytes / chunk_bytes) if nbytes > chunk_bytes else 0
 

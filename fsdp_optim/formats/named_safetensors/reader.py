@@ -1,6 +1,6 @@
 """Read a named safetensors optimizer file as a planning source, range by range, every byte it uses checked.
 
-:class:`NamedSafetensors` checks the whole header first (:func:`.document.read_header`), then reads tensors
+:class:`NamedSafetensors` checks the whole header first (:func:`.document.read_named_header`), then reads tensors
 through ``safetensors.safe_open`` (memory-mapped): ``read`` copies elements ``[start, stop)`` of one state
 tensor with ``get_slice`` reads of just those bytes (a flat range of an n-dim tensor is at most ``2n - 1``
 slices). Checksums, once per piece: a tensor of at most ``chunk_bytes`` (1 MiB) is read whole the first time
@@ -28,8 +28,9 @@ from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import ParamSpec
 from fsdp_optim.core.plan import Source, per_parameter, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.fullstate import build_full_state
-from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_header
+from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_named_header
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
 __all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]
@@ -44,12 +45,13 @@ class ChecksumError(ValueError):
 def is_named_safetensors(path: Any) -> bool:
     """Whether ``path`` is a file that starts like a safetensors file (a length, then ``{``); the rest is unchecked."""
     try:
-        if not os.path.isfile(path):
-            return False
-        with open(path, "rb") as f:
-            head = f.read(9)
+        fd, _ = open_regular(path)
     except (OSError, TypeError, ValueError):
         return False
+    try:
+        head = os.pread(fd, 9, 0)
+    finally:
+        os.close(fd)
     return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") >= 2
 
 
@@ -58,7 +60,7 @@ class NamedSafetensors:
 
     def __init__(self, path: str | os.PathLike[str], *, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES) -> None:
         self.path = str(path)
-        self.document, self.tensors = read_header(path)
+        self.document, self.tensors = read_named_header(path)
         self.max_mapped_bytes = max_mapped_bytes
         self._handle: Any = None
         self._mapped = 0
@@ -160,7 +162,7 @@ class NamedSafetensors:
         return out
 
     def _read_scalar(self, name: str) -> torch.Tensor:
-        return self.read_flat(name, 0, 1).reshape(()).clone()  # 0-dim (read_header checks); not a view of the map
+        return self.read_flat(name, 0, 1).reshape(()).clone()  # 0-dim (read_named_header checks); not a view of the map
 
     # -----------------------------------------------------------------------------------------------
     # As a planning source, and as a full dict
@@ -170,7 +172,9 @@ class NamedSafetensors:
         doc = self.document
         flats = tuple(self._record(name, doc.state.get(name, ())) for name in doc.param_order)
         index = {name: i for i, name in enumerate(doc.param_order)}
-        groups = tuple(GroupRecord(dict(g.hyperparams), tuple(index[n] for n in g.params), g.named) for g in doc.groups)
+        groups = tuple(
+            GroupRecord(dict(g.hyperparams), tuple(index[n] for n in g.params), named=g.named) for g in doc.groups
+        )
         tensor_of = {(index[name], e.key): e.tensor for name, es in doc.state.items() for e in es if e.tensor}
 
         def read(i: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
@@ -189,7 +193,9 @@ class NamedSafetensors:
                 state.append(StateEntry(e.key, StateKind.SCALAR, value=value))
         dtypes = [self.tensors[e.tensor].dtype for e in entries if e.kind == StateKind.SHARDED.value and e.tensor]
         spec = ParamSpec(name, self.document.shapes.get(name, ()), 0)
-        return FlatRecord("", (spec,), 1, None, dtypes[0] if dtypes else torch.float32, False, state=tuple(state))
+        dtype = dtypes[0] if dtypes else torch.float32
+        return FlatRecord(unit="", params=(spec,), world_size=1, rank=None, dtype=dtype, flattened=False,
+                          state=tuple(state))
 
     def full_state(self) -> dict[str, Any]:
         """The full dict the file was written from (as ``gather_full_optim_state_dict`` returns it), bit for bit.

@@ -14,9 +14,7 @@ journaled, atomic).
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -29,14 +27,14 @@ from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, plan, restrict
 from fsdp_optim.formats.fullstate import FORMAT_VERSION
 from fsdp_optim.formats.named_safetensors.document import (
-    CHUNK_BYTES,
-    DTYPE_NAMES,
     METADATA_KEY,
+    NAMED_CHUNK_BYTES,
     Document,
     Entry,
     Group,
     chunk_digests_needed,
 )
+from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
 from fsdp_optim.formats.sharded.segments import chunk_digests
 
 __all__ = ["NamedWrite", "prepare_named_safetensors"]
@@ -173,8 +171,8 @@ def _document(the_plan: Plan, order: Sequence[str], header: Mapping[str, Any] | 
 
 
 def _checked_dtype(dtype: torch.dtype, name: str) -> torch.dtype:
-    if dtype not in DTYPE_NAMES:
-        expected = sorted(map(str, DTYPE_NAMES))
+    if dtype not in PORTABLE_DTYPES:
+        expected = sorted(map(str, PORTABLE_DTYPES))
         raise ValueError(f"tensor '{name}' has dtype {dtype}, which safetensors cannot name; expected one of "
                          f"{expected}")
     return dtype
@@ -192,22 +190,14 @@ def _checksums(item: _Item, tensor: torch.Tensor | None) -> dict[str, Any]:
     count = chunk_digests_needed(item.nbytes)
     if tensor is None:
         return {"digest": _PLACEHOLDER, "chunks": [_PLACEHOLDER] * count}
-    chunks = list(chunk_digests(tensor.reshape(-1), CHUNK_BYTES)) if count else []  # as the sharded format cuts
+    chunks = list(chunk_digests(tensor.reshape(-1), NAMED_CHUNK_BYTES)) if count else []  # as the sharded format cuts
     return {"digest": digest(tensor), "chunks": chunks}
 
 
 def _header_bytes(document: Document, sums: Mapping[str, Any], items: Sequence[_Item]) -> bytes:
     """The 8-byte length and the JSON header, padded with spaces to a multiple of 8 (as safetensors pads)."""
-    header: dict[str, Any] = {"__metadata__": {METADATA_KEY: document.to_json(sums)}}
-    offset = 0
-    for item in items:
-        header[item.name] = {
-            "dtype": DTYPE_NAMES[item.dtype], "shape": list(item.shape), "data_offsets": [offset, offset + item.nbytes]
-        }
-        offset += item.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+    metadata = {METADATA_KEY: document.to_json(sums)}
+    return encode_header(metadata, ((item.name, item.dtype, item.shape) for item in items))
 
 
 def _write_tensor(f: Any, tensor: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import check_stored_bytes
-from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest, check_checksum, read_header
+from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest, check_checksum, read_torch_header
 from fsdp_optim.formats.sharded.rank_file import open_recorded
 
 __all__ = ["LegacyRankFile", "nbytes"]
@@ -82,7 +82,7 @@ class LegacyRankFile:
 
     def _check_header(self, payload: Any) -> None:
         where = str(self.path)
-        head, checksum = read_header(
+        head, checksum = read_torch_header(
             payload, "shard", source=where, covered="unit_checksums", what="fsdp_optim rank file"
         )
         check_tree(payload, where)

@@ -89,7 +89,7 @@ __all__ = [
     "digest_matches",
     "dtype_from_str",
     "shard_file_name",
-    "read_header",
+    "read_torch_header",
     "shard_payload",
     "unwrap",
     "wrap",
@@ -119,12 +119,12 @@ def wrap(kind: str, body: Any, **header: Any) -> dict[str, Any]:
 
 def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
     """Check a :func:`wrap` result read from ``source``; return ``(header, body)``."""
-    header, checksum = read_header(obj, kind, source=source, covered="body")
+    header, checksum = read_torch_header(obj, kind, source=source, covered="body")
     check_checksum(header, checksum, obj["body"], source=source)
     return header, obj["body"]
 
 
-def read_header(
+def read_torch_header(
     obj: Any, kind: str, *, source: str, covered: str, what: str | None = None
 ) -> tuple[dict[str, Any], Any]:
     """The checked header of a file we wrote (kind and version; not yet the checksum): ``(header, checksum)``.

@@ -20,7 +20,7 @@ import torch
 from fsdp_optim.core.checksums import stream_chunk_digests
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.disk.untrusted import open_regular
-from fsdp_optim.formats.sharded.safetensors_header import read_header
+from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
 
 __all__ = ["MappedFile"]
@@ -33,7 +33,7 @@ class MappedFile:
         self.path = path
         fd, st = open_regular(path, follow_symlinks=False)  # its name comes from the manifest
         try:
-            self.header = read_header(fd, st.st_size, str(path))
+            self.header = read_rank_header(fd, st.st_size, str(path))
             # A private mapping: writable views for torch.frombuffer, never written to.
             self._map = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE) if st.st_size else None
         finally:

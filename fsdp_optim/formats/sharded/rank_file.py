@@ -34,7 +34,7 @@ from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
 from fsdp_optim.formats.sharded.mapped import MappedFile
-from fsdp_optim.formats.sharded.safetensors_header import encode_header, read_header
+from fsdp_optim.formats.sharded.safetensors_header import encode_rank_header, read_rank_header
 from fsdp_optim.formats.sharded.segments import (
     Grid,
     Placement,
@@ -75,7 +75,7 @@ def write_rank_tensors(
         for name, parts in tensors.items()
     }
     meta = {**metadata, "chunk_bytes": str(chunk_bytes), "checksums": json.dumps(checksums, separators=(",", ":"))}
-    header = encode_header(meta, sizes)
+    header = encode_rank_header(meta, sizes)
     file.write(header)
     for parts in tensors.values():
         for values in parts:
@@ -89,7 +89,7 @@ def describe_rank_file(path: Path) -> list[str]:
     """What ``fsdp-optim inspect`` prints about one rank file of format 2 or 3 (its checked header only)."""
     fd, st = open_regular(path)
     try:
-        header = read_header(fd, st.st_size, str(path))
+        header = read_rank_header(fd, st.st_size, str(path))
     finally:
         os.close(fd)
     meta = header.metadata

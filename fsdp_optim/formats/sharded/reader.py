@@ -39,7 +39,7 @@ from fsdp_optim.formats.sharded.manifest import (
     MANIFEST_NAMES,
     Manifest,
     manifest_source,
-    read_header,
+    read_torch_header,
     unwrap,
 )
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json
@@ -113,7 +113,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if file.suffix == ".json" or _starts_with_brace(file):  # a JSON manifest (a layout file, whatever its name)
         return manifest_from_json(_read_bounded(file, follow_symlinks=follow), source=str(file))
     obj = load_file(file, follow_symlinks=follow)
-    read_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
+    read_torch_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
     check_tree(obj, str(file))
     _, body = unwrap(obj, "manifest", source=str(file))
     return Manifest.from_dict(body, source=str(file))
