@@ -133,7 +133,8 @@ def get_shard_from_optim_state_dict(
     Args:
         fsdp: the root instance of fairscale's ``FullyShardedDataParallel`` or of any subclass.
         full_optim_state_dict: from :func:`gather_full_optim_state_dict`, a plain optimizer's
-            ``state_dict()`` with a ``"param_names"`` map added, or fairscale's own gathered dict
+            ``state_dict()`` with a ``"param_names"`` map added
+            (:func:`~fsdp_optim.name_optimizer_state`), or fairscale's own gathered dict
             (``param_id_map``, ``uncollected_local_ids``; this model must be wrapped as it was then);
             or the path of a file holding one, or of a named safetensors file (``to_safetensors``), of
             which only this rank's byte ranges are read (and checked).
