@@ -1,6 +1,6 @@
 """``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
 
-    fsdp-optim inspect PATH [--units]
+    fsdp-optim inspect PATH [--units] [--json]
     fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model] [--rank R]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME] [--param-names FILE]
     fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--param-names FILE]

@@ -69,10 +69,19 @@ def _add_inspect(verbs: Any) -> None:
     p = verbs.add_parser("inspect", help="world size, units, params, optimizer, bytes, step of a checkpoint")
     p.add_argument(
         "path",
-        help="a sharded checkpoint directory, a full dict, a fairscale-native dict, a layout file, or a "
-        "fairseq/metaseq shard set (any *-shard<r>.pt file, or the path before -shard)",
+        help="a sharded checkpoint directory, a full dict, a fairscale-native dict, a layout file, a "
+        "fairseq/metaseq shard set (any *-shard<r>.pt file, or the path before -shard), a named safetensors file, "
+        "a name-keyed dict (convert --to named) or a DCP directory (convert --to dcp)",
     )
-    p.add_argument("--units", action="store_true", help="also list every FSDP unit")
+    p.add_argument(
+        "--units",
+        action="store_true",
+        help="also list every FSDP unit with its parameters' names and shapes (a dict: every parameter's state; a "
+        "DCP directory: every tensor)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object: each 'key: value' line a member, each table a list"
+    )
     _allow_global(p)
     p.set_defaults(run=run_inspect)
 

@@ -238,6 +238,20 @@ def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def is_named_dict(obj: Any) -> bool:
+    """Whether ``obj`` is what :func:`to_named` writes: state and group members keyed by parameter name."""
+    if not isinstance(obj, Mapping) or "param_names" in obj or not isinstance(obj.get("state"), Mapping):
+        return False
+    groups = obj.get("param_groups")
+    return (
+        isinstance(groups, (list, tuple))
+        and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups)
+        and all(isinstance(n, str) for g in groups for n in g["params"])
+        and all(isinstance(n, str) for n in obj["state"])
+        and any(g["params"] for g in groups)
+    )
+
+
 def _detached(value: Any) -> Any:
     # The value itself, or one sharing its memory without its autograd history.
     return value.detach() if torch.is_tensor(value) and value.requires_grad else value

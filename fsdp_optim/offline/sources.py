@@ -11,6 +11,7 @@ one table.
     fairscale-native dict       fairscale's own gather output (ids, no names)    required      checked
     fairseq/metaseq shard set   use_sharded_state files (..-shard<r>.pt)         param order   checked
     named safetensors file      to_safetensors' file (<name>/<key> tensors)      target only   refused
+    name-keyed dict, DCP dir    what convert --to named / --to dcp write         inspect only
                                 (reshard keeps the set's own order and optimizer: both refused there)
 
 "target only": a full dict has no FSDP units; a verb that cuts it (reshard) takes the model's layout as its
@@ -62,6 +63,11 @@ _LAYOUT_USE = (
     "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
     "(the model's parameter order) and, for reshard, a full dict (the target's units)"
 )
+_WRITTEN_ONLY = {  # what our own writers make for other tools to load: inspect reads them, no verb converts them
+    Kind.NAMED_DICT: "load it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or convert the "
+    "source it was made from",
+    Kind.DCP: "load it with torch.distributed.checkpoint.load, or convert the source it was made from",
+}
 NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
 
 
@@ -141,9 +147,11 @@ def open_source(
         yield _open_plain(given, label, param_names, layout=layout, optimizer=optimizer, target=target)
         return
     kind, obj = detect(given)
-    if describe_only and kind is Kind.NATIVE and layout is None:
+    if describe_only and ((kind is Kind.NATIVE and layout is None) or kind in _WRITTEN_ONLY):
         yield Opened(kind, label, raw=obj)
         return
+    if kind in _WRITTEN_ONLY:
+        raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {_WRITTEN_ONLY[kind]}")
     check_options(
         kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
         optimizer_keys=optimizer_keys,
