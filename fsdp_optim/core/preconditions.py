@@ -2,7 +2,7 @@
 
 Pure: no file access, no ``torch.distributed``, no fairscale import at module level. Every public
 function and the CLI call these before planning; what a source *holds* is checked by the engine
-(:func:`fsdp_optim.plan.plan`), and what a *path* is by :func:`fsdp_optim.storage.source_kind`.
+(:func:`fsdp_optim.core.plan.plan`), and what a *path* is by :func:`fsdp_optim.formats.sharded.reader.source_kind`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def check_rank(name: str, value: Any, world_size: int, *, allow_none: bool = Fal
 
 def check_world_size(name: str, value: Any) -> None:
     """Refuse a world size that is not an int >= 1, or above the sane bound
-    :data:`fsdp_optim.untrusted.MAX_WORLD_SIZE` (one rank file per rank)."""
+    :data:`fsdp_optim.core.limits.MAX_WORLD_SIZE` (one rank file per rank)."""
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
     check_world_size_bound(name, value)

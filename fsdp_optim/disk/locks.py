@@ -23,8 +23,8 @@ atomic rename, so two writers breaking it at once cannot both win.
 
 **The journal.** Before a writer creates a file it records what it is about to create (and what its
 commit will make obsolete) in the lock file. A clean release deletes the lock file; a killed writer
-leaves it, and the next holder of the lock gets those entries (:attr:`OutputLock.previous`), so it can
-remove exactly what the killed writer left, and nothing else (see ``storage.begin_write``).
+leaves it, and the next holder of the lock gets those entries (the lock's ``previous``), so it can
+remove exactly what the killed writer left, and nothing else (see ``disk/staged.py``).
 
 A second writer gets :class:`OutputLockedError` (an ``OSError``) at once, naming the holder.
 """

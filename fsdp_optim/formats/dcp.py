@@ -11,7 +11,7 @@ loads with ``dcp.load`` + ``set_state_dict``. The state dict it saves is keyed a
      "optim_extra": {"loss_scale": 64.0}}                                               # a wrapper's extras, if any
 
 Every tensor is a full (unsharded) tensor by unwrapped name; DCP cuts what each rank of the loading job
-reads. Streaming: the plan (:func:`fsdp_optim.plan.plan`, target = one flat per parameter) is made before
+reads. Streaming: the plan (:func:`fsdp_optim.core.plan.plan`, target = one flat per parameter) is made before
 anything is written; DCP's planner is handed zero-stride placeholders and makes each real tensor only when
 the writer asks for it (:class:`_LazyPlanner`), reading just that parameter's range of the source.
 

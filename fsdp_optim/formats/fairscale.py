@@ -55,7 +55,7 @@ def from_fairscale(
     optimizer: str | None = None,
     step_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """Our full dict (see :mod:`fsdp_optim.fullstate`) from a fairscale-native one.
+    """Our full dict (see :mod:`fsdp_optim.formats.fullstate`) from a fairscale-native one.
 
     Args:
         native: fairscale's ``gather_full_optim_state_dict`` output. Not modified.
@@ -219,7 +219,7 @@ def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
 
     (``strict=False`` because parameters that never had a gradient have no state, which PyTorch's
     strict check refuses.) ``"param_names"`` and ``"fsdp_optim"`` are not carried over. The dict is
-    checked as every entry point checks it (:func:`~fsdp_optim.fullstate.full_dict_source`); tensors are
+    checked as every entry point checks it (:func:`~fsdp_optim.formats.fullstate.full_dict_source`); tensors are
     shared with ``full``, not copied; ``full`` is not modified.
     """
     if full_dict_source(full).rank_reader is not None:

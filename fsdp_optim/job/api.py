@@ -1,8 +1,8 @@
 """Gather and cut optimizer state for ANY fairscale FSDP root: fairscale's own class, a subclass such as
 fairseq's ``FullyShardedDataParallel``, a model wrapped by ``auto_wrap``, or ours. No re-wrapping.
 
-Orchestration only: the layout comes from :mod:`.layout`, checks and cuts from :mod:`.plan`, local
-state from :mod:`.local`, and the bytes move through :mod:`.transport`.
+Orchestration only: the layout comes from :mod:`fsdp_optim.core.layout`, checks and cuts from
+:mod:`fsdp_optim.core.plan`, local state from :mod:`.local`, and the bytes move through :mod:`.transport`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def gather_full_optim_state_dict(
             rank, so every rank receives everything (slower; kept for comparison).
 
     Returns:
-        On the recipient(s) the full dict (all tensors on CPU; format in :mod:`fsdp_optim.fullstate`)::
+        On the recipient(s) the full dict (all tensors on CPU; format in :mod:`fsdp_optim.formats.fullstate`)::
 
             {"state": {id: {"step": tensor(7.), "exp_avg": Tensor[*shape], ...}},
              "param_groups": [{"lr": ..., "params": [ids]}],
