@@ -52,3 +52,10 @@ def test_inspect_json_and_units(capsys: pytest.CaptureFixture) -> None:
     assert len(units) == 5 and units["frozen"]["state"] == "-", units
     code, text, _ = _run(capsys, "inspect", FIXTURE / "full.pt", "--json")
     assert code == 0 and json.loads(text)["params"] == "18 (16 with state)", text
+
+
+def test_an_output_that_cannot_be_written_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "a_file").write_bytes(b"x")
+    out = tmp_path / "a_file" / "named.pt"
+    code, _, err = _run(capsys, "convert", FIXTURE / "full.pt", "--to", "named", "-o", out)
+    assert code == 1 and err.startswith(f"fsdp-optim: error: {out}: cannot write this output"), err

@@ -199,6 +199,21 @@ def lock_output(output: str | os.PathLike[str], *, purpose: str) -> OutputLock:
     (it appears in the second writer's error)."""
     resolved = resolve_output(output)
     path = lock_path(resolved)
+    try:
+        return _take_lock(resolved, path, purpose)
+    except OutputLockedError:
+        raise
+    except OSError as exc:  # the output's place cannot be written: say so of the output, not of its lock file
+        why = exc.strerror or str(exc)
+        at = f" at {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
+        raise type(exc)(
+            f"{resolved}: cannot write this output: {why}{at} (the directory {path.parent} must exist or be "
+            f"creatable, and be writable: its lock file {path.name} is made there first)"
+        ) from exc
+
+
+def _take_lock(resolved: Path, path: Path, purpose: str) -> OutputLock:
+    """:func:`lock_output` once the paths are known."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if os.environ.get("FSDP_OPTIM_LOCK", "flock") != "exclusive":
         for _ in range(100):  # another writer may delete the file between our open and our flock
