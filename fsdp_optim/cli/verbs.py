@@ -16,13 +16,13 @@ from fsdp_optim.cli.inspect import human_bytes
 
 @contextlib.contextmanager
 def progress_bar(desc: str) -> Iterator[Callable[[], None] | None]:
-    """A per-unit callback drawing a ``tqdm`` bar on a terminal (``None`` elsewhere)."""
+    """A callback drawing a ``tqdm`` bar on a terminal (``None`` elsewhere), left on screen when done."""
     if not sys.stderr.isatty():
         yield None
         return
     from tqdm import tqdm
 
-    with tqdm(desc=desc, unit="unit", leave=False) as bar:
+    with tqdm(desc=desc, unit="step", leave=True) as bar:  # steps: units, tensors or ranks, as the verb counts
         yield lambda: bar.update()
 
 
