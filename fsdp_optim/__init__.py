@@ -14,7 +14,8 @@
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
   ``verify`` (every file present, of its size, checksums matching; ``deep=True``: also what a resumed run would
   trip on); ``save_layout``, ``from_fairscale``
-  (fairscale's own format) and ``to_named`` (FSDP2 / DCP).
+  (fairscale's own format) and ``to_named`` (FSDP2 / DCP); ``name_optimizer_state(optim.state_dict(), model)``
+  makes a plain (non-FSDP) optimizer's state a full dict (it adds the parameter names), to load or convert.
 - ``to_safetensors(source, out)`` / ``load_full_state(path)``: the full state by parameter name in one safetensors
   file (``<name>/<key>`` tensors, hyperparameters and checksums in its metadata), and any source back as a full dict.
 - ``diff(a, b, atol=, rtol=)``: two sources of one model (any formats, world sizes, nesting) compared per
@@ -59,6 +60,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state",
     "load_sharded_optim_state",
+    "name_optimizer_state",
     "register_elementwise_optimizer",
     "reshard",
     "save_checkpoint",
@@ -95,6 +97,7 @@ _HOME = {
     "load_checkpoint": "job.whole_load",
     "load_full_state": "offline.named",
     "load_sharded_optim_state": "job.sharded",
+    "name_optimizer_state": "formats.plain",
     "reshard": "offline.operations",
     "save_checkpoint": "job.whole_save",
     "save_layout": "job.sharded",
@@ -126,6 +129,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.disk.locks import ForeignOutputError, OutputLockedError
     from fsdp_optim.formats.fairscale import from_fairscale, to_named
     from fsdp_optim.formats.fullstate import FORMAT_VERSION
+    from fsdp_optim.formats.plain import name_optimizer_state
     from fsdp_optim.job.api import gather_full_optim_state_dict, get_shard_from_optim_state_dict
     from fsdp_optim.job.async_save import AsyncSave, async_save_sharded_optim_state
     from fsdp_optim.job.fsdp import FullyShardedDataParallel

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -149,6 +150,7 @@ class Job:
     world: int
     backend: str
     out: str
+    temporary: bool  # out was made here (no --out): main() removes it at the end
     batch: int  # global batch: divisible by the world size and by the resumed world size
     first: range  # steps before the checkpoint
     second: range  # steps after it
@@ -167,7 +169,9 @@ def start(argv: Sequence[str] | None) -> Job:
     """Parse the options, join the process group ``torchrun`` launched, agree on a checkpoint directory."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="steps before the checkpoint, and again after it")
-    parser.add_argument("--out", default=None, help="checkpoint directory (default: a temporary one)")
+    parser.add_argument(
+        "--out", default=None, help="checkpoint directory, kept (default: a temporary one, removed at the end)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed gathers per transport")
     # Adam turns last-bit differences of near-zero gradients into updates of up to ~lr/10, so parameters
     # get a looser bound than the optimizer state; losing the state moves parameters by ~lr per step.
@@ -190,7 +194,7 @@ def start(argv: Sequence[str] | None) -> Job:
         raise RuntimeError(f"expected rank 0 to broadcast the checkpoint directory, found {out!r}")
     os.makedirs(out, exist_ok=True)
     steps = args.steps
-    return Job(args, rank, world, backend, out, 4 * 2 * world, range(steps), range(steps, 2 * steps))
+    return Job(args, rank, world, backend, out, args.out is None, 4 * 2 * world, range(steps), range(steps, 2 * steps))
 
 
 def train_gather_and_save(job: Job) -> None:
@@ -289,11 +293,15 @@ def verify(job: Job, resumed: tuple[dict, dict]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     job = start(argv)
-    train_gather_and_save(job)
-    resumed = resume_on_fewer_ranks(job)
-    box = [verify(job, resumed) if resumed is not None else None]  # rank 0 belongs to the resumed group
-    dist.broadcast_object_list(box, src=0)
-    dist.destroy_process_group()
+    try:
+        train_gather_and_save(job)
+        resumed = resume_on_fewer_ranks(job)
+        box = [verify(job, resumed) if resumed is not None else None]  # rank 0 belongs to the resumed group
+        dist.broadcast_object_list(box, src=0)
+    finally:
+        dist.destroy_process_group()  # every rank is past its last read of job.out
+        if job.temporary and job.rank == 0:  # rank 0 made it; --out is the user's to keep
+            shutil.rmtree(job.out, ignore_errors=True)
     return 0 if box[0] else 1
 
 

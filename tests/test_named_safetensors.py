@@ -202,7 +202,7 @@ CRAFTED = {
     "dtype of another size": (_set(["small.bias/exp_avg", "dtype"], "F64"), r"is 40 bytes but its offsets"),
     "metadata not JSON": (_set(["__metadata__", "fsdp_optim"], "{not json"), r"'fsdp_optim' metadata is not JSON"),
     "no metadata": (lambda h: h.pop("__metadata__"), "without fsdp_optim's 'fsdp_optim' metadata"),
-    "newer version": (_set(["__metadata__", "fsdp_optim"], lambda t: t.replace('"version":1', '"version":9')), "format version 9"),
+    "newer version": (_set(["__metadata__", "fsdp_optim"], lambda t: t.replace('"version":2', '"version":9')), "format version 9"),
     "unknown tag": (_set(["__metadata__", "fsdp_optim"], lambda t: t.replace('{"$tuple":', '{"$set":')), "expected one of the tags"),
 }
 
@@ -215,6 +215,17 @@ def test_crafted_headers_are_refused(tmp_path, case) -> None:
     with pytest.raises(FormatError, match=message) as info:
         load_full_state(tmp_path / "bad.st")
     assert str(tmp_path / "bad.st") in str(info.value)
+
+
+def test_a_version_1_file_reads_as_before(tmp_path) -> None:
+    """Version 1 labelled a full tensor's entry "sharded"; version 2 writes "full" and reads both."""
+    full = _big_full()
+    to_safetensors(full, tmp_path / "new.st")
+    meta = _set(["__metadata__", "fsdp_optim"], lambda t: t.replace('"version":2', '"version":1').replace(
+        '"kind":"full"', '"kind":"sharded"'))  # fmt: skip
+    _rewrite(tmp_path / "new.st", tmp_path / "old.st", meta)
+    assert b'\\"kind\\":\\"sharded\\"' in (tmp_path / "old.st").read_bytes()[:1 << 16], "the old label was written"
+    assert_identical(load_full_state(tmp_path / "old.st"), load_full_state(tmp_path / "new.st"))
 
 
 def test_a_header_length_past_the_file_is_refused(tmp_path) -> None:

@@ -1,9 +1,10 @@
 """``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
 
-    fsdp-optim inspect PATH [--units]
+    fsdp-optim inspect PATH [--units] [--json]
     fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model] [--rank R]
-    fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME]
-    fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--to full|named|dcp|safetensors]
+    fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME] [--param-names FILE]
+    fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--param-names FILE]
+                       [--to full|named|dcp|safetensors]
     fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
     fsdp-optim diff A B [--atol X] [--rtol Y] [--json]
     fsdp-optim list ROOT [--json] [--quick]
@@ -13,7 +14,8 @@
 
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
 fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
-``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see :mod:`fsdp_optim.fairseq_format`).
+``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see
+:mod:`fsdp_optim.formats.fairseq.files`).
 A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
 full dict, ``model`` the full weights unless ``--no-model``, as fairseq's own consolidation keeps them) and
 resharded into shard files of the same format. A whole checkpoint (``save_checkpoint``) is consolidated into one
@@ -21,6 +23,10 @@ file ``{"model": the unwrapped model's state_dict(), "optimizer": the full dict,
 ``verify`` checks every file of a checkpoint or shard set (present, of its size, checksums matching) and exits 1
 naming each damaged file. ``list`` shows the step directories of a :class:`~fsdp_optim.CheckpointManager` root
 (complete / torn / damaged and why, world size, what each holds, bytes) and exits 0.
+
+A plain (non-FSDP) optimizer's ``state_dict()`` names no parameters: ``convert`` and ``reshard`` take it with
+``--param-names FILE`` (a JSON list of the model's ``named_parameters()`` names, or ``{name: shape}``), as
+:func:`~fsdp_optim.name_optimizer_state` does in Python.
 
 A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
@@ -66,6 +72,7 @@ _FLAGS = {
     "rank": "--rank",
     "with_model": "--with-model",
     "max_shard_size": "--max-shard-size",
+    "param_names": "--param-names",
 }
 
 

@@ -84,12 +84,13 @@ def _inspect_manifest(manifest: Manifest, what: str, out: list[str], *, units: b
     if manifest.files:
         out.append(f"files: {len(manifest.files)} rank files, {human_bytes(sum(f.nbytes for f in manifest.files))}")
     if units:
-        out.append("unit | flat | params | numel | world size | padding per rank | dtype | state")
+        out.append("unit | flat | params | numel | world size | padding per rank | dtype | state | param shapes")
         for i, f in enumerate(manifest.flat_params):
             state = ",".join(e.key for e in f.state) or "-"
+            shapes = ", ".join(f"{p.name} {list(p.shape)}" for p in f.params)
             out.append(
                 f"{f.unit or '<root>'} | {i} | {len(f.params)} | {f.numel} | {f.world_size} | {f.padding()} | "
-                f"{dtype_to_str(f.dtype)} | {state}"
+                f"{dtype_to_str(f.dtype)} | {state} | {shapes}"
             )
 
 
@@ -122,7 +123,9 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str], *, native: bool) -> No
         "fairscale-native full dict (from fairscale's gather_full_optim_state_dict: parameters numbered in "
         "FSDP-instance order, without names)"
         if native
-        else f"fsdp_optim full dict (version {meta.get('version')})" if meta else "plain optimizer state dict"
+        else f"fsdp_optim full dict (version {meta.get('version')})"
+        if meta
+        else "full dict without fsdp_optim metadata (a plain optimizer's state_dict() with param_names)"
     )
     members = [p for g in obj["param_groups"] for p in g["params"]]
     n_params = len(obj.get("param_names") or obj.get("param_id_map") or members)
@@ -142,6 +145,35 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str], *, native: bool) -> No
 
 
 def run_inspect(args: argparse.Namespace) -> list[str]:
+    lines = _inspect(args)
+    if not args.json:
+        return lines
+    import json
+
+    return json.dumps(lines_as_json(lines), indent=1).splitlines()
+
+
+def lines_as_json(lines: Sequence[str]) -> dict[str, Any]:
+    """``inspect``'s lines as one JSON object: each ``key: value`` line a string member, each table (a header
+    ``a | b | c`` and the rows of as many columns after it) a list of objects under ``<first column> rows``."""
+    out: dict[str, Any] = {}
+    header: list[str] | None = None
+    for line in lines:
+        cells = line.split(" | ")
+        if header is not None and len(cells) == len(header):
+            out[f"{header[0]} rows"].append(dict(zip(header, cells)))
+            continue
+        key, sep, value = line.partition(": ")
+        header = None
+        if sep and " | " not in key:
+            out[key] = value
+        elif len(cells) > 1:
+            header = cells
+            out[f"{header[0]} rows"] = []
+    return out
+
+
+def _inspect(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.offline.sources import Kind, open_source
 
     path = Path(args.path)
@@ -149,6 +181,15 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
     with open_source(path, allow_globals=args.allow_global, describe_only=True) as opened:
         if opened.kind is Kind.SHARD_SET:
             _inspect_shards(opened, args, out)
+        elif opened.kind is Kind.DCP:
+            from fsdp_optim.formats.dcp import describe_dcp
+
+            out += describe_dcp(path, units=args.units)
+        elif opened.kind is Kind.NAMED_DICT:
+            from fsdp_optim.disk.objects import check_state_dict
+
+            check_state_dict(opened.raw, str(path))
+            out += _inspect_named_dict(opened.raw, units=args.units)
         elif opened.manifest is not None:
             if opened.kind is Kind.SHARDED:
                 from fsdp_optim.offline.verify import present_and_sized
@@ -182,6 +223,9 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
 
             check_state_dict(opened.raw, str(path))  # its skeleton, before the summary walks it
             _inspect_full(opened.raw, out, native=opened.kind is Kind.NATIVE)
+            names = opened.raw.get("param_names")
+            if args.units and isinstance(names, Mapping):
+                out += _param_table({str(names.get(pid, pid)): e for pid, e in opened.raw["state"].items()})
     return out
 
 
@@ -242,6 +286,29 @@ def _inspect_named(named: Any) -> list[str]:
         f"step: {_step_text(steps)}",
         f"state bytes: {human_bytes(sum(t.nbytes for t in named.tensors.values()))}",
     ]
+
+
+def _inspect_named_dict(obj: Mapping[str, Any], *, units: bool) -> list[str]:
+    """A name-keyed dict (``convert --to named``): the full dict's summary, parameters by name."""
+    lines: list[str] = []
+    _inspect_full({**obj, "param_names": {n: n for g in obj["param_groups"] for n in g["params"]}}, lines,
+                  native=False)  # fmt: skip
+    lines[0] = "format: name-keyed dict (convert --to named: for FSDP2's set_optimizer_state_dict)"
+    if units:
+        lines += _param_table(obj["state"])
+    return lines
+
+
+def _param_table(state: Mapping[Any, Mapping[str, Any]]) -> list[str]:
+    """One line per parameter with state: its name, then each state key's dtype and shape."""
+    import torch
+
+    out = ["param | state (key dtype shape)"]
+    for name, entries in state.items():
+        shown = [f"{k} {str(v.dtype).removeprefix('torch.')} {list(v.shape)}" if torch.is_tensor(v) else f"{k} {v!r}"
+                 for k, v in entries.items()]  # fmt: skip
+        out.append(f"{name} | {', '.join(shown) or '-'}")
+    return out
 
 
 def _inspect_shards(opened: Any, args: argparse.Namespace, out: list[str]) -> None:

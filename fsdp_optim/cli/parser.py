@@ -69,10 +69,19 @@ def _add_inspect(verbs: Any) -> None:
     p = verbs.add_parser("inspect", help="world size, units, params, optimizer, bytes, step of a checkpoint")
     p.add_argument(
         "path",
-        help="a sharded checkpoint directory, a full dict, a fairscale-native dict, a layout file, or a "
-        "fairseq/metaseq shard set (any *-shard<r>.pt file, or the path before -shard)",
+        help="a sharded checkpoint directory, a full dict, a fairscale-native dict, a layout file, a "
+        "fairseq/metaseq shard set (any *-shard<r>.pt file, or the path before -shard), a named safetensors file, "
+        "a name-keyed dict (convert --to named) or a DCP directory (convert --to dcp)",
     )
-    p.add_argument("--units", action="store_true", help="also list every FSDP unit")
+    p.add_argument(
+        "--units",
+        action="store_true",
+        help="also list every FSDP unit with its parameters' names and shapes (a dict: every parameter's state; a "
+        "DCP directory: every tensor)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object: each 'key: value' line a member, each table a list"
+    )
     _allow_global(p)
     p.set_defaults(run=run_inspect)
 
@@ -139,6 +148,7 @@ def _add_reshard(verbs: Any) -> None:
         "--layout", help="for a full or fairscale-native dict: a sharded checkpoint or layout file of the same model"
     )
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
+    _param_names(p)
     _allow_global(p)
     p.set_defaults(run=run_reshard)
 
@@ -173,6 +183,7 @@ def _add_convert(verbs: Any) -> None:
         help="--to safetensors of a whole checkpoint: the largest model file before it is split, as Hugging Face "
         "spells it (default 5GB = 5*10**9 bytes; 500MiB, or bytes)",
     )
+    _param_names(p)
     _allow_global(p)
     p.set_defaults(run=run_convert, check=check_convert_target, usage_error=p.error)
 
@@ -204,6 +215,16 @@ _WRITES = {
     "safetensors": "a safetensors file",
 }
 
+
+
+def _param_names(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--param-names",
+        metavar="FILE",
+        help="the source is a plain (non-FSDP) optimizer's state_dict(): name its parameters with this JSON file, a "
+        "list of the model's named_parameters() names in the optimizer's order, or an object {name: shape} (shapes "
+        "then checked), e.g. json.dump({n: list(p.shape) for n, p in model.named_parameters()}, f)",
+    )
 
 
 def _allow_global(p: argparse.ArgumentParser) -> None:

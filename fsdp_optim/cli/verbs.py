@@ -16,21 +16,25 @@ from fsdp_optim.cli.inspect import human_bytes
 
 @contextlib.contextmanager
 def progress_bar(desc: str) -> Iterator[Callable[[], None] | None]:
-    """A per-unit callback drawing a ``tqdm`` bar on a terminal (``None`` elsewhere)."""
+    """A callback drawing a ``tqdm`` bar on a terminal (``None`` elsewhere), left on screen when done."""
     if not sys.stderr.isatty():
         yield None
         return
     from tqdm import tqdm
 
-    with tqdm(desc=desc, unit="unit", leave=False) as bar:
+    with tqdm(desc=desc, unit="step", leave=True) as bar:  # steps: units, tensors or ranks, as the verb counts
         yield lambda: bar.update()
 
 
 
 def _open(args: argparse.Namespace, path: Any, **options: Any) -> Any:
     """The verb's source through the one way in, with the options every verb spells the same."""
+    from fsdp_optim.formats.plain import param_names_file
     from fsdp_optim.offline.sources import open_source
 
+    names = getattr(args, "param_names", None)
+    if names is not None:
+        options["param_names"] = param_names_file(names)
     return open_source(
         path, layout=args.layout, optimizer=args.optimizer, allow_globals=args.allow_global, **options
     )
@@ -125,7 +129,7 @@ def run_convert(args: argparse.Namespace) -> list[str]:
         if args.to == "dcp":
             return _to_dcp(opened, args, origin)
         if opened.kind is Kind.FULL:
-            if args.to == "full":
+            if args.to == "full" and args.param_names is None:  # a plain dict named is a full dict made
                 raise ValueError(f"{args.source}: already a full dict; use --to named to key it by parameter name")
             full = opened.full
         else:

@@ -1,9 +1,9 @@
 """Pure tensor transforms between full per-parameter state and flat, padded per-rank shards.
 
-Never imports ``torch.distributed``: whatever moves bytes between ranks lives in :mod:`fsdp_optim.transport`.
+Never imports ``torch.distributed``: whatever moves bytes between ranks lives in :mod:`fsdp_optim.job.transport`.
 
 Vocabulary, for one flat parameter of ``numel`` elements sharded over ``W`` ranks (see
-:class:`~fsdp_optim.layout.FlatParamLayout`):
+:class:`~fsdp_optim.core.layout.FlatParamLayout`):
 
 - *flat full*: a 1-D tensor of ``numel`` elements, the parameters' state concatenated in flat order;
 - *shard*: a 1-D tensor of ``ceil(numel / W)`` elements, rank ``r``'s slice of the flat full followed by

@@ -77,7 +77,7 @@ class FlatParamLayout:
     """One parameter as FSDP holds it: several unwrapped parameters flattened (or one, unflattened).
 
     ``rank`` is ``None`` in a rank-independent record (a checkpoint's manifest, a planning source);
-    :meth:`at_rank` places it on one rank. :class:`~fsdp_optim.manifest.FlatRecord` adds saved state.
+    :meth:`at_rank` places it on one rank. :class:`~fsdp_optim.core.records.FlatRecord` adds saved state.
     """
 
     unit: str  # unwrapped path of the owning FSDP instance; "" for the root

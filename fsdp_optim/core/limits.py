@@ -25,5 +25,5 @@ def check_world_size_bound(where: str, value: int) -> None:
     """Refuse a declared or requested world size above :data:`MAX_WORLD_SIZE`."""
     if value > MAX_WORLD_SIZE:
         raise ValueError(
-            f"{where}: world size {value} is above the bound {MAX_WORLD_SIZE} (fsdp_optim.untrusted.MAX_WORLD_SIZE)"
+            f"{where}: world size {value} is above the bound {MAX_WORLD_SIZE} (fsdp_optim.core.limits.MAX_WORLD_SIZE)"
         )

@@ -2,7 +2,7 @@
 
 Pure: no file access, no ``torch.distributed``, no fairscale import at module level. Every public
 function and the CLI call these before planning; what a source *holds* is checked by the engine
-(:func:`fsdp_optim.plan.plan`), and what a *path* is by :func:`fsdp_optim.storage.source_kind`.
+(:func:`fsdp_optim.core.plan.plan`), and what a *path* is by :func:`fsdp_optim.formats.sharded.reader.source_kind`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from fsdp_optim.core.limits import check_world_size_bound
 
 __all__ = [
     "FULL_DICT_KEYS",
+    "PLAIN_HINT",
     "check_full_dict",
     "check_rank",
     "check_version",
@@ -22,6 +23,11 @@ __all__ = [
 ]
 
 FULL_DICT_KEYS = ("state", "param_groups", "param_names")
+PLAIN_HINT = (
+    "a plain optimizer's state_dict() names no parameters: add them with "
+    "fsdp_optim.name_optimizer_state(optim.state_dict(), model) in Python, or on the command line with "
+    "--param-names FILE (a JSON list of the model's named_parameters() names, or an object {name: shape})"
+)
 
 
 def _is_int(value: Any) -> bool:
@@ -39,7 +45,7 @@ def check_rank(name: str, value: Any, world_size: int, *, allow_none: bool = Fal
 
 def check_world_size(name: str, value: Any) -> None:
     """Refuse a world size that is not an int >= 1, or above the sane bound
-    :data:`fsdp_optim.untrusted.MAX_WORLD_SIZE` (one rank file per rank)."""
+    :data:`fsdp_optim.core.limits.MAX_WORLD_SIZE` (one rank file per rank)."""
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
     check_world_size_bound(name, value)
@@ -70,6 +76,8 @@ def check_full_dict(obj: Any, where: str) -> None:
     missing = [key for key in FULL_DICT_KEYS if key not in obj]
     if missing:
         hint = " (a fairscale-native dict: pass the model's layout to convert it)" if "param_id_map" in obj else ""
+        if missing == ["param_names"] and "param_id_map" not in obj:
+            hint = f"; {PLAIN_HINT}"
         raise ValueError(
             f"{where}: expected a full optimizer state dict with 'state', 'param_groups' and 'param_names' (the "
             f"output of gather_full_optim_state_dict); it has no '{missing[0]}' key (found keys "

@@ -63,7 +63,7 @@ def state_entries(flat: FlatParamLayout, values: Mapping[str, Any]) -> tuple[Sta
     """The entries describing one flat parameter's shard ``values`` (``{key: padded shard or scalar}``).
 
     Scalars keep an independent copy of their value. Raises ``NotImplementedError`` for state that is
-    neither shard-shaped nor 0-dim (see :func:`~fsdp_optim.flatten.classify_flat_state`).
+    neither shard-shaped nor 0-dim (see :func:`~fsdp_optim.core.flatten.classify_flat_state`).
     """
     return tuple(
         StateEntry(key, kind, dtype=dtype_to_str(values[key].dtype))
@@ -76,7 +76,8 @@ def state_entries(flat: FlatParamLayout, values: Mapping[str, Any]) -> tuple[Sta
 
 @dataclass(frozen=True)
 class FlatRecord(FlatParamLayout):
-    """A rank-independent :class:`~fsdp_optim.layout.FlatParamLayout` (``rank`` is ``None``) plus its saved state."""
+    """A rank-independent :class:`~fsdp_optim.core.layout.FlatParamLayout` (``rank`` is ``None``) plus its saved
+    state."""
 
     state: tuple[StateEntry, ...] = ()
 

@@ -126,7 +126,7 @@ class _RecordingWriter:
 def load_file(
     path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False
 ) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.untrusted`.
+    """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.disk.untrusted`.
 
     Raises ``FileNotFoundError`` for nothing there, and ``ValueError`` naming the file for content that
     cannot be read, for a file that is not a regular file (a FIFO, a directory; a symlink where

@@ -23,8 +23,8 @@ atomic rename, so two writers breaking it at once cannot both win.
 
 **The journal.** Before a writer creates a file it records what it is about to create (and what its
 commit will make obsolete) in the lock file. A clean release deletes the lock file; a killed writer
-leaves it, and the next holder of the lock gets those entries (:attr:`OutputLock.previous`), so it can
-remove exactly what the killed writer left, and nothing else (see ``storage.begin_write``).
+leaves it, and the next holder of the lock gets those entries (the lock's ``previous``), so it can
+remove exactly what the killed writer left, and nothing else (see ``disk/staged.py``).
 
 A second writer gets :class:`OutputLockedError` (an ``OSError``) at once, naming the holder.
 """
@@ -199,6 +199,21 @@ def lock_output(output: str | os.PathLike[str], *, purpose: str) -> OutputLock:
     (it appears in the second writer's error)."""
     resolved = resolve_output(output)
     path = lock_path(resolved)
+    try:
+        return _take_lock(resolved, path, purpose)
+    except OutputLockedError:
+        raise
+    except OSError as exc:  # the output's place cannot be written: say so of the output, not of its lock file
+        why = exc.strerror or str(exc)
+        at = f" at {exc.filename}" if exc.filename and str(exc.filename) != str(path) else ""
+        raise type(exc)(
+            f"{resolved}: cannot write this output: {why}{at} (the directory {path.parent} must exist or be "
+            f"creatable, and be writable: its lock file {path.name} is made there first)"
+        ) from exc
+
+
+def _take_lock(resolved: Path, path: Path, purpose: str) -> OutputLock:
+    """:func:`lock_output` once the paths are known."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if os.environ.get("FSDP_OPTIM_LOCK", "flock") != "exclusive":
         for _ in range(100):  # another writer may delete the file between our open and our flock

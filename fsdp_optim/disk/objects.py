@@ -154,7 +154,7 @@ class _Walk:
         if self.total > self.max_nodes:
             raise ValueError(
                 f"{self.where}: holds more than {self.max_nodes} objects counting every reference (shared objects "
-                "once per reference); the bound is fsdp_optim.untrusted.MAX_NODES"
+                "once per reference); the bound is fsdp_optim.core.limits.MAX_NODES"
             )
 
 

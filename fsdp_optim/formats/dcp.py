@@ -11,7 +11,7 @@ loads with ``dcp.load`` + ``set_state_dict``. The state dict it saves is keyed a
      "optim_extra": {"loss_scale": 64.0}}                                               # a wrapper's extras, if any
 
 Every tensor is a full (unsharded) tensor by unwrapped name; DCP cuts what each rank of the loading job
-reads. Streaming: the plan (:func:`fsdp_optim.plan.plan`, target = one flat per parameter) is made before
+reads. Streaming: the plan (:func:`fsdp_optim.core.plan.plan`, target = one flat per parameter) is made before
 anything is written; DCP's planner is handed zero-stride placeholders and makes each real tensor only when
 the writer asks for it (:class:`_LazyPlanner`), reading just that parameter's range of the source.
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -51,7 +52,9 @@ from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, pla
 from fsdp_optim.disk.staged import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
 
-__all__ = ["DATA_FILE", "DCP_DIRECTORY", "METADATA", "model_dict", "optim_dict", "placeholder", "write_dcp"]
+__all__ = [
+    "DATA_FILE", "DCP_DIRECTORY", "METADATA", "describe_dcp", "model_dict", "optim_dict", "placeholder", "write_dcp",
+]  # fmt: skip
 
 Progress = Callable[[], None] | None
 
@@ -222,3 +225,70 @@ METADATA = ".metadata"
 DATA_FILE = "__0_0.distcp"  # the one data file: DCP's name for rank 0's first file
 _DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
 DCP_DIRECTORY = _DcpClaims()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading a DCP directory's .metadata back (inspect): a restricted unpickler, no tensor read
+
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("collections", "OrderedDict"),
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+}  # fmt: skip
+MAX_METADATA_BYTES = 256 << 20
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: only its record classes, ``torch.Size`` and dtypes may be named in it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        known = (torch.dtype, torch.memory_format)
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), known)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"names {module}.{name}, which DCP's metadata does not hold")
+
+
+def describe_dcp(path: str | os.PathLike[str], *, units: bool = False) -> list[str]:
+    """``inspect`` of a DCP checkpoint: what its ``.metadata`` says (keys by section, dtypes, bytes), no tensor
+    read; ``units``: every tensor's key, dtype and shape."""
+    file = Path(path) / METADATA
+    with open(file, "rb") as f:
+        data = f.read(MAX_METADATA_BYTES + 1)
+    if len(data) > MAX_METADATA_BYTES:
+        raise ValueError(f"{file}: over {MAX_METADATA_BYTES} bytes, more than a DCP metadata file we read")
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(data)).load()
+        entries = dict(meta.state_dict_metadata)
+    except Exception as exc:  # noqa: BLE001 - any failure of a foreign file is the same finding
+        raise ValueError(f"{file}: not DCP metadata this reader knows ({type(exc).__name__}: {exc})") from None
+    tensors = {k: v for k, v in entries.items() if hasattr(v, "size") and hasattr(v, "properties")}
+    sections: dict[str, int] = {}
+    for key in entries:
+        sections[key.split(".", 1)[0]] = sections.get(key.split(".", 1)[0], 0) + 1
+    state = [k.split(".")[-1] for k in tensors if k.startswith("optim.state.")]
+    params = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in entries if k.startswith("optim.state.")}
+    groups = {k.split(".")[2] for k in entries if k.startswith("optim.param_groups.")}
+    nbytes = sum(v.size.numel() * v.properties.dtype.itemsize for v in tensors.values())
+    files = [p for p in Path(path).iterdir() if p.name != METADATA]
+    out = [
+        "format: PyTorch DCP checkpoint (torch.distributed.checkpoint; what its .metadata says, no tensor read)",
+        f"keys: {len(entries)} ({', '.join(f'{s}: {n}' for s, n in sections.items()) or '-'}), {len(tensors)} tensors",
+        f"model: {sum(1 for k in tensors if k.startswith('model.'))} tensors",
+        f"optimizer: state of {len(params)} params, state keys {', '.join(dict.fromkeys(state)) or '-'}; "
+        f"{len(groups)} param groups",
+        f"dtypes: {', '.join(sorted({_dtype(v) for v in tensors.values()})) or '-'}",
+        f"tensor bytes: {nbytes}, files: {len(files)} data files, {sum(p.stat().st_size for p in files)} bytes",
+    ]
+    if units:
+        out.append("key | dtype | shape")
+        out += [f"{k} | {_dtype(v)} | {list(v.size)}" for k, v in tensors.items()]
+    return out
+
+
+def _dtype(entry: Any) -> str:
+    return str(entry.properties.dtype).removeprefix("torch.")

@@ -55,7 +55,7 @@ def from_fairscale(
     optimizer: str | None = None,
     step_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """Our full dict (see :mod:`fsdp_optim.fullstate`) from a fairscale-native one.
+    """Our full dict (see :mod:`fsdp_optim.formats.fullstate`) from a fairscale-native one.
 
     Args:
         native: fairscale's ``gather_full_optim_state_dict`` output. Not modified.
@@ -219,7 +219,7 @@ def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
 
     (``strict=False`` because parameters that never had a gradient have no state, which PyTorch's
     strict check refuses.) ``"param_names"`` and ``"fsdp_optim"`` are not carried over. The dict is
-    checked as every entry point checks it (:func:`~fsdp_optim.fullstate.full_dict_source`); tensors are
+    checked as every entry point checks it (:func:`~fsdp_optim.formats.fullstate.full_dict_source`); tensors are
     shared with ``full``, not copied; ``full`` is not modified.
     """
     if full_dict_source(full).rank_reader is not None:
@@ -236,6 +236,20 @@ def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
         out["params"] = [names[pid] for pid in group["params"]]
         groups.append(out)
     return {"state": state, "param_groups": groups}
+
+
+def is_named_dict(obj: Any) -> bool:
+    """Whether ``obj`` is what :func:`to_named` writes: state and group members keyed by parameter name."""
+    if not isinstance(obj, Mapping) or "param_names" in obj or not isinstance(obj.get("state"), Mapping):
+        return False
+    groups = obj.get("param_groups")
+    return (
+        isinstance(groups, (list, tuple))
+        and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups)
+        and all(isinstance(n, str) for g in groups for n in g["params"])
+        and all(isinstance(n, str) for n in obj["state"])
+        and any(g["params"] for g in groups)
+    )
 
 
 def _detached(value: Any) -> Any:

@@ -184,13 +184,13 @@ def saved_optimizer(full: Mapping[str, Any]) -> str | None:
 
 
 def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
-    """A full dict (see the module docstring) as a planning :class:`~fsdp_optim.plan.Source`.
+    """A full dict (see the module docstring) as a planning :class:`~fsdp_optim.core.plan.Source`.
 
     Every parameter is a source flat of its own (world size 1, offset 0), in ``param_names`` order;
     its state entries say sharded (with the state's shape and dtype) or scalar (with the value).
     Parameters of per-rank units are ``per_rank`` flats read from ``"per_rank_state"[rank]``.
     Checks the dict's own consistency (names, ids, groups, value kinds, per-rank sections) and raises
-    ``ValueError`` (:func:`~fsdp_optim.plan.plan_error`) listing every problem; fit to a model is
+    ``ValueError`` (:func:`~fsdp_optim.core.plan.plan_error`) listing every problem; fit to a model is
     :func:`plan`'s job. Nothing is copied: ``read`` copies straight from the dict's tensors.
     """
     check_full_dict(full, label)

@@ -16,7 +16,7 @@ from typing import Any
 
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.formats.fairscale import is_fairscale_native
+from fsdp_optim.formats.fairscale import is_fairscale_native, is_named_dict
 from fsdp_optim.formats.fairseq.files import is_shard_set
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.manifest import HEADER_KEY
@@ -33,6 +33,8 @@ class Kind(enum.Enum):
     NATIVE = "fairscale-native dict"
     SHARD_SET = "fairseq/metaseq shard set"
     NAMED = "named safetensors file"
+    NAMED_DICT = "name-keyed dict (convert --to named, for FSDP2's set_optimizer_state_dict)"
+    DCP = "PyTorch DCP checkpoint"
 
 
 RANK_FILE_NAME = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
@@ -55,6 +57,8 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return Kind.NATIVE, obj
     if is_full_dict(obj):
         return Kind.FULL, obj
+    if is_named_dict(obj):
+        return Kind.NAMED_DICT, obj
     check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
     return Kind.FULL, obj
 
@@ -74,9 +78,11 @@ def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
 
 def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
-    sharded checkpoint, or ``None`` for a file whose content says the rest (:func:`detect`)."""
+    sharded checkpoint, a DCP directory, or ``None`` for a file whose content says the rest (:func:`detect`)."""
     if is_shard_set(path):
         return Kind.SHARD_SET
+    if Path(path).is_dir() and (Path(path) / ".metadata").is_file():  # formats/dcp.METADATA (not imported: DCP)
+        return Kind.DCP
     if source_kind(path) == "sharded":
         return Kind.SHARDED
     return None

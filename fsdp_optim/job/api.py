@@ -1,8 +1,8 @@
 """Gather and cut optimizer state for ANY fairscale FSDP root: fairscale's own class, a subclass such as
 fairseq's ``FullyShardedDataParallel``, a model wrapped by ``auto_wrap``, or ours. No re-wrapping.
 
-Orchestration only: the layout comes from :mod:`.layout`, checks and cuts from :mod:`.plan`, local
-state from :mod:`.local`, and the bytes move through :mod:`.transport`.
+Orchestration only: the layout comes from :mod:`fsdp_optim.core.layout`, checks and cuts from
+:mod:`fsdp_optim.core.plan`, local state from :mod:`.local`, and the bytes move through :mod:`.transport`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def gather_full_optim_state_dict(
             rank, so every rank receives everything (slower; kept for comparison).
 
     Returns:
-        On the recipient(s) the full dict (all tensors on CPU; format in :mod:`fsdp_optim.fullstate`)::
+        On the recipient(s) the full dict (all tensors on CPU; format in :mod:`fsdp_optim.formats.fullstate`)::
 
             {"state": {id: {"step": tensor(7.), "exp_avg": Tensor[*shape], ...}},
              "param_groups": [{"lr": ..., "params": [ids]}],
@@ -133,7 +133,8 @@ def get_shard_from_optim_state_dict(
     Args:
         fsdp: the root instance of fairscale's ``FullyShardedDataParallel`` or of any subclass.
         full_optim_state_dict: from :func:`gather_full_optim_state_dict`, a plain optimizer's
-            ``state_dict()`` with a ``"param_names"`` map added, or fairscale's own gathered dict
+            ``state_dict()`` with a ``"param_names"`` map added
+            (:func:`~fsdp_optim.name_optimizer_state`), or fairscale's own gathered dict
             (``param_id_map``, ``uncollected_local_ids``; this model must be wrapped as it was then);
             or the path of a file holding one, or of a named safetensors file (``to_safetensors``), of
             which only this rank's byte ranges are read (and checked).

@@ -1,7 +1,7 @@
 """``fsdp_optim.FullyShardedDataParallel``: fairscale's FSDP that runs on CPU and has portable optimizer state.
 
-Orchestration only: the layout comes from :mod:`.layout`, the maths from :mod:`.flatten` and
-:mod:`.fullstate`, the bytes move through :mod:`.transport`.
+Orchestration only: the layout comes from :mod:`fsdp_optim.core.layout`, the maths from
+:mod:`fsdp_optim.core.flatten` and :mod:`fsdp_optim.formats.fullstate`, the bytes move through :mod:`.transport`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class FullyShardedDataParallel(_FairscaleFSDP):
 
     - it runs without CUDA: with the module on CPU and a gloo process group, ``compute_device`` defaults
       to the CPU and fairscale's stream calls become no-ops. Constructing one on a machine without CUDA
-      enables :func:`fsdp_optim.host_execution` for the rest of the process (see :mod:`fsdp_optim._host`);
+      enables :func:`fsdp_optim.host_execution` for the rest of the process (see :mod:`fsdp_optim.job.host`);
       with CUDA present nothing changes;
     - options that cannot work are refused at construction with a ``ValueError`` naming the option
       (``compute_dtype`` differing from the parameters' dtype without ``mixed_precision`` or CPU

@@ -86,7 +86,7 @@ def group_members(param_groups: Sequence[Mapping[str, Any]], params: Sequence[nn
 
 def check_optimizer(saved: str | None, optim: torch.optim.Optimizer, source: str) -> None:
     """Refuse loading state ``source`` saved from optimizer class ``saved`` into ``optim`` of another class,
-    or into an optimizer that is not elementwise (:mod:`fsdp_optim.elementwise`)."""
+    or into an optimizer that is not elementwise (:mod:`fsdp_optim.core.elementwise`)."""
     check_elementwise(optim, where="optim", keys=state_keys(optim))
     if saved is not None and saved != type(optim).__name__:
         raise ValueError(f"optim: {source} was saved from {saved}, found {type(optim).__name__}")

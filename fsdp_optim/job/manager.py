@@ -147,7 +147,7 @@ class CheckpointManager:
     def latest(self) -> int | None:
         """The newest step whose checkpoint is complete and verified (every file present, of its size, every
         checksum matching), or None. Newer step directories that are torn or damaged are skipped: they are listed
-        in :attr:`skipped` (:class:`SkippedStep` records) and warned about.
+        in its ``skipped`` attribute (:class:`SkippedStep` records) and warned about.
 
         Same answer on every rank: inside a job (a default process group is initialized) rank 0 verifies and
         broadcasts its finding (two small collectives over the default group: every process calls it; an error on

@@ -1,7 +1,8 @@
 """Sharded optimizer checkpoints inside a training job: save, load (with resharding), scatter a full dict.
 
-Orchestration only: records in :mod:`.manifest`, files in :mod:`.storage`, every check and cut in
-:mod:`.plan`, collectives in :mod:`.transport`. Works with any fairscale FSDP root (fairscale's own
+Orchestration only: records in :mod:`fsdp_optim.formats.sharded.manifest`, files in
+:mod:`fsdp_optim.disk.staged`, every check and cut in :mod:`fsdp_optim.core.plan`, collectives in
+:mod:`.transport`. Works with any fairscale FSDP root (fairscale's own
 class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParallel`).
 """
 
@@ -84,7 +85,7 @@ def save_sharded_optim_state(
     No gather and no full buffer: every rank writes its own flat shards as they are (padding included)
     to ``directory/optim-<save id>-rank<r>-of-<W>.safetensors``; rank 0 then writes ``manifest.json`` with the layout
     (units, parameter names, shapes, dtypes, padding, world size, param groups, scalar states, file
-    checksums; see :mod:`fsdp_optim.manifest`). Each file is written atomically and the manifest last,
+    checksums; see :mod:`fsdp_optim.formats.sharded.manifest`). Each file is written atomically and the manifest last,
     so a crash at any point leaves the previous checkpoint in ``directory`` loadable; files of earlier
     saves are removed only after the new manifest is in place. ``directory`` must be one path that every
     rank sees (a shared file system).
@@ -113,7 +114,7 @@ def start_save(
 ) -> tuple[str, OutputLock | None]:
     """Before any rank writes: rank 0 locks ``directory``, removes what a killed writer left there,
     refuses foreign contents (unless ``overwrite``) and journals the save
-    (:func:`fsdp_optim.storage.begin_write`). Every rank then learns the save id, or every rank raises
+    (:func:`fsdp_optim.disk.staged.open_output`). Every rank then learns the save id, or every rank raises
     rank 0's refusal, with nothing written. Returns ``(save id, the lock on rank 0 or None)``; hand the
     lock to :func:`commit_save`. Two small collectives."""
     rank, world_size = dist_rank_and_size(group)
@@ -162,7 +163,7 @@ def commit_save(
     """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``, or a function that makes it) and,
     for a whole checkpoint, its ``side`` file; then, once every rank's files are durable, rank 0's manifest (last).
     A collective over ``group``: a failure on any rank raises on every rank, and then no manifest was written.
-    Shared by the synchronous and asynchronous saves and :func:`fsdp_optim.job.whole.save_checkpoint`.
+    Shared by the synchronous and asynchronous saves and :func:`fsdp_optim.job.whole_save.save_checkpoint`.
     ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed."""
     rank, world_size = dist_rank_and_size(group)
     failure: Exception | None = None

@@ -8,8 +8,8 @@
 - Both also take a fairseq/metaseq shard set (any ``*-shard<r>.pt`` file or the path before ``-shard``),
   handed to :mod:`fsdp_optim.fairseq` (which has more options and keeps the files' other keys).
 
-Both adapt their input to a :class:`~fsdp_optim.plan.Source`, plan once and execute the plan
-(:func:`~fsdp_optim.plan.assemble_full`, or :func:`~fsdp_optim.plan.cut_rank` once per output rank).
+Both adapt their input to a :class:`~fsdp_optim.core.plan.Source`, plan once and execute the plan
+(:func:`~fsdp_optim.core.plan.assemble_full`, or :func:`~fsdp_optim.core.plan.cut_rank` once per output rank).
 
 Memory: rank files are memory-mapped and read one FSDP unit at a time; mappings are dropped whenever
 the touched pages exceed ``max_mapped_bytes``. ``consolidate`` therefore peaks near the size of the
@@ -211,13 +211,13 @@ def reshard(
             is replaced atomically (the manifest is written last).
         layout: required for a full source, which does not say how parameters are grouped into FSDP
             units: a sharded checkpoint or layout file of the same model (any world size), its
-            :class:`Manifest`, a :class:`ModelLayout`, or the FSDP-wrapped model.
+            :class:`Manifest`, a :class:`~fsdp_optim.core.layout.ModelLayout`, or the FSDP-wrapped model.
         progress: called after each unit of each output rank.
         overwrite: write into ``out_dir`` even if it holds files that are not an fsdp_optim checkpoint's
             (they are kept; without it such a directory is refused with ``ForeignOutputError``).
 
     ``out_dir`` is locked while it is written (a second writer gets ``OutputLockedError``) and must not
-    resolve to any input; ``world_size`` is at most :data:`fsdp_optim.untrusted.MAX_WORLD_SIZE`.
+    resolve to any input; ``world_size`` is at most :data:`fsdp_optim.core.limits.MAX_WORLD_SIZE`.
     The source is checked against the target once (one plan), then cut once per output rank.
     """
     check_world_size("world_size", world_size)

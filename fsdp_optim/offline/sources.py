@@ -11,6 +11,7 @@ one table.
     fairscale-native dict       fairscale's own gather output (ids, no names)    required      checked
     fairseq/metaseq shard set   use_sharded_state files (..-shard<r>.pt)         param order   checked
     named safetensors file      to_safetensors' file (<name>/<key> tensors)      target only   refused
+    name-keyed dict, DCP dir    what convert --to named / --to dcp write         inspect only
                                 (reshard keeps the set's own order and optimizer: both refused there)
 
 "target only": a full dict has no FSDP units; a verb that cuts it (reshard) takes the model's layout as its
@@ -39,12 +40,14 @@ from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
+from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fairseq import shards as fairseq_shards
 from fsdp_optim.formats.fullstate import full_dict_source
 from fsdp_optim.formats.kinds import Kind, detect
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+from fsdp_optim.formats.plain import name_plain_dict
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint, read_manifest
 from fsdp_optim.offline.fairseq import ShardSet
@@ -60,6 +63,11 @@ _LAYOUT_USE = (
     "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
     "(the model's parameter order) and, for reshard, a full dict (the target's units)"
 )
+_WRITTEN_ONLY = {  # what our own writers make for other tools to load: inspect reads them, no verb converts them
+    Kind.NAMED_DICT: "load it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or convert the "
+    "source it was made from",
+    Kind.DCP: "load it with torch.distributed.checkpoint.load, or convert the source it was made from",
+}
 NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
 
 
@@ -127,15 +135,23 @@ def open_source(
     target: bool = False,
     describe_only: bool = False,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+    param_names: Any = None,
 ) -> Iterator[Opened]:
     """Decide what ``given`` is (once), check the options against it, and open it; files stay open (memory-mapped)
     until the block ends. ``target``: the caller cuts the source for a layout of its own (see the table);
-    ``describe_only`` (inspect): a fairscale-native dict is opened without a layout, as ``raw`` only."""
-    kind, obj = detect(given)
+    ``describe_only`` (inspect): a fairscale-native dict is opened without a layout, as ``raw`` only.
+    ``param_names``: ``given`` is a plain optimizer's ``state_dict()``, named by these (a module, names or
+    ``{name: shape}``: :func:`fsdp_optim.formats.plain.name_optimizer_state`) into a full dict."""
     label = "the full dict" if isinstance(given, Mapping) else str(given)
-    if describe_only and kind is Kind.NATIVE and layout is None:
+    if param_names is not None:
+        yield _open_plain(given, label, param_names, layout=layout, optimizer=optimizer, target=target)
+        return
+    kind, obj = detect(given)
+    if describe_only and ((kind is Kind.NATIVE and layout is None) or kind in _WRITTEN_ONLY):
         yield Opened(kind, label, raw=obj)
         return
+    if kind in _WRITTEN_ONLY:
+        raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {_WRITTEN_ONLY[kind]}")
     check_options(
         kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
         optimizer_keys=optimizer_keys,
@@ -164,6 +180,17 @@ def open_source(
                          manifest=ckpt.manifest, checkpoint=ckpt)
         return
     yield _open_loaded(kind, label, obj, given, layout, optimizer)
+
+
+def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: str | None, target: bool) -> Opened:
+    """A plain optimizer's ``state_dict()`` (a dict, or a torch file through the untrusted gate) named into a
+    full dict."""
+    obj = given if isinstance(given, Mapping) else load_file(given, mmap=True, disjoint=True)
+    if not isinstance(given, Mapping):
+        check_state_dict(obj, label)
+    check_options(Kind.FULL, label, layout=layout, optimizer=optimizer, allow_globals=(), target=target)
+    full = name_plain_dict(obj, names, optimizer=None, where=label)
+    return _open_loaded(Kind.FULL, label, full, given, layout, optimizer)
 
 
 def _open_loaded(kind: Kind, label: str, obj: Any, given: Any, layout: Any, optimizer: str | None) -> Opened:

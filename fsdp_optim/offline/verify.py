@@ -70,6 +70,11 @@ def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) 
         return _verify_shards(Path(path), allow_globals)
     if kind is Kind.SHARDED:
         return verify_sharded(Path(path))
+    if kind is Kind.DCP:
+        raise ValueError(
+            f"{path}: a {kind.value}, which records no checksums to verify; fsdp-optim inspect {path} reads its "
+            "metadata, and torch.distributed.checkpoint.load reads its data"
+        )
     file = Path(path)
     kind = sniff_kind(file)
     if kind is Kind.RANK_FILE:

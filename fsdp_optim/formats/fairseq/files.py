@@ -20,12 +20,12 @@ fairseq: ``checkpoint_last-shard0.pt``), each ``torch.save``-d by one rank of a 
                                                       "numels": [42, 7], "padding": 1}}}, ...],   # padding: this rank's
      "buffer_names": ["decoder.version", ...]}   # every buffer, non-persistent ones too (never in "model")
 
-Each *backing parameter* (a flat parameter, or a parameter an instance left unflattened) becomes one
-source flat in :mod:`fsdp_optim.fairseq`, in the order the files store them (the ``model`` dict's order,
-which is the wrapped model's ``parameters()`` order). The files do not say which optimizer id
-is which backing parameter; :func:`match_optimizer_ids` finds the one assignment in which every param
-group lists its parameters in that order and every state tensor has its parameter's shard size, and
-refuses when none or several fit (``optimizer_keys`` then names them).
+Each *backing parameter* (a flat parameter, or a parameter an instance left unflattened) becomes one source flat in
+:mod:`fsdp_optim.fairseq`, in the order the files store them (the ``model`` dict's order, which is the wrapped model's
+``parameters()`` order). The files do not say which optimizer id is which backing parameter;
+:func:`~fsdp_optim.formats.fairseq.checks.match_optimizer_ids` finds the one assignment in which every param group
+lists its parameters in that order and every state tensor has its parameter's shard size, and refuses when none or
+several fit (``optimizer_keys`` then names them).
 
 Loading: every file is read with ``torch.load(weights_only=True, mmap=True)``; fairseq and metaseq load
 their own files with ``weights_only=False``, because ``cfg`` may hold ``argparse.Namespace`` objects (and

@@ -1,7 +1,7 @@
 """fairseq / metaseq shard sets as a planning source, and what to do with them offline: consolidate, reshard.
 
 No model, no process group: the layout comes from the files' own metadata (format and loading policy in
-:mod:`fsdp_optim.fairseq_format`). :class:`ShardSet` checks a set once and exposes it twice, as the
+:mod:`fsdp_optim.formats.fairseq.files`). :class:`ShardSet` checks a set once and exposes it twice, as the
 optimizer's state (:meth:`ShardSet.source`, one state entry per optimizer state key) and as the model's
 weights (:meth:`ShardSet.weights_source`, one entry ``"param"``), so the engine plans and cuts both::
 
@@ -9,11 +9,13 @@ weights (:meth:`ShardSet.weights_source`, one entry ``"param"``), so the engine 
            -> plan(source, same units at M ranks)      -> cut_rank per rank, one unit at a time -> M files
            -> plan(source, same units at world size N) -> assemble_full -> build_full_state  -> full dict
 
-- :func:`consolidate_shards`: the set as one fairseq-shaped checkpoint: ``last_optimizer_state`` is our full
-  dict (what ``gather_full_optim_state_dict`` returns, plus the wrapper's extras such as ``loss_scale``),
-  ``model`` the full weights by unwrapped name (``with_model=True``), and every other key of rank 0's file.
-- :func:`reshard_shards`: M files in the same format and names; each written one tensor at a time
-  (:func:`~fsdp_optim.fairseq_write.stream_save`), so memory stays near one unit's shard plus the mapping bound.
+- :func:`~fsdp_optim.formats.fairseq.recut.consolidate_shards`: the set as one fairseq-shaped checkpoint:
+  ``last_optimizer_state`` is our full dict (what ``gather_full_optim_state_dict`` returns, plus the wrapper's extras
+  such as ``loss_scale``), ``model`` the full weights by unwrapped name (``with_model=True``), and every other key of
+  rank 0's file.
+- :func:`~fsdp_optim.formats.fairseq.recut.reshard_shards`: M files in the same format and names; each written one
+  tensor at a time (:func:`~fsdp_optim.disk.stream_save.stream_save`), so memory stays near one unit's shard plus the
+  mapping bound.
 """
 
 from __future__ import annotations

@@ -7,16 +7,33 @@ are named ``<parameter name>/<state key>`` (``layer1.weight/exp_avg``: full, uns
 parameter; ``layer1.weight/step``: a 0-dim tensor). Its ``__metadata__`` holds one entry, ``"fsdp_optim"``, a
 JSON document (:class:`Document`)::
 
-    {"format": "fsdp_optim.named_safetensors", "version": 1, "optimizer": "Adam",
+    {"format": "fsdp_optim.named_safetensors", "version": 2, "optimizer": "Adam",
      "param_order": ["embed.weight", ...],                     # what ids are numbered by (see fullstate)
      "shapes_known": true, "shapes": {"embed.weight": [11, 6], ...},
      "param_groups": [{"hyperparams": {"lr": 0.01, "betas": {"$tuple": [0.9, 0.999]}, ...},
                        "params": ["embed.weight", ...], "named": false}, ...],
      "state": {"embed.weight": [{"key": "step", "kind": "scalar", "tensor": "embed.weight/step"},
-                                {"key": "exp_avg", "kind": "sharded", "tensor": "embed.weight/exp_avg"}, ...]},
+                                {"key": "exp_avg", "kind": "full", "tensor": "embed.weight/exp_avg"}, ...]},
      "tensors": {"embed.weight/exp_avg": {"digest": "xxh3-128:...", "chunks": ["xxh3-128:...", ...]}, ...},
      "chunk_bytes": 1048576,
      "header": {"version": 1, "optimizer": "Adam", "world_size": 2, "scalar_keys": ["step"]}}
+
+What each key means (a reader with only ``safetensors`` and ``json`` needs nothing else):
+
+- ``format``, ``version``: this schema and its version (1 or 2; 2 differs only in ``kind`` below).
+- ``optimizer``: the ``torch.optim`` class name the state came from, or ``null`` when unknown.
+- ``param_order``: every parameter of the model by unwrapped name, in the order a plain optimizer numbers them
+  (``state_dict()`` id i is ``param_order[i]``), with or without state.
+- ``shapes_known`` / ``shapes``: each parameter's shape (known from a checkpoint; a full dict gives only those
+  with state).
+- ``param_groups``: in the optimizer's order; ``hyperparams`` is the group's dict without ``params``; ``params``
+  the group's parameter names; ``named``: whether the group also held a ``param_names`` list.
+- ``state``: per parameter with state, its entries in ``state_dict()`` order: ``key`` the state key; ``kind``
+  ``"full"`` (a tensor shaped like the parameter, the whole of it; version 1 wrote ``"sharded"``, read the same)
+  or ``"scalar"`` (a 0-dim tensor, or a Python number in ``value``); ``tensor`` the safetensors name holding it.
+- ``tensors``: per safetensors tensor, its checksums (below).
+- ``header``: our full dict's ``"fsdp_optim"`` section (its format version, optimizer, the world size it was
+  saved at, which state keys are scalars).
 
 Values that JSON alone would blur are tagged as the sharded checkpoint's manifest tags them
 (:mod:`fsdp_optim.formats.sharded.json_values`): a tuple is ``{"$tuple": [...]}`` (``betas`` stays a tuple), a
@@ -57,7 +74,7 @@ from fsdp_optim.formats.safetensors_container import (
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
 
 FORMAT = "fsdp_optim.named_safetensors"
-VERSION = 1
+VERSION = 2  # 2: a tensor entry's kind is "full" (1 wrote "sharded"); both read
 METADATA_KEY = "fsdp_optim"
 # Bytes per chunk checksum of a named file's large tensors (a rank file's grid is segments.CHUNK_BYTES, 64 KiB:
 # a rank reads a range of a rank file, while a named file is read tensor by tensor).
@@ -164,7 +181,7 @@ def _hyperparams(g: int, hyperparams: Mapping[Any, Any]) -> Any:
 
 
 def _entry_json(name: str, e: Entry) -> dict[str, Any]:
-    out: dict[str, Any] = {"key": e.key, "kind": e.kind}
+    out: dict[str, Any] = {"key": e.key, "kind": "full" if e.kind == "sharded" else e.kind}
     if e.tensor is not None:
         out["tensor"] = e.tensor
     else:
@@ -234,8 +251,9 @@ def _entry(raw: Any, name: str, where: str) -> Entry:
     at = f"{where}: state of parameter '{name}'"
     key = _get(raw, "key", str, at)
     kind = _get(raw, "kind", str, at)
-    if kind not in ("sharded", "scalar"):
-        raise FormatError(f"{at}: state '{key}' has kind {kind!r}, expected 'sharded' or 'scalar'")
+    if kind not in ("full", "sharded", "scalar"):
+        raise FormatError(f"{at}: state '{key}' has kind {kind!r}, expected 'full' or 'scalar'")
+    kind = "sharded" if kind == "full" else kind  # version 1 wrote "sharded" (the engine's word) for "full"
     if "tensor" in raw:
         return Entry(key, kind, tensor=_get(raw, "tensor", str, at))
     if kind == "sharded" or "value" not in raw:
