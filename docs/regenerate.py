@@ -15,9 +15,10 @@ temporary directory, by a real 2-rank gloo job (:func:`make_fixtures`):
 
 Each page's blocks run in document order in a fresh copy of the fixtures (a later command may read what an earlier
 one wrote), each command in this process (``fsdp_optim.cli.main``, stdout and stderr together, as a terminal shows
-them but with no progress bars: the output is not a terminal). What varies from run to run is normalised
-(:func:`normalise`): the fixture directory's path, save ids, checksums. ``tests/test_docs.py`` runs the same
-commands and fails when the docs differ, naming this command.
+them but with no progress bars: the output is not a terminal). What varies from run to
+run is normalised (:func:`normalise`): the fixture directory's path, save ids, checksums, a DCP export's size.
+``tests/test_docs.py`` runs the same commands and fails when the docs differ, naming this command;
+``python -m docs.regenerate --check`` does the same without a test run.
 
 A command may span lines (``\\`` at the end of a line) and carry a ``# comment``; both are kept as written.
 """
@@ -175,11 +176,14 @@ NORMALISE: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"(xxh3-128|sha256):[0-9a-f]{8,}"), r"\1:..."),  # checksums
     (re.compile(r"\b(optim|train)-[0-9a-f]{12}-rank"), r"\1-<id>-rank"),  # save ids in file names
     (re.compile(r"(save id:? )[0-9a-f]{12}\b"), r"\1<id>"),
+    # A DCP directory's metadata pickles the path it was written to: its size varies with the fixtures' path.
+    (re.compile(r"^(wrote .*\(dcp, .*?, )[\d.]+ (?:[KMGT]iB \(\d+ B\)|B\b)", re.M), r"\1<bytes>"),
 ]
 
 
 def normalise(text: str, fixtures: Path) -> str:
-    """What varies between runs made the same: the fixtures' path, save ids, checksums; no trailing spaces."""
+    """What varies between runs made the same: the fixtures' path, save ids, checksums, the size of a DCP export
+    (its metadata holds the path); no trailing spaces."""
     for where in {str(fixtures), str(fixtures.resolve())}:
         text = text.replace(where + os.sep, "").replace(where, ".")
     for pattern, replacement in NORMALISE:
@@ -266,9 +270,15 @@ def rewrite(fixtures: Path, workdir: Path, say: Callable[[str], object] = print)
     return sum(len(t) for t in changed.values())
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite the blocks; ``--check``: rewrite nothing, print each block's diff and exit 1 if any differs."""
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="fsdp-optim-docs-") as tmp:
         fixtures = build_fixtures(Path(tmp))
+        if check:
+            found = differences(fixtures, Path(tmp) / "pages")
+            print("\n".join(found) + f"\n{len(found)} console block(s) differ; {HINT}" if found else "up to date")
+            return 1 if found else 0
         n = rewrite(fixtures, Path(tmp) / "pages")
     print(f"{n} console block(s) rewritten" if n else "every console block is up to date")
     return 0
