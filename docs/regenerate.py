@@ -202,18 +202,35 @@ def _in(directory: Path) -> Iterator[None]:
 
 
 def run_command(argv: list[str], cwd: Path) -> list[str]:
-    """``fsdp-optim ARGV`` in ``cwd``: its stdout and stderr together, normalised, as lines."""
+    """``fsdp-optim ARGV`` in ``cwd``: its stdout and stderr together, normalised, as lines.
+
+    What Python prints is captured in order; file descriptors 1 and 2 point at a file meanwhile, so nothing the
+    command asks of them sees a terminal (no progress bars, whoever runs this), and what is written to them
+    directly (a C++ warning) is appended."""
     from fsdp_optim.cli import main
 
     captured = io.StringIO()
-    with _in(cwd), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-        with warnings.catch_warnings():
-            warnings.simplefilter("default")  # as a fresh process: each warning once
-            try:
-                main(argv)
-            except SystemExit:  # argparse's usage errors
-                pass
-    return normalise(captured.getvalue(), cwd).splitlines()
+    with tempfile.TemporaryFile() as raw, _in(cwd):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        os.dup2(raw.fileno(), 1)
+        os.dup2(raw.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("default")  # as a fresh process: each warning once
+                    try:
+                        main(argv)
+                    except SystemExit:  # argparse's usage errors
+                        pass
+        finally:
+            for fd, original in zip((1, 2), saved):
+                os.dup2(original, fd)
+                os.close(original)
+        raw.seek(0)
+        text = captured.getvalue() + raw.read().decode(errors="replace")
+    return normalise(text, cwd).splitlines()
 
 
 def page_blocks(fixtures: Path, workdir: Path) -> Iterator[tuple[Path, Block, list[list[str]]]]:

@@ -18,7 +18,16 @@ import fsdp_optim
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from docs.blocks import Block, all_blocks  # noqa: E402 - the repository root is not on the path under pytest
-from docs.regenerate import FIXTURE_WORLD_SIZE, HINT, console_blocks, page_blocks, rendered, shown  # noqa: E402
+from docs.regenerate import (  # noqa: E402
+    FIXTURE_WORLD_SIZE,
+    HINT,
+    commands,
+    console_blocks,
+    normalise,
+    page_blocks,
+    rendered,
+    shown,
+)
 
 blocks_of = all_blocks
 
@@ -203,6 +212,17 @@ def console_now(docs_job: tuple[dict[str, str], Path], tmp_path_factory: pytest.
     assert FIXTURES not in failed, failed[FIXTURES]
     workdir = tmp_path_factory.mktemp("docs-console-pages")
     return {b.name: rendered(b, outputs) for _, b, outputs in page_blocks(fixtures, workdir)}
+
+
+def test_console_commands_parse_as_written() -> None:
+    body = "$ fsdp-optim inspect ckpt/a \\\n    --units   # a comment\nout 1\nout 2\n$ fsdp-optim list 'my ckpt'\n"
+    block = Block("docs/x.md", 3, "console", body, 3, 9)
+    found = commands(block)
+    assert [c.argv for c in found] == [["inspect", "ckpt/a", "--units"], ["list", "my ckpt"]]
+    assert [c.output for c in found] == [("out 1", "out 2"), ()]
+    assert rendered(block, [["new"], ["x", "y"]]) == [*found[0].lines, "new", found[1].lines[0], "x", "y"]
+    text = "/tmp/f/ckpt/optim-0123456789ab-rank00000-of-00002.safetensors xxh3-128:00ff00ff00ff00ff00ff"
+    assert normalise(text, Path("/tmp/f")) == "ckpt/optim-<id>-rank00000-of-00002.safetensors xxh3-128:..."
 
 
 def test_console_blocks_exist() -> None:
