@@ -99,7 +99,7 @@ def make_fixtures(rank: int, world_size: int, root: str) -> None:
             native = FairscaleFSDP.gather_full_optim_state_dict(model, optim)  # fairscale's own, not ours
             if rank == 0:
                 torch.save(native, base / "fairscale_optim.pt")
-    # Step 10: the files of a save whose manifest never came (a run killed mid-save): step 8's under another name.
+    # Step 10: a save whose manifest never came (a run killed between its rank files and its commit).
     fsdp_optim.save_checkpoint(model, optim, base / "ckpt" / "step-00000010", extra={"step": 10})
     dist.barrier()
     if rank == 0:
