@@ -2,7 +2,9 @@
 
 A fenced block may be indented (inside a list item); its body is dedented. The HTML comment on the line right
 before a fence says how its block runs: ``<!-- not run: REASON -->`` (never run; the reason is required),
-``<!-- run: world size N -->`` (a job of N ranks instead of the default 2).
+``<!-- run: world size N -->`` (a python block: a job of N ranks instead of the default 2). A ``console`` block
+holding ``$ fsdp-optim`` commands is run and its output rewritten by ``python -m docs.regenerate`` unless it is
+marked not run.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ renders every public name of ``fsdp_optim``."""
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import re
 import subprocess
@@ -17,6 +18,16 @@ import fsdp_optim
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from docs.blocks import Block, all_blocks  # noqa: E402 - the repository root is not on the path under pytest
+from docs.regenerate import (  # noqa: E402
+    FIXTURE_WORLD_SIZE,
+    HINT,
+    commands,
+    console_blocks,
+    normalise,
+    page_blocks,
+    rendered,
+    shown,
+)
 
 blocks_of = all_blocks
 
@@ -45,9 +56,13 @@ def test_mkdocs_build_strict_renders_every_public_name(tmp_path: Path) -> None:
 #
 # Blocks run in document order, page by page, each page in a directory of its own that its blocks share (a later
 # block reads what an earlier one saved), each block in a fresh namespace on every rank of a gloo job: 2 ranks, or
-# the world size its marker names (those jobs run after the 2-rank one). A block may use the names PRELUDE gives
+# the world size its marker names (those run after the 2-rank blocks). A block may use the names PRELUDE gives
 # (a small model class, a wrapped model and its optimizer after a step, a training function, ...), which stand for
 # the user's own. `init_process_group` is a no-op there: the job has its group already.
+#
+# One job runs them all, and makes the checkpoints the console blocks' commands read (docs/regenerate.py): its
+# processes start once (what costs most), then form one process group per world size in turn (2 first, then the
+# others in increasing order; the ranks beyond a world size wait for the next group).
 
 PRELUDE = """
 import torch
@@ -83,6 +98,8 @@ scheduler = torch.optim.lr_scheduler.StepLR(optim, step_size=10)
 loader = [torch.randn(4, 8) for _ in range(3)]
 """
 
+FIXTURES = "fixtures of the console blocks"  # the key of make_fixtures' failure in the job's outcomes
+
 
 def _run_blocks(rank: int, world_size: int, root: str, blocks: list[tuple[str, str, str]]) -> dict[str, str]:
     """Run each (name, page directory, source) in order on this rank; {name: traceback} of those that raised."""
@@ -112,23 +129,61 @@ def _run_blocks(rank: int, world_size: int, root: str, blocks: list[tuple[str, s
     return failed
 
 
+def _docs_job(rank: int, world_size: int, root: str, phases: list[tuple[int, list[tuple[str, str, str]]]], fixtures: str) -> dict[str, str]:
+    """On each of ``world_size`` processes: for each (world size W, blocks) in turn, the first W processes form a
+    gloo group of W ranks and run the blocks; the 2-rank group then makes the console blocks' fixtures."""
+    import datetime
+    import traceback
+
+    import torch.distributed as dist
+    from fairscale.internal.parallel import get_process_group_cached
+
+    from docs.regenerate import FIXTURE_WORLD_SIZE, make_fixtures
+
+    dist.destroy_process_group()  # run_ranks's group of every process: each phase forms its own
+    failed: dict[str, str] = {}
+    for size, blocks in phases:
+        if rank >= size:
+            continue
+        store = f"file://{root}/.group-of-{size}"
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=300))
+        try:
+            failed.update(_run_blocks(rank, size, root, blocks))
+            if size == FIXTURE_WORLD_SIZE:
+                try:
+                    make_fixtures(rank, size, fixtures)
+                except Exception:
+                    failed[FIXTURES] = traceback.format_exc()
+        finally:
+            vars(get_process_group_cached).pop("_global_group_cache", None)  # fairscale's groups of this phase
+            dist.destroy_process_group()
+    return failed
+
+
 PYTHON_BLOCKS = blocks_of("python")
 
 
 @pytest.fixture(scope="module")
-def python_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def docs_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Path]:
+    """The one job: {block name (or FIXTURES): traceback} of what failed on any rank, and the fixtures' directory."""
     root = tmp_path_factory.mktemp("docs-python")
+    fixtures = tmp_path_factory.mktemp("docs-console") / "fixtures"
+    fixtures.mkdir()
+    sizes = sorted({b.world_size for b in PYTHON_BLOCKS} | {FIXTURE_WORLD_SIZE}, key=lambda w: (w != 2, w))
+    phases = [
+        (size, [(b.name, b.page.replace("/", "_"), b.body) for b in PYTHON_BLOCKS if b.world_size == size and b.not_run is None])
+        for size in sizes
+    ]
     failed: dict[str, str] = {}
-    for world_size in sorted({b.world_size for b in PYTHON_BLOCKS}, key=lambda w: (w != 2, w)):
-        todo = [
-            (b.name, b.page.replace("/", "_"), b.body)
-            for b in PYTHON_BLOCKS
-            if b.world_size == world_size and b.not_run is None
-        ]
-        for per_rank in run_ranks(_run_blocks, world_size, str(root), todo):
-            for name, error in per_rank.items():
-                failed.setdefault(name, error)
-    return failed
+    for per_rank in run_ranks(_docs_job, max(sizes), str(root), phases, str(fixtures), deadline_s=600):
+        for name, error in per_rank.items():
+            failed.setdefault(name, error)
+    return failed, fixtures
+
+
+@pytest.fixture(scope="module")
+def python_outcomes(docs_job: tuple[dict[str, str], Path]) -> dict[str, str]:
+    return docs_job[0]
 
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.name for b in PYTHON_BLOCKS])
@@ -142,3 +197,44 @@ def test_python_block_runs(block: Block, python_outcomes: dict[str, str]) -> Non
 def test_few_blocks_are_not_run() -> None:
     not_run = [b.name for b in PYTHON_BLOCKS if b.not_run is not None]
     assert len(not_run) <= 5, f"keep 'not run' markers few: {not_run}"
+
+
+# ---- Every ```console block showing `$ fsdp-optim ...` shows what the commands print now (docs/regenerate.py runs
+# them on the job's fixtures, normalised the same way, and rewrites the blocks: `python -m docs.regenerate`).
+
+CONSOLE_BLOCKS = console_blocks()
+
+
+@pytest.fixture(scope="module")
+def console_now(docs_job: tuple[dict[str, str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """{block name: its body as the commands print it now}, every command run once."""
+    failed, fixtures = docs_job
+    assert FIXTURES not in failed, failed[FIXTURES]
+    workdir = tmp_path_factory.mktemp("docs-console-pages")
+    return {b.name: rendered(b, outputs) for _, b, outputs in page_blocks(fixtures, workdir)}
+
+
+def test_console_commands_parse_as_written() -> None:
+    body = "$ fsdp-optim inspect ckpt/a \\\n    --units   # a comment\nout 1\nout 2\n$ fsdp-optim list 'my ckpt'\n"
+    block = Block("docs/x.md", 3, "console", body, 3, 9)
+    found = commands(block)
+    assert [c.argv for c in found] == [["inspect", "ckpt/a", "--units"], ["list", "my ckpt"]]
+    assert [c.output for c in found] == [("out 1", "out 2"), ()]
+    assert rendered(block, [["new"], ["x", "y"]]) == [*found[0].lines, "new", found[1].lines[0], "x", "y"]
+    text = "/tmp/f/ckpt/optim-0123456789ab-rank00000-of-00002.safetensors xxh3-128:00ff00ff00ff00ff00ff"
+    assert normalise(text, Path("/tmp/f")) == "ckpt/optim-<id>-rank00000-of-00002.safetensors xxh3-128:..."
+
+
+def test_console_blocks_exist() -> None:
+    assert any(b.page == "docs/cli.md" and b.not_run is None for b in CONSOLE_BLOCKS), "docs/cli.md shows no real output"
+
+
+@pytest.mark.parametrize("block", CONSOLE_BLOCKS, ids=[b.name for b in CONSOLE_BLOCKS])
+def test_console_block_shows_real_output(block: Block, console_now: dict[str, list[str]]) -> None:
+    if block.not_run is not None:
+        assert block.not_run.strip(), f"{block.name}: a 'not run' marker must say why"
+        pytest.skip(f"not run: {block.not_run}")
+    now = console_now[block.name]
+    if now != shown(block):
+        diff = "\n".join(difflib.unified_diff(shown(block), now, f"{block.name} (docs)", f"{block.name} (now)", lineterm=""))
+        pytest.fail(f"{block.name}: the output shown is not what fsdp-optim prints now; {HINT}.\n{diff}", pytrace=False)
