@@ -214,3 +214,10 @@ def test_a_shard_set_against_its_full_dict_and_its_reshard(tmp_path: Path, capsy
     assert fsdp_optim.verify(shards, deep=True).ok
     assert _cli(capsys, "diff", tmp_path / "w3" / resharded, shards)[0] == 0
     assert _cli(capsys, "diff", tmp_path / "w3" / resharded, tmp_path / "full.pt")[0] == 1
+
+
+def test_relative_error_against_a_zero_is_infinite_not_the_largest_float() -> None:
+    from fsdp_optim.core.compare import compare_tensors
+
+    stats = compare_tensors(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 2.0]))
+    assert stats.max_rel == float("inf") and stats.max_abs == 1.0

@@ -27,6 +27,10 @@ def progress_bar(desc: str) -> Iterator[Callable[[], None] | None]:
 
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _open(args: argparse.Namespace, path: Any, **options: Any) -> Any:
     """The verb's source through the one way in, with the options every verb spells the same."""
     from fsdp_optim.formats.plain import param_names_file
@@ -83,7 +87,8 @@ def _consolidate_whole(opened: Any, args: argparse.Namespace, progress: Callable
     optim = "none (saved with optim=None)" if optimizer is None else f"{len(optimizer['state'])} params with state"
     return [
         f"wrote {args.output}: {{'model', 'optimizer', 'extra'}}: model {len(whole.params)} params "
-        f"({human_bytes(whole.param_bytes())}), {len(whole.aliases)} tied names, {len(whole.buffers)} buffers; "
+        f"({human_bytes(whole.param_bytes())}), {_count(len(whole.aliases), 'tied name')}, "
+        f"{_count(len(whole.buffers), 'buffer')}; "
         f"optimizer {optim}; extra of rank {whole.rank}; {human_bytes(size)}"
     ]
 

@@ -144,7 +144,7 @@ class _Errors:
         err = (xd - yd).abs_().masked_fill_(same, 0.0).nan_to_num_(nan=math.inf, posinf=math.inf)
         self.max_abs = max(self.max_abs, float(err.max()))
         ref = yd.abs_()
-        rel = (err / ref).masked_fill_(err == 0, 0.0).nan_to_num_(nan=math.inf)
+        rel = (err / ref).masked_fill_(err == 0, 0.0).nan_to_num_(nan=math.inf, posinf=math.inf)  # x/0: inf, not max
         self.max_rel = max(self.max_rel, float(rel.max()))
         del rel
         if atol > 0 or rtol > 0:
