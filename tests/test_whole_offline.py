@@ -115,6 +115,15 @@ def _load_all(rank: int, world_size: int, paths: list[str]) -> list[dict[str, An
     return out
 
 
+def _save_from(rank: int, world_size: int, src: str, out: str, weights: dict[str, torch.Tensor]) -> None:
+    """``src`` loaded, its weights replaced by ``weights`` (fairscale's full load_state_dict), saved to ``out``."""
+    root = M.wrap(make_net(seed=123), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+    extra = fsdp_optim.load_checkpoint(root, optim, src)
+    root.load_state_dict(weights)
+    fsdp_optim.save_checkpoint(root, optim, out, extra=extra)
+
+
 def test_reshard_whole_keeps_weights_buffers_and_extra(saved, tmp_path, monkeypatch) -> None:
     from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
     from fsdp_optim.offline import operations
@@ -278,3 +287,20 @@ def test_convert_whole_refuses_what_does_not_apply(saved, tmp_path, capsys) -> N
     with pytest.raises(ValueError, match="max_shard_size: expected bytes"):
         fsdp_optim.to_safetensors(path, tmp_path / "y", max_shard_size="lots")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_diff_and_deep_verify_see_the_weights_of_a_whole_checkpoint(saved, tmp_path) -> None:
+    path, _ = saved
+    resharded = tmp_path / "w3"
+    fsdp_optim.reshard(path, 3, resharded)
+    same = fsdp_optim.diff(path, resharded)
+    assert same.equal and any(row.key == "@param" for row in same.rows), "the weights are compared"
+    full = fsdp_optim.consolidate(path)
+    other = tmp_path / "other"
+    bumped = {k: v.clone() for k, v in full["model"].items()}
+    bumped["block1.0.weight"][0, 0] += 1.0  # one weight moved, the optimizer state as it was
+    run_ranks(_save_from, 2, str(path), str(other), bumped)
+    moved = [row for row in fsdp_optim.diff(path, other).rows if row.status != "equal"]
+    assert {(row.param, row.key) for row in moved} == {("block1.0.weight", "@param")}, moved
+    assert fsdp_optim.verify(path, deep=True).ok
+    assert fsdp_optim.diff(path, fsdp_optim.consolidate(path)["optimizer"]).equal, "optimizer against optimizer only"

@@ -11,7 +11,9 @@ is two state tensors of one parameter, never either whole state.
 What is compared (each difference a row or a setting of :class:`~fsdp_optim.offline.diff_report.DiffReport`):
 parameters and state keys present on one side only; shapes; tensors (bitwise, max abs / rel error, max ULP
 distance, NaN and Inf counts); scalar states (``step``, ...); the optimizer's class, the number of param groups,
-every hyperparameter of each group and each group's members.
+every hyperparameter of each group and each group's members. Two whole checkpoints (``save_checkpoint``) are
+compared on their model weights too, as one more key per parameter (``@param``); a whole checkpoint against an
+optimizer-only source is compared on the optimizer state alone.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from fsdp_optim.offline.diff_report import (
     SettingDiff,
     summarise,
 )
-from fsdp_optim.offline.per_param import PerParameter
+from fsdp_optim.offline.per_param import PerParameter, holds_weights
 from fsdp_optim.offline.sources import open_source
 
 __all__ = ["diff"]
@@ -75,14 +77,14 @@ def diff(
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == math.inf:
             raise ValueError(f"{name}: expected a finite number >= 0, found {value!r}")
     with contextlib.ExitStack() as stack:
-        views = []
+        opened = []
         for given in (a, b):
             globals_ = allow_globals if not isinstance(given, Mapping) and path_kind(given) is Kind.SHARD_SET else ()
-            opened = stack.enter_context(
-                open_source(given, allow_globals=globals_, max_mapped_bytes=max_mapped_bytes)
+            opened.append(
+                stack.enter_context(open_source(given, allow_globals=globals_, max_mapped_bytes=max_mapped_bytes))
             )
-            views.append(PerParameter.of(opened))
-        va, vb = views
+        weights = all(holds_weights(o) for o in opened)  # model weights are compared when both sides hold them
+        va, vb = (PerParameter.of(o, weights=weights) for o in opened)
         rows = tuple(_rows(va, vb, float(atol), float(rtol)))
         settings = tuple(_settings(va, vb))
     summary = summarise(rows, settings, len(va.names), len(vb.names))
