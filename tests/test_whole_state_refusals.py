@@ -101,3 +101,28 @@ def test_a_refused_load_raises_on_every_rank_and_changes_nothing(tmp_path) -> No
         first = min(messages, key=len)  # the failing rank's own message; the others add where it was raised
         assert all(m.startswith(first.split(" [raised on rank")[0]) for m in messages), (name, messages)
     assert os.path.exists(tmp_path / "damaged" / "manifest.json")
+
+
+def _side_write_fails_on_rank_1(rank: int, world_size: int, out: str) -> str:
+    from fsdp_optim.job import whole_save
+
+    root = M.wrap(make_net(), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+    if rank == 1:  # a disk that fails under one rank's side file alone, after its rank file was written
+
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(28, "no space left on device (injected)")
+
+        whole_save.write_side_file = fail  # type: ignore[assignment]
+    try:
+        fsdp_optim.save_checkpoint(root, optim, out)
+    except OSError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_side_file_that_fails_on_one_rank_fails_the_save_on_every_rank(tmp_path) -> None:
+    out = tmp_path / "ckpt"
+    messages = run_ranks(_side_write_fails_on_rank_1, 2, str(out))
+    assert all("injected" in m for m in messages), messages
+    assert not (out / "manifest.json").exists() and not list(out.glob("*.safetensors")), sorted(out.iterdir())

@@ -178,7 +178,8 @@ def commit_save(
         except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
             failure = exc
         reports = gather_objects((local.summary, record, aux), dst=0, group=group)  # None except on rank 0
-        if reports is not None and failure is None and all(r is not None for _, r, _ in reports):
+        written = all(r is not None and (side is None or a is not None) for _, r, a in reports or ())
+        if reports is not None and failure is None and written:  # every rank's files (a rank's failure: none)
             try:
                 if world_size > 1:
                     check_agreement(layout, [summary for summary, _, _ in reports])
@@ -189,7 +190,8 @@ def commit_save(
                 write_manifest(directory, manifest, replaces=lock.entries[-1]["replaces"] if lock is not None else ())
             except Exception as exc:
                 failure = exc
-        agree(failure, group=group, what="save_sharded_optim_state failed, no checkpoint was written")
+        what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
+        agree(failure, group=group, what=f"{what} failed, no checkpoint was written")
     except BaseException:
         if lock is not None:
             end_write(lock, failed=True)
