@@ -149,7 +149,7 @@ def save_whole_checkpoints(directory: str | os.PathLike[str]) -> None:
     checkpoint_utils.save_checkpoint = saving
 
 
-def _save_whole(directory: Path, trainer: Any, epoch_itr: Any, val_loss: Any) -> Path:
+def _save_whole(directory: Path, trainer: Any, epoch_itr: Any, val_loss: Any) -> Any:
     """Every rank: fairseq's model and optimizer, and what its loop needs back, as one whole checkpoint."""
     from omegaconf import OmegaConf
 

@@ -13,8 +13,10 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsdp_optim.core.health import Finding
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore
 
 __all__ = ["FileCheck", "Verification", "check_file"]
 
@@ -23,7 +25,7 @@ __all__ = ["FileCheck", "Verification", "check_file"]
 class FileCheck:
     """One file's verdict: ``detail`` starts with ``ok`` or says what is wrong."""
 
-    path: Path
+    path: Path | ObjectPath
     ok: bool
     detail: str
 
@@ -34,7 +36,7 @@ class Verification:
     file, naming it, then the problems of the whole) and, deep, the findings in the state (``deep`` says whether it
     was read for them). ``ok`` is false exactly when ``problems`` or ``findings`` is not empty."""
 
-    path: Path
+    path: Path | ObjectStore
     kind: str
     files: tuple[FileCheck, ...]
     problems: tuple[str, ...] = ()
@@ -89,20 +91,24 @@ def _zip_problem(path: Path) -> str | None:
 
 
 def check_file(
-    path: Path,
-    read: Callable[[Path], object],
+    path: Path | ObjectPath,
+    read: Callable[[Any], object],
     *,
     nbytes: int | None = None,
     sizes_only: bool = False,
     zipped: bool = True,
 ) -> FileCheck:
-    """Presence, size (against ``nbytes`` when known), zip CRCs, then ``read(path)``; never raises for damage."""
-    if not os.path.lexists(path):
+    """Presence, size (against ``nbytes`` when known), zip CRCs, then ``read(path)``; never raises for damage.
+    ``path`` may be an object in a store (its size asked of the store; never a zip there)."""
+    try:
+        size = _size(path)
+    except OSError as exc:
+        return FileCheck(path, False, f"unreadable: {exc}")
+    if size is None:
         expected = f" ({nbytes} bytes)" if nbytes is not None else ""
         return FileCheck(path, False, f"missing{expected}")
-    if not path.is_file():
+    if size < 0:
         return FileCheck(path, False, "not a regular file")
-    size = path.stat().st_size
     if nbytes is not None and size != nbytes:
         what = "truncated: " if size < nbytes else ""
         return FileCheck(path, False, f"{what}{size} of {nbytes} bytes (the size the manifest records)")
@@ -110,7 +116,8 @@ def check_file(
         return FileCheck(path, True, f"ok: {size} bytes")
     # torch.save files are zips with a CRC-32 per record; format-2 and -3 rank files are safetensors, whose chunk
     # checksums (in the manifest, format 2; in the file's header, format 3) the read below verifies.
-    problem = None if path.suffix == ".safetensors" or not zipped else _zip_problem(path)
+    local = isinstance(path, Path) and path.suffix != ".safetensors" and zipped
+    problem = _zip_problem(path) if isinstance(path, Path) and local else None
     if problem is not None:
         return FileCheck(path, False, problem)
     try:
@@ -118,3 +125,12 @@ def check_file(
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         return FileCheck(path, False, str(exc).removeprefix(f"{path}: ").removeprefix(f"{path}, "))
     return FileCheck(path, True, f"ok: {size} bytes{detail if isinstance(detail, str) else ''}")
+
+
+def _size(path: Path | ObjectPath) -> int | None:
+    """The file's size; ``None`` when it is missing, ``-1`` when it is not a regular file."""
+    if isinstance(path, ObjectPath):
+        return path.store.size(path.name)
+    if not os.path.lexists(path):
+        return None
+    return path.stat().st_size if path.is_file() else -1

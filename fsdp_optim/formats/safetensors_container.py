@@ -114,13 +114,15 @@ def encode_header(metadata: Mapping[str, str], tensors: Iterable[tuple[str, torc
     return struct.pack("<Q", len(text)) + text
 
 
-def read_header(fd: int, size: int, where: str, rules: HeaderRules) -> ContainerHeader:
-    """The checked header of the safetensors file open as ``fd`` (``size`` bytes long)."""
+def read_header(fd: int | Callable[[int, int], bytes], size: int, where: str, rules: HeaderRules) -> ContainerHeader:
+    """The checked header of the safetensors file open as ``fd`` (``size`` bytes long); ``fd`` may instead be a
+    function ``pread(count, offset) -> bytes`` (an object in a store, read by ranges)."""
+    pread = (lambda count, offset: os.pread(fd, count, offset)) if isinstance(fd, int) else fd
     if size < 8:
         raise HeaderError(
             f"{where}: {size} bytes, too short for a safetensors file (expected an 8-byte header length first)"
         )
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    (n,) = struct.unpack("<Q", pread(8, 0))
     limit = rules.limit(size)
     if n > limit:
         past = f"; header length {n} is past the file" if n > size - 8 else ""
@@ -128,7 +130,7 @@ def read_header(fd: int, size: int, where: str, rules: HeaderRules) -> Container
             f"{where}: declares a {n}-byte header, expected at most {limit} (the file has {size} bytes; a header is "
             f"bounded by {rules.rule}){past}"
         )
-    text = os.pread(fd, n, 8)
+    text = pread(n, 8)
     header = _parse(text, where)
     metadata = header.pop("__metadata__", {})
     if not all(isinstance(v, str) for v in metadata.values()):

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where, where
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
 from fsdp_optim.job.transport import ProcessGroup, new_gloo_group
@@ -47,11 +48,11 @@ __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
 class AsyncSave:
     """The handle of one asynchronous save: :meth:`wait` for its manifest path, :meth:`done` to poll."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Where) -> None:
         self.directory = directory
         self._finished = threading.Event()
         self.staged = threading.Event()  # set once the background copy of this rank's state is done
-        self._result: Path | None = None
+        self._result: Path | ObjectPath | None = None
         self._error: BaseException | None = None
         self._reported = False
 
@@ -82,7 +83,7 @@ class AsyncSave:
         """Whether the upload has finished (successfully or not); never blocks."""
         return self._finished.is_set()
 
-    def wait(self, timeout: float | None = None) -> Path:
+    def wait(self, timeout: float | None = None) -> Path | ObjectPath:
         """Block until the checkpoint is committed; return the manifest path, or raise the save's error.
 
         Every rank raises when any rank failed (no manifest was written then). ``TimeoutError`` if
@@ -168,7 +169,11 @@ def checkpoint_group(group: ProcessGroup) -> ProcessGroup:
 
 
 def async_save_sharded_optim_state(
-    fsdp: nn.Module, optim: torch.optim.Optimizer, directory: str | os.PathLike[str], *, overwrite: bool = False
+    fsdp: nn.Module,
+    optim: torch.optim.Optimizer,
+    directory: str | os.PathLike[str] | ObjectStore,
+    *,
+    overwrite: bool = False,
 ) -> AsyncSave:
     """Start saving this rank's optimizer shard (and, on rank 0, the manifest) in the background.
 
@@ -189,11 +194,12 @@ def async_save_sharded_optim_state(
     local = read_for_save(root, optim)
     group = checkpoint_group(root.group)
     # Rank 0 holds the directory's lock until the background commit (refusals raise here, on every rank).
-    save_id, lock = start_save(Path(directory), group, overwrite=overwrite, purpose="async_save_sharded_optim_state")
+    target = where(directory)
+    save_id, lock = start_save(target, group, overwrite=overwrite, purpose="async_save_sharded_optim_state")
     upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
-        root.layout, local, staged, type(optim).__name__, Path(directory), save_id, group, lock=lock
+        root.layout, local, staged, type(optim).__name__, target, save_id, group, lock=lock
     )
-    return launch(fsdp, Path(directory), optim, local.state, upload, name=save_id[:8])
+    return launch(fsdp, target, optim, local.state, upload, name=save_id[:8])
 
 
 def finish_previous(key: nn.Module) -> None:
@@ -206,10 +212,10 @@ def finish_previous(key: nn.Module) -> None:
 
 def launch(
     key: nn.Module,
-    directory: Path,
+    directory: Where,
     optim: torch.optim.Optimizer,
     state: Mapping[int, Mapping[str, Any]],
-    upload: Callable[[Callable[[], dict[int, dict[str, Any]]]], Path],
+    upload: Callable[[Callable[[], dict[int, dict[str, Any]]]], Path | ObjectPath],
     *,
     name: str,
 ) -> AsyncSave:

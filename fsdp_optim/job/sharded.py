@@ -26,11 +26,22 @@ from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import write_stream
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where, is_url, where
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.store_commit import (
+    StoreSave,
+    begin_store_save,
+    cleanup_staging,
+    commit_manifest,
+    remove_own,
+    staging_dir,
+    tidy,
+    upload_files,
+)
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
 from fsdp_optim.job.api import full_source
@@ -78,8 +89,12 @@ def own_tensor(value: Any) -> Any:
 
 
 def save_sharded_optim_state(
-    fsdp: nn.Module, optim: torch.optim.Optimizer, directory: str | os.PathLike[str], *, overwrite: bool = False
-) -> Path:
+    fsdp: nn.Module,
+    optim: torch.optim.Optimizer,
+    directory: str | os.PathLike[str] | ObjectStore,
+    *,
+    overwrite: bool = False,
+) -> Path | ObjectPath:
     """Write this rank's optimizer shard and, on rank 0, the manifest. A collective: call on every rank.
 
     No gather and no full buffer: every rank writes its own flat shards as they are (padding included)
@@ -103,26 +118,34 @@ def save_sharded_optim_state(
     """
     root = verify_root(fsdp)
     local = read_for_save(root, optim)
-    directory = Path(directory)
+    target = where(directory)
     state = {i: {key: own_tensor(v) for key, v in entries.items()} for i, entries in local.state.items()}
-    save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_sharded_optim_state")
-    return commit_save(root.layout, local, state, type(optim).__name__, directory, save_id, root.group, lock=lock)
+    save_id, lock = start_save(target, root.group, overwrite=overwrite, purpose="save_sharded_optim_state")
+    return commit_save(root.layout, local, state, type(optim).__name__, target, save_id, root.group, lock=lock)
 
 
-def start_save(
-    directory: Path, group: ProcessGroup, *, overwrite: bool, purpose: str
-) -> tuple[str, OutputLock | None]:
+Begun = OutputLock | StoreSave | None  # what rank 0 holds between start_save and commit_save
+
+
+def start_save(directory: Where, group: ProcessGroup, *, overwrite: bool, purpose: str) -> tuple[str, Begun]:
     """Before any rank writes: rank 0 locks ``directory``, removes what a killed writer left there,
     refuses foreign contents (unless ``overwrite``) and journals the save
-    (:func:`fsdp_optim.disk.staged.open_output`). Every rank then learns the save id, or every rank raises
-    rank 0's refusal, with nothing written. Returns ``(save id, the lock on rank 0 or None)``; hand the
-    lock to :func:`commit_save`. Two small collectives."""
+    (:func:`fsdp_optim.disk.staged.open_output`); in an object store (no locks there) it lists the prefix, refuses
+    foreign contents and notes the manifest's etag (:mod:`fsdp_optim.formats.sharded.store_commit`). Every rank then
+    learns the save id, or every rank raises rank 0's refusal, with nothing written. Returns ``(save id, what rank 0
+    began: its lock or store save, None elsewhere)``; hand it to :func:`commit_save`. Two small collectives."""
     rank, world_size = dist_rank_and_size(group)
-    save_id, lock, failure = None, None, None
+    save_id, failure = None, None
+    lock: Begun = None
     if rank == 0:
         try:
             save_id = new_save_id()
-            lock = begin_write(directory, save_id=save_id, world_size=world_size, purpose=purpose, overwrite=overwrite)
+            if isinstance(directory, ObjectStore):
+                lock = begin_store_save(directory, overwrite=overwrite)
+            else:
+                lock = begin_write(
+                    directory, save_id=save_id, world_size=world_size, purpose=purpose, overwrite=overwrite
+                )
         except Exception as exc:  # every rank learns of it through agree()
             failure = exc
     agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
@@ -153,28 +176,42 @@ def commit_save(
     local: LocalState,
     state: Mapping[int, Mapping[str, Any]] | Callable[[], Mapping[int, Mapping[str, Any]]],
     optimizer: str | None,
-    directory: Path,
+    directory: Where,
     save_id: str,
     group: ProcessGroup,
     *,
-    lock: OutputLock | None = None,
+    lock: Begun = None,
     side: Side | None = None,
-) -> Path:
+) -> Path | ObjectPath:
     """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``, or a function that makes it) and,
     for a whole checkpoint, its ``side`` file; then, once every rank's files are durable, rank 0's manifest (last).
     A collective over ``group``: a failure on any rank raises on every rank, and then no manifest was written.
     Shared by the synchronous and asynchronous saves and :func:`fsdp_optim.job.whole_save.save_checkpoint`.
-    ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed."""
+    ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed.
+    In an object store each rank writes into a local staging directory and uploads, and rank 0 commits the
+    manifest with a conditional put (:mod:`fsdp_optim.formats.sharded.store_commit`)."""
     rank, world_size = dist_rank_and_size(group)
+    store = directory if isinstance(directory, ObjectStore) else None
     failure: Exception | None = None
     record = aux = None
     shards: Mapping[int, Mapping[str, Any]] = {}
+    staging: Path | None = None
+    uploaded: list[str] = []
+    manifest: Manifest | None = None
     try:
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            if store is not None:
+                staging = staging_dir(save_id, rank)
+            local_dir = staging if staging is not None else directory
+            assert isinstance(local_dir, Path), "a store's files are written to a local staging directory first"
+            local_dir.mkdir(parents=True, exist_ok=True)
             shards = state() if callable(state) else state  # (async save: its staging copy, a failure agreed on)
-            record = write_shard_file(directory, shards, save_id=save_id, rank=rank, world_size=world_size)
-            aux = side.write(directory, save_id, rank, world_size) if side is not None else None
+            record = write_shard_file(local_dir, shards, save_id=save_id, rank=rank, world_size=world_size)
+            aux = side.write(local_dir, save_id, rank, world_size) if side is not None else None
+            if store is not None:
+                names = [record.file] + ([aux.file] if aux is not None else [])
+                uploaded = names
+                upload_files(store, local_dir, names)
         except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
             failure = exc
         reports = gather_objects((local.summary, record, aux), dst=0, group=group)  # None except on rank 0
@@ -187,18 +224,33 @@ def commit_save(
                 manifest = _manifest(layout, local.groups, shards, optimizer, save_id, files)
                 if side is not None:
                     manifest = replace(manifest, training=side.record(tuple(a for _, _, a in reports)))
-                write_manifest(directory, manifest, replaces=lock.entries[-1]["replaces"] if lock is not None else ())
+                if isinstance(lock, StoreSave):
+                    commit_manifest(lock, manifest)
+                else:
+                    replaces = lock.entries[-1]["replaces"] if lock is not None else ()
+                    write_manifest(_local(directory), manifest, replaces=replaces)
             except Exception as exc:
                 failure = exc
         what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
         agree(failure, group=group, what=f"{what} failed, no checkpoint was written")
     except BaseException:
-        if lock is not None:
+        if isinstance(lock, OutputLock):
             end_write(lock, failed=True)
+        if store is not None and uploaded:
+            remove_own(store, uploaded)
         raise
-    if lock is not None:
+    finally:
+        cleanup_staging(staging)
+    if isinstance(lock, OutputLock):
         end_write(lock, failed=False)
+    if isinstance(lock, StoreSave) and manifest is not None:
+        tidy(lock, manifest)  # what replaced checkpoints and failed writers left (rank 0)
     return directory / MANIFEST_NAME
+
+
+def _local(directory: Where) -> Path:
+    assert isinstance(directory, Path), "a local save has a local directory"
+    return directory
 
 
 @dataclass(frozen=True)
@@ -238,7 +290,7 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
 
 
 def load_sharded_optim_state(
-    fsdp: nn.Module, optim: torch.optim.Optimizer, path: str | os.PathLike[str], *, src_rank: int = 0
+    fsdp: nn.Module, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | ObjectStore, *, src_rank: int = 0
 ) -> None:
     """Load a checkpoint into this rank's ``optim``, all or nothing on every rank.
 
@@ -258,7 +310,7 @@ def load_sharded_optim_state(
     parameter or file, with what was expected and what was found.
     """
     root = verify_root(fsdp, optim)
-    if not Path(path).is_dir() and Path(path).name not in MANIFEST_NAMES:
+    if not isinstance(path, ObjectStore) and not is_url(path) and not _names_sharded(path):
         _refuse_shard_set(path)
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
         _scatter(root, optim, path, src_rank, what=what)
@@ -274,7 +326,14 @@ def load_sharded_optim_state(
     optim.load_state_dict(loaded)
 
 
-def _read_sharded(root: Root, optim: torch.optim.Optimizer, path: str | os.PathLike[str]) -> dict[str, Any]:
+def _names_sharded(path: str | os.PathLike[str]) -> bool:
+    """A local ``path`` is a checkpoint directory or a manifest (by name), not a full dict file."""
+    return Path(path).is_dir() or Path(path).name in MANIFEST_NAMES
+
+
+def _read_sharded(
+    root: Root, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | ObjectStore
+) -> dict[str, Any]:
     """This rank's state from a sharded checkpoint, checked and read into new memory, as
     ``optim.load_state_dict`` takes it; nothing is changed."""
     layout, members, rank = root.layout, root.members, root.rank

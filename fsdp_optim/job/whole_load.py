@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.disk.storage import ObjectStore, Where, where
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import read_rank_side
 from fsdp_optim.formats.sharded.training import TrainingRecord
@@ -43,7 +43,7 @@ class _Staged:
 
 
 def load_checkpoint(
-    model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.PathLike[str]
+    model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.PathLike[str] | ObjectStore
 ) -> Any:
     """Load a whole checkpoint (:func:`fsdp_optim.save_checkpoint`) into ``model`` and ``optim``; return ``extra``.
 
@@ -67,7 +67,7 @@ def load_checkpoint(
     root = verify_root(model, optim)
     staged, failure = None, None
     try:
-        staged = _stage(root, model, optim, Path(path))
+        staged = _stage(root, model, optim, where(path))
     except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
         failure = exc
     agree(failure, group=root.group, what=f"load_checkpoint({str(path)!r}) changed nothing on any rank")
@@ -76,7 +76,7 @@ def load_checkpoint(
     return staged.extra
 
 
-def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Path) -> _Staged:
+def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Where) -> _Staged:
     layout, rank = root.layout, root.rank
     live_buffers = persistent_buffers(model)
     weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is read

@@ -19,6 +19,7 @@ from torch import nn
 
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore, where
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
@@ -46,11 +47,11 @@ class _Prepared:
 def save_checkpoint(
     model: nn.Module,
     optim: torch.optim.Optimizer | None,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | ObjectStore,
     *,
     extra: Any = None,
     overwrite: bool = False,
-) -> Path:
+) -> Path | ObjectPath:
     """Save the whole training state into the checkpoint directory ``path``. A collective: call on every rank.
 
     Every rank writes its own flat parameter shards (the fp32 master shard under mixed precision) together with
@@ -74,7 +75,7 @@ def save_checkpoint(
     """
     root = verify_root(model, optim)
     prepared, per_rank = _prepare_everywhere(root, model, optim, extra)
-    directory = Path(path)
+    directory = where(path)
     save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
     side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
     optimizer = type(optim).__name__ if optim is not None else None
@@ -86,7 +87,7 @@ def save_checkpoint(
 def async_save_checkpoint(
     model: nn.Module,
     optim: torch.optim.Optimizer,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | ObjectStore,
     *,
     extra: Any = None,
     overwrite: bool = False,
@@ -103,7 +104,7 @@ def async_save_checkpoint(
     finish_previous(model)
     root = verify_root(model, optim)
     prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True)
-    directory = Path(path)
+    directory = where(path)
     group = checkpoint_group(root.group)
     save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
     side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))

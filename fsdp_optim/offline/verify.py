@@ -69,7 +69,7 @@ def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) 
     if kind is Kind.SHARD_SET:
         return _verify_shards(Path(path), allow_globals)
     if kind is Kind.SHARDED:
-        return verify_sharded(Path(path))
+        return verify_sharded(path)
     if kind is Kind.DCP:
         raise ValueError(
             f"{path}: a {kind.value}, which records no checksums to verify; fsdp-optim inspect {path} reads its "

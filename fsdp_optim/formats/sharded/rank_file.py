@@ -30,6 +30,7 @@ from fsdp_optim.core.checksums import digest, stream_chunk_digests
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.json_input import RefusedJSON, loads
+from fsdp_optim.disk.storage import ObjectPath, Where
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
@@ -112,8 +113,8 @@ class RankFile:
     use. ``layout``: where the manifest's units put each shard in every format-3 file (``segments.file_layout``),
     computed once per checkpoint; unused for format 2, whose manifest lists each file's segments."""
 
-    def __init__(self, directory: Path, record: FileRecord, manifest: Manifest, layout: FileLayout) -> None:
-        self.path = directory / record.file
+    def __init__(self, directory: Where, record: FileRecord, manifest: Manifest, layout: FileLayout) -> None:
+        self.path: Path | ObjectPath = directory / record.file
         self.record = record
         self.manifest = manifest
         self.layout = layout
@@ -137,7 +138,10 @@ class RankFile:
                 f"or write that did not finish?): {str(exc).removeprefix(f'{self.path}: ')}"
             )
 
-        return open_recorded(self.path, self.record, lambda: MappedFile(self.path), truncated)
+        if isinstance(self.path, ObjectPath):
+            return _open_remote(self.path, self.record, truncated)
+        path = self.path
+        return open_recorded(path, self.record, lambda: MappedFile(path), truncated)
 
     def _check(self, file: MappedFile) -> None:
         where, meta = str(self.path), file.header.metadata
@@ -266,6 +270,22 @@ def _checksums(meta: Mapping[str, str], where: str) -> Any:
 
 
 T = TypeVar("T")
+
+
+def _open_remote(path: ObjectPath, record: Any, truncated: Callable[[ValueError, int], str]) -> MappedFile:
+    """The rank file ``path`` in its store (one HEAD for its size, two ranged GETs for its header), its errors
+    saying what the manifest knows, as :func:`open_recorded` does for a local file."""
+    from fsdp_optim.formats.sharded.remote_file import RemoteFile  # the store's reader, only where one is used
+
+    size = path.store.size(path.name)
+    if size is None:
+        raise FileNotFoundError(
+            f"{path}: no such object: the manifest lists it as rank {record.rank}'s file of {record.nbytes} bytes "
+            "(the checkpoint is damaged; fsdp-optim verify checks every file)"
+        )
+    if size < record.nbytes:
+        raise ValueError(truncated(ValueError(f"{path}: {size} bytes"), size))
+    return RemoteFile(path.store, path.name, size)
 
 
 def open_recorded(

@@ -31,6 +31,7 @@ from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where, is_url
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
 from fsdp_optim.formats.sharded.manifest import (
@@ -61,10 +62,21 @@ __all__ = [
 DEFAULT_MAPPED_BYTES = 64 << 20
 
 
-def checkpoint_dir(path: str | os.PathLike[str]) -> Path:
-    """The directory of a sharded checkpoint given the directory or its manifest file."""
+def checkpoint_dir(path: str | os.PathLike[str] | ObjectStore) -> Where:
+    """The directory of a sharded checkpoint given the directory or its manifest file; for a URL (or a store), the
+    :class:`~fsdp_optim.disk.storage.ObjectStore` of its prefix."""
+    if isinstance(path, ObjectStore) or is_url(path):
+        return _store_of(path)
     path = Path(path)
     return path.parent if path.is_file() else path
+
+
+def _store_of(path: str | os.PathLike[str] | ObjectStore) -> ObjectStore:
+    """The store of a URL naming a checkpoint's prefix or its manifest."""
+    if isinstance(path, ObjectStore):
+        return path
+    text = str(path).rstrip("/")
+    return ObjectStore.open(text.rsplit("/", 1)[0] if text.rsplit("/", 1)[-1] in MANIFEST_NAMES else text)
 
 
 def manifest_file(directory: Path) -> Path | None:
@@ -73,8 +85,11 @@ def manifest_file(directory: Path) -> Path | None:
     return next((directory / n for n in MANIFEST_NAMES if os.path.lexists(directory / n)), None)
 
 
-def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read)."""
+def is_sharded_checkpoint(path: str | os.PathLike[str] | ObjectStore) -> bool:
+    """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read); a URL is one
+    when its prefix holds a ``manifest.json``."""
+    if isinstance(path, ObjectStore) or is_url(path):
+        return _store_of(path).size(MANIFEST_NAME) is not None
     path = Path(path)
     return manifest_file(path) is not None if path.is_dir() else path.name in MANIFEST_NAMES and path.is_file()
 
@@ -82,8 +97,16 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
 def source_kind(path: str | os.PathLike[str]) -> str:
     """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"``.
 
-    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory without a manifest.
+    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory without a manifest. A URL is a
+    sharded checkpoint or nothing (a full dict file in a store is not read from there).
     """
+    if is_url(path):
+        if is_sharded_checkpoint(path):
+            return "sharded"
+        raise FileNotFoundError(
+            f"{path}: no {MANIFEST_NAME} under this prefix (not a sharded checkpoint, or a save that never committed); "
+            "from a URL only sharded checkpoints are read"
+        )
     path = Path(path)
     if is_sharded_checkpoint(path):
         return "sharded"
@@ -98,8 +121,11 @@ def source_kind(path: str | os.PathLike[str]) -> str:
     return "file"
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file."""
+def read_manifest(path: str | os.PathLike[str] | ObjectStore) -> Manifest:
+    """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file (or a URL of a
+    checkpoint's prefix or manifest)."""
+    if isinstance(path, ObjectStore) or is_url(path):
+        return _read_remote_manifest(_store_of(path))
     path = Path(path)
     file = manifest_file(path) if path.is_dir() else path
     if file is None or not os.path.lexists(file):
@@ -117,6 +143,17 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     check_tree(obj, str(file))
     _, body = unwrap(obj, "manifest", source=str(file))
     return Manifest.from_dict(body, source=str(file))
+
+
+def _read_remote_manifest(store: ObjectStore) -> Manifest:
+    try:
+        data = store.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise ValueError(
+            f"{store}: not a sharded checkpoint (no {MANIFEST_NAME} under this prefix; a save that never committed "
+            "leaves none)"
+        ) from None
+    return manifest_from_json(data, source=str(store / MANIFEST_NAME))
 
 
 def is_json_manifest(path: str | os.PathLike[str]) -> bool:
@@ -161,10 +198,19 @@ class ShardedCheckpoint:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES, lazy: bool = False
+        self,
+        path: str | os.PathLike[str] | ObjectStore,
+        *,
+        max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+        lazy: bool = False,
     ) -> None:
         self.directory = checkpoint_dir(path)
-        self.manifest = read_manifest(path)
+        self.manifest = read_manifest(self.directory if isinstance(self.directory, ObjectStore) else path)
+        if isinstance(self.directory, ObjectStore) and self.manifest.version < 2:
+            raise ValueError(
+                f"{path}: a format-{self.manifest.version} checkpoint (torch files), which is read from a local "
+                "directory only; copy it to local disk, or rewrite it with `fsdp-optim reshard` first"
+            )
         if not self.manifest.files:
             raise ValueError(f"{path}: the manifest lists no rank files (a layout file, not a checkpoint)")
         self.max_mapped_bytes = max_mapped_bytes
@@ -176,7 +222,7 @@ class ShardedCheckpoint:
         self._files: dict[int, Any] = {
             f.rank: RankFile(self.directory, f, self.manifest, layout)
             if self.manifest.version >= 2
-            else LegacyRankFile(self.directory, f, self.manifest, self.shards)
+            else LegacyRankFile(self._local(), f, self.manifest, self.shards)
             for f in self.manifest.files
         }
         self._mapped = 0
@@ -341,5 +387,21 @@ class ShardedCheckpoint:
             else:
                 self.close()
 
-    def files(self) -> Iterator[Path]:
+    @property
+    def remote(self) -> bool:
+        """Whether the files are in an object store (read by ranges) rather than in a local directory."""
+        return isinstance(self.directory, ObjectStore)
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes fetched from the store so far (0 for a local checkpoint): what a ranged load moved."""
+        files = (f.file for f in self._files.values() if isinstance(f, RankFile))
+        return sum(getattr(file, "bytes_fetched", 0) for file in files if file is not None)
+
+    def _local(self) -> Path:
+        if not isinstance(self.directory, Path):  # refused on open: only formats 2 and 3 are read from a store
+            raise TypeError(f"{self.directory}: a format-1 checkpoint is read from a local directory only")
+        return self.directory
+
+    def files(self) -> Iterator[Path | ObjectPath]:
         return (self.directory / f.file for f in self.manifest.files)

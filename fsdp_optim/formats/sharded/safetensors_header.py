@@ -13,7 +13,7 @@ through the container's reader, and refuses a tensor not named by its dtype or n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from fsdp_optim.core.checksums import digest
@@ -61,8 +61,8 @@ def encode_rank_header(metadata: Mapping[str, str], sizes: Mapping[str, int]) ->
     return encode_header(metadata, ((name, dtype_from_str(name, where="state"), (n,)) for name, n in sizes.items()))
 
 
-def read_rank_header(fd: int, size: int, where: str) -> Header:
-    """The checked header of the rank file open as ``fd`` (``size`` bytes long)."""
+def read_rank_header(fd: int | Callable[[int, int], bytes], size: int, where: str) -> Header:
+    """The checked header of the rank file open as ``fd`` (``size`` bytes long; or read by ``pread(count, offset)``)."""
     try:
         header = read_header(fd, size, where, RANK_HEADER_RULES)
     except HeaderError as exc:

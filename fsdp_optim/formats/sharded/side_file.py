@@ -29,6 +29,7 @@ from safetensors.torch import save as save_safetensors
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.json_input import loads
+from fsdp_optim.disk.storage import ObjectStore, Where
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
@@ -130,16 +131,11 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous()
 
 
-def read_side_file(directory: Path, record: FileRecord) -> SideContent:
-    """``(buffers, extra)`` of a side file, after checking its size and digest against ``record``."""
+def read_side_file(directory: Where, record: FileRecord) -> SideContent:
+    """``(buffers, extra)`` of a side file (local, or an object in a store), after checking its size and digest
+    against ``record``."""
     path = directory / record.file
-    fd, st = open_regular(path, follow_symlinks=False)
-    try:
-        if st.st_size != record.nbytes:
-            raise ValueError(f"{path}: {st.st_size} bytes, but the manifest records {record.nbytes} (truncated?)")
-        data = os.pread(fd, record.nbytes, 0)
-    finally:
-        os.close(fd)
+    data = _read_exactly(directory, record)
     if len(data) != record.nbytes or _file_digest(data) != record.checksum:
         raise ValueError(f"{path}: checksum mismatch (the side file is damaged or was modified)")
     tensors = load_safetensors(data)
@@ -151,7 +147,26 @@ def read_side_file(directory: Path, record: FileRecord) -> SideContent:
     return buffers, extra
 
 
-def read_rank_side(directory: Path, training: TrainingRecord, saved_rank: int) -> SideContent:
+def _read_exactly(directory: Where, record: FileRecord) -> bytes:
+    """The side file's bytes, refused when it is not of the size the manifest records."""
+    path = directory / record.file
+    if isinstance(directory, ObjectStore):
+        size = directory.size(record.file)
+        if size is None:
+            raise FileNotFoundError(f"{path}: no such object (the manifest lists it as a side file)")
+        if size != record.nbytes:
+            raise ValueError(f"{path}: {size} bytes, but the manifest records {record.nbytes} (truncated?)")
+        return directory.read_range(record.file, 0, size)
+    fd, st = open_regular(directory / record.file, follow_symlinks=False)
+    try:
+        if st.st_size != record.nbytes:
+            raise ValueError(f"{path}: {st.st_size} bytes, but the manifest records {record.nbytes} (truncated?)")
+        return os.pread(fd, record.nbytes, 0)
+    finally:
+        os.close(fd)
+
+
+def read_rank_side(directory: Where, training: TrainingRecord, saved_rank: int) -> SideContent:
     """Saved rank ``saved_rank``'s ``(buffers, extra)``: its own buffers when they were saved per rank, else rank
     0's; ``ValueError`` when the buffers found are not those the manifest lists (names, dtypes, shapes)."""
     buffers, extra = read_side_file(directory, training.side_file(saved_rank))

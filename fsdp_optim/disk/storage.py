@@ -1,0 +1,317 @@
+"""Where checkpoint files live: a local directory (a :class:`~pathlib.Path`), or a prefix of an object store or any
+fsspec filesystem (an :class:`ObjectStore`).
+
+A *URL* is anything with a scheme other than ``file://``: ``s3://bucket/run/step-100``, ``gs://...``, ``az://...``,
+``memory://...``. Its filesystem comes from fsspec (S3 through s3fs: ``pip install fsdp_optim[s3]``); credentials and
+endpoints from the standard places (for S3 the AWS environment and config files, ``AWS_ENDPOINT_URL`` included) or
+from ``storage_options``, which are never printed.
+
+An object store has no rename and no lock, so a checkpoint is committed there by writing its files under names
+unique to the save and then creating the manifest with a *conditional put* (:meth:`ObjectStore.commit`):
+``If-None-Match: *`` where there was none, ``If-Match: <etag>`` over the one this save replaces. Two writers of one
+prefix cannot both commit; the loser gets :class:`ConcurrentCommitError`. S3 (and S3-compatible stores answering
+412) gives that guarantee. Other fsspec filesystems get a weaker mode that checks and then writes
+(:attr:`ObjectStore.conditional` is ``False``); the docs say so.
+
+Every read is ranged (:meth:`ObjectStore.read_range`) and retried with backoff on transient errors and short
+bodies; the bytes are then checked by the caller against the manifest's checksums.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "ConcurrentCommitError",
+    "ObjectPath",
+    "ObjectStore",
+    "StoredObject",
+    "Where",
+    "is_url",
+    "where",
+]
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+ATTEMPTS = 5  # per request, on transient errors (s3fs retries inside each attempt as well)
+BACKOFF_S = 0.2
+T = TypeVar("T")
+
+
+def is_url(path: object) -> bool:
+    """``path`` names an object store or fsspec location (a scheme other than ``file://``), not a local path."""
+    return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
+
+
+class ConcurrentCommitError(FileExistsError):
+    """Another writer committed a manifest under the same prefix since this save began; this save committed nothing."""
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One object directly under a store's prefix: its name (relative), size, modification time and etag."""
+
+    name: str
+    size: int
+    mtime: float | None
+    etag: str | None
+
+
+@dataclass(frozen=True)
+class ObjectPath:
+    """One object of an :class:`ObjectStore`, shown as its URL (what a ``Path`` is to a local directory)."""
+
+    store: ObjectStore
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.store.url}/{self.name}"
+
+    @property
+    def parent(self) -> ObjectStore:
+        return self.store
+
+
+class ObjectStore:
+    """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing.
+
+    ``ObjectStore.open("s3://bucket/run/step-100")``; ``str(store)`` is its URL (never its credentials).
+    """
+
+    def __init__(self, url: str, fs: Any, root: str) -> None:
+        self.url = url.rstrip("/")
+        self.fs = fs
+        self.root = root.rstrip("/")
+        # S3 (s3fs) honours If-None-Match / If-Match on a put: a real compare-and-swap of the manifest.
+        self.conditional = type(fs).__name__ == "S3FileSystem"
+
+    @classmethod
+    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> ObjectStore:
+        """The store at ``url`` (a trailing ``/manifest.json`` names its directory's store)."""
+        try:
+            from fsspec.core import url_to_fs
+        except ImportError:  # pragma: no cover - fsspec is a requirement
+            raise ImportError(f"{url}: reading or writing a URL needs fsspec (pip install fsspec)") from None
+        try:
+            fs, root = url_to_fs(url, **dict(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            scheme = url.split("://", 1)[0]
+            hint = " (pip install 'fsdp_optim[s3]' for s3://)" if scheme in ("s3", "s3a") else ""
+            raise ValueError(f"{url}: no filesystem for the scheme '{scheme}'{hint}: {exc}") from None
+        return cls(url, fs, root)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectStore) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    def __truediv__(self, name: str) -> ObjectPath:
+        return ObjectPath(self, name)
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    def key(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def child(self, name: str) -> ObjectStore:
+        """The store of the prefix ``name`` below this one (a step directory under a manager's root)."""
+        return ObjectStore(f"{self.url}/{name}", self.fs, self.key(name))
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    def read_range(self, name: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of object ``name``: one ranged GET, retried on transient errors and short bodies;
+        ``FileNotFoundError`` at once for a missing object, ``OSError`` naming it after the last attempt."""
+        if stop <= start:
+            return b""
+
+        def get() -> bytes:
+            data = bytes(self.fs.cat_file(self.key(name), start=start, end=stop))
+            if len(data) != stop - start:
+                raise _ShortBody(f"{len(data)} of {stop - start} bytes")
+            return data
+
+        return self._retry(get, f"{self / name}: reading bytes {start}..{stop}")
+
+    def size(self, name: str) -> int | None:
+        """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""
+
+        def info() -> int | None:
+            try:
+                self.fs.invalidate_cache(self.key(name))
+                return int(self.fs.info(self.key(name))["size"])
+            except FileNotFoundError:
+                return None
+
+        return self._retry(info, f"{self / name}: asking its size")
+
+    def read_all(self, name: str, *, limit: int) -> bytes:
+        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent."""
+        size = self.size(name)
+        if size is None:
+            raise FileNotFoundError(f"{self / name}: no such object")
+        if size > limit:
+            raise ValueError(f"{self / name}: {size} bytes, above the bound for it ({limit})")
+        return self.read_range(name, 0, size)
+
+    def listing(self) -> dict[str, StoredObject]:
+        """The objects directly under this prefix, by name (sub-prefixes are not listed)."""
+
+        def ls() -> dict[str, StoredObject]:
+            self.fs.invalidate_cache(self.root)
+            try:
+                entries = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return {}
+            found = {}
+            for e in entries:
+                if e.get("type") == "directory":
+                    continue
+                name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+                found[name] = StoredObject(name, int(e.get("size") or 0), _mtime(e), _etag(e))
+            return found
+
+        return self._retry(ls, f"{self}: listing it")
+
+    def prefixes(self) -> list[str]:
+        """The names of the sub-prefixes directly under this one (step directories under a manager's root)."""
+
+        def ls() -> list[str]:
+            self.fs.invalidate_cache(self.root)
+            try:
+                entries = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return []
+            return [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+
+        return self._retry(ls, f"{self}: listing it")
+
+    # -- writing ----------------------------------------------------------------------------------------------
+
+    def upload(self, local: Path, name: str) -> None:
+        """Put the local file as object ``name`` (multipart above the filesystem's block size, parts in parallel)."""
+        self._retry(lambda: self.fs.put_file(str(local), self.key(name)), f"{self / name}: uploading {local}")
+
+    def put(self, name: str, data: bytes) -> None:
+        """Put ``data`` as object ``name`` (an object is replaced whole, never seen half written)."""
+        self._retry(lambda: self.fs.pipe_file(self.key(name), data), f"{self / name}: writing {len(data)} bytes")
+
+    def etag(self, name: str) -> str | None:
+        """The object's etag (its version, for :meth:`commit`), ``None`` when there is none."""
+        self.fs.invalidate_cache(self.key(name))
+        try:
+            info = self._retry(lambda: self.fs.info(self.key(name)), f"{self / name}: asking its etag")
+        except FileNotFoundError:
+            return None
+        return _etag(info) or f"size:{info.get('size')}"
+
+    def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
+        """Create object ``name`` only if it is still as this save found it: absent (``replaces=None``) or at etag
+        ``replaces``. ``ConcurrentCommitError`` otherwise, and nothing was written.
+
+        On S3 this is one conditional put (``If-None-Match: *`` / ``If-Match``; 412 when another writer won). Elsewhere
+        it checks, then writes: two writers racing within that window can both "win" (the documented weaker mode)."""
+        where = self / name
+        if self.conditional:
+            match = {"IfNoneMatch": "*"} if replaces is None else {"IfMatch": replaces}
+            try:
+                self.fs.pipe_file(self.key(name), data, **match)
+            except Exception as exc:
+                if _precondition_failed(exc):
+                    raise ConcurrentCommitError(_lost(where, replaces)) from None
+                raise OSError(f"{where}: committing the manifest failed: {exc}") from exc
+            finally:
+                self.fs.invalidate_cache(self.key(name))
+            return
+        if self.etag(name) != replaces:
+            raise ConcurrentCommitError(_lost(where, replaces))
+        self.put(name, data)
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Remove objects ``names`` (missing ones are not an error)."""
+        keys = [self.key(n) for n in names]
+        for key in keys:
+            try:
+                self._retry(lambda k=key: self.fs.rm_file(k), f"{self}: deleting {key}")  # type: ignore[misc]
+            except FileNotFoundError:
+                pass
+
+    # -- retries ----------------------------------------------------------------------------------------------
+
+    def _retry(self, call: Callable[[], T], what: str) -> T:
+        """``call()``, again after a backoff on a transient error, at most :data:`ATTEMPTS` times; a missing object
+        and a lost conditional put are answers, not transient."""
+        for attempt in range(ATTEMPTS):
+            try:
+                return call()
+            except (FileNotFoundError, ConcurrentCommitError, PermissionError):
+                raise
+            except Exception as exc:  # 5xx, SlowDown, reset connections, short bodies: all worth another try
+                if _precondition_failed(exc) or attempt == ATTEMPTS - 1:
+                    raise OSError(f"{what}: failed after {attempt + 1} attempts: {_describe(exc)}") from exc
+                time.sleep(BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+class _ShortBody(OSError):
+    """A ranged GET that returned fewer bytes than asked (a connection cut mid-body)."""
+
+
+Where = Path | ObjectStore
+
+
+def where(path: str | os.PathLike[str] | ObjectStore, storage_options: Mapping[str, Any] | None = None) -> Where:
+    """A local path as a ``Path``, a URL as its :class:`ObjectStore`, a store as itself."""
+    if isinstance(path, ObjectStore):
+        return path
+    if is_url(path):
+        return ObjectStore.open(str(path), storage_options)
+    return Path(path)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}"
+    return "PreconditionFailed" in text or "412" in text.split("(")[0] or "At least one of the pre-conditions" in text
+
+
+def _lost(where: ObjectPath, replaces: str | None) -> str:
+    found = "one appeared" if replaces is None else "it changed"
+    return (
+        f"{where}: another writer committed this checkpoint while this save ran ({found} since this save began); "
+        "this save committed nothing and removed its own files"
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _mtime(entry: Mapping[str, Any]) -> float | None:
+    value = entry.get("LastModified", entry.get("mtime", entry.get("created")))
+    if value is None:
+        return None
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _etag(entry: Mapping[str, Any]) -> str | None:
+    value = entry.get("ETag") or entry.get("etag")
+    return str(value) if value else None

@@ -1,0 +1,76 @@
+"""A rank file in an object store, read by ranged GETs of the chunks a read touches, each chunk verified first.
+
+The same reads as :class:`~fsdp_optim.formats.sharded.mapped.MappedFile` (which maps a local file) with nothing
+mapped: :meth:`RemoteFile.view` of elements ``[a, b)`` fetches the chunks of the checksum grid that ``[a, b)``
+touches in one request, checks each against the manifest's digest and returns the part asked for, so a rank re-cut
+from another world size fetches what it uses plus at most one chunk (64 KiB) on each side of each range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.formats.sharded.mapped import MappedFile
+from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
+from fsdp_optim.formats.sharded.segments import Placement, chunk_digests, chunk_elements
+
+__all__ = ["RemoteFile"]
+
+
+class RemoteFile(MappedFile):
+    """Rank file ``name`` of ``store``: its header read (two ranged GETs) and checked; reads fetch ranges."""
+
+    def __init__(self, store: ObjectStore, name: str, size: int) -> None:  # noqa: D107 - MappedFile's contract
+        self.path = store / name  # type: ignore[assignment]  # shown as its URL
+        self.store = store
+        self.name = name
+        self.header = read_rank_header(lambda count, offset: store.read_range(name, offset, offset + count), size,
+                                       str(self.path))
+        self._map = None
+        self.size = size
+        self._verified: set[tuple[str, int, int]] = set()
+        self.bytes_verified = 0
+        self.bytes_fetched = 0
+
+    def view(self, p: Placement, start: int, stop: int, chunk_bytes: int, where: str) -> torch.Tensor:
+        """Elements ``[start, stop)`` of shard ``p`` in new memory, every chunk they touch fetched and verified."""
+        dtype, base = self._dtype(p.tensor, where)
+        if stop <= start:
+            return torch.empty(0, dtype=dtype)
+        g, per = p.grid, chunk_elements(dtype, chunk_bytes)
+        first, last = (p.offset + start - g.origin) // per, -(-(p.offset + stop - g.origin) // per)
+        lo, hi = g.origin + first * per, min(g.origin + last * per, g.end)
+        chunks = self._fetch(base + lo * dtype.itemsize, hi - lo, dtype)
+        found = chunk_digests(chunks, chunk_bytes)
+        for k, checksum in enumerate(found, start=first):
+            if checksum != g.checksums[k]:
+                raise ValueError(self._mismatch(p, g, k, per, where))
+        self.bytes_verified += chunks.numel() * dtype.itemsize
+        return chunks[p.offset + start - lo : p.offset + stop - lo]
+
+    def _pread(
+        self, start: int, count: int, dtype: torch.dtype, where: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if out is not None and (not out.is_contiguous() or out.numel() != count or out.dtype != dtype):
+            return super()._pread(start, count, dtype, where, out)  # refuses the buffer, saying why
+        data = self._fetch(start, count, dtype)
+        self.bytes_verified += count * dtype.itemsize
+        if out is None:
+            return data
+        out.copy_(data)
+        return out
+
+    def _fetch(self, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = count * dtype.itemsize
+        if count == 0:
+            return torch.empty(0, dtype=dtype)
+        data = bytearray(self.store.read_range(self.name, start, start + nbytes))
+        self.bytes_fetched += nbytes
+        return torch.frombuffer(data, dtype=dtype, count=count)
+
+    def drop_pages(self) -> None:
+        self._verified.clear()
+
+    def close(self) -> None:
+        self._verified.clear()
