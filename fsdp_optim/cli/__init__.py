@@ -55,6 +55,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from fsdp_optim.cli.parser import build_parser
 
@@ -117,12 +118,30 @@ class _Interrupts:
             raise KeyboardInterrupt
 
 
+def _run_verb(args: argparse.Namespace) -> Any:
+    """``args.run(args)``; an ``-o`` URL is written to a local path first and published when the verb succeeds
+    (:func:`fsdp_optim.offline.publish.output_for`), and the lines name the URL."""
+    from fsdp_optim.disk.storage import is_url
+    from fsdp_optim.offline.publish import output_for
+
+    url = getattr(args, "output", None)
+    if not isinstance(url, str) or not is_url(url):
+        return args.run(args)
+    with output_for(url, overwrite=bool(getattr(args, "overwrite", False))) as local:
+        args.output = str(local)
+        result = args.run(args)
+    args.output = url
+    if isinstance(result, list):
+        return [line.replace(str(local), url) for line in result]
+    return result
+
+
 def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     from fsdp_optim.disk.text import escape  # names and messages may carry a file's text: no terminal controls
 
     left = _left_as_it_was(args)
     try:
-        result = args.run(args)
+        result = _run_verb(args)
     except BaseException as exc:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
             print(escape(f"interrupted; {left}", limit=2000), file=sys.stderr)

@@ -176,7 +176,9 @@ def lines_as_json(lines: Sequence[str]) -> dict[str, Any]:
 def _inspect(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.offline.sources import Kind, open_source
 
-    path = Path(args.path)
+    from fsdp_optim.disk.storage import is_url
+
+    path = args.path if is_url(args.path) else Path(args.path)  # a URL stays a URL (Path would fold its '//')
     out = [f"path: {path}"]
     with open_source(path, allow_globals=args.allow_global, describe_only=True) as opened:
         if opened.kind is Kind.SHARD_SET:

@@ -38,8 +38,10 @@ __all__ = [
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-ATTEMPTS = 5  # per request, on transient errors (s3fs retries inside each attempt as well)
+ATTEMPTS = 3  # per request, on transient errors (s3fs and botocore retry inside each attempt as well)
 BACKOFF_S = 0.2
+PIECE_BYTES = 16 << 20  # a large range is fetched as pieces of this size ...
+MAX_CONCURRENT = 8  # ... at most this many at a time (bounded memory and connections)
 T = TypeVar("T")
 
 
@@ -133,11 +135,13 @@ class ObjectStore:
 
     # -- reading ----------------------------------------------------------------------------------------------
 
-    def read_range(self, name: str, start: int, stop: int) -> bytes:
+    def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
         """Bytes ``[start, stop)`` of object ``name``: one ranged GET, retried on transient errors and short bodies;
         ``FileNotFoundError`` at once for a missing object, ``OSError`` naming it after the last attempt."""
         if stop <= start:
             return b""
+        if stop - start > PIECE_BYTES:  # large: pieces fetched concurrently, each retried on its own
+            return self._read_pieces(name, start, stop)
 
         def get() -> bytes:
             data = bytes(self.fs.cat_file(self.key(name), start=start, end=stop))
@@ -146,6 +150,25 @@ class ObjectStore:
             return data
 
         return self._retry(get, f"{self / name}: reading bytes {start}..{stop}")
+
+    def _read_pieces(self, name: str, start: int, stop: int) -> bytes | bytearray:
+        bounds = [(a, min(a + PIECE_BYTES, stop)) for a in range(start, stop, PIECE_BYTES)]
+        out = bytearray(stop - start)
+        for first in range(0, len(bounds), MAX_CONCURRENT):  # bounded: at most MAX_CONCURRENT pieces in flight
+            batch = bounds[first : first + MAX_CONCURRENT]
+            try:
+                got = self.fs.cat_ranges(
+                    [self.key(name)] * len(batch), [a for a, _ in batch], [b for _, b in batch], on_error="return"
+                )
+            except Exception:  # the whole batch failed: each piece on its own, with retries
+                got = [None] * len(batch)
+            for (a, b), data in zip(batch, got):
+                if not isinstance(data, (bytes, bytearray)) or len(data) != b - a:
+                    if isinstance(data, FileNotFoundError):
+                        raise FileNotFoundError(f"{self / name}: no such object") from None
+                    data = self.read_range(name, a, b)
+                out[a - start : b - start] = data
+        return out  # a bytearray: writable, so readers wrap it without another copy
 
     def size(self, name: str) -> int | None:
         """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""
@@ -166,7 +189,7 @@ class ObjectStore:
             raise FileNotFoundError(f"{self / name}: no such object")
         if size > limit:
             raise ValueError(f"{self / name}: {size} bytes, above the bound for it ({limit})")
-        return self.read_range(name, 0, size)
+        return bytes(self.read_range(name, 0, size))
 
     def listing(self) -> dict[str, StoredObject]:
         """The objects directly under this prefix, by name (sub-prefixes are not listed)."""
@@ -231,15 +254,23 @@ class ObjectStore:
             try:
                 self.fs.pipe_file(self.key(name), data, **match)
             except Exception as exc:
-                if _precondition_failed(exc):
-                    raise ConcurrentCommitError(_lost(where, replaces)) from None
-                raise OSError(f"{where}: committing the manifest failed: {exc}") from exc
-            finally:
                 self.fs.invalidate_cache(self.key(name))
+                # A put whose response was lost is retried by the client and then meets its own object: a 412 that
+                # is a success. What is there now says which.
+                if _precondition_failed(exc) and not self._holds(name, data):
+                    raise ConcurrentCommitError(_lost(where, replaces)) from None
+                if not _precondition_failed(exc):
+                    raise OSError(f"{where}: committing the manifest failed: {_describe(exc)}") from exc
+            self.fs.invalidate_cache(self.key(name))
             return
         if self.etag(name) != replaces:
             raise ConcurrentCommitError(_lost(where, replaces))
         self.put(name, data)
+
+    def _holds(self, name: str, data: bytes) -> bool:
+        """Whether object ``name`` is exactly ``data`` now."""
+        size = self.size(name)
+        return size == len(data) and self.read_range(name, 0, size) == data
 
     def delete(self, names: Iterable[str]) -> None:
         """Remove objects ``names`` (missing ones are not an error)."""
@@ -283,9 +314,21 @@ def where(path: str | os.PathLike[str] | ObjectStore, storage_options: Mapping[s
     return Path(path)
 
 
-def _precondition_failed(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}"
-    return "PreconditionFailed" in text or "412" in text.split("(")[0] or "At least one of the pre-conditions" in text
+def _precondition_failed(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it: s3fs reports some stores' 412 as ``OSError(EINVAL)`` from a botocore
+    ``ClientError``) is a failed precondition of a conditional put."""
+    seen = 0
+    while exc is not None and seen < 8:
+        response = getattr(exc, "response", None)
+        if isinstance(response, Mapping):
+            error = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if error.get("Code") == "PreconditionFailed" or status == 412:
+                return True
+        if isinstance(exc, FileExistsError) or "PreconditionFailed" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _lost(where: ObjectPath, replaces: str | None) -> str:

@@ -31,14 +31,16 @@ from fsdp_optim.core.plan import Plan, Source, assemble_full, cut_rank, plan
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.disk.atomic import load_file, new_save_id
 from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.storage import ObjectStore, is_url
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded import recut
-from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file, write_shard_tensors
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
+from fsdp_optim.offline.publish import output_for
 from fsdp_optim.offline.sources import NEEDS_LAYOUT, Kind, Opened, open_source
 from fsdp_optim.offline.whole import (
     carry_side_files,
@@ -221,6 +223,11 @@ def reshard(
     The source is checked against the target once (one plan), then cut once per output rank.
     """
     check_world_size("world_size", world_size)
+    if is_url(out_dir):  # written locally, then published to the store (offline/publish.py)
+        with output_for(out_dir, overwrite=overwrite) as local:
+            reshard(source, world_size, local, layout=layout, optimizer=optimizer, allow_globals=allow_globals,
+                    progress=progress, max_mapped_bytes=max_mapped_bytes, overwrite=overwrite)  # fmt: skip
+        return ObjectStore.open(str(out_dir)) / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
     out = Path(out_dir)
     with open_source(
         source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,

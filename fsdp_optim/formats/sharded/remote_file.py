@@ -8,12 +8,15 @@ from another world size fetches what it uses plus at most one chunk (64 KiB) on 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import torch
 
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.mapped import MappedFile
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
-from fsdp_optim.formats.sharded.segments import Placement, chunk_digests, chunk_elements
+from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
 
 __all__ = ["RemoteFile"]
 
@@ -25,8 +28,8 @@ class RemoteFile(MappedFile):
         self.path = store / name  # type: ignore[assignment]  # shown as its URL
         self.store = store
         self.name = name
-        self.header = read_rank_header(lambda count, offset: store.read_range(name, offset, offset + count), size,
-                                       str(self.path))
+        pread = lambda count, offset: bytes(store.read_range(name, offset, offset + count))  # noqa: E731
+        self.header = read_rank_header(pread, size, str(self.path))
         self._map = None
         self.size = size
         self._verified: set[tuple[str, int, int]] = set()
@@ -49,6 +52,22 @@ class RemoteFile(MappedFile):
         self.bytes_verified += chunks.numel() * dtype.itemsize
         return chunks[p.offset + start - lo : p.offset + stop - lo]
 
+    def read_parts(
+        self,
+        g: Grid,
+        parts: list[tuple[int, int]],
+        chunk_bytes: int,
+        where: str,
+        holds: Callable[[int, int], str] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`MappedFile.read_parts` with the whole tensor fetched at once (large ranges in concurrent pieces),
+        verified, then cut into ``parts``, each copied into memory of its own."""
+        starts = list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin))
+        if not parts or [o for o, _ in parts] != starts or parts[-1][0] + parts[-1][1] != g.end:
+            return super().read_parts(g, parts, chunk_bytes, where, holds)  # refuses the tiling, saying why
+        whole = self.read_tensor(g, chunk_bytes, where, holds=holds)
+        return [whole[o - g.origin : o - g.origin + n].clone() for o, n in parts]
+
     def _pread(
         self, start: int, count: int, dtype: torch.dtype, where: str, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -65,7 +84,8 @@ class RemoteFile(MappedFile):
         nbytes = count * dtype.itemsize
         if count == 0:
             return torch.empty(0, dtype=dtype)
-        data = bytearray(self.store.read_range(self.name, start, start + nbytes))
+        got = self.store.read_range(self.name, start, start + nbytes)
+        data = got if isinstance(got, bytearray) else bytearray(got)
         self.bytes_fetched += nbytes
         return torch.frombuffer(data, dtype=dtype, count=count)
 

@@ -156,7 +156,7 @@ def _read_exactly(directory: Where, record: FileRecord) -> bytes:
             raise FileNotFoundError(f"{path}: no such object (the manifest lists it as a side file)")
         if size != record.nbytes:
             raise ValueError(f"{path}: {size} bytes, but the manifest records {record.nbytes} (truncated?)")
-        return directory.read_range(record.file, 0, size)
+        return bytes(directory.read_range(record.file, 0, size))
     fd, st = open_regular(directory / record.file, follow_symlinks=False)
     try:
         if st.st_size != record.nbytes:
