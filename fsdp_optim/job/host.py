@@ -42,7 +42,7 @@ no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_e
 7. runs fairscale's ``_gather_optim_state`` with ``Tensor.cpu()`` of a CPU tensor returning a copy (what
    it returns from a GPU), and its ``gather_full_optim_state_dict`` with the live optimizer's ``step``
    values put back afterwards, so fairscale's own gather gives the right dict on a CPU and leaves the
-   optimizer as it was (``tests/test_sharp_edges.py``);
+   optimizer as it was (``tests/test_fairscale_methods_and_errors.py``);
 8. uses the list form of fairscale's parameter all-gather too (no deprecated ``_all_gather_base``), and
    silences torch's ``TypedStorage`` deprecation inside fairscale's constructor, where fairscale first
    calls ``Tensor.storage()`` (torch warns once per process): warnings nobody using the package can act on.
