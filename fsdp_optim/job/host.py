@@ -60,7 +60,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -246,13 +246,23 @@ def _replacements() -> list[tuple[Any, str, Callable[[Any], Any]]]:
     ]
 
 
+@dataclass
+class _Switch:
+    """The switch's one process-wide state, changed only under ``_lock`` (mutable: it is the switch)."""
+
+    depth: int = 0  # enables not yet matched by a disable
+    for_process: bool = False  # enable_for_process() ran: never restored
+    patches: list[_Patch] = field(default_factory=list)  # what is replaced now; empty while off
+    library: Any = None  # the torch.library.Library holding our record_stream kernel, if we registered one
+
+
 _lock = threading.RLock()
-_state: dict[str, Any] = {"depth": 0, "for_process": False, "patches": [], "library": None}
+_state = _Switch()
 
 
 def is_enabled() -> bool:
     """Whether fairscale's FSDP module is currently switched to host execution."""
-    return bool(_state["patches"])
+    return bool(_state.patches)
 
 
 def _check_no_cuda() -> None:
@@ -274,22 +284,22 @@ def _apply() -> None:
         if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::record_stream", "CPU"):
             library = torch.library.Library("aten", "IMPL")
             library.impl("record_stream", _record_stream_on_host, "CPU")
-            _state["library"] = library
+            _state.library = library
     except BaseException:
         for patch in reversed(applied):
             patch.restore()
         raise
-    _state["patches"] = applied
+    _state.patches = applied
 
 
 def _restore() -> None:
-    for patch in reversed(_state["patches"]):
+    for patch in reversed(_state.patches):
         patch.restore()
-    _state["patches"] = []
-    library = _state["library"]
+    _state.patches = []
+    library = _state.library
     if library is not None:
         library._destroy()  # unregisters the record_stream kernel
-        _state["library"] = None
+        _state.library = None
 
 
 def enable_host_execution() -> None:
@@ -306,7 +316,7 @@ def enable_host_execution() -> None:
     with _lock:
         if not is_enabled():
             _apply()
-        _state["depth"] += 1
+        _state.depth += 1
 
 
 def disable_host_execution() -> None:
@@ -321,10 +331,10 @@ def disable_host_execution() -> None:
     Raises ``RuntimeError`` when not matched by an earlier enable.
     """
     with _lock:
-        if _state["depth"] == 0:
+        if _state.depth == 0:
             raise RuntimeError("disable_host_execution() called without a matching enable_host_execution()")
-        _state["depth"] -= 1
-        if _state["depth"] == 0 and not _state["for_process"]:
+        _state.depth -= 1
+        if _state.depth == 0 and not _state.for_process:
             _restore()
 
 
@@ -355,4 +365,4 @@ def enable_for_process() -> None:
     with _lock:
         if not is_enabled():
             _apply()
-        _state["for_process"] = True
+        _state.for_process = True
