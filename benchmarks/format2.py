@@ -48,10 +48,9 @@ from fsdp_optim.formats.sharded.manifest import (
     FileRecord,
     Manifest,
     shard_file_name,
-    shard_payload,
-    wrap,
 )
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.torch_files import shard_payload, wrap
 from fsdp_optim.formats.sharded.writer import write_manifest, write_shard_file
 
 MODELS = {"25M": 25_000_000, "100M": 100_000_000}

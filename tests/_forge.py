@@ -28,11 +28,9 @@ from fsdp_optim.formats.sharded.manifest import (
     MANIFEST_NAME,
     FileRecord,
     shard_file_name,
-    shard_payload,
-    unwrap,
-    wrap,
 )
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.torch_files import shard_payload, unwrap, wrap
 
 V1_MANIFEST = LEGACY_MANIFEST_NAME
 

@@ -22,7 +22,7 @@ import torch
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
 
-from fsdp_optim import consolidate, load_sharded_optim_state
+from fsdp_optim import AsyncSave, consolidate, load_sharded_optim_state
 from fsdp_optim.job.async_save import async_save_sharded_optim_state
 
 
@@ -202,3 +202,9 @@ def test_a_long_job_of_many_roots_and_saves_keeps_nothing_it_no_longer_needs(tmp
             f"rank {rank}: (handles, staging sets, buffers) after each save of one root: {saves}"
         )
         assert dropped == [(1, 1)] * 3, f"rank {rank}: (handles, staging sets) after each dropped root: {dropped}"
+
+
+def test_async_save_has_a_useful_repr(tmp_path) -> None:
+    handle = AsyncSave(tmp_path / "ckpt")
+    text = repr(handle)
+    assert "AsyncSave" in text and str(tmp_path / "ckpt") in text and "running" in text

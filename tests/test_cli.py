@@ -17,6 +17,7 @@ import torch
 from _checks import assert_identical
 from _dist import run_ranks
 
+import fsdp_optim
 from fsdp_optim import consolidate, save_layout, save_sharded_optim_state, to_named
 from fsdp_optim.cli import main
 from fsdp_optim.formats.sharded.reader import read_manifest
@@ -133,3 +134,16 @@ def test_python_dash_m_in_a_fresh_interpreter(files) -> None:
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.startswith("fsdp-optim: error: ") and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_version_and_help_for_every_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and fsdp_optim.__version__ in capsys.readouterr().out
+    from fsdp_optim.cli import _parser
+
+    parser = _parser()
+    verbs = next(a for a in parser._actions if a.dest == "verb")
+    for verb, sub in verbs.choices.items():  # type: ignore[union-attr]
+        for action in sub._actions:
+            assert action.help, f"{verb} {action.option_strings or action.dest} has no help text"

@@ -115,3 +115,9 @@ def test_readme_shows_the_commands_ci_runs() -> None:
     commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python -m pip")]
     assert len(commands) == 2, commands
     assert "\n".join(commands) in readme, "README's test command must be exactly what .ci/run runs"
+
+
+def test_readme_names_the_cpu_wheel_and_clip_grad_norm_works_on_cpu() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "download.pytorch.org/whl/cpu" in readme  # the CPU wheel on a machine without CUDA
+    assert "not shimmed on CPU" not in readme  # the host switch does shim clip_grad_norm_

@@ -15,7 +15,7 @@
 Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
 fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
 ``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see
-:mod:`fsdp_optim.formats.fairseq.files`).
+:mod:`fsdp_optim.formats.fairseq.loading`).
 A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
 full dict, ``model`` the full weights unless ``--no-model``, as fairseq's own consolidation keeps them) and
 resharded into shard files of the same format. A whole checkpoint (``save_checkpoint``) is consolidated into one

@@ -18,7 +18,7 @@ from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats.fairscale import is_fairscale_native, is_named_dict
-from fsdp_optim.formats.fairseq.files import is_shard_set
+from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.manifest import HEADER_KEY
 from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind

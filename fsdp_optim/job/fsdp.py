@@ -17,6 +17,7 @@ from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 from fsdp_optim.job import api
 from fsdp_optim.job import host as _host
 from fsdp_optim.job.host_fixes import quiet
+from fsdp_optim.job.options import check_options
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -39,7 +40,7 @@ class FullyShardedDataParallel(_FairscaleFSDP):
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         # Options that cannot work are refused here, naming the option, before any collective.
-        _host.check_options(module, _FAIRSCALE_PARAMS.bind_partial(None, module, *args, **kwargs).arguments)
+        check_options(module, _FAIRSCALE_PARAMS.bind_partial(None, module, *args, **kwargs).arguments)
         if not torch.cuda.is_available():
             # For the rest of the process (a model outlives any scope we could pick); idempotent.
             _host.enable_for_process()

@@ -42,7 +42,7 @@ no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_e
 7. runs fairscale's ``_gather_optim_state`` with ``Tensor.cpu()`` of a CPU tensor returning a copy (what
    it returns from a GPU), and its ``gather_full_optim_state_dict`` with the live optimizer's ``step``
    values put back afterwards, so fairscale's own gather gives the right dict on a CPU and leaves the
-   optimizer as it was (``tests/test_sharp_edges.py``);
+   optimizer as it was (``tests/test_fairscale_methods_and_errors.py``);
 8. uses the list form of fairscale's parameter all-gather too (no deprecated ``_all_gather_base``), and
    silences torch's ``TypedStorage`` deprecation inside fairscale's constructor, where fairscale first
    calls ``Tensor.storage()`` (torch warns once per process): warnings nobody using the package can act on.
@@ -60,7 +60,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,7 +70,6 @@ from fsdp_optim.job.host_fixes import copying_to_host, keeping_the_optimizer, qu
 
 __all__ = [
     "HostStream",
-    "check_options",
     "disable_host_execution",
     "enable_for_process",
     "enable_host_execution",
@@ -247,13 +246,23 @@ def _replacements() -> list[tuple[Any, str, Callable[[Any], Any]]]:
     ]
 
 
+@dataclass
+class _Switch:
+    """The switch's one process-wide state, changed only under ``_lock`` (mutable: it is the switch)."""
+
+    depth: int = 0  # enables not yet matched by a disable
+    for_process: bool = False  # enable_for_process() ran: never restored
+    patches: list[_Patch] = field(default_factory=list)  # what is replaced now; empty while off
+    library: Any = None  # the torch.library.Library holding our record_stream kernel, if we registered one
+
+
 _lock = threading.RLock()
-_state: dict[str, Any] = {"depth": 0, "for_process": False, "patches": [], "library": None}
+_state = _Switch()
 
 
 def is_enabled() -> bool:
     """Whether fairscale's FSDP module is currently switched to host execution."""
-    return bool(_state["patches"])
+    return bool(_state.patches)
 
 
 def _check_no_cuda() -> None:
@@ -275,22 +284,22 @@ def _apply() -> None:
         if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::record_stream", "CPU"):
             library = torch.library.Library("aten", "IMPL")
             library.impl("record_stream", _record_stream_on_host, "CPU")
-            _state["library"] = library
+            _state.library = library
     except BaseException:
         for patch in reversed(applied):
             patch.restore()
         raise
-    _state["patches"] = applied
+    _state.patches = applied
 
 
 def _restore() -> None:
-    for patch in reversed(_state["patches"]):
+    for patch in reversed(_state.patches):
         patch.restore()
-    _state["patches"] = []
-    library = _state["library"]
+    _state.patches = []
+    library = _state.library
     if library is not None:
         library._destroy()  # unregisters the record_stream kernel
-        _state["library"] = None
+        _state.library = None
 
 
 def enable_host_execution() -> None:
@@ -307,7 +316,7 @@ def enable_host_execution() -> None:
     with _lock:
         if not is_enabled():
             _apply()
-        _state["depth"] += 1
+        _state.depth += 1
 
 
 def disable_host_execution() -> None:
@@ -322,10 +331,10 @@ def disable_host_execution() -> None:
     Raises ``RuntimeError`` when not matched by an earlier enable.
     """
     with _lock:
-        if _state["depth"] == 0:
+        if _state.depth == 0:
             raise RuntimeError("disable_host_execution() called without a matching enable_host_execution()")
-        _state["depth"] -= 1
-        if _state["depth"] == 0 and not _state["for_process"]:
+        _state.depth -= 1
+        if _state.depth == 0 and not _state.for_process:
             _restore()
 
 
@@ -356,38 +365,4 @@ def enable_for_process() -> None:
     with _lock:
         if not is_enabled():
             _apply()
-        _state["for_process"] = True
-
-
-def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
-    """Refuse, before any collective, the constructor options that cannot work; each error names its option.
-
-    ``options`` are the arguments given to fairscale's constructor, by name (defaults left out).
-
-    - ``compute_dtype`` other than the parameters' dtype needs ``mixed_precision=True``: only then does
-      fairscale keep the gradients and full-precision gathers in the parameters' dtype. Without it,
-      ``state_dict()`` and ``summon_full_params()`` all-gather the parameters' dtype into a
-      ``compute_dtype`` buffer, which gloo and NCCL both reject (and so does the forward pass, unless
-      ``move_params_to_cpu``), and with ``move_params_to_cpu`` but not ``move_grads_to_cpu`` backward
-      assigns ``compute_dtype`` gradients to the parameters. This holds on any machine.
-    - Without CUDA, ``compute_device`` and ``state_dict_device`` must be the CPU.
-    """
-    compute_dtype = options.get("compute_dtype")
-    if compute_dtype is not None and not options.get("mixed_precision"):
-        dtypes = sorted({str(p.dtype) for p in module.parameters() if not hasattr(p, "_is_sharded")})
-        if dtypes and dtypes != [str(compute_dtype)]:
-            found = ", ".join(dtypes)
-            raise ValueError(
-                f"compute_dtype={compute_dtype} differs from the parameters' dtype ({found}), which fairscale "
-                f"supports only with mixed_precision=True: without it state_dict() all-gathers {found} shards "
-                f"into a {compute_dtype} buffer, which the process group rejects. Pass mixed_precision=True "
-                f"to compute in {compute_dtype}, or leave compute_dtype unset"
-            )
-    if not torch.cuda.is_available():
-        for name in ("compute_device", "state_dict_device"):
-            device = options.get(name)
-            if device is not None and torch.device(device).type != "cpu":
-                raise ValueError(
-                    f"{name}={device!r}: this machine has no CUDA, so FSDP runs on the CPU; pass "
-                    f"{name}=torch.device('cpu') or leave it unset"
-                )
+        _state.for_process = True

@@ -19,7 +19,7 @@ from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec, clea
 from fsdp_optim.job.local import group_members
 from fsdp_optim.job.transport import ProcessGroup
 
-__all__ = ["Root", "check_root", "read_aliases", "read_layout", "verify_root"]
+__all__ = ["Root", "check_root", "read_aliases", "read_layout", "unsharded_parameters", "verify_root"]
 
 _T = TypeVar("_T")
 
@@ -76,6 +76,12 @@ def check_root(fsdp: Any) -> None:
         raise TypeError(f"fsdp: expected a fairscale FullyShardedDataParallel root, found {type(fsdp).__name__}")
     if fsdp._is_root is False:
         raise ValueError("fsdp: expected the root FSDP instance, found a nested one; call this on the root")
+
+
+def unsharded_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s parameters that no nested fairscale FSDP instance has sharded yet (the user's own, in their
+    own dtype): fairscale marks the ones it has taken over with ``_is_sharded``."""
+    return [p for p in module.parameters() if not hasattr(p, "_is_sharded")]
 
 
 def _read(instance: nn.Module, name: str, kind: type[_T], unit: str) -> _T:

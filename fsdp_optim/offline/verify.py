@@ -32,7 +32,9 @@ from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
-from fsdp_optim.formats.fairseq.files import load_shard, shard_paths, summarise
+from fsdp_optim.formats.fairseq.files import summarise
+from fsdp_optim.formats.fairseq.loading import load_shard
+from fsdp_optim.formats.fairseq.paths import shard_paths
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.sharded.reader import read_manifest

@@ -1,2 +1,4 @@
-"""fairseq / metaseq shard sets: ``files`` (what a set is on disk), ``checks`` (what its records must agree
-on), ``shards`` (``ShardSet`` as a source, consolidate and reshard)."""
+"""fairseq / metaseq shard sets: ``paths`` (a set's file names), ``loading`` (reading a file without running its
+code), ``files`` (what a rank file holds, its checked outline), ``optimizers`` (which optimizer a set recorded),
+``checks`` (what its records must agree on), ``shards`` (``ShardSet`` as a source), ``recut`` (consolidate and
+reshard)."""

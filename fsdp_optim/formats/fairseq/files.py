@@ -1,5 +1,6 @@
-"""fairseq / metaseq sharded checkpoints (``use_sharded_state``): the file format, finding and loading a set,
-each file's checked outline, and which optimizer id is which parameter. Pure apart from reading files.
+"""fairseq / metaseq sharded checkpoints (``use_sharded_state``): what one rank file holds, and its checked
+outline (:func:`summarise`). Pure: works on a payload already loaded (:mod:`.loading`); a set's file names are in
+:mod:`.paths`.
 
 A *shard set* is one file per rank, ``{prefix}-shard{r}.pt`` (metaseq: ``checkpoint_18-model_part-0-shard0.pt``;
 fairseq: ``checkpoint_last-shard0.pt``), each ``torch.save``-d by one rank of a fairscale FSDP job::
@@ -27,11 +28,7 @@ Each *backing parameter* (a flat parameter, or a parameter an instance left unfl
 lists its parameters in that order and every state tensor has its parameter's shard size, and refuses when none or
 several fit (``optimizer_keys`` then names them).
 
-Loading: every file is read with ``torch.load(weights_only=True, mmap=True)``; fairseq and metaseq load
-their own files with ``weights_only=False``, because ``cfg`` may hold ``argparse.Namespace`` objects (and
-``extra_state`` numpy scalars). Those data-only classes, and only those, are allowed
-(:data:`DATA_ONLY_GLOBALS`); anything else in a file is refused naming the classes, and the caller may
-allow named classes it trusts (``allow_globals``). Nothing from a file is ever executed.
+Loading: :func:`~fsdp_optim.formats.fairseq.loading.load_shard` (no code from a file ever runs).
 
 Memory: files are memory-mapped and read one unit range at a time; the mappings are dropped whenever the
 bytes touched exceed ``max_mapped_bytes``. Checking a set maps one file at a time.
@@ -39,12 +36,8 @@ bytes touched exceed ``max_mapped_bytes``. Checking a set maps one file at a tim
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import math
-import os
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,17 +46,19 @@ import torch
 
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.layout import ParamSpec, clean_path
-from fsdp_optim.core.limits import MAX_WORLD_SIZE
-from fsdp_optim.disk.staged import Survey
-from fsdp_optim.disk.untrusted import load_foreign
+from fsdp_optim.formats.fairseq.loading import DATA_ONLY_GLOBALS, load_shard
 from fsdp_optim.formats.fairseq.optimizers import recorded_names
+from fsdp_optim.formats.fairseq.paths import SetClaims, is_shard_set, shard_paths, shard_siblings
 
+# DATA_ONLY_GLOBALS, load_shard (.loading), SetClaims, is_shard_set, shard_paths, shard_siblings (.paths) lived
+# here once; they are re-exported so that imports from this module keep working.
 __all__ = [
     "DATA_ONLY_GLOBALS",
     "METADATA_KEYS",
     "OPTIM_KEY",
     "Backing",
     "RankSummary",
+    "SetClaims",
     "is_shard_set",
     "load_shard",
     "shard_paths",
@@ -73,143 +68,6 @@ __all__ = [
 
 OPTIM_KEY = "last_optimizer_state"
 METADATA_KEYS = ("shard_metadata", "fsdp_metadata")  # metaseq and fairseq nllb; fairseq main
-_SHARD_FILE = re.compile(r"^(?P<prefix>.+)-shard(?P<rank>\d+)\.pt$")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Paths
-
-
-def _prefix(path: Path) -> Path:
-    match = _SHARD_FILE.match(path.name)
-    if match:
-        return path.with_name(match["prefix"])
-    return (
-        path.with_suffix("") if path.suffix == ".pt" else path
-    )  # "checkpoint_last.pt" names "checkpoint_last-shard*.pt"
-
-
-def shard_siblings(prefix: Path) -> dict[int, list[Path]]:
-    """Files ``{prefix.name}-shard<r>.pt`` beside ``prefix``, by rank."""
-    found: dict[int, list[Path]] = {}
-    if prefix.parent.is_dir():
-        for entry in prefix.parent.iterdir():
-            match = _SHARD_FILE.match(entry.name)
-            if match and match["prefix"] == prefix.name and entry.is_file():
-                found.setdefault(int(match["rank"]), []).append(entry)
-    return found
-
-
-@dataclass(frozen=True)
-class SetClaims:
-    """What an output directory of a shard set named ``name`` owns (for :mod:`fsdp_optim.disk.staged`): its
-    ``{name}-shard<r>.pt`` files. Other files (a fairseq checkpoint directory holds many) are never foreign, and
-    never touched; an existing set of the same name is replaced only with ``overwrite``."""
-
-    name: str
-
-    def survey(self, directory: Path) -> Survey:
-        existing = shard_siblings(directory / self.name)
-        names = frozenset(p.name for files in existing.values() for p in files)
-        problem = f"already holds {self.name}-shard<r>.pt files (ranks {sorted(existing)})" if existing else None
-        known = frozenset(os.listdir(directory))
-        return Survey(replaces=names, known=known, problem=problem, overwrite_means="replace them")
-
-    def created(self, entry: Mapping[str, Any]) -> set[str]:
-        world_size = entry.get("world_size")
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or not 0 < world_size <= MAX_WORLD_SIZE:
-            return set()
-        return {f"{self.name}-shard{r}.pt" for r in range(world_size)}
-
-    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
-        return set()
-
-    def referenced(self, directory: Path) -> set[str]:
-        # No manifest says which set is current: whatever is there is kept, so a recovery never deletes a set.
-        return set(os.listdir(directory))
-
-    def deletable(self, name: str) -> bool:
-        match = _SHARD_FILE.match(name)
-        return match is not None and match["prefix"] == self.name
-
-
-def is_shard_set(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` names a fairseq/metaseq shard set: a file named ``*-shard<r>.pt``, or a path that is no
-    file or directory itself but the prefix of such files. Judged by names; :func:`shard_paths` checks more."""
-    path = Path(path)
-    if path.is_dir():
-        return False
-    if _SHARD_FILE.match(path.name):
-        return True
-    return not path.exists() and bool(shard_siblings(_prefix(path)))
-
-
-def shard_paths(path: str | os.PathLike[str]) -> tuple[Path, list[Path]]:
-    """The set's prefix and its files in rank order. Raises naming the first missing or doubled file."""
-    prefix = _prefix(Path(path))
-    found = shard_siblings(prefix)
-    if not found:
-        raise FileNotFoundError(f"{path}: no shard files {prefix.name}-shard<N>.pt in {prefix.parent}")
-    doubled = next((files for files in found.values() if len(files) > 1), None)
-    if doubled:
-        raise ValueError(f"{doubled[1]}: names the same rank as {doubled[0]}; a shard set has one file per rank")
-    missing = [r for r in range(max(found) + 1) if r not in found]
-    if missing:
-        raise ValueError(
-            f"{prefix.parent / f'{prefix.name}-shard{missing[0]}.pt'}: missing from the shard set (found shards "
-            f"{sorted(found)}); a set holds one file per rank 0..N-1"
-        )
-    return prefix, [found[r][0] for r in range(len(found))]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Loading without running code from the file
-
-
-def _data_only_globals() -> list[Any]:
-    """Classes whose unpickling only builds plain data (no ``__setstate__`` or ``__reduce__`` code of theirs runs)."""
-    allowed: list[Any] = [argparse.Namespace]
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        return allowed
-    core = np._core if hasattr(np, "_core") else np.core  # type: ignore[attr-defined]  # numpy 2, numpy 1
-    scalar = core.multiarray.scalar
-    allowed += [(scalar, "numpy.core.multiarray.scalar"), (scalar, "numpy._core.multiarray.scalar"), np.dtype]
-    allowed += [
-        getattr(np.dtypes, name)
-        for name in dir(getattr(np, "dtypes", None))
-        if name.endswith("DType") and not name.startswith(("Object", "Void", "String", "StrDType"))
-    ]
-    return allowed
-
-
-DATA_ONLY_GLOBALS = tuple(_data_only_globals())
-
-
-def _resolve_global(name: str) -> Any:
-    module, _, attr = name.rpartition(".")
-    try:
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-        return obj
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(
-            f"allow_globals: cannot import '{name}' ({exc}); give 'module.Class' of an importable class"
-        ) from exc
-
-
-def load_shard(path: Path, *, allow_globals: Sequence[str] = (), mmap: bool = True) -> Any:
-    """``torch.load(path, weights_only=True, mmap=...)`` through the gate for foreign files
-    (:func:`~fsdp_optim.disk.untrusted.load_foreign`) with :data:`DATA_ONLY_GLOBALS` (and ``allow_globals``)
-    allowed. Refuses a file that holds other classes, naming all of them."""
-    allowed = [*DATA_ONLY_GLOBALS, *(_resolve_global(name) for name in allow_globals)]
-    return load_foreign(path, allowed_globals=allowed, mmap=mmap)
-
-
-# ---------------------------------------------------------------------------------------------------
-# One rank file, summarised (shapes and scalars only: no page of a tensor is touched)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from fsdp_optim.disk.locks import resolve_output
 from fsdp_optim.disk.staged import staged_output
 from fsdp_optim.disk.stream_save import Pending, stream_save
 from fsdp_optim.formats.fairseq.checks import ParamOrder
-from fsdp_optim.formats.fairseq.files import OPTIM_KEY, SetClaims
+from fsdp_optim.formats.fairseq.files import OPTIM_KEY
+from fsdp_optim.formats.fairseq.paths import SetClaims
 from fsdp_optim.formats.fairseq.shards import WEIGHT, Progress, ShardSet
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES

@@ -1,9 +1,10 @@
 """fairseq / metaseq shard sets as a planning source, and what to do with them offline: consolidate, reshard.
 
-No model, no process group: the layout comes from the files' own metadata (format and loading policy in
-:mod:`fsdp_optim.formats.fairseq.files`). :class:`ShardSet` checks a set once and exposes it twice, as the
-optimizer's state (:meth:`ShardSet.source`, one state entry per optimizer state key) and as the model's
-weights (:meth:`ShardSet.weights_source`, one entry ``"param"``), so the engine plans and cuts both::
+No model, no process group: the layout comes from the files' own metadata (format in
+:mod:`fsdp_optim.formats.fairseq.files`, loading policy in :mod:`fsdp_optim.formats.fairseq.loading`).
+:class:`ShardSet` checks a set once and exposes it twice, as the optimizer's state (:meth:`ShardSet.source`,
+one state entry per optimizer state key) and as the model's weights (:meth:`ShardSet.weights_source`, one
+entry ``"param"``), so the engine plans and cuts both::
 
     shards -> ShardSet -> Source (flats = backing parameters at N ranks)
            -> plan(source, same units at M ranks)      -> cut_rank per rank, one unit at a time -> M files
@@ -42,16 +43,10 @@ from fsdp_optim.formats.fairseq.checks import (
     resolve_param_order,
     state_entries,
 )
-from fsdp_optim.formats.fairseq.files import (
-    METADATA_KEYS,
-    OPTIM_KEY,
-    RankSummary,
-    is_shard_set,
-    load_shard,
-    shard_paths,
-    summarise,
-)
+from fsdp_optim.formats.fairseq.files import METADATA_KEYS, OPTIM_KEY, RankSummary, summarise
+from fsdp_optim.formats.fairseq.loading import load_shard
 from fsdp_optim.formats.fairseq.optimizers import torch_optimizer
+from fsdp_optim.formats.fairseq.paths import is_shard_set, shard_paths
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 

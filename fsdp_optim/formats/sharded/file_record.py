@@ -1,6 +1,7 @@
 """One file of a sharded checkpoint as its manifest records it: name, checksum, size (format 2: its segments).
 
-Pure records, no file access. ``CHECKPOINT_VERSION`` is the format every writer writes (1 and 2 stay readable).
+Pure records, no file access. ``CHECKPOINT_VERSION`` is the format every writer writes (1 and 2 stay readable);
+``HEADER_KEY`` the key of every file's header.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from typing import Any
 from fsdp_optim.core.records import get_checked
 from fsdp_optim.formats.sharded.segments import Segment
 
-__all__ = ["CHECKPOINT_VERSION", "FileRecord"]
+__all__ = ["CHECKPOINT_VERSION", "HEADER_KEY", "FileRecord"]
 
 CHECKPOINT_VERSION = 3  # what every writer writes; 1 and 2 stay readable
+HEADER_KEY = "fsdp_optim_checkpoint"  # the key of the header in every file of ours (JSON manifest, torch files)
 
 
 @dataclass(frozen=True)

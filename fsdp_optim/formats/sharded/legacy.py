@@ -1,6 +1,6 @@
 """Format-1 rank files (torch files, read through the pickle gate): checked against the manifest, one unit at a time.
 
-Never imports ``torch.distributed``. A format-1 rank file (``manifest.shard_payload``) holds
+Never imports ``torch.distributed``. A format-1 rank file (:func:`.torch_files.shard_payload`) holds
 ``{HEADER_KEY: {...}, "unit_checksums": {flat: digest}, "state": {flat: {key: padded shard or scalar}}}``;
 each unit's digest is checked the first time the unit is read.
 """
@@ -20,8 +20,9 @@ from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import check_stored_bytes
-from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest, check_checksum, read_torch_header
+from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
 from fsdp_optim.formats.sharded.rank_file import open_recorded
+from fsdp_optim.formats.sharded.torch_files import check_checksum, read_torch_header
 
 __all__ = ["LegacyRankFile", "nbytes"]
 

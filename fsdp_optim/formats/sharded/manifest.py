@@ -24,10 +24,11 @@ per unit per rank would grow every rank file's header and duplicate them.
 
 Format 2 (the same files; its manifest lists, per rank file, ``"segments"`` with their chunk checksums,
 and per unit ``"padding"`` per rank) and format 1 (``manifest.pt`` and ``optim-...-rankNNNNN-of-NNNNN.pt``
-torch files, described below) stay readable; a directory holding both manifests is read through
+torch files, :mod:`.torch_files`) stay readable; a directory holding both manifests is read through
 ``manifest.json`` (a save over a format-1 checkpoint removes ``manifest.pt`` after its commit).
 
-The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by :func:`wrap`)::
+The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by
+:func:`~fsdp_optim.formats.sharded.torch_files.wrap`)::
 
     {"version": 3, "save_id": "3f2a9c1b0d4e...", "optimizer": "Adam", "world_size": 2,
      "param_order": ["embed.weight", ...],             # the unwrapped model's named_parameters() order
@@ -43,13 +44,6 @@ The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by :func:
      "files": [{"rank": 0, "file": "optim-...-rank00000-of-00002.safetensors", "checksum": "xxh3-128:...",
                 "bytes": 4711}],
      "chunk_bytes": 65536}                             # formats 2, 3
-
-A format-1 rank file (:func:`shard_payload`)::
-
-    {"fsdp_optim_checkpoint": {"kind": "shard", "version": 1, "save_id": ..., "rank": 0, "world_size": 2,
-                               "checksum": "sha256:..."},       # digest of the header and unit_checksums
-     "unit_checksums": {flat_index: "sha256:..."},              # digest of state[flat_index]
-     "state": {flat_index: {"exp_avg": Tensor[shard_numel], "step": tensor(3.)}}}
 
 Checksums are content digests (:func:`digest`, xxh3-128; SHA-256 in files of earlier versions): tensors
 contribute dtype, shape and raw bytes, other values their type and ``repr``. A unit's digest is checked when
@@ -69,10 +63,13 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Reader, Source
 from fsdp_optim.core.preconditions import check_version, check_world_size
 from fsdp_optim.core.records import WEIGHTS_KEY, FlatRecord, GroupRecord, StateEntry, get_checked
-from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
+from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, HEADER_KEY, FileRecord
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
+from fsdp_optim.formats.sharded.torch_files import check_checksum, read_torch_header, shard_payload, unwrap, wrap
 from fsdp_optim.formats.sharded.training import TrainingRecord
 
+# check_checksum, read_torch_header, shard_payload, unwrap and wrap (format 1's torch files) live in
+# .torch_files; they are re-exported so that imports from this module keep working.
 __all__ = [
     "CHECKPOINT_VERSION",
     "HEADER_KEY",
@@ -95,8 +92,6 @@ __all__ = [
     "wrap",
 ]
 
-TORCH_FILE_VERSION = 1  # the version in the header of the torch files of format 1 (and of layout files)
-HEADER_KEY = "fsdp_optim_checkpoint"
 MANIFEST_NAME = "manifest.json"
 LEGACY_MANIFEST_NAME = "manifest.pt"
 MANIFEST_NAMES = (MANIFEST_NAME, LEGACY_MANIFEST_NAME)  # in order of precedence
@@ -105,70 +100,6 @@ MANIFEST_NAMES = (MANIFEST_NAME, LEGACY_MANIFEST_NAME)  # in order of precedence
 def shard_file_name(save_id: str, rank: int, world_size: int, *, version: int = CHECKPOINT_VERSION) -> str:
     suffix = "safetensors" if version >= 2 else "pt"
     return f"optim-{save_id[:12]}-rank{rank:05d}-of-{world_size:05d}.{suffix}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# dtypes and checksums
-
-
-def wrap(kind: str, body: Any, **header: Any) -> dict[str, Any]:
-    """``{HEADER_KEY: {"kind", "version", "checksum", **header}, "body": body}``; the checksum covers both."""
-    head = {"kind": kind, "version": TORCH_FILE_VERSION, **header}
-    return {HEADER_KEY: {**head, "checksum": digest([head, body])}, "body": body}
-
-
-def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
-    """Check a :func:`wrap` result read from ``source``; return ``(header, body)``."""
-    header, checksum = read_torch_header(obj, kind, source=source, covered="body")
-    check_checksum(header, checksum, obj["body"], source=source)
-    return header, obj["body"]
-
-
-def read_torch_header(
-    obj: Any, kind: str, *, source: str, covered: str, what: str | None = None
-) -> tuple[dict[str, Any], Any]:
-    """The checked header of a file we wrote (kind and version; not yet the checksum): ``(header, checksum)``.
-
-    ``covered`` is the key whose value the header's checksum covers besides the header itself.
-    """
-    what = what or f"fsdp_optim {kind} file"
-    if not isinstance(obj, Mapping) or not isinstance(obj.get(HEADER_KEY), Mapping) or covered not in obj:
-        raise ValueError(f"{source}: expected an {what}, found {_describe(obj)}")
-    header = dict(obj[HEADER_KEY])
-    if header.get("kind") != kind:
-        raise ValueError(f"{source}: expected an {what}, found a {header.get('kind')!r} file")
-    check_version(header.get("version"), source, TORCH_FILE_VERSION)
-    return header, header.pop("checksum", None)
-
-
-def _describe(obj: Any) -> str:
-    """What a file that is not ours holds, in the user's terms (a key list only for the unknown)."""
-    if isinstance(obj, Mapping) and {"state", "param_groups"} <= set(obj):
-        if "param_id_map" in obj:
-            kind = "a fairscale-native dict (from fairscale's gather_full_optim_state_dict; convert it with a layout)"
-        elif "param_names" in obj:
-            kind = "already a full dict (what gather_full_optim_state_dict and consolidate write)"
-        else:
-            kind = "a plain optimizer state dict"
-        return f"{kind} with keys ({', '.join(repr(str(k)) for k in obj)})"
-    return str(sorted(map(str, obj))) if isinstance(obj, Mapping) else type(obj).__name__
-
-
-def check_checksum(header: Mapping[str, Any], checksum: Any, covered: Any, *, source: str) -> None:
-    """Refuse a file whose header checksum does not cover its header and ``covered`` value."""
-    if not digest_matches([dict(header), covered], checksum):
-        raise ValueError(f"{source}: checksum mismatch in the file header (file is corrupt or was modified)")
-
-
-def shard_payload(
-    state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
-) -> tuple[dict[str, Any], str]:
-    """A rank file's content and its checksum (which the manifest also records)."""
-    unit_checksums = {i: digest(entries) for i, entries in state.items()}
-    head = {"kind": "shard", "version": TORCH_FILE_VERSION, "save_id": save_id, "rank": rank, "world_size": world_size}
-    checksum = digest([head, unit_checksums])
-    payload = {HEADER_KEY: {**head, "checksum": checksum}, "unit_checksums": unit_checksums, "state": dict(state)}
-    return payload, checksum
 
 
 # ---------------------------------------------------------------------------------------------------

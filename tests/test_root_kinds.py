@@ -1,4 +1,4 @@
-"""Reach: the module functions work for every kind of fairscale FSDP root, without re-wrapping.
+"""Every kind of fairscale FSDP root: the module functions work on each, without re-wrapping.
 
 Four roots of the same model (``_models.Net``), each trained a few real Adam steps at world size 2 on gloo:
 

@@ -1,4 +1,5 @@
-"""Three things real fairseq checkpoints showed (the real run is tests/test_fairseq_real.py), each on its own:
+"""The fairseq and fairscale limits worked around (docs/migrating.md), each on its own; real fairseq checkpoints
+showed all three (the real run is tests/test_fairseq_real.py):
 
 1. fairscale's ``buffer_names`` lists non-persistent buffers (fairseq's sinusoidal positions), which are
    never in the saved weights: consolidate, to_dcp, reshard and inspect skip them, and the consolidated
@@ -189,33 +190,3 @@ def test_consolidation_labels_and_refuses_by_the_recorded_optimizer(written, tmp
     with pytest.raises(NotElementwiseError):
         reshard_shards(refused, 3, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-
-
-def test_launcher_passes_torchrun_environment_to_fairseq() -> None:
-    from fsdp_optim.fairseq_launch import distributed_args, main
-
-    env = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    assert distributed_args(["data-bin", "--cpu"], env) == [
-        "data-bin", "--cpu", "--distributed-init-method", "env://", "--distributed-rank", "1",
-        "--distributed-world-size", "3", "--distributed-no-spawn",
-    ]  # fmt: skip
-    assert distributed_args(["data-bin"], {"RANK": "0"}) == ["data-bin"]  # not under torchrun: fairseq decides
-    given = ["data-bin", "--distributed-init-method", "tcp://h:1"]
-    assert distributed_args(given, env) == given  # the caller's own settings win
-    with pytest.raises(SystemExit, match=r"\{train,validate\} FAIRSEQ_ARGS.*found \['generate'\]"):
-        main(["generate", "data-bin"])
-
-
-def test_launcher_takes_its_checkpoint_flag_out_of_fairseqs_arguments() -> None:
-    from fsdp_optim.fairseq_launch import checkpoints_arg, plain_json
-
-    assert checkpoints_arg(["data-bin", "--cpu"]) == (["data-bin", "--cpu"], None)
-    for given in (["data-bin", "--fsdp-optim-checkpoints", "ours", "--cpu"], ["data-bin", "--fsdp-optim-checkpoints=ours", "--cpu"]):
-        assert checkpoints_arg(given) == (["data-bin", "--cpu"], Path("ours"))
-    with pytest.raises(SystemExit, match=r"expected a directory, found --cpu"):
-        checkpoints_arg(["--fsdp-optim-checkpoints", "--cpu"])
-    with pytest.raises(SystemExit, match=r"expected once, found 2 times"):
-        checkpoints_arg(["--fsdp-optim-checkpoints", "a", "--fsdp-optim-checkpoints=b"])
-    assert plain_json({"betas": (0.9, 0.98), 1: float("inf"), "n": None, "enum": Path("x")}) == {
-        "betas": [0.9, 0.98], "1": "inf", "n": None, "enum": "x"}  # fmt: skip
-    assert plain_json(torch.tensor(2.5)) == 2.5

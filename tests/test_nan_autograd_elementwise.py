@@ -1,4 +1,4 @@
-"""Faithful data (issue 12): NaN and Inf bit for bit on every path, no autograd history in any output, and
+"""Faithful data: NaN and Inf bit for bit on every path, no autograd history in any output, and
 shape-dependent optimizers refused on every path. One world-size-2 job on real gloo and fairscale FSDP.
 
 - **NaN/Inf.** Adam's state gets NaN (two payloads), +Inf, -Inf and -0.0 in ``exp_avg`` and a NaN

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
-from test_reach import _build, _switch
+from test_root_kinds import _build, _switch
 from test_whole_state import make_net
 
 import fsdp_optim

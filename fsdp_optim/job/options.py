@@ -1,0 +1,49 @@
+"""The constructor options of ``fsdp_optim.FullyShardedDataParallel`` that cannot work, refused before any collective.
+
+Pure policy: which combinations fairscale 0.4.13 cannot run, each error naming its option. What fairscale has
+already taken over (parameters of nested instances) is read in :mod:`fsdp_optim.job.root`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fsdp_optim.job.root import unsharded_parameters
+
+__all__ = ["check_options"]
+
+
+def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
+    """Refuse, before any collective, the constructor options that cannot work; each error names its option.
+
+    ``options`` are the arguments given to fairscale's constructor, by name (defaults left out).
+
+    - ``compute_dtype`` other than the parameters' dtype needs ``mixed_precision=True``: only then does
+      fairscale keep the gradients and full-precision gathers in the parameters' dtype. Without it,
+      ``state_dict()`` and ``summon_full_params()`` all-gather the parameters' dtype into a
+      ``compute_dtype`` buffer, which gloo and NCCL both reject (and so does the forward pass, unless
+      ``move_params_to_cpu``), and with ``move_params_to_cpu`` but not ``move_grads_to_cpu`` backward
+      assigns ``compute_dtype`` gradients to the parameters. This holds on any machine.
+    - Without CUDA, ``compute_device`` and ``state_dict_device`` must be the CPU.
+    """
+    compute_dtype = options.get("compute_dtype")
+    if compute_dtype is not None and not options.get("mixed_precision"):
+        dtypes = sorted({str(p.dtype) for p in unsharded_parameters(module)})
+        if dtypes and dtypes != [str(compute_dtype)]:
+            found = ", ".join(dtypes)
+            raise ValueError(
+                f"compute_dtype={compute_dtype} differs from the parameters' dtype ({found}), which fairscale "
+                f"supports only with mixed_precision=True: without it state_dict() all-gathers {found} shards "
+                f"into a {compute_dtype} buffer, which the process group rejects. Pass mixed_precision=True "
+                f"to compute in {compute_dtype}, or leave compute_dtype unset"
+            )
+    if not torch.cuda.is_available():
+        for name in ("compute_device", "state_dict_device"):
+            device = options.get(name)
+            if device is not None and torch.device(device).type != "cpu":
+                raise ValueError(
+                    f"{name}={device!r}: this machine has no CUDA, so FSDP runs on the CPU; pass "
+                    f"{name}=torch.device('cpu') or leave it unset"
+                )
