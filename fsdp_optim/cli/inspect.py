@@ -174,9 +174,8 @@ def lines_as_json(lines: Sequence[str]) -> dict[str, Any]:
 
 
 def _inspect(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.offline.sources import Kind, open_source
-
     from fsdp_optim.disk.storage import is_url
+    from fsdp_optim.offline.sources import Kind, open_source
 
     path = args.path if is_url(args.path) else Path(args.path)  # a URL stays a URL (Path would fold its '//')
     out = [f"path: {path}"]
