@@ -26,6 +26,9 @@
 - Trust (docs/threat-model.md): ``register_elementwise_optimizer`` declares a custom optimizer elementwise
   (others are refused with ``NotElementwiseError``); writers lock their output (``OutputLockedError``) and
   refuse directories holding what is not theirs (``ForeignOutputError``, unless ``overwrite=True``).
+- Object storage and any fsspec filesystem: every path above may be a URL (``s3://bucket/run/step-100``, ``gs://``,
+  ``memory://``...); ``open_store(url, **storage_options)`` gives a store to pass instead where credentials or an
+  endpoint come from code rather than the environment (docs/storage.md).
 - ``host_execution()`` (or ``enable_host_execution()`` / ``disable_host_execution()``): a reversible switch
   that runs fairscale's own ``FullyShardedDataParallel`` on CPU with gloo.
 
@@ -61,6 +64,7 @@ __all__ = [
     "load_full_state",
     "load_sharded_optim_state",
     "name_optimizer_state",
+    "open_store",
     "register_elementwise_optimizer",
     "reshard",
     "save_checkpoint",
@@ -98,6 +102,7 @@ _HOME = {
     "load_full_state": "offline.named",
     "load_sharded_optim_state": "job.sharded",
     "name_optimizer_state": "formats.plain",
+    "open_store": "disk.storage",
     "reshard": "offline.operations",
     "save_checkpoint": "job.whole_save",
     "save_layout": "job.sharded",
@@ -127,6 +132,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.core.elementwise import NotElementwiseError, register_elementwise_optimizer
     from fsdp_optim.disk.locks import ForeignOutputError, OutputLockedError
+    from fsdp_optim.disk.storage import open_store
     from fsdp_optim.formats.fairscale import from_fairscale, to_named
     from fsdp_optim.formats.fullstate import FORMAT_VERSION
     from fsdp_optim.formats.plain import name_optimizer_state

@@ -34,6 +34,7 @@ __all__ = [
     "StoredObject",
     "Where",
     "is_url",
+    "open_store",
     "where",
 ]
 
@@ -312,6 +313,21 @@ def where(path: str | os.PathLike[str] | ObjectStore, storage_options: Mapping[s
     if is_url(path):
         return ObjectStore.open(str(path), storage_options)
     return Path(path)
+
+
+def open_store(url: str, **storage_options: Any) -> ObjectStore:
+    """The object store (or fsspec filesystem) prefix at ``url``, to pass wherever a checkpoint path is taken.
+
+    ``storage_options`` go to the filesystem (for S3, s3fs's: ``key``, ``secret``, ``client_kwargs={"endpoint_url":
+    ...}``...); without them the standard places are used (for S3 the AWS environment, ``AWS_ENDPOINT_URL``
+    included, and config files). The store pickles (a spawned rank gets the same filesystem settings)::
+
+        store = fsdp_optim.open_store("s3://bucket/run/step-100", client_kwargs={"endpoint_url": url})
+        fsdp_optim.save_checkpoint(model, optim, store)
+    """
+    if not is_url(url):
+        raise ValueError(f"url: expected a URL with a scheme (s3://, gs://, memory://...), found {url!r}")
+    return ObjectStore.open(url, storage_options)
 
 
 def _precondition_failed(exc: BaseException | None) -> bool:
