@@ -24,10 +24,11 @@ __all__ = ["run_list"]
 
 
 def run_list(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.storage import where
     from fsdp_optim.formats.sharded.steps import find_step_dirs, survey_step
 
-    root = Path(args.root)
-    if not root.is_dir():
+    root = where(args.root)  # a local directory, or a prefix of an object store
+    if isinstance(root, Path) and not root.is_dir():
         raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
     found = [survey_step(step, path, verify=not args.quick) for step, path in find_step_dirs(root)]
     if args.json:

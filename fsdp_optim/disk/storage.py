@@ -203,7 +203,7 @@ class ObjectStore:
                 return {}
             found = {}
             for e in entries:
-                if e.get("type") == "directory":
+                if e.get("type") == "directory" or str(e["name"]).endswith("/"):  # a prefix, or a directory marker
                     continue
                 name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
                 found[name] = StoredObject(name, int(e.get("size") or 0), _mtime(e), _etag(e))
@@ -223,6 +223,15 @@ class ObjectStore:
             return [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
 
         return self._retry(ls, f"{self}: listing it")
+
+    def remove_marker(self) -> None:
+        """Remove the empty "directory" object some stores keep for a prefix whose objects were all deleted (best
+        effort: a store without one has nothing to remove)."""
+        try:
+            self.fs.rm_file(self.root + "/")
+        except Exception:  # noqa: S110 - nothing there, or a store that does not allow it: the prefix stays listed
+            pass
+        self.fs.invalidate_cache(self.root)
 
     # -- writing ----------------------------------------------------------------------------------------------
 

@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
+from fsdp_optim.disk.storage import ObjectStore, where
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
+from fsdp_optim.formats.sharded.steps import step_dir as step_path
 from fsdp_optim.job.async_save import AsyncSave
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, group_initialized
@@ -42,7 +44,7 @@ class SkippedStep:
     that did not finish) or ``"damaged"`` (``reason`` names the file and what is wrong with it)."""
 
     step: int
-    path: Path
+    path: Path | ObjectStore
     state: str
     reason: str
 
@@ -62,7 +64,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | ObjectStore,
         *,
         every: int,
         keep: int,
@@ -72,7 +74,7 @@ class CheckpointManager:
         check_schedule(every, keep, keep_every)
         self.async_save = async_save
         self._pending: tuple[int, AsyncSave, int] | None = None  # (step, its handle, this rank) of a save in flight
-        self.root = Path(root)
+        self.root = where(root)  # a local directory, or a prefix of an object store
         self.every, self.keep, self.keep_every = every, keep, keep_every
         self.skipped: tuple[SkippedStep, ...] = ()  # what the last latest() passed over, newest first
 
@@ -80,13 +82,13 @@ class CheckpointManager:
         schedule = f"every={self.every}, keep={self.keep}, keep_every={self.keep_every}"
         return f"CheckpointManager({str(self.root)!r}, {schedule})"
 
-    def path(self, step: int) -> Path:
+    def path(self, step: int) -> Path | ObjectStore:
         """The directory of ``step``: ``root/step-00000042``."""
-        return self.root / step_dir_name(step)
+        return step_path(self.root, step_dir_name(step))
 
     def save(
         self, step: int, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any = None
-    ) -> Path | None:
+    ) -> Path | ObjectStore | None:
         """Call on every rank after every step: when ``step % every == 0``, save the whole state into
         :meth:`path` (``save_checkpoint``: a collective; a step saved before is replaced atomically) and return
         that directory; else return None at once (no collective, no file access). A torn save of that step (a run
@@ -112,7 +114,7 @@ class CheckpointManager:
         self._pruned(step, rank)
         return directory
 
-    def wait(self) -> Path | None:
+    def wait(self) -> Path | ObjectStore | None:
         """Wait for the async save in flight, if any (raising its error on every rank), then prune after it; the
         directory it committed, or None. A collective when a save is in flight."""
         if self._pending is None:
@@ -184,7 +186,7 @@ class CheckpointManager:
         return load_checkpoint(model, optim, self.path(step))
 
 
-def _find_latest(root: Path) -> tuple[int | None, list[SkippedStep]]:
+def _find_latest(root: Path | ObjectStore) -> tuple[int | None, list[SkippedStep]]:
     skipped: list[SkippedStep] = []
     for step, path in reversed(find_step_dirs(root)):
         step_dir = survey_step(step, path, verify=True)

@@ -21,7 +21,8 @@ from pathlib import Path
 from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, fsync_dir
 from fsdp_optim.disk.locks import OutputLockedError, lock_output
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
+from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
 from fsdp_optim.formats.sharded.writer import CHECKPOINT
@@ -37,7 +38,7 @@ class StepDir:
     (``reason`` says which file and what); ``foreign``: names in it that our writer never makes."""
 
     step: int
-    path: Path
+    path: Path | ObjectStore
     state: str
     reason: str
     nbytes: int  # of the regular files in the directory
@@ -61,9 +62,17 @@ def _is_ours(name: str) -> bool:
     return final in MANIFEST_NAMES or CHECKPOINT.deletable(final)
 
 
-def find_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every step directory in ``root`` (a real directory, not a link), by step; [] when
-    ``root`` does not exist yet."""
+def step_dir(root: Path | ObjectStore, name: str) -> Path | ObjectStore:
+    """Step directory ``name`` under ``root`` (a local directory, or a prefix of a store)."""
+    return root.child(name) if isinstance(root, ObjectStore) else root / name
+
+
+def find_step_dirs(root: str | os.PathLike[str] | ObjectStore) -> list[tuple[int, Path | ObjectStore]]:
+    """``(step, path)`` of every step directory in ``root`` (a real directory, not a link; in a store, a prefix),
+    by step; [] when ``root`` does not exist yet."""
+    if isinstance(root, ObjectStore):  # an emptied prefix may stay listed (a directory marker): not a step
+        steps = ((s, root.child(n)) for n in root.prefixes() if (s := parse_step_dir(n)) is not None)
+        return sorted((s, d) for s, d in steps if d.listing())
     root = Path(root)
     if not root.is_dir():
         return []
@@ -72,17 +81,15 @@ def find_step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
         step = parse_step_dir(entry.name)
         if step is not None and entry.is_dir(follow_symlinks=False):
             found.append((step, Path(entry.path)))
-    return sorted(found)
+    return sorted(found)  # type: ignore[arg-type]  # (step, Path) pairs
 
 
-def survey_step(step: int, path: Path, *, verify: bool = True) -> StepDir:
+def survey_step(step: int, path: Path | ObjectStore, *, verify: bool = True) -> StepDir:
     """Classify one step directory; ``verify``: every byte against its checksum (else sizes only, one ``stat``
     per file). Never raises for what it finds; reads nothing outside ``path``."""
-    names = sorted(os.listdir(path))
-    foreign = tuple(n for n in names if not _is_ours(n) or not (path / n).is_file())
-    nbytes = sum((path / n).stat().st_size for n in names if (path / n).is_file() and not (path / n).is_symlink())
+    names, foreign, nbytes = _contents(path)
     base = StepDir(step, path, TORN, "", nbytes, foreign)
-    if manifest_file(path) is None:
+    if MANIFEST_NAME not in names if isinstance(path, ObjectStore) else manifest_file(path) is None:
         ours = [n for n in names if n not in foreign]
         shown = ", ".join(ours[:3]) + (", ..." if len(ours) > 3 else "")
         return replace(base, reason=f"no manifest: a save that did not finish ({len(ours)} files: {shown or '-'})")
@@ -93,12 +100,24 @@ def survey_step(step: int, path: Path, *, verify: bool = True) -> StepDir:
     base = _described(base, manifest)
     if verify:
         report = verify_sharded(path)
-        damaged = [line.removeprefix(f"{path}{os.sep}") for line in report.damaged()]
+        damaged = [line.removeprefix(f"{path}{os.sep}").removeprefix(f"{path}/") for line in report.damaged()]
     else:
         damaged = present_and_sized(path)
     if damaged:
         return replace(base, state=DAMAGED, reason="; ".join(damaged))
     return replace(base, state=COMPLETE)
+
+
+def _contents(path: Path | ObjectStore) -> tuple[list[str], tuple[str, ...], int]:
+    """The names in a step directory, those our writer never makes, and the bytes of its regular files."""
+    if isinstance(path, ObjectStore):
+        listing = path.listing()
+        names = sorted(listing)
+        return names, tuple(n for n in names if not _is_ours(n)), sum(o.size for o in listing.values())
+    names = sorted(os.listdir(path))
+    foreign = tuple(n for n in names if not _is_ours(n) or not (path / n).is_file())
+    nbytes = sum((path / n).stat().st_size for n in names if (path / n).is_file() and not (path / n).is_symlink())
+    return names, foreign, nbytes
 
 
 def _described(base: StepDir, manifest: Manifest) -> StepDir:
@@ -115,6 +134,8 @@ def remove_step(step_dir: StepDir) -> bool:
     """Remove a step directory of ours (:attr:`StepDir.ours`), under its lock: its files, the directory, then its
     lock file. False, with nothing removed, when a writer holds its lock or it now holds something foreign."""
     assert step_dir.ours, f"remove_step is for a step directory of ours, not {step_dir.path} ({step_dir.foreign})"
+    if isinstance(step_dir.path, ObjectStore):
+        return _remove_stored(step_dir.path)
     try:
         lock = lock_output(step_dir.path, purpose="remove an old checkpoint (CheckpointManager)")
     except OutputLockedError:
@@ -129,4 +150,17 @@ def remove_step(step_dir: StepDir) -> bool:
         os.rmdir(step_dir.path)
         fsync_dir(step_dir.path.parent)
         lock.forget()
+    return True
+
+
+def _remove_stored(store: ObjectStore) -> bool:
+    """:func:`remove_step` in a store (no lock there): the manifest first (the step is then torn, never damaged),
+    then the rest; False, with nothing removed, when it now holds something foreign."""
+    names = sorted(store.listing())
+    if any(not _is_ours(n) for n in names):
+        return False
+    manifests = [n for n in names if n in MANIFEST_NAMES]
+    store.delete(manifests)
+    store.delete(n for n in names if n not in manifests)
+    store.remove_marker()
     return True

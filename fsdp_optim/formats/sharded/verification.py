@@ -21,7 +21,7 @@ from fsdp_optim.formats.sharded.side_file import read_side_file
 __all__ = ["present_and_sized", "verify_sharded"]
 
 
-def verify_sharded(path: str | os.PathLike[str]) -> Verification:
+def verify_sharded(path: str | os.PathLike[str] | ObjectStore) -> Verification:
     """One :class:`FileCheck` per file of the checkpoint at ``path`` (its directory or manifest); never raises for
     damage (an unreadable manifest is the manifest's failed check)."""
     directory = checkpoint_dir(path)
@@ -53,7 +53,7 @@ def verify_sharded(path: str | os.PathLike[str]) -> Verification:
     return Verification(directory, "sharded checkpoint", tuple(checks))
 
 
-def present_and_sized(path: str | os.PathLike[str], manifest: Manifest | None = None) -> list[str]:
+def present_and_sized(path: str | os.PathLike[str] | ObjectStore, manifest: Manifest | None = None) -> list[str]:
     """The cheap part of :func:`verify_sharded`: every file the manifest lists present with its size (one ``stat``
     each); one line per damaged file, naming it. ``manifest``: the one read already."""
     directory = checkpoint_dir(path)
