@@ -16,7 +16,7 @@ from typing import Any
 
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.storage import is_url
+from fsdp_optim.disk.storage import ObjectStore, is_url
 from fsdp_optim.formats.fairscale import is_fairscale_native, is_named_dict
 from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
@@ -81,7 +81,7 @@ def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
     sharded checkpoint, a DCP directory, or ``None`` for a file whose content says the rest (:func:`detect`). A URL
     is a sharded checkpoint or refused (:func:`~fsdp_optim.formats.sharded.reader.source_kind`)."""
-    if is_url(path):
+    if isinstance(path, ObjectStore) or is_url(path):
         source_kind(path)  # raises unless a manifest is there
         return Kind.SHARDED
     if is_shard_set(path):

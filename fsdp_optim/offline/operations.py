@@ -193,7 +193,7 @@ def _then(first: Callable[[], None], second: Progress) -> Callable[[], None]:
 def reshard(
     source: str | os.PathLike[str] | Mapping[str, Any],
     world_size: int,
-    out_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | ObjectStore,
     *,
     layout: LayoutLike | None = None,
     optimizer: str | None = None,
@@ -223,11 +223,12 @@ def reshard(
     The source is checked against the target once (one plan), then cut once per output rank.
     """
     check_world_size("world_size", world_size)
-    if is_url(out_dir):  # written locally, then published to the store (offline/publish.py)
+    if isinstance(out_dir, ObjectStore) or is_url(out_dir):  # written locally, then published (offline/publish.py)
         with output_for(out_dir, overwrite=overwrite) as local:
             reshard(source, world_size, local, layout=layout, optimizer=optimizer, allow_globals=allow_globals,
                     progress=progress, max_mapped_bytes=max_mapped_bytes, overwrite=overwrite)  # fmt: skip
-        return ObjectStore.open(str(out_dir)) / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
+        target = out_dir if isinstance(out_dir, ObjectStore) else ObjectStore.open(str(out_dir))
+        return target / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
     out = Path(out_dir)
     with open_source(
         source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,

@@ -28,10 +28,10 @@ __all__ = ["output_for", "publish_checkpoint", "publish_files"]
 
 
 @contextmanager
-def output_for(out: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
-    """``out`` itself when it is local; for a URL, a local path of the same name to write, published to ``out``
-    when the block succeeds (a sharded checkpoint if a manifest was written there, else its files)."""
-    if not is_url(out):
+def output_for(out: str | os.PathLike[str] | ObjectStore, *, overwrite: bool = False) -> Iterator[Path]:
+    """``out`` itself when it is local; for a URL (or a store), a local path of the same name to write, published to
+    ``out`` when the block succeeds (a sharded checkpoint if a manifest was written there, else its files)."""
+    if not isinstance(out, ObjectStore) and not is_url(out):
         yield Path(out)
         return
     url = str(out).rstrip("/")
@@ -39,13 +39,14 @@ def output_for(out: str | os.PathLike[str], *, overwrite: bool = False) -> Itera
     try:
         local = scratch / url.rsplit("/", 1)[-1]
         yield local
+        target = out if isinstance(out, ObjectStore) else ObjectStore.open(url)
         if (local / MANIFEST_NAME).is_file():
-            publish_checkpoint(local, ObjectStore.open(url), overwrite=overwrite)
+            publish_checkpoint(local, target, overwrite=overwrite)
         elif local.is_dir():
-            publish_files(local, ObjectStore.open(url))
-        else:
-            store = ObjectStore.open(url.rsplit("/", 1)[0])
-            store.upload(local, local.name)
+            publish_files(local, target)
+        else:  # one object: the store of its prefix, with the same filesystem settings
+            parent = ObjectStore(url.rsplit("/", 1)[0], target.fs, target.root.rsplit("/", 1)[0])
+            parent.upload(local, local.name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -94,13 +94,13 @@ def is_sharded_checkpoint(path: str | os.PathLike[str] | ObjectStore) -> bool:
     return manifest_file(path) is not None if path.is_dir() else path.name in MANIFEST_NAMES and path.is_file()
 
 
-def source_kind(path: str | os.PathLike[str]) -> str:
+def source_kind(path: str | os.PathLike[str] | ObjectStore) -> str:
     """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"``.
 
     Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory without a manifest. A URL is a
     sharded checkpoint or nothing (a full dict file in a store is not read from there).
     """
-    if is_url(path):
+    if isinstance(path, ObjectStore) or is_url(path):
         if is_sharded_checkpoint(path):
             return "sharded"
         raise FileNotFoundError(
