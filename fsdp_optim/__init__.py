@@ -102,7 +102,7 @@ _HOME = {
     "load_full_state": "offline.named",
     "load_sharded_optim_state": "job.sharded",
     "name_optimizer_state": "formats.plain",
-    "open_store": "disk.storage",
+    "open_store": "disk.locations",
     "reshard": "offline.operations",
     "save_checkpoint": "job.whole_save",
     "save_layout": "job.sharded",
@@ -131,8 +131,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.core.elementwise import NotElementwiseError, register_elementwise_optimizer
+    from fsdp_optim.disk.locations import open_store
     from fsdp_optim.disk.locks import ForeignOutputError, OutputLockedError
-    from fsdp_optim.disk.storage import open_store
     from fsdp_optim.formats.fairscale import from_fairscale, to_named
     from fsdp_optim.formats.fullstate import FORMAT_VERSION
     from fsdp_optim.formats.plain import name_optimizer_state

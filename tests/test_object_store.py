@@ -181,7 +181,7 @@ def test_offline_tools_read_one_store_and_write_another_place(s3_server: Any, tm
 def test_refusals_say_what_and_write_nothing(s3_server: Any, tmp_path: Path) -> None:
     url = s3_server.url("refuse")
     store = fsdp_optim.open_store(url, **s3_server.storage_options)
-    assert "no manifest.json under this prefix" in _cli(s3_server, "inspect", url, ok=False)
+    assert "no such object, and no manifest.json under it" in _cli(s3_server, "inspect", url, ok=False)
     assert "no filesystem for the scheme" in _cli(s3_server, "verify", "nosuchscheme://x/y", ok=False)
     store.fs.pipe_file(store.key("notes.txt"), b"mine")
     with pytest.raises(Exception, match="not an fsdp_optim checkpoint's"):

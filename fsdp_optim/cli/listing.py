@@ -24,7 +24,7 @@ __all__ = ["run_list"]
 
 
 def run_list(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.disk.storage import where
+    from fsdp_optim.disk.locations import where
     from fsdp_optim.formats.sharded.steps import find_step_dirs, survey_step
 
     root = where(args.root)  # a local directory, or a prefix of an object store

@@ -19,7 +19,6 @@ bodies; the bytes are then checked by the caller against the manifest's checksum
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -34,8 +33,6 @@ __all__ = [
     "StoredObject",
     "Where",
     "is_url",
-    "open_store",
-    "where",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -313,30 +310,6 @@ class _ShortBody(OSError):
 
 
 Where = Path | ObjectStore
-
-
-def where(path: str | os.PathLike[str] | ObjectStore, storage_options: Mapping[str, Any] | None = None) -> Where:
-    """A local path as a ``Path``, a URL as its :class:`ObjectStore`, a store as itself."""
-    if isinstance(path, ObjectStore):
-        return path
-    if is_url(path):
-        return ObjectStore.open(str(path), storage_options)
-    return Path(path)
-
-
-def open_store(url: str, **storage_options: Any) -> ObjectStore:
-    """The object store (or fsspec filesystem) prefix at ``url``, to pass wherever a checkpoint path is taken.
-
-    ``storage_options`` go to the filesystem (for S3, s3fs's: ``key``, ``secret``, ``client_kwargs={"endpoint_url":
-    ...}``...); without them the standard places are used (for S3 the AWS environment, ``AWS_ENDPOINT_URL``
-    included, and config files). The store pickles (a spawned rank gets the same filesystem settings)::
-
-        store = fsdp_optim.open_store("s3://bucket/run/step-100", client_kwargs={"endpoint_url": url})
-        fsdp_optim.save_checkpoint(model, optim, store)
-    """
-    if not is_url(url):
-        raise ValueError(f"url: expected a URL with a scheme (s3://, gs://, memory://...), found {url!r}")
-    return ObjectStore.open(url, storage_options)
 
 
 def _precondition_failed(exc: BaseException | None) -> bool:

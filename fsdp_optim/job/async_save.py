@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where, where
+from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
 from fsdp_optim.job.transport import ProcessGroup, new_gloo_group

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
-from fsdp_optim.disk.storage import ObjectStore, where
+from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
 from fsdp_optim.formats.sharded.steps import step_dir as step_path
 from fsdp_optim.job.async_save import AsyncSave

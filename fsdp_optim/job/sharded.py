@@ -9,8 +9,7 @@ class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParal
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,75 +17,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_optim.core.elementwise import check_elementwise, state_keys
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.preconditions import check_rank
-from fsdp_optim.core.records import GroupRecord, state_entries
-from fsdp_optim.disk.atomic import new_save_id
-from fsdp_optim.disk.locks import OutputLock
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where, is_url, where
-from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.json_values import to_json
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore, is_url
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.store_commit import (
-    StoreSave,
-    begin_store_save,
-    cleanup_staging,
-    commit_manifest,
-    remove_own,
-    staging_dir,
-    tidy,
-    upload_files,
-)
-from fsdp_optim.formats.sharded.training import TrainingRecord
-from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
 from fsdp_optim.job.api import full_source
-from fsdp_optim.job.local import LocalState, check_agreement, check_optimizer, read_local_state
+from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.root import Root, verify_root
+from fsdp_optim.job.save_commit import (  # re-exported: the whole and async saves import them from here
+    Begun,
+    Side,
+    commit_save,
+    own_tensor,
+    read_for_save,
+    start_save,
+)
 from fsdp_optim.job.transport import (
-    ProcessGroup,
     agree,
-    broadcast_object,
-    dist_rank_and_size,
-    gather_objects,
     scatter_objects,
 )
 
-__all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state", "scatter_full_optim_state"]
-
-_SAFE_LEAVES = (type(None), bool, int, float, complex, str, torch.Tensor)
-
-
-def _check_loadable(value: Any, where: str) -> None:
-    """Refuse values that ``torch.load(..., weights_only=True)`` could not read back."""
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            _check_loadable(item, where)
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _check_loadable(key, where)
-            _check_loadable(item, where)
-    elif not isinstance(value, _SAFE_LEAVES):
-        raise TypeError(
-            f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) cannot read back; expected "
-            "numbers, strings, bools, None, tensors, or lists/tuples/dicts of them"
-        )
-
-
-def own_tensor(value: Any) -> Any:
-    """A CPU tensor that ``torch.save`` writes without a larger backing storage; other values as they are."""
-    if not torch.is_tensor(value):
-        return value
-    value = value.detach()
-    if value.device.type != "cpu":
-        return value.cpu()
-    whole = value.is_contiguous() and value.untyped_storage().nbytes() == value.numel() * value.element_size()
-    return value if whole else value.clone()
-
+__all__ = [
+    "Begun",
+    "Side",
+    "commit_save",
+    "load_sharded_optim_state",
+    "own_tensor",
+    "read_for_save",
+    "save_layout",
+    "save_sharded_optim_state",
+    "scatter_full_optim_state",
+    "start_save",
+]
 
 def save_sharded_optim_state(
     fsdp: nn.Module,
@@ -124,158 +91,6 @@ def save_sharded_optim_state(
     return commit_save(root.layout, local, state, type(optim).__name__, target, save_id, root.group, lock=lock)
 
 
-Begun = OutputLock | StoreSave | None  # what rank 0 holds between start_save and commit_save
-
-
-def start_save(directory: Where, group: ProcessGroup, *, overwrite: bool, purpose: str) -> tuple[str, Begun]:
-    """Before any rank writes: rank 0 locks ``directory``, removes what a killed writer left there,
-    refuses foreign contents (unless ``overwrite``) and journals the save
-    (:func:`fsdp_optim.disk.staged.open_output`); in an object store (no locks there) it lists the prefix, refuses
-    foreign contents and notes the manifest's etag (:mod:`fsdp_optim.formats.sharded.store_commit`). Every rank then
-    learns the save id, or every rank raises rank 0's refusal, with nothing written. Returns ``(save id, what rank 0
-    began: its lock or store save, None elsewhere)``; hand it to :func:`commit_save`. Two small collectives."""
-    rank, world_size = dist_rank_and_size(group)
-    save_id, failure = None, None
-    lock: Begun = None
-    if rank == 0:
-        try:
-            save_id = new_save_id()
-            if isinstance(directory, ObjectStore):
-                lock = begin_store_save(directory, overwrite=overwrite)
-            else:
-                lock = begin_write(
-                    directory, save_id=save_id, world_size=world_size, purpose=purpose, overwrite=overwrite
-                )
-        except Exception as exc:  # every rank learns of it through agree()
-            failure = exc
-    agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
-    return broadcast_object(save_id, src=0, group=group), lock
-
-
-def read_for_save(root: Root, optim: torch.optim.Optimizer) -> LocalState:
-    """This rank's optimizer state, checked to be savable (local; reads only)."""
-    check_elementwise(optim, where="optim", keys=state_keys(optim))
-    layout = root.layout
-    layout.check_world_sizes()
-    local = read_local_state(layout, root.params, optim.state_dict(), optim.param_groups)
-    for k, group in enumerate(local.groups):
-        for key, value in group.hyperparams.items():
-            _check_loadable(value, f"optim: hyperparameter '{key}' of param group {k}")
-            to_json(value, f"optim: hyperparameter '{key}' of param group {k}")  # the JSON manifest holds it exactly
-    for i, entries in local.state.items():
-        for key, value in entries.items():
-            where = f"optim: state '{key}' of {layout.flat_params[i].describe()}"
-            _check_loadable(value, where)
-            if not torch.is_tensor(value) or value.dim() == 0:
-                to_json(value, where)  # a scalar: the manifest holds it
-    return local
-
-
-def commit_save(
-    layout: ModelLayout,
-    local: LocalState,
-    state: Mapping[int, Mapping[str, Any]] | Callable[[], Mapping[int, Mapping[str, Any]]],
-    optimizer: str | None,
-    directory: Where,
-    save_id: str,
-    group: ProcessGroup,
-    *,
-    lock: Begun = None,
-    side: Side | None = None,
-) -> Path | ObjectPath:
-    """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``, or a function that makes it) and,
-    for a whole checkpoint, its ``side`` file; then, once every rank's files are durable, rank 0's manifest (last).
-    A collective over ``group``: a failure on any rank raises on every rank, and then no manifest was written.
-    Shared by the synchronous and asynchronous saves and :func:`fsdp_optim.job.whole_save.save_checkpoint`.
-    ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed.
-    In an object store each rank writes into a local staging directory and uploads, and rank 0 commits the
-    manifest with a conditional put (:mod:`fsdp_optim.formats.sharded.store_commit`)."""
-    rank, world_size = dist_rank_and_size(group)
-    store = directory if isinstance(directory, ObjectStore) else None
-    failure: Exception | None = None
-    record = aux = None
-    shards: Mapping[int, Mapping[str, Any]] = {}
-    staging: Path | None = None
-    uploaded: list[str] = []
-    manifest: Manifest | None = None
-    try:
-        try:
-            if store is not None:
-                staging = staging_dir(save_id, rank)
-            local_dir = staging if staging is not None else directory
-            assert isinstance(local_dir, Path), "a store's files are written to a local staging directory first"
-            local_dir.mkdir(parents=True, exist_ok=True)
-            shards = state() if callable(state) else state  # (async save: its staging copy, a failure agreed on)
-            record = write_shard_file(local_dir, shards, save_id=save_id, rank=rank, world_size=world_size)
-            aux = side.write(local_dir, save_id, rank, world_size) if side is not None else None
-            if store is not None:
-                names = [record.file] + ([aux.file] if aux is not None else [])
-                uploaded = names
-                upload_files(store, local_dir, names)
-        except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
-            failure = exc
-        reports = gather_objects((local.summary, record, aux), dst=0, group=group)  # None except on rank 0
-        written = all(r is not None and (side is None or a is not None) for _, r, a in reports or ())
-        if reports is not None and failure is None and written:  # every rank's files (a rank's failure: none)
-            try:
-                if world_size > 1:
-                    check_agreement(layout, [summary for summary, _, _ in reports])
-                files = [r for _, r, _ in reports]
-                manifest = _manifest(layout, local.groups, shards, optimizer, save_id, files)
-                if side is not None:
-                    manifest = replace(manifest, training=side.record(tuple(a for _, _, a in reports)))
-                if isinstance(lock, StoreSave):
-                    commit_manifest(lock, manifest)
-                else:
-                    replaces = lock.entries[-1]["replaces"] if lock is not None else ()
-                    write_manifest(_local(directory), manifest, replaces=replaces)
-            except Exception as exc:
-                failure = exc
-        what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
-        agree(failure, group=group, what=f"{what} failed, no checkpoint was written")
-    except BaseException:
-        if isinstance(lock, OutputLock):
-            end_write(lock, failed=True)
-        if store is not None and uploaded:
-            remove_own(store, uploaded)
-        raise
-    finally:
-        cleanup_staging(staging)
-    if isinstance(lock, OutputLock):
-        end_write(lock, failed=False)
-    if isinstance(lock, StoreSave) and manifest is not None:
-        tidy(lock, manifest)  # what replaced checkpoints and failed writers left (rank 0)
-    return directory / MANIFEST_NAME
-
-
-def _local(directory: Where) -> Path:
-    assert isinstance(directory, Path), "a local save has a local directory"
-    return directory
-
-
-@dataclass(frozen=True)
-class Side:
-    """What a whole checkpoint writes beside each rank file: ``write(directory, save_id, rank, world_size)`` makes
-    the rank's side file, ``record(side files of every rank)`` the manifest's ``"training"`` section (rank 0)."""
-
-    write: Callable[[Path, str, int, int], FileRecord]
-    record: Callable[[tuple[FileRecord, ...]], TrainingRecord]
-
-
-def _manifest(
-    layout: ModelLayout,
-    groups: tuple[GroupRecord, ...],
-    state: Mapping[int, Mapping[str, Any]],
-    optimizer: str | None,
-    save_id: str,
-    files: list[Any],
-) -> Manifest:
-    entries = {i: state_entries(layout.flat_params[i], values) for i, values in state.items()}
-    return Manifest.from_layout(
-        layout.at_rank(0), save_id=save_id, optimizer=optimizer, state=entries, groups=groups, files=files
-    )
-
-
 def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     """Write the model's layout (units, names, shapes, dtypes, world size; no state) to ``path``. Local.
 
@@ -283,10 +98,13 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     ``convert`` of a fairscale-native dict, ``fsdp-optim ... --layout FILE``.
     """
     manifest = Manifest.from_layout(verify_root(fsdp).layout.at_rank(0), save_id="layout")
-    path = Path(path)
     data = manifest_to_json(manifest)  # a manifest without files, in JSON: no pickle (format 1 wrote a torch file)
-    write_stream(lambda file: file.write(data), path, purpose="save_layout")  # under the file's lock, like every writer
-    return path
+    if isinstance(path, str) and is_url(path):  # one object, replaced whole
+        parent, name = path.rstrip("/").rsplit("/", 1)
+        ObjectStore.open(parent).put(name, data)
+        return ObjectStore.open(parent) / name  # type: ignore[return-value]  # shown as its URL
+    write_stream(lambda file: file.write(data), Path(path), purpose="save_layout")  # under the file's lock
+    return Path(path)
 
 
 def load_sharded_optim_state(

@@ -18,7 +18,8 @@ from torch import nn
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.records import WEIGHTS_KEY
-from fsdp_optim.disk.storage import ObjectStore, Where, where
+from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.storage import ObjectStore, Where
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import read_rank_side
 from fsdp_optim.formats.sharded.training import TrainingRecord

@@ -21,10 +21,12 @@ import torch
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Source
 from fsdp_optim.disk.staged import staged_output
+from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, placeholder, write_dcp
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder
+from fsdp_optim.offline.publish import output_for
 from fsdp_optim.offline.sources import Opened, open_source
 from fsdp_optim.offline.whole import is_whole, whole_model
 
@@ -73,6 +75,11 @@ def to_dcp(
         dcp.load(state, checkpoint_id=out_dir)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     """
+    if is_url(out_dir):  # written locally, then uploaded file by file (offline/publish.py)
+        with output_for(str(out_dir)) as local:
+            return to_dcp(source, local, model_key=model_key, optim_key=optim_key, param_order=param_order,
+                          optimizer_keys=optimizer_keys, allow_globals=allow_globals, progress=progress,
+                          max_mapped_bytes=max_mapped_bytes)  # fmt: skip
     _check_empty(Path(out_dir))
     with open_source(
         source, layout=param_order, optimizer_keys=optimizer_keys, allow_globals=allow_globals,

@@ -28,12 +28,14 @@ from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.atomic import durable_write, load_file
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import staged_output, write_stream
+from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats import hf_safetensors as hf
 from fsdp_optim.formats.fullstate import read_meta
 from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.operations import full_state
+from fsdp_optim.offline.publish import output_for
 from fsdp_optim.offline.sources import Kind, Opened, open_source
 from fsdp_optim.offline.whole import ModelTensor, is_whole, whole_model
 
@@ -66,6 +68,11 @@ def to_safetensors(
     A shard set's wrapper extras (``loss_scale``) and other keys are not kept. ``layout``, ``optimizer`` and
     ``allow_globals`` apply as :mod:`fsdp_optim.offline.sources` says (a fairscale-native dict needs ``layout``).
     """
+    if is_url(out):  # written locally, then uploaded (offline/publish.py)
+        with output_for(str(out)) as local:
+            return to_safetensors(source, local, layout=layout, optimizer=optimizer, allow_globals=allow_globals,
+                                  progress=progress, max_mapped_bytes=max_mapped_bytes,
+                                  max_shard_size=max_shard_size)  # fmt: skip
     with open_source(
         source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as opened:

@@ -41,7 +41,9 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.disk.locations import downloaded
 from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fairseq import shards as fairseq_shards
 from fsdp_optim.formats.fullstate import full_dict_source
@@ -49,7 +51,12 @@ from fsdp_optim.formats.kinds import Kind, detect
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.plain import name_plain_dict
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import (
+    DEFAULT_MAPPED_BYTES,
+    ShardedCheckpoint,
+    is_sharded_checkpoint,
+    read_manifest,
+)
 from fsdp_optim.offline.fairseq import ShardSet
 from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
 
@@ -142,6 +149,10 @@ def open_source(
     ``describe_only`` (inspect): a fairscale-native dict is opened without a layout, as ``raw`` only.
     ``param_names``: ``given`` is a plain optimizer's ``state_dict()``, named by these (a module, names or
     ``{name: shape}``: :func:`fsdp_optim.formats.plain.name_optimizer_state`) into a full dict."""
+    if isinstance(given, str) and is_url(given) and not is_sharded_checkpoint(given):  # one object: fetched whole
+        with downloaded(given) as local, open_source(local, **_options(locals())) as opened:
+            yield opened
+        return
     label = "the full dict" if isinstance(given, Mapping) else str(given)
     if param_names is not None:
         yield _open_plain(given, label, param_names, layout=layout, optimizer=optimizer, target=target)
@@ -180,6 +191,13 @@ def open_source(
                          manifest=ckpt.manifest, checkpoint=ckpt)
         return
     yield _open_loaded(kind, label, obj, given, layout, optimizer)
+
+
+def _options(arguments: dict[str, Any]) -> dict[str, Any]:
+    """:func:`open_source`'s keyword options out of its ``locals()`` (to open a downloaded copy the same way)."""
+    names = ("layout", "optimizer", "allow_globals", "optimizer_keys", "target", "describe_only", "max_mapped_bytes",
+             "param_names")  # fmt: skip
+    return {name: arguments[name] for name in names}
 
 
 def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: str | None, target: bool) -> Opened:

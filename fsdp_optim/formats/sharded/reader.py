@@ -30,20 +30,19 @@ from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.objects import check_tree
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where, is_url
-from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
-from fsdp_optim.formats.sharded.manifest import (
-    LEGACY_MANIFEST_NAME,
-    MANIFEST_NAME,
-    MANIFEST_NAMES,
-    Manifest,
-    manifest_source,
-    read_torch_header,
-    unwrap,
+from fsdp_optim.formats.sharded.locate import (  # re-exported: what finds a checkpoint, beside what reads it
+    checkpoint_dir,
+    is_json_manifest,
+    is_sharded_checkpoint,
+    manifest_file,
+    read_manifest,
+    source_kind,
 )
-from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json
+from fsdp_optim.formats.sharded.manifest import (
+    manifest_source,
+)
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
 from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
@@ -55,133 +54,12 @@ __all__ = [
     "is_json_manifest",
     "is_sharded_checkpoint",
     "load_file",
+    "manifest_file",
     "read_manifest",
     "source_kind",
 ]
 
 DEFAULT_MAPPED_BYTES = 64 << 20
-
-
-def checkpoint_dir(path: str | os.PathLike[str] | ObjectStore) -> Where:
-    """The directory of a sharded checkpoint given the directory or its manifest file; for a URL (or a store), the
-    :class:`~fsdp_optim.disk.storage.ObjectStore` of its prefix."""
-    if isinstance(path, ObjectStore) or is_url(path):
-        return _store_of(path)
-    path = Path(path)
-    return path.parent if path.is_file() else path
-
-
-def _store_of(path: str | os.PathLike[str] | ObjectStore) -> ObjectStore:
-    """The store of a URL naming a checkpoint's prefix or its manifest."""
-    if isinstance(path, ObjectStore):
-        return path
-    text = str(path).rstrip("/")
-    return ObjectStore.open(text.rsplit("/", 1)[0] if text.rsplit("/", 1)[-1] in MANIFEST_NAMES else text)
-
-
-def manifest_file(directory: Path) -> Path | None:
-    """The manifest of the checkpoint in ``directory``: ``manifest.json`` (formats 2, 3), else ``manifest.pt`` (1)."""
-    # lexists: a manifest that is not a regular file is refused saying so when it is read.
-    return next((directory / n for n in MANIFEST_NAMES if os.path.lexists(directory / n)), None)
-
-
-def is_sharded_checkpoint(path: str | os.PathLike[str] | ObjectStore) -> bool:
-    """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read); a URL is one
-    when its prefix holds a ``manifest.json``."""
-    if isinstance(path, ObjectStore) or is_url(path):
-        return _store_of(path).size(MANIFEST_NAME) is not None
-    path = Path(path)
-    return manifest_file(path) is not None if path.is_dir() else path.name in MANIFEST_NAMES and path.is_file()
-
-
-def source_kind(path: str | os.PathLike[str] | ObjectStore) -> str:
-    """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"``.
-
-    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory without a manifest. A URL is a
-    sharded checkpoint or nothing (a full dict file in a store is not read from there).
-    """
-    if isinstance(path, ObjectStore) or is_url(path):
-        if is_sharded_checkpoint(path):
-            return "sharded"
-        raise FileNotFoundError(
-            f"{path}: no {MANIFEST_NAME} under this prefix (not a sharded checkpoint, or a save that never committed); "
-            "from a URL only sharded checkpoints are read"
-        )
-    path = Path(path)
-    if is_sharded_checkpoint(path):
-        return "sharded"
-    if path.is_dir():
-        raise ValueError(
-            f"{path}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} or "
-            f"{LEGACY_MANIFEST_NAME} "
-            "(a save that never finished leaves none), and not a full dict file"
-        )
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory (there is no such checkpoint directory or file)")
-    return "file"
-
-
-def read_manifest(path: str | os.PathLike[str] | ObjectStore) -> Manifest:
-    """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file (or a URL of a
-    checkpoint's prefix or manifest)."""
-    if isinstance(path, ObjectStore) or is_url(path):
-        return _read_remote_manifest(_store_of(path))
-    path = Path(path)
-    file = manifest_file(path) if path.is_dir() else path
-    if file is None or not os.path.lexists(file):
-        if path.is_dir():
-            raise ValueError(
-                f"{path}: not a sharded checkpoint directory (no {MANIFEST_NAME} or {LEGACY_MANIFEST_NAME}; a save "
-                "that never finished leaves none)"
-            )
-        raise FileNotFoundError(f"{path}: no such checkpoint directory or file")
-    follow = file.name not in MANIFEST_NAMES  # a manifest is never followed through a symlink (a layout file is)
-    if file.suffix == ".json" or _starts_with_brace(file):  # a JSON manifest (a layout file, whatever its name)
-        return manifest_from_json(_read_bounded(file, follow_symlinks=follow), source=str(file))
-    obj = load_file(file, follow_symlinks=follow)
-    read_torch_header(obj, "manifest", source=str(file), covered="body")  # its kind first, then what it holds
-    check_tree(obj, str(file))
-    _, body = unwrap(obj, "manifest", source=str(file))
-    return Manifest.from_dict(body, source=str(file))
-
-
-def _read_remote_manifest(store: ObjectStore) -> Manifest:
-    try:
-        data = store.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        raise ValueError(
-            f"{store}: not a sharded checkpoint (no {MANIFEST_NAME} under this prefix; a save that never committed "
-            "leaves none)"
-        ) from None
-    return manifest_from_json(data, source=str(store / MANIFEST_NAME))
-
-
-def is_json_manifest(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a regular file that starts like a JSON document (a layout file of ours, or a manifest)."""
-    return Path(path).is_file() and _starts_with_brace(Path(path))
-
-
-def _starts_with_brace(file: Path) -> bool:
-    """Whether a regular file's first byte is ``{`` (JSON; a torch file starts with a zip header)."""
-    try:
-        fd, _ = open_regular(file)
-    except (OSError, ValueError):
-        return False  # the torch reader says what is wrong with it
-    try:
-        return os.pread(fd, 1, 0) == b"{"
-    finally:
-        os.close(fd)
-
-
-def _read_bounded(file: Path, *, follow_symlinks: bool) -> bytes:
-    fd, st = open_regular(file, follow_symlinks=follow_symlinks)
-    try:
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise ValueError(f"{file}: {st.st_size} bytes, above the bound for a manifest ({MAX_MANIFEST_BYTES})")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(st.st_size + 1)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""Where a path leads: :func:`where` (a local ``Path`` or an :class:`~fsdp_optim.disk.storage.ObjectStore`),
+:func:`open_store` (the public way to name a store with its own settings), and :func:`downloaded` (one object fetched
+whole, for the readers that take a local file)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fsdp_optim.disk.storage import ObjectStore, Where, is_url
+
+__all__ = ["downloaded", "open_store", "where"]
+
+
+def where(path: str | os.PathLike[str] | ObjectStore, storage_options: Mapping[str, Any] | None = None) -> Where:
+    """A local path as a ``Path``, a URL as its :class:`ObjectStore`, a store as itself."""
+    if isinstance(path, ObjectStore):
+        return path
+    if is_url(path):
+        return ObjectStore.open(str(path), storage_options)
+    return Path(path)
+
+
+@contextmanager
+def downloaded(url: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[Path]:
+    """The single object at ``url`` (a full dict file, a named safetensors file, a layout file...) fetched whole into
+    a local temporary file of the same name, removed after the block: for the readers that take a file. A sharded
+    checkpoint is never fetched this way (its readers fetch only the ranges they need)."""
+    text = url.rstrip("/")
+    parent, name = text.rsplit("/", 1)
+    store = ObjectStore.open(parent, storage_options)
+    size = store.size(name)
+    if size is None:
+        raise FileNotFoundError(
+            f"{text}: no such object, and no manifest.json under it (not a sharded checkpoint's prefix either)"
+        )
+    scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
+    try:
+        local = scratch / name
+        store._retry(lambda: store.fs.get_file(store.key(name), str(local)), f"{text}: downloading it")
+        if local.stat().st_size != size:
+            raise OSError(f"{text}: downloaded {local.stat().st_size} of {size} bytes")
+        yield local
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def open_store(url: str, **storage_options: Any) -> ObjectStore:
+    """The object store (or fsspec filesystem) prefix at ``url``, to pass wherever a checkpoint path is taken.
+
+    ``storage_options`` go to the filesystem (for S3, s3fs's: ``key``, ``secret``, ``client_kwargs={"endpoint_url":
+    ...}``...); without them the standard places are used (for S3 the AWS environment, ``AWS_ENDPOINT_URL``
+    included, and config files). The store pickles (a spawned rank gets the same filesystem settings)::
+
+        store = fsdp_optim.open_store("s3://bucket/run/step-100", client_kwargs={"endpoint_url": url})
+        fsdp_optim.save_checkpoint(model, optim, store)
+    """
+    if not is_url(url):
+        raise ValueError(f"url: expected a URL with a scheme (s3://, gs://, memory://...), found {url!r}")
+    return ObjectStore.open(url, storage_options)
+
+
