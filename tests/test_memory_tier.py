@@ -29,6 +29,7 @@ from _checks import assert_identical
 from _dist import run_ranks
 
 import fsdp_optim
+from fsdp_optim.cli import main
 from fsdp_optim.core.memory_plan import Fetch, Holding, choose_step, fetch_plan, replica_peers
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 
@@ -130,8 +131,15 @@ def _scenario(trained: tuple[Path, Path], shm: Path, lost: list[str]) -> tuple[P
     return root, shm
 
 
-def test_lose_a_node_restore_at_fewer_ranks(trained: tuple[Path, Path], shm: Path) -> None:
+def test_lose_a_node_restore_at_fewer_ranks(trained: tuple[Path, Path], shm: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     root, memory = _scenario(trained, shm, ["1"])
+    assert main(["list", str(root), "--quick", "--memory-dir", str(memory)]) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory")]
+    # steps 4 and 6 kept on nodes 0 and 2, each holding its own 2 ranks' files and node 1's or 2's replicas
+    assert [line.split()[1:4] for line in listed] == [["node-0", "step", "6"], ["node-0", "step", "4"],
+                                                       ["node-2", "step", "6"], ["node-2", "step", "4"]], listed  # fmt: skip
+    assert all("holds 8 of 12 files" in line for line in listed), listed
     results = run_ranks(_restore, 4, str(root), str(memory), ["0", "0", "2", "2"], "deep")
     _check(results, root, "memory", 6)
     assert not any(r["warnings"] for r in results), results[0]["warnings"]

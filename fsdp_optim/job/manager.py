@@ -236,7 +236,8 @@ class CheckpointManager:
                 _log.info("CheckpointManager restored step %s from the memory tiers of %s nodes", found.step,
                           found.nodes)  # fmt: skip
                 return found.extra
-            self._say_fallback(model, found.step, found.nodes, durable)
+            if durable is not None:  # (nothing anywhere: a fresh run, nothing to say)
+                self._say_fallback(model, found.step, found.nodes, durable)
         if step is None:
             step = self.latest()
             if step is None:

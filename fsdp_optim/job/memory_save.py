@@ -17,7 +17,6 @@ Layout on disk: :mod:`fsdp_optim.formats.sharded.memory_tier`.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import (
     Marker,
+    default_memory_dir,
     node_dir,
     node_name,
     prune_node,
@@ -83,7 +83,7 @@ def memory_tier(
     if node is None:
         node = os.environ.get(NODE_ENV) or rank // int(os.environ.get("LOCAL_WORLD_SIZE") or (rank + 1))
     if memory_dir is None:
-        memory_dir = Path("/dev/shm") / f"fsdp_optim-{hashlib.sha1(str(root.absolute()).encode()).hexdigest()[:12]}"
+        memory_dir = default_memory_dir(root)
     return MemoryTier(Path(memory_dir), node_name(node), replicas, keep)
 
 

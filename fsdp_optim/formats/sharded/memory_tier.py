@@ -16,6 +16,7 @@ save id in the directory name keeps a step saved again (a resumed run) apart fro
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -30,6 +31,7 @@ from fsdp_optim.disk.json_input import loads
 __all__ = [
     "MARKER_NAME",
     "Marker",
+    "default_memory_dir",
     "node_dir",
     "node_name",
     "prune_node",
@@ -89,6 +91,11 @@ def node_name(node: object) -> str:
     if not _NODE.match(name):
         raise ValueError(f"node: expected a name of letters, digits, '_', '.', '-' (at most 64), found {name!r}")
     return name
+
+
+def default_memory_dir(root: Path) -> Path:
+    """A manager's memory directory unless given: ``/dev/shm/fsdp_optim-<12 hex of its root's absolute path>``."""
+    return Path("/dev/shm") / f"fsdp_optim-{hashlib.sha1(str(Path(root).absolute()).encode()).hexdigest()[:12]}"
 
 
 def node_dir(memory_dir: Path, node: str) -> Path:
