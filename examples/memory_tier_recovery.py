@@ -77,7 +77,7 @@ def main() -> int:
     try:
         try:
             mp.start_processes(_rank, args=(8, _port(), str(work), True), nprocs=8, start_method="spawn")
-        except mp.ProcessException as exc:
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
             print(f"phase 1 ended: {exc}".splitlines()[0], flush=True)
         shutil.rmtree(work / "memory" / "node-3")  # node 3's memory went with it
         mp.start_processes(_rank, args=(6, _port(), str(work), False), nprocs=6, start_method="spawn")
