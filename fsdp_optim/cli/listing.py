@@ -6,6 +6,10 @@
 
 Every file of every step is verified (what ``fsdp-optim verify`` reads), unless ``--quick`` (sizes only). Exits 0
 whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage).
+
+``--memory-dir DIR`` adds what the memory tier of the nodes on this machine holds (complete steps only)::
+
+    memory node-0  step 6  complete  world size 8  holds 4 of 16 files  24.1 MiB
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_optim.cli.inspect import human_bytes
 
 if TYPE_CHECKING:
+    from fsdp_optim.disk.storage import ObjectStore
     from fsdp_optim.formats.sharded.steps import StepDir
 
 __all__ = ["run_list"]
@@ -28,15 +33,39 @@ def run_list(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.formats.sharded.steps import find_step_dirs, survey_step
 
     root = where(args.root)  # a local directory, or a prefix of an object store
-    if isinstance(root, Path) and not root.is_dir():
+    memory = _memory(root, getattr(args, "memory_dir", None))
+    if isinstance(root, Path) and not root.is_dir() and memory is None:
         raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
     found = [survey_step(step, path, verify=not args.quick) for step, path in find_step_dirs(root)]
     if args.json:
-        return [json.dumps({"root": str(root), "steps": [_record(d) for d in found]})]
+        return [json.dumps({"root": str(root), "steps": [_record(d) for d in found], "memory": memory or []})]
+    memory_lines = [_memory_line(m) for m in memory or []]
     if not found:
-        return [f"{root}: no step directories (step-NNNNNNNN)"]
+        return [f"{root}: no step directories (step-NNNNNNNN)", *memory_lines]
     width = len(str(max(d.step for d in found)))
-    return [_line(d, width) for d in found]
+    return [*(_line(d, width) for d in found), *memory_lines]
+
+
+def _memory(root: Path | ObjectStore, memory_dir: str | None) -> list[dict[str, Any]] | None:
+    """What the memory tier under ``memory_dir`` holds, one record per node and complete step; None without it."""
+    if memory_dir is None:
+        return None
+    from fsdp_optim.formats.sharded.memory_tier import default_memory_dir, read_holdings
+
+    directory = default_memory_dir(root) if memory_dir == "default" else Path(memory_dir)
+    nodes = sorted(p for p in directory.glob("node-*") if p.is_dir()) if directory.is_dir() else []
+    return [
+        {"node": node.name, "step": h.step, "save_id": h.save_id, "world_size": h.world_size,
+         "held": len(h.held), "files": len(h.files), "bytes": sum(n for f, n in h.files if f in h.held)}
+        for node in nodes for h in read_holdings(node)
+    ]  # fmt: skip
+
+
+def _memory_line(m: dict[str, Any]) -> str:
+    return (
+        f"memory {m['node']}  step {m['step']}  complete  world size {m['world_size']}  holds {m['held']} of "
+        f"{m['files']} files  {human_bytes(m['bytes'])}"
+    )
 
 
 def _holds(d: StepDir) -> str:

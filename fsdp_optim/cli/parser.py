@@ -61,6 +61,11 @@ def _add_list(verbs: Any) -> None:
     p.add_argument(
         "--quick", action="store_true", help="check the files' presence and sizes only (default: every checksum)"
     )
+    p.add_argument(
+        "--memory-dir",
+        help="also list the memory tier of this machine's nodes under this directory (CheckpointManager's memory_dir; "
+        "'default' for the manager's default, /dev/shm/fsdp_optim-<hash of ROOT>)",
+    )
     p.set_defaults(run=run_list)
 
 

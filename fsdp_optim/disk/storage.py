@@ -11,7 +11,7 @@ unique to the save and then creating the manifest with a *conditional put* (:met
 ``If-None-Match: *`` where there was none, ``If-Match: <etag>`` over the one this save replaces. Two writers of one
 prefix cannot both commit; the loser gets :class:`ConcurrentCommitError`. S3 (and S3-compatible stores answering
 412) gives that guarantee. Other fsspec filesystems get a weaker mode that checks and then writes
-(:attr:`ObjectStore.conditional` is ``False``); the docs say so.
+(``ObjectStore.conditional`` is ``False``); the docs say so.
 
 Every read is ranged (:meth:`ObjectStore.read_range`) and retried with backoff on transient errors and short
 bodies; the bytes are then checked by the caller against the manifest's checksums.

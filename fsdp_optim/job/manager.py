@@ -16,6 +16,7 @@ skipping torn and damaged ones and saying why.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -28,15 +29,20 @@ from torch import nn
 from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
 from fsdp_optim.formats.sharded.steps import step_dir as step_path
 from fsdp_optim.job.async_save import AsyncSave
+from fsdp_optim.job.memory_restore import restore_from_memory
+from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, group_initialized
 from fsdp_optim.job.whole_load import load_checkpoint
 from fsdp_optim.job.whole_save import async_save_checkpoint, save_checkpoint
 
 __all__ = ["CheckpointManager", "SkippedStep"]
+
+_log = logging.getLogger("fsdp_optim")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,15 @@ class CheckpointManager:
     the optimizer's next ``step()`` waits for the copy): the save is waited for, and pruned after, at the next
     :meth:`save` that saves, at :meth:`wait`, :meth:`latest` and :meth:`restore`. Call :meth:`wait` before the
     process exits. A model saved without an optimizer is saved synchronously.
+
+    ``memory_every=N`` adds the memory tier (:mod:`fsdp_optim.job.memory_save`): every N steps the whole state also
+    goes into each node's host memory (``memory_dir``, default ``/dev/shm/fsdp_optim-<hash of root>``; a tmpfs that
+    outlives the process), with ``replicas`` copies of each rank's files on other nodes, blocking the loop as long
+    as an async save does; each node keeps its newest ``keep_memory`` complete steps (``memory_bytes``: what this
+    rank's node holds after the last one). :meth:`restore` then loads the newest step that the live nodes hold whole,
+    at any world size, unless durable storage holds a newer one; ``restored_from`` says which (``"memory"``,
+    ``"durable"`` or None) and ``restored_step`` the step. ``node`` names this rank's node (default
+    ``$FSDP_OPTIM_NODE``, else ``rank // $LOCAL_WORLD_SIZE``, torchrun's grouping).
     """
 
     def __init__(
@@ -71,8 +86,23 @@ class CheckpointManager:
         keep: int,
         keep_every: int | None = None,
         async_save: bool = False,
+        memory_every: int | None = None,
+        replicas: int = 1,
+        memory_dir: str | os.PathLike[str] | None = None,
+        node: str | int | None = None,
+        keep_memory: int = 2,
     ) -> None:
         check_schedule(every, keep, keep_every)
+        if memory_every is not None:
+            check_schedule(memory_every, keep_memory, None)
+            if type(replicas) is not int or replicas < 0:
+                raise ValueError(f"replicas: expected an int >= 0, found {replicas!r}")
+        self.memory_every, self.replicas, self.keep_memory = memory_every, replicas, keep_memory
+        self.memory_dir, self.node = memory_dir, node_name(node) if node is not None else None
+        self._memory: tuple[AsyncSave | Path, MemoryTier] | None = None  # a memory-tier save in flight
+        self.memory_bytes: int | None = None  # what this rank's node's memory tier held after its last save
+        self.restored_from: str | None = None  # what the last restore() loaded from: "memory", "durable", None
+        self.restored_step: int | None = None
         self.async_save = async_save
         self._pending: tuple[int, AsyncSave, int] | None = None  # (step, its handle, this rank) of a save in flight
         self.root = where(root)  # a local directory, or a prefix of an object store
@@ -92,9 +122,11 @@ class CheckpointManager:
     ) -> Path | ObjectStore | None:
         """Call on every rank after every step: when ``step % every == 0``, save the whole state into
         :meth:`path` (``save_checkpoint``: a collective; a step saved before is replaced atomically) and return
-        that directory; else return None at once (no collective, no file access). A torn save of that step (a run
-        killed mid-save) is cleaned up first; a step directory holding foreign files, or a manifest that is not
-        readable as ours, is refused on every rank (``ForeignOutputError``), never overwritten.
+        that directory; else return None at once (no collective, no file access). When ``step % memory_every == 0``
+        the step also goes into the memory tier (in the background when there is an optimizer; a collective).
+        A torn save of that step (a run killed mid-save) is cleaned up first; a step directory holding foreign
+        files, or a manifest that is not readable as ours, is refused on every rank
+        (``ForeignOutputError``), never overwritten.
 
         After the save committed, rank 0 prunes (no collective): every step directory of ours older than ``step``
         that is not kept (the newest ``keep`` complete steps up to ``step``, every complete step divisible by
@@ -104,9 +136,15 @@ class CheckpointManager:
         fails warns rather than raises, so that every rank goes on to the same next step.
         """
         directory = self.path(step)
-        if step % self.every != 0:
+        memory = self.memory_every is not None and step % self.memory_every == 0
+        if step % self.every != 0 and not memory:
             return None
         self.wait()
+        if memory:
+            tier = self._tier()
+            self._memory = (save_to_memory(model, optim, tier, step, extra=extra), tier)
+        if step % self.every != 0:
+            return None
         rank, _ = dist_rank_and_size(verify_root(model).group)
         if self.async_save and optim is not None:
             self._pending = (step, async_save_checkpoint(model, optim, directory, extra=extra), rank)
@@ -117,7 +155,14 @@ class CheckpointManager:
 
     def wait(self) -> Path | ObjectStore | None:
         """Wait for the async save in flight, if any (raising its error on every rank), then prune after it; the
-        directory it committed, or None. A collective when a save is in flight."""
+        directory it committed, or None. A collective when a save is in flight. A memory-tier save in flight is
+        waited for first (its error raised on every rank)."""
+        if self._memory is not None:
+            handle, tier = self._memory
+            self._memory = None
+            if isinstance(handle, AsyncSave):
+                handle.wait()
+            self.memory_bytes = tier_bytes(tier.node_dir())
         if self._pending is None:
             return None
         step, handle, rank = self._pending
@@ -178,13 +223,54 @@ class CheckpointManager:
     def restore(self, model: nn.Module, optim: torch.optim.Optimizer | None, step: int | None = None) -> Any:
         """Load ``step`` (default: :meth:`latest`) into ``model`` and ``optim`` with :func:`fsdp_optim.load_checkpoint`
         and return its ``extra``; None when there is nothing to restore (no usable step: a fresh run). A collective:
-        call on every rank."""
+        call on every rank.
+
+        With the memory tier (``memory_every``) and no ``step`` given, the newest step the live nodes' memory tiers
+        hold whole is restored (:func:`fsdp_optim.job.memory_restore.restore_from_memory`), unless durable storage
+        holds a newer complete step; when no step survives whole in memory, a warning says so and the newest durable
+        step is restored. ``restored_from`` and ``restored_step`` say what was loaded."""
         self.wait()
+        self.restored_from, self.restored_step = None, None
+        if step is None and self.memory_every is not None:
+            durable = self._newest_durable(model)
+            found = restore_from_memory(model, optim, self._tier(), older_than_durable=durable)
+            if found.loaded:
+                self.restored_from, self.restored_step = "memory", found.step
+                _log.info("CheckpointManager restored step %s from the memory tiers of %s nodes", found.step,
+                          found.nodes)  # fmt: skip
+                return found.extra
+            if durable is not None:  # (nothing anywhere: a fresh run, nothing to say)
+                self._say_fallback(model, found.step, found.nodes, durable)
         if step is None:
             step = self.latest()
             if step is None:
                 return None
-        return load_checkpoint(model, optim, self.path(step))
+        extra = load_checkpoint(model, optim, self.path(step))
+        self.restored_from, self.restored_step = "durable", step
+        return extra
+
+    def _tier(self) -> MemoryTier:
+        rank, _ = dist_rank_and_size(None)
+        return memory_tier(self.root, memory_dir=self.memory_dir, node=self.node, replicas=self.replicas,
+                           keep=self.keep_memory, rank=rank)  # fmt: skip
+
+    def _newest_durable(self, model: nn.Module) -> int | None:
+        """The newest durable step with a manifest and every file of its size (not yet verified byte by byte):
+        rank 0 looks, every rank learns it (one broadcast)."""
+        group = verify_root(model).group
+        rank, _ = dist_rank_and_size(group)
+        found = None
+        if rank == 0:
+            steps = [survey_step(s, p, verify=False) for s, p in find_step_dirs(self.root)]
+            found = max((d.step for d in steps if d.state == COMPLETE), default=None)
+        return broadcast_object(found, src=0, group=group)
+
+    def _say_fallback(self, model: nn.Module, memory: int | None, nodes: int, durable: int | None) -> None:
+        if dist_rank_and_size(verify_root(model).group)[0] != 0:
+            return
+        held = f"no step survives whole in the memory tiers of the {nodes} live nodes" if memory is None else (
+            f"the memory tiers hold step {memory}, older than durable step {durable}")
+        warnings.warn(f"CheckpointManager.restore: {held}; restoring from durable storage {self.root}", stacklevel=3)
 
 
 def _find_latest(root: Path | ObjectStore) -> tuple[int | None, list[SkippedStep]]:

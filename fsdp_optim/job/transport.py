@@ -36,6 +36,7 @@ __all__ = [
     "broadcast_from_each_rank",
     "broadcast_object",
     "dist_rank_and_size",
+    "exchange_bytes",
     "new_gloo_group",
     "gather_flat_tensors",
     "gather_objects",
@@ -189,6 +190,22 @@ def gather_flat_tensors(
     # the process group's timeout at worst).
     dist.barrier(group=group)
     return outputs if receiving else None
+
+
+def exchange_bytes(
+    sends: Sequence[tuple[int, torch.Tensor]], receives: Sequence[tuple[int, int]], *, group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Point to point: send each ``(dst, 1-D uint8 tensor)`` and receive each ``(src, nbytes)`` into a new uint8
+    tensor (returned in ``receives`` order). Messages between two ranks match in the order both sides list them.
+    Every receive is posted before any send, so no pair of ranks waits on the other. Cost: one message per item."""
+    device = _comm_device(group)
+    out = [torch.empty(n, dtype=torch.uint8, device=device) for _, n in receives]
+    pending = [dist.irecv(buf, src=_global(group, src), group=group) for buf, (src, n) in zip(out, receives) if n]
+    pending += [dist.isend(t.to(device), dst=_global(group, dst), group=group) for dst, t in sends if t.numel()]
+    for work in pending:
+        assert work is not None, "isend/irecv of a group this rank belongs to return a work handle"
+        work.wait()
+    return [t.cpu() for t in out]
 
 
 # ---------------------------------------------------------------------------------------------------

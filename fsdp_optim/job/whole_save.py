@@ -31,7 +31,7 @@ from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.sharded import Side, commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.transport import agree, all_gather_objects
 
-__all__ = ["async_save_checkpoint", "save_checkpoint"]
+__all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,15 @@ def async_save_checkpoint(
         root.layout, prepared.local, staged, optimizer, directory, save_id, group, lock=lock, side=side
     )
     return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
+
+
+def prepare_whole(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any, *, copy_buffers: bool = False
+) -> tuple[_Prepared, Side]:
+    """A whole save's checked input on every rank (agreed; nothing written) and its :class:`Side` (the side file
+    writer and the manifest's training section), for savers that write elsewhere (the memory tier)."""
+    prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=copy_buffers)
+    return prepared, Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
 
 
 def _prepare_everywhere(

@@ -1,0 +1,134 @@
+"""Pure rules of the memory tier: where replicas go, which step the surviving nodes hold whole, who sends what.
+
+A job's ranks sit on nodes (``nodes[r]``: rank r's node name). Nodes are ordered by their first rank; rank ``r``,
+the ``i``-th rank of node ``a``, replicates its files to the ``i``-th rank (modulo that node's size) of nodes
+``a+1 .. a+replicas`` (modulo the node count)::
+
+    nodes = ["0", "0", "1", "1", "2", "2"], replicas = 1
+    replica_peers(nodes, 1) == ((2,), (3,), (4,), (5,), (0,), (1,))
+
+After a failure, each live rank reports what its node holds (:class:`Holding` per complete step); a step is
+restorable when every one of its files is held by the node of at least one live rank. Every rank computes the
+same answer from the same all-gathered reports: no further agreement is needed. No file access, no collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Chosen", "Fetch", "Holding", "choose_step", "fetch_plan", "node_ranks", "replica_peers", "sources_of"]
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One complete step in one node's memory: the step's files (``{name: bytes}``, every rank and side file of
+    the save) and those of them this node holds, each present with its recorded size."""
+
+    step: int
+    save_id: str
+    dirname: str  # the step directory's name inside the node directory
+    world_size: int  # the saved world size
+    files: tuple[tuple[str, int], ...]  # (name, bytes) of every file of the step, sorted
+    held: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The step every rank restores: its files and, per file, the live ranks whose node holds it."""
+
+    step: int
+    save_id: str
+    dirname: str
+    world_size: int
+    files: tuple[tuple[str, int], ...]
+    holders: tuple[tuple[str, tuple[int, ...]], ...]  # (file name, live ranks whose node holds it), sorted
+
+    def sizes(self) -> dict[str, int]:
+        return dict(self.files)
+
+    def holder_ranks(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.holders)
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """One file sent point to point: ``src`` (its node holds it) to ``dst`` (writes it into its node's memory)."""
+
+    src: int
+    dst: int
+    file: str
+    nbytes: int
+
+
+def node_ranks(nodes: Sequence[str]) -> dict[str, list[int]]:
+    """``{node: its ranks, ascending}``, nodes in order of their first rank (dicts keep insertion order)."""
+    out: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        out.setdefault(node, []).append(rank)
+    return out
+
+
+def replica_peers(nodes: Sequence[str], replicas: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the ranks (on other nodes) that keep a replica of its files; at most ``node count - 1`` each."""
+    by_node = node_ranks(nodes)
+    order = list(by_node)
+    copies = min(replicas, len(order) - 1)
+    peers = []
+    for rank, node in enumerate(nodes):
+        a, i = order.index(node), by_node[node].index(rank)
+        targets = (by_node[order[(a + k) % len(order)]] for k in range(1, copies + 1))
+        peers.append(tuple(t[i % len(t)] for t in targets))
+    return tuple(peers)
+
+
+def sources_of(peers: Sequence[Sequence[int]], rank: int) -> tuple[int, ...]:
+    """The ranks whose replicas ``rank`` receives, ascending (the order both sides post their messages in)."""
+    return tuple(src for src, targets in enumerate(peers) if rank in targets)
+
+
+def choose_step(holdings: Sequence[Sequence[Holding]]) -> Chosen | None:
+    """The newest step (then the greatest save id) whose every file some live rank's node holds; None if none.
+
+    ``holdings[r]``: what live rank r's node holds (the ranks of one node report the same)."""
+    union: dict[tuple[int, str], set[str]] = {}
+    first: dict[tuple[int, str], Holding] = {}
+    for report in holdings:
+        for h in report:
+            union.setdefault((h.step, h.save_id), set()).update(h.held)
+            first.setdefault((h.step, h.save_id), h)
+    whole = [key for key, held in union.items() if {name for name, _ in first[key].files} <= held]
+    if not whole:
+        return None
+    h = first[max(whole)]
+    holders = {name: tuple(r for r, rep in enumerate(holdings) if _holds(rep, h, name)) for name, _ in h.files}
+    return Chosen(h.step, h.save_id, h.dirname, h.world_size, h.files, tuple(sorted(holders.items())))
+
+
+def _holds(report: Sequence[Holding], chosen: Holding, name: str) -> bool:
+    return any(h.step == chosen.step and h.save_id == chosen.save_id and name in h.held for h in report)
+
+
+def fetch_plan(
+    chosen: Chosen, nodes: Sequence[str], needs: Sequence[Sequence[str]], has: Mapping[str, frozenset[str]]
+) -> tuple[Fetch, ...]:
+    """The files to send so that every rank's node holds what rank r ``needs[r]`` (its load plan's files).
+
+    ``has[node]``: the files of the step that node holds already. A file a node lacks is fetched once per node,
+    by its lowest rank that needs it, from the holder rank that has sent the fewest bytes so far (then the lowest)."""
+    sizes, holders = chosen.sizes(), chosen.holder_ranks()
+    sent: dict[int, int] = {}
+    assigned: set[tuple[str, str]] = set()
+    out = []
+    for dst, names in enumerate(needs):
+        for name in sorted(set(names)):
+            node = nodes[dst]
+            if name in has.get(node, frozenset()) or (node, name) in assigned:
+                continue
+            if name not in holders or not holders[name]:
+                raise ValueError(f"{name}: rank {dst} needs it, but no live rank's node holds it (holders: none)")
+            src = min(holders[name], key=lambda r: (sent.get(r, 0), r))
+            sent[src] = sent.get(src, 0) + sizes[name]
+            assigned.add((node, name))
+            out.append(Fetch(src, dst, name, sizes[name]))
+    return tuple(out)
