@@ -183,6 +183,12 @@ def test_refusals_say_what_and_write_nothing(s3_server: Any, tmp_path: Path) -> 
     store = fsdp_optim.open_store(url, **s3_server.storage_options)
     assert "no such object, and no manifest.json under it" in _cli(s3_server, "inspect", url, ok=False)
     assert "no filesystem for the scheme" in _cli(s3_server, "verify", "nosuchscheme://x/y", ok=False)
+    run_ranks(_save_only, 2, fsdp_optim.open_store(f"{url}-ok", **s3_server.storage_options))
+    assert "is also an input" in _cli(s3_server, "reshard", f"{url}-ok", "--world-size", "1", "-o", f"{url}-ok",
+                                      ok=False)  # fmt: skip
+    _cli(s3_server, "reshard", f"{url}-ok", "--world-size", "1", "-o", f"{url}-w1")
+    assert "pass --overwrite" in _cli(s3_server, "reshard", f"{url}-ok", "--world-size", "3", "-o", f"{url}-w1",
+                                      ok=False)  # fmt: skip
     store.fs.pipe_file(store.key("notes.txt"), b"mine")
     with pytest.raises(Exception, match="not an fsdp_optim checkpoint's"):
         run_ranks(_save_only, 2, store)

@@ -127,7 +127,9 @@ def _run_verb(args: argparse.Namespace) -> Any:
     url = getattr(args, "output", None)
     if not isinstance(url, str) or not is_url(url):
         return args.run(args)
-    with output_for(url, overwrite=bool(getattr(args, "overwrite", False))) as local:
+    inputs = [getattr(args, name, None) for name in ("source", "directory", "layout")]
+    overwrite = bool(getattr(args, "overwrite", False))
+    with output_for(url, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as local:
         args.output = str(local)
         result = args.run(args)
     args.output = url

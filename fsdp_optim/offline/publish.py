@@ -15,26 +15,39 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from fsdp_optim.disk.storage import ObjectStore, is_url
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.store_commit import begin_store_save, commit_manifest, tidy
 
 __all__ = ["output_for", "publish_checkpoint", "publish_files"]
 
 
 @contextmanager
-def output_for(out: str | os.PathLike[str] | ObjectStore, *, overwrite: bool = False) -> Iterator[Path]:
+def output_for(
+    out: str | os.PathLike[str] | ObjectStore,
+    *,
+    overwrite: bool = False,
+    inputs: Iterable[object] = (),
+    keep_checkpoint: bool = False,
+) -> Iterator[Path]:
     """``out`` itself when it is local; for a URL (or a store), a local path of the same name to write, published to
-    ``out`` when the block succeeds (a sharded checkpoint if a manifest was written there, else its files)."""
+    ``out`` when the block succeeds (a sharded checkpoint if a manifest was written there, else its files).
+
+    Refused before anything is written: ``out`` naming one of ``inputs``, and (``keep_checkpoint``, the command
+    line's rule) a checkpoint already at ``out`` unless ``overwrite``."""
     if not isinstance(out, ObjectStore) and not is_url(out):
         yield Path(out)
         return
     url = str(out).rstrip("/")
+    if any(str(i).rstrip("/") == url for i in inputs if i is not None):
+        raise ValueError(f"output: {url} is also an input; write to another place")
+    if keep_checkpoint and not overwrite and is_sharded_checkpoint(out if isinstance(out, ObjectStore) else url):
+        raise FileExistsError(f"output: {url} holds a checkpoint already; pass --overwrite to replace it")
     scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
     try:
         local = scratch / url.rsplit("/", 1)[-1]
