@@ -206,3 +206,20 @@ def test_a_commit_over_a_changed_manifest_is_refused(s3_server: Any) -> None:
     with pytest.raises(ConcurrentCommitError):
         store.commit("manifest.json", b"{   }", replaces=etag)
     assert store.read_range("manifest.json", 0, 4) == b"{  }"
+
+
+def test_ranged_reads_fill_parts_across_piece_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces fetched concurrently land in the parts they cover, whatever the boundaries (a memory:// store)."""
+    import fsdp_optim.disk.storage as storage
+
+    monkeypatch.setattr(storage, "PIECE_BYTES", 7)
+    store = fsdp_optim.open_store("memory://ranged-reads")
+    data = bytes(range(256)) * 3
+    store.put("obj", data)
+    for start, sizes in [(0, [768]), (5, [1, 30, 0, 2, 100]), (700, [13, 55])]:
+        parts = [bytearray(n) for n in sizes]
+        store.read_into("obj", start, [memoryview(p) for p in parts])
+        assert b"".join(parts) == data[start : start + sum(sizes)]
+    assert store.read_range("obj", 3, 700) == data[3:700]
+    with pytest.raises(FileNotFoundError, match="no such object"):
+        store.read_range("missing", 0, 100)

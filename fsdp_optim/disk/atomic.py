@@ -58,21 +58,23 @@ T = TypeVar("T")
 
 
 def atomic_write(
-    path: str | os.PathLike[str], write: Callable[[BinaryIO], T], *, tag: str | None = None
+    path: str | os.PathLike[str], write: Callable[[BinaryIO], T], *, tag: str | None = None, durable: bool = True
 ) -> tuple[int, T]:
     """Write ``path`` atomically: ``write(file)`` fills a temporary file beside it, which is flushed, fsynced and
     renamed over ``path``, then the directory is fsynced; returns ``(the file's size, what write returned)``.
 
     The temporary file is ``.<name>[.<tag>].tmp.<pid>.<random>``, created exclusively (never through an existing
     file or symlink); a writer that journals ``tag`` before writing lets the next holder of its lock recognise
-    the file if it is killed (``disk/staged.py``). A failure removes it and leaves ``path`` as it was."""
+    the file if it is killed (``disk/staged.py``). A failure removes it and leaves ``path`` as it was.
+    ``durable=False`` skips both fsyncs: for a file that is only staged here, to be uploaded and removed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{f'.{tag}' if tag else ''}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "xb") as f:
             result = write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         size = tmp.stat().st_size
         os.replace(tmp, path)
     except BaseException as exc:
@@ -80,7 +82,8 @@ def atomic_write(
         if isinstance(exc, OSError):
             raise OSError(exc.errno, f"{path}: cannot write the checkpoint file: {exc.strerror or exc}") from exc
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
     return size, result
 
 

@@ -19,9 +19,11 @@ bodies; the bytes are then checked by the caller against the manifest's checksum
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -140,6 +142,10 @@ class ObjectStore:
             return b""
         if stop - start > PIECE_BYTES:  # large: pieces fetched concurrently, each retried on its own
             return self._read_pieces(name, start, stop)
+        return self._read_one(name, start, stop)
+
+    def _read_one(self, name: str, start: int, stop: int) -> bytes:
+        """One ranged GET of ``[start, stop)``, retried on transient errors and short bodies."""
 
         def get() -> bytes:
             data = bytes(self.fs.cat_file(self.key(name), start=start, end=stop))
@@ -150,8 +156,17 @@ class ObjectStore:
         return self._retry(get, f"{self / name}: reading bytes {start}..{stop}")
 
     def _read_pieces(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        bounds = [(a, min(a + PIECE_BYTES, stop)) for a in range(start, stop, PIECE_BYTES)]
         out = bytearray(stop - start)
+        self.read_into(name, start, [memoryview(out)])
+        return out  # a bytearray: writable, so readers wrap it without another copy
+
+    def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
+        """Fill ``targets`` (writable byte buffers that tile the object's bytes from ``start`` on, in order) by
+        ranged GETs of 16 MiB pieces, at most 8 in flight, each piece copied once, straight into the buffers it
+        covers; a piece that failed or came back short is fetched again on its own (:meth:`read_range`)."""
+        stop = start + sum(t.nbytes for t in targets)
+        bounds = [(a, min(a + PIECE_BYTES, stop)) for a in range(start, stop, PIECE_BYTES)]
+        place = _Tiling(start, targets)
         for first in range(0, len(bounds), MAX_CONCURRENT):  # bounded: at most MAX_CONCURRENT pieces in flight
             batch = bounds[first : first + MAX_CONCURRENT]
             try:
@@ -164,9 +179,8 @@ class ObjectStore:
                 if not isinstance(data, (bytes, bytearray)) or len(data) != b - a:
                     if isinstance(data, FileNotFoundError):
                         raise FileNotFoundError(f"{self / name}: no such object") from None
-                    data = self.read_range(name, a, b)
-                out[a - start : b - start] = data
-        return out  # a bytearray: writable, so readers wrap it without another copy
+                    data = self._read_one(name, a, b)
+                place.copy(a, data)
 
     def size(self, name: str) -> int | None:
         """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""
@@ -303,6 +317,23 @@ class ObjectStore:
                     raise OSError(f"{what}: failed after {attempt + 1} attempts: {_describe(exc)}") from exc
                 time.sleep(BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+class _Tiling:
+    """Buffers tiling the bytes from ``start`` on: :meth:`copy` puts bytes at an offset into those they cover."""
+
+    def __init__(self, start: int, targets: Sequence[memoryview]) -> None:
+        self.targets = [t.cast("B") if t.format != "B" or t.ndim != 1 else t for t in targets]
+        self.starts = list(itertools.accumulate((t.nbytes for t in self.targets), initial=start))
+
+    def copy(self, at: int, data: bytes | bytearray) -> None:
+        k = max(bisect.bisect_right(self.starts, at) - 1, 0)
+        done = 0
+        while done < len(data):
+            target, lo = self.targets[k], at + done - self.starts[k]
+            n = min(len(data) - done, target.nbytes - lo)
+            target[lo : lo + n] = data[done : done + n]
+            done, k = done + n, k + 1
 
 
 class _ShortBody(OSError):

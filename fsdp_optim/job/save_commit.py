@@ -200,8 +200,11 @@ def _write_own(
     local_dir = own.staging if own.staging is not None else _local(directory)
     local_dir.mkdir(parents=True, exist_ok=True)
     own.shards = state() if callable(state) else state  # (async save: its staging copy, a failure agreed on)
-    own.record = write_shard_file(local_dir, own.shards, save_id=save_id, rank=rank, world_size=world_size)
-    own.aux = side.write(local_dir, save_id, rank, world_size) if side is not None else None
+    durable = store is None  # a file staged for an upload is not fsynced: the store's copy is what lasts
+    own.record = write_shard_file(
+        local_dir, own.shards, save_id=save_id, rank=rank, world_size=world_size, durable=durable
+    )
+    own.aux = side.write(local_dir, save_id, rank, world_size, durable=durable) if side is not None else None
     if store is not None:
         own.uploaded = [own.record.file] + ([own.aux.file] if own.aux is not None else [])
         upload_files(store, local_dir, own.uploaded)
@@ -241,10 +244,11 @@ def _local(directory: Where) -> Path:
 
 @dataclass(frozen=True)
 class Side:
-    """What a whole checkpoint writes beside each rank file: ``write(directory, save_id, rank, world_size)`` makes
-    the rank's side file, ``record(side files of every rank)`` the manifest's ``"training"`` section (rank 0)."""
+    """What a whole checkpoint writes beside each rank file: ``write(directory, save_id, rank, world_size, *,
+    durable)`` makes the rank's side file, ``record(side files of every rank)`` the manifest's ``"training"``
+    section (rank 0)."""
 
-    write: Callable[[Path, str, int, int], FileRecord]
+    write: Callable[..., FileRecord]  # (directory, save_id, rank, world_size, *, durable=True)
     record: Callable[[tuple[FileRecord, ...]], TrainingRecord]
 
 

@@ -155,10 +155,12 @@ def _prepare(
     return _Prepared(local, state, buffers, encode_extra(extra), read_aliases(model, root.layout))
 
 
-def _write_side(prepared: _Prepared, per_rank: bool, directory: Path, save_id: str, rank: int, size: int) -> FileRecord:
+def _write_side(
+    prepared: _Prepared, per_rank: bool, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True
+) -> FileRecord:
     buffers = prepared.buffers if per_rank or rank == 0 else {}
     return write_side_file(
-        directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=prepared.extra
+        directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=prepared.extra, durable=durable
     )
 
 

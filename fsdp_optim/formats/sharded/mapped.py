@@ -23,7 +23,7 @@ from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
 
-__all__ = ["MappedFile"]
+__all__ = ["MappedFile", "check_grid"]
 
 
 class MappedFile:
@@ -100,7 +100,7 @@ class MappedFile:
         verified (format 3: one pread per dtype). ``holds(lo, hi)`` names what elements ``[lo, hi)`` belong to."""
         dtype, base = self._dtype(g.tensor, where)
         out = self._pread(base + g.origin * dtype.itemsize, g.end - g.origin, dtype, where, out)
-        _check_grid(chunk_digests(out, chunk_bytes), g, chunk_elements(dtype, chunk_bytes), where, holds)
+        check_grid(chunk_digests(out, chunk_bytes), g, chunk_elements(dtype, chunk_bytes), where, holds)
         return out
 
     def read_parts(
@@ -124,7 +124,7 @@ class MappedFile:
             )
         out = [self._pread(base + offset * dtype.itemsize, numel, dtype, where) for offset, numel in parts]
         per = chunk_elements(dtype, chunk_bytes)
-        _check_grid(stream_chunk_digests(out, per, g.end - g.origin), g, per, where, holds)
+        check_grid(stream_chunk_digests(out, per, g.end - g.origin), g, per, where, holds)
         return out
 
     def _pread(
@@ -163,7 +163,7 @@ class MappedFile:
         self._map = None  # unmapped once no view of it is left
 
 
-def _check_grid(
+def check_grid(
     found: tuple[str, ...], g: Grid, per: int, where: str, holds: Callable[[int, int], str] | None
 ) -> None:
     """Refuse the first chunk whose digest (``found``, the whole grid's) differs from ``g``'s, naming its elements

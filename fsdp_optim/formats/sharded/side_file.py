@@ -112,8 +112,10 @@ def write_side_file(
     world_size: int,
     buffers: Mapping[str, torch.Tensor],
     extra: tuple[str, Mapping[str, torch.Tensor]],
+    durable: bool = True,
 ) -> FileRecord:
-    """Write one rank's side file atomically; its record for the manifest (digest of the file's bytes)."""
+    """Write one rank's side file atomically (``durable=False``: no fsync, for a file staged for an upload); its
+    record for the manifest (digest of the file's bytes)."""
     text, extra_tensors = extra
     tensors = {_BUFFER + n: _owned(t) for n, t in buffers.items()}
     tensors.update({_EXTRA + k: t for k, t in extra_tensors.items()})
@@ -123,7 +125,7 @@ def write_side_file(
     }  # fmt: skip
     data = save_safetensors(tensors, metadata)
     name = side_file_name(save_id, rank, world_size)
-    size, checksum = atomic_write(directory / name, lambda f: (f.write(data), _file_digest(data))[1])
+    size, checksum = atomic_write(directory / name, lambda f: (f.write(data), _file_digest(data))[1], durable=durable)
     return FileRecord(rank, name, checksum, size)
 
 

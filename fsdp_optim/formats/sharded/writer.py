@@ -134,15 +134,24 @@ def _metadata(save_id: str, rank: int, world_size: int) -> dict[str, str]:
 
 
 def write_shard_file(
-    directory: Path, state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
+    directory: Path,
+    state: Mapping[int, Mapping[str, Any]],
+    *,
+    save_id: str,
+    rank: int,
+    world_size: int,
+    durable: bool = True,
 ) -> FileRecord:
     """Write one rank's file atomically (a safetensors file, :mod:`.rank_file`); its record for the manifest.
 
     ``state`` is ``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's to hold.
+    ``durable=False``: no fsync (a file staged for an upload).
     """
     name = shard_file_name(save_id, rank, world_size)
     metadata = _metadata(save_id, rank, world_size)
-    size, checksum = atomic_write(directory / name, lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES))
+    size, checksum = atomic_write(
+        directory / name, lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES), durable=durable
+    )
     return FileRecord(rank, name, checksum, size)
 
 
