@@ -1,0 +1,42 @@
+"""Floors: the least work that moves a checkpoint's bytes to and from the store with s3fs alone.
+
+- ``upload``: one ``pipe_file`` of bytes already in memory: s3fs's multipart upload (50 MiB parts, its default
+  ``max_concurrency`` of 10 in flight), the same client, part size and concurrency as the library's ``put_file``
+  of its rank file; nothing is serialized, staged or checksummed;
+- ``download``: the object fetched in 16 MiB ranged pieces, 8 in flight, into one buffer (the library's own read
+  pattern, ``fsdp_optim.disk.storage``), nothing parsed or checked;
+- ``blob``: a rank's weight shards and optimizer state tensors as one ``bytes`` (made once, untimed): the floors
+  move the bytes a rank's state holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+PIECE_BYTES = 16 << 20
+IN_FLIGHT = 8
+
+
+def blob(model: nn.Module, optim: torch.optim.Optimizer) -> bytes:
+    tensors = [p.data for p in model.parameters()]
+    tensors += [v for s in optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return b"".join(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
+def upload(fs: Any, key: str, data: bytes) -> None:
+    fs.pipe_file(key, data)
+
+
+def download(fs: Any, key: str, size: int) -> bytearray:
+    out = bytearray(size)
+    bounds = [(a, min(a + PIECE_BYTES, size)) for a in range(0, size, PIECE_BYTES)]
+    for first in range(0, len(bounds), IN_FLIGHT):
+        batch = bounds[first : first + IN_FLIGHT]
+        got = fs.cat_ranges([key] * len(batch), [a for a, _ in batch], [b for _, b in batch])
+        for (a, b), data in zip(batch, got):
+            assert len(data) == b - a, f"{key}: {len(data)} bytes of {b - a}"
+            out[a:b] = data
+    return out
