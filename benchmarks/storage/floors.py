@@ -4,7 +4,8 @@
   ``max_concurrency`` of 10 in flight), the same client, part size and concurrency as the library's ``put_file``
   of its rank file; nothing is serialized, staged or checksummed;
 - ``download``: the object fetched in 16 MiB ranged pieces, 8 in flight, into one buffer (the library's own read
-  pattern, ``fsdp_optim.disk.storage``), nothing parsed or checked;
+  pattern, ``fsdp_optim.disk.storage``, with the same fallback: a piece that failed is fetched again on its own),
+  nothing parsed or checked;
 - ``blob``: a rank's weight shards and optimizer state tensors as one ``bytes`` (made once, untimed): the floors
   move the bytes a rank's state holds.
 """
@@ -30,13 +31,26 @@ def upload(fs: Any, key: str, data: bytes) -> None:
     fs.pipe_file(key, data)
 
 
+def _piece(fs: Any, key: str, start: int, stop: int, attempts: int = 3) -> bytes:
+    for attempt in range(attempts):
+        try:
+            data = fs.cat_file(key, start=start, end=stop)
+            if len(data) == stop - start:
+                return data
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+    raise OSError(f"{key}: short reads of bytes {start}..{stop}")
+
+
 def download(fs: Any, key: str, size: int) -> bytearray:
     out = bytearray(size)
     bounds = [(a, min(a + PIECE_BYTES, size)) for a in range(0, size, PIECE_BYTES)]
     for first in range(0, len(bounds), IN_FLIGHT):
         batch = bounds[first : first + IN_FLIGHT]
-        got = fs.cat_ranges([key] * len(batch), [a for a, _ in batch], [b for _, b in batch])
+        got = fs.cat_ranges([key] * len(batch), [a for a, _ in batch], [b for _, b in batch], on_error="return")
         for (a, b), data in zip(batch, got):
-            assert len(data) == b - a, f"{key}: {len(data)} bytes of {b - a}"
+            if not isinstance(data, (bytes, bytearray)) or len(data) != b - a:  # a timeout or reset under load
+                data = _piece(fs, key, a, b)
             out[a:b] = data
     return out
