@@ -169,7 +169,7 @@ def verdicts_text(rows: list[dict[str, Any]]) -> str:
     lines = []
     for v in targets(rows):
         met = "PASS" if v["met"] else "MISS" if v["met"] is False else "info" if v["value"] is not None else "n/a "
-        value = f"{v['value']:.2f}" if v["value"] is not None else "-"
+        value = f"{v['value']:.3f}" if v["value"] is not None else "-"
         lines.append(f"{met} {v['target']:<50} {v['model']:>5} W={v['world_size']}  {value:>7}  {v['detail']}")
     return "\n".join(lines)
 
@@ -202,7 +202,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
     for v in targets(rows):
         verdict = "PASS" if v["met"] else "**MISS**" if v["met"] is False else "info" if v["value"] is not None else "n/a"
         limit = f"{v['limit']}" if v["limit"] is not None else "-"
-        value = f"{v['value']:.2f}" if v["value"] is not None else "-"
+        value = f"{v['value']:.3f}" if v["value"] is not None else "-"
         lines.append(f"| {v['target']} | {v['model']} | {v['world_size']} | {value} | {limit} | {verdict} | {v['detail']} |")
     lines.append("")
     for model, ws in _groups(rows):
