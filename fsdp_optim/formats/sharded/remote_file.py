@@ -36,21 +36,31 @@ class RemoteFile(MappedFile):
         self._verified: set[tuple[str, int, int]] = set()
         self.bytes_verified = 0
         self.bytes_fetched = 0
+        self._kept: tuple[tuple[str, int, int], torch.Tensor] | None = None  # (tensor, grid origin, chunk), its data
 
     def view(self, p: Placement, start: int, stop: int, chunk_bytes: int, where: str) -> torch.Tensor:
-        """Elements ``[start, stop)`` of shard ``p`` in new memory, every chunk they touch fetched and verified."""
+        """Elements ``[start, stop)`` of shard ``p`` in new memory, every chunk they touch fetched and verified.
+
+        The last chunk fetched is kept (verified): a re-cut reads ranges in file order, and the next range often
+        starts in the chunk where this one ended, which is then not fetched again."""
         dtype, base = self._dtype(p.tensor, where)
         if stop <= start:
             return torch.empty(0, dtype=dtype)
         g, per = p.grid, chunk_elements(dtype, chunk_bytes)
         first, last = (p.offset + start - g.origin) // per, -(-(p.offset + stop - g.origin) // per)
         lo, hi = g.origin + first * per, min(g.origin + last * per, g.end)
-        chunks = self._fetch(base + lo * dtype.itemsize, hi - lo, dtype)
-        found = chunk_digests(chunks, chunk_bytes)
-        for k, checksum in enumerate(found, start=first):
+        kept = self._kept[1] if self._kept is not None and self._kept[0] == (g.tensor, g.origin, first) else None
+        fetch_lo = lo + (kept.numel() if kept is not None else 0)
+        fetched = self._fetch(base + fetch_lo * dtype.itemsize, hi - fetch_lo, dtype)
+        found = chunk_digests(fetched, chunk_bytes) if fetched.numel() else ()
+        for k, checksum in enumerate(found, start=first + (kept is not None)):
             if checksum != g.checksums[k]:
                 raise ValueError(self._mismatch(p, g, k, per, where))
-        self.bytes_verified += chunks.numel() * dtype.itemsize
+        self.bytes_verified += fetched.numel() * dtype.itemsize
+        chunks = fetched if kept is None else torch.cat([kept, fetched]) if fetched.numel() else kept
+        if fetched.numel():  # keep the last chunk fetched (whole: it ends at a chunk boundary or the grid's end)
+            tail = (last - 1) * per + g.origin
+            self._kept = ((g.tensor, g.origin, last - 1), chunks[tail - lo :].clone())
         return chunks[p.offset + start - lo : p.offset + stop - lo]
 
     def read_parts(
@@ -99,7 +109,8 @@ class RemoteFile(MappedFile):
         return torch.frombuffer(data, dtype=dtype, count=count)
 
     def drop_pages(self) -> None:
-        self._verified.clear()
+        self._verified.clear()  # (the kept chunk stays: 64 KiB, and the next unit's range may start in it)
 
     def close(self) -> None:
         self._verified.clear()
+        self._kept = None
