@@ -214,7 +214,12 @@ def check_tidy_after_next_save(rank: int, store: Any, save: Any) -> None:
 
 
 def load_cases(
-    rank: int, world_size: int, urls: dict[str, str], options: dict, control: ProxyControl, todo: list[Case],
+    rank: int,
+    world_size: int,
+    urls: dict[str, str],
+    options: dict,
+    control: ProxyControl,
+    todo: list[Case],
     reference: list[dict[str, Any]],
 ) -> list[Outcome]:
     """Per case: a fresh model loads ``urls[case.op]`` under faults; it equals ``reference[rank]`` or fails clearly on every
@@ -245,8 +250,15 @@ def load_cases(
 
 
 def job(
-    rank: int, world_size: int, store: Any, env: dict[str, str], control: ProxyControl, todo: list[Case],
-    urls: dict[str, str], options: dict, reference: list[dict[str, Any]],
+    rank: int,
+    world_size: int,
+    store: Any,
+    env: dict[str, str],
+    control: ProxyControl,
+    todo: list[Case],
+    urls: dict[str, str],
+    options: dict,
+    reference: list[dict[str, Any]],
 ) -> list[Outcome]:
     """One job for the cases of ``todo``: the saves' (into ``store``), then the loads' (of ``urls``)."""
     saves = [c for c in todo if c.op in ("save", "async_save")]
