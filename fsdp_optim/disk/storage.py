@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
+    "CommitOutcomeUnknown",
     "ConcurrentCommitError",
     "ObjectPath",
     "ObjectStore",
@@ -53,6 +54,11 @@ def is_url(path: object) -> bool:
 
 class ConcurrentCommitError(FileExistsError):
     """Another writer committed a manifest under the same prefix since this save began; this save committed nothing."""
+
+
+class CommitOutcomeUnknown(OSError):
+    """A commit whose put failed without an answer (its responses lost) and whose object could not be read back
+    after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not)."""
 
 
 @dataclass(frozen=True)
@@ -256,12 +262,22 @@ class ObjectStore:
                 self.fs.pipe_file(self.key(name), data, **match)
             except Exception as exc:
                 self.fs.invalidate_cache(self.key(name))
-                # A put whose response was lost is retried by the client and then meets its own object: a 412 that
-                # is a success. What is there now says which.
-                if _precondition_failed(exc) and not self._holds(name, data):
+                # The put may have been stored with its response lost: on a retry it meets its own object (a 412 that
+                # is a success), and with every response lost the client gives up on a put that is in place. What is
+                # there now says which; when that cannot be read either, nobody knows (and nothing may be removed).
+                try:
+                    landed = self._holds(name, data)
+                except Exception as check:
+                    raise CommitOutcomeUnknown(
+                        f"{where}: committing the manifest failed ({_describe(exc)}) and it could not be read back "
+                        f"({_describe(check)}): it may be in place, so this save's files are kept"
+                    ) from exc
+                if landed:
+                    self.fs.invalidate_cache(self.key(name))
+                    return
+                if _precondition_failed(exc):
                     raise ConcurrentCommitError(_lost(where, replaces)) from None
-                if not _precondition_failed(exc):
-                    raise OSError(f"{where}: committing the manifest failed: {_describe(exc)}") from exc
+                raise OSError(f"{where}: committing the manifest failed: {_describe(exc)}") from exc
             self.fs.invalidate_cache(self.key(name))
             return
         if self.etag(name) != replaces:
@@ -290,7 +306,7 @@ class ObjectStore:
         for attempt in range(ATTEMPTS):
             try:
                 return call()
-            except (FileNotFoundError, ConcurrentCommitError, PermissionError):
+            except (FileNotFoundError, ConcurrentCommitError, CommitOutcomeUnknown, PermissionError):
                 raise
             except Exception as exc:  # 5xx, SlowDown, reset connections, short bodies: all worth another try
                 if _precondition_failed(exc) or attempt == ATTEMPTS - 1:
