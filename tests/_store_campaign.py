@@ -28,6 +28,10 @@ import fsdp_optim
 KINDS: tuple[FaultKind, ...] = ("drop", "drop_response", "status503", "status500", "truncate")
 # Which request gets the fault. "lasting" ones outlast every retry of a request of that method.
 SELECTORS = ("first", "nth5", "nth11", "PUT", "GET", "HEAD", "ranged", "p1", "p2", "lasting-PUT", "lasting-GET")
+SELECTORS += ("commit",)
+# A whole save at W=2 puts 4 files (a rank and a side file per rank) before its manifest: "commit" hits every put
+# from the 5th on, the manifest's first of all (its outcome then ambiguous: a lost response, a dropped retry).
+FILES_BEFORE_MANIFEST = 4
 TRUNCATE_AT = 100  # body bytes sent before a truncated response is cut
 # botocore's attempts per request in the campaign, and s3fs's own retries around them (5 by default, with
 # backoff); ours (fsdp_optim.disk.storage.ATTEMPTS) come on top: a lasting fault fails in seconds.
@@ -49,6 +53,8 @@ class Case:
     def faults(self) -> tuple[Fault, ...]:
         """The proxy rules of this case (a truncation hits GETs only: other responses have no body to cut)."""
         sel, methods = self.selector, {"GET"} if self.kind == "truncate" else None
+        if sel == "commit":
+            return (Fault(self.kind, count=None, methods={"PUT"}, after=FILES_BEFORE_MANIFEST),)
         if sel.startswith("lasting-"):
             return (Fault(self.kind, count=None, methods={sel.split("-")[1]}, truncate_at=TRUNCATE_AT),)
         if sel in ("PUT", "GET", "HEAD"):
@@ -69,8 +75,10 @@ def cases(op: str, kinds: tuple[str, ...] = KINDS, selectors: tuple[str, ...] = 
     out = []
     for kind in kinds:
         for sel in selectors:
-            if kind == "truncate" and sel in ("PUT", "HEAD", "lasting-PUT"):
+            if kind == "truncate" and sel in ("PUT", "HEAD", "lasting-PUT", "commit"):
                 continue  # nothing to truncate in those responses
+            if sel == "commit" and op not in ("save", "async_save"):
+                continue
             out.append(Case(op, kind, sel))  # type: ignore[arg-type]
     return out
 
