@@ -112,8 +112,8 @@ def run_offline(case: C.Case, fault_proxy, saved, out: dict[str, Any]) -> C.Outc
     seconds = time.monotonic() - start
     fault_proxy.clear()
     fired = sum(fault_proxy.stats().faults.values()) - before
-    if error is not None:
-        where = out["url"] if case.op == "reshard" else saved["url"]
+    if error is not None:  # a reshard's error names its source or its output
+        where = out["url"] if case.op == "reshard" and saved["url"] not in str(error) else saved["url"]
         C.check_clear(error, where, case.id)
     elif case.op == "consolidate":
         assert_identical(strip(result), saved["full"], case.id)
@@ -188,7 +188,17 @@ def test_campaign_in_a_job(fault_proxy, saved, op):
 @pytest.mark.parametrize("kind", C.KINDS)
 @pytest.mark.parametrize("op", OFFLINE_OPS)
 def test_campaign_offline(fault_proxy, saved, op, kind):
-    offline(op, C.cases(op, kinds=(kind,)), fault_proxy, saved)
+    todo = [c for c in C.cases(op, kinds=(kind,)) if (c.op, c.selector) != ("verify", "lasting-GET")]
+    offline(op, todo, fault_proxy, saved)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: verify reports a store it cannot reach (every GET failing after the retries) as a damaged "
+    "manifest (ok=False) instead of raising; formats/sharded/verification.py takes any OSError for damage",
+)
+def test_verify_under_a_lasting_outage_raises(fault_proxy, saved):
+    offline("verify", [C.Case("verify", "status503", "lasting-GET")], fault_proxy, saved)
 
 
 @pytest.mark.slow
