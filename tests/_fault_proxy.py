@@ -17,20 +17,25 @@ method and by whether it has a Range header) that fires decides what happens to 
 - ``truncate``: forward, send the response head unchanged and ``truncate_at`` bytes of the body, then close.
 
 A rule fires on the next ``count`` matching requests (``count=None``: on every one) or, with ``probability``,
-on each matching request with that chance from a ``random.Random(seed)`` (``count`` then caps how often).
+on each matching request with that chance from a ``random.Random(seed)`` (``count`` then caps how often);
+``after=n`` lets the first ``n`` matching requests through first (a fault on the n+1-th).
 ``stats()`` counts requests, request and response body bytes per method (bytes actually sent to the client) and
 fired faults per kind; ``log()`` lists each request's method, path, Range header, status and bytes.
+``control()`` gives a picklable :class:`ProxyControl` with the same calls for other processes (spawned ranks, a
+writer in a subprocess), served on a loopback ``multiprocessing.connection`` listener with a random key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import random
 import socket
 import threading
 from collections import Counter
-from typing import BinaryIO, Literal
+from multiprocessing.connection import Client, Listener
+from typing import Any, BinaryIO, Literal
 
 from _s3 import S3Endpoint
 
@@ -53,9 +58,11 @@ class Fault:
     ranged: bool | None = None
     truncate_at: int = 0
     seed: int = 0
+    after: int = 0
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+        self._passed = 0
 
     def fires(self, method: str, ranged: bool) -> bool:
         """Whether this rule hits the request (consuming one of ``count``); call under the proxy's lock."""
@@ -64,6 +71,9 @@ class Fault:
         if self.ranged is not None and self.ranged != ranged:
             return False
         if self.count is not None and self.count <= 0:
+            return False
+        if self._passed < self.after:
+            self._passed += 1
             return False
         if self.probability is not None and self._rng.random() >= self.probability:
             return False
@@ -189,6 +199,8 @@ class FaultProxy:
         self.port = self._listener.getsockname()[1]
         self.endpoint = dataclasses.replace(upstream, endpoint_url=f"http://127.0.0.1:{self.port}")
         self._closed = threading.Event()
+        self._control: Listener | None = None
+        self._control_key = b""
         self.reset_stats()
 
     # What a test uses: the endpoint record's fields, faults and counters.
@@ -229,6 +241,31 @@ class FaultProxy:
             self._log = []
             self._connections_seen = 0
 
+    def control(self) -> ProxyControl:
+        """A handle on this proxy for another process (started on first use; closed with the proxy)."""
+        with self._lock:
+            if self._control is None:
+                self._control_key = os.urandom(16)
+                self._control = Listener(("127.0.0.1", 0), authkey=self._control_key)
+                threading.Thread(target=self._control_loop, args=(self._control,), daemon=True).start()
+            return ProxyControl(self._control.address, self._control_key)
+
+    def _control_loop(self, listener: Listener) -> None:
+        calls = {"set_faults": self.set_faults, "stats": self.stats, "log": self.log, "reset_stats": self.reset_stats}
+        while not self._closed.is_set():
+            try:
+                conn = listener.accept()
+            except Exception:  # closed, or a client without the key
+                if self._closed.is_set():
+                    return
+                continue
+            with conn:
+                try:
+                    name, args = conn.recv()
+                    conn.send(calls[name](*args))
+                except (EOFError, OSError):
+                    continue
+
     def start(self) -> FaultProxy:
         threading.Thread(target=self._accept_loop, name=f"fault-proxy-{self.port}", daemon=True).start()
         return self
@@ -236,6 +273,8 @@ class FaultProxy:
     def close(self) -> None:
         self._closed.set()
         self._listener.close()
+        if self._control is not None:
+            self._control.close()
         with self._lock:
             connections = list(self._connections)
         for conn in connections:
@@ -337,6 +376,34 @@ class FaultProxy:
             _close(client)
             if upstream is not None:
                 _close(upstream)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyControl:
+    """:meth:`FaultProxy.control`: ``set_faults``, ``clear``, ``stats``, ``log``, ``reset_stats`` from any process."""
+
+    address: Any
+    authkey: bytes
+
+    def _call(self, name: str, *args: Any) -> Any:
+        with Client(self.address, authkey=self.authkey) as conn:
+            conn.send((name, args))
+            return conn.recv()
+
+    def set_faults(self, *faults: Fault) -> None:
+        self._call("set_faults", *faults)
+
+    def clear(self) -> None:
+        self._call("set_faults")
+
+    def stats(self) -> ProxyStats:
+        return self._call("stats")
+
+    def log(self) -> list[RequestRecord]:
+        return self._call("log")
+
+    def reset_stats(self) -> None:
+        self._call("reset_stats")
 
 
 def _close(sock: socket.socket) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.health import Finding
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore
+from fsdp_optim.disk.storage import ObjectPath, ObjectStore, StoreUnavailable
 
 __all__ = ["FileCheck", "Verification", "check_file"]
 
@@ -102,6 +102,8 @@ def check_file(
     ``path`` may be an object in a store (its size asked of the store; never a zip there)."""
     try:
         size = _size(path)
+    except StoreUnavailable:
+        raise  # the store did not answer: nothing is known of the file (never reported as damage)
     except OSError as exc:
         return FileCheck(path, False, f"unreadable: {exc}")
     if size is None:
@@ -122,6 +124,8 @@ def check_file(
         return FileCheck(path, False, problem)
     try:
         detail = read(path)
+    except StoreUnavailable:
+        raise
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         return FileCheck(path, False, str(exc).removeprefix(f"{path}: ").removeprefix(f"{path}, "))
     return FileCheck(path, True, f"ok: {size} bytes{detail if isinstance(detail, str) else ''}")

@@ -19,8 +19,6 @@ bodies; the bytes are then checked by the caller against the manifest's checksum
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,17 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
+
 __all__ = [
+    "CommitOutcomeUnknown",
     "ConcurrentCommitError",
     "ObjectPath",
     "ObjectStore",
+    "StoreUnavailable",
     "StoredObject",
     "Where",
     "is_url",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-ATTEMPTS = 3  # per request, on transient errors (s3fs and botocore retry inside each attempt as well)
+ATTEMPTS = 2  # per request, on transient errors (s3fs and botocore retry inside each attempt as well)
 BACKOFF_S = 0.2
 PIECE_BYTES = 16 << 20  # a large range is fetched as pieces of this size ...
 MAX_CONCURRENT = 8  # ... at most this many at a time (bounded memory and connections)
@@ -52,6 +54,16 @@ def is_url(path: object) -> bool:
 
 class ConcurrentCommitError(FileExistsError):
     """Another writer committed a manifest under the same prefix since this save began; this save committed nothing."""
+
+
+class StoreUnavailable(OSError):
+    """A request that kept failing after its retries (5xx, SlowDown, reset connections, short bodies): the store did
+    not answer, which says nothing about the checkpoint in it (a verification reports it, never as damage)."""
+
+
+class CommitOutcomeUnknown(OSError):
+    """A commit whose put failed without an answer (its responses lost) and whose object could not be read back
+    after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not)."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +178,7 @@ class ObjectStore:
         covers; a piece that failed or came back short is fetched again on its own (:meth:`read_range`)."""
         stop = start + sum(t.nbytes for t in targets)
         bounds = [(a, min(a + PIECE_BYTES, stop)) for a in range(start, stop, PIECE_BYTES)]
-        place = _Tiling(start, targets)
+        place = Tiling(start, targets)
         for first in range(0, len(bounds), MAX_CONCURRENT):  # bounded: at most MAX_CONCURRENT pieces in flight
             batch = bounds[first : first + MAX_CONCURRENT]
             try:
@@ -217,7 +229,7 @@ class ObjectStore:
                 if e.get("type") == "directory" or str(e["name"]).endswith("/"):  # a prefix, or a directory marker
                     continue
                 name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-                found[name] = StoredObject(name, int(e.get("size") or 0), _mtime(e), _etag(e))
+                found[name] = StoredObject(name, int(e.get("size") or 0), mtime_of(e), etag_of(e))
             return found
 
         return self._retry(ls, f"{self}: listing it")
@@ -261,7 +273,7 @@ class ObjectStore:
             info = self._retry(lambda: self.fs.info(self.key(name)), f"{self / name}: asking its etag")
         except FileNotFoundError:
             return None
-        return _etag(info) or f"size:{info.get('size')}"
+        return etag_of(info) or f"size:{info.get('size')}"
 
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
         """Create object ``name`` only if it is still as this save found it: absent (``replaces=None``) or at etag
@@ -276,12 +288,22 @@ class ObjectStore:
                 self.fs.pipe_file(self.key(name), data, **match)
             except Exception as exc:
                 self.fs.invalidate_cache(self.key(name))
-                # A put whose response was lost is retried by the client and then meets its own object: a 412 that
-                # is a success. What is there now says which.
-                if _precondition_failed(exc) and not self._holds(name, data):
+                # The put may have been stored with its response lost: on a retry it meets its own object (a 412 that
+                # is a success), and with every response lost the client gives up on a put that is in place. What is
+                # there now says which; when that cannot be read either, nobody knows (and nothing may be removed).
+                try:
+                    landed = self._holds(name, data)
+                except Exception as check:
+                    raise CommitOutcomeUnknown(
+                        f"{where}: committing the manifest failed ({describe(exc)}) and it could not be read back "
+                        f"({describe(check)}): it may be in place, so this save's files are kept"
+                    ) from exc
+                if landed:
+                    self.fs.invalidate_cache(self.key(name))
+                    return
+                if precondition_failed(exc):
                     raise ConcurrentCommitError(_lost(where, replaces)) from None
-                if not _precondition_failed(exc):
-                    raise OSError(f"{where}: committing the manifest failed: {_describe(exc)}") from exc
+                raise OSError(f"{where}: committing the manifest failed: {describe(exc)}") from exc
             self.fs.invalidate_cache(self.key(name))
             return
         if self.etag(name) != replaces:
@@ -310,30 +332,15 @@ class ObjectStore:
         for attempt in range(ATTEMPTS):
             try:
                 return call()
-            except (FileNotFoundError, ConcurrentCommitError, PermissionError):
+            except (FileNotFoundError, ConcurrentCommitError, CommitOutcomeUnknown, StoreUnavailable, PermissionError):
                 raise
             except Exception as exc:  # 5xx, SlowDown, reset connections, short bodies: all worth another try
-                if _precondition_failed(exc) or attempt == ATTEMPTS - 1:
-                    raise OSError(f"{what}: failed after {attempt + 1} attempts: {_describe(exc)}") from exc
+                if precondition_failed(exc):  # an answer: the object is not as the request required
+                    raise OSError(f"{what}: {describe(exc)}") from exc
+                if attempt == ATTEMPTS - 1:
+                    raise StoreUnavailable(f"{what}: failed after {attempt + 1} attempts: {describe(exc)}") from exc
                 time.sleep(BACKOFF_S * 2**attempt)
         raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-class _Tiling:
-    """Buffers tiling the bytes from ``start`` on: :meth:`copy` puts bytes at an offset into those they cover."""
-
-    def __init__(self, start: int, targets: Sequence[memoryview]) -> None:
-        self.targets = [t.cast("B") if t.format != "B" or t.ndim != 1 else t for t in targets]
-        self.starts = list(itertools.accumulate((t.nbytes for t in self.targets), initial=start))
-
-    def copy(self, at: int, data: bytes | bytearray) -> None:
-        k = max(bisect.bisect_right(self.starts, at) - 1, 0)
-        done = 0
-        while done < len(data):
-            target, lo = self.targets[k], at + done - self.starts[k]
-            n = min(len(data) - done, target.nbytes - lo)
-            target[lo : lo + n] = data[done : done + n]
-            done, k = done + n, k + 1
 
 
 class _ShortBody(OSError):
@@ -343,47 +350,9 @@ class _ShortBody(OSError):
 Where = Path | ObjectStore
 
 
-def _precondition_failed(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (or what caused it: s3fs reports some stores' 412 as ``OSError(EINVAL)`` from a botocore
-    ``ClientError``) is a failed precondition of a conditional put."""
-    seen = 0
-    while exc is not None and seen < 8:
-        response = getattr(exc, "response", None)
-        if isinstance(response, Mapping):
-            error = response.get("Error", {})
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if error.get("Code") == "PreconditionFailed" or status == 412:
-                return True
-        if isinstance(exc, FileExistsError) or "PreconditionFailed" in str(exc):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
 def _lost(where: ObjectPath, replaces: str | None) -> str:
     found = "one appeared" if replaces is None else "it changed"
     return (
         f"{where}: another writer committed this checkpoint while this save ran ({found} since this save began); "
         "this save committed nothing and removed its own files"
     )
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc)[:300]}"
-
-
-def _mtime(entry: Mapping[str, Any]) -> float | None:
-    value = entry.get("LastModified", entry.get("mtime", entry.get("created")))
-    if value is None:
-        return None
-    if hasattr(value, "timestamp"):
-        return float(value.timestamp())
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _etag(entry: Mapping[str, Any]) -> str | None:
-    value = entry.get("ETag") or entry.get("etag")
-    return str(value) if value else None

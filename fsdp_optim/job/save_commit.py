@@ -21,7 +21,7 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.locks import OutputLock
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where
+from fsdp_optim.disk.storage import CommitOutcomeUnknown, ObjectPath, ObjectStore, Where
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
@@ -158,11 +158,11 @@ def commit_save(
                 failure = exc
         what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
         agree(failure, group=group, what=f"{what} failed, no checkpoint was written")
-    except BaseException:
+    except BaseException as exc:
         if isinstance(lock, OutputLock):
             end_write(lock, failed=True)
-        if store is not None and own.uploaded:
-            remove_own(store, own.uploaded)
+        if store is not None and own.uploaded and not isinstance(exc, CommitOutcomeUnknown):  # else the manifest
+            remove_own(store, own.uploaded)  # may list them: kept (the next save's tidy removes them if it does not)
         raise
     finally:
         cleanup_staging(own.staging)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fsdp_optim.disk.storage import ObjectStore, is_url
+from fsdp_optim.disk.storage import CommitOutcomeUnknown, ObjectStore, is_url
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.store_commit import begin_store_save, commit_manifest, tidy
@@ -75,8 +75,9 @@ def publish_checkpoint(local: Path, store: ObjectStore, *, overwrite: bool = Fal
             store.upload(local / name, name)
             uploaded.append(name)
         commit_manifest(save, manifest)
-    except BaseException:
-        store.delete(uploaded)
+    except BaseException as exc:
+        if not isinstance(exc, CommitOutcomeUnknown):  # else the manifest may be in place and list them
+            store.delete(uploaded)
         raise
     tidy(save, manifest)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, fsync_dir
 from fsdp_optim.disk.locks import OutputLockedError, lock_output
-from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.disk.storage import ObjectStore, StoreUnavailable
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
@@ -95,6 +95,8 @@ def survey_step(step: int, path: Path | ObjectStore, *, verify: bool = True) -> 
         return replace(base, reason=f"no manifest: a save that did not finish ({len(ours)} files: {shown or '-'})")
     try:
         manifest = read_manifest(path)
+    except StoreUnavailable:
+        raise  # the store did not answer: not damage (a manager must not skip a good step for an outage)
     except (ValueError, OSError) as exc:
         return replace(base, state=DAMAGED, reason=f"its manifest is not readable: {exc}")
     base = _described(base, manifest)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
-from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.disk.storage import ObjectStore, StoreUnavailable
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
@@ -28,6 +28,8 @@ def verify_sharded(path: str | os.PathLike[str] | ObjectStore) -> Verification:
     manifest_path = directory / MANIFEST_NAME
     try:
         ckpt = ShardedCheckpoint(directory if isinstance(directory, ObjectStore) else path, lazy=True)
+    except StoreUnavailable:
+        raise  # the store did not answer: not damage (a manager must not skip a good step for an outage)
     except (ValueError, OSError) as exc:
         detail = str(exc).removeprefix(f"{manifest_path}: ")
         return Verification(directory, "sharded checkpoint", (FileCheck(manifest_path, False, detail),))
