@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-ATTEMPTS = 2  # per request, on transient errors (s3fs and botocore retry inside each attempt as well)
+ATTEMPTS = 3  # per request, on transient errors (s3fs and botocore retry inside each attempt as well)
 BACKOFF_S = 0.2
 PIECE_BYTES = 16 << 20  # a large range is fetched as pieces of this size ...
 MAX_CONCURRENT = 8  # ... at most this many at a time (bounded memory and connections)
