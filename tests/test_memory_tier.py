@@ -31,6 +31,7 @@ from _dist import run_ranks
 import fsdp_optim
 from fsdp_optim.cli import main
 from fsdp_optim.core.memory_plan import Fetch, Holding, choose_step, fetch_plan, replica_peers
+from fsdp_optim.formats.sharded.byte_ranges import merge_ranges
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 
 EVERY, MEMORY_EVERY, STOP = 4, 2, 6
@@ -196,6 +197,15 @@ def test_replica_peers_and_choice() -> None:
     chosen = choose_step([[part, old], [rest]])
     assert chosen is not None and chosen.step == 4 and chosen.holder_ranks() == {"a": (0,), "b": (1,)}
     assert choose_step([[part]]) is None
-    fetches = fetch_plan(chosen, ["x", "y", "z"], [["a", "b"], ["a", "b"], ["b"]], {"x": frozenset({"a"}),
-                         "y": frozenset({"b"})})  # fmt: skip
-    assert fetches == (Fetch(1, 0, "b", 2), Fetch(0, 1, "a", 1), Fetch(1, 2, "b", 2))
+    needs = [[("b", 1, 2), ("a", 0, 1), ("b", 0, 1)], [("a", 0, 1), ("b", 0, 2)], [("b", 1, 2)]]
+    fetches = fetch_plan(chosen, ["x", "y", "z"], needs, {"x": frozenset({"a"}), "y": frozenset({"b"})})
+    # each node's missing ranges in the order its load uses them, from the holder that has sent the least
+    assert fetches == (Fetch(1, 0, "b", 1, 2), Fetch(1, 0, "b", 0, 1), Fetch(0, 1, "a", 0, 1), Fetch(1, 2, "b", 1, 2))
+    both = Holding(4, "s4", "d4", 2, files, frozenset({"a", "b"}))
+    shared = choose_step([[both], [both], []])
+    assert shared is not None and [f.src for f in fetch_plan(shared, ["x", "x", "z"], [[], [], needs[0]], {})] == [
+        0, 1, 0], "the holders share the sending"  # fmt: skip
+
+
+def test_byte_ranges_merge() -> None:
+    assert merge_ranges([(5, 9), (0, 2), (2, 4), (8, 12), (20, 20)]) == [(0, 4), (5, 12)]

@@ -33,7 +33,7 @@ from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
 from fsdp_optim.formats.sharded.steps import step_dir as step_path
 from fsdp_optim.job.async_save import AsyncSave
-from fsdp_optim.job.memory_restore import restore_from_memory
+from fsdp_optim.job.memory_restore import MemoryRestore, MemoryTierDamaged, restore_from_memory
 from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, group_initialized
@@ -233,7 +233,14 @@ class CheckpointManager:
         self.restored_from, self.restored_step = None, None
         if step is None and self.memory_every is not None:
             durable = self._newest_durable(model)
-            found = restore_from_memory(model, optim, self._tier(), older_than_durable=durable)
+            try:
+                found = restore_from_memory(model, optim, self._tier(), older_than_durable=durable)
+            except MemoryTierDamaged as exc:  # raised on every rank, nothing changed: durable storage is next
+                if durable is None:
+                    raise
+                self._say_damaged(model, exc, durable)
+                found = MemoryRestore(None, 0, None, None, loaded=False)
+                durable = None  # said already
             if found.loaded:
                 self.restored_from, self.restored_step = "memory", found.step
                 _log.info("CheckpointManager restored step %s from the memory tiers of %s nodes", found.step,
@@ -264,6 +271,11 @@ class CheckpointManager:
             steps = [survey_step(s, p, verify=False) for s, p in find_step_dirs(self.root)]
             found = max((d.step for d in steps if d.state == COMPLETE), default=None)
         return broadcast_object(found, src=0, group=group)
+
+    def _say_damaged(self, model: nn.Module, exc: MemoryTierDamaged, durable: int) -> None:
+        if dist_rank_and_size(verify_root(model).group)[0] == 0:
+            warnings.warn(f"CheckpointManager.restore: the memory tiers' newest step could not be restored ({exc}); "
+                          f"restoring durable step {durable} from {self.root}", stacklevel=3)  # fmt: skip
 
     def _say_fallback(self, model: nn.Module, memory: int | None, nodes: int, durable: int | None) -> None:
         if dist_rank_and_size(verify_root(model).group)[0] != 0:
