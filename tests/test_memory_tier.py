@@ -7,8 +7,9 @@ other nodes, restored after a failure at any world size, with real processes and
 One 6-rank job (3 nodes x 2 ranks, replicas=1) trains steps 1..6 saving to memory every 2 steps and to disk every 4,
 then the ranks of node 1 SIGKILL themselves. Each scenario restores from a copy of what the nodes' memory held:
 fewer, the same and more ranks without node 1 (memory step 6, bit-identical to the state at step 6), the same ranks
-after losing one rank only, and after losing nodes 1 and 2 (replicas=1: nothing whole survives, the durable step 4
-is restored, saying so). A second job is killed mid-save of step 6 on one node: step 4 restores.
+after losing one rank only, after losing nodes 1 and 2 (replicas=1: nothing whole survives, the durable step 4
+is restored, saying so), and after losing node 1 with a byte of a surviving replica flipped (every rank refuses
+it by checksum; the durable step 4 is restored, saying so). A second job is killed mid-save of step 6 on one node: step 4 restores.
 """
 
 from __future__ import annotations
@@ -152,6 +153,22 @@ def test_lose_two_nodes_falls_back_to_durable(trained: tuple[Path, Path], shm: P
     _check(results, root, "durable", 4)
     said = "\n".join(results[0]["warnings"])
     assert "no step survives whole in the memory tiers of the 1 live nodes" in said, said
+
+
+def test_damaged_replica_falls_back_to_durable(trained: tuple[Path, Path], shm: Path) -> None:
+    root, memory = _scenario(trained, shm, ["1"])
+    # node 1's rank 2: after the loss, node 2's replica is its only copy, and the 4-rank restore reads all of it
+    (step,) = [d for d in (memory / "node-2").iterdir() if d.name.startswith("step-00000006")]
+    (victim,) = step.glob("optim-*-rank00002-of-00006.safetensors")
+    with victim.open("r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    results = run_ranks(_restore, 4, str(root), str(memory), ["0", "0", "2", "2"], "deep")
+    _check(results, root, "durable", 4)
+    said = "\n".join(results[0]["warnings"])
+    assert "could not be restored" in said and "checksum mismatch" in said and "durable step 4" in said, said
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ node crosses the network once, plus at most a chunk on each side of each range),
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,28 +67,47 @@ class MemoryRestore:
     directory: Path | None
     extra: Any
     loaded: bool
+    durable: int | None  # the newest durable step, as rank 0 found it
 
 
-def find_in_memory(tier: MemoryTier, group: ProcessGroup) -> tuple[list[str], list[list[Holding]], Chosen | None]:
-    """Step 1: every rank's node and holdings, and the step to restore (the same on every rank). One all-gather."""
-    reports = all_gather_objects((tier.node, read_holdings(tier.node_dir())), group)
-    holdings = [list(h) for _, h in reports]
-    return [n for n, _ in reports], holdings, choose_step(holdings)
+def find_in_memory(
+    tier: MemoryTier, group: ProcessGroup, durable: Callable[[], int | None] | None = None
+) -> tuple[list[str], list[list[Holding]], Chosen | None, int | None]:
+    """Step 1: every rank's node and holdings, the step to restore (the same on every rank), and what ``durable()``
+    returned on the rank that passed it (rank 0: the newest durable step). One all-gather."""
+    found: tuple[int | None, str | None] = (None, None)
+    if durable is not None:
+        try:
+            found = (durable(), None)
+        except Exception as exc:  # every rank raises it, below, rather than waiting for this one
+            found = (None, f"{type(exc).__name__}: {exc}")
+    reports = all_gather_objects((tier.node, read_holdings(tier.node_dir()), found), group)
+    failed = next((f"{error} [raised on rank {r}]" for r, (_, _, (_, error)) in enumerate(reports) if error), None)
+    if failed is not None:
+        raise RuntimeError(f"looking for the newest durable step failed: {failed}")
+    holdings = [list(h) for _, h, _ in reports]
+    newest = next((step for _, _, (step, _) in reports if step is not None), None)
+    return [n for n, _, _ in reports], holdings, choose_step(holdings), newest
 
 
 def restore_from_memory(
-    model: nn.Module, optim: torch.optim.Optimizer | None, tier: MemoryTier, *, older_than_durable: int | None = None
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    tier: MemoryTier,
+    *,
+    durable: Callable[[], int | None] | None = None,
 ) -> MemoryRestore:
     """Load the newest step the live nodes' memory tiers hold whole into ``model`` and ``optim``, unless none does
-    or it is older than ``older_than_durable`` (the newest durable step: restore that instead); then nothing is
-    changed and ``loaded`` is False. A collective: every rank gets the same answer, or raises the same error
-    (:class:`MemoryTierDamaged` when the step's bytes could not be read)."""
+    or it is older than the newest durable step (``durable()``, run on rank 0 alone; its answer travels with the
+    holdings and comes back as ``durable``): then nothing is changed and ``loaded`` is False. A collective: every
+    rank gets the same answer, or raises the same error (:class:`MemoryTierDamaged` when the step's bytes could not
+    be read)."""
     root = verify_root(model, optim)
     group = root.group if is_cpu_group(root.group) else checkpoint_group(root.group)
-    nodes, holdings, chosen = find_in_memory(tier, group)
+    nodes, holdings, chosen, newest = find_in_memory(tier, group, durable if root.rank == 0 else None)
     live = len(set(nodes))
-    if chosen is None or (older_than_durable is not None and chosen.step < older_than_durable):
-        return MemoryRestore(chosen.step if chosen is not None else None, live, None, None, loaded=False)
+    if chosen is None or (newest is not None and chosen.step < newest):
+        return MemoryRestore(chosen.step if chosen is not None else None, live, None, None, False, newest)
     directory = tier.node_dir() / chosen.dirname
     what = f"restoring step {chosen.step} from the memory tiers changed nothing on any rank"
     if not all(_holds_step(report, chosen) for report in holdings):
@@ -105,7 +125,7 @@ def restore_from_memory(
         if ckpt is not None:
             ckpt.close()
     commit_load(root, model, optim, staged)
-    return MemoryRestore(chosen.step, live, directory, staged.extra, loaded=True)
+    return MemoryRestore(chosen.step, live, directory, staged.extra, True, newest)
 
 
 def _plan(
