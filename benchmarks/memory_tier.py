@@ -8,7 +8,7 @@ bytes from local files in page cache.
 Job 1 (8 ranks, nodes = rank // 2, replicas=1) trains one step, then per repeat: ``async_save_checkpoint`` (time to
 return: its blocking part) and ``manager.save`` of a memory step (time to return; then the save's total through
 ``wait()``). Node 3's memory directory is then removed. Job 2 (6 ranks on nodes 0-2) restores from the memory tiers
-(per repeat from a fresh copy of what survived: fetched files land in the nodes' memory), checks the state is
+(per repeat from a fresh copy of what survived, though a restore writes nothing there), checks the state is
 bit-identical to job 1's, then saves its own 6-rank checkpoint on tmpfs and loads it (the floor: each rank reads its
 own files from page cache). Medians of ``REPEATS`` after ``WARMUP``; every rank a process, all on this machine.
 """

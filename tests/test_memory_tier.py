@@ -32,7 +32,7 @@ from _dist import run_ranks
 import fsdp_optim
 from fsdp_optim.cli import main
 from fsdp_optim.core.memory_plan import Fetch, Holding, choose_step, fetch_plan, replica_peers
-from fsdp_optim.formats.sharded.byte_ranges import merge_ranges
+from fsdp_optim.formats.sharded.byte_ranges import join_overlapping
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 
 EVERY, MEMORY_EVERY, STOP = 4, 2, 6
@@ -224,5 +224,7 @@ def test_replica_peers_and_choice() -> None:
         0, 1, 0], "the holders share the sending"  # fmt: skip
 
 
-def test_byte_ranges_merge() -> None:
-    assert merge_ranges([(5, 9), (0, 2), (2, 4), (8, 12), (20, 20)]) == [(0, 4), (5, 12)]
+def test_byte_ranges_join_overlapping_only() -> None:
+    # (start, stop, first use): a shared chunk is received once; touching ranges stay pieces of their own
+    spans = [(5, 9, 3), (0, 2, 1), (2, 4, 0), (8, 12, 2), (20, 20, 5)]
+    assert join_overlapping(spans) == [(0, 2, 1), (2, 4, 0), (5, 12, 2)]

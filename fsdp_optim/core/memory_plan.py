@@ -125,19 +125,20 @@ def fetch_plan(
     stop)`` in the order its load uses them, from its plans), those of files its node lacks (``has[node]``: the
     files of the step that node holds).
 
-    Each range comes from the holder rank that has sent the fewest bytes so far (then the lowest), so the ranks of
-    the nodes holding a file share its sending. Listed by receiving rank, then in its order of use: the order in
-    which both sides post their messages. Every rank computes the same plan from the same inputs, with no message."""
+    Each range comes from the holder rank with the fewest bytes to move so far (those it receives, those it was
+    given to send; then the lowest rank), so the ranks of the nodes holding a file share its sending, and a rank
+    that receives much sends little. Listed by receiving rank, then in its order of use: the order in which both
+    sides post their messages. Every rank computes the same plan from the same inputs, with no message."""
     holders = chosen.holder_ranks()
-    sent: dict[int, int] = {}
+    missing = [[(n, a, b) for n, a, b in ranges if n not in has.get(nodes[dst], frozenset())]
+               for dst, ranges in enumerate(needs)]  # fmt: skip
+    moved = {dst: sum(b - a for _, a, b in ranges) for dst, ranges in enumerate(missing)}
     out = []
-    for dst, ranges in enumerate(needs):
+    for dst, ranges in enumerate(missing):
         for name, start, stop in ranges:
-            if name in has.get(nodes[dst], frozenset()):
-                continue
             if not holders.get(name):
                 raise ValueError(f"{name}: rank {dst} needs it, but no live rank's node holds it (holders: none)")
-            src = min(holders[name], key=lambda r: (sent.get(r, 0), r))
-            sent[src] = sent.get(src, 0) + stop - start
+            src = min(holders[name], key=lambda r: (moved.get(r, 0), r))
+            moved[src] = moved.get(src, 0) + stop - start
             out.append(Fetch(src, dst, name, start, stop))
     return tuple(out)

@@ -247,14 +247,14 @@ _PORTABLE_ERRORS = {e.__name__: e for e in (ValueError, TypeError, NotImplemente
 
 
 def agree(failure: BaseException | None, *, group: dist.ProcessGroup | None, what: str) -> None:
-    """Make every rank agree on whether a step failed: one small all-gather, then every rank raises or none does.
-
-    A rank that failed re-raises its own ``failure``; the others raise the first failing rank's error with
-    its type (a builtin or one of fsdp_optim's, such as ``ForeignOutputError``; else the nearest
-    :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``) and its message, followed by that rank and
-    ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was written"``). So
-    ``except ForeignOutputError`` catches it on every rank.
-    """
+    """Make every rank agree on whether a step failed: one all-gather of an int (and, when some rank failed, one of
+    the errors), then every rank raises or none does. A rank that failed re-raises its own ``failure``; the others
+    raise the first failing rank's error with its type (a builtin or one of fsdp_optim's, such as
+    ``ForeignOutputError``; else the nearest :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``) and its
+    message, followed by that rank and ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was
+    written"``). So ``except ForeignOutputError`` catches it on every rank."""
+    if not any(all_gather_digests(int(failure is not None), group)):  # all went well: no pickling, one round
+        return
     mine = None
     if failure is not None:  # its own type, and the nearest portable type it is (OutputLockedError: OSError)
         kind = type(failure)

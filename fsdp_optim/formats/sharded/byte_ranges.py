@@ -24,7 +24,7 @@ from fsdp_optim.core.plan import Plan, read_ranges, saved_ranks
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
-__all__ = ["Ranges", "files_read", "merge_ranges"]
+__all__ = ["Ranges", "files_read", "join_overlapping"]
 
 Ranges = list[tuple[str, int, int]]  # (file name, start, stop): disjoint byte ranges of each file, in order of use
 
@@ -68,15 +68,17 @@ def _rank_file_ranges(ckpt: ShardedCheckpoint, rank: int, reads: Iterable[tuple[
             first, last = (offset + lo) // per * per, min(-(-(offset + hi) // per) * per, sizes[tensor])
             base = _tensor_base(sizes, itemsize, tensor, header[file])
             found.setdefault(file, [(0, header[file], -1)]).append((base + first * size, base + last * size, k))
-    merged = [(records[r].file, *span) for r, spans in found.items() for span in _merged(spans)]
+    merged = [(records[r].file, *span) for r, spans in found.items() for span in join_overlapping(spans)]
     return [(name, start, stop) for name, start, stop, _ in sorted(merged, key=lambda m: (m[3], m[0], m[1]))]
 
 
-def _merged(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """``merge_ranges`` keeping, for each merged range, the first use of any of its parts."""
+def join_overlapping(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Overlapping spans joined (a chunk is received once, whole), each keeping the first use of any of its parts.
+    Touching ones stay apart: a piece is usable once all of it arrived, so a load can start on the first while
+    the next is in flight."""
     out: list[tuple[int, int, int]] = []
     for start, stop, use in sorted(s for s in spans if s[1] > s[0]):
-        if out and start <= out[-1][1]:
+        if out and start < out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], stop), min(out[-1][2], use))
         else:
             out.append((start, stop, use))
@@ -91,14 +93,3 @@ def _tensor_base(sizes: dict[str, int], itemsize: dict[str, int], tensor: str, h
             return at
         at += numel * itemsize[name]
     raise AssertionError(f"tensor {tensor!r} is not in the file layout {list(sizes)}")
-
-
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``ranges`` sorted, empty ones dropped, overlapping or touching ones joined."""
-    out: list[tuple[int, int]] = []
-    for start, stop in sorted(r for r in ranges if r[1] > r[0]):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], stop))
-        else:
-            out.append((start, stop))
-    return out
