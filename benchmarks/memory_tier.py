@@ -8,7 +8,7 @@ bytes from local files in page cache.
 Job 1 (8 ranks, nodes = rank // 2, replicas=1) trains one step, then per repeat: ``async_save_checkpoint`` (time to
 return: its blocking part) and ``manager.save`` of a memory step (time to return; then the save's total through
 ``wait()``). Node 3's memory directory is then removed. Job 2 (6 ranks on nodes 0-2) restores from the memory tiers
-(per repeat from a fresh copy of what survived: fetched files land in the nodes' memory), checks the state is
+(per repeat from a fresh copy of what survived, though a restore writes nothing there), checks the state is
 bit-identical to job 1's, then saves its own 6-rank checkpoint on tmpfs and loads it (the floor: each rank reads its
 own files from page cache). Medians of ``REPEATS`` after ``WARMUP``; every rank a process, all on this machine.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -33,7 +34,7 @@ from . import models, spawn
 MODEL = "25M"
 QUICK_MODEL = "5M"
 SAVED_NODES, RANKS_PER_NODE = 4, 2  # job 1: 8 ranks; job 2: one node fewer
-WARMUP, REPEATS = 1, 3
+WARMUP, REPEATS = 1, 7
 STORAGE = Path("/dev/shm")
 RESULTS_DIR = Path(__file__).parent / "results"
 SCRATCH_DIR = Path(__file__).parent / "out"
@@ -110,7 +111,22 @@ def _restore_job(rank: int, world_size: int, spec: models.ModelSpec, work: str, 
             shutil.rmtree(memory, ignore_errors=True)
             shutil.copytree(survived, memory)
 
-    restore = _median(lambda k: manager.restore(model, optim), warmup, repeats, before=fresh_copy)
+    fresh_copy()
+    dist.barrier()
+    manager.restore(model, optim)  # the state the floor's checkpoint holds
+    local = Path(work) / "local"
+    fsdp_optim.save_checkpoint(model, optim, local, overwrite=True)
+    # Interleaved, so that the three see the same machine (2 shared cores: its load drifts within seconds).
+    runs: dict[str, Any] = {
+        "floor": (lambda: fsdp_optim.load_checkpoint(model, optim, local), None),
+        "recut": (lambda: fsdp_optim.load_checkpoint(model, optim, Path(work) / "saved-W8"), None),
+        "restore": (lambda: manager.restore(model, optim), fresh_copy),  # last: its state is checked below
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(warmup + repeats):
+        for name, (fn, before) in runs.items():
+            times[name].append(_median(lambda _: fn(), 0, 1, before=before))
+    restore, floor, recut = (statistics.median(times[n][warmup:]) for n in ("restore", "floor", "recut"))
     loaded = {"model": model.state_dict(), "optim": model.gather_full_optim_state_dict(optim)}
     exact = None
     if rank == 0:
@@ -119,10 +135,6 @@ def _restore_job(rank: int, world_size: int, spec: models.ModelSpec, work: str, 
             {k: v for k, v in loaded["optim"].items() if k != "fsdp_optim"},
             {k: v for k, v in reference["optim"].items() if k != "fsdp_optim"},
         )
-    local = Path(work) / "local"
-    fsdp_optim.save_checkpoint(model, optim, local, overwrite=True)
-    floor = _median(lambda k: fsdp_optim.load_checkpoint(model, optim, local), warmup, repeats)
-    recut = _median(lambda k: fsdp_optim.load_checkpoint(model, optim, Path(work) / "saved-W8"), warmup, repeats)
     dist.barrier()
     return {"restore_memory_s": restore, "load_local_s": floor, "load_recut_s": recut, "exact": exact, "restored_step": manager.restored_step,
             "restored_from": manager.restored_from}  # fmt: skip
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     out = SCRATCH_DIR if args.quick else RESULTS_DIR
     saved_w, restored_w = SAVED_NODES * RANKS_PER_NODE, (SAVED_NODES - 1) * RANKS_PER_NODE
     work = Path(tempfile.mkdtemp(prefix="fsdp_optim-bench-memtier-", dir=STORAGE if STORAGE.is_dir() else None))
+    load_before = os.getloadavg()[0]
     try:
         saved = spawn.run_ranks(_save_job, saved_w, spec, str(work), WARMUP, args.repeats)[0]
         shutil.rmtree(work / "memory" / f"node-{SAVED_NODES - 1}")  # lose the last node
@@ -156,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     row = {"model": spec.name, "params": spec.numel, "saved_world_size": saved_w, "restored_world_size": restored_w,
-           **saved, **restored}  # fmt: skip
+           **saved, **restored, "load_average": [load_before, os.getloadavg()[0]]}  # fmt: skip
     row["blocking_ratio"] = row["blocking_memory_s"] / row["blocking_async_s"]
     row["restore_ratio"] = row["restore_memory_s"] / row["load_local_s"]
     row["steps_lost"] = row["last_step"] - row["restored_step"]
@@ -172,8 +185,10 @@ def _report(r: dict[str, Any], command: str) -> str:
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     return f"""# Memory tier: save blocking part and restore after losing a node
 
-Command: `{command}` (median of {REPEATS} after {WARMUP} warm-up; 2-core CPU machine, gloo, every rank a process,
-"nodes" are groups of 2 processes with their own directory under /dev/shm). Model {r['model']}
+Command: `{command}` (median of {REPEATS} after {WARMUP} warm-up; the restore and both loads interleaved, repeat by
+repeat; 2-core CPU machine shared with other work, 1-minute load average {r['load_average'][0]:.1f} before the run and
+{r['load_average'][1]:.1f} after; gloo, every rank a process, "nodes" are groups of 2 processes with their own
+directory under /dev/shm). Model {r['model']}
 ({r['params'] / 1e6:.1f}M params, Adam). Saved at W={r['saved_world_size']} (4 nodes x 2), node 3 lost, restored at
 W={r['restored_world_size']} (3 nodes x 2).
 

@@ -34,12 +34,12 @@ REL = 1e-4
 def _kill_before_commit() -> None:
     """The next save dies on every rank once its own rank and side files are written: commit_save's gather of the
     ranks' reports (before rank 0 writes the manifest) becomes a SIGKILL of the calling process."""
-    import fsdp_optim.job.sharded as sharded
+    import fsdp_optim.job.save_commit as save_commit  # the save protocol's home since it left job/sharded.py
 
     def die(*_: Any, **__: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    sharded.gather_objects = die  # type: ignore[assignment]
+    save_commit.gather_objects = die  # type: ignore[assignment]
 
 
 def _loop(rank: int, world_size: int, root: str, seed: int, stop: int, kill_at: int | None) -> dict[str, Any]:

@@ -7,8 +7,9 @@ other nodes, restored after a failure at any world size, with real processes and
 One 6-rank job (3 nodes x 2 ranks, replicas=1) trains steps 1..6 saving to memory every 2 steps and to disk every 4,
 then the ranks of node 1 SIGKILL themselves. Each scenario restores from a copy of what the nodes' memory held:
 fewer, the same and more ranks without node 1 (memory step 6, bit-identical to the state at step 6), the same ranks
-after losing one rank only, and after losing nodes 1 and 2 (replicas=1: nothing whole survives, the durable step 4
-is restored, saying so). A second job is killed mid-save of step 6 on one node: step 4 restores.
+after losing one rank only, after losing nodes 1 and 2 (replicas=1: nothing whole survives, the durable step 4
+is restored, saying so), and after losing node 1 with a byte of a surviving replica flipped (every rank refuses
+it by checksum; the durable step 4 is restored, saying so). A second job is killed mid-save of step 6 on one node: step 4 restores.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from _dist import run_ranks
 import fsdp_optim
 from fsdp_optim.cli import main
 from fsdp_optim.core.memory_plan import Fetch, Holding, choose_step, fetch_plan, replica_peers
+from fsdp_optim.formats.sharded.byte_ranges import join_overlapping
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 
 EVERY, MEMORY_EVERY, STOP = 4, 2, 6
@@ -153,6 +155,22 @@ def test_lose_two_nodes_falls_back_to_durable(trained: tuple[Path, Path], shm: P
     assert "no step survives whole in the memory tiers of the 1 live nodes" in said, said
 
 
+def test_damaged_replica_falls_back_to_durable(trained: tuple[Path, Path], shm: Path) -> None:
+    root, memory = _scenario(trained, shm, ["1"])
+    # node 1's rank 2: after the loss, node 2's replica is its only copy, and the 4-rank restore reads all of it
+    (step,) = [d for d in (memory / "node-2").iterdir() if d.name.startswith("step-00000006")]
+    (victim,) = step.glob("optim-*-rank00002-of-00006.safetensors")
+    with victim.open("r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    results = run_ranks(_restore, 4, str(root), str(memory), ["0", "0", "2", "2"], "deep")
+    _check(results, root, "durable", 4)
+    said = "\n".join(results[0]["warnings"])
+    assert "could not be restored" in said and "checksum mismatch" in said and "durable step 4" in said, said
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "lost, nodes, nesting",
@@ -196,6 +214,17 @@ def test_replica_peers_and_choice() -> None:
     chosen = choose_step([[part, old], [rest]])
     assert chosen is not None and chosen.step == 4 and chosen.holder_ranks() == {"a": (0,), "b": (1,)}
     assert choose_step([[part]]) is None
-    fetches = fetch_plan(chosen, ["x", "y", "z"], [["a", "b"], ["a", "b"], ["b"]], {"x": frozenset({"a"}),
-                         "y": frozenset({"b"})})  # fmt: skip
-    assert fetches == (Fetch(1, 0, "b", 2), Fetch(0, 1, "a", 1), Fetch(1, 2, "b", 2))
+    needs = [[("b", 1, 2), ("a", 0, 1), ("b", 0, 1)], [("a", 0, 1), ("b", 0, 2)], [("b", 1, 2)]]
+    fetches = fetch_plan(chosen, ["x", "y", "z"], needs, {"x": frozenset({"a"}), "y": frozenset({"b"})})
+    # each node's missing ranges in the order its load uses them, from the holder that has sent the least
+    assert fetches == (Fetch(1, 0, "b", 1, 2), Fetch(1, 0, "b", 0, 1), Fetch(0, 1, "a", 0, 1), Fetch(1, 2, "b", 1, 2))
+    both = Holding(4, "s4", "d4", 2, files, frozenset({"a", "b"}))
+    shared = choose_step([[both], [both], []])
+    assert shared is not None and [f.src for f in fetch_plan(shared, ["x", "x", "z"], [[], [], needs[0]], {})] == [
+        0, 1, 0], "the holders share the sending"  # fmt: skip
+
+
+def test_byte_ranges_join_overlapping_only() -> None:
+    # (start, stop, first use): a shared chunk is received once; touching ranges stay pieces of their own
+    spans = [(5, 9, 3), (0, 2, 1), (2, 4, 0), (8, 12, 2), (20, 20, 5)]
+    assert join_overlapping(spans) == [(0, 2, 1), (2, 4, 0), (5, 12, 2)]

@@ -21,7 +21,16 @@ from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.intervals import overlapping, rank_range
 from fsdp_optim.core.source import FlatPlan, Plan, Reader, Segment
 
-__all__ = ["Read", "assemble_full", "cut_rank", "optimizer_state_dict", "rank_reads", "restrict", "saved_ranks"]
+__all__ = [
+    "Read",
+    "assemble_full",
+    "cut_rank",
+    "optimizer_state_dict",
+    "rank_reads",
+    "read_ranges",
+    "restrict",
+    "saved_ranks",
+]
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,16 @@ def saved_ranks(plan: Plan, rank: int, reads: Sequence[Read] | None = None) -> l
         found.update(rank_range(index.numel[s], index.world_size[s], first, first + read.stop - read.start))
     return sorted(found)
 
+
+def read_ranges(plan: Plan, rank: int) -> Iterator[tuple[int, str, int, int]]:
+    """``(source flat, state key, start, stop)`` of every read :func:`cut_rank` makes for rank ``rank`` (full,
+    unpadded offsets in the source), in its order: what it will read, found without reading anything."""
+    for t, flat_plan in plan.flats.items():
+        start, stop, _ = plan.shards.bounds(t, rank)
+        reads = tuple(_reads(t, flat_plan.segments, start, stop))
+        for e in flat_plan.entries:
+            if e.kind is not StateKind.SCALAR:
+                yield from ((r.source, e.key, r.source_start, r.source_start + r.stop - r.start) for r in reads)
 
 def cut_rank(
     plan: Plan, rank: int, read: Reader | None = None, *, after_unit: Callable[[], None] | None = None

@@ -53,12 +53,18 @@ class Chosen:
 
 @dataclass(frozen=True)
 class Fetch:
-    """One file sent point to point: ``src`` (its node holds it) to ``dst`` (writes it into its node's memory)."""
+    """Bytes ``[start, stop)`` of one file sent point to point: from ``src`` (its node holds the file) to ``dst``
+    (its node lacks it; it reads them from memory, verifying each chunk as it reads it)."""
 
     src: int
     dst: int
     file: str
-    nbytes: int
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
 
 
 def node_ranks(nodes: Sequence[str]) -> dict[str, list[int]]:
@@ -110,25 +116,29 @@ def _holds(report: Sequence[Holding], chosen: Holding, name: str) -> bool:
 
 
 def fetch_plan(
-    chosen: Chosen, nodes: Sequence[str], needs: Sequence[Sequence[str]], has: Mapping[str, frozenset[str]]
+    chosen: Chosen,
+    nodes: Sequence[str],
+    needs: Sequence[Sequence[tuple[str, int, int]]],
+    has: Mapping[str, frozenset[str]],
 ) -> tuple[Fetch, ...]:
-    """The files to send so that every rank's node holds what rank r ``needs[r]`` (its load plan's files).
+    """The byte ranges to send so that every rank r gets what its load reads: of ``needs[r]`` (``(file, start,
+    stop)`` in the order its load uses them, from its plans), those of files its node lacks (``has[node]``: the
+    files of the step that node holds).
 
-    ``has[node]``: the files of the step that node holds already. A file a node lacks is fetched once per node,
-    by its lowest rank that needs it, from the holder rank that has sent the fewest bytes so far (then the lowest)."""
-    sizes, holders = chosen.sizes(), chosen.holder_ranks()
-    sent: dict[int, int] = {}
-    assigned: set[tuple[str, str]] = set()
+    Each range comes from the holder rank with the fewest bytes to move so far (those it receives, those it was
+    given to send; then the lowest rank), so the ranks of the nodes holding a file share its sending, and a rank
+    that receives much sends little. Listed by receiving rank, then in its order of use: the order in which both
+    sides post their messages. Every rank computes the same plan from the same inputs, with no message."""
+    holders = chosen.holder_ranks()
+    missing = [[(n, a, b) for n, a, b in ranges if n not in has.get(nodes[dst], frozenset())]
+               for dst, ranges in enumerate(needs)]  # fmt: skip
+    moved = {dst: sum(b - a for _, a, b in ranges) for dst, ranges in enumerate(missing)}
     out = []
-    for dst, names in enumerate(needs):
-        for name in sorted(set(names)):
-            node = nodes[dst]
-            if name in has.get(node, frozenset()) or (node, name) in assigned:
-                continue
-            if name not in holders or not holders[name]:
+    for dst, ranges in enumerate(missing):
+        for name, start, stop in ranges:
+            if not holders.get(name):
                 raise ValueError(f"{name}: rank {dst} needs it, but no live rank's node holds it (holders: none)")
-            src = min(holders[name], key=lambda r: (sent.get(r, 0), r))
-            sent[src] = sent.get(src, 0) + sizes[name]
-            assigned.add((node, name))
-            out.append(Fetch(src, dst, name, sizes[name]))
+            src = min(holders[name], key=lambda r: (moved.get(r, 0), r))
+            moved[src] = moved.get(src, 0) + stop - start
+            out.append(Fetch(src, dst, name, start, stop))
     return tuple(out)

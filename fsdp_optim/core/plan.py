@@ -34,6 +34,7 @@ from fsdp_optim.core.execute import (
     cut_rank,
     optimizer_state_dict,
     rank_reads,
+    read_ranges,
     restrict,
     saved_ranks,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "plan",
     "plan_error",
     "rank_reads",
+    "read_ranges",
     "restrict",
     "saved_ranks",
 ]

@@ -33,7 +33,7 @@ from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
 from fsdp_optim.formats.sharded.steps import step_dir as step_path
 from fsdp_optim.job.async_save import AsyncSave
-from fsdp_optim.job.memory_restore import restore_from_memory
+from fsdp_optim.job.memory_restore import MemoryRestore, MemoryTierDamaged, restore_from_memory
 from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, group_initialized
@@ -227,24 +227,34 @@ class CheckpointManager:
 
         With the memory tier (``memory_every``) and no ``step`` given, the newest step the live nodes' memory tiers
         hold whole is restored (:func:`fsdp_optim.job.memory_restore.restore_from_memory`), unless durable storage
-        holds a newer complete step; when no step survives whole in memory, a warning says so and the newest durable
-        step is restored. ``restored_from`` and ``restored_step`` say what was loaded."""
+        holds a newer complete step; when no step survives whole in memory, or its bytes fail a check on some rank
+        (:class:`~fsdp_optim.job.memory_restore.MemoryTierDamaged`, raised on every rank with nothing changed), a
+        warning says so and the newest durable step is restored. ``restored_from`` and ``restored_step`` say what
+        was loaded."""
         self.wait()
         self.restored_from, self.restored_step = None, None
+        damaged = None
         if step is None and self.memory_every is not None:
-            durable = self._newest_durable(model)
-            found = restore_from_memory(model, optim, self._tier(), older_than_durable=durable)
+            try:
+                found = restore_from_memory(model, optim, self._tier(), durable=self._newest_durable)
+            except MemoryTierDamaged as exc:  # raised on every rank, nothing changed: durable storage is next
+                damaged, found = exc, MemoryRestore(None, 0, None, None, loaded=False, durable=None)
             if found.loaded:
                 self.restored_from, self.restored_step = "memory", found.step
                 _log.info("CheckpointManager restored step %s from the memory tiers of %s nodes", found.step,
                           found.nodes)  # fmt: skip
                 return found.extra
-            if durable is not None:  # (nothing anywhere: a fresh run, nothing to say)
-                self._say_fallback(model, found.step, found.nodes, durable)
+            if found.durable is not None:  # (nothing anywhere: a fresh run, nothing to say)
+                self._say_fallback(model, found.step, found.nodes, found.durable)
         if step is None:
             step = self.latest()
             if step is None:
+                if damaged is not None:
+                    raise damaged
                 return None
+            if damaged is not None and dist_rank_and_size(verify_root(model).group)[0] == 0:
+                warnings.warn(f"CheckpointManager.restore: the memory tiers' newest step could not be restored "
+                              f"({damaged}); restoring durable step {step} from {self.root}", stacklevel=2)  # fmt: skip
         extra = load_checkpoint(model, optim, self.path(step))
         self.restored_from, self.restored_step = "durable", step
         return extra
@@ -254,16 +264,11 @@ class CheckpointManager:
         return memory_tier(self.root, memory_dir=self.memory_dir, node=self.node, replicas=self.replicas,
                            keep=self.keep_memory, rank=rank)  # fmt: skip
 
-    def _newest_durable(self, model: nn.Module) -> int | None:
-        """The newest durable step with a manifest and every file of its size (not yet verified byte by byte):
-        rank 0 looks, every rank learns it (one broadcast)."""
-        group = verify_root(model).group
-        rank, _ = dist_rank_and_size(group)
-        found = None
-        if rank == 0:
-            steps = [survey_step(s, p, verify=False) for s, p in find_step_dirs(self.root)]
-            found = max((d.step for d in steps if d.state == COMPLETE), default=None)
-        return broadcast_object(found, src=0, group=group)
+    def _newest_durable(self) -> int | None:
+        """The newest durable step with a manifest and every file of its size (not yet verified byte by byte): run
+        on rank 0 alone (:func:`~fsdp_optim.job.memory_restore.restore_from_memory` tells every rank)."""
+        steps = [survey_step(s, p, verify=False) for s, p in find_step_dirs(self.root)]
+        return max((d.step for d in steps if d.state == COMPLETE), default=None)
 
     def _say_fallback(self, model: nn.Module, memory: int | None, nodes: int, durable: int | None) -> None:
         if dist_rank_and_size(verify_root(model).group)[0] != 0:

@@ -1,21 +1,28 @@
 """Restoring a whole checkpoint from the memory tiers of the surviving nodes, at any world size and nesting.
 
 1. Every rank reads what its node holds (complete steps: marker, manifest, files of their recorded sizes) and the
-   reports are all-gathered; every rank then picks the same step, the newest whose every file is held by the node
-   of some live rank (:func:`fsdp_optim.core.memory_plan.choose_step`), or None: nothing survived whole.
-2. The manifest goes from the first holder to every rank; each node lacking the step gets it (its first rank).
-3. Each rank plans its load (the same plans :func:`fsdp_optim.load_checkpoint` makes) to learn which saved ranks'
-   files it reads; the files its node lacks are sent point to point, each once per node, whole, by a rank whose node
-   holds it (:func:`~fsdp_optim.core.memory_plan.fetch_plan`), and written into that node's step directory.
-4. Every rank loads from its node's step directory with :func:`fsdp_optim.load_checkpoint`: every byte it reads
-   is verified against the chunk checksums and side-file digests, and all ranks load or all raise the same error.
+   reports are all-gathered (one collective); every rank then picks the same step, the newest whose every file is
+   held by the node of some live rank (:func:`fsdp_optim.core.memory_plan.choose_step`), or None.
+2. A node lacking the step gets its manifest (one broadcast, only when some node lacks it).
+3. Each rank opens the step in its node's directory and plans its load once (the plans
+   :func:`fsdp_optim.load_checkpoint` makes); from the same plans it finds the byte ranges every rank's load
+   reads (:func:`~fsdp_optim.formats.sharded.byte_ranges.files_read`: chunk-aligned, headers included) and who
+   sends which of those its node lacks (:func:`~fsdp_optim.core.memory_plan.fetch_plan`): no message needed.
+   The ranks agree that planning went well everywhere.
+4. Every receive and send is posted at once; each rank then loads, reading its node's files in place and the
+   bytes it receives from memory as they arrive (:mod:`fsdp_optim.job.memory_fetch`), every chunk verified
+   against its checksum before use; nothing received is written anywhere. The ranks agree, then every rank
+   changes its model and optimizer, or none does.
 
-Cost: two small all-gathers and a broadcast of the manifest, one agreement per phase, and one message per file
-fetched (a file a node lacks crosses the network once, whole), then the load.
+A failure to read the step's bytes (a checksum mismatch, a file missing, a transfer that failed) raises
+:class:`MemoryTierDamaged` on every rank, with nothing changed: the manager then restores from durable storage.
+Cost: one all-gather, two agreements, one message per byte range received (each byte a load reads from another
+node crosses the network once, plus at most a chunk on each side of each range), then the load's own work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,17 +30,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_optim.core.memory_plan import Chosen, Holding, choose_step, fetch_plan, node_ranks
-from fsdp_optim.core.plan import plan, saved_ranks
+from fsdp_optim.core.memory_plan import Chosen, Fetch, Holding, choose_step, fetch_plan, node_ranks
+from fsdp_optim.formats.sharded.byte_ranges import files_read
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.job.memory_save import MemoryTier, file_bytes, write_file
+from fsdp_optim.job.async_save import checkpoint_group
+from fsdp_optim.job.memory_fetch import InFlight, received_files, sends_of
+from fsdp_optim.job.memory_save import MemoryTier, write_file
 from fsdp_optim.job.root import Root, verify_root
-from fsdp_optim.job.transport import agree, all_gather_objects, broadcast_object, exchange_bytes
-from fsdp_optim.job.whole_load import load_checkpoint
+from fsdp_optim.job.transport import (
+    ProcessGroup,
+    agree,
+    all_gather_objects,
+    broadcast_object,
+    is_cpu_group,
+    post_exchange,
+)
+from fsdp_optim.job.whole_load import LOAD_WINDOW_BYTES, LoadPlans, Staged, commit_load, plan_load, stage_load
 
-__all__ = ["MemoryRestore", "find_in_memory", "restore_from_memory"]
+__all__ = ["MemoryRestore", "MemoryTierDamaged", "find_in_memory", "restore_from_memory"]
+
+
+class MemoryTierDamaged(ValueError):
+    """The step chosen in the memory tiers could not be read (its bytes failed a check, a file was missing or a
+    transfer failed); raised on every rank with nothing changed: durable storage is the way back."""
 
 
 @dataclass(frozen=True)
@@ -46,53 +67,110 @@ class MemoryRestore:
     directory: Path | None
     extra: Any
     loaded: bool
+    durable: int | None  # the newest durable step, as rank 0 found it
 
 
-def find_in_memory(root: Root, tier: MemoryTier) -> tuple[list[str], list[list[Holding]], Chosen | None]:
-    """Step 1: every rank's node and holdings, and the step to restore (the same on every rank). One all-gather."""
-    reports = all_gather_objects((tier.node, read_holdings(tier.node_dir())), root.group)
-    holdings = [list(h) for _, h in reports]
-    return [n for n, _ in reports], holdings, choose_step(holdings)
+def find_in_memory(
+    tier: MemoryTier, group: ProcessGroup, durable: Callable[[], int | None] | None = None
+) -> tuple[list[str], list[list[Holding]], Chosen | None, int | None]:
+    """Step 1: every rank's node and holdings, the step to restore (the same on every rank), and what ``durable()``
+    returned on the rank that passed it (rank 0: the newest durable step). One all-gather."""
+    found: tuple[int | None, str | None] = (None, None)
+    if durable is not None:
+        try:
+            found = (durable(), None)
+        except Exception as exc:  # every rank raises it, below, rather than waiting for this one
+            found = (None, f"{type(exc).__name__}: {exc}")
+    reports = all_gather_objects((tier.node, read_holdings(tier.node_dir()), found), group)
+    failed = next((f"{error} [raised on rank {r}]" for r, (_, _, (_, error)) in enumerate(reports) if error), None)
+    if failed is not None:
+        raise RuntimeError(f"looking for the newest durable step failed: {failed}")
+    holdings = [list(h) for _, h, _ in reports]
+    newest = next((step for _, _, (step, _) in reports if step is not None), None)
+    return [n for n, _, _ in reports], holdings, choose_step(holdings), newest
 
 
 def restore_from_memory(
-    model: nn.Module, optim: torch.optim.Optimizer | None, tier: MemoryTier, *, older_than_durable: int | None = None
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    tier: MemoryTier,
+    *,
+    durable: Callable[[], int | None] | None = None,
 ) -> MemoryRestore:
     """Load the newest step the live nodes' memory tiers hold whole into ``model`` and ``optim``, unless none does
-    or it is older than ``older_than_durable`` (the newest durable step: restore that instead); then nothing is
-    changed and ``loaded`` is False. A collective: every rank gets the same answer, or raises the same error."""
+    or it is older than the newest durable step (``durable()``, run on rank 0 alone; its answer travels with the
+    holdings and comes back as ``durable``): then nothing is changed and ``loaded`` is False. A collective: every
+    rank gets the same answer, or raises the same error (:class:`MemoryTierDamaged` when the step's bytes could not
+    be read)."""
     root = verify_root(model, optim)
-    nodes, holdings, chosen = find_in_memory(root, tier)
+    group = root.group if is_cpu_group(root.group) else checkpoint_group(root.group)
+    nodes, holdings, chosen, newest = find_in_memory(tier, group, durable if root.rank == 0 else None)
     live = len(set(nodes))
-    if chosen is None or (older_than_durable is not None and chosen.step < older_than_durable):
-        return MemoryRestore(chosen.step if chosen is not None else None, live, None, None, loaded=False)
+    if chosen is None or (newest is not None and chosen.step < newest):
+        return MemoryRestore(chosen.step if chosen is not None else None, live, None, None, False, newest)
     directory = tier.node_dir() / chosen.dirname
     what = f"restoring step {chosen.step} from the memory tiers changed nothing on any rank"
-    _spread_manifest(root, nodes, holdings, chosen, directory, what)
-    needed, failure = None, None
+    if not all(_holds_step(report, chosen) for report in holdings):
+        _spread_manifest(root.rank, nodes, holdings, chosen, directory, what, group)
+    ckpt, failure = None, None
     try:
-        needed = needed_files(directory, root, optim)
+        ckpt, plans, fetches = _plan(root, model, optim, directory, chosen, nodes, holdings)
     except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
         failure = exc
-    agree(failure, group=root.group, what=what)
-    has = {nodes[r]: _held(h, chosen) for r, h in enumerate(holdings)}
-    fetches = fetch_plan(chosen, nodes, all_gather_objects(sorted(needed or ()), root.group), has)
-    sends = []
     try:
-        sends = [(f.dst, file_bytes(directory / f.file)) for f in fetches if f.src == root.rank]
-    except Exception as exc:
-        failure = exc
-    agree(failure, group=root.group, what=what)
+        agree(failure, group=group, what=what)
+        assert ckpt is not None, "agree() raises on every rank when any rank failed"
+        staged = _fetch_and_stage(root, ckpt, plans, fetches, group, what)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    commit_load(root, model, optim, staged)
+    return MemoryRestore(chosen.step, live, directory, staged.extra, True, newest)
+
+
+def _plan(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, directory: Path, chosen: Chosen,
+    nodes: list[str], holdings: list[list[Holding]],
+) -> tuple[ShardedCheckpoint, LoadPlans, tuple[Fetch, ...]]:  # fmt: skip
+    """Step 3: the step opened (its manifest read), the load planned once, and every rank's fetches."""
+    try:
+        ckpt = ShardedCheckpoint(directory, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES)
+    except (OSError, ValueError) as exc:
+        raise MemoryTierDamaged(str(exc)) from exc
+    try:
+        plans = plan_load(root, model, optim, ckpt)
+        needs = [files_read(ckpt, plans.weights, plans.optim, r) for r in range(root.world_size)]
+        has = {nodes[r]: _held(h, chosen) for r, h in enumerate(holdings)}
+        return ckpt, plans, fetch_plan(chosen, nodes, needs, has)
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def _fetch_and_stage(
+    root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, fetches: tuple[Fetch, ...], group: ProcessGroup, what: str
+) -> Staged:
+    """Step 4: post every transfer, load (reading received bytes as they arrive), wait for the rest, agree."""
+    staged = None
+    sends, unreadable = sends_of(fetches, root.rank, Path(str(ckpt.directory)))
+    failure: Exception | None = MemoryTierDamaged(unreadable) if unreadable is not None else None
     mine = [f for f in fetches if f.dst == root.rank]
-    received = exchange_bytes(sends, [(f.src, f.nbytes) for f in mine], group=root.group)
+    received, works = post_exchange(sends, [(f.src, f.nbytes) for f in mine], group=group)
+    inflight = InFlight(works, [t for _, t in sends])
     try:
-        for fetch, data in zip(mine, received):
-            write_file(directory / fetch.file, data)  # the node holds it now; checked when the load reads it
+        if failure is None:
+            files, sides = received_files(ckpt, mine, received, inflight.wait)
+            ckpt.provide(files)
+            staged = stage_load(root, ckpt, plans, sides)
     except Exception as exc:
-        failure = exc
-    agree(failure, group=root.group, what=what)
-    extra = load_checkpoint(model, optim, directory)
-    return MemoryRestore(chosen.step, live, directory, extra, loaded=True)
+        failure = MemoryTierDamaged(str(exc))
+    try:
+        inflight.finish()
+    except Exception as exc:
+        failure = failure or MemoryTierDamaged(f"a transfer of the step's bytes failed: {exc}")
+    agree(failure, group=group, what=what)
+    assert staged is not None, "agree() raises on every rank when any rank failed"
+    return staged
 
 
 def _held(report: list[Holding], chosen: Chosen) -> frozenset[str]:
@@ -100,40 +178,21 @@ def _held(report: list[Holding], chosen: Chosen) -> frozenset[str]:
 
 
 def _spread_manifest(
-    root: Root, nodes: list[str], holdings: list[list[Holding]], chosen: Chosen, directory: Path, what: str
-) -> None:
+    rank: int, nodes: list[str], holdings: list[list[Holding]], chosen: Chosen, directory: Path, what: str,
+    group: ProcessGroup,
+) -> None:  # fmt: skip
     """Step 2: the manifest from the lowest holder rank to all; the first rank of each node lacking it writes it."""
     src = min(r for r, report in enumerate(holdings) if _holds_step(report, chosen))
-    data = broadcast_object((directory / MANIFEST_NAME).read_bytes() if root.rank == src else None, src=src,
-                            group=root.group)  # fmt: skip
+    data = broadcast_object((directory / MANIFEST_NAME).read_bytes() if rank == src else None, src=src, group=group)
     failure = None
     try:
-        if node_ranks(nodes)[nodes[root.rank]][0] == root.rank and not (directory / MANIFEST_NAME).is_file():
+        if node_ranks(nodes)[nodes[rank]][0] == rank and not (directory / MANIFEST_NAME).is_file():
             directory.mkdir(parents=True, exist_ok=True)
             write_file(directory / MANIFEST_NAME, data)
     except Exception as exc:
         failure = exc
-    agree(failure, group=root.group, what=what)
+    agree(failure, group=group, what=what)
 
 
 def _holds_step(report: list[Holding], chosen: Chosen) -> bool:
     return any((h.step, h.save_id) == (chosen.step, chosen.save_id) for h in report)
-
-
-def needed_files(directory: Path, root: Root, optim: torch.optim.Optimizer | None) -> set[str]:
-    """The files of the checkpoint in ``directory`` that this rank's load reads: the rank files its weight and
-    optimizer plans touch (its own at the saved layout) and its side files (its saved rank's, and rank 0's for
-    the buffers unless they were saved per rank). Reads the manifest alone."""
-    with ShardedCheckpoint(directory, lazy=True) as ckpt:
-        manifest, rank = ckpt.manifest, root.rank
-        everything = [list(range(len(root.layout.flat_params)))]
-        weights = plan(ckpt.weights_source(), root.layout, members=everything)
-        ranks = {rank} if weights.identity else set(saved_ranks(weights, rank) or [0])
-        if optim is not None and manifest.optimizer is not None:
-            state = plan(ckpt.source(), root.layout, members=root.members)
-            ranks |= {rank} if state.identity else set(saved_ranks(state, rank))
-        training = manifest.training
-        assert training is not None, "weights_source() refuses a checkpoint without a training section"
-        sides = {training.side_file(rank % manifest.world_size).file}
-        sides |= set() if training.buffers_per_rank else {training.side_file(0).file}
-    return {f.file for f in manifest.files if f.rank in ranks} | sides

@@ -37,6 +37,8 @@ __all__ = [
     "broadcast_object",
     "dist_rank_and_size",
     "exchange_bytes",
+    "is_cpu_group",
+    "post_exchange",
     "new_gloo_group",
     "gather_flat_tensors",
     "gather_objects",
@@ -195,17 +197,30 @@ def gather_flat_tensors(
 def exchange_bytes(
     sends: Sequence[tuple[int, torch.Tensor]], receives: Sequence[tuple[int, int]], *, group: dist.ProcessGroup | None
 ) -> list[torch.Tensor]:
-    """Point to point: send each ``(dst, 1-D uint8 tensor)`` and receive each ``(src, nbytes)`` into a new uint8
-    tensor (returned in ``receives`` order). Messages between two ranks match in the order both sides list them.
-    Every receive is posted before any send, so no pair of ranks waits on the other. Cost: one message per item."""
-    device = _comm_device(group)
-    out = [torch.empty(n, dtype=torch.uint8, device=device) for _, n in receives]
-    pending = [dist.irecv(buf, src=_global(group, src), group=group) for buf, (src, n) in zip(out, receives) if n]
-    pending += [dist.isend(t.to(device), dst=_global(group, dst), group=group) for dst, t in sends if t.numel()]
-    for work in pending:
-        assert work is not None, "isend/irecv of a group this rank belongs to return a work handle"
-        work.wait()
-    return [t.cpu() for t in out]
+    """Point to point over a CPU (gloo) group: send each ``(dst, 1-D uint8 tensor)`` and receive each ``(src,
+    nbytes)`` into a new uint8 tensor (returned in ``receives`` order). Messages between two ranks match in the
+    order both sides list them; every receive is posted before any send. Cost: one message per item."""
+    received, works = post_exchange(sends, receives, group=group)
+    _ = [work.wait() for work in works if work is not None]
+    return received
+
+
+def post_exchange(
+    sends: Sequence[tuple[int, torch.Tensor]], receives: Sequence[tuple[int, int]], *, group: dist.ProcessGroup | None
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """:func:`exchange_bytes` without waiting: the new receive tensors, and the handles to wait on (``.wait()``)
+    before using them: the receives' in ``receives`` order (None for an empty one), then the sends'. The caller
+    keeps each sent tensor (contiguous) alive until every handle was waited for."""
+    if not is_cpu_group(group):
+        raise ValueError(f"exchanging bytes: expected a CPU (gloo) group, found backend {dist.get_backend(group)}")
+    out = [torch.empty(n, dtype=torch.uint8) for _, n in receives]
+    works = [dist.irecv(t, src=_global(group, src), group=group) if n else None for t, (src, n) in zip(out, receives)]
+    assert all(t.is_contiguous() for _, t in sends), "a sent tensor must be contiguous: a copy would die in flight"
+    return out, works + [dist.isend(t, dst=_global(group, dst), group=group) for dst, t in sends if t.numel()]
+
+
+def is_cpu_group(group: dist.ProcessGroup | None) -> bool:
+    return _comm_device(group).type == "cpu"  # gloo, not NCCL
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -232,14 +247,14 @@ _PORTABLE_ERRORS = {e.__name__: e for e in (ValueError, TypeError, NotImplemente
 
 
 def agree(failure: BaseException | None, *, group: dist.ProcessGroup | None, what: str) -> None:
-    """Make every rank agree on whether a step failed: one small all-gather, then every rank raises or none does.
-
-    A rank that failed re-raises its own ``failure``; the others raise the first failing rank's error with
-    its type (a builtin or one of fsdp_optim's, such as ``ForeignOutputError``; else the nearest
-    :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``) and its message, followed by that rank and
-    ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was written"``). So
-    ``except ForeignOutputError`` catches it on every rank.
-    """
+    """Make every rank agree on whether a step failed: one all-gather of an int (and, when some rank failed, one of
+    the errors), then every rank raises or none does. A rank that failed re-raises its own ``failure``; the others
+    raise the first failing rank's error with its type (a builtin or one of fsdp_optim's, such as
+    ``ForeignOutputError``; else the nearest :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``) and its
+    message, followed by that rank and ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was
+    written"``). So ``except ForeignOutputError`` catches it on every rank."""
+    if not any(all_gather_digests(int(failure is not None), group)):  # all went well: no pickling, one round
+        return
     mine = None
     if failure is not None:  # its own type, and the nearest portable type it is (OutputLockedError: OSError)
         kind = type(failure)

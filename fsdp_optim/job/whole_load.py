@@ -21,20 +21,20 @@ from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore, Where
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.side_file import read_rank_side
+from fsdp_optim.formats.sharded.side_file import Received, read_rank_side
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.transport import agree
 
-__all__ = ["LOAD_WINDOW_BYTES", "load_checkpoint"]
+__all__ = ["LOAD_WINDOW_BYTES", "LoadPlans", "commit_load", "load_checkpoint", "plan_load", "stage_load"]
 
 LOAD_WINDOW_BYTES = 32 << 20  # file pages a re-cutting load keeps mapped before it drops them
 
 
 @dataclass(frozen=True)
-class _Staged:
+class Staged:
     """Everything one rank will change, read and checked into memory of its own."""
 
     weights: dict[int, torch.Tensor]  # {flat index: padded shard}
@@ -73,34 +73,56 @@ def load_checkpoint(
         failure = exc
     agree(failure, group=root.group, what=f"load_checkpoint({str(path)!r}) changed nothing on any rank")
     assert staged is not None, "agree() raises on every rank when any rank failed"
-    _commit(root, model, optim, staged)
+    commit_load(root, model, optim, staged)
     return staged.extra
 
 
-def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Where) -> _Staged:
-    layout, rank = root.layout, root.rank
-    live_buffers = persistent_buffers(model)
+@dataclass(frozen=True)
+class LoadPlans:
+    """A load's plans, made once: the model weights' and (with an optimizer) its state's."""
+
+    weights: Plan
+    optim: Plan | None
+
+
+def plan_load(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, ckpt: ShardedCheckpoint
+) -> LoadPlans:
+    """Check the checkpoint against the live model and optimizer (parameters in their sharded state, buffers,
+    optimizer class) and plan what every rank reads; nothing read but the manifest."""
     weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is read
+    training = ckpt.manifest.training
+    weights = plan(ckpt.weights_source(), root.layout, members=[list(range(len(root.layout.flat_params)))])
+    optim_plan = _optim_plan(ckpt, root, optim) if optim is not None else None
+    assert training is not None, "weights_source() refuses a checkpoint without a training section"
+    _check_buffers(training, persistent_buffers(model), ckpt.manifest.world_size, root.world_size,
+                   str(ckpt.directory))  # fmt: skip
+    return LoadPlans(weights, optim_plan)
+
+
+def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Received | None = None) -> Staged:
+    """Read and check into new memory everything this rank will change (``sides``: side files held in memory)."""
+    rank, training = root.rank, ckpt.manifest.training
+    assert training is not None, "weights_source() refuses a checkpoint without a training section"
+    if plans.weights.identity:
+        own = ckpt.load_rank(rank)
+        weights = {i: own[i][WEIGHTS_KEY] for i in plans.weights.flats}
+        kept = plans.optim.flats if plans.optim is not None else {}
+        state = {i: {k: v for k, v in own[i].items() if k != WEIGHTS_KEY} for i in kept}
+    else:
+        ckpt.open_ranks(saved_ranks(plans.weights, rank) or [0])
+        weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(plans.weights, rank, after_unit=ckpt.trim).items()}
+        state = cut_rank(plans.optim, rank, after_unit=ckpt.trim) if plans.optim is not None else {}
+    optim_state = optimizer_state_dict(plans.optim, state) if plans.optim is not None else None
+    buffers, extra = read_rank_side(ckpt.directory, training, rank % ckpt.manifest.world_size, sides)
+    return Staged(weights, buffers, optim_state, extra)
+
+
+def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Where) -> Staged:
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
     with ShardedCheckpoint(path, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
-        training = ckpt.manifest.training
-        weights_plan = plan(ckpt.weights_source(), layout, members=[list(range(len(layout.flat_params)))])
-        optim_plan = _optim_plan(ckpt, root, optim) if optim is not None else None
-        assert training is not None, "weights_source() refuses a checkpoint without a training section"
-        _check_buffers(training, live_buffers, ckpt.manifest.world_size, root.world_size, str(ckpt.directory))
-        if weights_plan.identity:
-            own = ckpt.load_rank(rank)
-            weights = {i: own[i][WEIGHTS_KEY] for i in weights_plan.flats}
-            kept = optim_plan.flats if optim_plan is not None else {}
-            state = {i: {k: v for k, v in own[i].items() if k != WEIGHTS_KEY} for i in kept}
-        else:
-            ckpt.open_ranks(saved_ranks(weights_plan, rank) or [0])
-            weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(weights_plan, rank, after_unit=ckpt.trim).items()}
-            state = cut_rank(optim_plan, rank, after_unit=ckpt.trim) if optim_plan is not None else {}
-        optim_state = optimizer_state_dict(optim_plan, state) if optim_plan is not None else None
-        buffers, extra = read_rank_side(ckpt.directory, training, rank % ckpt.manifest.world_size)
-    return _Staged(weights, buffers, optim_state, extra)
+        return stage_load(root, ckpt, plan_load(root, model, optim, ckpt))
 
 
 def _optim_plan(ckpt: ShardedCheckpoint, root: Root, optim: torch.optim.Optimizer) -> Plan:
@@ -143,7 +165,7 @@ def _castable(saved: str, live: torch.dtype) -> bool:
     return found == live or (found.is_floating_point and live.is_floating_point)
 
 
-def _commit(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: _Staged) -> None:
+def commit_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: Staged) -> None:
     """Copy what was staged into the live model and optimizer (every check passed on every rank)."""
     live_buffers = persistent_buffers(model)
     with torch.no_grad():

@@ -170,8 +170,12 @@ def prune_node(node: Path, *, keep: int) -> list[Path]:
 
 
 def tier_bytes(node: Path) -> int:
-    """Bytes of the files in ``node``'s step directories (what this node's memory tier holds)."""
+    """Bytes of the files in ``node``'s step directories (what this node's memory tier holds; a directory pruned
+    while it is counted counts as empty)."""
     total = 0
     for directory in _step_dirs(node):
-        total += sum(s for s in (_size(p) for p in directory.iterdir()) if s is not None)
+        try:
+            total += sum(s for s in (_size(p) for p in directory.iterdir()) if s is not None)
+        except OSError:  # removed meanwhile: the node's first rank prunes while the others count
+            continue
     return total

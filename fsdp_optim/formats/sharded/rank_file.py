@@ -119,6 +119,7 @@ class RankFile:
         self.manifest = manifest
         self.layout = layout
         self.file: MappedFile | None = None
+        self.provided: Callable[[], MappedFile] | None = None  # opens its bytes as the caller holds them instead
         self.grids: dict[str, Grid] = {}  # format 3: per tensor
         self.placements: dict[tuple[int, str], Placement] = {}  # format 2: per shard
 
@@ -138,6 +139,8 @@ class RankFile:
                 f"or write that did not finish?): {str(exc).removeprefix(f'{self.path}: ')}"
             )
 
+        if self.provided is not None:
+            return self.provided()
         if isinstance(self.path, ObjectPath):
             return _open_remote(self.path, self.record, truncated)
         path = self.path

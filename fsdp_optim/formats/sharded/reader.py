@@ -43,6 +43,7 @@ from fsdp_optim.formats.sharded.locate import (  # re-exported: what finds a che
 from fsdp_optim.formats.sharded.manifest import (
     manifest_source,
 )
+from fsdp_optim.formats.sharded.mapped import MappedFile
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
 from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
@@ -123,6 +124,18 @@ class ShardedCheckpoint:
             f = self._files[rank]
             f.open() if isinstance(f, RankFile) else f.open(mmap=True)
 
+    def provide(self, files: Mapping[int, Callable[[], MappedFile]]) -> None:
+        """Read rank ``r``'s file from what ``files[r]()`` opens (its bytes as the caller holds them, e.g. received
+        from a peer: :class:`~fsdp_optim.formats.sharded.received.ReceivedFile`) rather than from the directory; its
+        header is checked against the manifest when it is opened, and every chunk read is verified, as on disk."""
+        for rank, file in files.items():
+            f = self._files[rank]
+            if not isinstance(f, RankFile):
+                raise TypeError(f"{self.directory}: a format-{self.manifest.version} checkpoint; provided files are "
+                                "read for formats 2 and 3 only")  # fmt: skip
+            f.release()
+            f.provided = file
+
     def source(self) -> Source:
         """This checkpoint's optimizer state as a planning source (reads go through :meth:`copy_range`); a whole
         checkpoint's weights are left out (:meth:`weights_source`)."""
@@ -174,7 +187,7 @@ class ShardedCheckpoint:
 
     def unit(self, rank: int, flat_index: int) -> Mapping[str, Any]:
         """Rank ``rank``'s verified entries for flat parameter ``flat_index`` (file-backed: copy what you keep)."""
-        f = self._files[self._file_rank(rank, flat_index)]
+        f = self._files[self.file_rank(rank, flat_index)]
         if isinstance(f, RankFile):
             entries = f.unit(flat_index)
             self._touched(sum(nbytes(v) for v in entries.values()))
@@ -187,7 +200,7 @@ class ShardedCheckpoint:
         self._mapped += nbytes
         self.peak_mapped = max(self.peak_mapped, self._mapped)
 
-    def _file_rank(self, rank: int, flat_index: int) -> int:
+    def file_rank(self, rank: int, flat_index: int) -> int:
         # A unit that is not sharded is stored whole in every rank file; read rank 0's, unless every
         # rank holds its own copy (per-rank units, MoE experts).
         flat = self.manifest.flat_params[flat_index]
@@ -218,22 +231,33 @@ class ShardedCheckpoint:
         """:meth:`copy_range`, except that per-rank units are read from rank ``rank``'s own file."""
 
         def read(flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
-            if self.manifest.flat_params[flat_index].per_rank:
-                self._copy(rank, flat_index, key, start, stop, out)
-            else:
-                self.copy_range(flat_index, key, start, stop, out)
+            for r, lo, hi, at in self.pieces(rank, flat_index, start, stop):
+                self._copy(r, flat_index, key, lo, hi, out[at : at + hi - lo])
 
         return read
 
     def copy_range(self, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Copy elements ``[start, stop)`` of flat parameter ``flat_index``'s full state ``key`` into ``out``."""
+        for rank, lo, hi, at in self._shared_pieces(flat_index, start, stop):
+            self._copy(rank, flat_index, key, lo, hi, out[at : at + hi - lo])
+
+    def pieces(self, rank: int, flat_index: int, start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
+        """What :meth:`reader` of ``rank`` reads for elements ``[start, stop)`` of ``flat_index``: ``(saved rank, lo,
+        hi, at)``, elements ``[lo, hi)`` of that rank's shard into offset ``at`` of the output (:meth:`file_rank`
+        names the file holding it)."""
+        if self.manifest.flat_params[flat_index].per_rank:
+            yield rank, start, stop, 0
+        else:
+            yield from self._shared_pieces(flat_index, start, stop)
+
+    def _shared_pieces(self, flat_index: int, start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
         chunk = self.shards.shard_numel(flat_index)
         for rank, lo, hi in self.shards.pieces(flat_index, start, stop):  # only the ranks holding [start, stop)
-            self._copy(rank, flat_index, key, lo - rank * chunk, hi - rank * chunk, out[lo - start : hi - start])
+            yield rank, lo - rank * chunk, hi - rank * chunk, lo - start
 
     def _copy(self, rank: int, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements ``[start, stop)`` of rank ``rank``'s shard of ``key`` into ``out``."""
-        f = self._files[self._file_rank(rank, flat_index)]
+        f = self._files[self.file_rank(rank, flat_index)]
         if isinstance(f, RankFile):
             out.copy_(f.view(flat_index, key, start, stop))
             self._touched((stop - start) * out.element_size())

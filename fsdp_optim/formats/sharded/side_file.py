@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ MAX_DEPTH = 64  # levels of nesting in ``extra``
 _REF = "$extra"
 _BUFFER, _EXTRA = "buffers/", "extra/"
 SideContent = tuple[dict[str, torch.Tensor], Any]  # (buffers by name, extra)
+Received = Mapping[str, Callable[[], bytes]]  # {side file name: its bytes, held in memory (received from a peer)}
 
 
 def encode_extra(value: Any, where: str = "extra") -> tuple[str, dict[str, torch.Tensor]]:
@@ -133,11 +134,11 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous()
 
 
-def read_side_file(directory: Where, record: FileRecord) -> SideContent:
-    """``(buffers, extra)`` of a side file (local, or an object in a store), after checking its size and digest
-    against ``record``."""
+def read_side_file(directory: Where, record: FileRecord, received: Received | None = None) -> SideContent:
+    """``(buffers, extra)`` of a side file (local, or an object in a store, or ``received[name]()``: its bytes as
+    the caller holds them), after checking its size and digest against ``record``."""
     path = directory / record.file
-    data = _read_exactly(directory, record)
+    data = received[record.file]() if received and record.file in received else _read_exactly(directory, record)
     if len(data) != record.nbytes or _file_digest(data) != record.checksum:
         raise ValueError(f"{path}: checksum mismatch (the side file is damaged or was modified)")
     tensors = load_safetensors(data)
@@ -168,12 +169,15 @@ def _read_exactly(directory: Where, record: FileRecord) -> bytes:
         os.close(fd)
 
 
-def read_rank_side(directory: Where, training: TrainingRecord, saved_rank: int) -> SideContent:
+def read_rank_side(
+    directory: Where, training: TrainingRecord, saved_rank: int, received: Received | None = None
+) -> SideContent:
     """Saved rank ``saved_rank``'s ``(buffers, extra)``: its own buffers when they were saved per rank, else rank
-    0's; ``ValueError`` when the buffers found are not those the manifest lists (names, dtypes, shapes)."""
-    buffers, extra = read_side_file(directory, training.side_file(saved_rank))
+    0's; ``ValueError`` when the buffers found are not those the manifest lists (names, dtypes, shapes).
+    ``received``: side files held in memory (see :func:`read_side_file`)."""
+    buffers, extra = read_side_file(directory, training.side_file(saved_rank), received)
     if not training.buffers_per_rank and saved_rank != 0:
-        buffers, _ = read_side_file(directory, training.side_file(0))
+        buffers, _ = read_side_file(directory, training.side_file(0), received)
     specs = training.buffer_specs()
     found = {n: (dtype_to_str(t.dtype), tuple(t.shape)) for n, t in buffers.items()}
     if found != {n: (s.dtype, s.shape) for n, s in specs.items()}:

@@ -1,0 +1,95 @@
+"""Which bytes of which files of a whole checkpoint one rank's load reads: its plans turned into byte ranges.
+
+A load (:func:`fsdp_optim.load_checkpoint`) at the saved layout reads its own rank file whole; a re-cut reads, per
+unit and state key, the elements of the saved shards that overlap its own (the same interval lookup,
+:func:`fsdp_optim.core.plan.read_ranges` and :meth:`ShardedCheckpoint.pieces`). In a format-3 rank file a shard is
+a run of elements of its dtype's tensor, guarded by that tensor's 64 KiB chunk checksums; each run is widened to
+the chunks it touches (what a reader verifies before using a byte), so a peer that receives exactly these ranges,
+and the file's header (which holds the checksums), can verify every byte it reads::
+
+    rank file f of 2 x 64 KiB chunks of float32 after a 96-byte header; a read of elements 10..20000 ->
+    [("f", 0, 96), ("f", 96, 96 + 2 * 65536)]      # the header, then chunks 0 and 1 (elements 0..32768)
+
+Where tensors lie comes from the manifest alone (format 3: the same layout in every file; the header is what the
+file's size leaves before the data). Side files are read whole. Formats 1 and 2: every file read, whole. Pure: no
+file is opened (:class:`ShardedCheckpoint` is used lazily, for its manifest and layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.plan import Plan, read_ranges, saved_ranks
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.segments import chunk_elements
+
+__all__ = ["Ranges", "files_read", "join_overlapping"]
+
+Ranges = list[tuple[str, int, int]]  # (file name, start, stop): disjoint byte ranges of each file, in order of use
+
+
+def files_read(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int) -> Ranges:
+    """The byte ranges of the checkpoint's files that rank ``rank``'s load reads, given its weights and optimizer
+    plans (``optim`` None: the model alone): its rank files' (chunk-aligned, headers included) and side files', in
+    the order the load first uses them (so that a peer sending them in that order lets it start at once)."""
+    manifest = ckpt.manifest
+    names = {f.rank: f for f in manifest.files}
+    out: Ranges = []
+    if weights.identity:
+        out.append((names[rank].file, 0, names[rank].nbytes))
+    elif manifest.version < 3:
+        touched = set(saved_ranks(weights, rank) or [0]) | (set(saved_ranks(optim, rank)) if optim else set())
+        out.extend((names[r].file, 0, names[r].nbytes) for r in sorted(touched))
+    else:
+        reads = [*read_ranges(weights, rank), *(read_ranges(optim, rank) if optim is not None else ())]
+        out.extend(_rank_file_ranges(ckpt, rank, reads))
+    training = manifest.training
+    assert training is not None, "a plan of the weights exists only for a checkpoint with a training section"
+    sides = {training.side_file(rank % manifest.world_size)} | (set() if training.buffers_per_rank else
+                                                                {training.side_file(0)})  # fmt: skip
+    out.extend((f.file, 0, f.nbytes) for f in sorted(sides, key=lambda f: f.rank))
+    return out
+
+
+def _rank_file_ranges(ckpt: ShardedCheckpoint, rank: int, reads: Iterable[tuple[int, str, int, int]]) -> Ranges:
+    """Format 3: each read's pieces in the rank files holding them, widened to whole chunks, and each file's
+    header; merged per file, in order of first use (headers first)."""
+    where, sizes = ckpt.layout
+    records = {f.rank: f for f in ckpt.manifest.files}
+    itemsize = {t: dtype_from_str(t, where=str(ckpt.directory)).itemsize for t in sizes}
+    header = {r: f.nbytes - sum(n * itemsize[t] for t, n in sizes.items()) for r, f in records.items()}
+    found: dict[int, list[tuple[int, int, int]]] = {}  # {file rank: [(start, stop, index of first use)]}
+    for k, (flat, key, start, stop) in enumerate(reads):
+        tensor, offset, _ = where[(flat, key)]
+        per, size = chunk_elements(dtype_from_str(tensor, where=tensor), ckpt.manifest.chunk_bytes), itemsize[tensor]
+        for r, lo, hi, _ in ckpt.pieces(rank, flat, start, stop):
+            file = ckpt.file_rank(r, flat)
+            first, last = (offset + lo) // per * per, min(-(-(offset + hi) // per) * per, sizes[tensor])
+            base = _tensor_base(sizes, itemsize, tensor, header[file])
+            found.setdefault(file, [(0, header[file], -1)]).append((base + first * size, base + last * size, k))
+    merged = [(records[r].file, *span) for r, spans in found.items() for span in join_overlapping(spans)]
+    return [(name, start, stop) for name, start, stop, _ in sorted(merged, key=lambda m: (m[3], m[0], m[1]))]
+
+
+def join_overlapping(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Overlapping spans joined (a chunk is received once, whole), each keeping the first use of any of its parts.
+    Touching ones stay apart: a piece is usable once all of it arrived, so a load can start on the first while
+    the next is in flight."""
+    out: list[tuple[int, int, int]] = []
+    for start, stop, use in sorted(s for s in spans if s[1] > s[0]):
+        if out and start < out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop), min(out[-1][2], use))
+        else:
+            out.append((start, stop, use))
+    return out
+
+
+def _tensor_base(sizes: dict[str, int], itemsize: dict[str, int], tensor: str, header: int) -> int:
+    """Byte offset of ``tensor``'s element 0: the header, then the tensors in file order (``sizes``' order)."""
+    at = header
+    for name, numel in sizes.items():
+        if name == tensor:
+            return at
+        at += numel * itemsize[name]
+    raise AssertionError(f"tensor {tensor!r} is not in the file layout {list(sizes)}")

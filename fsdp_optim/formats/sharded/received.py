@@ -1,0 +1,93 @@
+"""A rank file of which some byte ranges are held in memory (received from a peer), read like a mapped file.
+
+:class:`ReceivedFile` holds pieces ``[start, stop)`` of a file's bytes (its header, and the chunk-aligned ranges a
+load reads) and serves :class:`~fsdp_optim.formats.sharded.mapped.MappedFile`'s reads from them: the same header
+parsing, the same chunk verification before any byte is handed out, so a byte received is used only once its
+64 KiB chunk matched the checksum in a header whose digest matched the manifest. Nothing is written to a file: the
+pieces live as long as the reader, so no byte received can be read later without that check. A read outside the
+pieces is refused (``ValueError``): the file's header places its tensors elsewhere than its manifest says.
+
+A piece may still be arriving: its ``ready()`` is called (once) before its first use, so a load reads the pieces
+in the order it needs them while later ones are still in flight.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fsdp_optim.formats.sharded.mapped import MappedFile
+from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
+
+__all__ = ["Piece", "ReceivedFile"]
+
+
+@dataclass
+class Piece:
+    """Bytes ``[start, start + data.numel())`` of a file, in ``data`` (1-D uint8) once ``ready()`` returned."""
+
+    start: int
+    data: torch.Tensor
+    ready: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.data.numel()
+
+    def bytes(self) -> torch.Tensor:
+        if self.ready is not None:
+            ready, self.ready = self.ready, None
+            ready()
+        return self.data
+
+
+class ReceivedFile(MappedFile):
+    """Rank file ``path`` (``size`` bytes) of which ``pieces`` are held (sorted, not overlapping; the header's bytes
+    among them): its header read from them and checked; views and reads of the pieces, chunks verified first."""
+
+    def __init__(self, path: Path, size: int, pieces: Sequence[Piece]) -> None:  # noqa: D107 - see the class
+        self.path = path
+        self.size = size
+        self._pieces = sorted(pieces, key=lambda p: p.start)
+        self._starts = [p.start for p in self._pieces]
+        self._map = None
+        self._verified: set[tuple[str, int, int]] = set()
+        self.bytes_verified = 0
+        self.header = read_rank_header(lambda count, offset: self._bytes(offset, count).numpy().tobytes(), size,
+                                       str(path))  # fmt: skip
+
+    def _bytes(self, start: int, count: int) -> torch.Tensor:
+        """Bytes ``[start, start + count)`` as a view of the piece holding them all."""
+        k = bisect.bisect_right(self._starts, start) - 1
+        if k < 0 or self._pieces[k].stop < start + count:
+            held = [(p.start, p.stop) for p in self._pieces[max(k, 0) : k + 2]]
+            raise ValueError(
+                f"{self.path}: bytes {start}..{start + count} were not received (pieces near them: {held}); the "
+                "file's header places its tensors elsewhere than its manifest says"
+            )
+        piece = self._pieces[k]
+        return piece.bytes()[start - piece.start : start - piece.start + count]
+
+    def _elements(self, base: int, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+        if count == 0:
+            return torch.empty(0, dtype=dtype)
+        return self._bytes(base + offset * dtype.itemsize, count * dtype.itemsize).view(dtype)
+
+    def _pread(
+        self, start: int, count: int, dtype: torch.dtype, where: str, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(count, dtype=dtype)
+        if not out.is_contiguous() or out.numel() != count or out.dtype != dtype:
+            return super()._pread(start, count, dtype, where, out)  # refuses the buffer, saying why
+        if count:
+            out.view(torch.uint8).copy_(self._bytes(start, count * dtype.itemsize))
+        self.bytes_verified += count * dtype.itemsize
+        return out
+
+    def drop_pages(self) -> None:
+        self._verified.clear()  # nothing mapped: the pieces stay, and are verified again when read again
