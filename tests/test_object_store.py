@@ -51,7 +51,7 @@ def _load(rank: int, world_size: int, path: Any) -> dict[str, Any]:
     return {"extra": extra, "params": [p.detach().clone() for p in root.parameters()], "optim": optim.state_dict()}
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("asynchronous", [False, pytest.param(True, marks=pytest.mark.slow)])  # async: the campaign
 def test_whole_checkpoint_in_s3_loads_at_another_world_size_like_the_local_one(
     s3_server: Any, tmp_path: Path, asynchronous: bool
 ) -> None:
