@@ -45,7 +45,8 @@ def files_read(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank:
         reads = [*read_ranges(weights, rank), *(read_ranges(optim, rank) if optim is not None else ())]
         out.extend(_rank_file_ranges(ckpt, rank, reads))
     training = manifest.training
-    assert training is not None, "a plan of the weights exists only for a checkpoint with a training section"
+    if training is None:  # (a plan of the weights refuses such a checkpoint first; this keeps -O honest)
+        raise ValueError(f"{ckpt.directory}: an optimizer-only checkpoint (no training section): no weights to restore")
     sides = {training.side_file(rank % manifest.world_size)} | (set() if training.buffers_per_rank else
                                                                 {training.side_file(0)})  # fmt: skip
     out.extend((f.file, 0, f.nbytes) for f in sorted(sides, key=lambda f: f.rank))
