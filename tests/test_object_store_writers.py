@@ -76,7 +76,7 @@ def test_a_writer_killed_mid_save(fault_proxy, tmp_path):
     fault_proxy.reset_stats()
     # The killed writer's first upload gets through; every later put fails (and is retried) until it is killed.
     fault_proxy.set_faults(Fault("status503", count=None, methods={"PUT"}, after=1))
-    killed = writer(url, "killed", 3, env, "--overwrite")
+    killed = writer(url, "killed", 3, {**env, "TMPDIR": str(tmp_path)}, "--overwrite")  # its staging: ours to remove
     deadline = time.monotonic() + DEADLINE_S
     while not any(r.method == "PUT" and r.fault for r in fault_proxy.log()):
         assert killed.poll() is None and time.monotonic() < deadline, "the writer ended before it was killed"
