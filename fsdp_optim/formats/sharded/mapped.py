@@ -23,7 +23,7 @@ from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
 
-__all__ = ["MappedFile", "check_grid"]
+__all__ = ["MappedFile", "check_grid", "check_tiling"]
 
 
 class MappedFile:
@@ -115,13 +115,7 @@ class MappedFile:
         order), each in memory of its own, all verified in one pass over the chunks (which may span parts).
         Memory of one shard each, as an optimizer holds it: freed and reused shard by shard, not all at once."""
         dtype, base = self._dtype(g.tensor, where)
-        starts = list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin))
-        if [o for o, _ in parts] != starts or (parts and parts[-1][0] + parts[-1][1] != g.end):
-            raise ValueError(
-                f"{where}: the shards of tensor '{g.tensor}' do not tile its elements {g.origin}..{g.end}: expected "
-                f"shards starting at {starts[:8]}, found {[o for o, _ in parts][:8]} (a manifest and rank file "
-                "that disagree)"
-            )
+        check_tiling(g, parts, where)
         out = [self._pread(base + offset * dtype.itemsize, numel, dtype, where) for offset, numel in parts]
         per = chunk_elements(dtype, chunk_bytes)
         check_grid(stream_chunk_digests(out, per, g.end - g.origin), g, per, where, holds)
@@ -161,6 +155,17 @@ class MappedFile:
     def close(self) -> None:
         self._verified.clear()
         self._map = None  # unmapped once no view of it is left
+
+
+def check_tiling(g: Grid, parts: list[tuple[int, int]], where: str) -> None:
+    """Refuse ``parts`` (``(offset, numel)``) that do not tile the elements ``g`` covers, in order."""
+    starts = list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin))
+    if [o for o, _ in parts] != starts or (parts and parts[-1][0] + parts[-1][1] != g.end):
+        raise ValueError(
+            f"{where}: the shards of tensor '{g.tensor}' do not tile its elements {g.origin}..{g.end}: expected "
+            f"shards starting at {starts[:8]}, found {[o for o, _ in parts][:8]} (a manifest and rank file "
+            "that disagree)"
+        )
 
 
 def check_grid(

@@ -8,14 +8,13 @@ from another world size fetches what it uses plus at most one chunk (64 KiB) on 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 
 from fsdp_optim.core.checksums import stream_chunk_digests
 from fsdp_optim.disk.storage import ObjectStore
-from fsdp_optim.formats.sharded.mapped import MappedFile, check_grid
+from fsdp_optim.formats.sharded.mapped import MappedFile, check_grid, check_tiling
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
 
@@ -73,9 +72,7 @@ class RemoteFile(MappedFile):
     ) -> list[torch.Tensor]:
         """:meth:`MappedFile.read_parts` with the whole tensor fetched at once (large ranges in concurrent pieces),
         each piece copied straight into the parts it covers (each part memory of its own), then verified in one pass."""
-        starts = list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin))
-        if not parts or [o for o, _ in parts] != starts or parts[-1][0] + parts[-1][1] != g.end:
-            return super().read_parts(g, parts, chunk_bytes, where, holds)  # refuses the tiling, saying why
+        check_tiling(g, parts, where)
         dtype, base = self._dtype(g.tensor, where)
         out = [torch.empty(n, dtype=dtype) for _, n in parts]
         buffers = [t.view(torch.uint8).numpy().data for t in out if t.numel()]
