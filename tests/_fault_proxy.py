@@ -39,6 +39,7 @@ from typing import Any, BinaryIO, Literal
 
 from _s3 import S3Endpoint
 
+SETTLE_S = 5  # how long stats() and log() wait for requests whose answer is sent to be counted
 IO_TIMEOUT_S = 60  # per socket operation; also how long an idle keep-alive connection is kept
 FaultKind = Literal["drop", "drop_response", "status503", "status500", "truncate"]
 _ERRORS = {
@@ -190,6 +191,8 @@ class FaultProxy:
         host, _, port = upstream.endpoint_url.removeprefix("http://").partition(":")
         self._upstream_addr = (host, int(port))
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # notified when a request is counted
+        self._in_flight = 0  # requests read but not yet counted (an answer may be sent before its count)
         self._faults: list[Fault] = []
         self._stats: dict[str, Counter[str]] = {}
         self._log: list[RequestRecord] = []
@@ -228,11 +231,14 @@ class FaultProxy:
         self.set_faults()
 
     def stats(self) -> ProxyStats:
+        """The counters, once every request already read is counted (a client can see an answer before it is)."""
         with self._lock:
+            self._settled.wait_for(lambda: self._in_flight == 0, timeout=SETTLE_S)
             return ProxyStats(**{name: dict(c) for name, c in self._stats.items()}, connections=self._connections_seen)
 
     def log(self) -> list[RequestRecord]:
         with self._lock:
+            self._settled.wait_for(lambda: self._in_flight == 0, timeout=SETTLE_S)
             return list(self._log)
 
     def reset_stats(self) -> None:
@@ -302,11 +308,14 @@ class FaultProxy:
             if record.fault:
                 self._stats["faults"][record.fault] += 1
             self._log.append(record)
+            self._in_flight -= 1
+            self._settled.notify_all()
 
     def _serve(self, client: socket.socket) -> None:
         upstream: socket.socket | None = None
         up_reader: BinaryIO | None = None
         reader: BinaryIO = client.makefile("rb")  # type: ignore[assignment]
+        pending = False  # a request read and not yet counted
         try:
             while True:
                 head = _read_head(reader)
@@ -316,10 +325,13 @@ class FaultProxy:
                 headers = _headers(head)
                 with self._lock:
                     fault = next((f for f in self._faults if f.fires(method, "range" in headers)), None)
+                    self._in_flight += 1
+                    pending = True
                 kind = fault.kind if fault else None
                 record = functools.partial(RequestRecord, method, path, headers.get("range"), fault=kind)
                 if kind == "drop":
                     self._record(method, 0, record(None, 0))
+                    pending = False
                     return
                 expects = headers.get("expect", "").lower() == "100-continue"
                 head = [line for line in head if not line.lower().startswith(b"expect:")]
@@ -338,6 +350,7 @@ class FaultProxy:
                         + body
                     )
                     self._record(method, n, record(status, len(body)))
+                    pending = False
                     if expects:
                         return
                     continue
@@ -355,6 +368,7 @@ class FaultProxy:
                 status = int(response[0].split()[1])
                 if kind == "drop_response":
                     self._record(method, n, record(None, 0))
+                    pending = False
                     return
                 client.sendall(b"".join(response) + b"\r\n")
                 resp_headers = _headers(response)
@@ -364,6 +378,7 @@ class FaultProxy:
                 if limit is not None:
                     sent = min(sent, limit)
                 self._record(method, n, record(status, sent))
+                pending = False
                 if limit is not None or "close" in resp_headers.get("connection", "").lower():
                     return
                 if not no_body and "content-length" not in resp_headers and "transfer-encoding" not in resp_headers:
@@ -373,6 +388,8 @@ class FaultProxy:
         finally:
             with self._lock:
                 self._connections.discard(client)
+                self._in_flight -= pending
+                self._settled.notify_all()
             _close(client)
             if upstream is not None:
                 _close(upstream)
