@@ -53,16 +53,22 @@ def _load(rank: int, world_size: int, path: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("asynchronous", [False, pytest.param(True, marks=pytest.mark.slow)])  # async: the campaign
 def test_whole_checkpoint_in_s3_loads_at_another_world_size_like_the_local_one(
-    s3_server: Any, tmp_path: Path, asynchronous: bool
+    s3_server: Any, fault_proxy: Any, tmp_path: Path, asynchronous: bool
 ) -> None:
-    store = fsdp_optim.open_store(s3_server.url("whole"), **s3_server.storage_options)
+    url = s3_server.url("whole")
+    store = fsdp_optim.open_store(url, **s3_server.storage_options)
     run_ranks(_save_both, 2, store, str(tmp_path / "local"), asynchronous)
     assert not Path("s3:").exists(), "a URL must never become a local directory"
-    from_store = run_ranks(_load, 3, store)
+    fault_proxy.reset_stats()
+    from_store = run_ranks(_load, 3, fsdp_optim.open_store(url, **fault_proxy.storage_options))
+    connections = fault_proxy.stats().connections
     from_disk = run_ranks(_load, 3, str(tmp_path / "local"))
     for rank, (a, b) in enumerate(zip(from_store, from_disk)):
         assert_identical(a, b, f"rank {rank}")
         assert a["extra"]["rank"] == rank % 2
+    # The re-cut's byte ranges are fetched ahead, several at a time (formats/sharded/store_prefetch.py): one
+    # connection per rank would mean one range after another.
+    assert connections > 3 + 1, f"{connections} connections for 3 ranks: the ranges were fetched one at a time"
     assert fsdp_optim.verify(store).ok
 
 

@@ -20,8 +20,10 @@ from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, sav
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore, Where
+from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import Received, read_rank_side
+from fsdp_optim.formats.sharded.store_prefetch import StorePrefetch
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
@@ -122,7 +124,15 @@ def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, pa
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
     with ShardedCheckpoint(path, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
-        return stage_load(root, ckpt, plan_load(root, model, optim, ckpt))
+        plans = plan_load(root, model, optim, ckpt)
+        if not isinstance(ckpt.directory, ObjectStore) or plans.weights.identity or ckpt.manifest.version < 3:
+            return stage_load(root, ckpt, plans)
+        with StorePrefetch(ckpt.directory, load_spans(ckpt, plans.weights, plans.optim, root.rank)) as ahead:
+            ranks = {f.file: f.rank for f in ckpt.manifest.files}
+            sizes = {f.file: f.nbytes for f in ckpt.manifest.files}
+            ckpt.provide({ranks[name]: opener for name, opener in ahead.files(sizes).items()})
+            sides = {p.name: ahead.whole(p.name) for p in ahead.pieces if p.name not in ranks}
+            return stage_load(root, ckpt, plans, sides)
 
 
 def _optim_plan(ckpt: ShardedCheckpoint, root: Root, optim: torch.optim.Optimizer) -> Plan:

@@ -18,29 +18,46 @@ file is opened (:class:`ShardedCheckpoint` is used lazily, for its manifest and 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.plan import Plan, read_ranges, saved_ranks
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
-__all__ = ["Ranges", "files_read", "join_overlapping"]
+__all__ = ["Ranges", "Span", "files_read", "join_overlapping", "load_spans"]
 
 Ranges = list[tuple[str, int, int]]  # (file name, start, stop): disjoint byte ranges of each file, in order of use
+
+
+class Span(NamedTuple):
+    """Bytes ``[start, stop)`` of file ``file`` that a load reads, and how many of its reads of rank-file shards fall
+    in them (``uses``; 0 for a header or a side file, which are read in other ways)."""
+
+    file: str
+    start: int
+    stop: int
+    uses: int
 
 
 def files_read(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int) -> Ranges:
     """The byte ranges of the checkpoint's files that rank ``rank``'s load reads, given its weights and optimizer
     plans (``optim`` None: the model alone): its rank files' (chunk-aligned, headers included) and side files', in
     the order the load first uses them (so that a peer sending them in that order lets it start at once)."""
+    return [(s.file, s.start, s.stop) for s in load_spans(ckpt, weights, optim, rank)]
+
+
+def load_spans(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int) -> list[Span]:
+    """:func:`files_read`'s ranges with the number of shard reads each serves (a re-cut's reader can drop a range
+    once its last read is done)."""
     manifest = ckpt.manifest
     names = {f.rank: f for f in manifest.files}
-    out: Ranges = []
+    out: list[Span] = []
     if weights.identity:
-        out.append((names[rank].file, 0, names[rank].nbytes))
+        out.append(Span(names[rank].file, 0, names[rank].nbytes, 0))
     elif manifest.version < 3:
         touched = set(saved_ranks(weights, rank) or [0]) | (set(saved_ranks(optim, rank)) if optim else set())
-        out.extend((names[r].file, 0, names[r].nbytes) for r in sorted(touched))
+        out.extend(Span(names[r].file, 0, names[r].nbytes, 0) for r in sorted(touched))
     else:
         reads = [*read_ranges(weights, rank), *(read_ranges(optim, rank) if optim is not None else ())]
         out.extend(_rank_file_ranges(ckpt, rank, reads))
@@ -49,13 +66,13 @@ def files_read(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank:
         raise ValueError(f"{ckpt.directory}: an optimizer-only checkpoint (no training section): no weights to restore")
     sides = {training.side_file(rank % manifest.world_size)} | (set() if training.buffers_per_rank else
                                                                 {training.side_file(0)})  # fmt: skip
-    out.extend((f.file, 0, f.nbytes) for f in sorted(sides, key=lambda f: f.rank))
+    out.extend(Span(f.file, 0, f.nbytes, 0) for f in sorted(sides, key=lambda f: f.rank))
     return out
 
 
-def _rank_file_ranges(ckpt: ShardedCheckpoint, rank: int, reads: Iterable[tuple[int, str, int, int]]) -> Ranges:
+def _rank_file_ranges(ckpt: ShardedCheckpoint, rank: int, reads: Iterable[tuple[int, str, int, int]]) -> list[Span]:
     """Format 3: each read's pieces in the rank files holding them, widened to whole chunks, and each file's
-    header; merged per file, in order of first use (headers first)."""
+    header; merged per file, in order of first use (headers first), each with the number of pieces it holds."""
     where, sizes = ckpt.layout
     records = {f.rank: f for f in ckpt.manifest.files}
     itemsize = {t: dtype_from_str(t, where=str(ckpt.directory)).itemsize for t in sizes}
@@ -69,20 +86,28 @@ def _rank_file_ranges(ckpt: ShardedCheckpoint, rank: int, reads: Iterable[tuple[
             first, last = (offset + lo) // per * per, min(-(-(offset + hi) // per) * per, sizes[tensor])
             base = _tensor_base(sizes, itemsize, tensor, header[file])
             found.setdefault(file, [(0, header[file], -1)]).append((base + first * size, base + last * size, k))
-    merged = [(records[r].file, *span) for r, spans in found.items() for span in join_overlapping(spans)]
-    return [(name, start, stop) for name, start, stop, _ in sorted(merged, key=lambda m: (m[3], m[0], m[1]))]
+    merged = [(records[r].file, *span) for r, spans in found.items() for span in _join(spans)]
+    ordered = sorted(merged, key=lambda m: (m[3], m[0], m[1]))
+    return [Span(name, start, stop, uses) for name, start, stop, _, uses in ordered]
 
 
 def join_overlapping(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """Overlapping spans joined (a chunk is received once, whole), each keeping the first use of any of its parts.
     Touching ones stay apart: a piece is usable once all of it arrived, so a load can start on the first while
     the next is in flight."""
-    out: list[tuple[int, int, int]] = []
+    return [(start, stop, use) for start, stop, use, _ in _join(spans)]
+
+
+def _join(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """:func:`join_overlapping`, each joined span with the number of shard reads in it (uses >= 0; a header's -1
+    counts none)."""
+    out: list[tuple[int, int, int, int]] = []
     for start, stop, use in sorted(s for s in spans if s[1] > s[0]):
         if out and start < out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], stop), min(out[-1][2], use))
+            a, b, first, uses = out[-1]
+            out[-1] = (a, max(b, stop), min(first, use), uses + (use >= 0))
         else:
-            out.append((start, stop, use))
+            out.append((start, stop, use, int(use >= 0)))
     return out
 
 

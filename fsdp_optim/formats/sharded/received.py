@@ -8,7 +8,10 @@ pieces live as long as the reader, so no byte received can be read later without
 pieces is refused (``ValueError``): the file's header places its tensors elsewhere than its manifest says.
 
 A piece may still be arriving: its ``ready()`` is called (once) before its first use, so a load reads the pieces
-in the order it needs them while later ones are still in flight.
+in the order it needs them while later ones are still in flight. A piece may also count the shard reads it serves
+(:class:`~fsdp_optim.formats.sharded.store_prefetch.StorePiece`): each :meth:`ReceivedFile.view` tells the piece it
+read from (``used()``), and one whose bytes were dropped after its last read and are needed again is fetched
+again, its chunks then verified again.
 """
 
 from __future__ import annotations
@@ -17,13 +20,37 @@ import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from fsdp_optim.formats.sharded.mapped import MappedFile
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
+from fsdp_optim.formats.sharded.segments import Placement, chunk_elements
 
-__all__ = ["Piece", "ReceivedFile"]
+__all__ = ["Held", "Piece", "ReceivedFile"]
+
+
+class Held(Protocol):
+    """What :class:`ReceivedFile` reads: bytes ``[start, stop)`` of a file."""
+
+    start: int
+
+    @property
+    def stop(self) -> int: ...
+
+    @property
+    def dropped(self) -> bool:
+        """Whether its bytes were let go (the next :meth:`bytes` fetches them again)."""
+        ...
+
+    def bytes(self) -> torch.Tensor:
+        """Its bytes (1-D uint8), once they are all there."""
+        ...
+
+    def used(self) -> None:
+        """One shard read from it is done."""
+        ...
 
 
 @dataclass
@@ -38,18 +65,25 @@ class Piece:
     def stop(self) -> int:
         return self.start + self.data.numel()
 
+    @property
+    def dropped(self) -> bool:
+        return False  # held as long as the reader
+
     def bytes(self) -> torch.Tensor:
         if self.ready is not None:
             ready, self.ready = self.ready, None
             ready()
         return self.data
 
+    def used(self) -> None:
+        pass
+
 
 class ReceivedFile(MappedFile):
     """Rank file ``path`` (``size`` bytes) of which ``pieces`` are held (sorted, not overlapping; the header's bytes
     among them): its header read from them and checked; views and reads of the pieces, chunks verified first."""
 
-    def __init__(self, path: Path, size: int, pieces: Sequence[Piece]) -> None:  # noqa: D107 - see the class
+    def __init__(self, path: Path, size: int, pieces: Sequence[Held]) -> None:  # noqa: D107 - see the class
         self.path = path
         self.size = size
         self._pieces = sorted(pieces, key=lambda p: p.start)
@@ -59,6 +93,26 @@ class ReceivedFile(MappedFile):
         self.bytes_verified = 0
         self.header = read_rank_header(lambda count, offset: self._bytes(offset, count).numpy().tobytes(), size,
                                        str(path))  # fmt: skip
+
+    def view(self, p: Placement, start: int, stop: int, chunk_bytes: int, where: str) -> torch.Tensor:
+        """:meth:`MappedFile.view`; the piece read from is told (``used()``), and chunks verified before are
+        verified again when that piece's bytes were dropped (they will be fetched again)."""
+        piece = self._piece_of(p, start, stop, chunk_bytes, where) if stop > start else None
+        if piece is not None and piece.dropped:
+            self._verified.clear()
+        out = super().view(p, start, stop, chunk_bytes, where)
+        if piece is not None:
+            piece.used()
+        return out
+
+    def _piece_of(self, p: Placement, start: int, stop: int, chunk_bytes: int, where: str) -> Held | None:
+        """The piece holding the chunks that elements ``[start, stop)`` of shard ``p`` touch (None: no one piece)."""
+        dtype, base = self._dtype(p.tensor, where)
+        g, per = p.grid, chunk_elements(dtype, chunk_bytes)
+        lo = base + (g.origin + (p.offset + start - g.origin) // per * per) * dtype.itemsize
+        hi = base + min(g.origin - (-(p.offset + stop - g.origin) // per) * per, g.end) * dtype.itemsize
+        k = bisect.bisect_right(self._starts, lo) - 1
+        return self._pieces[k] if k >= 0 and self._pieces[k].stop >= hi else None
 
     def _bytes(self, start: int, count: int) -> torch.Tensor:
         """Bytes ``[start, start + count)`` as a view of the piece holding them all."""
