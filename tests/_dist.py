@@ -1,9 +1,13 @@
 """The one helper every multi-process test uses: spawn ``world_size`` ranks on a real gloo process group.
 
-``run_ranks(fn, world_size, *args)`` starts fresh processes (spawn), joins them into a gloo group on
+``run_ranks(fn, world_size, *args)`` starts fresh processes, joins them into a gloo group on
 127.0.0.1 with a free port and a collective timeout, calls ``fn(rank, world_size, *args)`` in each, and
 returns the per-rank return values (pickled back through files). An exception on any rank fails the
 call with that rank's traceback; a rank stuck past the deadline is killed, so nothing can hang.
+
+The ranks are forked from a ``forkserver`` that imported torch, fairscale and fsdp_optim once for the session (a
+fresh process each, never a fork of pytest: a rank costs a fork, not a 1.5 s interpreter start and import), with
+the caller's environment at the time of the call. ``FSDP_OPTIM_TEST_SPAWN=1`` starts each rank with ``spawn``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 60
+# What the session's forkserver imports once (a superset of the other tests' lists: whichever starts it first wins).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fairscale.nn", "fsdp_optim", "fsdp_optim.offline",
+           "fsdp_optim.cli", "_dist", "_models", "_checks"]  # fmt: skip
 
 
 def free_port() -> int:
@@ -42,7 +49,10 @@ def _worker(
     args: tuple,
     timeout_s: float,
     backend: str,
+    env: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the caller's, at the call (a forked rank has the server's otherwise)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
@@ -79,13 +89,16 @@ def run_ranks(
     ``timeout_s`` is the process group's collective timeout (fault tests shorten it, the benchmark
     lengthens it); ``backend="nccl"`` gives each rank its own GPU (the benchmark, on a GPU machine).
     """
+    spawn = os.environ.get("FSDP_OPTIM_TEST_SPAWN") == "1" or backend == "nccl"
+    if not spawn:
+        forkserver_context(PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), out_dir, fn, args, timeout_s, backend),
+            args=(world_size, free_port(), out_dir, fn, args, timeout_s, backend, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="spawn" if spawn else "forkserver",
         )
         stop_at = time.monotonic() + deadline_s
         try:
