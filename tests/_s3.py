@@ -228,6 +228,8 @@ def _launch(weed: str, root: Path, bucket: str) -> S3Server:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "WEED_"))}
     env.update(AWS_ACCESS_KEY_ID=TEST_KEY, AWS_SECRET_ACCESS_KEY=TEST_SECRET, TMPDIR=str(run), HOME=str(run))
     log = run / "weed.log"
+    if sys.platform == "linux":
+        args = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
     with open(log, "ab") as out:
         process = subprocess.Popen(
             args,
@@ -240,6 +242,17 @@ def _launch(weed: str, root: Path, bucket: str) -> S3Server:
         )
     endpoint = S3Endpoint(f"http://127.0.0.1:{ports['s3.port']}", bucket, TEST_KEY, TEST_SECRET)
     return S3Server(process, endpoint, root, log, ports)
+
+
+# Run in the server's process before weed replaces it (exec keeps the pid and the setting): the kernel kills the
+# server when the process that started it dies, so a killed pytest or benchmark never leaves one running.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the process that started the server is gone")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 def start_server(root: Path, bucket: str = "fsdp-optim-test", attempts: int = 3) -> S3Server:

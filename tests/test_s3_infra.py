@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from _fault_proxy import Fault
@@ -174,3 +176,36 @@ def test_a_lost_response_to_a_create_put_comes_back_as_412(fault_proxy):
     assert isinstance(cause, ClientError) and cause.response["Error"]["Code"] == "PreconditionFailed"
     assert [r.status for r in fault_proxy.log()] == [None, 412]
     assert _fs(fault_proxy).cat_file(url) == b"payload"
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path):
+    """A pytest killed mid-run (a CI timeout, Ctrl-C twice) must not leave ``weed`` running: the kernel kills it."""
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); import _s3\n"
+        "server = _s3.start_server(_s3.Path(sys.argv[2]))\n"
+        "print(server.process.pid, flush=True); time.sleep(600)\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", code, os.path.dirname(__file__), str(tmp_path)],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        pid = int(starter.stdout.readline())
+        os.kill(pid, 0)  # running
+    finally:
+        starter.kill()
+        starter.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    outlived = _alive(pid)
+    if outlived:
+        os.kill(pid, signal.SIGKILL)
+    assert not outlived, f"weed (pid {pid}) outlived the process that started it"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie of an exited child of someone else's does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
