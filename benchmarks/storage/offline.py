@@ -17,6 +17,8 @@ from contextlib import contextmanager, redirect_stdout
 from io import StringIO
 from typing import Any
 
+import torch
+
 import fsdp_optim
 from fsdp_optim.cli import main as cli_main
 from fsdp_optim.disk.storage import ObjectStore
@@ -44,9 +46,11 @@ def _fetch_all(store: ObjectStore) -> None:
         floors.download(store.fs, store.key(name), obj.size)
 
 
-def _put_sizes(store: ObjectStore, sizes: dict[str, int]) -> None:
+def _put_sizes(store: ObjectStore, sizes: dict[str, int], noise: bytes) -> None:
+    """Put objects of ``sizes`` made of ``noise`` (incompressible, like the state: a store that compresses zeros
+    would make a floor of zeros too fast)."""
     for name, size in sizes.items():
-        floors.upload(store.fs, store.key(name), bytes(size))
+        floors.upload(store.fs, store.key(name), noise[:size])
 
 
 def measure(source: ObjectStore, out: ObjectStore, *, world_size: int, warmup: int, repeats: int, env: dict[str, str], compact: Callable[[], None]) -> dict[str, Any]:
@@ -67,10 +71,12 @@ def measure(source: ObjectStore, out: ObjectStore, *, world_size: int, warmup: i
         consolidate()  # once, untimed: the sizes of what they write, for the floors
         reshard_sizes = {n: o.size for n, o in resharded.listing().items()}
         full_sizes = {n: o.size for n, o in full.listing().items()}
+        noise = torch.randn(max([*reshard_sizes.values(), *full_sizes.values()]) // 4 + 1).numpy().tobytes()
+
         def floor_of(sizes: dict[str, int]) -> Callable[[], None]:
             def call() -> None:
                 _fetch_all(source)
-                _put_sizes(floor, sizes)
+                _put_sizes(floor, sizes, noise)
 
             return call
 

@@ -23,7 +23,7 @@ from fsdp_optim.disk.storage import ObjectStore, Where
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import Received, read_rank_side
-from fsdp_optim.formats.sharded.store_prefetch import StorePrefetch
+from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
@@ -127,11 +127,7 @@ def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, pa
         plans = plan_load(root, model, optim, ckpt)
         if not isinstance(ckpt.directory, ObjectStore) or plans.weights.identity or ckpt.manifest.version < 3:
             return stage_load(root, ckpt, plans)
-        with StorePrefetch(ckpt.directory, load_spans(ckpt, plans.weights, plans.optim, root.rank)) as ahead:
-            ranks = {f.file: f.rank for f in ckpt.manifest.files}
-            sizes = {f.file: f.nbytes for f in ckpt.manifest.files}
-            ckpt.provide({ranks[name]: opener for name, opener in ahead.files(sizes).items()})
-            sides = {p.name: ahead.whole(p.name) for p in ahead.pieces if p.name not in ranks}
+        with fetched_ahead(ckpt, ckpt.directory, load_spans(ckpt, plans.weights, plans.optim, root.rank)) as sides:
             return stage_load(root, ckpt, plans, sides)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.flatten import StateKind, clone_value
-from fsdp_optim.core.plan import Plan, Source, assemble_full, cut_rank, plan
+from fsdp_optim.core.plan import Plan, Source, assemble_full, plan
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.disk.atomic import load_file, new_save_id
 from fsdp_optim.disk.objects import check_state_dict
@@ -36,14 +36,15 @@ from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded import recut
+from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint
-from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file, write_shard_tensors
+from fsdp_optim.formats.sharded.writer import write_all_or_nothing
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
-from fsdp_optim.offline.publish import output_for
+from fsdp_optim.offline.publish import checkpoint_output
+from fsdp_optim.offline.rank_writes import described, fetched_from, then_sides, write_blocks, write_ranks
 from fsdp_optim.offline.sources import NEEDS_LAYOUT, Kind, Opened, open_source
 from fsdp_optim.offline.whole import (
-    carry_side_files,
     check_resharding,
     check_whole_options,
     is_whole,
@@ -223,13 +224,31 @@ def reshard(
     The source is checked against the target once (one plan), then cut once per output rank.
     """
     check_world_size("world_size", world_size)
-    if isinstance(out_dir, ObjectStore) or is_url(out_dir):  # written locally, then published (offline/publish.py)
-        with output_for(out_dir, overwrite=overwrite) as local:
-            reshard(source, world_size, local, layout=layout, optimizer=optimizer, allow_globals=allow_globals,
-                    progress=progress, max_mapped_bytes=max_mapped_bytes, overwrite=overwrite)  # fmt: skip
+    write = partial(_reshard_local, source, world_size, layout=layout, optimizer=optimizer,
+                    allow_globals=allow_globals, progress=progress, max_mapped_bytes=max_mapped_bytes,
+                    overwrite=overwrite)  # fmt: skip
+    if isinstance(out_dir, ObjectStore) or is_url(out_dir):  # written locally, each rank file uploaded once written
+        with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done):
+            write(local, after_file=file_done)
         target = out_dir if isinstance(out_dir, ObjectStore) else ObjectStore.open(str(out_dir))
         return target / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
-    out = Path(out_dir)
+    return write(Path(out_dir))
+
+
+def _reshard_local(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+    world_size: int,
+    out: Path,
+    *,
+    layout: LayoutLike | None,
+    optimizer: str | None,
+    allow_globals: Sequence[str],
+    progress: Progress,
+    max_mapped_bytes: int,
+    overwrite: bool,
+    after_file: Callable[[Path], None] | None = None,
+) -> Path:
+    """:func:`reshard` into a local directory; ``after_file(path)`` is called as each rank file is complete."""
     with open_source(
         source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,
         max_mapped_bytes=max_mapped_bytes,
@@ -238,7 +257,7 @@ def reshard(
             reshard_set(opened.shards, world_size, out, overwrite=overwrite, progress=progress)
             return out
         return reshard_opened(opened, world_size, out, layout=layout, given=source, progress=progress,
-                              overwrite=overwrite)
+                              overwrite=overwrite, after_file=after_file)
 
 
 def reshard_opened(
@@ -251,24 +270,29 @@ def reshard_opened(
     progress: Progress = None,
     overwrite: bool = False,
     replace_existing: bool = True,
+    after_file: Callable[[Path], None] | None = None,
 ) -> Path:
     """:func:`reshard` of a source already open (not a shard set: see ``reshard_set``); returns the manifest.
-    ``replace_existing=False`` (the CLI): a checkpoint already in ``out`` is refused unless ``overwrite``."""
+    ``replace_existing=False`` (the CLI): a checkpoint already in ``out`` is refused unless ``overwrite``.
+    ``after_file(path)`` is called as each rank file is complete (in the staging directory)."""
     check_world_size("world_size", world_size)
     if opened.checkpoint is not None:
-        return _reshard_sharded(opened, given, world_size, out, progress, overwrite, replace_existing)
+        return _reshard_sharded(opened, given, world_size, out, progress, overwrite, replace_existing, after_file)
     if opened.kind is Kind.NATIVE:
         layout = opened.layout
     if layout is None or opened.source is None:
         raise ValueError(
             f"layout: resharding a {opened.kind.value} ({opened.label}) needs the model's layout: {NEEDS_LAYOUT}"
         )
-    return _reshard_full(opened.source, given, world_size, out, layout, progress, overwrite, replace_existing)
+    return _reshard_full(
+        opened.source, given, world_size, out, layout, progress, overwrite, replace_existing, after_file
+    )
 
 
 def _reshard_sharded(
-    opened: Opened, given: Any, world_size: int, out: Path, progress: Progress, overwrite: bool, replace_existing: bool
-) -> Path:
+    opened: Opened, given: Any, world_size: int, out: Path, progress: Progress, overwrite: bool,
+    replace_existing: bool, after_file: Callable[[Path], None] | None,
+) -> Path:  # fmt: skip
     """A sharded checkpoint re-cut for ``world_size`` ranks: one plan, then one rank file at a time."""
     ckpt = opened.checkpoint
     if ckpt is None or opened.source is None:
@@ -281,15 +305,17 @@ def _reshard_sharded(
         check_resharding(ckpt, world_size)
     source = ckpt.whole_source() if whole else opened.source
     the_plan = plan(source, target.layout(0))  # every check, whichever way the ranks are then cut
-    write = partial(_write_ranks, the_plan, target, after_unit=_then(ckpt.trim, progress))
-    final = _described(the_plan, target)
+    write = partial(write_ranks, the_plan, target, after_unit=_then(ckpt.trim, progress), after_file=after_file)
+    if isinstance(ckpt.directory, ObjectStore):  # cut unit by unit from ranges fetched ahead (unless by blocks)
+        write = partial(fetched_from, ckpt, ckpt.directory, cut_spans(ckpt, the_plan, range(world_size)), write)
+    final = described(the_plan, target)
     if recut.applicable(ckpt, final):
         blocks = recut.Recut.of(ckpt, final)
         group = recut.group_size(blocks, ckpt.layout[1], BLOCK_BYTES)
         if group:
-            write = partial(_write_blocks, ckpt, blocks, group, final, progress=progress)
+            write = partial(write_blocks, ckpt, blocks, group, final, progress=progress, after_file=after_file)
     if whole:
-        write = partial(_then_sides, ckpt, write)
+        write = partial(then_sides, ckpt, write)
     return write_all_or_nothing(
         out,
         write,
@@ -301,11 +327,6 @@ def _reshard_sharded(
     )
 
 
-def _then_sides(ckpt: ShardedCheckpoint, write: Callable[[Path], Manifest], staging: Path) -> Manifest:
-    """``write``'s rank files, then a whole checkpoint's side files and training section (:func:`carry_side_files`)."""
-    return carry_side_files(ckpt, staging, write(staging))
-
-
 def _reshard_full(
     source: Source,
     given: Any,
@@ -315,6 +336,7 @@ def _reshard_full(
     progress: Progress,
     overwrite: bool,
     replace_existing: bool,
+    after_file: Callable[[Path], None] | None = None,
 ) -> Path:
     """A full dict (in memory or a file) cut for ``world_size`` ranks of ``layout``: one plan, then one rank at a
     time."""
@@ -322,7 +344,7 @@ def _reshard_full(
     the_plan = plan(source, target.layout(0))
     return write_all_or_nothing(
         out,
-        lambda staging: _write_ranks(the_plan, target, staging, progress),
+        lambda staging: write_ranks(the_plan, target, staging, progress, after_file),
         save_id=target.save_id,
         world_size=world_size,
         inputs=(given, layout),
@@ -331,35 +353,3 @@ def _reshard_full(
     )
 
 
-def _described(the_plan: Plan, target: Manifest) -> Manifest:
-    """``target``'s manifest as the plan fills it (state entries, groups, optimizer), without files yet."""
-    flats = tuple(
-        replace(f, state=the_plan.flats[t].entries if t in the_plan.flats else ())
-        for t, f in enumerate(target.flat_params)
-    )
-    return replace(target, optimizer=the_plan.source.optimizer, flat_params=flats, groups=the_plan.groups)
-
-
-def _write_ranks(the_plan: Plan, target: Manifest, out: Path, after_unit: Progress) -> Manifest:
-    """Cut and write every rank file of ``target`` into ``out``, unit by unit; return the manifest (not yet
-    written)."""
-    records = []
-    for rank in range(target.world_size):
-        state = cut_rank(the_plan, rank, after_unit=after_unit)
-        records.append(write_shard_file(out, state, save_id=target.save_id, rank=rank, world_size=target.world_size))
-        del state
-    return replace(_described(the_plan, target), files=tuple(records))
-
-
-def _write_blocks(
-    ckpt: ShardedCheckpoint, blocks: recut.Recut, group: int, target: Manifest, out: Path, progress: Progress
-) -> Manifest:
-    """Write every rank file of ``target`` into ``out`` by block re-cut (:mod:`fsdp_optim.formats.sharded.recut`),
-    ``group`` output ranks at a time; ``progress`` is called after each output rank."""
-    records = []
-    for rank, tensors in recut.recut_groups(ckpt, blocks, group):
-        record = write_shard_tensors(out, tensors, save_id=target.save_id, rank=rank, world_size=target.world_size)
-        records.append(record)
-        if progress is not None:
-            progress()
-    return replace(target, files=tuple(records))

@@ -8,6 +8,11 @@ each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed e
     with output_for("s3://bucket/out/full.pt") as local:   # local: /tmp/fsdp_optim-out-.../full.pt
         write_file(obj, local)
     # -> s3://bucket/out/full.pt
+
+A sharded checkpoint's rank files can start uploading as soon as each is written (:func:`checkpoint_output`), while
+the next one is being cut: the upload of a re-cut then overlaps its computing and writing. The commit rule holds:
+the prefix's manifest is read (:func:`~fsdp_optim.formats.sharded.store_commit.begin_store_save`) before the first
+upload; a file the local writer moves later is uploaded from a hard link made when it was complete.
 """
 
 from __future__ import annotations
@@ -15,16 +20,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 from fsdp_optim.disk.storage import CommitOutcomeUnknown, ObjectStore, is_url
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
-from fsdp_optim.formats.sharded.store_commit import begin_store_save, commit_manifest, tidy
+from fsdp_optim.formats.sharded.store_commit import StoreSave, begin_store_save, commit_manifest, tidy
 
-__all__ = ["output_for", "publish_checkpoint", "publish_files"]
+__all__ = ["Uploads", "checkpoint_output", "output_for", "publish_checkpoint", "publish_files"]
 
 
 @contextmanager
@@ -43,43 +49,114 @@ def output_for(
     if not isinstance(out, ObjectStore) and not is_url(out):
         yield Path(out)
         return
+    with checkpoint_output(out, overwrite=overwrite, inputs=inputs, keep_checkpoint=keep_checkpoint) as (local, _):
+        yield local
+
+
+@contextmanager
+def checkpoint_output(
+    out: str | os.PathLike[str] | ObjectStore,
+    *,
+    overwrite: bool = False,
+    inputs: Iterable[object] = (),
+    keep_checkpoint: bool = False,
+) -> Iterator[tuple[Path, Callable[[Path], None]]]:
+    """:func:`output_for` of a URL (or store), with ``file_done(path)`` to call when a rank file of the checkpoint
+    being written is complete: its upload starts at once, in the background (one file at a time); whatever is not
+    uploaded yet when the block ends is uploaded then, and the checkpoint committed. A failure removes the uploads."""
     url = str(out).rstrip("/")
     if any(str(i).rstrip("/") == url for i in inputs if i is not None):
         raise ValueError(f"output: {url} is also an input; write to another place")
     if keep_checkpoint and not overwrite and is_sharded_checkpoint(out if isinstance(out, ObjectStore) else url):
         raise FileExistsError(f"output: {url} holds a checkpoint already; pass --overwrite to replace it")
+    target = out if isinstance(out, ObjectStore) else ObjectStore.open(url)
     scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
+    uploads = Uploads(target, overwrite=overwrite, links=scratch / ".uploading")
     try:
         local = scratch / url.rsplit("/", 1)[-1]
-        yield local
-        target = out if isinstance(out, ObjectStore) else ObjectStore.open(url)
+        try:
+            yield local, uploads.file_done
+        except BaseException:
+            uploads.abort()
+            raise
         if (local / MANIFEST_NAME).is_file():
-            publish_checkpoint(local, target, overwrite=overwrite)
+            uploads.commit(local)
         elif local.is_dir():
             publish_files(local, target)
         else:  # one object: the store of its prefix, with the same filesystem settings
             parent = ObjectStore(url.rsplit("/", 1)[0], target.fs, target.root.rsplit("/", 1)[0])
             parent.upload(local, local.name)
     finally:
+        uploads.abort()  # (nothing left to do after a commit)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
 def publish_checkpoint(local: Path, store: ObjectStore, *, overwrite: bool = False) -> None:
     """Upload the sharded checkpoint in ``local`` to ``store`` and commit it there (conditional put of the
     manifest; :class:`~fsdp_optim.disk.storage.ConcurrentCommitError` if another writer committed meanwhile)."""
-    save = begin_store_save(store, overwrite=overwrite)
-    manifest = read_manifest(local)
-    uploaded = []
+    uploads = Uploads(store, overwrite=overwrite)
     try:
-        for name in sorted(manifest.file_names()):
-            store.upload(local / name, name)
-            uploaded.append(name)
-        commit_manifest(save, manifest)
-    except BaseException as exc:
-        if not isinstance(exc, CommitOutcomeUnknown):  # else the manifest may be in place and list them
-            store.delete(uploaded)
-        raise
-    tidy(save, manifest)
+        uploads.commit(local)
+    finally:
+        uploads.abort()
+
+
+class Uploads:
+    """A sharded checkpoint's files uploaded to ``store`` (some while it is still being written: :meth:`file_done`),
+    then committed (:meth:`commit`) or removed (:meth:`abort`). The prefix is read before the first upload."""
+
+    def __init__(self, store: ObjectStore, *, overwrite: bool, links: Path | None = None) -> None:  # noqa: D107
+        self.store, self.overwrite, self.links = store, overwrite, links
+        self._save: StoreSave | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._early: dict[str, Future[None]] = {}
+        self._uploaded: list[str] = []
+        self._committed = False
+
+    def _begun(self) -> StoreSave:
+        if self._save is None:
+            self._save = begin_store_save(self.store, overwrite=self.overwrite)
+        return self._save
+
+    def file_done(self, path: Path) -> None:
+        """Start uploading the complete file ``path`` (a hard link keeps its bytes if the writer moves it)."""
+        if self.links is None:
+            raise ValueError("Uploads: file_done needs a directory for the links")
+        self._begun()
+        self.links.mkdir(exist_ok=True)
+        os.link(path, self.links / path.name)
+        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="fsdp-optim-publish")
+        self._early[path.name] = self._pool.submit(self.store.upload, self.links / path.name, path.name)
+
+    def commit(self, local: Path) -> None:
+        """Upload what is not uploaded yet of the checkpoint in ``local``, then put its manifest (conditionally)
+        and tidy; a failure removes every upload, unless the manifest may have landed."""
+        save = self._begun()
+        manifest = read_manifest(local)
+        try:
+            for name in sorted(manifest.file_names()):
+                early = self._early.pop(name, None)
+                if early is not None:
+                    early.result()
+                else:
+                    self.store.upload(local / name, name)
+                self._uploaded.append(name)
+            commit_manifest(save, manifest)
+        except CommitOutcomeUnknown:
+            self._uploaded = []  # the manifest may be in place and list them: kept
+            raise
+        self._committed = True
+        tidy(save, manifest)
+
+    def abort(self) -> None:
+        """Stop: wait for the uploads under way, then (unless committed) remove every file uploaded."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        done = [name for name, f in self._early.items() if f.done() and not f.cancelled() and f.exception() is None]
+        self._early = {}
+        if not self._committed and (self._uploaded or done):
+            self.store.delete([*self._uploaded, *done])
+        self._uploaded = []
 
 
 def publish_files(local: Path, store: ObjectStore) -> None:

@@ -25,7 +25,7 @@ from fsdp_optim.core.plan import Plan, read_ranges, saved_ranks
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
-__all__ = ["Ranges", "Span", "files_read", "join_overlapping", "load_spans"]
+__all__ = ["Ranges", "Span", "cut_spans", "files_read", "join_overlapping", "load_spans"]
 
 Ranges = list[tuple[str, int, int]]  # (file name, start, stop): disjoint byte ranges of each file, in order of use
 
@@ -60,7 +60,7 @@ def load_spans(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank:
         out.extend(Span(names[r].file, 0, names[r].nbytes, 0) for r in sorted(touched))
     else:
         reads = [*read_ranges(weights, rank), *(read_ranges(optim, rank) if optim is not None else ())]
-        out.extend(_rank_file_ranges(ckpt, rank, reads))
+        out.extend(_rank_file_ranges(ckpt, ((rank, read) for read in reads)))
     training = manifest.training
     if training is None:  # (a plan of the weights refuses such a checkpoint first; this keeps -O honest)
         raise ValueError(f"{ckpt.directory}: an optimizer-only checkpoint (no training section): no weights to restore")
@@ -70,15 +70,25 @@ def load_spans(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank:
     return out
 
 
-def _rank_file_ranges(ckpt: ShardedCheckpoint, rank: int, reads: Iterable[tuple[int, str, int, int]]) -> list[Span]:
-    """Format 3: each read's pieces in the rank files holding them, widened to whole chunks, and each file's
-    header; merged per file, in order of first use (headers first), each with the number of pieces it holds."""
+def cut_spans(ckpt: ShardedCheckpoint, the_plan: Plan, ranks: Iterable[int]) -> list[Span]:
+    """The rank-file ranges that cutting ``ranks`` one after another reads (:func:`fsdp_optim.core.plan.cut_rank`
+    of each, an offline re-cut), headers included, in order of first use, each with its number of shard reads
+    (a chunk two ranks read is one range); format 3 only (else none)."""
+    if ckpt.manifest.version < 3:
+        return []
+    return _rank_file_ranges(ckpt, ((rank, read) for rank in ranks for read in read_ranges(the_plan, rank)))
+
+
+def _rank_file_ranges(ckpt: ShardedCheckpoint, reads: Iterable[tuple[int, tuple[int, str, int, int]]]) -> list[Span]:
+    """Format 3: each read's pieces (``(rank reading, (flat, key, start, stop))``) in the rank files holding them,
+    widened to whole chunks, and each file's header; merged per file, in order of first use (headers first), each
+    with the number of pieces it holds."""
     where, sizes = ckpt.layout
     records = {f.rank: f for f in ckpt.manifest.files}
     itemsize = {t: dtype_from_str(t, where=str(ckpt.directory)).itemsize for t in sizes}
     header = {r: f.nbytes - sum(n * itemsize[t] for t, n in sizes.items()) for r, f in records.items()}
     found: dict[int, list[tuple[int, int, int]]] = {}  # {file rank: [(start, stop, index of first use)]}
-    for k, (flat, key, start, stop) in enumerate(reads):
+    for k, (rank, (flat, key, start, stop)) in enumerate(reads):
         tensor, offset, _ = where[(flat, key)]
         per, size = chunk_elements(dtype_from_str(tensor, where=tensor), ckpt.manifest.chunk_bytes), itemsize[tensor]
         for r, lo, hi, _ in ckpt.pieces(rank, flat, start, stop):

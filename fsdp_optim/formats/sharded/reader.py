@@ -124,10 +124,11 @@ class ShardedCheckpoint:
             f = self._files[rank]
             f.open() if isinstance(f, RankFile) else f.open(mmap=True)
 
-    def provide(self, files: Mapping[int, Callable[[], MappedFile]]) -> None:
+    def provide(self, files: Mapping[int, Callable[[], MappedFile] | None]) -> None:
         """Read rank ``r``'s file from what ``files[r]()`` opens (its bytes as the caller holds them, e.g. received
         from a peer: :class:`~fsdp_optim.formats.sharded.received.ReceivedFile`) rather than from the directory; its
-        header is checked against the manifest when it is opened, and every chunk read is verified, as on disk."""
+        header is checked against the manifest when it is opened, and every chunk read is verified, as on disk.
+        ``None`` reads it from the directory again."""
         for rank, file in files.items():
             f = self._files[rank]
             if not isinstance(f, RankFile):

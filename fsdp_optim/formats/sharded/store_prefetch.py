@@ -20,17 +20,19 @@ retries) are raised where the load reads the piece.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 
 from fsdp_optim.disk.storage import MAX_CONCURRENT, PIECE_BYTES, ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import Span
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.received import ReceivedFile
 
-__all__ = ["WINDOW_BYTES", "StorePiece", "StorePrefetch"]
+__all__ = ["WINDOW_BYTES", "StorePiece", "StorePrefetch", "fetched_ahead"]
 
 WINDOW_BYTES = 128 << 20  # fetched ahead of the load and not yet used up
 
@@ -152,3 +154,19 @@ class StorePrefetch:
         for piece in self.pieces:
             piece.data, piece.futures = None, []
         self.held = 0
+
+
+@contextmanager
+def fetched_ahead(
+    ckpt: ShardedCheckpoint, store: ObjectStore, spans: Sequence[Span]
+) -> Iterator[dict[str, Callable[[], bytes]]]:
+    """Within the block, ``ckpt`` (in ``store``) reads its rank files from ``spans``, fetched ahead; yields thunks
+    of the side files among them (``{name: bytes}``). After it, the rank files are read from the store again."""
+    ranks = {f.file: f.rank for f in ckpt.manifest.files}
+    with StorePrefetch(store, spans) as ahead:
+        opened = ahead.files({f.file: f.nbytes for f in ckpt.manifest.files})
+        ckpt.provide({ranks[name]: opener for name, opener in opened.items()})
+        try:
+            yield {p.name: ahead.whole(p.name) for p in ahead.pieces if p.name not in ranks}
+        finally:
+            ckpt.provide({ranks[name]: None for name in opened})

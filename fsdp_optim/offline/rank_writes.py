@@ -1,0 +1,81 @@
+"""Writing the rank files of a re-cut (:func:`fsdp_optim.reshard`): unit by unit (:func:`write_ranks`) or by blocks
+(:func:`write_blocks`), a source in an object store read from ranges fetched ahead (:func:`fetched_from`), a whole
+checkpoint's side files carried after them (:func:`then_sides`). ``after_file(path)`` is told of each rank file once
+it is complete (an upload can start then: :func:`fsdp_optim.offline.publish.checkpoint_output`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from fsdp_optim.core.plan import Plan, cut_rank
+from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.formats.sharded import recut
+from fsdp_optim.formats.sharded.byte_ranges import Span
+from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
+from fsdp_optim.formats.sharded.writer import write_shard_file, write_shard_tensors
+from fsdp_optim.offline.whole import carry_side_files
+
+__all__ = ["described", "fetched_from", "then_sides", "write_blocks", "write_ranks"]
+
+Progress = Callable[[], None] | None  # called once per FSDP unit (or output rank, by blocks) done
+
+
+def fetched_from(
+    ckpt: ShardedCheckpoint, store: ObjectStore, spans: list[Span], write: Callable[[Path], Manifest], staging: Path
+) -> Manifest:
+    """``write(staging)`` reading the source's rank files from ``spans``, fetched ahead from ``store``
+    (:mod:`fsdp_optim.formats.sharded.store_prefetch`)."""
+    with fetched_ahead(ckpt, store, spans):
+        return write(staging)
+
+
+def then_sides(ckpt: ShardedCheckpoint, write: Callable[[Path], Manifest], staging: Path) -> Manifest:
+    """``write``'s rank files, then a whole checkpoint's side files and training section (:func:`carry_side_files`)."""
+    return carry_side_files(ckpt, staging, write(staging))
+
+
+def described(the_plan: Plan, target: Manifest) -> Manifest:
+    """``target``'s manifest as the plan fills it (state entries, groups, optimizer), without files yet."""
+    flats = tuple(
+        replace(f, state=the_plan.flats[t].entries if t in the_plan.flats else ())
+        for t, f in enumerate(target.flat_params)
+    )
+    return replace(target, optimizer=the_plan.source.optimizer, flat_params=flats, groups=the_plan.groups)
+
+
+def write_ranks(
+    the_plan: Plan, target: Manifest, out: Path, after_unit: Progress, after_file: Callable[[Path], None] | None = None
+) -> Manifest:
+    """Cut and write every rank file of ``target`` into ``out``, unit by unit; return the manifest (not yet
+    written). ``after_file(path)`` after each rank file."""
+    records = []
+    for rank in range(target.world_size):
+        state = cut_rank(the_plan, rank, after_unit=after_unit)
+        records.append(write_shard_file(out, state, save_id=target.save_id, rank=rank, world_size=target.world_size))
+        del state
+        if after_file is not None:
+            after_file(out / records[-1].file)
+    return replace(described(the_plan, target), files=tuple(records))
+
+
+def write_blocks(
+    ckpt: ShardedCheckpoint, blocks: recut.Recut, group: int, target: Manifest, out: Path, progress: Progress,
+    after_file: Callable[[Path], None] | None = None,
+) -> Manifest:  # fmt: skip
+    """Write every rank file of ``target`` into ``out`` by block re-cut (:mod:`fsdp_optim.formats.sharded.recut`),
+    ``group`` output ranks at a time; ``progress`` is called after each output rank, ``after_file(path)`` after
+    each rank file."""
+    records = []
+    for rank, tensors in recut.recut_groups(ckpt, blocks, group):
+        record = write_shard_tensors(out, tensors, save_id=target.save_id, rank=rank, world_size=target.world_size)
+        records.append(record)
+        if after_file is not None:
+            after_file(out / record.file)
+        if progress is not None:
+            progress()
+    return replace(target, files=tuple(records))
