@@ -87,10 +87,13 @@ def _load_optim(rank: int, world_size: int, store: ObjectStore) -> dict[str, Any
     return full if rank == 0 else None
 
 
-def test_optimizer_checkpoint_in_s3_resharded_on_load(s3_server: Any) -> None:
-    store = fsdp_optim.open_store(s3_server.url("optim"), **s3_server.storage_options)
+def test_optimizer_checkpoint_in_s3_resharded_on_load(s3_server: Any, fault_proxy: Any) -> None:
+    url = s3_server.url("optim")
+    store = fsdp_optim.open_store(url, **s3_server.storage_options)
     saved = run_ranks(_save_optim, 2, store)[0]
-    loaded = run_ranks(_load_optim, 3, store)[0]
+    fault_proxy.reset_stats()
+    loaded = run_ranks(_load_optim, 3, fsdp_optim.open_store(url, **fault_proxy.storage_options))[0]
+    assert fault_proxy.stats().connections > 3 + 1, "the re-cut's ranges are fetched ahead, several at a time"
     assert_identical(saved["state"], loaded["state"])
     assert_identical(saved, fsdp_optim.consolidate(store))
 

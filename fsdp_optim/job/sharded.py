@@ -23,9 +23,11 @@ from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.disk.storage import ObjectPath, ObjectStore, is_url
+from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.api import full_source
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.root import Root, verify_root
@@ -165,7 +167,11 @@ def _read_sharded(
             # Before cut_rank allocates what the manifest declares: the rank files this rank reads, checked
             # (found by interval lookup; a rank re-cut from W to W/2 reads about two files, not W).
             ckpt.open_ranks(saved_ranks(the_plan, rank) or [0])
-            state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
+            if isinstance(ckpt.directory, ObjectStore):  # the ranges it cuts from, fetched ahead
+                with fetched_ahead(ckpt, ckpt.directory, cut_spans(ckpt, the_plan, [rank])):
+                    state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
+            else:
+                state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
     return optimizer_state_dict(the_plan, state)
 
 
