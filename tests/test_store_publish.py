@@ -72,3 +72,25 @@ def test_a_reshard_that_fails_part_way_leaves_nothing(s3_server: Any, saved: Pat
     with pytest.raises(KeyboardInterrupt):
         fsdp_optim.reshard(str(saved), 3, store, progress=progress)
     assert store.listing() == {}, "the uploads of a reshard that failed are removed"
+
+
+def test_the_command_line_reshard_uploads_each_rank_file_once_written(
+    s3_server: Any, saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_optim.cli import main as cli_main
+    from fsdp_optim.offline.publish import Uploads
+
+    started, real = [], Uploads.file_done
+
+    def file_done(self: Uploads, path: Path) -> None:  # the real call, seen
+        started.append(path.name)
+        real(self, path)
+
+    monkeypatch.setattr(Uploads, "file_done", file_done)
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    url = s3_server.url("cli")
+    assert cli_main(["reshard", str(saved), "--world-size", "3", "-o", url]) == 0
+    store = fsdp_optim.open_store(url, **s3_server.storage_options)
+    assert sorted(started) == _rank_files(store) and len(started) == 3, started
+    assert fsdp_optim.verify(store).ok

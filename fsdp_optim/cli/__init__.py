@@ -120,17 +120,18 @@ class _Interrupts:
 
 def _run_verb(args: argparse.Namespace) -> Any:
     """``args.run(args)``; an ``-o`` URL is written to a local path first and published when the verb succeeds
-    (:func:`fsdp_optim.offline.publish.output_for`), and the lines name the URL."""
+    (:func:`fsdp_optim.offline.publish.checkpoint_output`; a verb that writes rank files may start their uploads
+    through ``args.after_file``), and the lines name the URL."""
     from fsdp_optim.disk.storage import is_url
-    from fsdp_optim.offline.publish import output_for
+    from fsdp_optim.offline.publish import checkpoint_output
 
     url = getattr(args, "output", None)
     if not isinstance(url, str) or not is_url(url):
         return args.run(args)
     inputs = [getattr(args, name, None) for name in ("source", "directory", "layout")]
     overwrite = bool(getattr(args, "overwrite", False))
-    with output_for(url, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as local:
-        args.output = str(local)
+    with checkpoint_output(url, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as (local, file_done):
+        args.output, args.after_file = str(local), file_done
         result = args.run(args)
     args.output = url
     if isinstance(result, list):

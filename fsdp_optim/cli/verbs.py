@@ -107,7 +107,7 @@ def run_reshard(args: argparse.Namespace) -> list[str]:
         # A checkpoint already in -o is replaced only with --overwrite (the API replaces it atomically).
         manifest = reshard_opened(
             opened, args.world_size, out, layout=args.layout, given=args.source, progress=bar,
-            overwrite=args.overwrite, replace_existing=False,
+            overwrite=args.overwrite, replace_existing=False, after_file=getattr(args, "after_file", None),
         )
     resharded = read_manifest(manifest)
     files = resharded.files
