@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..measure import Measurement, Method, NotAvailable
+from ..measure import Measurement, Method, NotAvailable, measure, release_memory
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -133,6 +133,18 @@ class Probes:
             times = [theirs[name][1][warmup:] for theirs in everyone]
             if all(times):
                 value.extra["durable_s"] = [max(t[k] for t in times) for k in range(min(map(len, times)))]
+
+
+def measure_probed(
+    methods: dict[str, Method], probes: Probes | None, *, warmup: int, repeats: int
+) -> dict[str, Measurement | NotAvailable]:
+    """Collective: :func:`~benchmarks.measure.measure` of ``methods``, ``probes`` (if any) merged into the results,
+    then memory released; the results on rank 0, ``{}`` elsewhere."""
+    results = measure(methods, warmup=warmup, repeats=repeats)
+    if probes is not None:
+        probes.merge(results, warmup)
+    release_memory()
+    return results or {}
 
 
 def disk_bytes(path: str | os.PathLike[str]) -> int:

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from .. import models
-from ..measure import Measurement, Method, NotAvailable, measure, release_memory, tensor_bytes
+from ..measure import Measurement, Method, NotAvailable, release_memory, tensor_bytes
 from . import dcp as ckpt_dcp
 from . import floors as ckpt_floors
 from . import ours as ckpt_ours
 from . import train as ckpt_train
-from .common import Probes, disk_bytes, remove
+from .common import Probes, disk_bytes, measure_probed, remove
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,7 @@ def _write_refs(cfg: JobConfig, refs: tuple[Any, Any]) -> None:
 
 
 def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes | None = None, **kw: Any) -> dict[str, Any]:
-    options = {"warmup": cfg.warmup, "repeats": cfg.repeats, **kw}
-    results = measure(methods, **options)
-    if probes is not None:
-        probes.merge(results, options["warmup"])
-    release_memory()
-    return results or {}
+    return measure_probed(methods, probes, **{"warmup": cfg.warmup, "repeats": cfg.repeats, **kw})
 
 
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:

@@ -35,9 +35,8 @@ import fsdp_optim
 from fsdp_optim.disk.storage import ObjectStore
 
 from .. import models
-from ..ckpt.common import Probes
-from ..measure import Method, release_memory
-from ..measure import measure as measure_methods
+from ..ckpt.common import Probes, measure_probed
+from ..measure import Method
 from ..whole import floors as whole_floors
 from ..whole import ours
 from ..whole.dcp import _state
@@ -137,10 +136,7 @@ def _dcp_methods(fsdp2: tuple[Any, torch.optim.Optimizer], url: str, options: di
 
 
 def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes) -> dict[str, Any]:
-    results = measure_methods(methods, warmup=cfg.warmup, repeats=cfg.repeats)
-    probes.merge(results, cfg.warmup)
-    release_memory()
-    return results or {}
+    return measure_probed(methods, probes, warmup=cfg.warmup, repeats=cfg.repeats)
 
 
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:

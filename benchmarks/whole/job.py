@@ -26,8 +26,8 @@ import torch.distributed as dist
 import fsdp_optim
 
 from .. import models
-from ..ckpt.common import Probes, disk_bytes, remove
-from ..measure import Method, NotAvailable, measure, release_memory
+from ..ckpt.common import Probes, disk_bytes, measure_probed, remove
+from ..measure import Method, NotAvailable
 from . import dcp as whole_dcp
 from . import floors, fullsd, ours
 
@@ -71,10 +71,7 @@ def _publish(cfg: JobConfig, model: Any, optim: torch.optim.Optimizer) -> None:
 
 
 def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes, *, warmup: int, repeats: int) -> dict[str, Any]:
-    results = measure(methods, warmup=warmup, repeats=repeats)
-    probes.merge(results, warmup)
-    release_memory()
-    return results or {}
+    return measure_probed(methods, probes, warmup=warmup, repeats=repeats)
 
 
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
