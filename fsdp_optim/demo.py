@@ -4,7 +4,8 @@ Run it as users run FSDP jobs::
 
     torchrun --nproc_per_node 4 -m fsdp_optim.demo
 
-Any world size works. On CPU it uses gloo (NCCL when CUDA is present). Steps:
+Any world size works, on any machine: NCCL with one GPU per local rank when this node has a GPU for every local
+rank, otherwise gloo on the CPU (``--device`` chooses; the first line says which and why). Steps:
 
 1. train a small model with nested FSDP units and Adam at the launched world size ``W``;
 2. time the gather of the full optimizer state (both transports), then save the whole training state
@@ -81,18 +82,43 @@ def wrap(model: TinyLM, every: int, group: dist.ProcessGroup) -> FSDP:
     return FSDP(model, **kwargs)
 
 
-def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(step: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
+    tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g).to(device)
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def choose_device(choice: str, local_ranks: int) -> tuple[torch.device, str, str]:
+    """``(device, backend, why)``: a GPU per local rank under NCCL when there are enough, else the CPU under gloo."""
+    gpus = torch.cuda.device_count()
+    enough = gpus >= local_ranks
+    if choice == "cuda" and not enough:
+        raise SystemExit(f"--device cuda: expected a GPU for each of the {local_ranks} local ranks, found {gpus}")
+    if choice == "cpu" or (choice == "auto" and not enough):
+        why = (
+            "asked for"
+            if choice == "cpu"
+            else (
+                f"{gpus} GPU(s) for {local_ranks} local ranks: NCCL needs one GPU per rank" if gpus else "no GPU here"
+            )
+        )
+        return torch.device("cpu"), "gloo", why
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    return torch.device("cuda", local_rank), "nccl", f"one of {gpus} GPU(s) per local rank"
+
+
 def train(
-    model: nn.Module, optim: torch.optim.Optimizer, steps: Sequence[int], rank: int, ranks: int, batch: int
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    steps: Sequence[int],
+    rank: int,
+    ranks: int,
+    batch: int,
+    device: torch.device,
 ) -> float:
     loss = torch.zeros(())
     for step in steps:
-        inputs, targets = global_batch(step, batch)
+        inputs, targets = global_batch(step, batch, device)
         per = batch // ranks
         inputs, targets = inputs[rank * per : (rank + 1) * per], targets[rank * per : (rank + 1) * per]
         optim.zero_grad()
@@ -127,7 +153,7 @@ def state_bytes(full: dict) -> int:
 
 
 def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in b)
+    return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in b)
 
 
 def compare_optim(full: dict, plain: dict) -> float:
@@ -135,7 +161,7 @@ def compare_optim(full: dict, plain: dict) -> float:
     for pid, entry in plain["state"].items():
         for key, value in entry.items():
             mine = full["state"][pid][key]
-            worst = max(worst, float((mine.float() - value.float()).abs().max()))
+            worst = max(worst, float((mine.float().cpu() - value.float().cpu()).abs().max()))
     if full["param_groups"] != plain["param_groups"]:
         raise AssertionError("param groups differ from the uninterrupted run")
     return worst
@@ -149,6 +175,7 @@ class Job:
     rank: int
     world: int
     backend: str
+    device: torch.device  # where the models train: a GPU of this rank's own under NCCL, else the CPU
     out: str
     temporary: bool  # out was made here (no --out): main() removes it at the end
     batch: int  # global batch: divisible by the world size and by the resumed world size
@@ -177,13 +204,19 @@ def start(argv: Sequence[str] | None) -> Job:
     # get a looser bound than the optimizer state; losing the state moves parameters by ~lr per step.
     parser.add_argument("--param-tolerance", type=float, default=1e-3)
     parser.add_argument("--state-tolerance", type=float, default=1e-5)
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto (default): a GPU per local rank under NCCL when this node has enough, else the CPU under gloo",
+    )
     args = parser.parse_args(argv)
     # fairscale 0.4.13 calls APIs that torch 2.13 deprecates (TypedStorage, _reduce_scatter_base).
     for message in (".*TypedStorage.*", ".*_reduce_scatter_base.*", ".*_all_gather_base.*"):
         warnings.filterwarnings("ignore", message=message)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device, backend, why = choose_device(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -193,8 +226,10 @@ def start(argv: Sequence[str] | None) -> Job:
     if not isinstance(out, str):
         raise RuntimeError(f"expected rank 0 to broadcast the checkpoint directory, found {out!r}")
     os.makedirs(out, exist_ok=True)
-    steps = args.steps
-    return Job(args, rank, world, backend, out, args.out is None, 4 * 2 * world, range(steps), range(steps, 2 * steps))
+    steps, temporary = args.steps, args.out is None
+    job = Job(args, rank, world, backend, device, out, temporary, 8 * world, range(steps), range(steps, 2 * steps))
+    job.say(f"fsdp_optim demo on {'GPUs' if device.type == 'cuda' else 'the CPU'} ({backend}): {why}")
+    return job
 
 
 def train_gather_and_save(job: Job) -> None:
@@ -202,15 +237,12 @@ def train_gather_and_save(job: Job) -> None:
     world = dist.group.WORLD
     if world is None:
         raise RuntimeError("expected the default process group to exist (start() joins it), found None")
-    model = wrap(build_model(), every=1, group=world)
+    model = wrap(build_model().to(job.device), every=1, group=world)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
-    loss = train(model, optim, job.first, job.rank, job.world, job.batch)
+    loss = train(model, optim, job.first, job.rank, job.world, job.batch, job.device)
     params = sum(p.numel() for p in build_model().parameters())
     units = sum(isinstance(m, FSDP) for m in model.modules())
-    job.say(
-        f"fsdp_optim demo: {plural(job.world)} ({job.backend}), {params / 1e6:.2f}M parameters in {units} FSDP units, "
-        "Adam"
-    )
+    job.say(f"  {plural(job.world)}, {params / 1e6:.2f}M parameters in {units} FSDP units, Adam")
     job.say(f"  trained steps {job.first.start}-{job.first.stop - 1} at {plural(job.world)}; loss {loss:.4f}")
     full, tensor_ms = timed_gather(model, optim, "tensor", job.args.repeats, world)
     _, object_ms = timed_gather(model, optim, "object", job.args.repeats, world)
@@ -235,13 +267,13 @@ def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict] | None:
     group = dist.new_group(ranks=list(range(resumed_world)))  # collective: every rank creates it
     resumed = None
     if job.rank < resumed_world:
-        model = wrap(build_model(), every=2, group=group)
+        model = wrap(build_model().to(job.device), every=2, group=group)
         optim = torch.optim.Adam(model.parameters(), lr=3e-3)
         # Works on any fairscale FSDP root (ours, fairscale's own, a subclass), at any world size and nesting.
         extra = load_checkpoint(model, optim, job.checkpoint)
         if extra["step"] != job.second.start:
             raise RuntimeError(f"expected the checkpoint of step {job.second.start}, found {extra['step']}")
-        loss = train(model, optim, job.second, job.rank, resumed_world, job.batch)
+        loss = train(model, optim, job.second, job.rank, resumed_world, job.batch, job.device)
         model_state = model.state_dict()  # a collective: every rank of the group
         gathered = gather_full_optim_state_dict(model, optim)
         if gathered is not None:  # rank 0, the recipient
@@ -256,18 +288,19 @@ def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict] | None:
 
 def verify(job: Job, resumed: tuple[dict, dict]) -> bool:
     """Steps 4-5 (rank 0): resume on one process without FSDP; compare both resumes with uninterrupted training."""
-    reference = build_model()
+    device = job.device
+    reference = build_model().to(device)
     reference_optim = torch.optim.Adam(reference.parameters(), lr=3e-3)
-    train(reference, reference_optim, [*job.first, *job.second], 0, 1, job.batch)
+    train(reference, reference_optim, [*job.first, *job.second], 0, 1, job.batch, device)
     whole = consolidate(job.checkpoint)  # offline: {"model": state_dict(), "optimizer": full dict, "extra": ...}
-    plain = build_model()
+    plain = build_model().to(device)
     plain.load_state_dict(whole["model"])  # strict: every name of the unwrapped model, tied weights included
     plain_optim = torch.optim.Adam(plain.parameters(), lr=3e-3)
     plain_optim.load_state_dict(whole["optimizer"])  # a plain optimizer loads it as is
-    train(plain, plain_optim, job.second, 0, 1, job.batch)
-    control = build_model()  # negative control: the same resume with a fresh optimizer must fail the check
+    train(plain, plain_optim, job.second, 0, 1, job.batch, device)
+    control = build_model().to(device)  # negative control: the same resume with a fresh optimizer must fail the check
     control.load_state_dict(whole["model"])
-    train(control, torch.optim.Adam(control.parameters(), lr=3e-3), job.second, 0, 1, job.batch)
+    train(control, torch.optim.Adam(control.parameters(), lr=3e-3), job.second, 0, 1, job.batch, device)
     checks = {
         f"resumed at {plural(max(1, job.world // 2))} (FSDP)": (resumed[0], resumed[1]),
         "resumed on 1 process (no FSDP)": (plain.state_dict(), plain_optim.state_dict()),

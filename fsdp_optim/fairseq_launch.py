@@ -58,12 +58,13 @@ TOOLS = {"train": "fairseq_cli.train", "validate": "fairseq_cli.validate"}
 CHECKPOINTS_FLAG = "--fsdp-optim-checkpoints"
 
 
-def patch_fairseq() -> None:
+def patch_fairseq(*, on_cpu: bool = True) -> None:
     """Switch fairscale to host execution and make fairseq's ``Trainer.clip_grad_norm`` run without CUDA.
 
-    For the rest of the process; idempotent; does nothing when CUDA is available.
+    For the rest of the process; idempotent; does nothing when fairseq trains on a GPU (``on_cpu=False``: fairseq
+    was not given ``--cpu`` on a machine with CUDA).
     """
-    if torch.cuda.is_available():
+    if not on_cpu:
         return
     from fairseq.trainer import Trainer
 
@@ -182,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     import importlib
 
     tool = importlib.import_module(TOOLS[args[0]])
-    patch_fairseq()
+    # fairseq computes where --cpu says (a machine without CUDA has no other choice), not where CUDA exists.
+    patch_fairseq(on_cpu="--cpu" in args or not torch.cuda.is_available())
     rest, whole = checkpoints_arg(args[1:]) if args[0] == "train" else (args[1:], None)
     if whole is not None:
         save_whole_checkpoints(whole)

@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from fsdp_optim.demo import choose_device
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -17,5 +22,20 @@ def test_demo_removes_its_temporary_directory(tmp_path: Path) -> None:
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "continuity verified" in done.stdout, done.stdout[-2000:]
+    first = done.stdout.splitlines()[0]
+    on_gpus = torch.cuda.device_count() >= 2
+    assert first.startswith(f"fsdp_optim demo on {'GPUs (nccl)' if on_gpus else 'the CPU (gloo)'}: "), first
     left = sorted(p.name for p in tmp_path.glob("fsdp_optim_demo_*"))
     assert not left, f"the demo left {left} in the temp dir"
+
+
+def test_the_demo_takes_a_gpu_per_local_rank_or_the_cpu_and_says_why() -> None:
+    gpus = torch.cuda.device_count()
+    device, backend, why = choose_device("auto", gpus + 1)  # one local rank more than there are GPUs
+    assert (device.type, backend) == ("cpu", "gloo"), (device, backend)
+    assert why == (f"{gpus} GPU(s) for {gpus + 1} local ranks: NCCL needs one GPU per rank" if gpus else "no GPU here")
+    assert choose_device("cpu", 1)[:2] == (torch.device("cpu"), "gloo")
+    with pytest.raises(SystemExit, match=rf"--device cuda: expected a GPU for each of the {gpus + 1} local ranks"):
+        choose_device("cuda", gpus + 1)
+    if gpus:
+        assert choose_device("auto", 1)[1] == "nccl"

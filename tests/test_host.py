@@ -122,8 +122,6 @@ def _fairscale_class_inside_the_switch(rank: int, world_size: int, out: str) -> 
 
 
 def test_fairscale_class_trains_inside_the_switch_and_fairscale_is_restored_after(tmp_path) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("host execution is for machines without CUDA")
     results = run_ranks(_fairscale_class_inside_the_switch, 2, str(tmp_path))
     assert results[0]["norms"] == results[1]["norms"]
 
@@ -147,3 +145,48 @@ def test_fairscale_class_trains_inside_the_switch_and_fairscale_is_restored_afte
         want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
         assert abs(norm - want) <= 1e-5 * want, (step, norm, want)
         ref_optim.step()
+
+
+def test_the_cpu_path_is_chosen_by_where_the_model_computes_not_by_the_machine() -> None:
+    """runs_on_host: an explicit compute_device decides, else the parameters' device, else CPU offload computes
+    on a GPU when there is one; the answer for a CPU model with no options never depends on CUDA."""
+    from fsdp_optim.job.options import runs_on_host
+
+    cpu_net = torch.nn.Linear(2, 2)
+    assert runs_on_host(cpu_net, {})
+    assert runs_on_host(cpu_net, {"compute_device": torch.device("cpu")})
+    assert not runs_on_host(cpu_net, {"compute_device": "cuda:0"})
+    assert runs_on_host(cpu_net, {"move_params_to_cpu": True}) is (not torch.cuda.is_available())
+    assert runs_on_host(torch.nn.Module(), {})  # no parameters, no options: the CPU
+    meta_net = torch.nn.Linear(2, 2, device="meta")  # parameters on another device: not fairscale's CPU path
+    assert not runs_on_host(meta_net, {})
+
+
+def _cpu_then_gpu_instance(rank: int, world_size: int) -> str:  # noqa: ARG001
+    from fsdp_optim import FullyShardedDataParallel as FSDP
+
+    FSDP(torch.nn.Linear(2, 2))  # computes on the CPU: host execution for the rest of this process
+    assert _host.is_enabled()
+    try:
+        _host.note_cuda_root()  # what constructing an instance that computes on a GPU does first
+    except RuntimeError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def _gpu_instance_then_switch(rank: int, world_size: int) -> str:  # noqa: ARG001
+    _host.note_cuda_root()
+    try:
+        fsdp_optim.enable_host_execution()
+    except RuntimeError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def test_cpu_and_gpu_instances_cannot_share_a_process_and_say_so() -> None:
+    """The switch is process-wide: a GPU instance after a CPU one, or the switch after a GPU instance, is refused
+    with a message saying why (in fresh ranks: the switch outlives the call)."""
+    after_cpu = run_ranks(_cpu_then_gpu_instance, 1)[0]
+    assert "runs fairscale's FSDP on the CPU" in after_cpu and "separate processes" in after_cpu, after_cpu
+    after_gpu = run_ranks(_gpu_instance_then_switch, 1)[0]
+    assert "compute on a GPU" in after_gpu and "separate processes" in after_gpu, after_gpu

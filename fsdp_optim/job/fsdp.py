@@ -17,7 +17,7 @@ from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 from fsdp_optim.job import api
 from fsdp_optim.job import host as _host
 from fsdp_optim.job.host_fixes import quiet
-from fsdp_optim.job.options import check_options
+from fsdp_optim.job.options import check_options, runs_on_host
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -27,10 +27,11 @@ _FAIRSCALE_PARAMS = inspect.signature(_FairscaleFSDP.__init__)
 class FullyShardedDataParallel(_FairscaleFSDP):
     """fairscale's ``FullyShardedDataParallel`` with the same constructor, plus:
 
-    - it runs without CUDA: with the module on CPU and a gloo process group, ``compute_device`` defaults
-      to the CPU and fairscale's stream calls become no-ops. Constructing one on a machine without CUDA
+    - it runs on the CPU, on any machine: with the module on CPU and a gloo process group, ``compute_device``
+      defaults to the CPU and fairscale's stream calls become no-ops. Constructing one that computes on the CPU
+      (:func:`fsdp_optim.job.options.runs_on_host`: where its parameters are, not whether the machine has CUDA)
       enables :func:`fsdp_optim.host_execution` for the rest of the process (see :mod:`fsdp_optim.job.host`);
-      with CUDA present nothing changes;
+      one that computes on a GPU leaves fairscale as it is;
     - options that cannot work are refused at construction with a ``ValueError`` naming the option
       (``compute_dtype`` differing from the parameters' dtype without ``mixed_precision`` or CPU
       offload; a non-CPU ``compute_device`` / ``state_dict_device`` on a machine without CUDA);
@@ -40,10 +41,13 @@ class FullyShardedDataParallel(_FairscaleFSDP):
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         # Options that cannot work are refused here, naming the option, before any collective.
-        check_options(module, _FAIRSCALE_PARAMS.bind_partial(None, module, *args, **kwargs).arguments)
-        if not torch.cuda.is_available():
+        options = _FAIRSCALE_PARAMS.bind_partial(None, module, *args, **kwargs).arguments
+        check_options(module, options)
+        if runs_on_host(module, options):
             # For the rest of the process (a model outlives any scope we could pick); idempotent.
             _host.enable_for_process()
+        else:
+            _host.note_cuda_root()
         with quiet():  # fairscale's first Tensor.storage() call warns of a deprecation; not the user's to fix
             super().__init__(module, *args, **kwargs)
 

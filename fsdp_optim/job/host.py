@@ -50,8 +50,10 @@ no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_e
 Leaving the switch (the outermost exit) restores every one of these names to the very object it was and
 destroys the ``record_stream`` registration (``torch.library.Library._destroy``), so fairscale is exactly
 as imported. Constructing ``fsdp_optim.FullyShardedDataParallel`` on a machine without CUDA enables the
-switch for the rest of the process instead (:func:`enable_for_process`): such a model may be used anywhere.
-It is only ever enabled when CUDA is unavailable, so on a GPU machine fairscale runs untouched.
+switch for the rest of the process instead (:func:`enable_for_process`) when the model computes on the CPU
+(:func:`fsdp_optim.job.options.runs_on_host`: where its parameters are, never whether the machine has CUDA): such
+a model may be used anywhere. A model that computes on a GPU leaves fairscale untouched; the two kinds cannot share
+one process, because the switch is process-wide (:func:`note_cuda_root`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ __all__ = [
     "enable_host_execution",
     "host_execution",
     "is_enabled",
+    "note_cuda_root",
     "new_stream",
     "without_transfers",
 ]
@@ -254,6 +257,7 @@ class _Switch:
     for_process: bool = False  # enable_for_process() ran: never restored
     patches: list[_Patch] = field(default_factory=list)  # what is replaced now; empty while off
     library: Any = None  # the torch.library.Library holding our record_stream kernel, if we registered one
+    cuda_roots: int = 0  # instances of ours built here that compute on a GPU (host execution would break them)
 
 
 _lock = threading.RLock()
@@ -265,12 +269,25 @@ def is_enabled() -> bool:
     return bool(_state.patches)
 
 
-def _check_no_cuda() -> None:
-    if torch.cuda.is_available():
+def _check_no_cuda_roots() -> None:
+    if _state.cuda_roots:
         raise RuntimeError(
-            "host execution runs fairscale FSDP on the CPU of a machine without CUDA, but CUDA is available "
-            "here; fairscale runs unchanged on GPUs: put the module on a GPU and use an NCCL process group"
+            "host execution replaces fairscale's CUDA streams with CPU stand-ins for the whole process, but this "
+            f"process already built {_state.cuda_roots} FSDP instance(s) that compute on a GPU; run CPU and GPU FSDP "
+            "models in separate processes"
         )
+
+
+def note_cuda_root() -> None:
+    """Record that an instance computing on a GPU was built here; refused while host execution is on."""
+    with _lock:
+        if is_enabled():
+            raise RuntimeError(
+                "this process runs fairscale's FSDP on the CPU (host execution replaces its CUDA streams with CPU "
+                "stand-ins for the whole process), so an instance that computes on a GPU cannot be built here; run CPU "
+                "and GPU FSDP models in separate processes, or put this model on the CPU"
+            )
+        _state.cuda_roots += 1
 
 
 def _apply() -> None:
@@ -310,10 +327,12 @@ def enable_host_execution() -> None:
     module on CPU, a gloo process group and ``compute_device=torch.device("cpu")`` (the default while
     on). An instance used after the switch is off again fails on its next forward or backward.
 
-    Raises ``RuntimeError`` when CUDA is available: fairscale needs no help there.
+    Works on machines with or without GPUs: what it replaces concerns fairscale's module, process-wide, so it
+    raises ``RuntimeError`` when this process already built an ``fsdp_optim.FullyShardedDataParallel`` instance that
+    computes on a GPU.
     """
-    _check_no_cuda()
     with _lock:
+        _check_no_cuda_roots()
         if not is_enabled():
             _apply()
         _state.depth += 1
@@ -361,8 +380,8 @@ def enable_for_process() -> None:
     Idempotent, and independent of the count kept by :func:`enable_host_execution` /
     :func:`disable_host_execution`, so an unbalanced user disable cannot switch it off under a live model.
     """
-    _check_no_cuda()
     with _lock:
+        _check_no_cuda_roots()
         if not is_enabled():
             _apply()
         _state.for_process = True

@@ -12,7 +12,7 @@ import torch
 
 from fsdp_optim.job.root import unsharded_parameters
 
-__all__ = ["check_options"]
+__all__ = ["check_options", "runs_on_host"]
 
 
 def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
@@ -39,7 +39,7 @@ def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
                 f"into a {compute_dtype} buffer, which the process group rejects. Pass mixed_precision=True "
                 f"to compute in {compute_dtype}, or leave compute_dtype unset"
             )
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # a fact about the machine: no GPU to compute or keep state on
         for name in ("compute_device", "state_dict_device"):
             device = options.get(name)
             if device is not None and torch.device(device).type != "cpu":
@@ -47,3 +47,21 @@ def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
                     f"{name}={device!r}: this machine has no CUDA, so FSDP runs on the CPU; pass "
                     f"{name}=torch.device('cpu') or leave it unset"
                 )
+
+
+def runs_on_host(module: torch.nn.Module, options: dict[str, Any]) -> bool:
+    """Whether fairscale computes this root on the CPU (fairscale's CPU path: :mod:`fsdp_optim.job.host`).
+
+    Decided by where the model computes, never by whether the machine has CUDA (a CPU model under gloo on a GPU
+    machine runs on the CPU): an explicit ``compute_device`` decides; else parameters on a GPU compute there;
+    else CPU parameters with ``move_params_to_cpu`` / ``cpu_offload`` are fairscale's CPU offload, which computes
+    on the GPU when there is one; else the CPU. ``options`` as for :func:`check_options`.
+    """
+    compute = options.get("compute_device")
+    if compute is not None:
+        return torch.device(compute).type == "cpu"
+    devices = {p.device.type for p in unsharded_parameters(module)}
+    if devices - {"cpu"}:
+        return False
+    offload = bool(options.get("move_params_to_cpu") or options.get("cpu_offload"))
+    return not (offload and torch.cuda.is_available())
