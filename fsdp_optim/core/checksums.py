@@ -20,9 +20,7 @@ from fsdp_optim.core.dtypes import dtype_to_str
 DIGEST_ALGORITHM = "xxh3-128"
 
 
-
 _HASHES: dict[str, Callable[[], Any]] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-
 
 
 def digest(value: Any, algorithm: str = DIGEST_ALGORITHM) -> str:
@@ -30,7 +28,6 @@ def digest(value: Any, algorithm: str = DIGEST_ALGORITHM) -> str:
     h = _HASHES[algorithm]()
     _feed(h, value)
     return f"{algorithm}:{h.hexdigest()}"
-
 
 
 def chunk_digests(values: torch.Tensor, per: int) -> tuple[str, ...]:
@@ -54,36 +51,76 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())) if nbytes else memoryview(b"")
 
 
+class ChunkHasher:
+    """:func:`chunk_digests` of one dtype's elements, fed as raw bytes in order, split anywhere (a piece may end
+    inside an element or a chunk): what a writer computes while the bytes pass through it on their way to the file.
+
+    ``per`` elements per chunk, ``total`` elements in all, each ``element_size`` bytes, digests named by ``dtype``.
+    """
+
+    def __init__(self, dtype: str, element_size: int, per: int, total: int) -> None:
+        assert per > 0 and total >= 0 and element_size > 0, f"expected chunks > 0, found {per}, {total}, {element_size}"
+        self._dtype, self._size, self._per, self._total = dtype, element_size, per, total
+        self._digests: list[str] = []
+        self._h: Any = None
+        self._left = 0  # bytes the open chunk still takes
+        self._fed = 0
+
+    def update(self, raw: memoryview) -> None:
+        """Feed the next ``len(raw)`` bytes."""
+        at, n = 0, len(raw)
+        assert self._fed + n <= self._total * self._size, (
+            f"fed {self._fed + n} bytes, expected {self._total * self._size}"
+        )
+        while at < n:
+            if self._h is None:
+                count = min(self._per, self._total - len(self._digests) * self._per)
+                self._h = xxhash.xxh3_128(f"T{self._dtype}({count},)|".encode())
+                self._left = count * self._size
+            take = min(self._left, n - at)
+            self._h.update(raw[at : at + take])
+            at, self._left = at + take, self._left - take
+            if self._left == 0:
+                self._digests.append(f"{DIGEST_ALGORITHM}:{self._h.hexdigest()}")
+                self._h = None
+        self._fed += n
+
+    @property
+    def chunks(self) -> int:
+        """How many digests :meth:`digests` will give."""
+        return -(-self._total // self._per)
+
+    def digests(self) -> tuple[str, ...]:
+        """Every chunk's digest, once all ``total`` elements were fed."""
+        assert self._fed == self._total * self._size and self._h is None, (
+            f"fed {self._fed} bytes, expected {self._total * self._size}"
+        )
+        return tuple(self._digests)
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return _raw(t)
+
+
 def stream_chunk_digests(parts: Iterable[torch.Tensor], per: int, total: int) -> tuple[str, ...]:
     """:func:`chunk_digests` of the concatenation of the 1-D ``parts`` (``total`` elements of one dtype in all),
     without concatenating them: a chunk may span several parts, a part several chunks."""
     assert per > 0 and total >= 0, f"expected chunks > 0 and a total >= 0, found {per}, {total}"
-    out: list[str] = []
-    h, left, name, size, seen = None, 0, "", 0, 0
+    hasher: ChunkHasher | None = None
     for part in parts:
         t = part.detach().cpu().contiguous()
-        name, size = dtype_to_str(t.dtype), t.element_size()
-        raw, at, n = _raw(t), 0, t.numel()
-        seen += n
-        while at < n:
-            if h is None:
-                left = min(per, total - len(out) * per)
-                h = xxhash.xxh3_128(f"T{name}({left},)|".encode())
-            take = min(left, n - at)
-            h.update(raw[at * size : (at + take) * size])
-            at, left = at + take, left - take
-            if left == 0:
-                out.append(f"{DIGEST_ALGORITHM}:{h.hexdigest()}")
-                h = None
-    assert seen == total and h is None, f"the parts hold {seen} elements, expected {total}"
-    return tuple(out)
+        if hasher is None:
+            hasher = ChunkHasher(dtype_to_str(t.dtype), t.element_size(), per, total)
+        hasher.update(_raw(t))
+    assert hasher is not None or total == 0, f"no parts, expected {total} elements"
+    return hasher.digests() if hasher is not None else ()
 
 
 def digest_matches(value: Any, expected: Any) -> bool:
     """Whether ``expected`` (a stored digest, any supported algorithm) is the digest of ``value``."""
     algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
     return algorithm in _HASHES and digest(value, algorithm) == expected
-
 
 
 _TEXT_CHUNK = 1 << 20

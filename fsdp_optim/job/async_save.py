@@ -2,14 +2,16 @@
 
 ``async_save_sharded_optim_state(fsdp, optim, directory)`` checks the state (as the synchronous save
 does), agrees on a save id and returns an :class:`AsyncSave` handle. A background thread then copies this
-rank's shards into staging buffers that are kept and reused across saves (pinned when CUDA is present),
+rank's shards into staging buffers that are kept and reused across saves (pinned for shards on a GPU, copied on a
+side stream: :mod:`fsdp_optim.job.stager`),
 writes, checksums and fsyncs the rank file and, once every rank's file is durable, rank 0 commits the
 manifest (last, atomically): the same files, atomicity and clean-up as
 :func:`fsdp_optim.save_sharded_optim_state`, which this shares its commit with.
 
 The copy overlaps what the training loop does next (forward and backward never touch optimizer state): the
 optimizer's next ``step()`` or ``load_state_dict()`` waits, through a pre-hook registered once per optimizer,
-until the copy is done, so the checkpoint is the state at the call. Code that writes into the optimizer's
+until the copy is done (for shards on a GPU, its stream waits on the GPU for the copies' event; the host waits
+only until they are enqueued), so the checkpoint is the state at the call. Code that writes into the optimizer's
 state tensors by other means calls :meth:`AsyncSave.wait_staged` first. A loop that steps right away waits
 as long as a copy before returning would have taken; one that runs a forward and backward first does not
 wait at all (``benchmarks/checkpoint.py`` measures the blocking part and the training overhead).
@@ -41,6 +43,7 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
+from fsdp_optim.job.stager import Staged, Staging, ready_events
 from fsdp_optim.job.transport import ProcessGroup, new_gloo_group
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
@@ -52,7 +55,8 @@ class AsyncSave:
     def __init__(self, directory: Where) -> None:
         self.directory = directory
         self._finished = threading.Event()
-        self.staged = threading.Event()  # set once the background copy of this rank's state is done
+        self.progress = Staged()  # the background copy of this rank's state: enqueued, then in host memory
+        self.staged = self.progress.staged  # set once that copy is in host memory
         self._result: Path | ObjectPath | None = None
         self._error: BaseException | None = None
         self._reported = False
@@ -63,7 +67,7 @@ class AsyncSave:
         except BaseException as exc:  # surfaced by wait(), on this rank and (through agree) every rank
             self._error = exc
         finally:
-            self.staged.set()  # never left unset: a step waiting for it must not hang on a failed save
+            self.progress.finish()  # never left unset: a step waiting for it must not hang on a failed save
             self._finished.set()
 
     def wait_staged(self, timeout: float | None = None) -> bool:
@@ -99,43 +103,18 @@ class AsyncSave:
         return self._result
 
 
-class _Staging:
-    """Host buffers for one root's shards, kept across saves: ``(flat, key)`` -> a tensor of that shape/dtype."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
-
-    def copy(self, state: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
-        out: dict[int, dict[str, Any]] = {}
-        for i, entries in state.items():
-            out[i] = {}
-            for key, value in entries.items():
-                if not torch.is_tensor(value) or value.dim() == 0:
-                    out[i][key] = value.detach().clone() if torch.is_tensor(value) else value
-                    continue
-                buffer = self.buffers.get((i, key))
-                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=torch.cuda.is_available())
-                    self.buffers[(i, key)] = buffer
-                buffer.copy_(value.detach(), non_blocking=buffer.is_pinned())
-                out[i][key] = buffer
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # pinned copies were non-blocking
-        return out
-
-
 class _StepGuard:
     """Pre-hooks on one optimizer's ``step`` and ``load_state_dict``: wait until the last async save's copy is done."""
 
     def __init__(self, optim: torch.optim.Optimizer) -> None:
-        self.pending: threading.Event | None = None
+        self.pending: Staged | None = None
         optim.register_step_pre_hook(self._before_step)
         optim.register_load_state_dict_pre_hook(self._before_load)
 
     def _wait(self) -> None:
         pending = self.pending
         if pending is not None:
-            pending.wait()
+            pending.before_change()  # host tensors: until copied; GPU tensors: the step's stream waits on the GPU
 
     def _before_step(self, *_: Any) -> None:  # called with (optimizer, args, kwargs)
         self._wait()
@@ -158,7 +137,7 @@ _lock = threading.Lock()
 # One entry per live root, dropped with the root: a job that builds many roots (or saves many times) keeps
 # at most one handle and one set of buffers per root it still holds (tests/test_async_save.py counts them).
 _inflight: weakref.WeakKeyDictionary[nn.Module, AsyncSave] = weakref.WeakKeyDictionary()  # its last save
-_staging: weakref.WeakKeyDictionary[nn.Module, _Staging] = weakref.WeakKeyDictionary()  # its reusable buffers
+_staging: weakref.WeakKeyDictionary[nn.Module, Staging] = weakref.WeakKeyDictionary()  # its reusable buffers
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
 
 
@@ -224,16 +203,17 @@ def launch(
     tensor}}``) into this root's reusable staging buffers, then runs ``upload(staged)`` (which calls ``staged()``
     for the copy). ``optim``'s next ``step()`` / ``load_state_dict()`` waits for the copy."""
     with _lock:
-        staging = _staging.setdefault(key, _Staging())
+        staging = _staging.setdefault(key, Staging())
     handle = AsyncSave(directory)
+    ready = ready_events(state)  # now, in the caller's thread: the copies see the state as it is at the call
 
     def staged() -> dict[int, dict[str, Any]]:  # in the thread; optim.step() waits for it (_StepGuard)
         try:
-            return staging.copy(state)
+            return staging.copy(state, ready, handle.progress)
         finally:
-            handle.staged.set()
+            handle.progress.finish()
 
-    _guard(optim).pending = handle.staged
+    _guard(optim).pending = handle.progress
     with _lock:
         _inflight[key] = handle
     threading.Thread(target=handle._run, args=(lambda: upload(staged),), name=f"fsdp_optim-async-save-{name}").start()

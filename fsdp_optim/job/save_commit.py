@@ -39,6 +39,7 @@ from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
 from fsdp_optim.job.local import LocalState, check_agreement, read_local_state
 from fsdp_optim.job.root import Root
+from fsdp_optim.job.stager import pieces
 from fsdp_optim.job.transport import ProcessGroup, agree, broadcast_object, dist_rank_and_size, gather_objects
 
 __all__ = ["Begun", "Side", "commit_save", "own_tensor", "read_for_save", "start_save"]
@@ -63,12 +64,14 @@ def _check_loadable(value: Any, where: str) -> None:
 
 
 def own_tensor(value: Any) -> Any:
-    """A CPU tensor that ``torch.save`` writes without a larger backing storage; other values as they are."""
+    """What a save keeps of a live value: a CPU tensor that ``torch.save`` writes without a larger backing storage;
+    a tensor on a GPU as it is, detached (the writer, or an async save's staging, copies it through pinned memory:
+    :mod:`fsdp_optim.job.stager`); other values as they are."""
     if not torch.is_tensor(value):
         return value
     value = value.detach()
     if value.device.type != "cpu":
-        return value.cpu()
+        return value
     whole = value.is_contiguous() and value.untyped_storage().nbytes() == value.numel() * value.element_size()
     return value if whole else value.clone()
 
@@ -202,7 +205,7 @@ def _write_own(
     own.shards = state() if callable(state) else state  # (async save: its staging copy, a failure agreed on)
     durable = store is None  # a file staged for an upload is not fsynced: the store's copy is what lasts
     own.record = write_shard_file(
-        local_dir, own.shards, save_id=save_id, rank=rank, world_size=world_size, durable=durable
+        local_dir, own.shards, save_id=save_id, rank=rank, world_size=world_size, durable=durable, pieces=pieces
     )
     own.aux = side.write(local_dir, save_id, rank, world_size, durable=durable) if side is not None else None
     if store is not None:

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 import torch
 
-from fsdp_optim.core.checksums import digest, stream_chunk_digests
+from fsdp_optim.core.checksums import ChunkHasher, digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.json_input import RefusedJSON, loads
@@ -46,20 +46,51 @@ from fsdp_optim.formats.sharded.segments import (
     plan_segments,
 )
 
-__all__ = ["FileLayout", "RankFile", "describe_rank_file", "open_recorded", "write_rank_file", "write_rank_tensors"]
+__all__ = [
+    "FileLayout",
+    "Pieces",
+    "RankFile",
+    "describe_rank_file",
+    "host_pieces",
+    "open_recorded",
+    "write_rank_file",
+    "write_rank_tensors",
+]
 
 _WRITE_BYTES = 8 << 20  # bytes per write call
 FileLayout = tuple[Mapping[tuple[int, str], tuple[str, int, int]], Mapping[str, int]]  # segments.file_layout's
 
 
+Pieces = Callable[[Sequence[torch.Tensor]], Iterator[torch.Tensor]]
+"""``pieces(parts)``: the bytes of the 1-D tensors ``parts``, in order, as CPU ``uint8`` tensors; each valid only
+until the next is asked for (a staging ring may reuse its memory then). :func:`host_pieces` serves tensors already
+in host memory; a job hands the writer its device-to-host stager's (:mod:`fsdp_optim.job.stager`)."""
+
+_PLACEHOLDER = "xxh3-128:" + "0" * 32  # a digest's length: the header is written once the data has been hashed
+
+
+def host_pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The bytes of ``parts`` without a copy, at most 8 MiB a piece (a tensor on a device is copied to the host
+    first, whole: a job passes its stager instead)."""
+    for part in parts:
+        raw = part.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        for start in range(0, raw.numel(), _WRITE_BYTES):
+            yield raw[start : start + _WRITE_BYTES]
+
+
 def write_rank_file(
-    file: BinaryIO, state: Mapping[int, Mapping[str, Any]], metadata: Mapping[str, str], chunk_bytes: int
+    file: BinaryIO,
+    state: Mapping[int, Mapping[str, Any]],
+    metadata: Mapping[str, str],
+    chunk_bytes: int,
+    *,
+    pieces: Pieces = host_pieces,
 ) -> str:
     """Write a format-3 rank file of ``state`` (``{flat: {key: padded 1-D shard or scalar}}``; scalars are the
-    manifest's) to ``file``: one pass hashing the shards' chunks, one writing them. Returns the header's digest."""
+    manifest's) to ``file``, its bytes read once through ``pieces``. Returns the header's digest."""
     tensors, sizes = plan_segments(state)
-    return write_rank_tensors(file, {name: [v for _, _, v in parts] for name, parts in tensors.items()}, sizes,
-                              metadata, chunk_bytes)  # fmt: skip
+    parts = {name: [v for _, _, v in found] for name, found in tensors.items()}
+    return write_rank_tensors(file, parts, sizes, metadata, chunk_bytes, pieces=pieces)
 
 
 def write_rank_tensors(
@@ -68,22 +99,48 @@ def write_rank_tensors(
     sizes: Mapping[str, int],
     metadata: Mapping[str, str],
     chunk_bytes: int,
+    *,
+    pieces: Pieces = host_pieces,
 ) -> str:
     """Write a format-3 rank file whose tensor ``name`` is the concatenation of ``tensors[name]`` (1-D parts,
-    ``sizes[name]`` elements in all, in :func:`~.segments.file_layout` order). Returns the header's digest."""
-    checksums = {
-        name: stream_chunk_digests(parts, chunk_elements(dtype_from_str(name, where="state"), chunk_bytes), sizes[name])
-        for name, parts in tensors.items()
-    }
-    meta = {**metadata, "chunk_bytes": str(chunk_bytes), "checksums": json.dumps(checksums, separators=(",", ":"))}
-    header = encode_rank_header(meta, sizes)
+    ``sizes[name]`` elements in all, in :func:`~.segments.file_layout` order). Returns the header's digest.
+
+    One pass over the data: each piece is hashed into its chunks' checksums and written while it is at hand; the
+    header, whose checksums are then known, goes in last at the start of the file (its length does not depend
+    on the digests' values, so room for it is left first)."""
+    hashers = {name: _hasher(name, sizes[name], chunk_bytes) for name in tensors}
+    meta = {**metadata, "chunk_bytes": str(chunk_bytes)}
+    room = encode_rank_header({**meta, "checksums": _checksums_text(hashers, placeholder=True)}, sizes)
+    start = file.tell()
+    file.seek(start + len(room))
+    for name, parts in tensors.items():
+        for piece in pieces(parts):
+            raw = memoryview(piece.numpy())  # type: ignore[arg-type]
+            hashers[name].update(raw)
+            file.write(raw)
+    header = encode_rank_header({**meta, "checksums": _checksums_text(hashers, placeholder=False)}, sizes)
+    if len(header) != len(room):  # a digest of another length than the placeholder's: a bug, never the data's
+        raise RuntimeError(f"the rank file's header takes {len(header)} bytes, {len(room)} were left for it")
+    end = file.tell()
+    file.seek(start)
     file.write(header)
-    for parts in tensors.values():
-        for values in parts:
-            raw = values.contiguous().view(torch.uint8)
-            for start in range(0, raw.numel(), _WRITE_BYTES):
-                file.write(memoryview(raw[start : start + _WRITE_BYTES].numpy()))  # type: ignore[arg-type]
+    file.seek(end)
     return digest(header[8:])
+
+
+def _hasher(name: str, size: int, chunk_bytes: int) -> ChunkHasher:
+    dtype = dtype_from_str(name, where="state")
+    return ChunkHasher(name, dtype.itemsize, chunk_elements(dtype, chunk_bytes), size)
+
+
+def _checksums_text(hashers: Mapping[str, ChunkHasher], *, placeholder: bool) -> str:
+    """The header's ``checksums`` entry: ``{tensor: [digest, ...]}`` as compact JSON (placeholders of equal length
+    while the data is not yet hashed)."""
+    if placeholder:
+        found = {name: [_PLACEHOLDER] * h.chunks for name, h in hashers.items()}
+    else:
+        found = {name: list(h.digests()) for name, h in hashers.items()}
+    return json.dumps(found, separators=(",", ":"))
 
 
 def describe_rank_file(path: Path) -> list[str]:
@@ -165,13 +222,11 @@ class RankFile:
             if meta.get(key) != value:
                 found = escape(repr(meta.get(key)), limit=80)
                 raise ValueError(
-                    f"{where}: {key} is {found}, expected {value!r} from the manifest (a file of another "
-                    "save?)"
+                    f"{where}: {key} is {found}, expected {value!r} from the manifest (a file of another save?)"
                 )
         if file.header.checksum != self.record.checksum:
             raise ValueError(
-                f"{where}: header checksum {file.header.checksum} differs from the manifest's "
-                f"{self.record.checksum}"
+                f"{where}: header checksum {file.header.checksum} differs from the manifest's {self.record.checksum}"
             )
         if file.size != self.record.nbytes:
             raise ValueError(f"{where}: {file.size} bytes, but the manifest records {self.record.nbytes}")

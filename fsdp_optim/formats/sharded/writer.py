@@ -35,7 +35,7 @@ from fsdp_optim.formats.sharded.manifest import (
     shard_file_name,
 )
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.rank_file import write_rank_file, write_rank_tensors
+from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces, write_rank_file, write_rank_tensors
 from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 from fsdp_optim.formats.sharded.training import side_file_name
@@ -141,17 +141,18 @@ def write_shard_file(
     rank: int,
     world_size: int,
     durable: bool = True,
+    pieces: Pieces = host_pieces,
 ) -> FileRecord:
     """Write one rank's file atomically (a safetensors file, :mod:`.rank_file`); its record for the manifest.
 
     ``state`` is ``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's to hold.
-    ``durable=False``: no fsync (a file staged for an upload).
+    ``durable=False``: no fsync (a file staged for an upload). ``pieces``: how the shards' bytes reach the host
+    (:data:`~.rank_file.Pieces`; a job's device-to-host stager for shards on a GPU).
     """
     name = shard_file_name(save_id, rank, world_size)
     metadata = _metadata(save_id, rank, world_size)
-    size, checksum = atomic_write(
-        directory / name, lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES), durable=durable
-    )
+    write = lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES, pieces=pieces)  # noqa: E731
+    size, checksum = atomic_write(directory / name, write, durable=durable)
     return FileRecord(rank, name, checksum, size)
 
 

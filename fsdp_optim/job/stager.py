@@ -1,0 +1,267 @@
+"""Device-to-host staging: how every save (sync, async, to an object store, into the memory tier) moves GPU memory.
+
+Shards on a GPU reach the host through pinned memory that is allocated once per process and reused by every later
+save, copied on a side CUDA stream, so that no save copies through pageable memory and none grows host memory:
+
+- **synchronous writes** (:func:`pieces`): a ring of ``SLOTS`` pinned buffers of ``SLOT_BYTES``; the copy of the
+  next slots runs while the writer hashes and writes the one at hand (:class:`Ring`);
+- **asynchronous saves** (:meth:`Staging.copy`): one reused host buffer per shard (pinned for shards on a GPU),
+  the copies enqueued on the side stream by the save's thread; the optimizer's next ``step()`` makes its stream
+  wait for them on the GPU (:meth:`Staged.before_change`), not the host.
+
+Ordering: the side stream first waits for an event recorded on the caller's current stream when the save was
+called (:func:`mark`), so the copies see every kernel queued before the call and none after; every source is
+``record_stream``-ed on the side stream, so the caching allocator does not hand its memory to another tensor before
+the copy has read it. No GPU memory is allocated. Tensors already on the CPU are never copied by the ring: the
+writer reads them where they are (:func:`fsdp_optim.formats.sharded.rank_file.host_pieces`).
+
+The ring's logic takes a :class:`Copier`; :class:`HostCopier` runs it with synchronous host copies, which is how the
+tests check its order and its reuse of memory on machines without a GPU (``tests/test_stager.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from fsdp_optim.formats.sharded.rank_file import host_pieces
+
+__all__ = [
+    "SLOTS",
+    "SLOT_BYTES",
+    "Copier",
+    "CudaCopier",
+    "HostCopier",
+    "Ring",
+    "Staged",
+    "Staging",
+    "mark",
+    "pieces",
+    "ready_events",
+]
+
+SLOTS = 4  # copies in flight while one slot is hashed and written
+SLOT_BYTES = 32 << 20  # 128 MiB of pinned memory per GPU for the ring: large copies, little memory
+
+
+class Copier(Protocol):
+    """Where a ring's buffers live and how a copy into one is made and awaited."""
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A host ``uint8`` buffer of ``nbytes`` (pinned, for copies from a GPU)."""
+        ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Start copying ``src`` into ``dst`` (same number of bytes); a ticket for :meth:`wait`."""
+        ...
+
+    def wait(self, ticket: Any) -> None:
+        """Block the host until the copy of ``ticket`` is done."""
+        ...
+
+
+class HostCopier:
+    """Synchronous copies into ordinary host memory: the ring's logic without a GPU."""
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        dst.copy_(src)
+        return None
+
+    def wait(self, ticket: Any) -> None:  # noqa: ARG002 - the copy was synchronous
+        return None
+
+
+class CudaCopier:
+    """Copies from one GPU on a side stream of its own into pinned host memory, each awaited through its event."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def after(self, event: Any) -> None:
+        """Make the side stream wait (on the GPU) for ``event``, recorded on the caller's stream."""
+        self.stream.wait_event(event)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(self.stream)  # the allocator keeps src's memory until the side stream has read it
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def wait(self, ticket: Any) -> None:
+        ticket.synchronize()
+
+
+class Ring:
+    """``slots`` reused host buffers of ``slot_bytes``: the bytes of many tensors streamed through them in order,
+    the copies of the next slots in flight while the caller uses the current one."""
+
+    def __init__(self, copier: Copier, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
+        assert slots >= 1 and slot_bytes >= 1, f"expected a slot or more of a byte or more, found {slots}, {slot_bytes}"
+        self.copier = copier
+        self.slot_bytes = slot_bytes
+        self.buffers = [copier.buffer(slot_bytes) for _ in range(slots)]
+        self.lock = threading.Lock()  # one stream of pieces at a time
+
+    def pieces(self, parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """The bytes of the 1-D ``parts`` in order, as views of the ring's buffers; each valid until the next is
+        asked for. A generator closed early still waits for the copies it started (the buffers are reused)."""
+        with self.lock:
+            spans = _spans(parts, self.slot_bytes)
+            flight: deque[tuple[int, int, Any]] = deque()  # (slot, bytes, ticket) in order of the spans
+            try:
+                for slot in range(len(self.buffers)):
+                    if not self._issue(spans, slot, flight):
+                        break
+                while flight:
+                    slot, nbytes, ticket = flight.popleft()
+                    self.copier.wait(ticket)
+                    yield self.buffers[slot][:nbytes]
+                    self._issue(spans, slot, flight)  # the caller is done with this slot
+            finally:
+                for _, _, ticket in flight:
+                    self.copier.wait(ticket)
+
+    def _issue(self, spans: Iterator[torch.Tensor], slot: int, flight: deque[tuple[int, int, Any]]) -> bool:
+        span = next(spans, None)
+        if span is None:
+            return False
+        n = span.numel()
+        flight.append((slot, n, self.copier.copy(self.buffers[slot][:n], span)))
+        return True
+
+
+def _spans(parts: Sequence[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
+    """The bytes of ``parts`` as ``uint8`` views of at most ``size`` bytes (no copy of a contiguous part)."""
+    for part in parts:
+        raw = part.detach().contiguous().reshape(-1).view(torch.uint8)
+        for start in range(0, raw.numel(), size):
+            yield raw[start : start + size]
+
+
+_rings: dict[int, Ring] = {}  # one per GPU, for the process's life: the pinned memory every later save reuses
+_rings_lock = threading.Lock()
+
+
+def _ring(device: torch.device) -> Ring:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _rings_lock:
+        if index not in _rings:
+            _rings[index] = Ring(CudaCopier(torch.device("cuda", index)))
+        return _rings[index]
+
+
+def pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The writer's :data:`~fsdp_optim.formats.sharded.rank_file.Pieces` for a job: host tensors as they are,
+    shards on a GPU through that GPU's pinned ring, the copies ordered after what the caller's stream queued."""
+    device = next((p.device for p in parts if p.device.type != "cpu"), None)
+    if device is None:
+        return host_pieces(parts)
+    if device.type != "cuda":
+        raise ValueError(f"a shard on {device}: the stager copies from CPU and CUDA memory only")
+    ring = _ring(device)
+    assert isinstance(ring.copier, CudaCopier), "a GPU's ring copies from that GPU"
+    ring.copier.after(mark(device))
+    return ring.pieces(parts)
+
+
+def mark(device: torch.device) -> Any:
+    """An event recorded now on ``device``'s current stream: copies made after it see everything queued before."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+@dataclass
+class Staged:
+    """One async save's copy into host memory: ``issued`` once every copy is done (host tensors) or enqueued
+    (GPU tensors, each GPU's last copy recorded in ``done``), ``staged`` once the host holds every byte."""
+
+    issued: threading.Event = field(default_factory=threading.Event)
+    staged: threading.Event = field(default_factory=threading.Event)
+    done: list[tuple[torch.device, Any]] = field(default_factory=list)  # per GPU: an event after its last copy
+
+    def before_change(self) -> None:
+        """Before the live state changes (``optim.step()``, ``load_state_dict()``): the host waits until the copies
+        are enqueued; the caller's stream then waits, on the GPU, until they are done."""
+        self.issued.wait()
+        for device, event in self.done:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def finish(self) -> None:
+        """Never left unset: a step waiting for a failed save must not hang."""
+        self.issued.set()
+        self.staged.set()
+
+
+class Staging:
+    """Host buffers for one root's shards, kept across saves: ``(flat, key)`` -> a tensor of that shape and dtype
+    (pinned when its shard is on a GPU)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[torch.device, Any], staged: Staged) -> Any:
+        """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's buffers: host tensors at once,
+        GPU tensors enqueued after ``ready[device]`` (:func:`mark`, taken when the save was called); sets
+        ``staged.issued``, waits for the GPU copies, sets ``staged.staged``. Returns the copy, same shape."""
+        out: dict[int, dict[str, Any]] = {}
+        copiers: dict[torch.device, CudaCopier] = {}
+        for i, entries in state.items():
+            out[i] = {}
+            for key, value in entries.items():
+                out[i][key] = self._copy_one(i, key, value, ready, copiers)
+        staged.done = [(device, _last(copier)) for device, copier in copiers.items()]
+        staged.issued.set()
+        for _, event in staged.done:
+            event.synchronize()
+        staged.staged.set()
+        return out
+
+    def _copy_one(
+        self, i: int, key: str, value: Any, ready: Mapping[torch.device, Any], copiers: dict[torch.device, CudaCopier]
+    ) -> Any:
+        if not torch.is_tensor(value):
+            return value
+        value = value.detach()
+        on_gpu = value.device.type == "cuda"
+        buffer = self.buffers.get((i, key))
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.is_pinned() != on_gpu:
+            buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=on_gpu)
+            self.buffers[(i, key)] = buffer
+        if not on_gpu:
+            buffer.copy_(value)
+            return buffer
+        if value.device not in copiers:
+            copier = _ring(value.device).copier
+            assert isinstance(copier, CudaCopier), "a GPU's ring copies from that GPU"
+            copier.after(ready[value.device])
+            copiers[value.device] = copier
+        copiers[value.device].copy(buffer, value)
+        return buffer
+
+
+def _last(copier: CudaCopier) -> Any:
+    event = torch.cuda.Event()
+    event.record(copier.stream)
+    return event
+
+
+def ready_events(state: Mapping[int, Mapping[str, Any]]) -> dict[torch.device, Any]:
+    """:func:`mark` on every GPU that holds a tensor of ``state``: taken in the caller's thread when a save is
+    called (the copies, made later by the save's thread, must see the state as it was then)."""
+    devices = {v.device for entries in state.values() for v in entries.values() if torch.is_tensor(v)}
+    return {d: mark(d) for d in devices if d.type == "cuda"}

@@ -1,0 +1,188 @@
+"""The device-to-host stager: the ring's order and reuse of memory, the one-pass rank-file writer, the async
+staging buffers (on any machine, with host copies), and the same on a GPU with CUDA copies (skipped without one)."""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_optim.core.checksums import ChunkHasher, chunk_digests
+from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
+from fsdp_optim.job import stager
+from fsdp_optim.job.stager import HostCopier, Ring, Staged, Staging
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies from GPU memory)")
+
+
+def _parts(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 300, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+    return [torch.randn(n, generator=g).to(dtype) for n in sizes]
+
+
+def _joined(parts: list[torch.Tensor]) -> bytes:
+    return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+
+
+def test_chunk_hasher_fed_in_any_split_gives_the_chunk_digests() -> None:
+    rng = random.Random(0)
+    for trial in range(60):
+        whole = torch.cat(_parts(trial)) if trial % 7 else torch.empty(0)
+        per = rng.randint(1, 40)
+        raw = whole.view(torch.uint8).numpy().tobytes()
+        hasher = ChunkHasher("float32", 4, per, whole.numel())
+        at = 0
+        while at < len(raw):  # pieces that end inside elements and chunks
+            step = rng.randint(1, 97)
+            hasher.update(memoryview(raw[at : at + step]))
+            at += step
+        assert hasher.digests() == chunk_digests(whole, per), trial
+        assert hasher.chunks == len(chunk_digests(whole, per)), trial
+
+
+class _Logged(HostCopier):
+    """Host copies that log when each starts and is awaited: the ring's order, seen from outside."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.started = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        super().copy(dst, src)
+        self.started += 1
+        self.log.append(("copy", self.started))
+        return self.started
+
+    def wait(self, ticket: Any) -> None:
+        self.log.append(("wait", ticket))
+
+
+def test_the_ring_streams_every_byte_in_order_through_its_own_reused_buffers() -> None:
+    copier = _Logged()
+    ring = Ring(copier, slots=3, slot_bytes=64)
+    owned = {b.data_ptr() for b in ring.buffers}
+    for seed in range(20):
+        parts = _parts(seed)
+        got = []
+        for piece in ring.pieces(parts):
+            assert piece.untyped_storage().data_ptr() in owned, "a piece is a view of one of the ring's buffers"
+            assert 0 < piece.numel() <= 64
+            got.append(piece.numpy().tobytes())  # used before the next is asked for, as the writer does
+        assert b"".join(got) == _joined(parts), seed
+    assert {b.data_ptr() for b in ring.buffers} == owned, "the ring allocates once, then reuses"
+
+
+def test_the_ring_keeps_its_slots_in_flight_and_reuses_a_slot_only_after_its_piece_was_used() -> None:
+    copier = _Logged()
+    ring = Ring(copier, slots=3, slot_bytes=16)
+    part = torch.arange(40, dtype=torch.float32)  # 160 bytes: 10 spans of 16
+    stream = ring.pieces([part])
+    first = next(stream)
+    assert copier.log == [("copy", 1), ("copy", 2), ("copy", 3), ("wait", 1)], copier.log  # 3 ahead, then wait
+    assert first.numpy().tobytes() == part[:4].numpy().tobytes()
+    second = next(stream)  # asking for the next piece hands the first slot back
+    assert copier.log[4:] == [("copy", 4), ("wait", 2)], copier.log
+    assert second.numpy().tobytes() == part[4:8].numpy().tobytes()
+    rest = list(stream)
+    assert len(rest) == 8 and {p.data_ptr() for p in rest} == {b.data_ptr() for b in ring.buffers}
+    waits = [t for kind, t in copier.log if kind == "wait"]
+    assert waits == list(range(1, 11)), "every copy is awaited once, in order"
+
+
+def test_a_ring_left_early_still_awaits_the_copies_it_started() -> None:
+    copier = _Logged()
+    ring = Ring(copier, slots=4, slot_bytes=8)
+    stream = ring.pieces([torch.zeros(100)])
+    next(stream)
+    stream.close()  # the writer failed: the slots in flight must be done before the buffers are reused
+    started = {t for kind, t in copier.log if kind == "copy"}
+    waited = {t for kind, t in copier.log if kind == "wait"}
+    assert started == waited == {1, 2, 3, 4}, copier.log  # one used, three in flight: none started after
+
+
+def test_the_one_pass_writer_writes_the_same_file_whatever_the_pieces() -> None:
+    tensors = {"float32": _parts(1), "bfloat16": _parts(2, torch.bfloat16)}
+    sizes = {name: sum(p.numel() for p in parts) for name, parts in tensors.items()}
+    meta = {"format": "fsdp_optim", "kind": "shard", "version": "3"}
+    files = []
+    for pieces in (host_pieces, Ring(HostCopier(), slots=2, slot_bytes=24).pieces):
+        out = io.BytesIO()
+        header = write_rank_tensors(out, tensors, sizes, meta, 64, pieces=pieces)
+        files.append((header, out.getvalue()))
+    assert files[0] == files[1]
+    from safetensors import safe_open
+
+    data = files[0][1]
+    with open_file(data) as path, safe_open(path, framework="pt") as f:  # any safetensors reader opens it
+        assert torch.equal(f.get_tensor("float32"), torch.cat(tensors["float32"]))
+
+
+class open_file:  # noqa: N801 - a context manager used like open()
+    def __init__(self, data: bytes) -> None:
+        import tempfile
+
+        self._file = tempfile.NamedTemporaryFile(suffix=".safetensors")
+        self._file.write(data)
+        self._file.flush()
+
+    def __enter__(self) -> str:
+        return self._file.name
+
+    def __exit__(self, *_: Any) -> None:
+        self._file.close()
+
+
+def test_async_staging_reuses_its_buffers_and_says_when_the_copy_is_done() -> None:
+    staging = Staging()
+    state = {0: {"exp_avg": torch.randn(10), "step": torch.tensor(3.0), "note": "x"}, 1: {"w": torch.randn(4)}}
+    first = Staged()
+    copied = staging.copy(state, {}, first)
+    assert first.issued.is_set() and first.staged.is_set() and first.done == []
+    assert copied[0]["note"] == "x" and torch.equal(copied[0]["step"], state[0]["step"])
+    pointers = {k: copied[k[0]][k[1]].data_ptr() for k in [(0, "exp_avg"), (1, "w")]}
+    state[0]["exp_avg"].add_(1)  # the live state moves on; the copy does not
+    assert not torch.equal(copied[0]["exp_avg"], state[0]["exp_avg"])
+    again = staging.copy(state, {}, Staged())
+    assert {k: again[k[0]][k[1]].data_ptr() for k in pointers} == pointers, "the next save reuses the buffers"
+    assert torch.equal(again[0]["exp_avg"], state[0]["exp_avg"])
+
+
+def test_host_tensors_never_go_through_a_ring() -> None:
+    part = torch.randn(1000)
+    (piece,) = list(stager.pieces([part]))
+    assert piece.data_ptr() == part.data_ptr(), "a CPU shard is written where it is, not copied"
+
+
+@CUDA
+def test_gpu_pieces_see_what_the_callers_stream_queued_and_allocate_no_gpu_memory() -> None:
+    torch.cuda.synchronize()
+    part = torch.zeros(24 << 20, device="cuda")  # 96 MiB: several ring slots
+    list(stager.pieces([part]))  # the ring exists from now on
+    part.add_(torch.arange(part.numel(), device="cuda", dtype=torch.float32))  # queued, not yet done
+    before = torch.cuda.memory_allocated()
+    got = b"".join(p.numpy().tobytes() for p in stager.pieces([part]))
+    assert torch.cuda.memory_allocated() == before, "staging allocates no GPU memory"
+    expected = torch.arange(part.numel(), dtype=torch.float32)
+    assert got == expected.numpy().tobytes()
+    ring = stager._ring(part.device)
+    assert all(b.is_pinned() for b in ring.buffers)
+
+
+@CUDA
+def test_gpu_async_staging_copies_the_state_at_the_call_and_the_step_waits_on_the_gpu() -> None:
+    staging = Staging()
+    live = torch.zeros(16 << 20, device="cuda")
+    live.fill_(1.0)
+    state = {0: {"exp_avg": live}}
+    done = Staged()
+    ready = stager.ready_events(state)  # the caller's thread, at the call
+    copied = staging.copy(state, ready, done)
+    done.before_change()  # what optim.step() does first: its stream waits for the copy
+    live.fill_(2.0)  # the step changes the state in place
+    torch.cuda.synchronize()
+    assert copied[0]["exp_avg"].is_pinned()
+    assert torch.all(copied[0]["exp_avg"] == 1.0), "the copy holds the state as it was at the call"
