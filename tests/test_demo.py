@@ -39,3 +39,14 @@ def test_the_demo_takes_a_gpu_per_local_rank_or_the_cpu_and_says_why() -> None:
         choose_device("cuda", gpus + 1)
     if gpus:
         assert choose_device("auto", 1)[1] == "nccl"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the demo on one GPU under NCCL")
+def test_demo_on_one_gpu_trains_saves_and_resumes_there(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+            "-m", "fsdp_optim.demo", "--steps", "2", "--repeats", "1"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.startswith("fsdp_optim demo on GPUs (nccl): "), done.stdout[:200]
+    assert "continuity verified" in done.stdout, done.stdout[-2000:]

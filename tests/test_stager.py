@@ -186,3 +186,67 @@ def test_gpu_async_staging_copies_the_state_at_the_call_and_the_step_waits_on_th
     torch.cuda.synchronize()
     assert copied[0]["exp_avg"].is_pinned()
     assert torch.all(copied[0]["exp_avg"] == 1.0), "the copy holds the state as it was at the call"
+
+
+def test_the_ring_uploads_every_byte_into_its_destination_and_refuses_a_mismatch() -> None:
+    copier = _Logged()
+    ring = Ring(copier, slots=2, slot_bytes=40)
+    sources = [t for t in _parts(5) if t.numel()] + [torch.arange(7, dtype=torch.int64), torch.tensor(2.5)]
+    targets = [torch.empty_like(t) for t in sources]
+    ring.upload(list(zip(targets, sources, strict=True)))
+    for got, want in zip(targets, sources, strict=True):
+        assert torch.equal(got, want)
+    copies = [t for kind, t in copier.log if kind == "copy"]
+    waits = [t for kind, t in copier.log if kind == "wait"]
+    assert waits[-1] == copies[-1], "the upload returns once its last copy is done"
+    # A slot is refilled only after the copy out of it was awaited: with 2 slots, copy k+2 waits for copy k.
+    for k in copies[2:]:
+        assert copier.log.index(("wait", k - 2)) < copier.log.index(("copy", k)), copier.log
+    with pytest.raises(ValueError, match=r"cannot copy \(3,\) torch.float32 into \(2,\) torch.float32"):
+        ring.upload([(torch.empty(2), torch.zeros(3))])
+
+
+def test_the_optimizer_state_for_host_parameters_is_left_as_it_is() -> None:
+    from fsdp_optim.job.device_load import optimizer_state_on_device
+
+    net = torch.nn.Linear(3, 2)
+    optim = torch.optim.Adam(net.parameters())
+    net(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    saved = optim.state_dict()
+    assert optimizer_state_on_device(optim, saved) is saved
+
+
+def _gpu_round_trip(rank: int, world_size: int, out: str) -> dict[str, Any]:  # noqa: ARG001
+    import _models as M
+
+    import fsdp_optim
+
+    torch.manual_seed(0)
+    model = M.wrap(M.make_net().cuda(), "deep")
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        M.train_step(model, optim, *(t.cuda() for t in M.local_batch(step, rank, world_size)))
+    at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    handle = fsdp_optim.async_save_checkpoint(model, optim, f"{out}/async", extra={"step": 3})
+    M.train_step(model, optim, *(t.cuda() for t in M.local_batch(3, rank, world_size)))  # steps at once
+    handle.wait()
+    fsdp_optim.save_checkpoint(model, optim, f"{out}/sync", extra={"step": 4})
+    after = optim.state_dict()
+    pointers = {(pid, k): v.data_ptr() for pid, e in after["state"].items() for k, v in e.items() if v.dim()}
+    fsdp_optim.load_checkpoint(model, optim, f"{out}/async")
+    loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    reused = all(optim.state_dict()["state"][pid][k].data_ptr() == p for (pid, k), p in pointers.items())
+    fsdp_optim.load_checkpoint(model, optim, f"{out}/sync")
+    back = optim.state_dict()
+    same = all(torch.equal(back["state"][pid][k].cpu(), v.cpu()) for pid, e in after["state"].items()
+               for k, v in e.items())  # fmt: skip
+    return {"at call": all(torch.equal(loaded[k], v) for k, v in at_save.items()), "reused": reused, "sync": same}
+
+
+@CUDA
+def test_gpu_saves_and_loads_are_exact_and_load_into_the_live_state(tmp_path) -> None:
+    from _dist import run_ranks
+
+    (result,) = run_ranks(_gpu_round_trip, 1, str(tmp_path), backend="nccl")
+    assert result == {"at call": True, "reused": True, "sync": True}, result

@@ -273,8 +273,11 @@ class CheckpointManager:
     def _say_fallback(self, model: nn.Module, memory: int | None, nodes: int, durable: int | None) -> None:
         if dist_rank_and_size(verify_root(model).group)[0] != 0:
             return
-        held = f"no step survives whole in the memory tiers of the {nodes} live nodes" if memory is None else (
-            f"the memory tiers hold step {memory}, older than durable step {durable}")
+        held = (
+            f"no step survives whole in the memory tiers of the {nodes} live nodes"
+            if memory is None
+            else (f"the memory tiers hold step {memory}, older than durable step {durable}")
+        )
         warnings.warn(f"CheckpointManager.restore: {held}; restoring from durable storage {self.root}", stacklevel=3)
 
 

@@ -29,6 +29,7 @@ from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.api import full_source
+from fsdp_optim.job.device_load import optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.save_commit import (  # re-exported: the whole and async saves import them from here
@@ -56,6 +57,7 @@ __all__ = [
     "scatter_full_optim_state",
     "start_save",
 ]
+
 
 def save_sharded_optim_state(
     fsdp: nn.Module,
@@ -143,7 +145,7 @@ def load_sharded_optim_state(
         failure = exc
     agree(failure, group=root.group, what=f"load_sharded_optim_state({str(path)!r}) changed no optimizer")
     assert loaded is not None, "agree() raises on every rank when any rank failed"
-    optim.load_state_dict(loaded)
+    optim.load_state_dict(optimizer_state_on_device(optim, loaded))
 
 
 def _names_sharded(path: str | os.PathLike[str]) -> bool:
@@ -221,7 +223,7 @@ def _scatter(
     agree(failure, group=root.group, what=what)
     # After agree(), src_rank holds a plan (or it would have raised) and the other ranks only receive.
     make = partial(_cut_for, the_plan) if the_plan is not None else None
-    optim.load_state_dict(scatter_objects(make, own, src=src_rank, group=root.group))
+    optim.load_state_dict(optimizer_state_on_device(optim, scatter_objects(make, own, src=src_rank, group=root.group)))
 
 
 def _cut_for(the_plan: Plan, r: int) -> dict[str, Any]:

@@ -5,6 +5,8 @@ save, copied on a side CUDA stream, so that no save copies through pageable memo
 
 - **synchronous writes** (:func:`pieces`): a ring of ``SLOTS`` pinned buffers of ``SLOT_BYTES``; the copy of the
   next slots runs while the writer hashes and writes the one at hand (:class:`Ring`);
+- **loads into a GPU** (:func:`upload`): the same ring the other way: a slot is filled from the file's pages while
+  the copies out of the earlier slots run, straight into the live parameters and optimizer state;
 - **asynchronous saves** (:meth:`Staging.copy`): one reused host buffer per shard (pinned for shards on a GPU),
   the copies enqueued on the side stream by the save's thread; the optimizer's next ``step()`` makes its stream
   wait for them on the GPU (:meth:`Staged.before_change`), not the host.
@@ -42,6 +44,7 @@ __all__ = [
     "Staging",
     "mark",
     "pieces",
+    "upload",
     "ready_events",
 ]
 
@@ -96,7 +99,8 @@ class CudaCopier:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
-            src.record_stream(self.stream)  # the allocator keeps src's memory until the side stream has read it
+            if src.is_cuda:  # the allocator keeps src's memory until the side stream has read it
+                src.record_stream(self.stream)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
@@ -135,6 +139,31 @@ class Ring:
                 for _, _, ticket in flight:
                     self.copier.wait(ticket)
 
+    def upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each host tensor ``src`` into its ``dst`` (same number of bytes, ``dst`` contiguous) through the ring:
+        a slot is filled from ``src`` (the read, e.g. of a mapped file's pages) while the copies out of the earlier
+        slots run. Returns once every copy is done (one slot's copy after the last read)."""
+        with self.lock:
+            busy: list[Any] = [None] * len(self.buffers)
+            slot, last = 0, None
+            try:
+                for dst, src in pairs:
+                    out = dst.detach().reshape(-1).view(torch.uint8)
+                    if out.numel() != src.numel() * src.element_size() or not dst.is_contiguous():
+                        raise ValueError(
+                            f"cannot copy {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}"
+                        )
+                    for at, span in _offsets(src, self.slot_bytes):
+                        if busy[slot] is not None:
+                            self.copier.wait(busy[slot])  # the copy out of this slot is done: refill it
+                        n = span.numel()
+                        self.buffers[slot][:n].copy_(span)
+                        last = busy[slot] = self.copier.copy(out[at : at + n], self.buffers[slot][:n])
+                        slot = (slot + 1) % len(self.buffers)
+            finally:
+                if last is not None:
+                    self.copier.wait(last)  # copies run in order: the last done, every slot is free
+
     def _issue(self, spans: Iterator[torch.Tensor], slot: int, flight: deque[tuple[int, int, Any]]) -> bool:
         span = next(spans, None)
         if span is None:
@@ -142,6 +171,13 @@ class Ring:
         n = span.numel()
         flight.append((slot, n, self.copier.copy(self.buffers[slot][:n], span)))
         return True
+
+
+def _offsets(part: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(byte offset, uint8 view of at most size bytes)`` over one tensor's bytes."""
+    raw = part.detach().contiguous().reshape(-1).view(torch.uint8)
+    for start in range(0, raw.numel(), size):
+        yield start, raw[start : start + size]
 
 
 def _spans(parts: Sequence[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
@@ -176,6 +212,25 @@ def pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
     assert isinstance(ring.copier, CudaCopier), "a GPU's ring copies from that GPU"
     ring.copier.after(mark(device))
     return ring.pieces(parts)
+
+
+def upload(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy host tensors into live tensors (``(dst, src)`` pairs): into GPU tensors through that GPU's pinned ring,
+    ordered after what the caller's stream queued (a kernel still using ``dst`` finishes first); into host tensors
+    directly. Returns once every byte is in place."""
+    on_gpu = [(d, s) for d, s in pairs if d.is_cuda]
+    with torch.no_grad():
+        for dst, src in pairs:
+            if not dst.is_cuda:
+                dst.copy_(src)
+    if on_gpu:
+        device = on_gpu[0][0].device
+        if any(d.device != device for d, _ in on_gpu):
+            raise ValueError(f"live tensors on several GPUs: {sorted({str(d.device) for d, _ in on_gpu})}")
+        ring = _ring(device)
+        assert isinstance(ring.copier, CudaCopier), "a GPU's ring copies to that GPU"
+        ring.copier.after(mark(device))
+        ring.upload(on_gpu)
 
 
 def mark(device: torch.device) -> Any:

@@ -25,6 +25,7 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import Received, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import TrainingRecord
+from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, verify_root
@@ -87,9 +88,7 @@ class LoadPlans:
     optim: Plan | None
 
 
-def plan_load(
-    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, ckpt: ShardedCheckpoint
-) -> LoadPlans:
+def plan_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, ckpt: ShardedCheckpoint) -> LoadPlans:
     """Check the checkpoint against the live model and optimizer (parameters in their sharded state, buffers,
     optimizer class) and plan what every rank reads; nothing read but the manifest."""
     weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is read
@@ -172,12 +171,10 @@ def _castable(saved: str, live: torch.dtype) -> bool:
 
 
 def commit_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: Staged) -> None:
-    """Copy what was staged into the live model and optimizer (every check passed on every rank)."""
+    """Copy what was staged into the live model and optimizer (every check passed on every rank): into GPU memory
+    through the stager's pinned ring (:mod:`fsdp_optim.job.device_load`)."""
     live_buffers = persistent_buffers(model)
-    with torch.no_grad():
-        for i, param in enumerate(root.params):
-            param.data.copy_(staged.weights[i])
-        for name, value in staged.buffers.items():
-            live_buffers[name].copy_(value)
+    pairs = [(param.data, staged.weights[i]) for i, param in enumerate(root.params)]
+    into_live(pairs + [(live_buffers[name], value) for name, value in staged.buffers.items()])
     if optim is not None and staged.optim_state is not None:
-        optim.load_state_dict(staged.optim_state)
+        optim.load_state_dict(optimizer_state_on_device(optim, staged.optim_state))

@@ -1,0 +1,63 @@
+"""Loads into live GPU memory: checked host tensors copied straight into the live parameters, buffers and optimizer
+state through the stager's pinned ring (:func:`fsdp_optim.job.stager.upload`), never through pageable memory.
+
+On the CPU nothing changes: parameters and buffers are copied into as before, and ``optim.load_state_dict`` takes the
+host dict as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fsdp_optim.job.stager import upload
+
+__all__ = ["into_live", "optimizer_state_on_device"]
+
+
+def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each checked host tensor into its live tensor (``(live, host)``; a floating-point host tensor of
+    another dtype is cast on the host first): GPU tensors through the pinned ring, host tensors directly."""
+    ready = [(live, host if host.dtype == live.dtype else host.to(live.dtype)) for live, host in pairs]
+    upload(ready)
+
+
+def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (``{"state": {id: {key: host tensor or value}}, "param_groups": [...]}``, as
+    ``optim.load_state_dict`` takes it) with every state tensor of a parameter on a GPU already there, in the dtype
+    ``load_state_dict`` would cast it to: copied into the live optimizer's own tensor for that parameter and key when
+    it has one of that shape and dtype (no new GPU memory), into a new one otherwise. ``step`` stays as it is (as
+    ``load_state_dict`` keeps it). The same dict when no parameter is on a GPU."""
+    params = _params_by_id(optim, state_dict)
+    if not any(p.is_cuda for p in params.values()):
+        return state_dict
+    state: dict[Any, dict[str, Any]] = {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for pid, entries in state_dict["state"].items():
+        param = params[pid]
+        live = optim.state.get(param, {})
+        state[pid] = dict(entries)
+        for key, value in entries.items():
+            if key == "step" or not torch.is_tensor(value) or not param.is_cuda:
+                continue
+            dtype = param.dtype if param.is_floating_point() else value.dtype
+            target = live.get(key)
+            if not (torch.is_tensor(target) and target.shape == value.shape and target.dtype == dtype
+                    and target.device == param.device and target.is_contiguous()):  # fmt: skip
+                target = torch.empty(value.shape, dtype=dtype, device=param.device)
+            pairs.append((target, value))
+            state[pid][key] = target
+    into_live(pairs)
+    return {**state_dict, "state": state}
+
+
+def _params_by_id(optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> dict[Any, torch.Tensor]:
+    """``{saved param id: live parameter}``, matched group by group and position by position, as
+    ``load_state_dict`` matches them (it checks the counts; so does every caller before this)."""
+    return {
+        pid: param
+        for saved, group in zip(state_dict["param_groups"], optim.param_groups, strict=True)
+        for pid, param in zip(saved["params"], group["params"], strict=True)
+    }
