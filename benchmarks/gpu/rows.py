@@ -1,0 +1,125 @@
+"""Every timed row, for ours and for DCP: sync save, async save (blocking part, copy done, committed), load, and
+the host-RSS and GPU-memory growth of each. Round 0 warms up (allocations every later save reuses); the figures are
+the median of the later rounds (memory: their largest)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import fsdp_optim
+from benchmarks.gpu.models import Config, sync
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Tally:
+    """Per row: seconds of each later round, and the largest memory growth seen."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self.growth: dict[str, int] = {}
+
+    def add(self, row: str, seconds: float, warm: bool) -> None:
+        if warm:
+            self.seconds.setdefault(row, []).append(seconds)
+
+    def grew(self, row: str, nbytes: int, warm: bool) -> None:
+        if warm:
+            self.growth[row] = max(self.growth.get(row, 0), nbytes)
+
+    def medians(self) -> dict[str, float]:
+        return {row: statistics.median(values) for row, values in self.seconds.items()}
+
+
+def watched(tally: Tally, row: str, warm: bool, config: Config, fn: Callable[[], Any]) -> Any:
+    """``fn()`` timed (synchronized), with host RSS growth and GPU memory growth (peak over the start) tallied."""
+    sync(config)
+    host, gpu = rss(), _gpu_start(config)
+    start = time.perf_counter()
+    result = fn()
+    sync(config)
+    tally.add(row, time.perf_counter() - start, warm)
+    tally.grew(f"{row}: host RSS", rss() - host, warm)
+    if config.on_gpu:
+        tally.grew(f"{row}: GPU memory", torch.cuda.max_memory_allocated() - gpu, warm)
+    return result
+
+
+def _gpu_start(config: Config) -> int:
+    if not config.on_gpu:
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _fresh(config: Config, name: str) -> str:
+    path = os.path.join(config.directory, name)
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+def ours(model: nn.Module, optim: torch.optim.Optimizer, config: Config) -> Tally:
+    tally = Tally()
+    for r in range(config.repeats + 1):
+        warm = r > 0
+        path = _fresh(config, "ours")
+        watched(tally, "sync save", warm, config, lambda: fsdp_optim.save_checkpoint(model, optim, path))
+        watched(tally, "load", warm, config, lambda: fsdp_optim.load_checkpoint(model, optim, path))
+        path = _fresh(config, "ours-async")
+        start = time.perf_counter()
+        handle = watched(tally, "async save, blocking", warm, config,
+                         lambda: fsdp_optim.async_save_checkpoint(model, optim, path))  # fmt: skip
+        handle.wait_staged()
+        sync(config)
+        tally.add("async save, copied", time.perf_counter() - start, warm)
+        handle.wait()
+        tally.add("async save, committed", time.perf_counter() - start, warm)
+    return tally
+
+
+def _dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
+def dcp_rows(model: nn.Module, optim: torch.optim.Optimizer, config: Config, stager: Any = None) -> Tally:
+    """DCP as users call it (``stager=None``: sync save, load, default async) or async with ``stager`` only."""
+    tally = Tally()
+    for r in range(config.repeats + 1):
+        warm = r > 0
+        if stager is None:
+            path = _fresh(config, "dcp")
+            watched(tally, "sync save", warm, config, lambda: dcp.save(_dcp_state(model, optim), checkpoint_id=path))
+            watched(tally, "load", warm, config, lambda: _dcp_load(model, optim, path))
+        path = _fresh(config, "dcp-async")
+        start = time.perf_counter()
+        response = watched(tally, "async save, blocking", warm, config,
+                           lambda: dcp.async_save(_dcp_state(model, optim), checkpoint_id=path, async_stager=stager))  # fmt: skip
+        staging = getattr(response, "staging_completion", None)
+        if staging is not None:
+            staging.result()
+        sync(config)
+        tally.add("async save, copied", time.perf_counter() - start, warm)
+        upload = getattr(response, "upload_completion", response)
+        upload.result()
+        tally.add("async save, committed", time.perf_counter() - start, warm)
+    return tally
+
+
+def _dcp_load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
+    state = _dcp_state(model, optim)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
