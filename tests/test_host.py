@@ -148,15 +148,16 @@ def test_fairscale_class_trains_inside_the_switch_and_fairscale_is_restored_afte
 
 
 def test_the_cpu_path_is_chosen_by_where_the_model_computes_not_by_the_machine() -> None:
-    """runs_on_host: an explicit compute_device decides, else the parameters' device, else CPU offload computes
-    on a GPU when there is one; the answer for a CPU model with no options never depends on CUDA."""
+    """runs_on_host: an explicit compute_device decides, else the parameters' device; the answer never depends on
+    whether the machine has CUDA."""
     from fsdp_optim.job.options import runs_on_host
 
     cpu_net = torch.nn.Linear(2, 2)
     assert runs_on_host(cpu_net, {})
     assert runs_on_host(cpu_net, {"compute_device": torch.device("cpu")})
     assert not runs_on_host(cpu_net, {"compute_device": "cuda:0"})
-    assert runs_on_host(cpu_net, {"move_params_to_cpu": True}) is (not torch.cuda.is_available())
+    assert runs_on_host(cpu_net, {"move_params_to_cpu": True})  # offload onto a GPU names compute_device
+    assert not runs_on_host(cpu_net, {"move_params_to_cpu": True, "compute_device": torch.device("cuda")})
     assert runs_on_host(torch.nn.Module(), {})  # no parameters, no options: the CPU
     meta_net = torch.nn.Linear(2, 2, device="meta")  # parameters on another device: not fairscale's CPU path
     assert not runs_on_host(meta_net, {})

@@ -50,18 +50,15 @@ def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
 
 
 def runs_on_host(module: torch.nn.Module, options: dict[str, Any]) -> bool:
-    """Whether fairscale computes this root on the CPU (fairscale's CPU path: :mod:`fsdp_optim.job.host`).
+    """Whether fairscale computes this instance on the CPU (fairscale's CPU path: :mod:`fsdp_optim.job.host`).
 
     Decided by where the model computes, never by whether the machine has CUDA (a CPU model under gloo on a GPU
-    machine runs on the CPU): an explicit ``compute_device`` decides; else parameters on a GPU compute there;
-    else CPU parameters with ``move_params_to_cpu`` / ``cpu_offload`` are fairscale's CPU offload, which computes
-    on the GPU when there is one; else the CPU. ``options`` as for :func:`check_options`.
+    machine runs on the CPU): an explicit ``compute_device`` decides; else the parameters' device. So CPU offload
+    onto a GPU (``move_params_to_cpu`` with parameters on the CPU) names its GPU: ``compute_device=torch.device(
+    "cuda")``, as fairscale asks for it anyway (it checks the process group on that device). ``options`` as for
+    :func:`check_options`.
     """
     compute = options.get("compute_device")
     if compute is not None:
         return torch.device(compute).type == "cpu"
-    devices = {p.device.type for p in unsharded_parameters(module)}
-    if devices - {"cpu"}:
-        return False
-    offload = bool(options.get("move_params_to_cpu") or options.get("cpu_offload"))
-    return not (offload and torch.cuda.is_available())
+    return not {p.device.type for p in unsharded_parameters(module)} - {"cpu"}
