@@ -32,9 +32,9 @@ A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) 
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
 
 ``diff`` compares two sources of one model (any formats, world sizes and nesting) per parameter and state key
-and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they differ, and 2 for bad
-usage or input. ``verify --deep`` also reads the state for what a resumed run would trip on and exits 1 naming
-each finding's parameter and state key.
+and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they differ (or, as every
+verb, for bad input: then with one line on stderr), and 2 for bad usage. ``verify --deep`` also reads the state
+for what a resumed run would trip on and exits 1 naming each finding's parameter and state key.
 
 Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
 70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
@@ -151,7 +151,7 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
             return EXIT_INTERRUPTED
         if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
             print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
-            return int(getattr(args, "bad_input_exit", EXIT_BAD_INPUT))  # diff: 2, as its usage errors
+            return EXIT_BAD_INPUT
         if not isinstance(exc, Exception):
             raise
         traceback.print_exc()
