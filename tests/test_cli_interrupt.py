@@ -78,7 +78,7 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_the_output_as_it_was(ckpt, 
     if existing:
         target.write_bytes(b"the previous output")
     argv = {
-        "consolidate": ["consolidate", str(ckpt), "-o", str(target)],
+        "consolidate": ["consolidate", str(ckpt), "-o", str(target), *(["--overwrite"] if existing else [])],
         "reshard": ["reshard", str(ckpt), "--world-size", "3", "-o", str(target)],
         "convert-dcp": ["convert", str(ckpt), "--to", "dcp", "-o", str(target)],
     }[verb]

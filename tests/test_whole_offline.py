@@ -90,6 +90,11 @@ def test_consolidate_whole_cli_streams_one_file(saved, tmp_path) -> None:
     _check_consolidated(out, reference)
     assert main(["consolidate", str(path), "-o", str(tmp_path / "optim.pt"), "--no-model"]) == 0
     assert_identical(torch.load(tmp_path / "optim.pt", weights_only=True), fsdp_optim.consolidate(path, with_model=False))
+    before = target.read_bytes()
+    assert main(["consolidate", str(path), "-o", str(target), "--rank", "1"]) == 1, "an existing file is refused"
+    assert target.read_bytes() == before
+    assert main(["consolidate", str(path), "-o", str(target), "--rank", "1", "--overwrite"]) == 0
+    assert torch.load(target, weights_only=True)["extra"]["rank"] == 1
 
 
 def test_consolidate_per_rank_buffers_needs_a_rank(per_rank, tmp_path, capsys) -> None:

@@ -104,7 +104,8 @@ def _add_consolidate(verbs: Any) -> None:
         help="a sharded checkpoint directory, a fairscale-native dict file with --layout, or a fairseq/metaseq "
         "shard set (-> one consolidated fairseq checkpoint, every key kept)",
     )
-    p.add_argument("-o", "--output", required=True, help="the file to write")
+    p.add_argument("-o", "--output", required=True, help="the file to write (an existing one: see --overwrite)")
+    _overwrite_file(p)
     p.add_argument(
         "--layout",
         help="a sharded checkpoint or layout file of the model: needed for a fairscale-native dict; for a shard "
@@ -168,6 +169,7 @@ def _add_convert(verbs: Any) -> None:
         help="a fairscale-native dict, a full dict, a sharded checkpoint directory or a fairseq/metaseq shard set",
     )
     p.add_argument("-o", "--output", required=True, help="the file to write (--to dcp: the directory)")
+    _overwrite_file(p)
     p.add_argument("--layout", help="for a fairscale-native dict: a sharded checkpoint or layout file of the model")
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
     p.add_argument(
@@ -220,6 +222,14 @@ _WRITES = {
     "safetensors": "a safetensors file",
 }
 
+
+
+def _overwrite_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a file already at -o (without it, an existing file is refused and left as it was)",
+    )
 
 
 def _param_names(p: argparse.ArgumentParser) -> None:
