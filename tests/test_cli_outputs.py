@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,18 @@ def test_every_verb_exits_1_on_bad_input_and_2_on_bad_usage(tmp_path: Path, caps
         main([*args, "--no-such-option"])
     assert usage.value.code == 2, args
     assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+def test_a_checkpoint_and_a_manager_root_each_point_at_the_verbs_that_read_them(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(FIXTURE / "ckpt", root / "step-00000004")
+    code, text, err = _run(capsys, "list", root / "step-00000004")
+    assert code == 1 and text == "" and "a checkpoint (a step directory), not a CheckpointManager root" in err, err
+    assert f"fsdp-optim inspect {root / 'step-00000004'}" in err and "fsdp-optim verify" in err, err
+    for verb in ("inspect", "verify"):
+        code, _, err = _run(capsys, verb, root)
+        assert code == 1 and f"a CheckpointManager root, whose steps `fsdp-optim list {root}` shows" in err, err
+    code, text, err = _run(capsys, "list", root, "--memory-dir", "default", "--quick")
+    lines = text.splitlines()
+    assert code == 0 and lines[0].startswith("step 4  complete") and err == "", (text, err)
+    assert lines[1].startswith("memory tier: no complete step held under /"), lines

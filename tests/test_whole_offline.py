@@ -339,7 +339,9 @@ def test_diff_and_deep_verify_see_buffers_and_extra(saved, tmp_path, capsys) -> 
     findings = fsdp_optim.verify(other, deep=True).findings
     assert [str(f) for f in findings] == ["buffer 'block1.seen': 0 NaN and 1 Inf values of 4, expected every value finite"]
     assert main(["verify", str(other), "--deep"]) == 1
-    assert "buffer 'block1.seen': 0 NaN and 1 Inf" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "buffer 'block1.seen': 0 NaN and 1 Inf" in out, out
+    assert "format: whole sharded checkpoint (model, optimizer, extra)" in out, "named as inspect names it"
 
 
 def test_diff_of_a_whole_checkpoint_against_its_optimizer_alone_is_not_equal(saved, tmp_path, capsys) -> None:

@@ -15,11 +15,13 @@ from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-optim",
-        description="Inspect, consolidate, reshard and convert fsdp_optim optimizer checkpoints (no process group).",
+        description="Inspect, verify, compare, consolidate, reshard and convert fsdp_optim checkpoints (the "
+        "optimizer state, or the whole training state: weights, buffers, optimizer, extra), with no process group.",
         epilog="formats read: fsdp_optim sharded checkpoint directories, full dict files, fairscale-native dict "
         "files (with --layout), fairseq/metaseq shard sets (use_sharded_state: any *-shard<r>.pt file or the path "
         "before -shard). Formats written: sharded checkpoint, full dict, name-keyed dict, fairseq/metaseq shard "
-        "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp).",
+        "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp), safetensors "
+        "(convert --to safetensors).",
     )
     from fsdp_optim import __version__
 
@@ -162,7 +164,9 @@ def _add_reshard(verbs: Any) -> None:
 
 def _add_convert(verbs: Any) -> None:
     p = verbs.add_parser(
-        "convert", help="any source -> full dict, name-keyed dict, or a PyTorch DCP checkpoint (FSDP2, torchtitan)"
+        "convert",
+        help="any source -> full dict, name-keyed dict, safetensors (a whole checkpoint: Hugging Face model files), "
+        "or a PyTorch DCP checkpoint (FSDP2, torchtitan)",
     )
     p.add_argument(
         "source",
