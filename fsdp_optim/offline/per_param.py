@@ -59,7 +59,8 @@ class PerParameter:
             for g in the_plan.groups
         )
         names = tuple(order) + tuple(n for n in flat_names if n not in rank)
-        return cls(opened.label, opened.kind.value, source.optimizer, the_plan, names, index, groups, opened.trim)
+        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if whole else opened.kind.value  # as inspect
+        return cls(opened.label, kind, source.optimizer, the_plan, names, index, groups, opened.trim)
 
     def entries(self, name: str) -> dict[str, StateEntry]:
         """The state entries of parameter ``name`` by key (empty: no state)."""
