@@ -55,7 +55,9 @@ def _rank(rank: int, world_size: int, port: int, work: str, kill: bool) -> None:
     extra = manager.restore(model, optim)
     start = extra["step"] if extra is not None else 0
     if rank == 0:
-        print(f"W={world_size}: restored step {start} from {manager.restored_from}", flush=True)
+        found = "nothing to restore, training from step 0" if extra is None else (
+            f"restored step {start} from the {manager.restored_from} tier")
+        print(f"W={world_size}: {found}", flush=True)
     for step in range(start + 1, STEPS + 1):
         torch.manual_seed(step * 100 + rank)
         model(torch.randn(8, 16)).square().mean().backward()

@@ -94,9 +94,10 @@ def test_consolidate_reshard_convert(files, capsys, tmp_path) -> None:
     assert code == 0
     assert_identical(torch.load(tmp_path / "converted.pt", weights_only=True), full)
     for source in (out / "full.pt", out / "ckpt"):
-        code, _, _ = _run(capsys, "convert", source, "--to", "named", "-o", tmp_path / "named.pt")
+        named = tmp_path / f"named-{source.stem}.pt"
+        code, _, _ = _run(capsys, "convert", source, "--to", "named", "-o", named)
         assert code == 0
-        assert_identical(torch.load(tmp_path / "named.pt", weights_only=True), to_named(full))
+        assert_identical(torch.load(named, weights_only=True), to_named(full))
 
 
 def test_bad_input_gives_one_line_and_exit_code_1(files, capsys, tmp_path) -> None:

@@ -11,6 +11,7 @@ was), with no staging or temporary file left.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -78,7 +79,7 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_the_output_as_it_was(ckpt, 
     if existing:
         target.write_bytes(b"the previous output")
     argv = {
-        "consolidate": ["consolidate", str(ckpt), "-o", str(target)],
+        "consolidate": ["consolidate", str(ckpt), "-o", str(target), *(["--overwrite"] if existing else [])],
         "reshard": ["reshard", str(ckpt), "--world-size", "3", "-o", str(target)],
         "convert-dcp": ["convert", str(ckpt), "--to", "dcp", "-o", str(target)],
     }[verb]
@@ -95,3 +96,49 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_the_output_as_it_was(ckpt, 
         assert not os.path.lexists(target) and "nothing was written" in lines[0], lines
     left = _new(outs, before)
     assert not left, f"staging or temporary files left: {sorted(left)}"
+
+
+FIXTURE = ROOT / "tests" / "fixtures" / "v2_adam_w2"
+# The program as the console script runs it, with a real Ctrl-C (SIGINT to itself) right after main() returned:
+# the output written and reported, the interpreter about to exit.
+_AFTER_MAIN = (
+    "import os, signal, sys, time\n"
+    "from fsdp_optim.cli import main\n"
+    "code = main()\n"
+    "os.kill(os.getpid(), signal.SIGINT)\n"
+    "time.sleep(0.2)\n"
+    "sys.exit(code)\n"
+)
+
+
+def test_ctrl_c_after_the_work_is_reported_does_not_turn_it_into_a_silent_130(tmp_path) -> None:
+    out = tmp_path / "full.pt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _AFTER_MAIN, "consolidate", str(FIXTURE / "ckpt"), "-o", str(out)],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert done.stdout.startswith(f"wrote {out}") and done.stderr == "", (done.stdout, done.stderr)
+    assert torch.load(out, weights_only=True)["fsdp_optim"]["world_size"] == 2
+
+
+class _InterruptedAfterFirstLine(io.StringIO):
+    """stdout whose first line written is followed by a real SIGINT to this process (a Ctrl-C while the report of
+    finished work is being printed)."""
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if "\n" in text and not getattr(self, "sent", False):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return n
+
+
+def test_ctrl_c_while_the_report_is_printed_exits_0_with_the_whole_report(tmp_path, capsys, monkeypatch) -> None:
+    from fsdp_optim.cli import main
+
+    stdout = _InterruptedAfterFirstLine()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    code = main(["verify", str(FIXTURE / "ckpt")])
+    assert code == 0, stdout.getvalue()
+    assert getattr(stdout, "sent", False) and stdout.getvalue().splitlines()[-1].startswith("verified: ")
+    assert capsys.readouterr().err == ""

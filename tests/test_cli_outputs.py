@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,69 @@ def test_an_output_that_cannot_be_written_is_named(tmp_path: Path, capsys: pytes
     out = tmp_path / "a_file" / "named.pt"
     code, _, err = _run(capsys, "convert", FIXTURE / "full.pt", "--to", "named", "-o", out)
     assert code == 1 and err.startswith(f"fsdp-optim: error: {out}: cannot write this output"), err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("consolidate", FIXTURE / "ckpt", "-o", "{out}"),
+        ("convert", FIXTURE / "ckpt", "--to", "full", "-o", "{out}"),
+        ("convert", FIXTURE / "ckpt", "--to", "named", "-o", "{out}"),
+        ("convert", FIXTURE / "ckpt", "--to", "safetensors", "-o", "{out}"),
+    ],
+    ids=["consolidate", "convert-full", "convert-named", "convert-safetensors"],
+)
+def test_an_existing_output_file_is_replaced_only_with_overwrite(tmp_path: Path, capsys, argv) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"my notes, not a checkpoint\n")
+    args = [str(a).replace("{out}", str(notes)) for a in argv]
+    code, text, err = _run(capsys, *args)
+    assert code == 1 and text == "", (code, text, err)
+    assert err.startswith(f"fsdp-optim: error: {notes}: exists already") and "--overwrite" in err, err
+    assert err.count("\n") == 1 and notes.read_bytes() == b"my notes, not a checkpoint\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"], "no temporary file left"
+    code, text, err = _run(capsys, *args, "--overwrite")
+    assert code == 0 and text.startswith(f"wrote {notes}") and err == "", (text, err)
+    assert notes.read_bytes() != b"my notes, not a checkpoint\n"
+
+
+_VERBS = {  # verb -> its arguments around one input path (and an output where it writes)
+    "inspect": ("inspect", "{in}"),
+    "consolidate": ("consolidate", "{in}", "-o", "{out}"),
+    "reshard": ("reshard", "{in}", "--world-size", "2", "-o", "{out}"),
+    "convert": ("convert", "{in}", "-o", "{out}"),
+    "verify": ("verify", "{in}"),
+    "verify-deep": ("verify", "{in}", "--deep"),
+    "diff": ("diff", FIXTURE / "ckpt", "{in}"),
+    "list": ("list", "{in}"),
+}
+
+
+@pytest.mark.parametrize("verb", sorted(_VERBS))
+def test_every_verb_exits_1_on_bad_input_and_2_on_bad_usage(tmp_path: Path, capsys, verb: str) -> None:
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a checkpoint")
+    args = [str(a).replace("{in}", str(bad)).replace("{out}", str(tmp_path / "out")) for a in _VERBS[verb]]
+    code, text, err = _run(capsys, *args)
+    assert code == 1 and (text == "" or verb.startswith("verify")), (args, code, text, err)  # verify: its report
+    assert err.startswith("fsdp-optim: error: ") and err.count("\n") == 1 and str(bad) in err, (args, err)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as usage:
+        main([*args, "--no-such-option"])
+    assert usage.value.code == 2, args
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+def test_a_checkpoint_and_a_manager_root_each_point_at_the_verbs_that_read_them(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(FIXTURE / "ckpt", root / "step-00000004")
+    code, text, err = _run(capsys, "list", root / "step-00000004")
+    assert code == 1 and text == "" and "a checkpoint (a step directory), not a CheckpointManager root" in err, err
+    assert f"fsdp-optim inspect {root / 'step-00000004'}" in err and "fsdp-optim verify" in err, err
+    for verb in ("inspect", "verify"):
+        code, _, err = _run(capsys, verb, root)
+        assert code == 1 and f"a CheckpointManager root, whose steps `fsdp-optim list {root}` shows" in err, err
+    code, text, err = _run(capsys, "list", root, "--memory-dir", "default", "--quick")
+    lines = text.splitlines()
+    assert code == 0 and lines[0].startswith("step 4  complete") and err == "", (text, err)
+    assert lines[1].startswith("memory tier: no complete step held under /"), lines

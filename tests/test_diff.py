@@ -93,10 +93,11 @@ def test_tolerances_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture
     assert _cli(capsys, "diff", CKPT, edited, "--rtol", "1e-6")[0] == 1
     assert _cli(capsys, "diff", CKPT, edited, "--atol", "1.0")[0] == 0
     assert _cli(capsys, "diff", CKPT, CKPT)[0] == 0
-    # bad input and usage: 2
-    code, _, err = _cli(capsys, "diff", CKPT, tmp_path / "nothing")
-    assert code == 2 and "nothing" in err and "Traceback" not in err
-    assert _cli(capsys, "diff", CKPT, edited, "--atol", "-1")[0] == 2
+    # bad input: 1 with one line on stderr, as every verb; bad usage: 2
+    code, out, err = _cli(capsys, "diff", CKPT, tmp_path / "nothing")
+    assert code == 1 and err.startswith("fsdp-optim: error: ") and "nothing" in err and "Traceback" not in err
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert _cli(capsys, "diff", CKPT, edited, "--atol", "-1")[0] == 1
     with pytest.raises(SystemExit) as exit_:
         main(["diff", str(CKPT)])
     assert exit_.value.code == 2

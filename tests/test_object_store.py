@@ -171,6 +171,10 @@ def test_offline_tools_read_one_store_and_write_another_place(s3_server: Any, tm
     _cli(s3_server, "consolidate", str(tmp_path / "w3"), "-o", str(tmp_path / "full.pt"))
     fs = store.fs
     remote_bytes = fs.cat_file(f"{store.root}-full/full.pt")
+    refused = _cli(s3_server, "consolidate", f"{url}-w3", "-o", f"{url}-full/full.pt", "--rank", "1", ok=False)
+    assert "an object is there already; pass --overwrite" in refused and fs.cat_file(f"{store.root}-full/full.pt") == (
+        remote_bytes
+    ), refused
     assert torch.load(tmp_path / "full.pt", weights_only=True).keys() == {"model", "optimizer", "extra"}
     (tmp_path / "remote.pt").write_bytes(remote_bytes)
     assert_identical(torch.load(tmp_path / "remote.pt", weights_only=True), torch.load(tmp_path / "full.pt",

@@ -75,6 +75,14 @@ def test_negative_second_moment_and_nan_are_named(tmp_path: Path, capsys: pytest
     }
 
 
+def test_one_finding_is_said_in_the_singular(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    full = _full()
+    full["state"][BLOCK1_2_BIAS]["exp_avg"].view(-1)[1] = math.inf
+    code = main(["verify", "--deep", str(_sharded(full, tmp_path))])
+    err = capsys.readouterr().err
+    assert code == 1 and ": 1 finding a resumed run would trip on: " in err, err
+
+
 def test_hyperparameters_out_of_range(tmp_path: Path) -> None:
     full = _full()
     full["param_groups"][1]["lr"] = -0.01

@@ -4,6 +4,7 @@ unwrapped optimizer trains on from; the checkpoints are written by 2 real fairsc
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,11 @@ def test_consolidate_whole_cli_streams_one_file(saved, tmp_path) -> None:
     _check_consolidated(out, reference)
     assert main(["consolidate", str(path), "-o", str(tmp_path / "optim.pt"), "--no-model"]) == 0
     assert_identical(torch.load(tmp_path / "optim.pt", weights_only=True), fsdp_optim.consolidate(path, with_model=False))
+    before = target.read_bytes()
+    assert main(["consolidate", str(path), "-o", str(target), "--rank", "1"]) == 1, "an existing file is refused"
+    assert target.read_bytes() == before
+    assert main(["consolidate", str(path), "-o", str(target), "--rank", "1", "--overwrite"]) == 0
+    assert torch.load(target, weights_only=True)["extra"]["rank"] == 1
 
 
 def test_consolidate_per_rank_buffers_needs_a_rank(per_rank, tmp_path, capsys) -> None:
@@ -115,11 +121,17 @@ def _load_all(rank: int, world_size: int, paths: list[str]) -> list[dict[str, An
     return out
 
 
-def _save_from(rank: int, world_size: int, src: str, out: str, weights: dict[str, torch.Tensor]) -> None:
-    """``src`` loaded, its weights replaced by ``weights`` (fairscale's full load_state_dict), saved to ``out``."""
+def _save_from(
+    rank: int, world_size: int, src: str, out: str, weights: dict[str, torch.Tensor], flip_rng: bool = False
+) -> None:
+    """``src`` loaded, its weights replaced by ``weights`` (fairscale's full load_state_dict), saved to ``out``;
+    ``flip_rng``: rank 1's ``extra["rng"]`` with one byte changed."""
     root = M.wrap(make_net(seed=123), "deep")
     optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
     extra = fsdp_optim.load_checkpoint(root, optim, src)
+    if flip_rng and rank == 1:
+        extra["rng"] = extra["rng"].clone()
+        extra["rng"][0] ^= 1
     root.load_state_dict(weights)
     fsdp_optim.save_checkpoint(root, optim, out, extra=extra)
 
@@ -303,4 +315,48 @@ def test_diff_and_deep_verify_see_the_weights_of_a_whole_checkpoint(saved, tmp_p
     moved = [row for row in fsdp_optim.diff(path, other).rows if row.status != "equal"]
     assert {(row.param, row.key) for row in moved} == {("block1.0.weight", "@param")}, moved
     assert fsdp_optim.verify(path, deep=True).ok
-    assert fsdp_optim.diff(path, fsdp_optim.consolidate(path)["optimizer"]).equal, "optimizer against optimizer only"
+
+
+def test_diff_and_deep_verify_see_buffers_and_extra(saved, tmp_path, capsys) -> None:
+    path, _ = saved
+    resharded = tmp_path / "w3"
+    fsdp_optim.reshard(path, 3, resharded)
+    same = fsdp_optim.diff(path, resharded)
+    assert same.equal, same.differences
+    assert ("block1.seen", "@buffer") in {(row.param, row.key) for row in same.rows}, "the buffers are compared"
+    assert {row.param for row in same.rows} >= {"extra of rank 0", "extra of rank 1"}, "extra's tensors too"
+    model = {k: v.clone() for k, v in fsdp_optim.consolidate(path)["model"].items()}
+    model["block1.seen"][0] = math.inf  # one buffer value; weights and optimizer state as they were
+    other = tmp_path / "other"
+    run_ranks(_save_from, 2, str(path), str(other), model, True)
+    report = fsdp_optim.diff(path, other)
+    moved = {(row.param, row.key): row for row in report.differences}
+    assert set(moved) == {("block1.seen", "@buffer"), ("extra of rank 1", "['rng']")}, moved
+    assert moved[("block1.seen", "@buffer")].inf_b == 1 and report.summary.inf_b == 1
+    code = main(["diff", str(path), str(other)])
+    out = capsys.readouterr().out
+    assert code == 1 and "block1.seen | @buffer | different" in out and "verdict: different: 2 of" in out, out
+    findings = fsdp_optim.verify(other, deep=True).findings
+    assert [str(f) for f in findings] == ["buffer 'block1.seen': 0 NaN and 1 Inf values of 4, expected every value finite"]
+    assert main(["verify", str(other), "--deep"]) == 1
+    out = capsys.readouterr().out
+    assert "buffer 'block1.seen': 0 NaN and 1 Inf" in out, out
+    assert "format: whole sharded checkpoint (model, optimizer, extra)" in out, "named as inspect names it"
+
+
+def test_diff_of_a_whole_checkpoint_against_its_optimizer_alone_is_not_equal(saved, tmp_path, capsys) -> None:
+    path, _ = saved
+    optim = tmp_path / "optim.pt"
+    torch.save(fsdp_optim.consolidate(path)["optimizer"], optim)
+    report = fsdp_optim.diff(path, optim)
+    assert not report.equal, "the weights and buffers the optimizer-only side lacks make it different"
+    one_sided = {(row.key, row.status) for row in report.differences}
+    assert one_sided == {("@param", "only in a"), ("@buffer", "only in a")}, one_sided
+    params = {row.param for row in report.rows if row.key == "@param"}
+    assert len(params) == report.summary.params_a and all(
+        row.same for row in report.rows if row.key not in ("@param", "@buffer")
+    ), "the optimizer state itself is equal"
+    code = main(["diff", str(path), str(optim)])
+    out = capsys.readouterr().out
+    assert code == 1 and "| @param | only in a |" in out and "on one side only" in out, out
+    assert fsdp_optim.diff(optim, path).differences[0].status == "only in b"

@@ -1,13 +1,14 @@
-"""``fsdp-optim``: inspect, consolidate, reshard and convert optimizer checkpoints, with no process group.
+"""``fsdp-optim``: inspect, verify, compare, consolidate, reshard and convert checkpoints (the optimizer state, or
+the whole training state), with no process group.
 
     fsdp-optim inspect PATH [--units] [--json]
-    fsdp-optim consolidate SRC -o FILE [--layout PATH] [--optimizer NAME] [--no-model] [--rank R]
+    fsdp-optim consolidate SRC -o FILE [--overwrite] [--layout PATH] [--optimizer NAME] [--no-model] [--rank R]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME] [--param-names FILE]
-    fsdp-optim convert SRC -o FILE|DIR [--layout PATH] [--optimizer NAME] [--param-names FILE]
+    fsdp-optim convert SRC -o FILE|DIR [--overwrite] [--layout PATH] [--optimizer NAME] [--param-names FILE]
                        [--to full|named|dcp|safetensors]
     fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
     fsdp-optim diff A B [--atol X] [--rtol Y] [--json]
-    fsdp-optim list ROOT [--json] [--quick]
+    fsdp-optim list ROOT [--json] [--quick] [--memory-dir DIR|default]
 
 ``convert`` without ``--to`` writes what ``-o``'s extension names (``.safetensors``: the named safetensors file;
 ``.pt``/``.pth`` or any other: the full dict); a ``--to`` the extension contradicts is a usage error (exit 2).
@@ -22,7 +23,8 @@ resharded into shard files of the same format. A whole checkpoint (``save_checkp
 file ``{"model": the unwrapped model's state_dict(), "optimizer": the full dict, "extra": rank 0's (--rank R)}``.
 ``verify`` checks every file of a checkpoint or shard set (present, of its size, checksums matching) and exits 1
 naming each damaged file. ``list`` shows the step directories of a :class:`~fsdp_optim.CheckpointManager` root
-(complete / torn / damaged and why, world size, what each holds, bytes) and exits 0.
+(complete / torn / damaged and why, world size, what each holds, bytes) and exits 0 (1 for a checkpoint given as
+the root: ``inspect``/``verify`` read one). ``-o FILE`` never replaces an existing file without ``--overwrite``.
 
 A plain (non-FSDP) optimizer's ``state_dict()`` names no parameters: ``convert`` and ``reshard`` take it with
 ``--param-names FILE`` (a JSON list of the model's ``named_parameters()`` names, or ``{name: shape}``), as
@@ -32,14 +34,15 @@ A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) 
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
 
 ``diff`` compares two sources of one model (any formats, world sizes and nesting) per parameter and state key
-and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they differ, and 2 for bad
-usage or input. ``verify --deep`` also reads the state for what a resumed run would trip on and exits 1 naming
-each finding's parameter and state key.
+and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they differ (or, as every
+verb, for bad input: then with one line on stderr), and 2 for bad usage. ``verify --deep`` also reads the state
+for what a resumed run would trip on and exits 1 naming each finding's parameter and state key.
 
 Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
 70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
-saying what was left as it was; no traceback). Every file is read with ``torch.load(..., weights_only=True)``.
-Progress bars appear on a terminal only.
+saying what was left as it was; no traceback). A Ctrl-C that comes once the verb's work is done (its report being
+printed, the interpreter exiting) is ignored: the exit is the verb's own. Every file is read with
+``torch.load(..., weights_only=True)``. Progress bars appear on a terminal only.
 
 A dispatcher: torch and the package's modules are imported by the verb that needs them, so ``--help``
 and argument errors cost no more than starting Python, and no verb imports fairscale or the collectives.
@@ -101,19 +104,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, interrupts)
     finally:
         if on_main_thread:
-            signal.signal(signal.SIGINT, previous)
+            # The program itself (no argv: the console script, python -m) exits next: a Ctrl-C from here on would
+            # kill it silently with 130 after its work was reported done, so it is ignored; a caller gets its
+            # handler back.
+            signal.signal(signal.SIGINT, signal.SIG_IGN if argv is None and interrupts.done else previous)
 
 
 class _Interrupts:
     """The SIGINT handler of a run: the first Ctrl-C raises ``KeyboardInterrupt`` (the writers' cleanup runs as
     it unwinds) and is remembered, so an error a library made of it (torch's writer turns it into a
-    ``RuntimeError``) still reads as an interrupt; a later Ctrl-C is ignored, so that cleanup finishes."""
+    ``RuntimeError``) still reads as an interrupt; a later Ctrl-C is ignored, so that cleanup finishes. Once the
+    verb has returned (``done``: its work is done, only its report is left to print), a Ctrl-C is ignored."""
 
     def __init__(self) -> None:
         self.seen = False
+        self.done = False
 
     def __call__(self, signum: int, frame: object) -> None:  # noqa: ARG002 - the handler signature
-        if not self.seen:
+        if not self.seen and not self.done:
             self.seen = True
             raise KeyboardInterrupt
 
@@ -142,16 +150,17 @@ def _run_verb(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     from fsdp_optim.disk.text import escape  # names and messages may carry a file's text: no terminal controls
 
-    left = _left_as_it_was(args)
+    output = getattr(args, "output", None)
+    before = _signature(output)
     try:
         result = _run_verb(args)
     except BaseException as exc:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
-            print(escape(f"interrupted; {left}", limit=2000), file=sys.stderr)
+            print(escape(f"interrupted; {_left(output, before)}", limit=2000), file=sys.stderr)
             return EXIT_INTERRUPTED
         if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
             print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
-            return int(getattr(args, "bad_input_exit", EXIT_BAD_INPUT))  # diff: 2, as its usage errors
+            return EXIT_BAD_INPUT
         if not isinstance(exc, Exception):
             raise
         traceback.print_exc()
@@ -159,25 +168,34 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         return EXIT_INTERNAL
     from fsdp_optim.cli.outcome import Outcome
 
+    interrupts.done = True  # the work is done: a Ctrl-C from here on does not undo it, nor cut its report
     lines, code = (result.lines, result.code) if isinstance(result, Outcome) else (result, EXIT_OK)
     try:
         for line in lines:
             print(escape(line, limit=1 << 20), flush=True)
     except BrokenPipeError:  # `fsdp-optim inspect ... | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except KeyboardInterrupt:
-        print("interrupted; the work was done, only its report was cut short", file=sys.stderr)
-        return EXIT_INTERRUPTED
     return code
 
 
-def _left_as_it_was(args: argparse.Namespace) -> str:
-    """What an interrupt leaves, said before the verb runs: every writer stages its output and commits last,
-    removing what it staged when interrupted, so the output is as it was before."""
-    output = getattr(args, "output", None)
+def _signature(output: Any) -> tuple[int, int, int, int] | None:
+    """What identifies ``output``'s current content cheaply (``None``: nothing there, or no output)."""
+    if not isinstance(output, str) or not os.path.lexists(output):
+        return None
+    st = os.lstat(output)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _left(output: Any, before: tuple[int, int, int, int] | None) -> str:
+    """What an interrupt left: every writer stages its output and commits last, removing what it staged when
+    interrupted, so the output is as it was before, unless the interrupt came after the commit (a file moved in
+    whole: then it is said that it was written)."""
     if output is None:
         return "nothing was written"
-    if os.path.lexists(output):
+    now = _signature(output)
+    if now is not None and now != before and os.path.isfile(output):
+        return f"{output} was written (whole) before the interrupt; only the report of the work was cut short"
+    if before is not None:
         return f"{output} was left as it was"
     return f"nothing was written to {output}"
 

@@ -1,6 +1,7 @@
 """``fsdp-optim diff A B``: a short summary table of :func:`fsdp_optim.diff` (``--json``: the whole record).
 
-Exit codes: 0 equal (bit for bit, or within ``--atol``/``--rtol``), 1 different, 2 bad usage or input.
+Exit codes: 0 equal (bit for bit, or within ``--atol``/``--rtol``), 1 different or bad input (then one line on
+stderr, ``fsdp-optim: error: ...``, as every verb's), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from fsdp_optim.cli.outcome import Outcome
 if TYPE_CHECKING:
     from fsdp_optim.offline.diff_report import DiffReport, DiffRow
 
-EXIT_EQUAL, EXIT_DIFFERENT, EXIT_BAD = 0, 1, 2
+EXIT_EQUAL, EXIT_DIFFERENT = 0, 1
 
 
 def add_diff(verbs: Any) -> None:
     p = verbs.add_parser(
         "diff",
-        help="compare two sources of one model per parameter and state key (exit 0 equal, 1 different, 2 bad input)",
+        help="compare two sources of one model per parameter and state key (exit 0 equal, 1 different)",
         description="Compare the optimizer state of A and B, whatever their formats, world sizes and nesting: per "
         "parameter and state key, bitwise equality, max abs / rel error, max ULP distance, NaN and Inf counts; "
-        "hyperparameters, steps, and what is on one side only. Reads one tensor of each side at a time.",
+        "hyperparameters, steps, and what is on one side only; a whole checkpoint's weights, buffers and extra "
+        "tensors too. Reads one tensor of each side at a time.",
     )
     p.add_argument("a", help="a sharded checkpoint directory, full dict file, named safetensors file or shard set")
     p.add_argument("b", help="the same kinds as A (the reference of relative errors)")
@@ -35,7 +37,7 @@ def add_diff(verbs: Any) -> None:
         "--allow-global", action="append", default=[], metavar="MODULE.CLASS",
         help="for a fairseq/metaseq shard set: allow this class in its cfg when loading (repeatable)",
     )
-    p.set_defaults(run=run_diff, bad_input_exit=EXIT_BAD)
+    p.set_defaults(run=run_diff)
 
 
 def run_diff(args: argparse.Namespace) -> Outcome:
@@ -50,6 +52,7 @@ def run_diff(args: argparse.Namespace) -> Outcome:
 
 def summary_lines(report: DiffReport, *, limit: int = 20) -> list[str]:
     """The summary table: the two sources, counts, maxima, the first ``limit`` differing rows, settings, verdict."""
+    from fsdp_optim.offline.diff_report import ONLY_A, ONLY_B
     s = report.summary
     tolerance = "bitwise" if report.atol == 0 and report.rtol == 0 else f"atol {report.atol:g}, rtol {report.rtol:g}"
     lines = [
@@ -72,8 +75,11 @@ def summary_lines(report: DiffReport, *, limit: int = 20) -> list[str]:
     if report.equal:
         lines.append(f"verdict: equal ({tolerance})")
     else:
+        one_sided = sum(r.status in (ONLY_A, ONLY_B) for r in differences)
+        only = f" ({one_sided} on one side only)" if one_sided else ""
         lines.append(
-            f"verdict: different: {len(differences)} of {len(report.rows)} rows, {len(report.settings)} setting(s)"
+            f"verdict: different: {len(differences)} of {len(report.rows)} rows{only}, "
+            f"{len(report.settings)} setting(s)"
         )
     return lines
 

@@ -348,5 +348,6 @@ def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
         return [*lines, verdict + deep]
     print("\n".join(escape(line, limit=1 << 20) for line in lines), flush=True)
     intact = not report.problems and all(f.ok for f in report.files)
-    what = f"{len(report.findings)} findings a resumed run would trip on" if intact else "damaged"
+    found = len(report.findings)
+    what = f"{found} finding{'' if found == 1 else 's'} a resumed run would trip on" if intact else "damaged"
     raise ValueError(f"{args.path}: {what}: {'; '.join(report.damaged())}")

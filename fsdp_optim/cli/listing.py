@@ -5,7 +5,8 @@
     step  8  complete                                                               world size 2   model+Adam ...
 
 Every file of every step is verified (what ``fsdp-optim verify`` reads), unless ``--quick`` (sizes only). Exits 0
-whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage).
+whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage). A checkpoint given as
+ROOT (a step directory itself) is refused (exit 1), naming ``inspect`` / ``verify``, which read one checkpoint.
 
 ``--memory-dir DIR`` adds what the memory tier of the nodes on this machine holds (complete steps only)::
 
@@ -30,6 +31,7 @@ __all__ = ["run_list"]
 
 def run_list(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.locations import where
+    from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
     from fsdp_optim.formats.sharded.steps import find_step_dirs, survey_step
 
     root = where(args.root)  # a local directory, or a prefix of an object store
@@ -37,9 +39,17 @@ def run_list(args: argparse.Namespace) -> list[str]:
     if isinstance(root, Path) and not root.is_dir() and memory is None:
         raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
     found = [survey_step(step, path, verify=not args.quick) for step, path in find_step_dirs(root)]
+    if not found and is_sharded_checkpoint(root):
+        raise ValueError(
+            f"{root}: a checkpoint (a step directory), not a CheckpointManager root of step directories; "
+            f"`fsdp-optim inspect {args.root}` and `fsdp-optim verify {args.root}` read one checkpoint"
+        )
     if args.json:
         return [json.dumps({"root": str(root), "steps": [_record(d) for d in found], "memory": memory or []})]
     memory_lines = [_memory_line(m) for m in memory or []]
+    if memory == []:
+        directory = _memory_dir(root, args.memory_dir)
+        memory_lines = [f"memory tier: no complete step held under {directory}"]
     if not found:
         return [f"{root}: no step directories (step-NNNNNNNN)", *memory_lines]
     width = len(str(max(d.step for d in found)))
@@ -50,15 +60,21 @@ def _memory(root: Path | ObjectStore, memory_dir: str | None) -> list[dict[str, 
     """What the memory tier under ``memory_dir`` holds, one record per node and complete step; None without it."""
     if memory_dir is None:
         return None
-    from fsdp_optim.formats.sharded.memory_tier import default_memory_dir, read_holdings
+    from fsdp_optim.formats.sharded.memory_tier import read_holdings
 
-    directory = default_memory_dir(root) if memory_dir == "default" else Path(memory_dir)
+    directory = _memory_dir(root, memory_dir)
     nodes = sorted(p for p in directory.glob("node-*") if p.is_dir()) if directory.is_dir() else []
     return [
         {"node": node.name, "step": h.step, "save_id": h.save_id, "world_size": h.world_size,
          "held": len(h.held), "files": len(h.files), "bytes": sum(n for f, n in h.files if f in h.held)}
         for node in nodes for h in read_holdings(node)
     ]  # fmt: skip
+
+
+def _memory_dir(root: Path | ObjectStore, memory_dir: str) -> Path:
+    from fsdp_optim.formats.sharded.memory_tier import default_memory_dir
+
+    return default_memory_dir(root) if memory_dir == "default" else Path(memory_dir)
 
 
 def _memory_line(m: dict[str, Any]) -> str:

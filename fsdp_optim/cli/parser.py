@@ -15,11 +15,13 @@ from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-optim",
-        description="Inspect, consolidate, reshard and convert fsdp_optim optimizer checkpoints (no process group).",
+        description="Inspect, verify, compare, consolidate, reshard and convert fsdp_optim checkpoints (the "
+        "optimizer state, or the whole training state: weights, buffers, optimizer, extra), with no process group.",
         epilog="formats read: fsdp_optim sharded checkpoint directories, full dict files, fairscale-native dict "
         "files (with --layout), fairseq/metaseq shard sets (use_sharded_state: any *-shard<r>.pt file or the path "
         "before -shard). Formats written: sharded checkpoint, full dict, name-keyed dict, fairseq/metaseq shard "
-        "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp).",
+        "set (reshard), consolidated fairseq checkpoint (consolidate), PyTorch DCP (convert --to dcp), safetensors "
+        "(convert --to safetensors).",
     )
     from fsdp_optim import __version__
 
@@ -104,7 +106,8 @@ def _add_consolidate(verbs: Any) -> None:
         help="a sharded checkpoint directory, a fairscale-native dict file with --layout, or a fairseq/metaseq "
         "shard set (-> one consolidated fairseq checkpoint, every key kept)",
     )
-    p.add_argument("-o", "--output", required=True, help="the file to write")
+    p.add_argument("-o", "--output", required=True, help="the file to write (an existing one: see --overwrite)")
+    _overwrite_file(p)
     p.add_argument(
         "--layout",
         help="a sharded checkpoint or layout file of the model: needed for a fairscale-native dict; for a shard "
@@ -161,13 +164,16 @@ def _add_reshard(verbs: Any) -> None:
 
 def _add_convert(verbs: Any) -> None:
     p = verbs.add_parser(
-        "convert", help="any source -> full dict, name-keyed dict, or a PyTorch DCP checkpoint (FSDP2, torchtitan)"
+        "convert",
+        help="any source -> full dict, name-keyed dict, safetensors (a whole checkpoint: Hugging Face model files), "
+        "or a PyTorch DCP checkpoint (FSDP2, torchtitan)",
     )
     p.add_argument(
         "source",
         help="a fairscale-native dict, a full dict, a sharded checkpoint directory or a fairseq/metaseq shard set",
     )
     p.add_argument("-o", "--output", required=True, help="the file to write (--to dcp: the directory)")
+    _overwrite_file(p)
     p.add_argument("--layout", help="for a fairscale-native dict: a sharded checkpoint or layout file of the model")
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
     p.add_argument(
@@ -220,6 +226,14 @@ _WRITES = {
     "safetensors": "a safetensors file",
 }
 
+
+
+def _overwrite_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a file already at -o (without it, an existing file is refused and left as it was)",
+    )
 
 
 def _param_names(p: argparse.ArgumentParser) -> None:

@@ -64,7 +64,7 @@ def run_consolidate(args: argparse.Namespace) -> list[str]:
             return _consolidate_whole(opened, args, progress)
         check_whole_options(opened.checkpoint, args.rank)
         out = full_state(opened, progress=progress, fairseq_checkpoint=shards, with_model=not args.no_model)
-        size = write_file(out, args.output, inputs=(args.directory, args.layout))
+        size = write_file(out, args.output, inputs=(args.directory, args.layout), overwrite=args.overwrite)
     if shards:
         full = out["last_optimizer_state"]
         model = f", model: {len(out['model'])} tensors" if "model" in out else ""
@@ -83,7 +83,7 @@ def _consolidate_whole(opened: Any, args: argparse.Namespace, progress: Callable
 
     whole = whole_model(opened.checkpoint, rank=args.rank, progress=progress)
     optimizer = optimizer_of(opened, progress)
-    size = write_whole(whole, optimizer, args.output, inputs=(args.directory, args.layout))
+    size = write_whole(whole, optimizer, args.output, inputs=(args.directory, args.layout), overwrite=args.overwrite)
     optim = "none (saved with optim=None)" if optimizer is None else f"{len(optimizer['state'])} params with state"
     return [
         f"wrote {args.output}: {{'model', 'optimizer', 'extra'}}: model {len(whole.params)} params "
@@ -141,7 +141,7 @@ def run_convert(args: argparse.Namespace) -> list[str]:
             with progress_bar("consolidate") as progress:
                 full = full_state(opened, progress=progress)
         result = to_named(full) if args.to == "named" else full
-        size = write_file(result, args.output, inputs=(args.source, args.layout))
+        size = write_file(result, args.output, inputs=(args.source, args.layout), overwrite=args.overwrite)
     return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
 
 
@@ -153,7 +153,7 @@ def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[
 
     with progress_bar("write safetensors") as progress:
         size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=args.source,
-                            max_shard_size=args.max_shard_size)  # fmt: skip
+                            max_shard_size=args.max_shard_size, overwrite=args.overwrite)  # fmt: skip
     if is_whole(opened.checkpoint):
         names = ", ".join(sorted(p.name for p in Path(args.output).iterdir()))
         return [f"wrote {args.output} (safetensors: the model as Hugging Face stores it, the optimizer by parameter "

@@ -3,7 +3,7 @@
 Pure: values in, one sentence per problem out (each says what was found and what was expected); the walk that
 names the parameter and state key is :mod:`fsdp_optim.offline.deep`.
 
-- any state tensor: NaN or Inf values;
+- any state tensor (and a whole checkpoint's weights, buffers and ``extra``'s tensors): NaN or Inf values;
 - a second moment (Adam's ``exp_avg_sq`` and ``max_exp_avg_sq``, Adagrad's ``sum``, RMSprop's and Adadelta's
   ``square_avg``, Adadelta's ``acc_delta``): negative values (it is a sum of squares; the update takes its root);
 - a scalar state: not finite, and ``step`` negative;
@@ -31,14 +31,18 @@ SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg",
 @dataclass(frozen=True)
 class Finding:
     """One problem: of state ``key`` of parameter ``param``, of hyperparameter ``key`` of param group ``group``,
-    or of a parameter against the model's layout (presence or shape: ``key`` ``None``)."""
+    or of a parameter against the model's layout (presence or shape: ``key`` ``None``); ``label``, when given,
+    names the place instead (a whole checkpoint's buffer, a tensor of its ``extra``)."""
 
     param: str | None
     key: str | None
     problem: str
     group: int | None = None
+    label: str | None = None
 
     def __str__(self) -> str:
+        if self.label is not None:
+            return f"{self.label}: {self.problem}"
         where = f"param group {self.group}" if self.param is None else f"parameter '{self.param}'"
         what = "" if self.key is None else (f", '{self.key}'" if self.param is None else f", state '{self.key}'")
         return f"{where}{what}: {self.problem}"

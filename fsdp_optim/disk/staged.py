@@ -312,23 +312,36 @@ class _FileClaims:
         return False
 
 
-def write_file(obj: Any, path: str | os.PathLike[str], *, inputs: Iterable[Any] = ()) -> int:
+def write_file(
+    obj: Any, path: str | os.PathLike[str], *, inputs: Iterable[Any] = (), overwrite: bool = True
+) -> int:
     """``torch.save`` of a single output file, atomically, under its lock, refused if it is one of ``inputs``;
     the temporary file is journaled, so one left by a killed writer is removed by the next. Returns the file's
-    size. An existing file at ``path`` is replaced (that is what ``-o FILE`` asks for)."""
-    return _write_one(path, inputs, "write a file", lambda out, tag: atomic_save(obj, out, tag=tag))
+    size. An existing file at ``path`` is replaced when ``overwrite`` (the API's default), else refused with
+    ``FileExistsError`` and left as it was (the command line's default: ``-o FILE`` replaces only with
+    ``--overwrite``)."""
+    return _write_one(path, inputs, "write a file", lambda out, tag: atomic_save(obj, out, tag=tag), overwrite)
 
 
 def write_stream(
-    write: Callable[[BinaryIO], Any], path: str | os.PathLike[str], *, inputs: Iterable[Any] = (), purpose: str
+    write: Callable[[BinaryIO], Any],
+    path: str | os.PathLike[str],
+    *,
+    inputs: Iterable[Any] = (),
+    purpose: str,
+    overwrite: bool = True,
 ) -> int:
     """:func:`write_file` for a format that writes its own bytes: ``write(file)`` fills the (seekable) temporary
     file. Returns the file's size."""
-    return _write_one(path, inputs, purpose, lambda out, tag: atomic_write(out, write, tag=tag)[0])
+    return _write_one(path, inputs, purpose, lambda out, tag: atomic_write(out, write, tag=tag)[0], overwrite)
 
 
 def _write_one(
-    path: str | os.PathLike[str], inputs: Iterable[Any], purpose: str, save: Callable[[Path, str], int]
+    path: str | os.PathLike[str],
+    inputs: Iterable[Any],
+    purpose: str,
+    save: Callable[[Path, str], int],
+    overwrite: bool,
 ) -> int:
     """Check, lock, recover, journal, then ``save(final path, tag)`` (an atomic write with that tag)."""
     check_not_input(path, inputs, name="output")
@@ -337,5 +350,10 @@ def _write_one(
         if lock.previous:
             recover(lock.output.parent, lock.previous, _FileClaims())
             lock.forget()
+        if not overwrite and os.path.lexists(lock.output):  # under the lock: no writer of ours is replacing it
+            raise FileExistsError(
+                f"{path}: exists already ({describe_file(lock.output)}); pass overwrite=True (--overwrite) to "
+                "replace it"
+            )
         lock.journal({"file": lock.output.name, "tag": tag})
         return save(lock.output, tag)

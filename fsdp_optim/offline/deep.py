@@ -1,6 +1,9 @@
 """``verify(path, deep=True)``: beyond checksums, what a resumed run would trip on (the checks of
 :mod:`fsdp_optim.core.health`), each :class:`Finding` naming the parameter and state key (or the param group and
-hyperparameter); with a model layout, also every parameter's presence and shape against it.
+hyperparameter); with a model layout, also every parameter's presence and shape against it. A whole checkpoint's
+weights (key ``@param``), persistent buffers and the tensors of each rank's ``extra`` are checked for NaN and Inf
+as the state is (a buffer that holds -inf on purpose, such as an attention mask, is reported too: the finding says
+where).
 
 Streamed: the source is planned once for one flat per parameter
 (:class:`~fsdp_optim.offline.per_param.PerParameter`) and read one state tensor at a time.
@@ -16,6 +19,7 @@ from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems
 from fsdp_optim.formats.kinds import Kind, path_kind
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.per_param import PerParameter
+from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
 
 __all__ = ["Finding", "deep_findings"]
@@ -29,7 +33,7 @@ def deep_findings(
     shard_set = path_kind(path) is Kind.SHARD_SET
     with open_source(path, allow_globals=allow_globals if shard_set else ()) as opened:
         view = PerParameter.of(opened)
-        found = [*_settings(view), *_state(view)]
+        found = [*_settings(view), *_state(view), *_side(SideState.of(opened))]
         if model is not None:
             shapes = {spec.name: spec.shape for flat in model.flat_params for spec in flat.params}
             found += _against_layout(view, shapes)
@@ -55,6 +59,23 @@ def _state(view: PerParameter) -> Iterator[Finding]:
             else:
                 problems = tensor_problems(key, view.tensor(name, key))
             yield from (Finding(name, key, p) for p in problems)
+
+
+def _side(side: SideState | None) -> Iterator[Finding]:
+    """A whole checkpoint's buffers (each saved rank's when saved per rank, else rank 0's) and every rank's
+    ``extra`` tensors: NaN or Inf values."""
+    if side is None:
+        return
+    for r in range(side.world_size):
+        buffers, extra = side.rank(r)
+        if side.per_rank or r == 0:
+            suffix = f" (rank {r}'s)" if side.per_rank else ""
+            for name, tensor in buffers.items():
+                problems = tensor_problems("", tensor.reshape(-1))
+                yield from (Finding(name, BUFFER_KEY, p, label=f"buffer '{name}'{suffix}") for p in problems)
+        for place, tensor in extra.items():
+            label = f"{extra_label(r)}, {place or 'extra'}"
+            yield from (Finding(extra_label(r), place, p, label=label) for p in tensor_problems("", tensor.reshape(-1)))
 
 
 def _against_layout(view: PerParameter, shapes: dict[str, tuple[int, ...]]) -> Iterator[Finding]:

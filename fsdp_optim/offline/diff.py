@@ -11,9 +11,12 @@ is two state tensors of one parameter, never either whole state.
 What is compared (each difference a row or a setting of :class:`~fsdp_optim.offline.diff_report.DiffReport`):
 parameters and state keys present on one side only; shapes; tensors (bitwise, max abs / rel error, max ULP
 distance, NaN and Inf counts); scalar states (``step``, ...); the optimizer's class, the number of param groups,
-every hyperparameter of each group and each group's members. Two whole checkpoints (``save_checkpoint``) are
-compared on their model weights too, as one more key per parameter (``@param``); a whole checkpoint against an
-optimizer-only source is compared on the optimizer state alone.
+every hyperparameter of each group and each group's members. A whole checkpoint (``save_checkpoint``) adds its
+model: the weights, as one more key per parameter (``@param``), and the persistent buffers (key ``@buffer``; per
+saved rank, ``@buffer of rank r``, when either side saved them per rank), and two whole checkpoints are compared on
+the tensors of each rank's ``extra`` too (rows ``extra of rank r``, for the ranks both hold). Against an
+optimizer-only source, the whole checkpoint's weights and buffers are rows on its side only, so the verdict is
+"different", never "equal": the other side does not hold them.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from fsdp_optim.offline.diff_report import (
     SettingDiff,
     summarise,
 )
-from fsdp_optim.offline.per_param import PerParameter, holds_weights
+from fsdp_optim.offline.per_param import PerParameter
+from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
 
 __all__ = ["diff"]
@@ -83,9 +87,9 @@ def diff(
             opened.append(
                 stack.enter_context(open_source(given, allow_globals=globals_, max_mapped_bytes=max_mapped_bytes))
             )
-        weights = all(holds_weights(o) for o in opened)  # model weights are compared when both sides hold them
-        va, vb = (PerParameter.of(o, weights=weights) for o in opened)
+        va, vb = (PerParameter.of(o) for o in opened)  # a whole checkpoint's weights: one more key, "@param"
         rows = tuple(_rows(va, vb, float(atol), float(rtol)))
+        rows += tuple(_side_rows(SideState.of(opened[0]), SideState.of(opened[1]), float(atol), float(rtol)))
         settings = tuple(_settings(va, vb))
     summary = summarise(rows, settings, len(va.names), len(vb.names))
     return DiffReport(va.label, vb.label, va.kind, vb.kind, float(atol), float(rtol), rows, settings, summary)
@@ -127,15 +131,61 @@ def _entry_row(
         return DiffRow(name, key, KIND, detail=f"{shown[ea.kind]} in a, {shown[eb.kind]} in b")
     if ea.kind is StateKind.SCALAR:
         return _scalar_row(name, key, ea.value, eb.value, atol, rtol)
-    ta = va.tensor(name, key)
-    tb = vb.tensor(name, key)
-    stats = compare_tensors(ta, tb, atol=atol, rtol=rtol)
-    del ta, tb
+    return _tensor_row(name, key, va.tensor(name, key), vb.tensor(name, key), atol, rtol)
+
+
+def _tensor_row(param: str, key: str, ta: torch.Tensor, tb: torch.Tensor, atol: float, rtol: float) -> DiffRow:
+    """Two tensors of one place compared (their shapes first: a buffer's or ``extra``'s keep theirs)."""
+    if ta.shape != tb.shape:
+        return DiffRow(param, key, SHAPE, detail=f"{tuple(ta.shape)} in a, {tuple(tb.shape)} in b")
+    stats = compare_tensors(ta.reshape(-1), tb.reshape(-1), atol=atol, rtol=rtol)
     status = _status(stats.bitwise_equal, stats.close, atol, rtol)
     return DiffRow(
-        name, key, status, stats.numel, ea.dtype, eb.dtype, stats.bitwise_equal, stats.max_abs, stats.max_rel,
-        stats.max_ulp, stats.nan_a, stats.nan_b, stats.inf_a, stats.inf_b,
+        param, key, status, stats.numel, _dtype_name(ta), _dtype_name(tb), stats.bitwise_equal, stats.max_abs,
+        stats.max_rel, stats.max_ulp, stats.nan_a, stats.nan_b, stats.inf_a, stats.inf_b,
     )
+
+
+def _side_rows(sa: SideState | None, sb: SideState | None, atol: float, rtol: float) -> Iterator[DiffRow]:
+    """The buffers (and, between two whole checkpoints, each common rank's ``extra`` tensors), one saved rank at a
+    time; against a side without them, the buffers are rows of one side only."""
+    if sa is None or sb is None:
+        one, status = (sa, ONLY_A) if sa is not None else (sb, ONLY_B)
+        for name in one.buffer_names if one is not None else ():
+            yield DiffRow(name, BUFFER_KEY, status, detail="a whole checkpoint's buffer; the other side has no model")
+        return
+    per_rank = sa.per_rank or sb.per_rank
+    for r in range(max(sa.world_size, sb.world_size)):
+        if r > 0 and not per_rank and r >= min(sa.world_size, sb.world_size):
+            return
+        buffers_a, extra_a = sa.rank(r) if r < sa.world_size else ({}, {})
+        buffers_b, extra_b = sb.rank(r) if r < sb.world_size else ({}, {})
+        if per_rank or r == 0:
+            key = f"{BUFFER_KEY} of rank {r}" if per_rank else BUFFER_KEY
+            yield from _pairs(buffers_a, buffers_b, atol, rtol, key=key)
+        if r < min(sa.world_size, sb.world_size):  # extra: compared where both sides hold this rank's
+            yield from _pairs(extra_a, extra_b, atol, rtol, param=extra_label(r))
+
+
+def _pairs(
+    ta: dict[str, torch.Tensor], tb: dict[str, torch.Tensor], atol: float, rtol: float, *, key: str = "",
+    param: str | None = None,
+) -> Iterator[DiffRow]:
+    """A row per name of ``ta`` (in its order), then per name only ``tb`` holds: buffers (the name is the row's
+    parameter, ``key`` its key) or ``extra``'s tensors (``param`` given: the name, a place in the tree, is the key)."""
+    for name in [*ta, *(n for n in tb if n not in ta)]:
+        row_param, row_key = (name, key) if param is None else (param, name or "extra")
+        yield _pair_row(row_param, row_key, ta.get(name), tb.get(name), atol, rtol)
+
+
+def _pair_row(
+    param: str, key: str, ta: torch.Tensor | None, tb: torch.Tensor | None, atol: float, rtol: float
+) -> DiffRow:
+    if tb is None:
+        return DiffRow(param, key, ONLY_A)
+    if ta is None:
+        return DiffRow(param, key, ONLY_B)
+    return _tensor_row(param, key, ta, tb, atol, rtol)
 
 
 def _status(bitwise: bool, close: bool, atol: float, rtol: float) -> str:

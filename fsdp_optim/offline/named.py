@@ -90,9 +90,11 @@ def write_opened(
     path: str | os.PathLike[str] | None = None,
     bound: int = DEFAULT_MAPPED_BYTES,
     max_shard_size: int | str | None = None,
+    overwrite: bool = True,
 ) -> int:
     """:func:`to_safetensors` of a source already opened by :func:`~fsdp_optim.offline.sources.open_source`
-    (``path``: the full dict file it was opened from, mapped afresh every ``bound`` bytes read)."""
+    (``path``: the full dict file it was opened from, mapped afresh every ``bound`` bytes read; ``overwrite``:
+    whether an existing output file is replaced, else refused)."""
     if opened.source is None:
         raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to convert")
     if is_whole(opened.checkpoint):
@@ -107,7 +109,7 @@ def write_opened(
     def write(f: BinaryIO) -> None:
         prepared.write(f, trim=trim, progress=progress)
 
-    return write_stream(write, out, inputs=inputs, purpose="fsdp_optim.to_safetensors")
+    return write_stream(write, out, inputs=inputs, purpose="fsdp_optim.to_safetensors", overwrite=overwrite)
 
 
 def write_whole_safetensors(

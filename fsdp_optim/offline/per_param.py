@@ -27,11 +27,6 @@ from fsdp_optim.offline.sources import Opened
 __all__ = ["PerParameter"]
 
 
-def holds_weights(opened: Opened) -> bool:
-    """Whether ``opened`` is a whole checkpoint (model weights beside the optimizer state)."""
-    return opened.checkpoint is not None and opened.checkpoint.manifest.training is not None
-
-
 @dataclass(frozen=True)
 class PerParameter:
     """An opened source planned for one flat per parameter (see the module docstring)."""
@@ -46,12 +41,12 @@ class PerParameter:
     trim: Callable[[], None]
 
     @classmethod
-    def of(cls, opened: Opened, *, weights: bool = True) -> PerParameter:
-        """Plan ``opened`` once; raises ``ValueError`` for a kind that holds no optimizer state. ``weights``: a
-        whole checkpoint's weights come as one more state key per parameter (``@param``)."""
+    def of(cls, opened: Opened) -> PerParameter:
+        """Plan ``opened`` once; raises ``ValueError`` for a kind that holds no optimizer state. A whole
+        checkpoint's weights come as one more state key per parameter (``@param``)."""
         if opened.source is None:
             raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state")
-        whole = weights and holds_weights(opened)
+        whole = opened.checkpoint is not None and opened.checkpoint.manifest.training is not None
         # A whole checkpoint's weights are one more state key per parameter (WEIGHTS_KEY): compared and checked too.
         source = opened.checkpoint.whole_source() if whole and opened.checkpoint is not None else opened.source
         order = opened.order or tuple(spec.name for flat in source.flats for spec in flat.params)
@@ -64,7 +59,8 @@ class PerParameter:
             for g in the_plan.groups
         )
         names = tuple(order) + tuple(n for n in flat_names if n not in rank)
-        return cls(opened.label, opened.kind.value, source.optimizer, the_plan, names, index, groups, opened.trim)
+        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if whole else opened.kind.value  # as inspect
+        return cls(opened.label, kind, source.optimizer, the_plan, names, index, groups, opened.trim)
 
     def entries(self, name: str) -> dict[str, StateEntry]:
         """The state entries of parameter ``name`` by key (empty: no state)."""

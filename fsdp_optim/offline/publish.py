@@ -70,6 +70,8 @@ def checkpoint_output(
     if keep_checkpoint and not overwrite and is_sharded_checkpoint(out if isinstance(out, ObjectStore) else url):
         raise FileExistsError(f"output: {url} holds a checkpoint already; pass --overwrite to replace it")
     target = out if isinstance(out, ObjectStore) else ObjectStore.open(url)
+    if keep_checkpoint and not overwrite and _parent(url, target).size(url.rsplit("/", 1)[-1]) is not None:
+        raise FileExistsError(f"output: {url}: an object is there already; pass --overwrite to replace it")
     scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
     uploads = Uploads(target, overwrite=overwrite, links=scratch / ".uploading")
     try:
@@ -83,12 +85,16 @@ def checkpoint_output(
             uploads.commit(local)
         elif local.is_dir():
             publish_files(local, target)
-        else:  # one object: the store of its prefix, with the same filesystem settings
-            parent = ObjectStore(url.rsplit("/", 1)[0], target.fs, target.root.rsplit("/", 1)[0])
-            parent.upload(local, local.name)
+        else:  # one object
+            _parent(url, target).upload(local, local.name)
     finally:
         uploads.abort()  # (nothing left to do after a commit)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _parent(url: str, target: ObjectStore) -> ObjectStore:
+    """The store of the prefix ``url`` names one object of, with ``target``'s filesystem settings."""
+    return ObjectStore(url.rsplit("/", 1)[0], target.fs, target.root.rsplit("/", 1)[0])
 
 
 def publish_checkpoint(local: Path, store: ObjectStore, *, overwrite: bool = False) -> None:

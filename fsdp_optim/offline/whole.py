@@ -158,17 +158,22 @@ def whole_state(
 
 
 def write_whole(
-    model: WholeModel, optimizer: Mapping[str, Any] | None, out: str | os.PathLike[str], *, inputs: Sequence[Any]
+    model: WholeModel,
+    optimizer: Mapping[str, Any] | None,
+    out: str | os.PathLike[str],
+    *,
+    inputs: Sequence[Any],
+    overwrite: bool = True,
 ) -> int:
     """:func:`whole_state` written as one ``torch.save`` file ``out`` (locked, journaled, atomic), each parameter
     made only when its bytes are written and freed before the next: memory is one parameter plus the optimizer's
-    full dict and the buffers. Returns the file's size."""
+    full dict and the buffers. Returns the file's size; an existing ``out`` is refused unless ``overwrite``."""
     obj = whole_state(model, optimizer, lambda p: Pending(p.shape, p.dtype, p.make))
 
     def write(f: BinaryIO) -> None:
         stream_write(obj, f, where=str(out))
 
-    return write_stream(write, out, inputs=inputs, purpose="fsdp_optim.consolidate")
+    return write_stream(write, out, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
 
 
 def check_resharding(ckpt: ShardedCheckpoint, world_size: int) -> None:

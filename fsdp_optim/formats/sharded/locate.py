@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.storage import ObjectStore, Where, is_url
@@ -83,11 +84,26 @@ def source_kind(path: str | os.PathLike[str] | ObjectStore) -> str:
         raise ValueError(
             f"{path}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} or "
             f"{LEGACY_MANIFEST_NAME} "
-            "(a save that never finished leaves none), and not a full dict file"
+            f"(a save that never finished leaves none), and not a full dict file{_manager_root_hint(path)}"
         )
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory (there is no such checkpoint directory or file)")
     return "file"
+
+
+def _manager_root_hint(path: Path) -> str:
+    """For a directory of step directories (a ``CheckpointManager`` root): where its checkpoints are."""
+    try:
+        steps = sorted(e.name for e in os.scandir(path) if parse_step_dir(e.name) is not None and e.is_dir())
+    except OSError:
+        return ""
+    if not steps:
+        return ""
+    shown = ", ".join(steps[:2]) + (", ..." if len(steps) > 2 else "")
+    return (
+        f"; it holds step directories ({shown}): a CheckpointManager root, whose steps `fsdp-optim list {path}` "
+        f"shows (each step directory is a checkpoint)"
+    )
 
 
 def read_manifest(path: str | os.PathLike[str] | ObjectStore) -> Manifest:

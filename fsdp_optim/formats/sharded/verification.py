@@ -52,7 +52,8 @@ def verify_sharded(path: str | os.PathLike[str] | ObjectStore) -> Verification:
             return ", digest matches"
 
         checks.append(check_file(directory / side.file, read_side, nbytes=side.nbytes))
-    return Verification(directory, "sharded checkpoint", tuple(checks))
+    kind = "sharded checkpoint" if manifest.training is None else "whole sharded checkpoint (model, optimizer, extra)"
+    return Verification(directory, kind, tuple(checks))  # named as inspect names it
 
 
 def present_and_sized(path: str | os.PathLike[str] | ObjectStore, manifest: Manifest | None = None) -> list[str]:
