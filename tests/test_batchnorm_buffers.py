@@ -7,6 +7,9 @@ every value checked against the buffers each rank held when it saved."""
 
 from __future__ import annotations
 
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +55,8 @@ def _buffers(model: FSDP) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if k in STATS + COUNTS}
 
 
-def _save(rank: int, world_size: int, out: str) -> dict[str, Any]:
-    """Train on this rank's own data (so the running statistics differ), save; this rank's buffers and weights."""
+def _trained(rank: int) -> tuple[FSDP, torch.optim.Optimizer]:
+    """Trained on this rank's own data, so that the running statistics differ across ranks."""
     model, optim = _wrapped(0)
     for step in range(STEPS):
         torch.manual_seed(1000 * rank + step)
@@ -64,6 +67,12 @@ def _save(rank: int, world_size: int, out: str) -> dict[str, Any]:
         for name, buffer in model.named_buffers():
             if name.endswith("num_batches_tracked"):
                 buffer.add_(2)
+    return model, optim
+
+
+def _save(rank: int, world_size: int, out: str) -> dict[str, Any]:
+    """Train, save; this rank's buffers and weights."""
+    model, optim = _trained(rank)
     fsdp_optim.save_checkpoint(model, optim, out, extra={"rank": rank})
     state = model.state_dict()
     return {"buffers": _buffers(model), "weights": {k: v for k, v in state.items() if k not in STATS + COUNTS}}
@@ -153,3 +162,47 @@ def test_load_at_another_world_size_with_each_choice(saved, tmp_path, world_size
     for choice in ("rank0", "mean"):
         weights = results[0][choice]["weights"]
         assert_identical({k: weights[k] for k in held[0]["weights"]}, held[0]["weights"], f"weights ({choice})")
+
+
+def _manager(root: str, memory: str, node: str) -> fsdp_optim.CheckpointManager:
+    return fsdp_optim.CheckpointManager(
+        root, every=STEPS, keep=2, memory_every=1, replicas=1, memory_dir=memory, node=node
+    )
+
+
+def _save_managed(rank: int, world_size: int, root: str, memory: str) -> dict[str, torch.Tensor]:
+    model, optim = _trained(rank)
+    manager = _manager(root, memory, str(rank))  # a node per rank, each holding the other's replica
+    manager.save(STEPS, model, optim, extra={"rank": rank})
+    manager.wait()
+    return _buffers(model)
+
+
+def _restore(rank: int, world_size: int, root: str, memory: str, nodes: list[str]) -> dict[str, Any]:
+    model, optim = _wrapped(7)
+    manager = _manager(root, memory, nodes[rank])
+    try:
+        manager.restore(model, optim)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    manager.restore(model, optim, buffers="mean")
+    return {"refused": refused, "from": manager.restored_from, "buffers": _buffers(model)}
+
+
+@pytest.fixture
+def memory() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"fsdp_optim-test-{uuid.uuid4().hex[:12]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_manager_restores_from_memory_at_another_world_size_with_a_choice(tmp_path, memory) -> None:
+    root = tmp_path / "ckpt"
+    held = run_ranks(_save_managed, SAVED_WORLD, str(root), str(memory))
+    results = run_ranks(_restore, 3, str(root), str(memory), ["0", "0", "1"])
+    want = _expected([{"buffers": b} for b in held], "mean")
+    for rank, result in enumerate(results):
+        assert "buffers='mean' (--buffers mean)" in result["refused"], (rank, result["refused"])
+        assert result["from"] == "memory", result["from"]
+        assert_identical(result["buffers"], want, f"rank {rank}")

@@ -41,11 +41,14 @@ class Span(NamedTuple):
     uses: int
 
 
-def files_read(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int) -> Ranges:
+def files_read(
+    ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int, *, buffers: str = OWN
+) -> Ranges:
     """The byte ranges of the checkpoint's files that rank ``rank``'s load reads, given its weights and optimizer
-    plans (``optim`` None: the model alone): its rank files' (chunk-aligned, headers included) and side files', in
-    the order the load first uses them (so that a peer sending them in that order lets it start at once)."""
-    return [(s.file, s.start, s.stop) for s in load_spans(ckpt, weights, optim, rank)]
+    plans (``optim`` None: the model alone) and the rule that finds its buffers: its rank files' (chunk-aligned,
+    headers included) and side files', in the order the load first uses them (so that a peer sending them in that
+    order lets it start at once)."""
+    return [(s.file, s.start, s.stop) for s in load_spans(ckpt, weights, optim, rank, buffers=buffers)]
 
 
 def load_spans(
