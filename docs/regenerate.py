@@ -38,8 +38,12 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from docs.blocks import ROOT, Block, blocks, pages
+
+if TYPE_CHECKING:
+    import torch
 
 FIXTURE_WORLD_SIZE = 2
 PROMPT = "$ "
@@ -68,10 +72,43 @@ def _docs_model() -> type:
     return DocsModel
 
 
+def _exact(numel: int, salt: int) -> torch.Tensor:
+    """``numel`` float32 values, small integers over 64 (-8/64 .. 8/64): exact, and the same on every machine."""
+    import torch
+
+    index = torch.arange(numel, dtype=torch.float32)
+    return ((index * 7 + salt) % 17 - 8) / 64
+
+
+def _exact_gradients(model: torch.nn.Module, step: int, rank: int) -> None:
+    """Replace each flat shard's gradient by exact values (:func:`_exact`), zero in the padding as FSDP's are.
+
+    What the docs show must be the same on every machine, and it holds values (``diff``'s errors and ULP
+    distances). A backward's matmuls sum in an order each CPU's kernels choose (AVX-512, AVX2, none), and
+    ``torch.manual_seed``'s random numbers differ between CPU kernels too: the state trained from them differs
+    in its last bits from machine to machine. From exact weights and gradients, with betas that keep Adam's
+    moments exact (0.5, 0.75: a few bits more a step; a lerp or multiply-add fused on one CPU and not on another
+    then rounds nothing), Adam's update is made of single correctly rounded operations (a square root, a
+    division, a sum): every machine saves the same bits."""
+    from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
+
+    for unit in model.modules():
+        if not isinstance(unit, FairscaleFSDP):
+            continue
+        for flat, padded in zip(unit.params, unit.numel_padded_per_param, strict=True):
+            grad = _exact(flat.numel(), 3 * step + 5 * rank)
+            grad[grad.numel() - padded :] = 0
+            flat.grad = grad.view_as(flat)
+
+
 def make_fixtures(rank: int, world_size: int, root: str) -> None:
     """On every rank of a ``FIXTURE_WORLD_SIZE``-rank gloo job (the default group initialised): train a small
     nested FSDP model for 10 steps under a CheckpointManager, save the optimizer alone and fairscale's own full
-    dict; then rank 0 damages one step and tears another, as a crash and a bad copy would."""
+    dict; then rank 0 damages one step and tears another, as a crash and a bad copy would.
+
+    The weights start from exact values, and each step runs a forward and a backward as training does (FSDP's
+    hooks, the reduce-scatter, the buffer's update), then steps on exact gradients (:func:`_exact_gradients`
+    says why): what the docs show is the same on every machine."""
     import torch
     import torch.distributed as dist
     from fairscale.nn import FullyShardedDataParallel as FairscaleFSDP
@@ -81,15 +118,17 @@ def make_fixtures(rank: int, world_size: int, root: str) -> None:
 
     assert world_size == FIXTURE_WORLD_SIZE, world_size
     base = Path(root)
-    torch.manual_seed(0)
     net = _docs_model()()
+    with torch.no_grad():
+        for i, param in enumerate(net.parameters()):
+            param.copy_(_exact(param.numel(), i).view_as(param))
     net.block = FSDP(net.block)
     model = FSDP(net)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.5, 0.75))  # see _exact_gradients
     manager = fsdp_optim.CheckpointManager(base / "ckpt", every=2, keep=10)
     for step in range(1, 11):
-        torch.manual_seed(100 * step + rank)
-        model(torch.randn(4, 8)).square().mean().backward()
+        model(torch.full((4, 8), step / 8 - rank)).square().mean().backward()
+        _exact_gradients(model, step, rank)
         optim.step()
         optim.zero_grad()
         if step < 10:

@@ -1,16 +1,19 @@
 """Lose a node mid-training and resume one node smaller from the survivors' memory (issue 26), on one machine.
 
-    python examples/memory_tier_recovery.py            # ~1 min on 2 cores
+    python examples/memory_tier_recovery.py                              # 2 nodes x 1 rank, then 1: < 30 s
+    python examples/memory_tier_recovery.py --nodes 4 --ranks-per-node 2   # 8 ranks, then 6: ~1 min on 2 cores
 
-Phase 1: 4 "nodes" x 2 ranks (processes; each node a directory under /dev/shm) train a small FSDP model, saving to
-the memory tier every step and to disk every 5; at step 7 the ranks of node 3 SIGKILL themselves, the others fail
-on their next collective. Node 3's memory is removed (the machine is gone). Phase 2: 3 nodes x 2 ranks restore the
-newest step the surviving nodes hold whole (step 7: node 3's files come from their replicas on node 0) and train on.
+Phase 1: N "nodes" x R ranks (processes; each node a directory under /dev/shm) train a small FSDP model, saving to
+the memory tier every step and to disk every 5; at step 7 the ranks of the last node SIGKILL themselves, the others
+fail on their next collective. That node's memory is removed (the machine is gone). Phase 2: N - 1 nodes x R ranks
+restore the newest step the surviving nodes hold whole (step 7: the lost node's files come from their replicas on
+node 0) and train on.
 Under torchrun on real nodes the same code needs no ``node=``: a rank's node is ``rank // LOCAL_WORLD_SIZE``.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import shutil
@@ -26,7 +29,7 @@ import torch.multiprocessing as mp
 
 import fsdp_optim
 
-RANKS_PER_NODE, KILL_AT, STEPS = 2, 7, 10
+KILL_AT, STEPS = 7, 10
 
 
 def _port() -> int:
@@ -43,11 +46,11 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def _rank(rank: int, world_size: int, port: int, work: str, kill: bool) -> None:
+def _rank(rank: int, world_size: int, port: int, work: str, kill: bool, ranks_per_node: int, lost: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=20))
-    node = rank // RANKS_PER_NODE
+    node = rank // ranks_per_node
     manager = fsdp_optim.CheckpointManager(
         Path(work) / "durable", every=5, keep=2, memory_every=1, replicas=1, memory_dir=Path(work) / "memory", node=node
     )
@@ -66,7 +69,8 @@ def _rank(rank: int, world_size: int, port: int, work: str, kill: bool) -> None:
         manager.save(step, model, optim, extra={"step": step})
         if kill and step == KILL_AT:
             manager.wait()
-            if node == 3:
+            dist.barrier()  # every node holds step 7 whole before one dies (its death ends the others' processes)
+            if node == lost:
                 os.kill(os.getpid(), signal.SIGKILL)  # the node dies
     manager.wait()
     if rank == 0:
@@ -74,15 +78,28 @@ def _rank(rank: int, world_size: int, port: int, work: str, kill: bool) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
+def _phase(size: int, work: Path, kill: bool, ranks_per_node: int, lost: int) -> None:
+    args = (size, _port(), str(work), kill, ranks_per_node, lost)
+    mp.start_processes(_rank, args=args, nprocs=size, start_method="spawn")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Lose a node mid-training; resume one node smaller from memory.")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes in phase 1, at least 2 (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=1, help="ranks (processes) per node (default 1)")
+    args = parser.parse_args(argv)
+    if args.nodes < 2 or args.ranks_per_node < 1:
+        parser.error(f"--nodes must be at least 2 and --ranks-per-node at least 1, found {args.nodes} and "
+                     f"{args.ranks_per_node}")  # fmt: skip
+    per, lost = args.ranks_per_node, args.nodes - 1
     work = Path(tempfile.mkdtemp(prefix="fsdp_optim-example-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
         try:
-            mp.start_processes(_rank, args=(8, _port(), str(work), True), nprocs=8, start_method="spawn")
+            _phase(args.nodes * per, work, True, per, lost)
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
             print(f"phase 1 ended: {exc}".splitlines()[0], flush=True)
-        shutil.rmtree(work / "memory" / "node-3")  # node 3's memory went with it
-        mp.start_processes(_rank, args=(6, _port(), str(work), False), nprocs=6, start_method="spawn")
+        shutil.rmtree(work / "memory" / f"node-{lost}")  # the lost node's memory went with it
+        _phase(lost * per, work, False, per, lost)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -72,8 +72,16 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    with open(result_path, "wb") as f:
-        pickle.dump(outcome, f)
+    write_whole(result_path, lambda f: pickle.dump(outcome, f))
+
+
+def write_whole(path: str | os.PathLike[str], write: Callable[[Any], object]) -> None:
+    """``write(f)`` into a temporary file beside ``path``, then renamed to it: a rank killed while writing (a
+    rank's SIGKILL makes the job terminate the others) leaves no file rather than a file cut short."""
+    partial = f"{os.fspath(path)}.{os.getpid()}.partial"
+    with open(partial, "wb") as f:
+        write(f)
+    os.replace(partial, path)
 
 
 def run_ranks(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -239,3 +240,24 @@ def test_console_block_shows_real_output(block: Block, console_now: dict[str, li
     if now != shown(block):
         diff = "\n".join(difflib.unified_diff(shown(block), now, f"{block.name} (docs)", f"{block.name} (now)", lineterm=""))
         pytest.fail(f"{block.name}: the output shown is not what fsdp-optim prints now; {HINT}.\n{diff}", pytrace=False)
+
+
+def test_console_fixtures_are_the_same_bits_on_another_cpu(
+    docs_job: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    """The console blocks' fixtures made again by a job whose ATen kernels run without AVX, as on another CPU
+    (other vector widths, no fused multiply-add, other random numbers from the same seed): the weights and the
+    optimizer state of every step compared come out bit for bit the same, so what the docs show does not depend
+    on the machine."""
+    failed, fixtures = docs_job
+    assert FIXTURES not in failed, failed[FIXTURES]
+    script = "import sys; from pathlib import Path; from docs.regenerate import build_fixtures; build_fixtures(Path(sys.argv[1]))"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    made = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert made.returncode == 0, made.stderr[-4000:]
+    for step in ("ckpt/step-00000004", "ckpt/step-00000008", "optim/step8"):
+        report = fsdp_optim.diff(tmp_path / "fixtures" / step, fixtures / step)
+        bitwise = report.equal and report.summary.tensors_equal == report.summary.tensors > 0
+        assert bitwise, (step, report.differences[:3])

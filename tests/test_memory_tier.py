@@ -26,8 +26,9 @@ from typing import Any
 import _models as M
 import pytest
 import torch
+import torch.distributed as dist
 from _checks import assert_identical
-from _dist import run_ranks
+from _dist import run_ranks, write_whole
 
 import fsdp_optim
 from fsdp_optim.cli import main
@@ -73,7 +74,8 @@ def _train(rank: int, world_size: int, root: str, memory: str, lost: list[str], 
             state = _state(model, optim)  # collectives: every rank
             if rank == 0:
                 Path(root).mkdir(parents=True, exist_ok=True)
-                torch.save(state, Path(root) / f"reference-{step}.pt")
+                write_whole(Path(root) / f"reference-{step}.pt", lambda f: torch.save(state, f))
+            dist.barrier()  # the reference written before a lost node's ranks kill themselves (and the job rank 0)
     manager.wait()
     assert manager.memory_bytes is not None and manager.memory_bytes > 0, manager.memory_bytes
     if NODES[rank] in lost:

@@ -163,7 +163,7 @@ def test_reshard_whole_keeps_weights_buffers_and_extra(saved, tmp_path, monkeypa
 
 
 def test_reshard_refuses_per_rank_buffers_at_another_world_size(per_rank, tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"world_size: .*differed across its 2 ranks.*found 3"):
+    with pytest.raises(ValueError, match=r"buffers: .*differed across its 2 ranks.*world size 3 needs a choice"):
         fsdp_optim.reshard(per_rank, 3, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

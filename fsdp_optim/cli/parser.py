@@ -156,6 +156,14 @@ def _add_reshard(verbs: Any) -> None:
         "--layout", help="for a full or fairscale-native dict: a sharded checkpoint or layout file of the same model"
     )
     p.add_argument("--optimizer", help="for a fairscale-native dict: the optimizer's class name, e.g. Adam")
+    p.add_argument(
+        "--buffers",
+        choices=("refuse", "rank0", "mean"),
+        default="refuse",
+        help="a whole checkpoint whose buffers differed across its ranks (BatchNorm's running statistics) to another "
+        "world size: refuse (the default), rank0 (saved rank 0's), or mean (each floating-point buffer's mean across "
+        "the saved ranks; rank 0's integer buffers)",
+    )
     _param_names(p)
     _allow_global(p)
     p.set_defaults(run=run_reshard)

@@ -108,6 +108,7 @@ def run_reshard(args: argparse.Namespace) -> list[str]:
         manifest = reshard_opened(
             opened, args.world_size, out, layout=args.layout, given=args.source, progress=bar,
             overwrite=args.overwrite, replace_existing=False, after_file=getattr(args, "after_file", None),
+            buffers=args.buffers,
         )
     resharded = read_manifest(manifest)
     files = resharded.files

@@ -220,7 +220,9 @@ class CheckpointManager:
             warnings.warn(f"CheckpointManager.latest() skipped {record}", stacklevel=2)
         return step
 
-    def restore(self, model: nn.Module, optim: torch.optim.Optimizer | None, step: int | None = None) -> Any:
+    def restore(
+        self, model: nn.Module, optim: torch.optim.Optimizer | None, step: int | None = None, *, buffers: str = "refuse"
+    ) -> Any:
         """Load ``step`` (default: :meth:`latest`) into ``model`` and ``optim`` with :func:`fsdp_optim.load_checkpoint`
         and return its ``extra``; None when there is nothing to restore (no usable step: a fresh run). A collective:
         call on every rank.
@@ -230,13 +232,14 @@ class CheckpointManager:
         holds a newer complete step; when no step survives whole in memory, or its bytes fail a check on some rank
         (:class:`~fsdp_optim.job.memory_restore.MemoryTierDamaged`, raised on every rank with nothing changed), a
         warning says so and the newest durable step is restored. ``restored_from`` and ``restored_step`` say what
-        was loaded."""
+        was loaded. ``buffers``: buffers saved per rank (BatchNorm's running statistics) at another world size, as
+        in :func:`fsdp_optim.load_checkpoint` (``"refuse"``, ``"rank0"`` or ``"mean"``)."""
         self.wait()
         self.restored_from, self.restored_step = None, None
         damaged = None
         if step is None and self.memory_every is not None:
             try:
-                found = restore_from_memory(model, optim, self._tier(), durable=self._newest_durable)
+                found = restore_from_memory(model, optim, self._tier(), durable=self._newest_durable, buffers=buffers)
             except MemoryTierDamaged as exc:  # raised on every rank, nothing changed: durable storage is next
                 damaged, found = exc, MemoryRestore(None, 0, None, None, loaded=False, durable=None)
             if found.loaded:
@@ -255,7 +258,7 @@ class CheckpointManager:
             if damaged is not None and dist_rank_and_size(verify_root(model).group)[0] == 0:
                 warnings.warn(f"CheckpointManager.restore: the memory tiers' newest step could not be restored "
                               f"({damaged}); restoring durable step {step} from {self.root}", stacklevel=2)  # fmt: skip
-        extra = load_checkpoint(model, optim, self.path(step))
+        extra = load_checkpoint(model, optim, self.path(step), buffers=buffers)
         self.restored_from, self.restored_step = "durable", step
         return extra
 

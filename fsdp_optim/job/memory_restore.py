@@ -96,12 +96,13 @@ def restore_from_memory(
     tier: MemoryTier,
     *,
     durable: Callable[[], int | None] | None = None,
+    buffers: str = "refuse",
 ) -> MemoryRestore:
     """Load the newest step the live nodes' memory tiers hold whole into ``model`` and ``optim``, unless none does
     or it is older than the newest durable step (``durable()``, run on rank 0 alone; its answer travels with the
     holdings and comes back as ``durable``): then nothing is changed and ``loaded`` is False. A collective: every
     rank gets the same answer, or raises the same error (:class:`MemoryTierDamaged` when the step's bytes could not
-    be read)."""
+    be read). ``buffers``: buffers saved per rank at another world size, as in :func:`fsdp_optim.load_checkpoint`."""
     root = verify_root(model, optim)
     group = root.group if is_cpu_group(root.group) else checkpoint_group(root.group)
     nodes, holdings, chosen, newest = find_in_memory(tier, group, durable if root.rank == 0 else None)
@@ -114,7 +115,7 @@ def restore_from_memory(
         _spread_manifest(root.rank, nodes, holdings, chosen, directory, what, group)
     ckpt, failure = None, None
     try:
-        ckpt, plans, fetches = _plan(root, model, optim, directory, chosen, nodes, holdings)
+        ckpt, plans, fetches = _plan(root, model, optim, directory, chosen, nodes, holdings, buffers)
     except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
         failure = exc
     try:
@@ -130,7 +131,7 @@ def restore_from_memory(
 
 def _plan(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, directory: Path, chosen: Chosen,
-    nodes: list[str], holdings: list[list[Holding]],
+    nodes: list[str], holdings: list[list[Holding]], buffers: str,
 ) -> tuple[ShardedCheckpoint, LoadPlans, tuple[Fetch, ...]]:  # fmt: skip
     """Step 3: the step opened (its manifest read), the load planned once, and every rank's fetches."""
     try:
@@ -138,8 +139,8 @@ def _plan(
     except (OSError, ValueError) as exc:
         raise MemoryTierDamaged(str(exc)) from exc
     try:
-        plans = plan_load(root, model, optim, ckpt)
-        needs = [files_read(ckpt, plans.weights, plans.optim, r) for r in range(root.world_size)]
+        plans = plan_load(root, model, optim, ckpt, buffers)
+        needs = [files_read(ckpt, plans.weights, plans.optim, r, buffers=plans.buffers) for r in range(root.world_size)]
         has = {nodes[r]: _held(h, chosen) for r, h in enumerate(holdings)}
         return ckpt, plans, fetch_plan(chosen, nodes, needs, has)
     except BaseException:

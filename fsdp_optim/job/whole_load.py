@@ -22,7 +22,7 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore, Where
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.side_file import Received, read_rank_side
+from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
@@ -47,7 +47,11 @@ class Staged:
 
 
 def load_checkpoint(
-    model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.PathLike[str] | ObjectStore
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    path: str | os.PathLike[str] | ObjectStore,
+    *,
+    buffers: str = "refuse",
 ) -> Any:
     """Load a whole checkpoint (:func:`fsdp_optim.save_checkpoint`) into ``model`` and ``optim``; return ``extra``.
 
@@ -63,15 +67,23 @@ def load_checkpoint(
 
     ``extra``: at the saved world size, rank r gets what rank r saved; at another, rank r gets saved rank
     ``r % saved_world_size``'s (so ranks beyond the saved count share a copy: reseed per-rank RNG from it, e.g.
-    ``torch.manual_seed(base_seed + rank)``, when the world size changed). Buffers saved per rank (they differed
-    across ranks at save time) load only at the saved world size. Parameters load only into their saved dtype;
-    a floating-point buffer loads into another floating-point dtype with a cast (mixed precision keeps buffers in
-    the compute dtype once the model has run a forward pass, in fp32 before).
+    ``torch.manual_seed(base_seed + rank)``, when the world size changed).
+
+    ``buffers``: what every rank gets at another world size when the buffers were saved per rank (they differed
+    across ranks at save time, as BatchNorm's running statistics over each rank's data do): ``"refuse"`` (the
+    default: a ``ValueError`` naming this option), ``"rank0"`` (saved rank 0's, every buffer), ``"mean"`` (each
+    floating-point buffer's mean across the saved ranks, summed in float64 and cast back to its dtype; integer and
+    bool buffers, such as ``num_batches_tracked``, are rank 0's). At the saved world size each rank loads its own,
+    and buffers saved once (equal across ranks) load as saved, whatever the choice.
+
+    Parameters load only into their saved dtype; a floating-point buffer loads into another floating-point dtype
+    with a cast (mixed precision keeps buffers in the compute dtype once the model has run a forward pass, in fp32
+    before).
     """
     root = verify_root(model, optim)
     staged, failure = None, None
     try:
-        staged = _stage(root, model, optim, where(path))
+        staged = _stage(root, model, optim, where(path), buffers)
     except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
         failure = exc
     agree(failure, group=root.group, what=f"load_checkpoint({str(path)!r}) changed nothing on any rank")
@@ -86,19 +98,23 @@ class LoadPlans:
 
     weights: Plan
     optim: Plan | None
+    buffers: str = OWN  # how the buffers are found: side_file.buffers_rule
 
 
-def plan_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, ckpt: ShardedCheckpoint) -> LoadPlans:
+def plan_load(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, ckpt: ShardedCheckpoint, buffers: str = "refuse"
+) -> LoadPlans:
     """Check the checkpoint against the live model and optimizer (parameters in their sharded state, buffers,
-    optimizer class) and plan what every rank reads; nothing read but the manifest."""
+    optimizer class) and plan what every rank reads (``buffers``: see :func:`load_checkpoint`); nothing read but
+    the manifest."""
     weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is read
     training = ckpt.manifest.training
     weights = plan(ckpt.weights_source(), root.layout, members=[list(range(len(root.layout.flat_params)))])
     optim_plan = _optim_plan(ckpt, root, optim) if optim is not None else None
     assert training is not None, "weights_source() refuses a checkpoint without a training section"
-    _check_buffers(training, persistent_buffers(model), ckpt.manifest.world_size, root.world_size,
-                   str(ckpt.directory))  # fmt: skip
-    return LoadPlans(weights, optim_plan)
+    rule = _check_buffers(training, persistent_buffers(model), ckpt.manifest.world_size, root.world_size,
+                          str(ckpt.directory), buffers)  # fmt: skip
+    return LoadPlans(weights, optim_plan, rule)
 
 
 def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Received | None = None) -> Staged:
@@ -115,18 +131,21 @@ def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Rec
         weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(plans.weights, rank, after_unit=ckpt.trim).items()}
         state = cut_rank(plans.optim, rank, after_unit=ckpt.trim) if plans.optim is not None else {}
     optim_state = optimizer_state_dict(plans.optim, state) if plans.optim is not None else None
-    buffers, extra = read_rank_side(ckpt.directory, training, rank % ckpt.manifest.world_size, sides)
+    buffers, extra = read_rank_side(
+        ckpt.directory, training, rank % ckpt.manifest.world_size, sides, rule=plans.buffers
+    )
     return Staged(weights, buffers, optim_state, extra)
 
 
-def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Where) -> Staged:
+def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Where, buffers: str) -> Staged:
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
     with ShardedCheckpoint(path, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
-        plans = plan_load(root, model, optim, ckpt)
+        plans = plan_load(root, model, optim, ckpt, buffers)
         if not isinstance(ckpt.directory, ObjectStore) or plans.weights.identity or ckpt.manifest.version < 3:
             return stage_load(root, ckpt, plans)
-        with fetched_ahead(ckpt, ckpt.directory, load_spans(ckpt, plans.weights, plans.optim, root.rank)) as sides:
+        spans = load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)
+        with fetched_ahead(ckpt, ckpt.directory, spans) as sides:
             return stage_load(root, ckpt, plans, sides)
 
 
@@ -141,9 +160,10 @@ def _optim_plan(ckpt: ShardedCheckpoint, root: Root, optim: torch.optim.Optimize
 
 
 def _check_buffers(
-    training: TrainingRecord, live: Mapping[str, torch.Tensor], saved_world: int, world: int, where: str
-) -> None:
-    """Refuse a checkpoint whose buffers are not the model's: names, shapes, dtypes; per-rank buffers at another W."""
+    training: TrainingRecord, live: Mapping[str, torch.Tensor], saved_world: int, world: int, where: str, choice: str
+) -> str:
+    """Refuse a checkpoint whose buffers are not the model's (names, shapes, dtypes), or per-rank buffers at another
+    W without a choice; the rule that finds them (:func:`~fsdp_optim.formats.sharded.side_file.buffers_rule`)."""
     saved = training.buffer_specs()
     errors = [f"buffer '{n}' of the model is missing from {where}" for n in live if n not in saved]
     errors += [f"{where} has buffer '{n}', which the model does not have" for n in saved if n not in live]
@@ -154,13 +174,14 @@ def _check_buffers(
                 f"buffer '{name}' is {spec.dtype}{list(spec.shape)} in {where}, expected "
                 f"{dtype_to_str(buffer.dtype)}{list(buffer.shape)} as in the model"
             )
-    if training.buffers_per_rank and saved_world != world:
-        errors.append(
-            f"{where}: its buffers differed across its {saved_world} ranks (each rank saved its own), so they load "
-            f"only at world size {saved_world}, found {world}"
-        )
+    rule = OWN
+    try:
+        rule = buffers_rule(training, saved_world, world, choice, where)
+    except ValueError as exc:
+        errors.append(str(exc))
     if errors:
         raise ValueError("; ".join(errors[:5]) + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+    return rule
 
 
 def _castable(saved: str, live: torch.dtype) -> bool:

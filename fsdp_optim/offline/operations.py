@@ -39,6 +39,7 @@ from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, ShardedCheckpoint
+from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.publish import checkpoint_output
@@ -202,6 +203,7 @@ def reshard(
     progress: Progress = None,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
     overwrite: bool = False,
+    buffers: str = "refuse",
 ) -> Path:
     """Write ``source`` as a sharded checkpoint for ``world_size`` ranks into ``out_dir``; returns its manifest.
 
@@ -218,6 +220,12 @@ def reshard(
         progress: called after each unit of each output rank.
         overwrite: write into ``out_dir`` even if it holds files that are not an fsdp_optim checkpoint's
             (they are kept; without it such a directory is refused with ``ForeignOutputError``).
+        buffers: a whole checkpoint whose buffers were saved per rank (they differed across ranks, as BatchNorm's
+            running statistics do) goes to another world size only with a choice, as in
+            :func:`fsdp_optim.load_checkpoint`: ``"refuse"`` (the default: a ``ValueError`` naming this option),
+            ``"rank0"`` (saved rank 0's) or ``"mean"`` (each floating-point buffer's mean across the saved ranks,
+            rank 0's of integer and bool buffers); the result holds them once, in rank 0's side file. At the saved
+            world size they stay per rank, whatever the choice.
 
     ``out_dir`` is locked while it is written (a second writer gets ``OutputLockedError``) and must not
     resolve to any input; ``world_size`` is at most :data:`fsdp_optim.core.limits.MAX_WORLD_SIZE`.
@@ -226,7 +234,7 @@ def reshard(
     check_world_size("world_size", world_size)
     write = partial(_reshard_local, source, world_size, layout=layout, optimizer=optimizer,
                     allow_globals=allow_globals, progress=progress, max_mapped_bytes=max_mapped_bytes,
-                    overwrite=overwrite)  # fmt: skip
+                    overwrite=overwrite, buffers=buffers)  # fmt: skip
     if isinstance(out_dir, ObjectStore) or is_url(out_dir):  # written locally, each rank file uploaded once written
         with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done):
             write(local, after_file=file_done)
@@ -246,6 +254,7 @@ def _reshard_local(
     progress: Progress,
     max_mapped_bytes: int,
     overwrite: bool,
+    buffers: str,
     after_file: Callable[[Path], None] | None = None,
 ) -> Path:
     """:func:`reshard` into a local directory; ``after_file(path)`` is called as each rank file is complete."""
@@ -257,7 +266,7 @@ def _reshard_local(
             reshard_set(opened.shards, world_size, out, overwrite=overwrite, progress=progress)
             return out
         return reshard_opened(opened, world_size, out, layout=layout, given=source, progress=progress,
-                              overwrite=overwrite, after_file=after_file)
+                              overwrite=overwrite, after_file=after_file, buffers=buffers)
 
 
 def reshard_opened(
@@ -271,13 +280,18 @@ def reshard_opened(
     overwrite: bool = False,
     replace_existing: bool = True,
     after_file: Callable[[Path], None] | None = None,
+    buffers: str = "refuse",
 ) -> Path:
     """:func:`reshard` of a source already open (not a shard set: see ``reshard_set``); returns the manifest.
     ``replace_existing=False`` (the CLI): a checkpoint already in ``out`` is refused unless ``overwrite``.
-    ``after_file(path)`` is called as each rank file is complete (in the staging directory)."""
+    ``after_file(path)`` is called as each rank file is complete (in the staging directory); ``buffers``: see
+    :func:`reshard`."""
     check_world_size("world_size", world_size)
+    check_buffer_choice(buffers)
     if opened.checkpoint is not None:
-        return _reshard_sharded(opened, given, world_size, out, progress, overwrite, replace_existing, after_file)
+        return _reshard_sharded(
+            opened, given, world_size, out, progress, overwrite, replace_existing, after_file, buffers
+        )
     if opened.kind is Kind.NATIVE:
         layout = opened.layout
     if layout is None or opened.source is None:
@@ -291,7 +305,7 @@ def reshard_opened(
 
 def _reshard_sharded(
     opened: Opened, given: Any, world_size: int, out: Path, progress: Progress, overwrite: bool,
-    replace_existing: bool, after_file: Callable[[Path], None] | None,
+    replace_existing: bool, after_file: Callable[[Path], None] | None, buffers: str,
 ) -> Path:  # fmt: skip
     """A sharded checkpoint re-cut for ``world_size`` ranks: one plan, then one rank file at a time."""
     ckpt = opened.checkpoint
@@ -302,7 +316,7 @@ def _reshard_sharded(
     target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
     whole = is_whole(ckpt)  # its weights ride along with the optimizer's keys, its side files are carried
     if whole:
-        check_resharding(ckpt, world_size)
+        check_resharding(ckpt, world_size, buffers)
     source = ckpt.whole_source() if whole else opened.source
     the_plan = plan(source, target.layout(0))  # every check, whichever way the ranks are then cut
     write = partial(write_ranks, the_plan, target, after_unit=_then(ckpt.trim, progress), after_file=after_file)
@@ -315,7 +329,7 @@ def _reshard_sharded(
         if group:
             write = partial(write_blocks, ckpt, blocks, group, final, progress=progress, after_file=after_file)
     if whole:
-        write = partial(then_sides, ckpt, write)
+        write = partial(then_sides, ckpt, write, buffers=buffers)
     return write_all_or_nothing(
         out,
         write,

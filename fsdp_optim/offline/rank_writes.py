@@ -34,9 +34,12 @@ def fetched_from(
         return write(staging)
 
 
-def then_sides(ckpt: ShardedCheckpoint, write: Callable[[Path], Manifest], staging: Path) -> Manifest:
-    """``write``'s rank files, then a whole checkpoint's side files and training section (:func:`carry_side_files`)."""
-    return carry_side_files(ckpt, staging, write(staging))
+def then_sides(
+    ckpt: ShardedCheckpoint, write: Callable[[Path], Manifest], staging: Path, *, buffers: str = "refuse"
+) -> Manifest:
+    """``write``'s rank files, then a whole checkpoint's side files and training section (:func:`carry_side_files`;
+    ``buffers``: what per-rank buffers become at another world size)."""
+    return carry_side_files(ckpt, staging, write(staging), buffers)
 
 
 def described(the_plan: Plan, target: Manifest) -> Manifest:

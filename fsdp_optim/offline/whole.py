@@ -32,7 +32,7 @@ from fsdp_optim.disk.stream_save import Pending, stream_write
 from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor  # one parameter, made when due
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.side_file import encode_extra, read_rank_side, write_side_file
+from fsdp_optim.formats.sharded.side_file import OWN, buffers_rule, encode_extra, read_rank_side, write_side_file
 from fsdp_optim.formats.sharded.training import TrainingRecord
 
 __all__ = [
@@ -176,32 +176,34 @@ def write_whole(
     return write_stream(write, out, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
 
 
-def check_resharding(ckpt: ShardedCheckpoint, world_size: int) -> None:
-    """Refuse to reshard a whole checkpoint whose buffers were saved per rank to another world size (no rule says
-    which rank's a new rank would get; :func:`fsdp_optim.load_checkpoint` refuses them there too)."""
+def check_resharding(ckpt: ShardedCheckpoint, world_size: int, buffers: str = "refuse") -> str:
+    """The rule that finds the buffers of ``ckpt`` resharded to ``world_size``
+    (:func:`~fsdp_optim.formats.sharded.side_file.buffers_rule`): buffers saved per rank go to another world size
+    only with a choice (``"rank0"``, ``"mean"``), as in :func:`fsdp_optim.load_checkpoint`; ``ValueError`` naming
+    the option without one."""
     training = ckpt.manifest.training
-    if training is not None and training.buffers_per_rank and world_size != ckpt.manifest.world_size:
-        raise ValueError(
-            f"world_size: {ckpt.directory}: its buffers differed across its {ckpt.manifest.world_size} ranks (each "
-            f"rank saved its own), so it reshards only to world size {ckpt.manifest.world_size}, found {world_size}"
-        )
+    if training is None:
+        return OWN
+    return buffers_rule(training, ckpt.manifest.world_size, world_size, buffers, str(ckpt.directory))
 
 
-def carry_side_files(ckpt: ShardedCheckpoint, staging: Path, manifest: Manifest) -> Manifest:
+def carry_side_files(ckpt: ShardedCheckpoint, staging: Path, manifest: Manifest, buffers: str = "refuse") -> Manifest:
     """Write the side files of ``manifest`` (the re-cut checkpoint, ``W'`` ranks) into ``staging`` and return it with
     its training section: new rank ``r`` gets saved rank ``r % W``'s ``extra`` (the rule of ``load_checkpoint``),
-    rank 0 the shared buffers (every rank its own when saved per rank, at ``W' == W`` only)."""
+    rank 0 the shared buffers; buffers saved per rank stay per rank at ``W' == W``, and at another world size
+    become shared ones, chosen by ``buffers`` (saved rank 0's or their mean: :func:`check_resharding`)."""
     training = ckpt.manifest.training
     assert training is not None, "a whole checkpoint has a training section"
-    check_resharding(ckpt, manifest.world_size)
+    rule = check_resharding(ckpt, manifest.world_size, buffers)
+    per_rank = training.buffers_per_rank and rule == OWN
     files = []
     for rank in range(manifest.world_size):
-        buffers, extra = read_rank_side(ckpt.directory, training, rank % ckpt.manifest.world_size)
-        kept = buffers if training.buffers_per_rank or rank == 0 else {}
+        found, extra = read_rank_side(ckpt.directory, training, rank % ckpt.manifest.world_size, rule=rule)
+        kept = found if per_rank or rank == 0 else {}
         files.append(
             write_side_file(
                 staging, save_id=manifest.save_id, rank=rank, world_size=manifest.world_size, buffers=kept,
                 extra=encode_extra(extra),
             )
         )
-    return replace(manifest, training=replace(training, files=tuple(files)))
+    return replace(manifest, training=replace(training, buffers_per_rank=per_rank, files=tuple(files)))

@@ -24,6 +24,7 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.plan import Plan, read_ranges, saved_ranks
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import chunk_elements
+from fsdp_optim.formats.sharded.side_file import OWN, side_ranks
 
 __all__ = ["Ranges", "Span", "cut_spans", "files_read", "join_overlapping", "load_spans"]
 
@@ -40,16 +41,21 @@ class Span(NamedTuple):
     uses: int
 
 
-def files_read(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int) -> Ranges:
+def files_read(
+    ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int, *, buffers: str = OWN
+) -> Ranges:
     """The byte ranges of the checkpoint's files that rank ``rank``'s load reads, given its weights and optimizer
-    plans (``optim`` None: the model alone): its rank files' (chunk-aligned, headers included) and side files', in
-    the order the load first uses them (so that a peer sending them in that order lets it start at once)."""
-    return [(s.file, s.start, s.stop) for s in load_spans(ckpt, weights, optim, rank)]
+    plans (``optim`` None: the model alone) and the rule that finds its buffers: its rank files' (chunk-aligned,
+    headers included) and side files', in the order the load first uses them (so that a peer sending them in that
+    order lets it start at once)."""
+    return [(s.file, s.start, s.stop) for s in load_spans(ckpt, weights, optim, rank, buffers=buffers)]
 
 
-def load_spans(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int) -> list[Span]:
+def load_spans(
+    ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int, *, buffers: str = OWN
+) -> list[Span]:
     """:func:`files_read`'s ranges with the number of shard reads each serves (a re-cut's reader can drop a range
-    once its last read is done)."""
+    once its last read is done); ``buffers``: the rule that finds the buffers (:func:`.side_file.side_ranks`)."""
     manifest = ckpt.manifest
     names = {f.rank: f for f in manifest.files}
     out: list[Span] = []
@@ -64,9 +70,8 @@ def load_spans(ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank:
     training = manifest.training
     if training is None:  # (a plan of the weights refuses such a checkpoint first; this keeps -O honest)
         raise ValueError(f"{ckpt.directory}: an optimizer-only checkpoint (no training section): no weights to restore")
-    sides = {training.side_file(rank % manifest.world_size)} | (set() if training.buffers_per_rank else
-                                                                {training.side_file(0)})  # fmt: skip
-    out.extend(Span(f.file, 0, f.nbytes, 0) for f in sorted(sides, key=lambda f: f.rank))
+    sides = side_ranks(training, manifest.world_size, rank % manifest.world_size, buffers)
+    out.extend(Span(training.side_file(r).file, 0, training.side_file(r).nbytes, 0) for r in sides)
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,9 @@ from fsdp_optim.formats.sharded.json_values import from_json, to_json
 from fsdp_optim.formats.sharded.training import TrainingRecord, side_file_name
 
 __all__ = [
-    "MAX_DEPTH", "SideContent", "decode_extra", "encode_extra", "read_rank_side", "read_side_file", "write_side_file"
-]
+    "BUFFER_CHOICES", "MAX_DEPTH", "SideContent", "buffers_rule", "check_buffer_choice", "decode_extra",
+    "encode_extra", "mean_buffers", "read_rank_side", "read_side_file", "side_ranks", "write_side_file",
+]  # fmt: skip
 
 MAX_DEPTH = 64  # levels of nesting in ``extra``
 _REF = "$extra"
@@ -169,15 +170,84 @@ def _read_exactly(directory: Where, record: FileRecord) -> bytes:
         os.close(fd)
 
 
+# What a load at another world size (or a reshard to one) does with buffers saved per rank (they differed across
+# the saved ranks: BatchNorm's running statistics over each rank's data): refuse, saved rank 0's, or the mean.
+BUFFER_CHOICES = ("refuse", "rank0", "mean")
+OWN = "own"  # the rule where no choice is needed: each rank its own (saved world size), or the one shared copy
+
+
+def buffers_rule(training: TrainingRecord, saved_world: int, world: int, choice: str, where: str) -> str:
+    """How a load by ``world`` ranks (or a reshard to ``world``) of a checkpoint saved by ``saved_world`` finds its
+    buffers: ``"own"`` (shared buffers, or per-rank ones at the saved world size: each rank its own), else the
+    caller's ``choice`` (``"rank0"`` or ``"mean"``); ``ValueError`` for a choice that is none of
+    :data:`BUFFER_CHOICES`, or for ``"refuse"`` where a choice is needed (the message names the option)."""
+    check_buffer_choice(choice)
+    if not training.buffers_per_rank or saved_world == world:
+        return OWN
+    if choice == "refuse":
+        raise ValueError(
+            f"buffers: {where}: its buffers differed across its {saved_world} ranks (each rank saved its own, as "
+            f"BatchNorm's running statistics do), so world size {world} needs a choice: buffers='rank0' (--buffers "
+            f"rank0) gives every rank saved rank 0's, buffers='mean' (--buffers mean) the mean across the saved "
+            f"ranks of each floating-point buffer (rank 0's of the others)"
+        )
+    return choice
+
+
+def check_buffer_choice(choice: str) -> None:
+    """``ValueError`` unless ``choice`` is one of :data:`BUFFER_CHOICES`."""
+    if choice not in BUFFER_CHOICES:
+        raise ValueError(f"buffers: expected one of {', '.join(map(repr, BUFFER_CHOICES))}, found {choice!r}")
+
+
+def side_ranks(training: TrainingRecord, saved_world: int, saved_rank: int, rule: str) -> list[int]:
+    """The saved ranks whose side files :func:`read_rank_side` reads for ``saved_rank`` under ``rule``."""
+    if rule == "mean":
+        return list(range(saved_world))
+    if rule == OWN and training.buffers_per_rank:
+        return [saved_rank]
+    return sorted({saved_rank, 0})
+
+
+def mean_buffers(per_rank: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each floating-point buffer's mean across ``per_rank`` (summed in float64, then cast back to its dtype); every
+    other buffer (integers such as ``num_batches_tracked``, bools) as in ``per_rank[0]``."""
+    first = per_rank[0]
+    out: dict[str, torch.Tensor] = {}
+    for name, value in first.items():
+        if not value.is_floating_point():
+            out[name] = value
+            continue
+        total = torch.zeros(value.shape, dtype=torch.float64)
+        for buffers in per_rank:
+            total += buffers[name].to(torch.float64)
+        out[name] = (total / len(per_rank)).to(value.dtype)
+    return out
+
+
 def read_rank_side(
-    directory: Where, training: TrainingRecord, saved_rank: int, received: Received | None = None
+    directory: Where, training: TrainingRecord, saved_rank: int, received: Received | None = None, *, rule: str = OWN
 ) -> SideContent:
-    """Saved rank ``saved_rank``'s ``(buffers, extra)``: its own buffers when they were saved per rank, else rank
-    0's; ``ValueError`` when the buffers found are not those the manifest lists (names, dtypes, shapes).
-    ``received``: side files held in memory (see :func:`read_side_file`)."""
+    """Saved rank ``saved_rank``'s ``extra`` with the buffers ``rule`` (:func:`buffers_rule`) gives: ``"own"``: its
+    own when they were saved per rank, else rank 0's; ``"rank0"``: rank 0's; ``"mean"``: :func:`mean_buffers` of
+    every saved rank's. ``ValueError`` when the buffers found are not those the manifest lists (names, dtypes,
+    shapes). ``received``: side files held in memory (see :func:`read_side_file`)."""
     buffers, extra = read_side_file(directory, training.side_file(saved_rank), received)
-    if not training.buffers_per_rank and saved_rank != 0:
+    if rule == "mean":
+        files = range(len(training.files))
+        per_rank = [
+            buffers if r == saved_rank else read_side_file(directory, training.side_file(r), received)[0] for r in files
+        ]
+        for each in per_rank:
+            _check_buffers(directory, training, each)
+        return mean_buffers(per_rank), extra
+    if (rule == "rank0" or not training.buffers_per_rank) and saved_rank != 0:
         buffers, _ = read_side_file(directory, training.side_file(0), received)
+    _check_buffers(directory, training, buffers)
+    return buffers, extra
+
+
+def _check_buffers(directory: Where, training: TrainingRecord, buffers: Mapping[str, torch.Tensor]) -> None:
     specs = training.buffer_specs()
     found = {n: (dtype_to_str(t.dtype), tuple(t.shape)) for n, t in buffers.items()}
     if found != {n: (s.dtype, s.shape) for n, s in specs.items()}:
@@ -185,4 +255,3 @@ def read_rank_side(
             f"{directory}: the side files hold buffers {sorted(found.items())[:3]}..., the manifest lists "
             f"{sorted((n, (s.dtype, s.shape)) for n, s in specs.items())[:3]}...; the checkpoint is inconsistent"
         )
-    return buffers, extra
