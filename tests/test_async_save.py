@@ -184,7 +184,7 @@ def _many_roots_job(rank: int, world_size: int, out: str) -> dict:
     for s in range(3):  # many saves of one root: one handle and one set of buffers, reused
         async_save_sharded_optim_state(root, optim, os.path.join(out, "kept")).wait()
         M.train_step(root, optim, *M.local_batch(s, rank, world_size))
-        saves.append((len(A._inflight), len(A._staging), len(A._staging[root].buffers)))
+        saves.append((len(A._inflight), len(A._staging), A._staging[root].buffers))
     dropped = []
     for r in range(3):  # roots saved once and dropped (untrained: fairscale's backward hooks keep a trained one)
         other = M.wrap(M.make_net(), "deep")

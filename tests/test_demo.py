@@ -15,8 +15,13 @@ from fsdp_optim.demo import choose_device
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _pythonpath() -> str:
+    """This checkout first, then what the caller's PYTHONPATH holds (a GPU machine carries fairscale there)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def test_demo_removes_its_temporary_directory(tmp_path: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": _pythonpath()}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             "-m", "fsdp_optim.demo", "--steps", "1", "--repeats", "1"]  # fmt: skip
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -43,7 +48,7 @@ def test_the_demo_takes_a_gpu_per_local_rank_or_the_cpu_and_says_why() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the demo on one GPU under NCCL")
 def test_demo_on_one_gpu_trains_saves_and_resumes_there(tmp_path: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": _pythonpath()}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
             "-m", "fsdp_optim.demo", "--steps", "2", "--repeats", "1"]  # fmt: skip
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)

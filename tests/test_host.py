@@ -158,9 +158,12 @@ def test_the_cpu_path_is_chosen_by_where_the_model_computes_not_by_the_machine()
     assert not runs_on_host(cpu_net, {"compute_device": "cuda:0"})
     assert runs_on_host(cpu_net, {"move_params_to_cpu": True})  # offload onto a GPU names compute_device
     assert not runs_on_host(cpu_net, {"move_params_to_cpu": True, "compute_device": torch.device("cuda")})
-    assert runs_on_host(torch.nn.Module(), {})  # no parameters, no options: the CPU
+    assert runs_on_host(torch.nn.Module(), {}) is (not torch.cuda.is_available())  # none at all: fairscale's default
     meta_net = torch.nn.Linear(2, 2, device="meta")  # parameters on another device: not fairscale's CPU path
     assert not runs_on_host(meta_net, {})
+    for p in meta_net.parameters():  # a root over wrapped units: every parameter already taken by a nested instance
+        p._is_sharded = True  # type: ignore[attr-defined]  # fairscale's mark on the parameters it took over
+    assert not runs_on_host(meta_net, {}), "a root over units that compute elsewhere computes there too"
 
 
 def _cpu_then_gpu_instance(rank: int, world_size: int) -> str:  # noqa: ARG001

@@ -174,18 +174,26 @@ def test_gpu_pieces_see_what_the_callers_stream_queued_and_allocate_no_gpu_memor
 
 @CUDA
 def test_gpu_async_staging_copies_the_state_at_the_call_and_the_step_waits_on_the_gpu() -> None:
+    import threading
+
     staging = Staging()
-    live = torch.zeros(16 << 20, device="cuda")
-    live.fill_(1.0)
+    live = torch.zeros(64 << 20, device="cuda")  # 256 MiB
     state = {0: {"exp_avg": live}}
-    done = Staged()
+    torch.cuda._sleep(100_000_000)  # a long kernel on the caller's stream: what comes after it is still queued
+    live.fill_(1.0)  # the state at the call, not yet computed when the save is called
+    done, copies = Staged(), []
     ready = stager.ready_events(state)  # the caller's thread, at the call
-    copied = staging.copy(state, ready, done)
-    done.before_change()  # what optim.step() does first: its stream waits for the copy
+    thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, done)))
+    thread.start()
+    done.before_change()  # what optim.step() does first: returns once enqueued; its stream waits on the GPU
     live.fill_(2.0)  # the step changes the state in place
+    thread.join()
     torch.cuda.synchronize()
+    (copied,) = copies
     assert copied[0]["exp_avg"].is_pinned()
     assert torch.all(copied[0]["exp_avg"] == 1.0), "the copy holds the state as it was at the call"
+    again = staging.copy(state, stager.ready_events(state), Staged())
+    assert again[0]["exp_avg"].data_ptr() == copied[0]["exp_avg"].data_ptr(), "the next save reuses the arena"
 
 
 def test_the_ring_uploads_every_byte_into_its_destination_and_refuses_a_mismatch() -> None:
@@ -232,15 +240,15 @@ def _gpu_round_trip(rank: int, world_size: int, out: str) -> dict[str, Any]:  # 
     M.train_step(model, optim, *(t.cuda() for t in M.local_batch(3, rank, world_size)))  # steps at once
     handle.wait()
     fsdp_optim.save_checkpoint(model, optim, f"{out}/sync", extra={"step": 4})
-    after = optim.state_dict()
-    pointers = {(pid, k): v.data_ptr() for pid, e in after["state"].items() for k, v in e.items() if v.dim()}
+    live = optim.state_dict()["state"]
+    after = {pid: {k: v.clone() for k, v in e.items()} for pid, e in live.items()}  # not the tensors a load reuses
+    pointers = {(pid, k): v.data_ptr() for pid, e in live.items() for k, v in e.items() if v.dim()}
     fsdp_optim.load_checkpoint(model, optim, f"{out}/async")
     loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
     reused = all(optim.state_dict()["state"][pid][k].data_ptr() == p for (pid, k), p in pointers.items())
     fsdp_optim.load_checkpoint(model, optim, f"{out}/sync")
     back = optim.state_dict()
-    same = all(torch.equal(back["state"][pid][k].cpu(), v.cpu()) for pid, e in after["state"].items()
-               for k, v in e.items())  # fmt: skip
+    same = all(torch.equal(back["state"][pid][k].cpu(), v.cpu()) for pid, e in after.items() for k, v in e.items())
     return {"at call": all(torch.equal(loaded[k], v) for k, v in at_save.items()), "reused": reused, "sync": same}
 
 

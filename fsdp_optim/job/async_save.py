@@ -43,7 +43,7 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
-from fsdp_optim.job.stager import Staged, Staging, ready_events
+from fsdp_optim.job.stager import Staged, Staging, before_change, expect, ready_events
 from fsdp_optim.job.transport import ProcessGroup, new_gloo_group
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
@@ -104,23 +104,18 @@ class AsyncSave:
 
 
 class _StepGuard:
-    """Pre-hooks on one optimizer's ``step`` and ``load_state_dict``: wait until the last async save's copy is done."""
+    """Pre-hooks on one optimizer's ``step`` and ``load_state_dict``: the last async save's copy of its state comes
+    first (:func:`fsdp_optim.job.stager.before_change`; loads call it too)."""
 
     def __init__(self, optim: torch.optim.Optimizer) -> None:
-        self.pending: Staged | None = None
         optim.register_step_pre_hook(self._before_step)
         optim.register_load_state_dict_pre_hook(self._before_load)
 
-    def _wait(self) -> None:
-        pending = self.pending
-        if pending is not None:
-            pending.before_change()  # host tensors: until copied; GPU tensors: the step's stream waits on the GPU
+    def _before_step(self, optim: torch.optim.Optimizer, *_: Any) -> None:  # called with (optimizer, args, kwargs)
+        before_change(optim)
 
-    def _before_step(self, *_: Any) -> None:  # called with (optimizer, args, kwargs)
-        self._wait()
-
-    def _before_load(self, *_: Any) -> None:  # called with (optimizer, state_dict), which goes on unchanged
-        self._wait()
+    def _before_load(self, optim: torch.optim.Optimizer, *_: Any) -> None:  # (optimizer, state_dict), unchanged
+        before_change(optim)
 
 
 _guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard] = weakref.WeakKeyDictionary()
@@ -213,7 +208,8 @@ def launch(
         finally:
             handle.progress.finish()
 
-    _guard(optim).pending = handle.progress
+    _guard(optim)
+    expect(optim, handle.progress)
     with _lock:
         _inflight[key] = handle
     threading.Thread(target=handle._run, args=(lambda: upload(staged),), name=f"fsdp_optim-async-save-{name}").start()

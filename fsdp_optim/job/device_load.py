@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.job.stager import upload
+from fsdp_optim.job.stager import before_change, upload
 
 __all__ = ["into_live", "optimizer_state_on_device"]
 
@@ -29,7 +29,9 @@ def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str
     ``optim.load_state_dict`` takes it) with every state tensor of a parameter on a GPU already there, in the dtype
     ``load_state_dict`` would cast it to: copied into the live optimizer's own tensor for that parameter and key when
     it has one of that shape and dtype (no new GPU memory), into a new one otherwise. ``step`` stays as it is (as
-    ``load_state_dict`` keeps it). The same dict when no parameter is on a GPU."""
+    ``load_state_dict`` keeps it). The same dict when no parameter is on a GPU. An async save still copying
+    ``optim``'s state is waited for first (its pre-hook on ``load_state_dict`` would come too late)."""
+    before_change(optim)
     params = _params_by_id(optim, state_dict)
     if not any(p.is_cuda for p in params.values()):
         return state_dict

@@ -53,7 +53,9 @@ def runs_on_host(module: torch.nn.Module, options: dict[str, Any]) -> bool:
     """Whether fairscale computes this instance on the CPU (fairscale's CPU path: :mod:`fsdp_optim.job.host`).
 
     Decided by where the model computes, never by whether the machine has CUDA (a CPU model under gloo on a GPU
-    machine runs on the CPU): an explicit ``compute_device`` decides; else the parameters' device. So CPU offload
+    machine runs on the CPU): an explicit ``compute_device`` decides; else the parameters' device (those of nested
+    instances for a root whose own were all taken by them); only a module without any parameter goes where fairscale
+    would put it. So CPU offload
     onto a GPU (``move_params_to_cpu`` with parameters on the CPU) names its GPU: ``compute_device=torch.device(
     "cuda")``, as fairscale asks for it anyway (it checks the process group on that device). ``options`` as for
     :func:`check_options`.
@@ -61,4 +63,8 @@ def runs_on_host(module: torch.nn.Module, options: dict[str, Any]) -> bool:
     compute = options.get("compute_device")
     if compute is not None:
         return torch.device(compute).type == "cpu"
-    return not {p.device.type for p in unsharded_parameters(module)} - {"cpu"}
+    # Its own parameters; those that nested instances took over when it has none (a root over wrapped layers).
+    devices = {p.device.type for p in unsharded_parameters(module)} or {p.device.type for p in module.parameters()}
+    if not devices:  # no parameters at all: where fairscale would compute it (its default is the GPU)
+        return not torch.cuda.is_available()
+    return not devices - {"cpu"}

@@ -24,6 +24,7 @@ tests check its order and its reuse of memory on machines without a GPU (``tests
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,8 +43,11 @@ __all__ = [
     "Ring",
     "Staged",
     "Staging",
+    "before_change",
+    "expect",
     "mark",
     "pieces",
+    "pinned",
     "upload",
     "ready_events",
 ]
@@ -101,7 +105,7 @@ class CudaCopier:
             dst.copy_(src, non_blocking=True)
             if src.is_cuda:  # the allocator keeps src's memory until the side stream has read it
                 src.record_stream(self.stream)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # a waiting host thread sleeps instead of spinning on a core
             done.record(self.stream)
         return done
 
@@ -188,15 +192,29 @@ def _spans(parts: Sequence[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
             yield raw[start : start + size]
 
 
+_copiers: dict[int, CudaCopier] = {}  # one side stream per GPU, for the process's life
 _rings: dict[int, Ring] = {}  # one per GPU, for the process's life: the pinned memory every later save reuses
 _rings_lock = threading.Lock()
 
 
-def _ring(device: torch.device) -> Ring:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _copier(device: torch.device) -> CudaCopier:
+    index = _index(device)
     with _rings_lock:
+        if index not in _copiers:
+            _copiers[index] = CudaCopier(torch.device("cuda", index))
+        return _copiers[index]
+
+
+def _ring(device: torch.device) -> Ring:
+    copier = _copier(device)  # before the lock: it takes it too
+    with _rings_lock:
+        index = _index(device)
         if index not in _rings:
-            _rings[index] = Ring(CudaCopier(torch.device("cuda", index)))
+            _rings[index] = Ring(copier)
         return _rings[index]
 
 
@@ -208,6 +226,8 @@ def pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
         return host_pieces(parts)
     if device.type != "cuda":
         raise ValueError(f"a shard on {device}: the stager copies from CPU and CUDA memory only")
+    # Made contiguous now, before the mark: a copy kernel queued after it would race the side stream's reads.
+    parts = [p.detach().reshape(-1).contiguous() for p in parts]
     ring = _ring(device)
     assert isinstance(ring.copier, CudaCopier), "a GPU's ring copies from that GPU"
     ring.copier.after(mark(device))
@@ -250,8 +270,8 @@ class Staged:
     done: list[tuple[torch.device, Any]] = field(default_factory=list)  # per GPU: an event after its last copy
 
     def before_change(self) -> None:
-        """Before the live state changes (``optim.step()``, ``load_state_dict()``): the host waits until the copies
-        are enqueued; the caller's stream then waits, on the GPU, until they are done."""
+        """Before the live state changes (``optim.step()``, ``load_state_dict()``, a load): the host waits until the
+        copies are enqueued; the caller's stream then waits, on the GPU, until they are done."""
         self.issued.wait()
         for device, event in self.done:
             torch.cuda.current_stream(device).wait_event(event)
@@ -262,55 +282,120 @@ class Staged:
         self.staged.set()
 
 
+_pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, Staged] = weakref.WeakKeyDictionary()
+
+
+def expect(optim: torch.optim.Optimizer, staged: Staged) -> None:
+    """Record that ``optim``'s state (and its model's weights) are being copied by ``staged``."""
+    _pending[optim] = staged
+
+
+def before_change(optim: torch.optim.Optimizer | None) -> None:
+    """What anything that changes ``optim``'s state or its model's weights calls first: the last async save's copy
+    of them is enqueued (host) and done before the caller's stream goes on (GPU). Nothing when none is pending."""
+    staged = _pending.get(optim) if optim is not None else None
+    if staged is not None:
+        staged.before_change()
+
+
+_ALIGN = 512  # bytes: every staged tensor starts aligned in the arena
+
+
 class Staging:
-    """Host buffers for one root's shards, kept across saves: ``(flat, key)`` -> a tensor of that shape and dtype
-    (pinned when its shard is on a GPU)."""
+    """Host memory for one root's shards, kept across saves: a plain buffer per host tensor, ``(flat, key)`` -> a
+    tensor of that shape and dtype, and one pinned arena for the shards on GPUs (registered with CUDA at its exact
+    size: the caching host allocator would round each block up to a power of two, up to twice the state)."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self.host: dict[tuple[int, str], torch.Tensor] = {}
+        self.arena: torch.Tensor | None = None
+        self.layout: tuple[tuple[tuple[int, str], torch.Size, torch.dtype], ...] = ()
+        self.views: dict[tuple[int, str], torch.Tensor] = {}
 
     def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[torch.device, Any], staged: Staged) -> Any:
-        """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's buffers: host tensors at once,
+        """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory: host tensors at once,
         GPU tensors enqueued after ``ready[device]`` (:func:`mark`, taken when the save was called); sets
         ``staged.issued``, waits for the GPU copies, sets ``staged.staged``. Returns the copy, same shape."""
-        out: dict[int, dict[str, Any]] = {}
+        on_gpu = [((i, k), v.detach()) for i, e in state.items() for k, v in e.items() if _is_gpu(v)]
+        self._fit([(key, v.shape, v.dtype) for key, v in on_gpu])
+        out: dict[int, dict[str, Any]] = {i: {} for i in state}
         copiers: dict[torch.device, CudaCopier] = {}
-        for i, entries in state.items():
-            out[i] = {}
-            for key, value in entries.items():
-                out[i][key] = self._copy_one(i, key, value, ready, copiers)
-        staged.done = [(device, _last(copier)) for device, copier in copiers.items()]
-        staged.issued.set()
+        try:
+            for (i, key), value in on_gpu:
+                if value.device not in copiers:
+                    copiers[value.device] = _copier(value.device)
+                    copiers[value.device].after(ready[value.device])
+                out[i][key] = self.views[(i, key)]
+                copiers[value.device].copy(out[i][key], value)
+            for i, entries in state.items():
+                for key, value in entries.items():
+                    if not _is_gpu(value):
+                        out[i][key] = self._host_copy(i, key, value)
+        finally:  # every copy enqueued is waited for, even when a later one failed
+            staged.done = [(device, _last(copier)) for device, copier in copiers.items()]
+            staged.issued.set()
         for _, event in staged.done:
             event.synchronize()
         staged.staged.set()
-        return out
+        return {i: {k: out[i][k] for k in state[i]} for i in state}  # the state's own order
 
-    def _copy_one(
-        self, i: int, key: str, value: Any, ready: Mapping[torch.device, Any], copiers: dict[torch.device, CudaCopier]
-    ) -> Any:
+    @property
+    def buffers(self) -> int:
+        """How many tensors this root's staging holds memory for (host buffers and arena views)."""
+        return len(self.host) + len(self.views)
+
+    def _fit(self, specs: list[tuple[tuple[int, str], torch.Size, torch.dtype]]) -> None:
+        """The arena and its views for these shards: kept when the shapes and dtypes are those of the last save."""
+        layout = tuple(specs)
+        if layout == self.layout:
+            return
+        offsets, total = [], 0
+        for _, shape, dtype in layout:
+            offsets.append(total)
+            total += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN
+        self.arena, self.layout, self.views = None, (), {}  # the old arena is released (and unregistered) first
+        arena = pinned(total) if total else None
+        views = {}
+        for (key, shape, dtype), at in zip(layout, offsets, strict=True):
+            assert arena is not None, "a shard to stage has an arena"
+            views[key] = arena[at : at + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+        self.arena, self.layout, self.views = arena, layout, views
+
+    def _host_copy(self, i: int, key: str, value: Any) -> Any:
         if not torch.is_tensor(value):
             return value
         value = value.detach()
-        on_gpu = value.device.type == "cuda"
-        buffer = self.buffers.get((i, key))
-        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.is_pinned() != on_gpu:
-            buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=on_gpu)
-            self.buffers[(i, key)] = buffer
-        if not on_gpu:
-            buffer.copy_(value)
-            return buffer
-        if value.device not in copiers:
-            copier = _ring(value.device).copier
-            assert isinstance(copier, CudaCopier), "a GPU's ring copies from that GPU"
-            copier.after(ready[value.device])
-            copiers[value.device] = copier
-        copiers[value.device].copy(buffer, value)
+        buffer = self.host.get((i, key))
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = torch.empty(value.shape, dtype=value.dtype)
+            self.host[(i, key)] = buffer
+        buffer.copy_(value)
         return buffer
 
 
+def _is_gpu(value: Any) -> bool:
+    return torch.is_tensor(value) and value.device.type == "cuda"
+
+
+def pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory registered with CUDA (page-locked) at exactly that size, unregistered when the
+    returned tensor is dropped (views cut from it may outlive it: host reads need no registration, and its owner
+    copies into it only while it holds it)."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    pointer = buffer.data_ptr()
+    code = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0))
+    if code != 0:
+        raise RuntimeError(f"cannot page-lock {nbytes} bytes of host memory for staging (CUDA error {code})")
+    weakref.finalize(buffer, _unregister, pointer)  # the arena tensor: its owner drops it only between saves
+    return buffer
+
+
+def _unregister(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
 def _last(copier: CudaCopier) -> Any:
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record(copier.stream)
     return event
 

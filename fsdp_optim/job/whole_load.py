@@ -29,6 +29,7 @@ from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, verify_root
+from fsdp_optim.job.stager import before_change
 from fsdp_optim.job.transport import agree
 
 __all__ = ["LOAD_WINDOW_BYTES", "LoadPlans", "commit_load", "load_checkpoint", "plan_load", "stage_load"]
@@ -194,6 +195,7 @@ def _castable(saved: str, live: torch.dtype) -> bool:
 def commit_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: Staged) -> None:
     """Copy what was staged into the live model and optimizer (every check passed on every rank): into GPU memory
     through the stager's pinned ring (:mod:`fsdp_optim.job.device_load`)."""
+    before_change(optim)  # an async save still copying these weights and state comes first
     live_buffers = persistent_buffers(model)
     pairs = [(param.data, staged.weights[i]) for i, param in enumerate(root.params)]
     into_live(pairs + [(live_buffers[name], value) for name, value in staged.buffers.items()])
