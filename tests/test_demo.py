@@ -20,14 +20,19 @@ def _pythonpath() -> str:
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
-def test_demo_removes_its_temporary_directory(tmp_path: Path) -> None:
+def _demo(tmp_path: Path, ranks: int, steps: int) -> str:
+    """The README's main job under torchrun, in ``tmp_path`` as its temp dir; its stdout, checked to have passed."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": _pythonpath()}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "fsdp_optim.demo", "--steps", "1", "--repeats", "1"]  # fmt: skip
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+            "-m", "fsdp_optim.demo", "--steps", str(steps), "--repeats", "1"]  # fmt: skip
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "continuity verified" in done.stdout, done.stdout[-2000:]
-    first = done.stdout.splitlines()[0]
+    return done.stdout
+
+
+def test_demo_removes_its_temporary_directory(tmp_path: Path) -> None:
+    first = _demo(tmp_path, 2, 1).splitlines()[0]
     on_gpus = torch.cuda.device_count() >= 2
     assert first.startswith(f"fsdp_optim demo on {'GPUs (nccl)' if on_gpus else 'the CPU (gloo)'}: "), first
     left = sorted(p.name for p in tmp_path.glob("fsdp_optim_demo_*"))
@@ -48,10 +53,5 @@ def test_the_demo_takes_a_gpu_per_local_rank_or_the_cpu_and_says_why() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the demo on one GPU under NCCL")
 def test_demo_on_one_gpu_trains_saves_and_resumes_there(tmp_path: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": _pythonpath()}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            "-m", "fsdp_optim.demo", "--steps", "2", "--repeats", "1"]  # fmt: skip
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.startswith("fsdp_optim demo on GPUs (nccl): "), done.stdout[:200]
-    assert "continuity verified" in done.stdout, done.stdout[-2000:]
+    out = _demo(tmp_path, 1, 2)
+    assert out.startswith("fsdp_optim demo on GPUs (nccl): "), out[:200]
