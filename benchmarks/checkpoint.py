@@ -15,26 +15,19 @@ and ``.png``; ratios are to the floor of the same operation (``ckpt_floors``) an
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import models, spawn
 from .ckpt import job as ckpt_job
 from .ckpt import report as ckpt_report
-from .ckpt import tables as ckpt_tables
 from .ckpt.train import TrainConfig
-from .gather import _csv, _load, machine
+from .report import RESULTS, SCRATCH, Run, csv, ints, storage, verdict_lines
 
 # ---- configuration ---------------------------------------------------------------------------------
 MODELS = ("25M", "100M")
@@ -47,8 +40,6 @@ TRAIN = TrainConfig(every=2, checkpoints=2, repeats=3)  # runs of 6 steps, a che
 TRAIN_SKIP = {("100M", 4)}
 QUICK = {"models": ("5M",), "world_sizes": (1, 2), "repeats": 3, "train": TrainConfig(every=2, checkpoints=2, repeats=2)}
 STORAGE = Path("/dev/shm")  # tmpfs: the time is the code's, not the disk's; --dir to measure a disk
-RESULTS_DIR = Path(__file__).parent / "results"  # committed: the latest full run
-SCRATCH_DIR = Path(__file__).parent / "out"  # git-ignored: quick and ad-hoc runs
 COLLECTIVE_TIMEOUT_S = 900
 # -----------------------------------------------------------------------------------------------------
 
@@ -56,8 +47,8 @@ COLLECTIVE_TIMEOUT_S = 900
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 5M model, W = 1, 2; writes to benchmarks/out/")
-    p.add_argument("--models", type=_csv, help=f"presets {sorted(models.PRESETS)} or WIDTHxBLOCKS (default {','.join(MODELS)})")
-    p.add_argument("--world-sizes", type=lambda s: tuple(int(x) for x in _csv(s)), help="default 1,2,4")
+    p.add_argument("--models", type=csv, help=f"presets {sorted(models.PRESETS)} or WIDTHxBLOCKS (default {','.join(MODELS)})")
+    p.add_argument("--world-sizes", type=ints, help="default 1,2,4")
     p.add_argument("--warmup", type=int, default=WARMUP)
     p.add_argument("--repeats", type=int, help=f"timed calls per method (median reported; default {REPEATS})")
     p.add_argument("--steps", type=int, default=TRAIN_STEPS, help="Adam training steps before saving")
@@ -74,24 +65,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     repeats = base.repeats if args.train_repeats is None else args.train_repeats
     args.train = TrainConfig(args.train_every or base.every, base.checkpoints, repeats) if repeats > 0 else None
     args.dir = args.dir or (STORAGE if STORAGE.is_dir() and os.access(STORAGE, os.W_OK) else Path(tempfile.gettempdir()))
-    args.out = args.out or (SCRATCH_DIR if args.quick else RESULTS_DIR)
+    args.out = args.out or (SCRATCH if args.quick else RESULTS)
     args.name = args.name or ("checkpoint_quick" if args.quick else "checkpoint_latest")
     if args.repeats < 1 or args.warmup < 0 or min(args.world_sizes) < 1:
         p.error("--repeats must be >= 1, --warmup >= 0, world sizes >= 1")
     return args
-
-
-def package() -> str:
-    """Which fsdp_optim was measured: its commit, and whether its files differ from it."""
-    import fsdp_optim
-
-    where = Path(fsdp_optim.__file__).parent
-    try:
-        commit = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "."], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return f"fsdp_optim {fsdp_optim.__version__} at {where} (not in a git checkout)"
-    return f"fsdp_optim {fsdp_optim.__version__} at commit {commit}" + (" with uncommitted changes" if dirty else "")
 
 
 def plan(sizes: tuple[int, ...]) -> dict[int, int | None]:
@@ -142,7 +120,7 @@ def run_model(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs
         new = ckpt_report.rows_of(spec.name, world_size, payload)
         rows += new
         log(f"{spec.name} W={world_size} done in {time.perf_counter() - t0:.0f} s {payload['timings']}")
-        print(ckpt_tables.console(new), flush=True)
+        print(ckpt_report.console(new), flush=True)
         shutil.rmtree(root / f"work-W{world_size}", ignore_errors=True)
         later = {other[w] for w in sizes[k + 1 :]}
         for w, src in sources.items():
@@ -155,48 +133,28 @@ def run_model(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    import fairscale
-
     specs = [models.parse_model(m) for m in args.models]
-    started = time.perf_counter()
-
-    def log(text: str) -> None:
-        print(f"[{time.perf_counter() - started:6.0f}s] {text}", flush=True)
-
-    meta: dict[str, Any] = {
-        "command": ("python -m benchmarks.checkpoint " + shlex.join(argv)).strip(),
-        "machine": machine(),
-        "cores": os.cpu_count(),
-        "backend": "gloo",
-        "versions": f"torch {torch.__version__}, fairscale {fairscale.__version__}, Python {platform.python_version()}",
-        "package": package(),
+    run = Run("python -m benchmarks.checkpoint", argv)
+    run.meta |= {
         "train_skipped": sorted(f"{m} W={w}" for m, w in TRAIN_SKIP if m in args.models and w in args.world_sizes),
         "warmup": args.warmup,
         "repeats": args.repeats,
         "steps": args.steps,
         "train": None if args.train is None else {**vars(args.train), "steps": args.train.steps},
         "models": {s.name: s.numel for s in specs},
-        "storage": f"{args.dir} ({'tmpfs' if str(args.dir).startswith('/dev/shm') else 'file system'})",
-        "load_before": _load(),
+        "storage": storage(args.dir),
     }
     root = Path(tempfile.mkdtemp(prefix="fsdp_optim_ckpt_", dir=args.dir))
     refs = Path(tempfile.mkdtemp(prefix="fsdp_optim_ckpt_refs_"))
     rows: list[dict[str, Any]] = []
     try:
         for spec in specs:
-            rows += run_model(args, spec, root, refs, log)
+            rows += run_model(args, spec, root, refs, run.log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(refs, ignore_errors=True)
-    meta["wall_s"] = time.perf_counter() - started
-    meta["load_after"] = _load()
-    meta["finished"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    paths = ckpt_tables.write(rows, meta, args.out, args.name)
-    print()
-    print(ckpt_tables.console(rows))
-    print()
-    print(ckpt_tables.verdicts_text(rows))
-    print(f"\nwall time {meta['wall_s'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths.values()))
+    meta = run.finish()
+    run.done(ckpt_report.write(rows, meta, args.out, args.name), ckpt_report.console(rows), verdict_lines(ckpt_report.targets(rows)))
     return 0
 
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import peers
 from ..ckpt.common import Probes, save_durably
+from ..gather import peers
 from ..measure import Method
 from .fresh import load_method
 

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checks, floors, models, peers
-from .measure import Measurement, Method, NotAvailable, measure, release_memory
+from .. import models
+from ..measure import Measurement, Method, NotAvailable, measure, release_memory
+from . import checks, floors, peers
 
 
 @dataclass(frozen=True)
