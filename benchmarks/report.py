@@ -76,7 +76,7 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores{memory}{gpu}, {platform.system()} {platform.release()}"
 
 
-def load() -> str:
+def load_average() -> str:
     """The 1-, 5- and 15-minute load averages."""
     try:
         return " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -118,7 +118,7 @@ class Run:
             "versions": f"torch {torch.__version__}, fairscale {fairscale.__version__}, Python {platform.python_version()}"
             + (f", {versions}" if versions else ""),
             "package": package(),
-            "load_before": load(),
+            "load_before": load_average(),
         }
 
     def log(self, text: str) -> None:
@@ -126,7 +126,7 @@ class Run:
 
     def finish(self) -> dict[str, Any]:
         self.meta["wall_s"] = time.perf_counter() - self.started
-        self.meta["load_after"] = load()
+        self.meta["load_after"] = load_average()
         self.meta["finished"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         return self.meta
 
@@ -202,7 +202,7 @@ def mark(row: Row, wrong: str = " ⚠ WRONG") -> str:
     return wrong if note.startswith("wrong output") else " †" if note else ""
 
 
-def wrong(row: Row | None) -> bool:
+def is_wrong(row: Row | None) -> bool:
     return bool(row) and (row.get("note") or "").startswith(("wrong output", "result not checked"))  # type: ignore[union-attr]
 
 
@@ -224,7 +224,7 @@ def against(row: Row | None, base: Row | None, key: str, limit: float | None) ->
         return None, None, "not run here"
     if "na" in row:
         return None, None, row["na"]
-    if wrong(row):
+    if is_wrong(row):
         return None, False, row["note"]
     value = row.get(key)
     if value is None or base is None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from . import models, spawn
 from .checkpoint import plan
-from .report import RESULTS, SCRATCH, Run, ints, load, storage, verdict_lines
+from .report import RESULTS, SCRATCH, Run, ints, load_average, storage, verdict_lines
 from .whole import job as whole_job
 from .whole import offline as whole_offline
 from .whole import report as whole_report
@@ -88,8 +88,8 @@ def run_jobs(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs:
         log(f"W={sizes[-1]}: saving the checkpoint the smaller world sizes load ...")
         spawn_job(job(sizes[-1], source_only=True), sizes[-1])
     for k, world_size in enumerate(sizes):
-        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} ... (load average {load()})")
-        loads[world_size] = load()
+        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} ... (load average {load_average()})")
+        loads[world_size] = load_average()
         payload = spawn_job(job(world_size), world_size)
         work = root / f"work-W{world_size}"
         payload["results"] |= whole_offline.measure(

@@ -199,7 +199,7 @@ def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None) -> str
         "",
     )
     rep.targets(targets(rows), "## Targets", words=("yes", "**no**", "n/a", "n/a"), column="met")
-    bad = [r for r in rows if report.wrong(r)]
+    bad = [r for r in rows if report.is_wrong(r)]
     rep.add(f"Correctness: {len(bad)} wrong or unchecked result(s) out of {sum('na' not in r for r in rows)}.", "")
     latency = tuple(m for m in ORDER if m not in TRAIN)
     for model in dict.fromkeys(r["model"] for r in rows):

@@ -30,7 +30,7 @@ import fsdp_optim
 
 from .. import models, spawn
 from ..checkpoint import plan
-from ..report import RESULTS, SCRATCH, Run, csv, ints, load, storage, verdict_lines
+from ..report import RESULTS, SCRATCH, Run, csv, ints, load_average, storage, verdict_lines
 from . import job as storage_job
 from . import offline, report, server
 
@@ -106,8 +106,8 @@ def run_jobs(args: argparse.Namespace, srv: Any, proxy: Any, refs: Path, log: An
         spawn_job(job(sizes[-1], source_only=True), sizes[-1])
     for world_size in sizes:
         spec = models.parse_model(args.model_of[world_size])
-        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} ... (load average {load()})")
-        loads[world_size] = load()
+        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} ... (load average {load_average()})")
+        loads[world_size] = load_average()
         proxy.reset_stats()
         payload = spawn_job(job(world_size), world_size)
         payload["recut_fetched_bytes"] = server.get_bytes(proxy.stats()) if payload.get("recut_held_bytes") else None
@@ -126,7 +126,7 @@ def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, 
     spec = models.parse_model(args.model_of[world_size])
     endpoint = srv.endpoint
     root = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options)
-    log(f"offline: reshard {world_size} -> {RESHARD_TO} and consolidate, store to store (load average {load()})")
+    log(f"offline: reshard {world_size} -> {RESHARD_TO} and consolidate, store to store (load average {load_average()})")
     results = offline.measure(
         storage_job.checkpoint(root, world_size), root.child("offline"), world_size=RESHARD_TO, warmup=args.warmup,
         repeats=args.offline_repeats, env=endpoint.env, compact=lambda: server.vacuum(srv),

@@ -89,7 +89,7 @@ def targets(rows: list[Row]) -> list[Row]:
             row = at.get((model, ws, method))
             if row is None:
                 continue
-            if against == "bytes" and "na" not in row and not report.wrong(row):
+            if against == "bytes" and "na" not in row and not report.is_wrong(row):
                 value, met, detail = _bytes(row, limit or 0)
             else:
                 base = at.get((model, ws, (DCP_OF if against == "dcp" else FLOOR_OF).get(method, "")))

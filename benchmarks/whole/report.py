@@ -78,7 +78,7 @@ def targets(rows: list[Row]) -> list[Row]:
     for model, ws in report.groups(rows):
         for name, method, against, limit in TARGETS:
             row = at.get((model, ws, method))
-            if against == "own" and row and "na" not in row and not report.wrong(row):
+            if against == "own" and row and "na" not in row and not report.is_wrong(row):
                 growth = ", ".join(f"rank {r}: {g / MiB:,.0f} MiB for own {o / MiB:,.0f} MiB" for r, (g, o) in enumerate(zip(_growths(row), row["own_bytes"])))
                 value, met, detail = row["rss_excess"] / MiB, row["rss_excess"] <= SLACK, f"{growth} (value: MiB above own)"
             else:
