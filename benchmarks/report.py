@@ -315,6 +315,11 @@ def console(rows: Iterable[Sequence[str]], widths: Sequence[int]) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def by_group(rows: list[Row], head: Sequence[str], line: Callable[[Row], list[str]], widths: Sequence[int]) -> str:
+    """``console`` of the rows, one block per (model, world size) under a ``-- model, W=w`` line."""
+    return "\n".join(f"-- {m}, W={w}\n" + console([head] + [line(r) for r in rows if (r["model"], r["world_size"]) == (m, w)], widths) for m, w in groups(rows))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Plot and files
 

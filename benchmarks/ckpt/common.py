@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import models
 from ..measure import Measurement, Method, NotAvailable, measure, release_memory
 
 
@@ -133,6 +134,28 @@ class Probes:
             times = [theirs[name][1][warmup:] for theirs in everyone]
             if all(times):
                 value.extra["durable_s"] = [max(t[k] for t in times) for k in range(min(map(len, times)))]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every checkpoint job (``ckpt``, ``whole``, ``storage``) is configured with; each adds its own fields.
+
+    ``build(wrap, rank)`` makes the model with ``wrap`` (``models.wrap_fairscale`` / ``wrap_fsdp2``) and trains it
+    ``steps`` Adam steps; ``measure(methods, probes)`` measures them with the job's warm-up and repeats."""
+
+    model: models.ModelSpec
+    steps: int  # Adam steps before anything is saved
+    warmup: int
+    repeats: int
+
+    def build(self, wrap: Any, rank: int) -> tuple[Any, torch.optim.Optimizer]:
+        model = wrap(self.model, torch.device("cpu"))
+        optim = models.train(model, self.model, self.steps, rank, torch.device("cpu"))
+        optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None
+        return model, optim
+
+    def measure(self, methods: dict[str, Method], probes: Probes | None = None, **kw: Any) -> dict[str, Measurement | NotAvailable]:
+        return measure_probed(methods, probes, **{"warmup": self.warmup, "repeats": self.repeats, **kw})
 
 
 def measure_probed(

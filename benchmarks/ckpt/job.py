@@ -31,7 +31,7 @@ from . import dcp as ckpt_dcp
 from . import floors as ckpt_floors
 from . import ours as ckpt_ours
 from . import train as ckpt_train
-from .common import Probes, disk_bytes, measure_probed, remove
+from .common import Job, Probes, disk_bytes, remove
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,7 @@ class Source:
 
 
 @dataclass(frozen=True)
-class JobConfig:
-    model: models.ModelSpec
-    steps: int  # Adam steps before anything is saved
-    warmup: int
-    repeats: int
+class JobConfig(Job):
     work: str  # this job's scratch directory (removed by the caller)
     own: Source  # this job's world size
     publish_refs: bool  # a later job loads ``own``: write the references
@@ -60,12 +56,6 @@ class JobConfig:
     source_only: bool = False
     skip_train: str = ""  # why training runs are not measured here (reported as n/a)
 
-
-def _build(spec: models.ModelSpec, wrap: Any, steps: int, rank: int) -> tuple[Any, torch.optim.Optimizer]:
-    model = wrap(spec, torch.device("cpu"))
-    optim = models.train(model, spec, steps, rank, torch.device("cpu"))
-    optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None
-    return model, optim
 
 
 def _publish(cfg: JobConfig, ours: tuple[Any, Any], fsdp2: tuple[Any, Any], refs: tuple[Any, Any]) -> None:
@@ -84,15 +74,12 @@ def _write_refs(cfg: JobConfig, refs: tuple[Any, Any]) -> None:
     dist.barrier()
 
 
-def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes | None = None, **kw: Any) -> dict[str, Any]:
-    return measure_probed(methods, probes, **{"warmup": cfg.warmup, "repeats": cfg.repeats, **kw})
-
 
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    ours = _build(cfg.model, models.wrap_fairscale, cfg.steps, rank)
-    fsdp2 = _build(cfg.model, models.wrap_fsdp2, cfg.steps, rank)
+    ours = cfg.build(models.wrap_fairscale, rank)
+    fsdp2 = cfg.build(models.wrap_fsdp2, rank)
     group = dist.new_group(backend="gloo")  # DCP async's own group: its thread's collectives stay apart
     refs = (ours[0].gather_full_optim_state_dict(ours[1]), ckpt_dcp.full_state(*fsdp2))
     full_bytes = tensor_bytes(refs[0]) if rank == 0 else 0  # the full Adam state, padding excluded
@@ -115,7 +102,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     saves |= ckpt_dcp.save_methods(
         *fsdp2, same_dir=Path(own.dcp), async_dir=work / "dcp-async", group=group, reference=refs[1], probes=probes
     )
-    results |= _measure(saves, cfg, probes)
+    results |= cfg.measure(saves, probes)
     if ckpt_ours.async_save_api() is None:
         results["ours_async"] = NotAvailable(f"fsdp_optim has no {ckpt_ours.ASYNC_NAME} (yet)")
     _write_refs(cfg, refs)
@@ -143,11 +130,11 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
             other_reference=Path(ref) if ref else None,
             probes=probes,
         )
-    results |= _measure(loads, cfg, probes)
+    results |= cfg.measure(loads, probes)
     timings["loads_s"] = time.perf_counter() - phase
 
     phase = time.perf_counter()
-    results |= _measure(_offline(cfg, floor_dir, refs, disk), cfg)
+    results |= cfg.measure(_offline(cfg, floor_dir, refs, disk))
     timings["offline_s"] = time.perf_counter() - phase
     dist.barrier()
     if rank == 0:
@@ -158,7 +145,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     if cfg.train is not None:
         phase = time.perf_counter()
         train = ckpt_train.methods(cfg.train, cfg.model, ours, fsdp2, work=work, group=group)
-        results |= _measure(train, cfg, warmup=0, repeats=cfg.train.repeats)
+        results |= cfg.measure(train, warmup=0, repeats=cfg.train.repeats)
         if ckpt_ours.async_save_api() is None:
             results["train_ours_async"] = results["ours_async"]
         timings["train_s"] = time.perf_counter() - phase

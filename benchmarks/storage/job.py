@@ -35,7 +35,7 @@ import fsdp_optim
 from fsdp_optim.disk.storage import ObjectStore
 
 from .. import models
-from ..ckpt.common import Probes, measure_probed
+from ..ckpt.common import Job, Probes
 from ..measure import Method
 from ..whole import floors as whole_floors
 from ..whole import ours
@@ -45,11 +45,7 @@ from . import floors
 
 
 @dataclass(frozen=True)
-class JobConfig:
-    model: models.ModelSpec
-    steps: int  # Adam steps before anything is saved
-    warmup: int
-    repeats: int
+class JobConfig(Job):
     root: ObjectStore  # this run's prefix, straight to the server
     counted: ObjectStore | None  # the same prefix through the counting proxy: the counted other-W load
     storage_options: dict[str, Any]  # for s3fs, DCP's FsspecWriter / FsspecReader
@@ -72,12 +68,6 @@ def scratch(world_size: int) -> dict[str, str]:
 def reference(refs: str, world_size: int) -> Path:
     return Path(refs) / f"ref-W{world_size}.pt"
 
-
-def _build(spec: models.ModelSpec, wrap: Any, steps: int, rank: int) -> tuple[Any, torch.optim.Optimizer]:
-    model = wrap(spec, torch.device("cpu"))
-    optim = models.train(model, spec, steps, rank, torch.device("cpu"))
-    optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None
-    return model, optim
 
 
 def _publish(cfg: JobConfig, model: Any, optim: torch.optim.Optimizer, world_size: int) -> None:
@@ -135,20 +125,17 @@ def _dcp_methods(fsdp2: tuple[Any, torch.optim.Optimizer], url: str, options: di
     return save, load_method("dcp_load_same", model, load, same_as(model, snapshot(model), optim), probes)
 
 
-def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes) -> dict[str, Any]:
-    return measure_probed(methods, probes, warmup=cfg.warmup, repeats=cfg.repeats)
-
 
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    model, optim = _build(cfg.model, models.wrap_fairscale, cfg.steps, rank)
+    model, optim = cfg.build(models.wrap_fairscale, rank)
     own = checkpoint(cfg.root, world_size)
     if cfg.source_only:
         fsdp_optim.save_checkpoint(model, optim, own)
         _publish(cfg, model, optim, world_size)
         return None
-    fsdp2 = _build(cfg.model, models.wrap_fsdp2, cfg.steps, rank)
+    fsdp2 = cfg.build(models.wrap_fsdp2, rank)
     nested = models.wrap_fairscale_linears(cfg.model, torch.device("cpu")) if cfg.other else None
     timings["build_train_s"] = time.perf_counter() - start
     fs = cfg.root.fs
@@ -164,7 +151,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     saves |= ours.save_methods(model, optim, directory=own, async_dir=cfg.root.child(prefixes["whole-async"]), probes=probes)  # type: ignore[arg-type]
     saves["whole_save"] = clock.wrap(saves["whole_save"])
     saves["dcp_save"] = dcp_save
-    results = _measure({name: compact(m) for name, m in saves.items()}, cfg, probes)
+    results = cfg.measure({name: compact(m) for name, m in saves.items()}, probes)
     _publish(cfg, model, optim, world_size)
     timings["saves_s"] = time.perf_counter() - phase
 
@@ -176,7 +163,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     if cfg.other is not None and nested is not None:
         ref = reference(cfg.refs, cfg.other)
         loads |= ours.load_other(nested, directory=checkpoint(cfg.root, cfg.other), reference_file=ref, probes=probes)  # type: ignore[arg-type]
-    results |= _measure(loads, cfg, probes)
+    results |= cfg.measure(loads, probes)
     timings["loads_s"] = time.perf_counter() - phase
 
     held = None

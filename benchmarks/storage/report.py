@@ -115,8 +115,7 @@ def _label(row: Row) -> str:
 
 
 def console(rows: list[Row]) -> str:
-    return "\n".join(f"-- {m}, W={w}\n" + report.console([HEAD] + [[_label(r)] + _cells(r) for r in rows if (r["model"], r["world_size"]) == (m, w)], (70, 40, 7, 8, 6, 6, 9))
-                     for m, w in report.groups(rows))
+    return report.by_group(rows, HEAD, lambda r: [_label(r)] + _cells(r), (70, 40, 7, 8, 6, 6, 9))
 
 
 def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None) -> str:
