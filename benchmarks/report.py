@@ -344,17 +344,17 @@ def lines(path: Path, title: str, panels: list[list[dict[str, Any]]], *, size: t
     fig, axes = plt.subplots(len(panels), ncols, figsize=(size[0] * ncols + 0.6, size[1] * len(panels) + 0.6), squeeze=False)
     for ax_row, row in zip(axes, panels):
         for ax, panel in zip(ax_row, row + [None] * (ncols - len(row))):
-            if not panel or not panel["series"]:
+            if not panel or not any(s[1] for s in panel["series"]):
                 ax.axis("off")
                 continue
-            for label, points, style, colour, width in panel["series"]:
+            for label, points, style, colour, width in (s for s in panel["series"] if s[1]):
                 ax.plot(*zip(*sorted(points)), style, color=colour, linewidth=width, label=label, markersize=4)
             if panel.get("hline"):
                 ax.axhline(panel["hline"][0], color="grey", ls=":", label=panel["hline"][1])
             ax.set(xscale=panel.get("xscale", "linear"), yscale=panel.get("yscale", "linear"), title=panel.get("title", ""))
             ax.set_xlabel(panel.get("xlabel", "world size"))
             ax.set_ylabel(panel.get("ylabel", ""))
-            ticks = panel.get("xticks") or sorted({x for s in panel["series"] for x, _ in s[1]})
+            ticks = sorted({x for s in panel["series"] for x, _ in s[1]})
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.grid(True, which="both", alpha=0.3)

@@ -186,24 +186,6 @@ def remove(path: str | os.PathLike[str]) -> None:
         path.unlink(missing_ok=True)
 
 
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_durably(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path``, flushed and fsync-ed (what every floor and offline writer here pays)."""
-    path = Path(path)
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return path
-
-
 def fresh_load_methods(
     prefix: str,
     optim: torch.optim.Optimizer,

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .. import models
 from ..measure import Method
-from .common import Probes, difference, disk_bytes, fresh_load_methods, fsync_path, remove, wrong
+from ..peak import fsync_path
+from .common import Probes, difference, disk_bytes, fresh_load_methods, remove, wrong
 
 
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

@@ -28,7 +28,8 @@ import fsdp_optim
 
 from .. import models
 from ..measure import Method
-from .common import Probes, difference, disk_bytes, fresh_load_methods, remove, save_durably, wrong
+from ..peak import save_durably
+from .common import Probes, difference, disk_bytes, fresh_load_methods, remove, wrong
 
 ASYNC_NAME = "async_save_sharded_optim_state"
 

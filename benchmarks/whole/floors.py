@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ckpt.common import save_durably
+from ..peak import save_durably
 
 
 def rank_file(directory: str | os.PathLike[str], rank: int) -> Path:

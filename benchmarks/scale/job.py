@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks import models
 from fsdp_optim import gather_full_optim_state_dict, load_sharded_optim_state, save_sharded_optim_state
+
+from .. import models
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
