@@ -186,25 +186,25 @@ def remove(path: str | os.PathLike[str]) -> None:
         path.unlink(missing_ok=True)
 
 
-def fresh_load_methods(
-    prefix: str,
-    optim: torch.optim.Optimizer,
-    new_optimizer: Callable[[], torch.optim.Optimizer],
-    load_into: Callable[[torch.optim.Optimizer, Path], None],
-    other_wrong: Callable[[torch.optim.Optimizer, Any], str],
-    *,
-    same_dir: Path,
-    other_dir: Path | None,
-    other_reference: Path | None,
-    probes: Probes,
-) -> dict[str, Method]:
-    """``{prefix}_load_same`` (and ``{prefix}_load_other``): ``load_into`` a fresh optimizer, built
+@dataclass(frozen=True)
+class Loads:
+    """Where a job's loads read: its own checkpoint, another world size's (with the reference it must equal)."""
+
+    same_dir: Path
+    other_dir: Path | None
+    other_reference: Path | None
+    probes: Probes
+
+
+def fresh_load_methods(prefix: str, model: Any, optim: torch.optim.Optimizer, load_into: Callable[[torch.optim.Optimizer, Path], None],
+                       other_wrong: Callable[[torch.optim.Optimizer, Any], str], where: Loads) -> dict[str, Method]:  # fmt: skip
+    """``{prefix}_load_same`` (and ``{prefix}_load_other``): ``load_into`` a fresh Adam of ``model``, built
     untimed before each call. The same-W result must equal the live ``optim``; ``other_wrong(loaded,
     reference full dict)`` says what is wrong with the other-W result ("" when right)."""
     fresh: list[torch.optim.Optimizer] = []
 
     def prepare() -> None:
-        fresh[:] = [new_optimizer()]
+        fresh[:] = [torch.optim.Adam(model.parameters(), lr=models.LR)]
 
     def load(directory: Path) -> Callable[[], torch.optim.Optimizer]:
         def call() -> torch.optim.Optimizer:
@@ -218,11 +218,11 @@ def fresh_load_methods(
         return wrong(difference(loaded.state_dict(), optim.state_dict(), "state_dict"))
 
     def same_as_other(loaded: torch.optim.Optimizer) -> str:
-        return other_wrong(loaded, torch.load(other_reference, mmap=True, weights_only=True))  # type: ignore[arg-type]
+        return other_wrong(loaded, torch.load(where.other_reference, mmap=True, weights_only=True))  # type: ignore[arg-type]
 
     same = f"{prefix}_load_same"
-    methods = {same: probes.wrap(same, Method(load(same_dir), prepare=prepare), same_as_live)}
-    if other_dir is not None:
+    methods = {same: where.probes.wrap(same, Method(load(where.same_dir), prepare=prepare), same_as_live)}
+    if where.other_dir is not None:
         other = f"{prefix}_load_other"
-        methods[other] = probes.wrap(other, Method(load(other_dir), prepare=prepare), same_as_other)
+        methods[other] = where.probes.wrap(other, Method(load(where.other_dir), prepare=prepare), same_as_other)
     return methods

@@ -31,7 +31,7 @@ from . import dcp as ckpt_dcp
 from . import floors as ckpt_floors
 from . import ours as ckpt_ours
 from . import train as ckpt_train
-from .common import Job, Probes, disk_bytes, remove
+from .common import Job, Loads, Probes, disk_bytes, remove
 
 
 @dataclass(frozen=True)
@@ -119,17 +119,11 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     phase = time.perf_counter()
     probes = Probes()
     loads = {"floor_load": Method(lambda: ckpt_floors.load(ckpt_floors.rank_file(floor_dir, rank)))}
-    for module, same, there, ref in (
-        (ckpt_ours, own.ours, other and other.ours, other and other.ref_ours),
-        (ckpt_dcp, own.dcp, other and other.dcp, other and other.ref_dcp),
+    for module, pair, same, there, ref in (
+        (ckpt_ours, ours, own.ours, other and other.ours, other and other.ref_ours),
+        (ckpt_dcp, fsdp2, own.dcp, other and other.dcp, other and other.ref_dcp),
     ):
-        loads |= module.load_methods(
-            *(ours if module is ckpt_ours else fsdp2),
-            same_dir=Path(same),
-            other_dir=Path(there) if there else None,
-            other_reference=Path(ref) if ref else None,
-            probes=probes,
-        )
+        loads |= module.load_methods(*pair, Loads(Path(same), Path(there) if there else None, Path(ref) if ref else None, probes))
     results |= cfg.measure(loads, probes)
     timings["loads_s"] = time.perf_counter() - phase
 

@@ -26,10 +26,9 @@ from torch import nn
 
 import fsdp_optim
 
-from .. import models
 from ..measure import Method
 from ..peak import save_durably
-from .common import Probes, difference, disk_bytes, fresh_load_methods, remove, wrong
+from .common import Loads, Probes, difference, disk_bytes, fresh_load_methods, remove, wrong
 
 ASYNC_NAME = "async_save_sharded_optim_state"
 
@@ -76,32 +75,14 @@ def save_methods(
     return methods
 
 
-def load_methods(
-    model: nn.Module,
-    optim: torch.optim.Optimizer,
-    *,
-    same_dir: Path,
-    other_dir: Path | None,
-    other_reference: Path | None,
-    probes: Probes,
-) -> dict[str, Method]:
+def load_methods(model: nn.Module, optim: torch.optim.Optimizer, where: Loads) -> dict[str, Method]:
     """Loads into a fresh optimizer, built (untimed) before each call."""
 
     def other_wrong(loaded: torch.optim.Optimizer, full: Any) -> str:
         expected = model.get_shard_from_optim_state_dict(full, optim=loaded)  # type: ignore[operator]
         return wrong(difference(loaded.state_dict(), expected, "state_dict"))
 
-    return fresh_load_methods(
-        "ours",
-        optim,
-        lambda: torch.optim.Adam(model.parameters(), lr=models.LR),
-        lambda target, directory: fsdp_optim.load_sharded_optim_state(model, target, directory),
-        other_wrong,
-        same_dir=same_dir,
-        other_dir=other_dir,
-        other_reference=other_reference,
-        probes=probes,
-    )
+    return fresh_load_methods("ours", model, optim, lambda target, directory: fsdp_optim.load_sharded_optim_state(model, target, directory), other_wrong, where)
 
 
 def offline_methods(

@@ -19,7 +19,6 @@ it). Then the offline tools run in this process on the smallest W's checkpoint. 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -29,8 +28,7 @@ from typing import Any
 import fsdp_optim
 
 from .. import models, spawn
-from ..checkpoint import plan
-from ..report import RESULTS, SCRATCH, Run, csv, ints, load_average, storage, verdict_lines
+from ..report import Run, csv, load_average, storage, verdict_lines
 from . import job as storage_job
 from . import offline, report, server
 
@@ -50,29 +48,17 @@ COLLECTIVE_TIMEOUT_S = 1800
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.storage", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: 5M model; writes to benchmarks/out/")
+    spawn.options(p, warmup=WARMUP, repeats=REPEATS, steps=STEPS, storage=STORAGE, name="storage")
     p.add_argument("--model", help=f"a preset {sorted(models.PRESETS)} or WIDTHxBLOCKS (default {MODEL})")
     p.add_argument("--models", help="one model per world size, comma-separated (e.g. 100M,25M with --world-sizes 2,4)")
-    p.add_argument("--world-sizes", type=ints, help="default 2,4")
-    p.add_argument("--warmup", type=int, default=WARMUP)
-    p.add_argument("--repeats", type=int, help=f"timed calls per method (median reported; default {REPEATS})")
     p.add_argument("--offline-repeats", type=int, default=OFFLINE_REPEATS)
     p.add_argument("--no-offline", action="store_true", help="skip reshard / consolidate from the store")
-    p.add_argument("--steps", type=int, default=STEPS, help="Adam training steps before saving")
-    p.add_argument("--dir", type=Path, help=f"the server's data directory's parent (default {STORAGE} if present)")
-    p.add_argument("--out", type=Path, help="output folder (default benchmarks/results, --quick: benchmarks/out)")
-    p.add_argument("--name", help="output file stem (default storage, --quick: storage_quick)")
-    args = p.parse_args(argv)
-    args.world_sizes = tuple(sorted(set(args.world_sizes or WORLD_SIZES)))
+    args = spawn.resolve(p.parse_args(argv), world_sizes=WORLD_SIZES, repeats=REPEATS, quick_repeats=QUICK["repeats"], storage=STORAGE, name="storage")  # type: ignore[arg-type]
     default = args.model or (QUICK["model"] if args.quick else MODEL)
     names = csv(args.models) if args.models else (default,) * len(args.world_sizes)
     if len(names) != len(args.world_sizes):
         p.error(f"--models: one per world size ({len(args.world_sizes)}), found {len(names)}")
     args.model_of = dict(zip(args.world_sizes, names))
-    args.repeats = args.repeats or (QUICK["repeats"] if args.quick else REPEATS)
-    args.dir = args.dir or (STORAGE if STORAGE.is_dir() and os.access(STORAGE, os.W_OK) else Path(tempfile.gettempdir()))
-    args.out = args.out or (SCRATCH if args.quick else RESULTS)
-    args.name = args.name or ("storage_quick" if args.quick else "storage")
     if args.repeats < 1 or args.warmup < 0 or args.offline_repeats < 1 or min(args.world_sizes) < 2:
         p.error("--repeats, --offline-repeats must be >= 1, --warmup >= 0, world sizes >= 2 (W=1 is not sharded)")
     if len(set(names)) > 1 and len(args.world_sizes) > 1:
@@ -81,44 +67,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_jobs(args: argparse.Namespace, srv: Any, proxy: Any, refs: Path, log: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    sizes, other = args.world_sizes, plan(args.world_sizes)
-    needed = {o for o in other.values() if o is not None}
+    sizes, other = args.world_sizes, spawn.plan(args.world_sizes)
     endpoint = srv.endpoint
     root = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options)
     counted = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **proxy.storage_options)
     vacuum_url = f"http://127.0.0.1:{srv.ports['master.port']}/vol/vacuum?garbageThreshold=0.001"
+    loads: dict[int, str] = {}
 
-    def job(world_size: int, source_only: bool = False) -> storage_job.JobConfig:
-        return storage_job.JobConfig(
+    def job(world_size: int, source_only: bool) -> Any:
+        cfg = storage_job.JobConfig(
             model=models.parse_model(args.model_of[world_size]), steps=args.steps, warmup=args.warmup,
             repeats=args.repeats, root=root, counted=counted, storage_options=endpoint.storage_options,
-            refs=str(refs), other=other[world_size], publish_ref=world_size in needed, vacuum_url=vacuum_url,
+            refs=str(refs), other=other[world_size], publish_ref=world_size in other.values(), vacuum_url=vacuum_url,
             source_only=source_only,
-        )
-
-    def spawn_job(cfg: storage_job.JobConfig, world_size: int) -> Any:
+        )  # fmt: skip
+        if not source_only:
+            loads[world_size] = load_average()
+            proxy.reset_stats()
         return spawn.run_ranks(storage_job.run, world_size, cfg, collective_timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=5400)[0]
 
-    rows: list[dict[str, Any]] = []
-    loads: dict[int, str] = {}
-    if len(sizes) > 1:
-        log(f"W={sizes[-1]}: saving the checkpoint the smaller world sizes load ...")
-        spawn_job(job(sizes[-1], source_only=True), sizes[-1])
-    for world_size in sizes:
+    def done(world_size: int, payload: Any, needed: set[int | None]) -> list[dict[str, Any]]:
         spec = models.parse_model(args.model_of[world_size])
-        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} ... (load average {load_average()})")
-        loads[world_size] = load_average()
-        proxy.reset_stats()
-        payload = spawn_job(job(world_size), world_size)
         payload["recut_fetched_bytes"] = server.get_bytes(proxy.stats()) if payload.get("recut_held_bytes") else None
         for name in storage_job.scratch(world_size).values():  # this job's scratch prefixes (fresh names per job)
             root.fs.rm(root.key(name), recursive=True)
         server.vacuum(srv)
-        new = report.rows_of(spec.name, world_size, payload)
-        rows += new
-        log(f"W={world_size} done {payload['timings']}")
-        print(report.console(new), flush=True)
-    return rows, loads
+        rows = report.rows_of(spec.name, world_size, payload)
+        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} done {payload['timings']}")
+        print(report.console(rows), flush=True)
+        return rows
+
+    return spawn.campaign(sizes, job, done, log), loads
 
 
 def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, Any]]:
