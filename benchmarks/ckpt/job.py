@@ -97,7 +97,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
 
     phase = time.perf_counter()
     probes = Probes()
-    saves = {"floor_save": Method(lambda: ckpt_floors.save(ours[1], floor_dir, rank))}
+    saves = {"floor_save": Method(lambda: ckpt_floors.save(ours[1].state_dict(), floor_dir, rank))}
     saves |= ckpt_ours.save_methods(*ours, same_dir=Path(own.ours), async_dir=work / "ours-async", reference=refs[0], probes=probes)
     saves |= ckpt_dcp.save_methods(
         *fsdp2, same_dir=Path(own.dcp), async_dir=work / "dcp-async", group=group, reference=refs[1], probes=probes

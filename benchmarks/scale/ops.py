@@ -17,7 +17,6 @@ hides another's.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import io
 import json
@@ -38,6 +37,7 @@ from fsdp_optim.core.records import GroupRecord, StateEntry
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.reader import read_manifest
 
+from ..ckpt.floors import into_parts
 from ..peak import adam_full_dict, fsync_path
 
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -111,21 +111,8 @@ def _read_all(files: list[Path]) -> list[torch.Tensor]:
 def _write_parts(tensors: list[torch.Tensor], parts: int, out: Path, name: str) -> None:
     """Copy the tensors' elements once, as one stream, into ``parts`` equal buffers; write each (one tensor a
     file, as a format-2 rank file holds one tensor per dtype) with an fsync."""
-    numel = sum(t.numel() for t in tensors)
-    bounds = [numel * k // parts for k in range(parts + 1)]
-    bufs = [torch.empty(bounds[k + 1] - bounds[k]) for k in range(parts)]
-    cursor = 0
-    for t in tensors:
-        start, stop = cursor, cursor + t.numel()
-        first = max(bisect.bisect_right(bounds, start) - 1, 0)
-        for k in range(first, parts):
-            lo, hi = max(start, bounds[k]), min(stop, bounds[k + 1])
-            if lo >= hi:
-                break
-            bufs[k][lo - bounds[k] : hi - bounds[k]].copy_(t.reshape(-1)[lo - start : hi - start])
-        cursor = stop
     out.mkdir(parents=True, exist_ok=True)
-    for k, buf in enumerate(bufs):
+    for k, buf in enumerate(into_parts(tensors, parts, sum(t.numel() for t in tensors))):
         _write_safetensors({"float32": buf}, out / f"{name}{k}.safetensors")
 
 

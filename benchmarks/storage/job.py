@@ -35,9 +35,9 @@ import fsdp_optim
 from fsdp_optim.disk.storage import ObjectStore
 
 from .. import models
+from ..ckpt import floors as whole_floors
 from ..ckpt.common import Job, Probes
 from ..measure import Method
-from ..whole import floors as whole_floors
 from ..whole import ours
 from ..whole.dcp import _state
 from ..whole.fresh import load_method, same_as, snapshot

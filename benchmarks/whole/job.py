@@ -26,10 +26,11 @@ import torch.distributed as dist
 import fsdp_optim
 
 from .. import models
+from ..ckpt import floors
 from ..ckpt.common import Job, Probes, disk_bytes, remove
 from ..measure import Method, NotAvailable
 from . import dcp as whole_dcp
-from . import floors, fullsd, ours
+from . import fullsd, ours
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
 
     phase = time.perf_counter()
     probes = Probes()
-    saves = {"floor_save": Method(lambda: floors.save(model, optim, dirs["floor"], rank))}
+    saves = {"floor_save": Method(lambda: floors.save(floors.own_state(model, optim), dirs["floor"], rank))}
     saves |= ours.save_methods(model, optim, directory=checkpoint, async_dir=dirs["whole-async"], probes=probes)
     saves |= whole_dcp.save_methods(*fsdp2, directory=dirs["dcp"], async_dir=dirs["dcp-async"], group=group, probes=probes)
     results |= cfg.measure(saves, probes, **fast)
