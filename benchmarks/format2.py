@@ -53,13 +53,14 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.torch_files import shard_payload, wrap
 from fsdp_optim.formats.sharded.writer import write_manifest, write_shard_file
 
+from .report import SCRATCH
+
 MODELS = {"25M": 25_000_000, "100M": 100_000_000}
 UNITS = 24  # FSDP units per model (a transformer wrapped per block)
 WORLD_SIZE, OTHER_WORLD_SIZE = 2, 3
 WARMUP, REPEATS = 1, 5
 QUICK = {"models": {"5M": 5_000_000}, "repeats": 2}
 STORAGE = Path("/dev/shm")
-SCRATCH = Path(__file__).parent / "out"
 
 
 def build(numel: int) -> tuple[Manifest, list[dict[int, dict[str, Any]]]]:

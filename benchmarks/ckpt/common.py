@@ -10,11 +10,12 @@ times to rank 0 with one ``all_gather_object``, after the loop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,16 @@ class Job:
 
     def measure(self, methods: dict[str, Method], probes: Probes | None = None, **kw: Any) -> dict[str, Measurement | NotAvailable]:
         return measure_probed(methods, probes, **{"warmup": self.warmup, "repeats": self.repeats, **kw})
+
+
+@contextlib.contextmanager
+def phase(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Time the ``with`` block into ``timings[name]`` (seconds): a job's phases, for its log."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = time.perf_counter() - start
 
 
 def measure_probed(

@@ -8,7 +8,7 @@
 1. Offline, one process (``WxU``: a checkpoint of ``U`` units at ``W`` ranks, made by resharding a full dict;
    1,536 float32 elements per unit, so ~12 KiB of Adam state per unit in all): ``reshard`` to ``3W/4``
    ranks against the read-everything-write-everything floor (the same rank files read with the plain
-   loader, the same number of files of the same bytes written, ``fsync`` per file: ``scale_ops``), and
+   loader, the same number of files of the same bytes written, ``fsync`` per file: ``ops.py``), and
    against the re-cut floor (the same, plus the manifest read as plain JSON and every (unit, key) re-cut
    per output rank: the least a reshard of this format must do);
    ``consolidate`` (+ ``torch.save`` + ``fsync`` of the full dict) against its floor (one file written);
