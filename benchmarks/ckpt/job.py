@@ -115,16 +115,10 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
         results |= {name: NotAvailable(cfg.skip_train) for name in ckpt_train.VARIANTS}
     if rank != 0:
         return None
-    return {
-        "results": results,
-        "disk": disk,
-        "timings": timings,
-        "full_bytes": full_bytes,
-        "rank_state_bytes": sum(s.untyped_storage().nbytes() for s in _state_tensors(ours[1])),
-        "other_world_size": other.world_size if other else None,
-        "reshard_to": cfg.reshard_to,
-        "train": None if cfg.train is None else {"steps": cfg.train.steps, "checkpoints": cfg.train.checkpoints},
-    }
+    train = None if cfg.train is None else {"steps": cfg.train.steps, "checkpoints": cfg.train.checkpoints}
+    state_bytes = sum(s.untyped_storage().nbytes() for s in _state_tensors(ours[1]))
+    other_world_size = other.world_size if other else None
+    return dict(results=results, disk=disk, timings=timings, full_bytes=full_bytes, rank_state_bytes=state_bytes, other_world_size=other_world_size, reshard_to=cfg.reshard_to, train=train)
 
 
 def _saves(cfg: JobConfig, ours: Any, fsdp2: Any, group: Any, refs: tuple[Any, Any], disk: dict[str, int]) -> dict[str, Any]:
