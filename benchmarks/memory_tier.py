@@ -16,13 +16,13 @@ own files from page cache). Medians of ``REPEATS`` after ``WARMUP``; every rank 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 
 from . import models, spawn
 from .ckpt.common import difference
+from .peak import rounds
 from .report import RESULTS, SCRATCH
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -42,19 +43,11 @@ STORAGE = Path("/dev/shm")
 
 
 def _median(fn: Any, warmup: int, repeats: int, before: Any = None) -> float:
+    """The median of ``fn(k)`` for the timed ``k`` (after ``warmup``), each between two barriers, ``before()`` untimed."""
     import torch.distributed as dist
 
-    times = []
-    for k in range(warmup + repeats):
-        if before is not None:
-            before()
-        dist.barrier()
-        start = time.perf_counter()
-        fn(k)
-        dist.barrier()
-        if k >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    k = itertools.count()
+    return statistics.median(rounds({"call": lambda: fn(next(k))}, warmup=warmup, repeats=repeats, sync=dist.barrier, before=before and (lambda _: before()))["call"])
 
 
 def _save_job(rank: int, world_size: int, spec: models.ModelSpec, work: str, warmup: int, repeats: int) -> Any:

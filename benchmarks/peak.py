@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["adam_full_dict", "fresh", "fsync_path", "in_child", "measured", "reply", "save_durably", "spawn_gloo", "status_bytes"]
+__all__ = ["adam_full_dict", "fresh", "fsync_path", "in_child", "measured", "reply", "rounds", "save_durably", "spawn_gloo", "status_bytes"]
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
@@ -52,6 +52,33 @@ def measured(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     result = fn()
     seconds = time.perf_counter() - start
     return seconds, status_bytes("VmHWM") - before, result
+
+
+def rounds(methods: dict[str, Callable[[], Any]], *, warmup: int, repeats: int, rotate: bool = True, before: Callable[[str], Any] | None = None,
+           after: Callable[[str], Any] | None = None, sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:  # fmt: skip
+    """Each method timed once a round, ``warmup`` rounds untimed then ``repeats`` timed; the order rotates every
+    round (``rotate``) so that a drift in load hits every method alike. ``before(name)`` and ``after(name)`` run
+    untimed around each call; ``sync()`` (a barrier in a job) runs just before the clock starts and just before it
+    stops. Returns the timed seconds per method."""
+    names = list(methods)
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for round_ in range(warmup + repeats):
+        shift = round_ % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            if before is not None:
+                before(name)
+            if sync is not None:
+                sync()
+            start = time.perf_counter()
+            methods[name]()
+            if sync is not None:
+                sync()
+            elapsed = time.perf_counter() - start
+            if after is not None:
+                after(name)
+            if round_ >= warmup:
+                times[name].append(elapsed)
+    return times
 
 
 def in_child(fn: Callable[[], Any]) -> tuple[float, int, Any]:

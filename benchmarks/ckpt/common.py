@@ -139,7 +139,7 @@ class Probes:
 
 @dataclass(frozen=True)
 class Job:
-    """What every checkpoint job (``ckpt``, ``whole``, ``storage``) is configured with; each adds its own fields.
+    """What every job (``gather``, ``ckpt``, ``whole``, ``storage``) is configured with; each adds its own fields.
 
     ``build(wrap, rank)`` makes the model with ``wrap`` (``models.wrap_fairscale`` / ``wrap_fsdp2``) and trains it
     ``steps`` Adam steps; ``measure(methods, probes)`` measures them with the job's warm-up and repeats."""
@@ -149,10 +149,11 @@ class Job:
     warmup: int
     repeats: int
 
-    def build(self, wrap: Any, rank: int) -> tuple[Any, torch.optim.Optimizer]:
-        model = wrap(self.model, torch.device("cpu"))
-        optim = models.train(model, self.model, self.steps, rank, torch.device("cpu"))
-        optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None
+    def build(self, wrap: Any, rank: int, device: torch.device | None = None) -> tuple[Any, torch.optim.Optimizer]:
+        device = device or torch.device("cpu")
+        model = wrap(self.model, device)
+        optim = models.train(model, self.model, self.steps, rank, device)
+        optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None; not gathered
         return model, optim
 
     def measure(self, methods: dict[str, Method], probes: Probes | None = None, **kw: Any) -> dict[str, Measurement | NotAvailable]:

@@ -6,11 +6,11 @@
 Each rank trains the model (fsdp_optim's FSDP, Adam), warms every path up once, then profiles ``calls``
 sync saves, ``calls`` loads into fresh optimizers from the same world size, and ``calls`` loads from a
 checkpoint cut for another world size (``reshard``, untimed, so the load re-cuts shards), plus the
-floors of ``ckpt_floors`` for scale. Time is split at function boundaries that do not nest in one another:
-SHA-256 (``manifest.digest``), ``torch.save`` / ``torch.load``, ``fsync``, collectives
-(``fsdp_optim.transport`` entered from outside it, including the wait for slower ranks),
-``optim.state_dict()`` / ``optim.load_state_dict``, tensor copies (``clone``/``copy_`` called by
-fsdp_optim), and the rest. Page faults are counted (``getrusage``) and priced by timing the first touch
+floors of ``floors.py`` for scale. Time is split at function boundaries that do not nest in one another:
+checksums (``core/checksums.py`` entered from outside it), ``torch.save`` / ``torch.load``, ``fsync``, collectives
+(``job/transport.py`` entered from outside it, including the wait for slower ranks), the manifest
+(``formats/sharded/manifest*.py``), ``optim.state_dict()`` / ``optim.load_state_dict``, tensor copies
+(``clone``/``copy_`` called by fsdp_optim), and the rest. Page faults are counted (``getrusage``) and priced by timing the first touch
 of fresh memory in the same process; they happen inside the other categories (an estimate, not a slice).
 Writes ``<out>/checkpoint_profile.md`` (default ``benchmarks/results``).
 """
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .. import models, spawn
 from ..checkpoint import STORAGE
 from ..measure import release_memory
-from ..report import RESULTS, storage
+from ..report import RESULTS, storage, table
 from . import floors as ckpt_floors
 
 PAGE = resource.getpagesize()
@@ -172,20 +172,17 @@ def markdown(results: list[dict[str, Any]], spec: models.ModelSpec, world_size: 
         "category covers. Page faults happen inside the categories above them (an estimate from "
         f"{results[0]['fault_cost_s'] * 1e6:.2f} µs per fault, measured here).",
         "",
-        "| | " + " | ".join(f"{op} (rank {r})" for op in ops for r in range(len(results))) + " |",
-        "|---|" + "---|" * (len(ops) * len(results)),
     ]
 
-    def cells(value: Callable[[dict[str, Any], dict[str, Any]], str]) -> str:
-        return " | ".join(value(res[op], res) for op in ops for res in results)
+    def cells(value: Callable[[dict[str, Any], dict[str, Any]], str]) -> list[str]:
+        return [value(res[op], res) for op in ops for res in results]
 
-    lines.append("| wall | " + cells(lambda p, _: f"**{_millis(p['wall_s'])}**") + " |")
-    for label, _ in CATEGORIES:
-        lines.append(f"| {label} | " + cells(lambda p, _, k=label: _share(p["parts_s"][k], p["wall_s"])) + " |")
-    lines.append("| rest | " + cells(lambda p, _: _share(p["wall_s"] - sum(p["parts_s"].values()), p["wall_s"])) + " |")
-    lines.append("| CPU user / sys | " + cells(lambda p, _: f"{_millis(p['user_s'])} / {_millis(p['sys_s'])}") + " |")
-    lines.append("| minor page faults: count, est. ms | " + cells(
-        lambda p, r: f"{p['minflt']:,.0f}, {_share(p['minflt'] * r['fault_cost_s'], p['wall_s'])}") + " |")
+    body = [["wall", *cells(lambda p, _: f"**{_millis(p['wall_s'])}**")]]
+    body += [[label, *cells(lambda p, _, k=label: _share(p["parts_s"][k], p["wall_s"]))] for label, _ in CATEGORIES]
+    body += [["rest", *cells(lambda p, _: _share(p["wall_s"] - sum(p["parts_s"].values()), p["wall_s"]))]]
+    body += [["CPU user / sys", *cells(lambda p, _: f"{_millis(p['user_s'])} / {_millis(p['sys_s'])}")]]
+    body += [["minor page faults: count, est. ms", *cells(lambda p, r: f"{p['minflt']:,.0f}, {_share(p['minflt'] * r['fault_cost_s'], p['wall_s'])}")]]
+    lines += table(["", *(f"{op} (rank {r})" for op in ops for r in range(len(results)))], body)
     lines += ["", "Largest exclusive times (rank 0), ms per call:", ""]
     for op in ops:
         top = ", ".join(f"{name} {t * 1e3:.0f}" for t, name in results[0][op]["top_tottime"][:6])
