@@ -380,12 +380,17 @@ def write(
     markdown: Callable[[list[Row], dict[str, Any], str | None], str],
     plot: Callable[[list[Row], Path, str], bool] | None = None,
 ) -> dict[str, Path]:
-    """``<name>.md``, ``<name>.json`` and (when ``plot`` draws one) ``<name>.png``; returns the paths written."""
+    """``<name>.json``, ``<name>.png`` (when ``plot`` draws one; a plot that fails is reported and skipped) and
+    ``<name>.md``, which links the plot; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / f"{name}.md", "json": out_dir / f"{name}.json", "png": out_dir / f"{name}.png"}
-    has_png = plot is not None and plot(rows, paths["png"], f"{meta['machine']}\n{meta['backend']}, {meta['finished']}")
+    paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md", "png": out_dir / f"{name}.png"}
+    paths["json"].write_text(json.dumps({"meta": meta, "targets": targets, "rows": rows}, indent=1, default=str))  # first: what a run measured
+    try:  # a plot that fails must not lose the run's tables
+        has_png = plot is not None and plot(rows, paths["png"], f"{meta['machine']}\n{meta['backend']}, {meta['finished']}")
+    except Exception as exc:
+        print(f"no plot written: {type(exc).__name__}: {exc}")
+        has_png = False
     paths["md"].write_text(markdown(rows, meta, paths["png"].name if has_png else None))
-    paths["json"].write_text(json.dumps({"meta": meta, "targets": targets, "rows": rows}, indent=1, default=str))
     if not has_png:
         paths.pop("png")
     return paths
