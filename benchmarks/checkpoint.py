@@ -4,12 +4,12 @@ offline consolidate and reshard, training throughput), ours against PyTorch DCP 
     python -m benchmarks.checkpoint            # full run: 25M and 100M models, W = 1, 2, 4 (~25 min on 2 cores)
     python -m benchmarks.checkpoint --quick    # smoke run: 5M model, W = 1, 2 (~2 min), into benchmarks/out/
 
-For each model, world sizes run one after another in fresh gloo jobs (``ckpt_job.run``); a job loads the
+For each model, world sizes run one after another in fresh gloo jobs (``ckpt/job.py``'s ``run``, through ``spawn.campaign``); a job loads the
 checkpoints a job of another world size saved: W < max loads those of max W (saved first by a short
 job that only trains and saves), max W loads those of the next smaller W. Checkpoints live under a
 temporary directory on tmpfs (``/dev/shm``; ``--dir`` to choose), the references for the checks under
 the system's temporary directory; both are removed at the end. Writes ``<out>/<name>.md``, ``.json``
-and ``.png``; ratios are to the floor of the same operation (``ckpt_floors``) and to DCP's counterpart.
+and ``.png``; ratios are to the floor of the same operation (``ckpt/floors.py``) and to DCP's counterpart.
 """
 
 from __future__ import annotations

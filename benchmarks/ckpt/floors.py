@@ -8,7 +8,10 @@
   tensor once into ``parts`` fresh buffers of equal size and writes each with ``torch.save`` + ``fsync``.
   ``parts=1`` is the floor of offline consolidation plus saving the full dict; ``parts=M`` the floor of
   an offline reshard to M ranks. Both read each byte once, copy it once and write it once, as any
-  offline tool must (the copy strips padding and re-cuts the shards).
+  offline tool must (the copy strips padding and re-cuts the shards). ``into_parts`` is that copy (scale's floors
+  share it).
+- The whole-state floor saves ``own_state`` (flat weight shards + optimizer state) the same way; ``own_bytes`` is
+  what its RSS targets compare with: the storage bytes of a rank's weight shards and optimizer state.
 """
 
 from __future__ import annotations
