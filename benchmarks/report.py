@@ -233,6 +233,26 @@ def against(row: Row | None, base: Row | None, key: str, limit: float | None) ->
     return value, None if limit is None else value <= limit, detail
 
 
+def check_targets(rows: list[Row], targets: Iterable[tuple[str, str, str, float | None]], floor_of: dict[str, str], dcp_of: dict[str, str], *,
+                  special: dict[str, Callable[[Row, Any], tuple[float | None, bool | None, str]]] | None = None, skip_missing: bool = False) -> list[Row]:  # fmt: skip
+    """One verdict per (target, model, world size): ``targets`` are ``(name, method, versus, limit)`` where ``versus``
+    is "floor" or "dcp" (the row's ratio to it, ``against``) or a key of ``special`` (its own check of a measured
+    row); ``skip_missing`` leaves out the targets of methods not run in a group."""
+    at, out = index(rows), []
+    for model, ws in groups(rows):
+        for name, method, versus, limit in targets:
+            row = at.get((model, ws, method))
+            if row is None and skip_missing:
+                continue
+            if special and versus in special and row and "na" not in row and not is_wrong(row):
+                value, met, detail = special[versus](row, limit)
+            else:
+                base = at.get((model, ws, (dcp_of if versus == "dcp" else floor_of).get(method, "")))
+                value, met, detail = against(row, base, "x_dcp" if versus == "dcp" else "x_floor", limit)
+            out.append(verdict(name, model, ws, value, limit, met, detail))
+    return out
+
+
 def verdict_word(v: Row, words: tuple[str, str, str, str] = ("PASS", "MISS", "info", "n/a")) -> str:
     """met / missed / a value without a limit / not measured."""
     return words[0] if v["met"] else words[1] if v["met"] is False else words[2] if v["value"] is not None else words[3]

@@ -217,23 +217,23 @@ def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None) -> str
 
 OURS, DCP, FLOOR = "C0", "C1", "k"
 # panel title -> series (method, value key, colour, line style, label suffix)
+def _series(key: str, *methods: tuple[str, str, str]) -> tuple[tuple[str, str, str, str, str], ...]:
+    return tuple((m, key, colour, style, "") for m, colour, style in methods)
+
+
 PANELS: dict[str, tuple[tuple[str, str, str, str, str], ...]] = {
-    "save, ms": (
-        ("ours_save", "median_s", OURS, "o-", ""),
-        ("ours_async", "median_s", OURS, "o--", ""),
-        ("ours_async", "durable_median_s", OURS, ":", " until durable"),
-        ("dcp_save", "median_s", DCP, "s-", ""),
-        ("dcp_async", "median_s", DCP, "s--", ""),
-        ("dcp_async", "durable_median_s", DCP, ":", " until durable"),
-        ("floor_save", "median_s", FLOOR, "--", ""),
-    ),
-    "load, ms": tuple((m, "median_s", c, st, "") for m, c, st in (("ours_load_same", OURS, "o-"), ("ours_load_other", OURS, "o--"),
-                      ("dcp_load_same", DCP, "s-"), ("dcp_load_other", DCP, "s--"), ("floor_load", FLOOR, "--"))),
-    "offline, ms": tuple((m, "median_s", c, st, "") for m, c, st in (("ours_consolidate", OURS, "o-"), ("dcp_to_torch_save", DCP, "s-"),
-                         ("floor_consolidate", FLOOR, "--"), ("ours_reshard", "C2", "o-"), ("floor_reshard", "C2", ":"))),
-    "training overhead per checkpoint, ms": tuple((m, "overhead_s", c, st, "") for m, c, st in (("train_ours_sync", OURS, "o-"),
-                                                  ("train_ours_async", OURS, "o--"), ("train_dcp_sync", DCP, "s-"), ("train_dcp_async", DCP, "s--"))),
-}
+    "save, ms": _series("median_s", ("ours_save", OURS, "o-"), ("ours_async", OURS, "o--"))
+    + (("ours_async", "durable_median_s", OURS, ":", " until durable"),)
+    + _series("median_s", ("dcp_save", DCP, "s-"), ("dcp_async", DCP, "s--"))
+    + (("dcp_async", "durable_median_s", DCP, ":", " until durable"),)
+    + _series("median_s", ("floor_save", FLOOR, "--")),
+    "load, ms": _series("median_s", ("ours_load_same", OURS, "o-"), ("ours_load_other", OURS, "o--"), ("dcp_load_same", DCP, "s-"),
+                        ("dcp_load_other", DCP, "s--"), ("floor_load", FLOOR, "--")),
+    "offline, ms": _series("median_s", ("ours_consolidate", OURS, "o-"), ("dcp_to_torch_save", DCP, "s-"), ("floor_consolidate", FLOOR, "--"),
+                           ("ours_reshard", "C2", "o-"), ("floor_reshard", "C2", ":")),
+    "training overhead per checkpoint, ms": _series("overhead_s", ("train_ours_sync", OURS, "o-"), ("train_ours_async", OURS, "o--"),
+                                                    ("train_dcp_sync", DCP, "s-"), ("train_dcp_async", DCP, "s--")),
+}  # fmt: skip
 
 
 def plot(rows: list[Row], path: Path, title: str) -> bool:

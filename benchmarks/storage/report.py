@@ -74,28 +74,16 @@ def rows_of(model: str, world_size: int, payload: dict[str, Any]) -> list[Row]:
     return out
 
 
-def _bytes(row: Row, limit: float) -> tuple[float | None, bool | None, str]:
+def _bytes(row: Row, limit: Any) -> tuple[float | None, bool | None, str]:
     fetched, held = row.get("fetched_bytes"), row.get("held_bytes")
     if not fetched or not held:
         return None, None, "not counted"
-    return fetched / held, fetched / held <= limit, f"{fetched / MiB:,.1f} MiB fetched (GET bodies at the proxy) for {held / MiB:,.1f} MiB held"
+    return fetched / held, fetched / held <= (limit or 0), f"{fetched / MiB:,.1f} MiB fetched (GET bodies at the proxy) for {held / MiB:,.1f} MiB held"
 
 
 def targets(rows: list[Row]) -> list[Row]:
     """One verdict per (target, model, world size) that has rows; ``met`` None where not measured or no limit."""
-    at, out = report.index(rows), []
-    for model, ws in report.groups(rows):
-        for name, method, against, limit in TARGETS:
-            row = at.get((model, ws, method))
-            if row is None:
-                continue
-            if against == "bytes" and "na" not in row and not report.is_wrong(row):
-                value, met, detail = _bytes(row, limit or 0)
-            else:
-                base = at.get((model, ws, (DCP_OF if against == "dcp" else FLOOR_OF).get(method, "")))
-                value, met, detail = report.against(row, base, "x_dcp" if against == "dcp" else "x_floor", limit)
-            out.append(report.verdict(name, model, ws, value, limit, met, detail))
-    return out
+    return report.check_targets(rows, TARGETS, FLOOR_OF, DCP_OF, special={"bytes": _bytes}, skip_missing=True)
 
 
 HEAD = ("method", "median ms", "spread", "x floor", "x DCP", "GB/s", "MiB moved")

@@ -72,20 +72,14 @@ def _growths(row: Row) -> list[int]:
     return [row["rss_recipient"]] + ([row["rss_other"]] if row.get("rss_other") is not None else [])
 
 
+def _own(row: Row, limit: Any) -> tuple[float, bool, str]:
+    growth = ", ".join(f"rank {r}: {g / MiB:,.0f} MiB for own {o / MiB:,.0f} MiB" for r, (g, o) in enumerate(zip(_growths(row), row["own_bytes"])))
+    return row["rss_excess"] / MiB, row["rss_excess"] <= SLACK, f"{growth} (value: MiB above own)"
+
+
 def targets(rows: list[Row]) -> list[Row]:
     """One verdict per (target, model, world size); ``met`` is None where it could not be measured or has no limit."""
-    at, out = report.index(rows), []
-    for model, ws in report.groups(rows):
-        for name, method, against, limit in TARGETS:
-            row = at.get((model, ws, method))
-            if against == "own" and row and "na" not in row and not report.is_wrong(row):
-                growth = ", ".join(f"rank {r}: {g / MiB:,.0f} MiB for own {o / MiB:,.0f} MiB" for r, (g, o) in enumerate(zip(_growths(row), row["own_bytes"])))
-                value, met, detail = row["rss_excess"] / MiB, row["rss_excess"] <= SLACK, f"{growth} (value: MiB above own)"
-            else:
-                base = at.get((model, ws, (FLOOR_OF if against == "floor" else DCP_OF).get(method, "")))
-                value, met, detail = report.against(row, base, "x_floor" if against == "floor" else "x_dcp", limit)
-            out.append(report.verdict(name, model, ws, value, limit, met, detail))
-    return out
+    return report.check_targets(rows, TARGETS, FLOOR_OF, DCP_OF, special={"own": _own})
 
 
 HEAD = ("method", "median ms", "spread", "x floor", "x DCP", "RSS growth r0 / r1 MiB", "own shard r0 / r1 MiB", "above own MiB", "disk MiB")
