@@ -2,27 +2,36 @@
 a plot, and the ``.md`` / ``.json`` / ``.png`` files. A benchmark keeps only what is its own (its labels, its
 targets, its cells); everything that reads alike across benchmarks is here, once.
 
-A benchmark's main::
+A benchmark's main (see ``benchmarks/whole_state.py`` for a whole one)::
 
     run = Run("python -m benchmarks.mine", argv)          # meta: command, machine, versions, package, load
+    run.meta |= {"repeats": 5}                             # the benchmark's own header fields
     run.log("W=2 ...")                                     # "[   12s] W=2 ..."
-    rows = [record(model, 2, full_bytes, method, value, floor) for ...]   # one JSON row per measurement
-    run.finish()                                           # meta: wall_s, load_after, finished
+    rows = [record(model, 2, full_bytes, method, value, results.get(floor)) for method, value in results.items()]
+    meta = run.finish()                                    # meta: wall_s, load_after, finished
+    paths = write(out_dir, "mine", rows=rows, meta=meta, targets=targets(rows), markdown=markdown, plot=plot)
+    run.done(paths, console([...], widths), verdict_lines(targets(rows)))
 
-Its markdown (a function of the rows and meta alone, so a stored JSON re-renders its stored ``.md``)::
+``results`` is what ``measure.measure`` returns (``Measurement`` or ``NotAvailable`` per method); ``compared``
+also adds the ratio to DCP's counterpart and an async save's time until durable. The targets::
 
-    rep = Report("My benchmark", meta)                     # "# My benchmark (finished)", "", "Machine: ..."
-    rep.add(f"Command: ...", "")                           # any lines
-    rep.targets(verdicts, heading="## Targets")            # the verdict table
-    rep.table(["method", "W=2"], [["ours", "12"]])         # a Markdown table and a blank line
-    rep.notes(rows, labels)                                # "## Notes", one line per distinct note
-    rep.text()                                             # the whole page
+    def targets(rows):                                     # (name, method, versus "floor" | "dcp", limit)
+        return check_targets(rows, [("save <= 1.1x floor", "mine_save", "floor", 1.1)], FLOOR_OF, DCP_OF)
 
-And the files: ``write(out_dir, name, rows=rows, meta=meta, targets=verdicts, markdown=fn, plot=fn)`` writes
-``<name>.json`` (``{"meta", "targets", "rows"}``), ``<name>.md`` and, when ``plot`` draws one, ``<name>.png``
-(``lines(path, title, panels)`` draws line panels). A verdict is ``verdict(target, model, world_size, value,
-limit, met, detail)``; ``verdict_lines(verdicts)`` prints them on the console, ``console(rows, columns)`` prints
-rows as a fixed-width table.
+The markdown, a function of the rows and meta alone, so that a stored JSON re-renders its stored ``.md``
+(``tests/test_benchmarks_tree.py`` checks that it does)::
+
+    def markdown(rows, meta, png_name):
+        rep = Report("My benchmark", meta)                 # "# My benchmark (finished)", "", "Machine: ..."
+        rep.add(f"Command: `{meta['command']}`.", "")      # any lines
+        rep.targets(targets(rows), "## Targets")           # the verdict table (nothing when there are none)
+        rep.by_world_size(rows, "5M", METHODS, cell, LABELS)  # a method per line, a world size per column
+        rep.table(["method", "W=2"], [["ours", "12"]])     # any Markdown table, then a blank line
+        return rep.notes(rows, LABELS).image(png_name, "latency").text()
+
+``lines(path, title, [[panel, ...], ...])`` draws line panels (``{"title", "series": [(label, [(x, y)], style,
+colour, width)], ...}``) and returns False without matplotlib. Helpers for cells: ``ms``, ``fmt``, ``mark``,
+``spread``; for groups of rows: ``index``, ``groups``.
 """
 
 from __future__ import annotations
