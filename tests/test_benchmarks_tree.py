@@ -127,6 +127,19 @@ def test_scale_tables_render_the_stored_result(folder: str) -> None:
     assert tables(stored) + "\n" == (BENCH / folder / "scale.md").read_text(), f"benchmarks/scale/report.py's tables differ from {folder}/scale.md"
 
 
+def test_memory_tier_report_renders_the_stored_result() -> None:
+    """The stored page is the rendered one followed by notes written by hand."""
+    if str(ROOT) not in sys.path[:1]:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.memory_tier import _report
+
+    stored = (BENCH / "results" / "memory_tier.md").read_text()
+    command = re.search(r"Command: `([^`]*)`", stored)
+    assert command, "results/memory_tier.md names no command"
+    rendered = _report(json.loads((BENCH / "results" / "memory_tier.json").read_text()), command[1])
+    assert stored.startswith(rendered), "benchmarks/memory_tier.py's report differs from the start of results/memory_tier.md"
+
+
 def test_profile_categories_name_existing_modules() -> None:
     source = (BENCH / "ckpt" / "profile.py").read_text()
     named = re.findall(r'"(fsdp_optim/[\w/]+\.py)"', source)
