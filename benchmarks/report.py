@@ -49,7 +49,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .measure import Measurement, NotAvailable
+from .measure import Measurement, MiB, NotAvailable
 
 Row = dict[str, Any]
 RESULTS = Path(__file__).parent / "results"  # committed: the latest full runs
@@ -342,6 +342,26 @@ class Report:
 def console(rows: Iterable[Sequence[str]], widths: Sequence[int]) -> str:
     """Rows of cells as fixed-width columns, for the terminal."""
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# Columns of ``measurements``: (heading, width, cell of a measured row)
+MEASURED: list[tuple[str, int, Callable[[Row], str]]] = [
+    ("median ms", 10, lambda r: f"{r['median_s'] * 1e3:.1f}"),
+    ("spread", 7, lambda r: f"{spread(r):.0%}"),
+    ("x floor", 8, lambda r: fmt(r, "x_floor", ".2f")),
+]
+RSS: list[tuple[str, int, Callable[[Row], str]]] = [
+    ("rss0 MiB", 9, lambda r: f"{r['rss_recipient'] / MiB:.1f}"),
+    ("rss1 MiB", 9, lambda r: fmt(r, "rss_other", ".1f", MiB)),
+]
+
+
+def measurements(rows: Iterable[Row], columns: Sequence[tuple[str, int, Callable[[Row], str]]], method_width: int = 18) -> str:
+    """One line per row for the terminal: model, W, method, then ``columns`` (a row not measured: its reason)."""
+    head = ["model", "W", "method", *(c[0] for c in columns)]
+    lines = [[r["model"], str(r["world_size"]), r["method"], *(f"n/a: {r['na']}",)] if "na" in r else
+             [r["model"], str(r["world_size"]), r["method"], *(c[2](r) for c in columns)] for r in rows]  # fmt: skip
+    return console([head, *lines], (6, 2, method_width, *(c[1] for c in columns)))
 
 
 def by_group(rows: list[Row], head: Sequence[str], line: Callable[[Row], list[str]], widths: Sequence[int]) -> str:

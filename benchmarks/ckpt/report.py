@@ -252,16 +252,9 @@ def plot(rows: list[Row], path: Path, title: str) -> bool:
 
 
 def console(rows: list[Row]) -> str:
-    cells = [["model", "W", "method", "median ms", "spread", "x floor", "x dcp", "durable", "rss0 MiB", "rss1 MiB", "disk MiB", "note"]]
-    for r in rows:
-        if "na" in r:
-            cells.append([r["model"], str(r["world_size"]), r["method"], f"n/a: {r['na']}"])
-            continue
-        extra = f"{r['overhead_s'] * 1e3:+.0f} ms/ckpt " if r.get("overhead_s") is not None else ""
-        cells.append([r["model"], str(r["world_size"]), r["method"], f"{r['median_s'] * 1e3:.1f}", f"{report.spread(r):.0%}", report.fmt(r, "x_floor", ".2f"),
-                      report.fmt(r, "x_dcp", ".2f"), report.fmt(r, "durable_median_s", ".3f"), f"{r['rss_recipient'] / MiB:.1f}",
-                      report.fmt(r, "rss_other", ".1f", MiB), report.fmt(r, "disk_bytes", ".1f", MiB), extra + r.get("note", "")])
-    return report.console(cells, (6, 2, 18, 10, 7, 8, 6, 9, 9, 9, 9, 40))
+    overhead = lambda r: f"{r['overhead_s'] * 1e3:+.0f} ms/ckpt " if r.get("overhead_s") is not None else ""  # noqa: E731
+    return report.measurements(rows, [*report.MEASURED, ("x dcp", 6, lambda r: report.fmt(r, "x_dcp", ".2f")), ("durable", 9, lambda r: report.fmt(r, "durable_median_s", ".3f")),
+                                      *report.RSS, ("disk MiB", 9, lambda r: report.fmt(r, "disk_bytes", ".1f", MiB)), ("note", 40, lambda r: overhead(r) + r.get("note", ""))])  # fmt: skip
 
 
 def write(rows: list[Row], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:

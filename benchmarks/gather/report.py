@@ -149,14 +149,7 @@ def plot(rows: list[Row], path: Path, title: str) -> bool:
 
 def console(rows: list[Row]) -> str:
     """Every method's median, spread, ratio and RSS growth, for the terminal."""
-    cells = [["model", "W", "method", "median ms", "spread", "x floor", "rss0 MiB", "rss1 MiB", "note"]]
-    for r in rows:
-        if "na" in r:
-            cells.append([r["model"], str(r["world_size"]), r["method"], f"n/a: {r['na']}"])
-            continue
-        cells.append([r["model"], str(r["world_size"]), r["method"], f"{r['median_s'] * 1e3:.1f}", f"{report.spread(r):.0%}",
-                      report.fmt(r, "x_floor", ".2f"), f"{r['rss_recipient'] / MiB:.1f}", report.fmt(r, "rss_other", ".1f", MiB), r.get("note", "")])
-    return report.console(cells, (6, 2, 16, 10, 7, 8, 9, 9, 80))
+    return report.measurements(rows, [*report.MEASURED, *report.RSS, ("note", 80, lambda r: r.get("note", ""))], 16)
 
 
 def write(rows: list[Row], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
