@@ -182,6 +182,17 @@ def measure_probed(
     return results or {}
 
 
+def measured_and_removed(disk: dict[str, int], name: str, path: Path) -> Callable[[], None]:
+    """A method's untimed ``finish`` on rank 0: the bytes its output holds into ``disk[name]``, then the output removed."""
+
+    def finish() -> None:
+        if dist.get_rank() == 0:
+            disk[name] = disk_bytes(path)
+            remove(path)
+
+    return finish
+
+
 def disk_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes of a file, or of every file under a directory."""
     path = Path(path)

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..measure import Method
 from ..peak import fsync_path
-from .common import Loads, Probes, difference, disk_bytes, fresh_load_methods, remove, wrong
+from .common import Loads, Probes, difference, fresh_load_methods, measured_and_removed, wrong
 
 
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -139,9 +139,4 @@ def offline_methods(
         saved = torch.load(path, weights_only=False)
         return wrong(difference(saved["optim"]["state"], reference["state"], "optim/state"))  # type: ignore[index]
 
-    def finish() -> None:
-        if rank == 0:
-            disk["dcp_to_torch_save"] = disk_bytes(path)
-            remove(path)
-
-    return {"dcp_to_torch_save": Method(convert, check=check, finish=finish)}
+    return {"dcp_to_torch_save": Method(convert, check=check, finish=measured_and_removed(disk, "dcp_to_torch_save", path))}

@@ -30,7 +30,7 @@ from . import dcp as ckpt_dcp
 from . import floors as ckpt_floors
 from . import ours as ckpt_ours
 from . import train as ckpt_train
-from .common import Job, Loads, Probes, disk_bytes, phase, remove
+from .common import Job, Loads, Probes, disk_bytes, measured_and_removed, phase, remove
 
 
 @dataclass(frozen=True)
@@ -161,13 +161,8 @@ def _offline(cfg: JobConfig, floor_dir: Path, refs: tuple[Any, Any], disk: dict[
     numel, dtype = ckpt_floors.state_numel(files) if rank == 0 else (0, torch.float32)
 
     def floor(parts: int, out: Path, name: str) -> Method:
-        def finish() -> None:
-            if rank == 0:
-                disk[name] = disk_bytes(out)
-                remove(out)
-
         call = lambda: ckpt_floors.read_all_write_all(files, parts, out, numel=numel, dtype=dtype) if rank == 0 else None  # noqa: E731
-        return Method(call, finish=finish)
+        return Method(call, finish=measured_and_removed(disk, name, out))
 
     methods = {"floor_consolidate": floor(1, work / "floor-full", "floor_consolidate")}
     methods |= ckpt_ours.offline_methods(

@@ -28,7 +28,7 @@ import fsdp_optim
 
 from ..measure import Method
 from ..peak import save_durably
-from .common import Loads, Probes, difference, disk_bytes, fresh_load_methods, remove, wrong
+from .common import Loads, Probes, difference, fresh_load_methods, measured_and_removed, wrong
 
 ASYNC_NAME = "async_save_sharded_optim_state"
 
@@ -108,25 +108,17 @@ def offline_methods(
     def reshard() -> Path | None:
         return fsdp_optim.reshard(same_dir, reshard_to, resharded) if rank == 0 else None  # type: ignore[arg-type]
 
-    def cleanup(name: str, path: Path) -> Callable[[], None]:
-        def finish() -> None:
-            if rank == 0:
-                disk[name] = disk_bytes(path)
-                remove(path)
-
-        return finish
-
     methods = {
         "ours_consolidate": Method(
             consolidate,
             check=lambda full: wrong(difference(full, reference, "full")),
-            finish=cleanup("ours_consolidate", full_file),
+            finish=measured_and_removed(disk, "ours_consolidate", full_file),
         )
     }
     if reshard_to is not None:
         methods["ours_reshard"] = Method(
             reshard,
             check=lambda _: _saved_matches(resharded, reference, any_world_size=True),
-            finish=cleanup("ours_reshard", resharded),
+            finish=measured_and_removed(disk, "ours_reshard", resharded),
         )
     return methods
