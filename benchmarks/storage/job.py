@@ -27,9 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.state_dict import set_state_dict
 
 import fsdp_optim
 from fsdp_optim.disk.storage import ObjectStore
@@ -38,9 +35,8 @@ from .. import models
 from ..ckpt import floors as whole_floors
 from ..ckpt.common import Job, Probes
 from ..measure import Method
+from ..whole import dcp as whole_dcp
 from ..whole import ours
-from ..whole.dcp import _state
-from ..whole.fresh import load_method, same_as, snapshot
 from . import floors
 
 
@@ -113,19 +109,6 @@ class _UploadClock:
         return Method(call, method.check, method.prepare, method.finish)
 
 
-def _dcp_methods(fsdp2: tuple[Any, torch.optim.Optimizer], url: str, options: dict[str, Any], probes: Probes) -> tuple[Method, Method]:
-    model, optim = fsdp2
-    save = Method(lambda: dcp.save(_state(model, optim), storage_writer=FsspecWriter(url, **options)))
-
-    def load(target: torch.optim.Optimizer) -> None:
-        state = _state(model, target)
-        dcp.load(state, storage_reader=FsspecReader(url, **options))
-        set_state_dict(model, target, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-    return save, load_method("dcp_load_same", model, load, same_as(model, snapshot(model), optim), probes)
-
-
-
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -143,14 +126,14 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     prefixes = scratch(world_size)
     floor_key = cfg.root.key(f"{prefixes['floor']}/rank{rank}")
     clock = _UploadClock()
-    dcp_save, dcp_load = _dcp_methods(fsdp2, cfg.root.child(prefixes["dcp"]).url, cfg.storage_options, probes := Probes())
+    dcp_where, probes = whole_dcp.location(url=cfg.root.child(prefixes["dcp"]).url, options=cfg.storage_options), Probes()
 
     phase = time.perf_counter()
     compact = lambda method: Method(method.call, method.check, lambda: _vacuum(cfg), method.finish)  # noqa: E731
     saves = {"floor_upload": Method(lambda: floors.upload(fs, floor_key, data))}
     saves |= ours.save_methods(model, optim, directory=own, async_dir=cfg.root.child(prefixes["whole-async"]), probes=probes)  # type: ignore[arg-type]
     saves["whole_save"] = clock.wrap(saves["whole_save"])
-    saves["dcp_save"] = dcp_save
+    saves |= whole_dcp.save_methods(*fsdp2, where=dcp_where, probes=probes)
     results = cfg.measure({name: compact(m) for name, m in saves.items()}, probes)
     _publish(cfg, model, optim, world_size)
     timings["saves_s"] = time.perf_counter() - phase
@@ -159,7 +142,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     probes = Probes()
     loads = {"floor_download": Method(lambda: floors.download(fs, floor_key, len(data)))}
     loads |= ours.load_same(model, optim, directory=own, probes=probes)  # type: ignore[arg-type]
-    loads["dcp_load_same"] = dcp_load
+    loads |= whole_dcp.load_same(*fsdp2, where=dcp_where, probes=probes)
     if cfg.other is not None and nested is not None:
         ref = reference(cfg.refs, cfg.other)
         loads |= ours.load_other(nested, directory=checkpoint(cfg.root, cfg.other), reference_file=ref, probes=probes)  # type: ignore[arg-type]

@@ -88,7 +88,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     probes = Probes()
     saves = {"floor_save": Method(lambda: floors.save(floors.own_state(model, optim), dirs["floor"], rank))}
     saves |= ours.save_methods(model, optim, directory=checkpoint, async_dir=dirs["whole-async"], probes=probes)
-    saves |= whole_dcp.save_methods(*fsdp2, directory=dirs["dcp"], async_dir=dirs["dcp-async"], group=group, probes=probes)
+    saves |= whole_dcp.save_methods(*fsdp2, where=whole_dcp.location(dirs["dcp"]), async_dir=dirs["dcp-async"], group=group, probes=probes)
     results |= cfg.measure(saves, probes, **fast)
     if ours.async_save_api() is None:
         results["whole_async"] = NotAvailable(f"not measured: fsdp_optim has no {ours.ASYNC_NAME} (async whole-state save) yet")
@@ -104,7 +104,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     probes = Probes()
     loads = {"floor_load": Method(lambda: floors.load(floors.rank_file(dirs["floor"], rank)))}
     loads |= ours.load_same(model, optim, directory=checkpoint, probes=probes)
-    loads |= whole_dcp.load_same(*fsdp2, directory=dirs["dcp"], probes=probes)
+    loads |= whole_dcp.load_same(*fsdp2, where=whole_dcp.location(dirs["dcp"]), probes=probes)
     if cfg.other is not None and nested is not None:
         loads |= ours.load_other(nested, directory=Path(cfg.other.checkpoint), reference_file=Path(cfg.other.reference), probes=probes)
     else:
