@@ -160,6 +160,16 @@ class Job:
         return measure_probed(methods, probes, **{"warmup": self.warmup, "repeats": self.repeats, **kw})
 
 
+def publish(references: dict[str | Path, Any]) -> None:
+    """Collective: rank 0 saves each reference (what a job of another world size checks its load against) to its
+    path; every rank waits for it."""
+    if dist.get_rank() == 0:
+        for path, obj in references.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(obj, path)
+    dist.barrier()
+
+
 @contextlib.contextmanager
 def phase(timings: dict[str, float], name: str) -> Iterator[None]:
     """Time the ``with`` block into ``timings[name]`` (seconds): a job's phases, for its log."""

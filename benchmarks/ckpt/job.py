@@ -30,7 +30,7 @@ from . import dcp as ckpt_dcp
 from . import floors as ckpt_floors
 from . import ours as ckpt_ours
 from . import train as ckpt_train
-from .common import Job, Loads, Probes, disk_bytes, measured_and_removed, phase, remove
+from .common import Job, Loads, Probes, disk_bytes, measured_and_removed, phase, publish, remove
 
 
 @dataclass(frozen=True)
@@ -62,16 +62,7 @@ def _publish(cfg: JobConfig, ours: tuple[Any, Any], fsdp2: tuple[Any, Any], refs
 
     fsdp_optim.save_sharded_optim_state(*ours, cfg.own.ours)
     ckpt_dcp.save(*fsdp2, Path(cfg.own.dcp))
-    _write_refs(cfg, refs)
-
-
-def _write_refs(cfg: JobConfig, refs: tuple[Any, Any]) -> None:
-    if dist.get_rank() == 0 and cfg.publish_refs:
-        Path(cfg.own.ref_ours).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(refs[0], cfg.own.ref_ours)
-        torch.save(refs[1], cfg.own.ref_dcp)
-    dist.barrier()
-
+    publish({cfg.own.ref_ours: refs[0], cfg.own.ref_dcp: refs[1]} if cfg.publish_refs else {})
 
 
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
@@ -130,7 +121,7 @@ def _saves(cfg: JobConfig, ours: Any, fsdp2: Any, group: Any, refs: tuple[Any, A
     results = cfg.measure(saves, probes)
     if ckpt_ours.async_save_api() is None:
         results["ours_async"] = NotAvailable(f"fsdp_optim has no {ckpt_ours.ASYNC_NAME} (yet)")
-    _write_refs(cfg, refs)
+    publish({cfg.own.ref_ours: refs[0], cfg.own.ref_dcp: refs[1]} if cfg.publish_refs else {})
     if rank == 0:
         for name, path in (("floor_save", work / "floor"), ("ours_save", Path(own.ours)), ("dcp_save", Path(own.dcp)), ("ours_async", work / "ours-async"), ("dcp_async", work / "dcp-async")):
             if path.exists():

@@ -33,7 +33,7 @@ from fsdp_optim.disk.storage import ObjectStore
 
 from .. import models
 from ..ckpt import floors as whole_floors
-from ..ckpt.common import Job, Probes
+from ..ckpt.common import Job, Probes, publish
 from ..measure import Method
 from ..whole import dcp as whole_dcp
 from ..whole import ours
@@ -64,13 +64,6 @@ def scratch(world_size: int) -> dict[str, str]:
 def reference(refs: str, world_size: int) -> Path:
     return Path(refs) / f"ref-W{world_size}.pt"
 
-
-
-def _publish(cfg: JobConfig, model: Any, optim: torch.optim.Optimizer, world_size: int) -> None:
-    ref = ours.reference(model, optim) if cfg.publish_ref else None
-    if dist.get_rank() == 0 and ref is not None:
-        torch.save(ref, reference(cfg.refs, world_size))
-    dist.barrier()
 
 
 def _vacuum(cfg: JobConfig) -> None:
@@ -116,7 +109,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     own = checkpoint(cfg.root, world_size)
     if cfg.source_only:
         fsdp_optim.save_checkpoint(model, optim, own)
-        _publish(cfg, model, optim, world_size)
+        publish({reference(cfg.refs, world_size): ours.reference(model, optim)} if cfg.publish_ref else {})
         return None
     fsdp2 = cfg.build(models.wrap_fsdp2, rank)
     nested = models.wrap_fairscale_linears(cfg.model, torch.device("cpu")) if cfg.other else None
@@ -135,7 +128,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     saves["whole_save"] = clock.wrap(saves["whole_save"])
     saves |= whole_dcp.save_methods(*fsdp2, where=dcp_where, probes=probes)
     results = cfg.measure({name: compact(m) for name, m in saves.items()}, probes)
-    _publish(cfg, model, optim, world_size)
+    publish({reference(cfg.refs, world_size): ours.reference(model, optim)} if cfg.publish_ref else {})
     timings["saves_s"] = time.perf_counter() - phase
 
     phase = time.perf_counter()

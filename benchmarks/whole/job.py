@@ -27,7 +27,7 @@ import fsdp_optim
 
 from .. import models
 from ..ckpt import floors
-from ..ckpt.common import Job, Probes, disk_bytes, remove
+from ..ckpt.common import Job, Probes, disk_bytes, publish, remove
 from ..measure import Method, NotAvailable
 from . import dcp as whole_dcp
 from . import fullsd, ours
@@ -53,22 +53,13 @@ class JobConfig(Job):
 
 
 
-def _publish(cfg: JobConfig, model: Any, optim: torch.optim.Optimizer) -> None:
-    ref = ours.reference(model, optim) if cfg.publish_ref else None
-    if dist.get_rank() == 0 and ref is not None:
-        Path(cfg.own.reference).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(ref, cfg.own.reference)
-    dist.barrier()
-
-
-
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     model, optim = cfg.build(models.wrap_fairscale, rank)
     if cfg.source_only:
         fsdp_optim.save_checkpoint(model, optim, cfg.own.checkpoint)
-        _publish(cfg, model, optim)
+        publish({cfg.own.reference: ours.reference(model, optim)} if cfg.publish_ref else {})
         return None
     fsdp2 = cfg.build(models.wrap_fsdp2, rank)
     nested = models.wrap_fairscale_linears(cfg.model, torch.device("cpu")) if cfg.other else None
@@ -93,7 +84,7 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     if ours.async_save_api() is None:
         results["whole_async"] = NotAvailable(f"not measured: fsdp_optim has no {ours.ASYNC_NAME} (async whole-state save) yet")
     results |= cfg.measure(fullsd.save_methods(model, optim, path=full_file), Probes(), **slow)
-    _publish(cfg, model, optim)
+    publish({cfg.own.reference: ours.reference(model, optim)} if cfg.publish_ref else {})
     timings["saves_s"] = time.perf_counter() - phase
     disk = _disk({"floor_save": dirs["floor"], "whole_save": checkpoint, "dcp_save": dirs["dcp"], "fullsd_save": full_file})
     for name in ("dcp-async", "whole-async"):
