@@ -1,6 +1,6 @@
 """Peak memory of offline consolidation and resharding, against the size of the checkpoint.
 
-    python benchmarks/checkpoint_memory.py [--workdir DIR] [--json FILE]
+    python -m benchmarks.checkpoint_memory [--workdir DIR] [--json FILE]
 
 A spawned gloo job (CPU) trains one Adam step on UNITS FSDP units of Linear(DIM, DIM) at WORLD_SIZE
 ranks and saves a sharded checkpoint. Each measurement then runs in a fresh interpreter with no process
@@ -15,36 +15,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from .peak import measured
+from .peak import MiB, fresh, measured, reply, spawn_gloo
 
 UNITS, DIM, WORLD_SIZE = 16, 1024, 4  # 16.8M parameters: Adam state of 2 x 67 MB
-MiB = 1 << 20
-ROOT = Path(__file__).resolve().parent.parent
 
 
-def _job(rank: int, world_size: int, port: int, directory: str) -> None:
+def _job(rank: int, world_size: int, directory: str) -> None:
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     from fsdp_optim import FullyShardedDataParallel as FSDP
     from fsdp_optim import save_sharded_optim_state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = FSDP(nn.Sequential(*[FSDP(nn.Linear(DIM, DIM)) for _ in range(UNITS)]))
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(2, DIM)).sum().backward()
     optim.step()
     save_sharded_optim_state(model, optim, directory)
-    dist.destroy_process_group()
 
 
 
@@ -73,45 +64,31 @@ def _measure(op: str, directory: str, limit: int) -> None:
         "naive": naive,
     }
     _, growth, result = measured(operations[op])
-    print(json.dumps({"op": op, "limit": limit, "peak_growth": growth, "alive": result is not None}))
+    reply(op=op, limit=limit, peak_growth=growth, alive=result is not None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--measure", nargs=3, metavar=("OP", "DIR", "LIMIT"), help=argparse.SUPPRESS)
+    parser.add_argument("--measure", nargs=3, metavar=("OP", "DIR", "LIMIT"), help=argparse.SUPPRESS)  # run by fresh()
     args = parser.parse_args()
     if args.measure:
         _measure(args.measure[0], args.measure[1], int(args.measure[2]))
         return
-
-    import socket
-
-    import torch.multiprocessing as mp
 
     from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, is_sharded_checkpoint, read_manifest
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt_mem_"))
     directory = workdir / "ckpt"
     if not is_sharded_checkpoint(directory):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_job, args=(WORLD_SIZE, port, str(directory)), nprocs=WORLD_SIZE, start_method="spawn")
+        spawn_gloo(_job, WORLD_SIZE, str(directory))
     manifest = read_manifest(directory)
     checkpoint = sum(f.nbytes for f in manifest.files)
     full = manifest.state_bytes()
-    rows = []
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     runs = [("naive", 0), ("consolidate", 1 << 62), ("consolidate", DEFAULT_MAPPED_BYTES), ("consolidate", 16 * MiB),
             ("reshard", DEFAULT_MAPPED_BYTES), ("reshard", 16 * MiB)]
-    for op, limit in runs:
-        out = subprocess.run(
-            [sys.executable, __file__, "--measure", op, str(directory), str(limit)],
-            capture_output=True, text=True, env=env, check=True,
-        )
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    rows = [fresh("benchmarks.checkpoint_memory", op, directory, limit) for op, limit in runs]
     print(f"checkpoint: {WORLD_SIZE} rank files, {checkpoint / MiB:.1f} MiB on disk; full dict {full / MiB:.1f} MiB")
     print(f"{'operation':<12} {'max_mapped_bytes':>17} {'peak RSS growth':>16} {'/ checkpoint':>13} {'/ full dict':>12}")
     for row in rows:

@@ -35,49 +35,39 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
-from .peak import measured
+from .peak import MiB, adam_full_dict, fresh, layers, measured, reply
 
 LAYERS, DIM = 24, 2048
-MiB = 1 << 20
-ROOT = Path(__file__).resolve().parent.parent
 OPS = ["to_dcp (ours)", "per-tensor writer", "torch one-file writer", "dcp.save (peer)", "read only (floor)"]
 SLACK = 64 * MiB  # the source reader's mapping bound (DEFAULT_MAPPED_BYTES)
 
 
-
-
-def _make(work: Path, layers: int) -> None:
-    """``full.pt`` (our full dict) and ``ckpt/`` (it resharded for 2 ranks); in a process of its own."""
+def make(work: Path, count: int, dim: int = DIM) -> dict[str, Any]:
+    """``full.pt`` (our full dict) and ``ckpt/`` (it resharded for 2 ranks, one flattened unit per layer); the dict."""
     import torch
 
     import fsdp_optim
     from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 
-    g = torch.Generator().manual_seed(0)
-    state = {
-        i: {"step": torch.tensor(7.0), "exp_avg": torch.randn(DIM, DIM, generator=g),
-            "exp_avg_sq": torch.rand(DIM, DIM, generator=g)}
-        for i in range(layers)
-    }  # fmt: skip
-    full = {
-        "state": state,
-        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                          "params": list(range(layers))}],  # fmt: skip
-        "param_names": {i: f"layers.{i}.weight" for i in range(layers)},
-        "fsdp_optim": {"version": 1, "optimizer": "Adam", "world_size": 2, "scalar_keys": ["step"]},
-    }
+    shapes = layers(count, dim)
+    full = adam_full_dict(shapes, 2, eps=1e-8, weight_decay=0.0)
     torch.save(full, work / "full.pt")
-    names = [f"layers.{i}.weight" for i in range(layers)]  # one flattened FSDP unit per layer
-    flats = tuple(FlatParamLayout(f"layers.{i}", (ParamSpec(n, (DIM, DIM), 0),), 2, 0, torch.float32, True)
-                  for i, n in enumerate(names))  # fmt: skip
-    fsdp_optim.reshard(full, 2, work / "ckpt", layout=ModelLayout(flats, tuple(names), 2, 0))
+    flats = tuple(FlatParamLayout(n.removesuffix(".weight"), (ParamSpec(n, (dim, dim), 0),), 2, 0, torch.float32, True) for n in shapes)
+    fsdp_optim.reshard(full, 2, work / "ckpt", layout=ModelLayout(flats, tuple(shapes), 2, 0))
+    return full
+
+
+def _optim_dict(source: Path, opened: Any) -> tuple[dict[int, Any], dict[str, Any]]:
+    from fsdp_optim.formats.dcp import optim_dict
+
+    producers: dict[int, Any] = {}
+    assert opened.source is not None, f"{source}: holds no optimizer state"
+    return producers, {"optim": optim_dict(opened.source, opened.order, producers, opened.trim, None)}
 
 
 def _torch_writer(source: Path, out: Path, *, one_file: bool) -> None:
@@ -86,35 +76,27 @@ def _torch_writer(source: Path, out: Path, *, one_file: bool) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from fsdp_optim.disk.staged import staged_output
-    from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, _LazyPlanner, optim_dict
+    from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, _LazyPlanner
     from fsdp_optim.offline.sources import open_source
 
     with open_source(source) as opened:
-        producers: dict[int, Any] = {}
-        assert opened.source is not None, f"{source}: holds no optimizer state"
-        state = {"optim": optim_dict(opened.source, opened.order, producers, opened.trim, None)}
+        producers, state = _optim_dict(source, opened)
         with staged_output(out, DCP_DIRECTORY, purpose="benchmark", inputs=(source,)) as stage:
             stage.last = (METADATA,)
             writer = FileSystemWriter(stage.dir, single_file_per_rank=one_file, thread_count=1, sync_files=True)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dist_cp.save(state, storage_writer=writer, planner=_LazyPlanner(producers), no_dist=True)
+            dist_cp.save(state, storage_writer=writer, planner=_LazyPlanner(producers), no_dist=True)
 
 
 def _read_only(source: Path) -> None:
-    from fsdp_optim.formats.dcp import optim_dict
     from fsdp_optim.offline.sources import open_source
 
     with open_source(source) as opened:
-        producers: dict[int, Any] = {}
-        assert opened.source is not None, f"{source}: holds no optimizer state"
-        optim_dict(opened.source, opened.order, producers, opened.trim, None)
-        for make in producers.values():
-            make()
+        for make_tensor in _optim_dict(source, opened)[0].values():
+            make_tensor()
 
 
 def _measure(op: str, work: str) -> None:
-    """Runs in a fresh interpreter; prints one JSON line."""
+    """Runs in a fresh interpreter (``fresh``): one JSON line."""
     import torch
     import torch.distributed.checkpoint as dist_cp
 
@@ -123,13 +105,10 @@ def _measure(op: str, work: str) -> None:
     # every module a row uses is imported before the measured window (fsdp_optim imports its names lazily)
     for module in ("fsdp_optim.offline.export", "fsdp_optim.offline.sources", "fsdp_optim.disk.staged"):
         importlib.import_module(module)
-
     w = Path(work)
     out = w / "out"
     shutil.rmtree(out, ignore_errors=True)
-    named: Any = None
-    if op == "dcp.save (peer)":
-        named = {"optim": fsdp_optim.to_named(torch.load(w / "full.pt", weights_only=True))}
+    named = {"optim": fsdp_optim.to_named(torch.load(w / "full.pt", weights_only=True))} if op == "dcp.save (peer)" else None
     operations = {
         "to_dcp (ours)": lambda: fsdp_optim.to_dcp(w / "ckpt", out),
         "per-tensor writer": lambda: _torch_writer(w / "ckpt", out, one_file=False),
@@ -140,52 +119,30 @@ def _measure(op: str, work: str) -> None:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     seconds, growth, _ = measured(operations[op])
     files = sorted(os.listdir(out)) if out.exists() else []
-    size = sum((out / name).stat().st_size for name in files)
-    print(json.dumps({"op": op, "seconds": seconds, "peak_growth": growth, "files": len(files), "bytes": size}))
-
-
-def _run(op: str, work: Path, env: dict[str, str]) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.dcp_export", "--measure", op, str(work)],
-        capture_output=True, text=True, env=env, check=False, cwd=ROOT,
-    )  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(f"{op}: exited {out.returncode}: {out.stderr[-2000:]}")
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    reply(op=op, seconds=seconds, peak_growth=growth, files=len(files), bytes=sum((out / name).stat().st_size for name in files))
 
 
 def _summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     rows = {}
     for op in OPS:
         mine = [r for r in runs if r["op"] == op]
-        rows[op] = {
-            "seconds": statistics.median(r["seconds"] for r in mine),
-            "all_seconds": [r["seconds"] for r in mine],
-            "peak_growth": max(r["peak_growth"] for r in mine),
-            "median_growth": statistics.median(r["peak_growth"] for r in mine),
-            "all_growth": [r["peak_growth"] for r in mine],
-            "files": mine[-1]["files"],
-            "bytes": mine[-1]["bytes"],
-        }
+        seconds, growth = [r["seconds"] for r in mine], [r["peak_growth"] for r in mine]
+        rows[op] = {"seconds": statistics.median(seconds), "all_seconds": seconds, "peak_growth": max(growth), "median_growth": statistics.median(growth),
+                    "all_growth": growth, "files": mine[-1]["files"], "bytes": mine[-1]["bytes"]}  # fmt: skip
     return rows
 
 
-def _print(rows: dict[str, dict[str, Any]], layers: int, largest: int, state_bytes: int) -> dict[str, bool]:
-    base = rows["per-tensor writer"]
-    print(f"state: {layers} params of {DIM}x{DIM} fp32, Adam: {state_bytes / MiB:,.0f} MiB of tensors, "
-          f"largest tensor {largest / MiB:,.0f} MiB; source: our sharded checkpoint at W=2")  # fmt: skip
-    print(f"{'row':<24} {'files':>6} {'MiB':>6} {'seconds':>8} {'x per-tensor':>13} {'x dcp.save':>11} "
-          f"{'peak RSS growth MiB: median':>28} {'max':>5} {'/ largest':>10}")  # fmt: skip
+def _print(rows: dict[str, dict[str, Any]], count: int, largest: int, state_bytes: int) -> dict[str, bool]:
+    base, peer, ours = rows["per-tensor writer"], rows["dcp.save (peer)"], rows["to_dcp (ours)"]
+    print(f"state: {count} params of {DIM}x{DIM} fp32, Adam: {state_bytes / MiB:,.0f} MiB of tensors, largest tensor {largest / MiB:,.0f} MiB; "
+          "source: our sharded checkpoint at W=2")  # fmt: skip
+    print(f"{'row':<24} {'files':>6} {'MiB':>6} {'seconds':>8} {'x per-tensor':>13} {'x dcp.save':>11} {'peak RSS growth MiB: median':>28} {'max':>5} {'/ largest':>10}")
     for op, r in rows.items():
-        print(f"{op:<24} {r['files']:>6} {r['bytes'] / MiB:>6,.0f} {r['seconds']:>8.2f} "
-              f"{r['seconds'] / base['seconds']:>13.2f} {r['seconds'] / rows['dcp.save (peer)']['seconds']:>11.2f} "
-              f"{r['median_growth'] / MiB:>28,.0f} {r['peak_growth'] / MiB:>5,.0f} "
-              f"{r['median_growth'] / largest:>10.2f}")  # fmt: skip
-    ours = rows["to_dcp (ours)"]
+        print(f"{op:<24} {r['files']:>6} {r['bytes'] / MiB:>6,.0f} {r['seconds']:>8.2f} {r['seconds'] / base['seconds']:>13.2f} {r['seconds'] / peer['seconds']:>11.2f} "
+              f"{r['median_growth'] / MiB:>28,.0f} {r['peak_growth'] / MiB:>5,.0f} {r['median_growth'] / largest:>10.2f}")  # fmt: skip
     targets = {
         "memory: max growth <= largest tensor + 64 MiB": ours["peak_growth"] <= largest + SLACK,
-        "memory: median growth <= read-only floor's + 8 MiB":
-            ours["median_growth"] <= rows["read only (floor)"]["median_growth"] + 8 * MiB,
+        "memory: median growth <= read-only floor's + 8 MiB": ours["median_growth"] <= rows["read only (floor)"]["median_growth"] + 8 * MiB,
         "time: <= per-tensor writer": ours["seconds"] <= base["seconds"],
         "files: 1 data file + .metadata": ours["files"] == 2,
     }
@@ -200,28 +157,24 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--measure", nargs=2, metavar=("OP", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--measure", nargs="+", metavar="OP DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure and args.measure[0] == "make":  # in a process of its own: it holds the whole dict
+        make(Path(args.measure[1]), int(args.measure[2]))
+        return reply(op="make")
     if args.measure:
-        _measure(*args.measure)
-        return
+        return _measure(*args.measure)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dcp_export_"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if not (work / "ckpt").exists():
-        code = f"from benchmarks.dcp_export import _make; from pathlib import Path; _make(Path({str(work)!r}), {args.layers})"
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=ROOT)
-    runs = []
-    for r in range(args.repeat):
-        for i in range(len(OPS)):
-            runs.append(_run(OPS[(i + r) % len(OPS)], work, env))  # the order rotates every round
-    rows = _summarize(runs)
+        fresh("benchmarks.dcp_export", "make", work, args.layers)
+    runs = [fresh("benchmarks.dcp_export", OPS[(i + r) % len(OPS)], work) for r in range(args.repeat) for i in range(len(OPS))]  # the order rotates
     largest = DIM * DIM * 4
     state_bytes = args.layers * (2 * largest + 4)
+    rows = _summarize(runs)
     targets = _print(rows, args.layers, largest, state_bytes)
     if args.json:
-        report = {"layers": args.layers, "dim": DIM, "state_bytes": state_bytes, "largest_tensor": largest,
-                  "repeat": args.repeat, "rows": rows, "targets": targets}  # fmt: skip
+        report = {"layers": args.layers, "dim": DIM, "state_bytes": state_bytes, "largest_tensor": largest, "repeat": args.repeat, "rows": rows, "targets": targets}
         Path(args.json).write_text(json.dumps(report, indent=2))
 
 

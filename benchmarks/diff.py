@@ -31,48 +31,32 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .peak import measured
+from .peak import MiB, adam_full_dict, layers, measured
 
 LAYERS, DIM, REPEAT = 32, 1024, 5
-MiB = 1 << 20
 
 
-def _make(work: Path, layers: int, dim: int) -> None:
+def _make(work: Path, count: int, dim: int) -> None:
     """``full.pt`` and the sources ``a``, ``b``, ``named.safetensors``, ``b_off`` (see the module docstring)."""
     import torch
 
     import fsdp_optim
     from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 
-    g = torch.Generator().manual_seed(0)
-    names = [f"layers.{i}.weight" for i in range(layers)]
-    state = {
-        i: {"step": torch.tensor(7.0), "exp_avg": torch.randn(dim, dim, generator=g),
-            "exp_avg_sq": torch.rand(dim, dim, generator=g)}
-        for i in range(layers)
-    }  # fmt: skip
-    full = {
-        "state": state,
-        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                          "params": list(range(layers))}],  # fmt: skip
-        "param_names": dict(enumerate(names)),
-        "fsdp_optim": {"version": 1, "optimizer": "Adam", "world_size": 4, "scalar_keys": ["step"]},
-    }
+    shapes = layers(count, dim)
+    names = list(shapes)
+    full = adam_full_dict(shapes, 4, eps=1e-8, weight_decay=0.0)
     torch.save(full, work / "full.pt")
 
     def layout(per_unit: int, world_size: int) -> ModelLayout:
-        flats = tuple(
-            FlatParamLayout(f"layers.{u}", tuple(ParamSpec(n, (dim, dim), k * dim * dim)
-                                                 for k, n in enumerate(names[u : u + per_unit])),
-                            world_size, 0, torch.float32, True)
-            for u in range(0, layers, per_unit)
-        )  # fmt: skip
+        specs = lambda u: tuple(ParamSpec(n, (dim, dim), k * dim * dim) for k, n in enumerate(names[u : u + per_unit]))  # noqa: E731
+        flats = tuple(FlatParamLayout(f"layers.{u}", specs(u), world_size, 0, torch.float32, True) for u in range(0, count, per_unit))
         return ModelLayout(flats, tuple(names), world_size, 0)
 
     fsdp_optim.reshard(full, 4, work / "a", layout=layout(2, 4))
     fsdp_optim.reshard(full, 3, work / "b", layout=layout(1, 3))
     fsdp_optim.to_safetensors(full, work / "named.safetensors")
-    for entries in state.values():
+    for entries in full["state"].values():
         entries["exp_avg_sq"] = torch.nextafter(entries["exp_avg_sq"], torch.tensor(2.0))
     fsdp_optim.reshard(full, 3, work / "b_off", layout=layout(1, 3))
 

@@ -22,7 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from .peak import ROOT
+from .report import RESULTS, table
+
 OPS = ("gather", "get_shard", "save", "load", "load_recut", "scatter", "consolidate", "reshard")
 
 
@@ -122,15 +124,13 @@ def main() -> None:
         f"# Engine A/B: {args.current or 'working tree'} vs {args.baseline} ({args.model}, W=2 gloo, {args.rounds} alternating rounds, "
         f"median of {args.repeats} calls per job; load average {os.getloadavg()[0]:.1f})",
         "",
-        "| op | baseline ms | current ms | current / baseline | range of ratios over rounds |",
-        "|---|---|---|---|---|",
-    ]
-    for op in OPS:
-        b, c = med["baseline"][op], med["current"][op]
-        lines.append(f"| {op} | {b * 1e3:.1f} | {c * 1e3:.1f} | {c / b:.2f}x | {spread[op][0]:.2f}-{spread[op][1]:.2f} |")
+        *table(["op", "baseline ms", "current ms", "current / baseline", "range of ratios over rounds"],
+               ([op, f"{med['baseline'][op] * 1e3:.1f}", f"{med['current'][op] * 1e3:.1f}", f"{med['current'][op] / med['baseline'][op]:.2f}x",
+                 f"{spread[op][0]:.2f}-{spread[op][1]:.2f}"] for op in OPS)),
+    ]  # fmt: skip
     text = "\n".join(lines)
     print(text)
-    results = ROOT / "benchmarks" / "results"
+    results = RESULTS
     (results / "engine_ab.md").write_text(text + "\n")
     (results / "engine_ab.json").write_text(json.dumps({"baseline": args.baseline, "runs": sides, "median": med}, indent=1))
 

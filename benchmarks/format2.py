@@ -29,7 +29,6 @@ import json
 import shutil
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -53,13 +52,15 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.torch_files import shard_payload, wrap
 from fsdp_optim.formats.sharded.writer import write_manifest, write_shard_file
 
+from .peak import rounds
+from .report import SCRATCH
+
 MODELS = {"25M": 25_000_000, "100M": 100_000_000}
 UNITS = 24  # FSDP units per model (a transformer wrapped per block)
 WORLD_SIZE, OTHER_WORLD_SIZE = 2, 3
 WARMUP, REPEATS = 1, 5
 QUICK = {"models": {"5M": 5_000_000}, "repeats": 2}
 STORAGE = Path("/dev/shm")
-SCRATCH = Path(__file__).parent / "out"
 
 
 def build(numel: int) -> tuple[Manifest, list[dict[int, dict[str, Any]]]]:
@@ -126,20 +127,16 @@ def floor_v2(directory: Path) -> None:
     json.loads((directory / "manifest.json").read_bytes())
 
 
-MEDIANS: dict[str, float] = {}  # the medians of the last run() call, by row key
+def timed(fn: Callable[[], Any], repeats: int, medians: dict[str, float], name: str) -> tuple[float, Any]:
+    """The minimum time of ``repeats`` calls (after ``WARMUP``) and the last result; the median into ``medians``."""
+    last: list[Any] = [None]  # only the last call's result stays alive
 
+    def call() -> None:
+        last[0] = fn()
 
-def timed(fn: Callable[[], Any], repeats: int, name: str = "") -> tuple[float, Any]:
-    """The minimum time of ``repeats`` calls (after ``WARMUP``) and the last result; the median goes to MEDIANS."""
-    for _ in range(WARMUP):
-        result = fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    MEDIANS[name] = statistics.median(times)
-    return min(times), result
+    times = rounds({name: call}, warmup=WARMUP, repeats=repeats)[name]
+    medians[name] = statistics.median(times)
+    return min(times), last[0]
 
 
 def check(name: str, manifest: Manifest, ranks: list[dict[int, dict[str, Any]]], same: Any, other: Any, full: Any) -> None:
@@ -169,17 +166,17 @@ def run(label: str, numel: int, root: Path, repeats: int) -> list[dict[str, Any]
             shutil.rmtree(directory, ignore_errors=True)
             save(directory, manifest, ranks)
 
-        MEDIANS.clear()
-        t_save, _ = timed(fresh_save, repeats, "save_s")
-        t_floor, _ = timed(lambda floor=floor, directory=directory: floor(directory), repeats, "floor_s")
-        t_same, same = timed(lambda directory=directory: load_same(directory), repeats, "same_w_load_s")
-        t_other, (other, read) = timed(lambda directory=directory: load_other(directory), repeats, "other_w_load_s")
-        t_cons, full = timed(lambda directory=directory: consolidate(directory), repeats, "consolidate_s")
+        medians: dict[str, float] = {}
+        t_save, _ = timed(fresh_save, repeats, medians, "save_s")
+        t_floor, _ = timed(lambda floor=floor, directory=directory: floor(directory), repeats, medians, "floor_s")
+        t_same, same = timed(lambda directory=directory: load_same(directory), repeats, medians, "same_w_load_s")
+        t_other, (other, read) = timed(lambda directory=directory: load_other(directory), repeats, medians, "other_w_load_s")
+        t_cons, full = timed(lambda directory=directory: consolidate(directory), repeats, medians, "consolidate_s")
         check(f"{label} {fmt}", manifest, ranks, same, other, full)
         size = sum(f.stat().st_size for f in directory.iterdir())
         rows.append({"model": label, "format": fmt, "params": numel, "payload_bytes": payload, "bytes": size,
                      "floor_s": t_floor, "save_s": t_save, "same_w_load_s": t_same, "other_w_load_s": t_other,
-                     "consolidate_s": t_cons, "other_w_read_bytes": read or None, "medians": dict(MEDIANS)})  # fmt: skip
+                     "consolidate_s": t_cons, "other_w_read_bytes": read or None, "medians": medians})  # fmt: skip
         del same, other, full
         shutil.rmtree(directory)
     return rows

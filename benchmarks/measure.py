@@ -12,10 +12,8 @@ as the largest over the timed rounds.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import statistics
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -25,70 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MiB = 1 << 20
+from .peak import MiB, reset_peak, status_bytes
 
-
-def _status_bytes(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field_name}")
-
-
-def _can_clear_refs() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class PeakRSS:
-    """Peak resident memory growth over a window: exact through clear_refs, else a 1 ms sampling thread."""
-
-    def __init__(self) -> None:
-        self.exact = _can_clear_refs()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._peak = 0
-        self.base = 0
-
-    def start(self) -> None:
-        self.base = _status_bytes("VmRSS")
-        if self.exact:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return
-        self._peak = self.base
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self._peak = max(self._peak, _status_bytes("VmRSS"))
-
-    def growth(self) -> int:
-        if self.exact:
-            return _status_bytes("VmHWM") - self.base
-        self._stop.set()
-        assert self._thread is not None, "growth() called before start()"
-        self._thread.join()
-        return max(self._peak, _status_bytes("VmRSS")) - self.base
-
-
-try:
-    _libc: Any = ctypes.CDLL("libc.so.6")
-except OSError:  # not glibc: nothing to trim
-    _libc = None
+__all__ = ["Measurement", "Method", "MiB", "NotAvailable", "measure", "release_memory", "tensor_bytes"]
 
 
 def release_memory() -> None:
-    gc.collect()
-    if _libc is not None:
-        _libc.malloc_trim(0)
+    """Collect garbage and return freed memory to the system (glibc ``malloc_trim``)."""
+    reset_peak()
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -177,7 +119,6 @@ def _rounds(
 ) -> None:
     """The loop of :func:`measure`: fills ``times``, ``growths``, ``first`` and ``failed`` in place."""
     rank = dist.get_rank()
-    peak = PeakRSS()
     for i in range(warmup + repeats):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
@@ -188,15 +129,14 @@ def _rounds(
             try:
                 if method.prepare is not None:
                     method.prepare()
-                release_memory()
-                peak.start()
+                base = reset_peak()
                 dist.barrier()
                 start = time.perf_counter()
                 result = method.call()
                 if sync is not None:
                     sync()
                 elapsed = time.perf_counter() - start
-                growth = peak.growth()
+                growth = status_bytes("VmHWM") - base
                 if name not in first and rank == recipient:
                     first[name] = (tensor_bytes(result), _run_check(method, result))
                 del result

@@ -16,19 +16,22 @@ own files from page cache). Medians of ``REPEATS`` after ``WARMUP``; every rank 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import models, spawn
+from .ckpt.common import difference
+from .peak import rounds
+from .report import RESULTS, SCRATCH
 
 # ---- configuration ---------------------------------------------------------------------------------
 MODEL = "25M"
@@ -36,25 +39,15 @@ QUICK_MODEL = "5M"
 SAVED_NODES, RANKS_PER_NODE = 4, 2  # job 1: 8 ranks; job 2: one node fewer
 WARMUP, REPEATS = 1, 7
 STORAGE = Path("/dev/shm")
-RESULTS_DIR = Path(__file__).parent / "results"
-SCRATCH_DIR = Path(__file__).parent / "out"
 # -----------------------------------------------------------------------------------------------------
 
 
 def _median(fn: Any, warmup: int, repeats: int, before: Any = None) -> float:
+    """The median of ``fn(k)`` for the timed ``k`` (after ``warmup``), each between two barriers, ``before()`` untimed."""
     import torch.distributed as dist
 
-    times = []
-    for k in range(warmup + repeats):
-        if before is not None:
-            before()
-        dist.barrier()
-        start = time.perf_counter()
-        fn(k)
-        dist.barrier()
-        if k >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    k = itertools.count()
+    return statistics.median(rounds({"call": lambda: fn(next(k))}, warmup=warmup, repeats=repeats, sync=dist.barrier, before=before and (lambda _: before()))["call"])
 
 
 def _save_job(rank: int, world_size: int, spec: models.ModelSpec, work: str, warmup: int, repeats: int) -> Any:
@@ -131,23 +124,12 @@ def _restore_job(rank: int, world_size: int, spec: models.ModelSpec, work: str, 
     exact = None
     if rank == 0:
         reference = torch.load(Path(work) / "reference.pt", weights_only=False)
-        exact = _identical(loaded["model"], reference["model"]) and _identical(
-            {k: v for k, v in loaded["optim"].items() if k != "fsdp_optim"},
-            {k: v for k, v in reference["optim"].items() if k != "fsdp_optim"},
+        exact = not difference(loaded["model"], reference["model"]) and not difference(
+            {k: v for k, v in loaded["optim"].items() if k != "fsdp_optim"}, {k: v for k, v in reference["optim"].items() if k != "fsdp_optim"}
         )
     dist.barrier()
     return {"restore_memory_s": restore, "load_local_s": floor, "load_recut_s": recut, "exact": exact, "restored_step": manager.restored_step,
             "restored_from": manager.restored_from}  # fmt: skip
-
-
-def _identical(a: Any, b: Any) -> bool:
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=REPEATS)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     spec = models.parse_model(args.model or (QUICK_MODEL if args.quick else MODEL))
-    out = SCRATCH_DIR if args.quick else RESULTS_DIR
+    out = SCRATCH if args.quick else RESULTS
     saved_w, restored_w = SAVED_NODES * RANKS_PER_NODE, (SAVED_NODES - 1) * RANKS_PER_NODE
     work = Path(tempfile.mkdtemp(prefix="fsdp_optim-bench-memtier-", dir=STORAGE if STORAGE.is_dir() else None))
     load_before = os.getloadavg()[0]

@@ -1,46 +1,158 @@
-"""Turn measurements into ratios, target verdicts, a markdown report, JSON and a PNG plot."""
+"""One report module for every benchmark: the run's header, rows with ratios, target verdicts, tables, notes,
+a plot, and the ``.md`` / ``.json`` / ``.png`` files. A benchmark keeps only what is its own (its labels, its
+targets, its cells); everything that reads alike across benchmarks is here, once.
+
+A benchmark's main (see ``benchmarks/whole_state.py`` for a whole one)::
+
+    run = Run("python -m benchmarks.mine", argv)          # meta: command, machine, versions, package, load
+    run.meta |= {"repeats": 5}                             # the benchmark's own header fields
+    run.log("W=2 ...")                                     # "[   12s] W=2 ..."
+    rows = [record(model, 2, full_bytes, method, value, results.get(floor)) for method, value in results.items()]
+    meta = run.finish()                                    # meta: wall_s, load_after, finished
+    paths = write(out_dir, "mine", rows=rows, meta=meta, targets=targets(rows), markdown=markdown, plot=plot)
+    run.done(paths, console([...], widths), verdict_lines(targets(rows)))
+
+``results`` is what ``measure.measure`` returns (``Measurement`` or ``NotAvailable`` per method); ``compared``
+also adds the ratio to DCP's counterpart and an async save's time until durable. The targets::
+
+    def targets(rows):                                     # (name, method, versus "floor" | "dcp", limit)
+        return check_targets(rows, [("save <= 1.1x floor", "mine_save", "floor", 1.1)], FLOOR_OF, DCP_OF)
+
+The markdown, a function of the rows and meta alone, so that a stored JSON re-renders its stored ``.md``
+(``tests/test_benchmarks_tree.py`` checks that it does)::
+
+    def markdown(rows, meta, png_name):
+        rep = Report("My benchmark", meta)                 # "# My benchmark (finished)", "", "Machine: ..."
+        rep.add(f"Command: `{meta['command']}`.", "")      # any lines
+        rep.targets(targets(rows), "## Targets")           # the verdict table (nothing when there are none)
+        rep.by_world_size(rows, "5M", METHODS, cell, LABELS)  # a method per line, a world size per column
+        rep.table(["method", "W=2"], [["ours", "12"]])     # any Markdown table, then a blank line
+        return rep.notes(rows, LABELS).image(png_name, "latency").text()
+
+``lines(path, title, [[panel, ...], ...])`` draws line panels (``{"title", "series": [(label, [(x, y)], style,
+colour, width)], ...}``) and returns False without matplotlib. Helpers for cells: ``ms``, ``fmt``, ``mark``,
+``spread``; for groups of rows: ``index``, ``groups``.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import platform
+import shlex
 import statistics
-from collections.abc import Callable
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from .measure import Measurement, MiB, NotAvailable
 
-FLOOR = "floor_p2p_fresh"
-COPY_FLOOR = "floor_copy"
-PEERS = ("fairscale", "fsdp1", "fsdp2")
-LABELS = {
-    "ours": "ours (tensor, default)",
-    "ours_object": "ours (object: broadcast_object_list)",
-    "fairscale": "fairscale gather_full_optim_state_dict",
-    "fsdp1": "PyTorch FSDP1 full_optim_state_dict(rank0_only)",
-    "fsdp2": "PyTorch FSDP2 get_optimizer_state_dict(full, cpu_offload)",
-    "floor_gather": "floor: dist.gather, preallocated",
-    "floor_p2p_warm": "floor: p2p into warm memory",
-    "floor_p2p_fresh": "floor: p2p into fresh memory",
-    "get_shard": "ours get_shard_from_optim_state_dict",
-    "floor_copy": "floor: fresh copy of the shard's bytes",
-}
-GATHER_ROWS = ("ours", "ours_object", "fairscale", "fsdp1", "fsdp2", "floor_gather", "floor_p2p_warm", FLOOR)
-SHARD_ROWS = ("get_shard", COPY_FLOOR)
+Row = dict[str, Any]
+RESULTS = Path(__file__).parent / "results"  # committed: the latest full runs
+SCRATCH = Path(__file__).parent / "out"  # git-ignored: quick and ad-hoc runs
 
-# Targets of issue 3, checked at world sizes 2..8 for the 25M and 100M models.
-TARGET_MODELS = ("25M", "100M")
-MAX_FLOOR_RATIO = 1.3
-MIN_PEER_SPEEDUP = 2.5
-MIN_OBJECT_SPEEDUP = 10.0
-MAX_RECIPIENT_RSS = 1.05  # x full state bytes
-MAX_OTHER_RSS = 32 * MiB
+# ---------------------------------------------------------------------------------------------------
+# The run: its header fields (meta) and its log
 
 
-def record(model: str, world_size: int, full_bytes: int, method: str, value: Any, base: Any) -> dict[str, Any]:
+def csv(text: str) -> tuple[str, ...]:
+    """``"a, b,c"`` -> ``("a", "b", "c")``: a comma-separated command-line option."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in csv(text))
+
+
+def machine() -> str:
+    """CPU model, cores, memory, GPUs and OS of this machine, in one line."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    memory = ""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+        kib = int(next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")).split()[1])
+        memory = f", {kib / (1 << 20):.0f} GiB RAM"
+    except (OSError, StopIteration):
+        pass
+    gpu = f", {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
+    return f"{cpu}, {os.cpu_count()} cores{memory}{gpu}, {platform.system()} {platform.release()}"
+
+
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages."""
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def package() -> str:
+    """Which fsdp_optim was measured: its commit, and whether its files differ from it."""
+    import fsdp_optim
+
+    where = Path(fsdp_optim.__file__).parent
+    git = ["git", "-C", str(where)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "."], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"fsdp_optim {fsdp_optim.__version__} at {where} (not in a git checkout)"
+    return f"fsdp_optim {fsdp_optim.__version__} at commit {commit}" + (" with uncommitted changes" if dirty else "")
+
+
+def storage(path: Path) -> str:
+    return f"{path} ({'tmpfs' if str(path).startswith('/dev/shm') else 'file system'})"
+
+
+class Run:
+    """One benchmark run: ``meta`` (the header every report starts with), a timed log, and its end."""
+
+    def __init__(self, prog: str, argv: Sequence[str], *, backend: str = "gloo", versions: str = "") -> None:
+        import fairscale
+        import torch
+
+        self.started = time.perf_counter()
+        self.meta: dict[str, Any] = {
+            "command": f"{prog} {shlex.join(argv)}".strip(),
+            "machine": machine(),
+            "cores": os.cpu_count(),
+            "backend": backend,
+            "versions": f"torch {torch.__version__}, fairscale {fairscale.__version__}, Python {platform.python_version()}"
+            + (f", {versions}" if versions else ""),
+            "package": package(),
+            "load_before": load_average(),
+        }
+
+    def log(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.started:6.0f}s] {text}", flush=True)
+
+    def finish(self) -> dict[str, Any]:
+        self.meta["wall_s"] = time.perf_counter() - self.started
+        self.meta["load_after"] = load_average()
+        self.meta["finished"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        return self.meta
+
+    def done(self, paths: dict[str, Path], *texts: str) -> None:
+        """Print the run's closing texts (tables, verdicts) and what it wrote."""
+        for text in texts:
+            print(f"\n{text}")
+        print(f"\nwall time {self.meta['wall_s'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows
+
+
+def record(model: str, world_size: int, full_bytes: int, method: str, value: Any, base: Any) -> Row:
     """One row of the JSON: the measurement and its ratios to ``base`` (the floor it is compared with)."""
-    row: dict[str, Any] = {"model": model, "world_size": world_size, "method": method, "full_bytes": full_bytes}
+    row: Row = {"model": model, "world_size": world_size, "method": method, "full_bytes": full_bytes}
     if isinstance(value, NotAvailable):
         row["na"] = value.reason
         return row
@@ -56,324 +168,278 @@ def record(model: str, world_size: int, full_bytes: int, method: str, value: Any
     return row
 
 
-def rows_of(model: str, world_size: int, payload: dict[str, Any]) -> list[dict[str, Any]]:
-    results = payload["results"]
+def compared(
+    model: str, world_size: int, full_bytes: int, results: dict[str, Any], *, order: Sequence[str], floor_of: dict[str, str], dcp_of: dict[str, str]
+) -> list[tuple[Row, Any]]:
+    """Rows in ``order`` with their floor ratio (``record``), their ratio to DCP's counterpart (``x_dcp``) and the
+    median time until durable of an async save (``durable_median_s``); each with its measurement."""
     out = []
-    for method, value in results.items():
-        base = results.get(COPY_FLOOR if method in SHARD_ROWS else FLOOR)
-        out.append(record(model, world_size, payload["full_bytes"], method, value, base))
+    for method in sorted(results, key=lambda m: order.index(m) if m in order else len(order)):
+        value = results[method]
+        row = record(model, world_size, full_bytes, method, value, results.get(floor_of.get(method, "")))
+        peer = results.get(dcp_of.get(method, ""))
+        if isinstance(value, Measurement) and isinstance(peer, Measurement):
+            row["x_dcp"] = value.median_s / peer.median_s
+        if isinstance(value, Measurement) and value.extra.get("durable_s"):
+            row["durable_median_s"] = statistics.median(value.extra["durable_s"])
+        out.append((row, value))
     return out
 
 
-def _index(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, Any]]:
+def index(rows: Iterable[Row]) -> dict[tuple[str, int, str], Row]:
     return {(r["model"], r["world_size"], r["method"]): r for r in rows}
 
 
-def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One verdict per (target, model, world size) where both sides were measured."""
-    at = _index(rows)
-    verdicts = []
+def groups(rows: Iterable[Row]) -> list[tuple[str, int]]:
+    """The (model, world size) pairs of the rows, in order."""
+    return list(dict.fromkeys((r["model"], r["world_size"]) for r in rows))
 
-    def add(target: str, model: str, ws: int, value: float | None, limit: str, ok: bool | None, detail: str) -> None:
-        verdicts.append(
-            {
-                "target": target,
-                "model": model,
-                "world_size": ws,
-                "value": value,
-                "limit": limit,
-                "met": ok,
-                "detail": detail,
-            }
-        )
 
-    for model in sorted({r["model"] for r in rows}, key=lambda m: [r["model"] for r in rows].index(m)):
-        if model not in TARGET_MODELS:
-            continue
-        for ws in sorted({r["world_size"] for r in rows if r["model"] == model}):
-            if not 2 <= ws <= 8:
+def spread(row: Row) -> float:
+    """Relative spread of the timed calls (max-min over median), for noise judgement."""
+    times = row.get("times_s") or []
+    return (max(times) - min(times)) / statistics.median(times) if times else 0.0
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds: whole with thousands separators, two decimals under 10 ms."""
+    return f"{seconds * 1e3:,.0f}" if abs(seconds) >= 0.01 else f"{seconds * 1e3:.2f}"
+
+
+def mark(row: Row, wrong: str = " ⚠ WRONG") -> str:
+    note = row.get("note") or ""
+    return wrong if note.startswith("wrong output") else " †" if note else ""
+
+
+def is_wrong(row: Row | None) -> bool:
+    return bool(row) and (row.get("note") or "").startswith(("wrong output", "result not checked"))  # type: ignore[union-attr]
+
+
+def fmt(row: Row, key: str, spec: str, scale: float = 1.0) -> str:
+    return format(row[key] / scale, spec) if row.get(key) is not None else ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verdicts
+
+
+def verdict(target: str, model: str, world_size: int, value: float | None, limit: Any, met: bool | None, detail: str) -> Row:
+    return {"target": target, "model": model, "world_size": world_size, "value": value, "limit": limit, "met": met, "detail": detail}
+
+
+def against(row: Row | None, base: Row | None, key: str, limit: float | None) -> tuple[float | None, bool | None, str]:
+    """``row[key]`` (a ratio to ``base``) against ``limit``: (value, met, detail); None where not measured."""
+    if row is None:
+        return None, None, "not run here"
+    if "na" in row:
+        return None, None, row["na"]
+    if is_wrong(row):
+        return None, False, row["note"]
+    value = row.get(key)
+    if value is None or base is None:
+        return None, None, "no comparison measured"
+    detail = f"{row['median_s'] * 1e3:,.0f} ms vs {base['median_s'] * 1e3:,.0f} ms"
+    return value, None if limit is None else value <= limit, detail
+
+
+def check_targets(rows: list[Row], targets: Iterable[tuple[str, str, str, float | None]], floor_of: dict[str, str], dcp_of: dict[str, str], *,
+                  special: dict[str, Callable[[Row, Any], tuple[float | None, bool | None, str]]] | None = None, skip_missing: bool = False) -> list[Row]:  # fmt: skip
+    """One verdict per (target, model, world size): ``targets`` are ``(name, method, versus, limit)`` where ``versus``
+    is "floor" or "dcp" (the row's ratio to it, ``against``) or a key of ``special`` (its own check of a measured
+    row); ``skip_missing`` leaves out the targets of methods not run in a group."""
+    at, out = index(rows), []
+    for model, ws in groups(rows):
+        for name, method, versus, limit in targets:
+            row = at.get((model, ws, method))
+            if row is None and skip_missing:
                 continue
-            ours = at.get((model, ws, "ours"))
-            if not ours or "na" in ours:
-                continue
-            floor = at.get((model, ws, FLOOR))
-            if floor and "na" not in floor:
-                ratio = ours["median_s"] / floor["median_s"]
-                add(
-                    "ours <= 1.3x fresh p2p floor",
-                    model,
-                    ws,
-                    ratio,
-                    "<= 1.3",
-                    ratio <= MAX_FLOOR_RATIO,
-                    f"{ours['median_s'] * 1e3:.0f} ms vs {floor['median_s'] * 1e3:.0f} ms",
-                )
-            peers = [at[(model, ws, p)] for p in PEERS if (model, ws, p) in at and "na" not in at[(model, ws, p)]]
-            if peers:
-                fastest = min(peers, key=lambda r: r["median_s"])
-                speedup = fastest["median_s"] / ours["median_s"]
-                add(
-                    ">= 2.5x faster than fastest peer",
-                    model,
-                    ws,
-                    speedup,
-                    ">= 2.5",
-                    speedup >= MIN_PEER_SPEEDUP,
-                    f"fastest peer {fastest['method']} {fastest['median_s'] * 1e3:.0f} ms",
-                )
-            obj = at.get((model, ws, "ours_object"))
-            if ws >= 4 and obj and "na" not in obj:
-                speedup = obj["median_s"] / ours["median_s"]
-                add(
-                    ">= 10x faster than object path (W>=4)",
-                    model,
-                    ws,
-                    speedup,
-                    ">= 10",
-                    speedup >= MIN_OBJECT_SPEEDUP,
-                    f"object {obj['median_s'] * 1e3:.0f} ms",
-                )
-            rss = ours["rss_recipient"] / ours["full_bytes"]
-            add(
-                "recipient peak RSS growth <= 1.05x full",
-                model,
-                ws,
-                rss,
-                "<= 1.05",
-                rss <= MAX_RECIPIENT_RSS,
-                f"{ours['rss_recipient'] / MiB:.1f} MiB for {ours['full_bytes'] / MiB:.1f} MiB",
-            )
-            if ours.get("rss_other") is not None:
-                other = ours["rss_other"] / MiB
-                add(
-                    "other rank peak RSS growth < 32 MiB",
-                    model,
-                    ws,
-                    other,
-                    "< 32 MiB",
-                    ours["rss_other"] < MAX_OTHER_RSS,
-                    f"{other:.1f} MiB",
-                )
-    return verdicts
+            if special and versus in special and row and "na" not in row and not is_wrong(row):
+                value, met, detail = special[versus](row, limit)
+            else:
+                base = at.get((model, ws, (dcp_of if versus == "dcp" else floor_of).get(method, "")))
+                value, met, detail = against(row, base, "x_dcp" if versus == "dcp" else "x_floor", limit)
+            out.append(verdict(name, model, ws, value, limit, met, detail))
+    return out
+
+
+def verdict_word(v: Row, words: tuple[str, str, str, str] = ("PASS", "MISS", "info", "n/a")) -> str:
+    """met / missed / a value without a limit / not measured."""
+    return words[0] if v["met"] else words[1] if v["met"] is False else words[2] if v["value"] is not None else words[3]
+
+
+def verdict_lines(verdicts: Iterable[Row], value: str = ".2f") -> str:
+    """The verdicts for the console, one a line."""
+    return "\n".join(
+        f"{verdict_word(v):<4} {v['target']:<50} {v['model']:>5} W={v['world_size']}  "
+        f"{format(v['value'], value) if v['value'] is not None else '-':>7} (limit {v['limit']})  {v['detail']}"
+        for v in verdicts
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Markdown
 
 
-def _ms(row: dict[str, Any] | None) -> str:
-    if row is None:
-        return ""
-    if "na" in row:
-        return f"n/a: {row['na']}"
-    text = f"{row['median_s'] * 1e3:,.0f}" if row["median_s"] >= 0.01 else f"{row['median_s'] * 1e3:.2f}"
-    if row.get("x_floor") is not None:
-        text += f" ({row['x_floor']:.2f}x)"
-    note = row.get("note") or ""
-    return text + (" ⚠" if note.startswith("wrong output") else " †" if note else "")
+def table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A Markdown table's lines."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def _mib(row: dict[str, Any] | None, key: str) -> str:
-    if row is None:
-        return ""
-    if "na" in row:
-        return "n/a"
-    if row.get(key) is None:
-        return ""
-    text = f"{row[key] / MiB:,.1f}"
-    ratio = row.get(f"{key}_x_floor") if key == "rss_recipient" else None
-    return text + (f" ({ratio:.2f}x)" if ratio is not None else "")
+class Report:
+    """A Markdown page built line by line; see the module docstring."""
 
+    def __init__(self, title: str, meta: dict[str, Any]) -> None:
+        self.lines = [f"# {title} ({meta['finished']})", "", f"Machine: {meta['machine']}. Backend: {meta['backend']}. {meta['versions']}."]
 
-def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | None) -> str:
-    at = _index(rows)
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    lines = [
-        f"# Optimizer-state gather benchmark ({meta['finished']})",
-        "",
-        f"Machine: {meta['machine']}. Backend: {meta['backend']}. {meta['versions']}.",
-        (
-            f"Command: `{meta['command']}`; wall time {meta['wall_s'] / 60:.1f} min; "
-            f"load average before/after: {meta['load_before']} / {meta['load_after']}."
-        ),
-        (
-            f"Each figure: median of {meta['repeats']} barrier-synchronised calls after {meta['warmup']} warm-up "
-            "round(s), methods interleaved round-robin, slowest rank per call; Adam after "
-            f"{meta['steps']} training steps; one FSDP unit per block plus the root."
-        ),
-        (
-            "Latency in ms, with the ratio to the fresh-memory point-to-point floor in parentheses "
-            "(get_shard: to a fresh copy of the shard's bytes). ⚠: wrong result; †: see notes."
-        ),
-    ]
-    if meta.get("oversubscribed"):
-        lines.append(f"World sizes above {meta['cores']} oversubscribe the {meta['cores']} cores.")
-    lines.append("")
-    verdicts = targets(rows)
-    if verdicts:
-        lines += [
-            "## Targets (issue 3)",
-            "",
-            "| target | model | W | value | limit | met | detail |",
-            "|---|---|---|---|---|---|---|",
+    def add(self, *lines: str) -> Report:
+        self.lines += lines
+        return self
+
+    def table(self, columns: Sequence[str], rows: Iterable[Sequence[str]], blank: bool = True) -> Report:
+        self.lines += table(columns, rows) + ([""] if blank else [])
+        return self
+
+    def by_world_size(self, rows: list[Row], model: str, methods: Iterable[str], cell: Callable[[Row | None], str], labels: dict[str, str], sizes: Sequence[int] | None = None) -> Report:
+        """One line per method that has a cell, one column per world size."""
+        at = {(r["world_size"], r["method"]): r for r in rows if r["model"] == model}
+        sizes = sizes or sorted({w for w, _ in at})
+        body = []
+        for method in methods:
+            cells = [at.get((w, method)) for w in sizes]
+            if any(cells) and any(cell(c) for c in cells):
+                body.append([labels.get(method, method)] + [cell(c) for c in cells])
+        return self.table(["method"] + [f"W={w}" for w in sizes], body)
+
+    def targets(self, verdicts: list[Row], heading: str, *, words: tuple[str, str, str, str] = ("PASS", "**MISS**", "info", "n/a"), column: str = "verdict", value: str = ".2f", limit: Callable[[Row], str] | None = None) -> Report:
+        """The verdict table under ``heading``; nothing where there are no verdicts."""
+        if not verdicts:
+            return self
+        limit = limit or (lambda v: "-" if v["limit"] is None else f"{v['limit']}")
+        body = [
+            [v["target"], v["model"], str(v["world_size"]), "-" if v["value"] is None else format(v["value"], value), limit(v), verdict_word(v, words), v["detail"]]
+            for v in verdicts
         ]
-        for v in verdicts:
-            lines.append(
-                f"| {v['target']} | {v['model']} | {v['world_size']} | {v['value']:.2f} | {v['limit']} | "
-                f"{'yes' if v['met'] else '**no**'} | {v['detail']} |"
-            )
-        lines.append("")
-    for model in models:
-        sizes = sorted({r["world_size"] for r in rows if r["model"] == model})
-        full = next(r["full_bytes"] for r in rows if r["model"] == model)
-        lines += [f"## {model} model (full Adam state {full / MiB:,.0f} MiB)", ""]
-        head = "| method | " + " | ".join(f"W={w}" for w in sizes) + " |"
-        rule = "|---|" + "---|" * len(sizes)
-        lines += ["Latency, ms (x floor):", "", head, rule]
-        for method in GATHER_ROWS + SHARD_ROWS:
-            cells = [at.get((model, w, method)) for w in sizes]
-            if any(cells):
-                lines.append(f"| {LABELS[method]} | " + " | ".join(_ms(c) for c in cells) + " |")
-        lines += [
-            "",
-            "Peak RSS growth, recipient (rank 0), MiB (x the floor's growth, which is the full state's bytes):",
-            "",
-            head,
-            rule,
-        ]
-        for method in GATHER_ROWS + SHARD_ROWS:
-            cells = [at.get((model, w, method)) for w in sizes]
-            if any(cells):
-                lines.append(f"| {LABELS[method]} | " + " | ".join(_mib(c, "rss_recipient") for c in cells) + " |")
-        multi = [w for w in sizes if w > 1]
-        if multi:
-            lines += [
-                "",
-                "Peak RSS growth, one other rank (rank 1), MiB (the floors allocate nothing there):",
-                "",
-                "| method | " + " | ".join(f"W={w}" for w in multi) + " |",
-                "|---|" + "---|" * len(multi),
-            ]
-            for method in GATHER_ROWS + SHARD_ROWS:
-                cells = [at.get((model, w, method)) for w in multi]
-                if any(cells):
-                    lines.append(f"| {LABELS[method]} | " + " | ".join(_mib(c, "rss_other") for c in cells) + " |")
-        lines.append("")
-    notes = sorted({(r["method"], r.get("na") or r.get("note")) for r in rows if r.get("na") or r.get("note")})
-    if notes:
-        lines += ["## Notes", ""]
-        for method, text in notes:
-            where = ", ".join(
-                f"{r['model']} W={r['world_size']}"
-                for r in rows
-                if r["method"] == method and (r.get("na") or r.get("note")) == text
-            )
-            lines.append(f"- {LABELS[method]}: {text} ({where})")
-        lines.append("")
-    if png_name:
-        lines += [f"![latency against world size]({png_name})", ""]
-    return "\n".join(lines)
+        return self.add(heading, "").table(["target", "model", "W", "value", "limit", column, "detail"], body)
+
+    def notes(self, rows: list[Row], labels: dict[str, str]) -> Report:
+        """One line per distinct (method, note or reason), naming where it was seen."""
+        notes = sorted({(r["method"], r.get("na") or r.get("note")) for r in rows if r.get("na") or r.get("note")})
+        if notes:
+            self.add("## Notes", "")
+            for method, text in notes:
+                where = ", ".join(f"{r['model']} W={r['world_size']}" for r in rows if r["method"] == method and (r.get("na") or r.get("note")) == text)
+                self.add(f"- {labels.get(method, method)}: {text} ({where})")
+            self.add("")
+        return self
+
+    def image(self, png_name: str | None, alt: str) -> Report:
+        return self.add(f"![{alt}]({png_name})", "") if png_name else self
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def console(rows: Iterable[Sequence[str]], widths: Sequence[int]) -> str:
+    """Rows of cells as fixed-width columns, for the terminal."""
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# Columns of ``measurements``: (heading, width, cell of a measured row)
+MEASURED: list[tuple[str, int, Callable[[Row], str]]] = [
+    ("median ms", 10, lambda r: f"{r['median_s'] * 1e3:.1f}"),
+    ("spread", 7, lambda r: f"{spread(r):.0%}"),
+    ("x floor", 8, lambda r: fmt(r, "x_floor", ".2f")),
+]
+RSS: list[tuple[str, int, Callable[[Row], str]]] = [
+    ("rss0 MiB", 9, lambda r: f"{r['rss_recipient'] / MiB:.1f}"),
+    ("rss1 MiB", 9, lambda r: fmt(r, "rss_other", ".1f", MiB)),
+]
+
+
+def measurements(rows: Iterable[Row], columns: Sequence[tuple[str, int, Callable[[Row], str]]], method_width: int = 18) -> str:
+    """One line per row for the terminal: model, W, method, then ``columns`` (a row not measured: its reason)."""
+    head = ["model", "W", "method", *(c[0] for c in columns)]
+    lines = [[r["model"], str(r["world_size"]), r["method"], *(f"n/a: {r['na']}",)] if "na" in r else
+             [r["model"], str(r["world_size"]), r["method"], *(c[2](r) for c in columns)] for r in rows]  # fmt: skip
+    return console([head, *lines], (6, 2, method_width, *(c[1] for c in columns)))
+
+
+def by_group(rows: list[Row], head: Sequence[str], line: Callable[[Row], list[str]], widths: Sequence[int]) -> str:
+    """``console`` of the rows, one block per (model, world size) under a ``-- model, W=w`` line."""
+    return "\n".join(f"-- {m}, W={w}\n" + console([head] + [line(r) for r in rows if (r["model"], r["world_size"]) == (m, w)], widths) for m, w in groups(rows))
 
 
 # ---------------------------------------------------------------------------------------------------
-# Plot
+# Plot and files
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+def lines(path: Path, title: str, panels: list[list[dict[str, Any]]], *, size: tuple[float, float] = (4.4, 3.8), dpi: int = 110, legend: str = "each") -> bool:
+    """Line panels (a grid: a list of rows of panels) into a PNG; False without matplotlib.
+
+    A panel: ``{"title", "series": [(label, [(x, y), ...], style, colour, width)], "xlabel", "ylabel",
+    "xticks", "xscale", "yscale", "hline": (y, label)}``, any but ``series`` optional. ``legend="shared"``
+    puts one legend under the grid (from the first panel) instead of one per panel.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot written")
         return False
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6.0 * len(models) + 1, 5.6), squeeze=False)
-    styles = {
-        "ours": ("C0", "o-", 2.5),
-        "ours_object": ("C0", "o--", 1.2),
-        "fairscale": ("C1", "s-", 1.5),
-        "fsdp1": ("C2", "^-", 1.5),
-        "fsdp2": ("C3", "v-", 1.5),
-        "floor_gather": ("0.6", ":", 1.2),
-        "floor_p2p_warm": ("0.4", "-.", 1.2),
-        FLOOR: ("k", "--", 1.5),
-    }
-    for ax, model in zip(axes[0], models):
-        for method in GATHER_ROWS:
-            points = sorted(
-                (r["world_size"], r["median_s"] * 1e3)
-                for r in rows
-                if r["model"] == model and r["method"] == method and "na" not in r
-            )
-            if points:
-                color, style, width = styles[method]
-                ax.plot(*zip(*points), style, color=color, linewidth=width, label=LABELS[method], markersize=4)
-        ax.set_yscale("log")
-        ax.set_xlabel("world size")
-        ax.set_ylabel("gather latency, ms (median)")
-        ax.set_title(f"{model} model")
-        ax.set_xticks(sorted({r["world_size"] for r in rows if r["model"] == model}))
-        ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    ncols = max(len(r) for r in panels)
+    fig, axes = plt.subplots(len(panels), ncols, figsize=(size[0] * ncols + 0.6, size[1] * len(panels) + 0.6), squeeze=False)
+    for ax_row, row in zip(axes, panels):
+        for ax, panel in zip(ax_row, row + [None] * (ncols - len(row))):
+            if not panel or not any(s[1] for s in panel["series"]):
+                ax.axis("off")
+                continue
+            for label, points, style, colour, width in (s for s in panel["series"] if s[1]):
+                ax.plot(*zip(*sorted(points)), style, color=colour, linewidth=width, label=label, markersize=4)
+            if panel.get("hline"):
+                ax.axhline(panel["hline"][0], color="grey", ls=":", label=panel["hline"][1])
+            ax.set(xscale=panel.get("xscale", "linear"), yscale=panel.get("yscale", "linear"), title=panel.get("title", ""))
+            ax.set_xlabel(panel.get("xlabel", "world size"))
+            ax.set_ylabel(panel.get("ylabel", ""))
+            ticks = sorted({x for s in panel["series"] for x, _ in s[1]})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.grid(True, which="both", alpha=0.3)
+            if legend == "each":
+                ax.legend(fontsize=6)
+    if legend == "shared":
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=8)
-    fig.tight_layout(rect=(0, 0.12, 1, 0.97))
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0.12 if legend == "shared" else 0, 1, 0.96))
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return True
 
 
-def write(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
-    return write_files(rows, meta, out_dir, name, plot=plot, markdown=markdown, targets=targets)
-
-
-def write_files(
-    rows: list[dict[str, Any]],
-    meta: dict[str, Any],
+def write(
     out_dir: Path,
     name: str,
     *,
-    plot: Callable[[list[dict[str, Any]], Path, str], bool],
-    markdown: Callable[[list[dict[str, Any]], dict[str, Any], str | None], str],
-    targets: Callable[[list[dict[str, Any]]], Any],
+    rows: list[Row],
+    meta: dict[str, Any],
+    targets: list[Row],
+    markdown: Callable[[list[Row], dict[str, Any], str | None], str],
+    plot: Callable[[list[Row], Path, str], bool] | None = None,
 ) -> dict[str, Path]:
-    """``<name>.md``, ``<name>.json`` and (when matplotlib is there) ``<name>.png`` of one benchmark's rows, made
-    by that benchmark's ``plot``, ``markdown`` and ``targets``; returns the paths written."""
+    """``<name>.json``, ``<name>.png`` (when ``plot`` draws one; a plot that fails is reported and skipped) and
+    ``<name>.md``, which links the plot; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out_dir / f"{name}.md", "json": out_dir / f"{name}.json", "png": out_dir / f"{name}.png"}
-    has_png = plot(rows, paths["png"], f"{meta['machine']}\n{meta['backend']}, {meta['finished']}")
+    paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md", "png": out_dir / f"{name}.png"}
+    paths["json"].write_text(json.dumps({"meta": meta, "targets": targets, "rows": rows}, indent=1, default=str))  # first: what a run measured
+    try:  # a plot that fails must not lose the run's tables
+        has_png = plot is not None and plot(rows, paths["png"], f"{meta['machine']}\n{meta['backend']}, {meta['finished']}")
+    except Exception as exc:
+        print(f"no plot written: {type(exc).__name__}: {exc}")
+        has_png = False
     paths["md"].write_text(markdown(rows, meta, paths["png"].name if has_png else None))
-    paths["json"].write_text(json.dumps({"meta": meta, "targets": targets(rows), "rows": rows}, indent=1, default=str))
     if not has_png:
         paths.pop("png")
     return paths
-
-
-def console(rows: list[dict[str, Any]]) -> str:
-    """A compact table for the terminal: every method's median, ratio and RSS growth."""
-    lines = [
-        (
-            f"{'model':>6} {'W':>2} {'method':<16} {'median ms':>10} {'spread':>7} {'x floor':>8} "
-            f"{'rss0 MiB':>9} {'rss1 MiB':>9}  note"
-        )
-    ]
-    for r in rows:
-        if "na" in r:
-            lines.append(f"{r['model']:>6} {r['world_size']:>2} {r['method']:<16} n/a: {r['na']}")
-            continue
-        ratio = f"{r['x_floor']:.2f}" if r.get("x_floor") is not None else ""
-        other = f"{r['rss_other'] / MiB:.1f}" if r.get("rss_other") is not None else ""
-        lines.append(
-            f"{r['model']:>6} {r['world_size']:>2} {r['method']:<16} {r['median_s'] * 1e3:>10.1f} "
-            f"{spread(r):>7.0%} {ratio:>8} "
-            f"{r['rss_recipient'] / MiB:>9.1f} {other:>9}  {r.get('note', '')}"
-        )
-    return "\n".join(lines)
-
-
-def spread(row: dict[str, Any]) -> float:
-    """Relative spread of the timed calls (max-min over median), for noise judgement."""
-    times = row.get("times_s") or []
-    return (max(times) - min(times)) / statistics.median(times) if times else 0.0

@@ -1,4 +1,6 @@
-"""Start ``world_size`` fresh processes on one process group and bring every rank's result back.
+"""The one job runner: start ``world_size`` fresh processes on one process group and bring every rank's result back
+(``run_ranks``); run a checkpoint benchmark's world sizes one after another (``plan``, ``campaign``) with the options
+they all take (``options``, ``resolve``).
 
 The benchmark uses the tests' spawn helper (``tests/_dist.py``: one helper for every multi-process program
 in this repository) with long timeouts, the backend chosen by the caller, deprecation notices silenced
@@ -8,9 +10,12 @@ environment). Run from the repository root, where ``tests`` is importable.
 
 from __future__ import annotations
 
+import argparse
 import os
+import tempfile
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tests._dist import run_ranks as _run_ranks
@@ -40,3 +45,55 @@ def run_ranks(
         )
     except (AssertionError, TimeoutError) as exc:
         raise RuntimeError(f"world size {world_size}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------------
+# The checkpoint benchmarks' campaign: world sizes one after another, each loading another's checkpoint
+
+
+def plan(sizes: tuple[int, ...]) -> dict[int, int | None]:
+    """The other world size whose checkpoints each world size loads (and reshards to): the largest's for the
+    others, the next smaller's for the largest."""
+    if len(sizes) == 1:
+        return {sizes[0]: None}
+    return {w: (sizes[-1] if w != sizes[-1] else sizes[-2]) for w in sizes}
+
+
+def campaign(sizes: tuple[int, ...], job: Callable[[int, bool], Any], done: Callable[[int, Any, set[int | None]], list[Any]], log: Callable[[str], None]) -> list[Any]:
+    """Run ``job(world_size, source_only)`` (a function that spawns the job, returning rank 0's payload) for every
+    world size in turn, the largest first as a source-only job when the others load its checkpoints; after each,
+    ``done(world_size, payload, still_needed)`` returns its rows (``still_needed``: the world sizes whose
+    checkpoints later jobs load, for the caller to keep)."""
+    other = plan(sizes)
+    if len(sizes) > 1:
+        log(f"W={sizes[-1]}: saving the checkpoints the smaller world sizes load ...")
+        job(sizes[-1], True)
+    rows: list[Any] = []
+    for k, world_size in enumerate(sizes):
+        log(f"W={world_size} ...")
+        rows += done(world_size, job(world_size, False), {other[w] for w in sizes[k + 1 :]})
+    return rows
+
+
+def options(p: argparse.ArgumentParser, *, warmup: int, repeats: int, steps: int, storage: Path, name: str) -> None:
+    """The options every checkpoint benchmark takes: --quick --world-sizes --warmup --repeats --steps --dir --out --name."""
+    p.add_argument("--quick", action="store_true", help="smoke run: 5M model; writes to benchmarks/out/")
+    p.add_argument("--world-sizes", type=lambda s: tuple(int(x) for x in s.split(",") if x.strip()), help="world sizes, comma-separated")
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--repeats", type=int, help=f"timed calls per method (median reported; default {repeats})")
+    p.add_argument("--steps", type=int, default=steps, help="Adam training steps before saving")
+    p.add_argument("--dir", type=Path, help=f"where checkpoints are written (default {storage} if present)")
+    p.add_argument("--out", type=Path, help="output folder (default benchmarks/results, --quick: benchmarks/out)")
+    p.add_argument("--name", help=f"output file stem (default {name})")
+
+
+def resolve(args: argparse.Namespace, *, world_sizes: tuple[int, ...], repeats: int, quick_repeats: int, storage: Path, name: str, quick_name: str = "") -> argparse.Namespace:
+    """The defaults of :func:`options` that depend on --quick, and the scratch directory."""
+    from .report import RESULTS, SCRATCH
+
+    args.world_sizes = tuple(sorted(set(args.world_sizes or world_sizes)))
+    args.repeats = args.repeats or (quick_repeats if args.quick else repeats)
+    args.dir = args.dir or (storage if storage.is_dir() and os.access(storage, os.W_OK) else Path(tempfile.gettempdir()))
+    args.out = args.out or (SCRATCH if args.quick else RESULTS)
+    args.name = args.name or ((quick_name or f"{name}_quick") if args.quick else name)
+    return args

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import xxhash
 
-from .scale_ops import full_dict, in_child, layout
+from .peak import in_child
+from .report import RESULTS
+from .scale.ops import full_dict, layout
 
 # ---- configuration ---------------------------------------------------------------------------------
 GB = 1.0  # state bytes (exp_avg + exp_avg_sq, float32)
@@ -30,7 +32,6 @@ UNITS = 32
 WORLD_SIZE = 8
 REPEATS = 3
 CHUNK = 64 << 10
-RESULTS = Path(__file__).parent / "results"
 # -----------------------------------------------------------------------------------------------------
 
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.verify_speed", description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, default=GB)
     p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--out", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
     args = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="fsdp_optim_verify_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     try:
@@ -100,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Target (issue 29): verify <= 1.5x the floor: {'met' if med['verify'] <= 1.5 * med['floor'] else 'MISSED'}.",
     ]
     print("\n".join(lines))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "verify_speed.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "verify_speed.json").write_text(json.dumps({"bytes": size, "files": len(files), "rows": rows}, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "verify_speed.md").write_text("\n".join(lines) + "\n")
+    (args.out / "verify_speed.json").write_text(json.dumps({"bytes": size, "files": len(files), "rows": rows}, indent=1))
     return 0
 
 

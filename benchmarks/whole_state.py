@@ -15,22 +15,14 @@ ratios are to the floor of the same operation and to DCP's counterpart, in the s
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import shlex
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import models, spawn
-from .checkpoint import package, plan
-from .gather import _csv, _load, machine
+from .report import Run, load_average, storage, verdict_lines
 from .whole import job as whole_job
 from .whole import offline as whole_offline
 from .whole import report as whole_report
@@ -44,123 +36,70 @@ PEER_REPEATS = 1  # fairscale's full state dict save and load: slow, measured fo
 STEPS = 1  # Adam steps before the first save
 QUICK = {"model": "5M", "repeats": 3}
 STORAGE = Path("/dev/shm")  # tmpfs: the time is the code's, not the disk's; --dir to measure a disk
-RESULTS_DIR = Path(__file__).parent / "results"  # committed: the latest full run
-SCRATCH_DIR = Path(__file__).parent / "out"  # git-ignored: quick and ad-hoc runs
 COLLECTIVE_TIMEOUT_S = 900
 # -----------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.whole_state", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: 5M model; writes to benchmarks/out/")
+    spawn.options(p, warmup=WARMUP, repeats=REPEATS, steps=STEPS, storage=STORAGE, name="whole_state")
     p.add_argument("--model", help=f"a preset {sorted(models.PRESETS)} or WIDTHxBLOCKS (default {MODEL})")
-    p.add_argument("--world-sizes", type=lambda s: tuple(int(x) for x in _csv(s)), help="default 2,4")
-    p.add_argument("--warmup", type=int, default=WARMUP)
-    p.add_argument("--repeats", type=int, help=f"timed calls per method (median reported; default {REPEATS})")
     p.add_argument("--peer-repeats", type=int, default=PEER_REPEATS, help="calls of fairscale's full state dict save/load")
-    p.add_argument("--steps", type=int, default=STEPS, help="Adam training steps before saving")
-    p.add_argument("--dir", type=Path, help=f"where checkpoints are written (default {STORAGE} if present)")
-    p.add_argument("--out", type=Path, help="output folder (default benchmarks/results, --quick: benchmarks/out)")
-    p.add_argument("--name", help="output file stem (default whole_state, --quick: whole_state_quick)")
-    args = p.parse_args(argv)
+    args = spawn.resolve(p.parse_args(argv), world_sizes=WORLD_SIZES, repeats=REPEATS, quick_repeats=QUICK["repeats"], storage=STORAGE, name="whole_state")  # type: ignore[arg-type]
     args.model = args.model or (QUICK["model"] if args.quick else MODEL)
-    args.world_sizes = tuple(sorted(set(args.world_sizes or WORLD_SIZES)))
-    args.repeats = args.repeats or (QUICK["repeats"] if args.quick else REPEATS)
-    args.dir = args.dir or (STORAGE if STORAGE.is_dir() and os.access(STORAGE, os.W_OK) else Path(tempfile.gettempdir()))
-    args.out = args.out or (SCRATCH_DIR if args.quick else RESULTS_DIR)
-    args.name = args.name or ("whole_state_quick" if args.quick else "whole_state")
     if args.repeats < 1 or args.warmup < 0 or args.peer_repeats < 1 or min(args.world_sizes) < 2:
         p.error("--repeats and --peer-repeats must be >= 1, --warmup >= 0, world sizes >= 2 (W=1 is not sharded)")
     return args
 
 
 def run_jobs(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs: Path, log: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    sizes, other = args.world_sizes, plan(args.world_sizes)
+    sizes, other = args.world_sizes, spawn.plan(args.world_sizes)
     sources = {w: whole_job.Source(w, str(root / f"whole-W{w}"), str(refs / f"ref-W{w}.pt")) for w in sizes}
-    needed = {o for o in other.values() if o is not None}
+    loads: dict[int, str] = {}
 
-    def job(world_size: int, source_only: bool = False) -> whole_job.JobConfig:
+    def job(world_size: int, source_only: bool) -> Any:
         partner = other[world_size]
-        return whole_job.JobConfig(
+        cfg = whole_job.JobConfig(
             model=spec, steps=args.steps, warmup=args.warmup, repeats=args.repeats, peer_repeats=args.peer_repeats,
-            work=str(root / f"work-W{world_size}"), own=sources[world_size], publish_ref=world_size in needed,
+            work=str(root / f"work-W{world_size}"), own=sources[world_size], publish_ref=world_size in other.values(),
             other=sources[partner] if partner is not None else None, source_only=source_only,
-        )
-
-    def spawn_job(cfg: whole_job.JobConfig, world_size: int) -> Any:
+        )  # fmt: skip
+        if not source_only:
+            loads[world_size] = load_average()
         return spawn.run_ranks(whole_job.run, world_size, cfg, collective_timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=3600)[0]
 
-    rows: list[dict[str, Any]] = []
-    loads: dict[int, str] = {}
-    if len(sizes) > 1:  # the smaller world sizes load the largest's checkpoint before its own job runs
-        log(f"W={sizes[-1]}: saving the checkpoint the smaller world sizes load ...")
-        spawn_job(job(sizes[-1], source_only=True), sizes[-1])
-    for k, world_size in enumerate(sizes):
-        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} ... (load average {_load()})")
-        loads[world_size] = _load()
-        payload = spawn_job(job(world_size), world_size)
+    def done(world_size: int, payload: Any, needed: set[int | None]) -> list[dict[str, Any]]:
         work = root / f"work-W{world_size}"
-        payload["results"] |= whole_offline.measure(
-            Path(sources[world_size].checkpoint), work / "dcp", work, repeats=args.repeats
-        )
-        new = whole_report.rows_of(spec.name, world_size, payload)
-        rows += new
-        log(f"W={world_size} done {payload['timings']}")
-        print(whole_report.console(new), flush=True)
-        shutil.rmtree(root / f"work-W{world_size}", ignore_errors=True)
-        later = {other[w] for w in sizes[k + 1 :]}
-        for w, src in sources.items():
-            if w not in later:
-                shutil.rmtree(src.checkpoint, ignore_errors=True)
-                Path(src.reference).unlink(missing_ok=True)
-    return rows, loads
+        payload["results"] |= whole_offline.measure(Path(sources[world_size].checkpoint), work / "dcp", work, repeats=args.repeats)
+        rows = whole_report.rows_of(spec.name, world_size, payload)
+        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} done {payload['timings']}")
+        print(whole_report.console(rows), flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        for src in (s for w, s in sources.items() if w not in needed):
+            shutil.rmtree(src.checkpoint, ignore_errors=True)
+            Path(src.reference).unlink(missing_ok=True)
+        return rows
+
+    return spawn.campaign(sizes, job, done, log), loads
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    import fairscale
-
     spec = models.parse_model(args.model)
-    started = time.perf_counter()
-
-    def log(text: str) -> None:
-        print(f"[{time.perf_counter() - started:6.0f}s] {text}", flush=True)
-
-    meta: dict[str, Any] = {
-        "command": ("python -m benchmarks.whole_state " + shlex.join(argv)).strip(),
-        "machine": machine(),
-        "cores": os.cpu_count(),
-        "backend": "gloo",
-        "versions": f"torch {torch.__version__}, fairscale {fairscale.__version__}, Python {platform.python_version()}",
-        "package": package(),
-        "model": spec.name,
-        "numel": spec.numel,
-        "world_sizes": list(args.world_sizes),
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "peer_repeats": args.peer_repeats,
-        "steps": args.steps,
-        "storage": f"{args.dir} ({'tmpfs' if str(args.dir).startswith('/dev/shm') else 'file system'})",
-        "load_before": _load(),
-    }
+    run = Run("python -m benchmarks.whole_state", argv)
+    run.meta |= {"model": spec.name, "numel": spec.numel, "world_sizes": list(args.world_sizes), "warmup": args.warmup, "repeats": args.repeats}
+    run.meta |= {"peer_repeats": args.peer_repeats, "steps": args.steps, "storage": storage(args.dir)}
     root = Path(tempfile.mkdtemp(prefix="fsdp_optim_whole_", dir=args.dir))
     refs = Path(tempfile.mkdtemp(prefix="fsdp_optim_whole_refs_"))
     try:
-        rows, loads = run_jobs(args, spec, root, refs, log)
+        rows, loads = run_jobs(args, spec, root, refs, run.log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(refs, ignore_errors=True)
-    meta["job_loads"] = "; ".join(f"W={w}: {load}" for w, load in loads.items())
-    meta["wall_s"] = time.perf_counter() - started
-    meta["load_after"] = _load()
-    meta["finished"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    paths = whole_report.write(rows, meta, args.out, args.name)
-    print()
-    print(whole_report.console(rows))
-    print()
-    print(whole_report.verdicts_text(rows))
-    print(f"\nwall time {meta['wall_s'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths.values()))
+    run.meta["job_loads"] = "; ".join(f"W={w}: {load}" for w, load in loads.items())
+    meta = run.finish()
+    run.done(whole_report.write(rows, meta, args.out, args.name), whole_report.console(rows), verdict_lines(whole_report.targets(rows)))
     return 0
 
 

@@ -10,11 +10,12 @@ times to rank 0 with one ``all_gather_object``, after the loop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import models
 from ..measure import Measurement, Method, NotAvailable, measure, release_memory
 
 
@@ -135,6 +137,49 @@ class Probes:
                 value.extra["durable_s"] = [max(t[k] for t in times) for k in range(min(map(len, times)))]
 
 
+@dataclass(frozen=True)
+class Job:
+    """What every job (``gather``, ``ckpt``, ``whole``, ``storage``) is configured with; each adds its own fields.
+
+    ``build(wrap, rank)`` makes the model with ``wrap`` (``models.wrap_fairscale`` / ``wrap_fsdp2``) and trains it
+    ``steps`` Adam steps; ``measure(methods, probes)`` measures them with the job's warm-up and repeats."""
+
+    model: models.ModelSpec
+    steps: int  # Adam steps before anything is saved
+    warmup: int
+    repeats: int
+
+    def build(self, wrap: Any, rank: int, device: torch.device | None = None) -> tuple[Any, torch.optim.Optimizer]:
+        device = device or torch.device("cpu")
+        model = wrap(self.model, device)
+        optim = models.train(model, self.model, self.steps, rank, device)
+        optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None; not gathered
+        return model, optim
+
+    def measure(self, methods: dict[str, Method], probes: Probes | None = None, **kw: Any) -> dict[str, Measurement | NotAvailable]:
+        return measure_probed(methods, probes, **{"warmup": self.warmup, "repeats": self.repeats, **kw})
+
+
+def publish(references: dict[str | Path, Any]) -> None:
+    """Collective: rank 0 saves each reference (what a job of another world size checks its load against) to its
+    path; every rank waits for it."""
+    if dist.get_rank() == 0:
+        for path, obj in references.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(obj, path)
+    dist.barrier()
+
+
+@contextlib.contextmanager
+def phase(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Time the ``with`` block into ``timings[name]`` (seconds): a job's phases, for its log."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = time.perf_counter() - start
+
+
 def measure_probed(
     methods: dict[str, Method], probes: Probes | None, *, warmup: int, repeats: int
 ) -> dict[str, Measurement | NotAvailable]:
@@ -145,6 +190,17 @@ def measure_probed(
         probes.merge(results, warmup)
     release_memory()
     return results or {}
+
+
+def measured_and_removed(disk: dict[str, int], name: str, path: Path) -> Callable[[], None]:
+    """A method's untimed ``finish`` on rank 0: the bytes its output holds into ``disk[name]``, then the output removed."""
+
+    def finish() -> None:
+        if dist.get_rank() == 0:
+            disk[name] = disk_bytes(path)
+            remove(path)
+
+    return finish
 
 
 def disk_bytes(path: str | os.PathLike[str]) -> int:
@@ -163,43 +219,25 @@ def remove(path: str | os.PathLike[str]) -> None:
         path.unlink(missing_ok=True)
 
 
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+@dataclass(frozen=True)
+class Loads:
+    """Where a job's loads read: its own checkpoint, another world size's (with the reference it must equal)."""
+
+    same_dir: Path
+    other_dir: Path | None
+    other_reference: Path | None
+    probes: Probes
 
 
-def save_durably(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path``, flushed and fsync-ed (what every floor and offline writer here pays)."""
-    path = Path(path)
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return path
-
-
-def fresh_load_methods(
-    prefix: str,
-    optim: torch.optim.Optimizer,
-    new_optimizer: Callable[[], torch.optim.Optimizer],
-    load_into: Callable[[torch.optim.Optimizer, Path], None],
-    other_wrong: Callable[[torch.optim.Optimizer, Any], str],
-    *,
-    same_dir: Path,
-    other_dir: Path | None,
-    other_reference: Path | None,
-    probes: Probes,
-) -> dict[str, Method]:
-    """``{prefix}_load_same`` (and ``{prefix}_load_other``): ``load_into`` a fresh optimizer, built
+def fresh_load_methods(prefix: str, model: Any, optim: torch.optim.Optimizer, load_into: Callable[[torch.optim.Optimizer, Path], None],
+                       other_wrong: Callable[[torch.optim.Optimizer, Any], str], where: Loads) -> dict[str, Method]:  # fmt: skip
+    """``{prefix}_load_same`` (and ``{prefix}_load_other``): ``load_into`` a fresh Adam of ``model``, built
     untimed before each call. The same-W result must equal the live ``optim``; ``other_wrong(loaded,
     reference full dict)`` says what is wrong with the other-W result ("" when right)."""
     fresh: list[torch.optim.Optimizer] = []
 
     def prepare() -> None:
-        fresh[:] = [new_optimizer()]
+        fresh[:] = [torch.optim.Adam(model.parameters(), lr=models.LR)]
 
     def load(directory: Path) -> Callable[[], torch.optim.Optimizer]:
         def call() -> torch.optim.Optimizer:
@@ -213,11 +251,11 @@ def fresh_load_methods(
         return wrong(difference(loaded.state_dict(), optim.state_dict(), "state_dict"))
 
     def same_as_other(loaded: torch.optim.Optimizer) -> str:
-        return other_wrong(loaded, torch.load(other_reference, mmap=True, weights_only=True))  # type: ignore[arg-type]
+        return other_wrong(loaded, torch.load(where.other_reference, mmap=True, weights_only=True))  # type: ignore[arg-type]
 
     same = f"{prefix}_load_same"
-    methods = {same: probes.wrap(same, Method(load(same_dir), prepare=prepare), same_as_live)}
-    if other_dir is not None:
+    methods = {same: where.probes.wrap(same, Method(load(where.same_dir), prepare=prepare), same_as_live)}
+    if where.other_dir is not None:
         other = f"{prefix}_load_other"
-        methods[other] = probes.wrap(other, Method(load(other_dir), prepare=prepare), same_as_other)
+        methods[other] = where.probes.wrap(other, Method(load(where.other_dir), prepare=prepare), same_as_other)
     return methods

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .. import models
 from ..measure import Method
-from .common import Probes, difference, disk_bytes, fresh_load_methods, fsync_path, remove, wrong
+from ..peak import fsync_path
+from .common import Loads, Probes, difference, fresh_load_methods, measured_and_removed, wrong
 
 
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -110,15 +110,7 @@ def _expected_shards(model: nn.Module, loaded: torch.optim.Optimizer, full: dict
     return expected
 
 
-def load_methods(
-    model: nn.Module,
-    optim: torch.optim.Optimizer,
-    *,
-    same_dir: Path,
-    other_dir: Path | None,
-    other_reference: Path | None,
-    probes: Probes,
-) -> dict[str, Method]:
+def load_methods(model: nn.Module, optim: torch.optim.Optimizer, where: Loads) -> dict[str, Method]:
     def load_into(target: torch.optim.Optimizer, directory: Path) -> None:
         state = _state(model, target)
         dcp.load(state, checkpoint_id=directory)
@@ -127,17 +119,7 @@ def load_methods(
     def other_wrong(loaded: torch.optim.Optimizer, full: Any) -> str:
         return wrong(difference(loaded.state_dict()["state"], _expected_shards(model, loaded, full), "state"))
 
-    return fresh_load_methods(
-        "dcp",
-        optim,
-        lambda: torch.optim.Adam(model.parameters(), lr=models.LR),
-        load_into,
-        other_wrong,
-        same_dir=same_dir,
-        other_dir=other_dir,
-        other_reference=other_reference,
-        probes=probes,
-    )
+    return fresh_load_methods("dcp", model, optim, load_into, other_wrong, where)
 
 
 def offline_methods(
@@ -157,9 +139,4 @@ def offline_methods(
         saved = torch.load(path, weights_only=False)
         return wrong(difference(saved["optim"]["state"], reference["state"], "optim/state"))  # type: ignore[index]
 
-    def finish() -> None:
-        if rank == 0:
-            disk["dcp_to_torch_save"] = disk_bytes(path)
-            remove(path)
-
-    return {"dcp_to_torch_save": Method(convert, check=check, finish=finish)}
+    return {"dcp_to_torch_save": Method(convert, check=check, finish=measured_and_removed(disk, "dcp_to_torch_save", path))}

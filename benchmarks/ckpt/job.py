@@ -17,7 +17,6 @@ any other job of that world size (see ``checkpoint.py``).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from . import dcp as ckpt_dcp
 from . import floors as ckpt_floors
 from . import ours as ckpt_ours
 from . import train as ckpt_train
-from .common import Probes, disk_bytes, measure_probed, remove
+from .common import Job, Loads, Probes, disk_bytes, measured_and_removed, phase, publish, remove
 
 
 @dataclass(frozen=True)
@@ -46,11 +45,7 @@ class Source:
 
 
 @dataclass(frozen=True)
-class JobConfig:
-    model: models.ModelSpec
-    steps: int  # Adam steps before anything is saved
-    warmup: int
-    repeats: int
+class JobConfig(Job):
     work: str  # this job's scratch directory (removed by the caller)
     own: Source  # this job's world size
     publish_refs: bool  # a later job loads ``own``: write the references
@@ -61,128 +56,93 @@ class JobConfig:
     skip_train: str = ""  # why training runs are not measured here (reported as n/a)
 
 
-def _build(spec: models.ModelSpec, wrap: Any, steps: int, rank: int) -> tuple[Any, torch.optim.Optimizer]:
-    model = wrap(spec, torch.device("cpu"))
-    optim = models.train(model, spec, steps, rank, torch.device("cpu"))
-    optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None
-    return model, optim
-
 
 def _publish(cfg: JobConfig, ours: tuple[Any, Any], fsdp2: tuple[Any, Any], refs: tuple[Any, Any]) -> None:
     import fsdp_optim
 
     fsdp_optim.save_sharded_optim_state(*ours, cfg.own.ours)
     ckpt_dcp.save(*fsdp2, Path(cfg.own.dcp))
-    _write_refs(cfg, refs)
-
-
-def _write_refs(cfg: JobConfig, refs: tuple[Any, Any]) -> None:
-    if dist.get_rank() == 0 and cfg.publish_refs:
-        Path(cfg.own.ref_ours).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(refs[0], cfg.own.ref_ours)
-        torch.save(refs[1], cfg.own.ref_dcp)
-    dist.barrier()
-
-
-def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes | None = None, **kw: Any) -> dict[str, Any]:
-    return measure_probed(methods, probes, **{"warmup": cfg.warmup, "repeats": cfg.repeats, **kw})
+    publish({cfg.own.ref_ours: refs[0], cfg.own.ref_dcp: refs[1]} if cfg.publish_refs else {})
 
 
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     timings: dict[str, float] = {}
-    start = time.perf_counter()
-    ours = _build(cfg.model, models.wrap_fairscale, cfg.steps, rank)
-    fsdp2 = _build(cfg.model, models.wrap_fsdp2, cfg.steps, rank)
-    group = dist.new_group(backend="gloo")  # DCP async's own group: its thread's collectives stay apart
-    refs = (ours[0].gather_full_optim_state_dict(ours[1]), ckpt_dcp.full_state(*fsdp2))
-    full_bytes = tensor_bytes(refs[0]) if rank == 0 else 0  # the full Adam state, padding excluded
-    timings["build_train_s"] = time.perf_counter() - start
+    with phase(timings, "build_train_s"):
+        ours = cfg.build(models.wrap_fairscale, rank)
+        fsdp2 = cfg.build(models.wrap_fsdp2, rank)
+        group = dist.new_group(backend="gloo")  # DCP async's own group: its thread's collectives stay apart
+        refs = (ours[0].gather_full_optim_state_dict(ours[1]), ckpt_dcp.full_state(*fsdp2))
+        full_bytes = tensor_bytes(refs[0]) if rank == 0 else 0  # the full Adam state, padding excluded
     if cfg.source_only:
         _publish(cfg, ours, fsdp2, refs)
         return None
-
-    work, own, other = Path(cfg.work), cfg.own, cfg.other
-    floor_dir = work / "floor"
-    for d in (work, floor_dir):
-        d.mkdir(parents=True, exist_ok=True)
+    floor_dir = Path(cfg.work) / "floor"
+    floor_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     disk: dict[str, int] = {}
-
-    phase = time.perf_counter()
-    probes = Probes()
-    saves = {"floor_save": Method(lambda: ckpt_floors.save(ours[1], floor_dir, rank))}
-    saves |= ckpt_ours.save_methods(*ours, same_dir=Path(own.ours), async_dir=work / "ours-async", reference=refs[0], probes=probes)
-    saves |= ckpt_dcp.save_methods(
-        *fsdp2, same_dir=Path(own.dcp), async_dir=work / "dcp-async", group=group, reference=refs[1], probes=probes
-    )
-    results |= _measure(saves, cfg, probes)
-    if ckpt_ours.async_save_api() is None:
-        results["ours_async"] = NotAvailable(f"fsdp_optim has no {ckpt_ours.ASYNC_NAME} (yet)")
-    _write_refs(cfg, refs)
-    if rank == 0:
-        disk["floor_save"] = disk_bytes(floor_dir)
-        for name, path in (("ours_save", own.ours), ("dcp_save", own.dcp)):
-            disk[name] = disk_bytes(path)
-        for name, path in (("ours_async", work / "ours-async"), ("dcp_async", work / "dcp-async")):
-            if path.exists():
-                disk[name] = disk_bytes(path)
-                remove(path)
-    timings["saves_s"] = time.perf_counter() - phase
-
-    phase = time.perf_counter()
-    probes = Probes()
-    loads = {"floor_load": Method(lambda: ckpt_floors.load(ckpt_floors.rank_file(floor_dir, rank)))}
-    for module, same, there, ref in (
-        (ckpt_ours, own.ours, other and other.ours, other and other.ref_ours),
-        (ckpt_dcp, own.dcp, other and other.dcp, other and other.ref_dcp),
-    ):
-        loads |= module.load_methods(
-            *(ours if module is ckpt_ours else fsdp2),
-            same_dir=Path(same),
-            other_dir=Path(there) if there else None,
-            other_reference=Path(ref) if ref else None,
-            probes=probes,
-        )
-    results |= _measure(loads, cfg, probes)
-    timings["loads_s"] = time.perf_counter() - phase
-
-    phase = time.perf_counter()
-    results |= _measure(_offline(cfg, floor_dir, refs, disk), cfg)
-    timings["offline_s"] = time.perf_counter() - phase
+    with phase(timings, "saves_s"):
+        results |= _saves(cfg, ours, fsdp2, group, refs, disk)
+    with phase(timings, "loads_s"):
+        probes = Probes()
+        loads = {"floor_load": Method(lambda: ckpt_floors.load(ckpt_floors.rank_file(floor_dir, rank)))}
+        own, other = cfg.own, cfg.other
+        for module, pair, same, there, ref in (
+            (ckpt_ours, ours, own.ours, other and other.ours, other and other.ref_ours),
+            (ckpt_dcp, fsdp2, own.dcp, other and other.dcp, other and other.ref_dcp),
+        ):
+            loads |= module.load_methods(*pair, Loads(Path(same), Path(there) if there else None, Path(ref) if ref else None, probes))
+        results |= cfg.measure(loads, probes)
+    with phase(timings, "offline_s"):
+        results |= cfg.measure(_offline(cfg, floor_dir, refs, disk))
     dist.barrier()
     if rank == 0:
         remove(floor_dir)
     refs = (None, None)
     release_memory()
-
     if cfg.train is not None:
-        phase = time.perf_counter()
-        train = ckpt_train.methods(cfg.train, cfg.model, ours, fsdp2, work=work, group=group)
-        results |= _measure(train, cfg, warmup=0, repeats=cfg.train.repeats)
-        if ckpt_ours.async_save_api() is None:
-            results["train_ours_async"] = results["ours_async"]
-        timings["train_s"] = time.perf_counter() - phase
-        if rank == 0:
-            for name in ("train-ours", "train-ours-async", "train-dcp", "train-dcp-async"):
-                if (work / name).exists():
-                    disk[name.replace("-", "_")] = disk_bytes(work / name)
-
+        with phase(timings, "train_s"):
+            results |= _train(cfg, ours, fsdp2, group, results, disk)
     elif cfg.skip_train:
         results |= {name: NotAvailable(cfg.skip_train) for name in ckpt_train.VARIANTS}
-
     if rank != 0:
         return None
+    train = None if cfg.train is None else {"steps": cfg.train.steps, "checkpoints": cfg.train.checkpoints}
     state_bytes = sum(s.untyped_storage().nbytes() for s in _state_tensors(ours[1]))
-    return {
-        "results": results,
-        "disk": disk,
-        "timings": timings,
-        "full_bytes": full_bytes,
-        "rank_state_bytes": state_bytes,
-        "other_world_size": other.world_size if other else None,
-        "reshard_to": cfg.reshard_to,
-        "train": None if cfg.train is None else {"steps": cfg.train.steps, "checkpoints": cfg.train.checkpoints},
-    }
+    other_world_size = other.world_size if other else None
+    return dict(results=results, disk=disk, timings=timings, full_bytes=full_bytes, rank_state_bytes=state_bytes, other_world_size=other_world_size, reshard_to=cfg.reshard_to, train=train)
+
+
+def _saves(cfg: JobConfig, ours: Any, fsdp2: Any, group: Any, refs: tuple[Any, Any], disk: dict[str, int]) -> dict[str, Any]:
+    """The floor, our sync and async saves and DCP's, interleaved; this job's sync checkpoints stay for the loads."""
+    rank, work, own, probes = dist.get_rank(), Path(cfg.work), cfg.own, Probes()
+    saves = {"floor_save": Method(lambda: ckpt_floors.save(ours[1].state_dict(), work / "floor", rank))}
+    saves |= ckpt_ours.save_methods(*ours, same_dir=Path(own.ours), async_dir=work / "ours-async", reference=refs[0], probes=probes)
+    saves |= ckpt_dcp.save_methods(*fsdp2, same_dir=Path(own.dcp), async_dir=work / "dcp-async", group=group, reference=refs[1], probes=probes)
+    results = cfg.measure(saves, probes)
+    if ckpt_ours.async_save_api() is None:
+        results["ours_async"] = NotAvailable(f"fsdp_optim has no {ckpt_ours.ASYNC_NAME} (yet)")
+    publish({cfg.own.ref_ours: refs[0], cfg.own.ref_dcp: refs[1]} if cfg.publish_refs else {})
+    if rank == 0:
+        for name, path in (("floor_save", work / "floor"), ("ours_save", Path(own.ours)), ("dcp_save", Path(own.dcp)), ("ours_async", work / "ours-async"), ("dcp_async", work / "dcp-async")):
+            if path.exists():
+                disk[name] = disk_bytes(path)
+                if name.endswith("async"):
+                    remove(path)
+    return results
+
+
+def _train(cfg: JobConfig, ours: Any, fsdp2: Any, group: Any, results: dict[str, Any], disk: dict[str, int]) -> dict[str, Any]:
+    """Training throughput with and without checkpoints; last, since it changes the state."""
+    work = Path(cfg.work)
+    assert cfg.train is not None, "_train without a training configuration"
+    trained = cfg.measure(ckpt_train.methods(cfg.train, cfg.model, ours, fsdp2, work=work, group=group), warmup=0, repeats=cfg.train.repeats)
+    if ckpt_ours.async_save_api() is None:
+        trained["train_ours_async"] = results["ours_async"]
+    if dist.get_rank() == 0:
+        for name in ("train-ours", "train-ours-async", "train-dcp", "train-dcp-async"):
+            if (work / name).exists():
+                disk[name.replace("-", "_")] = disk_bytes(work / name)
+    return trained
 
 
 def _offline(cfg: JobConfig, floor_dir: Path, refs: tuple[Any, Any], disk: dict[str, int]) -> dict[str, Method]:
@@ -192,13 +152,8 @@ def _offline(cfg: JobConfig, floor_dir: Path, refs: tuple[Any, Any], disk: dict[
     numel, dtype = ckpt_floors.state_numel(files) if rank == 0 else (0, torch.float32)
 
     def floor(parts: int, out: Path, name: str) -> Method:
-        def finish() -> None:
-            if rank == 0:
-                disk[name] = disk_bytes(out)
-                remove(out)
-
         call = lambda: ckpt_floors.read_all_write_all(files, parts, out, numel=numel, dtype=dtype) if rank == 0 else None  # noqa: E731
-        return Method(call, finish=finish)
+        return Method(call, finish=measured_and_removed(disk, name, out))
 
     methods = {"floor_consolidate": floor(1, work / "floor-full", "floor_consolidate")}
     methods |= ckpt_ours.offline_methods(

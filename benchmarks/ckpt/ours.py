@@ -26,9 +26,9 @@ from torch import nn
 
 import fsdp_optim
 
-from .. import models
 from ..measure import Method
-from .common import Probes, difference, disk_bytes, fresh_load_methods, remove, save_durably, wrong
+from ..peak import save_durably
+from .common import Loads, Probes, difference, fresh_load_methods, measured_and_removed, wrong
 
 ASYNC_NAME = "async_save_sharded_optim_state"
 
@@ -75,32 +75,14 @@ def save_methods(
     return methods
 
 
-def load_methods(
-    model: nn.Module,
-    optim: torch.optim.Optimizer,
-    *,
-    same_dir: Path,
-    other_dir: Path | None,
-    other_reference: Path | None,
-    probes: Probes,
-) -> dict[str, Method]:
+def load_methods(model: nn.Module, optim: torch.optim.Optimizer, where: Loads) -> dict[str, Method]:
     """Loads into a fresh optimizer, built (untimed) before each call."""
 
     def other_wrong(loaded: torch.optim.Optimizer, full: Any) -> str:
         expected = model.get_shard_from_optim_state_dict(full, optim=loaded)  # type: ignore[operator]
         return wrong(difference(loaded.state_dict(), expected, "state_dict"))
 
-    return fresh_load_methods(
-        "ours",
-        optim,
-        lambda: torch.optim.Adam(model.parameters(), lr=models.LR),
-        lambda target, directory: fsdp_optim.load_sharded_optim_state(model, target, directory),
-        other_wrong,
-        same_dir=same_dir,
-        other_dir=other_dir,
-        other_reference=other_reference,
-        probes=probes,
-    )
+    return fresh_load_methods("ours", model, optim, lambda target, directory: fsdp_optim.load_sharded_optim_state(model, target, directory), other_wrong, where)
 
 
 def offline_methods(
@@ -126,25 +108,17 @@ def offline_methods(
     def reshard() -> Path | None:
         return fsdp_optim.reshard(same_dir, reshard_to, resharded) if rank == 0 else None  # type: ignore[arg-type]
 
-    def cleanup(name: str, path: Path) -> Callable[[], None]:
-        def finish() -> None:
-            if rank == 0:
-                disk[name] = disk_bytes(path)
-                remove(path)
-
-        return finish
-
     methods = {
         "ours_consolidate": Method(
             consolidate,
             check=lambda full: wrong(difference(full, reference, "full")),
-            finish=cleanup("ours_consolidate", full_file),
+            finish=measured_and_removed(disk, "ours_consolidate", full_file),
         )
     }
     if reshard_to is not None:
         methods["ours_reshard"] = Method(
             reshard,
             check=lambda _: _saved_matches(resharded, reference, any_world_size=True),
-            finish=cleanup("ours_reshard", resharded),
+            finish=measured_and_removed(disk, "ours_reshard", resharded),
         )
     return methods

@@ -19,24 +19,16 @@ it). Then the offline tools run in this process on the smallest W's checkpoint. 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import shlex
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 import fsdp_optim
 
 from .. import models, spawn
-from ..checkpoint import package, plan
-from ..gather import _csv, _load, machine
+from ..report import Run, csv, load_average, storage, verdict_lines
 from . import job as storage_job
 from . import offline, report, server
 
@@ -50,37 +42,23 @@ RESHARD_TO = 3  # the offline reshard's world size
 STEPS = 1  # Adam steps before the first save
 QUICK = {"model": "5M", "repeats": 3}
 STORAGE = Path("/dev/shm")  # tmpfs for the server's data: the time is the server's and the client's, not a disk's
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"  # committed: the latest full run
-SCRATCH_DIR = Path(__file__).resolve().parent.parent / "out"  # git-ignored: quick and ad-hoc runs
 COLLECTIVE_TIMEOUT_S = 1800
 # -----------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.storage", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: 5M model; writes to benchmarks/out/")
+    spawn.options(p, warmup=WARMUP, repeats=REPEATS, steps=STEPS, storage=STORAGE, name="storage")
     p.add_argument("--model", help=f"a preset {sorted(models.PRESETS)} or WIDTHxBLOCKS (default {MODEL})")
     p.add_argument("--models", help="one model per world size, comma-separated (e.g. 100M,25M with --world-sizes 2,4)")
-    p.add_argument("--world-sizes", type=lambda s: tuple(int(x) for x in _csv(s)), help="default 2,4")
-    p.add_argument("--warmup", type=int, default=WARMUP)
-    p.add_argument("--repeats", type=int, help=f"timed calls per method (median reported; default {REPEATS})")
     p.add_argument("--offline-repeats", type=int, default=OFFLINE_REPEATS)
     p.add_argument("--no-offline", action="store_true", help="skip reshard / consolidate from the store")
-    p.add_argument("--steps", type=int, default=STEPS, help="Adam training steps before saving")
-    p.add_argument("--dir", type=Path, help=f"the server's data directory's parent (default {STORAGE} if present)")
-    p.add_argument("--out", type=Path, help="output folder (default benchmarks/results, --quick: benchmarks/out)")
-    p.add_argument("--name", help="output file stem (default storage, --quick: storage_quick)")
-    args = p.parse_args(argv)
-    args.world_sizes = tuple(sorted(set(args.world_sizes or WORLD_SIZES)))
+    args = spawn.resolve(p.parse_args(argv), world_sizes=WORLD_SIZES, repeats=REPEATS, quick_repeats=QUICK["repeats"], storage=STORAGE, name="storage")  # type: ignore[arg-type]
     default = args.model or (QUICK["model"] if args.quick else MODEL)
-    names = _csv(args.models) if args.models else (default,) * len(args.world_sizes)
+    names = csv(args.models) if args.models else (default,) * len(args.world_sizes)
     if len(names) != len(args.world_sizes):
         p.error(f"--models: one per world size ({len(args.world_sizes)}), found {len(names)}")
     args.model_of = dict(zip(args.world_sizes, names))
-    args.repeats = args.repeats or (QUICK["repeats"] if args.quick else REPEATS)
-    args.dir = args.dir or (STORAGE if STORAGE.is_dir() and os.access(STORAGE, os.W_OK) else Path(tempfile.gettempdir()))
-    args.out = args.out or (SCRATCH_DIR if args.quick else RESULTS_DIR)
-    args.name = args.name or ("storage_quick" if args.quick else "storage")
     if args.repeats < 1 or args.warmup < 0 or args.offline_repeats < 1 or min(args.world_sizes) < 2:
         p.error("--repeats, --offline-repeats must be >= 1, --warmup >= 0, world sizes >= 2 (W=1 is not sharded)")
     if len(set(names)) > 1 and len(args.world_sizes) > 1:
@@ -89,44 +67,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_jobs(args: argparse.Namespace, srv: Any, proxy: Any, refs: Path, log: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    sizes, other = args.world_sizes, plan(args.world_sizes)
-    needed = {o for o in other.values() if o is not None}
+    sizes, other = args.world_sizes, spawn.plan(args.world_sizes)
     endpoint = srv.endpoint
     root = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options)
     counted = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **proxy.storage_options)
     vacuum_url = f"http://127.0.0.1:{srv.ports['master.port']}/vol/vacuum?garbageThreshold=0.001"
+    loads: dict[int, str] = {}
 
-    def job(world_size: int, source_only: bool = False) -> storage_job.JobConfig:
-        return storage_job.JobConfig(
+    def job(world_size: int, source_only: bool) -> Any:
+        cfg = storage_job.JobConfig(
             model=models.parse_model(args.model_of[world_size]), steps=args.steps, warmup=args.warmup,
             repeats=args.repeats, root=root, counted=counted, storage_options=endpoint.storage_options,
-            refs=str(refs), other=other[world_size], publish_ref=world_size in needed, vacuum_url=vacuum_url,
+            refs=str(refs), other=other[world_size], publish_ref=world_size in other.values(), vacuum_url=vacuum_url,
             source_only=source_only,
-        )
-
-    def spawn_job(cfg: storage_job.JobConfig, world_size: int) -> Any:
+        )  # fmt: skip
+        if not source_only:
+            loads[world_size] = load_average()
+            proxy.reset_stats()
         return spawn.run_ranks(storage_job.run, world_size, cfg, collective_timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=5400)[0]
 
-    rows: list[dict[str, Any]] = []
-    loads: dict[int, str] = {}
-    if len(sizes) > 1:
-        log(f"W={sizes[-1]}: saving the checkpoint the smaller world sizes load ...")
-        spawn_job(job(sizes[-1], source_only=True), sizes[-1])
-    for world_size in sizes:
+    def done(world_size: int, payload: Any, needed: set[int | None]) -> list[dict[str, Any]]:
         spec = models.parse_model(args.model_of[world_size])
-        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} ... (load average {_load()})")
-        loads[world_size] = _load()
-        proxy.reset_stats()
-        payload = spawn_job(job(world_size), world_size)
         payload["recut_fetched_bytes"] = server.get_bytes(proxy.stats()) if payload.get("recut_held_bytes") else None
         for name in storage_job.scratch(world_size).values():  # this job's scratch prefixes (fresh names per job)
             root.fs.rm(root.key(name), recursive=True)
         server.vacuum(srv)
-        new = report.rows_of(spec.name, world_size, payload)
-        rows += new
-        log(f"W={world_size} done {payload['timings']}")
-        print(report.console(new), flush=True)
-    return rows, loads
+        rows = report.rows_of(spec.name, world_size, payload)
+        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} done {payload['timings']}")
+        print(report.console(rows), flush=True)
+        return rows
+
+    return spawn.campaign(sizes, job, done, log), loads
 
 
 def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, Any]]:
@@ -134,7 +105,7 @@ def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, 
     spec = models.parse_model(args.model_of[world_size])
     endpoint = srv.endpoint
     root = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options)
-    log(f"offline: reshard {world_size} -> {RESHARD_TO} and consolidate, store to store (load average {_load()})")
+    log(f"offline: reshard {world_size} -> {RESHARD_TO} and consolidate, store to store (load average {load_average()})")
     results = offline.measure(
         storage_job.checkpoint(root, world_size), root.child("offline"), world_size=RESHARD_TO, warmup=args.warmup,
         repeats=args.offline_repeats, env=endpoint.env, compact=lambda: server.vacuum(srv),
@@ -147,21 +118,10 @@ def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    import fairscale
-
-    started = time.perf_counter()
-
-    def log(text: str) -> None:
-        print(f"[{time.perf_counter() - started:6.0f}s] {text}", flush=True)
-
     specs = {w: models.parse_model(m) for w, m in args.model_of.items()}
-    meta: dict[str, Any] = {
-        "command": ("python -m benchmarks.storage " + shlex.join(argv)).strip(),
-        "machine": machine(),
-        "cores": os.cpu_count(),
-        "backend": "gloo",
-        "versions": f"torch {torch.__version__}, fairscale {fairscale.__version__}, Python {platform.python_version()}, {_client_versions()}",
-        "package": package(),
+    run = Run("python -m benchmarks.storage", argv, versions=_client_versions())
+    log = run.log
+    run.meta |= {
         "models": ", ".join(f"W={w}: {s.name} ({s.numel / 1e6:.1f}M parameters)" for w, s in specs.items()),
         "world_sizes": list(args.world_sizes),
         "warmup": args.warmup,
@@ -169,15 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         "offline_repeats": args.offline_repeats,
         "offline_source": f"W={args.world_sizes[0]}'s checkpoint, resharded to W={RESHARD_TO}",
         "steps": args.steps,
-        "load_before": _load(),
     }
+    meta = run.meta
     data = Path(tempfile.mkdtemp(prefix="fsdp_optim_storage_", dir=args.dir))
     refs = Path(tempfile.mkdtemp(prefix="fsdp_optim_storage_refs_"))  # on disk: tmpfs holds the server's data
     srv = server.start(data)
     proxy = server.counting_proxy(srv.endpoint)
     meta["server"] = (
-        f"SeaweedFS `weed mini` ({_weed_version()}) on 127.0.0.1, data in {args.dir} "
-        f"({'tmpfs' if str(args.dir).startswith('/dev/shm') else 'file system'}); the same 2 cores as the ranks"
+        f"SeaweedFS `weed mini` ({_weed_version()}) on 127.0.0.1, data in {storage(args.dir)}"
+        "; the same 2 cores as the ranks"
     )
     try:
         rows, loads = run_jobs(args, srv, proxy, refs, log)
@@ -189,15 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(data, ignore_errors=True)
         shutil.rmtree(refs, ignore_errors=True)
     meta["job_loads"] = "; ".join(f"W={w}: {load}" for w, load in loads.items())
-    meta["wall_s"] = time.perf_counter() - started
-    meta["load_after"] = _load()
-    meta["finished"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    paths = report.write(rows, meta, args.out, args.name)
-    print()
-    print(report.console(rows))
-    print()
-    print(report.verdicts_text(rows))
-    print(f"\nwall time {meta['wall_s'] / 60:.1f} min; wrote " + ", ".join(str(p) for p in paths.values()))
+    run.finish()
+    run.done(report.write(rows, meta, args.out, args.name), report.console(rows), verdict_lines(report.targets(rows), value=".3f"))
     return 0
 
 

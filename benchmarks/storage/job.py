@@ -27,29 +27,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.state_dict import set_state_dict
 
 import fsdp_optim
 from fsdp_optim.disk.storage import ObjectStore
 
 from .. import models
-from ..ckpt.common import Probes, measure_probed
+from ..ckpt import floors as whole_floors
+from ..ckpt.common import Job, Probes, publish
 from ..measure import Method
-from ..whole import floors as whole_floors
+from ..whole import dcp as whole_dcp
 from ..whole import ours
-from ..whole.dcp import _state
-from ..whole.fresh import load_method, same_as, snapshot
 from . import floors
 
 
 @dataclass(frozen=True)
-class JobConfig:
-    model: models.ModelSpec
-    steps: int  # Adam steps before anything is saved
-    warmup: int
-    repeats: int
+class JobConfig(Job):
     root: ObjectStore  # this run's prefix, straight to the server
     counted: ObjectStore | None  # the same prefix through the counting proxy: the counted other-W load
     storage_options: dict[str, Any]  # for s3fs, DCP's FsspecWriter / FsspecReader
@@ -72,19 +64,6 @@ def scratch(world_size: int) -> dict[str, str]:
 def reference(refs: str, world_size: int) -> Path:
     return Path(refs) / f"ref-W{world_size}.pt"
 
-
-def _build(spec: models.ModelSpec, wrap: Any, steps: int, rank: int) -> tuple[Any, torch.optim.Optimizer]:
-    model = wrap(spec, torch.device("cpu"))
-    optim = models.train(model, spec, steps, rank, torch.device("cpu"))
-    optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None
-    return model, optim
-
-
-def _publish(cfg: JobConfig, model: Any, optim: torch.optim.Optimizer, world_size: int) -> None:
-    ref = ours.reference(model, optim) if cfg.publish_ref else None
-    if dist.get_rank() == 0 and ref is not None:
-        torch.save(ref, reference(cfg.refs, world_size))
-    dist.barrier()
 
 
 def _vacuum(cfg: JobConfig) -> None:
@@ -123,32 +102,16 @@ class _UploadClock:
         return Method(call, method.check, method.prepare, method.finish)
 
 
-def _dcp_methods(fsdp2: tuple[Any, torch.optim.Optimizer], url: str, options: dict[str, Any], probes: Probes) -> tuple[Method, Method]:
-    model, optim = fsdp2
-    save = Method(lambda: dcp.save(_state(model, optim), storage_writer=FsspecWriter(url, **options)))
-
-    def load(target: torch.optim.Optimizer) -> None:
-        state = _state(model, target)
-        dcp.load(state, storage_reader=FsspecReader(url, **options))
-        set_state_dict(model, target, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-    return save, load_method("dcp_load_same", model, load, same_as(model, snapshot(model), optim), probes)
-
-
-def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes) -> dict[str, Any]:
-    return measure_probed(methods, probes, warmup=cfg.warmup, repeats=cfg.repeats)
-
-
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    model, optim = _build(cfg.model, models.wrap_fairscale, cfg.steps, rank)
+    model, optim = cfg.build(models.wrap_fairscale, rank)
     own = checkpoint(cfg.root, world_size)
     if cfg.source_only:
         fsdp_optim.save_checkpoint(model, optim, own)
-        _publish(cfg, model, optim, world_size)
+        publish({reference(cfg.refs, world_size): ours.reference(model, optim)} if cfg.publish_ref else {})
         return None
-    fsdp2 = _build(cfg.model, models.wrap_fsdp2, cfg.steps, rank)
+    fsdp2 = cfg.build(models.wrap_fsdp2, rank)
     nested = models.wrap_fairscale_linears(cfg.model, torch.device("cpu")) if cfg.other else None
     timings["build_train_s"] = time.perf_counter() - start
     fs = cfg.root.fs
@@ -156,27 +119,27 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     prefixes = scratch(world_size)
     floor_key = cfg.root.key(f"{prefixes['floor']}/rank{rank}")
     clock = _UploadClock()
-    dcp_save, dcp_load = _dcp_methods(fsdp2, cfg.root.child(prefixes["dcp"]).url, cfg.storage_options, probes := Probes())
+    dcp_where, probes = whole_dcp.location(url=cfg.root.child(prefixes["dcp"]).url, options=cfg.storage_options), Probes()
 
     phase = time.perf_counter()
     compact = lambda method: Method(method.call, method.check, lambda: _vacuum(cfg), method.finish)  # noqa: E731
     saves = {"floor_upload": Method(lambda: floors.upload(fs, floor_key, data))}
     saves |= ours.save_methods(model, optim, directory=own, async_dir=cfg.root.child(prefixes["whole-async"]), probes=probes)  # type: ignore[arg-type]
     saves["whole_save"] = clock.wrap(saves["whole_save"])
-    saves["dcp_save"] = dcp_save
-    results = _measure({name: compact(m) for name, m in saves.items()}, cfg, probes)
-    _publish(cfg, model, optim, world_size)
+    saves |= whole_dcp.save_methods(*fsdp2, where=dcp_where, probes=probes)
+    results = cfg.measure({name: compact(m) for name, m in saves.items()}, probes)
+    publish({reference(cfg.refs, world_size): ours.reference(model, optim)} if cfg.publish_ref else {})
     timings["saves_s"] = time.perf_counter() - phase
 
     phase = time.perf_counter()
     probes = Probes()
     loads = {"floor_download": Method(lambda: floors.download(fs, floor_key, len(data)))}
     loads |= ours.load_same(model, optim, directory=own, probes=probes)  # type: ignore[arg-type]
-    loads["dcp_load_same"] = dcp_load
+    loads |= whole_dcp.load_same(*fsdp2, where=dcp_where, probes=probes)
     if cfg.other is not None and nested is not None:
         ref = reference(cfg.refs, cfg.other)
         loads |= ours.load_other(nested, directory=checkpoint(cfg.root, cfg.other), reference_file=ref, probes=probes)  # type: ignore[arg-type]
-    results |= _measure(loads, cfg, probes)
+    results |= cfg.measure(loads, probes)
     timings["loads_s"] = time.perf_counter() - phase
 
     held = None

@@ -11,7 +11,6 @@ replaced before each call (untimed). The tools reach the store through the AWS e
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from contextlib import contextmanager, redirect_stdout
 from io import StringIO
@@ -24,6 +23,7 @@ from fsdp_optim.cli import main as cli_main
 from fsdp_optim.disk.storage import ObjectStore
 
 from ..measure import Measurement
+from ..peak import rounds
 from . import floors
 
 
@@ -86,17 +86,7 @@ def measure(source: ObjectStore, out: ObjectStore, *, world_size: int, warmup: i
             "floor_consolidate": floor_of(full_sizes),
             "offline_consolidate": consolidate,
         }
-        times: dict[str, list[float]] = {name: [] for name in methods}
-        names = list(methods)
-        for round_ in range(warmup + repeats):
-            shift = round_ % len(names)
-            for name in names[shift:] + names[:shift]:
-                compact()
-                start = time.perf_counter()
-                methods[name]()
-                elapsed = time.perf_counter() - start
-                if round_ >= warmup:
-                    times[name].append(elapsed)
+        times = rounds(methods, warmup=warmup, repeats=repeats, before=lambda _: compact())
     written = {"reshard": sum(reshard_sizes.values()), "consolidate": sum(full_sizes.values())}
     read = sum(o.size for o in source.listing().values())
     return {

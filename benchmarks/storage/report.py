@@ -1,9 +1,6 @@
-"""Object-storage benchmark results: rows with ratios to the floors and to DCP, the issue's targets, the tables.
-
-Rows are built with ``report.record`` (the gather benchmark's) so every benchmark's JSON reads alike; this module adds
-the DCP ratio, the async save's time until committed, the upload part of ``save_checkpoint`` and the throughput of
-each method over the bytes of the ranks' state (weights + optimizer state).
-"""
+"""The object-storage benchmark's rows (ratios to the floors and to DCP, the async save's time until committed, the
+upload part of ``save_checkpoint``, each method's throughput over the ranks' state bytes), its targets and tables,
+on ``benchmarks.report``."""
 
 from __future__ import annotations
 
@@ -12,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import report
-from ..measure import Measurement, NotAvailable
+from ..measure import Measurement, MiB
+from ..report import Row
+from ..whole.report import notes
 
 FLOOR_OF = {
     "whole_save": "floor_upload",
@@ -55,130 +54,60 @@ TARGETS = (
 )
 
 
-def rows_of(model: str, world_size: int, payload: dict[str, Any]) -> list[dict[str, Any]]:
-    results: dict[str, Measurement | NotAvailable] = payload["results"]
+
+def rows_of(model: str, world_size: int, payload: dict[str, Any]) -> list[Row]:
     state = sum(payload.get("own_bytes") or [0])
     out = []
-    for method in sorted(results, key=lambda m: ORDER.index(m) if m in ORDER else len(ORDER)):
-        value = results[method]
-        row = report.record(model, world_size, state, method, value, results.get(FLOOR_OF.get(method, "")))
+    for row, value in report.compared(model, world_size, state, payload["results"], order=ORDER, floor_of=FLOOR_OF, dcp_of=DCP_OF):
+        method = row["method"]
         for key in ("rss_recipient_x_full", "rss_recipient_x_floor", "rss_other_x_floor"):
             row.pop(key, None)
-        peer = results.get(DCP_OF.get(method, ""))
-        if isinstance(value, Measurement) and isinstance(peer, Measurement):
-            row["x_dcp"] = value.median_s / peer.median_s
         if isinstance(value, Measurement):
-            durable = value.extra.get("durable_s")
-            if durable:
-                row["durable_median_s"] = statistics.median(durable)
-            moved = value.extra.get("read_bytes", 0) + (value.extra.get("written_bytes") or 0) if method.startswith(("offline", "floor_r", "floor_c")) else state
-            row["moved_bytes"] = moved
-            row["gb_per_s"] = moved / value.median_s / 1e9 if moved else None
+            offline = method.startswith(("offline", "floor_r", "floor_c"))
+            moved = value.extra.get("read_bytes", 0) + (value.extra.get("written_bytes") or 0) if offline else state
+            row |= {"moved_bytes": moved, "gb_per_s": moved / value.median_s / 1e9 if moved else None}
         if method == "whole_save" and payload.get("upload_s"):
             row["upload_median_s"] = statistics.median(payload["upload_s"])
         if method == "whole_load_other":
-            row["other_world_size"] = payload.get("other_world_size")
-            row["fetched_bytes"] = payload.get("recut_fetched_bytes")
-            row["held_bytes"] = payload.get("recut_held_bytes")
+            row |= {"other_world_size": payload.get("other_world_size"), "fetched_bytes": payload.get("recut_fetched_bytes"), "held_bytes": payload.get("recut_held_bytes")}
         out.append(row)
     return out
 
 
-def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _bytes(row: Row, limit: Any) -> tuple[float | None, bool | None, str]:
+    fetched, held = row.get("fetched_bytes"), row.get("held_bytes")
+    if not fetched or not held:
+        return None, None, "not counted"
+    return fetched / held, fetched / held <= (limit or 0), f"{fetched / MiB:,.1f} MiB fetched (GET bodies at the proxy) for {held / MiB:,.1f} MiB held"
+
+
+def targets(rows: list[Row]) -> list[Row]:
     """One verdict per (target, model, world size) that has rows; ``met`` None where not measured or no limit."""
-    at = {(r["model"], r["world_size"], r["method"]): r for r in rows}
-    verdicts = []
-    for model, ws in dict.fromkeys((r["model"], r["world_size"]) for r in rows):
-        for name, method, against, limit in TARGETS:
-            row = at.get((model, ws, method))
-            if row is None:
-                continue
-            base = at.get((model, ws, (DCP_OF if against == "dcp" else FLOOR_OF).get(method, "")))
-            value, met, detail = _verdict(row, against, limit, base)
-            verdicts.append({"target": name, "model": model, "world_size": ws, "value": value, "limit": limit, "met": met, "detail": detail})
-    return verdicts
-
-
-def _verdict(row: dict[str, Any], against: str, limit: float | None, base: dict[str, Any] | None) -> tuple[float | None, bool | None, str]:
-    if "na" in row:
-        return None, None, row["na"]
-    if (row.get("note") or "").startswith(("wrong output", "result not checked")):
-        return None, False, row["note"]
-    if against == "bytes":
-        fetched, held = row.get("fetched_bytes"), row.get("held_bytes")
-        if not fetched or not held:
-            return None, None, "not counted"
-        return fetched / held, fetched / held <= (limit or 0), f"{fetched / 2**20:,.1f} MiB fetched (GET bodies at the proxy) for {held / 2**20:,.1f} MiB held"
-    value = row.get("x_floor" if against == "floor" else "x_dcp")
-    if value is None or base is None:
-        return None, None, "no comparison measured"
-    detail = f"{row['median_s'] * 1e3:,.0f} ms vs {base['median_s'] * 1e3:,.0f} ms"
-    return value, None if limit is None else value <= limit, detail
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tables
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.0f}" if abs(seconds) >= 0.01 else f"{seconds * 1e3:.2f}"
-
-
-def _cells(row: dict[str, Any]) -> list[str]:
-    if "na" in row:
-        return [f"n/a: {row['na']}"] + [""] * 5
-    mark = " ⚠ WRONG" if (row.get("note") or "").startswith("wrong output") else " †" if row.get("note") else ""
-    extra = f"; committed {_ms(row['durable_median_s'])}" if row.get("durable_median_s") else ""
-    extra += f"; upload part {_ms(row['upload_median_s'])}" if row.get("upload_median_s") else ""
-    return [
-        _ms(row["median_s"]) + extra + mark,
-        f"{report.spread(row):.0%}",
-        f"{row['x_floor']:.2f}" if row.get("x_floor") is not None else "",
-        f"{row['x_dcp']:.2f}" if row.get("x_dcp") is not None else "",
-        f"{row['gb_per_s']:.2f}" if row.get("gb_per_s") else "",
-        f"{row['moved_bytes'] / 2**20:,.0f}" if row.get("moved_bytes") else "",
-    ]
+    return report.check_targets(rows, TARGETS, FLOOR_OF, DCP_OF, special={"bytes": _bytes}, skip_missing=True)
 
 
 HEAD = ("method", "median ms", "spread", "x floor", "x DCP", "GB/s", "MiB moved")
 
 
-def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, int]]:
-    return list(dict.fromkeys((r["model"], r["world_size"]) for r in rows))
+def _cells(row: Row) -> list[str]:
+    if "na" in row:
+        return [f"n/a: {row['na']}"] + [""] * 5
+    extra = f"; committed {report.ms(row['durable_median_s'])}" if row.get("durable_median_s") else ""
+    extra += f"; upload part {report.ms(row['upload_median_s'])}" if row.get("upload_median_s") else ""
+    return [report.ms(row["median_s"]) + extra + report.mark(row), f"{report.spread(row):.0%}", report.fmt(row, "x_floor", ".2f"), report.fmt(row, "x_dcp", ".2f"),
+            f"{row['gb_per_s']:.2f}" if row.get("gb_per_s") else "", f"{row['moved_bytes'] / MiB:,.0f}" if row.get("moved_bytes") else ""]
 
 
-def _label(row: dict[str, Any]) -> str:
-    label = LABELS.get(row["method"], row["method"])
-    if row.get("other_world_size"):
-        label += f" (saved at W={row['other_world_size']})"
-    return label
+def _label(row: Row) -> str:
+    return LABELS.get(row["method"], row["method"]) + (f" (saved at W={row['other_world_size']})" if row.get("other_world_size") else "")
 
 
-def console(rows: list[dict[str, Any]]) -> str:
-    widths = (70, 40, 7, 8, 6, 6, 9)
-    lines = []
-    for model, ws in _groups(rows):
-        lines += [f"-- {model}, W={ws}", "  ".join(h[:w].ljust(w) for h, w in zip(HEAD, widths))]
-        for r in (r for r in rows if (r["model"], r["world_size"]) == (model, ws)):
-            cells = [_label(r)] + _cells(r)
-            lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
-    return "\n".join(lines)
+def console(rows: list[Row]) -> str:
+    return report.by_group(rows, HEAD, lambda r: [_label(r)] + _cells(r), (70, 40, 7, 8, 6, 6, 9))
 
 
-def verdicts_text(rows: list[dict[str, Any]]) -> str:
-    lines = []
-    for v in targets(rows):
-        met = "PASS" if v["met"] else "MISS" if v["met"] is False else "info" if v["value"] is not None else "n/a "
-        value = f"{v['value']:.3f}" if v["value"] is not None else "-"
-        lines.append(f"{met} {v['target']:<50} {v['model']:>5} W={v['world_size']}  {value:>7}  {v['detail']}")
-    return "\n".join(lines)
-
-
-def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | None) -> str:
-    lines = [
-        f"# Object-storage checkpoint benchmark ({meta['finished']})",
-        "",
-        f"Machine: {meta['machine']}. Backend: {meta['backend']}. {meta['versions']}.",
+def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None) -> str:
+    rep = report.Report("Object-storage checkpoint benchmark", meta).add(
         f"Command: `{meta['command']}`; wall time {meta['wall_s'] / 60:.1f} min; load average before/after: "
         f"{meta['load_before']} / {meta['load_after']} (per job: {meta['job_loads']}).",
         f"Server: {meta['server']}.",
@@ -194,35 +123,13 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], png_name: str | N
         "optimizer state; offline: bytes read + written) over the median. ⚠ WRONG: the result differs from the saved "
         "state; †: see notes.",
         "",
-        "## Targets (issue 25)",
-        "",
-        "| target | model | W | value | limit | verdict | detail |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for v in targets(rows):
-        verdict = "PASS" if v["met"] else "**MISS**" if v["met"] is False else "info" if v["value"] is not None else "n/a"
-        limit = f"{v['limit']}" if v["limit"] is not None else "-"
-        value = f"{v['value']:.3f}" if v["value"] is not None else "-"
-        lines.append(f"| {v['target']} | {v['model']} | {v['world_size']} | {value} | {limit} | {verdict} | {v['detail']} |")
-    lines.append("")
-    for model, ws in _groups(rows):
-        title = f"## {model}, W={ws}" if ws else f"## {model}, offline (one process)"
-        lines += [title, "", "| " + " | ".join(HEAD) + " |", "|---" * len(HEAD) + "|"]
-        for r in (r for r in rows if (r["model"], r["world_size"]) == (model, ws)):
-            lines.append(f"| {_label(r)} | " + " | ".join(_cells(r)) + " |")
-        lines.append("")
-    notes = [(r["method"], r["world_size"], r["note"]) for r in rows if r.get("note") and r["note"] != "offline, one process"]
-    if notes or meta.get("diagnosis"):
-        lines += ["## Notes", ""]
-        lines += [f"- {LABELS.get(m, m)} (W={w}): {n}" for m, w, n in notes]
-        lines += [f"- {d}" for d in meta.get("diagnosis", [])]
-        lines.append("")
-    return "\n".join(lines)
+    )
+    rep.targets(targets(rows), "## Targets (issue 25)", value=".3f")
+    for model, ws in report.groups(rows):
+        rep.add(f"## {model}, W={ws}" if ws else f"## {model}, offline (one process)", "")
+        rep.table(HEAD, [[_label(r)] + _cells(r) for r in rows if (r["model"], r["world_size"]) == (model, ws)])
+    return notes(rep, rows, meta, LABELS, skip="offline, one process").text()
 
 
-def _no_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
-    return False  # the tables say it
-
-
-def write(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
-    return report.write_files(rows, meta, out_dir, name, plot=_no_plot, markdown=markdown, targets=targets)
+def write(rows: list[Row], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
+    return report.write(out_dir, name, rows=rows, meta=meta, targets=targets(rows), markdown=markdown)

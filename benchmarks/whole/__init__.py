@@ -1,2 +1,3 @@
 """The whole-state checkpoint benchmark's parts (``python -m benchmarks.whole_state`` runs them): ``job`` (one gloo
-job), ``ours`` / ``dcp`` / ``fullsd`` / ``floors`` (the methods timed), ``report`` (rows, targets, tables)."""
+job), ``ours`` / ``dcp`` / ``fullsd`` (the methods timed; the floors are ``ckpt/floors.py``'s), ``offline``,
+``report`` (rows, targets, tables)."""

@@ -10,11 +10,13 @@ DTensor shards), and building it is part of every call's time, as it is of a use
   initialises the fresh optimizer's state with one zero-lr step), ``dcp.load``, ``set_state_dict``.
 
 Check: a load must give back this job's live local shards and optimizer state exactly (which also checks
-``dcp_save``, whose checkpoint it reads).
+``dcp_save``, whose checkpoint it reads). Where: a local directory, or an object store through DCP's
+``FsspecWriter`` / ``FsspecReader`` (``location``), which the storage benchmark uses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +36,30 @@ def _state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": model_state, "optimizer": optim_state}
 
 
-def save_methods(
-    model: nn.Module, optim: torch.optim.Optimizer, *, directory: Path, async_dir: Path, group: dist.ProcessGroup, probes: Probes
-) -> dict[str, Method]:
-    return {
-        "dcp_save": Method(lambda: dcp.save(_state(model, optim), checkpoint_id=directory)),
-        "dcp_async": probes.wrap(
-            "dcp_async",
-            Method(lambda: dcp.async_save(_state(model, optim), checkpoint_id=async_dir, process_group=group)),
-            durable=lambda future: future.result(),
-        ),
-    }
+def location(directory: Path | None = None, *, url: str = "", options: dict[str, Any] | None = None) -> Callable[[bool], dict[str, Any]]:
+    """Where DCP saves and loads: ``location(write)`` gives ``dcp.save`` / ``dcp.load``'s keywords, a local
+    ``directory`` or, with ``url``, a fresh ``FsspecWriter`` / ``FsspecReader`` (with ``options``) per call."""
+    if directory is not None:
+        return lambda write: {"checkpoint_id": directory}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return lambda write: {"storage_writer": FsspecWriter(url, **(options or {}))} if write else {"storage_reader": FsspecReader(url, **(options or {}))}
 
 
-def load_same(model: nn.Module, optim: torch.optim.Optimizer, *, directory: Path, probes: Probes) -> dict[str, Method]:
+def save_methods(model: nn.Module, optim: torch.optim.Optimizer, *, where: Callable[[bool], dict[str, Any]], probes: Probes,
+                 async_dir: Path | None = None, group: dist.ProcessGroup | None = None) -> dict[str, Method]:  # fmt: skip
+    """``dcp_save`` (and, with ``async_dir``, ``dcp_async`` on ``group``)."""
+    methods = {"dcp_save": Method(lambda: dcp.save(_state(model, optim), **where(True)))}
+    if async_dir is not None:
+        call = Method(lambda: dcp.async_save(_state(model, optim), checkpoint_id=async_dir, process_group=group))
+        methods["dcp_async"] = probes.wrap("dcp_async", call, durable=lambda future: future.result())
+    return methods
+
+
+def load_same(model: nn.Module, optim: torch.optim.Optimizer, *, where: Callable[[bool], dict[str, Any]], probes: Probes) -> dict[str, Method]:
     def load(target: torch.optim.Optimizer) -> None:
         state = _state(model, target)
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, **where(False))
         set_state_dict(model, target, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     return {"dcp_load_same": load_method("dcp_load_same", model, load, same_as(model, snapshot(model), optim), probes)}

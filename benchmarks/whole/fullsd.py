@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import peers
-from ..ckpt.common import Probes, save_durably
+from ..ckpt.common import Probes
+from ..gather import peers
 from ..measure import Method
+from ..peak import save_durably
 from .fresh import load_method
 
 

@@ -26,10 +26,11 @@ import torch.distributed as dist
 import fsdp_optim
 
 from .. import models
-from ..ckpt.common import Probes, disk_bytes, measure_probed, remove
+from ..ckpt import floors
+from ..ckpt.common import Job, Probes, disk_bytes, publish, remove
 from ..measure import Method, NotAvailable
 from . import dcp as whole_dcp
-from . import floors, fullsd, ours
+from . import fullsd, ours
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,7 @@ class Source:
 
 
 @dataclass(frozen=True)
-class JobConfig:
-    model: models.ModelSpec
-    steps: int  # Adam steps before anything is saved
-    warmup: int
-    repeats: int
+class JobConfig(Job):
     peer_repeats: int  # calls of fairscale's full state dict save and load (no warm-up)
     work: str  # this job's scratch directory (removed by the caller)
     own: Source
@@ -55,34 +52,16 @@ class JobConfig:
     source_only: bool = False
 
 
-def _build(spec: models.ModelSpec, wrap: Any, steps: int, rank: int) -> tuple[Any, torch.optim.Optimizer]:
-    model = wrap(spec, torch.device("cpu"))
-    optim = models.train(model, spec, steps, rank, torch.device("cpu"))
-    optim.zero_grad(set_to_none=True)  # DCP initialises a fresh optimizer only when grads are None
-    return model, optim
-
-
-def _publish(cfg: JobConfig, model: Any, optim: torch.optim.Optimizer) -> None:
-    ref = ours.reference(model, optim) if cfg.publish_ref else None
-    if dist.get_rank() == 0 and ref is not None:
-        Path(cfg.own.reference).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(ref, cfg.own.reference)
-    dist.barrier()
-
-
-def _measure(methods: dict[str, Method], cfg: JobConfig, probes: Probes, *, warmup: int, repeats: int) -> dict[str, Any]:
-    return measure_probed(methods, probes, warmup=warmup, repeats=repeats)
-
 
 def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    model, optim = _build(cfg.model, models.wrap_fairscale, cfg.steps, rank)
+    model, optim = cfg.build(models.wrap_fairscale, rank)
     if cfg.source_only:
         fsdp_optim.save_checkpoint(model, optim, cfg.own.checkpoint)
-        _publish(cfg, model, optim)
+        publish({cfg.own.reference: ours.reference(model, optim)} if cfg.publish_ref else {})
         return None
-    fsdp2 = _build(cfg.model, models.wrap_fsdp2, cfg.steps, rank)
+    fsdp2 = cfg.build(models.wrap_fsdp2, rank)
     nested = models.wrap_fairscale_linears(cfg.model, torch.device("cpu")) if cfg.other else None
     group = dist.new_group(backend="gloo")  # DCP async's own group: its thread's collectives stay apart
     timings["build_train_s"] = time.perf_counter() - start
@@ -98,14 +77,14 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
 
     phase = time.perf_counter()
     probes = Probes()
-    saves = {"floor_save": Method(lambda: floors.save(model, optim, dirs["floor"], rank))}
+    saves = {"floor_save": Method(lambda: floors.save(floors.own_state(model, optim), dirs["floor"], rank))}
     saves |= ours.save_methods(model, optim, directory=checkpoint, async_dir=dirs["whole-async"], probes=probes)
-    saves |= whole_dcp.save_methods(*fsdp2, directory=dirs["dcp"], async_dir=dirs["dcp-async"], group=group, probes=probes)
-    results |= _measure(saves, cfg, probes, **fast)
+    saves |= whole_dcp.save_methods(*fsdp2, where=whole_dcp.location(dirs["dcp"]), async_dir=dirs["dcp-async"], group=group, probes=probes)
+    results |= cfg.measure(saves, probes, **fast)
     if ours.async_save_api() is None:
         results["whole_async"] = NotAvailable(f"not measured: fsdp_optim has no {ours.ASYNC_NAME} (async whole-state save) yet")
-    results |= _measure(fullsd.save_methods(model, optim, path=full_file), cfg, Probes(), **slow)
-    _publish(cfg, model, optim)
+    results |= cfg.measure(fullsd.save_methods(model, optim, path=full_file), Probes(), **slow)
+    publish({cfg.own.reference: ours.reference(model, optim)} if cfg.publish_ref else {})
     timings["saves_s"] = time.perf_counter() - phase
     disk = _disk({"floor_save": dirs["floor"], "whole_save": checkpoint, "dcp_save": dirs["dcp"], "fullsd_save": full_file})
     for name in ("dcp-async", "whole-async"):
@@ -116,14 +95,14 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     probes = Probes()
     loads = {"floor_load": Method(lambda: floors.load(floors.rank_file(dirs["floor"], rank)))}
     loads |= ours.load_same(model, optim, directory=checkpoint, probes=probes)
-    loads |= whole_dcp.load_same(*fsdp2, directory=dirs["dcp"], probes=probes)
+    loads |= whole_dcp.load_same(*fsdp2, where=whole_dcp.location(dirs["dcp"]), probes=probes)
     if cfg.other is not None and nested is not None:
         loads |= ours.load_other(nested, directory=Path(cfg.other.checkpoint), reference_file=Path(cfg.other.reference), probes=probes)
     else:
         results["whole_load_other"] = NotAvailable("not measured: needs two world sizes (--world-sizes)")
-    results |= _measure(loads, cfg, probes, **fast)
+    results |= cfg.measure(loads, probes, **fast)
     probes = Probes()
-    results |= _measure(fullsd.load_methods(model, path=full_file, probes=probes), cfg, probes, **slow)
+    results |= cfg.measure(fullsd.load_methods(model, path=full_file, probes=probes), probes, **slow)
     timings["loads_s"] = time.perf_counter() - phase
 
     everyone: list[Any] = [None] * world_size

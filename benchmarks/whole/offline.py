@@ -7,8 +7,6 @@ Run in the parent process after a job, on the checkpoints that job left: methods
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,16 +14,7 @@ from typing import Any
 import torch
 
 from ..measure import Measurement
-
-
-def _timed(call: Callable[[Path], None], out: Path) -> float:
-    start = time.perf_counter()
-    call(out)
-    with open(out, "rb") as f:
-        os.fsync(f.fileno())
-    elapsed = time.perf_counter() - start
-    out.unlink()
-    return elapsed
+from ..peak import fsync_path, rounds
 
 
 def measure(checkpoint: Path, dcp_dir: Path, scratch: Path, *, repeats: int) -> dict[str, Any]:
@@ -34,17 +23,12 @@ def measure(checkpoint: Path, dcp_dir: Path, scratch: Path, *, repeats: int) -> 
 
     import fsdp_optim
 
-    def ours(out: Path) -> None:
-        torch.save(fsdp_optim.consolidate(checkpoint), out)
+    def fsynced(write: Callable[[Path], Any], out: Path) -> Callable[[], None]:
+        return lambda: (write(out), fsync_path(out))  # type: ignore[func-returns-value]
 
-    def dcp(out: Path) -> None:
-        dcp_to_torch_save(str(dcp_dir), str(out))
-
-    methods = {"whole_consolidate": ours, "dcp_consolidate": dcp}
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for round_ in range(repeats + 1):  # the first round warms up
-        for name, call in methods.items():
-            elapsed = _timed(call, scratch / f"{name}.pt")
-            if round_:
-                times[name].append(elapsed)
+    methods = {
+        "whole_consolidate": fsynced(lambda out: torch.save(fsdp_optim.consolidate(checkpoint), out), scratch / "whole_consolidate.pt"),
+        "dcp_consolidate": fsynced(lambda out: dcp_to_torch_save(str(dcp_dir), str(out)), scratch / "dcp_consolidate.pt"),
+    }
+    times = rounds(methods, warmup=1, repeats=repeats, rotate=False, after=lambda name: (scratch / f"{name}.pt").unlink())
     return {name: Measurement(t, 0, None, None, note="offline, one process") for name, t in times.items()}

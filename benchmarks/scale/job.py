@@ -13,34 +13,22 @@ from __future__ import annotations
 
 import resource
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks import models
 from fsdp_optim import gather_full_optim_state_dict, load_sharded_optim_state, save_sharded_optim_state
+
+from .. import models
+from ..ckpt.common import difference
+from ..peak import rounds
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _same(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
-    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
-    return sa.keys() == sb.keys() and all(
-        torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i] if torch.is_tensor(sa[i][k])
-    )
+    """The median of ``repeats`` calls after one, each between two barriers (the slowest rank's time)."""
+    return statistics.median(rounds({"call": fn}, warmup=1, repeats=repeats, sync=dist.barrier)["call"])
 
 
 def run(rank: int, world_size: int, units: int, width: int, own: str, other: str | None, repeats: int) -> dict[str, Any]:
@@ -54,7 +42,8 @@ def run(rank: int, world_size: int, units: int, width: int, own: str, other: str
     out["gather_s"] = _timed(lambda: gather_full_optim_state_dict(model, optim), repeats)
     out["save_s"] = _timed(lambda: save_sharded_optim_state(model, optim, own, overwrite=True), repeats)
     out["load_same_s"] = _timed(lambda: load_sharded_optim_state(model, fresh, own), repeats)
-    assert _same(fresh, optim), f"rank {rank}: same-W load differs from the saved state"
+    same = difference(fresh.state_dict()["state"], optim.state_dict()["state"], "state")
+    assert not same, f"rank {rank}: same-W load differs from the saved state: {same}"
     full = gather_full_optim_state_dict(model, optim)
     if rank == 0:  # what a job of W/2 ranks must find after loading this job's checkpoint
         torch.save(full, f"{own}.full.pt")
@@ -62,11 +51,8 @@ def run(rank: int, world_size: int, units: int, width: int, own: str, other: str
         out["load_other_s"] = _timed(lambda: load_sharded_optim_state(model, fresh, other), repeats)
         found = gather_full_optim_state_dict(model, fresh)
         if rank == 0:
-            expected = torch.load(f"{other}.full.pt", weights_only=True)["state"]
-            assert found is not None and found["state"].keys() == expected.keys(), "other-W load: parameters differ"
-            for i, entries in expected.items():
-                for k, v in entries.items():
-                    assert torch.equal(found["state"][i][k], v), f"other-W load: state {k} of param {i} differs"
+            text = difference(found and found["state"], torch.load(f"{other}.full.pt", weights_only=True)["state"], "state")
+            assert not text, f"other-W load differs from the saving job's state: {text}"
     out["state_bytes"] = sum(
         v.numel() * v.element_size() for s in optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
     )

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .measure import Method
+from ..measure import Method
 
 
 def ours(model: nn.Module, optim: torch.optim.Optimizer) -> Method:

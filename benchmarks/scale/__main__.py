@@ -8,7 +8,7 @@
 1. Offline, one process (``WxU``: a checkpoint of ``U`` units at ``W`` ranks, made by resharding a full dict;
    1,536 float32 elements per unit, so ~12 KiB of Adam state per unit in all): ``reshard`` to ``3W/4``
    ranks against the read-everything-write-everything floor (the same rank files read with the plain
-   loader, the same number of files of the same bytes written, ``fsync`` per file: ``scale_ops``), and
+   loader, the same number of files of the same bytes written, ``fsync`` per file: ``ops.py``), and
    against the re-cut floor (the same, plus the manifest read as plain JSON and every (unit, key) re-cut
    per output rank: the least a reshard of this format must do);
    ``consolidate`` (+ ``torch.save`` + ``fsync`` of the full dict) against its floor (one file written);
@@ -36,9 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import scale_job, scale_ops, spawn
 from fsdp_optim import consolidate, reshard
 from fsdp_optim.formats.sharded.manifest import Manifest
+
+from .. import spawn
+from ..peak import in_child, save_durably
+from ..report import RESULTS
+from . import job as scale_job
+from . import ops as scale_ops
+from .report import plot, tables
 
 # ---- configuration ---------------------------------------------------------------------------------
 OFFLINE = ((16, 64), (64, 64), (64, 256))  # (W, units)
@@ -49,7 +55,6 @@ JOB_WIDTH = 16
 REPEATS = 3
 PER_UNIT = 1536
 STORAGE = Path("/dev/shm")
-RESULTS = Path(__file__).parent / "results"
 # -----------------------------------------------------------------------------------------------------
 
 
@@ -80,7 +85,7 @@ def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
     def make() -> None:
         reshard(scale_ops.full_dict(lay), world_size, src, layout=Manifest.from_layout(lay, save_id="layout"))
 
-    row["make_s"], row["make_rss"], _ = scale_ops.in_child(make)
+    row["make_s"], row["make_rss"], _ = in_child(make)
     row["disk_bytes"] = scale_ops.disk_bytes(src)
     files = sorted(src.glob("optim-*"))
     measured = {
@@ -89,11 +94,11 @@ def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
         "floor_recut": lambda: scale_ops.floor_recut(src, new_size, root / "floor-u"),
         "reshard": lambda: reshard(src, new_size, root / "resharded"),
         "floor_consolidate": lambda: scale_ops.floor_consolidate(files, root / "floor-c"),
-        "consolidate": lambda: scale_ops._save_durably(consolidate(src), root / "full.pt"),
+        "consolidate": lambda: save_durably(consolidate(src), root / "full.pt"),
     }
     for name, fn in measured.items():
         row[f"{name}_s"], row[f"{name}_rss"] = _median(fn)
-    _, rss, planned = scale_ops.in_child(
+    _, rss, planned = in_child(
         lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT, from_file=src, traced=False)
     )
     manifest_bytes = sum(p.stat().st_size for p in src.glob("manifest.*"))
@@ -109,9 +114,9 @@ def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
 
 def _median(fn: Any) -> tuple[float, int]:
     """Median seconds and largest peak RSS growth of ``fn`` in forked children: 3 runs if one is under 2 s, else 1."""
-    runs = [scale_ops.in_child(fn)]
+    runs = [in_child(fn)]
     if runs[0][0] < 2:
-        runs += [scale_ops.in_child(fn) for _ in range(2)]
+        runs += [in_child(fn) for _ in range(2)]
     return sorted(r[0] for r in runs)[len(runs) // 2], max(r[1] for r in runs)
 
 
@@ -126,7 +131,7 @@ def warm_up(root: Path) -> None:
     scale_ops.floor_recut(root / "src", 1, root / "floor-u")
     reshard(root / "src", 1, root / "resharded")
     scale_ops.floor_consolidate(files, root / "floor-c")
-    scale_ops._save_durably(consolidate(root / "src"), root / "full.pt")
+    save_durably(consolidate(root / "src"), root / "full.pt")
     scale_ops.plan_one_rank(2, 4, PER_UNIT, traced=False)
     shutil.rmtree(root, ignore_errors=True)
 
@@ -134,7 +139,7 @@ def warm_up(root: Path) -> None:
 def planning(sizes: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
     rows = []
     for world_size, units in sizes:
-        _, rss, result = scale_ops.in_child(lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT))
+        _, rss, result = in_child(lambda: scale_ops.plan_one_rank(units, world_size, PER_UNIT))
         rows.append({"world_size": world_size, "units": units, "source": "dict", "rss": rss, **result})
     return rows
 
@@ -157,8 +162,6 @@ def jobs(world_sizes: tuple[int, ...], repeats: int, root: Path) -> list[dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.scale_report import plot, tables
-
     args = parse_args(argv)
     started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="fsdp-optim-scale-", dir=args.dir))
@@ -183,8 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scale.json").write_text(json.dumps(result, indent=1))
     (args.out / "scale.md").write_text(text + "\n")
-    plot(result, args.out / "scale.png")
-    print(f"wrote {args.out}/scale.{{json,md,png}} in {result['seconds']:.0f} s")
+    drawn = plot(result, args.out / "scale.png")
+    print(f"wrote {args.out}/scale.{{json,md{',png' if drawn else ''}}} in {result['seconds']:.0f} s")
 
 
 def _machine() -> str:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,16 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import checks, floors, models, peers
-from .measure import Measurement, Method, NotAvailable, measure, release_memory
+from .. import models
+from ..ckpt.common import Job, phase
+from ..measure import Measurement, Method, NotAvailable, measure, release_memory
+from . import checks, floors, peers
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    model: models.ModelSpec
-    steps: int
-    warmup: int
-    repeats: int
+class RunConfig(Job):
     methods: tuple[str, ...]
     device_type: str  # "cpu" or "cuda"
 
@@ -37,13 +34,6 @@ def _device(cfg: RunConfig) -> torch.device:
     if cfg.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _build(cfg: RunConfig, rank: int, device: torch.device, wrap: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = wrap(cfg.model, device)
-    optim = models.train(model, cfg.model, cfg.steps, rank, device)
-    optim.zero_grad(set_to_none=True)  # gradients are not part of what is gathered
-    return model, optim
 
 
 def run_all(rank: int, world_size: int, cfgs: list[RunConfig]) -> list[dict[str, Any] | None]:
@@ -116,37 +106,34 @@ def run(rank: int, world_size: int, cfg: RunConfig) -> dict[str, Any] | None:
     for name, wrap in wrappings:
         if name != "fairscale" and name not in wanted:
             continue
-        build_start = time.perf_counter()
-        error = ""
-        try:
-            setups[name] = _build(cfg, rank, device, wrap)
-        except Exception as exc:  # a framework that cannot run here is reported, not dropped silently
-            error = f"setup failed: {type(exc).__name__}: {exc}"[:200]
-            traceback.print_exc()
-        errors: list[Any] = [None] * world_size
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), "")
-        if error:
-            setups.pop(name, None)
-            unavailable[name] = NotAvailable(error)
-        timings[f"build_train_{name}_s"] = time.perf_counter() - build_start
+        with phase(timings, f"build_train_{name}_s"):
+            error = ""
+            try:
+                setups[name] = cfg.build(wrap, rank, device)
+            except Exception as exc:  # a framework that cannot run here is reported, not dropped silently
+                error = f"setup failed: {type(exc).__name__}: {exc}"[:200]
+                traceback.print_exc()
+            errors: list[Any] = [None] * world_size
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), "")
+            if error:
+                setups.pop(name, None)
+                unavailable[name] = NotAvailable(error)
     if "fairscale" not in setups:
         raise RuntimeError(f"fsdp_optim's FSDP could not be set up: {unavailable['fairscale'].reason}")
     model, optim = setups["fairscale"]
     shards = floors.Shards.of(model, optim)
 
-    gathers_start = time.perf_counter()
-    results = _gathers(cfg, setups, shards, sync)
-    timings["gathers_s"] = time.perf_counter() - gathers_start
+    with phase(timings, "gathers_s"):
+        results = _gathers(cfg, setups, shards, sync)
     for name in ("fsdp1", "fsdp2"):
         setups.pop(name, None)
     release_memory()
     if "get_shard" in wanted or "floor_copy" in wanted:
-        loads_start = time.perf_counter()
-        loaded = _loads(cfg, model, optim, shards, sync)
+        with phase(timings, "loads_s"):
+            loaded = _loads(cfg, model, optim, shards, sync)
         if results is not None and loaded is not None:
             results.update(loaded)
-        timings["loads_s"] = time.perf_counter() - loads_start
 
     if rank != 0:
         return None

@@ -1,6 +1,6 @@
 """The offline and planning measurements of ``benchmarks.scale``: synthetic layouts, our operations, their floors.
 
-Every timed operation runs in a forked child (:func:`in_child`) that reports its wall time and its peak RSS
+Every timed operation runs in a forked child (``peak.in_child``) that reports its wall time and its peak RSS
 growth (``VmHWM``, reset at the start, minus the RSS it started with), so one operation's memory never
 hides another's.
 
@@ -17,15 +17,11 @@ hides another's.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import io
 import json
-import os
-import pickle
 import time
 import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +34,11 @@ from fsdp_optim.core.intervals import pieces
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.plan import plan, rank_reads, saved_ranks
 from fsdp_optim.core.records import GroupRecord, StateEntry
-from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.reader import read_manifest
 
-from .peak import status_bytes
+from ..ckpt.floors import into_parts
+from ..peak import adam_full_dict, fsync_path
 
 KEYS = ("exp_avg", "exp_avg_sq")
 BIAS = 16
@@ -60,15 +56,7 @@ def layout(units: int, world_size: int, per_unit: int) -> ModelLayout:
 
 def full_dict(lay: ModelLayout) -> dict[str, Any]:
     """Adam's full dict for ``lay``: random ``exp_avg`` / ``exp_avg_sq``, ``step`` 3."""
-    g = torch.Generator().manual_seed(0)
-    shapes = {p.name: p.shape for f in lay.flat_params for p in f.params}
-    state = {
-        pid: {"step": torch.tensor(3.0), "exp_avg": torch.randn(shapes[n], generator=g), "exp_avg_sq": torch.rand(shapes[n], generator=g)}
-        for pid, n in enumerate(lay.param_order)
-    }
-    meta = {"version": FORMAT_VERSION, "optimizer": "Adam", "world_size": lay.world_size, "scalar_keys": ["step"]}
-    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(lay.param_order)))}]
-    return {"state": state, "param_groups": groups, "param_names": dict(enumerate(lay.param_order)), FORMAT_KEY: meta}
+    return adam_full_dict({p.name: p.shape for f in lay.flat_params for p in f.params}, lay.world_size, step=3.0)
 
 
 def manifest(units: int, world_size: int, per_unit: int) -> Manifest:
@@ -84,38 +72,6 @@ def manifest(units: int, world_size: int, per_unit: int) -> Manifest:
         state=dict.fromkeys(range(units), entries),
         groups=(GroupRecord({"lr": 1e-3}, tuple(range(units))),),
     )
-
-
-def in_child(fn: Callable[[], Any]) -> tuple[float, int, Any]:
-    """``fn()`` in a forked child: ``(seconds, peak RSS growth in bytes, its picklable result)``."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: measure, report, leave without running the parent's cleanup
-        os.close(read)
-        try:
-            torch.set_num_threads(1)  # an OpenMP pool does not survive fork; one thread, like every floor here
-            # A forked child inherits its parent's peak (ru_maxrss too): reset it, measure from here.
-            Path("/proc/self/clear_refs").write_text("5")
-            start_rss = status_bytes("VmRSS")
-            t0 = time.perf_counter()
-            result = fn()
-            seconds = time.perf_counter() - t0
-            peak = status_bytes("VmHWM") - start_rss
-            payload = pickle.dumps(("ok", seconds, max(peak, 0), result))
-        except BaseException as exc:  # reported to the parent, which raises it
-            payload = pickle.dumps(("error", 0.0, 0, repr(exc)))
-        with os.fdopen(write, "wb") as f:
-            f.write(payload)
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        status, seconds, peak, result = pickle.loads(f.read())
-    os.waitpid(pid, 0)
-    if status != "ok":
-        raise RuntimeError(f"measured operation failed: {result}")
-    return seconds, peak, result
-
-
 
 
 def disk_bytes(directory: Path) -> int:
@@ -135,20 +91,9 @@ def inspect(directory: Path) -> int:
 # Floors
 
 
-def _save_durably(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     safetensors.torch.save_file(tensors, str(path))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def _read_all(files: list[Path]) -> list[torch.Tensor]:
@@ -166,21 +111,8 @@ def _read_all(files: list[Path]) -> list[torch.Tensor]:
 def _write_parts(tensors: list[torch.Tensor], parts: int, out: Path, name: str) -> None:
     """Copy the tensors' elements once, as one stream, into ``parts`` equal buffers; write each (one tensor a
     file, as a format-2 rank file holds one tensor per dtype) with an fsync."""
-    numel = sum(t.numel() for t in tensors)
-    bounds = [numel * k // parts for k in range(parts + 1)]
-    bufs = [torch.empty(bounds[k + 1] - bounds[k]) for k in range(parts)]
-    cursor = 0
-    for t in tensors:
-        start, stop = cursor, cursor + t.numel()
-        first = max(bisect.bisect_right(bounds, start) - 1, 0)
-        for k in range(first, parts):
-            lo, hi = max(start, bounds[k]), min(stop, bounds[k + 1])
-            if lo >= hi:
-                break
-            bufs[k][lo - bounds[k] : hi - bounds[k]].copy_(t.reshape(-1)[lo - start : hi - start])
-        cursor = stop
     out.mkdir(parents=True, exist_ok=True)
-    for k, buf in enumerate(bufs):
+    for k, buf in enumerate(into_parts(tensors, parts, sum(t.numel() for t in tensors))):
         _write_safetensors({"float32": buf}, out / f"{name}{k}.safetensors")
 
 

@@ -1,0 +1,1 @@
+"""The gather benchmark: ``python -m benchmarks.gather`` (see ``__main__``)."""
