@@ -42,7 +42,8 @@ def downloaded(url: str, storage_options: Mapping[str, Any] | None = None) -> It
     scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
     try:
         local = scratch / name
-        store._retry(lambda: store.fs.get_file(store.key(name), str(local)), f"{text}: downloading it")
+        fetch = lambda limit: store.fs.get_file(store.key(name), str(local), **limit)  # noqa: E731
+        store._retry(fetch, f"{text}: downloading it", nbytes=size)
         if local.stat().st_size != size:
             raise OSError(f"{text}: downloaded {local.stat().st_size} of {size} bytes")
         yield local
@@ -50,8 +51,11 @@ def downloaded(url: str, storage_options: Mapping[str, Any] | None = None) -> It
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def open_store(url: str, **storage_options: Any) -> ObjectStore:
+def open_store(url: str, *, deadline_s: float | None = None, **storage_options: Any) -> ObjectStore:
     """The object store (or fsspec filesystem) prefix at ``url``, to pass wherever a checkpoint path is taken.
+
+    A request that keeps failing (5xx, SlowDown, no connection) gives up ``deadline_s`` seconds after its first
+    attempt, raising ``StoreUnavailable`` naming the object (default: ``$FSDP_OPTIM_STORE_DEADLINE_S``, else 60).
 
     ``storage_options`` go to the filesystem (for S3, s3fs's: ``key``, ``secret``, ``client_kwargs={"endpoint_url":
     ...}``...); without them the standard places are used (for S3 the AWS environment, ``AWS_ENDPOINT_URL``
@@ -62,6 +66,4 @@ def open_store(url: str, **storage_options: Any) -> ObjectStore:
     """
     if not is_url(url):
         raise ValueError(f"url: expected a URL with a scheme (s3://, gs://, memory://...), found {url!r}")
-    return ObjectStore.open(url, storage_options)
-
-
+    return ObjectStore.open(url, storage_options, deadline_s=deadline_s)
