@@ -1,4 +1,4 @@
-"""Where a path leads: :func:`where` (a local ``Path`` or an :class:`~fsdp_optim.disk.storage.ObjectStore`),
+"""Where a path leads: :func:`where` (a :class:`~fsdp_optim.disk.location.Location`: a local directory or a store),
 :func:`open_store` (the public way to name a store with its own settings), and :func:`downloaded` (one object fetched
 whole, for the readers that take a local file)."""
 
@@ -12,18 +12,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.disk.storage import ObjectStore, Where, is_url
+from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.storage import ObjectStore, is_url
 
 __all__ = ["downloaded", "open_store", "where"]
 
 
-def where(path: str | os.PathLike[str] | ObjectStore, storage_options: Mapping[str, Any] | None = None) -> Where:
-    """A local path as a ``Path``, a URL as its :class:`ObjectStore`, a store as itself."""
-    if isinstance(path, ObjectStore):
+def where(
+    path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None
+) -> LocalDirectory | ObjectStore:
+    """The :class:`~fsdp_optim.disk.location.Location` a path names: a URL's :class:`ObjectStore`, a local path's
+    :class:`LocalDirectory`, a location as itself. The one place that tells them apart (typed as the union of the
+    backends so that a local one still passes where a path is taken)."""
+    if isinstance(path, (LocalDirectory, ObjectStore)):
         return path
+    if isinstance(path, Location):
+        raise TypeError(f"{path!r}: a Location of a backend that where() does not know; add it there")
     if is_url(path):
         return ObjectStore.open(str(path), storage_options)
-    return Path(path)
+    return LocalDirectory(path)
 
 
 @contextmanager

@@ -22,28 +22,27 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fsdp_optim.disk.location import ObjectPath, StoredObject
+from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
-from fsdp_optim.disk.store_policy import Clock, RetryPolicy, refused, refused_message
+from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
+from fsdp_optim.disk.store_save import StoreSaving
 
 __all__ = [
     "CommitOutcomeUnknown",
     "ConcurrentCommitError",
-    "ObjectPath",
     "ObjectStore",
     "StoreUnavailable",
-    "StoredObject",
     "Where",
     "is_url",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-PIECE_BYTES = 16 << 20  # a large range is fetched as pieces of this size ...
-MAX_CONCURRENT = 8  # ... at most this many at a time (bounded memory and connections)
 T = TypeVar("T")
 
 
@@ -66,33 +65,9 @@ class CommitOutcomeUnknown(OSError):
     after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not)."""
 
 
-@dataclass(frozen=True)
-class StoredObject:
-    """One object directly under a store's prefix: its name (relative), size, modification time and etag."""
-
-    name: str
-    size: int
-    mtime: float | None
-    etag: str | None
-
-
-@dataclass(frozen=True)
-class ObjectPath:
-    """One object of an :class:`ObjectStore`, shown as its URL (what a ``Path`` is to a local directory)."""
-
-    store: ObjectStore
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.store.url}/{self.name}"
-
-    @property
-    def parent(self) -> ObjectStore:
-        return self.store
-
-
-class ObjectStore:
-    """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing.
+class ObjectStore(StoreSaving):
+    """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing; the
+    :class:`~fsdp_optim.disk.location.Location` of every fsspec backend (its save protocol: :mod:`.store_save`).
 
     ``ObjectStore.open("s3://bucket/run/step-100")``; ``str(store)`` is its URL (never its credentials).
     """
@@ -145,6 +120,9 @@ class ObjectStore:
     @property
     def name(self) -> str:
         return self.url.rsplit("/", 1)[-1]
+
+    def public(self) -> ObjectStore:
+        return self
 
     def key(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -206,6 +184,13 @@ class ObjectStore:
                     data = self._read_one(name, a, b, clock)
                 place.copy(a, data)
 
+    @contextmanager
+    def prefetch(self, spans: Callable[[], Sequence[SpanLike]]) -> Iterator[dict[str, list[StorePiece]]]:
+        """``spans()`` fetched ahead of their use, in order, a bounded window at a time (:mod:`.prefetch`); yields
+        the pieces by object name."""
+        with StorePrefetch(self, spans()) as ahead:
+            yield ahead.by_file()
+
     def size(self, name: str) -> int | None:
         """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""
 
@@ -217,15 +202,6 @@ class ObjectStore:
                 return None
 
         return self._retry(info, f"{self / name}: asking its size")
-
-    def read_all(self, name: str, *, limit: int) -> bytes:
-        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent."""
-        size = self.size(name)
-        if size is None:
-            raise FileNotFoundError(f"{self / name}: no such object")
-        if size > limit:
-            raise ValueError(f"{self / name}: {size} bytes, above the bound for it ({limit})")
-        return bytes(self.read_range(name, 0, size))
 
     def listing(self) -> dict[str, StoredObject]:
         """The objects directly under this prefix, by name (sub-prefixes are not listed)."""
@@ -380,7 +356,7 @@ class _ShortBody(OSError):
     """A ranged GET that returned fewer bytes than asked (a connection cut mid-body)."""
 
 
-Where = Path | ObjectStore
+Where = Path | ObjectStore  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
 
 
 def _lost(where: ObjectPath, replaces: str | None) -> str:

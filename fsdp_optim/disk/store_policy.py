@@ -30,6 +30,8 @@ __all__ = [
     "refused_message",
 ]
 
+PIECE_BYTES = 16 << 20  # a large range is fetched as pieces of this size ...
+MAX_CONCURRENT = 8  # ... at most this many at a time (bounded memory and connections)
 ATTEMPTS = 3  # per request, on transient errors (s3fs and botocore retry inside each attempt as well)
 BACKOFF_S = 0.2
 DEFAULT_DEADLINE_S = 60.0

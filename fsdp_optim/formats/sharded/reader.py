@@ -30,7 +30,8 @@ from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore
+from fsdp_optim.disk.location import ObjectPath
+from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
 from fsdp_optim.formats.sharded.locate import (  # re-exported: what finds a checkpoint, beside what reads it
     checkpoint_dir,
