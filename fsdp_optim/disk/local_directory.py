@@ -130,11 +130,13 @@ class LocalDirectory(Location):
         return Staging(self.path, durable=True)
 
     def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:
-        assert begun is None or isinstance(begun, _LocalSave), f"{self}: a save begun elsewhere ({begun!r})"
+        if begun is not None and not isinstance(begun, _LocalSave):
+            raise TypeError(f"{self}: a save begun at another location ({begun!r})")
         atomic_write(self.path / rules.commit_name, lambda file: file.write(data), tag=rules.tag)
 
     def finish_save(self, begun: Begun, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
-        assert isinstance(begun, _LocalSave), f"{self}: a save begun elsewhere ({begun!r})"
+        if not isinstance(begun, _LocalSave):
+            raise TypeError(f"{self}: a save begun at another location ({begun!r})")
         try:
             if not failed:  # the replaced checkpoint's files, now that the new manifest is in place
                 replaced = begun.lock.entries[-1]["replaces"]

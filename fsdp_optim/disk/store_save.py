@@ -103,11 +103,13 @@ class StoreSaving(Location):
         shutil.rmtree(staging.path, ignore_errors=True)
 
     def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:
-        assert isinstance(begun, StoreBegun), f"{self}: a save not begun here ({begun!r})"
+        if not isinstance(begun, StoreBegun):
+            raise TypeError(f"{self}: a save not begun here ({begun!r})")
         self.commit(rules.commit_name, data, replaces=begun.replaces)
 
     def finish_save(self, begun: Begun, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
-        assert isinstance(begun, StoreBegun), f"{self}: a save begun elsewhere ({begun!r})"
+        if not isinstance(begun, StoreBegun):
+            raise TypeError(f"{self}: a save begun at another location ({begun!r})")
         if not failed:
             self.tidy(begun, keep)
 

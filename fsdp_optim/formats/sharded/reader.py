@@ -85,7 +85,7 @@ class ShardedCheckpoint:
         lazy: bool = False,
     ) -> None:
         self.directory = checkpoint_dir(path)
-        self.manifest = read_manifest(self.directory if isinstance(self.directory, ObjectStore) else path)
+        self.manifest = read_manifest(path)  # (a directory, its manifest file, or a store's prefix or manifest)
         if isinstance(self.directory, ObjectStore) and self.manifest.version < 2:
             raise ValueError(
                 f"{path}: a format-{self.manifest.version} checkpoint (torch files), which is read from a local "
@@ -290,11 +290,6 @@ class ShardedCheckpoint:
                 self._mapped = 0
             else:
                 self.close()
-
-    @property
-    def remote(self) -> bool:
-        """Whether the files are in an object store (read by ranges) rather than in a local directory."""
-        return isinstance(self.directory, ObjectStore)
 
     @property
     def bytes_fetched(self) -> int:
