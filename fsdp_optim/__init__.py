@@ -27,8 +27,9 @@
   (others are refused with ``NotElementwiseError``); writers lock their output (``OutputLockedError``) and
   refuse directories holding what is not theirs (``ForeignOutputError``, unless ``overwrite=True``).
 - Object storage and any fsspec filesystem: every path above may be a URL (``s3://bucket/run/step-100``, ``gs://``,
-  ``memory://``...); ``open_store(url, **storage_options)`` gives a store to pass instead where credentials or an
-  endpoint come from code rather than the environment (docs/storage.md).
+  ``memory://``...); ``open_store(url, deadline_s=..., **storage_options)`` gives a store to pass instead where
+  credentials, an endpoint or how long a failing store is retried (60 s by default, ``FSDP_OPTIM_STORE_DEADLINE_S``)
+  come from code rather than the environment (docs/storage.md).
 - ``host_execution()`` (or ``enable_host_execution()`` / ``disable_host_execution()``): a reversible switch
   that runs fairscale's own ``FullyShardedDataParallel`` on CPU with gloo.
 

@@ -18,7 +18,8 @@ method and by whether it has a Range header) that fires decides what happens to 
 
 A rule fires on the next ``count`` matching requests (``count=None``: on every one) or, with ``probability``,
 on each matching request with that chance from a ``random.Random(seed)`` (``count`` then caps how often);
-``after=n`` lets the first ``n`` matching requests through first (a fault on the n+1-th).
+``after=n`` lets the first ``n`` matching requests through first (a fault on the n+1-th); ``path`` (a substring of
+the request's path) narrows a rule to one object.
 ``stats()`` counts requests, request and response body bytes per method (bytes actually sent to the client) and
 fired faults per kind; ``log()`` lists each request's method, path, Range header, status and bytes.
 ``control()`` gives a picklable :class:`ProxyControl` with the same calls for other processes (spawned ranks, a
@@ -60,14 +61,17 @@ class Fault:
     truncate_at: int = 0
     seed: int = 0
     after: int = 0
+    path: str | None = None
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self._passed = 0
 
-    def fires(self, method: str, ranged: bool) -> bool:
+    def fires(self, method: str, ranged: bool, path: str = "") -> bool:
         """Whether this rule hits the request (consuming one of ``count``); call under the proxy's lock."""
         if self.methods is not None and method not in self.methods:
+            return False
+        if self.path is not None and self.path not in path:
             return False
         if self.ranged is not None and self.ranged != ranged:
             return False
@@ -324,7 +328,7 @@ class FaultProxy:
                 method, path = head[0].decode("latin-1").split(" ")[:2]
                 headers = _headers(head)
                 with self._lock:
-                    fault = next((f for f in self._faults if f.fires(method, "range" in headers)), None)
+                    fault = next((f for f in self._faults if f.fires(method, "range" in headers, path)), None)
                     self._in_flight += 1
                     pending = True
                 kind = fault.kind if fault else None

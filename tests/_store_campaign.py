@@ -34,7 +34,7 @@ SELECTORS += ("commit",)
 FILES_BEFORE_MANIFEST = 4
 TRUNCATE_AT = 100  # body bytes sent before a truncated response is cut
 # botocore's attempts per request in the campaign, and s3fs's own retries around them (5 by default, with
-# backoff); ours (fsdp_optim.disk.storage.ATTEMPTS) come on top: a lasting fault fails in seconds.
+# backoff); ours (fsdp_optim.disk.store_policy.ATTEMPTS) come on top: a lasting fault fails in seconds.
 RETRIES = {"retries": {"total_max_attempts": 2}}
 S3FS_RETRIES = 1
 CLEAR = (OSError, ValueError)  # a clear error: what the library raises, naming the object

@@ -28,19 +28,19 @@ import torch.distributed as dist  # noqa: E402
 from _dist import free_port  # noqa: E402
 
 import fsdp_optim  # noqa: E402
-from fsdp_optim.job import save_commit as sharded  # noqa: E402  (where commit_save calls commit_manifest)
+from fsdp_optim.disk.storage import ObjectStore  # noqa: E402  (whose commit_manifest commit_save calls last)
 
 
 def hold_before_commit(directory: Path, name: str) -> None:
-    commit = sharded.commit_manifest
+    commit = ObjectStore.commit_manifest
 
-    def held(save, manifest):  # type: ignore[no-untyped-def]
+    def held(self, rules, begun, data):  # type: ignore[no-untyped-def]
         (directory / f"ready-{name}").touch()
         while not (directory / "go").exists():
             time.sleep(0.05)
-        return commit(save, manifest)
+        return commit(self, rules, begun, data)
 
-    sharded.commit_manifest = held  # type: ignore[assignment]
+    ObjectStore.commit_manifest = held  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """A re-cutting load from an object store fetches its byte ranges ahead, concurrently, a bounded window at a time
-(fsdp_optim/formats/sharded/store_prefetch.py), against the real S3 server of tests/_s3.py.
+(fsdp_optim/disk/prefetch.py, read by a load through formats/sharded/store_prefetch.py), against the real S3 server of tests/_s3.py.
 
 Each range is fetched once, never more than the window plus the range being read is held,
 and a range needed again after it was let go is fetched again and verified again (a byte changed in the store in
@@ -17,11 +17,12 @@ import torch
 from _dist import run_ranks
 
 import fsdp_optim
+from fsdp_optim.disk.prefetch import StorePrefetch
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.received import held_readers
 from fsdp_optim.formats.sharded.remote_file import RemoteFile
-from fsdp_optim.formats.sharded.store_prefetch import StorePrefetch
 
 KIB = 1024
 
@@ -78,11 +79,12 @@ def test_a_byte_changed_after_its_range_was_let_go_is_refused(s3_server: Any) ->
     header = min(base for _, _, base in RemoteFile(store, record.file, record.nbytes).header.tensors.values())
     spans = [Span(record.file, 0, header, 0), Span(record.file, header, record.nbytes, 1)]
     (flat, key), (_, _, numel) = next(iter(ckpt.layout[0].items()))
-    with StorePrefetch(store, spans) as ahead:
-        ckpt.provide({0: ahead.files({record.file: record.nbytes})[record.file]})
+    with store.prefetch(lambda: spans) as held:  # what a load reads through (formats/sharded/store_prefetch.py)
+        files, _ = held_readers(ckpt.manifest.files, lambda name: store / name, held)
+        ckpt.provide({0: files[record.rank]})
         out = torch.empty(numel, dtype=torch.float32)
         ckpt.reader(0)(flat, key, 0, numel, out)  # read, verified, and the range let go (its one use)
-        assert ahead.pieces[1].dropped
+        assert held[record.file][1].dropped
         damaged = bytearray(store.read_all(record.file, limit=record.nbytes))
         damaged[header] ^= 0xFF
         store.put(record.file, bytes(damaged))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_optim.cli.inspect import human_bytes
 
 if TYPE_CHECKING:
+    from fsdp_optim.disk.local_directory import LocalDirectory
     from fsdp_optim.disk.storage import ObjectStore
     from fsdp_optim.formats.sharded.steps import StepDir
 
@@ -36,7 +37,7 @@ def run_list(args: argparse.Namespace) -> list[str]:
 
     root = where(args.root)  # a local directory, or a prefix of an object store
     memory = _memory(root, getattr(args, "memory_dir", None))
-    if isinstance(root, Path) and not root.is_dir() and memory is None:
+    if not root.exists() and memory is None:
         raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
     found = [survey_step(step, path, verify=not args.quick) for step, path in find_step_dirs(root)]
     if not found and is_sharded_checkpoint(root):
@@ -56,7 +57,7 @@ def run_list(args: argparse.Namespace) -> list[str]:
     return [*(_line(d, width) for d in found), *memory_lines]
 
 
-def _memory(root: Path | ObjectStore, memory_dir: str | None) -> list[dict[str, Any]] | None:
+def _memory(root: LocalDirectory | ObjectStore, memory_dir: str | None) -> list[dict[str, Any]] | None:
     """What the memory tier under ``memory_dir`` holds, one record per node and complete step; None without it."""
     if memory_dir is None:
         return None
@@ -71,7 +72,7 @@ def _memory(root: Path | ObjectStore, memory_dir: str | None) -> list[dict[str, 
     ]  # fmt: skip
 
 
-def _memory_dir(root: Path | ObjectStore, memory_dir: str) -> Path:
+def _memory_dir(root: LocalDirectory | ObjectStore, memory_dir: str) -> Path:
     from fsdp_optim.formats.sharded.memory_tier import default_memory_dir
 
     return default_memory_dir(root) if memory_dir == "default" else Path(memory_dir)

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.health import Finding
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore, StoreUnavailable
+from fsdp_optim.disk.location import ObjectPath
+from fsdp_optim.disk.storage import ObjectStore, StoreUnavailable
 
 __all__ = ["FileCheck", "Verification", "check_file"]
 

@@ -1,4 +1,4 @@
-"""Where a path leads: :func:`where` (a local ``Path`` or an :class:`~fsdp_optim.disk.storage.ObjectStore`),
+"""Where a path leads: :func:`where` (a :class:`~fsdp_optim.disk.location.Location`: a local directory or a store),
 :func:`open_store` (the public way to name a store with its own settings), and :func:`downloaded` (one object fetched
 whole, for the readers that take a local file)."""
 
@@ -12,18 +12,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.disk.storage import ObjectStore, Where, is_url
+from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.storage import ObjectStore, is_url
 
 __all__ = ["downloaded", "open_store", "where"]
 
 
-def where(path: str | os.PathLike[str] | ObjectStore, storage_options: Mapping[str, Any] | None = None) -> Where:
-    """A local path as a ``Path``, a URL as its :class:`ObjectStore`, a store as itself."""
-    if isinstance(path, ObjectStore):
+def where(
+    path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None
+) -> LocalDirectory | ObjectStore:
+    """The :class:`~fsdp_optim.disk.location.Location` a path names: a URL's :class:`ObjectStore`, a local path's
+    :class:`LocalDirectory`, a location as itself. The one place that tells them apart (typed as the union of the
+    backends so that a local one still passes where a path is taken)."""
+    if isinstance(path, (LocalDirectory, ObjectStore)):
         return path
+    if isinstance(path, Location):
+        raise TypeError(f"{path!r}: a Location of a backend that where() does not know; add it there")
     if is_url(path):
         return ObjectStore.open(str(path), storage_options)
-    return Path(path)
+    return LocalDirectory(path)
 
 
 @contextmanager
@@ -42,7 +50,8 @@ def downloaded(url: str, storage_options: Mapping[str, Any] | None = None) -> It
     scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
     try:
         local = scratch / name
-        store._retry(lambda: store.fs.get_file(store.key(name), str(local)), f"{text}: downloading it")
+        fetch = lambda limit: store.fs.get_file(store.key(name), str(local), **limit)  # noqa: E731
+        store._retry(fetch, f"{text}: downloading it", nbytes=size)
         if local.stat().st_size != size:
             raise OSError(f"{text}: downloaded {local.stat().st_size} of {size} bytes")
         yield local
@@ -50,8 +59,11 @@ def downloaded(url: str, storage_options: Mapping[str, Any] | None = None) -> It
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def open_store(url: str, **storage_options: Any) -> ObjectStore:
+def open_store(url: str, *, deadline_s: float | None = None, **storage_options: Any) -> ObjectStore:
     """The object store (or fsspec filesystem) prefix at ``url``, to pass wherever a checkpoint path is taken.
+
+    A request that keeps failing (5xx, SlowDown, no connection) gives up ``deadline_s`` seconds after its first
+    attempt, raising ``StoreUnavailable`` naming the object (default: ``$FSDP_OPTIM_STORE_DEADLINE_S``, else 60).
 
     ``storage_options`` go to the filesystem (for S3, s3fs's: ``key``, ``secret``, ``client_kwargs={"endpoint_url":
     ...}``...); without them the standard places are used (for S3 the AWS environment, ``AWS_ENDPOINT_URL``
@@ -62,6 +74,4 @@ def open_store(url: str, **storage_options: Any) -> ObjectStore:
     """
     if not is_url(url):
         raise ValueError(f"url: expected a URL with a scheme (s3://, gs://, memory://...), found {url!r}")
-    return ObjectStore.open(url, storage_options)
-
-
+    return ObjectStore.open(url, storage_options, deadline_s=deadline_s)

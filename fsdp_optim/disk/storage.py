@@ -14,36 +14,35 @@ prefix cannot both commit; the loser gets :class:`ConcurrentCommitError`. S3 (an
 (``ObjectStore.conditional`` is ``False``); the docs say so.
 
 Every read is ranged (:meth:`ObjectStore.read_range`) and retried with backoff on transient errors and short
-bodies; the bytes are then checked by the caller against the manifest's checksums.
+bodies, never past the store's deadline (:mod:`.store_policy`); refused credentials are not retried. The bytes are
+then checked by the caller against the manifest's checksums.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fsdp_optim.disk.location import ObjectPath, StoredObject
+from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
+from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
+from fsdp_optim.disk.store_save import StoreSaving
 
 __all__ = [
     "CommitOutcomeUnknown",
     "ConcurrentCommitError",
-    "ObjectPath",
     "ObjectStore",
     "StoreUnavailable",
-    "StoredObject",
     "Where",
     "is_url",
 ]
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-ATTEMPTS = 3  # per request, on transient errors (s3fs and botocore retry inside each attempt as well)
-BACKOFF_S = 0.2
-PIECE_BYTES = 16 << 20  # a large range is fetched as pieces of this size ...
-MAX_CONCURRENT = 8  # ... at most this many at a time (bounded memory and connections)
 T = TypeVar("T")
 
 
@@ -66,47 +65,31 @@ class CommitOutcomeUnknown(OSError):
     after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not)."""
 
 
-@dataclass(frozen=True)
-class StoredObject:
-    """One object directly under a store's prefix: its name (relative), size, modification time and etag."""
-
-    name: str
-    size: int
-    mtime: float | None
-    etag: str | None
-
-
-@dataclass(frozen=True)
-class ObjectPath:
-    """One object of an :class:`ObjectStore`, shown as its URL (what a ``Path`` is to a local directory)."""
-
-    store: ObjectStore
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.store.url}/{self.name}"
-
-    @property
-    def parent(self) -> ObjectStore:
-        return self.store
-
-
-class ObjectStore:
-    """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing.
+class ObjectStore(StoreSaving):
+    """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing; the
+    :class:`~fsdp_optim.disk.location.Location` of every fsspec backend (its save protocol: :mod:`.store_save`).
 
     ``ObjectStore.open("s3://bucket/run/step-100")``; ``str(store)`` is its URL (never its credentials).
     """
 
-    def __init__(self, url: str, fs: Any, root: str) -> None:
+    def __init__(self, url: str, fs: Any, root: str, policy: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/")
         self.fs = fs
         self.root = root.rstrip("/")
+        self.policy = policy or RetryPolicy.default()
+        # An asynchronous filesystem's calls take a timeout (fsspec cancels the call there): an attempt, the
+        # client's own retries inside it included, never outlasts the request's deadline.
+        self._timed = bool(getattr(fs, "async_impl", False))
         # S3 (s3fs) honours If-None-Match / If-Match on a put: a real compare-and-swap of the manifest.
         self.conditional = type(fs).__name__ == "S3FileSystem"
 
     @classmethod
-    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> ObjectStore:
-        """The store at ``url`` (a trailing ``/manifest.json`` names its directory's store)."""
+    def open(
+        cls, url: str, storage_options: Mapping[str, Any] | None = None, *, deadline_s: float | None = None
+    ) -> ObjectStore:
+        """The store at ``url`` (a trailing ``/manifest.json`` names its directory's store); a request that keeps
+        failing gives up ``deadline_s`` after its first attempt (default: ``$FSDP_OPTIM_STORE_DEADLINE_S`` or 60)."""
+        policy = RetryPolicy.default(deadline_s)
         try:
             from fsspec.core import url_to_fs
         except ImportError:  # pragma: no cover - fsspec is a requirement
@@ -117,7 +100,7 @@ class ObjectStore:
             scheme = url.split("://", 1)[0]
             hint = " (pip install 'fsdp_optim[s3]' for s3://)" if scheme in ("s3", "s3a") else ""
             raise ValueError(f"{url}: no filesystem for the scheme '{scheme}'{hint}: {exc}") from None
-        return cls(url, fs, root)
+        return cls(url, fs, root, policy)
 
     def __str__(self) -> str:
         return self.url
@@ -138,12 +121,15 @@ class ObjectStore:
     def name(self) -> str:
         return self.url.rsplit("/", 1)[-1]
 
+    def public(self) -> ObjectStore:
+        return self
+
     def key(self, name: str) -> str:
         return f"{self.root}/{name}"
 
     def child(self, name: str) -> ObjectStore:
         """The store of the prefix ``name`` below this one (a step directory under a manager's root)."""
-        return ObjectStore(f"{self.url}/{name}", self.fs, self.key(name))
+        return ObjectStore(f"{self.url}/{name}", self.fs, self.key(name), self.policy)
 
     # -- reading ----------------------------------------------------------------------------------------------
 
@@ -154,18 +140,18 @@ class ObjectStore:
             return b""
         if stop - start > PIECE_BYTES:  # large: pieces fetched concurrently, each retried on its own
             return self._read_pieces(name, start, stop)
-        return self._read_one(name, start, stop)
+        return self._read_one(name, start, stop, self.policy.clock())
 
-    def _read_one(self, name: str, start: int, stop: int) -> bytes:
-        """One ranged GET of ``[start, stop)``, retried on transient errors and short bodies."""
+    def _read_one(self, name: str, start: int, stop: int, clock: Clock) -> bytes:
+        """One ranged GET of ``[start, stop)``, retried on transient errors and short bodies until ``clock``."""
 
-        def get() -> bytes:
-            data = bytes(self.fs.cat_file(self.key(name), start=start, end=stop))
+        def get(limit: dict[str, float]) -> bytes:
+            data = bytes(self.fs.cat_file(self.key(name), start=start, end=stop, **limit))
             if len(data) != stop - start:
                 raise _ShortBody(f"{len(data)} of {stop - start} bytes")
             return data
 
-        return self._retry(get, f"{self / name}: reading bytes {start}..{stop}")
+        return self._retry(get, f"{self / name}: reading bytes {start}..{stop}", clock=clock, nbytes=stop - start)
 
     def _read_pieces(self, name: str, start: int, stop: int) -> bytes | bytearray:
         out = bytearray(stop - start)
@@ -178,50 +164,52 @@ class ObjectStore:
         covers; a piece that failed or came back short is fetched again on its own (:meth:`read_range`)."""
         stop = start + sum(t.nbytes for t in targets)
         bounds = [(a, min(a + PIECE_BYTES, stop)) for a in range(start, stop, PIECE_BYTES)]
-        place = Tiling(start, targets)
+        place, clock = Tiling(start, targets), self.policy.clock()  # one deadline for all the pieces
         for first in range(0, len(bounds), MAX_CONCURRENT):  # bounded: at most MAX_CONCURRENT pieces in flight
             batch = bounds[first : first + MAX_CONCURRENT]
+            limit = self._limit(clock, max(b - a for a, b in batch))
             try:
                 got = self.fs.cat_ranges(
-                    [self.key(name)] * len(batch), [a for a, _ in batch], [b for _, b in batch], on_error="return"
-                )
-            except Exception:  # the whole batch failed: each piece on its own, with retries
+                    [self.key(name)] * len(batch), [a for a, _ in batch], [b for _, b in batch], on_error="return",
+                    **limit,
+                )  # fmt: skip
+            except Exception as exc:  # the whole batch failed: each piece on its own, with retries
+                if refused(exc):
+                    raise PermissionError(refused_message(f"{self / name}", describe(exc))) from exc
                 got = [None] * len(batch)
             for (a, b), data in zip(batch, got):
                 if not isinstance(data, (bytes, bytearray)) or len(data) != b - a:
                     if isinstance(data, FileNotFoundError):
                         raise FileNotFoundError(f"{self / name}: no such object") from None
-                    data = self._read_one(name, a, b)
+                    data = self._read_one(name, a, b, clock)
                 place.copy(a, data)
+
+    @contextmanager
+    def prefetch(self, spans: Callable[[], Sequence[SpanLike]]) -> Iterator[dict[str, list[StorePiece]]]:
+        """``spans()`` fetched ahead of their use, in order, a bounded window at a time (:mod:`.prefetch`); yields
+        the pieces by object name."""
+        with StorePrefetch(self, spans()) as ahead:
+            yield ahead.by_file()
 
     def size(self, name: str) -> int | None:
         """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""
 
-        def info() -> int | None:
+        def info(limit: dict[str, float]) -> int | None:
             try:
                 self.fs.invalidate_cache(self.key(name))
-                return int(self.fs.info(self.key(name))["size"])
+                return int(self.fs.info(self.key(name), **limit)["size"])
             except FileNotFoundError:
                 return None
 
         return self._retry(info, f"{self / name}: asking its size")
 
-    def read_all(self, name: str, *, limit: int) -> bytes:
-        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent."""
-        size = self.size(name)
-        if size is None:
-            raise FileNotFoundError(f"{self / name}: no such object")
-        if size > limit:
-            raise ValueError(f"{self / name}: {size} bytes, above the bound for it ({limit})")
-        return bytes(self.read_range(name, 0, size))
-
     def listing(self) -> dict[str, StoredObject]:
         """The objects directly under this prefix, by name (sub-prefixes are not listed)."""
 
-        def ls() -> dict[str, StoredObject]:
+        def ls(limit: dict[str, float]) -> dict[str, StoredObject]:
             self.fs.invalidate_cache(self.root)
             try:
-                entries = self.fs.ls(self.root, detail=True)
+                entries = self.fs.ls(self.root, detail=True, **limit)
             except FileNotFoundError:
                 return {}
             found = {}
@@ -237,10 +225,10 @@ class ObjectStore:
     def prefixes(self) -> list[str]:
         """The names of the sub-prefixes directly under this one (step directories under a manager's root)."""
 
-        def ls() -> list[str]:
+        def ls(limit: dict[str, float]) -> list[str]:
             self.fs.invalidate_cache(self.root)
             try:
-                entries = self.fs.ls(self.root, detail=True)
+                entries = self.fs.ls(self.root, detail=True, **limit)
             except FileNotFoundError:
                 return []
             return [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
@@ -260,17 +248,19 @@ class ObjectStore:
 
     def upload(self, local: Path, name: str) -> None:
         """Put the local file as object ``name`` (multipart above the filesystem's block size, parts in parallel)."""
-        self._retry(lambda: self.fs.put_file(str(local), self.key(name)), f"{self / name}: uploading {local}")
+        what, nbytes = f"{self / name}: uploading {local}", local.stat().st_size
+        self._retry(lambda limit: self.fs.put_file(str(local), self.key(name), **limit), what, nbytes=nbytes)
 
     def put(self, name: str, data: bytes) -> None:
         """Put ``data`` as object ``name`` (an object is replaced whole, never seen half written)."""
-        self._retry(lambda: self.fs.pipe_file(self.key(name), data), f"{self / name}: writing {len(data)} bytes")
+        what = f"{self / name}: writing {len(data)} bytes"
+        self._retry(lambda limit: self.fs.pipe_file(self.key(name), data, **limit), what, nbytes=len(data))
 
     def etag(self, name: str) -> str | None:
         """The object's etag (its version, for :meth:`commit`), ``None`` when there is none."""
         self.fs.invalidate_cache(self.key(name))
         try:
-            info = self._retry(lambda: self.fs.info(self.key(name)), f"{self / name}: asking its etag")
+            info = self._retry(lambda limit: self.fs.info(self.key(name), **limit), f"{self / name}: asking its etag")
         except FileNotFoundError:
             return None
         return etag_of(info) or f"size:{info.get('size')}"
@@ -285,8 +275,10 @@ class ObjectStore:
         if self.conditional:
             match = {"IfNoneMatch": "*"} if replaces is None else {"IfMatch": replaces}
             try:
-                self.fs.pipe_file(self.key(name), data, **match)
+                self.fs.pipe_file(self.key(name), data, **match, **self._limit(self.policy.clock(), len(data)))
             except Exception as exc:
+                if refused(exc):
+                    raise PermissionError(refused_message(f"{where}: committing the manifest", describe(exc))) from exc
                 self.fs.invalidate_cache(self.key(name))
                 # The put may have been stored with its response lost: on a retry it meets its own object (a 412 that
                 # is a success), and with every response lost the client gives up on a put that is in place. What is
@@ -320,26 +312,43 @@ class ObjectStore:
         keys = [self.key(n) for n in names]
         for key in keys:
             try:
-                self._retry(lambda k=key: self.fs.rm_file(k), f"{self}: deleting {key}")  # type: ignore[misc]
+                self._retry(lambda limit, k=key: self.fs.rm_file(k, **limit), f"{self}: deleting {key}")  # type: ignore[misc]
             except FileNotFoundError:
                 pass
 
     # -- retries ----------------------------------------------------------------------------------------------
 
-    def _retry(self, call: Callable[[], T], what: str) -> T:
-        """``call()``, again after a backoff on a transient error, at most :data:`ATTEMPTS` times; a missing object
-        and a lost conditional put are answers, not transient."""
-        for attempt in range(ATTEMPTS):
+    def _limit(self, clock: Clock, nbytes: int = 0) -> dict[str, float]:
+        """The keyword that cuts one call at ``clock`` (an asynchronous filesystem's), else none."""
+        return {"timeout": clock.timeout(nbytes)} if self._timed else {}
+
+    def _retry(
+        self, call: Callable[[dict[str, float]], T], what: str, *, clock: Clock | None = None, nbytes: int = 0
+    ) -> T:
+        """``call(limit)``, again after a backoff on a transient error, at most ``policy.attempts`` times and never
+        past ``clock`` (the policy's deadline from now by default); ``limit`` is the keyword that cuts the call at the
+        deadline (plus ``nbytes``' transfer). A missing object, a lost conditional put and refused credentials are
+        answers, not transient: raised at once."""
+        clock = clock or self.policy.clock()
+        began = time.monotonic()
+        for attempt in range(self.policy.attempts):
             try:
-                return call()
-            except (FileNotFoundError, ConcurrentCommitError, CommitOutcomeUnknown, StoreUnavailable, PermissionError):
+                return call(self._limit(clock, nbytes))
+            except (FileNotFoundError, ConcurrentCommitError, CommitOutcomeUnknown, StoreUnavailable):
                 raise
             except Exception as exc:  # 5xx, SlowDown, reset connections, short bodies: all worth another try
+                if refused(exc):
+                    raise PermissionError(refused_message(what, describe(exc))) from exc
                 if precondition_failed(exc):  # an answer: the object is not as the request required
                     raise OSError(f"{what}: {describe(exc)}") from exc
-                if attempt == ATTEMPTS - 1:
-                    raise StoreUnavailable(f"{what}: failed after {attempt + 1} attempts: {describe(exc)}") from exc
-                time.sleep(BACKOFF_S * 2**attempt)
+                pause = self.policy.backoff_s * 2**attempt
+                if attempt == self.policy.attempts - 1 or clock.left() <= pause:
+                    spent = time.monotonic() - began
+                    why = "" if clock.left() > pause else f", at {self.policy.describe()}"
+                    raise StoreUnavailable(
+                        f"{what}: failed after {attempt + 1} attempts in {spent:.1f} s{why}: {describe(exc)}"
+                    ) from exc
+                time.sleep(pause)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
 
@@ -347,7 +356,7 @@ class _ShortBody(OSError):
     """A ranged GET that returned fewer bytes than asked (a connection cut mid-body)."""
 
 
-Where = Path | ObjectStore
+Where = Path | ObjectStore  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
 
 
 def _lost(where: ObjectPath, replaces: str | None) -> str:

@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where
+from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
 from fsdp_optim.job.stager import Staged, Staging, before_change, expect, ready_events
@@ -52,7 +53,7 @@ __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
 class AsyncSave:
     """The handle of one asynchronous save: :meth:`wait` for its manifest path, :meth:`done` to poll."""
 
-    def __init__(self, directory: Where) -> None:
+    def __init__(self, directory: Path | Location) -> None:
         self.directory = directory
         self._finished = threading.Event()
         self.progress = Staged()  # the background copy of this rank's state: enqueued, then in host memory
@@ -187,7 +188,7 @@ def finish_previous(key: nn.Module) -> None:
 
 def launch(
     key: nn.Module,
-    directory: Where,
+    directory: Path | Location,
     optim: torch.optim.Optimizer,
     state: Mapping[int, Mapping[str, Any]],
     upload: Callable[[Callable[[], dict[int, dict[str, Any]]]], Path | ObjectPath],

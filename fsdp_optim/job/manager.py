@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
+from fsdp_optim.disk.local_directory import LocalDirectory
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
-from fsdp_optim.formats.sharded.steps import step_dir as step_path
 from fsdp_optim.job.async_save import AsyncSave
 from fsdp_optim.job.memory_restore import MemoryRestore, MemoryTierDamaged, restore_from_memory
 from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
@@ -114,8 +114,8 @@ class CheckpointManager:
         return f"CheckpointManager({str(self.root)!r}, {schedule})"
 
     def path(self, step: int) -> Path | ObjectStore:
-        """The directory of ``step``: ``root/step-00000042``."""
-        return step_path(self.root, step_dir_name(step))
+        """The directory of ``step``: ``root/step-00000042`` (a ``Path``, or a store's prefix)."""
+        return self.root.child(step_dir_name(step)).public()
 
     def save(
         self, step: int, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any = None
@@ -284,7 +284,7 @@ class CheckpointManager:
         warnings.warn(f"CheckpointManager.restore: {held}; restoring from durable storage {self.root}", stacklevel=3)
 
 
-def _find_latest(root: Path | ObjectStore) -> tuple[int | None, list[SkippedStep]]:
+def _find_latest(root: LocalDirectory | ObjectStore) -> tuple[int | None, list[SkippedStep]]:
     skipped: list[SkippedStep] = []
     for step, path in reversed(find_step_dirs(root)):
         step_dir = survey_step(step, path, verify=True)

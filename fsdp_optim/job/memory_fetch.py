@@ -19,7 +19,7 @@ import torch
 
 from fsdp_optim.core.memory_plan import Fetch
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.received import Piece, ReceivedFile
+from fsdp_optim.formats.sharded.received import Held, Piece, ReceivedFile, held_readers
 from fsdp_optim.formats.sharded.side_file import Received
 from fsdp_optim.job.memory_save import file_bytes
 
@@ -80,23 +80,8 @@ def received_files(
 ) -> tuple[dict[int, Callable[[], ReceivedFile]], Received]:
     """This rank's received pieces (``received[i]`` is ``mine[i]``'s bytes once ``wait(i)`` returned) as readers:
     ``{saved rank: opener of its ReceivedFile}`` for rank files, ``{name: bytes thunk}`` for side files."""
-    ranks = {f.file: f.rank for f in ckpt.manifest.files}
-    sizes = {f.file: f.nbytes for f in ckpt.manifest.files}
-    pieces: dict[str, list[Piece]] = {}
+    pieces: dict[str, list[Held]] = {}
     for i, (fetch, data) in enumerate(zip(mine, received, strict=True)):
         pieces.setdefault(fetch.file, []).append(Piece(fetch.start, data, partial(wait, i)))
     directory = Path(str(ckpt.directory))  # the memory tier: a local directory
-    files: dict[int, Callable[[], ReceivedFile]] = {
-        ranks[name]: partial(ReceivedFile, directory / name, sizes[name], held)
-        for name, held in pieces.items()
-        if name in ranks
-    }
-    sides: dict[str, Callable[[], bytes]] = {
-        name: partial(_whole, held) for name, held in pieces.items() if name not in ranks
-    }
-    return files, sides
-
-
-def _whole(pieces: list[Piece]) -> bytes:
-    """A side file's bytes: its one piece, from offset 0 (anything else is refused by its size check)."""
-    return b"".join(p.bytes().numpy().tobytes() for p in sorted(pieces, key=lambda p: p.start))
+    return held_readers(ckpt.manifest.files, lambda name: directory / name, pieces)

@@ -29,6 +29,7 @@ from torch import nn
 
 from fsdp_optim.core.memory_plan import node_ranks, replica_peers, sources_of
 from fsdp_optim.disk.atomic import atomic_write, new_save_id
+from fsdp_optim.disk.local_directory import LocalDirectory
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
@@ -73,7 +74,7 @@ class MemoryTier:
 
 
 def memory_tier(
-    root: Path | ObjectStore,
+    root: Path | LocalDirectory | ObjectStore,
     *,
     memory_dir: str | os.PathLike[str] | None,
     node: object,
@@ -134,7 +135,8 @@ class _Job:
     def run(self, state: Any, local: Any) -> Path:
         """Write, replicate, mark: the module docstring's steps 1-3; this node's step directory."""
         layout, group, directory = self.root.layout, self.group, self.directory
-        commit_save(layout, local, state, self.optimizer, directory, self.save_id, group, side=self.side)
+        target = LocalDirectory(directory)  # this node's own: nothing to lock or replace
+        commit_save(layout, local, state, self.optimizer, target, self.save_id, group, side=self.side)
         rank, _ = dist_rank_and_size(group)
         data = broadcast_object((directory / MANIFEST_NAME).read_bytes() if rank == 0 else None, src=0, group=group)
         manifest = manifest_from_json(data, source=f"the manifest of memory-tier step {self.step}")

@@ -1,10 +1,12 @@
-"""The save protocol every job save shares (optimizer-only, whole, synchronous, asynchronous, to a directory or
-to an object store): :func:`start_save` before any rank writes, :func:`commit_save` to write and commit.
+"""The save protocol every job save shares (optimizer-only, whole, synchronous, asynchronous, to any
+:class:`~fsdp_optim.disk.location.Location`): :func:`start_save` before any rank writes, :func:`commit_save` to write
+and commit. The location does what differs between backends, in the order its docstring gives:
 
-    start_save (rank 0)   lock the directory and journal the save | list the store's prefix, note the manifest etag
-    commit_save (each)    write the rank file (+ side file) | the same into local staging, then upload
-                (rank 0)  gather every rank's file records, build the manifest, commit it last
-                          (rename into place | conditional put), then agree: all ranks succeed or all raise
+    start_save (rank 0)   location.begin_save: refuse foreign content, note what the commit replaces
+    commit_save (each)    location.stage, write the rank file (+ side file) there, location.publish
+                (rank 0)  gather every rank's file records, build the manifest, location.commit_manifest (last),
+                          then agree: all ranks succeed or all raise; location.finish_save (rank 0) and, after a
+                          failure, location.discard (each rank)
 """
 
 from __future__ import annotations
@@ -20,23 +22,14 @@ from fsdp_optim.core.elementwise import check_elementwise, state_keys
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import new_save_id
-from fsdp_optim.disk.locks import OutputLock
-from fsdp_optim.disk.storage import CommitOutcomeUnknown, ObjectPath, ObjectStore, Where
+from fsdp_optim.disk.location import Begun, Location, ObjectPath, Staging
+from fsdp_optim.disk.storage import CommitOutcomeUnknown
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
-from fsdp_optim.formats.sharded.store_commit import (
-    StoreSave,
-    begin_store_save,
-    cleanup_staging,
-    commit_manifest,
-    remove_own,
-    staging_dir,
-    tidy,
-    upload_files,
-)
+from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.training import TrainingRecord
-from fsdp_optim.formats.sharded.writer import begin_write, end_write, write_manifest, write_shard_file
+from fsdp_optim.formats.sharded.writer import save_rules, write_shard_file
 from fsdp_optim.job.local import LocalState, check_agreement, read_local_state
 from fsdp_optim.job.root import Root
 from fsdp_optim.job.stager import pieces
@@ -76,28 +69,22 @@ def own_tensor(value: Any) -> Any:
     return value if whole else value.clone()
 
 
-Begun = OutputLock | StoreSave | None  # what rank 0 holds between start_save and commit_save
-
-
-def start_save(directory: Where, group: ProcessGroup, *, overwrite: bool, purpose: str) -> tuple[str, Begun]:
-    """Before any rank writes: rank 0 locks ``directory``, removes what a killed writer left there,
-    refuses foreign contents (unless ``overwrite``) and journals the save
-    (:func:`fsdp_optim.disk.staged.open_output`); in an object store (no locks there) it lists the prefix, refuses
-    foreign contents and notes the manifest's etag (:mod:`fsdp_optim.formats.sharded.store_commit`). Every rank then
-    learns the save id, or every rank raises rank 0's refusal, with nothing written. Returns ``(save id, what rank 0
-    began: its lock or store save, None elsewhere)``; hand it to :func:`commit_save`. Two small collectives."""
+def start_save(
+    directory: Location, group: ProcessGroup, *, overwrite: bool, purpose: str
+) -> tuple[str, Begun | None]:
+    """Before any rank writes: rank 0 begins the save at ``directory`` (:meth:`Location.begin_save`: a local
+    directory is locked, what a killed writer left removed and the save journaled; a store's prefix is listed and its
+    manifest's etag noted; foreign contents refused unless ``overwrite``). Every rank then learns the save id, or
+    every rank raises rank 0's refusal, with nothing written. Returns ``(save id, what rank 0 began, None
+    elsewhere)``; hand it to :func:`commit_save`. Two small collectives."""
     rank, world_size = dist_rank_and_size(group)
     save_id, failure = None, None
-    lock: Begun = None
+    lock: Begun | None = None
     if rank == 0:
         try:
             save_id = new_save_id()
-            if isinstance(directory, ObjectStore):
-                lock = begin_store_save(directory, overwrite=overwrite)
-            else:
-                lock = begin_write(
-                    directory, save_id=save_id, world_size=world_size, purpose=purpose, overwrite=overwrite
-                )
+            rules = save_rules(save_id, world_size)
+            lock = directory.begin_save(rules, purpose=purpose, overwrite=overwrite)
         except Exception as exc:  # every rank learns of it through agree()
             failure = exc
     agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
@@ -128,28 +115,27 @@ def commit_save(
     local: LocalState,
     state: Mapping[int, Mapping[str, Any]] | Callable[[], Mapping[int, Mapping[str, Any]]],
     optimizer: str | None,
-    directory: Where,
+    directory: Location,
     save_id: str,
     group: ProcessGroup,
     *,
-    lock: Begun = None,
+    lock: Begun | None = None,
     side: Side | None = None,
 ) -> Path | ObjectPath:
     """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``, or a function that makes it) and,
     for a whole checkpoint, its ``side`` file; then, once every rank's files are durable, rank 0's manifest (last).
     A collective over ``group``: a failure on any rank raises on every rank, and then no manifest was written.
     Shared by the synchronous and asynchronous saves and :func:`fsdp_optim.job.whole_save.save_checkpoint`.
-    ``lock`` (rank 0): from :func:`start_save`; released here, after removing this save's files if it failed.
-    In an object store each rank writes into a local staging directory and uploads, and rank 0 commits the
-    manifest with a conditional put (:mod:`fsdp_optim.formats.sharded.store_commit`)."""
+    ``lock`` (rank 0): from :func:`start_save`; finished here (a failed save's files removed). ``None`` with a
+    directory of this job's own (the memory tier's): the manifest is written last, nothing locked or replaced.
+    Where the files go and how the manifest commits is ``directory``'s (:mod:`fsdp_optim.disk.location`)."""
     rank, world_size = dist_rank_and_size(group)
-    store = directory if isinstance(directory, ObjectStore) else None
     own = _Written()
     failure: Exception | None = None
     manifest: Manifest | None = None
     try:
         try:
-            _write_own(own, state, side, directory, store, save_id, rank, world_size)
+            _write_own(own, state, side, directory, save_id, rank, world_size)
         except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
             failure = exc
         reports = gather_objects((local.summary, own.record, own.aux), dst=0, group=group)  # None except on rank 0
@@ -162,55 +148,56 @@ def commit_save(
         what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
         agree(failure, group=group, what=f"{what} failed, no checkpoint was written")
     except BaseException as exc:
-        if isinstance(lock, OutputLock):
-            end_write(lock, failed=True)
-        if store is not None and own.uploaded and not isinstance(exc, CommitOutcomeUnknown):  # else the manifest
-            remove_own(store, own.uploaded)  # may list them: kept (the next save's tidy removes them if it does not)
+        if lock is not None:
+            directory.finish_save(lock, failed=True)
+        if own.published and not isinstance(exc, CommitOutcomeUnknown):  # else the manifest may list them: kept
+            directory.discard(own.published)  # (the next save's finish removes them if it does not)
         raise
     finally:
-        cleanup_staging(own.staging)
-    if isinstance(lock, OutputLock):
-        end_write(lock, failed=False)
-    if isinstance(lock, StoreSave) and manifest is not None:
-        tidy(lock, manifest)  # what replaced checkpoints and failed writers left (rank 0)
+        if own.staging is not None:
+            directory.unstage(own.staging)
+    if lock is not None:  # what the replaced checkpoint and failed writers left (rank 0)
+        directory.finish_save(lock, failed=False, keep=frozenset(manifest.file_names()) if manifest else frozenset())
     return directory / MANIFEST_NAME
 
 
 @dataclass
 class _Written:
-    """What this rank wrote for a save: its records, and where (a store's local staging, the names uploaded)."""
+    """What this rank wrote for a save: its records, and where (its staging, the names published)."""
 
     record: FileRecord | None = None
     aux: FileRecord | None = None
     shards: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
-    staging: Path | None = None
-    uploaded: list[str] = field(default_factory=list)
+    staging: Staging | None = None
+    published: list[str] = field(default_factory=list)
 
 
 def _write_own(
     own: _Written,
     state: Mapping[int, Mapping[str, Any]] | Callable[[], Mapping[int, Mapping[str, Any]]],
     side: Side | None,
-    directory: Where,
-    store: ObjectStore | None,
+    directory: Location,
     save_id: str,
     rank: int,
     world_size: int,
 ) -> None:
-    """This rank's rank file (and side file) into ``directory``, or into local staging and then up to ``store``."""
-    if store is not None:
-        own.staging = staging_dir(save_id, rank)
-    local_dir = own.staging if own.staging is not None else _local(directory)
-    local_dir.mkdir(parents=True, exist_ok=True)
+    """This rank's rank file (and side file) into the location's staging for it, then published there."""
+    own.staging = staging = directory.stage(save_id, rank)
+    staging.path.mkdir(parents=True, exist_ok=True)
     own.shards = state() if callable(state) else state  # (async save: its staging copy, a failure agreed on)
-    durable = store is None  # a file staged for an upload is not fsynced: the store's copy is what lasts
     own.record = write_shard_file(
-        local_dir, own.shards, save_id=save_id, rank=rank, world_size=world_size, durable=durable, pieces=pieces
+        staging.path,
+        own.shards,
+        save_id=save_id,
+        rank=rank,
+        world_size=world_size,
+        durable=staging.durable,
+        pieces=pieces,
     )
-    own.aux = side.write(local_dir, save_id, rank, world_size, durable=durable) if side is not None else None
-    if store is not None:
-        own.uploaded = [own.record.file] + ([own.aux.file] if own.aux is not None else [])
-        upload_files(store, local_dir, own.uploaded)
+    own.aux = side.write(staging.path, save_id, rank, world_size, durable=staging.durable) if side else None
+    names = [own.record.file] + ([own.aux.file] if own.aux is not None else [])
+    own.published = names  # (before publishing: a failure part way removes what went up)
+    directory.publish(staging, names)
 
 
 def _commit(
@@ -221,8 +208,8 @@ def _commit(
     save_id: str,
     reports: list[Any],
     side: Side | None,
-    directory: Where,
-    lock: Begun,
+    directory: Location,
+    lock: Begun | None,
 ) -> Manifest:
     """Rank 0, once every rank's files are written: the manifest, committed last (renamed into place, or put on the
     condition that the store's manifest is still the one :func:`start_save` found)."""
@@ -232,17 +219,9 @@ def _commit(
     manifest = _manifest(layout, local.groups, shards, optimizer, save_id, files)
     if side is not None:
         manifest = replace(manifest, training=side.record(tuple(a for _, _, a in reports)))
-    if isinstance(lock, StoreSave):
-        commit_manifest(lock, manifest)
-    else:
-        replaces = lock.entries[-1]["replaces"] if lock is not None else ()
-        write_manifest(_local(directory), manifest, replaces=replaces)
+    data = manifest_to_json(manifest)  # before anything is written: a value JSON cannot hold is refused here
+    directory.commit_manifest(save_rules(save_id, len(files)), lock, data)
     return manifest
-
-
-def _local(directory: Where) -> Path:
-    assert isinstance(directory, Path), "a local save has a local directory"
-    return directory
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,10 @@ from torch import nn
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.preconditions import check_rank
+from fsdp_optim.disk.location import ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore, is_url
+from fsdp_optim.disk.storage import ObjectStore, is_url
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
@@ -169,10 +170,7 @@ def _read_sharded(
             # Before cut_rank allocates what the manifest declares: the rank files this rank reads, checked
             # (found by interval lookup; a rank re-cut from W to W/2 reads about two files, not W).
             ckpt.open_ranks(saved_ranks(the_plan, rank) or [0])
-            if isinstance(ckpt.directory, ObjectStore):  # the ranges it cuts from, fetched ahead
-                with fetched_ahead(ckpt, ckpt.directory, cut_spans(ckpt, the_plan, [rank])):
-                    state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
-            else:
+            with fetched_ahead(ckpt, lambda: cut_spans(ckpt, the_plan, [rank])):  # (where its location does)
                 state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
     return optimizer_state_dict(the_plan, state)
 

@@ -18,8 +18,9 @@ from torch import nn
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.disk.local_directory import LocalDirectory
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import ObjectStore, Where
+from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
@@ -138,15 +139,17 @@ def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Rec
     return Staged(weights, buffers, optim_state, extra)
 
 
-def _stage(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Where, buffers: str) -> Staged:
+def _stage(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: LocalDirectory | ObjectStore, buffers: str
+) -> Staged:
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
     with ShardedCheckpoint(path, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
         plans = plan_load(root, model, optim, ckpt, buffers)
-        if not isinstance(ckpt.directory, ObjectStore) or plans.weights.identity or ckpt.manifest.version < 3:
+        if plans.weights.identity or ckpt.manifest.version < 3:  # its own files, whole: nothing to cut from ranges
             return stage_load(root, ckpt, plans)
-        spans = load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)
-        with fetched_ahead(ckpt, ckpt.directory, spans) as sides:
+        spans = lambda: load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)  # noqa: E731
+        with fetched_ahead(ckpt, spans) as sides:
             return stage_load(root, ckpt, plans, sides)
 
 

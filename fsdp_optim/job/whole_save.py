@@ -19,8 +19,9 @@ from torch import nn
 
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.disk.location import ObjectPath
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore
+from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord

@@ -320,8 +320,8 @@ def _reshard_sharded(
     source = ckpt.whole_source() if whole else opened.source
     the_plan = plan(source, target.layout(0))  # every check, whichever way the ranks are then cut
     write = partial(write_ranks, the_plan, target, after_unit=_then(ckpt.trim, progress), after_file=after_file)
-    if isinstance(ckpt.directory, ObjectStore):  # cut unit by unit from ranges fetched ahead (unless by blocks)
-        write = partial(fetched_from, ckpt, ckpt.directory, cut_spans(ckpt, the_plan, range(world_size)), write)
+    # Cut unit by unit from ranges fetched ahead, where the location fetches ahead (unless cut by blocks, below).
+    write = partial(fetched_from, ckpt, partial(cut_spans, ckpt, the_plan, range(world_size)), write)
     final = described(the_plan, target)
     if recut.applicable(ckpt, final):
         blocks = recut.Recut.of(ckpt, final)

@@ -1,6 +1,6 @@
 """Offline outputs to an object store: written locally first (every local guarantee and check), then published.
 
-A sharded checkpoint is published by the commit protocol of :mod:`fsdp_optim.formats.sharded.store_commit` (rank and
+A sharded checkpoint is published by the commit protocol of :mod:`fsdp_optim.disk.store_save` (rank and
 side files under their save-unique names, then the manifest by a conditional put, then the replaced files
 removed); any other output (a consolidated file, a safetensors export, a DCP directory) is uploaded file by file,
 each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed either way::
@@ -11,7 +11,7 @@ each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed e
 
 A sharded checkpoint's rank files can start uploading as soon as each is written (:func:`checkpoint_output`), while
 the next one is being cut: the upload of a re-cut then overlaps its computing and writing. The commit rule holds:
-the prefix's manifest is read (:func:`~fsdp_optim.formats.sharded.store_commit.begin_store_save`) before the first
+the prefix's manifest is read (:meth:`~fsdp_optim.disk.store_save.StoreSaving.begin_save`) before the first
 upload; a file the local writer moves later is uploaded from a hard link made when it was complete.
 """
 
@@ -25,10 +25,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from fsdp_optim.disk.location import Begun
 from fsdp_optim.disk.storage import CommitOutcomeUnknown, ObjectStore, is_url
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
+from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
-from fsdp_optim.formats.sharded.store_commit import StoreSave, begin_store_save, commit_manifest, tidy
+from fsdp_optim.formats.sharded.writer import save_rules
 
 __all__ = ["Uploads", "checkpoint_output", "output_for", "publish_checkpoint", "publish_files"]
 
@@ -113,15 +115,16 @@ class Uploads:
 
     def __init__(self, store: ObjectStore, *, overwrite: bool, links: Path | None = None) -> None:  # noqa: D107
         self.store, self.overwrite, self.links = store, overwrite, links
-        self._save: StoreSave | None = None
+        self._rules = save_rules()  # (a store journals nothing: no save id or world size needed before the commit)
+        self._save: Begun | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._early: dict[str, Future[None]] = {}
         self._uploaded: list[str] = []
         self._committed = False
 
-    def _begun(self) -> StoreSave:
+    def _begun(self) -> Begun:
         if self._save is None:
-            self._save = begin_store_save(self.store, overwrite=self.overwrite)
+            self._save = self.store.begin_save(self._rules, purpose="publish", overwrite=self.overwrite)
         return self._save
 
     def file_done(self, path: Path) -> None:
@@ -147,12 +150,12 @@ class Uploads:
                 else:
                     self.store.upload(local / name, name)
                 self._uploaded.append(name)
-            commit_manifest(save, manifest)
+            self.store.commit_manifest(self._rules, save, manifest_to_json(manifest))
         except CommitOutcomeUnknown:
             self._uploaded = []  # the manifest may be in place and list them: kept
             raise
         self._committed = True
-        tidy(save, manifest)
+        self.store.finish_save(save, failed=False, keep=frozenset(manifest.file_names()))
 
     def abort(self) -> None:
         """Stop: wait for the uploads under way, then (unless committed) remove every file uploaded."""

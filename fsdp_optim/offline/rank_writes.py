@@ -11,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from fsdp_optim.core.plan import Plan, cut_rank
-from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.manifest import Manifest
@@ -26,11 +25,11 @@ Progress = Callable[[], None] | None  # called once per FSDP unit (or output ran
 
 
 def fetched_from(
-    ckpt: ShardedCheckpoint, store: ObjectStore, spans: list[Span], write: Callable[[Path], Manifest], staging: Path
+    ckpt: ShardedCheckpoint, spans: Callable[[], list[Span]], write: Callable[[Path], Manifest], staging: Path
 ) -> Manifest:
-    """``write(staging)`` reading the source's rank files from ``spans``, fetched ahead from ``store``
-    (:mod:`fsdp_optim.formats.sharded.store_prefetch`)."""
-    with fetched_ahead(ckpt, store, spans):
+    """``write(staging)`` reading the source's rank files from ``spans()``, fetched ahead by its location where it
+    does (:mod:`fsdp_optim.formats.sharded.store_prefetch`)."""
+    with fetched_ahead(ckpt, spans):
         return write(staging)
 
 

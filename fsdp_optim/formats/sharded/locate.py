@@ -10,7 +10,7 @@ from pathlib import Path
 from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
-from fsdp_optim.disk.storage import ObjectStore, Where, is_url
+from fsdp_optim.disk.storage import ObjectStore, is_url
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import (
     LEGACY_MANIFEST_NAME,
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def checkpoint_dir(path: str | os.PathLike[str] | ObjectStore) -> Where:
+def checkpoint_dir(path: str | os.PathLike[str] | ObjectStore) -> Path | ObjectStore:
     """The directory of a sharded checkpoint given the directory or its manifest file; for a URL (or a store), the
     :class:`~fsdp_optim.disk.storage.ObjectStore` of its prefix."""
     if isinstance(path, ObjectStore) or is_url(path):

@@ -30,7 +30,8 @@ from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.storage import ObjectPath, ObjectStore
+from fsdp_optim.disk.location import ObjectPath
+from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
 from fsdp_optim.formats.sharded.locate import (  # re-exported: what finds a checkpoint, beside what reads it
     checkpoint_dir,
@@ -84,7 +85,7 @@ class ShardedCheckpoint:
         lazy: bool = False,
     ) -> None:
         self.directory = checkpoint_dir(path)
-        self.manifest = read_manifest(self.directory if isinstance(self.directory, ObjectStore) else path)
+        self.manifest = read_manifest(path)  # (a directory, its manifest file, or a store's prefix or manifest)
         if isinstance(self.directory, ObjectStore) and self.manifest.version < 2:
             raise ValueError(
                 f"{path}: a format-{self.manifest.version} checkpoint (torch files), which is read from a local "
@@ -289,11 +290,6 @@ class ShardedCheckpoint:
                 self._mapped = 0
             else:
                 self.close()
-
-    @property
-    def remote(self) -> bool:
-        """Whether the files are in an object store (read by ranges) rather than in a local directory."""
-        return isinstance(self.directory, ObjectStore)
 
     @property
     def bytes_fetched(self) -> int:

@@ -9,7 +9,7 @@ pieces is refused (``ValueError``): the file's header places its tensors elsewhe
 
 A piece may still be arriving: its ``ready()`` is called (once) before its first use, so a load reads the pieces
 in the order it needs them while later ones are still in flight. A piece may also count the shard reads it serves
-(:class:`~fsdp_optim.formats.sharded.store_prefetch.StorePiece`): each :meth:`ReceivedFile.view` tells the piece it
+(:class:`~fsdp_optim.disk.prefetch.StorePiece`): each :meth:`ReceivedFile.view` tells the piece it
 read from (``used()``), and one whose bytes were dropped after its last read and are needed again is fetched
 again, its chunks then verified again.
 """
@@ -17,10 +17,11 @@ again, its chunks then verified again.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -28,7 +29,7 @@ from fsdp_optim.formats.sharded.mapped import MappedFile
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Placement, chunk_elements
 
-__all__ = ["Held", "Piece", "ReceivedFile"]
+__all__ = ["Held", "Piece", "ReceivedFile", "held_readers"]
 
 
 class Held(Protocol):
@@ -145,3 +146,28 @@ class ReceivedFile(MappedFile):
 
     def drop_pages(self) -> None:
         self._verified.clear()  # nothing mapped: the pieces stay, and are verified again when read again
+
+
+def held_readers(
+    records: Iterable[Any], shown: Callable[[str], Any], held: Mapping[str, Sequence[Held]]
+) -> tuple[dict[int, Callable[[], ReceivedFile]], dict[str, Callable[[], bytes]]]:
+    """The pieces ``held`` of a checkpoint's files (by name: fetched ahead from a store, or received from peers) as
+    the readers its load uses in place of the files: ``{saved rank: opener of its ReceivedFile}`` for the rank
+    files among ``records`` (the manifest's), ``{name: thunk of its bytes}`` for the others (side files, checked
+    against the manifest's digest by their reader). ``shown(name)``: the file as error messages name it."""
+    ranks = {r.file: r for r in records}
+    files: dict[int, Callable[[], ReceivedFile]] = {
+        ranks[name].rank: partial(ReceivedFile, shown(name), ranks[name].nbytes, pieces)
+        for name, pieces in held.items()
+        if name in ranks
+    }
+    sides: dict[str, Callable[[], bytes]] = {
+        name: partial(_whole, pieces) for name, pieces in held.items() if name not in ranks
+    }
+    return files, sides
+
+
+def _whole(pieces: Sequence[Held]) -> bytes:
+    """A file's bytes from its pieces, in order (a side file: one piece from offset 0; anything else is refused by
+    its size check)."""
+    return b"".join(p.bytes().numpy().tobytes() for p in sorted(pieces, key=lambda p: p.start))

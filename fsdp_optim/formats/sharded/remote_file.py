@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from fsdp_optim.core.checksums import stream_chunk_digests
-from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.sharded.mapped import MappedFile, check_grid, check_tiling
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
@@ -24,7 +24,7 @@ __all__ = ["RemoteFile"]
 class RemoteFile(MappedFile):
     """Rank file ``name`` of ``store``: its header read (two ranged GETs) and checked; reads fetch ranges."""
 
-    def __init__(self, store: ObjectStore, name: str, size: int) -> None:  # noqa: D107 - MappedFile's contract
+    def __init__(self, store: Location, name: str, size: int) -> None:  # noqa: D107 - MappedFile's contract
         self.path = store / name  # type: ignore[assignment]  # shown as its URL
         self.store = store
         self.name = name

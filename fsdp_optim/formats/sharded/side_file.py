@@ -161,7 +161,7 @@ def _read_exactly(directory: Where, record: FileRecord) -> bytes:
         if size != record.nbytes:
             raise ValueError(f"{path}: {size} bytes, but the manifest records {record.nbytes} (truncated?)")
         return bytes(directory.read_range(record.file, 0, size))
-    fd, st = open_regular(directory / record.file, follow_symlinks=False)
+    fd, st = open_regular(Path(directory) / record.file, follow_symlinks=False)
     try:
         if st.st_size != record.nbytes:
             raise ValueError(f"{path}: {st.st_size} bytes, but the manifest records {record.nbytes} (truncated?)")

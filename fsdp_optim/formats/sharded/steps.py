@@ -62,11 +62,6 @@ def _is_ours(name: str) -> bool:
     return final in MANIFEST_NAMES or CHECKPOINT.deletable(final)
 
 
-def step_dir(root: Path | ObjectStore, name: str) -> Path | ObjectStore:
-    """Step directory ``name`` under ``root`` (a local directory, or a prefix of a store)."""
-    return root.child(name) if isinstance(root, ObjectStore) else root / name
-
-
 def find_step_dirs(root: str | os.PathLike[str] | ObjectStore) -> list[tuple[int, Path | ObjectStore]]:
     """``(step, path)`` of every step directory in ``root`` (a real directory, not a link; in a store, a prefix),
     by step; [] when ``root`` does not exist yet."""

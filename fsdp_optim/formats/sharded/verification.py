@@ -27,7 +27,7 @@ def verify_sharded(path: str | os.PathLike[str] | ObjectStore) -> Verification:
     directory = checkpoint_dir(path)
     manifest_path = directory / MANIFEST_NAME
     try:
-        ckpt = ShardedCheckpoint(directory if isinstance(directory, ObjectStore) else path, lazy=True)
+        ckpt = ShardedCheckpoint(path, lazy=True)
     except StoreUnavailable:
         raise  # the store did not answer: not damage (a manager must not skip a good step for an outage)
     except (ValueError, OSError) as exc:

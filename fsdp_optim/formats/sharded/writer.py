@@ -23,6 +23,7 @@ import torch
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
+from fsdp_optim.disk.location import Location, SaveRules
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
 from fsdp_optim.formats.sharded.manifest import (
@@ -34,7 +35,7 @@ from fsdp_optim.formats.sharded.manifest import (
     Manifest,
     shard_file_name,
 )
-from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
+from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json, manifest_to_json
 from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces, write_rank_file, write_rank_tensors
 from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
@@ -44,6 +45,7 @@ __all__ = [
     "CHECKPOINT",
     "begin_write",
     "end_write",
+    "save_rules",
     "write_all_or_nothing",
     "write_manifest",
     "write_shard_file",
@@ -195,6 +197,20 @@ def begin_write(
     with this format's claims); finish with :func:`end_write`."""
     entry = {"save_id": save_id, "world_size": world_size}
     return open_output(out, CHECKPOINT, entry, purpose=purpose, inputs=inputs, overwrite=overwrite)
+
+
+def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
+    """What a checkpoint save tells the :class:`~fsdp_optim.disk.location.Location` it writes to: these claims, the
+    journal entry (by the save id and world size a killed save's files are known), the manifest as the commit point
+    and what the committed manifest there lists (replaced by the commit). A store journals nothing: it needs neither
+    the save id nor the world size."""
+
+    def listed(location: Location) -> frozenset[str]:
+        data = location.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+        return frozenset(manifest_from_json(data, source=str(location / MANIFEST_NAME)).file_names())
+
+    entry = {"save_id": save_id, "world_size": world_size}
+    return SaveRules(CHECKPOINT, entry, MANIFEST_NAME, frozenset(MANIFEST_NAMES), listed)
 
 
 def end_write(lock: OutputLock, *, failed: bool) -> None:

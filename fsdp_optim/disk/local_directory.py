@@ -1,0 +1,148 @@
+"""A checkpoint in a local directory: the :class:`~fsdp_optim.disk.location.Location` with rename and a lock.
+
+Reads are ``stat``/``pread`` (nothing to retry); a save is the one way out of :mod:`fsdp_optim.disk.staged`: the
+directory locked and the save journaled (:func:`~fsdp_optim.disk.staged.open_output`), each rank's files written in
+place and fsynced, the manifest renamed into place last, the replaced checkpoint's files removed, the lock
+released (a failed save's files removed first, from its journal). ``os.fspath`` of it is its path, so the readers
+that map files take it as they take a ``Path``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_optim.disk.atomic import atomic_write
+from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, StoredObject
+from fsdp_optim.disk.locks import OutputLock
+from fsdp_optim.disk.staged import close_output, open_output, remove_recorded
+from fsdp_optim.disk.store_answers import Tiling
+from fsdp_optim.disk.store_policy import RetryPolicy
+
+__all__ = ["LocalDirectory"]
+
+_NO_RETRIES = RetryPolicy(float("inf"), attempts=1)  # a local read either works or says why at once
+
+
+@dataclass(frozen=True)
+class _LocalSave(Begun):
+    lock: OutputLock
+    rules: SaveRules
+
+
+class LocalDirectory(Location):
+    """The local directory ``path`` (need not exist until a save creates it)."""
+
+    policy = _NO_RETRIES
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:  # noqa: D107 - see the class
+        self.path = Path(path)
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"LocalDirectory({str(self.path)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LocalDirectory) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def child(self, name: str) -> LocalDirectory:
+        return LocalDirectory(self.path / name)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def public(self) -> Path:
+        return self.path
+
+    # -- reading -------------------------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    def listing(self) -> dict[str, StoredObject]:
+        try:
+            entries = list(os.scandir(self.path))
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        found = {}
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                found[e.name] = StoredObject(e.name, st.st_size, st.st_mtime, None)
+        return found
+
+    def prefixes(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.path) if e.is_dir(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def size(self, name: str) -> int | None:
+        try:
+            st = os.stat(self.path / name, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
+        out = bytearray(max(stop - start, 0))
+        self.read_into(name, start, [memoryview(out)])
+        return out
+
+    def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
+        stop = start + sum(t.nbytes for t in targets)
+        place = Tiling(start, targets)
+        fd = os.open(self.path / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            at = start
+            while at < stop:
+                data = os.pread(fd, min(stop - at, 16 << 20), at)
+                if not data:
+                    raise OSError(f"{self / name}: ends at byte {at}, expected at least {stop}")
+                place.copy(at, data)
+                at += len(data)
+        finally:
+            os.close(fd)
+
+    # -- saving --------------------------------------------------------------------------------------------
+
+    def begin_save(self, rules: SaveRules, *, purpose: str, overwrite: bool) -> Begun:
+        lock = open_output(self.path, rules.claims, rules.entry, purpose=purpose, overwrite=overwrite)
+        return _LocalSave(lock, rules)
+
+    def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - every rank writes in place
+        return Staging(self.path, durable=True)
+
+    def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:
+        if begun is not None and not isinstance(begun, _LocalSave):
+            raise TypeError(f"{self}: a save begun at another location ({begun!r})")
+        atomic_write(self.path / rules.commit_name, lambda file: file.write(data), tag=rules.tag)
+
+    def finish_save(self, begun: Begun, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
+        if not isinstance(begun, _LocalSave):
+            raise TypeError(f"{self}: a save begun at another location ({begun!r})")
+        try:
+            if not failed:  # the replaced checkpoint's files, now that the new manifest is in place
+                replaced = begun.lock.entries[-1]["replaces"]
+                remove_recorded(self.path, replaced, begun.rules.claims, keep=set(keep))
+        except OSError as exc:  # committed all the same (every rank agreed on it): a warning, not a failure
+            warnings.warn(f"{self}: could not remove the replaced checkpoint's files ({exc}); they are left beside "
+                          "the new checkpoint", stacklevel=2)  # fmt: skip
+        finally:
+            close_output(begun.lock, begun.rules.claims, failed=failed)

@@ -1,0 +1,203 @@
+"""Where a checkpoint's files live: one interface, :class:`Location`, and one class per backend.
+
+A backend is a directory-like place holding named objects: :class:`~fsdp_optim.disk.local_directory.LocalDirectory`
+(a local directory: rename and a lock), :class:`~fsdp_optim.disk.storage.ObjectStore` (a prefix of any fsspec
+filesystem: S3, GCS, ``memory://``...; a conditional put). Readers and writers above ``disk/`` take a
+``Location`` and call these methods; none asks which kind it is. A new backend (a local NVMe tier, a store with
+another commit rule) is one subclass, and one test file.
+
+Reading::
+
+    listing() / prefixes() / size(name)       what is there now (never cached)
+    read_range(name, a, b) / read_into(...)   byte ranges (retried and bounded by ``policy`` where that means anything)
+    read_all(name, limit=...)                 a small object whole (a manifest)
+
+A save, in this order (a job's ranks, or one process)::
+
+    rank 0       begun = location.begin_save(rules, purpose=..., overwrite=...)   refuse foreign content, note what
+                                                                                  the commit replaces
+    every rank   into = location.stage(save_id, rank)     a local directory to write this rank's own files into
+                 ... write them into into.path (fsynced if into.durable) ...
+                 location.publish(into, names)             make them the location's (in place, or uploaded)
+    rank 0       location.commit_manifest(rules, begun, data)     the commit point, last (rename | conditional put)
+    rank 0       location.finish_save(begun, failed=..., keep=...)   release, remove what a failed save or the
+                                                                      replaced checkpoint left
+    every rank   location.discard(names) after a failure; location.unstage(into) always
+
+``disk/`` knows no format: what a save's output owns comes from the format as :class:`SaveRules`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_optim.disk.staged import Claims
+from fsdp_optim.disk.store_policy import RetryPolicy
+
+__all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject"]
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One object directly under a location: its name (relative), size, modification time and etag (if any)."""
+
+    name: str
+    size: int
+    mtime: float | None
+    etag: str | None
+
+
+@dataclass(frozen=True)
+class SaveRules:
+    """What a format tells a location about a save: ``claims`` (what an output of it owns), ``entry`` (the journal
+    entry announcing the save: its id and world size), ``commit_name`` (the object written last, the commit point),
+    ``known`` (names that are never foreign: the format's manifests), and ``listed(location)``: the names the
+    committed checkpoint there lists (replaced by the commit), raising ``ValueError``/``OSError`` when it is not
+    the format's."""
+
+    claims: Claims
+    entry: Mapping[str, Any]
+    commit_name: str
+    known: frozenset[str]
+    listed: Callable[[Location], frozenset[str]]
+
+    @property
+    def tag(self) -> str:
+        """The save's short tag (its temporary files carry it, so a killed save's are recognised)."""
+        return str(self.entry.get("save_id", ""))[:12]
+
+
+@dataclass(frozen=True)
+class ObjectPath:
+    """One object of a location that has no local path, shown as its URL (what a ``Path`` is to a directory)."""
+
+    store: Location
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.store}/{self.name}"
+
+    @property
+    def parent(self) -> Location:
+        return self.store
+
+
+class Begun:
+    """What rank 0 holds between :meth:`Location.begin_save` and :meth:`Location.finish_save` (each backend's own)."""
+
+
+@dataclass(frozen=True)
+class Staging:
+    """The local directory a rank writes its own files into, and whether they must be made durable there (in place
+    in a local directory: yes; staged for an upload: no, the store's copy is what lasts)."""
+
+    path: Path
+    durable: bool
+
+
+class Location(ABC):
+    """A place holding a checkpoint's files (see the module docstring for the call order of a save)."""
+
+    policy: RetryPolicy
+
+    # -- naming --------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def __str__(self) -> str: ...
+
+    @abstractmethod
+    def __truediv__(self, name: str) -> Path | ObjectPath:
+        """Object ``name`` as shown to a user (a ``Path``, or an ``ObjectPath`` that prints as its URL)."""
+
+    @abstractmethod
+    def child(self, name: str) -> Location:
+        """The location ``name`` below this one (a step directory under a manager's root)."""
+
+    @property
+    def name(self) -> str:
+        return str(self).rstrip("/").rsplit("/", 1)[-1]
+
+    def public(self) -> Path | Location:
+        """What the API hands back for this location (a ``Path`` for a local directory, as it always has)."""
+        return self
+
+    # -- reading -------------------------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        """Whether there is a place here to list (a store's prefix always is: it exists once an object does)."""
+        return True
+
+    @abstractmethod
+    def listing(self) -> dict[str, StoredObject]:
+        """The objects (regular files) directly under this location, by name; {} when there is none."""
+
+    @abstractmethod
+    def prefixes(self) -> list[str]:
+        """The names of the locations directly below this one."""
+
+    @abstractmethod
+    def size(self, name: str) -> int | None:
+        """Object ``name``'s size, ``None`` when there is none."""
+
+    @abstractmethod
+    def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
+        """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent)."""
+
+    @abstractmethod
+    def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
+        """Fill ``targets`` (writable buffers tiling the object's bytes from ``start`` on, in order)."""
+
+    def prefetch(
+        self, spans: Callable[[], Sequence[Any]]  # noqa: ARG002 - nothing fetched ahead by default
+    ) -> AbstractContextManager[Mapping[str, Sequence[Any]] | None]:
+        """The byte ranges ``spans()`` lists (objects ``.file``, bytes ``[.start, .stop)``, read ``.uses`` times),
+        fetched ahead of their use within the block: their pieces by object name (each with ``bytes()``,
+        ``used()``), or ``None`` where nothing is fetched ahead (a local directory maps its files; ``spans`` is then
+        not called)."""
+        return nullcontext(None)
+
+    def read_all(self, name: str, *, limit: int) -> bytes:
+        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent."""
+        size = self.size(name)
+        if size is None:
+            raise FileNotFoundError(f"{self / name}: no such object")
+        if size > limit:
+            raise ValueError(f"{self / name}: {size} bytes, above the bound for it ({limit})")
+        return bytes(self.read_range(name, 0, size))
+
+    # -- saving --------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def begin_save(self, rules: SaveRules, *, purpose: str, overwrite: bool) -> Begun:
+        """Rank 0, before any rank writes: refuse foreign content (unless ``overwrite``) and note what the commit
+        will replace."""
+
+    @abstractmethod
+    def stage(self, save_id: str, rank: int) -> Staging:
+        """Where this rank writes its own files."""
+
+    def publish(self, staging: Staging, names: Iterable[str]) -> None:  # noqa: B027 - in place by default
+        """Make the files ``names`` written into ``staging`` this location's (nothing to do where they were
+        written in place)."""
+
+    def discard(self, names: Iterable[str]) -> None:  # noqa: B027 - the save's journal removes them by default
+        """After a failed save: remove what this rank published (best effort)."""
+
+    def unstage(self, staging: Staging) -> None:  # noqa: B027 - nothing staged apart by default
+        """Remove the staging directory if it is not the location itself."""
+
+    @abstractmethod
+    def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:
+        """Rank 0: write the commit point (``rules.commit_name``) last, only if the location is still as
+        :meth:`begin_save` found it (``begun``; ``None``: a save into a directory of one's own, not begun)."""
+
+    @abstractmethod
+    def finish_save(self, begun: Begun, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
+        """Rank 0, after every rank agreed: release the save; a failed one's files go, a committed one removes the
+        files of the checkpoint it replaced that it does not list (``keep``)."""
+

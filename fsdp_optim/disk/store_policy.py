@@ -1,0 +1,133 @@
+"""How long a store may keep failing before a request gives up, and which answers are not worth another try.
+
+A request (one GET, one put, one listing, or the pieces of one ranged read together) is tried at most
+:data:`ATTEMPTS` times with backoff, and never past its **deadline**: :data:`DEFAULT_DEADLINE_S` seconds from its
+first attempt unless ``FSDP_OPTIM_STORE_DEADLINE_S`` or ``open_store(url, deadline_s=...)`` says otherwise. Each
+attempt of an asynchronous filesystem (s3fs, gcsfs...) is cut at the time left, so the client's own retries inside
+it (botocore's, s3fs's) cannot outlast it either; a transfer is allowed its bytes at :data:`TRANSFER_FLOOR` bytes a
+second on top, so a large upload that is making progress is not cut. A store that keeps failing therefore fails
+every request within the deadline (plus one transfer's allowance), naming the object.
+
+Refused access (a 403, a wrong key or signature, no credentials at all) is an answer, not a fault: it is raised at
+once as a ``PermissionError`` that names the object and says where credentials come from.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "ATTEMPTS",
+    "BACKOFF_S",
+    "DEADLINE_ENV",
+    "DEFAULT_DEADLINE_S",
+    "Clock",
+    "RetryPolicy",
+    "refused",
+    "refused_message",
+]
+
+PIECE_BYTES = 16 << 20  # a large range is fetched as pieces of this size ...
+MAX_CONCURRENT = 8  # ... at most this many at a time (bounded memory and connections)
+ATTEMPTS = 3  # per request, on transient errors (s3fs and botocore retry inside each attempt as well)
+BACKOFF_S = 0.2
+DEFAULT_DEADLINE_S = 60.0
+DEADLINE_ENV = "FSDP_OPTIM_STORE_DEADLINE_S"
+TRANSFER_FLOOR = 4 << 20  # bytes a second a transfer is allowed beyond the deadline (a slow link, not a dead one)
+MIN_ATTEMPT_S = 1.0  # the least an attempt is given, even when the deadline is (nearly) spent
+
+# Answers that mean "not with these credentials": botocore's error codes and the exceptions it raises before a
+# request is sent (no credentials found at all).
+_REFUSED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "Forbidden",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AuthorizationHeaderMalformed",
+        "InvalidClientTokenId",
+        "UnrecognizedClientException",
+        "AccountProblem",
+        "AllAccessDisabled",
+    }
+)
+_REFUSED_TYPES = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """At most ``attempts`` tries of a request, ``backoff_s`` doubling between them, none past ``deadline_s``."""
+
+    deadline_s: float
+    attempts: int = ATTEMPTS
+    backoff_s: float = BACKOFF_S
+
+    @classmethod
+    def default(cls, deadline_s: float | None = None) -> RetryPolicy:
+        """``deadline_s``, else ``$FSDP_OPTIM_STORE_DEADLINE_S``, else :data:`DEFAULT_DEADLINE_S`."""
+        if deadline_s is None:
+            text = os.environ.get(DEADLINE_ENV, "").strip()
+            if not text:
+                return cls(DEFAULT_DEADLINE_S)
+            try:
+                deadline_s = float(text)
+            except ValueError:
+                raise ValueError(f"{DEADLINE_ENV}: expected a number of seconds, found {text!r}") from None
+            where = DEADLINE_ENV
+        else:
+            where = "deadline_s"
+        if not deadline_s > 0 or deadline_s == float("inf"):
+            raise ValueError(f"{where}: expected a positive, finite number of seconds, found {deadline_s!r}")
+        return cls(float(deadline_s))
+
+    def clock(self) -> Clock:
+        """The time left to one request, from now."""
+        return Clock(time.monotonic() + self.deadline_s)
+
+    def describe(self) -> str:
+        return f"the store deadline, {self.deadline_s:g} s ({DEADLINE_ENV} or open_store(url, deadline_s=...))"
+
+
+@dataclass(frozen=True)
+class Clock:
+    """One request's deadline (shared by the pieces of one ranged read)."""
+
+    until: float
+
+    def left(self) -> float:
+        return self.until - time.monotonic()
+
+    def timeout(self, nbytes: int = 0) -> float:
+        """How long one attempt may run: the time left (at least :data:`MIN_ATTEMPT_S`) plus its transfer's share."""
+        return max(self.left(), MIN_ATTEMPT_S) + nbytes / TRANSFER_FLOOR
+
+
+def refused(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is the store refusing these credentials: a 401/403, a wrong key or
+    signature, or no credentials found at all."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, PermissionError) or {t.__name__ for t in type(exc).__mro__} & _REFUSED_TYPES:
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, Mapping):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _REFUSED_CODES or status in (401, 403):
+                return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def refused_message(what: str, detail: str) -> str:
+    return (
+        f"{what}: the store refused access ({detail}): check the credentials and that they may use this bucket "
+        "(for S3: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the AWS config files, or "
+        "open_store(url, key=..., secret=...)), and the endpoint (AWS_ENDPOINT_URL)"
+    )

@@ -1,0 +1,109 @@
+"""Every :class:`~fsdp_optim.disk.location.Location` backend behaves alike behind the one interface.
+
+The backends are the fixture's parameters: a local directory (``LocalDirectory``) and an fsspec filesystem through
+``ObjectStore`` (``memory://``: a backend the package has no code for, reached through the same class as S3). A new
+backend is one more parameter here. The same calls (listing, sizes, ranged reads, the save call order through a
+real job, a second save replacing the first, a refusal of foreign content) give the same results on each.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import _models as M
+import pytest
+from _checks import assert_identical
+from _dist import run_ranks
+
+import fsdp_optim
+from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.locks import ForeignOutputError
+
+BACKENDS = ["local", "memory"]
+
+
+def _location(kind: str, tmp: str) -> Location:
+    """A fresh, empty location of backend ``kind`` (in this process: ``memory://`` lives in the process)."""
+    if kind == "local":
+        return LocalDirectory(Path(tmp) / f"ckpt-{uuid.uuid4().hex[:8]}")
+    return fsdp_optim.open_store(f"memory://location-test/ckpt-{uuid.uuid4().hex[:8]}")
+
+
+def _save_twice_and_load(rank: int, world_size: int, kind: str, tmp: str) -> dict[str, Any]:
+    """Save a whole checkpoint, train a step, save again into the same location (replacing the first), load it into
+    a fresh model; what the location holds after each save, and what the load gave against the live state."""
+    location = _location(kind, tmp)
+    root = M.wrap(M.make_net(), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+    M.train_step(root, optim, *M.local_batch(0, rank, world_size))
+    first = fsdp_optim.save_checkpoint(root, optim, location, extra={"step": 1})
+    after_first = sorted(location.listing())
+    M.train_step(root, optim, *M.local_batch(1, rank, world_size))
+    second = fsdp_optim.save_checkpoint(root, optim, location, extra={"step": 2})
+    after_second = sorted(location.listing())
+    fresh = M.wrap(M.make_net(seed=7), "deep")
+    fresh_optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(fresh))
+    extra = fsdp_optim.load_checkpoint(fresh, fresh_optim, location)
+    assert_identical(fresh.state_dict(), root.state_dict(), f"{kind}: weights")
+    assert_identical(fresh_optim.state_dict(), optim.state_dict(), f"{kind}: optimizer")
+    return {"first": str(first), "second": str(second), "after_first": after_first, "after_second": after_second,
+            "extra": extra, "where": str(location), "verified": fsdp_optim.verify(location).ok}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_job_saves_replaces_and_loads_through_each_backend(kind: str, tmp_path: Path) -> None:
+    (out,) = run_ranks(_save_twice_and_load, 1, kind, str(tmp_path))
+    assert out["first"] == out["second"] == f"{out['where']}/manifest.json", out
+    assert len(out["after_first"]) == len(out["after_second"]) == 3, out  # manifest, rank file, side file
+    assert set(out["after_first"]) & set(out["after_second"]) == {"manifest.json"}, "the first save's files stay"
+    assert out["extra"] == {"step": 2} and out["verified"], out
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_reads_are_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
+    location = _location(kind, str(tmp_path))
+    assert location.listing() == {} and location.prefixes() == [] and location.size("x") is None
+    data = bytes(range(256)) * 5
+    staging = location.stage("0" * 32, 0)
+    staging.path.mkdir(parents=True, exist_ok=True)
+    (staging.path / "blob").write_bytes(data)
+    location.publish(staging, ["blob"])
+    location.unstage(staging)
+    assert location.size("blob") == len(data) and sorted(location.listing()) == ["blob"]
+    assert bytes(location.read_range("blob", 10, 300)) == data[10:300]
+    parts = [bytearray(7), bytearray(100), bytearray(3)]
+    location.read_into("blob", 500, [memoryview(p) for p in parts])
+    assert b"".join(parts) == data[500:610]
+    assert location.read_all("blob", limit=len(data)) == data
+    with pytest.raises(ValueError, match="above the bound"):
+        location.read_all("blob", limit=10)
+    with pytest.raises(FileNotFoundError):
+        location.read_all("missing", limit=10)
+    assert str(location / "blob") == f"{location}/blob" and str(location.child("sub")) == f"{location}/sub"
+    assert where(location) is location and where(str(location)) == location
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_save_over_foreign_content_is_refused_alike(kind: str, tmp_path: Path) -> None:
+    location = _location(kind, str(tmp_path))
+    staging = location.stage("0" * 32, 0)
+    staging.path.mkdir(parents=True, exist_ok=True)
+    (staging.path / "notes.txt").write_bytes(b"mine")
+    location.publish(staging, ["notes.txt"])
+    location.unstage(staging)
+    from fsdp_optim.formats.sharded.writer import save_rules
+
+    with pytest.raises(ForeignOutputError, match="notes.txt"):
+        location.begin_save(save_rules("1" * 32, 1), purpose="test", overwrite=False)
+    assert sorted(location.listing()) == ["notes.txt"], "a refused save writes nothing"
+
+
+def test_a_store_is_never_taken_for_a_local_path() -> None:
+    store = fsdp_optim.open_store("memory://location-test/no-path")
+    assert isinstance(store, Location) and not isinstance(store, os.PathLike)
+    assert isinstance(LocalDirectory("x"), os.PathLike) and Path(LocalDirectory("x")) == Path("x")
