@@ -100,6 +100,7 @@ STORED = [
     ("benchmarks.ckpt.report", "checkpoint_100M_format2", "ckpt100M.png"),
     ("benchmarks.whole.report", "whole_state", None),
     ("benchmarks.storage.report", "storage", None),
+    ("benchmarks.gpu.report", "gpu_staging_small", None),
 ]
 
 
