@@ -1,7 +1,7 @@
 """``python -m benchmarks.memory OPERATION|all [--small] [--layers N] [--repeat R] [--workdir DIR] [--json FILE]``.
 
-Each operation builds its sources once in ``--workdir`` (a temporary directory by default; reused when they are
-there), measures its rows and prints a table; ``--json`` writes it (``all``: ``FILE`` names a folder, one
+Each operation builds its sources once in ``--workdir`` (reused when they are there; by default a temporary
+directory, removed at the end), measures its rows and prints a table; ``--json`` writes it (``all``: ``FILE`` names a folder, one
 ``<operation>.json`` each). Rows that run in a fresh interpreter come back through ``peak.fresh``, which runs
 ``python -m benchmarks.memory --measure OPERATION ROW ...`` (the module's ``measure``). ``--small``: each
 operation's smallest sources, to check that it runs.
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +27,7 @@ OPERATIONS = {
     "diff": "diff of two sources against reading both",
     "checkpoint": "offline consolidate and reshard of a sharded checkpoint, by mapping bound, against loading every file",
     "fairseq": "reshard, to_dcp and consolidate of a fairseq/metaseq shard set against metaseq's load-everything reshard",
+    "verify": "verify of a sharded checkpoint against reading and hashing every rank file",
 }
 
 
@@ -43,9 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for name in OPERATIONS if args.operation == "all" else [args.operation]:
         print(f"== {name}: {OPERATIONS[name]}", flush=True)
-        work = (args.workdir / name) if args.workdir else Path(tempfile.mkdtemp(prefix=f"memory_{name}_"))
+        module = importlib.import_module(f"benchmarks.memory.{name}")
+        tmpfs = getattr(module, "TMPFS", False) and os.path.isdir("/dev/shm")  # where only the CPU cost is measured
+        work = (args.workdir / name) if args.workdir else Path(tempfile.mkdtemp(prefix=f"memory_{name}_", dir="/dev/shm" if tmpfs else None))
         work.mkdir(parents=True, exist_ok=True)
-        result = importlib.import_module(f"benchmarks.memory.{name}").run(work, args)
+        try:
+            result = module.run(work, args)
+        finally:
+            if not args.workdir:  # a --workdir keeps the sources for the next run
+                shutil.rmtree(work, ignore_errors=True)
         if args.json:
             out = args.json / f"{name}.json" if args.operation == "all" else args.json
             out.parent.mkdir(parents=True, exist_ok=True)
