@@ -1,9 +1,6 @@
 """Benchmark: sharded optimizer checkpoints (save, async save, load at the same and another world size,
 offline consolidate and reshard, training throughput), ours against PyTorch DCP + FSDP2 and the floors.
 
-    python -m benchmarks.checkpoint            # full run: 25M and 100M models, W = 1, 2, 4 (~25 min on 2 cores)
-    python -m benchmarks.checkpoint --quick    # smoke run: 5M model, W = 1, 2 (~2 min), into benchmarks/out/
-
 For each model, world sizes run one after another in fresh gloo jobs (``ckpt/job.py``'s ``run``, through ``spawn.campaign``); a job loads the
 checkpoints a job of another world size saved: W < max loads those of max W (saved first by a short
 job that only trains and saves), max W loads those of the next smaller W. Checkpoints live under a

@@ -1,9 +1,6 @@
 """Benchmark: whole-state checkpoints (weights + buffers + optimizer state), ``save_checkpoint`` / ``load_checkpoint``
 against the per-rank torch.save / torch.load floor, PyTorch DCP + FSDP2 and fairscale's full state dicts.
 
-    python -m benchmarks.whole_state            # 100M model, W = 2, 4 (~5-10 min on 2 cores)
-    python -m benchmarks.whole_state --quick    # smoke run: 5M model, W = 2, 4 (~1-2 min), into benchmarks/out/
-
 World sizes run one after another in fresh gloo jobs (``whole.job.run``), every rank a spawned process; each job
 loads the checkpoint a job of another world size saved (W < max loads max W's, saved first by a short job that
 only trains and saves; max W loads the next smaller W's) into the model at another FSDP nesting. Checkpoints

@@ -100,6 +100,7 @@ STORED = [
     ("benchmarks.ckpt.report", "checkpoint_100M_format2", "ckpt100M.png"),
     ("benchmarks.whole.report", "whole_state", None),
     ("benchmarks.storage.report", "storage", None),
+    ("benchmarks.gpu.report", "gpu_staging_small", None),
 ]
 
 
@@ -169,3 +170,25 @@ def test_no_copied_code_in_benchmarks() -> None:
         if not all(set(span) <= _data_lines(path) for path, span in sides):
             copied.append(row)
     assert not copied, f"duplicates finds copied code in benchmarks/: {copied}\n{out}"
+
+
+COMMAND = re.compile(r"python -m (benchmarks(?:\.\w+)+)(?: (\w+))?")
+
+
+def test_documented_commands_exist() -> None:
+    """Every ``python -m benchmarks.X`` in the docs, README, ARCHITECTURE.md, the CI scripts and the package's own
+    text names a runnable module of benchmarks/, and each ``benchmarks.memory OPERATION`` an operation it has."""
+    if str(ROOT) not in sys.path[:1]:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.memory.__main__ import OPERATIONS
+
+    texts = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *(ROOT / "docs").glob("*.md"), *(ROOT / ".ci").iterdir(), *(ROOT / "fsdp_optim").rglob("*.py")]
+    problems = []
+    for path in (p for p in texts if p.is_file()):
+        for module, word in COMMAND.findall(path.read_text()):
+            found = _module_file(ROOT, module)
+            if found is None or (found.name == "__init__.py" and not (found.parent / "__main__.py").exists()):
+                problems.append(f"{path.relative_to(ROOT)}: python -m {module}")
+            elif module == "benchmarks.memory" and word not in (*OPERATIONS, "all"):
+                problems.append(f"{path.relative_to(ROOT)}: python -m benchmarks.memory {word}")
+    assert not problems, f"documented benchmark commands that do not exist: {problems}"

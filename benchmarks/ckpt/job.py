@@ -2,7 +2,7 @@
 
 1. Build the model twice, as fsdp_optim's (fairscale) FSDP and as FSDP2, and train each the same Adam
    steps; take the references the checks compare with (our gathered full dict, DCP's full state dict).
-2. Saves, interleaved: the per-rank floor, ours (and ours async if the package has it), DCP, DCP async.
+2. Saves, interleaved: the per-rank floor, ours, ours async, DCP, DCP async.
    This job's sync checkpoints stay on disk for step 3 and, when ``publish_refs``, for a later job
    of another world size, with the references written beside them.
 3. Loads into fresh optimizers, interleaved: the floor, ours and DCP from this job's checkpoints and from
@@ -119,8 +119,6 @@ def _saves(cfg: JobConfig, ours: Any, fsdp2: Any, group: Any, refs: tuple[Any, A
     saves |= ckpt_ours.save_methods(*ours, same_dir=Path(own.ours), async_dir=work / "ours-async", reference=refs[0], probes=probes)
     saves |= ckpt_dcp.save_methods(*fsdp2, same_dir=Path(own.dcp), async_dir=work / "dcp-async", group=group, reference=refs[1], probes=probes)
     results = cfg.measure(saves, probes)
-    if ckpt_ours.async_save_api() is None:
-        results["ours_async"] = NotAvailable(f"fsdp_optim has no {ckpt_ours.ASYNC_NAME} (yet)")
     publish({cfg.own.ref_ours: refs[0], cfg.own.ref_dcp: refs[1]} if cfg.publish_refs else {})
     if rank == 0:
         for name, path in (("floor_save", work / "floor"), ("ours_save", Path(own.ours)), ("dcp_save", Path(own.dcp)), ("ours_async", work / "ours-async"), ("dcp_async", work / "dcp-async")):
@@ -136,8 +134,6 @@ def _train(cfg: JobConfig, ours: Any, fsdp2: Any, group: Any, results: dict[str,
     work = Path(cfg.work)
     assert cfg.train is not None, "_train without a training configuration"
     trained = cfg.measure(ckpt_train.methods(cfg.train, cfg.model, ours, fsdp2, work=work, group=group), warmup=0, repeats=cfg.train.repeats)
-    if ckpt_ours.async_save_api() is None:
-        trained["train_ours_async"] = results["ours_async"]
     if dist.get_rank() == 0:
         for name in ("train-ours", "train-ours-async", "train-dcp", "train-dcp-async"):
             if (work / name).exists():

@@ -1,7 +1,7 @@
 """Our checkpoint paths as ``Method``s, through ``fsdp_optim``'s public API only.
 
 - ``ours_save``: ``save_sharded_optim_state(fsdp, optim, dir)``;
-- ``ours_async``: ``async_save_sharded_optim_state(fsdp, optim, dir)`` when the package has it (timed:
+- ``ours_async``: ``async_save_sharded_optim_state(fsdp, optim, dir)`` (timed:
   the blocking call; recorded: the time until ``handle.wait()`` returns, the checkpoint durable);
 - ``ours_load_same`` / ``ours_load_other``: ``load_sharded_optim_state`` into a fresh Adam from the
   checkpoint this job saved, and from one saved by a job of another world size;
@@ -16,7 +16,6 @@ other job's gathered dict (``get_shard_from_optim_state_dict``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,6 @@ import fsdp_optim
 from ..measure import Method
 from ..peak import save_durably
 from .common import Loads, Probes, difference, fresh_load_methods, measured_and_removed, wrong
-
-ASYNC_NAME = "async_save_sharded_optim_state"
-
-
-def async_save_api() -> Callable[..., Any] | None:
-    """The package's asynchronous save, if another developer has added it yet."""
-    return getattr(fsdp_optim, ASYNC_NAME, None)
 
 
 def _saved_matches(directory: Path, reference: dict[str, Any] | None, *, any_world_size: bool = False) -> str:
@@ -64,14 +56,12 @@ def save_methods(
             lambda _: _saved_matches(same_dir, reference),
         )
     }
-    async_save = async_save_api()
-    if async_save is not None:
-        methods["ours_async"] = probes.wrap(
-            "ours_async",
-            Method(lambda: async_save(model, optim, async_dir)),
-            lambda _: _saved_matches(async_dir, reference),
-            durable=lambda handle: handle.wait(),
-        )
+    methods["ours_async"] = probes.wrap(
+        "ours_async",
+        Method(lambda: fsdp_optim.async_save_sharded_optim_state(model, optim, async_dir)),
+        lambda _: _saved_matches(async_dir, reference),
+        durable=lambda handle: handle.wait(),
+    )
     return methods
 
 

@@ -26,7 +26,6 @@ import fsdp_optim
 from .. import models
 from ..measure import Method
 from . import dcp as ckpt_dcp
-from . import ours as ckpt_ours
 
 VARIANTS = ("train_ours_none", "train_ours_sync", "train_ours_async", "train_dcp_none", "train_dcp_sync", "train_dcp_async")
 
@@ -96,11 +95,9 @@ def methods(
         "train_ours_none": variant(ours, None),
         "train_ours_sync": variant(ours, lambda m, o: fsdp_optim.save_sharded_optim_state(m, o, work / "train-ours")),
     }
-    async_save = ckpt_ours.async_save_api()
-    if async_save is not None:
-        out["train_ours_async"] = variant(
-            ours, lambda m, o: async_save(m, o, work / "train-ours-async"), lambda handle: handle.wait()
-        )
+    out["train_ours_async"] = variant(
+        ours, lambda m, o: fsdp_optim.async_save_sharded_optim_state(m, o, work / "train-ours-async"), lambda handle: handle.wait()
+    )
     out["train_dcp_none"] = variant(fsdp2, None)
     out["train_dcp_sync"] = variant(fsdp2, lambda m, o: ckpt_dcp.save(m, o, work / "train-dcp"))
     out["train_dcp_async"] = variant(

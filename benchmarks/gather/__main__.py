@@ -1,8 +1,5 @@
 """Benchmark: gathering sharded Adam state into one full dict, per world size, against peers and floors.
 
-    python -m benchmarks.gather            # full run: 25M and 100M models, W = 1, 2, 3, 4, 8 (~25 min on 2 cores)
-    python -m benchmarks.gather --quick    # smoke run: 5M model, W = 1, 2, 4 (~1 min), into benchmarks/out/
-
 For every (model, world size) it spawns fresh ranks (gloo on CPU, NCCL when CUDA is present), trains the
 model a few Adam steps under each framework, then times every method (see ``peers`` and ``floors``) and
 writes ``<out>/<name>.md``, ``.json`` and ``.png``. Ratios are to the fresh-memory point-to-point floor.

@@ -62,13 +62,6 @@ def dcp_model(config: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
     return net, optim
 
 
-def state_bytes(optim: torch.optim.Optimizer, model: nn.Module) -> int:
-    tensors = [p for p in model.parameters()] + [
-        v for s in optim.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
-    ]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def sync(config: Config) -> None:
     if config.on_gpu:
         torch.cuda.synchronize()

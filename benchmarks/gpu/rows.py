@@ -18,11 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import fsdp_optim
 from benchmarks.gpu.models import Config, sync
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from benchmarks.peak import measured
 
 
 class Tally:
@@ -45,14 +41,13 @@ class Tally:
 
 
 def watched(tally: Tally, row: str, warm: bool, config: Config, fn: Callable[[], Any]) -> Any:
-    """``fn()`` timed (synchronized), with host RSS growth and GPU memory growth (peak over the start) tallied."""
+    """``fn()`` timed (synchronized), with its peak host RSS growth (``peak.measured``) and GPU memory growth (peak
+    over the start) tallied."""
     sync(config)
-    host, gpu = rss(), _gpu_start(config)
-    start = time.perf_counter()
-    result = fn()
-    sync(config)
-    tally.add(row, time.perf_counter() - start, warm)
-    tally.grew(f"{row}: host RSS", rss() - host, warm)
+    gpu = _gpu_start(config)
+    seconds, host, result = measured(lambda: (fn(), sync(config))[0])
+    tally.add(row, seconds, warm)
+    tally.grew(f"{row}: host RSS", host, warm)
     if config.on_gpu:
         tally.grew(f"{row}: GPU memory", torch.cuda.max_memory_allocated() - gpu, warm)
     return result

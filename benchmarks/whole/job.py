@@ -2,9 +2,9 @@
 
 1. Build the model twice, as fsdp_optim's (fairscale) FSDP with a unit per block and as FSDP2, and train each
    the same Adam steps; build it a third time at another nesting (a unit per Linear) for the other-W load.
-2. Saves, interleaved: the per-rank floor, ``save_checkpoint`` (and an async whole-state save if the package has
-   one), DCP save and DCP async_save of ``get_state_dict``. This job's checkpoint stays on disk for step 4 and,
-   when ``publish_ref``, for a later job of another world size, with a reference beside it.
+2. Saves, interleaved: the per-rank floor, ``save_checkpoint``, ``async_save_checkpoint``, DCP save and DCP
+   async_save of ``get_state_dict``. This job's checkpoint stays on disk for step 4 and, when ``publish_ref``, for a
+   later job of another world size, with a reference beside it.
 3. fairscale's full ``state_dict()`` save (few calls, for its peak RSS).
 4. Loads, interleaved: the floor, ``load_checkpoint`` from this job's checkpoint, DCP load + ``set_state_dict``,
    and ``load_checkpoint`` from another world size's checkpoint into the other nesting.
@@ -81,8 +81,6 @@ def run(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | None:
     saves |= ours.save_methods(model, optim, directory=checkpoint, async_dir=dirs["whole-async"], probes=probes)
     saves |= whole_dcp.save_methods(*fsdp2, where=whole_dcp.location(dirs["dcp"]), async_dir=dirs["dcp-async"], group=group, probes=probes)
     results |= cfg.measure(saves, probes, **fast)
-    if ours.async_save_api() is None:
-        results["whole_async"] = NotAvailable(f"not measured: fsdp_optim has no {ours.ASYNC_NAME} (async whole-state save) yet")
     results |= cfg.measure(fullsd.save_methods(model, optim, path=full_file), Probes(), **slow)
     publish({cfg.own.reference: ours.reference(model, optim)} if cfg.publish_ref else {})
     timings["saves_s"] = time.perf_counter() - phase

@@ -1,7 +1,7 @@
 """The whole-state checkpoint, as ``Method``s, through ``fsdp_optim``'s public API only.
 
 - ``whole_save``: ``save_checkpoint(model, optim, dir)`` (weights, buffers, optimizer state; durable, manifest last);
-- ``whole_async``: ``async_save_checkpoint(model, optim, dir)`` when the package has it (``ASYNC_NAME``); timed:
+- ``whole_async``: ``async_save_checkpoint(model, optim, dir)``; timed:
   the blocking call, recorded: the time until its handle's ``wait()`` returns (the checkpoint durable, committed);
 - ``whole_load_same``: ``load_checkpoint(model, fresh_adam, dir)`` from this job's checkpoint;
 - ``whole_load_other``: the same from a checkpoint a job of another world size saved, into the same model at
@@ -15,7 +15,6 @@ weights (``state_dict()``, a collective) and, cut for this rank, its full optimi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +27,6 @@ from ..ckpt.common import Probes, difference, wrong
 from ..measure import Method
 from .fresh import load_method, same_as, snapshot
 
-ASYNC_NAME = "async_save_checkpoint"
-
-
-def async_save_api() -> Callable[..., Any] | None:
-    """The package's asynchronous whole-state save, if another developer has added it yet."""
-    return getattr(fsdp_optim, ASYNC_NAME, None)
-
 
 def reference(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """A collective: the full weights (every rank) and the full optimizer state (rank 0) the checks compare with."""
@@ -43,11 +35,9 @@ def reference(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
 
 def save_methods(model: nn.Module, optim: torch.optim.Optimizer, *, directory: Path, async_dir: Path, probes: Probes) -> dict[str, Method]:
     methods = {"whole_save": Method(lambda: fsdp_optim.save_checkpoint(model, optim, directory))}
-    async_save = async_save_api()
-    if async_save is not None:
-        methods["whole_async"] = probes.wrap(
-            "whole_async", Method(lambda: async_save(model, optim, async_dir)), durable=lambda handle: handle.wait()
-        )
+    methods["whole_async"] = probes.wrap(
+        "whole_async", Method(lambda: fsdp_optim.async_save_checkpoint(model, optim, async_dir)), durable=lambda handle: handle.wait()
+    )
     return methods
 
 

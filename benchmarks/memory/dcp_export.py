@@ -1,46 +1,26 @@
-"""Export to PyTorch DCP: files written, time and peak memory of ``to_dcp`` against the old writer and ``dcp.save``.
+"""Export to PyTorch DCP (``python -m benchmarks.memory dcp_export``): files written, time and peak memory of ``to_dcp``.
 
-    python -m benchmarks.dcp_export [--layers N] [--repeat R] [--workdir DIR] [--json FILE]
-
-A synthetic Adam state (``LAYERS`` parameters of ``DIM x DIM`` fp32, each with ``exp_avg``, ``exp_avg_sq`` and a
-0-dim ``step``: 24 x 2048^2 = 100.7M parameters, 768 MiB of state, largest tensor 16 MiB) is written once as a
-full dict file and resharded into our sharded checkpoint at world size 2, the export's source. Each row then
-runs in a fresh interpreter, rows interleaved over ``--repeat`` rounds: after imports, ``gc`` + ``malloc_trim``
-and a peak-RSS reset (``5`` into ``/proc/self/clear_refs``), it runs once; reported are the median wall time
-and the median and largest VmHWM minus the VmRSS before it (mapped pages of the source that were touched count too).
-
-Rows:
-
-- ``to_dcp`` (ours): one data file, each tensor made from the source when the writer asks, appended, dropped.
-- ``per-tensor writer``: what ``to_dcp`` did before, reproduced here: the same lazy planner and staging, through
-  DCP's ``FileSystemWriter(single_file_per_rank=False)`` (one file per item).
-- ``torch one-file writer``: the same lazy planner through ``FileSystemWriter(single_file_per_rank=True)``:
-  why the old path needed a file per tensor (DCP's writer keeps every tensor of a file until it closes it).
-- ``read only (floor)``: the export's reading alone: open the source, make every tensor as ``to_dcp`` does and
-  drop it, write nothing. Any writer's memory and time sit on top of this.
-- ``dcp.save`` (the peer): the same state as a named dict already in memory (loaded untimed, growth counted
-  from there), saved by ``dcp.save`` with its defaults (one file per rank).
-
-Targets: ours grows by at most the largest tensor + 64 MiB (the source's mapping bound), the writer adds at most
-8 MiB to the reading floor, and it takes no longer than the per-tensor writer. Peak growth varies between runs of the
-same row (mapped pages of the source count in RSS as the kernel maps them; the allocator's reuse of freed
-blocks): the table shows the median and the largest over the rounds; the floor comparison uses medians.
+A synthetic Adam state (``LAYERS`` x ``DIM``^2 fp32, 768 MiB, largest tensor 16 MiB), resharded into our sharded
+checkpoint at W=2, is the source. Each row runs in a fresh interpreter, rows rotated over the rounds: ``to_dcp``
+(ours: one data file); the ``per-tensor writer`` it replaced (the same lazy planner through DCP's
+``FileSystemWriter``, a file per item); ``torch one-file writer`` (the same, one file per rank: it keeps every
+tensor of a file until it closes it); ``read only (floor)`` (every tensor made and dropped, nothing written); and
+``dcp.save`` of the state already in memory. Targets: growth <= largest tensor + 64 MiB (the source's mapping
+bound), <= the reading floor's + 8 MiB, time <= the per-tensor writer's, 2 files.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import shutil
 import statistics
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
-from .peak import MiB, adam_full_dict, fresh, layers, measured, reply
+from ..peak import MiB, adam_full_dict, fresh, layers, measured
 
 LAYERS, DIM = 24, 2048
 OPS = ["to_dcp (ours)", "per-tensor writer", "torch one-file writer", "dcp.save (peer)", "read only (floor)"]
@@ -95,8 +75,11 @@ def _read_only(source: Path) -> None:
             make_tensor()
 
 
-def _measure(op: str, work: str) -> None:
-    """Runs in a fresh interpreter (``fresh``): one JSON line."""
+def measure(op: str, work: str, count: str = "") -> dict[str, Any]:
+    """One row (or ``make``: the sources, in a process of its own: it holds the whole dict), in a fresh interpreter."""
+    if op == "make":
+        make(Path(work), int(count))
+        return {"op": op}
     import torch
     import torch.distributed.checkpoint as dist_cp
 
@@ -119,7 +102,7 @@ def _measure(op: str, work: str) -> None:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     seconds, growth, _ = measured(operations[op])
     files = sorted(os.listdir(out)) if out.exists() else []
-    reply(op=op, seconds=seconds, peak_growth=growth, files=len(files), bytes=sum((out / name).stat().st_size for name in files))
+    return {"op": op, "seconds": seconds, "peak_growth": growth, "files": len(files), "bytes": sum((out / n).stat().st_size for n in files)}
 
 
 def _summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -151,32 +134,13 @@ def _print(rows: dict[str, dict[str, Any]], count: int, largest: int, state_byte
     return targets
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=LAYERS)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--measure", nargs="+", metavar="OP DIR", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.measure and args.measure[0] == "make":  # in a process of its own: it holds the whole dict
-        make(Path(args.measure[1]), int(args.measure[2]))
-        return reply(op="make")
-    if args.measure:
-        return _measure(*args.measure)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="dcp_export_"))
-    work.mkdir(parents=True, exist_ok=True)
+def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    count, repeat = args.layers or (2 if args.small else LAYERS), args.repeat or (1 if args.small else 3)
     if not (work / "ckpt").exists():
-        fresh("benchmarks.dcp_export", "make", work, args.layers)
-    runs = [fresh("benchmarks.dcp_export", OPS[(i + r) % len(OPS)], work) for r in range(args.repeat) for i in range(len(OPS))]  # the order rotates
+        fresh("benchmarks.memory", "dcp_export", "make", work, count)
+    runs = [fresh("benchmarks.memory", "dcp_export", OPS[(i + r) % len(OPS)], work) for r in range(repeat) for i in range(len(OPS))]  # the order rotates
     largest = DIM * DIM * 4
-    state_bytes = args.layers * (2 * largest + 4)
+    state_bytes = count * (2 * largest + 4)
     rows = _summarize(runs)
-    targets = _print(rows, args.layers, largest, state_bytes)
-    if args.json:
-        report = {"layers": args.layers, "dim": DIM, "state_bytes": state_bytes, "largest_tensor": largest, "repeat": args.repeat, "rows": rows, "targets": targets}
-        Path(args.json).write_text(json.dumps(report, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    targets = _print(rows, count, largest, state_bytes)
+    return {"layers": count, "dim": DIM, "state_bytes": state_bytes, "largest_tensor": largest, "repeat": repeat, "rows": rows, "targets": targets}

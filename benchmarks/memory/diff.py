@@ -1,37 +1,22 @@
-"""``diff`` against reading both sources: what comparing costs on top of the reading it cannot avoid.
+"""``diff`` against reading both sources (``python -m benchmarks.memory diff``): what comparing costs on top of the
+reading it cannot avoid.
 
-    python -m benchmarks.diff [--layers N] [--dim D] [--repeat R] [--threads T] [--workdir DIR] [--json FILE]
-
-A synthetic Adam state (``LAYERS`` parameters of ``DIM x DIM`` fp32 with ``exp_avg``, ``exp_avg_sq`` and a 0-dim
-``step``: 32 x 1024^2 = 33.6M parameters, 256 MiB of state per source) is written as a full dict, then offline
-as three sources of the same state: ``a``, a sharded checkpoint at world size 4 with two layers per FSDP unit;
-``b``, a sharded checkpoint at world size 3 with one layer per unit; ``named``, a named safetensors file; and
-``b_off``, ``b`` with every ``exp_avg_sq`` element one ULP up (every tensor differs: the slow path).
-
-Rows, each timed ``--repeat`` times after one untimed warm-up round (the page cache warm), interleaved, median
-reported, with the peak RSS growth of the last run:
-
-- ``read a + b``: the floor: both sources opened and planned as ``diff`` does, every (parameter, key) tensor of
-  each made (one of each side at a time, as ``diff`` makes them) and dropped, nothing compared;
-- ``diff a b``: ``fsdp_optim.diff`` of the same pair; the ratio is the row over its floor.
-
-``--threads`` (default 1) sets torch's intra-op threads for both rows: on a small shared machine, threads that
-wait for each other at every parallel region make timings of either row mostly noise.
-
-Target: ``diff`` of equal sources <= 1.2 x its floor. The pairs: ``a`` / ``b`` (equal), ``a`` / ``named`` (equal)
-and ``a`` / ``b_off`` (every tensor different).
+A synthetic Adam state (``LAYERS`` x ``DIM``^2 fp32: 256 MiB per source), written offline as ``a`` (sharded, W=4,
+two layers per unit), ``b`` (sharded, W=3, one layer per unit), ``named.safetensors`` and ``b_off`` (``b`` with
+every ``exp_avg_sq`` element one ULP up: the slow path). Rows, in this process with one torch thread, timed
+``--repeat`` times after a warm-up round, interleaved, median (peak RSS growth of the last run): ``read a b`` (the
+floor: every tensor of both made as ``diff`` makes them and dropped) and ``diff a b``. Target: ``diff`` of equal
+sources <= 1.2x its floor.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from .peak import MiB, adam_full_dict, layers, measured
+from ..peak import MiB, adam_full_dict, layers, measured
 
 LAYERS, DIM, REPEAT = 32, 1024, 5
 
@@ -115,35 +100,19 @@ def _run(work: Path, repeat: int) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=LAYERS)
-    parser.add_argument("--dim", type=int, default=DIM)
-    parser.add_argument("--repeat", type=int, default=REPEAT)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(args.threads)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="diff_bench_"))
-    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # on a small shared machine, threads waiting for each other make either row noise
+    count, repeat = args.layers or (2 if args.small else LAYERS), args.repeat or (1 if args.small else REPEAT)
     if not (work / "b_off").exists():
-        _make(work, args.layers, args.dim)
-    rows = _run(work, args.repeat)
-    params = args.layers * args.dim * args.dim
-    state = params * 2 * 4
-    print(f"state: {args.layers} params of {args.dim}x{args.dim} fp32 ({params / 1e6:.1f}M), Adam: "
-          f"{state / MiB:,.0f} MiB per source; largest tensor {args.dim * args.dim * 4 / MiB:.0f} MiB; "
-          f"median of {args.repeat}, {args.threads} torch thread(s)")  # fmt: skip
+        _make(work, count, DIM)
+    rows = _run(work, repeat)
+    params = count * DIM * DIM
+    print(f"state: {count} params of {DIM}x{DIM} fp32 ({params / 1e6:.1f}M), Adam: {params * 8 / MiB:,.0f} MiB per source; "
+          f"largest tensor {DIM * DIM * 4 / MiB:.0f} MiB; median of {repeat}, 1 torch thread(s)")  # fmt: skip
     print(f"{'pair':<24} {'equal':>6} {'read s':>8} {'diff s':>8} {'ratio':>6} {'read peak MiB':>14} {'diff peak MiB':>14}")
     for r in rows:
         print(f"{r['pair']:<24} {r['equal']!s:>6} {r['read_s']:>8.3f} {r['diff_s']:>8.3f} {r['ratio']:>6.2f} "
               f"{r['read_peak'] / MiB:>14.0f} {r['diff_peak'] / MiB:>14.0f}")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps({"layers": args.layers, "dim": args.dim, "threads": args.threads, "rows": rows}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return {"layers": count, "dim": DIM, "threads": 1, "rows": rows}
