@@ -137,7 +137,7 @@ def test_a_kill_mid_upload_leaves_a_loadable_checkpoint(tmp_path, delay: float) 
 
 def _deferred_copy_job(rank: int, world_size: int, out: str) -> dict:
     """The copy into host memory runs after the call returns; the next step (or load_state_dict) waits for it."""
-    from fsdp_optim.job.stager import Staging
+    from fsdp_optim.job.staging import Staging
 
     root, optim = _setup(rank, world_size)
     real = Staging.copy

@@ -13,7 +13,8 @@ import torch
 from fsdp_optim.core.checksums import ChunkHasher, chunk_digests
 from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
 from fsdp_optim.job import stager
-from fsdp_optim.job.stager import HostCopier, Ring, Staged, Staging
+from fsdp_optim.job.stager import HostCopier, Ring
+from fsdp_optim.job.staging import Staged, Staging, ready_events
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies from GPU memory)")
 
@@ -182,7 +183,7 @@ def test_gpu_async_staging_copies_the_state_at_the_call_and_the_step_waits_on_th
     torch.cuda._sleep(100_000_000)  # a long kernel on the caller's stream: what comes after it is still queued
     live.fill_(1.0)  # the state at the call, not yet computed when the save is called
     done, copies = Staged(), []
-    ready = stager.ready_events(state)  # the caller's thread, at the call
+    ready = ready_events(state)  # the caller's thread, at the call
     thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, done)))
     thread.start()
     done.before_change()  # what optim.step() does first: returns once enqueued; its stream waits on the GPU
@@ -192,7 +193,7 @@ def test_gpu_async_staging_copies_the_state_at_the_call_and_the_step_waits_on_th
     (copied,) = copies
     assert copied[0]["exp_avg"].is_pinned()
     assert torch.all(copied[0]["exp_avg"] == 1.0), "the copy holds the state as it was at the call"
-    again = staging.copy(state, stager.ready_events(state), Staged())
+    again = staging.copy(state, ready_events(state), Staged())
     assert again[0]["exp_avg"].data_ptr() == copied[0]["exp_avg"].data_ptr(), "the next save reuses the arena"
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.job.stager import before_change, upload
+from fsdp_optim.job.stager import upload
+from fsdp_optim.job.staging import before_change
 
 __all__ = ["into_live", "optimizer_state_on_device"]
 

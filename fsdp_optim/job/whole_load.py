@@ -30,7 +30,7 @@ from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, verify_root
-from fsdp_optim.job.stager import before_change
+from fsdp_optim.job.staging import before_change
 from fsdp_optim.job.transport import agree
 
 __all__ = ["LOAD_WINDOW_BYTES", "LoadPlans", "commit_load", "load_checkpoint", "plan_load", "stage_load"]
