@@ -106,7 +106,7 @@ class AsyncSave:
 
 class _StepGuard:
     """Pre-hooks on one optimizer's ``step`` and ``load_state_dict``: the last async save's copy of its state comes
-    first (:func:`fsdp_optim.job.stager.before_change`; loads call it too)."""
+    first (:func:`fsdp_optim.job.staging.before_change`; loads call it too)."""
 
     def __init__(self, optim: torch.optim.Optimizer) -> None:
         optim.register_step_pre_hook(self._before_step)
