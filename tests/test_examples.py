@@ -29,7 +29,7 @@ def test_memory_tier_recovery_default_size() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.splitlines()
-    assert "W=1: restored step 7 from memory" in lines and "W=1: trained to step 10" in lines, done.stdout
+    assert "W=1: restored step 7 from the memory tier" in lines and "W=1: trained to step 10" in lines, done.stdout
     assert any(line.startswith("phase 1 ended: process 1 terminated with signal SIGKILL") for line in lines), lines
 
 
