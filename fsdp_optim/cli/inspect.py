@@ -208,6 +208,8 @@ def _inspect(args: argparse.Namespace) -> list[str]:
                 out += _inspect_training(opened.checkpoint)
         elif opened.named is not None:
             out += _inspect_named(opened.named)
+        elif opened.whole_file is not None:
+            out += _inspect_whole_file(opened.whole_file)
         elif opened.kind is Kind.RANK_FILE and opened.raw is None:  # format 2: a safetensors rank file
             from fsdp_optim.formats.sharded.rank_file import describe_rank_file
 
@@ -259,6 +261,28 @@ def _inspect_training(ckpt: Any) -> list[str]:
     for shown, ranks in by_keys.items():
         which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks_text(ranks)}"
         out.append(f"extra of {which}: {shown}")
+    return out
+
+
+def _inspect_whole_file(whole: Any) -> list[str]:
+    """consolidate's file of a whole checkpoint: its optimizer as a full dict's summary, then the model and extra."""
+    out: list[str] = []
+    if whole.optimizer is not None:
+        _inspect_full(whole.optimizer, out, native=False)
+        out[0] = "format: consolidated whole checkpoint file ({'model', 'optimizer', 'extra'}; optimizer: full dict)"
+    else:
+        out += ["format: consolidated whole checkpoint file ({'model', 'optimizer', 'extra'}; saved without an "
+                "optimizer)"]  # fmt: skip
+    info = whole.summary()
+    tied = ", ".join(f"{a} -> {b}" for a, b in whole.aliases)
+    what = "params" if whole.optimizer is not None else "tensors (params and buffers: no optimizer names them)"
+    out += [
+        f"model: {info['params']} {what}{f' + {len(whole.aliases)} tied names ({tied})' if tied else ''}, weights "
+        f"{human_bytes(info['weight_bytes'])} ({', '.join(info['weight_dtypes']) or '-'})",
+        f"buffers: {len(whole.buffers)} ({', '.join(whole.buffers) or '-'})",
+        f"extra: {', '.join(info['extra_keys']) or '-'}" if info["extra_keys"] is not None else
+        f"extra: a {info['extra_type']}",
+    ]  # fmt: skip
     return out
 
 

@@ -53,6 +53,8 @@ def run_consolidate(args: argparse.Namespace) -> list[str]:
 
     with _open(args, args.directory) as opened, progress_bar("consolidate") as progress:
         shards = opened.kind is Kind.SHARD_SET
+        if opened.whole_file is not None:  # consolidate's own output, written again (or its optimizer alone)
+            return _consolidate_whole_file(opened, args)
         whole = is_whole(opened.checkpoint)
         if (args.with_model or args.no_model) and not (shards or whole):
             flag = "--with-model" if args.with_model else "--no-model"
@@ -91,6 +93,16 @@ def _consolidate_whole(opened: Any, args: argparse.Namespace, progress: Callable
         f"{_count(len(whole.buffers), 'buffer')}; "
         f"optimizer {optim}; extra of rank {whole.rank}; {human_bytes(size)}"
     ]
+
+
+def _consolidate_whole_file(opened: Any, args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.staged import write_file
+    from fsdp_optim.offline.operations import whole_file_state
+
+    out = whole_file_state(opened, rank=args.rank, with_model=False if args.no_model else None)
+    size = write_file(out, args.output, inputs=(args.directory, args.layout))
+    what = "the optimizer's full dict" if args.no_model else "{'model', 'optimizer', 'extra'}"
+    return [f"wrote {args.output}: {what} of {opened.label}, {human_bytes(size)}"]
 
 
 def run_reshard(args: argparse.Namespace) -> list[str]:

@@ -51,8 +51,9 @@ from fsdp_optim.offline.whole import (
     whole_model,
     whole_state,
 )
+from fsdp_optim.offline.whole_file import reshard_whole_file
 
-__all__ = ["consolidate", "load_full_file", "optimizer_of", "reshard", "resolve_layout"]
+__all__ = ["consolidate", "load_full_file", "optimizer_of", "reshard", "resolve_layout", "whole_file_state"]
 
 Progress = Callable[[], None] | None  # called once per FSDP unit done (the CLI draws a bar with it)
 # A block re-cut holds a group's source and output rank files in memory: at most this much (else unit by unit).
@@ -106,6 +107,8 @@ def consolidate(
     with open_source(
         path, layout=layout, optimizer=optimizer, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as opened:
+        if opened.whole_file is not None:  # consolidate's own output: given back as it was read
+            return whole_file_state(opened, rank=rank, with_model=with_model)
         if is_whole(opened.checkpoint) and with_model is not False:
             assert opened.checkpoint is not None, "is_whole() holds for an opened checkpoint only"
             model = whole_model(opened.checkpoint, rank=rank, progress=progress)
@@ -114,6 +117,21 @@ def consolidate(
         if with_model is not None and not is_whole(opened.checkpoint):
             raise ValueError(f"with_model: {opened.label} holds no model weights (not a whole checkpoint)")
         return full_state(opened, progress=progress)
+
+
+def whole_file_state(opened: Opened, *, rank: int | None, with_model: bool | None) -> dict[str, Any]:
+    """A consolidated whole checkpoint file's content (each tensor new memory; tied names one tensor), or with
+    ``with_model=False`` its optimizer's full dict."""
+    whole = opened.whole_file
+    assert whole is not None, "called for a whole checkpoint file only"
+    if rank is not None:
+        raise ValueError(f"rank: {opened.label} holds one rank's extra (a consolidated file): no rank to choose")
+    if with_model is False:
+        if whole.optimizer is None:
+            raise ValueError(f"with_model: {opened.label} was saved without an optimizer: the model is all it holds")
+        return dict(clone_value(whole.optimizer))
+    # One deep copy of the three: a tied parameter stays one tensor under both names.
+    return dict(clone_value({"model": dict(whole.model), "optimizer": whole.optimizer, "extra": whole.extra}))
 
 
 def optimizer_of(opened: Opened, progress: Progress) -> dict[str, Any] | None:
@@ -132,6 +150,8 @@ def full_state(
         return out if fairseq_checkpoint else out[OPTIM_KEY]
     if opened.named is not None:  # a named safetensors file: the dict it was written from
         return opened.named.full_state()
+    if opened.whole_file is not None:  # consolidate's file of a whole checkpoint: its optimizer
+        return whole_file_state(opened, rank=None, with_model=False)
     if opened.kind is not Kind.SHARDED and opened.kind is not Kind.NATIVE:
         raise ValueError(_nothing_to_consolidate(opened))
     if opened.kind is Kind.NATIVE and opened.full is not None:
@@ -280,6 +300,9 @@ def reshard_opened(
         return _reshard_sharded(opened, given, world_size, out, progress, overwrite, replace_existing, after_file)
     if opened.kind is Kind.NATIVE:
         layout = opened.layout
+    if opened.whole_file is not None and layout is not None:  # weights, optimizer, buffers and extra: a whole one
+        return reshard_whole_file(opened.whole_file, world_size, out, layout, given=given, progress=progress,
+                                  overwrite=overwrite, replace_existing=replace_existing, after_file=after_file)
     if layout is None or opened.source is None:
         raise ValueError(
             f"layout: resharding a {opened.kind.value} ({opened.label}) needs the model's layout: {NEEDS_LAYOUT}"

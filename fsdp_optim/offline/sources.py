@@ -11,6 +11,7 @@ one table.
     fairscale-native dict       fairscale's own gather output (ids, no names)    required      checked
     fairseq/metaseq shard set   use_sharded_state files (..-shard<r>.pt)         param order   checked
     named safetensors file      to_safetensors' file (<name>/<key> tensors)      target only   refused
+    whole checkpoint file       consolidate's {'model', 'optimizer', 'extra'}    target only   refused
     name-keyed dict, DCP dir    what convert --to named / --to dcp write         inspect only
                                 (reshard keeps the set's own order and optimizer: both refused there)
 
@@ -57,6 +58,7 @@ from fsdp_optim.formats.sharded.reader import (
     is_sharded_checkpoint,
     read_manifest,
 )
+from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.fairseq import ShardSet
 from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
 
@@ -64,11 +66,15 @@ __all__ = ["Kind", "Opened", "detect", "open_source"]
 
 
 # kind -> (what --layout means for it, whether --optimizer applies); see the module docstring.
-_LAYOUT = {Kind.FULL: "target", Kind.NAMED: "target", Kind.NATIVE: "required", Kind.SHARD_SET: "order"}
+_LAYOUT = {
+    Kind.FULL: "target", Kind.NAMED: "target", Kind.WHOLE_FILE: "target", Kind.NATIVE: "required",
+    Kind.SHARD_SET: "order",
+}  # fmt: skip
 _OPTIMIZER = {Kind.NATIVE, Kind.SHARD_SET}
 _LAYOUT_USE = (
     "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
-    "(the model's parameter order) and, for reshard, a full dict (the target's units)"
+    "(the model's parameter order) and, for reshard, a full dict or a consolidated whole checkpoint file (the "
+    "target's units)"
 )
 _WRITTEN_ONLY = {  # what our own writers make for other tools to load: inspect reads them, no verb converts them
     Kind.NAMED_DICT: "load it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or convert the "
@@ -93,6 +99,7 @@ class Opened:
     shards: fairseq_shards.ShardSet | None = None
     checkpoint: ShardedCheckpoint | None = None
     named: NamedSafetensors | None = None
+    whole_file: WholeFile | None = None
     raw: Any = None  # the loaded object of a file (a dict: the dict itself)
 
 
@@ -216,6 +223,12 @@ def _open_loaded(kind: Kind, label: str, obj: Any, given: Any, layout: Any, opti
     if kind in (Kind.LAYOUT, Kind.RANK_FILE):
         manifest = read_manifest(given) if kind is Kind.LAYOUT else None
         return Opened(kind, label, manifest=manifest, raw=obj)
+    if kind is Kind.WHOLE_FILE:
+        whole = WholeFile.of(obj, label)
+        if whole.optimizer is not None:
+            check_full_dict(whole.optimizer, f"{label}['optimizer']")
+            check_state_dict(whole.optimizer, f"{label}['optimizer']", in_memory=isinstance(given, Mapping))
+        return Opened(kind, label, whole.source(), None, whole.params, full=whole.optimizer, whole_file=whole, raw=obj)
     if kind is Kind.NATIVE:
         model = resolve_layout(layout)
         check_optimizer_name(optimizer, _native_keys(obj), where=f"optimizer: {label}")

@@ -11,8 +11,8 @@
 - a named safetensors file of ours (``to_safetensors``, ``convert --to safetensors``): its header and
   document, then every tensor's chunk checksums and whole digest;
 - a layout file (JSON, ``save_layout``): its manifest checks (its own checksum);
-- any other file (a full dict, a fairscale-native dict, a format-1 layout file): its zip records' CRC-32 and
-  the reading gate of :mod:`fsdp_optim.disk.untrusted`.
+- any other file (a full dict, a fairscale-native dict, consolidate's file of a whole checkpoint, a format-1 layout
+  file): its zip records' CRC-32 and the reading gate of :mod:`fsdp_optim.disk.untrusted`.
 
 The kind of a file comes from :func:`fsdp_optim.formats.kinds.sniff_kind` (names and first bytes), as
 :func:`~fsdp_optim.formats.kinds.detect` decides it. A safetensors rank file alone is refused (``ValueError``):
@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
@@ -41,6 +42,7 @@ from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
+from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 from fsdp_optim.offline.deep import Finding, deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
 
@@ -93,8 +95,18 @@ def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) 
         return Verification(file, kind.value, (check_file(file, _read_named, zipped=False),))
     if kind is Kind.LAYOUT:
         return Verification(file, kind.value, (check_file(file, _read_layout, zipped=False),))
-    check = check_file(file, lambda p: load_file(p, mmap=True))
-    return Verification(file, "file", (check,))
+    found: list[str] = []
+    check = check_file(file, partial(_read_torch, found=found))
+    return Verification(file, found[0] if found else "file", (check,))
+
+
+def _read_torch(path: Path, *, found: list[str]) -> str:
+    """A torch file through the reading gate (a tied parameter of consolidate's whole file read once); what it
+    holds goes to ``found`` (consolidate's file of a whole checkpoint, or a file)."""
+    obj = load_file(path, mmap=True, tied=TIED_KEY)
+    found.append(Kind.WHOLE_FILE.value if is_whole_file(obj) else "file")
+    return ""
+
 
 
 def _read_named(path: Path) -> str:
