@@ -125,3 +125,16 @@ def _load_all_or_error(rank: int, world_size: int, path: str) -> str:
     except ValueError as exc:
         return str(exc)
     return "loaded"
+
+
+def test_inspect_json_of_a_whole_checkpoint_and_its_file(files, capsys) -> None:
+    from test_cli_outputs import check_inspect_json
+
+    path, whole = files
+    for given, kind in ((path, "sharded"), (whole, "whole_file")):
+        assert main(["inspect", str(given), "--json"]) == 0
+        report = check_inspect_json(capsys.readouterr().out, kind)
+        model = report["model"]
+        assert model["params"] == 18 and model["tied"] == [["head.weight", "embed.weight"]], model
+        assert model["buffers"] == ["block1.seen"] and type(model["weight_bytes"]) is int, model
+        assert report["params"] == 18 and report["world_size"] == 2 and report["steps"] == [3], report

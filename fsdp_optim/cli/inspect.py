@@ -145,91 +145,94 @@ def _inspect_full(obj: Mapping[str, Any], out: list[str], *, native: bool) -> No
 
 
 def run_inspect(args: argparse.Namespace) -> list[str]:
-    lines = _inspect(args)
+    report: dict[str, Any] = {}
+    lines = _inspect(args, report)
     if not args.json:
         return lines
     import json
 
-    return json.dumps(lines_as_json(lines), indent=1).splitlines()
+    return json.dumps(report, indent=1).splitlines()
 
 
-def lines_as_json(lines: Sequence[str]) -> dict[str, Any]:
-    """``inspect``'s lines as one JSON object: each ``key: value`` line a string member, each table (a header
-    ``a | b | c`` and the rows of as many columns after it) a list of objects under ``<first column> rows``."""
-    out: dict[str, Any] = {}
-    header: list[str] | None = None
-    for line in lines:
-        cells = line.split(" | ")
-        if header is not None and len(cells) == len(header):
-            out[f"{header[0]} rows"].append(dict(zip(header, cells)))
-            continue
-        key, sep, value = line.partition(": ")
-        header = None
-        if sep and " | " not in key:
-            out[key] = value
-        elif len(cells) > 1:
-            header = cells
-            out[f"{header[0]} rows"] = []
-    return out
-
-
-def _inspect(args: argparse.Namespace) -> list[str]:
+def _inspect(args: argparse.Namespace, report: dict[str, Any]) -> list[str]:
+    """``inspect``'s lines; ``report`` gets the same as one JSON object (:mod:`fsdp_optim.cli.inspect_json`)."""
+    from fsdp_optim.cli import inspect_json as J
     from fsdp_optim.disk.storage import is_url
-    from fsdp_optim.offline.sources import Kind, open_source
+    from fsdp_optim.offline.sources import open_source
 
     path = args.path if is_url(args.path) else Path(args.path)  # a URL stays a URL (Path would fold its '//')
     out = [f"path: {path}"]
     with open_source(path, allow_globals=args.allow_global, describe_only=True) as opened:
-        if opened.kind is Kind.SHARD_SET:
-            _inspect_shards(opened, args, out)
-        elif opened.kind is Kind.DCP:
-            from fsdp_optim.formats.dcp import describe_dcp
-
-            out += describe_dcp(path, units=args.units)
-        elif opened.kind is Kind.NAMED_DICT:
-            from fsdp_optim.disk.objects import check_state_dict
-
-            check_state_dict(opened.raw, str(path))
-            out += _inspect_named_dict(opened.raw, units=args.units)
-        elif opened.manifest is not None:
-            if opened.kind is Kind.SHARDED:
-                from fsdp_optim.offline.verify import present_and_sized
-
-                damaged = present_and_sized(path, opened.manifest)  # the manifest read once
-                if damaged:
-                    raise ValueError(
-                        f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)"
-                    )
-            what = "layout file" if opened.kind is Kind.LAYOUT else "sharded checkpoint"
-            whole = opened.checkpoint is not None and opened.manifest.training is not None
-            _inspect_manifest(opened.manifest, f"whole {what} (model, optimizer, extra)" if whole else what, out,
-                              units=args.units)
-            if whole:
-                out += _inspect_training(opened.checkpoint)
+        _describe(opened, path, args, out)
+        report.update(J.base(path, opened.kind, out))
+        if opened.manifest is not None:
+            J.of_manifest(report, opened.manifest)
+            if opened.checkpoint is not None and opened.manifest.training is not None:
+                report["model"] = J.model_of_checkpoint(opened.checkpoint)
         elif opened.named is not None:
-            out += _inspect_named(opened.named)
+            J.of_named(report, opened.named)
         elif opened.whole_file is not None:
-            out += _inspect_whole_file(opened.whole_file)
-        elif opened.kind is Kind.RANK_FILE and opened.raw is None:  # format 2: a safetensors rank file
-            from fsdp_optim.formats.sharded.rank_file import describe_rank_file
-
-            out += describe_rank_file(path)
-        elif opened.kind is Kind.RANK_FILE:
-            header = opened.raw["fsdp_optim_checkpoint"]
-            out += [
-                "format: one rank file of a sharded checkpoint (inspect its directory for the whole)",
-                f"rank: {header.get('rank')} of {header.get('world_size')}",
-                f"flat parameters with state: {len(opened.raw.get('state', {}))}",
-            ]
-        else:
-            from fsdp_optim.disk.objects import check_state_dict
-
-            check_state_dict(opened.raw, str(path))  # its skeleton, before the summary walks it
-            _inspect_full(opened.raw, out, native=opened.kind is Kind.NATIVE)
-            names = opened.raw.get("param_names")
-            if args.units and isinstance(names, Mapping):
-                out += _param_table({str(names.get(pid, pid)): e for pid, e in opened.raw["state"].items()})
+            J.of_whole_file(report, opened.whole_file)
+        elif isinstance(opened.raw, Mapping) and "param_groups" in opened.raw and "state" in opened.raw:
+            J.of_full(report, opened.raw)
+        else:  # a DCP directory, a rank file: what only they record
+            J.details(report, out[2:])
     return out
+
+
+def _describe(opened: Any, path: Any, args: argparse.Namespace, out: list[str]) -> None:
+    """The lines of ``inspect`` for an opened input, by its kind."""
+    from fsdp_optim.offline.sources import Kind
+
+    if opened.kind is Kind.SHARD_SET:
+        _inspect_shards(opened, args, out)
+    elif opened.kind is Kind.DCP:
+        from fsdp_optim.formats.dcp import describe_dcp
+
+        out += describe_dcp(path, units=args.units)
+    elif opened.kind is Kind.NAMED_DICT:
+        from fsdp_optim.disk.objects import check_state_dict
+
+        check_state_dict(opened.raw, str(path))
+        out += _inspect_named_dict(opened.raw, units=args.units)
+    elif opened.manifest is not None:
+        if opened.kind is Kind.SHARDED:
+            from fsdp_optim.offline.verify import present_and_sized
+
+            damaged = present_and_sized(path, opened.manifest)  # the manifest read once
+            if damaged:
+                raise ValueError(
+                    f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)"
+                )
+        what = "layout file" if opened.kind is Kind.LAYOUT else "sharded checkpoint"
+        whole = opened.checkpoint is not None and opened.manifest.training is not None
+        _inspect_manifest(opened.manifest, f"whole {what} (model, optimizer, extra)" if whole else what, out,
+                          units=args.units)
+        if whole:
+            out += _inspect_training(opened.checkpoint)
+    elif opened.named is not None:
+        out += _inspect_named(opened.named)
+    elif opened.whole_file is not None:
+        out += _inspect_whole_file(opened.whole_file)
+    elif opened.kind is Kind.RANK_FILE and opened.raw is None:  # format 2: a safetensors rank file
+        from fsdp_optim.formats.sharded.rank_file import describe_rank_file
+
+        out += describe_rank_file(path)
+    elif opened.kind is Kind.RANK_FILE:
+        header = opened.raw["fsdp_optim_checkpoint"]
+        out += [
+            "format: one rank file of a sharded checkpoint (inspect its directory for the whole)",
+            f"rank: {header.get('rank')} of {header.get('world_size')}",
+            f"flat parameters with state: {len(opened.raw.get('state', {}))}",
+        ]
+    else:
+        from fsdp_optim.disk.objects import check_state_dict
+
+        check_state_dict(opened.raw, str(path))  # its skeleton, before the summary walks it
+        _inspect_full(opened.raw, out, native=opened.kind is Kind.NATIVE)
+        names = opened.raw.get("param_names")
+        if args.units and isinstance(names, Mapping):
+            out += _param_table({str(names.get(pid, pid)): e for pid, e in opened.raw["state"].items()})
 
 
 
