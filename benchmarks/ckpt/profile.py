@@ -1,7 +1,7 @@
 """Where our sharded save and load spend their time: cProfile on every rank, grouped into what can be sped up.
 
-    python -m benchmarks.ckpt_profile                        # 25M model, W = 2, 3 calls of each
-    python -m benchmarks.ckpt_profile --model 100M --calls 2
+    python -m benchmarks.ckpt.profile                        # 25M model, W = 2, 3 calls of each
+    python -m benchmarks.ckpt.profile --model 100M --calls 2
 
 Each rank trains the model (fsdp_optim's FSDP, Adam), warms every path up once, then profiles ``calls``
 sync saves, ``calls`` loads into fresh optimizers from the same world size, and ``calls`` loads from a
@@ -40,11 +40,11 @@ PAGE = resource.getpagesize()
 # ("tot", name) = exclusive time of a built-in; ("from", file suffix) = inclusive time of that file's functions
 # entered from outside it; ("called_by_pkg", name) = a built-in's time when fsdp_optim called it.
 CATEGORIES = (
-    ("SHA-256 (manifest.digest)", ("cum", "fsdp_optim/manifest.py", "digest")),
+    ("checksums (core/checksums.digest)", ("cum", "fsdp_optim/core/checksums.py", "digest")),
     ("torch.save (pickle + write)", ("cum", "torch/serialization.py", "save")),
     ("torch.load (read + unpickle)", ("cum", "torch/serialization.py", "load")),
     ("fsync", ("tot", "<built-in method posix.fsync>")),
-    ("collectives (transport, incl. waits)", ("from", "fsdp_optim/transport.py")),
+    ("collectives (transport, incl. waits)", ("from", "fsdp_optim/job/transport.py")),
     ("optim.state_dict()", ("cum", "torch/optim/optimizer.py", "state_dict")),
     ("optim.load_state_dict()", ("cum", "torch/optim/optimizer.py", "load_state_dict")),
     ("tensor copies by fsdp_optim", ("called_by_pkg", ("clone", "copy_", "contiguous", "cat", "zeros", "empty"))),
@@ -161,7 +161,7 @@ def markdown(results: list[dict[str, Any]], spec: models.ModelSpec, world_size: 
     lines = [
         f"# Where our checkpoint time goes ({spec.name} model, W={world_size}, {storage})",
         "",
-        f"`python -m benchmarks.ckpt_profile --model {spec.name} --world-size {world_size} --calls {calls}`: cProfile "
+        f"`python -m benchmarks.ckpt.profile --model {spec.name} --world-size {world_size} --calls {calls}`: cProfile "
         f"on every rank, mean of {calls} calls after one warm-up; rank state {results[0]['state_bytes'] / 2**20:,.0f} MiB. "
         "Milliseconds per call (share of the call's wall time); categories do not nest, `rest` is what no "
         "category covers. Page faults happen inside the categories above them (an estimate from "
@@ -193,7 +193,7 @@ def _share(seconds: float, wall: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ckpt_profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ckpt.profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="25M")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--calls", type=int, default=3)
