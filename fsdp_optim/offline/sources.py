@@ -62,7 +62,7 @@ from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.fairseq import ShardSet
 from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
 
-__all__ = ["Kind", "Opened", "detect", "open_source"]
+__all__ = ["Kind", "Opened", "detect", "fetched_whole", "open_source"]
 
 
 # kind -> (what --layout means for it, whether --optimizer applies); see the module docstring.
@@ -156,10 +156,32 @@ def open_source(
     ``describe_only`` (inspect): a fairscale-native dict is opened without a layout, as ``raw`` only.
     ``param_names``: ``given`` is a plain optimizer's ``state_dict()``, named by these (a module, names or
     ``{name: shape}``: :func:`fsdp_optim.formats.plain.name_optimizer_state`) into a full dict."""
-    if isinstance(given, str) and is_url(given) and not is_sharded_checkpoint(given):  # one object: fetched whole
-        with downloaded(given) as local, open_source(local, **_options(locals())) as opened:
+    with fetched_whole(given) as local:
+        with _open_local(local, layout=layout, optimizer=optimizer, allow_globals=allow_globals,
+                         optimizer_keys=optimizer_keys, target=target, describe_only=describe_only,
+                         max_mapped_bytes=max_mapped_bytes, param_names=param_names) as opened:  # fmt: skip
             yield opened
+
+
+@contextlib.contextmanager
+def fetched_whole(given: Any) -> Iterator[Any]:
+    """``given`` itself, or for a URL that is no sharded checkpoint (one object) a local copy of it, downloaded
+    whole and removed when the block ends: the one place a non-checkpoint URL is fetched (``open_source``,
+    ``verify``)."""
+    if isinstance(given, str) and is_url(given) and not is_sharded_checkpoint(given):
+        with downloaded(given) as local:
+            yield local
         return
+    yield given
+
+
+@contextlib.contextmanager
+def _open_local(
+    given: Any, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
+    optimizer_keys: Sequence[Sequence[str]] | None, target: bool, describe_only: bool, max_mapped_bytes: int,
+    param_names: Any,
+) -> Iterator[Opened]:  # fmt: skip
+    """:func:`open_source` of what is here (not a URL of one object)."""
     label = "the full dict" if isinstance(given, Mapping) else str(given)
     if param_names is not None:
         yield _open_plain(given, label, param_names, layout=layout, optimizer=optimizer, target=target)
@@ -198,13 +220,6 @@ def open_source(
                          manifest=ckpt.manifest, checkpoint=ckpt)
         return
     yield _open_loaded(kind, label, obj, given, layout, optimizer)
-
-
-def _options(arguments: dict[str, Any]) -> dict[str, Any]:
-    """:func:`open_source`'s keyword options out of its ``locals()`` (to open a downloaded copy the same way)."""
-    names = ("layout", "optimizer", "allow_globals", "optimizer_keys", "target", "describe_only", "max_mapped_bytes",
-             "param_names")  # fmt: skip
-    return {name: arguments[name] for name in names}
 
 
 def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: str | None, target: bool) -> Opened:

@@ -33,18 +33,17 @@ from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
-from fsdp_optim.disk.locations import downloaded
-from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats.fairseq.files import summarise
 from fsdp_optim.formats.fairseq.loading import load_shard
 from fsdp_optim.formats.fairseq.paths import shard_paths
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
-from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
 from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 from fsdp_optim.offline.deep import Finding, deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
+from fsdp_optim.offline.sources import fetched_whole
 
 __all__ = ["FileCheck", "Finding", "Verification", "present_and_sized", "verify"]
 
@@ -71,9 +70,11 @@ def verify(
 
 
 def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
-    if isinstance(path, str) and is_url(path) and not is_sharded_checkpoint(path):  # one object: fetched whole
-        with downloaded(path) as local:
-            return _verify_files(local, allow_globals)
+    with fetched_whole(path) as local:
+        return _verify_here(local, allow_globals)
+
+
+def _verify_here(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
     kind = path_kind(path)
     if kind is Kind.SHARD_SET:
         return _verify_shards(Path(path), allow_globals)
