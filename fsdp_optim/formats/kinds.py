@@ -24,7 +24,7 @@ from fsdp_optim.formats.sharded.manifest import HEADER_KEY
 from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind
 from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 
-__all__ = ["RANK_FILE_NAME", "Kind", "detect", "path_kind", "sniff_kind"]
+__all__ = ["RANK_FILE_NAME", "Kind", "detect", "names_shard_set", "path_kind", "sniff_kind"]
 
 
 class Kind(enum.Enum):
@@ -69,6 +69,12 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return Kind.NAMED_DICT, obj
     check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
     return Kind.FULL, obj
+
+
+def names_shard_set(given: Any) -> bool:
+    """Whether ``given`` is a fairseq/metaseq shard set, by its names alone (a dict, a URL or a store never is; no
+    file is read and nothing raises): who passes ``allow_globals`` asks this first."""
+    return not isinstance(given, (Mapping, ObjectStore)) and not is_url(given) and is_shard_set(given)
 
 
 def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:

@@ -63,18 +63,14 @@ def verify(
     """
     if layout is not None and not deep:
         raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
-    checked = _verify_files(path, tuple(allow_globals))
-    if not deep or not checked.ok:
-        return replace(checked, deep=deep)
-    return replace(checked, deep=True, findings=deep_findings(path, allow_globals=allow_globals, layout=layout))
+    with fetched_whole(path) as local:  # a URL of one object: downloaded once, for the files and the state
+        checked = _verify_files(local, tuple(allow_globals))
+        if not deep or not checked.ok:
+            return replace(checked, deep=deep)
+        return replace(checked, deep=True, findings=deep_findings(local, allow_globals=allow_globals, layout=layout))
 
 
 def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
-    with fetched_whole(path) as local:
-        return _verify_here(local, allow_globals)
-
-
-def _verify_here(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
     kind = path_kind(path)
     if kind is Kind.SHARD_SET:
         return _verify_shards(Path(path), allow_globals)
