@@ -1,4 +1,5 @@
-"""``fsdp-optim inspect --json``: one schema for every input kind (documented in docs/cli.md).
+"""What an opened input says about itself as one JSON object (``fsdp-optim inspect --json``): one schema for every
+input kind (documented in docs/cli.md).
 
 Numbers are JSON numbers, keys are stable snake_case, a value the input does not record is ``null``::
 

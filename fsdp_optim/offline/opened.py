@@ -1,0 +1,172 @@
+"""An opened input: one small interface, one class per kind of input (:func:`fsdp_optim.offline.sources.open_source`
+decides the kind once and builds the class).
+
+Every opened input answers the same questions::
+
+    opened.kind, opened.label       what it is, how errors name it
+    opened.source                   its optimizer state as a planning Source (None: a layout file, a rank file)
+    opened.layout, opened.order     the units it was saved with (None without), the parameter order
+    opened.trim()                   drop file mappings touched so far
+    opened.describe(path, units=)   inspect's lines
+    opened.report(path, lines)      the same as one JSON object (:mod:`fsdp_optim.offline.report`)
+
+and keeps the handle its kind has (``checkpoint``, ``manifest``, ``shards``, ``named``, ``whole_file``, ``full``,
+``raw``; ``None`` for the others) for the verbs that work on that kind's own reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.core.plan import Source
+from fsdp_optim.formats.fairseq import shards as fairseq_shards
+from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.whole_file import WholeFile
+from fsdp_optim.offline import describe as D
+from fsdp_optim.offline import report as R
+
+__all__ = [
+    "Opened",
+    "OpenedCheckpoint",
+    "OpenedDcp",
+    "OpenedFull",
+    "OpenedLayout",
+    "OpenedNamed",
+    "OpenedNamedDict",
+    "OpenedNative",
+    "OpenedRankFile",
+    "OpenedShardSet",
+    "OpenedWholeFile",
+]
+
+
+@dataclass
+class Opened:
+    """What every opened input has (see the module docstring); a class per kind describes itself."""
+
+    kind: Kind
+    label: str
+    source: Source | None = None
+    layout: ModelLayout | None = None
+    order: tuple[str, ...] = ()
+    trim: Callable[[], None] = lambda: None
+    full: Mapping[str, Any] | None = None
+    manifest: Manifest | None = None
+    shards: fairseq_shards.ShardSet | None = None
+    checkpoint: ShardedCheckpoint | None = None
+    named: NamedSafetensors | None = None
+    whole_file: WholeFile | None = None
+    raw: Any = None  # the loaded object of a file (a dict: the dict itself)
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        """``inspect``'s lines for this input (after the ``path:`` line)."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe itself")
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        """:meth:`describe` as one JSON object; here: the members every kind has, and its lines as ``details``."""
+        return R.details(R.base(path, self.kind, lines), lines)
+
+
+class OpenedCheckpoint(Opened):
+    """A sharded checkpoint of ours (a whole one too: model, buffers and extra in its side files)."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        assert self.manifest is not None, "a checkpoint is opened with its manifest"
+        return D.describe_sharded(path, self.manifest, self.checkpoint, layout=False, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        out = R.of_manifest(R.base(path, self.kind, lines), self.manifest)
+        if self.checkpoint is not None and self.checkpoint.manifest.training is not None:
+            out["model"] = R.model_of_checkpoint(self.checkpoint)
+        return out
+
+
+class OpenedLayout(Opened):
+    """A layout file (``save_layout``): a manifest without rank files."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        assert self.manifest is not None, "a layout file is opened with its manifest"
+        return D.describe_sharded(path, self.manifest, None, layout=True, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_manifest(R.base(path, self.kind, lines), self.manifest)
+
+
+class OpenedRankFile(Opened):
+    """One rank file of a sharded checkpoint (read only through its manifest; inspect says what it holds)."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+        return D.describe_rank_file(path, self.raw)
+
+
+class OpenedFull(Opened):
+    """A full dict (ours, or a plain optimizer's ``state_dict()`` named)."""
+
+    native = False
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        return D.describe_loaded(path, self.raw, native=self.native, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_full(R.base(path, self.kind, lines), self.raw)
+
+
+class OpenedNative(OpenedFull):
+    """fairscale's own gathered dict (parameters numbered, not named: a layout names them)."""
+
+    native = True
+
+
+class OpenedNamedDict(OpenedFull):
+    """A name-keyed dict (``convert --to named``), which fsdp-optim writes and inspects only."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        from fsdp_optim.disk.objects import check_state_dict
+
+        check_state_dict(self.raw, str(path))
+        return D.describe_named_dict(self.raw, units=units)
+
+
+class OpenedDcp(Opened):
+    """A PyTorch DCP directory (``convert --to dcp``), which fsdp-optim writes and inspects only."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        from fsdp_optim.formats.dcp import describe_dcp
+
+        return describe_dcp(path, units=units)
+
+
+class OpenedNamed(Opened):
+    """A named safetensors file (``to_safetensors``: ``<param name>/<state key>`` tensors)."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+        return D.describe_named(self.named)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_named(R.base(path, self.kind, lines), self.named)
+
+
+class OpenedShardSet(Opened):
+    """A fairseq/metaseq shard set (``use_sharded_state`` files)."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+        return D.describe_shards(self.shards, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_manifest(R.base(path, self.kind, lines), self.manifest)
+
+
+class OpenedWholeFile(Opened):
+    """consolidate's file of a whole checkpoint (``{"model", "optimizer", "extra"}``)."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+        return D.describe_whole_file(self.whole_file)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_whole_file(R.base(path, self.kind, lines), self.whole_file)
