@@ -40,7 +40,7 @@ from torch import nn
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectPath, ObjectStore, Where
 from fsdp_optim.job.root import verify_root
-from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
+from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
 from fsdp_optim.job.transport import ProcessGroup, new_gloo_group
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
