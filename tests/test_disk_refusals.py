@@ -1,4 +1,4 @@
-"""Bad checkpoints on disk are refused with a clear error and change nothing (issue 5, item 2: the file kinds).
+"""Bad checkpoints on disk are refused with a clear error and change nothing (the file kinds).
 
 One spawn at world size 2 trains the test model (real gloo, real fairscale FSDP, AdamW), saves the
 checkpoint every case starts from, a second save of the same model, checkpoints of three other models,

@@ -132,6 +132,20 @@ def test_every_path_and_benchmark_named_exists() -> None:
     assert not broken, f"{len(broken)} paths name nothing:\n" + "\n".join(sorted(set(broken)))
 
 
+def test_test_docstrings_say_what_they_check_not_which_issue_asked() -> None:
+    import ast
+
+    cited = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef)))]
+        for node in nodes:
+            doc = ast.get_docstring(node) or ""
+            if re.search(r"\bissues? #?\d+", doc, re.IGNORECASE):
+                cited.append(f"{path.name}:{getattr(node, 'name', '<module>')}")
+    assert not cited, f"docstrings that cite an issue number: {cited}"
+
+
 @pytest.mark.parametrize("ref", [":mod:`.nowhere`", "fsdp_optim.untrusted.MAX_WORLD_SIZE", ":func:`no_such_function`"])
 def test_a_broken_reference_is_found(ref: str) -> None:
     text = f"see {ref}"
