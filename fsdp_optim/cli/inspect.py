@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.cli.outcome import Outcome
-from fsdp_optim.offline.describe import human_bytes
 
-__all__ = ["human_bytes", "run_inspect", "run_verify"]
+__all__ = ["run_inspect", "run_verify"]
 
 
 def run_inspect(args: argparse.Namespace) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.cli.inspect import human_bytes
+from fsdp_optim.disk.text import human_bytes
 
 
 @contextlib.contextmanager

@@ -232,7 +232,7 @@ def _commit(
     if isinstance(lock, StoreSave):
         commit_manifest(lock, manifest)
     else:
-        replaces = lock.entries[-1]["replaces"] if lock is not None else ()
+        replaces = (lock.entries[-1].replaces or ()) if lock is not None else ()
         write_manifest(_local(directory), manifest, replaces=replaces)
     return manifest
 

@@ -6,20 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fsdp_optim.disk.text import human_bytes
+
 if TYPE_CHECKING:
     from fsdp_optim.formats.sharded.manifest import Manifest
-
-
-def human_bytes(n: int) -> str:
-    if not 0 <= n < 1 << 60:  # a file's declared sizes: no float of them (10**400 has none)
-        return f"{n} B"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit} ({n} B)"
-        value /= 1024
-    raise AssertionError("unreachable")
-
 
 
 def _step_text(steps: Sequence[Any]) -> str:

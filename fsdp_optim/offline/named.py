@@ -26,6 +26,7 @@ from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.atomic import durable_write, load_file
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import staged_output, write_stream
 from fsdp_optim.disk.storage import is_url
@@ -132,7 +133,7 @@ def write_whole_safetensors(
     files = [*names, *([hf.INDEX] if len(groups) > 1 else []), *(["optimizer.safetensors"] if optimizer else [])]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with staged_output(out, hf.HF_DIRECTORY, purpose="fsdp_optim.to_safetensors", inputs=inputs,
-                       entry={"files": files}) as stage:  # fmt: skip
+                       entry=JournalEntry(files=tuple(files))) as stage:  # fmt: skip
         stage.last = (hf.INDEX if len(groups) > 1 else hf.SINGLE,)
         for name, group in zip(names, groups):
             durable_write(stage.dir / name, partial(hf.write_file, tensors=group, after=opened.trim))

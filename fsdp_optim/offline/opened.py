@@ -77,8 +77,7 @@ class OpenedCheckpoint(Opened):
     """A sharded checkpoint of ours (a whole one too: model, buffers and extra in its side files)."""
 
     def describe(self, path: Any, *, units: bool) -> list[str]:
-        assert self.manifest is not None, "a checkpoint is opened with its manifest"
-        return D.describe_sharded(path, self.manifest, self.checkpoint, layout=False, units=units)
+        return D.describe_sharded(path, _manifest(self), self.checkpoint, layout=False, units=units)
 
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         out = R.of_manifest(R.base(path, self.kind, lines), self.manifest)
@@ -91,8 +90,7 @@ class OpenedLayout(Opened):
     """A layout file (``save_layout``): a manifest without rank files."""
 
     def describe(self, path: Any, *, units: bool) -> list[str]:
-        assert self.manifest is not None, "a layout file is opened with its manifest"
-        return D.describe_sharded(path, self.manifest, None, layout=True, units=units)
+        return D.describe_sharded(path, _manifest(self), None, layout=True, units=units)
 
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         return R.of_manifest(R.base(path, self.kind, lines), self.manifest)
@@ -170,3 +168,10 @@ class OpenedWholeFile(Opened):
 
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         return R.of_whole_file(R.base(path, self.kind, lines), self.whole_file)
+
+
+def _manifest(opened: Opened) -> Manifest:
+    """The manifest a checkpoint or layout file is opened with."""
+    if opened.manifest is None:
+        raise ValueError(f"{opened.label}: a {opened.kind.value} opened without its manifest")
+    return opened.manifest

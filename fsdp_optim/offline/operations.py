@@ -123,7 +123,8 @@ def whole_file_state(opened: Opened, *, rank: int | None, with_model: bool | Non
     """A consolidated whole checkpoint file's content (each tensor new memory; tied names one tensor), or with
     ``with_model=False`` its optimizer's full dict."""
     whole = opened.whole_file
-    assert whole is not None, "called for a whole checkpoint file only"
+    if whole is None:
+        raise ValueError(f"{opened.label}: expected consolidate's whole checkpoint file, found a {opened.kind.value}")
     if rank is not None:
         raise ValueError(f"rank: {opened.label} holds one rank's extra (a consolidated file): no rank to choose")
     if with_model is False:
