@@ -72,6 +72,24 @@ class Opened:
         """:meth:`describe` as one JSON object; here: the members every kind has, and its lines as ``details``."""
         return R.details(R.base(path, self.kind, lines), lines)
 
+    def converted(self) -> Mapping[str, Any] | None:
+        """The full dict this input was converted into when opened (a fairscale-native dict: consolidating it gives
+        that dict); ``None`` for the others."""
+        return None
+
+    def target_layout(self, given: Any) -> Any:
+        """The layout a reshard of this input cuts for: the caller's (its own for a fairscale-native dict)."""
+        return given
+
+    def why_not_consolidated(self) -> str:
+        """Why this input (no sharded checkpoint) cannot be consolidated, in the terms of what was expected."""
+        return f"{self.label}: expected an fsdp_optim manifest file, found a {self._found()}; consolidate its directory"
+
+    def _found(self) -> str:
+        keys = f" (keys {', '.join(repr(k) for k in sorted(map(str, self.raw))[:8])})" if isinstance(
+            self.raw, Mapping) else ""  # fmt: skip
+        return self.kind.value + keys
+
 
 class OpenedCheckpoint(Opened):
     """A sharded checkpoint of ours (a whole one too: model, buffers and extra in its side files)."""
@@ -96,6 +114,10 @@ class OpenedLayout(Opened):
         return R.of_manifest(R.base(path, self.kind, lines), self.manifest)
 
 
+    def why_not_consolidated(self) -> str:
+        return f"{self.label}: a layout file lists no rank files: it holds no optimizer state to consolidate"
+
+
 class OpenedRankFile(Opened):
     """One rank file of a sharded checkpoint (read only through its manifest; inspect says what it holds)."""
 
@@ -111,6 +133,12 @@ class OpenedFull(Opened):
     def describe(self, path: Any, *, units: bool) -> list[str]:
         return D.describe_loaded(path, self.raw, native=self.native, units=units)
 
+    def why_not_consolidated(self) -> str:
+        return (
+            f"{self.label}: expected an fsdp_optim manifest file, found a {self._found()}; it is already a full dict: "
+            "nothing to consolidate (load it, or reshard it with --layout)"
+        )
+
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         return R.of_full(R.base(path, self.kind, lines), self.raw)
 
@@ -119,6 +147,15 @@ class OpenedNative(OpenedFull):
     """fairscale's own gathered dict (parameters numbered, not named: a layout names them)."""
 
     native = True
+
+    def converted(self) -> Mapping[str, Any] | None:
+        return self.full
+
+    def target_layout(self, given: Any) -> Any:  # noqa: ARG002 - its own layout was required when it was opened
+        return self.layout
+
+    def why_not_consolidated(self) -> str:
+        return Opened.why_not_consolidated(self)
 
 
 class OpenedNamedDict(OpenedFull):

@@ -43,7 +43,7 @@ from fsdp_optim.formats.sharded.writer import write_all_or_nothing
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.publish import checkpoint_output
 from fsdp_optim.offline.rank_writes import described, fetched_from, then_sides, write_blocks, write_ranks
-from fsdp_optim.offline.sources import NEEDS_LAYOUT, Kind, Opened, open_source
+from fsdp_optim.offline.sources import NEEDS_LAYOUT, Opened, open_source
 from fsdp_optim.offline.whole import (
     check_resharding,
     check_whole_options,
@@ -153,12 +153,11 @@ def full_state(
         return opened.named.full_state()
     if opened.whole_file is not None:  # consolidate's file of a whole checkpoint: its optimizer
         return whole_file_state(opened, rank=None, with_model=False)
-    if opened.kind is not Kind.SHARDED and opened.kind is not Kind.NATIVE:
-        raise ValueError(_nothing_to_consolidate(opened))
-    if opened.kind is Kind.NATIVE and opened.full is not None:
-        return dict(opened.full)
+    converted = opened.converted()
+    if converted is not None:  # a fairscale-native dict: the full dict it was converted into
+        return dict(converted)
     if opened.checkpoint is None or opened.source is None or opened.layout is None:
-        raise ValueError(_nothing_to_consolidate(opened))
+        raise ValueError(opened.why_not_consolidated())
     layout, ckpt = opened.layout, opened.checkpoint
     the_plan = plan(opened.source, layout)
     after_unit = _then(ckpt.trim, progress)
@@ -184,21 +183,6 @@ def _blocks_of(the_plan: Plan, ckpt: ShardedCheckpoint, after_unit: Callable[[],
         }
         after_unit()
     return out
-
-
-def _nothing_to_consolidate(opened: Opened) -> str:
-    """Why a source that is no sharded checkpoint cannot be consolidated, in the terms of what was expected."""
-    if opened.kind is Kind.LAYOUT:
-        return f"{opened.label}: a layout file lists no rank files: it holds no optimizer state to consolidate"
-    found = opened.kind.value
-    if isinstance(opened.raw, Mapping):
-        found += f" (keys {', '.join(repr(k) for k in sorted(map(str, opened.raw))[:8])})"
-    hint = (
-        "; it is already a full dict: nothing to consolidate (load it, or reshard it with --layout)"
-        if opened.kind is Kind.FULL
-        else "; consolidate its directory"
-    )
-    return f"{opened.label}: expected an fsdp_optim manifest file, found a {found}{hint}"
 
 
 def _then(first: Callable[[], None], second: Progress) -> Callable[[], None]:
@@ -299,8 +283,7 @@ def reshard_opened(
     check_world_size("world_size", world_size)
     if opened.checkpoint is not None:
         return _reshard_sharded(opened, given, world_size, out, progress, overwrite, replace_existing, after_file)
-    if opened.kind is Kind.NATIVE:
-        layout = opened.layout
+    layout = opened.target_layout(layout)
     if opened.whole_file is not None and layout is not None:  # weights, optimizer, buffers and extra: a whole one
         return reshard_whole_file(opened.whole_file, world_size, out, layout, given=given, progress=progress,
                                   overwrite=overwrite, replace_existing=replace_existing, after_file=after_file)
