@@ -37,7 +37,7 @@ from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensor
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.operations import full_state
 from fsdp_optim.offline.publish import output_for
-from fsdp_optim.offline.sources import Kind, Opened, open_source
+from fsdp_optim.offline.sources import Opened, open_source
 from fsdp_optim.offline.whole import ModelTensor, is_whole, whole_model
 
 __all__ = ["load_full_state", "to_safetensors"]
@@ -101,7 +101,7 @@ def write_opened(
     if max_shard_size is not None:
         raise ValueError(f"max_shard_size: {opened.label} holds no model weights (it applies to a whole checkpoint)")
     the_source, trim = opened.source, opened.trim
-    if opened.kind is Kind.FULL and path is not None:
+    if opened.is_full_dict() and path is not None:
         the_source, trim = _MappedFullDict(path, bound).source(opened.source)
     prepared = prepare_named_safetensors(the_source, order=opened.order, header=_header(opened))
 
@@ -213,7 +213,7 @@ def load_full_state(
     process group, no model. Every byte read is checked against the file's checksums; errors name the file.
     """
     with open_source(path, layout=layout, optimizer=optimizer, allow_globals=allow_globals) as opened:
-        if opened.kind is Kind.FULL:
+        if opened.is_full_dict():
             full = load_file(path)  # into memory, not mapped
             check_full_dict(full, opened.label)
             check_state_dict(full, opened.label)

@@ -81,6 +81,10 @@ class Opened:
         """The layout a reshard of this input cuts for: the caller's (its own for a fairscale-native dict)."""
         return given
 
+    def is_full_dict(self) -> bool:
+        """Whether this input is a full dict as it stands (a file of one, or a dict): readers may take it whole."""
+        return False
+
     def why_not_consolidated(self) -> str:
         """Why this input (no sharded checkpoint) cannot be consolidated, in the terms of what was expected."""
         return f"{self.label}: expected an fsdp_optim manifest file, found a {self._found()}; consolidate its directory"
@@ -133,6 +137,9 @@ class OpenedFull(Opened):
     def describe(self, path: Any, *, units: bool) -> list[str]:
         return D.describe_loaded(path, self.raw, native=self.native, units=units)
 
+    def is_full_dict(self) -> bool:
+        return not self.native
+
     def why_not_consolidated(self) -> str:
         return (
             f"{self.label}: expected an fsdp_optim manifest file, found a {self._found()}; it is already a full dict: "
@@ -160,6 +167,9 @@ class OpenedNative(OpenedFull):
 
 class OpenedNamedDict(OpenedFull):
     """A name-keyed dict (``convert --to named``), which fsdp-optim writes and inspects only."""
+
+    def is_full_dict(self) -> bool:  # keyed by names, not ids: not a full dict of ours
+        return False
 
     def describe(self, path: Any, *, units: bool) -> list[str]:
         from fsdp_optim.disk.objects import check_state_dict
