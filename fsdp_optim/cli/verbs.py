@@ -48,11 +48,10 @@ def _open(args: argparse.Namespace, path: Any, **options: Any) -> Any:
 def run_consolidate(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.staged import write_file
     from fsdp_optim.offline.operations import full_state
-    from fsdp_optim.offline.sources import Kind
     from fsdp_optim.offline.whole import check_whole_options, is_whole
 
     with _open(args, args.directory) as opened, progress_bar("consolidate") as progress:
-        shards = opened.kind is Kind.SHARD_SET
+        shards = opened.shards is not None
         if opened.whole_file is not None:  # consolidate's own output, written again (or its optimizer alone)
             return _consolidate_whole_file(opened, args)
         whole = is_whole(opened.checkpoint)
@@ -135,7 +134,6 @@ def run_convert(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.staged import write_file
     from fsdp_optim.formats.fairscale import to_named
     from fsdp_optim.offline.operations import full_state
-    from fsdp_optim.offline.sources import Kind
 
     if args.max_shard_size is not None and args.to != "safetensors":
         raise ValueError(f"max_shard_size: applies to --to safetensors (of a whole checkpoint), not --to {args.to}")
@@ -145,7 +143,7 @@ def run_convert(args: argparse.Namespace) -> list[str]:
             return _to_safetensors(opened, args, origin)
         if args.to == "dcp":
             return _to_dcp(opened, args, origin)
-        if opened.kind is Kind.FULL:
+        if opened.is_full_dict():
             if args.to == "full" and args.param_names is None:  # a plain dict named is a full dict made
                 raise ValueError(f"{args.source}: already a full dict; use --to named to key it by parameter name")
             full = opened.full
