@@ -79,7 +79,7 @@ def check_inspect_json(text: str, kind: str) -> dict:
         assert all(set(p) == {"name", "shape"} and isinstance(p["name"], str) for p in unit["params"]), unit
         assert all(type(n) is int for p in unit["params"] if p["shape"] is not None for n in p["shape"]), unit
     assert all(type(v) is int and v >= 0 for v in (report["files"] or {}).values()), report["files"]
-    assert all(not isinstance(v, str) or not v.lstrip("-").isdigit() for v in report["details"].values()), report
+    assert all(type(v) is int or v is None for v in report["details"].values()), report["details"]
     return report
 
 
@@ -102,6 +102,10 @@ def test_inspect_json_has_one_schema_for_every_kind(tmp_path: Path, capsys: pyte
             assert report["params"] == 18 and report["params_with_state"] == 16 and report["units"], report
         if kind not in ("rank_file", "dcp", "named_dict"):  # a name-keyed dict records neither
             assert report["optimizer"] == "Adam" and report["world_size"] == 2, report
+    details = {kind: check_inspect_json(_run(capsys, "inspect", inputs[kind], "--json")[1], kind)["details"]
+               for kind in ("rank_file", "dcp")}  # fmt: skip
+    assert (details["rank_file"]["rank"], details["rank_file"]["world_size"]) == (1, 2), details
+    assert details["dcp"]["optimizer_params"] == 16 and details["dcp"]["param_groups"] == 2, details
 
 
 def test_an_output_that_cannot_be_written_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -69,8 +69,8 @@ class Opened:
         raise NotImplementedError(f"{type(self).__name__} does not describe itself")
 
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
-        """:meth:`describe` as one JSON object; here: the members every kind has, and its lines as ``details``."""
-        return R.details(R.base(path, self.kind, lines), lines)
+        """:meth:`describe` as one JSON object (:mod:`fsdp_optim.offline.report`); here: the members every kind has."""
+        return R.base(path, self.kind, lines)
 
     def converted(self) -> Mapping[str, Any] | None:
         """The full dict this input was converted into when opened (a fairscale-native dict: consolidating it gives
@@ -127,6 +127,9 @@ class OpenedRankFile(Opened):
 
     def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_rank_file(path, self.raw)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_rank_file(R.base(path, self.kind, lines), lines, self.raw)
 
 
 class OpenedFull(Opened):
@@ -185,6 +188,9 @@ class OpenedDcp(Opened):
         from fsdp_optim.formats.dcp import describe_dcp
 
         return describe_dcp(path, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_dcp(R.base(path, self.kind, lines), lines)
 
 
 class OpenedNamed(Opened):

@@ -14,7 +14,7 @@ Numbers are JSON numbers, keys are stable snake_case, a value the input does not
 
 ``units`` lists FSDP units where the input has them (a checkpoint, a layout file, a shard set), else one entry per
 parameter (``unit`` null); ``model`` describes a whole checkpoint's weights, buffers and extra; ``details`` holds
-what only one kind records (a DCP directory's sections, a rank file's rank).
+what only one kind records (a rank file's rank, a DCP directory's counts).
 """
 
 from __future__ import annotations
@@ -181,14 +181,35 @@ def _model(**given: Any) -> dict[str, Any]:
     return {key: given.get(key) for key in keys}
 
 
-def details(out: dict[str, Any], lines: Sequence[str]) -> dict[str, Any]:
-    """What only one kind records (a DCP directory, a rank file): its ``key: value`` lines, integers as numbers."""
-    for line in lines:
-        key, sep, value = line.partition(": ")
-        if sep and key not in ("path", "format") and " | " not in key:
-            out["details"][re.sub(r"[^a-z0-9]+", "_", key.lower()).strip("_")] = int(value) if _INT.match(value) else (
-                value)  # fmt: skip
+def of_rank_file(out: dict[str, Any], lines: Sequence[str], raw: Any) -> dict[str, Any]:
+    """One rank file: its rank and world size as numbers (``details``), the tensors it holds by count."""
+    found = next((re.match(r"rank: (\S+) of (\S+)$", line) for line in lines if line.startswith("rank: ")), None)
+    rank, world = (found.group(1), found.group(2)) if found else (None, None)
+    header = raw.get("fsdp_optim_checkpoint") if isinstance(raw, Mapping) else None
+    out["details"] = {"rank": _int(rank), "world_size": _int(world),
+                      "state_entries": len(raw.get("state", {})) if isinstance(header, Mapping) else None}  # fmt: skip
+    out["world_size"] = out["details"]["world_size"]
     return out
+
+
+def of_dcp(out: dict[str, Any], lines: Sequence[str]) -> dict[str, Any]:
+    """A DCP directory, what its ``.metadata`` says: counts and bytes as numbers (``details``)."""
+    text = "\n".join(lines)
+    patterns = {
+        "keys": r"^keys: (\d+)", "tensors": r"^keys: .*, (\d+) tensors$", "model_tensors": r"^model: (\d+) tensors",
+        "optimizer_params": r"^optimizer: state of (\d+) params", "param_groups": r"; (\d+) param groups$",
+        "tensor_bytes": r"^tensor bytes: (\d+)", "data_files": r"files: (\d+) data files",
+        "file_bytes": r"data files, (\d+) bytes",
+    }  # fmt: skip
+    out["details"] = {k: _int(m.group(1)) if (m := re.search(p, text, re.MULTILINE)) else None
+                      for k, p in patterns.items()}  # fmt: skip
+    out["param_groups"] = out["details"]["param_groups"]
+    out["state_bytes"] = out["details"]["tensor_bytes"]
+    return out
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None and _INT.match(text) else None
 
 
 def _steps(steps: Sequence[Any]) -> list[Any]:
