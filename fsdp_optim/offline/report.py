@@ -182,7 +182,7 @@ def _model(**given: Any) -> dict[str, Any]:
 
 
 def of_rank_file(out: dict[str, Any], lines: Sequence[str], raw: Any) -> dict[str, Any]:
-    """One rank file: its rank and world size as numbers (``details``), the tensors it holds by count."""
+    """One rank file: its rank and world size as numbers (``details``; a format-1 file: its state entries too)."""
     found = next((re.match(r"rank: (\S+) of (\S+)$", line) for line in lines if line.startswith("rank: ")), None)
     rank, world = (found.group(1), found.group(2)) if found else (None, None)
     header = raw.get("fsdp_optim_checkpoint") if isinstance(raw, Mapping) else None
