@@ -1,4 +1,4 @@
-"""The adversarial suite (issue 12, "Trust"): hostile files, paths, dicts and outputs, each refused clearly,
+"""The adversarial suite : hostile files, paths, dicts and outputs, each refused clearly,
 with nothing changed on disk, in bounded time and memory.
 
 One spawn at world size 2 trains the test model (real gloo, real fairscale FSDP, AdamW) and writes what

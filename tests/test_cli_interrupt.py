@@ -1,4 +1,4 @@
-"""Ctrl-C in ``fsdp-optim`` (issue 29, item 4): one line, exit 130, the output left as it was.
+"""Ctrl-C in ``fsdp-optim``: one line, exit 130, the output left as it was.
 
 A sharded checkpoint of about 190 MB is made offline (``reshard`` of a full dict onto a 2-rank layout built
 here), large enough that writing a copy takes most of a second. Each case starts the CLI in a fresh

@@ -47,12 +47,66 @@ def test_inspect_json_and_units(capsys: pytest.CaptureFixture) -> None:
     code, text, err = _run(capsys, "inspect", FIXTURE / "ckpt", "--units", "--json")
     assert code == 0 and err == "", err
     report = json.loads(text)
-    assert report["world size"] == "2" and report["format"].startswith("sharded checkpoint"), report
-    units = {row["unit"]: row for row in report["unit rows"]}
-    assert units["block2"]["param shapes"] == "block2.proj.weight [5, 6], block2.proj.bias [5]", units
-    assert len(units) == 5 and units["frozen"]["state"] == "-", units
+    assert report["world_size"] == 2 and report["format"].startswith("sharded checkpoint"), report
+    units = {row["unit"]: row for row in report["units"]}
+    assert units["block2"]["params"] == [{"name": "block2.proj.weight", "shape": [5, 6]},
+                                         {"name": "block2.proj.bias", "shape": [5]}], units  # fmt: skip
+    assert len(units) == 5 and units["frozen"]["state"] == [], units
     code, text, _ = _run(capsys, "inspect", FIXTURE / "full.pt", "--json")
-    assert code == 0 and json.loads(text)["params"] == "18 (16 with state)", text
+    report = json.loads(text)
+    assert code == 0 and (report["params"], report["params_with_state"]) == (18, 16), text
+
+
+# The members of inspect --json (docs/cli.md) and the JSON types each may take, whatever the input.
+_SCHEMA: dict[str, tuple[type, ...]] = {
+    "schema": (int,), "path": (str,), "kind": (str,), "format": (str,), "version": (int, type(None)),
+    "optimizer": (str, type(None)), "world_size": (int, type(None)), "params": (int, type(None)),
+    "params_with_state": (int, type(None)), "param_groups": (int, type(None)), "state_keys": (dict,),
+    "steps": (list,), "state_bytes": (int, type(None)), "padding_elements": (int, type(None)),
+    "files": (dict, type(None)), "units": (list,), "model": (dict, type(None)), "details": (dict,),
+}  # fmt: skip
+_UNIT = {"unit", "flat", "numel", "world_size", "padding", "dtype", "state", "params"}
+
+
+def check_inspect_json(text: str, kind: str) -> dict:
+    """``inspect --json``'s output has every member of the schema, of its type, numbers as numbers."""
+    report = json.loads(text)
+    assert list(report) == list(_SCHEMA), list(report)
+    for key, types in _SCHEMA.items():
+        assert type(report[key]) in types, f"{kind}: {key} is {report[key]!r}"
+    assert report["kind"] == kind and report["schema"] == 1, report
+    for unit in report["units"]:
+        assert set(unit) == _UNIT, unit
+        assert all(set(p) == {"name", "shape"} and isinstance(p["name"], str) for p in unit["params"]), unit
+        assert all(type(n) is int for p in unit["params"] if p["shape"] is not None for n in p["shape"]), unit
+    assert all(type(v) is int and v >= 0 for v in (report["files"] or {}).values()), report["files"]
+    assert all(type(v) is int or v is None for v in report["details"].values()), report["details"]
+    return report
+
+
+def test_inspect_json_has_one_schema_for_every_kind(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    made = {
+        "named": ("convert", FIXTURE / "ckpt", "--to", "safetensors", "-o", tmp_path / "named.safetensors"),
+        "named_dict": ("convert", FIXTURE / "full.pt", "--to", "named", "-o", tmp_path / "named.pt"),
+        "dcp": ("convert", FIXTURE / "ckpt", "--to", "dcp", "-o", tmp_path / "dcp"),
+    }
+    for argv in made.values():
+        assert _run(capsys, *argv)[0] == 0
+    rank_file = sorted((FIXTURE / "ckpt").glob("optim-*rank00001*"))[0]
+    inputs = {"sharded": FIXTURE / "ckpt", "full": FIXTURE / "full.pt", "rank_file": rank_file,
+              **{kind: argv[-1] for kind, argv in made.items()}}  # fmt: skip
+    for kind, path in inputs.items():
+        code, text, err = _run(capsys, "inspect", path, "--json")
+        assert code == 0 and err == "", err
+        report = check_inspect_json(text, kind)
+        if kind not in ("rank_file", "dcp"):
+            assert report["params"] == 18 and report["params_with_state"] == 16 and report["units"], report
+        if kind not in ("rank_file", "dcp", "named_dict"):  # a name-keyed dict records neither
+            assert report["optimizer"] == "Adam" and report["world_size"] == 2, report
+    details = {kind: check_inspect_json(_run(capsys, "inspect", inputs[kind], "--json")[1], kind)["details"]
+               for kind in ("rank_file", "dcp")}  # fmt: skip
+    assert (details["rank_file"]["rank"], details["rank_file"]["world_size"]) == (1, 2), details
+    assert details["dcp"]["optimizer_params"] == 16 and details["dcp"]["param_groups"] == 2, details
 
 
 def test_an_output_that_cannot_be_written_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

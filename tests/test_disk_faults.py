@@ -1,4 +1,4 @@
-"""Saving survives faults: SIGKILL at random points, and a full disk (issue 5, item 3: the on-disk half).
+"""Saving survives faults: SIGKILL at random points, and a full disk (the on-disk half).
 
 Jobs here are real: fairscale FSDP over a gloo group, real optimizer steps, real files, killed with a
 real ``SIGKILL`` or stopped by a real full file system. Nothing is mocked.

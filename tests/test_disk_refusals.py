@@ -1,4 +1,4 @@
-"""Bad checkpoints on disk are refused with a clear error and change nothing (issue 5, item 2: the file kinds).
+"""Bad checkpoints on disk are refused with a clear error and change nothing (the file kinds).
 
 One spawn at world size 2 trains the test model (real gloo, real fairscale FSDP, AdamW), saves the
 checkpoint every case starts from, a second save of the same model, checkpoints of three other models,
@@ -14,7 +14,7 @@ returns what to hand over, registered with ``@refusal(error, *mentions)``: ``men
 message must contain, namely the file (or parameter) and what was expected and found; ``{rank0}`` and
 ``{rank1}`` stand for the names of the checkpoint's rank files. Bad files are made the ways they happen:
 cut short, bytes flipped inside a tensor, another file copied over, or written by a writer that follows
-the documented format (``fsdp_optim/manifest.py``) but puts the wrong thing in it, checksums and all.
+the documented format (``fsdp_optim/formats/sharded/manifest.py``) but puts the wrong thing in it, checksums and all.
 
 "Nothing changed" means: every file and directory under the case's input has the same bytes and mtime
 (directories' mtimes catch a file created and removed again); for ``reshard``, the checkpoint already
@@ -111,7 +111,7 @@ def random_bytes(path: Path, n: int = 4096) -> None:
     )
 
 
-# A writer that follows the documented format (fsdp_optim/manifest.py) and puts the wrong thing in it.
+# A writer that follows the documented format (fsdp_optim/formats/sharded/manifest.py) and puts the wrong thing in it.
 
 
 # forge_manifest / forge_rank_file: tests/_forge.py (shared with the adversarial suite).

@@ -1,4 +1,4 @@
-"""A rank that dies during a gather makes the surviving ranks raise instead of hanging (issue 5, item 3).
+"""A rank that dies during a gather makes the surviving ranks raise instead of hanging.
 
 Each scenario trains the test model on real gloo ranks, then every rank calls
 ``gather_full_optim_state_dict`` while one of them, the victim, leaves the process with ``os._exit``

@@ -1,4 +1,4 @@
-"""What comes from a file is checked by real errors, never by ``assert`` (issue 29, item 5).
+"""What comes from a file is checked by real errors, never by ``assert``.
 
 ``python -O`` strips asserts, so an assert that guards a file's content (a read's length, shards that tile a
 tensor, rows of a recut) is no check at all there. The modules that read files (everything in ``disk/`` and

@@ -1,4 +1,4 @@
-"""``load_sharded_optim_state`` of a directory is all or nothing on every rank (issue 29, item 3).
+"""``load_sharded_optim_state`` of a directory is all or nothing on every rank.
 
 A world-size-2 job (gloo, our class, Adam over two param groups) saves a sharded checkpoint, trains one more
 step (so a load would show), then rank 0 flips one byte of rank 1's file. Every rank then loads the checkpoint

@@ -1,4 +1,4 @@
-"""CheckpointManager in a real 2-rank training loop, on real files (issue 28, item 5).
+"""CheckpointManager in a real 2-rank training loop, on real files.
 
 One run trains steps 1..12 saving every 2 steps (keep 2, keep_every 4) and is killed with a real ``SIGKILL`` in the
 middle of its save of step 12, on every rank, after each rank's files are durable and before rank 0's manifest: a

@@ -1,4 +1,4 @@
-"""Memory discipline: during a gather only the recipient allocates full-size buffers (issue 5, item 4).
+"""Memory discipline: during a gather only the recipient allocates full-size buffers.
 
 Two ranks train a model of 8.4M parameters with Adam (full state: 2 x 4 B x 8.4M = 64 MiB; each rank
 holds half), then gather to rank 0. Each rank measures its peak RSS growth over the call: free heap

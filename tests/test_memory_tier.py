@@ -1,4 +1,4 @@
-"""The memory tier of CheckpointManager (issue 26): whole checkpoints in each node's host memory, replicated on
+"""The memory tier of CheckpointManager: whole checkpoints in each node's host memory, replicated on
 other nodes, restored after a failure at any world size, with real processes and real SIGKILLs.
 
 "Nodes" are groups of processes on this machine, each with its own directory under one memory directory in

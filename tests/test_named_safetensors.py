@@ -280,8 +280,8 @@ def test_inspect_describes_the_file(tmp_path, capsys) -> None:
 
 
 def test_verify_checks_every_chunk_of_a_named_safetensors_file(tmp_path, capsys) -> None:
-    """Issue 29: verify read our own safetensors file as a torch zip ("not a zip file") and said ok=False with
-    no problem. It now checks the header, each chunk and each whole digest, and names a flipped byte's chunk."""
+    """verify reads our own safetensors file as one (not as a torch zip): the header, each chunk and each whole
+    digest, naming a flipped byte's chunk."""
     path = tmp_path / "optim.safetensors"
     to_safetensors(_big_full(), path)
     report = fsdp_optim.verify(path)
@@ -302,7 +302,8 @@ def test_verify_checks_every_chunk_of_a_named_safetensors_file(tmp_path, capsys)
 
 
 def test_convert_infers_the_target_from_the_extension_and_refuses_a_mismatch(tmp_path, capsys) -> None:
-    """Issue 29: ``convert SRC -o out.safetensors`` (no ``--to``) wrote a torch pickle under a .safetensors name."""
+    """``convert SRC -o out.safetensors`` (no ``--to``) writes a safetensors file, never a torch pickle under a
+    .safetensors name."""
     full = _big_full()
     to_safetensors(full, tmp_path / "src.st")
     assert main(["convert", str(tmp_path / "src.st"), "-o", str(tmp_path / "out.safetensors")]) == 0

@@ -179,6 +179,10 @@ def test_offline_tools_read_one_store_and_write_another_place(s3_server: Any, tm
     (tmp_path / "remote.pt").write_bytes(remote_bytes)
     assert_identical(torch.load(tmp_path / "remote.pt", weights_only=True), torch.load(tmp_path / "full.pt",
                                                                                         weights_only=True))
+    # the file consolidate wrote to the store, read back from there (fetched whole: one object, no checkpoint)
+    assert "consolidated whole checkpoint file" in _cli(s3_server, "inspect", f"{url}-full/full.pt")
+    assert "state: all finite" in _cli(s3_server, "verify", "--deep", f"{url}-full/full.pt")
+    assert "verdict: equal (bitwise)" in _cli(s3_server, "diff", url, f"{url}-full/full.pt")
     # convert from the store to local safetensors and DCP
     _cli(s3_server, "convert", url, "-o", str(tmp_path / "hf"), "--to", "safetensors")
     _cli(s3_server, "convert", url, "-o", str(tmp_path / "dcp"), "--to", "dcp")

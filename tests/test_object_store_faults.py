@@ -1,4 +1,4 @@
-"""The fault campaign of issue 25: saves, loads, reshards, consolidations and verifications through a proxy that
+"""A fault campaign: saves, loads, reshards, consolidations and verifications through a proxy that
 drops connections, loses responses, answers 503/500 and truncates bodies (tests/_fault_proxy.py), in front of a
 real S3 server (tests/_s3.py).
 

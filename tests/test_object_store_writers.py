@@ -1,4 +1,4 @@
-"""Writers that die or race, and objects damaged in the store (issue 25's fault campaign, continued).
+"""Writers that die or race, and objects damaged in the store (the store's fault campaign, continued).
 
 - A writer job (a subprocess, tests/_store_writer.py) SIGKILLed mid-save: the previous checkpoint still loads; the
   next save to the prefix succeeds and removes the killed writer's files, and only those (a foreign object survives

@@ -1,4 +1,4 @@
-"""Planning that scales (issue 18): a rank plans only the units and saved ranks it overlaps, by interval lookup.
+"""Planning that scales: a rank plans only the units and saved ranks it overlaps, by interval lookup.
 
 Records and tensors, no process (the last test writes real files). The interval planner (``rank_reads``, ``saved_ranks``,
 ``intervals.pieces``) is compared with the brute-force planner it replaced, which walked every segment

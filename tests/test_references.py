@@ -1,6 +1,8 @@
 """Every reference to the package resolves: each dotted ``fsdp_optim.X.Y`` and each Sphinx-style
 ``:mod:``/``:func:``/``:class:``/``:data:``/``:meth:``/``:attr:``/``:exc:`` reference in the package's source
-(docstrings, comments, messages), README.md and ARCHITECTURE.md names a real module or attribute.
+(docstrings, comments, messages), README.md and ARCHITECTURE.md names a real module or attribute; each file path
+(``fsdp_optim/...py``, ``tests/...py``, ``benchmarks/...py``) and each benchmark module run with ``python -m`` named in the package,
+docs/, tests/ and benchmarks/ exists.
 
 Sphinx's rules: ``~`` only shortens the shown text; a reference starting with ``.`` is relative to the module's
 package (``:mod:`.manifest``` in ``formats/sharded/reader.py`` is ``fsdp_optim.formats.sharded.manifest``); an
@@ -20,6 +22,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "fsdp_optim"
 SOURCES = sorted(PACKAGE.rglob("*.py")) + [ROOT / "README.md", ROOT / "ARCHITECTURE.md"]
+# Where file paths and benchmark modules are named too (their dotted package names are checked in SOURCES only).
+TEXTS = SOURCES + sorted((ROOT / "docs").rglob("*.md")) + sorted((ROOT / "tests").glob("*.py")) + sorted(
+    p for p in (ROOT / "benchmarks").rglob("*") if p.suffix in (".py", ".md")
+)
+PATH = re.compile(r"(?<![\w/.])((?:fsdp_optim|tests|benchmarks)/[\w/]+\.py)\b")
+RUN = re.compile(r"python -m (benchmarks(?:\.\w+)+)")
 DOTTED = re.compile(r"(?<![\w.])fsdp_optim(?:\.[A-Za-z_]\w*)+")
 SPHINX = re.compile(r":(mod|func|class|data|meth|attr|exc):`~?([\w.]+)(?:\(\))?`")
 _MISSING = object()
@@ -110,6 +118,32 @@ MODULES = [m for m in map(_module_name, SOURCES) if m is not None and not m.ends
 def test_every_reference_resolves() -> None:
     broken = [f"{where}: {ref}" for where, ref, module in _references() if not _resolves(ref, module)]
     assert not broken, f"{len(broken)} references name nothing:\n" + "\n".join(broken)
+
+
+def test_every_path_and_benchmark_named_exists() -> None:
+    broken = []
+    for path in TEXTS:
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        broken += [f"{where}: {m.group(1)}" for m in PATH.finditer(text) if not (ROOT / m.group(1)).exists()]
+        broken += [f"{where}: python -m {m.group(1)}" for m in RUN.finditer(text)
+                   if not (ROOT / Path(*m.group(1).split("."))).with_suffix(".py").exists()
+                   and not (ROOT / Path(*m.group(1).split(".")) / "__main__.py").exists()]  # fmt: skip
+    assert not broken, f"{len(broken)} paths name nothing:\n" + "\n".join(sorted(set(broken)))
+
+
+def test_test_docstrings_say_what_they_check_not_which_issue_asked() -> None:
+    import ast
+
+    cited = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef)))]
+        for node in nodes:
+            doc = ast.get_docstring(node) or ""
+            if re.search(r"\bissues? #?\d+", doc, re.IGNORECASE):
+                cited.append(f"{path.name}:{getattr(node, 'name', '<module>')}")
+    assert not cited, f"docstrings that cite an issue number: {cited}"
 
 
 @pytest.mark.parametrize("ref", [":mod:`.nowhere`", "fsdp_optim.untrusted.MAX_WORLD_SIZE", ":func:`no_such_function`"])

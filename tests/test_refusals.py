@@ -1,4 +1,4 @@
-"""Bad inputs are refused with a clear error and change nothing (issue 5, item 2: the in-memory kinds).
+"""Bad inputs are refused with a clear error and change nothing (the in-memory kinds).
 
 One spawn at world size 2 trains the test model (real gloo, real fairscale FSDP, real Adam steps),
 gathers the full dict on every rank, then tries every case in ``CASES`` on every rank and records the

@@ -1,4 +1,4 @@
-"""Checking a checkpoint end to end, and the offline sharp edges of issue 19, on files of one real job.
+"""Checking a checkpoint end to end, and the offline sharp edges, on files of one real job.
 
 A world-size-2 job (gloo, our class, Adam over two param groups) writes a sharded checkpoint, the full
 dict and a metaseq-style shard set; every test below damages or reads copies of them offline:
@@ -207,7 +207,8 @@ def test_consolidating_a_shard_set_keeps_the_model_unless_no_model(files, capsys
 
 
 def test_verify_knows_a_json_layout_file_and_refuses_a_lone_rank_file(files, tmp_path) -> None:
-    """Issue 29: verify read every file that was not a directory as a torch zip ("not a zip file")."""
+    """A JSON layout file is verified as one (its checksum, not as a torch zip); a lone safetensors rank file is
+    refused, pointing at its checkpoint directory."""
     layout = tmp_path / "layout.json"
     shutil.copy(files / "ckpt" / "manifest.json", layout)  # a manifest is a layout file with rank files listed
     report = fsdp_optim.verify(layout)

@@ -17,7 +17,7 @@ from test_whole_state import REL, SAVE_AT, TOTAL, _extra, _save, make_net
 
 import fsdp_optim
 from fsdp_optim.cli import main
-from fsdp_optim.cli.inspect import human_bytes
+from fsdp_optim.disk.text import human_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Writers never destroy (issue 12): concurrent writers, killed writers and stale locks, with real processes.
+"""Writers never destroy: concurrent writers, killed writers and stale locks, with real processes.
 
 Every writer here is a real process forked from a preloaded forkserver (``tests/_attacks.py``): real
 ``reshard`` calls, real fairscale FSDP jobs on gloo saving with ``save_sharded_optim_state``, killed with

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_optim.cli.inspect import human_bytes
+from fsdp_optim.disk.text import human_bytes
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.local_directory import LocalDirectory

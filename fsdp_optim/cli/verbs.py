@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.cli.inspect import human_bytes
+from fsdp_optim.disk.text import human_bytes
 
 
 @contextlib.contextmanager
@@ -48,11 +48,12 @@ def _open(args: argparse.Namespace, path: Any, **options: Any) -> Any:
 def run_consolidate(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.staged import write_file
     from fsdp_optim.offline.operations import full_state
-    from fsdp_optim.offline.sources import Kind
     from fsdp_optim.offline.whole import check_whole_options, is_whole
 
     with _open(args, args.directory) as opened, progress_bar("consolidate") as progress:
-        shards = opened.kind is Kind.SHARD_SET
+        shards = opened.shards is not None
+        if opened.whole_file is not None:  # consolidate's own output, written again (or its optimizer alone)
+            return _consolidate_whole_file(opened, args)
         whole = is_whole(opened.checkpoint)
         if (args.with_model or args.no_model) and not (shards or whole):
             flag = "--with-model" if args.with_model else "--no-model"
@@ -93,6 +94,16 @@ def _consolidate_whole(opened: Any, args: argparse.Namespace, progress: Callable
     ]
 
 
+def _consolidate_whole_file(opened: Any, args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.staged import write_file
+    from fsdp_optim.offline.operations import whole_file_state
+
+    out = whole_file_state(opened, rank=args.rank, with_model=False if args.no_model else None)
+    size = write_file(out, args.output, inputs=(args.directory, args.layout))
+    what = "the optimizer's full dict" if args.no_model else "{'model', 'optimizer', 'extra'}"
+    return [f"wrote {args.output}: {what} of {opened.label}, {human_bytes(size)}"]
+
+
 def run_reshard(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.formats.fairseq.recut import reshard_set
     from fsdp_optim.formats.sharded.reader import read_manifest
@@ -124,7 +135,6 @@ def run_convert(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.staged import write_file
     from fsdp_optim.formats.fairscale import to_named
     from fsdp_optim.offline.operations import full_state
-    from fsdp_optim.offline.sources import Kind
 
     if args.max_shard_size is not None and args.to != "safetensors":
         raise ValueError(f"max_shard_size: applies to --to safetensors (of a whole checkpoint), not --to {args.to}")
@@ -134,7 +144,7 @@ def run_convert(args: argparse.Namespace) -> list[str]:
             return _to_safetensors(opened, args, origin)
         if args.to == "dcp":
             return _to_dcp(opened, args, origin)
-        if opened.kind is Kind.FULL:
+        if opened.is_full_dict():
             if args.to == "full" and args.param_names is None:  # a plain dict named is a full dict made
                 raise ValueError(f"{args.source}: already a full dict; use --to named to key it by parameter name")
             full = opened.full

@@ -127,7 +127,8 @@ class _RecordingWriter:
 
 
 def load_file(
-    path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False
+    path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False,
+    tied: str | None = None,
 ) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.disk.untrusted`.
 
@@ -137,9 +138,10 @@ def load_file(
     exceeds a bound or holds what optimizer state does not (quantized, sparse, meta, complex tensors,
     overlapping or zero-stride views, cycles, nesting). ``disjoint=True`` for a file that must hold an
     optimizer state dict: two of its tensors sharing memory are refused too (a dict handed over in memory
-    is checked for less: ``check_tree(in_memory=True)``).
+    is checked for less: ``check_tree(in_memory=True)``); ``tied``: a top-level key whose dict may name one tensor
+    more than once (tied parameters of a model's ``state_dict()``).
     """
-    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks, disjoint=disjoint)
+    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks, disjoint=disjoint, tied=tied)
 
 
 

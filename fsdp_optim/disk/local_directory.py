@@ -139,7 +139,7 @@ class LocalDirectory(Location):
             raise TypeError(f"{self}: a save begun at another location ({begun!r})")
         try:
             if not failed:  # the replaced checkpoint's files, now that the new manifest is in place
-                replaced = begun.lock.entries[-1]["replaces"]
+                replaced = begun.lock.entries[-1].replaces or ()
                 remove_recorded(self.path, replaced, begun.rules.claims, keep=set(keep))
         except OSError as exc:  # committed all the same (every rank agreed on it): a warning, not a failure
             warnings.warn(f"{self}: could not remove the replaced checkpoint's files ({exc}); they are left beside "

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Claims
 from fsdp_optim.disk.store_policy import RetryPolicy
 
@@ -61,7 +62,7 @@ class SaveRules:
     the format's."""
 
     claims: Claims
-    entry: Mapping[str, Any]
+    entry: JournalEntry
     commit_name: str
     known: frozenset[str]
     listed: Callable[[Location], frozenset[str]]
@@ -69,7 +70,7 @@ class SaveRules:
     @property
     def tag(self) -> str:
         """The save's short tag (its temporary files carry it, so a killed save's are recognised)."""
-        return str(self.entry.get("save_id", ""))[:12]
+        return (self.entry.save_id or "")[:12]
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.disk.journal import JournalEntry
+
 __all__ = [
     "LOCK_SUFFIX",
     "STALE_AFTER_S",
@@ -105,9 +107,10 @@ def _describe(holder: dict[str, Any] | None) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')} since {since} ({holder.get('purpose')})"
 
 
-def _parse(text: bytes) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+def _parse(text: bytes) -> tuple[dict[str, Any] | None, list[JournalEntry]]:
     """The holder and journal entries of a lock file; a torn last line (a killed write) is ignored."""
-    holder, entries = None, []
+    holder: dict[str, Any] | None = None
+    entries: list[JournalEntry] = []
     for line in text.splitlines():
         try:
             record = json.loads(line)
@@ -116,7 +119,7 @@ def _parse(text: bytes) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         if isinstance(record, dict) and isinstance(record.get("holder"), dict):
             holder = record["holder"]
         elif isinstance(record, dict) and isinstance(record.get("journal"), dict):
-            entries.append(record["journal"])
+            entries.append(JournalEntry.from_json(record["journal"]))
     return holder, entries
 
 
@@ -136,13 +139,13 @@ class OutputLock:
     release). :meth:`journal` records an entry; :meth:`release` (or leaving the ``with`` block) frees it."""
 
     def __init__(
-        self, output: Path, path: Path, fd: int, mode: str, previous: list[dict[str, Any]], purpose: str
+        self, output: Path, path: Path, fd: int, mode: str, previous: list[JournalEntry], purpose: str
     ) -> None:
         self.output = output
         self.path = path
         self.mode = mode  # "flock" or "exclusive"
         self.previous = previous
-        self.entries: list[dict[str, Any]] = []  # this holder's own journal
+        self.entries: list[JournalEntry] = []  # this holder's own journal
         self._fd: int | None = fd
         self._holder = _holder(purpose)
         # Appended, not rewritten: a killed holder's journal stays until forget(), after it was acted on.
@@ -162,10 +165,10 @@ class OutputLock:
         os.pwrite(fd, data, 0)
         os.fsync(fd)
 
-    def journal(self, entry: dict[str, Any]) -> None:
-        """Append ``entry`` (JSON-serialisable) durably, before doing what it announces."""
+    def journal(self, entry: JournalEntry) -> None:
+        """Append ``entry`` durably, before doing what it announces."""
         fd = self._held()
-        os.pwrite(fd, json.dumps({"journal": entry}).encode() + b"\n", os.fstat(fd).st_size)
+        os.pwrite(fd, json.dumps({"journal": entry.to_json()}).encode() + b"\n", os.fstat(fd).st_size)
         os.fsync(fd)
         os.utime(fd)  # exclusive-file mode: a live holder's lock never looks old
         self.entries.append(entry)
@@ -264,7 +267,7 @@ def _alive(holder: dict[str, Any]) -> bool:
 
 def _lock_exclusive(resolved: Path, path: Path, purpose: str) -> OutputLock:
     """The fallback: the lock file exists exactly while someone holds the lock (or died holding it)."""
-    previous: list[dict[str, Any]] = []
+    previous: list[JournalEntry] = []
     broken_files: list[Path] = []
     for _ in range(100):
         try:
@@ -273,7 +276,7 @@ def _lock_exclusive(resolved: Path, path: Path, purpose: str) -> OutputLock:
             pass
         else:
             # The dead holder's journal moves into our lock file before its old file goes.
-            os.write(fd, b"".join(json.dumps({"journal": e}).encode() + b"\n" for e in previous))
+            os.write(fd, b"".join(json.dumps({"journal": e.to_json()}).encode() + b"\n" for e in previous))
             os.fsync(fd)
             for broken in broken_files:
                 broken.unlink(missing_ok=True)

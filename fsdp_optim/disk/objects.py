@@ -38,6 +38,7 @@ class _Tensor:
     tensor: torch.Tensor
     path: tuple[Any, ...]
     references: int = 1
+    tied: int = 0  # further references as other names of the ``tied`` dict (see :func:`check_tree`)
 
 
 
@@ -49,6 +50,7 @@ def check_tree(
     in_memory: bool = False,
     max_depth: int = MAX_DEPTH,
     max_nodes: int = MAX_NODES,
+    tied: str | None = None,
 ) -> list[torch.Tensor]:
     """Walk ``obj`` once (see the module docstring) and check every tensor; return the distinct tensors.
     Raises ``ValueError`` naming the place.
@@ -60,8 +62,11 @@ def check_tree(
     ``in_memory``: ``obj`` is what a caller holds, not what a file declares. Views (transposed, strided,
     expanded) and tensors shared or referenced twice cost nothing to read and are accepted (readers copy
     where needed); only each tensor's kind is checked (dtype, layout, not meta, not a subclass).
+
+    ``tied``: a top-level key whose dict may name one tensor more than once (a model's ``state_dict()`` with tied
+    parameters, as consolidate writes it); the reader takes such a tensor once, under its first name.
     """
-    tensors = _Walk(where, max_depth, max_nodes).run(obj)
+    tensors = _Walk(where, max_depth, max_nodes, tied).run(obj)
     for seen in tensors.values():  # where a tensor is, is spelled out only for an error
         problem = _kind_problem(seen.tensor) if in_memory else _tensor_problem(seen.tensor)
         if problem is None and not in_memory and seen.references > 1 and seen.tensor.numel() > 1:
@@ -77,8 +82,8 @@ def check_tree(
 class _Walk:
     """One iterative, memoized, bounded walk of a loaded object (no recursion: depth is data here)."""
 
-    def __init__(self, where: str, max_depth: int, max_nodes: int) -> None:
-        self.where, self.max_depth, self.max_nodes = where, max_depth, max_nodes
+    def __init__(self, where: str, max_depth: int, max_nodes: int, tied: str | None = None) -> None:
+        self.where, self.max_depth, self.max_nodes, self.tied = where, max_depth, max_nodes, tied
         self.sizes: dict[int, int] = {}  # id -> references under it (itself included), for finished containers
         self.tensors: dict[int, _Tensor] = {}
         self.open_ids: set[int] = set()
@@ -133,11 +138,16 @@ class _Walk:
             seen = self.tensors.get(id(node))
             if seen is None:
                 self.tensors[id(node)] = _Tensor(node, path)
+            elif self._tied(seen.path) and self._tied(path):
+                seen.tied += 1
             else:
                 seen.references += 1
         elif isinstance(node, int) and not isinstance(node, bool) and not -(1 << 63) <= node < (1 << 64):
             raise ValueError(f"{_show_path(self.where, path)}: an integer of {node.bit_length()} bits")
         return 1
+
+    def _tied(self, path: tuple[Any, ...]) -> bool:
+        return self.tied is not None and len(path) == 2 and path[0] == self.tied and isinstance(path[1], str)
 
     def enter(self, node: Any, path: tuple[Any, ...]) -> None:
         self.open_ids.add(id(node))

@@ -25,6 +25,7 @@ A format says what is its own with a :class:`Claims` (``formats/sharded/writer.p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import uuid
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write, fsync_dir
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import describe_file
@@ -71,10 +73,10 @@ class Claims(Protocol):
     def survey(self, directory: Path) -> Survey:
         """The existing directory as this format sees it."""
 
-    def created(self, entry: Mapping[str, Any]) -> set[str]:
+    def created(self, entry: JournalEntry) -> set[str]:
         """Names that the write journaled as ``entry`` creates (temporary files of these go too)."""
 
-    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:
+    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:
         """``(name, tag)`` of files the write journaled as ``entry`` saves with a tagged temporary file."""
 
     def referenced(self, directory: Path) -> set[str] | None:
@@ -124,7 +126,7 @@ def _same_inode(a: Path, b: Path) -> bool:
 def open_output(
     out: str | os.PathLike[str],
     claims: Claims,
-    entry: Mapping[str, Any],
+    entry: JournalEntry,
     *,
     purpose: str,
     inputs: Iterable[Any] = (),
@@ -132,7 +134,7 @@ def open_output(
     replace: bool = True,
 ) -> OutputLock:
     """Steps 1-4 and the journal of step 5 for ``out``; returns the held lock, whose last journal entry is
-    ``entry`` plus ``"replaces"`` (the names the commit makes obsolete). Finish with :func:`close_output`.
+    ``entry`` with ``replaces`` (the names the commit makes obsolete). Finish with :func:`close_output`.
     ``replace=False``: an output of this format already there is refused too, unless ``overwrite``."""
     check_not_input(out, inputs)
     lock = lock_output(out, purpose=purpose)
@@ -146,7 +148,7 @@ def open_output(
                 f"{lock.output}: already holds a checkpoint ({len(replaces)} of its files, e.g. "
                 f"{sorted(replaces)[0]}); pass overwrite=True (--overwrite) to replace it"
             )
-        lock.journal({**entry, "replaces": sorted(replaces)})
+        lock.journal(dataclasses.replace(entry, replaces=tuple(sorted(replaces))))
     except BaseException:
         lock.release()
         raise
@@ -193,16 +195,16 @@ def staged_output(
     inputs: Iterable[Any] = (),
     overwrite: bool = False,
     replace: bool = True,
-    entry: Mapping[str, Any] | None = None,
+    entry: JournalEntry | None = None,
 ) -> Iterator[Stage]:
     """Write a directory output all or nothing: the block fills ``stage.dir``; on a clean exit its files are
     moved into ``out`` (``stage.last`` last), ``stage.commit`` runs, and the files of the output it replaces
     are removed. ``entry``: what to journal besides the staging name (a format's ``created`` reads it)."""
     tag = uuid.uuid4().hex[:12]
     name = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
-    lock = open_output(out, claims, {**(entry or {}), "staging": name}, purpose=purpose, inputs=inputs,
-                       overwrite=overwrite, replace=replace)
-    stage = Stage(lock.output, lock.output.parent / name, lock, frozenset(lock.entries[-1]["replaces"]))
+    lock = open_output(out, claims, dataclasses.replace(entry or JournalEntry(), staging=name), purpose=purpose,
+                       inputs=inputs, overwrite=overwrite, replace=replace)  # fmt: skip
+    stage = Stage(lock.output, lock.output.parent / name, lock, frozenset(lock.entries[-1].replaces or ()))
     failed = True
     try:
         stage.dir.mkdir(mode=0o700)
@@ -217,7 +219,8 @@ def staged_output(
 def _move_in(stage: Stage, claims: Claims) -> None:
     last = list(stage.last)
     names = sorted(os.listdir(stage.dir), key=lambda n: (n in last, last.index(n) if n in last else 0))
-    stage.lock.journal({**stage.lock.entries[-1], "moved": names})  # a kill from here on is undone by name
+    # A kill from here on is undone by name.
+    stage.lock.journal(dataclasses.replace(stage.lock.entries[-1], moved=tuple(names)))
     stage.out.mkdir(exist_ok=True)
     for n in names:
         os.replace(stage.dir / n, stage.out / n)
@@ -245,7 +248,7 @@ def remove_recorded(directory: Path, names: Iterable[str], claims: Claims, *, ke
     return removed
 
 
-def recover(directory: Path, entries: Sequence[Mapping[str, Any]], claims: Claims) -> list[str]:
+def recover(directory: Path, entries: Sequence[JournalEntry], claims: Claims) -> list[str]:
     """Remove what journal ``entries`` announced and the output in ``directory`` does not use: the files each
     write creates (``claims.created``) and their temporary files, the files moved in by a write that never
     committed, the files a commit replaced once the output no longer names them, and the staging directories.
@@ -255,11 +258,10 @@ def recover(directory: Path, entries: Sequence[Mapping[str, Any]], claims: Claim
     tagged: set[tuple[str, str]] = set()
     replaced: set[str] = set()
     for entry in entries:
-        own |= claims.created(entry) | {n for n in entry.get("moved", ()) if isinstance(n, str)}
-        if isinstance(entry.get("replaces"), list):
-            replaced.update(n for n in entry["replaces"] if isinstance(n, str))
-        if isinstance(entry.get("file"), str) and isinstance(entry.get("tag"), str):
-            tagged.add((entry["file"], entry["tag"]))
+        own |= claims.created(entry) | set(entry.moved or ())
+        replaced.update(entry.replaces or ())
+        if entry.file is not None and entry.tag is not None:
+            tagged.add((entry.file, entry.tag))
         tagged |= claims.tagged(entry)
     removed = []
     if directory.is_dir():
@@ -267,8 +269,8 @@ def recover(directory: Path, entries: Sequence[Mapping[str, Any]], claims: Claim
         if referenced is not None:
             removed += remove_recorded(directory, own | replaced, claims, keep=referenced)
     for entry in entries:
-        staging = entry.get("staging")
-        if isinstance(staging, str) and "/" not in staging and staging.startswith("."):
+        staging = entry.staging
+        if staging is not None and "/" not in staging and staging.startswith("."):
             path = directory.parent / staging
             if path.is_dir() and not path.is_symlink():
                 # a staging directory is this package's alone (its name was journaled): what the format can make goes
@@ -299,10 +301,10 @@ class _FileClaims:
     def survey(self, directory: Path) -> Survey:  # noqa: ARG002
         return Survey()
 
-    def created(self, entry: Mapping[str, Any]) -> set[str]:  # noqa: ARG002
+    def created(self, entry: JournalEntry) -> set[str]:  # noqa: ARG002
         return set()
 
-    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
+    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:  # noqa: ARG002
         return set()
 
     def referenced(self, directory: Path) -> set[str]:  # noqa: ARG002
@@ -355,5 +357,5 @@ def _write_one(
                 f"{path}: exists already ({describe_file(lock.output)}); pass overwrite=True (--overwrite) to "
                 "replace it"
             )
-        lock.journal({"file": lock.output.name, "tag": tag})
+        lock.journal(JournalEntry(file=lock.output.name, tag=tag))
         return save(lock.output, tag)

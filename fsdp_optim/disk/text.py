@@ -30,3 +30,14 @@ def escape(text: str, *, limit: int = 4096) -> str:
         else:
             out.append(ch)
     return "".join(out) + (f"... ({len(text) - limit} more characters)" if len(text) > limit else "")
+
+
+def human_bytes(n: int) -> str:
+    if not 0 <= n < 1 << 60:  # a file's declared sizes: no float of them (10**400 has none)
+        return f"{n} B"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit} ({n} B)"
+        value /= 1024
+    raise AssertionError("unreachable")

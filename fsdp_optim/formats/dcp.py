@@ -49,6 +49,7 @@ from torch.futures import Future
 
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, plan, restrict
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
 
@@ -207,10 +208,10 @@ class _DcpClaims:
     def survey(self, directory: Path) -> Survey:  # noqa: ARG002 - nothing in an existing directory is ours
         return Survey(overwrite_means="write there anyway")
 
-    def created(self, entry: Mapping[str, Any]) -> set[str]:  # noqa: ARG002 - every write makes the same two
+    def created(self, entry: JournalEntry) -> set[str]:  # noqa: ARG002 - every write makes the same two
         return {DATA_FILE, METADATA}
 
-    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
+    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:  # noqa: ARG002
         return set()
 
     def referenced(self, directory: Path) -> set[str]:

@@ -21,13 +21,14 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Survey
 from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
 
@@ -124,11 +125,10 @@ class _HfClaims:
     def survey(self, directory: Path) -> Survey:  # noqa: ARG002 - nothing in an existing directory is ours
         return Survey(overwrite_means="write there anyway (files of the same names are replaced)")
 
-    def created(self, entry: Mapping[str, Any]) -> set[str]:
-        files = entry.get("files")
-        return {n for n in files if isinstance(n, str) and _OURS.match(n)} if isinstance(files, list) else set()
+    def created(self, entry: JournalEntry) -> set[str]:
+        return {n for n in entry.files or () if _OURS.match(n)}
 
-    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
+    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:  # noqa: ARG002
         return set()
 
     def referenced(self, directory: Path) -> set[str]:

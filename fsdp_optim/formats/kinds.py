@@ -22,8 +22,9 @@ from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.manifest import HEADER_KEY
 from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind
+from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 
-__all__ = ["RANK_FILE_NAME", "Kind", "detect", "path_kind", "sniff_kind"]
+__all__ = ["RANK_FILE_NAME", "Kind", "detect", "names_shard_set", "path_kind", "sniff_kind"]
 
 
 class Kind(enum.Enum):
@@ -36,6 +37,7 @@ class Kind(enum.Enum):
     NAMED = "named safetensors file"
     NAMED_DICT = "name-keyed dict (convert --to named, for FSDP2's set_optimizer_state_dict)"
     DCP = "PyTorch DCP checkpoint"
+    WHOLE_FILE = "consolidated whole checkpoint file ({'model', 'optimizer', 'extra'})"
 
 
 RANK_FILE_NAME = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
@@ -46,11 +48,16 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
 
     Raises ``FileNotFoundError`` for nothing there and ``ValueError`` naming what was found otherwise."""
     if isinstance(given, Mapping):
+        if is_whole_file(given):
+            return Kind.WHOLE_FILE, given
         return (Kind.NATIVE if is_fairscale_native(given) else Kind.FULL), given
     kind = path_kind(given) or sniff_kind(given)
     if kind is not None:
         return kind, None
-    obj = load_file(given, mmap=True, disjoint=True)  # a file must not hold overlapping tensors
+    # A file must not hold overlapping tensors; a whole checkpoint's model may name a tied parameter twice.
+    obj = load_file(given, mmap=True, disjoint=True, tied=TIED_KEY)
+    if is_whole_file(obj):
+        return Kind.WHOLE_FILE, obj
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):
         return (Kind.LAYOUT if header["kind"] == "manifest" else Kind.RANK_FILE), obj
@@ -62,6 +69,12 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return Kind.NAMED_DICT, obj
     check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
     return Kind.FULL, obj
+
+
+def names_shard_set(given: Any) -> bool:
+    """Whether ``given`` is a fairseq/metaseq shard set, by its names alone (a dict, a URL or a store never is; no
+    file is read and nothing raises): who passes ``allow_globals`` asks this first."""
+    return not isinstance(given, (Mapping, ObjectStore)) and not is_url(given) and is_shard_set(given)
 
 
 def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:

@@ -43,7 +43,7 @@ from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.job.root import verify_root
-from fsdp_optim.job.sharded import commit_save, read_for_save, start_save
+from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
 from fsdp_optim.job.staging import Staged, Staging, before_change, expect, ready_events
 from fsdp_optim.job.transport import ProcessGroup, new_gloo_group
 

@@ -5,7 +5,7 @@ Training blocks as long as for :func:`fsdp_optim.async_save_checkpoint`: the che
 into the reused staging buffers and, on the checkpoint group (:func:`~fsdp_optim.job.async_save.checkpoint_group`):
 
 1. every rank writes its rank and side files into its node's step directory and rank 0 the manifest
-   (:func:`fsdp_optim.job.sharded.commit_save`, the durable saves' commit: all ranks or none);
+   (:func:`fsdp_optim.job.save_commit.commit_save`, the durable saves' commit: all ranks or none);
 2. the manifest is broadcast and written on every node; each rank sends its two files to its replica peers
    (:func:`fsdp_optim.core.memory_plan.replica_peers`, on other nodes), which write them beside their own;
 3. once every rank says all its parts and replicas are in (one all-gather), the first rank of each node writes its
@@ -44,7 +44,7 @@ from fsdp_optim.formats.sharded.memory_tier import (
 )
 from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previous, launch
 from fsdp_optim.job.root import Root, verify_root
-from fsdp_optim.job.sharded import Side, commit_save
+from fsdp_optim.job.save_commit import Side, commit_save
 from fsdp_optim.job.transport import (
     ProcessGroup,
     agree,

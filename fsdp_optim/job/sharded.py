@@ -33,31 +33,13 @@ from fsdp_optim.job.api import full_source
 from fsdp_optim.job.device_load import optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.root import Root, verify_root
-from fsdp_optim.job.save_commit import (  # re-exported: the whole and async saves import them from here
-    Begun,
-    Side,
-    commit_save,
-    own_tensor,
-    read_for_save,
-    start_save,
-)
+from fsdp_optim.job.save_commit import commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.transport import (
     agree,
     scatter_objects,
 )
 
-__all__ = [
-    "Begun",
-    "Side",
-    "commit_save",
-    "load_sharded_optim_state",
-    "own_tensor",
-    "read_for_save",
-    "save_layout",
-    "save_sharded_optim_state",
-    "scatter_full_optim_state",
-    "start_save",
-]
+__all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state", "scatter_full_optim_state"]
 
 
 def save_sharded_optim_state(
@@ -230,7 +212,7 @@ def _cut_for(the_plan: Plan, r: int) -> dict[str, Any]:
 
 def _refuse_shard_set(path: str | os.PathLike[str]) -> None:
     """A fairseq/metaseq shard set (a prefix or one ``-shard<r>.pt`` file) is not a full dict: say what it is."""
-    from fsdp_optim.formats.fairseq.files import is_shard_set
+    from fsdp_optim.formats.fairseq.paths import is_shard_set
 
     if is_shard_set(path):
         raise ValueError(

@@ -10,22 +10,26 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
+from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.local_directory import LocalDirectory
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, source_kind
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
-from fsdp_optim.formats.sharded.training import TrainingRecord
+from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
+from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file
 from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
@@ -66,6 +70,9 @@ def load_checkpoint(
     buffers, optimizer class, param groups and state, checksums of every byte it reads), the ranks agree, and
     only then is anything changed; a failure on any rank raises the same ``ValueError`` on every rank, with no
     parameter, buffer or optimizer changed anywhere.
+
+    ``path`` may also be the file :func:`fsdp_optim.consolidate` writes of a whole checkpoint (``{"model",
+    "optimizer", "extra"}``): every rank reads it and cuts its own shards; every rank gets its ``extra``.
 
     ``extra``: at the saved world size, rank r gets what rank r saved; at another, rank r gets saved rank
     ``r % saved_world_size``'s (so ranks beyond the saved count share a copy: reseed per-rank RNG from it, e.g.
@@ -142,6 +149,8 @@ def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Rec
 def _stage(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: LocalDirectory | ObjectStore, buffers: str
 ) -> Staged:
+    if isinstance(path, LocalDirectory) and is_whole_file_path(path):
+        return stage_file(root, model, optim, path.path)  # a local file, never a store
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
     with ShardedCheckpoint(path, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
@@ -151,6 +160,46 @@ def _stage(
         spans = lambda: load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)  # noqa: E731
         with fetched_ahead(ckpt, spans) as sides:
             return stage_load(root, ckpt, plans, sides)
+
+
+def is_whole_file_path(path: LocalDirectory | ObjectStore) -> bool:
+    """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory,
+    its manifest or a store."""
+    return not isinstance(path, ObjectStore) and Path(path).is_file() and source_kind(path) != "sharded"
+
+
+def stage_file(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.PathLike[str]
+) -> Staged:
+    """:func:`stage_load` of consolidate's file of a whole checkpoint: every rank reads the file and cuts its own
+    shards of the weights and optimizer state from it; the buffers and ``extra`` are the file's."""
+    where_ = str(path)
+    obj = load_file(path, mmap=True, disjoint=True, tied=TIED_KEY)
+    if not is_whole_file(obj):
+        found = f"a dict with keys {sorted(map(str, obj))[:6]}" if isinstance(obj, Mapping) else type(obj).__name__
+        raise ValueError(
+            f"{where_}: expected a whole checkpoint (save_checkpoint's directory, or the file consolidate writes of "
+            f"one: {{'model', 'optimizer', 'extra'}}), found {found}"
+        )
+    weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is cut
+    whole = WholeFile.of(obj, where_, params=root.layout.param_order)
+    units = [list(range(len(root.layout.flat_params)))]
+    weights_plan = plan(whole.weights_source(), root.layout, members=units)
+    optim_plan = None
+    if optim is not None:
+        source = whole.source()
+        if source is None:
+            raise ValueError(f"optim: {where_} holds the model alone (saved with optim=None); load it with optim=None")
+        check_optimizer(source.optimizer, optim, where_)
+        optim_plan = plan(source, root.layout, members=root.members)
+    buffers = whole.buffer_tensors()
+    specs = tuple(BufferSpec(n, tuple(t.shape), dtype_to_str(t.dtype)) for n, t in buffers.items())
+    _check_buffers(TrainingRecord(specs, False, whole.aliases, ()), persistent_buffers(model), 1, 1, where_, "refuse")
+    weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(weights_plan, root.rank).items()}
+    optim_state = None
+    if optim_plan is not None:
+        optim_state = optimizer_state_dict(optim_plan, cut_rank(optim_plan, root.rank))
+    return Staged(weights, {n: t.clone() for n, t in buffers.items()}, optim_state, clone_value(whole.extra))
 
 
 def _optim_plan(ckpt: ShardedCheckpoint, root: Root, optim: torch.optim.Optimizer) -> Plan:

@@ -3,7 +3,7 @@
 Orchestration only: every rank's weight shards go into its rank file beside its optimizer state (one more state
 key per unit, :data:`~fsdp_optim.core.records.WEIGHTS_KEY`), its ``extra`` and (rank 0, or every rank when they
 differ) the buffers into its side file (:mod:`fsdp_optim.formats.sharded.side_file`), and rank 0 commits one
-manifest last (:func:`fsdp_optim.job.sharded.commit_save`): the checkpoint exists whole or not at all.
+manifest last (:func:`fsdp_optim.job.save_commit.commit_save`): the checkpoint exists whole or not at all.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previo
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
-from fsdp_optim.job.sharded import Side, commit_save, own_tensor, read_for_save, start_save
+from fsdp_optim.job.save_commit import Side, commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.transport import agree, all_gather_objects
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems, step_outliers, tensor_problems
-from fsdp_optim.formats.kinds import Kind, path_kind
+from fsdp_optim.formats.kinds import names_shard_set
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
@@ -30,7 +30,7 @@ def deep_findings(
 ) -> tuple[Finding, ...]:
     """Every finding of the state at ``path`` (any source :func:`open_source` reads), one tensor at a time."""
     model = resolve_layout(layout) if layout is not None else None
-    shard_set = path_kind(path) is Kind.SHARD_SET
+    shard_set = names_shard_set(path)
     with open_source(path, allow_globals=allow_globals if shard_set else ()) as opened:
         view = PerParameter.of(opened)
         found = [*_settings(view), *_state(view), *_side(SideState.of(opened))]

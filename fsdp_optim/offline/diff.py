@@ -32,7 +32,7 @@ import torch
 from fsdp_optim.core.compare import compare_tensors
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.records import StateEntry
-from fsdp_optim.formats.kinds import Kind, path_kind
+from fsdp_optim.formats.kinds import names_shard_set
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.diff_report import (
     DIFFERENT,
@@ -83,7 +83,7 @@ def diff(
     with contextlib.ExitStack() as stack:
         opened = []
         for given in (a, b):
-            globals_ = allow_globals if not isinstance(given, Mapping) and path_kind(given) is Kind.SHARD_SET else ()
+            globals_ = allow_globals if names_shard_set(given) else ()
             opened.append(
                 stack.enter_context(open_source(given, allow_globals=globals_, max_mapped_bytes=max_mapped_bytes))
             )

@@ -26,6 +26,7 @@ from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.atomic import durable_write, load_file
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import staged_output, write_stream
 from fsdp_optim.disk.storage import is_url
@@ -36,7 +37,7 @@ from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensor
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.operations import full_state
 from fsdp_optim.offline.publish import output_for
-from fsdp_optim.offline.sources import Kind, Opened, open_source
+from fsdp_optim.offline.sources import Opened, open_source
 from fsdp_optim.offline.whole import ModelTensor, is_whole, whole_model
 
 __all__ = ["load_full_state", "to_safetensors"]
@@ -102,7 +103,7 @@ def write_opened(
     if max_shard_size is not None:
         raise ValueError(f"max_shard_size: {opened.label} holds no model weights (it applies to a whole checkpoint)")
     the_source, trim = opened.source, opened.trim
-    if opened.kind is Kind.FULL and path is not None:
+    if opened.is_full_dict() and path is not None:
         the_source, trim = _MappedFullDict(path, bound).source(opened.source)
     prepared = prepare_named_safetensors(the_source, order=opened.order, header=_header(opened))
 
@@ -134,7 +135,7 @@ def write_whole_safetensors(
     files = [*names, *([hf.INDEX] if len(groups) > 1 else []), *(["optimizer.safetensors"] if optimizer else [])]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with staged_output(out, hf.HF_DIRECTORY, purpose="fsdp_optim.to_safetensors", inputs=inputs,
-                       entry={"files": files}) as stage:  # fmt: skip
+                       entry=JournalEntry(files=tuple(files))) as stage:  # fmt: skip
         stage.last = (hf.INDEX if len(groups) > 1 else hf.SINGLE,)
         for name, group in zip(names, groups):
             durable_write(stage.dir / name, partial(hf.write_file, tensors=group, after=opened.trim))
@@ -214,7 +215,7 @@ def load_full_state(
     process group, no model. Every byte read is checked against the file's checksums; errors name the file.
     """
     with open_source(path, layout=layout, optimizer=optimizer, allow_globals=allow_globals) as opened:
-        if opened.kind is Kind.FULL:
+        if opened.is_full_dict():
             full = load_file(path)  # into memory, not mapped
             check_full_dict(full, opened.label)
             check_state_dict(full, opened.label)

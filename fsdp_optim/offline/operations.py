@@ -44,7 +44,7 @@ from fsdp_optim.formats.sharded.writer import write_all_or_nothing
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.publish import checkpoint_output
 from fsdp_optim.offline.rank_writes import described, fetched_from, then_sides, write_blocks, write_ranks
-from fsdp_optim.offline.sources import NEEDS_LAYOUT, Kind, Opened, open_source
+from fsdp_optim.offline.sources import NEEDS_LAYOUT, Opened, open_source
 from fsdp_optim.offline.whole import (
     check_resharding,
     check_whole_options,
@@ -52,8 +52,9 @@ from fsdp_optim.offline.whole import (
     whole_model,
     whole_state,
 )
+from fsdp_optim.offline.whole_file import reshard_whole_file
 
-__all__ = ["consolidate", "load_full_file", "optimizer_of", "reshard", "resolve_layout"]
+__all__ = ["consolidate", "load_full_file", "optimizer_of", "reshard", "resolve_layout", "whole_file_state"]
 
 Progress = Callable[[], None] | None  # called once per FSDP unit done (the CLI draws a bar with it)
 # A block re-cut holds a group's source and output rank files in memory: at most this much (else unit by unit).
@@ -107,6 +108,8 @@ def consolidate(
     with open_source(
         path, layout=layout, optimizer=optimizer, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as opened:
+        if opened.whole_file is not None:  # consolidate's own output: given back as it was read
+            return whole_file_state(opened, rank=rank, with_model=with_model)
         if is_whole(opened.checkpoint) and with_model is not False:
             assert opened.checkpoint is not None, "is_whole() holds for an opened checkpoint only"
             model = whole_model(opened.checkpoint, rank=rank, progress=progress)
@@ -115,6 +118,22 @@ def consolidate(
         if with_model is not None and not is_whole(opened.checkpoint):
             raise ValueError(f"with_model: {opened.label} holds no model weights (not a whole checkpoint)")
         return full_state(opened, progress=progress)
+
+
+def whole_file_state(opened: Opened, *, rank: int | None, with_model: bool | None) -> dict[str, Any]:
+    """A consolidated whole checkpoint file's content (each tensor new memory; tied names one tensor), or with
+    ``with_model=False`` its optimizer's full dict."""
+    whole = opened.whole_file
+    if whole is None:
+        raise ValueError(f"{opened.label}: expected consolidate's whole checkpoint file, found a {opened.kind.value}")
+    if rank is not None:
+        raise ValueError(f"rank: {opened.label} holds one rank's extra (a consolidated file): no rank to choose")
+    if with_model is False:
+        if whole.optimizer is None:
+            raise ValueError(f"with_model: {opened.label} was saved without an optimizer: the model is all it holds")
+        return dict(clone_value(whole.optimizer))
+    # One deep copy of the three: a tied parameter stays one tensor under both names.
+    return dict(clone_value({"model": dict(whole.model), "optimizer": whole.optimizer, "extra": whole.extra}))
 
 
 def optimizer_of(opened: Opened, progress: Progress) -> dict[str, Any] | None:
@@ -133,12 +152,13 @@ def full_state(
         return out if fairseq_checkpoint else out[OPTIM_KEY]
     if opened.named is not None:  # a named safetensors file: the dict it was written from
         return opened.named.full_state()
-    if opened.kind is not Kind.SHARDED and opened.kind is not Kind.NATIVE:
-        raise ValueError(_nothing_to_consolidate(opened))
-    if opened.kind is Kind.NATIVE and opened.full is not None:
-        return dict(opened.full)
+    if opened.whole_file is not None:  # consolidate's file of a whole checkpoint: its optimizer
+        return whole_file_state(opened, rank=None, with_model=False)
+    converted = opened.converted()
+    if converted is not None:  # a fairscale-native dict: the full dict it was converted into
+        return dict(converted)
     if opened.checkpoint is None or opened.source is None or opened.layout is None:
-        raise ValueError(_nothing_to_consolidate(opened))
+        raise ValueError(opened.why_not_consolidated())
     layout, ckpt = opened.layout, opened.checkpoint
     the_plan = plan(opened.source, layout)
     after_unit = _then(ckpt.trim, progress)
@@ -164,21 +184,6 @@ def _blocks_of(the_plan: Plan, ckpt: ShardedCheckpoint, after_unit: Callable[[],
         }
         after_unit()
     return out
-
-
-def _nothing_to_consolidate(opened: Opened) -> str:
-    """Why a source that is no sharded checkpoint cannot be consolidated, in the terms of what was expected."""
-    if opened.kind is Kind.LAYOUT:
-        return f"{opened.label}: a layout file lists no rank files: it holds no optimizer state to consolidate"
-    found = opened.kind.value
-    if isinstance(opened.raw, Mapping):
-        found += f" (keys {', '.join(repr(k) for k in sorted(map(str, opened.raw))[:8])})"
-    hint = (
-        "; it is already a full dict: nothing to consolidate (load it, or reshard it with --layout)"
-        if opened.kind is Kind.FULL
-        else "; consolidate its directory"
-    )
-    return f"{opened.label}: expected an fsdp_optim manifest file, found a {found}{hint}"
 
 
 def _then(first: Callable[[], None], second: Progress) -> Callable[[], None]:
@@ -292,8 +297,10 @@ def reshard_opened(
         return _reshard_sharded(
             opened, given, world_size, out, progress, overwrite, replace_existing, after_file, buffers
         )
-    if opened.kind is Kind.NATIVE:
-        layout = opened.layout
+    layout = opened.target_layout(layout)
+    if opened.whole_file is not None and layout is not None:  # weights, optimizer, buffers and extra: a whole one
+        return reshard_whole_file(opened.whole_file, world_size, out, layout, given=given, progress=progress,
+                                  overwrite=overwrite, replace_existing=replace_existing, after_file=after_file)
     if layout is None or opened.source is None:
         raise ValueError(
             f"layout: resharding a {opened.kind.value} ({opened.label}) needs the model's layout: {NEEDS_LAYOUT}"

@@ -27,6 +27,13 @@ from fsdp_optim.offline.sources import Opened
 __all__ = ["PerParameter"]
 
 
+def holds_weights(opened: Opened) -> bool:
+    """Whether ``opened`` is a whole checkpoint, sharded or consolidated (model weights beside the optimizer state)."""
+    return opened.whole_file is not None or (
+        opened.checkpoint is not None and opened.checkpoint.manifest.training is not None
+    )
+
+
 @dataclass(frozen=True)
 class PerParameter:
     """An opened source planned for one flat per parameter (see the module docstring)."""
@@ -41,14 +48,18 @@ class PerParameter:
     trim: Callable[[], None]
 
     @classmethod
-    def of(cls, opened: Opened) -> PerParameter:
-        """Plan ``opened`` once; raises ``ValueError`` for a kind that holds no optimizer state. A whole
-        checkpoint's weights come as one more state key per parameter (``@param``)."""
-        if opened.source is None:
-            raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state")
-        whole = opened.checkpoint is not None and opened.checkpoint.manifest.training is not None
+    def of(cls, opened: Opened, *, weights: bool = True) -> PerParameter:
+        """Plan ``opened`` once; raises ``ValueError`` for a kind that holds no optimizer state. ``weights``: a
+        whole checkpoint's weights come as one more state key per parameter (``@param``)."""
+        whole = weights and holds_weights(opened)
         # A whole checkpoint's weights are one more state key per parameter (WEIGHTS_KEY): compared and checked too.
-        source = opened.checkpoint.whole_source() if whole and opened.checkpoint is not None else opened.source
+        source = opened.source
+        if whole and opened.checkpoint is not None:
+            source = opened.checkpoint.whole_source()
+        elif whole and opened.whole_file is not None:
+            source = opened.whole_file.whole_source()
+        if source is None:
+            raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state")
         order = opened.order or tuple(spec.name for flat in source.flats for spec in flat.params)
         the_plan = plan(source, per_parameter(source, order))
         flat_names = [flat.params[0].name for flat in the_plan.target.flat_params]
@@ -59,7 +70,8 @@ class PerParameter:
             for g in the_plan.groups
         )
         names = tuple(order) + tuple(n for n in flat_names if n not in rank)
-        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if whole else opened.kind.value  # as inspect
+        sharded_whole = whole and opened.checkpoint is not None
+        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if sharded_whole else opened.kind.value
         return cls(opened.label, kind, source.optimizer, the_plan, names, index, groups, opened.trim)
 
     def entries(self, name: str) -> dict[str, StateEntry]:

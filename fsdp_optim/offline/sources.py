@@ -11,6 +11,7 @@ one table.
     fairscale-native dict       fairscale's own gather output (ids, no names)    required      checked
     fairseq/metaseq shard set   use_sharded_state files (..-shard<r>.pt)         param order   checked
     named safetensors file      to_safetensors' file (<name>/<key> tensors)      target only   refused
+    whole checkpoint file       consolidate's {'model', 'optimizer', 'extra'}    target only   refused
     name-keyed dict, DCP dir    what convert --to named / --to dcp write         inspect only
                                 (reshard keeps the set's own order and optimizer: both refused there)
 
@@ -18,26 +19,18 @@ one table.
 target. "checked": the name must be a known optimizer whose state keys are the ones found
 (:func:`fsdp_optim.core.elementwise.check_optimizer_name`). ``allow_globals`` applies to shard sets only.
 
-An opened source::
-
-    Opened(kind, label,
-           source=Source(...)  # the optimizer state for core.plan (None for a layout or rank file)
-           layout=ModelLayout  # the units it was saved with, or the given layout (None for a full dict)
-           order=("embed.weight", ...), trim=<drop mappings>, full=<the dict> (full / fairscale-native),
-           manifest=Manifest (sharded, layout file, shard set), shards=ShardSet, checkpoint=ShardedCheckpoint,
-           named=NamedSafetensors)
+An opened input is one of the classes of :mod:`fsdp_optim.offline.opened` (one per kind; ``source``, ``layout``,
+``order``, ``trim``, ``describe``, ``report``, and its kind's own handle).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from fsdp_optim.core.elementwise import check_optimizer_name
-from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.atomic import load_file
@@ -45,30 +38,46 @@ from fsdp_optim.disk.locations import downloaded
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats.fairscale import from_fairscale
-from fsdp_optim.formats.fairseq import shards as fairseq_shards
 from fsdp_optim.formats.fullstate import full_dict_source
 from fsdp_optim.formats.kinds import Kind, detect
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.plain import name_plain_dict
-from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
     ShardedCheckpoint,
     is_sharded_checkpoint,
     read_manifest,
 )
+from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.fairseq import ShardSet
 from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
+from fsdp_optim.offline.opened import (
+    Opened,
+    OpenedCheckpoint,
+    OpenedDcp,
+    OpenedFull,
+    OpenedLayout,
+    OpenedNamed,
+    OpenedNamedDict,
+    OpenedNative,
+    OpenedRankFile,
+    OpenedShardSet,
+    OpenedWholeFile,
+)
 
-__all__ = ["Kind", "Opened", "detect", "open_source"]
+__all__ = ["Kind", "Opened", "detect", "fetched_whole", "open_source"]
 
 
 # kind -> (what --layout means for it, whether --optimizer applies); see the module docstring.
-_LAYOUT = {Kind.FULL: "target", Kind.NAMED: "target", Kind.NATIVE: "required", Kind.SHARD_SET: "order"}
+_LAYOUT = {
+    Kind.FULL: "target", Kind.NAMED: "target", Kind.WHOLE_FILE: "target", Kind.NATIVE: "required",
+    Kind.SHARD_SET: "order",
+}  # fmt: skip
 _OPTIMIZER = {Kind.NATIVE, Kind.SHARD_SET}
 _LAYOUT_USE = (
     "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
-    "(the model's parameter order) and, for reshard, a full dict (the target's units)"
+    "(the model's parameter order) and, for reshard, a full dict or a consolidated whole checkpoint file (the "
+    "target's units)"
 )
 _WRITTEN_ONLY = {  # what our own writers make for other tools to load: inspect reads them, no verb converts them
     Kind.NAMED_DICT: "load it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or convert the "
@@ -78,22 +87,17 @@ _WRITTEN_ONLY = {  # what our own writers make for other tools to load: inspect 
 NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
 
 
-@dataclass
-class Opened:
-    """A source opened by :func:`open_source` (see the module docstring for the fields)."""
+# The class of each kind of input (offline/opened.py): the one place a kind picks its class.
+_CLASSES: dict[Kind, type[Opened]] = {
+    Kind.SHARDED: OpenedCheckpoint, Kind.LAYOUT: OpenedLayout, Kind.RANK_FILE: OpenedRankFile, Kind.FULL: OpenedFull,
+    Kind.NATIVE: OpenedNative, Kind.SHARD_SET: OpenedShardSet, Kind.NAMED: OpenedNamed,
+    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile,
+}  # fmt: skip
 
-    kind: Kind
-    label: str
-    source: Source | None = None
-    layout: ModelLayout | None = None
-    order: tuple[str, ...] = ()
-    trim: Callable[[], None] = lambda: None
-    full: Mapping[str, Any] | None = None
-    manifest: Manifest | None = None
-    shards: fairseq_shards.ShardSet | None = None
-    checkpoint: ShardedCheckpoint | None = None
-    named: NamedSafetensors | None = None
-    raw: Any = None  # the loaded object of a file (a dict: the dict itself)
+
+def _opened(kind: Kind, label: str, *args: Any, **fields: Any) -> Opened:
+    """The opened input of ``kind``: its class, with the fields it has."""
+    return _CLASSES[kind](kind, label, *args, **fields)
 
 
 def check_options(
@@ -149,17 +153,39 @@ def open_source(
     ``describe_only`` (inspect): a fairscale-native dict is opened without a layout, as ``raw`` only.
     ``param_names``: ``given`` is a plain optimizer's ``state_dict()``, named by these (a module, names or
     ``{name: shape}``: :func:`fsdp_optim.formats.plain.name_optimizer_state`) into a full dict."""
-    if isinstance(given, str) and is_url(given) and not is_sharded_checkpoint(given):  # one object: fetched whole
-        with downloaded(given) as local, open_source(local, **_options(locals())) as opened:
+    with fetched_whole(given) as local:
+        with _open_local(local, layout=layout, optimizer=optimizer, allow_globals=allow_globals,
+                         optimizer_keys=optimizer_keys, target=target, describe_only=describe_only,
+                         max_mapped_bytes=max_mapped_bytes, param_names=param_names) as opened:  # fmt: skip
             yield opened
+
+
+@contextlib.contextmanager
+def fetched_whole(given: Any) -> Iterator[Any]:
+    """``given`` itself, or for a URL that is no sharded checkpoint (one object) a local copy of it, downloaded
+    whole and removed when the block ends: the one place a non-checkpoint URL is fetched (``open_source``,
+    ``verify``)."""
+    if isinstance(given, str) and is_url(given) and not is_sharded_checkpoint(given):
+        with downloaded(given) as local:
+            yield local
         return
+    yield given
+
+
+@contextlib.contextmanager
+def _open_local(
+    given: Any, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
+    optimizer_keys: Sequence[Sequence[str]] | None, target: bool, describe_only: bool, max_mapped_bytes: int,
+    param_names: Any,
+) -> Iterator[Opened]:  # fmt: skip
+    """:func:`open_source` of what is here (not a URL of one object)."""
     label = "the full dict" if isinstance(given, Mapping) else str(given)
     if param_names is not None:
         yield _open_plain(given, label, param_names, layout=layout, optimizer=optimizer, target=target)
         return
     kind, obj = detect(given)
     if describe_only and ((kind is Kind.NATIVE and layout is None) or kind in _WRITTEN_ONLY):
-        yield Opened(kind, label, raw=obj)
+        yield _opened(kind, label, raw=obj)
         return
     if kind in _WRITTEN_ONLY:
         raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {_WRITTEN_ONLY[kind]}")
@@ -178,26 +204,19 @@ def open_source(
             max_mapped_bytes=max_mapped_bytes,
         ) as shards:
             check_optimizer_name(optimizer, _source_keys(shards.source()), where=f"optimizer: {label}")
-            yield Opened(kind, label, shards.source(), shards.manifest.layout(0), shards.manifest.param_order,
+            yield _opened(kind, label, shards.source(), shards.manifest.layout(0), shards.manifest.param_order,
                          shards.trim, manifest=shards.manifest, shards=shards)
         return
     if kind is Kind.NAMED:
         with NamedSafetensors(given, max_mapped_bytes=max_mapped_bytes) as named:  # type: ignore[arg-type]
-            yield Opened(kind, label, named.source(), None, named.document.param_order, named.trim, named=named)
+            yield _opened(kind, label, named.source(), None, named.document.param_order, named.trim, named=named)
         return
     if kind is Kind.SHARDED and not isinstance(given, Mapping):
         with ShardedCheckpoint(given, max_mapped_bytes=max_mapped_bytes) as ckpt:
-            yield Opened(kind, label, ckpt.source(), ckpt.manifest.layout(0), ckpt.manifest.param_order, ckpt.trim,
+            yield _opened(kind, label, ckpt.source(), ckpt.manifest.layout(0), ckpt.manifest.param_order, ckpt.trim,
                          manifest=ckpt.manifest, checkpoint=ckpt)
         return
     yield _open_loaded(kind, label, obj, given, layout, optimizer)
-
-
-def _options(arguments: dict[str, Any]) -> dict[str, Any]:
-    """:func:`open_source`'s keyword options out of its ``locals()`` (to open a downloaded copy the same way)."""
-    names = ("layout", "optimizer", "allow_globals", "optimizer_keys", "target", "describe_only", "max_mapped_bytes",
-             "param_names")  # fmt: skip
-    return {name: arguments[name] for name in names}
 
 
 def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: str | None, target: bool) -> Opened:
@@ -215,18 +234,24 @@ def _open_loaded(kind: Kind, label: str, obj: Any, given: Any, layout: Any, opti
     """A source already in memory (a dict, or a file :func:`detect` loaded)."""
     if kind in (Kind.LAYOUT, Kind.RANK_FILE):
         manifest = read_manifest(given) if kind is Kind.LAYOUT else None
-        return Opened(kind, label, manifest=manifest, raw=obj)
+        return _opened(kind, label, manifest=manifest, raw=obj)
+    if kind is Kind.WHOLE_FILE:
+        whole = WholeFile.of(obj, label)
+        if whole.optimizer is not None:
+            check_full_dict(whole.optimizer, f"{label}['optimizer']")
+            check_state_dict(whole.optimizer, f"{label}['optimizer']", in_memory=isinstance(given, Mapping))
+        return _opened(kind, label, whole.source(), None, whole.params, full=whole.optimizer, whole_file=whole, raw=obj)
     if kind is Kind.NATIVE:
         model = resolve_layout(layout)
         check_optimizer_name(optimizer, _native_keys(obj), where=f"optimizer: {label}")
         full = from_fairscale(obj, model, optimizer=optimizer)
-        return Opened(kind, label, full_dict_source(full, label=label), model, model.param_order, full=full, raw=obj)
+        return _opened(kind, label, full_dict_source(full, label=label), model, model.param_order, full=full, raw=obj)
     check_full_dict(obj, label)
     if not isinstance(given, Mapping):
         check_state_dict(obj, label)
     source = full_dict_source(obj, label=label)
     order = tuple(f.params[0].name for f in source.flats)
-    return Opened(kind, label, source, None, order, full=obj, raw=obj)
+    return _opened(kind, label, source, None, order, full=obj, raw=obj)
 
 
 def _source_keys(source: Source) -> set[str]:

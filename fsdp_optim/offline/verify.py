@@ -11,8 +11,8 @@
 - a named safetensors file of ours (``to_safetensors``, ``convert --to safetensors``): its header and
   document, then every tensor's chunk checksums and whole digest;
 - a layout file (JSON, ``save_layout``): its manifest checks (its own checksum);
-- any other file (a full dict, a fairscale-native dict, a format-1 layout file): its zip records' CRC-32 and
-  the reading gate of :mod:`fsdp_optim.disk.untrusted`.
+- any other file (a full dict, a fairscale-native dict, consolidate's file of a whole checkpoint, a format-1 layout
+  file): its zip records' CRC-32 and the reading gate of :mod:`fsdp_optim.disk.untrusted`.
 
 The kind of a file comes from :func:`fsdp_optim.formats.kinds.sniff_kind` (names and first bytes), as
 :func:`~fsdp_optim.formats.kinds.detect` decides it. A safetensors rank file alone is refused (``ValueError``):
@@ -28,21 +28,22 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
-from fsdp_optim.disk.locations import downloaded
-from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats.fairseq.files import summarise
 from fsdp_optim.formats.fairseq.loading import load_shard
 from fsdp_optim.formats.fairseq.paths import shard_paths
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
-from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
+from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 from fsdp_optim.offline.deep import Finding, deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
+from fsdp_optim.offline.sources import fetched_whole
 
 __all__ = ["FileCheck", "Finding", "Verification", "present_and_sized", "verify"]
 
@@ -62,16 +63,14 @@ def verify(
     """
     if layout is not None and not deep:
         raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
-    checked = _verify_files(path, tuple(allow_globals))
-    if not deep or not checked.ok:
-        return replace(checked, deep=deep)
-    return replace(checked, deep=True, findings=deep_findings(path, allow_globals=allow_globals, layout=layout))
+    with fetched_whole(path) as local:  # a URL of one object: downloaded once, for the files and the state
+        checked = _verify_files(local, tuple(allow_globals))
+        if not deep or not checked.ok:
+            return replace(checked, deep=deep)
+        return replace(checked, deep=True, findings=deep_findings(local, allow_globals=allow_globals, layout=layout))
 
 
 def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
-    if isinstance(path, str) and is_url(path) and not is_sharded_checkpoint(path):  # one object: fetched whole
-        with downloaded(path) as local:
-            return _verify_files(local, allow_globals)
     kind = path_kind(path)
     if kind is Kind.SHARD_SET:
         return _verify_shards(Path(path), allow_globals)
@@ -93,8 +92,18 @@ def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) 
         return Verification(file, kind.value, (check_file(file, _read_named, zipped=False),))
     if kind is Kind.LAYOUT:
         return Verification(file, kind.value, (check_file(file, _read_layout, zipped=False),))
-    check = check_file(file, lambda p: load_file(p, mmap=True))
-    return Verification(file, "file", (check,))
+    found: list[str] = []
+    check = check_file(file, partial(_read_torch, found=found))
+    return Verification(file, found[0] if found else "file", (check,))
+
+
+def _read_torch(path: Path, *, found: list[str]) -> str:
+    """A torch file through the reading gate (a tied parameter of consolidate's whole file read once); what it
+    holds goes to ``found`` (consolidate's file of a whole checkpoint, or a file)."""
+    obj = load_file(path, mmap=True, tied=TIED_KEY)
+    found.append(Kind.WHOLE_FILE.value if is_whole_file(obj) else "file")
+    return ""
+
 
 
 def _read_named(path: Path) -> str:

@@ -46,25 +46,9 @@ import torch
 
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.layout import ParamSpec, clean_path
-from fsdp_optim.formats.fairseq.loading import DATA_ONLY_GLOBALS, load_shard
 from fsdp_optim.formats.fairseq.optimizers import recorded_names
-from fsdp_optim.formats.fairseq.paths import SetClaims, is_shard_set, shard_paths, shard_siblings
 
-# DATA_ONLY_GLOBALS, load_shard (.loading), SetClaims, is_shard_set, shard_paths, shard_siblings (.paths) lived
-# here once; they are re-exported so that imports from this module keep working.
-__all__ = [
-    "DATA_ONLY_GLOBALS",
-    "METADATA_KEYS",
-    "OPTIM_KEY",
-    "Backing",
-    "RankSummary",
-    "SetClaims",
-    "is_shard_set",
-    "load_shard",
-    "shard_paths",
-    "shard_siblings",
-    "summarise",
-]
+__all__ = ["METADATA_KEYS", "OPTIM_KEY", "Backing", "RankSummary", "summarise"]
 
 OPTIM_KEY = "last_optimizer_state"
 METADATA_KEYS = ("shard_metadata", "fsdp_metadata")  # metaseq and fairseq nllb; fairseq main

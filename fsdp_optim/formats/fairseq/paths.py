@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Survey
 
 __all__ = ["SetClaims", "is_shard_set", "shard_paths", "shard_siblings"]
@@ -59,13 +58,13 @@ class SetClaims:
         known = frozenset(os.listdir(directory))
         return Survey(replaces=names, known=known, problem=problem, overwrite_means="replace them")
 
-    def created(self, entry: Mapping[str, Any]) -> set[str]:
-        world_size = entry.get("world_size")
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or not 0 < world_size <= MAX_WORLD_SIZE:
+    def created(self, entry: JournalEntry) -> set[str]:
+        world_size = entry.world_size
+        if world_size is None or not 0 < world_size <= MAX_WORLD_SIZE:
             return set()
         return {f"{self.name}-shard{r}.pt" for r in range(world_size)}
 
-    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:  # noqa: ARG002
+    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:  # noqa: ARG002
         return set()
 
     def referenced(self, directory: Path) -> set[str]:

@@ -19,6 +19,7 @@ from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import clean_path
 from fsdp_optim.core.plan import Plan, assemble_full, cut_rank, plan, restrict
 from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import resolve_output
 from fsdp_optim.disk.staged import staged_output
 from fsdp_optim.disk.stream_save import Pending, stream_save
@@ -141,7 +142,7 @@ def reshard_set(
     rank0 = shards.rank0()
     purpose = f"fsdp_optim.fairseq.reshard_shards -> {world_size} ranks"
     out.parent.mkdir(parents=True, exist_ok=True)
-    entry = {"world_size": world_size}
+    entry = JournalEntry(world_size=world_size)
     with staged_output(out, SetClaims(name), purpose=purpose, overwrite=overwrite, entry=entry) as stage:
         for rank in range(world_size):
             stream_save(

@@ -17,10 +17,9 @@ from fsdp_optim.formats.sharded.manifest import (
     MANIFEST_NAME,
     MANIFEST_NAMES,
     Manifest,
-    read_torch_header,
-    unwrap,
 )
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json
+from fsdp_optim.formats.sharded.torch_files import read_torch_header, unwrap
 
 __all__ = [
     "checkpoint_dir",

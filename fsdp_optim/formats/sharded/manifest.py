@@ -65,11 +65,8 @@ from fsdp_optim.core.preconditions import check_version, check_world_size
 from fsdp_optim.core.records import WEIGHTS_KEY, FlatRecord, GroupRecord, StateEntry, get_checked
 from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, HEADER_KEY, FileRecord
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
-from fsdp_optim.formats.sharded.torch_files import check_checksum, read_torch_header, shard_payload, unwrap, wrap
 from fsdp_optim.formats.sharded.training import TrainingRecord
 
-# check_checksum, read_torch_header, shard_payload, unwrap and wrap (format 1's torch files) live in
-# .torch_files; they are re-exported so that imports from this module keep working.
 __all__ = [
     "CHECKPOINT_VERSION",
     "HEADER_KEY",
@@ -81,15 +78,10 @@ __all__ = [
     "GroupRecord",
     "Manifest",
     "StateEntry",
-    "check_checksum",
     "digest",
     "digest_matches",
     "dtype_from_str",
     "shard_file_name",
-    "read_torch_header",
-    "shard_payload",
-    "unwrap",
-    "wrap",
 ]
 
 MANIFEST_NAME = "manifest.json"

@@ -23,6 +23,7 @@ import torch
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.location import Location, SaveRules
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
@@ -87,14 +88,14 @@ class _CheckpointClaims:
             return Survey(known=frozenset(names & set(MANIFEST_NAMES)), problem="; ".join(problems))
         return Survey(replaces=frozenset(files), known=known)
 
-    def created(self, entry: Mapping[str, Any]) -> set[str]:
+    def created(self, entry: JournalEntry) -> set[str]:
         save_id, world_size = _journaled(entry)
         if save_id is None or world_size is None:
             return set()
         names = {shard_file_name(save_id, r, world_size, version=v) for r in range(world_size) for v in (1, 2)}
         return names | {side_file_name(save_id, r, world_size) for r in range(world_size)}
 
-    def tagged(self, entry: Mapping[str, Any]) -> set[tuple[str, str]]:
+    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:
         save_id, _ = _journaled(entry)
         return set() if save_id is None else {(name, save_id[:12]) for name in MANIFEST_NAMES}
 
@@ -114,12 +115,12 @@ class _CheckpointClaims:
 CHECKPOINT = _CheckpointClaims()
 
 
-def _journaled(entry: Mapping[str, Any]) -> tuple[str | None, int | None]:
+def _journaled(entry: JournalEntry) -> tuple[str | None, int | None]:
     """The save id and world size a journal entry announces, if both are well formed (a journal is a file)."""
-    sid, world_size = entry.get("save_id"), entry.get("world_size")
-    if not (isinstance(sid, str) and _SAVE_ID.match(sid)):
+    sid, world_size = entry.save_id, entry.world_size
+    if not (sid is not None and _SAVE_ID.match(sid)):
         return None, None
-    if not (isinstance(world_size, int) and not isinstance(world_size, bool) and 0 < world_size <= MAX_WORLD_SIZE):
+    if not (world_size is not None and 0 < world_size <= MAX_WORLD_SIZE):
         return None, None
     return sid, world_size
 
@@ -195,7 +196,7 @@ def begin_write(
 ) -> OutputLock:
     """Open ``out`` for a save written in place by every rank of a job (:func:`fsdp_optim.disk.staged.open_output`
     with this format's claims); finish with :func:`end_write`."""
-    entry = {"save_id": save_id, "world_size": world_size}
+    entry = JournalEntry(save_id=save_id, world_size=world_size)
     return open_output(out, CHECKPOINT, entry, purpose=purpose, inputs=inputs, overwrite=overwrite)
 
 
@@ -209,7 +210,7 @@ def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
         data = location.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
         return frozenset(manifest_from_json(data, source=str(location / MANIFEST_NAME)).file_names())
 
-    entry = {"save_id": save_id, "world_size": world_size}
+    entry = JournalEntry(save_id=save_id, world_size=world_size)
     return SaveRules(CHECKPOINT, entry, MANIFEST_NAME, frozenset(MANIFEST_NAMES), listed)
 
 
@@ -231,7 +232,7 @@ def write_all_or_nothing(
     """Have ``write`` put every rank file into the staging directory and return the manifest; then the files
     move into ``out`` and the manifest is committed there, last (:func:`fsdp_optim.disk.staged.staged_output`).
     ``save_id`` and ``world_size`` are the manifest's: by them a killed write's files are journaled."""
-    entry = {"save_id": save_id or new_save_id(), "world_size": world_size or 1}
+    entry = JournalEntry(save_id=save_id or new_save_id(), world_size=world_size or 1)
     with staged_output(
         out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace, entry=entry
     ) as stage:
