@@ -4,8 +4,8 @@ durable writes the offline benchmarks share.
 ``measured(fn)`` collects garbage, trims malloc's free lists, resets the high-water mark (``clear_refs`` 5),
 runs ``fn`` and returns ``(seconds, peak RSS growth in bytes, fn's result)``: the growth is ``VmHWM`` after
 minus ``VmRSS`` before, so one operation's memory never hides another's when each runs in a process of its own:
-a forked child (``in_child(fn)``) or a fresh interpreter (``fresh("benchmarks.x", op, ...)`` runs
-``python -m benchmarks.x --measure op ...``, whose ``--measure`` branch ends with ``reply(**fields)``).
+a forked child (``in_child(fn)``) or a fresh interpreter (``fresh(module, op, ...)`` runs
+``python -m <module> --measure op ...``, whose ``--measure`` branch ends with ``reply(**fields)``).
 Linux only.
 """
 

@@ -4,7 +4,7 @@ targets, its cells); everything that reads alike across benchmarks is here, once
 
 A benchmark's main (see ``benchmarks/whole_state.py`` for a whole one)::
 
-    run = Run("python -m benchmarks.mine", argv)          # meta: command, machine, versions, package, load
+    run = Run("python -m benchmarks.gpu", argv)          # meta: command, machine, versions, package, load
     run.meta |= {"repeats": 5}                             # the benchmark's own header fields
     run.log("W=2 ...")                                     # "[   12s] W=2 ..."
     rows = [record(model, 2, full_bytes, method, value, results.get(floor)) for method, value in results.items()]

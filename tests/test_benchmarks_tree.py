@@ -176,7 +176,7 @@ COMMAND = re.compile(r"python -m (benchmarks(?:\.\w+)+)(?: (\w+))?")
 
 
 def test_documented_commands_exist() -> None:
-    """Every ``python -m benchmarks.X`` in the docs, README, ARCHITECTURE.md, the CI scripts and the package's own
+    """Every ``python -m benchmarks.<name>`` in the docs, README, ARCHITECTURE.md, the CI scripts and the package's own
     text names a runnable module of benchmarks/, and each ``benchmarks.memory OPERATION`` an operation it has."""
     if str(ROOT) not in sys.path[:1]:
         sys.path.insert(0, str(ROOT))

@@ -91,7 +91,10 @@ def test_reshard_reads_it_into_a_whole_checkpoint(files, tmp_path, capsys) -> No
     fsdp_optim.reshard(whole, 3, out, layout=path)
     training = read_manifest(out).training
     assert training is not None and len(training.files) == 3 and training.aliases == (("head.weight", "embed.weight"),)
-    assert fsdp_optim.diff(path, out).equal and fsdp_optim.verify(out).ok
+    # The file keeps saved rank 0's extra, which every rank of the re-cut gets: only other ranks' extra may differ.
+    changed = {r.param for r in fsdp_optim.diff(path, out).rows if r.status != "equal"}
+    assert changed <= {"extra of rank 1", "extra of rank 2"}, changed
+    assert fsdp_optim.verify(out).ok
     back, original = fsdp_optim.consolidate(out), fsdp_optim.consolidate(path)
     assert_identical(back["model"], original["model"], "model after the round trip")
     assert_identical(back["extra"], original["extra"], "extra after the round trip")

@@ -1,7 +1,7 @@
 """What fairscale users did before a sharded whole-state checkpoint: full state dicts through rank 0.
 
 - ``fullsd_save``: fairscale's ``model.state_dict()`` (every rank gathers the full weights), fairscale 0.4.13's own
-  ``gather_full_optim_state_dict`` (the full optimizer state on rank 0; see ``benchmarks/peers.py`` for the step
+  ``gather_full_optim_state_dict`` (the full optimizer state on rank 0; see ``benchmarks/gather/peers.py`` for the step
   tensors it turns into floats, put back untimed) and rank 0 ``torch.save`` + fsync of both in one file;
 - ``fullsd_load``: every rank ``torch.load``s that file, ``model.load_state_dict(full["model"])``, fairscale's
   ``get_shard_from_optim_state_dict`` and ``optim.load_state_dict`` into a fresh Adam.

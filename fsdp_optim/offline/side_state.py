@@ -4,7 +4,7 @@ A whole checkpoint keeps the model's persistent buffers and each rank's ``extra`
 (:mod:`fsdp_optim.formats.sharded.side_file`), not in the rank files the optimizer state and weights come from;
 this is the walk over them, one saved rank at a time (side files are small: buffers and loop state)::
 
-    side = SideState.of(opened)           # None: not a whole checkpoint
+    side = SideState.of(opened)           # None: not a whole checkpoint (sharded, or consolidate's file of one)
     side.buffer_names                     ("block1.seen", "norm.running_mean", ...)  as the manifest lists them
     side.per_rank                         False: rank 0's side file holds the buffers; True: every rank its own
     side.rank(1)                          ({"block1.seen": T[4], ...}, {"['rng']": T[5056], "['opt'][0]": T[3]})
@@ -16,15 +16,14 @@ included.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import read_rank_side
-from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.offline.sources import Opened
 
 __all__ = ["BUFFER_KEY", "SideState", "extra_label"]
@@ -39,33 +38,32 @@ def extra_label(rank: int) -> str:
 
 @dataclass(frozen=True)
 class SideState:
-    """The side files of one whole checkpoint (see the module docstring)."""
+    """The buffers and ``extra`` of one whole checkpoint, sharded or consolidated (see the module docstring)."""
 
-    checkpoint: ShardedCheckpoint
-    training: TrainingRecord
+    world_size: int  # saved ranks with a side file (1 for consolidate's file: it keeps one rank's extra)
+    per_rank: bool  # every rank saved its own buffers (they differed across ranks)
+    buffer_names: tuple[str, ...]
+    read: Callable[[int], tuple[dict[str, torch.Tensor], Any]]  # saved rank -> (buffers, extra), checked
 
     @classmethod
     def of(cls, opened: Opened) -> SideState | None:
+        """A whole sharded checkpoint's side files, or the buffers and ``extra`` of consolidate's file of one (as
+        saved rank 0's); None for any other input."""
         ckpt = opened.checkpoint
-        if ckpt is None or ckpt.manifest.training is None:
-            return None
-        return cls(ckpt, ckpt.manifest.training)
-
-    @property
-    def world_size(self) -> int:
-        return self.checkpoint.manifest.world_size
-
-    @property
-    def per_rank(self) -> bool:
-        return self.training.buffers_per_rank
-
-    @property
-    def buffer_names(self) -> tuple[str, ...]:
-        return tuple(b.name for b in self.training.buffers)
+        if ckpt is not None and ckpt.manifest.training is not None:
+            training = ckpt.manifest.training
+            names = tuple(b.name for b in training.buffers)
+            return cls(ckpt.manifest.world_size, training.buffers_per_rank, names,
+                       partial(read_rank_side, ckpt.directory, training))  # fmt: skip
+        whole = opened.whole_file
+        if whole is not None:
+            buffers = whole.buffer_tensors()
+            return cls(1, False, tuple(buffers), lambda _: (buffers, whole.extra))
+        return None
 
     def rank(self, saved_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(buffers, extra's tensors by place)`` of saved rank ``saved_rank`` (both checked against the manifest)."""
-        buffers, extra = read_rank_side(self.checkpoint.directory, self.training, saved_rank)
+        buffers, extra = self.read(saved_rank)
         return buffers, dict(_tensors(extra, ""))
 
 
