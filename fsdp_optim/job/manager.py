@@ -28,6 +28,7 @@ from torch import nn
 
 from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
 from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
@@ -51,7 +52,7 @@ class SkippedStep:
     that did not finish) or ``"damaged"`` (``reason`` names the file and what is wrong with it)."""
 
     step: int
-    path: Path | ObjectStore
+    path: Path | Location
     state: str
     reason: str
 

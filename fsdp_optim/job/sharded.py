@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.disk.location import ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
-from fsdp_optim.disk.storage import ObjectStore, is_url
+from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
@@ -86,10 +86,10 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     """
     manifest = Manifest.from_layout(verify_root(fsdp).layout.at_rank(0), save_id="layout")
     data = manifest_to_json(manifest)  # a manifest without files, in JSON: no pickle (format 1 wrote a torch file)
-    if isinstance(path, str) and is_url(path):  # one object, replaced whole
-        parent, name = path.rstrip("/").rsplit("/", 1)
-        ObjectStore.open(parent).put(name, data)
-        return ObjectStore.open(parent) / name  # type: ignore[return-value]  # shown as its URL
+    place = where(path)
+    if place.local_path() is None:  # one object, replaced whole
+        place.parent().put(place.name, data)
+        return place.parent() / place.name  # type: ignore[return-value]  # shown as its URL
     write_stream(lambda file: file.write(data), Path(path), purpose="save_layout")  # under the file's lock
     return Path(path)
 
@@ -115,10 +115,11 @@ def load_sharded_optim_state(
     parameter or file, with what was expected and what was found.
     """
     root = verify_root(fsdp, optim)
-    if not isinstance(path, ObjectStore) and not is_url(path) and not _names_sharded(path):
-        _refuse_shard_set(path)
+    local = cast("str | os.PathLike[str]", path)  # (read as such only where it names no store)
+    if where(path).local_path() is not None and not _names_sharded(local):
+        _refuse_shard_set(local)
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
-        _scatter(root, optim, path, src_rank, what=what)
+        _scatter(root, optim, local, src_rank, what=what)
         return
     loaded: dict[str, Any] | None = None
     failure: Exception | None = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,7 +164,8 @@ def _stage(
 def is_whole_file_path(path: LocalDirectory | ObjectStore) -> bool:
     """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory,
     its manifest or a store."""
-    return not isinstance(path, ObjectStore) and Path(path).is_file() and source_kind(path) != "sharded"
+    local = path.local_path()
+    return local is not None and local.is_file() and source_kind(local) != "sharded"
 
 
 def stage_file(

@@ -28,6 +28,7 @@ from fsdp_optim.core.steps import step_dir_name
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.json_input import loads
 from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore
 
 __all__ = [
@@ -98,7 +99,7 @@ def node_name(node: object) -> str:
 def default_memory_dir(root: Path | LocalDirectory | ObjectStore) -> Path:
     """A manager's memory directory unless given: ``/dev/shm/fsdp_optim-<12 hex of its root's absolute path>`` (of
     its URL, for a root in an object store)."""
-    name = str(root) if isinstance(root, ObjectStore) else str(Path(root).absolute())  # (LocalDirectory: its path)
+    name = where(root).identity()
     return Path("/dev/shm") / f"fsdp_optim-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 

@@ -30,8 +30,8 @@ from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.location import ObjectPath
-from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.disk.location import Location, ObjectPath
+from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
 from fsdp_optim.formats.sharded.locate import (  # re-exported: what finds a checkpoint, beside what reads it
     checkpoint_dir,
@@ -64,6 +64,7 @@ __all__ = [
 DEFAULT_MAPPED_BYTES = 64 << 20
 
 
+
 # ---------------------------------------------------------------------------------------------------
 # Reading: one rank file per rank, format 3 and 2 mapped (rank_file.RankFile), format 1 through the gate (legacy)
 
@@ -79,14 +80,14 @@ class ShardedCheckpoint:
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | ObjectStore,
+        path: str | os.PathLike[str] | Location,
         *,
         max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
         lazy: bool = False,
     ) -> None:
         self.directory = checkpoint_dir(path)
         self.manifest = read_manifest(path)  # (a directory, its manifest file, or a store's prefix or manifest)
-        if isinstance(self.directory, ObjectStore) and self.manifest.version < 2:
+        if where(self.directory).local_path() is None and self.manifest.version < 2:
             raise ValueError(
                 f"{path}: a format-{self.manifest.version} checkpoint (torch files), which is read from a local "
                 "directory only; copy it to local disk, or rewrite it with `fsdp-optim reshard` first"

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
-from fsdp_optim.disk.storage import ObjectStore, StoreUnavailable
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.storage import StoreUnavailable
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
@@ -21,7 +22,7 @@ from fsdp_optim.formats.sharded.side_file import read_side_file
 __all__ = ["present_and_sized", "verify_sharded"]
 
 
-def verify_sharded(path: str | os.PathLike[str] | ObjectStore) -> Verification:
+def verify_sharded(path: str | os.PathLike[str] | Location) -> Verification:
     """One :class:`FileCheck` per file of the checkpoint at ``path`` (its directory or manifest); never raises for
     damage (an unreadable manifest is the manifest's failed check)."""
     directory = checkpoint_dir(path)
@@ -56,7 +57,7 @@ def verify_sharded(path: str | os.PathLike[str] | ObjectStore) -> Verification:
     return Verification(directory, kind, tuple(checks))  # named as inspect names it
 
 
-def present_and_sized(path: str | os.PathLike[str] | ObjectStore, manifest: Manifest | None = None) -> list[str]:
+def present_and_sized(path: str | os.PathLike[str] | Location, manifest: Manifest | None = None) -> list[str]:
     """The cheap part of :func:`verify_sharded`: every file the manifest lists present with its size (one ``stat``
     each); one line per damaged file, naming it. ``manifest``: the one read already."""
     directory = checkpoint_dir(path)
