@@ -27,7 +27,7 @@ from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.api import full_source
 from fsdp_optim.job.device_load import optimizer_state_on_device
@@ -143,7 +143,7 @@ def _read_sharded(
     """This rank's state from a sharded checkpoint, checked and read into new memory, as
     ``optim.load_state_dict`` takes it; nothing is changed."""
     layout, members, rank = root.layout, root.members, root.rank
-    with ShardedCheckpoint(path, lazy=True) as ckpt:  # lazy: at the saved layout a rank reads only its own file
+    with open_checkpoint(path) as ckpt:  # lazy: at the saved layout a rank reads only its own file
         check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
         the_plan = plan(ckpt.source(), layout, members=members)
         if the_plan.identity:

@@ -24,7 +24,7 @@ from fsdp_optim.disk.local_directory import LocalDirectory
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, source_kind
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, source_kind
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
@@ -152,7 +152,7 @@ def _stage(
         return stage_file(root, model, optim, path.path)  # a local file, never a store
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
-    with ShardedCheckpoint(path, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
+    with open_checkpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
         plans = plan_load(root, model, optim, ckpt, buffers)
         if plans.weights.identity or ckpt.manifest.version < 3:  # its own files, whole: nothing to cut from ranges
             return stage_load(root, ckpt, plans)

@@ -43,8 +43,8 @@ from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.plain import name_plain_dict
 from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
-    ShardedCheckpoint,
     is_sharded_checkpoint,
+    open_checkpoint,
     read_manifest,
 )
 from fsdp_optim.formats.whole_file import WholeFile
@@ -211,7 +211,7 @@ def _open_local(
             yield _opened(kind, label, named.source(), None, named.document.param_order, named.trim, named=named)
         return
     if kind is Kind.SHARDED and not isinstance(given, Mapping):
-        with ShardedCheckpoint(given, max_mapped_bytes=max_mapped_bytes) as ckpt:
+        with open_checkpoint(given, lazy=False, max_mapped_bytes=max_mapped_bytes) as ckpt:
             yield _opened(kind, label, ckpt.source(), ckpt.manifest.layout(0), ckpt.manifest.param_order, ckpt.trim,
                          manifest=ckpt.manifest, checkpoint=ckpt)
         return

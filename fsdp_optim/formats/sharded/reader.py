@@ -57,12 +57,24 @@ __all__ = [
     "is_sharded_checkpoint",
     "load_file",
     "manifest_file",
+    "open_checkpoint",
     "read_manifest",
     "source_kind",
 ]
 
 DEFAULT_MAPPED_BYTES = 64 << 20
 
+
+def open_checkpoint(
+    path: str | os.PathLike[str] | Location, *, lazy: bool = True, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES
+) -> ShardedCheckpoint:
+    """The sharded checkpoint at ``path`` (its directory or manifest, a URL, a :class:`Location`) opened for reading:
+    the one way every reader opens one (loads, the memory tier's restore, verification, the offline tools).
+
+    ``lazy`` (the default): no rank file is opened yet, each reader opens those it reads (a job's rank its own at
+    the saved layout); ``lazy=False`` opens and checks every rank file first (the offline tools, which read them
+    all). ``max_mapped_bytes``: see :class:`ShardedCheckpoint`."""
+    return ShardedCheckpoint(path, lazy=lazy, max_mapped_bytes=max_mapped_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------
