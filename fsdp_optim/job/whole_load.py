@@ -148,8 +148,9 @@ def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Rec
 def _stage(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: LocalDirectory | ObjectStore, buffers: str
 ) -> Staged:
-    if isinstance(path, LocalDirectory) and is_whole_file_path(path):
-        return stage_file(root, model, optim, path.path)  # a local file, never a store
+    local = path.local_path()
+    if local is not None and is_whole_file_path(path):
+        return stage_file(root, model, optim, local)  # a local file, never a store
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
     with open_checkpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:

@@ -320,7 +320,8 @@ def _reshard_sharded(
     ckpt = opened.checkpoint
     if ckpt is None or opened.source is None:
         raise ValueError(f"{opened.label}: expected a sharded checkpoint, found a {opened.kind.value}")
-    if isinstance(ckpt.directory, Path) and out.exists() and out.resolve() == ckpt.directory.resolve():
+    source_dir = where(ckpt.directory).local_path()
+    if source_dir is not None and out.exists() and out.resolve() == source_dir.resolve():
         raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
     target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
     whole = is_whole(ckpt)  # its weights ride along with the optimizer's keys, its side files are carried

@@ -311,9 +311,10 @@ class ShardedCheckpoint:
         return sum(getattr(file, "bytes_fetched", 0) for file in files if file is not None)
 
     def _local(self) -> Path:
-        if not isinstance(self.directory, Path):  # refused on open: only formats 2 and 3 are read from a store
+        local = where(self.directory).local_path()
+        if local is None:  # refused on open: only formats 2 and 3 are read from a store
             raise TypeError(f"{self.directory}: a format-1 checkpoint is read from a local directory only")
-        return self.directory
+        return local
 
     def files(self) -> Iterator[Path | ObjectPath]:
         return (self.directory / f.file for f in self.manifest.files)
