@@ -20,10 +20,9 @@ from torch import nn
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.preconditions import check_rank
-from fsdp_optim.disk.location import ObjectPath
+from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
-from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
@@ -45,7 +44,7 @@ __all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state"
 def save_sharded_optim_state(
     fsdp: nn.Module,
     optim: torch.optim.Optimizer,
-    directory: str | os.PathLike[str] | ObjectStore,
+    directory: str | os.PathLike[str] | Location,
     *,
     overwrite: bool = False,
 ) -> Path | ObjectPath:
@@ -95,7 +94,7 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
 
 
 def load_sharded_optim_state(
-    fsdp: nn.Module, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | ObjectStore, *, src_rank: int = 0
+    fsdp: nn.Module, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | Location, *, src_rank: int = 0
 ) -> None:
     """Load a checkpoint into this rank's ``optim``, all or nothing on every rank.
 
@@ -138,7 +137,7 @@ def _names_sharded(path: str | os.PathLike[str]) -> bool:
 
 
 def _read_sharded(
-    root: Root, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | ObjectStore
+    root: Root, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | Location
 ) -> dict[str, Any]:
     """This rank's state from a sharded checkpoint, checked and read into new memory, as
     ``optim.load_state_dict`` takes it; nothing is changed."""

@@ -20,9 +20,8 @@ from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, source_kind
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
@@ -54,7 +53,7 @@ class Staged:
 def load_checkpoint(
     model: nn.Module,
     optim: torch.optim.Optimizer | None,
-    path: str | os.PathLike[str] | ObjectStore,
+    path: str | os.PathLike[str] | Location,
     *,
     buffers: str = "refuse",
 ) -> Any:
@@ -146,7 +145,7 @@ def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Rec
 
 
 def _stage(
-    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: LocalDirectory | ObjectStore, buffers: str
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Location, buffers: str
 ) -> Staged:
     local = path.local_path()
     if local is not None and is_whole_file_path(path):
@@ -162,7 +161,7 @@ def _stage(
             return stage_load(root, ckpt, plans, sides)
 
 
-def is_whole_file_path(path: LocalDirectory | ObjectStore) -> bool:
+def is_whole_file_path(path: Location) -> bool:
     """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory,
     its manifest or a store."""
     local = path.local_path()
