@@ -107,3 +107,26 @@ def test_a_store_is_never_taken_for_a_local_path() -> None:
     store = fsdp_optim.open_store("memory://location-test/no-path")
     assert isinstance(store, Location) and not isinstance(store, os.PathLike)
     assert isinstance(LocalDirectory("x"), os.PathLike) and Path(LocalDirectory("x")) == Path("x")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_writes_removals_and_names_are_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
+    location = _location(kind, str(tmp_path))
+    location.child("sub").put("one", b"first")
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"second object")
+    location.child("sub").upload(source, "two")
+    sub = location.child("sub")
+    assert sorted(sub.listing()) == ["one", "two"] and location.prefixes() == ["sub"]
+    assert bytes(sub.read_range("two", 0, 13)) == b"second object" and source.is_file(), "an upload copies"
+    assert sub.parent() == location and where(f"{location}/sub/one").parent() == sub
+    sub.delete(["one", "missing"])
+    assert sorted(sub.listing()) == ["two"]
+    assert location.identity() == (str(Path(str(location)).absolute()) if kind == "local" else str(location))
+
+
+def test_only_a_local_directory_has_a_local_path(tmp_path: Path) -> None:
+    assert where(tmp_path / "ckpt").local_path() == tmp_path / "ckpt"
+    assert where(str(tmp_path / "ckpt" / "manifest.json")).local_path() == tmp_path / "ckpt" / "manifest.json"
+    assert where("memory://location-test/remote").local_path() is None
+    assert fsdp_optim.open_store("memory://location-test/remote").local_path() is None

@@ -14,10 +14,11 @@ __all__ = ["run_inspect", "run_verify"]
 def run_inspect(args: argparse.Namespace) -> list[str]:
     """The opened input describes itself: its lines, or (``--json``) the same as one object
     (:mod:`fsdp_optim.offline.report`)."""
-    from fsdp_optim.disk.storage import is_url
+    from fsdp_optim.disk.locations import where
     from fsdp_optim.offline.sources import open_source
 
-    path = args.path if is_url(args.path) else Path(args.path)  # a URL stays a URL (Path would fold its '//')
+    # A URL stays a URL (Path would fold its '//').
+    path = args.path if where(args.path).local_path() is None else Path(args.path)
     with open_source(path, allow_globals=args.allow_global, describe_only=True) as opened:
         lines = [f"path: {path}", *opened.describe(path, units=args.units)]
         report: dict[str, Any] = opened.report(path, lines) if args.json else {}

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_optim.disk.text import human_bytes
 
 if TYPE_CHECKING:
-    from fsdp_optim.disk.local_directory import LocalDirectory
-    from fsdp_optim.disk.storage import ObjectStore
+    from fsdp_optim.disk.location import Location
     from fsdp_optim.formats.sharded.steps import StepDir
 
 __all__ = ["run_list"]
@@ -57,7 +56,7 @@ def run_list(args: argparse.Namespace) -> list[str]:
     return [*(_line(d, width) for d in found), *memory_lines]
 
 
-def _memory(root: LocalDirectory | ObjectStore, memory_dir: str | None) -> list[dict[str, Any]] | None:
+def _memory(root: Location, memory_dir: str | None) -> list[dict[str, Any]] | None:
     """What the memory tier under ``memory_dir`` holds, one record per node and complete step; None without it."""
     if memory_dir is None:
         return None
@@ -72,7 +71,7 @@ def _memory(root: LocalDirectory | ObjectStore, memory_dir: str | None) -> list[
     ]  # fmt: skip
 
 
-def _memory_dir(root: LocalDirectory | ObjectStore, memory_dir: str) -> Path:
+def _memory_dir(root: Location, memory_dir: str) -> Path:
     from fsdp_optim.formats.sharded.memory_tier import default_memory_dir
 
     return default_memory_dir(root) if memory_dir == "default" else Path(memory_dir)

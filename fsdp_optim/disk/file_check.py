@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.health import Finding
-from fsdp_optim.disk.location import ObjectPath
-from fsdp_optim.disk.storage import ObjectStore, StoreUnavailable
+from fsdp_optim.disk.location import Location, ObjectPath
+from fsdp_optim.disk.storage import StoreUnavailable
 
 __all__ = ["FileCheck", "Verification", "check_file"]
 
@@ -37,7 +37,7 @@ class Verification:
     file, naming it, then the problems of the whole) and, deep, the findings in the state (``deep`` says whether it
     was read for them). ``ok`` is false exactly when ``problems`` or ``findings`` is not empty."""
 
-    path: Path | ObjectStore
+    path: Path | Location
     kind: str
     files: tuple[FileCheck, ...]
     problems: tuple[str, ...] = ()

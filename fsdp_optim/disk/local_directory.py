@@ -10,9 +10,10 @@ that map files take it as they take a ``Path``.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,15 @@ class LocalDirectory(Location):
     def public(self) -> Path:
         return self.path
 
+    def local_path(self) -> Path:
+        return self.path
+
+    def identity(self) -> str:
+        return str(self.path.absolute())
+
+    def parent(self) -> LocalDirectory:
+        return LocalDirectory(self.path.parent)
+
     # -- reading -------------------------------------------------------------------------------------------
 
     def exists(self) -> bool:
@@ -119,6 +129,18 @@ class LocalDirectory(Location):
                 at += len(data)
         finally:
             os.close(fd)
+
+    def upload(self, local: Path, name: str) -> None:
+        (self.path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(local, self.path / name)
+
+    def put(self, name: str, data: bytes) -> None:
+        (self.path / name).parent.mkdir(parents=True, exist_ok=True)  # (a store's prefix exists once an object does)
+        atomic_write(self.path / name, lambda file: file.write(data))
+
+    def delete(self, names: Iterable[str]) -> None:
+        for name in names:
+            (self.path / name).unlink(missing_ok=True)
 
     # -- saving --------------------------------------------------------------------------------------------
 

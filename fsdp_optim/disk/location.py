@@ -11,6 +11,9 @@ Reading::
     listing() / prefixes() / size(name)       what is there now (never cached)
     read_range(name, a, b) / read_into(...)   byte ranges (retried and bounded by ``policy`` where that means anything)
     read_all(name, limit=...)                 a small object whole (a manifest)
+    local_path()                              the local path whose files are mapped in place, or None (a store)
+
+Writing an object whole: ``upload(local, name)``, ``put(name, data)``; removing: ``delete(names)``.
 
 A save, in this order (a job's ranks, or one process)::
 
@@ -127,6 +130,19 @@ class Location(ABC):
         """What the API hands back for this location (a ``Path`` for a local directory, as it always has)."""
         return self
 
+    def local_path(self) -> Path | None:
+        """The local path this location is, for the readers that map or open its files in place; ``None`` where its
+        objects have no local path (a store: read by ranges, written by uploads)."""
+        return None
+
+    def identity(self) -> str:
+        """A name that says which location this is in any process (a URL, a local directory's absolute path)."""
+        return str(self)
+
+    def parent(self) -> Location:
+        """The location this one is directly below (of an object's URL: the prefix holding it)."""
+        raise NotImplementedError(f"{self}: no parent location")
+
     # -- reading -------------------------------------------------------------------------------------------
 
     def exists(self) -> bool:
@@ -170,6 +186,23 @@ class Location(ABC):
         if size > limit:
             raise ValueError(f"{self / name}: {size} bytes, above the bound for it ({limit})")
         return bytes(self.read_range(name, 0, size))
+
+    # -- removing ------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def delete(self, names: Iterable[str]) -> None:
+        """Remove objects ``names`` (missing ones are not an error)."""
+
+    @abstractmethod
+    def upload(self, local: Path, name: str) -> None:
+        """Make the local file ``local`` this location's object ``name`` (a copy; the file stays)."""
+
+    @abstractmethod
+    def put(self, name: str, data: bytes) -> None:
+        """Write ``data`` as object ``name``, replaced whole (never seen half written)."""
+
+    def remove_marker(self) -> None:  # noqa: B027 - most backends keep no marker
+        """Remove what keeps an emptied location listed (a store's "directory" object; nothing by default)."""
 
     # -- saving --------------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fsdp_optim.disk.location import ObjectPath, StoredObject
+from fsdp_optim.disk.location import Location, ObjectPath, StoredObject
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
 from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
@@ -126,6 +126,10 @@ class ObjectStore(StoreSaving):
 
     def key(self, name: str) -> str:
         return f"{self.root}/{name}"
+
+    def parent(self) -> ObjectStore:
+        """The store of the prefix this one is directly below, with the same filesystem settings."""
+        return ObjectStore(self.url.rsplit("/", 1)[0], self.fs, self.root.rsplit("/", 1)[0], self.policy)
 
     def child(self, name: str) -> ObjectStore:
         """The store of the prefix ``name`` below this one (a step directory under a manager's root)."""
@@ -356,7 +360,7 @@ class _ShortBody(OSError):
     """A ranged GET that returned fewer bytes than asked (a connection cut mid-body)."""
 
 
-Where = Path | ObjectStore  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
+Where = Path | Location  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
 
 
 def _lost(where: ObjectPath, replaces: str | None) -> str:

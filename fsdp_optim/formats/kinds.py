@@ -16,7 +16,7 @@ from typing import Any
 
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.storage import ObjectStore, is_url
+from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.fairscale import is_fairscale_native, is_named_dict
 from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
@@ -74,7 +74,13 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
 def names_shard_set(given: Any) -> bool:
     """Whether ``given`` is a fairseq/metaseq shard set, by its names alone (a dict, a URL or a store never is; no
     file is read and nothing raises): who passes ``allow_globals`` asks this first."""
-    return not isinstance(given, (Mapping, ObjectStore)) and not is_url(given) and is_shard_set(given)
+    if not isinstance(given, (str, os.PathLike)):
+        return False
+    try:
+        local = where(given).local_path()
+    except ValueError:  # a URL of no known filesystem: no shard set either (opening it says why)
+        return False
+    return local is not None and is_shard_set(given)
 
 
 def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
@@ -94,7 +100,7 @@ def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
     sharded checkpoint, a DCP directory, or ``None`` for a file whose content says the rest (:func:`detect`). A URL
     is a sharded checkpoint or refused (:func:`~fsdp_optim.formats.sharded.reader.source_kind`)."""
-    if isinstance(path, ObjectStore) or is_url(path):
+    if where(path).local_path() is None:
         source_kind(path)  # raises unless a manifest is there
         return Kind.SHARDED
     if is_shard_set(path):

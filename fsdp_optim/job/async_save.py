@@ -41,7 +41,6 @@ from torch import nn
 
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
 from fsdp_optim.job.staging import Staged, Staging, before_change, expect, ready_events
@@ -147,7 +146,7 @@ def checkpoint_group(group: ProcessGroup) -> ProcessGroup:
 def async_save_sharded_optim_state(
     fsdp: nn.Module,
     optim: torch.optim.Optimizer,
-    directory: str | os.PathLike[str] | ObjectStore,
+    directory: str | os.PathLike[str] | Location,
     *,
     overwrite: bool = False,
 ) -> AsyncSave:

@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
-from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
 from fsdp_optim.job.async_save import AsyncSave
@@ -51,7 +50,7 @@ class SkippedStep:
     that did not finish) or ``"damaged"`` (``reason`` names the file and what is wrong with it)."""
 
     step: int
-    path: Path | ObjectStore
+    path: Path | Location
     state: str
     reason: str
 
@@ -80,7 +79,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str | os.PathLike[str] | ObjectStore,
+        root: str | os.PathLike[str] | Location,
         *,
         every: int,
         keep: int,
@@ -113,13 +112,13 @@ class CheckpointManager:
         schedule = f"every={self.every}, keep={self.keep}, keep_every={self.keep_every}"
         return f"CheckpointManager({str(self.root)!r}, {schedule})"
 
-    def path(self, step: int) -> Path | ObjectStore:
+    def path(self, step: int) -> Path | Location:
         """The directory of ``step``: ``root/step-00000042`` (a ``Path``, or a store's prefix)."""
         return self.root.child(step_dir_name(step)).public()
 
     def save(
         self, step: int, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any = None
-    ) -> Path | ObjectStore | None:
+    ) -> Path | Location | None:
         """Call on every rank after every step: when ``step % every == 0``, save the whole state into
         :meth:`path` (``save_checkpoint``: a collective; a step saved before is replaced atomically) and return
         that directory; else return None at once (no collective, no file access). When ``step % memory_every == 0``
@@ -153,7 +152,7 @@ class CheckpointManager:
         self._pruned(step, rank)
         return directory
 
-    def wait(self) -> Path | ObjectStore | None:
+    def wait(self) -> Path | Location | None:
         """Wait for the async save in flight, if any (raising its error on every rank), then prune after it; the
         directory it committed, or None. A collective when a save is in flight. A memory-tier save in flight is
         waited for first (its error raised on every rank)."""
@@ -284,7 +283,7 @@ class CheckpointManager:
         warnings.warn(f"CheckpointManager.restore: {held}; restoring from durable storage {self.root}", stacklevel=3)
 
 
-def _find_latest(root: LocalDirectory | ObjectStore) -> tuple[int | None, list[SkippedStep]]:
+def _find_latest(root: Location) -> tuple[int | None, list[SkippedStep]]:
     skipped: list[SkippedStep] = []
     for step, path in reversed(find_step_dirs(root)):
         step_dir = survey_step(step, path, verify=True)

@@ -34,7 +34,7 @@ from fsdp_optim.core.memory_plan import Chosen, Fetch, Holding, choose_step, fet
 from fsdp_optim.formats.sharded.byte_ranges import files_read
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.job.async_save import checkpoint_group
 from fsdp_optim.job.memory_fetch import InFlight, received_files, sends_of
 from fsdp_optim.job.memory_save import MemoryTier, write_file
@@ -135,7 +135,7 @@ def _plan(
 ) -> tuple[ShardedCheckpoint, LoadPlans, tuple[Fetch, ...]]:  # fmt: skip
     """Step 3: the step opened (its manifest read), the load planned once, and every rank's fetches."""
     try:
-        ckpt = ShardedCheckpoint(directory, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES)
+        ckpt = open_checkpoint(directory, max_mapped_bytes=LOAD_WINDOW_BYTES)
     except (OSError, ValueError) as exc:
         raise MemoryTierDamaged(str(exc)) from exc
     try:

@@ -30,7 +30,7 @@ from torch import nn
 from fsdp_optim.core.memory_plan import node_ranks, replica_peers, sources_of
 from fsdp_optim.disk.atomic import atomic_write, new_save_id
 from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import (
@@ -74,7 +74,7 @@ class MemoryTier:
 
 
 def memory_tier(
-    root: Path | LocalDirectory | ObjectStore,
+    root: Path | Location,
     *,
     memory_dir: str | os.PathLike[str] | None,
     node: object,

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,14 +20,13 @@ from torch import nn
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.preconditions import check_rank
-from fsdp_optim.disk.location import ObjectPath
+from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
-from fsdp_optim.disk.storage import ObjectStore, is_url
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.api import full_source
 from fsdp_optim.job.device_load import optimizer_state_on_device
@@ -45,7 +44,7 @@ __all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state"
 def save_sharded_optim_state(
     fsdp: nn.Module,
     optim: torch.optim.Optimizer,
-    directory: str | os.PathLike[str] | ObjectStore,
+    directory: str | os.PathLike[str] | Location,
     *,
     overwrite: bool = False,
 ) -> Path | ObjectPath:
@@ -86,16 +85,16 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     """
     manifest = Manifest.from_layout(verify_root(fsdp).layout.at_rank(0), save_id="layout")
     data = manifest_to_json(manifest)  # a manifest without files, in JSON: no pickle (format 1 wrote a torch file)
-    if isinstance(path, str) and is_url(path):  # one object, replaced whole
-        parent, name = path.rstrip("/").rsplit("/", 1)
-        ObjectStore.open(parent).put(name, data)
-        return ObjectStore.open(parent) / name  # type: ignore[return-value]  # shown as its URL
+    place = where(path)
+    if place.local_path() is None:  # one object, replaced whole
+        place.parent().put(place.name, data)
+        return place.parent() / place.name  # type: ignore[return-value]  # shown as its URL
     write_stream(lambda file: file.write(data), Path(path), purpose="save_layout")  # under the file's lock
     return Path(path)
 
 
 def load_sharded_optim_state(
-    fsdp: nn.Module, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | ObjectStore, *, src_rank: int = 0
+    fsdp: nn.Module, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | Location, *, src_rank: int = 0
 ) -> None:
     """Load a checkpoint into this rank's ``optim``, all or nothing on every rank.
 
@@ -115,10 +114,11 @@ def load_sharded_optim_state(
     parameter or file, with what was expected and what was found.
     """
     root = verify_root(fsdp, optim)
-    if not isinstance(path, ObjectStore) and not is_url(path) and not _names_sharded(path):
-        _refuse_shard_set(path)
+    local = cast("str | os.PathLike[str]", path)  # (read as such only where it names no store)
+    if where(path).local_path() is not None and not _names_sharded(local):
+        _refuse_shard_set(local)
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
-        _scatter(root, optim, path, src_rank, what=what)
+        _scatter(root, optim, local, src_rank, what=what)
         return
     loaded: dict[str, Any] | None = None
     failure: Exception | None = None
@@ -137,12 +137,12 @@ def _names_sharded(path: str | os.PathLike[str]) -> bool:
 
 
 def _read_sharded(
-    root: Root, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | ObjectStore
+    root: Root, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | Location
 ) -> dict[str, Any]:
     """This rank's state from a sharded checkpoint, checked and read into new memory, as
     ``optim.load_state_dict`` takes it; nothing is changed."""
     layout, members, rank = root.layout, root.members, root.rank
-    with ShardedCheckpoint(path, lazy=True) as ckpt:  # lazy: at the saved layout a rank reads only its own file
+    with open_checkpoint(path) as ckpt:  # lazy: at the saved layout a rank reads only its own file
         check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
         the_plan = plan(ckpt.source(), layout, members=members)
         if the_plan.identity:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,11 +20,10 @@ from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, source_kind
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, source_kind
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
@@ -55,7 +53,7 @@ class Staged:
 def load_checkpoint(
     model: nn.Module,
     optim: torch.optim.Optimizer | None,
-    path: str | os.PathLike[str] | ObjectStore,
+    path: str | os.PathLike[str] | Location,
     *,
     buffers: str = "refuse",
 ) -> Any:
@@ -147,13 +145,14 @@ def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Rec
 
 
 def _stage(
-    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: LocalDirectory | ObjectStore, buffers: str
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Location, buffers: str
 ) -> Staged:
-    if isinstance(path, LocalDirectory) and is_whole_file_path(path):
-        return stage_file(root, model, optim, path.path)  # a local file, never a store
+    local = path.local_path()
+    if local is not None and is_whole_file_path(path):
+        return stage_file(root, model, optim, local)  # a local file, never a store
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
-    with ShardedCheckpoint(path, lazy=True, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
+    with open_checkpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
         plans = plan_load(root, model, optim, ckpt, buffers)
         if plans.weights.identity or ckpt.manifest.version < 3:  # its own files, whole: nothing to cut from ranges
             return stage_load(root, ckpt, plans)
@@ -162,10 +161,11 @@ def _stage(
             return stage_load(root, ckpt, plans, sides)
 
 
-def is_whole_file_path(path: LocalDirectory | ObjectStore) -> bool:
+def is_whole_file_path(path: Location) -> bool:
     """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory,
     its manifest or a store."""
-    return not isinstance(path, ObjectStore) and Path(path).is_file() and source_kind(path) != "sharded"
+    local = path.local_path()
+    return local is not None and local.is_file() and source_kind(local) != "sharded"
 
 
 def stage_file(

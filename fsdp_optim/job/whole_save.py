@@ -19,9 +19,8 @@ from torch import nn
 
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.records import WEIGHTS_KEY
-from fsdp_optim.disk.location import ObjectPath
+from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
@@ -49,7 +48,7 @@ class _Prepared:
 def save_checkpoint(
     model: nn.Module,
     optim: torch.optim.Optimizer | None,
-    path: str | os.PathLike[str] | ObjectStore,
+    path: str | os.PathLike[str] | Location,
     *,
     extra: Any = None,
     overwrite: bool = False,
@@ -89,7 +88,7 @@ def save_checkpoint(
 def async_save_checkpoint(
     model: nn.Module,
     optim: torch.optim.Optimizer,
-    path: str | os.PathLike[str] | ObjectStore,
+    path: str | os.PathLike[str] | Location,
     *,
     extra: Any = None,
     overwrite: bool = False,

@@ -20,8 +20,8 @@ import torch
 
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Source
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import staged_output
-from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, placeholder, write_dcp
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
@@ -75,7 +75,7 @@ def to_dcp(
         dcp.load(state, checkpoint_id=out_dir)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     """
-    if is_url(out_dir):  # written locally, then uploaded file by file (offline/publish.py)
+    if where(out_dir).local_path() is None:  # written locally, then uploaded file by file (offline/publish.py)
         with output_for(str(out_dir)) as local:
             return to_dcp(source, local, model_key=model_key, optim_key=optim_key, param_order=param_order,
                           optimizer_keys=optimizer_keys, allow_globals=allow_globals, progress=progress,

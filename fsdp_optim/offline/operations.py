@@ -30,8 +30,9 @@ from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.plan import Plan, Source, assemble_full, plan
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.disk.atomic import load_file, new_save_id
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.disk.storage import ObjectStore, is_url
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fullstate import build_full_state
@@ -200,7 +201,7 @@ def _then(first: Callable[[], None], second: Progress) -> Callable[[], None]:
 def reshard(
     source: str | os.PathLike[str] | Mapping[str, Any],
     world_size: int,
-    out_dir: str | os.PathLike[str] | ObjectStore,
+    out_dir: str | os.PathLike[str] | Location,
     *,
     layout: LayoutLike | None = None,
     optimizer: str | None = None,
@@ -240,12 +241,13 @@ def reshard(
     write = partial(_reshard_local, source, world_size, layout=layout, optimizer=optimizer,
                     allow_globals=allow_globals, progress=progress, max_mapped_bytes=max_mapped_bytes,
                     overwrite=overwrite, buffers=buffers)  # fmt: skip
-    if isinstance(out_dir, ObjectStore) or is_url(out_dir):  # written locally, each rank file uploaded once written
+    target = where(out_dir)
+    here = target.local_path()
+    if here is None:  # written locally, each rank file uploaded once written
         with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done):
             write(local, after_file=file_done)
-        target = out_dir if isinstance(out_dir, ObjectStore) else ObjectStore.open(str(out_dir))
         return target / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
-    return write(Path(out_dir))
+    return write(here)
 
 
 def _reshard_local(
@@ -318,7 +320,8 @@ def _reshard_sharded(
     ckpt = opened.checkpoint
     if ckpt is None or opened.source is None:
         raise ValueError(f"{opened.label}: expected a sharded checkpoint, found a {opened.kind.value}")
-    if isinstance(ckpt.directory, Path) and out.exists() and out.resolve() == ckpt.directory.resolve():
+    source_dir = where(ckpt.directory).local_path()
+    if source_dir is not None and out.exists() and out.resolve() == source_dir.resolve():
         raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
     target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
     whole = is_whole(ckpt)  # its weights ride along with the optimizer's keys, its side files are carried

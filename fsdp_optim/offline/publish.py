@@ -25,8 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from fsdp_optim.disk.location import Begun
-from fsdp_optim.disk.storage import CommitOutcomeUnknown, ObjectStore, is_url
+from fsdp_optim.disk.location import Begun, Location
+from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.storage import CommitOutcomeUnknown
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
@@ -37,7 +38,7 @@ __all__ = ["Uploads", "checkpoint_output", "output_for", "publish_checkpoint", "
 
 @contextmanager
 def output_for(
-    out: str | os.PathLike[str] | ObjectStore,
+    out: str | os.PathLike[str] | Location,
     *,
     overwrite: bool = False,
     inputs: Iterable[object] = (),
@@ -48,8 +49,9 @@ def output_for(
 
     Refused before anything is written: ``out`` naming one of ``inputs``, and (``keep_checkpoint``, the command
     line's rule) a checkpoint already at ``out`` unless ``overwrite``."""
-    if not isinstance(out, ObjectStore) and not is_url(out):
-        yield Path(out)
+    local = where(out).local_path()
+    if local is not None:
+        yield local
         return
     with checkpoint_output(out, overwrite=overwrite, inputs=inputs, keep_checkpoint=keep_checkpoint) as (local, _):
         yield local
@@ -57,7 +59,7 @@ def output_for(
 
 @contextmanager
 def checkpoint_output(
-    out: str | os.PathLike[str] | ObjectStore,
+    out: str | os.PathLike[str] | Location,
     *,
     overwrite: bool = False,
     inputs: Iterable[object] = (),
@@ -69,10 +71,10 @@ def checkpoint_output(
     url = str(out).rstrip("/")
     if any(str(i).rstrip("/") == url for i in inputs if i is not None):
         raise ValueError(f"output: {url} is also an input; write to another place")
-    if keep_checkpoint and not overwrite and is_sharded_checkpoint(out if isinstance(out, ObjectStore) else url):
+    target = where(out)
+    if keep_checkpoint and not overwrite and is_sharded_checkpoint(target):
         raise FileExistsError(f"output: {url} holds a checkpoint already; pass --overwrite to replace it")
-    target = out if isinstance(out, ObjectStore) else ObjectStore.open(url)
-    if keep_checkpoint and not overwrite and _parent(url, target).size(url.rsplit("/", 1)[-1]) is not None:
+    if keep_checkpoint and not overwrite and target.parent().size(target.name) is not None:
         raise FileExistsError(f"output: {url}: an object is there already; pass --overwrite to replace it")
     scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
     uploads = Uploads(target, overwrite=overwrite, links=scratch / ".uploading")
@@ -88,18 +90,13 @@ def checkpoint_output(
         elif local.is_dir():
             publish_files(local, target)
         else:  # one object
-            _parent(url, target).upload(local, local.name)
+            target.parent().upload(local, local.name)
     finally:
         uploads.abort()  # (nothing left to do after a commit)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _parent(url: str, target: ObjectStore) -> ObjectStore:
-    """The store of the prefix ``url`` names one object of, with ``target``'s filesystem settings."""
-    return ObjectStore(url.rsplit("/", 1)[0], target.fs, target.root.rsplit("/", 1)[0])
-
-
-def publish_checkpoint(local: Path, store: ObjectStore, *, overwrite: bool = False) -> None:
+def publish_checkpoint(local: Path, store: Location, *, overwrite: bool = False) -> None:
     """Upload the sharded checkpoint in ``local`` to ``store`` and commit it there (conditional put of the
     manifest; :class:`~fsdp_optim.disk.storage.ConcurrentCommitError` if another writer committed meanwhile)."""
     uploads = Uploads(store, overwrite=overwrite)
@@ -113,7 +110,7 @@ class Uploads:
     """A sharded checkpoint's files uploaded to ``store`` (some while it is still being written: :meth:`file_done`),
     then committed (:meth:`commit`) or removed (:meth:`abort`). The prefix is read before the first upload."""
 
-    def __init__(self, store: ObjectStore, *, overwrite: bool, links: Path | None = None) -> None:  # noqa: D107
+    def __init__(self, store: Location, *, overwrite: bool, links: Path | None = None) -> None:  # noqa: D107
         self.store, self.overwrite, self.links = store, overwrite, links
         self._rules = save_rules()  # (a store journals nothing: no save id or world size needed before the commit)
         self._save: Begun | None = None
@@ -168,7 +165,7 @@ class Uploads:
         self._uploaded = []
 
 
-def publish_files(local: Path, store: ObjectStore) -> None:
+def publish_files(local: Path, store: Location) -> None:
     """Upload every file under ``local`` to the same relative names under ``store``."""
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         store.upload(path, path.relative_to(local).as_posix())

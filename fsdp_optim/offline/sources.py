@@ -34,9 +34,8 @@ from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.locations import downloaded
+from fsdp_optim.disk.locations import downloaded, where
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.disk.storage import is_url
 from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fullstate import full_dict_source
 from fsdp_optim.formats.kinds import Kind, detect
@@ -44,8 +43,8 @@ from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.plain import name_plain_dict
 from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
-    ShardedCheckpoint,
     is_sharded_checkpoint,
+    open_checkpoint,
     read_manifest,
 )
 from fsdp_optim.formats.whole_file import WholeFile
@@ -165,7 +164,7 @@ def fetched_whole(given: Any) -> Iterator[Any]:
     """``given`` itself, or for a URL that is no sharded checkpoint (one object) a local copy of it, downloaded
     whole and removed when the block ends: the one place a non-checkpoint URL is fetched (``open_source``,
     ``verify``)."""
-    if isinstance(given, str) and is_url(given) and not is_sharded_checkpoint(given):
+    if isinstance(given, str) and where(given).local_path() is None and not is_sharded_checkpoint(given):
         with downloaded(given) as local:
             yield local
         return
@@ -212,7 +211,7 @@ def _open_local(
             yield _opened(kind, label, named.source(), None, named.document.param_order, named.trim, named=named)
         return
     if kind is Kind.SHARDED and not isinstance(given, Mapping):
-        with ShardedCheckpoint(given, max_mapped_bytes=max_mapped_bytes) as ckpt:
+        with open_checkpoint(given, lazy=False, max_mapped_bytes=max_mapped_bytes) as ckpt:
             yield _opened(kind, label, ckpt.source(), ckpt.manifest.layout(0), ckpt.manifest.param_order, ckpt.trim,
                          manifest=ckpt.manifest, checkpoint=ckpt)
         return

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
-from fsdp_optim.disk.storage import ObjectStore, is_url
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import (
     LEGACY_MANIFEST_NAME,
@@ -31,21 +32,19 @@ __all__ = [
 ]
 
 
-def checkpoint_dir(path: str | os.PathLike[str] | ObjectStore) -> Path | ObjectStore:
+def checkpoint_dir(path: str | os.PathLike[str] | Location) -> Path | Location:
     """The directory of a sharded checkpoint given the directory or its manifest file; for a URL (or a store), the
     :class:`~fsdp_optim.disk.storage.ObjectStore` of its prefix."""
-    if isinstance(path, ObjectStore) or is_url(path):
-        return _store_of(path)
-    path = Path(path)
-    return path.parent if path.is_file() else path
+    place = where(path)
+    local = place.local_path()
+    if local is None:
+        return _store_of(place)
+    return local.parent if local.is_file() else local
 
 
-def _store_of(path: str | os.PathLike[str] | ObjectStore) -> ObjectStore:
-    """The store of a URL naming a checkpoint's prefix or its manifest."""
-    if isinstance(path, ObjectStore):
-        return path
-    text = str(path).rstrip("/")
-    return ObjectStore.open(text.rsplit("/", 1)[0] if text.rsplit("/", 1)[-1] in MANIFEST_NAMES else text)
+def _store_of(place: Location) -> Location:
+    """The location of a checkpoint's prefix, given it or (a URL) its manifest."""
+    return place.parent() if place.name in MANIFEST_NAMES else place
 
 
 def manifest_file(directory: Path) -> Path | None:
@@ -54,29 +53,31 @@ def manifest_file(directory: Path) -> Path | None:
     return next((directory / n for n in MANIFEST_NAMES if os.path.lexists(directory / n)), None)
 
 
-def is_sharded_checkpoint(path: str | os.PathLike[str] | ObjectStore) -> bool:
+def is_sharded_checkpoint(path: str | os.PathLike[str] | Location) -> bool:
     """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read); a URL is one
     when its prefix holds a ``manifest.json``."""
-    if isinstance(path, ObjectStore) or is_url(path):
-        return _store_of(path).size(MANIFEST_NAME) is not None
-    path = Path(path)
-    return manifest_file(path) is not None if path.is_dir() else path.name in MANIFEST_NAMES and path.is_file()
+    place = where(path)
+    local = place.local_path()
+    if local is None:
+        return _store_of(place).size(MANIFEST_NAME) is not None
+    return manifest_file(local) is not None if local.is_dir() else local.name in MANIFEST_NAMES and local.is_file()
 
 
-def source_kind(path: str | os.PathLike[str] | ObjectStore) -> str:
+def source_kind(path: str | os.PathLike[str] | Location) -> str:
     """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"``.
 
     Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory without a manifest. A URL is a
     sharded checkpoint or nothing (a full dict file in a store is not read from there).
     """
-    if isinstance(path, ObjectStore) or is_url(path):
+    local = where(path).local_path()
+    if local is None:
         if is_sharded_checkpoint(path):
             return "sharded"
         raise FileNotFoundError(
             f"{path}: no {MANIFEST_NAME} under this prefix (not a sharded checkpoint, or a save that never committed); "
             "from a URL only sharded checkpoints are read"
         )
-    path = Path(path)
+    path = local
     if is_sharded_checkpoint(path):
         return "sharded"
     if path.is_dir():
@@ -105,12 +106,14 @@ def _manager_root_hint(path: Path) -> str:
     )
 
 
-def read_manifest(path: str | os.PathLike[str] | ObjectStore) -> Manifest:
+def read_manifest(path: str | os.PathLike[str] | Location) -> Manifest:
     """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file (or a URL of a
     checkpoint's prefix or manifest)."""
-    if isinstance(path, ObjectStore) or is_url(path):
-        return _read_remote_manifest(_store_of(path))
-    path = Path(path)
+    place = where(path)
+    local = place.local_path()
+    if local is None:
+        return _read_remote_manifest(_store_of(place))
+    path = local
     file = manifest_file(path) if path.is_dir() else path
     if file is None or not os.path.lexists(file):
         if path.is_dir():
@@ -129,7 +132,7 @@ def read_manifest(path: str | os.PathLike[str] | ObjectStore) -> Manifest:
     return Manifest.from_dict(body, source=str(file))
 
 
-def _read_remote_manifest(store: ObjectStore) -> Manifest:
+def _read_remote_manifest(store: Location) -> Manifest:
     try:
         data = store.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
     except FileNotFoundError:

@@ -27,8 +27,8 @@ from fsdp_optim.core.memory_plan import Holding
 from fsdp_optim.core.steps import step_dir_name
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.json_input import loads
-from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.locations import where
 
 __all__ = [
     "MARKER_NAME",
@@ -95,10 +95,10 @@ def node_name(node: object) -> str:
     return name
 
 
-def default_memory_dir(root: Path | LocalDirectory | ObjectStore) -> Path:
+def default_memory_dir(root: Path | Location) -> Path:
     """A manager's memory directory unless given: ``/dev/shm/fsdp_optim-<12 hex of its root's absolute path>`` (of
     its URL, for a root in an object store)."""
-    name = str(root) if isinstance(root, ObjectStore) else str(Path(root).absolute())  # (LocalDirectory: its path)
+    name = where(root).identity()
     return Path("/dev/shm") / f"fsdp_optim-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 

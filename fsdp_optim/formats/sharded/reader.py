@@ -30,8 +30,8 @@ from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.location import ObjectPath
-from fsdp_optim.disk.storage import ObjectStore
+from fsdp_optim.disk.location import Location, ObjectPath
+from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
 from fsdp_optim.formats.sharded.locate import (  # re-exported: what finds a checkpoint, beside what reads it
     checkpoint_dir,
@@ -57,11 +57,24 @@ __all__ = [
     "is_sharded_checkpoint",
     "load_file",
     "manifest_file",
+    "open_checkpoint",
     "read_manifest",
     "source_kind",
 ]
 
 DEFAULT_MAPPED_BYTES = 64 << 20
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str] | Location, *, lazy: bool = True, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES
+) -> ShardedCheckpoint:
+    """The sharded checkpoint at ``path`` (its directory or manifest, a URL, a :class:`Location`) opened for reading:
+    the one way every reader opens one (loads, the memory tier's restore, verification, the offline tools).
+
+    ``lazy`` (the default): no rank file is opened yet, each reader opens those it reads (a job's rank its own at
+    the saved layout); ``lazy=False`` opens and checks every rank file first (the offline tools, which read them
+    all). ``max_mapped_bytes``: see :class:`ShardedCheckpoint`."""
+    return ShardedCheckpoint(path, lazy=lazy, max_mapped_bytes=max_mapped_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -79,14 +92,14 @@ class ShardedCheckpoint:
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | ObjectStore,
+        path: str | os.PathLike[str] | Location,
         *,
         max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
         lazy: bool = False,
     ) -> None:
         self.directory = checkpoint_dir(path)
         self.manifest = read_manifest(path)  # (a directory, its manifest file, or a store's prefix or manifest)
-        if isinstance(self.directory, ObjectStore) and self.manifest.version < 2:
+        if where(self.directory).local_path() is None and self.manifest.version < 2:
             raise ValueError(
                 f"{path}: a format-{self.manifest.version} checkpoint (torch files), which is read from a local "
                 "directory only; copy it to local disk, or rewrite it with `fsdp-optim reshard` first"
@@ -298,9 +311,10 @@ class ShardedCheckpoint:
         return sum(getattr(file, "bytes_fetched", 0) for file in files if file is not None)
 
     def _local(self) -> Path:
-        if not isinstance(self.directory, Path):  # refused on open: only formats 2 and 3 are read from a store
+        local = where(self.directory).local_path()
+        if local is None:  # refused on open: only formats 2 and 3 are read from a store
             raise TypeError(f"{self.directory}: a format-1 checkpoint is read from a local directory only")
-        return self.directory
+        return local
 
     def files(self) -> Iterator[Path | ObjectPath]:
         return (self.directory / f.file for f in self.manifest.files)

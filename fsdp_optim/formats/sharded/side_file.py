@@ -29,7 +29,8 @@ from safetensors.torch import save as save_safetensors
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.json_input import loads
-from fsdp_optim.disk.storage import ObjectStore, Where
+from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.storage import Where
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
@@ -154,14 +155,16 @@ def read_side_file(directory: Where, record: FileRecord, received: Received | No
 def _read_exactly(directory: Where, record: FileRecord) -> bytes:
     """The side file's bytes, refused when it is not of the size the manifest records."""
     path = directory / record.file
-    if isinstance(directory, ObjectStore):
-        size = directory.size(record.file)
+    place = where(directory)
+    local = place.local_path()
+    if local is None:
+        size = place.size(record.file)
         if size is None:
             raise FileNotFoundError(f"{path}: no such object (the manifest lists it as a side file)")
         if size != record.nbytes:
             raise ValueError(f"{path}: {size} bytes, but the manifest records {record.nbytes} (truncated?)")
-        return bytes(directory.read_range(record.file, 0, size))
-    fd, st = open_regular(Path(directory) / record.file, follow_symlinks=False)
+        return bytes(place.read_range(record.file, 0, size))
+    fd, st = open_regular(local / record.file, follow_symlinks=False)
     try:
         if st.st_size != record.nbytes:
             raise ValueError(f"{path}: {st.st_size} bytes, but the manifest records {record.nbytes} (truncated?)")

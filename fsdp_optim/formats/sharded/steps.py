@@ -20,8 +20,10 @@ from pathlib import Path
 
 from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, fsync_dir
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import OutputLockedError, lock_output
-from fsdp_optim.disk.storage import ObjectStore, StoreUnavailable
+from fsdp_optim.disk.storage import StoreUnavailable
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
@@ -38,7 +40,7 @@ class StepDir:
     (``reason`` says which file and what); ``foreign``: names in it that our writer never makes."""
 
     step: int
-    path: Path | ObjectStore
+    path: Path | Location
     state: str
     reason: str
     nbytes: int  # of the regular files in the directory
@@ -62,13 +64,15 @@ def _is_ours(name: str) -> bool:
     return final in MANIFEST_NAMES or CHECKPOINT.deletable(final)
 
 
-def find_step_dirs(root: str | os.PathLike[str] | ObjectStore) -> list[tuple[int, Path | ObjectStore]]:
+def find_step_dirs(root: str | os.PathLike[str] | Location) -> list[tuple[int, Path | Location]]:
     """``(step, path)`` of every step directory in ``root`` (a real directory, not a link; in a store, a prefix),
     by step; [] when ``root`` does not exist yet."""
-    if isinstance(root, ObjectStore):  # an emptied prefix may stay listed (a directory marker): not a step
-        steps = ((s, root.child(n)) for n in root.prefixes() if (s := parse_step_dir(n)) is not None)
-        return sorted((s, d) for s, d in steps if d.listing())
-    root = Path(root)
+    place = where(root)
+    local = place.local_path()
+    if local is None:  # an emptied prefix may stay listed (a directory marker): not a step
+        steps = ((s, place.child(n)) for n in place.prefixes() if (s := parse_step_dir(n)) is not None)
+        return sorted(((s, d) for s, d in steps if d.listing()), key=lambda found: found[0])
+    root = local
     if not root.is_dir():
         return []
     found = []
@@ -79,12 +83,13 @@ def find_step_dirs(root: str | os.PathLike[str] | ObjectStore) -> list[tuple[int
     return sorted(found)  # type: ignore[arg-type]  # (step, Path) pairs
 
 
-def survey_step(step: int, path: Path | ObjectStore, *, verify: bool = True) -> StepDir:
+def survey_step(step: int, path: Path | Location, *, verify: bool = True) -> StepDir:
     """Classify one step directory; ``verify``: every byte against its checksum (else sizes only, one ``stat``
     per file). Never raises for what it finds; reads nothing outside ``path``."""
     names, foreign, nbytes = _contents(path)
     base = StepDir(step, path, TORN, "", nbytes, foreign)
-    if MANIFEST_NAME not in names if isinstance(path, ObjectStore) else manifest_file(path) is None:
+    local = where(path).local_path()
+    if MANIFEST_NAME not in names if local is None else manifest_file(local) is None:
         ours = [n for n in names if n not in foreign]
         shown = ", ".join(ours[:3]) + (", ..." if len(ours) > 3 else "")
         return replace(base, reason=f"no manifest: a save that did not finish ({len(ours)} files: {shown or '-'})")
@@ -105,15 +110,17 @@ def survey_step(step: int, path: Path | ObjectStore, *, verify: bool = True) -> 
     return replace(base, state=COMPLETE)
 
 
-def _contents(path: Path | ObjectStore) -> tuple[list[str], tuple[str, ...], int]:
+def _contents(path: Path | Location) -> tuple[list[str], tuple[str, ...], int]:
     """The names in a step directory, those our writer never makes, and the bytes of its regular files."""
-    if isinstance(path, ObjectStore):
-        listing = path.listing()
+    place = where(path)
+    local = place.local_path()
+    if local is None:
+        listing = place.listing()
         names = sorted(listing)
         return names, tuple(n for n in names if not _is_ours(n)), sum(o.size for o in listing.values())
-    names = sorted(os.listdir(path))
-    foreign = tuple(n for n in names if not _is_ours(n) or not (path / n).is_file())
-    nbytes = sum((path / n).stat().st_size for n in names if (path / n).is_file() and not (path / n).is_symlink())
+    names = sorted(os.listdir(local))
+    foreign = tuple(n for n in names if not _is_ours(n) or not (local / n).is_file())
+    nbytes = sum((local / n).stat().st_size for n in names if (local / n).is_file() and not (local / n).is_symlink())
     return names, foreign, nbytes
 
 
@@ -131,26 +138,28 @@ def remove_step(step_dir: StepDir) -> bool:
     """Remove a step directory of ours (:attr:`StepDir.ours`), under its lock: its files, the directory, then its
     lock file. False, with nothing removed, when a writer holds its lock or it now holds something foreign."""
     assert step_dir.ours, f"remove_step is for a step directory of ours, not {step_dir.path} ({step_dir.foreign})"
-    if isinstance(step_dir.path, ObjectStore):
-        return _remove_stored(step_dir.path)
+    place = where(step_dir.path)
+    path = place.local_path()
+    if path is None:
+        return _remove_stored(place)
     try:
-        lock = lock_output(step_dir.path, purpose="remove an old checkpoint (CheckpointManager)")
+        lock = lock_output(path, purpose="remove an old checkpoint (CheckpointManager)")
     except OutputLockedError:
         return False
     with lock:
-        names = os.listdir(step_dir.path)
-        if any(not _is_ours(n) or not (step_dir.path / n).is_file() for n in names):
+        names = os.listdir(path)
+        if any(not _is_ours(n) or not (path / n).is_file() for n in names):
             return False  # something foreign arrived since the survey: keep all of it
         manifests = [n for n in names if n in MANIFEST_NAMES]
         for name in manifests + [n for n in names if n not in manifests]:  # the commit point first: torn, not damaged
-            (step_dir.path / name).unlink(missing_ok=True)
-        os.rmdir(step_dir.path)
-        fsync_dir(step_dir.path.parent)
+            (path / name).unlink(missing_ok=True)
+        os.rmdir(path)
+        fsync_dir(path.parent)
         lock.forget()
     return True
 
 
-def _remove_stored(store: ObjectStore) -> bool:
+def _remove_stored(store: Location) -> bool:
     """:func:`remove_step` in a store (no lock there): the manifest first (the step is then torn, never damaged),
     then the rest; False, with nothing removed, when it now holds something foreign."""
     names = sorted(store.listing())

@@ -12,22 +12,23 @@ import os
 from pathlib import Path
 
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
-from fsdp_optim.disk.storage import ObjectStore, StoreUnavailable
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.storage import StoreUnavailable
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, checkpoint_dir
+from fsdp_optim.formats.sharded.reader import checkpoint_dir, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import read_side_file
 
 __all__ = ["present_and_sized", "verify_sharded"]
 
 
-def verify_sharded(path: str | os.PathLike[str] | ObjectStore) -> Verification:
+def verify_sharded(path: str | os.PathLike[str] | Location) -> Verification:
     """One :class:`FileCheck` per file of the checkpoint at ``path`` (its directory or manifest); never raises for
     damage (an unreadable manifest is the manifest's failed check)."""
     directory = checkpoint_dir(path)
     manifest_path = directory / MANIFEST_NAME
     try:
-        ckpt = ShardedCheckpoint(path, lazy=True)
+        ckpt = open_checkpoint(path)
     except StoreUnavailable:
         raise  # the store did not answer: not damage (a manager must not skip a good step for an outage)
     except (ValueError, OSError) as exc:
@@ -56,11 +57,11 @@ def verify_sharded(path: str | os.PathLike[str] | ObjectStore) -> Verification:
     return Verification(directory, kind, tuple(checks))  # named as inspect names it
 
 
-def present_and_sized(path: str | os.PathLike[str] | ObjectStore, manifest: Manifest | None = None) -> list[str]:
+def present_and_sized(path: str | os.PathLike[str] | Location, manifest: Manifest | None = None) -> list[str]:
     """The cheap part of :func:`verify_sharded`: every file the manifest lists present with its size (one ``stat``
     each); one line per damaged file, naming it. ``manifest``: the one read already."""
     directory = checkpoint_dir(path)
-    manifest = ShardedCheckpoint(directory, lazy=True).manifest if manifest is None else manifest
+    manifest = open_checkpoint(directory).manifest if manifest is None else manifest
     side_files = manifest.training.files if manifest.training is not None else ()
     checks = [
         check_file(directory / f.file, lambda _: None, nbytes=f.nbytes, sizes_only=True)
