@@ -129,7 +129,10 @@ class Job:
         """SIGKILL every rank at once, then collect what they had sent before dying."""
         for process in self.processes:
             if process.is_alive():
-                os.kill(process.pid, signal.SIGKILL)
+                try:
+                    os.kill(process.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it finished between the check and the signal: nothing to kill
+                    pass
         for process in self.processes:
             process.join()
         for conn in self.conns:
