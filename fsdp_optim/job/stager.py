@@ -180,9 +180,8 @@ def _offsets(part: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]
 def _spans(parts: Sequence[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
     """The bytes of ``parts`` as ``uint8`` views of at most ``size`` bytes (no copy of a contiguous part)."""
     for part in parts:
-        raw = part.detach().contiguous().reshape(-1).view(torch.uint8)
-        for start in range(0, raw.numel(), size):
-            yield raw[start : start + size]
+        for _, span in _offsets(part, size):
+            yield span
 
 
 _copiers: dict[int, CudaCopier] = {}  # one side stream per GPU, for the process's life
