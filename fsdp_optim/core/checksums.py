@@ -98,11 +98,6 @@ class ChunkHasher:
         return tuple(self._digests)
 
 
-def raw_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return _raw(t)
-
-
 def stream_chunk_digests(parts: Iterable[torch.Tensor], per: int, total: int) -> tuple[str, ...]:
     """:func:`chunk_digests` of the concatenation of the 1-D ``parts`` (``total`` elements of one dtype in all),
     without concatenating them: a chunk may span several parts, a part several chunks."""
