@@ -52,12 +52,12 @@ def _state(model: Any, optim: Any) -> dict[str, Any]:
 
 def _die_mid_save() -> None:
     """The next memory-tier save dies on this rank once its own files are written, before any replica moves."""
-    import fsdp_optim.job.memory_save as memory_save
+    import fsdp_optim.job.node_memory as node_memory
 
     def die(*_: Any, **__: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    memory_save.exchange_bytes = die  # type: ignore[assignment]
+    node_memory.exchange_bytes = die  # type: ignore[assignment]
 
 
 def _train(rank: int, world_size: int, root: str, memory: str, lost: list[str], die_at: int | None) -> None:

@@ -10,9 +10,9 @@
    sends which of those its node lacks (:func:`~fsdp_optim.core.memory_plan.fetch_plan`): no message needed.
    The ranks agree that planning went well everywhere.
 4. Every receive and send is posted at once; each rank then loads, reading its node's files in place and the
-   bytes it receives from memory as they arrive (:mod:`fsdp_optim.job.memory_fetch`), every chunk verified
-   against its checksum before use; nothing received is written anywhere. The ranks agree, then every rank
-   changes its model and optimizer, or none does.
+   bytes it receives from memory as they arrive (the prefetch of :class:`~fsdp_optim.job.node_memory.NodeMemory`,
+   the step's location), every chunk verified against its checksum before use; nothing received is written
+   anywhere. The ranks agree, then every rank changes its model and optimizer, or none does.
 
 A failure to read the step's bytes (a checksum mismatch, a file missing, a transfer that failed) raises
 :class:`MemoryTierDamaged` on every rank, with nothing changed: the manager then restores from durable storage.
@@ -30,31 +30,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_optim.core.memory_plan import Chosen, Fetch, Holding, choose_step, fetch_plan, node_ranks
-from fsdp_optim.formats.sharded.byte_ranges import files_read
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
+from fsdp_optim.core.memory_plan import Chosen, Holding, choose_step, fetch_plan
+from fsdp_optim.formats.sharded.byte_ranges import files_read, load_spans
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
+from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.async_save import checkpoint_group
-from fsdp_optim.job.memory_fetch import InFlight, received_files, sends_of
-from fsdp_optim.job.memory_save import MemoryTier, write_file
+from fsdp_optim.job.memory_save import MemoryTier
+from fsdp_optim.job.node_memory import MemoryTierDamaged, NodeMemory
 from fsdp_optim.job.root import Root, verify_root
-from fsdp_optim.job.transport import (
-    ProcessGroup,
-    agree,
-    all_gather_objects,
-    broadcast_object,
-    is_cpu_group,
-    post_exchange,
-)
+from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects, is_cpu_group
 from fsdp_optim.job.whole_load import LOAD_WINDOW_BYTES, LoadPlans, Staged, commit_load, plan_load, stage_load
 
 __all__ = ["MemoryRestore", "MemoryTierDamaged", "find_in_memory", "restore_from_memory"]
-
-
-class MemoryTierDamaged(ValueError):
-    """The step chosen in the memory tiers could not be read (its bytes failed a check, a file was missing or a
-    transfer failed); raised on every rank with nothing changed: durable storage is the way back."""
 
 
 @dataclass(frozen=True)
@@ -112,16 +100,17 @@ def restore_from_memory(
     directory = tier.node_dir() / chosen.dirname
     what = f"restoring step {chosen.step} from the memory tiers changed nothing on any rank"
     if not all(_holds_step(report, chosen) for report in holdings):
-        _spread_manifest(root.rank, nodes, holdings, chosen, directory, what, group)
+        src = min(r for r, report in enumerate(holdings) if _holds_step(report, chosen))
+        NodeMemory(directory, group).spread_manifest(src, nodes, what=what)
     ckpt, failure = None, None
     try:
-        ckpt, plans, fetches = _plan(root, model, optim, directory, chosen, nodes, holdings, buffers)
+        ckpt, plans = _plan(root, model, optim, NodeMemory(directory, group), chosen, nodes, holdings, buffers)
     except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
         failure = exc
     try:
         agree(failure, group=group, what=what)
         assert ckpt is not None, "agree() raises on every rank when any rank failed"
-        staged = _fetch_and_stage(root, ckpt, plans, fetches, group, what)
+        staged = _fetch_and_stage(root, ckpt, plans, group, what)
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -130,45 +119,38 @@ def restore_from_memory(
 
 
 def _plan(
-    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, directory: Path, chosen: Chosen,
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, node: NodeMemory, chosen: Chosen,
     nodes: list[str], holdings: list[list[Holding]], buffers: str,
-) -> tuple[ShardedCheckpoint, LoadPlans, tuple[Fetch, ...]]:  # fmt: skip
-    """Step 3: the step opened (its manifest read), the load planned once, and every rank's fetches."""
+) -> tuple[ShardedCheckpoint, LoadPlans]:  # fmt: skip
+    """Step 3: the step opened through this node's memory (its manifest read), the load planned once, and every
+    rank's fetches handed to the location (its prefetch)."""
     try:
-        ckpt = open_checkpoint(directory, max_mapped_bytes=LOAD_WINDOW_BYTES)
+        ckpt = open_checkpoint(node, max_mapped_bytes=LOAD_WINDOW_BYTES)
     except (OSError, ValueError) as exc:
         raise MemoryTierDamaged(str(exc)) from exc
     try:
         plans = plan_load(root, model, optim, ckpt, buffers)
         needs = [files_read(ckpt, plans.weights, plans.optim, r, buffers=plans.buffers) for r in range(root.world_size)]
         has = {nodes[r]: _held(h, chosen) for r, h in enumerate(holdings)}
-        return ckpt, plans, fetch_plan(chosen, nodes, needs, has)
+        node.fetches = fetch_plan(chosen, nodes, needs, has)  # what its prefetch sends and receives
+        return ckpt, plans
     except BaseException:
         ckpt.close()
         raise
 
 
-def _fetch_and_stage(
-    root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, fetches: tuple[Fetch, ...], group: ProcessGroup, what: str
-) -> Staged:
-    """Step 4: post every transfer, load (reading received bytes as they arrive), wait for the rest, agree."""
-    staged = None
-    sends, unreadable = sends_of(fetches, root.rank, Path(str(ckpt.directory)))
-    failure: Exception | None = MemoryTierDamaged(unreadable) if unreadable is not None else None
-    mine = [f for f in fetches if f.dst == root.rank]
-    received, works = post_exchange(sends, [(f.src, f.nbytes) for f in mine], group=group)
-    inflight = InFlight(works, [t for _, t in sends])
+def _fetch_and_stage(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, group: ProcessGroup, what: str) -> Staged:
+    """Step 4: every transfer posted (the prefetch of the step's location), the load read from this node's files and
+    the pieces received as they arrive, every transfer waited for; agreed."""
+    staged, failure = None, None
     try:
-        if failure is None:
-            files, sides = received_files(ckpt, mine, received, inflight.wait)
-            ckpt.provide(files)
+        spans = lambda: load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)  # noqa: E731
+        with fetched_ahead(ckpt, spans) as sides:  # (NodeMemory needs no spans: its plan covers every rank's)
             staged = stage_load(root, ckpt, plans, sides)
+    except MemoryTierDamaged as exc:
+        failure = exc
     except Exception as exc:
         failure = MemoryTierDamaged(str(exc))
-    try:
-        inflight.finish()
-    except Exception as exc:
-        failure = failure or MemoryTierDamaged(f"a transfer of the step's bytes failed: {exc}")
     agree(failure, group=group, what=what)
     assert staged is not None, "agree() raises on every rank when any rank failed"
     return staged
@@ -176,23 +158,6 @@ def _fetch_and_stage(
 
 def _held(report: list[Holding], chosen: Chosen) -> frozenset[str]:
     return next((h.held for h in report if (h.step, h.save_id) == (chosen.step, chosen.save_id)), frozenset())
-
-
-def _spread_manifest(
-    rank: int, nodes: list[str], holdings: list[list[Holding]], chosen: Chosen, directory: Path, what: str,
-    group: ProcessGroup,
-) -> None:  # fmt: skip
-    """Step 2: the manifest from the lowest holder rank to all; the first rank of each node lacking it writes it."""
-    src = min(r for r, report in enumerate(holdings) if _holds_step(report, chosen))
-    data = broadcast_object((directory / MANIFEST_NAME).read_bytes() if rank == src else None, src=src, group=group)
-    failure = None
-    try:
-        if node_ranks(nodes)[nodes[rank]][0] == rank and not (directory / MANIFEST_NAME).is_file():
-            directory.mkdir(parents=True, exist_ok=True)
-            write_file(directory / MANIFEST_NAME, data)
-    except Exception as exc:
-        failure = exc
-    agree(failure, group=group, what=what)
 
 
 def _holds_step(report: list[Holding], chosen: Chosen) -> bool:

@@ -5,8 +5,10 @@ Training blocks as long as for :func:`fsdp_optim.async_save_checkpoint`: the che
 into the reused staging buffers and, on the checkpoint group (:func:`~fsdp_optim.job.async_save.checkpoint_group`):
 
 1. every rank writes its rank and side files into its node's step directory and rank 0 the manifest
-   (:func:`fsdp_optim.job.save_commit.commit_save`, the durable saves' commit: all ranks or none);
-2. the manifest is broadcast and written on every node; each rank sends its two files to its replica peers
+   (:func:`fsdp_optim.job.save_commit.commit_save` into a :class:`~fsdp_optim.job.node_memory.NodeMemory`, the
+   location every save writes through: all ranks or none);
+2. the location's commit (:meth:`NodeMemory.seal <fsdp_optim.job.node_memory.NodeMemory.seal>`): the manifest is
+   broadcast and written on every node; each rank sends its two files to its replica peers
    (:func:`fsdp_optim.core.memory_plan.replica_peers`, on other nodes), which write them beside their own;
 3. once every rank says all its parts and replicas are in (one all-gather), the first rank of each node writes its
    marker (the step becomes visible there) and prunes the node to the newest ``keep`` complete steps.
@@ -18,44 +20,24 @@ Layout on disk: :mod:`fsdp_optim.formats.sharded.memory_tier`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from fsdp_optim.core.memory_plan import node_ranks, replica_peers, sources_of
-from fsdp_optim.disk.atomic import atomic_write, new_save_id
-from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.location import Location
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
-from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
-from fsdp_optim.formats.sharded.memory_tier import (
-    Marker,
-    default_memory_dir,
-    node_dir,
-    node_name,
-    prune_node,
-    step_dirname,
-    write_marker,
-)
+from fsdp_optim.formats.sharded.memory_tier import default_memory_dir, node_dir, node_name, step_dirname
 from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previous, launch
+from fsdp_optim.job.node_memory import NodeMemory, Sealing
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.save_commit import Side, commit_save
-from fsdp_optim.job.transport import (
-    ProcessGroup,
-    agree,
-    all_gather_objects,
-    broadcast_object,
-    dist_rank_and_size,
-    exchange_bytes,
-)
+from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, dist_rank_and_size
 from fsdp_optim.job.whole_save import prepare_whole
 
-__all__ = ["MemoryTier", "file_bytes", "memory_tier", "save_to_memory", "step_files", "write_file"]
+__all__ = ["MemoryTier", "memory_tier", "save_to_memory"]
 
 NODE_ENV = "FSDP_OPTIM_NODE"
 
@@ -134,61 +116,9 @@ class _Job:
 
     def run(self, state: Any, local: Any) -> Path:
         """Write, replicate, mark: the module docstring's steps 1-3; this node's step directory."""
-        layout, group, directory = self.root.layout, self.group, self.directory
-        target = LocalDirectory(directory)  # this node's own: nothing to lock or replace
-        commit_save(layout, local, state, self.optimizer, target, self.save_id, group, side=self.side)
-        rank, _ = dist_rank_and_size(group)
-        data = broadcast_object((directory / MANIFEST_NAME).read_bytes() if rank == 0 else None, src=0, group=group)
-        manifest = manifest_from_json(data, source=f"the manifest of memory-tier step {self.step}")
-        peers = replica_peers(self.nodes, self.tier.replicas)
-        failure, sends = None, []
-        try:
-            if not (directory / MANIFEST_NAME).exists():
-                write_file(directory / MANIFEST_NAME, data)
-            mine = step_files(manifest, rank)
-            sends = [(dst, file_bytes(directory / name)) for dst in peers[rank] for name, _ in mine]
-        except Exception as exc:  # every rank learns of it through agree(), before any replica moves
-            failure = exc
-        agree(failure, group=group, what=f"the memory-tier save of step {self.step} failed, nothing was marked")
-        sources = sources_of(peers, rank)
-        expected = [(src, name, n) for src in sources for name, n in step_files(manifest, src)]
-        received = exchange_bytes(sends, [(src, n) for src, _, n in expected], group=group)
-        try:
-            for (_, name, _), data_in in zip(expected, received):
-                write_file(directory / name, data_in)
-        except Exception as exc:
-            failure = exc
-        agree(failure, group=group, what=f"the memory-tier save of step {self.step} failed, nothing was marked")
-        if node_ranks(self.nodes)[self.tier.node][0] == rank:
-            write_marker(directory, self._marker(manifest, peers))
-            prune_node(self.tier.node_dir(), keep=self.tier.keep)
-        return directory
-
-    def _marker(self, manifest: Manifest, peers: Sequence[Sequence[int]]) -> Marker:
-        here = set(node_ranks(self.nodes)[self.tier.node])
-        ranks = here | {src for src, targets in enumerate(peers) if here & set(targets)}
-        files = sorted(f for r in range(manifest.world_size) for f in step_files(manifest, r))
-        held = sorted(name for r in ranks for name, _ in step_files(manifest, r))
-        return Marker(self.step, self.save_id, manifest.world_size, self.tier.node, tuple(files), tuple(held))
+        node = NodeMemory(self.directory, self.group)  # this node's own: nothing to lock or replace
+        commit_save(self.root.layout, local, state, self.optimizer, node, self.save_id, self.group, side=self.side)
+        tier = self.tier
+        return node.seal(Sealing(self.step, self.save_id, self.nodes, tier.node, tier.replicas, tier.keep))
 
 
-def step_files(manifest: Manifest, rank: int) -> list[tuple[str, int]]:
-    """Saved rank ``rank``'s files of a whole checkpoint: ``[(rank file, bytes), (side file, bytes)]``."""
-    out = [(f.file, f.nbytes) for f in manifest.files if f.rank == rank]
-    if manifest.training is not None:
-        side = manifest.training.side_file(rank)
-        out.append((side.file, side.nbytes))
-    return out
-
-
-def file_bytes(path: Path) -> torch.Tensor:
-    """A file's bytes as a 1-D uint8 tensor, mapped (copy on write: never written back), not read into memory."""
-    if path.stat().st_size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
-
-
-def write_file(path: Path, data: bytes | torch.Tensor) -> None:
-    """Write ``path`` atomically from bytes or a uint8 tensor (no copy of the tensor's bytes)."""
-    view = data.numpy().data if isinstance(data, torch.Tensor) else data  # a memoryview: no copy
-    atomic_write(path, lambda f: f.write(view))

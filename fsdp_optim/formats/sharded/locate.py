@@ -34,12 +34,15 @@ __all__ = [
 
 def checkpoint_dir(path: str | os.PathLike[str] | Location) -> Path | Location:
     """The directory of a sharded checkpoint given the directory or its manifest file; for a URL (or a store), the
-    :class:`~fsdp_optim.disk.storage.ObjectStore` of its prefix."""
+    :class:`~fsdp_optim.disk.storage.ObjectStore` of its prefix; a location given as one stays itself (its own
+    reads, such as the memory tier's prefetch from peers, are kept)."""
     place = where(path)
     local = place.local_path()
     if local is None:
         return _store_of(place)
-    return local.parent if local.is_file() else local
+    if local.is_file():
+        return local.parent
+    return place if isinstance(path, Location) else local
 
 
 def _store_of(place: Location) -> Location:
