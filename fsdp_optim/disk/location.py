@@ -2,9 +2,11 @@
 
 A backend is a directory-like place holding named objects: :class:`~fsdp_optim.disk.local_directory.LocalDirectory`
 (a local directory: rename and a lock), :class:`~fsdp_optim.disk.storage.ObjectStore` (a prefix of any fsspec
-filesystem: S3, GCS, ``memory://``...; a conditional put). Readers and writers above ``disk/`` take a
-``Location`` and call these methods; none asks which kind it is. A new backend (a local NVMe tier, a store with
-another commit rule) is one subclass, and one test file.
+filesystem: S3, GCS, ``memory://``...; a conditional put), :class:`~fsdp_optim.job.node_memory.NodeMemory` (the
+memory tier: a step in a node's tmpfs, committed by replicas and markers, its missing ranges received from peers;
+in ``job/``, as its commit and prefetch are collectives). Readers and writers above ``disk/`` take a ``Location`` and
+call these methods; none asks which kind it is. A new backend (a local NVMe tier, a store with another commit rule)
+is one subclass (a store's: of :class:`~fsdp_optim.disk.store_save.StoreSaving`), and one test parameter.
 
 Reading::
 

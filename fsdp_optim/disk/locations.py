@@ -19,16 +19,12 @@ from fsdp_optim.disk.storage import ObjectStore, is_url
 __all__ = ["downloaded", "open_store", "where"]
 
 
-def where(
-    path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None
-) -> LocalDirectory | ObjectStore:
+def where(path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None) -> Location:
     """The :class:`~fsdp_optim.disk.location.Location` a path names: a URL's :class:`ObjectStore`, a local path's
-    :class:`LocalDirectory`, a location as itself. The one place that tells them apart (typed as the union of the
-    backends so that a local one still passes where a path is taken)."""
-    if isinstance(path, (LocalDirectory, ObjectStore)):
-        return path
+    :class:`LocalDirectory`, a location (of any backend, one of the package's or the caller's) as itself. The one
+    place that tells a URL from a local path."""
     if isinstance(path, Location):
-        raise TypeError(f"{path!r}: a Location of a backend that where() does not know; add it there")
+        return path
     if is_url(path):
         return ObjectStore.open(str(path), storage_options)
     return LocalDirectory(path)
