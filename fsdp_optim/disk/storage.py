@@ -195,6 +195,11 @@ class ObjectStore(StoreSaving):
         with StorePrefetch(self, spans()) as ahead:
             yield ahead.by_file()
 
+    def download(self, name: str, local: Path, *, size: int) -> None:
+        """Copy object ``name`` into the local file ``local`` whole (one GET, retried as a whole)."""
+        fetch = lambda limit: self.fs.get_file(self.key(name), str(local), **limit)  # noqa: E731
+        self._retry(fetch, f"{self / name}: downloading it", nbytes=size)
+
     def size(self, name: str) -> int | None:
         """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""
 
