@@ -47,7 +47,7 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Claims
 from fsdp_optim.disk.store_policy import RetryPolicy
 
-__all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject"]
+__all__ = ["Begun", "CommitOutcomeUnknown", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject"]
 
 _DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
 
@@ -108,6 +108,13 @@ class Staging:
 
     path: Path
     durable: bool
+
+
+class CommitOutcomeUnknown(OSError):
+    """A commit whose put failed without an answer (its responses lost) and whose object could not be read back
+    after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not).
+    :meth:`Location.commit_manifest` of a backend that cannot always tell (a store) raises it; callers keep what
+    the save published when they see it."""
 
 
 class Location(ABC):
