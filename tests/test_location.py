@@ -138,3 +138,38 @@ def test_only_a_local_directory_has_a_local_path(tmp_path: Path) -> None:
     assert where(str(tmp_path / "ckpt" / "manifest.json")).local_path() == tmp_path / "ckpt" / "manifest.json"
     assert where("memory://location-test/remote").local_path() is None
     assert fsdp_optim.open_store("memory://location-test/remote").local_path() is None
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_an_object_fetched_whole_is_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
+    location = _location(kind, str(tmp_path))
+    data = bytes(range(256)) * 9
+    location.put("blob.pt", data)
+    with location.fetched_whole("blob.pt") as local:
+        assert local.name == "blob.pt" and local.read_bytes() == data, kind
+        copied = location.local_path() is None
+    assert local.is_file() != copied, f"{kind}: its own file stays, a copy goes after the block"
+    if kind == "local":
+        assert local == location / "blob.pt", "a local directory yields its own file, copying nothing"
+    into = tmp_path / "by-ranges.pt"
+    Location.download(location, "blob.pt", into, size=len(data))  # the default: ranged reads, for any backend
+    assert into.read_bytes() == data
+    with pytest.raises(FileNotFoundError, match="missing.pt: no such object"):
+        with location.fetched_whole("missing.pt"):
+            pass
+
+
+def test_a_url_of_one_object_is_downloaded_whole_or_refused_by_name() -> None:
+    from fsdp_optim.disk.locations import downloaded
+
+    store = fsdp_optim.open_store(f"memory://location-test/one-{uuid.uuid4().hex[:8]}")
+    store.put("full.pt", b"payload")
+    with downloaded(f"{store}/full.pt") as local:
+        assert local.read_bytes() == b"payload" and local.name == "full.pt"
+    assert not local.exists(), "the download is removed after the block"
+    with pytest.raises(FileNotFoundError, match=r"missing\.pt: no such object, and no manifest\.json under it"):
+        with downloaded(f"{store}/missing.pt"):
+            pass
+    with pytest.raises(FileNotFoundError, match="^mine$"):  # the block's own errors pass as they are
+        with downloaded(f"{store}/full.pt"):
+            raise FileNotFoundError("mine")

@@ -112,6 +112,22 @@ def _cut(rank: int, world_size: int, out: str, optimizer: str, nesting: str) -> 
     return True
 
 
+def test_which_files_a_live_model_takes_as_its_full_dict(trained) -> None:
+    """formats/kinds.full_file_source (what get_shard / scatter take by path): a full dict file or a named
+    safetensors file serve, each as the same source; any other kind is refused by its name."""
+    from fsdp_optim.formats.kinds import full_file_source
+
+    out, _ = trained
+    from_file = full_file_source(out / "adam.full.pt", None, optimizer=None)  # (the layout numbers native dicts only)
+    from_named = full_file_source(out / "adam.safetensors", None, optimizer=None)
+    assert [f.params for f in from_file.flats] == [f.params for f in from_named.flats] and from_named.optimizer == "Adam"
+    with pytest.raises(ValueError, match=r"adam\.ckpt: a sharded checkpoint, not a full dict; load a sharded checkpoint "
+                       "with load_sharded_optim_state"):
+        full_file_source(out / "adam.ckpt", None, optimizer=None)
+    with pytest.raises(FileNotFoundError, match="no such file or directory; expected a sharded checkpoint directory"):
+        full_file_source(out / "missing.pt", None, optimizer=None)
+
+
 @pytest.mark.parametrize("world_size, nesting", [(2, "deep"), (3, "shallow")])
 def test_get_shard_and_scatter_from_the_file_equal_the_dict(trained, world_size, nesting) -> None:
     out, _ = trained

@@ -219,3 +219,19 @@ def test_verify_knows_a_json_layout_file_and_refuses_a_lone_rank_file(files, tmp
     rank_file = manifest_rank_file(files / "ckpt", 0)
     with pytest.raises(ValueError, match="verify the checkpoint directory"):
         fsdp_optim.verify(rank_file)
+
+
+def test_every_kind_of_input_has_its_class_and_verdict(files, tmp_path) -> None:
+    """verify asks the input's class (offline/opened.class_of) how to check it: every kind has one, and a torch file
+    whose content is not read yet is checked as one."""
+    from fsdp_optim.formats.kinds import Kind
+    from fsdp_optim.offline.opened import CLASSES, Opened, class_of
+
+    assert set(CLASSES) == set(Kind) and class_of(None) is Opened
+    assert all(class_of(kind).__name__.startswith("Opened") for kind in Kind)
+    report = class_of(None).verify_files(files / "full.pt", ())
+    assert report.ok and report.kind == "file", report.lines()
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match="PyTorch DCP checkpoint, which records no checksums to verify"):
+        fsdp_optim.verify(tmp_path / "dcp")

@@ -13,7 +13,8 @@ import os
 import shutil
 import stat
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,13 @@ class LocalDirectory(Location):
                 at += len(data)
         finally:
             os.close(fd)
+
+    @contextmanager
+    def fetched_whole(self, name: str) -> Iterator[Path]:
+        """The object's own file: nothing copied, nothing removed after."""
+        if self.size(name) is None:
+            raise FileNotFoundError(f"{self / name}: no such object")
+        yield self.path / name
 
     def upload(self, local: Path, name: str) -> None:
         (self.path / name).parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ Reading::
     listing() / prefixes() / size(name)       what is there now (never cached)
     read_range(name, a, b) / read_into(...)   byte ranges (retried and bounded by ``policy`` where that means anything)
     read_all(name, limit=...)                 a small object whole (a manifest)
+    fetched_whole(name)                       an object whole as a local file, for the readers that take a file
+                                              (its own file, or a temporary copy: ``download(name, local)``)
     local_path()                              the local path whose files are mapped in place, or None (a store)
 
 Writing an object whole: ``upload(local, name)``, ``put(name, data)``; removing: ``delete(names)``.
@@ -34,9 +36,11 @@ A save, in this order (a job's ranks, or one process)::
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,9 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Claims
 from fsdp_optim.disk.store_policy import RetryPolicy
 
-__all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject"]
+__all__ = ["Begun", "CommitOutcomeUnknown", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject"]
+
+_DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,13 @@ class Staging:
 
     path: Path
     durable: bool
+
+
+class CommitOutcomeUnknown(OSError):
+    """A commit whose put failed without an answer (its responses lost) and whose object could not be read back
+    after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not).
+    :meth:`Location.commit_manifest` of a backend that cannot always tell (a store) raises it; callers keep what
+    the save published when they see it."""
 
 
 class Location(ABC):
@@ -188,6 +201,31 @@ class Location(ABC):
         if size > limit:
             raise ValueError(f"{self / name}: {size} bytes, above the bound for it ({limit})")
         return bytes(self.read_range(name, 0, size))
+
+    @contextmanager
+    def fetched_whole(self, name: str) -> Iterator[Path]:
+        """Object ``name`` whole as a local file, for the readers that take a file (a full dict, a named safetensors
+        file, a layout file): a temporary copy (:meth:`download`), checked for the object's size and removed after
+        the block. ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of another size."""
+        size = self.size(name)
+        if size is None:
+            raise FileNotFoundError(f"{self / name}: no such object")
+        scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
+        try:
+            local = scratch / name
+            self.download(name, local, size=size)
+            if local.stat().st_size != size:
+                raise OSError(f"{self / name}: downloaded {local.stat().st_size} of {size} bytes")
+            yield local
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def download(self, name: str, local: Path, *, size: int) -> None:
+        """Copy object ``name`` (``size`` bytes) into the new local file ``local`` (here: by ranged reads, a piece
+        at a time; a backend with a whole-object copy of its own uses that)."""
+        with open(local, "wb") as out:
+            for start in range(0, size, _DOWNLOAD_PIECE):
+                out.write(self.read_range(name, start, min(start + _DOWNLOAD_PIECE, size)))
 
     # -- removing ------------------------------------------------------------------------------------------
 

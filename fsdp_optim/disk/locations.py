@@ -5,10 +5,8 @@ whole, for the readers that take a local file)."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,24 +33,16 @@ def downloaded(url: str, storage_options: Mapping[str, Any] | None = None) -> It
     """The single object at ``url`` (a full dict file, a named safetensors file, a layout file...) fetched whole into
     a local temporary file of the same name, removed after the block: for the readers that take a file. A sharded
     checkpoint is never fetched this way (its readers fetch only the ranges they need)."""
-    text = url.rstrip("/")
-    parent, name = text.rsplit("/", 1)
-    store = ObjectStore.open(parent, storage_options)
-    size = store.size(name)
-    if size is None:
-        raise FileNotFoundError(
-            f"{text}: no such object, and no manifest.json under it (not a sharded checkpoint's prefix either)"
-        )
-    scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
-    try:
-        local = scratch / name
-        fetch = lambda limit: store.fs.get_file(store.key(name), str(local), **limit)  # noqa: E731
-        store._retry(fetch, f"{text}: downloading it", nbytes=size)
-        if local.stat().st_size != size:
-            raise OSError(f"{text}: downloaded {local.stat().st_size} of {size} bytes")
+    location = where(url, storage_options)
+    with ExitStack() as stack:
+        try:
+            local = stack.enter_context(location.parent().fetched_whole(location.name))
+        except FileNotFoundError:  # (only while fetching: the block's own errors pass as they are)
+            raise FileNotFoundError(
+                f"{url.rstrip('/')}: no such object, and no manifest.json under it (not a sharded checkpoint's "
+                "prefix either)"
+            ) from None
         yield local
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def open_store(url: str, *, deadline_s: float | None = None, **storage_options: Any) -> ObjectStore:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fsdp_optim.disk.location import Location, ObjectPath, StoredObject
+from fsdp_optim.disk.location import CommitOutcomeUnknown, Location, ObjectPath, StoredObject
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
 from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
@@ -58,11 +58,6 @@ class ConcurrentCommitError(FileExistsError):
 class StoreUnavailable(OSError):
     """A request that kept failing after its retries (5xx, SlowDown, reset connections, short bodies): the store did
     not answer, which says nothing about the checkpoint in it (a verification reports it, never as damage)."""
-
-
-class CommitOutcomeUnknown(OSError):
-    """A commit whose put failed without an answer (its responses lost) and whose object could not be read back
-    after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not)."""
 
 
 class ObjectStore(StoreSaving):
@@ -194,6 +189,11 @@ class ObjectStore(StoreSaving):
         the pieces by object name."""
         with StorePrefetch(self, spans()) as ahead:
             yield ahead.by_file()
+
+    def download(self, name: str, local: Path, *, size: int) -> None:
+        """Copy object ``name`` into the local file ``local`` whole (one GET, retried as a whole)."""
+        fetch = lambda limit: self.fs.get_file(self.key(name), str(local), **limit)  # noqa: E731
+        self._retry(fetch, f"{self / name}: downloading it", nbytes=size)
 
     def size(self, name: str) -> int | None:
         """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""

@@ -1,6 +1,7 @@
 """What kind of input a path or a dict is, decided in one function (:func:`detect`; :func:`path_kind` is its
 part that reads no file). The offline layer opens what it finds (``offline/sources.open_source``); ``verify``
-classifies a damaged checkpoint with :func:`path_kind`. (A job's ``load_sharded_optim_state`` only asks which way
+classifies a damaged checkpoint with :func:`path_kind`; which kinds a live model takes as a full dict is decided
+here too (:func:`full_file_source`). (A job's ``load_sharded_optim_state`` only asks which way
 to read a path, a directory on every rank or a file on ``src_rank`` alone, by its name: other ranks may not see
 that file, so no rank may open it to classify it.)
 """
@@ -14,17 +15,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.locations import where
-from fsdp_optim.formats.fairscale import is_fairscale_native, is_named_dict
+from fsdp_optim.formats.fairscale import dict_source, is_fairscale_native, is_named_dict
 from fsdp_optim.formats.fairseq.paths import is_shard_set
-from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
-from fsdp_optim.formats.sharded.manifest import HEADER_KEY
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
+from fsdp_optim.formats.sharded.manifest import HEADER_KEY, MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind
 from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 
-__all__ = ["RANK_FILE_NAME", "Kind", "detect", "names_shard_set", "path_kind", "sniff_kind"]
+__all__ = ["RANK_FILE_NAME", "Kind", "detect", "full_file_source", "names_shard_set", "path_kind", "sniff_kind"]
 
 
 class Kind(enum.Enum):
@@ -69,6 +72,26 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
         return Kind.NAMED_DICT, obj
     check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
     return Kind.FULL, obj
+
+
+def full_file_source(path: str | os.PathLike[str], layout: ModelLayout, *, optimizer: str | None) -> Source:
+    """The planning source of a file handed to a live model as its full dict: a file holding one (memory-mapped;
+    fairscale's own gathered dict numbered by ``layout``, its class named by ``optimizer``), or a named safetensors
+    file (read range by range, each range checked as it is read). Any other kind is refused, naming it."""
+    if not os.path.lexists(path):
+        raise FileNotFoundError(
+            f"{path}: no such file or directory; expected a sharded checkpoint directory (holding {MANIFEST_NAME}), "
+            "a full dict file or a named safetensors file"
+        )
+    kind, obj = detect(path)
+    if kind is Kind.NAMED:
+        return NamedSafetensors(path).source()
+    if kind not in (Kind.FULL, Kind.NATIVE):
+        raise ValueError(
+            f"{path}: a {kind.value}, not a full dict; load a sharded checkpoint with load_sharded_optim_state, or "
+            "write a full dict first (fsdp-optim consolidate / convert)"
+        )
+    return dict_source(obj, layout, label=str(path), optimizer=optimizer)
 
 
 def names_shard_set(given: Any) -> bool:

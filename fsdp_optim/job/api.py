@@ -21,9 +21,7 @@ from fsdp_optim.core.plan import Source, cut_rank, optimizer_state_dict, plan
 from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.formats.fairscale import dict_source
 from fsdp_optim.formats.fullstate import build_full_state
-from fsdp_optim.formats.kinds import Kind, detect
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
+from fsdp_optim.formats.kinds import full_file_source
 from fsdp_optim.job.local import (
     LocalState,
     check_agreement,
@@ -170,20 +168,7 @@ def full_source(
     or a named safetensors file (read range by range, each range checked as it is read)."""
     if not isinstance(full, (str, os.PathLike)):  # a dict, or what dict_source refuses by name
         return dict_source(full, layout, label="the full dict", optimizer=optimizer)
-    if not os.path.lexists(full):
-        raise FileNotFoundError(
-            f"{full}: no such file or directory; expected a sharded checkpoint directory (holding {MANIFEST_NAME}), "
-            "a full dict file or a named safetensors file"
-        )
-    kind, obj = detect(full)  # the one decision of what an input is (formats/kinds.py)
-    if kind is Kind.NAMED:
-        return NamedSafetensors(full).source()
-    if kind not in (Kind.FULL, Kind.NATIVE):
-        raise ValueError(
-            f"{full}: a {kind.value}, not a full dict; load a sharded checkpoint with load_sharded_optim_state, or "
-            "write a full dict first (fsdp-optim consolidate / convert)"
-        )
-    return dict_source(obj, layout, label=str(full), optimizer=optimizer)
+    return full_file_source(full, layout, optimizer=optimizer)  # which kinds serve: formats/kinds.py decides
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ Every opened input answers the same questions::
     opened.trim()                   drop file mappings touched so far
     opened.describe(path, units=)   inspect's lines
     opened.report(path, lines)      the same as one JSON object (:mod:`fsdp_optim.offline.report`)
+    class_of(kind).verify_files(path, allow_globals)   ``verify``'s check of every file of an input of that kind,
+                                    which may be damaged: by its names and first bytes, never opened
+                                    (:mod:`fsdp_optim.offline.verdicts`)
 
 and keeps the handle its kind has (``checkpoint``, ``manifest``, ``shards``, ``named``, ``whole_file``, ``full``,
 ``raw``; ``None`` for the others) for the verbs that work on that kind's own reader.
@@ -18,18 +21,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source
+from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.formats.fairseq import shards as fairseq_shards
 from fsdp_optim.formats.kinds import Kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.verification import verify_sharded
 from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
+from fsdp_optim.offline import verdicts as V
 
 __all__ = [
     "Opened",
@@ -43,6 +50,7 @@ __all__ = [
     "OpenedRankFile",
     "OpenedShardSet",
     "OpenedWholeFile",
+    "class_of",
 ]
 
 
@@ -71,6 +79,12 @@ class Opened:
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         """:meth:`describe` as one JSON object (:mod:`fsdp_optim.offline.report`); here: the members every kind has."""
         return R.base(path, self.kind, lines)
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003 - shard sets'
+        """``verify``'s verdict on every file of the input of this kind at ``path`` (never opened: it may be
+        damaged); here: a torch file's (a full dict, a fairscale-native dict, consolidate's whole file...)."""
+        return V.torch_file(Path(path))
 
     def converted(self) -> Mapping[str, Any] | None:
         """The full dict this input was converted into when opened (a fairscale-native dict: consolidating it gives
@@ -107,6 +121,10 @@ class OpenedCheckpoint(Opened):
             out["model"] = R.model_of_checkpoint(self.checkpoint)
         return out
 
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return verify_sharded(path)
+
 
 class OpenedLayout(Opened):
     """A layout file (``save_layout``): a manifest without rank files."""
@@ -121,6 +139,10 @@ class OpenedLayout(Opened):
     def why_not_consolidated(self) -> str:
         return f"{self.label}: a layout file lists no rank files: it holds no optimizer state to consolidate"
 
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.layout_file(Path(path))
+
 
 class OpenedRankFile(Opened):
     """One rank file of a sharded checkpoint (read only through its manifest; inspect says what it holds)."""
@@ -130,6 +152,10 @@ class OpenedRankFile(Opened):
 
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         return R.of_rank_file(R.base(path, self.kind, lines), lines, self.raw)
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.refuse_rank_file(Path(path))
 
 
 class OpenedFull(Opened):
@@ -192,6 +218,10 @@ class OpenedDcp(Opened):
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         return R.of_dcp(R.base(path, self.kind, lines), lines)
 
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.refuse_dcp(path)
+
 
 class OpenedNamed(Opened):
     """A named safetensors file (``to_safetensors``: ``<param name>/<state key>`` tensors)."""
@@ -201,6 +231,10 @@ class OpenedNamed(Opened):
 
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         return R.of_named(R.base(path, self.kind, lines), self.named)
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.named_file(Path(path))
 
 
 class OpenedShardSet(Opened):
@@ -212,6 +246,10 @@ class OpenedShardSet(Opened):
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         return R.of_manifest(R.base(path, self.kind, lines), self.manifest)
 
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:
+        return V.shard_set(Path(path), allow_globals)
+
 
 class OpenedWholeFile(Opened):
     """consolidate's file of a whole checkpoint (``{"model", "optimizer", "extra"}``)."""
@@ -221,6 +259,20 @@ class OpenedWholeFile(Opened):
 
     def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
         return R.of_whole_file(R.base(path, self.kind, lines), self.whole_file)
+
+
+# The class of each kind of input: the one place a kind picks its class.
+CLASSES: dict[Kind, type[Opened]] = {
+    Kind.SHARDED: OpenedCheckpoint, Kind.LAYOUT: OpenedLayout, Kind.RANK_FILE: OpenedRankFile, Kind.FULL: OpenedFull,
+    Kind.NATIVE: OpenedNative, Kind.SHARD_SET: OpenedShardSet, Kind.NAMED: OpenedNamed,
+    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile,
+}  # fmt: skip
+
+
+def class_of(kind: Kind | None) -> type[Opened]:
+    """The class of inputs of ``kind``; ``None`` (a torch file not loaded yet, whatever it holds): :class:`Opened`,
+    whose class methods treat it as the torch file it is."""
+    return Opened if kind is None else CLASSES[kind]
 
 
 def _manifest(opened: Opened) -> Manifest:

@@ -25,9 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from fsdp_optim.disk.location import Begun, Location
+from fsdp_optim.disk.location import Begun, CommitOutcomeUnknown, Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import CommitOutcomeUnknown
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
@@ -79,7 +78,7 @@ def checkpoint_output(
     scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
     uploads = Uploads(target, overwrite=overwrite, links=scratch / ".uploading")
     try:
-        local = scratch / url.rsplit("/", 1)[-1]
+        local = scratch / target.name
         try:
             yield local, uploads.file_done
         except BaseException:

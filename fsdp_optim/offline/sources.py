@@ -50,19 +50,7 @@ from fsdp_optim.formats.sharded.reader import (
 from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.fairseq import ShardSet
 from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
-from fsdp_optim.offline.opened import (
-    Opened,
-    OpenedCheckpoint,
-    OpenedDcp,
-    OpenedFull,
-    OpenedLayout,
-    OpenedNamed,
-    OpenedNamedDict,
-    OpenedNative,
-    OpenedRankFile,
-    OpenedShardSet,
-    OpenedWholeFile,
-)
+from fsdp_optim.offline.opened import Opened, class_of
 
 __all__ = ["Kind", "Opened", "detect", "fetched_whole", "open_source"]
 
@@ -86,17 +74,9 @@ _WRITTEN_ONLY = {  # what our own writers make for other tools to load: inspect 
 NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
 
 
-# The class of each kind of input (offline/opened.py): the one place a kind picks its class.
-_CLASSES: dict[Kind, type[Opened]] = {
-    Kind.SHARDED: OpenedCheckpoint, Kind.LAYOUT: OpenedLayout, Kind.RANK_FILE: OpenedRankFile, Kind.FULL: OpenedFull,
-    Kind.NATIVE: OpenedNative, Kind.SHARD_SET: OpenedShardSet, Kind.NAMED: OpenedNamed,
-    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile,
-}  # fmt: skip
-
-
 def _opened(kind: Kind, label: str, *args: Any, **fields: Any) -> Opened:
     """The opened input of ``kind``: its class, with the fields it has."""
-    return _CLASSES[kind](kind, label, *args, **fields)
+    return class_of(kind)(kind, label, *args, **fields)
 
 
 def check_options(

@@ -15,8 +15,9 @@
   file): its zip records' CRC-32 and the reading gate of :mod:`fsdp_optim.disk.untrusted`.
 
 The kind of a file comes from :func:`fsdp_optim.formats.kinds.sniff_kind` (names and first bytes), as
-:func:`~fsdp_optim.formats.kinds.detect` decides it. A safetensors rank file alone is refused (``ValueError``):
-it is checked against its checkpoint's manifest, so verify the checkpoint directory.
+:func:`~fsdp_optim.formats.kinds.detect` decides it; its class in :mod:`fsdp_optim.offline.opened` checks it
+(``verify_files``, with the checks of :mod:`fsdp_optim.offline.verdicts`). A safetensors rank file alone is
+refused (``ValueError``): it is checked against its checkpoint's manifest, so verify the checkpoint directory.
 
 A damaged file is reported, not raised: :attr:`Verification.ok` is false and the file's
 :class:`FileCheck` says what is wrong (missing, ``truncated: 3000 of 6985 bytes``, a checksum). A path that
@@ -28,21 +29,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import partial
-from pathlib import Path
 
-from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
-from fsdp_optim.formats.fairseq.files import summarise
-from fsdp_optim.formats.fairseq.loading import load_shard
-from fsdp_optim.formats.fairseq.paths import shard_paths
-from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
-from fsdp_optim.formats.sharded.reader import read_manifest
-from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
-from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
+from fsdp_optim.disk.file_check import FileCheck, Verification
+from fsdp_optim.formats.kinds import path_kind, sniff_kind
+from fsdp_optim.formats.sharded.verification import present_and_sized
 from fsdp_optim.offline.deep import Finding, deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
+from fsdp_optim.offline.opened import class_of
 from fsdp_optim.offline.sources import fetched_whole
 
 __all__ = ["FileCheck", "Finding", "Verification", "present_and_sized", "verify"]
@@ -71,69 +64,5 @@ def verify(
 
 
 def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
-    kind = path_kind(path)
-    if kind is Kind.SHARD_SET:
-        return _verify_shards(Path(path), allow_globals)
-    if kind is Kind.SHARDED:
-        return verify_sharded(path)
-    if kind is Kind.DCP:
-        raise ValueError(
-            f"{path}: a {kind.value}, which records no checksums to verify; fsdp-optim inspect {path} reads its "
-            "metadata, and torch.distributed.checkpoint.load reads its data"
-        )
-    file = Path(path)
-    kind = sniff_kind(file)
-    if kind is Kind.RANK_FILE:
-        raise ValueError(
-            f"{file}: a rank file of a sharded checkpoint is checked against its manifest; verify the checkpoint "
-            f"directory ({file.parent}) instead"
-        )
-    if kind is Kind.NAMED:
-        return Verification(file, kind.value, (check_file(file, _read_named, zipped=False),))
-    if kind is Kind.LAYOUT:
-        return Verification(file, kind.value, (check_file(file, _read_layout, zipped=False),))
-    found: list[str] = []
-    check = check_file(file, partial(_read_torch, found=found))
-    return Verification(file, found[0] if found else "file", (check,))
-
-
-def _read_torch(path: Path, *, found: list[str]) -> str:
-    """A torch file through the reading gate (a tied parameter of consolidate's whole file read once); what it
-    holds goes to ``found`` (consolidate's file of a whole checkpoint, or a file)."""
-    obj = load_file(path, mmap=True, tied=TIED_KEY)
-    found.append(Kind.WHOLE_FILE.value if is_whole_file(obj) else "file")
-    return ""
-
-
-
-def _read_named(path: Path) -> str:
-    """A named safetensors file's header and document, then every checksum it records."""
-    with NamedSafetensors(path) as named:
-        count = named.check_every_checksum()
-    return f", {count} tensors, checksums match"
-
-
-def _read_layout(path: Path) -> str:
-    """A layout file's manifest checks (its own checksum, its records)."""
-    manifest = read_manifest(path)
-    return f", layout of {len(manifest.param_order)} params, checksum matches"
-
-
-def _verify_shards(path: Path, allow_globals: tuple[str, ...]) -> Verification:
-    from fsdp_optim.formats.fairseq.checks import check_same_save
-
-    prefix, paths = shard_paths(path)  # a missing rank in the middle raises, naming the file
-    summaries = []
-
-    def read(p: Path) -> str:
-        summaries.append(summarise(load_shard(p, allow_globals=allow_globals), p))
-        return ", optimizer state and FSDP metadata read"
-
-    checks = tuple(check_file(p, read) for p in paths)
-    problems: tuple[str, ...] = ()
-    if all(c.ok for c in checks):
-        try:
-            check_same_save(summaries)
-        except ValueError as exc:
-            problems = (str(exc),)
-    return Verification(prefix, "fairseq/metaseq shard set", checks, problems)
+    """Every file of ``path``, checked as its kind checks them (by names and first bytes: it may be damaged)."""
+    return class_of(path_kind(path) or sniff_kind(path)).verify_files(path, allow_globals)

@@ -116,35 +116,41 @@ class MappedFile:
         Memory of one shard each, as an optimizer holds it: freed and reused shard by shard, not all at once."""
         dtype, base = self._dtype(g.tensor, where)
         check_tiling(g, parts, where)
-        out = [self._pread(base + offset * dtype.itemsize, numel, dtype, where) for offset, numel in parts]
+        out = self._read_tiled(g, parts, dtype, base, where)
         per = chunk_elements(dtype, chunk_bytes)
         check_grid(stream_chunk_digests(out, per, g.end - g.origin), g, per, where, holds)
         return out
 
+    def _read_tiled(
+        self, g: Grid, parts: list[tuple[int, int]], dtype: torch.dtype, base: int, where: str  # noqa: ARG002 - RemoteFile reads by g
+    ) -> list[torch.Tensor]:
+        """:meth:`read_parts`' reading, not verified yet: ``parts`` (tiling ``g``'s elements; ``base``: where its
+        tensor's bytes start) each in new memory of its own; here one pread each."""
+        return [self._pread(base + offset * dtype.itemsize, numel, dtype, where) for offset, numel in parts]
+
     def _pread(
         self, start: int, count: int, dtype: torch.dtype, where: str, out: torch.Tensor | None = None
     ) -> torch.Tensor:
+        check_buffer(out, start, count, dtype, where)
         if out is None:
             out = torch.empty(count, dtype=dtype)
-        if not out.is_contiguous() or out.numel() != count or out.dtype != dtype:
-            raise ValueError(
-                f"{where}: bytes {start}.. hold {count} {dtype} elements, but the buffer for them has {out.numel()} "
-                f"{out.dtype} elements{'' if out.is_contiguous() else ', not contiguous'} (a manifest and rank file "
-                "that disagree)"
-            )
         if count:
-            fd, _ = open_regular(self.path, follow_symlinks=False)
-            try:
-                raw, at = out.view(torch.uint8).numpy(), 0
-                while at < raw.nbytes:
-                    got = os.preadv(fd, [raw[at:]], start + at)  # type: ignore[list-item]
-                    if got <= 0:
-                        raise ValueError(f"{where}: the file ended early (it changed while being read)")
-                    at += got
-            finally:
-                os.close(fd)
+            self._fill(out.view(torch.uint8), start, where)
         self.bytes_verified += count * dtype.itemsize
         return out
+
+    def _fill(self, raw: torch.Tensor, start: int, where: str) -> None:
+        """Copy the file's bytes from ``start`` on into ``raw`` (bytes, contiguous); here by ``preadv``."""
+        fd, _ = open_regular(self.path, follow_symlinks=False)
+        try:
+            into, at = raw.numpy(), 0
+            while at < into.nbytes:
+                got = os.preadv(fd, [into[at:]], start + at)  # type: ignore[list-item]
+                if got <= 0:
+                    raise ValueError(f"{where}: the file ended early (it changed while being read)")
+                at += got
+        finally:
+            os.close(fd)
 
     def drop_pages(self) -> None:
         """Release the pages touched so far (and forget what was verified: they will be read again)."""
@@ -155,6 +161,17 @@ class MappedFile:
     def close(self) -> None:
         self._verified.clear()
         self._map = None  # unmapped once no view of it is left
+
+
+def check_buffer(out: torch.Tensor | None, start: int, count: int, dtype: torch.dtype, where: str) -> None:
+    """Refuse a buffer ``out`` given for the ``count`` ``dtype`` elements at byte ``start`` that cannot take them
+    (its size, its dtype, not contiguous); ``None`` (new memory) passes."""
+    if out is not None and (not out.is_contiguous() or out.numel() != count or out.dtype != dtype):
+        raise ValueError(
+            f"{where}: bytes {start}.. hold {count} {dtype} elements, but the buffer for them has {out.numel()} "
+            f"{out.dtype} elements{'' if out.is_contiguous() else ', not contiguous'} (a manifest and rank file "
+            "that disagree)"
+        )
 
 
 def check_tiling(g: Grid, parts: list[tuple[int, int]], where: str) -> None:

@@ -132,17 +132,8 @@ class ReceivedFile(MappedFile):
             return torch.empty(0, dtype=dtype)
         return self._bytes(base + offset * dtype.itemsize, count * dtype.itemsize).view(dtype)
 
-    def _pread(
-        self, start: int, count: int, dtype: torch.dtype, where: str, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if out is None:
-            out = torch.empty(count, dtype=dtype)
-        if not out.is_contiguous() or out.numel() != count or out.dtype != dtype:
-            return super()._pread(start, count, dtype, where, out)  # refuses the buffer, saying why
-        if count:
-            out.view(torch.uint8).copy_(self._bytes(start, count * dtype.itemsize))
-        self.bytes_verified += count * dtype.itemsize
-        return out
+    def _fill(self, raw: torch.Tensor, start: int, where: str) -> None:  # noqa: ARG002 - MappedFile's arguments
+        raw.copy_(self._bytes(start, raw.numel()))
 
     def drop_pages(self) -> None:
         self._verified.clear()  # nothing mapped: the pieces stay, and are verified again when read again

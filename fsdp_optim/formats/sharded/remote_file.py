@@ -8,13 +8,10 @@ from another world size fetches what it uses plus at most one chunk (64 KiB) on 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from fsdp_optim.core.checksums import stream_chunk_digests
 from fsdp_optim.disk.location import Location
-from fsdp_optim.formats.sharded.mapped import MappedFile, check_grid, check_tiling
+from fsdp_optim.formats.sharded.mapped import MappedFile, check_buffer
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
 
@@ -62,33 +59,23 @@ class RemoteFile(MappedFile):
             self._kept = ((g.tensor, g.origin, last - 1), chunks[tail - lo :].clone())
         return chunks[p.offset + start - lo : p.offset + stop - lo]
 
-    def read_parts(
-        self,
-        g: Grid,
-        parts: list[tuple[int, int]],
-        chunk_bytes: int,
-        where: str,
-        holds: Callable[[int, int], str] | None = None,
+    def _read_tiled(
+        self, g: Grid, parts: list[tuple[int, int]], dtype: torch.dtype, base: int, where: str  # noqa: ARG002 - MappedFile's arguments
     ) -> list[torch.Tensor]:
-        """:meth:`MappedFile.read_parts` with the whole tensor fetched at once (large ranges in concurrent pieces),
-        each piece copied straight into the parts it covers (each part memory of its own), then verified in one pass."""
-        check_tiling(g, parts, where)
-        dtype, base = self._dtype(g.tensor, where)
+        """The whole tensor fetched at once (large ranges in concurrent pieces), each piece copied straight into
+        the parts it covers (each part memory of its own)."""
         out = [torch.empty(n, dtype=dtype) for _, n in parts]
         buffers = [t.view(torch.uint8).numpy().data for t in out if t.numel()]
         self.store.read_into(self.name, base + g.origin * dtype.itemsize, buffers)
         nbytes = (g.end - g.origin) * dtype.itemsize
         self.bytes_fetched += nbytes
         self.bytes_verified += nbytes
-        per = chunk_elements(dtype, chunk_bytes)
-        check_grid(stream_chunk_digests(out, per, g.end - g.origin), g, per, where, holds)
         return out
 
     def _pread(
         self, start: int, count: int, dtype: torch.dtype, where: str, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if out is not None and (not out.is_contiguous() or out.numel() != count or out.dtype != dtype):
-            return super()._pread(start, count, dtype, where, out)  # refuses the buffer, saying why
+        check_buffer(out, start, count, dtype, where)
         data = self._fetch(start, count, dtype)
         self.bytes_verified += count * dtype.itemsize
         if out is None:

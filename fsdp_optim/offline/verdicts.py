@@ -1,0 +1,96 @@
+"""``verify``'s checks of one kind of input, file by file (the classes of :mod:`fsdp_optim.offline.opened` pick
+theirs: :meth:`~fsdp_optim.offline.opened.Opened.verify_files`). Each reads what it checks once and reports,
+never raises, what is damaged (:class:`~fsdp_optim.disk.file_check.FileCheck`); an input that ``verify`` cannot
+check on its own (a DCP directory, one rank file) is refused with ``ValueError`` saying what to do instead.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.disk.file_check import Verification, check_file
+from fsdp_optim.formats.fairseq.files import summarise
+from fsdp_optim.formats.fairseq.loading import load_shard
+from fsdp_optim.formats.fairseq.paths import shard_paths
+from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
+
+__all__ = ["layout_file", "named_file", "refuse_dcp", "refuse_rank_file", "shard_set", "torch_file"]
+
+
+def torch_file(file: Path) -> Verification:
+    """Any other file (a full dict, a fairscale-native dict, consolidate's whole file, a format-1 layout file): its
+    zip records' CRC-32 and the reading gate of :mod:`fsdp_optim.disk.untrusted`."""
+    found: list[str] = []
+    check = check_file(file, partial(_read_torch, found=found))
+    return Verification(file, found[0] if found else "file", (check,))
+
+
+def named_file(file: Path) -> Verification:
+    """A named safetensors file: its header and document, then every checksum it records."""
+    return Verification(file, Kind.NAMED.value, (check_file(file, _read_named, zipped=False),))
+
+
+def layout_file(file: Path) -> Verification:
+    """A layout file (JSON): its manifest checks (its own checksum, its records)."""
+    return Verification(file, Kind.LAYOUT.value, (check_file(file, _read_layout, zipped=False),))
+
+
+def refuse_dcp(path: object) -> Verification:
+    """A DCP directory records no checksums: refused, naming what reads it."""
+    raise ValueError(
+        f"{path}: a {Kind.DCP.value}, which records no checksums to verify; fsdp-optim inspect {path} reads its "
+        "metadata, and torch.distributed.checkpoint.load reads its data"
+    )
+
+
+def refuse_rank_file(file: Path) -> Verification:
+    """One rank file is checked against its manifest: refused, naming the directory to verify."""
+    raise ValueError(
+        f"{file}: a rank file of a sharded checkpoint is checked against its manifest; verify the checkpoint "
+        f"directory ({file.parent}) instead"
+    )
+
+
+def shard_set(path: Path, allow_globals: tuple[str, ...]) -> Verification:
+    """A fairseq/metaseq shard set: every rank's file present and readable, and the set one save of one model."""
+    from fsdp_optim.formats.fairseq.checks import check_same_save
+
+    prefix, paths = shard_paths(path)  # a missing rank in the middle raises, naming the file
+    summaries = []
+
+    def read(p: Path) -> str:
+        summaries.append(summarise(load_shard(p, allow_globals=allow_globals), p))
+        return ", optimizer state and FSDP metadata read"
+
+    checks = tuple(check_file(p, read) for p in paths)
+    problems: tuple[str, ...] = ()
+    if all(c.ok for c in checks):
+        try:
+            check_same_save(summaries)
+        except ValueError as exc:
+            problems = (str(exc),)
+    return Verification(prefix, "fairseq/metaseq shard set", checks, problems)
+
+
+def _read_torch(path: Path, *, found: list[str]) -> str:
+    """A torch file through the reading gate (a tied parameter of consolidate's whole file read once); what it
+    holds goes to ``found`` (consolidate's file of a whole checkpoint, or a file)."""
+    obj = load_file(path, mmap=True, tied=TIED_KEY)
+    found.append(Kind.WHOLE_FILE.value if is_whole_file(obj) else "file")
+    return ""
+
+
+def _read_named(path: Path) -> str:
+    with NamedSafetensors(path) as named:
+        count = named.check_every_checksum()
+    return f", {count} tensors, checksums match"
+
+
+def _read_layout(path: Path) -> str:
+    manifest = read_manifest(path)
+    return f", layout of {len(manifest.param_order)} params, checksum matches"
