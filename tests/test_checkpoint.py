@@ -288,7 +288,7 @@ def test_resume_at_another_world_size_three_ways(saved, tmp_path) -> None:
             assert_full_matches_plain(final, plain.state_dict(), skip=_skip_unused, rel=REL)
 
 
-PURE = ["formats/sharded/manifest.py", "formats/sharded/reader.py", "formats/sharded/writer.py", "core/plan.py", "offline/operations.py", "formats/fairscale.py", "cli/__init__.py", "cli/parser.py", "cli/inspect.py", "cli/verbs.py", "formats/sharded/rank_file.py", "formats/sharded/manifest_json.py"]
+PURE = ["formats/sharded/manifest.py", "formats/sharded/reader.py", "formats/sharded/writer.py", "core/plan.py", "offline/operations.py", "offline/cuts.py", "formats/fairscale.py", "cli/__init__.py", "cli/parser.py", "cli/inspect.py", "cli/verbs.py", "formats/sharded/rank_file.py", "formats/sharded/manifest_json.py"]
 
 
 @pytest.mark.parametrize("module", PURE)

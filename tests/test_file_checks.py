@@ -28,10 +28,7 @@ INVARIANTS = {
     "formats/named_safetensors/writer.py": 2,  # the header we built, the scalars we collected
     "formats/fairseq/shards.py": 1,  # a weights plan we restricted to one entry
     "formats/sharded/steps.py": 1,  # remove_step is called on a directory our own survey found to be ours
-    # A whole checkpoint is an opened sharded checkpoint with a training section (is_whole() checked it before):
-    "offline/export.py": 1,
-    "offline/named.py": 1,
-    "offline/operations.py": 2,
+    # A whole checkpoint's training section, which weights_source() and is_whole() checked before:
     "offline/whole.py": 2,
 }
 

@@ -17,7 +17,7 @@ from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
-from fsdp_optim.offline import operations
+from fsdp_optim.offline import cuts
 
 
 def _layout(world_size: int) -> ModelLayout:
@@ -72,9 +72,9 @@ def test_block_recut_writes_what_the_unit_by_unit_path_writes(
     full = _source(tmp_path, source_size)
     used = _count(monkeypatch, "recut_groups")
     for world_size in (1, 2, 3, 5, 8, 13):
-        monkeypatch.setattr(operations, "BLOCK_BYTES", 256 << 20)
+        monkeypatch.setattr(cuts, "BLOCK_BYTES", 256 << 20)
         reshard(tmp_path / "src", world_size, tmp_path / f"blocks{world_size}")
-        monkeypatch.setattr(operations, "BLOCK_BYTES", 0)  # no group fits: unit by unit
+        monkeypatch.setattr(cuts, "BLOCK_BYTES", 0)  # no group fits: unit by unit
         reshard(tmp_path / "src", world_size, tmp_path / f"units{world_size}")
         blocks, units = _tensors(tmp_path / f"blocks{world_size}"), _tensors(tmp_path / f"units{world_size}")
         assert len(blocks) == world_size and all(a.keys() == b.keys() for a, b in zip(blocks, units))
@@ -93,7 +93,7 @@ def test_small_groups_split_the_output_ranks(tmp_path: Path, monkeypatch: pytest
         blocks = recut.Recut.of(ckpt, target)
         per_rank = blocks.rank_bytes(blocks.target_sizes)
         assert recut.group_size(blocks, ckpt.layout[1], 10 * per_rank) in (1, 2, 4)
-    monkeypatch.setattr(operations, "BLOCK_BYTES", 10 * per_rank)  # a few output ranks per group
+    monkeypatch.setattr(cuts, "BLOCK_BYTES", 10 * per_rank)  # a few output ranks per group
     reshard(tmp_path / "src", 5, tmp_path / "out")
     assert_identical(consolidate(tmp_path / "out")["state"], full["state"], "groups of output ranks")
 
@@ -105,7 +105,7 @@ def test_consolidate_by_whole_rank_files_equals_unit_by_unit(
     full = _source(tmp_path, source_size)
     used = _count(monkeypatch, "full_flats")
     blocks = consolidate(tmp_path / "src")
-    monkeypatch.setattr(operations, "BLOCK_BYTES", 0)
+    monkeypatch.setattr(cuts, "BLOCK_BYTES", 0)
     units = consolidate(tmp_path / "src")
     assert_identical(blocks, units, "blocks vs units")
     assert_identical(blocks["state"], full["state"], "blocks vs the full dict")

@@ -138,12 +138,12 @@ def _save_from(
 
 def test_reshard_whole_keeps_weights_buffers_and_extra(saved, tmp_path, monkeypatch) -> None:
     from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-    from fsdp_optim.offline import operations
+    from fsdp_optim.offline import cuts
 
     path, _ = saved
     blocks = tmp_path / "w3_blocks"
     fsdp_optim.reshard(path, 3, blocks)
-    monkeypatch.setattr(operations, "BLOCK_BYTES", 0)  # not even one output rank fits: unit by unit
+    monkeypatch.setattr(cuts, "BLOCK_BYTES", 0)  # not even one output rank fits: unit by unit
     units = tmp_path / "w3_units"
     assert main(["reshard", str(path), "--world-size", "3", "-o", str(units)]) == 0
     with ShardedCheckpoint(blocks) as a, ShardedCheckpoint(units) as b:

@@ -33,7 +33,7 @@ def deep_findings(
     shard_set = names_shard_set(path)
     with open_source(path, allow_globals=allow_globals if shard_set else ()) as opened:
         view = PerParameter.of(opened)
-        found = [*_settings(view), *_state(view), *_side(SideState.of(opened))]
+        found = [*_settings(view), *_state(view), *_side(opened.side_state())]
         if model is not None:
             shapes = {spec.name: spec.shape for flat in model.flat_params for spec in flat.params}
             found += _against_layout(view, shapes)

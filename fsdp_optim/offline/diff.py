@@ -89,7 +89,7 @@ def diff(
             )
         va, vb = (PerParameter.of(o) for o in opened)  # a whole checkpoint's weights: one more key, "@param"
         rows = tuple(_rows(va, vb, float(atol), float(rtol)))
-        rows += tuple(_side_rows(SideState.of(opened[0]), SideState.of(opened[1]), float(atol), float(rtol)))
+        rows += tuple(_side_rows(opened[0].side_state(), opened[1].side_state(), float(atol), float(rtol)))
         settings = tuple(_settings(va, vb))
     summary = summarise(rows, settings, len(va.names), len(vb.names))
     return DiffReport(va.label, vb.label, va.kind, vb.kind, float(atol), float(rtol), rows, settings, summary)

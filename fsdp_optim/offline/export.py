@@ -12,23 +12,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.plan import Source
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import staged_output
 from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, placeholder, write_dcp
-from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder
 from fsdp_optim.offline.publish import output_for
 from fsdp_optim.offline.sources import Opened, open_source
-from fsdp_optim.offline.whole import is_whole, whole_model
 
 
 @dataclass(frozen=True)
@@ -108,16 +104,15 @@ def export_opened(
     """:func:`to_dcp` of a source already opened by :func:`~fsdp_optim.offline.sources.open_source`."""
     out = Path(out_dir)
     _check_empty(out)
-    export = _export(opened)
-    whole = is_whole(opened.checkpoint)
+    export = opened.dcp_parts()
+    whole = opened.is_whole()
     optim_key = optim_key or ("optimizer" if whole else "optim")
     producers: dict[int, Callable[[], torch.Tensor]] = {}
     optim = optim_dict(export.source, export.order, producers, export.trim, progress)
     state: dict[str, Any] = {}
     model = None
     if whole:  # the unwrapped model's state_dict, each parameter made when the writer asks for it
-        assert opened.checkpoint is not None, "a whole checkpoint is a sharded checkpoint"
-        weights = whole_model(opened.checkpoint, progress=progress)
+        weights = opened.whole_model(progress=progress)
         model = weights.entries(lambda p: placeholder(p.shape, p.dtype, p.make, producers))
         state[model_key] = model
         export = replace(export, not_exported=("extra (per rank: fsdp_optim.consolidate(path, rank=r) gives it)",))
@@ -135,37 +130,3 @@ def export_opened(
         stage.last = (METADATA,)
         write_dcp(state, producers, stage.dir)
     return DcpExport(out, len(model or {}), len(optim["state"]), tuple(export.extras), export.not_exported)
-
-
-@dataclass
-class _Export:
-    """What DCP export needs of an opened source: the optimizer state, and a shard set's weights and extras."""
-
-    source: Source
-    order: Sequence[str]
-    trim: Callable[[], None]
-    weights: Source | None = None
-    aliases: Mapping[str, str] = field(default_factory=dict)
-    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    extras: Mapping[str, Any] = field(default_factory=dict)
-    not_exported: tuple[str, ...] = ()
-
-
-def _export(opened: Opened) -> _Export:
-    if opened.source is None:
-        raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to export")
-    shards = opened.shards
-    if shards is None:
-        return _Export(opened.source, opened.order, opened.trim)
-    rank0 = shards.rank0()
-    aliases = {**shards.aliases, **{alias: shards.full_name(key) for alias, key in shards.model_aliases.items()}}
-    return _Export(
-        source=opened.source,
-        order=opened.order,
-        trim=opened.trim,
-        weights=shards.weights_source(),
-        aliases=aliases,
-        buffers={name: rank0["model"][name].clone() for name in shards.buffers},
-        extras={key: clone_value(rank0[OPTIM_KEY][key]) for key in shards.extras},
-        not_exported=tuple(k for k in rank0 if k not in ("model", OPTIM_KEY)),
-    )

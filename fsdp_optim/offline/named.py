@@ -31,14 +31,12 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import staged_output, write_stream
 from fsdp_optim.formats import hf_safetensors as hf
-from fsdp_optim.formats.fullstate import read_meta
 from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors
 from fsdp_optim.offline.layouts import LayoutLike
-from fsdp_optim.offline.operations import full_state
 from fsdp_optim.offline.publish import output_for
 from fsdp_optim.offline.sources import Opened, open_source
-from fsdp_optim.offline.whole import ModelTensor, is_whole, whole_model
+from fsdp_optim.offline.whole import ModelTensor
 
 __all__ = ["load_full_state", "to_safetensors"]
 
@@ -98,14 +96,14 @@ def write_opened(
     whether an existing output file is replaced, else refused)."""
     if opened.source is None:
         raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to convert")
-    if is_whole(opened.checkpoint):
+    if opened.is_whole():
         return write_whole_safetensors(opened, out, inputs=inputs, progress=progress, max_shard_size=max_shard_size)
     if max_shard_size is not None:
         raise ValueError(f"max_shard_size: {opened.label} holds no model weights (it applies to a whole checkpoint)")
     the_source, trim = opened.source, opened.trim
     if opened.is_full_dict() and path is not None:
         the_source, trim = _MappedFullDict(path, bound).source(opened.source)
-    prepared = prepare_named_safetensors(the_source, order=opened.order, header=_header(opened))
+    prepared = prepare_named_safetensors(the_source, order=opened.order, header=opened.named_header())
 
     def write(f: BinaryIO) -> None:
         prepared.write(f, trim=trim, progress=progress)
@@ -123,9 +121,10 @@ def write_whole_safetensors(
 ) -> int:
     """A whole checkpoint as a directory of model files and ``optimizer.safetensors`` (see :func:`to_safetensors`),
     all or nothing; every check (plans, dtypes, sizes) before the output is touched. Returns the bytes written."""
-    assert opened.checkpoint is not None and opened.source is not None, "a whole checkpoint is a sharded checkpoint"
+    if opened.source is None:
+        raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to convert")
     max_bytes = hf.parse_size(hf.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
-    model = whole_model(opened.checkpoint, progress=progress)
+    model = opened.whole_model(progress=progress)
     tensors = [hf.Tensor(n, tuple(t.shape), t.dtype, t.make if isinstance(t, ModelTensor) else _clone(t))
                for n, t in model.entries(lambda p: p).items()]  # fmt: skip
     hf.check_dtypes(tensors)
@@ -150,16 +149,6 @@ def write_whole_safetensors(
 
 def _clone(tensor: Any) -> Callable[[], torch.Tensor]:
     return lambda: tensor.detach().clone().contiguous()
-
-
-def _header(opened: Opened) -> Mapping[str, Any] | None:
-    """The ``"fsdp_optim"`` block to keep: a full dict's own, or the file's; ``None``: made from the source."""
-    if opened.named is not None:
-        return opened.named.document.header
-    if opened.full is not None:
-        meta = read_meta(opened.full, opened.label)
-        return dict(meta) if meta is not None else None
-    return None
 
 
 class _MappedFullDict:
@@ -220,4 +209,4 @@ def load_full_state(
             check_full_dict(full, opened.label)
             check_state_dict(full, opened.label)
             return dict(full)
-        return full_state(opened)
+        return opened.full_state()

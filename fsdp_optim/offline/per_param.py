@@ -27,13 +27,6 @@ from fsdp_optim.offline.sources import Opened
 __all__ = ["PerParameter"]
 
 
-def holds_weights(opened: Opened) -> bool:
-    """Whether ``opened`` is a whole checkpoint, sharded or consolidated (model weights beside the optimizer state)."""
-    return opened.whole_file is not None or (
-        opened.checkpoint is not None and opened.checkpoint.manifest.training is not None
-    )
-
-
 @dataclass(frozen=True)
 class PerParameter:
     """An opened source planned for one flat per parameter (see the module docstring)."""
@@ -51,13 +44,10 @@ class PerParameter:
     def of(cls, opened: Opened, *, weights: bool = True) -> PerParameter:
         """Plan ``opened`` once; raises ``ValueError`` for a kind that holds no optimizer state. ``weights``: a
         whole checkpoint's weights come as one more state key per parameter (``@param``)."""
-        whole = weights and holds_weights(opened)
         # A whole checkpoint's weights are one more state key per parameter (WEIGHTS_KEY): compared and checked too.
-        source = opened.source
-        if whole and opened.checkpoint is not None:
-            source = opened.checkpoint.whole_source()
-        elif whole and opened.whole_file is not None:
-            source = opened.whole_file.whole_source()
+        source = opened.whole_source() if weights else None
+        if source is None:
+            source = opened.source
         if source is None:
             raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state")
         order = opened.order or tuple(spec.name for flat in source.flats for spec in flat.params)
@@ -70,8 +60,8 @@ class PerParameter:
             for g in the_plan.groups
         )
         names = tuple(order) + tuple(n for n in flat_names if n not in rank)
-        sharded_whole = whole and opened.checkpoint is not None
-        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if sharded_whole else opened.kind.value
+        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if weights and opened.is_whole() else (
+            opened.kind.value)  # fmt: skip
         return cls(opened.label, kind, source.optimizer, the_plan, names, index, groups, opened.trim)
 
     def entries(self, name: str) -> dict[str, StateEntry]:

@@ -4,7 +4,7 @@ A whole checkpoint keeps the model's persistent buffers and each rank's ``extra`
 (:mod:`fsdp_optim.formats.sharded.side_file`), not in the rank files the optimizer state and weights come from;
 this is the walk over them, one saved rank at a time (side files are small: buffers and loop state)::
 
-    side = SideState.of(opened)           # None: not a whole checkpoint (sharded, or consolidate's file of one)
+    side = opened.side_state()            # None: not a whole checkpoint (sharded, or consolidate's file of one)
     side.buffer_names                     ("block1.seen", "norm.running_mean", ...)  as the manifest lists them
     side.per_rank                         False: rank 0's side file holds the buffers; True: every rank its own
     side.rank(1)                          ({"block1.seen": T[4], ...}, {"['rng']": T[5056], "['opt'][0]": T[3]})
@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import read_rank_side
-from fsdp_optim.offline.sources import Opened
+from fsdp_optim.formats.whole_file import WholeFile
 
 __all__ = ["BUFFER_KEY", "SideState", "extra_label"]
 
@@ -46,20 +47,20 @@ class SideState:
     read: Callable[[int], tuple[dict[str, torch.Tensor], Any]]  # saved rank -> (buffers, extra), checked
 
     @classmethod
-    def of(cls, opened: Opened) -> SideState | None:
-        """A whole sharded checkpoint's side files, or the buffers and ``extra`` of consolidate's file of one (as
-        saved rank 0's); None for any other input."""
-        ckpt = opened.checkpoint
-        if ckpt is not None and ckpt.manifest.training is not None:
-            training = ckpt.manifest.training
-            names = tuple(b.name for b in training.buffers)
-            return cls(ckpt.manifest.world_size, training.buffers_per_rank, names,
-                       partial(read_rank_side, ckpt.directory, training))  # fmt: skip
-        whole = opened.whole_file
-        if whole is not None:
-            buffers = whole.buffer_tensors()
-            return cls(1, False, tuple(buffers), lambda _: (buffers, whole.extra))
-        return None
+    def of_checkpoint(cls, ckpt: ShardedCheckpoint) -> SideState:
+        """The side files of the whole sharded checkpoint ``ckpt``; ``ValueError`` for an optimizer-only one."""
+        training = ckpt.manifest.training
+        if training is None:
+            raise ValueError(f"{ckpt.directory}: an optimizer-only checkpoint has no side files (not a whole one)")
+        names = tuple(b.name for b in training.buffers)
+        return cls(ckpt.manifest.world_size, training.buffers_per_rank, names,
+                   partial(read_rank_side, ckpt.directory, training))  # fmt: skip
+
+    @classmethod
+    def of_whole_file(cls, whole: WholeFile) -> SideState:
+        """The buffers and ``extra`` of consolidate's file of a whole checkpoint, as saved rank 0's."""
+        buffers = whole.buffer_tensors()
+        return cls(1, False, tuple(buffers), lambda _: (buffers, whole.extra))
 
     def rank(self, saved_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(buffers, extra's tensors by place)`` of saved rank ``saved_rank`` (both checked against the manifest)."""

@@ -20,7 +20,8 @@ target. "checked": the name must be a known optimizer whose state keys are the o
 (:func:`fsdp_optim.core.elementwise.check_optimizer_name`). ``allow_globals`` applies to shard sets only.
 
 An opened input is one of the classes of :mod:`fsdp_optim.offline.opened` (one per kind; ``source``, ``layout``,
-``order``, ``trim``, ``describe``, ``report``, and its kind's own handle).
+``order``, ``trim``, ``describe``, ``report``, and the questions the verbs ask it; its kind's own reader is a field
+of its class).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from fsdp_optim.formats.sharded.reader import (
 from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.fairseq import ShardSet
 from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
-from fsdp_optim.offline.opened import Opened, class_of
+from fsdp_optim.offline.opened import NEEDS_LAYOUT, Opened, class_of
 
 __all__ = ["Kind", "Opened", "detect", "fetched_whole", "open_source"]
 
@@ -71,7 +72,6 @@ _WRITTEN_ONLY = {  # what our own writers make for other tools to load: inspect 
     "source it was made from",
     Kind.DCP: "load it with torch.distributed.checkpoint.load, or convert the source it was made from",
 }
-NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
 
 
 def _opened(kind: Kind, label: str, *args: Any, **fields: Any) -> Opened:
@@ -164,7 +164,7 @@ def _open_local(
         return
     kind, obj = detect(given)
     if describe_only and ((kind is Kind.NATIVE and layout is None) or kind in _WRITTEN_ONLY):
-        yield _opened(kind, label, raw=obj)
+        yield _opened(kind, label) if kind is Kind.DCP else _opened(kind, label, raw=obj)  # a DCP directory: no object
         return
     if kind in _WRITTEN_ONLY:
         raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {_WRITTEN_ONLY[kind]}")
@@ -184,7 +184,7 @@ def _open_local(
         ) as shards:
             check_optimizer_name(optimizer, _source_keys(shards.source()), where=f"optimizer: {label}")
             yield _opened(kind, label, shards.source(), shards.manifest.layout(0), shards.manifest.param_order,
-                         shards.trim, manifest=shards.manifest, shards=shards)
+                         shards.trim, shards=shards)
         return
     if kind is Kind.NAMED:
         with NamedSafetensors(given, max_mapped_bytes=max_mapped_bytes) as named:  # type: ignore[arg-type]
@@ -193,7 +193,7 @@ def _open_local(
     if kind is Kind.SHARDED and not isinstance(given, Mapping):
         with open_checkpoint(given, lazy=False, max_mapped_bytes=max_mapped_bytes) as ckpt:
             yield _opened(kind, label, ckpt.source(), ckpt.manifest.layout(0), ckpt.manifest.param_order, ckpt.trim,
-                         manifest=ckpt.manifest, checkpoint=ckpt)
+                         checkpoint=ckpt)
         return
     yield _open_loaded(kind, label, obj, given, layout, optimizer)
 
@@ -212,14 +212,14 @@ def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: s
 def _open_loaded(kind: Kind, label: str, obj: Any, given: Any, layout: Any, optimizer: str | None) -> Opened:
     """A source already in memory (a dict, or a file :func:`detect` loaded)."""
     if kind in (Kind.LAYOUT, Kind.RANK_FILE):
-        manifest = read_manifest(given) if kind is Kind.LAYOUT else None
-        return _opened(kind, label, manifest=manifest, raw=obj)
+        return _opened(kind, label, manifest=read_manifest(given)) if kind is Kind.LAYOUT else _opened(
+            kind, label, raw=obj)  # fmt: skip
     if kind is Kind.WHOLE_FILE:
         whole = WholeFile.of(obj, label)
         if whole.optimizer is not None:
             check_full_dict(whole.optimizer, f"{label}['optimizer']")
             check_state_dict(whole.optimizer, f"{label}['optimizer']", in_memory=isinstance(given, Mapping))
-        return _opened(kind, label, whole.source(), None, whole.params, full=whole.optimizer, whole_file=whole, raw=obj)
+        return _opened(kind, label, whole.source(), None, whole.params, whole_file=whole)
     if kind is Kind.NATIVE:
         model = resolve_layout(layout)
         check_optimizer_name(optimizer, _native_keys(obj), where=f"optimizer: {label}")

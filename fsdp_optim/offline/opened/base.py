@@ -1,0 +1,193 @@
+"""What every opened input answers (:class:`Opened`), with the answer of a kind that cannot: most often a refusal
+that says what the input is and what was expected; each kind's class (the sibling modules) overrides what it can
+answer. See :mod:`fsdp_optim.offline.opened` for the questions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.core.plan import Source
+from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.disk.file_check import Verification
+from fsdp_optim.disk.staged import write_file
+from fsdp_optim.disk.text import human_bytes
+from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.side_file import check_buffer_choice
+from fsdp_optim.offline import report as R
+from fsdp_optim.offline import verdicts as V
+from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
+from fsdp_optim.offline.side_state import SideState
+from fsdp_optim.offline.whole import WholeModel, check_whole_options
+
+__all__ = ["NEEDS_LAYOUT", "DcpParts", "Opened"]
+
+NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
+
+
+@dataclass
+class DcpParts:
+    """What DCP export needs of an opened input: the optimizer state, and a shard set's weights and extras."""
+
+    source: Source
+    order: Sequence[str]
+    trim: Callable[[], None]
+    weights: Source | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    extras: Mapping[str, Any] = field(default_factory=dict)
+    not_exported: tuple[str, ...] = ()
+
+
+@dataclass
+class Opened:
+    """What every opened input has and answers (see :mod:`fsdp_optim.offline.opened`); a class per kind."""
+
+    kind: Kind
+    label: str
+    source: Source | None = None
+    layout: ModelLayout | None = None
+    order: tuple[str, ...] = ()
+    trim: Callable[[], None] = lambda: None
+
+    # inspect and verify
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        """``inspect``'s lines for this input (after the ``path:`` line)."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe itself")
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        """:meth:`describe` as one JSON object (:mod:`fsdp_optim.offline.report`); here: the members every kind has."""
+        return R.base(path, self.kind, lines)
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003 - shard sets'
+        """``verify``'s verdict on every file of the input of this kind at ``path`` (never opened: it may be
+        damaged); here: a torch file's (a full dict, a fairscale-native dict, consolidate's whole file...)."""
+        return V.torch_file(Path(path))
+
+    # what it holds
+
+    def is_full_dict(self) -> bool:
+        """Whether this input is a full dict as it stands (a file of one, or a dict): readers may take it whole."""
+        return False
+
+    def is_whole(self) -> bool:
+        """Whether this input is a whole sharded checkpoint: its model's weights come from :meth:`whole_model`."""
+        return False
+
+    def holds_weights(self) -> bool:
+        """Whether this input holds model weights beside the optimizer state (``--with-model`` / ``--no-model``)."""
+        return False
+
+    def whole_source(self) -> Source | None:
+        """The optimizer state with the weights as one more key per parameter (``@param``); ``None`` without."""
+        return None
+
+    def whole_model(self, *, rank: int | None = None, progress: Progress = None) -> WholeModel:  # noqa: ARG002
+        """A whole checkpoint's model, planned, its parameters made when asked (:mod:`fsdp_optim.offline.whole`)."""
+        raise ValueError(f"{self.label}: a {self.kind.value} holds no model weights (not a whole checkpoint)")
+
+    def side_state(self) -> SideState | None:
+        """A whole checkpoint's buffers and ``extra`` per saved rank (:mod:`fsdp_optim.offline.side_state`)."""
+        return None
+
+    def check_rank(self, rank: int | None) -> None:
+        """Refuse ``rank`` (whose side file gives the buffers and ``extra``) unless this input has such a rank."""
+        check_whole_options(None, rank)
+
+    def named_header(self) -> Mapping[str, Any] | None:
+        """The ``"fsdp_optim"`` block a named safetensors file of this input keeps; ``None``: made from the source."""
+        return None
+
+    def dcp_parts(self) -> DcpParts:
+        """What DCP export writes of this input (the optimizer state; a shard set's weights and extras too)."""
+        if self.source is None:
+            raise ValueError(f"{self.label}: a {self.kind.value} holds no optimizer state to export")
+        return DcpParts(self.source, self.order, self.trim)
+
+    # consolidate
+
+    def why_not_consolidated(self) -> str:
+        """Why this input (no sharded checkpoint) cannot be consolidated, in the terms of what was expected."""
+        return f"{self.label}: expected an fsdp_optim manifest file, found a {self._found()}; consolidate its directory"
+
+    def _found(self) -> str:
+        return self.kind.value
+
+    def full_state(self, *, progress: Progress = None) -> dict[str, Any]:  # noqa: ARG002 - the interface's
+        """What consolidate gives of this input's optimizer state: the full dict (a shard set's with its extras)."""
+        raise ValueError(self.why_not_consolidated())
+
+    def full_dict(self, *, progress: Progress = None) -> Mapping[str, Any]:
+        """The full dict this input is (a full dict file: itself, not copied) or gives (:meth:`full_state`)."""
+        return self.full_state(progress=progress)
+
+    def consolidated(self, *, rank: int | None, with_model: bool | None, progress: Progress) -> dict[str, Any]:
+        """What :func:`fsdp_optim.consolidate` returns for this input (``rank``, ``with_model``: see there)."""
+        self.check_rank(rank)
+        if with_model is not None:
+            raise ValueError(f"with_model: {self.label} holds no model weights (not a whole checkpoint)")
+        return self.full_state(progress=progress)
+
+    def write_consolidated(
+        self, output: Any, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,  # noqa: ARG002
+        progress: Progress,
+    ) -> str:  # fmt: skip
+        """``fsdp-optim consolidate``: what consolidating this input gives, written as the file ``output``; returns
+        what was written, for the verb's ``wrote <output>: ...`` line."""
+        self.check_rank(rank)
+        out = self.full_state(progress=progress)
+        size = write_file(out, output, inputs=inputs, overwrite=overwrite)
+        return f"{len(out['param_names'])} params, {len(out['state'])} with state, {human_bytes(size)}"
+
+    # reshard
+
+    def target_layout(self, given: Any) -> Any:
+        """The layout a reshard of this input cuts for: the caller's (its own for a fairscale-native dict)."""
+        return given
+
+    def reshard(
+        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress = None,
+        overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
+    ) -> Path:  # fmt: skip
+        """:func:`fsdp_optim.reshard` of this input into the local directory ``out``; returns what it returns (the
+        manifest). ``replace_existing=False`` (the CLI): a checkpoint already in ``out`` is refused unless
+        ``overwrite``; ``after_file(path)`` as each rank file is complete; ``buffers``: see there."""
+        check_world_size("world_size", world_size)
+        check_buffer_choice(buffers)
+        layout = self.target_layout(layout)
+        if layout is None or self.source is None:
+            raise ValueError(
+                f"layout: resharding a {self.kind.value} ({self.label}) needs the model's layout: {NEEDS_LAYOUT}"
+            )
+        return reshard_full(self.source, given, world_size, out, layout, progress, overwrite, replace_existing,
+                            after_file)  # fmt: skip
+
+    def write_resharded(
+        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress, overwrite: bool,
+        after_file: AfterFile, buffers: str,
+    ) -> str:  # fmt: skip
+        """``fsdp-optim reshard``: :meth:`reshard` with a checkpoint already in ``out`` refused unless ``overwrite``;
+        returns what was written, for the verb's ``wrote <out>: ...`` line."""
+        manifest = self.reshard(world_size, out, layout=layout, given=given, progress=progress, overwrite=overwrite,
+                                replace_existing=False, after_file=after_file, buffers=buffers)  # fmt: skip
+        resharded = read_manifest(manifest)
+        files = resharded.files
+        line = f"{len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"
+        if resharded.training is not None:  # a whole checkpoint: weights in the rank files, side files carried
+            sides = resharded.training.files
+            line += f" (weights included), {len(sides)} side files, {human_bytes(sum(f.nbytes for f in sides))}"
+        return line
+
+
+def found_keys(kind: Kind, raw: Any) -> str:
+    """``kind``, and the first keys of ``raw`` when it is a dict: what an input was found to be."""
+    keys = f" (keys {', '.join(repr(k) for k in sorted(map(str, raw))[:8])})" if isinstance(raw, Mapping) else ""
+    return kind.value + keys

@@ -1,0 +1,167 @@
+"""Inputs loaded as one object: a full dict (:class:`OpenedFull`), fairscale's own gathered dict
+(:class:`OpenedNative`), a name-keyed dict (:class:`OpenedNamedDict`) and consolidate's file of a whole checkpoint
+(:class:`OpenedWholeFile`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_optim.core.flatten import clone_value
+from fsdp_optim.core.plan import Source
+from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.staged import write_file
+from fsdp_optim.disk.text import human_bytes
+from fsdp_optim.formats.fullstate import read_meta
+from fsdp_optim.formats.sharded.side_file import check_buffer_choice
+from fsdp_optim.formats.whole_file import WholeFile
+from fsdp_optim.offline import describe as D
+from fsdp_optim.offline import report as R
+from fsdp_optim.offline.cuts import AfterFile, Progress
+from fsdp_optim.offline.opened.base import Opened, found_keys
+from fsdp_optim.offline.side_state import SideState
+from fsdp_optim.offline.whole_file import reshard_whole_file
+
+__all__ = ["OpenedFull", "OpenedNamedDict", "OpenedNative", "OpenedWholeFile"]
+
+
+def _header(full: Mapping[str, Any] | None, label: str) -> Mapping[str, Any] | None:
+    """The ``"fsdp_optim"`` block of the full dict ``full``, if it has one."""
+    meta = None if full is None else read_meta(full, label)
+    return dict(meta) if meta is not None else None
+
+
+@dataclass(kw_only=True)
+class OpenedFull(Opened):
+    """A full dict (ours, or a plain optimizer's ``state_dict()`` named)."""
+
+    raw: Any  # the loaded object (a dict: the dict itself)
+    full: Mapping[str, Any] | None = None  # the full dict it is (a fairscale-native dict: converted into)
+
+    native = False
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        return D.describe_loaded(path, self.raw, native=self.native, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_full(R.base(path, self.kind, lines), self.raw)
+
+    def is_full_dict(self) -> bool:
+        return not self.native
+
+    def _found(self) -> str:
+        return found_keys(self.kind, self.raw)
+
+    def why_not_consolidated(self) -> str:
+        return (
+            f"{self.label}: expected an fsdp_optim manifest file, found a {self._found()}; it is already a full dict: "
+            "nothing to consolidate (load it, or reshard it with --layout)"
+        )
+
+    def full_dict(self, *, progress: Progress = None) -> Mapping[str, Any]:
+        if self.is_full_dict() and self.full is not None:
+            return self.full
+        return super().full_dict(progress=progress)
+
+    def named_header(self) -> Mapping[str, Any] | None:
+        return _header(self.full, self.label)
+
+
+@dataclass(kw_only=True)
+class OpenedNative(OpenedFull):
+    """fairscale's own gathered dict (parameters numbered, not named: a layout names them; ``full``: the full dict
+    it was converted into, ``None`` when inspect opened it without a layout)."""
+
+    native = True
+
+    def target_layout(self, given: Any) -> Any:  # noqa: ARG002 - its own layout was required when it was opened
+        return self.layout
+
+    def why_not_consolidated(self) -> str:
+        return Opened.why_not_consolidated(self)
+
+    def full_state(self, *, progress: Progress = None) -> dict[str, Any]:  # noqa: ARG002 - the interface's
+        if self.full is None:
+            raise ValueError(self.why_not_consolidated())
+        return dict(self.full)  # the full dict it was converted into
+
+
+@dataclass(kw_only=True)
+class OpenedNamedDict(OpenedFull):
+    """A name-keyed dict (``convert --to named``), which fsdp-optim writes and inspects only."""
+
+    def is_full_dict(self) -> bool:  # keyed by names, not ids: not a full dict of ours
+        return False
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        check_state_dict(self.raw, str(path))
+        return D.describe_named_dict(self.raw, units=units)
+
+
+@dataclass(kw_only=True)
+class OpenedWholeFile(Opened):
+    """consolidate's file of a whole checkpoint (``{"model", "optimizer", "extra"}``)."""
+
+    whole_file: WholeFile
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+        return D.describe_whole_file(self.whole_file)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_whole_file(R.base(path, self.kind, lines), self.whole_file)
+
+    def holds_weights(self) -> bool:
+        return True
+
+    def whole_source(self) -> Source | None:
+        return self.whole_file.whole_source()
+
+    def side_state(self) -> SideState | None:
+        return SideState.of_whole_file(self.whole_file)
+
+    def check_rank(self, rank: int | None) -> None:
+        if rank is not None:
+            raise ValueError(f"rank: {self.label} holds one rank's extra (a consolidated file): no rank to choose")
+
+    def named_header(self) -> Mapping[str, Any] | None:
+        return _header(self.whole_file.optimizer, self.label)
+
+    def full_state(self, *, progress: Progress = None) -> dict[str, Any]:  # noqa: ARG002 - the interface's
+        return self.consolidated(rank=None, with_model=False, progress=None)
+
+    def consolidated(self, *, rank: int | None, with_model: bool | None, progress: Progress) -> dict[str, Any]:  # noqa: ARG002
+        """The file's content (each tensor new memory; tied names one tensor), or with ``with_model=False`` its
+        optimizer's full dict."""
+        self.check_rank(rank)
+        whole = self.whole_file
+        if with_model is False:
+            if whole.optimizer is None:
+                raise ValueError(f"with_model: {self.label} was saved without an optimizer: the model is all it holds")
+            return dict(clone_value(whole.optimizer))
+        # One deep copy of the three: a tied parameter stays one tensor under both names.
+        return dict(clone_value({"model": dict(whole.model), "optimizer": whole.optimizer, "extra": whole.extra}))
+
+    def write_consolidated(
+        self, output: Any, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,  # noqa: ARG002
+        progress: Progress,
+    ) -> str:  # fmt: skip
+        """consolidate's own output, written again (or its optimizer alone)."""
+        out = self.consolidated(rank=rank, with_model=False if no_model else None, progress=progress)
+        size = write_file(out, output, inputs=inputs)
+        what = "the optimizer's full dict" if no_model else "{'model', 'optimizer', 'extra'}"
+        return f"{what} of {self.label}, {human_bytes(size)}"
+
+    def reshard(
+        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress = None,
+        overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
+    ) -> Path:  # fmt: skip
+        check_world_size("world_size", world_size)
+        check_buffer_choice(buffers)
+        if layout is None:  # refused there: the file names no units
+            return super().reshard(world_size, out, layout=layout, given=given)
+        # weights, optimizer, buffers and extra: a whole one
+        return reshard_whole_file(self.whole_file, world_size, out, layout, given=given, progress=progress,
+                                  overwrite=overwrite, replace_existing=replace_existing, after_file=after_file)

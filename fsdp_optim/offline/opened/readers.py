@@ -1,0 +1,129 @@
+"""Inputs read through a reader of their own: a fairseq/metaseq shard set (:class:`OpenedShardSet`), a named
+safetensors file (:class:`OpenedNamed`) and a PyTorch DCP directory (:class:`OpenedDcp`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_optim.core.flatten import clone_value
+from fsdp_optim.disk.file_check import Verification
+from fsdp_optim.disk.staged import write_file
+from fsdp_optim.disk.text import human_bytes
+from fsdp_optim.formats.fairseq.files import OPTIM_KEY
+from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
+from fsdp_optim.formats.fairseq.shards import ShardSet
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+from fsdp_optim.offline import describe as D
+from fsdp_optim.offline import report as R
+from fsdp_optim.offline import verdicts as V
+from fsdp_optim.offline.cuts import AfterFile, Progress
+from fsdp_optim.offline.opened.base import DcpParts, Opened
+
+__all__ = ["OpenedDcp", "OpenedNamed", "OpenedShardSet"]
+
+
+@dataclass(kw_only=True)
+class OpenedShardSet(Opened):
+    """A fairseq/metaseq shard set (``use_sharded_state`` files): consolidated into a fairseq checkpoint and
+    resharded as a shard set, in its own format (:mod:`fsdp_optim.formats.fairseq.recut`)."""
+
+    shards: ShardSet
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+        return D.describe_shards(self.shards, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_manifest(R.base(path, self.kind, lines), self.shards.manifest)
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:
+        return V.shard_set(Path(path), allow_globals)
+
+    def holds_weights(self) -> bool:
+        return True
+
+    def full_state(self, *, progress: Progress = None) -> dict[str, Any]:
+        return consolidate_set(self.shards, with_model=False, progress=progress)[OPTIM_KEY]
+
+    def write_consolidated(
+        self, output: Any, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,
+        progress: Progress,
+    ) -> str:  # fmt: skip
+        """The whole consolidated fairseq checkpoint (every key; the weights unless ``no_model``)."""
+        self.check_rank(rank)
+        out = consolidate_set(self.shards, with_model=not no_model, progress=progress)
+        size = write_file(out, output, inputs=inputs, overwrite=overwrite)
+        full = out[OPTIM_KEY]
+        model = f", model: {len(out['model'])} tensors" if "model" in out else ""
+        return (
+            f"a consolidated fairseq checkpoint ({', '.join(out)}); {OPTIM_KEY}: "
+            f"{len(full['param_names'])} params, {len(full['state'])} with state{model}; {human_bytes(size)}"
+        )
+
+    def reshard(
+        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress = None,  # noqa: ARG002
+        overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",  # noqa: ARG002
+    ) -> Path:  # fmt: skip
+        """A shard set for ``world_size`` ranks in ``out`` (returned), its own ids, order and optimizer kept."""
+        reshard_set(self.shards, world_size, out, overwrite=overwrite, progress=progress)
+        return out
+
+    def write_resharded(
+        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress, overwrite: bool,  # noqa: ARG002
+        after_file: AfterFile, buffers: str,  # noqa: ARG002
+    ) -> str:  # fmt: skip
+        written = reshard_set(self.shards, world_size, out, overwrite=overwrite, progress=progress)
+        size = human_bytes(sum(f.stat().st_size for f in written))
+        return f"{len(written)} shard files {written[0].name} .. {written[-1].name}, {size}"
+
+    def dcp_parts(self) -> DcpParts:
+        shards, parts = self.shards, super().dcp_parts()
+        rank0 = shards.rank0()
+        aliases = {**shards.aliases, **{alias: shards.full_name(key) for alias, key in shards.model_aliases.items()}}
+        parts.weights, parts.aliases = shards.weights_source(), aliases
+        parts.buffers = {name: rank0["model"][name].clone() for name in shards.buffers}
+        parts.extras = {key: clone_value(rank0[OPTIM_KEY][key]) for key in shards.extras}
+        parts.not_exported = tuple(k for k in rank0 if k not in ("model", OPTIM_KEY))
+        return parts
+
+
+@dataclass(kw_only=True)
+class OpenedNamed(Opened):
+    """A named safetensors file (``to_safetensors``: ``<param name>/<state key>`` tensors)."""
+
+    named: NamedSafetensors
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+        return D.describe_named(self.named)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_named(R.base(path, self.kind, lines), self.named)
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.named_file(Path(path))
+
+    def full_state(self, *, progress: Progress = None) -> dict[str, Any]:  # noqa: ARG002 - the interface's
+        return self.named.full_state()  # the dict it was written from
+
+    def named_header(self) -> Mapping[str, Any] | None:
+        return self.named.document.header
+
+
+class OpenedDcp(Opened):
+    """A PyTorch DCP directory (``convert --to dcp``), which fsdp-optim writes and inspects only."""
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        from fsdp_optim.formats.dcp import describe_dcp
+
+        return describe_dcp(path, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_dcp(R.base(path, self.kind, lines), lines)
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.refuse_dcp(path)

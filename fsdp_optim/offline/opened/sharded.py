@@ -1,0 +1,156 @@
+"""Our sharded checkpoint opened (:class:`OpenedCheckpoint`, a whole one too), and the two files of ours that are
+parts of one: a layout file (:class:`OpenedLayout`) and one rank file (:class:`OpenedRankFile`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp_optim.core.plan import Source
+from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.disk.file_check import Verification
+from fsdp_optim.disk.text import human_bytes
+from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.side_file import check_buffer_choice
+from fsdp_optim.formats.sharded.verification import verify_sharded
+from fsdp_optim.offline import describe as D
+from fsdp_optim.offline import report as R
+from fsdp_optim.offline import verdicts as V
+from fsdp_optim.offline.cuts import AfterFile, Progress, consolidate_checkpoint, reshard_checkpoint
+from fsdp_optim.offline.opened.base import Opened, found_keys
+from fsdp_optim.offline.side_state import SideState
+from fsdp_optim.offline.whole import WholeModel, check_whole_options, is_whole, whole_model, whole_state, write_whole
+
+__all__ = ["OpenedCheckpoint", "OpenedLayout", "OpenedRankFile"]
+
+
+@dataclass(kw_only=True)
+class OpenedCheckpoint(Opened):
+    """A sharded checkpoint of ours (a whole one too: model, buffers and extra in its side files)."""
+
+    checkpoint: ShardedCheckpoint
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        return D.describe_sharded(path, self.checkpoint.manifest, self.checkpoint, layout=False, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        out = R.of_manifest(R.base(path, self.kind, lines), self.checkpoint.manifest)
+        if self.is_whole():
+            out["model"] = R.model_of_checkpoint(self.checkpoint)
+        return out
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return verify_sharded(path)
+
+    def is_whole(self) -> bool:
+        return is_whole(self.checkpoint)
+
+    def holds_weights(self) -> bool:
+        return self.is_whole()
+
+    def whole_source(self) -> Source | None:
+        return self.checkpoint.whole_source() if self.is_whole() else None
+
+    def whole_model(self, *, rank: int | None = None, progress: Progress = None) -> WholeModel:
+        return whole_model(self.checkpoint, rank=rank, progress=progress)
+
+    def side_state(self) -> SideState | None:
+        return SideState.of_checkpoint(self.checkpoint) if self.is_whole() else None
+
+    def check_rank(self, rank: int | None) -> None:
+        check_whole_options(self.checkpoint, rank)
+
+    def full_state(self, *, progress: Progress = None) -> dict[str, Any]:
+        if self.source is None or self.layout is None:
+            raise ValueError(self.why_not_consolidated())
+        return consolidate_checkpoint(self.checkpoint, self.source, self.layout, progress)
+
+    def _optimizer(self, progress: Progress) -> dict[str, Any] | None:
+        """A whole checkpoint's optimizer as a full dict, ``None`` when it was saved with ``optim=None``."""
+        return None if self.checkpoint.manifest.optimizer is None else self.full_state(progress=progress)
+
+    def consolidated(self, *, rank: int | None, with_model: bool | None, progress: Progress) -> dict[str, Any]:
+        if not self.is_whole():
+            return super().consolidated(rank=rank, with_model=with_model, progress=progress)
+        if with_model is False:  # the optimizer's full dict alone, as for an optimizer-only checkpoint
+            self.check_rank(rank)
+            return self.full_state(progress=progress)
+        return whole_state(self.whole_model(rank=rank, progress=progress), self._optimizer(progress))
+
+    def write_consolidated(
+        self, output: Any, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,
+        progress: Progress,
+    ) -> str:  # fmt: skip
+        if not self.is_whole() or no_model:
+            return super().write_consolidated(output, rank=rank, no_model=no_model, inputs=inputs,
+                                              overwrite=overwrite, progress=progress)  # fmt: skip
+        # A whole checkpoint -> one file {"model", "optimizer", "extra"}, each parameter streamed.
+        whole = self.whole_model(rank=rank, progress=progress)
+        optimizer = self._optimizer(progress)
+        size = write_whole(whole, optimizer, output, inputs=inputs, overwrite=overwrite)
+        optim = "none (saved with optim=None)" if optimizer is None else f"{len(optimizer['state'])} params with state"
+        return (
+            f"{{'model', 'optimizer', 'extra'}}: model {len(whole.params)} params "
+            f"({human_bytes(whole.param_bytes())}), {_count(len(whole.aliases), 'tied name')}, "
+            f"{_count(len(whole.buffers), 'buffer')}; "
+            f"optimizer {optim}; extra of rank {whole.rank}; {human_bytes(size)}"
+        )
+
+    def reshard(
+        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress = None,  # noqa: ARG002
+        overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
+    ) -> Path:  # fmt: skip
+        check_world_size("world_size", world_size)
+        check_buffer_choice(buffers)
+        if self.source is None:
+            raise ValueError(f"{self.label}: expected a sharded checkpoint, found a {self.kind.value}")
+        return reshard_checkpoint(self.checkpoint, self.source, given, world_size, out, progress, overwrite,
+                                  replace_existing, after_file, buffers)  # fmt: skip
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+@dataclass(kw_only=True)
+class OpenedLayout(Opened):
+    """A layout file (``save_layout``): a manifest without rank files."""
+
+    manifest: Manifest
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:
+        return D.describe_sharded(path, self.manifest, None, layout=True, units=units)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_manifest(R.base(path, self.kind, lines), self.manifest)
+
+    def why_not_consolidated(self) -> str:
+        return f"{self.label}: a layout file lists no rank files: it holds no optimizer state to consolidate"
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.layout_file(Path(path))
+
+
+@dataclass(kw_only=True)
+class OpenedRankFile(Opened):
+    """One rank file of a sharded checkpoint (read only through its manifest; inspect says what it holds)."""
+
+    raw: Any  # the file's loaded object
+
+    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+        return D.describe_rank_file(path, self.raw)
+
+    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+        return R.of_rank_file(R.base(path, self.kind, lines), lines, self.raw)
+
+    @classmethod
+    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.refuse_rank_file(Path(path))
+
+    def _found(self) -> str:
+        return found_keys(self.kind, self.raw)
