@@ -139,6 +139,13 @@ class Run:
         self.meta["finished"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         return self.meta
 
+    def close(self, suite: Any, rows: list[Row], out_dir: Path, name: str, value: str = ".2f") -> None:
+        """Finish, write ``suite``'s files (its ``targets``, ``markdown`` and ``plot`` if any), print its ``console`` table
+        and the verdicts."""
+        meta, verdicts = self.finish(), suite.targets(rows)
+        paths = write(out_dir, name, rows=rows, meta=meta, targets=verdicts, markdown=suite.markdown, plot=getattr(suite, "plot", None))
+        self.done(paths, suite.console(rows), verdict_lines(verdicts, value))
+
     def done(self, paths: dict[str, Path], *texts: str) -> None:
         """Print the run's closing texts (tables, verdicts) and what it wrote."""
         for text in texts:

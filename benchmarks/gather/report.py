@@ -150,7 +150,3 @@ def plot(rows: list[Row], path: Path, title: str) -> bool:
 def console(rows: list[Row]) -> str:
     """Every method's median, spread, ratio and RSS growth, for the terminal."""
     return report.measurements(rows, [*report.MEASURED, *report.RSS, ("note", 80, lambda r: r.get("note", ""))], 16)
-
-
-def write(rows: list[Row], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
-    return report.write(out_dir, name, rows=rows, meta=meta, targets=targets(rows), markdown=markdown, plot=plot)
