@@ -1,7 +1,7 @@
 """Benchmark: whole-state checkpoints (weights + buffers + optimizer state), ``save_checkpoint`` / ``load_checkpoint``
 against the per-rank torch.save / torch.load floor, PyTorch DCP + FSDP2 and fairscale's full state dicts.
 
-World sizes run one after another in fresh gloo jobs (``whole.job.run``, through ``spawn.jobs``), every rank a spawned
+World sizes run one after another in fresh gloo jobs (``job.py``'s ``run_whole``, through ``spawn.jobs``), every rank a spawned
 process; each job loads the checkpoint a job of another world size saved (W < max loads max W's, saved first by a short
 job that only trains and saves; max W loads the next smaller W's) into the model at another FSDP nesting. Checkpoints
 live under a temporary directory on tmpfs (``/dev/shm``; ``--dir`` to choose), the references for the checks under
@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import models, spawn
+from . import job, models, spawn
 from .report import Run, storage
-from .whole import job as whole_job
 from .whole import offline as whole_offline
 from .whole import report as whole_report
 
@@ -51,8 +50,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run_jobs(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs: Path, log: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
     other = spawn.plan(args.world_sizes)
 
-    def cfg(world_size: int, source_only: bool) -> whole_job.JobConfig:
-        return whole_job.JobConfig(
+    def cfg(world_size: int, source_only: bool) -> job.JobConfig:
+        return job.JobConfig(
             model=spec, steps=args.steps, warmup=args.warmup, repeats=args.repeats, peer_repeats=args.peer_repeats,
             work=str(root / f"work-W{world_size}"), refs=str(refs), publish_ref=world_size in other.values(),
             other=other[world_size], source_only=source_only,
@@ -66,7 +65,7 @@ def run_jobs(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs:
             shutil.rmtree(root / f"whole-W{w}", ignore_errors=True)
             (refs / f"ref-W{w}.pt").unlink(missing_ok=True)
 
-    return spawn.jobs(args.world_sizes, spec, whole_job.run, cfg, whole_report, log, after=after, timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=3600)
+    return spawn.jobs(args.world_sizes, spec, job.run_whole, cfg, whole_report, log, after=after, timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=3600)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ docs/benchmarks.md, "Object storage").
 
 One SeaweedFS server (``weed mini``, started here on loopback, data in ``--dir``: on a machine whose memory is shared,
 ``--dir /tmp``, as a 100M run holds ~6-10 GB) serves the run. World sizes run one after another in fresh gloo jobs
-(``whole/job.py`` on the store), each loading a checkpoint a job of another world size saved into another FSDP
+(``job.py``'s ``run_whole`` on the store), each loading a checkpoint a job of another world size saved into another FSDP
 nesting, once more through a counting proxy; then the offline tools run in this process on the smallest W's checkpoint (``offline``).
 """
 
@@ -19,9 +19,8 @@ from typing import Any
 
 import fsdp_optim
 
-from .. import models, spawn
+from .. import job, models, spawn
 from ..report import Run, load_average, storage
-from ..whole import job as whole_job
 from . import offline, report, server
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -53,25 +52,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run_jobs(args: argparse.Namespace, srv: Any, proxy: Any, refs: Path, log: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
     other, endpoint = spawn.plan(args.world_sizes), srv.endpoint
-    store = whole_job.Store(
+    store = job.Store(
         root=fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options),
         counted=fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **proxy.storage_options), storage_options=endpoint.storage_options,
         vacuum_url=f"http://127.0.0.1:{srv.ports['master.port']}/vol/vacuum?garbageThreshold=0.001",
     )  # fmt: skip
 
-    def cfg(world_size: int, source_only: bool) -> whole_job.JobConfig:
-        return whole_job.JobConfig(
+    def cfg(world_size: int, source_only: bool) -> job.JobConfig:
+        return job.JobConfig(
             model=args.spec, steps=args.steps, warmup=args.warmup, repeats=args.repeats, work="", refs=str(refs), store=store,
             other=other[world_size], publish_ref=world_size in other.values(), source_only=source_only,
         )  # fmt: skip
 
     def after(world_size: int, payload: Any, needed: set[int | None]) -> None:
         payload["recut_fetched_bytes"] = server.get_bytes(proxy.stats()) if payload.get("recut_held_bytes") else None
-        for name in whole_job.scratch(world_size).values():  # this job's scratch prefixes (fresh names per job)
+        for name in job.scratch(world_size).values():  # this job's scratch prefixes (fresh names per job)
             store.root.fs.rm(store.root.key(name), recursive=True)
         server.vacuum(srv)
 
-    return spawn.jobs(args.world_sizes, args.spec, whole_job.run, cfg, report, log, after=after, before=lambda _: proxy.reset_stats(),
+    return spawn.jobs(args.world_sizes, args.spec, job.run_whole, cfg, report, log, after=after, before=lambda _: proxy.reset_stats(),
                       timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=5400)  # fmt: skip
 
 
