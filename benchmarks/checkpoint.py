@@ -20,7 +20,9 @@ from typing import Any
 from . import job, models, spawn
 from .ckpt import report as ckpt_report
 from .ckpt.train import TrainConfig
-from .report import Run, csv, storage
+from .host import storage
+from .report import Run
+from .spawn import csv
 
 # ---- configuration ---------------------------------------------------------------------------------
 MODELS = ("25M", "100M")

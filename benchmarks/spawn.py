@@ -50,6 +50,15 @@ def run_ranks(
         raise RuntimeError(f"world size {world_size}: {exc}") from exc
 
 
+def csv(text: str) -> tuple[str, ...]:
+    """``"a, b,c"`` -> ``("a", "b", "c")``: a comma-separated command-line option."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in csv(text))
+
+
 # ---------------------------------------------------------------------------------------------------
 # The checkpoint benchmarks' campaign: world sizes one after another, each loading another's checkpoint
 
@@ -84,7 +93,7 @@ def jobs(sizes: tuple[int, ...], spec: Any, fn: Callable[..., Any], cfg: Callabl
     """:func:`campaign` of ``fn`` (a job's ranks) with ``cfg(world_size, source_only)``; after each job ``after(world_size,
     payload, still_needed)`` (the suite's own additions to the payload and its cleanup), then ``report.rows_of`` of the
     payload, logged and printed (``report.console``). Returns the rows and the load average before each measuring job."""
-    from .report import load_average
+    from .host import load_average
 
     loads: dict[int, str] = {}
 

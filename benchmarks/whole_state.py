@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from . import job, models, spawn
-from .report import Run, storage
+from .host import storage
+from .report import Run
 from .whole import offline as whole_offline
 from .whole import report as whole_report
 

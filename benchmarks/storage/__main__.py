@@ -20,7 +20,8 @@ from typing import Any
 import fsdp_optim
 
 from .. import job, models, spawn
-from ..report import Run, load_average, storage
+from ..host import load_average, storage
+from ..report import Run
 from . import offline, report, server
 
 # ---- configuration ---------------------------------------------------------------------------------
