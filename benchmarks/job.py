@@ -46,9 +46,7 @@ from .ckpt import ours as ckpt_ours
 from .ckpt import train as ckpt_train
 from .ckpt.common import Job, Loads, Probes, disk_bytes, measured_and_removed, phase, publish, remove
 from .measure import Method, NotAvailable, release_memory, tensor_bytes
-from .whole import dcp as whole_dcp
 from .whole import fullsd
-from .whole import ours as whole_ours
 
 
 @dataclass(frozen=True)
@@ -148,7 +146,7 @@ def run_whole(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | No
     own = cfg.checkpoint(world_size)
     if cfg.source_only:
         fsdp_optim.save_checkpoint(model, optim, own)
-        publish({cfg.reference(world_size): whole_ours.reference(model, optim)} if cfg.publish_ref else {})
+        publish({cfg.reference(world_size): ckpt_ours.whole_reference(model, optim)} if cfg.publish_ref else {})
         return None
     fsdp2 = cfg.build(models.wrap_fsdp2, rank)
     nested = models.wrap_fairscale_linears(cfg.model, torch.device("cpu")) if cfg.other else None
@@ -156,34 +154,34 @@ def run_whole(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | No
     timings["build_train_s"] = time.perf_counter() - start
     work, store = Path(cfg.work), cfg.store
     where = {name: store.root.child(prefix) for name, prefix in scratch(world_size).items()} if store else {name: work / name for name in ("dcp", "whole-async")}
-    dcp_where = whole_dcp.location(url=where["dcp"].url, options=store.storage_options) if store else whole_dcp.location(where["dcp"])  # type: ignore[union-attr]
+    dcp_where = ckpt_dcp.location(url=where["dcp"].url, options=store.storage_options) if store else ckpt_dcp.location(where["dcp"])  # type: ignore[union-attr]
     full_file, clock = work / "fullsd.pt", _UploadClock() if store else None
     floor_saves, floor_loads = _floors(cfg, model, optim, rank, world_size)
     slow = {"warmup": 0, "repeats": cfg.peer_repeats}
     results: dict[str, Any] = {}
 
     phase, probes = time.perf_counter(), Probes()
-    saves = floor_saves | whole_ours.save_methods(model, optim, directory=own, async_dir=where["whole-async"], probes=probes)
+    saves = floor_saves | ckpt_ours.whole_save_methods(model, optim, directory=own, async_dir=where["whole-async"], probes=probes)
     if clock is not None:
         saves["whole_save"] = clock.wrap(saves["whole_save"])
-        saves |= whole_dcp.save_methods(*fsdp2, where=dcp_where, probes=probes)
+        saves |= ckpt_dcp.whole_save_methods(*fsdp2, where=dcp_where, probes=probes)
         saves = {name: Method(m.call, m.check, lambda: _vacuum(cfg), m.finish) for name, m in saves.items()}
     else:
-        saves |= whole_dcp.save_methods(*fsdp2, where=dcp_where, async_dir=work / "dcp-async", group=group, probes=probes)
+        saves |= ckpt_dcp.whole_save_methods(*fsdp2, where=dcp_where, async_dir=work / "dcp-async", group=group, probes=probes)
     results |= cfg.measure(saves, probes)
     if store is None:
         results |= cfg.measure(fullsd.save_methods(model, optim, path=full_file), Probes(), **slow)
-    publish({cfg.reference(world_size): whole_ours.reference(model, optim)} if cfg.publish_ref else {})
+    publish({cfg.reference(world_size): ckpt_ours.whole_reference(model, optim)} if cfg.publish_ref else {})
     timings["saves_s"] = time.perf_counter() - phase
     disk = {} if store else _disk({"floor_save": work / "floor", "whole_save": own, "dcp_save": where["dcp"], "fullsd_save": full_file})
     for name in ("dcp-async", "whole-async") if store is None and rank == 0 else ():
         remove(work / name)
 
     phase, probes = time.perf_counter(), Probes()
-    loads = floor_loads | whole_ours.load_same(model, optim, directory=own, probes=probes)
-    loads |= whole_dcp.load_same(*fsdp2, where=dcp_where, probes=probes)
+    loads = floor_loads | ckpt_ours.whole_load_same(model, optim, directory=own, probes=probes)
+    loads |= ckpt_dcp.whole_load_same(*fsdp2, where=dcp_where, probes=probes)
     if cfg.other is not None and nested is not None:
-        loads |= whole_ours.load_other(nested, directory=cfg.checkpoint(cfg.other), reference_file=cfg.reference(cfg.other), probes=probes)
+        loads |= ckpt_ours.whole_load_other(nested, directory=cfg.checkpoint(cfg.other), reference_file=cfg.reference(cfg.other), probes=probes)
     elif store is None:
         results["whole_load_other"] = NotAvailable("not measured: needs two world sizes (--world-sizes)")
     results |= cfg.measure(loads, probes)
