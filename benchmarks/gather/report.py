@@ -91,8 +91,7 @@ def _ms(row: Row | None) -> str:
         return ""
     if "na" in row:
         return f"n/a: {row['na']}"
-    text = f"{row['median_s'] * 1e3:,.0f}" if row["median_s"] >= 0.01 else f"{row['median_s'] * 1e3:.2f}"
-    return text + (f" ({row['x_floor']:.2f}x)" if row.get("x_floor") is not None else "") + report.mark(row, " ⚠")
+    return report.ms(row["median_s"]) + (f" ({row['x_floor']:.2f}x)" if row.get("x_floor") is not None else "") + report.mark(row, " ⚠")
 
 
 def _mib(key: str) -> Any:
