@@ -153,7 +153,7 @@ def run_whole(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | No
     group = dist.new_group(backend="gloo") if cfg.store is None else None  # DCP async's own group
     timings["build_train_s"] = time.perf_counter() - start
     work, store = Path(cfg.work), cfg.store
-    where = {name: store.root.child(prefix) for name, prefix in scratch(world_size).items()} if store else {name: work / name for name in ("dcp", "whole-async")}
+    where: dict[str, Any] = {name: store.root.child(prefix) for name, prefix in scratch(world_size).items()} if store else {name: work / name for name in ("dcp", "whole-async")}
     dcp_where = ckpt_dcp.location(url=where["dcp"].url, options=store.storage_options) if store else ckpt_dcp.location(where["dcp"])  # type: ignore[union-attr]
     full_file, clock = work / "fullsd.pt", _UploadClock() if store else None
     floor_saves, floor_loads = _floors(cfg, model, optim, rank, world_size)
@@ -249,15 +249,17 @@ def run_optim(rank: int, world_size: int, cfg: JobConfig) -> dict[str, Any] | No
         probes = Probes()
         loads = {"floor_load": Method(lambda: floors.load(floors.rank_file(floor_dir, rank)))}
         for module, pair, name in ((ckpt_ours, ours, "ours"), (ckpt_dcp, fsdp2, "dcp")):
-            there = (cfg.checkpoint(cfg.other, name), cfg.reference(cfg.other, f"ref-{name}")) if cfg.other is not None else (None, None)
-            loads |= module.load_methods(*pair, Loads(cfg.checkpoint(world_size, name), *there, probes))
+            other = cfg.other is not None
+            where = Loads(cfg.checkpoint(world_size, name), cfg.checkpoint(cfg.other, name) if other else None,  # type: ignore[arg-type]
+                          cfg.reference(cfg.other, f"ref-{name}") if other else None, probes)  # type: ignore[arg-type]
+            loads |= module.load_methods(*pair, where)
         results |= cfg.measure(loads, probes)
     with phase(timings, "offline_s"):
         results |= cfg.measure(_offline(cfg, floor_dir, refs, disk))
     dist.barrier()
     if rank == 0:
         remove(floor_dir)
-    refs = (None, None)
+    refs = (None, None)  # type: ignore[assignment]
     release_memory()
     if cfg.train is not None:
         with phase(timings, "train_s"):
