@@ -1,7 +1,7 @@
 """Benchmark: sharded optimizer checkpoints (save, async save, load at the same and another world size,
 offline consolidate and reshard, training throughput), ours against PyTorch DCP + FSDP2 and the floors.
 
-For each model, world sizes run one after another in fresh gloo jobs (``ckpt/job.py``'s ``run``, through ``spawn.campaign``); a job loads the
+For each model, world sizes run one after another in fresh gloo jobs (``job.py``'s ``run_optim``, through ``spawn.jobs``); a job loads the
 checkpoints a job of another world size saved: W < max loads those of max W (saved first by a short
 job that only trains and saves), max W loads those of the next smaller W. Checkpoints live under a
 temporary directory on tmpfs (``/dev/shm``; ``--dir`` to choose), the references for the checks under
@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import models, spawn
-from .ckpt import job as ckpt_job
+from . import job, models, spawn
 from .ckpt import report as ckpt_report
 from .ckpt.train import TrainConfig
-from .report import Run, csv, storage, verdict_lines
+from .host import storage
+from .report import Run
+from .spawn import csv
 
 # ---- configuration ---------------------------------------------------------------------------------
 MODELS = ("25M", "100M")
@@ -57,43 +57,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _source(root: Path, refs: Path, world_size: int) -> ckpt_job.Source:
-    return ckpt_job.Source(
-        world_size,
-        ours=str(root / f"ours-W{world_size}"),
-        dcp=str(root / f"dcp-W{world_size}"),
-        ref_ours=str(refs / f"ref-ours-W{world_size}.pt"),
-        ref_dcp=str(refs / f"ref-dcp-W{world_size}.pt"),
-    )
-
-
 def run_model(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs: Path, log: Any) -> list[dict[str, Any]]:
     sizes, other = args.world_sizes, spawn.plan(args.world_sizes)
-    sources = {w: _source(root, refs, w) for w in sizes}
 
-    def job(world_size: int, source_only: bool) -> Any:
-        partner = other[world_size]
+    def cfg(world_size: int, source_only: bool) -> job.JobConfig:
         skipped = (spec.name, world_size) in TRAIN_SKIP
-        cfg = ckpt_job.JobConfig(
-            model=spec, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-            work=str(root / f"work-W{world_size}"), own=sources[world_size], publish_refs=world_size in other.values(),
-            other=sources[partner] if partner is not None else None, reshard_to=partner,
-            train=None if skipped else args.train, source_only=source_only,
+        return job.JobConfig(
+            model=spec, steps=args.steps, warmup=args.warmup, repeats=args.repeats, work=str(root / f"work-W{world_size}"), refs=str(refs),
+            publish_ref=world_size in other.values(), other=other[world_size], train=None if skipped else args.train, source_only=source_only,
             skip_train="skipped for time (TRAIN_SKIP in benchmarks/checkpoint.py)" if skipped and args.train else "",
         )  # fmt: skip
-        return spawn.run_ranks(ckpt_job.run, world_size, cfg, collective_timeout_s=COLLECTIVE_TIMEOUT_S)[0]
 
-    def done(world_size: int, payload: Any, needed: set[int | None]) -> list[dict[str, Any]]:
-        rows = ckpt_report.rows_of(spec.name, world_size, payload)
-        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} done {payload['timings']}")
-        print(ckpt_report.console(rows), flush=True)
+    def after(world_size: int, payload: Any, needed: set[int | None]) -> None:
         shutil.rmtree(root / f"work-W{world_size}", ignore_errors=True)
-        for src in (s for w, s in sources.items() if w not in needed):
-            for path in map(Path, (src.ours, src.dcp, src.ref_ours, src.ref_dcp)):
+        for w in (w for w in sizes if w not in needed):
+            for path in (root / f"ours-W{w}", root / f"dcp-W{w}", refs / f"ref-ours-W{w}.pt", refs / f"ref-dcp-W{w}.pt"):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        return rows
 
-    return spawn.campaign(sizes, job, done, log)
+    return spawn.jobs(sizes, spec, job.run_optim, cfg, ckpt_report, log, after=after, timeout_s=COLLECTIVE_TIMEOUT_S)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,17 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         "models": {s.name: s.numel for s in specs},
         "storage": storage(args.dir),
     }
-    root = Path(tempfile.mkdtemp(prefix="fsdp_optim_ckpt_", dir=args.dir))
-    refs = Path(tempfile.mkdtemp(prefix="fsdp_optim_ckpt_refs_"))
     rows: list[dict[str, Any]] = []
-    try:
+    with spawn.scratch("fsdp_optim_ckpt_", args.dir) as (root, refs):
         for spec in specs:
             rows += run_model(args, spec, root, refs, run.log)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(refs, ignore_errors=True)
-    meta = run.finish()
-    run.done(ckpt_report.write(rows, meta, args.out, args.name), ckpt_report.console(rows), verdict_lines(ckpt_report.targets(rows)))
+    run.close(ckpt_report, rows, args.out, args.name)
     return 0
 
 

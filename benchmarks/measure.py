@@ -88,7 +88,7 @@ def _short(exc: BaseException) -> str:
     return (text if isinstance(exc, RuntimeError) and text else f"{type(exc).__name__}: {text}")[:200]
 
 
-def _first_error(error: str) -> str:
+def first_error(error: str) -> str:
     """Every rank's error (or "") -> the first non-empty one, the same on every rank."""
     errors: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
@@ -145,7 +145,7 @@ def _rounds(
             except Exception as exc:  # a method that cannot run here is reported, not dropped silently
                 error = _short(exc)
                 traceback.print_exc()
-            error = _first_error(error)
+            error = first_error(error)
             if error:
                 failed[name] = error
             elif i >= warmup:

@@ -50,17 +50,23 @@ def _median(fn: Any, warmup: int, repeats: int, before: Any = None) -> float:
     return statistics.median(rounds({"call": lambda: fn(next(k))}, warmup=warmup, repeats=repeats, sync=dist.barrier, before=before and (lambda _: before()))["call"])
 
 
+def _setup(rank: int, spec: models.ModelSpec, work: str) -> tuple[Any, Any, Any]:
+    """The model trained one step, and a CheckpointManager with a memory tier (this rank's node: ``rank // 2``)."""
+    import fsdp_optim
+
+    model = models.wrap_fairscale(spec, torch.device("cpu"))
+    optim = models.train(model, spec, 1, rank, torch.device("cpu"))
+    manager = fsdp_optim.CheckpointManager(Path(work) / "durable", every=10**7, keep=1, memory_every=1, replicas=1,
+                                           memory_dir=Path(work) / "memory", node=rank // RANKS_PER_NODE)  # fmt: skip
+    return model, optim, manager
+
+
 def _save_job(rank: int, world_size: int, spec: models.ModelSpec, work: str, warmup: int, repeats: int) -> Any:
     import torch.distributed as dist
 
     import fsdp_optim
 
-    model = models.wrap_fairscale(spec, torch.device("cpu"))
-    optim = models.train(model, spec, 1, rank, torch.device("cpu"))
-    manager = fsdp_optim.CheckpointManager(
-        Path(work) / "durable", every=10**7, keep=1, memory_every=1, replicas=1, memory_dir=Path(work) / "memory",
-        node=rank // RANKS_PER_NODE,
-    )  # fmt: skip
+    model, optim, manager = _setup(rank, spec, work)
     handles: list[Any] = []
 
     def async_save(k: int) -> None:
@@ -91,13 +97,8 @@ def _restore_job(rank: int, world_size: int, spec: models.ModelSpec, work: str, 
 
     import fsdp_optim
 
-    model = models.wrap_fairscale(spec, torch.device("cpu"))
-    optim = models.train(model, spec, 1, rank, torch.device("cpu"))  # state of the right shapes, other values
+    model, optim, manager = _setup(rank, spec, work)  # state of the right shapes, other values
     memory, survived = Path(work) / "memory", Path(work) / "survived"
-    manager = fsdp_optim.CheckpointManager(
-        Path(work) / "durable", every=10**7, keep=1, memory_every=1, replicas=1, memory_dir=memory,
-        node=rank // RANKS_PER_NODE,
-    )  # fmt: skip
 
     def fresh_copy() -> None:
         if rank == 0:

@@ -8,11 +8,10 @@ A benchmark's main (see ``benchmarks/whole_state.py`` for a whole one)::
     run.meta |= {"repeats": 5}                             # the benchmark's own header fields
     run.log("W=2 ...")                                     # "[   12s] W=2 ..."
     rows = [record(model, 2, full_bytes, method, value, results.get(floor)) for method, value in results.items()]
-    meta = run.finish()                                    # meta: wall_s, load_after, finished
-    paths = write(out_dir, "mine", rows=rows, meta=meta, targets=targets(rows), markdown=markdown, plot=plot)
-    run.done(paths, console([...], widths), verdict_lines(targets(rows)))
+    run.close(suite, rows, out_dir, "mine")                # finish; write json, md (and png); print console, verdicts
 
-``results`` is what ``measure.measure`` returns (``Measurement`` or ``NotAvailable`` per method); ``compared``
+``suite`` is the benchmark's report module, with its ``targets``, ``markdown``, ``console`` and optional ``plot``
+(``write`` writes the files of any other). ``results`` is what ``measure.measure`` returns (``Measurement`` or ``NotAvailable`` per method); ``compared``
 also adds the ratio to DCP's counterpart and an async save's time until durable. The targets::
 
     def targets(rows):                                     # (name, method, versus "floor" | "dcp", limit)
@@ -42,13 +41,13 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .host import load_average, machine, package
 from .measure import Measurement, MiB, NotAvailable
 
 Row = dict[str, Any]
@@ -57,58 +56,6 @@ SCRATCH = Path(__file__).parent / "out"  # git-ignored: quick and ad-hoc runs
 
 # ---------------------------------------------------------------------------------------------------
 # The run: its header fields (meta) and its log
-
-
-def csv(text: str) -> tuple[str, ...]:
-    """``"a, b,c"`` -> ``("a", "b", "c")``: a comma-separated command-line option."""
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in csv(text))
-
-
-def machine() -> str:
-    """CPU model, cores, memory, GPUs and OS of this machine, in one line."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    memory = ""
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-        kib = int(next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")).split()[1])
-        memory = f", {kib / (1 << 20):.0f} GiB RAM"
-    except (OSError, StopIteration):
-        pass
-    gpu = f", {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
-    return f"{cpu}, {os.cpu_count()} cores{memory}{gpu}, {platform.system()} {platform.release()}"
-
-
-def load_average() -> str:
-    """The 1-, 5- and 15-minute load averages."""
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
-def package() -> str:
-    """Which fsdp_optim was measured: its commit, and whether its files differ from it."""
-    import fsdp_optim
-
-    where = Path(fsdp_optim.__file__).parent
-    git = ["git", "-C", str(where)]
-    try:
-        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "."], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return f"fsdp_optim {fsdp_optim.__version__} at {where} (not in a git checkout)"
-    return f"fsdp_optim {fsdp_optim.__version__} at commit {commit}" + (" with uncommitted changes" if dirty else "")
-
-
-def storage(path: Path) -> str:
-    return f"{path} ({'tmpfs' if str(path).startswith('/dev/shm') else 'file system'})"
 
 
 class Run:
@@ -138,6 +85,13 @@ class Run:
         self.meta["load_after"] = load_average()
         self.meta["finished"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         return self.meta
+
+    def close(self, suite: Any, rows: list[Row], out_dir: Path, name: str, value: str = ".2f") -> None:
+        """Finish, write ``suite``'s files (its ``targets``, ``markdown`` and ``plot`` if any), print its ``console`` table
+        and the verdicts."""
+        meta, verdicts = self.finish(), suite.targets(rows)
+        paths = write(out_dir, name, rows=rows, meta=meta, targets=verdicts, markdown=suite.markdown, plot=getattr(suite, "plot", None))
+        self.done(paths, suite.console(rows), verdict_lines(verdicts, value))
 
     def done(self, paths: dict[str, Path], *texts: str) -> None:
         """Print the run's closing texts (tables, verdicts) and what it wrote."""

@@ -1,6 +1,7 @@
 """The one job runner: start ``world_size`` fresh processes on one process group and bring every rank's result back
-(``run_ranks``); run a checkpoint benchmark's world sizes one after another (``plan``, ``campaign``) with the options
-they all take (``options``, ``resolve``).
+(``run_ranks``); run a checkpoint benchmark's world sizes one after another (``plan``, ``campaign``, ``jobs``: a job per
+world size, its rows logged) in scratch directories (``scratch``) with the options they all take (``options``,
+``resolve``).
 
 The benchmark uses the tests' spawn helper (``tests/_dist.py``: one helper for every multi-process program
 in this repository) with long timeouts, the backend chosen by the caller, deprecation notices silenced
@@ -11,10 +12,12 @@ environment). Run from the repository root, where ``tests`` is importable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,15 @@ def run_ranks(
         raise RuntimeError(f"world size {world_size}: {exc}") from exc
 
 
+def csv(text: str) -> tuple[str, ...]:
+    """``"a, b,c"`` -> ``("a", "b", "c")``: a comma-separated command-line option."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in csv(text))
+
+
 # ---------------------------------------------------------------------------------------------------
 # The checkpoint benchmarks' campaign: world sizes one after another, each loading another's checkpoint
 
@@ -73,6 +85,46 @@ def campaign(sizes: tuple[int, ...], job: Callable[[int, bool], Any], done: Call
         log(f"W={world_size} ...")
         rows += done(world_size, job(world_size, False), {other[w] for w in sizes[k + 1 :]})
     return rows
+
+
+def jobs(sizes: tuple[int, ...], spec: Any, fn: Callable[..., Any], cfg: Callable[[int, bool], Any], report: Any, log: Callable[[str], None], *,
+         after: Callable[[int, Any, set[int | None]], None] | None = None, before: Callable[[int], None] | None = None,
+         timeout_s: float = 900, deadline_s: float = 1800) -> tuple[list[Any], dict[int, str]]:  # fmt: skip
+    """:func:`campaign` of ``fn`` (a job's ranks) with ``cfg(world_size, source_only)``; after each job ``after(world_size,
+    payload, still_needed)`` (the suite's own additions to the payload and its cleanup), then ``report.rows_of`` of the
+    payload, logged and printed (``report.console``). Returns the rows and the load average before each measuring job."""
+    from .host import load_average
+
+    loads: dict[int, str] = {}
+
+    def job(world_size: int, source_only: bool) -> Any:
+        if not source_only:
+            loads[world_size] = load_average()
+            if before is not None:
+                before(world_size)
+        return run_ranks(fn, world_size, cfg(world_size, source_only), collective_timeout_s=timeout_s, deadline_s=deadline_s)[0]
+
+    def done(world_size: int, payload: Any, needed: set[int | None]) -> list[Any]:
+        if after is not None:
+            after(world_size, payload, needed)
+        rows = report.rows_of(spec.name, world_size, payload)
+        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} done {payload['timings']}")
+        print(report.console(rows), flush=True)
+        return rows
+
+    return campaign(sizes, job, done, log), loads
+
+
+@contextlib.contextmanager
+def scratch(prefix: str, directory: Path) -> Iterator[tuple[Path, Path]]:
+    """Two fresh directories, removed at the end: one under ``directory`` (the checkpoints), one under the system's
+    temporary directory (the references the checks compare with)."""
+    root, refs = Path(tempfile.mkdtemp(prefix=prefix, dir=directory)), Path(tempfile.mkdtemp(prefix=f"{prefix}refs_"))
+    try:
+        yield root, refs
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(refs, ignore_errors=True)
 
 
 def options(p: argparse.ArgumentParser, *, warmup: int, repeats: int, steps: int, storage: Path, name: str) -> None:

@@ -1,12 +1,12 @@
 """Benchmark: whole-state checkpoints (weights + buffers + optimizer state), ``save_checkpoint`` / ``load_checkpoint``
 against the per-rank torch.save / torch.load floor, PyTorch DCP + FSDP2 and fairscale's full state dicts.
 
-World sizes run one after another in fresh gloo jobs (``whole.job.run``), every rank a spawned process; each job
-loads the checkpoint a job of another world size saved (W < max loads max W's, saved first by a short job that
-only trains and saves; max W loads the next smaller W's) into the model at another FSDP nesting. Checkpoints
-live under a temporary directory on tmpfs (``/dev/shm``; ``--dir`` to choose), the references for the checks
-under the system's temporary directory; both are removed at the end. Writes ``<out>/<name>.md`` and ``.json``;
-ratios are to the floor of the same operation and to DCP's counterpart, in the same run.
+World sizes run one after another in fresh gloo jobs (``job.py``'s ``run_whole``, through ``spawn.jobs``), every rank a spawned
+process; each job loads the checkpoint a job of another world size saved (W < max loads max W's, saved first by a short
+job that only trains and saves; max W loads the next smaller W's) into the model at another FSDP nesting. Checkpoints
+live under a temporary directory on tmpfs (``/dev/shm``; ``--dir`` to choose), the references for the checks under
+the system's temporary directory; both are removed at the end. Writes ``<out>/<name>.md`` and ``.json``; ratios are
+to the floor of the same operation and to DCP's counterpart, in the same run.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import models, spawn
-from .report import Run, load_average, storage, verdict_lines
-from .whole import job as whole_job
+from . import job, models, spawn
+from .host import storage
+from .report import Run
 from .whole import offline as whole_offline
 from .whole import report as whole_report
 
@@ -50,34 +49,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_jobs(args: argparse.Namespace, spec: models.ModelSpec, root: Path, refs: Path, log: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    sizes, other = args.world_sizes, spawn.plan(args.world_sizes)
-    sources = {w: whole_job.Source(w, str(root / f"whole-W{w}"), str(refs / f"ref-W{w}.pt")) for w in sizes}
-    loads: dict[int, str] = {}
+    other = spawn.plan(args.world_sizes)
 
-    def job(world_size: int, source_only: bool) -> Any:
-        partner = other[world_size]
-        cfg = whole_job.JobConfig(
+    def cfg(world_size: int, source_only: bool) -> job.JobConfig:
+        return job.JobConfig(
             model=spec, steps=args.steps, warmup=args.warmup, repeats=args.repeats, peer_repeats=args.peer_repeats,
-            work=str(root / f"work-W{world_size}"), own=sources[world_size], publish_ref=world_size in other.values(),
-            other=sources[partner] if partner is not None else None, source_only=source_only,
+            work=str(root / f"work-W{world_size}"), refs=str(refs), publish_ref=world_size in other.values(),
+            other=other[world_size], source_only=source_only,
         )  # fmt: skip
-        if not source_only:
-            loads[world_size] = load_average()
-        return spawn.run_ranks(whole_job.run, world_size, cfg, collective_timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=3600)[0]
 
-    def done(world_size: int, payload: Any, needed: set[int | None]) -> list[dict[str, Any]]:
+    def after(world_size: int, payload: Any, needed: set[int | None]) -> None:
         work = root / f"work-W{world_size}"
-        payload["results"] |= whole_offline.measure(Path(sources[world_size].checkpoint), work / "dcp", work, repeats=args.repeats)
-        rows = whole_report.rows_of(spec.name, world_size, payload)
-        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} done {payload['timings']}")
-        print(whole_report.console(rows), flush=True)
+        payload["results"] |= whole_offline.measure(root / f"whole-W{world_size}", work / "dcp", work, repeats=args.repeats)
         shutil.rmtree(work, ignore_errors=True)
-        for src in (s for w, s in sources.items() if w not in needed):
-            shutil.rmtree(src.checkpoint, ignore_errors=True)
-            Path(src.reference).unlink(missing_ok=True)
-        return rows
+        for w in (w for w in args.world_sizes if w not in needed):
+            shutil.rmtree(root / f"whole-W{w}", ignore_errors=True)
+            (refs / f"ref-W{w}.pt").unlink(missing_ok=True)
 
-    return spawn.campaign(sizes, job, done, log), loads
+    return spawn.jobs(args.world_sizes, spec, job.run_whole, cfg, whole_report, log, after=after, timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=3600)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,16 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     run = Run("python -m benchmarks.whole_state", argv)
     run.meta |= {"model": spec.name, "numel": spec.numel, "world_sizes": list(args.world_sizes), "warmup": args.warmup, "repeats": args.repeats}
     run.meta |= {"peer_repeats": args.peer_repeats, "steps": args.steps, "storage": storage(args.dir)}
-    root = Path(tempfile.mkdtemp(prefix="fsdp_optim_whole_", dir=args.dir))
-    refs = Path(tempfile.mkdtemp(prefix="fsdp_optim_whole_refs_"))
-    try:
+    with spawn.scratch("fsdp_optim_whole_", args.dir) as (root, refs):
         rows, loads = run_jobs(args, spec, root, refs, run.log)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(refs, ignore_errors=True)
     run.meta["job_loads"] = "; ".join(f"W={w}: {load}" for w, load in loads.items())
-    meta = run.finish()
-    run.done(whole_report.write(rows, meta, args.out, args.name), whole_report.console(rows), verdict_lines(whole_report.targets(rows)))
+    run.close(whole_report, rows, args.out, args.name)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The checkpoint benchmark's parts (``python -m benchmarks.checkpoint`` runs them): ``job`` (one gloo job),
-``ours`` / ``dcp`` / ``floors`` (the methods timed), ``train`` (throughput with checkpoints), ``common``,
-``report`` (rows, targets, tables, plot); ``python -m benchmarks.ckpt.profile`` profiles ours. ``common`` (``Job``,
-``Probes``, ``Loads``) and ``floors`` serve the whole-state and storage benchmarks too."""
+"""The checkpoint benchmarks' parts (``python -m benchmarks.checkpoint`` runs them through ``benchmarks/job.py``'s
+``run_optim``): ``ours`` / ``dcp`` / ``floors`` (the methods timed, optimizer state only and, ``whole_*``, the whole
+state), ``train`` (throughput with checkpoints), ``common`` (``Job``, ``Probes``, loads into fresh optimizers), ``report``
+(rows, targets, tables, plot); ``python -m benchmarks.ckpt.profile`` profiles ours. All but ``train`` and ``report``
+serve the whole-state and storage benchmarks too."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .. import models
 from ..measure import Measurement, Method, NotAvailable, measure, release_memory
@@ -229,23 +230,52 @@ class Loads:
     probes: Probes
 
 
-def fresh_load_methods(prefix: str, model: Any, optim: torch.optim.Optimizer, load_into: Callable[[torch.optim.Optimizer, Path], None],
-                       other_wrong: Callable[[torch.optim.Optimizer, Any], str], where: Loads) -> dict[str, Method]:  # fmt: skip
-    """``{prefix}_load_same`` (and ``{prefix}_load_other``): ``load_into`` a fresh Adam of ``model``, built
-    untimed before each call. The same-W result must equal the live ``optim``; ``other_wrong(loaded,
-    reference full dict)`` says what is wrong with the other-W result ("" when right)."""
+def snapshot(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's parameter shards (a DTensor's local shard), copied: what a same-W whole-state load must restore."""
+    return [local(p.detach()).clone() for p in model.parameters()]
+
+
+def same_as(model: nn.Module, weights: list[torch.Tensor], optim: torch.optim.Optimizer) -> Callable[[Any], str]:
+    """A check of a same-W whole-state load: the model's shards equal ``weights``, the loaded optimizer equals ``optim``."""
+
+    def check(loaded: torch.optim.Optimizer) -> str:
+        found = [local(p.detach()) for p in model.parameters()]
+        return wrong(difference(found, weights, "weights") or difference(loaded.state_dict(), optim.state_dict(), "optim"))
+
+    return check
+
+
+def load_method(name: str, model: nn.Module, load: Callable[[torch.optim.Optimizer], None], check: Callable[[Any], str], probes: Probes, *,
+                zero: bool = True) -> Method:  # fmt: skip
+    """``load(fresh_adam)`` into ``model``, the fresh Adam (and, with ``zero``, the zeroed parameters: a whole-state load
+    that skipped anything shows in the check) made untimed before each call; returns the loaded optimizer. Every rank
+    checks the first call with ``check``."""
     fresh: list[torch.optim.Optimizer] = []
 
     def prepare() -> None:
+        if zero:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
         fresh[:] = [torch.optim.Adam(model.parameters(), lr=models.LR)]
 
-    def load(directory: Path) -> Callable[[], torch.optim.Optimizer]:
-        def call() -> torch.optim.Optimizer:
-            target = fresh.pop()
-            load_into(target, directory)
-            return target
+    def call() -> torch.optim.Optimizer:
+        load(fresh[0])
+        return fresh[0]
 
-        return call
+    return probes.wrap(name, Method(call, prepare=prepare, finish=fresh.clear), check)
+
+
+def reloads(name: str, model: nn.Module, optim: torch.optim.Optimizer, load: Callable[[torch.optim.Optimizer], None], probes: Probes) -> Method:
+    """A same-W whole-state load (``load_method``): it must give back the live weight shards and ``optim`` exactly."""
+    return load_method(name, model, load, same_as(model, snapshot(model), optim), probes)
+
+
+def fresh_load_methods(prefix: str, model: Any, optim: torch.optim.Optimizer, load_into: Callable[[torch.optim.Optimizer, Path], None],
+                       other_wrong: Callable[[torch.optim.Optimizer, Any], str], where: Loads) -> dict[str, Method]:  # fmt: skip
+    """``{prefix}_load_same`` (and ``{prefix}_load_other``): ``load_into`` a fresh Adam of ``model`` (``load_method``,
+    parameters as they are). The same-W result must equal the live ``optim``; ``other_wrong(loaded, reference full
+    dict)`` says what is wrong with the other-W result ("" when right)."""
 
     def same_as_live(loaded: torch.optim.Optimizer) -> str:
         return wrong(difference(loaded.state_dict(), optim.state_dict(), "state_dict"))
@@ -253,9 +283,9 @@ def fresh_load_methods(prefix: str, model: Any, optim: torch.optim.Optimizer, lo
     def same_as_other(loaded: torch.optim.Optimizer) -> str:
         return other_wrong(loaded, torch.load(where.other_reference, mmap=True, weights_only=True))  # type: ignore[arg-type]
 
-    same = f"{prefix}_load_same"
-    methods = {same: where.probes.wrap(same, Method(load(where.same_dir), prepare=prepare), same_as_live)}
+    methods, same = {}, f"{prefix}_load_same"
+    methods[same] = load_method(same, model, lambda target: load_into(target, where.same_dir), same_as_live, where.probes, zero=False)
     if where.other_dir is not None:
         other = f"{prefix}_load_other"
-        methods[other] = where.probes.wrap(other, Method(load(where.other_dir), prepare=prepare), same_as_other)
+        methods[other] = load_method(other, model, lambda target: load_into(target, where.other_dir), same_as_other, where.probes, zero=False)  # type: ignore[arg-type]
     return methods

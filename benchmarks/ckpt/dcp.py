@@ -16,11 +16,17 @@ Checks: a save is converted with ``dcp_to_torch_save`` and compared with the ful
 ``get_optimizer_state_dict(full_state_dict=True, cpu_offload=True)`` returned before timing; a load is
 compared on every rank with the live optimizer (same world size) or with this rank's DTensor shards of
 the other job's full state dict.
+
+The whole state, ``whole_*``: ``{"model", "optimizer"}`` of ``get_state_dict(model, optim)``, saved (``dcp_save``,
+and with an async directory ``dcp_async``) and loaded into zeroed weights and a fresh Adam (``dcp_load_same``:
+``get_state_dict``, ``dcp.load``, ``set_state_dict``), which must give back the live shards and optimizer state
+exactly; on a local directory or, through ``location``, DCP's ``FsspecWriter`` / ``FsspecReader`` on an object store.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +38,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
+    get_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 
 from ..measure import Method
 from ..peak import fsync_path
-from .common import Loads, Probes, difference, fresh_load_methods, measured_and_removed, wrong
+from .common import Loads, Probes, difference, fresh_load_methods, measured_and_removed, reloads, wrong
 
 
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -140,3 +148,37 @@ def offline_methods(
         return wrong(difference(saved["optim"]["state"], reference["state"], "optim/state"))  # type: ignore[index]
 
     return {"dcp_to_torch_save": Method(convert, check=check, finish=measured_and_removed(disk, "dcp_to_torch_save", path))}
+
+
+def _whole_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optim)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def location(directory: Path | None = None, *, url: str = "", options: dict[str, Any] | None = None) -> Callable[[bool], dict[str, Any]]:
+    """Where DCP saves and loads: ``location(write)`` gives ``dcp.save`` / ``dcp.load``'s keywords, a local
+    ``directory`` or, with ``url``, a fresh ``FsspecWriter`` / ``FsspecReader`` (with ``options``) per call."""
+    if directory is not None:
+        return lambda write: {"checkpoint_id": directory}
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    return lambda write: {"storage_writer": FsspecWriter(url, **(options or {}))} if write else {"storage_reader": FsspecReader(url, **(options or {}))}
+
+
+def whole_save_methods(model: nn.Module, optim: torch.optim.Optimizer, *, where: Callable[[bool], dict[str, Any]], probes: Probes,
+                       async_dir: Path | None = None, group: dist.ProcessGroup | None = None) -> dict[str, Method]:  # fmt: skip
+    """``dcp_save`` (and, with ``async_dir``, ``dcp_async`` on ``group``)."""
+    methods = {"dcp_save": Method(lambda: dcp.save(_whole_state(model, optim), **where(True)))}
+    if async_dir is not None:
+        call = Method(lambda: dcp.async_save(_whole_state(model, optim), checkpoint_id=async_dir, process_group=group))
+        methods["dcp_async"] = probes.wrap("dcp_async", call, durable=lambda future: future.result())
+    return methods
+
+
+def whole_load_same(model: nn.Module, optim: torch.optim.Optimizer, *, where: Callable[[bool], dict[str, Any]], probes: Probes) -> dict[str, Method]:
+    def load(target: torch.optim.Optimizer) -> None:
+        state = _whole_state(model, target)
+        dcp.load(state, **where(False))
+        set_state_dict(model, target, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    return {"dcp_load_same": reloads("dcp_load_same", model, optim, load, probes)}

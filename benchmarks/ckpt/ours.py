@@ -12,6 +12,13 @@ Checks: a save (or reshard) is consolidated and compared with the full dict that
 ``gather_full_optim_state_dict`` returned before timing, bit for bit; a load is compared, on every
 rank, with the live optimizer's ``state_dict()`` (same world size) or with this rank's shard of the
 other job's gathered dict (``get_shard_from_optim_state_dict``).
+
+The whole state (weights, buffers, optimizer state), ``whole_*``: ``save_checkpoint`` (``whole_save``),
+``async_save_checkpoint`` (``whole_async``; recorded: until its handle's ``wait()`` returns, committed),
+``load_checkpoint`` into zeroed weights and a fresh Adam from this job's checkpoint (``whole_load_same``) and from
+another world size's into the model at another FSDP nesting (``whole_load_other``). A same-W load must give back
+the live weight shards and optimizer state bit for bit (which also checks ``whole_save``); an other-W load the
+saving job's full weights and, cut for this rank, its gathered optimizer state (``whole_reference``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import fsdp_optim
 
 from ..measure import Method
 from ..peak import save_durably
-from .common import Loads, Probes, difference, fresh_load_methods, measured_and_removed, wrong
+from .common import Loads, Probes, difference, fresh_load_methods, load_method, measured_and_removed, reloads, wrong
 
 
 def _saved_matches(directory: Path, reference: dict[str, Any] | None, *, any_world_size: bool = False) -> str:
@@ -112,3 +119,34 @@ def offline_methods(
             finish=measured_and_removed(disk, "ours_reshard", resharded),
         )
     return methods
+
+
+def whole_reference(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """A collective: the full weights (every rank) and the full optimizer state (rank 0) the checks compare with."""
+    return {"model": model.state_dict(), "optim": model.gather_full_optim_state_dict(optim)}  # type: ignore[operator]
+
+
+def whole_save_methods(model: nn.Module, optim: torch.optim.Optimizer, *, directory: Path, async_dir: Path, probes: Probes) -> dict[str, Method]:
+    methods = {"whole_save": Method(lambda: fsdp_optim.save_checkpoint(model, optim, directory))}
+    methods["whole_async"] = probes.wrap(
+        "whole_async", Method(lambda: fsdp_optim.async_save_checkpoint(model, optim, async_dir)), durable=lambda handle: handle.wait()
+    )
+    return methods
+
+
+def whole_load_same(model: nn.Module, optim: torch.optim.Optimizer, *, directory: Path, probes: Probes) -> dict[str, Method]:
+    load = lambda target: fsdp_optim.load_checkpoint(model, target, directory)  # noqa: E731
+    return {"whole_load_same": reloads("whole_load_same", model, optim, load, probes)}
+
+
+def whole_load_other(model: nn.Module, *, directory: Path, reference_file: Path, probes: Probes) -> dict[str, Method]:
+    """Into ``model`` (another nesting, this job's world size) from a checkpoint saved at another world size."""
+
+    def check(loaded: torch.optim.Optimizer) -> str:
+        weights = model.state_dict()  # a collective, first: every rank reaches it
+        ref = torch.load(reference_file, mmap=True, weights_only=False)
+        expected = model.get_shard_from_optim_state_dict(ref["optim"], optim=loaded)  # type: ignore[operator]
+        return wrong(difference(weights, ref["model"], "weights") or difference(loaded.state_dict(), expected, "optim"))
+
+    load = lambda target: fsdp_optim.load_checkpoint(model, target, directory)  # noqa: E731
+    return {"whole_load_other": load_method("whole_load_other", model, load, check, probes)}

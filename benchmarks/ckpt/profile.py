@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from .. import models, spawn
 from ..checkpoint import STORAGE
+from ..host import storage
 from ..measure import release_memory
-from ..report import RESULTS, storage, table
+from ..report import RESULTS, table
 from . import floors as ckpt_floors
 
 PAGE = resource.getpagesize()

@@ -255,7 +255,3 @@ def console(rows: list[Row]) -> str:
     overhead = lambda r: f"{r['overhead_s'] * 1e3:+.0f} ms/ckpt " if r.get("overhead_s") is not None else ""  # noqa: E731
     return report.measurements(rows, [*report.MEASURED, ("x dcp", 6, lambda r: report.fmt(r, "x_dcp", ".2f")), ("durable", 9, lambda r: report.fmt(r, "durable_median_s", ".3f")),
                                       *report.RSS, ("disk MiB", 9, lambda r: report.fmt(r, "disk_bytes", ".1f", MiB)), ("note", 40, lambda r: overhead(r) + r.get("note", ""))])  # fmt: skip
-
-
-def write(rows: list[Row], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
-    return report.write(out_dir, name, rows=rows, meta=meta, targets=targets(rows), markdown=markdown, plot=plot)

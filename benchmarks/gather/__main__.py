@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from .. import models, spawn
-from ..report import RESULTS, SCRATCH, Run, csv, ints, verdict_lines
+from ..report import RESULTS, SCRATCH, Run
+from ..spawn import csv, ints
 from . import report, suite
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -101,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             meta["runs"].append({"model": spec.name, "world_size": world_size, **payload["timings"]})
             print(report.console(new_rows), flush=True)
         meta["runs"].append({"world_size": world_size, "wall_s": time.perf_counter() - t0})
-    run.finish()
-    paths = report.write(rows, meta, args.out, args.name)
-    run.done(paths, report.console(rows), verdict_lines(report.targets(rows)))
+    run.close(report, rows, args.out, args.name)
     return 0
 
 

@@ -91,8 +91,7 @@ def _ms(row: Row | None) -> str:
         return ""
     if "na" in row:
         return f"n/a: {row['na']}"
-    text = f"{row['median_s'] * 1e3:,.0f}" if row["median_s"] >= 0.01 else f"{row['median_s'] * 1e3:.2f}"
-    return text + (f" ({row['x_floor']:.2f}x)" if row.get("x_floor") is not None else "") + report.mark(row, " ⚠")
+    return report.ms(row["median_s"]) + (f" ({row['x_floor']:.2f}x)" if row.get("x_floor") is not None else "") + report.mark(row, " ⚠")
 
 
 def _mib(key: str) -> Any:
@@ -150,7 +149,3 @@ def plot(rows: list[Row], path: Path, title: str) -> bool:
 def console(rows: list[Row]) -> str:
     """Every method's median, spread, ratio and RSS growth, for the terminal."""
     return report.measurements(rows, [*report.MEASURED, *report.RSS, ("note", 80, lambda r: r.get("note", ""))], 16)
-
-
-def write(rows: list[Row], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
-    return report.write(out_dir, name, rows=rows, meta=meta, targets=targets(rows), markdown=markdown, plot=plot)

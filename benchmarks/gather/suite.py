@@ -15,12 +15,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import models
 from ..ckpt.common import Job, phase
-from ..measure import Measurement, Method, NotAvailable, measure, release_memory
+from ..measure import Measurement, Method, NotAvailable, first_error, measure, release_memory
 from . import checks, floors, peers
 
 
@@ -113,9 +112,7 @@ def run(rank: int, world_size: int, cfg: RunConfig) -> dict[str, Any] | None:
             except Exception as exc:  # a framework that cannot run here is reported, not dropped silently
                 error = f"setup failed: {type(exc).__name__}: {exc}"[:200]
                 traceback.print_exc()
-            errors: list[Any] = [None] * world_size
-            dist.all_gather_object(errors, error)
-            error = next((e for e in errors if e), "")
+            error = first_error(error)
             if error:
                 setups.pop(name, None)
                 unavailable[name] = NotAvailable(error)

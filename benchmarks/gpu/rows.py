@@ -66,23 +66,31 @@ def _fresh(config: Config, name: str) -> str:
     return path
 
 
-def ours(model: nn.Module, optim: torch.optim.Optimizer, config: Config) -> Tally:
+def _rows(config: Config, name: str, save: Callable[[str], Any] | None, load: Callable[[str], Any], async_save: Callable[[str], Any],
+          staged: Callable[[Any], Any], committed: Callable[[Any], Any]) -> Tally:  # fmt: skip
+    """Per round: ``save`` and ``load`` of a fresh directory (unless ``save`` is None), then ``async_save``: its blocking
+    part, the time until ``staged(response)`` returns (the copy done) and until ``committed(response)`` returns."""
     tally = Tally()
     for r in range(config.repeats + 1):
         warm = r > 0
-        path = _fresh(config, "ours")
-        watched(tally, "sync save", warm, config, lambda: fsdp_optim.save_checkpoint(model, optim, path))
-        watched(tally, "load", warm, config, lambda: fsdp_optim.load_checkpoint(model, optim, path))
-        path = _fresh(config, "ours-async")
+        if save is not None:
+            path = _fresh(config, name)
+            watched(tally, "sync save", warm, config, lambda: save(path))
+            watched(tally, "load", warm, config, lambda: load(path))
+        path = _fresh(config, f"{name}-async")
         start = time.perf_counter()
-        handle = watched(tally, "async save, blocking", warm, config,
-                         lambda: fsdp_optim.async_save_checkpoint(model, optim, path))  # fmt: skip
-        handle.wait_staged()
+        response = watched(tally, "async save, blocking", warm, config, lambda: async_save(path))
+        staged(response)
         sync(config)
         tally.add("async save, copied", time.perf_counter() - start, warm)
-        handle.wait()
+        committed(response)
         tally.add("async save, committed", time.perf_counter() - start, warm)
     return tally
+
+
+def ours(model: nn.Module, optim: torch.optim.Optimizer, config: Config) -> Tally:
+    return _rows(config, "ours", lambda path: fsdp_optim.save_checkpoint(model, optim, path), lambda path: fsdp_optim.load_checkpoint(model, optim, path),
+                 lambda path: fsdp_optim.async_save_checkpoint(model, optim, path), lambda handle: handle.wait_staged(), lambda handle: handle.wait())  # fmt: skip
 
 
 def _dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -92,26 +100,15 @@ def _dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]
 
 def dcp_rows(model: nn.Module, optim: torch.optim.Optimizer, config: Config, stager: Any = None) -> Tally:
     """DCP as users call it (``stager=None``: sync save, load, default async) or async with ``stager`` only."""
-    tally = Tally()
-    for r in range(config.repeats + 1):
-        warm = r > 0
-        if stager is None:
-            path = _fresh(config, "dcp")
-            watched(tally, "sync save", warm, config, lambda: dcp.save(_dcp_state(model, optim), checkpoint_id=path))
-            watched(tally, "load", warm, config, lambda: _dcp_load(model, optim, path))
-        path = _fresh(config, "dcp-async")
-        start = time.perf_counter()
-        response = watched(tally, "async save, blocking", warm, config,
-                           lambda: dcp.async_save(_dcp_state(model, optim), checkpoint_id=path, async_stager=stager))  # fmt: skip
-        staging = getattr(response, "staging_completion", None)
-        if staging is not None:
-            staging.result()
-        sync(config)
-        tally.add("async save, copied", time.perf_counter() - start, warm)
-        upload = getattr(response, "upload_completion", response)
-        upload.result()
-        tally.add("async save, committed", time.perf_counter() - start, warm)
-    return tally
+
+    def staged(response: Any) -> None:
+        if getattr(response, "staging_completion", None) is not None:
+            response.staging_completion.result()
+
+    save = (lambda path: dcp.save(_dcp_state(model, optim), checkpoint_id=path)) if stager is None else None
+    return _rows(config, "dcp", save, lambda path: _dcp_load(model, optim, path),
+                 lambda path: dcp.async_save(_dcp_state(model, optim), checkpoint_id=path, async_stager=stager), staged,
+                 lambda response: getattr(response, "upload_completion", response).result())  # fmt: skip
 
 
 def _dcp_load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:

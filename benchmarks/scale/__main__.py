@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from fsdp_optim import consolidate, reshard
 from fsdp_optim.formats.sharded.manifest import Manifest
 
 from .. import spawn
+from ..host import machine, package
 from ..peak import in_child, save_durably
-from ..report import RESULTS, machine, package
+from ..report import RESULTS
 from . import job as scale_job
 from . import ops as scale_ops
 from .report import plot, tables
@@ -56,21 +58,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
-    """One checkpoint of ``units`` at ``world_size``: made, inspected, resharded, consolidated; and the floors."""
-    new_size = world_size * 3 // 4
+def _make(world_size: int, units: int, src: Path) -> None:
     lay = scale_ops.layout(units, world_size, PER_UNIT)
-    src = root / "src"
-    root.mkdir(parents=True, exist_ok=True)
-    row: dict[str, Any] = {"world_size": world_size, "units": units, "to": new_size}
+    reshard(scale_ops.full_dict(lay), world_size, src, layout=Manifest.from_layout(lay, save_id="layout"))
 
-    def make() -> None:
-        reshard(scale_ops.full_dict(lay), world_size, src, layout=Manifest.from_layout(lay, save_id="layout"))
 
-    row["make_s"], row["make_rss"], _ = in_child(make)
-    row["disk_bytes"] = scale_ops.disk_bytes(src)
+def _operations(src: Path, new_size: int, root: Path) -> dict[str, Callable[[], Any]]:
+    """What is measured of the checkpoint in ``src``, re-cut to ``new_size`` ranks: ours and the floors."""
     files = sorted(src.glob("optim-*"))
-    measured = {
+    return {
         "inspect": lambda: scale_ops.inspect(src),
         "floor_reshard": lambda: scale_ops.floor_reshard(files, new_size, root / "floor-r"),
         "floor_recut": lambda: scale_ops.floor_recut(src, new_size, root / "floor-u"),
@@ -78,6 +74,16 @@ def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
         "floor_consolidate": lambda: scale_ops.floor_consolidate(files, root / "floor-c"),
         "consolidate": lambda: save_durably(consolidate(src), root / "full.pt"),
     }
+
+
+def offline(world_size: int, units: int, root: Path) -> dict[str, Any]:
+    """One checkpoint of ``units`` at ``world_size``: made, inspected, resharded, consolidated; and the floors."""
+    new_size, src = world_size * 3 // 4, root / "src"
+    root.mkdir(parents=True, exist_ok=True)
+    row: dict[str, Any] = {"world_size": world_size, "units": units, "to": new_size}
+    row["make_s"], row["make_rss"], _ = in_child(lambda: _make(world_size, units, src))
+    row["disk_bytes"] = scale_ops.disk_bytes(src)
+    measured = _operations(src, new_size, root)
     for name, fn in measured.items():
         row[f"{name}_s"], row[f"{name}_rss"] = _median(fn)
     _, rss, planned = in_child(
@@ -105,15 +111,9 @@ def _median(fn: Any) -> tuple[float, int]:
 def warm_up(root: Path) -> None:
     """Every measured path once, in this process, on 2 units at 2 ranks: the forked children then start with
     everything imported and every one-time cost paid (as a long-running tool would)."""
-    lay = scale_ops.layout(2, 2, PER_UNIT)
-    reshard(scale_ops.full_dict(lay), 2, root / "src", layout=Manifest.from_layout(lay, save_id="layout"))
-    files = sorted((root / "src").glob("optim-*"))
-    scale_ops.inspect(root / "src")
-    scale_ops.floor_reshard(files, 1, root / "floor-r")
-    scale_ops.floor_recut(root / "src", 1, root / "floor-u")
-    reshard(root / "src", 1, root / "resharded")
-    scale_ops.floor_consolidate(files, root / "floor-c")
-    save_durably(consolidate(root / "src"), root / "full.pt")
+    _make(2, 2, root / "src")
+    for fn in _operations(root / "src", 1, root).values():
+        fn()
     scale_ops.plan_one_rank(2, 4, PER_UNIT, traced=False)
     shutil.rmtree(root, ignore_errors=True)
 

@@ -5,8 +5,8 @@ docs/benchmarks.md, "Object storage").
 
 One SeaweedFS server (``weed mini``, started here on loopback, data in ``--dir``: on a machine whose memory is shared,
 ``--dir /tmp``, as a 100M run holds ~6-10 GB) serves the run. World sizes run one after another in fresh gloo jobs
-(``job.run``), each loading a checkpoint a job of another world size saved into another FSDP nesting, once more
-through a counting proxy; then the offline tools run in this process on the smallest W's checkpoint (``offline``).
+(``job.py``'s ``run_whole`` on the store), each loading a checkpoint a job of another world size saved into another FSDP
+nesting, once more through a counting proxy; then the offline tools run in this process on the smallest W's checkpoint (``offline``).
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import fsdp_optim
 
-from .. import models, spawn
-from ..report import Run, load_average, storage, verdict_lines
-from . import job as storage_job
+from .. import job, models, spawn
+from ..host import load_average, storage
+from ..report import Run
 from . import offline, report, server
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -53,37 +52,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_jobs(args: argparse.Namespace, srv: Any, proxy: Any, refs: Path, log: Any) -> tuple[list[dict[str, Any]], dict[int, str]]:
-    sizes, other = args.world_sizes, spawn.plan(args.world_sizes)
-    endpoint = srv.endpoint
-    root = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options)
-    counted = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **proxy.storage_options)
-    vacuum_url = f"http://127.0.0.1:{srv.ports['master.port']}/vol/vacuum?garbageThreshold=0.001"
-    loads: dict[int, str] = {}
+    other, endpoint = spawn.plan(args.world_sizes), srv.endpoint
+    store = job.Store(
+        root=fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options),
+        counted=fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **proxy.storage_options), storage_options=endpoint.storage_options,
+        vacuum_url=f"http://127.0.0.1:{srv.ports['master.port']}/vol/vacuum?garbageThreshold=0.001",
+    )  # fmt: skip
 
-    def job(world_size: int, source_only: bool) -> Any:
-        cfg = storage_job.JobConfig(
-            model=args.spec, steps=args.steps, warmup=args.warmup,
-            repeats=args.repeats, root=root, counted=counted, storage_options=endpoint.storage_options,
-            refs=str(refs), other=other[world_size], publish_ref=world_size in other.values(), vacuum_url=vacuum_url,
-            source_only=source_only,
+    def cfg(world_size: int, source_only: bool) -> job.JobConfig:
+        return job.JobConfig(
+            model=args.spec, steps=args.steps, warmup=args.warmup, repeats=args.repeats, work="", refs=str(refs), store=store,
+            other=other[world_size], publish_ref=world_size in other.values(), source_only=source_only,
         )  # fmt: skip
-        if not source_only:
-            loads[world_size] = load_average()
-            proxy.reset_stats()
-        return spawn.run_ranks(storage_job.run, world_size, cfg, collective_timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=5400)[0]
 
-    def done(world_size: int, payload: Any, needed: set[int | None]) -> list[dict[str, Any]]:
-        spec = args.spec
+    def after(world_size: int, payload: Any, needed: set[int | None]) -> None:
         payload["recut_fetched_bytes"] = server.get_bytes(proxy.stats()) if payload.get("recut_held_bytes") else None
-        for name in storage_job.scratch(world_size).values():  # this job's scratch prefixes (fresh names per job)
-            root.fs.rm(root.key(name), recursive=True)
+        for name in job.scratch(world_size).values():  # this job's scratch prefixes (fresh names per job)
+            store.root.fs.rm(store.root.key(name), recursive=True)
         server.vacuum(srv)
-        rows = report.rows_of(spec.name, world_size, payload)
-        log(f"{spec.name} ({spec.numel / 1e6:.1f}M params) W={world_size} done {payload['timings']}")
-        print(report.console(rows), flush=True)
-        return rows
 
-    return spawn.campaign(sizes, job, done, log), loads
+    return spawn.jobs(args.world_sizes, args.spec, job.run_whole, cfg, report, log, after=after, before=lambda _: proxy.reset_stats(),
+                      timeout_s=COLLECTIVE_TIMEOUT_S, deadline_s=5400)  # fmt: skip
 
 
 def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, Any]]:
@@ -93,7 +82,7 @@ def run_offline(args: argparse.Namespace, srv: Any, log: Any) -> list[dict[str, 
     root = fsdp_optim.open_store(f"s3://{endpoint.bucket}/run", **endpoint.storage_options)
     log(f"offline: reshard {world_size} -> {RESHARD_TO} and consolidate, store to store (load average {load_average()})")
     results = offline.measure(
-        storage_job.checkpoint(root, world_size), root.child("offline"), world_size=RESHARD_TO, warmup=args.warmup,
+        root.child(f"whole-W{world_size}"), root.child("offline"), world_size=RESHARD_TO, warmup=args.warmup,
         repeats=args.offline_repeats, env=endpoint.env, compact=lambda: server.vacuum(srv),
     )
     rows = report.rows_of(spec.name, world_size, {"results": results})
@@ -105,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     run = Run("python -m benchmarks.storage", argv, versions=_client_versions())
-    log = run.log
     run.meta |= {
         "models": ", ".join(f"W={w}: {args.spec.name} ({args.spec.numel / 1e6:.1f}M parameters)" for w in args.world_sizes),
         "world_sizes": list(args.world_sizes),
@@ -115,27 +103,19 @@ def main(argv: list[str] | None = None) -> int:
         "offline_source": f"W={args.world_sizes[0]}'s checkpoint, resharded to W={RESHARD_TO}",
         "steps": args.steps,
     }
-    meta = run.meta
-    data = Path(tempfile.mkdtemp(prefix="fsdp_optim_storage_", dir=args.dir))
-    refs = Path(tempfile.mkdtemp(prefix="fsdp_optim_storage_refs_"))  # on disk: tmpfs holds the server's data
-    srv = server.start(data)
-    proxy = server.counting_proxy(srv.endpoint)
-    meta["server"] = (
-        f"SeaweedFS `weed mini` ({_weed_version()}) on 127.0.0.1, data in {storage(args.dir)}"
-        "; the same 2 cores as the ranks"
-    )
-    try:
-        rows, loads = run_jobs(args, srv, proxy, refs, log)
-        if not args.no_offline:
-            rows += run_offline(args, srv, log)
-    finally:
-        proxy.close()
-        srv.stop()
-        shutil.rmtree(data, ignore_errors=True)
-        shutil.rmtree(refs, ignore_errors=True)
-    meta["job_loads"] = "; ".join(f"W={w}: {load}" for w, load in loads.items())
-    run.finish()
-    run.done(report.write(rows, meta, args.out, args.name), report.console(rows), verdict_lines(report.targets(rows), value=".3f"))
+    with spawn.scratch("fsdp_optim_storage_", args.dir) as (data, refs):  # the references on disk: tmpfs holds the server's data
+        srv = server.start(data)
+        proxy = server.counting_proxy(srv.endpoint)
+        run.meta["server"] = f"SeaweedFS `weed mini` ({_weed_version()}) on 127.0.0.1, data in {storage(args.dir)}; the same 2 cores as the ranks"
+        try:
+            rows, loads = run_jobs(args, srv, proxy, refs, run.log)
+            if not args.no_offline:
+                rows += run_offline(args, srv, run.log)
+        finally:
+            proxy.close()
+            srv.stop()
+    run.meta["job_loads"] = "; ".join(f"W={w}: {load}" for w, load in loads.items())
+    run.close(report, rows, args.out, args.name, value=".3f")
     return 0
 
 

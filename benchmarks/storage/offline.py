@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import contextmanager, redirect_stdout
+from contextlib import redirect_stdout
 from io import StringIO
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -25,20 +26,6 @@ from fsdp_optim.disk.storage import ObjectStore
 from ..measure import Measurement
 from ..peak import rounds
 from . import floors
-
-
-@contextmanager
-def aws_env(env: dict[str, str]) -> Any:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _fetch_all(store: ObjectStore) -> None:
@@ -66,7 +53,7 @@ def measure(source: ObjectStore, out: ObjectStore, *, world_size: int, warmup: i
             code = cli_main(["consolidate", source.url, "-o", f"{full.url}/full.pt", "--overwrite"])
         assert code == 0, f"fsdp-optim consolidate exited with {code}"
 
-    with aws_env(env):
+    with patch.dict(os.environ, env):
         reshard()
         consolidate()  # once, untimed: the sizes of what they write, for the floors
         reshard_sizes = {n: o.size for n, o in resharded.listing().items()}

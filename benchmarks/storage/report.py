@@ -5,13 +5,12 @@ on ``benchmarks.report``."""
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import Any
 
 from .. import report
 from ..measure import Measurement, MiB
 from ..report import Row
-from ..whole.report import notes
+from ..whole.report import line, notes, sections
 
 FLOOR_OF = {
     "whole_save": "floor_upload",
@@ -98,12 +97,8 @@ def _cells(row: Row) -> list[str]:
             f"{row['gb_per_s']:.2f}" if row.get("gb_per_s") else "", f"{row['moved_bytes'] / MiB:,.0f}" if row.get("moved_bytes") else ""]
 
 
-def _label(row: Row) -> str:
-    return LABELS.get(row["method"], row["method"]) + (f" (saved at W={row['other_world_size']})" if row.get("other_world_size") else "")
-
-
 def console(rows: list[Row]) -> str:
-    return report.by_group(rows, HEAD, lambda r: [_label(r)] + _cells(r), (70, 40, 7, 8, 6, 6, 9))
+    return report.by_group(rows, HEAD, line(LABELS, _cells), (70, 40, 7, 8, 6, 6, 9))
 
 
 def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None) -> str:
@@ -125,11 +120,4 @@ def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None) -> str
         "",
     )
     rep.targets(targets(rows), "## Targets (issue 25)", value=".3f")
-    for model, ws in report.groups(rows):
-        rep.add(f"## {model}, W={ws}" if ws else f"## {model}, offline (one process)", "")
-        rep.table(HEAD, [[_label(r)] + _cells(r) for r in rows if (r["model"], r["world_size"]) == (model, ws)])
-    return notes(rep, rows, meta, LABELS, skip="offline, one process").text()
-
-
-def write(rows: list[Row], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
-    return report.write(out_dir, name, rows=rows, meta=meta, targets=targets(rows), markdown=markdown)
+    return notes(sections(rep, rows, HEAD, _cells, LABELS), rows, meta, LABELS, skip="offline, one process").text()

@@ -18,11 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ckpt.common import Probes
+from ..ckpt.common import Probes, load_method
 from ..gather import peers
 from ..measure import Method
 from ..peak import save_durably
-from .fresh import load_method
 
 
 def save_methods(model: nn.Module, optim: torch.optim.Optimizer, *, path: Path) -> dict[str, Method]:

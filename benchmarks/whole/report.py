@@ -3,7 +3,6 @@ each recorded rank's own shard bytes beside its peak RSS growth), its targets an
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from .. import report
@@ -96,12 +95,21 @@ def _cells(row: Row) -> list[str]:
             report.fmt(row, "x_dcp", ".2f"), rss, own, f"{row['rss_excess'] / MiB:+,.0f}", report.fmt(row, "disk_bytes", ",.0f", MiB)]
 
 
-def _label(row: Row) -> str:
-    return LABELS.get(row["method"], row["method"]) + (f" (saved at W={row['other_world_size']})" if row.get("other_world_size") else "")
+def line(labels: dict[str, str], cells: Any) -> Any:
+    """A row of the tables: its label (an other-W load: with the world size that saved its checkpoint), then ``cells``."""
+    return lambda r: [labels.get(r["method"], r["method"]) + (f" (saved at W={r['other_world_size']})" if r.get("other_world_size") else "")] + cells(r)
 
 
 def console(rows: list[Row]) -> str:
-    return report.by_group(rows, HEAD, lambda r: [_label(r)] + _cells(r), (56, 24, 7, 8, 6, 22, 22, 13, 9))
+    return report.by_group(rows, HEAD, line(LABELS, _cells), (56, 24, 7, 8, 6, 22, 22, 13, 9))
+
+
+def sections(rep: report.Report, rows: list[Row], head: tuple[str, ...], cells: Any, labels: dict[str, str]) -> report.Report:
+    """A table per (model, world size) (world size 0: the offline tools, one process)."""
+    for model, ws in report.groups(rows):
+        rep.add(f"## {model}, W={ws}" if ws else f"## {model}, offline (one process)", "")
+        rep.table(head, [line(labels, cells)(r) for r in rows if (r["model"], r["world_size"]) == (model, ws)])
+    return rep
 
 
 def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None) -> str:
@@ -121,9 +129,7 @@ def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None) -> str
     )
     limit = lambda v: "64 MiB" if v["target"].endswith("64 MiB") else ("-" if v["limit"] is None else f"{v['limit']}")  # noqa: E731
     rep.targets(targets(rows), "## Targets (issue 28)", limit=limit)
-    for model, ws in report.groups(rows):
-        rep.add(f"## {model}, W={ws}", "").table(HEAD, [[_label(r)] + _cells(r) for r in rows if (r["model"], r["world_size"]) == (model, ws)])
-    return notes(rep, rows, meta, LABELS).text()
+    return notes(sections(rep, rows, HEAD, _cells, LABELS), rows, meta, LABELS).text()
 
 
 def notes(rep: report.Report, rows: list[Row], meta: dict[str, Any], labels: dict[str, str], skip: str = "") -> report.Report:
@@ -132,7 +138,3 @@ def notes(rep: report.Report, rows: list[Row], meta: dict[str, Any], labels: dic
     if found or meta.get("diagnosis"):
         rep.add("## Notes", "", *(f"- {labels.get(m, m)} (W={w}): {n}" for m, w, n in found), *(f"- {d}" for d in meta.get("diagnosis", [])), "")
     return rep
-
-
-def write(rows: list[Row], meta: dict[str, Any], out_dir: Path, name: str) -> dict[str, Path]:
-    return report.write(out_dir, name, rows=rows, meta=meta, targets=targets(rows), markdown=markdown)
