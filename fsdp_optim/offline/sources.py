@@ -1,7 +1,8 @@
 """The one way in: what kind of input a path or dict is, decided once (:func:`detect`), and opened as a planning
 source (:func:`open_source`). Every offline function and every CLI verb starts here; the options that depend
 on the kind (``layout``, ``optimizer``, ``allow_globals``, ``optimizer_keys``) are accepted or refused here, by
-one table.
+one table, which each kind's class carries (``LAYOUT``, ``OPTIMIZER``, ``SET_OPTIONS``, ``WRITTEN_ONLY``); then the
+class opens the input (``opening``: its files mapped until the block ends; ``loaded``: from what ``detect`` loaded).
 
     kind                        what it is                                       layout        optimizer
     sharded checkpoint          a directory of ours (or its manifest)            refused       refused
@@ -31,52 +32,26 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from fsdp_optim.core.elementwise import check_optimizer_name
-from fsdp_optim.core.plan import Source
-from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.locations import downloaded, where
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.formats.fairscale import from_fairscale
-from fsdp_optim.formats.fullstate import full_dict_source
 from fsdp_optim.formats.kinds import Kind, detect
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.plain import name_plain_dict
 from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
     is_sharded_checkpoint,
-    open_checkpoint,
-    read_manifest,
 )
-from fsdp_optim.formats.whole_file import WholeFile
-from fsdp_optim.offline.fairseq import ShardSet
-from fsdp_optim.offline.layouts import ParamOrder, resolve_layout
-from fsdp_optim.offline.opened import NEEDS_LAYOUT, Opened, class_of
+from fsdp_optim.offline.layouts import ParamOrder
+from fsdp_optim.offline.opened import NEEDS_LAYOUT, Opened, Request, class_of
 
 __all__ = ["Kind", "Opened", "detect", "fetched_whole", "open_source"]
 
 
-# kind -> (what --layout means for it, whether --optimizer applies); see the module docstring.
-_LAYOUT = {
-    Kind.FULL: "target", Kind.NAMED: "target", Kind.WHOLE_FILE: "target", Kind.NATIVE: "required",
-    Kind.SHARD_SET: "order",
-}  # fmt: skip
-_OPTIMIZER = {Kind.NATIVE, Kind.SHARD_SET}
 _LAYOUT_USE = (
     "--layout applies to a fairscale-native dict (required: it names the parameters), a fairseq/metaseq shard set "
     "(the model's parameter order) and, for reshard, a full dict or a consolidated whole checkpoint file (the "
     "target's units)"
 )
-_WRITTEN_ONLY = {  # what our own writers make for other tools to load: inspect reads them, no verb converts them
-    Kind.NAMED_DICT: "load it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or convert the "
-    "source it was made from",
-    Kind.DCP: "load it with torch.distributed.checkpoint.load, or convert the source it was made from",
-}
-
-
-def _opened(kind: Kind, label: str, *args: Any, **fields: Any) -> Opened:
-    """The opened input of ``kind``: its class, with the fields it has."""
-    return class_of(kind)(kind, label, *args, **fields)
 
 
 def check_options(
@@ -89,13 +64,13 @@ def check_options(
     target: bool,
     optimizer_keys: Any = None,
 ) -> None:
-    """Refuse an option that does not apply to ``kind`` (the table of the module docstring), the same way for
-    every entry point; ``target``: the caller cuts the source for a layout of its own (reshard)."""
-    use = _LAYOUT.get(kind)
-    if kind is Kind.SHARD_SET and target:  # resharding a set keeps its own ids, order and optimizer
-        use = None
-        if optimizer is not None:
-            raise ValueError(f"optimizer: {label} is a {kind.value}; resharding it keeps the optimizer its files hold")
+    """Refuse an option that does not apply to ``kind`` (the table of the module docstring: each kind's class says
+    which it takes), the same way for every entry point; ``target``: the caller cuts the source for a layout of its
+    own (reshard)."""
+    cls = class_of(kind)
+    use = cls.layout_use(target=target)
+    if target:
+        cls.check_target_options(label, optimizer)
     if layout is not None and (use is None or (use == "target" and not target)):
         raise ValueError(f"layout: {label} is a {kind.value}; {_LAYOUT_USE}")
     if layout is None and use == "required":
@@ -103,14 +78,14 @@ def check_options(
             f"layout: {label} is a {kind.value}, which names no parameters; fsdp_optim needs --layout PATH "
             f"(layout=): {NEEDS_LAYOUT}"
         )
-    if optimizer is not None and kind not in _OPTIMIZER:
+    if optimizer is not None and not cls.OPTIMIZER:
         raise ValueError(
             f"optimizer: {label} is a {kind.value}, which records its optimizer; --optimizer applies to a "
             "fairscale-native dict or a fairseq/metaseq shard set only"
         )
-    if optimizer_keys is not None and kind is not Kind.SHARD_SET:
+    if optimizer_keys is not None and not cls.SET_OPTIONS:
         raise ValueError(f"optimizer_keys: {label} is a {kind.value}; it applies to fairseq/metaseq shard sets")
-    if allow_globals and kind is not Kind.SHARD_SET:
+    if allow_globals and not cls.SET_OPTIONS:
         raise ValueError(f"allow_globals: {label} is a {kind.value}; it applies to fairseq/metaseq shard sets")
 
 
@@ -157,45 +132,26 @@ def _open_local(
     optimizer_keys: Sequence[Sequence[str]] | None, target: bool, describe_only: bool, max_mapped_bytes: int,
     param_names: Any,
 ) -> Iterator[Opened]:  # fmt: skip
-    """:func:`open_source` of what is here (not a URL of one object)."""
+    """:func:`open_source` of what is here (not a URL of one object): the kind decided, its class opens it."""
     label = "the full dict" if isinstance(given, Mapping) else str(given)
     if param_names is not None:
         yield _open_plain(given, label, param_names, layout=layout, optimizer=optimizer, target=target)
         return
     kind, obj = detect(given)
-    if describe_only and ((kind is Kind.NATIVE and layout is None) or kind in _WRITTEN_ONLY):
-        yield _opened(kind, label) if kind is Kind.DCP else _opened(kind, label, raw=obj)  # a DCP directory: no object
+    cls = class_of(kind)
+    request = Request(kind, given, label, obj, layout, optimizer, allow_globals, optimizer_keys, max_mapped_bytes)
+    quick = cls.for_inspect(request) if describe_only else None
+    if quick is not None:
+        yield quick
         return
-    if kind in _WRITTEN_ONLY:
-        raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {_WRITTEN_ONLY[kind]}")
+    if cls.WRITTEN_ONLY is not None:
+        raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {cls.WRITTEN_ONLY}")
     check_options(
         kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
         optimizer_keys=optimizer_keys,
     )
-    # detect() gives SHARD_SET and SHARDED for paths only; the isinstance checks say so to the type checker.
-    if kind is Kind.SHARD_SET and not isinstance(given, Mapping):
-        with ShardSet(
-            given,
-            param_order=layout,
-            optimizer=optimizer,
-            optimizer_keys=optimizer_keys,
-            allow_globals=allow_globals,
-            max_mapped_bytes=max_mapped_bytes,
-        ) as shards:
-            check_optimizer_name(optimizer, _source_keys(shards.source()), where=f"optimizer: {label}")
-            yield _opened(kind, label, shards.source(), shards.manifest.layout(0), shards.manifest.param_order,
-                         shards.trim, shards=shards)
-        return
-    if kind is Kind.NAMED:
-        with NamedSafetensors(given, max_mapped_bytes=max_mapped_bytes) as named:  # type: ignore[arg-type]
-            yield _opened(kind, label, named.source(), None, named.document.param_order, named.trim, named=named)
-        return
-    if kind is Kind.SHARDED and not isinstance(given, Mapping):
-        with open_checkpoint(given, lazy=False, max_mapped_bytes=max_mapped_bytes) as ckpt:
-            yield _opened(kind, label, ckpt.source(), ckpt.manifest.layout(0), ckpt.manifest.param_order, ckpt.trim,
-                         checkpoint=ckpt)
-        return
-    yield _open_loaded(kind, label, obj, given, layout, optimizer)
+    with cls.opening(request) as opened:
+        yield opened
 
 
 def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: str | None, target: bool) -> Opened:
@@ -206,38 +162,4 @@ def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: s
         check_state_dict(obj, label)
     check_options(Kind.FULL, label, layout=layout, optimizer=optimizer, allow_globals=(), target=target)
     full = name_plain_dict(obj, names, optimizer=None, where=label)
-    return _open_loaded(Kind.FULL, label, full, given, layout, optimizer)
-
-
-def _open_loaded(kind: Kind, label: str, obj: Any, given: Any, layout: Any, optimizer: str | None) -> Opened:
-    """A source already in memory (a dict, or a file :func:`detect` loaded)."""
-    if kind in (Kind.LAYOUT, Kind.RANK_FILE):
-        return _opened(kind, label, manifest=read_manifest(given)) if kind is Kind.LAYOUT else _opened(
-            kind, label, raw=obj)  # fmt: skip
-    if kind is Kind.WHOLE_FILE:
-        whole = WholeFile.of(obj, label)
-        if whole.optimizer is not None:
-            check_full_dict(whole.optimizer, f"{label}['optimizer']")
-            check_state_dict(whole.optimizer, f"{label}['optimizer']", in_memory=isinstance(given, Mapping))
-        return _opened(kind, label, whole.source(), None, whole.params, whole_file=whole)
-    if kind is Kind.NATIVE:
-        model = resolve_layout(layout)
-        check_optimizer_name(optimizer, _native_keys(obj), where=f"optimizer: {label}")
-        full = from_fairscale(obj, model, optimizer=optimizer)
-        return _opened(kind, label, full_dict_source(full, label=label), model, model.param_order, full=full, raw=obj)
-    check_full_dict(obj, label)
-    if not isinstance(given, Mapping):
-        check_state_dict(obj, label)
-    source = full_dict_source(obj, label=label)
-    order = tuple(f.params[0].name for f in source.flats)
-    return _opened(kind, label, source, None, order, full=obj, raw=obj)
-
-
-def _source_keys(source: Source) -> set[str]:
-    return {e.key for flat in source.flats for e in flat.state}
-
-
-def _native_keys(native: Mapping[str, Any]) -> set[str]:
-    state = native.get("state")
-    return {str(k) for entries in state.values() if isinstance(entries, Mapping) for k in entries} if isinstance(
-        state, Mapping) else set()
+    return class_of(Kind.FULL).loaded(Request(Kind.FULL, given, label, full, layout, optimizer))

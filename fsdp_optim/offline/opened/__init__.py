@@ -34,7 +34,7 @@ file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set,
 from __future__ import annotations
 
 from fsdp_optim.formats.kinds import Kind
-from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, DcpParts, Opened
+from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, DcpParts, Opened, Request
 from fsdp_optim.offline.opened.loaded import OpenedFull, OpenedNamedDict, OpenedNative, OpenedWholeFile
 from fsdp_optim.offline.opened.readers import OpenedDcp, OpenedNamed, OpenedShardSet
 from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, OpenedRankFile
@@ -54,6 +54,7 @@ __all__ = [
     "OpenedRankFile",
     "OpenedShardSet",
     "OpenedWholeFile",
+    "Request",
     "class_of",
 ]
 

@@ -5,9 +5,10 @@ answer. See :mod:`fsdp_optim.offline.opened` for the questions."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,7 +19,7 @@ from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.disk.text import human_bytes
 from fsdp_optim.formats.kinds import Kind
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, read_manifest
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
@@ -26,7 +27,7 @@ from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options
 
-__all__ = ["NEEDS_LAYOUT", "DcpParts", "Opened"]
+__all__ = ["NEEDS_LAYOUT", "DcpParts", "Opened", "Request"]
 
 NEEDS_LAYOUT = "a sharded checkpoint or layout file of the same model, wrapped the same way (see save_layout)"
 
@@ -45,6 +46,23 @@ class DcpParts:
     not_exported: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Request:
+    """What :func:`~fsdp_optim.offline.sources.open_source` was asked to open, its kind decided: the input
+    (``given``: a path or a dict; ``obj``: what :func:`~fsdp_optim.formats.kinds.detect` loaded of it, if anything),
+    how errors name it (``label``), and the options, each already accepted for the kind."""
+
+    kind: Kind
+    given: Any
+    label: str
+    obj: Any = None
+    layout: Any = None
+    optimizer: str | None = None
+    allow_globals: Sequence[str] = ()
+    optimizer_keys: Sequence[Sequence[str]] | None = None
+    max_mapped_bytes: int = DEFAULT_MAPPED_BYTES
+
+
 @dataclass
 class Opened:
     """What every opened input has and answers (see :mod:`fsdp_optim.offline.opened`); a class per kind."""
@@ -55,6 +73,43 @@ class Opened:
     layout: ModelLayout | None = None
     order: tuple[str, ...] = ()
     trim: Callable[[], None] = lambda: None
+
+    # The options a kind takes (the table of :mod:`fsdp_optim.offline.sources`): what ``layout`` means for it
+    # ("target": the layout a verb that cuts it cuts for; "required": it names the parameters; "order": the model's
+    # parameter order; None: refused), whether ``optimizer`` applies, whether a shard set's options
+    # (``allow_globals``, ``optimizer_keys``) do; and, for a kind fsdp-optim only writes and inspects, how to load it.
+    LAYOUT: ClassVar[str | None] = None
+    OPTIMIZER: ClassVar[bool] = False
+    SET_OPTIONS: ClassVar[bool] = False
+    WRITTEN_ONLY: ClassVar[str | None] = None
+
+    # opening (class methods: the kind is decided, nothing is open yet)
+
+    @classmethod
+    def layout_use(cls, *, target: bool) -> str | None:  # noqa: ARG003 - a shard set's answer depends on it
+        """What ``layout`` means for this kind (``target``: the caller cuts it for a layout of its own)."""
+        return cls.LAYOUT
+
+    @classmethod
+    def check_target_options(cls, label: str, optimizer: str | None) -> None:
+        """Refuse what a verb that cuts this kind for a layout of its own cannot take (nothing by default)."""
+
+    @classmethod
+    def opening(cls, request: Request) -> AbstractContextManager[Opened]:
+        """The input opened as this kind, its files mapped until the block ends; by default loaded into memory at
+        once (:meth:`loaded`)."""
+        return nullcontext(cls.loaded(request))
+
+    @classmethod
+    def loaded(cls, request: Request) -> Opened:
+        """The input of this kind, from what :func:`~fsdp_optim.formats.kinds.detect` loaded of it."""
+        raise ValueError(f"{request.label}: a {request.kind.value}, which fsdp_optim does not open")
+
+    @classmethod
+    def for_inspect(cls, request: Request) -> Opened | None:  # noqa: ARG003 - the kinds that differ override it
+        """What ``inspect`` opens when opening it as usual would need what inspect is not given (a layout), or a kind
+        fsdp-optim only writes; ``None``: open it as usual."""
+        return None
 
     # inspect and verify
 

@@ -7,21 +7,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import Source
-from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.disk.text import human_bytes
-from fsdp_optim.formats.fullstate import read_meta
+from fsdp_optim.formats.fairscale import from_fairscale
+from fsdp_optim.formats.fullstate import full_dict_source, read_meta
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline.cuts import AfterFile, Progress
-from fsdp_optim.offline.opened.base import Opened, found_keys
+from fsdp_optim.offline.layouts import resolve_layout
+from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole_file import reshard_whole_file
 
@@ -42,6 +45,17 @@ class OpenedFull(Opened):
     full: Mapping[str, Any] | None = None  # the full dict it is (a fairscale-native dict: converted into)
 
     native = False
+    LAYOUT: ClassVar[str | None] = "target"
+
+    @classmethod
+    def loaded(cls, request: Request) -> Opened:
+        obj, label = request.obj, request.label
+        check_full_dict(obj, label)
+        if not isinstance(request.given, Mapping):
+            check_state_dict(obj, label)
+        source = full_dict_source(obj, label=label)
+        order = tuple(f.params[0].name for f in source.flats)
+        return cls(request.kind, label, source, None, order, full=obj, raw=obj)
 
     def describe(self, path: Any, *, units: bool) -> list[str]:
         return D.describe_loaded(path, self.raw, native=self.native, units=units)
@@ -76,6 +90,24 @@ class OpenedNative(OpenedFull):
     it was converted into, ``None`` when inspect opened it without a layout)."""
 
     native = True
+    LAYOUT = "required"
+    OPTIMIZER = True
+
+    @classmethod
+    def loaded(cls, request: Request) -> Opened:
+        obj, label = request.obj, request.label
+        model = resolve_layout(request.layout)
+        state = obj.get("state")
+        keys = {str(k) for entries in state.values() if isinstance(entries, Mapping) for k in entries} if isinstance(
+            state, Mapping) else set()  # fmt: skip
+        check_optimizer_name(request.optimizer, keys, where=f"optimizer: {label}")
+        full = from_fairscale(obj, model, optimizer=request.optimizer)
+        source = full_dict_source(full, label=label)
+        return cls(request.kind, label, source, model, model.param_order, full=full, raw=obj)
+
+    @classmethod
+    def for_inspect(cls, request: Request) -> Opened | None:
+        return cls(request.kind, request.label, raw=request.obj) if request.layout is None else None  # as it is
 
     def target_layout(self, given: Any) -> Any:  # noqa: ARG002 - its own layout was required when it was opened
         return self.layout
@@ -93,6 +125,16 @@ class OpenedNative(OpenedFull):
 class OpenedNamedDict(OpenedFull):
     """A name-keyed dict (``convert --to named``), which fsdp-optim writes and inspects only."""
 
+    LAYOUT = None
+    WRITTEN_ONLY = (
+        "load it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or convert the source it was "
+        "made from"
+    )
+
+    @classmethod
+    def for_inspect(cls, request: Request) -> Opened | None:
+        return cls(request.kind, request.label, raw=request.obj)
+
     def is_full_dict(self) -> bool:  # keyed by names, not ids: not a full dict of ours
         return False
 
@@ -106,6 +148,17 @@ class OpenedWholeFile(Opened):
     """consolidate's file of a whole checkpoint (``{"model", "optimizer", "extra"}``)."""
 
     whole_file: WholeFile
+
+    LAYOUT = "target"
+
+    @classmethod
+    def loaded(cls, request: Request) -> Opened:
+        label = request.label
+        whole = WholeFile.of(request.obj, label)
+        if whole.optimizer is not None:
+            check_full_dict(whole.optimizer, f"{label}['optimizer']")
+            check_state_dict(whole.optimizer, f"{label}['optimizer']", in_memory=isinstance(request.given, Mapping))
+        return cls(request.kind, label, whole.source(), None, whole.params, whole_file=whole)
 
     def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_whole_file(self.whole_file)

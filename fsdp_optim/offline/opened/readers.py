@@ -3,11 +3,13 @@ safetensors file (:class:`OpenedNamed`) and a PyTorch DCP directory (:class:`Ope
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.staged import write_file
@@ -15,12 +17,14 @@ from fsdp_optim.disk.text import human_bytes
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fairseq.shards import ShardSet
+from fsdp_optim.formats.kinds import Kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.offline import describe as D
+from fsdp_optim.offline import fairseq as F
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress
-from fsdp_optim.offline.opened.base import DcpParts, Opened
+from fsdp_optim.offline.opened.base import DcpParts, Opened, Request
 
 __all__ = ["OpenedDcp", "OpenedNamed", "OpenedShardSet"]
 
@@ -31,6 +35,37 @@ class OpenedShardSet(Opened):
     resharded as a shard set, in its own format (:mod:`fsdp_optim.formats.fairseq.recut`)."""
 
     shards: ShardSet
+
+    LAYOUT = "order"
+    OPTIMIZER = True
+    SET_OPTIONS = True
+
+    @classmethod
+    def layout_use(cls, *, target: bool) -> str | None:
+        return None if target else cls.LAYOUT  # resharding a set keeps its own ids, order and optimizer
+
+    @classmethod
+    def check_target_options(cls, label: str, optimizer: str | None) -> None:
+        if optimizer is not None:
+            raise ValueError(f"optimizer: {label} is a {Kind.SHARD_SET.value}; resharding it keeps the optimizer its "
+                             "files hold")  # fmt: skip
+
+    @classmethod
+    @contextmanager
+    def opening(cls, request: Request) -> Iterator[Opened]:
+        with F.ShardSet(  # (its layout option resolved into parameter names)
+            request.given,
+            param_order=request.layout,
+            optimizer=request.optimizer,
+            optimizer_keys=request.optimizer_keys,
+            allow_globals=request.allow_globals,
+            max_mapped_bytes=request.max_mapped_bytes,
+        ) as shards:
+            source = shards.source()
+            keys = {e.key for flat in source.flats for e in flat.state}
+            check_optimizer_name(request.optimizer, keys, where=f"optimizer: {request.label}")
+            yield cls(request.kind, request.label, source, shards.manifest.layout(0), shards.manifest.param_order,
+                      shards.trim, shards=shards)  # fmt: skip
 
     def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_shards(self.shards, units=units)
@@ -96,6 +131,15 @@ class OpenedNamed(Opened):
 
     named: NamedSafetensors
 
+    LAYOUT = "target"
+
+    @classmethod
+    @contextmanager
+    def opening(cls, request: Request) -> Iterator[Opened]:
+        with NamedSafetensors(request.given, max_mapped_bytes=request.max_mapped_bytes) as named:
+            yield cls(request.kind, request.label, named.source(), None, named.document.param_order, named.trim,
+                      named=named)  # fmt: skip
+
     def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_named(self.named)
 
@@ -115,6 +159,12 @@ class OpenedNamed(Opened):
 
 class OpenedDcp(Opened):
     """A PyTorch DCP directory (``convert --to dcp``), which fsdp-optim writes and inspects only."""
+
+    WRITTEN_ONLY = "load it with torch.distributed.checkpoint.load, or convert the source it was made from"
+
+    @classmethod
+    def for_inspect(cls, request: Request) -> Opened | None:
+        return cls(request.kind, request.label)  # a directory: no object loaded
 
     def describe(self, path: Any, *, units: bool) -> list[str]:
         from fsdp_optim.formats.dcp import describe_dcp

@@ -3,7 +3,8 @@ parts of one: a layout file (:class:`OpenedLayout`) and one rank file (:class:`O
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,14 +14,14 @@ from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.text import human_bytes
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.sharded.verification import verify_sharded
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress, consolidate_checkpoint, reshard_checkpoint
-from fsdp_optim.offline.opened.base import Opened, found_keys
+from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options, is_whole, whole_model, whole_state, write_whole
 
@@ -32,6 +33,14 @@ class OpenedCheckpoint(Opened):
     """A sharded checkpoint of ours (a whole one too: model, buffers and extra in its side files)."""
 
     checkpoint: ShardedCheckpoint
+
+    @classmethod
+    @contextmanager
+    def opening(cls, request: Request) -> Iterator[Opened]:
+        with open_checkpoint(request.given, lazy=False, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
+            manifest = ckpt.manifest
+            yield cls(request.kind, request.label, ckpt.source(), manifest.layout(0), manifest.param_order, ckpt.trim,
+                      checkpoint=ckpt)  # fmt: skip
 
     def describe(self, path: Any, *, units: bool) -> list[str]:
         return D.describe_sharded(path, self.checkpoint.manifest, self.checkpoint, layout=False, units=units)
@@ -122,6 +131,10 @@ class OpenedLayout(Opened):
 
     manifest: Manifest
 
+    @classmethod
+    def loaded(cls, request: Request) -> Opened:
+        return cls(request.kind, request.label, manifest=read_manifest(request.given))
+
     def describe(self, path: Any, *, units: bool) -> list[str]:
         return D.describe_sharded(path, self.manifest, None, layout=True, units=units)
 
@@ -141,6 +154,10 @@ class OpenedRankFile(Opened):
     """One rank file of a sharded checkpoint (read only through its manifest; inspect says what it holds)."""
 
     raw: Any  # the file's loaded object
+
+    @classmethod
+    def loaded(cls, request: Request) -> Opened:
+        return cls(request.kind, request.label, raw=request.obj)
 
     def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_rank_file(path, self.raw)
