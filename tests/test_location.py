@@ -173,3 +173,29 @@ def test_a_url_of_one_object_is_downloaded_whole_or_refused_by_name() -> None:
     with pytest.raises(FileNotFoundError, match="^mine$"):  # the block's own errors pass as they are
         with downloaded(f"{store}/full.pt"):
             raise FileNotFoundError("mine")
+
+
+def _managed(rank: int, world_size: int, kind: str, tmp: str) -> dict[str, Any]:
+    """A checkpoint manager over a location of backend ``kind``: steps 1..6 saved every 2 and the newest 2 kept; a
+    fresh model restored from it. The step directories left, the newest step, and the restore against the live state."""
+    location = _location(kind, tmp)
+    root = M.wrap(M.make_net(), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+    manager = fsdp_optim.CheckpointManager(location, every=2, keep=2)
+    for step in range(1, 7):
+        M.train_step(root, optim, *M.local_batch(step, rank, world_size))
+        manager.save(step, root, optim, extra={"step": step})
+    fresh = M.wrap(M.make_net(seed=7), "deep")
+    fresh_optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(fresh))
+    restoring = fsdp_optim.CheckpointManager(location, every=2, keep=2)
+    extra = restoring.restore(fresh, fresh_optim)
+    assert_identical(fresh.state_dict(), root.state_dict(), f"{kind}: weights")
+    assert_identical(fresh_optim.state_dict(), optim.state_dict(), f"{kind}: optimizer")
+    return {"steps": location.prefixes(), "latest": restoring.latest(), "extra": extra, "from": restoring.restored_from}
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_checkpoint_manager_saves_prunes_and_restores_through_each_backend(kind: str, tmp_path: Path) -> None:
+    (out,) = run_ranks(_managed, 1, kind, str(tmp_path))
+    assert out["steps"] == ["step-00000004", "step-00000006"] and out["latest"] == 6, out
+    assert out["extra"] == {"step": 6} and out["from"] == "durable", out

@@ -170,7 +170,7 @@ class Location(ABC):
 
     @abstractmethod
     def prefixes(self) -> list[str]:
-        """The names of the locations directly below this one."""
+        """The names of the locations directly below this one, sorted."""
 
     @abstractmethod
     def size(self, name: str) -> int | None:

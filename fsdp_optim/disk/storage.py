@@ -227,7 +227,7 @@ class ObjectStore(StoreSaving):
         return self._retry(ls, f"{self}: listing it")
 
     def prefixes(self) -> list[str]:
-        """The names of the sub-prefixes directly under this one (step directories under a manager's root)."""
+        """The names of the sub-prefixes directly under this one (step directories under a manager's root), sorted."""
 
         def ls(limit: dict[str, float]) -> list[str]:
             self.fs.invalidate_cache(self.root)
@@ -235,7 +235,8 @@ class ObjectStore(StoreSaving):
                 entries = self.fs.ls(self.root, detail=True, **limit)
             except FileNotFoundError:
                 return []
-            return [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+            names = (str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+            return sorted(names)
 
         return self._retry(ls, f"{self}: listing it")
 
@@ -247,6 +248,12 @@ class ObjectStore(StoreSaving):
         except Exception:  # noqa: S110 - nothing there, or a store that does not allow it: the prefix stays listed
             pass
         self.fs.invalidate_cache(self.root)
+        if "/" in self.root.strip("/"):  # a prefix inside a bucket or directory (never a bucket itself)
+            try:
+                self.fs.rmdir(self.root)  # where empty directories are kept (memory://, file://); on S3 a no-op
+            except Exception:  # noqa: S110 - not empty, not there, or not a directory: nothing to remove
+                pass
+            self.fs.invalidate_cache(self.root)
 
     # -- writing ----------------------------------------------------------------------------------------------
 
