@@ -52,7 +52,7 @@ def test_offline_reshard_of_a_full_dict_plans_once_for_every_rank(tmp_path) -> N
     given = copy.deepcopy(full)
     layout = Manifest.from_layout(_layout(), save_id="layout")
     with mock.patch("fsdp_optim.offline.cuts.plan", wraps=plan) as planned, mock.patch(
-        "fsdp_optim.offline.sources.full_dict_source", wraps=full_dict_source
+        "fsdp_optim.offline.opened.loaded.full_dict_source", wraps=full_dict_source
     ) as adapted:
         reshard(full, 4, tmp_path / "out", layout=layout)
     assert (planned.call_count, adapted.call_count) == (1, 1)
