@@ -111,7 +111,7 @@ class _UploadClock:
             finally:
                 self._current += time.perf_counter() - start
 
-        ObjectStore.upload = timed  # type: ignore[method-assign]
+        ObjectStore.upload = timed  # type: ignore[method-assign,assignment]
 
     def wrap(self, method: Method) -> Method:
         def call() -> Any:
