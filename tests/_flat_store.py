@@ -82,11 +82,6 @@ class FlatStore(StoreSaving):
         except FileNotFoundError:
             return None
 
-    def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        out = bytearray(max(stop - start, 0))
-        self.read_into(name, start, [memoryview(out)])
-        return out
-
     def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
         with open(self._file(name), "rb") as f:
             f.seek(start)

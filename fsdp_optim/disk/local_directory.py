@@ -111,11 +111,6 @@ class LocalDirectory(Location):
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        out = bytearray(max(stop - start, 0))
-        self.read_into(name, start, [memoryview(out)])
-        return out
-
     def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
         stop = start + sum(t.nbytes for t in targets)
         place = Tiling(start, targets)

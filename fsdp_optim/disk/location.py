@@ -176,9 +176,12 @@ class Location(ABC):
     def size(self, name: str) -> int | None:
         """Object ``name``'s size, ``None`` when there is none."""
 
-    @abstractmethod
     def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent)."""
+        """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent); by default one
+        :meth:`read_into` a new buffer (a store overrides it with its own ranged GET)."""
+        out = bytearray(max(stop - start, 0))
+        self.read_into(name, start, [memoryview(out)])
+        return out
 
     @abstractmethod
     def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:

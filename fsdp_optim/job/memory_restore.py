@@ -99,12 +99,13 @@ def restore_from_memory(
         return MemoryRestore(chosen.step if chosen is not None else None, live, None, None, False, newest)
     directory = tier.node_dir() / chosen.dirname
     what = f"restoring step {chosen.step} from the memory tiers changed nothing on any rank"
+    node = NodeMemory(directory, group)
     if not all(_holds_step(report, chosen) for report in holdings):
         src = min(r for r, report in enumerate(holdings) if _holds_step(report, chosen))
-        NodeMemory(directory, group).spread_manifest(src, nodes, what=what)
+        node.spread_manifest(src, nodes, what=what)
     ckpt, failure = None, None
     try:
-        ckpt, plans = _plan(root, model, optim, NodeMemory(directory, group), chosen, nodes, holdings, buffers)
+        ckpt, plans = _plan(root, model, optim, node, chosen, nodes, holdings, buffers)
     except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
         failure = exc
     try:
