@@ -29,7 +29,10 @@
 - Object storage and any fsspec filesystem: every path above may be a URL (``s3://bucket/run/step-100``, ``gs://``,
   ``memory://``...); ``open_store(url, deadline_s=..., **storage_options)`` gives a store to pass instead where
   credentials, an endpoint or how long a failing store is retried (60 s by default, ``FSDP_OPTIM_STORE_DEADLINE_S``)
-  come from code rather than the environment (docs/storage.md).
+  come from code rather than the environment (docs/storage.md). A backend of one's own is one ``ObjectBackend``
+  subclass of eight methods, passed as a path or registered for a URL scheme with ``register_backend``
+  (docs/backends.md); ``Location`` is the interface every backend is, and ``StoreUnavailable``,
+  ``ConcurrentCommitError``, ``CommitOutcomeUnknown`` its errors.
 - ``host_execution()`` (or ``enable_host_execution()`` / ``disable_host_execution()``): a reversible switch
   that runs fairscale's own ``FullyShardedDataParallel`` on CPU with gloo.
 
@@ -46,11 +49,17 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "AsyncSave",
     "CheckpointManager",
+    "CommitOutcomeUnknown",
+    "ConcurrentCommitError",
     "FORMAT_VERSION",
     "ForeignOutputError",
     "FullyShardedDataParallel",
+    "Location",
     "NotElementwiseError",
+    "ObjectBackend",
     "OutputLockedError",
+    "StoreUnavailable",
+    "StoredObject",
     "async_save_checkpoint",
     "async_save_sharded_optim_state",
     "consolidate",
@@ -66,6 +75,7 @@ __all__ = [
     "load_sharded_optim_state",
     "name_optimizer_state",
     "open_store",
+    "register_backend",
     "register_elementwise_optimizer",
     "reshard",
     "save_checkpoint",
@@ -83,6 +93,13 @@ __version__ = "0.1.0"
 _HOME = {
     "AsyncSave": "job.async_save",
     "CheckpointManager": "job.manager",
+    "CommitOutcomeUnknown": "disk.errors",
+    "ConcurrentCommitError": "disk.errors",
+    "Location": "disk.location",
+    "ObjectBackend": "disk.backend",
+    "StoreUnavailable": "disk.errors",
+    "StoredObject": "disk.location",
+    "register_backend": "disk.locations",
     "FORMAT_VERSION": "formats.fullstate",
     "ForeignOutputError": "disk.locks",
     "NotElementwiseError": "core.elementwise",
@@ -132,7 +149,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.core.elementwise import NotElementwiseError, register_elementwise_optimizer
-    from fsdp_optim.disk.locations import open_store
+    from fsdp_optim.disk.backend import ObjectBackend
+    from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
+    from fsdp_optim.disk.location import Location, StoredObject
+    from fsdp_optim.disk.locations import open_store, register_backend
     from fsdp_optim.disk.locks import ForeignOutputError, OutputLockedError
     from fsdp_optim.formats.fairscale import from_fairscale, to_named
     from fsdp_optim.formats.fullstate import FORMAT_VERSION

@@ -21,7 +21,8 @@ from _checks import assert_identical
 from _dist import run_ranks
 
 import fsdp_optim
-from fsdp_optim.disk.storage import ConcurrentCommitError, ObjectStore
+from fsdp_optim.disk.errors import ConcurrentCommitError
+from fsdp_optim.disk.storage import ObjectStore
 
 STEPS = 2
 

@@ -30,7 +30,7 @@ from _fault_proxy import Fault
 from test_object_store_faults import environment
 
 import fsdp_optim
-from fsdp_optim.disk.storage import ConcurrentCommitError
+from fsdp_optim.disk.errors import ConcurrentCommitError
 from fsdp_optim.formats.sharded.reader import read_manifest
 
 WRITER = Path(__file__).with_name("_store_writer.py")

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.health import Finding
+from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.location import Location, ObjectPath
-from fsdp_optim.disk.storage import StoreUnavailable
 
 __all__ = ["FileCheck", "Verification", "check_file"]
 

@@ -36,6 +36,7 @@ A save, in this order (a job's ranks, or one process)::
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
@@ -49,9 +50,16 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Claims
 from fsdp_optim.disk.store_policy import RetryPolicy
 
-__all__ = ["Begun", "CommitOutcomeUnknown", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject"]
+__all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject", "Where", "is_url"]
 
 _DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: object) -> bool:
+    """``path`` names an object store or another backend by URL (a scheme other than ``file://``), not a local
+    path."""
+    return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
 
 
 @dataclass(frozen=True)
@@ -110,13 +118,6 @@ class Staging:
 
     path: Path
     durable: bool
-
-
-class CommitOutcomeUnknown(OSError):
-    """A commit whose put failed without an answer (its responses lost) and whose object could not be read back
-    after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not).
-    :meth:`Location.commit_manifest` of a backend that cannot always tell (a store) raises it; callers keep what
-    the save published when they see it."""
 
 
 class Location(ABC):
@@ -278,3 +279,6 @@ class Location(ABC):
         """Rank 0, after every rank agreed: release the save; a failed one's files go, a committed one removes the
         files of the checkpoint it replaced that it does not list (``keep``)."""
 
+
+
+Where = Path | Location  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)

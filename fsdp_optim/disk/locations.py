@@ -1,29 +1,57 @@
-"""Where a path leads: :func:`where` (a :class:`~fsdp_optim.disk.location.Location`: a local directory or a store),
+"""Where a path leads: :func:`where` (a :class:`~fsdp_optim.disk.location.Location`: a local directory, a backend
+registered for the URL's scheme, or an fsspec store), :func:`register_backend` (a scheme's backend, the caller's own),
 :func:`open_store` (the public way to name a store with its own settings), and :func:`downloaded` (one object fetched
-whole, for the readers that take a local file)."""
+whole, for the readers that take a local file). The fsspec backend is imported only for a URL that no registered
+backend takes: a local save never loads it."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.location import Location
-from fsdp_optim.disk.storage import ObjectStore, is_url
+from fsdp_optim.disk.location import Location, is_url
 
-__all__ = ["downloaded", "open_store", "where"]
+if TYPE_CHECKING:
+    from fsdp_optim.disk.storage import ObjectStore
+
+__all__ = ["downloaded", "open_store", "register_backend", "where"]
+
+Opener = Callable[[str, Mapping[str, Any]], Location]  # (the URL, its storage options) -> its location
+_BACKENDS: dict[str, Opener] = {}
+
+
+def register_backend(scheme: str, opener: Opener) -> None:
+    """Make ``opener(url, storage_options)`` the :class:`~fsdp_optim.disk.location.Location` of every URL of
+    ``scheme`` (``"mystore"`` for ``mystore://bucket/run``), wherever the package takes a path: saves, loads, the
+    manager, every offline verb. It takes precedence over fsspec's filesystem of the same scheme. A spawned rank
+    registers it again by importing the module that does (register at that module's import); a location object
+    passed instead of a URL needs no registration. ``ValueError`` for a scheme that is not one (``file`` included:
+    local paths are the package's)."""
+    name = scheme.lower()
+    if not name.isascii() or not name[:1].isalpha() or not all(c.isalnum() or c in "+.-" for c in name):
+        raise ValueError(f"scheme: expected a URL scheme such as 'mystore', found {scheme!r}")
+    if name == "file":
+        raise ValueError("scheme: 'file' is a local path, which the package's own LocalDirectory serves")
+    _BACKENDS[name] = opener
 
 
 def where(path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None) -> Location:
     """The :class:`~fsdp_optim.disk.location.Location` a path names: a URL's :class:`ObjectStore`, a local path's
     :class:`LocalDirectory`, a location (of any backend, one of the package's or the caller's) as itself. The one
-    place that tells a URL from a local path."""
+    place that tells a URL from a local path; a URL goes to the backend registered for its scheme
+    (:func:`register_backend`), else to fsspec's."""
     if isinstance(path, Location):
         return path
     if is_url(path):
+        opener = _BACKENDS.get(str(path).split("://", 1)[0].lower())
+        if opener is not None:
+            return opener(str(path), dict(storage_options or {}))
+        from fsdp_optim.disk.storage import ObjectStore
+
         return ObjectStore.open(str(path), storage_options)
     return LocalDirectory(path)
 
@@ -60,4 +88,6 @@ def open_store(url: str, *, deadline_s: float | None = None, **storage_options: 
     """
     if not is_url(url):
         raise ValueError(f"url: expected a URL with a scheme (s3://, gs://, memory://...), found {url!r}")
+    from fsdp_optim.disk.storage import ObjectStore
+
     return ObjectStore.open(url, storage_options, deadline_s=deadline_s)

@@ -20,44 +20,22 @@ then checked by the caller against the manifest's checksums.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fsdp_optim.disk.location import CommitOutcomeUnknown, Location, ObjectPath, StoredObject
+from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
+from fsdp_optim.disk.location import ObjectPath, StoredObject
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
 from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
 from fsdp_optim.disk.store_save import StoreSaving
 
-__all__ = [
-    "CommitOutcomeUnknown",
-    "ConcurrentCommitError",
-    "ObjectStore",
-    "StoreUnavailable",
-    "Where",
-    "is_url",
-]
+__all__ = ["ObjectStore"]
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 T = TypeVar("T")
-
-
-def is_url(path: object) -> bool:
-    """``path`` names an object store or fsspec location (a scheme other than ``file://``), not a local path."""
-    return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
-
-
-class ConcurrentCommitError(FileExistsError):
-    """Another writer committed a manifest under the same prefix since this save began; this save committed nothing."""
-
-
-class StoreUnavailable(OSError):
-    """A request that kept failing after its retries (5xx, SlowDown, reset connections, short bodies): the store did
-    not answer, which says nothing about the checkpoint in it (a verification reports it, never as damage)."""
 
 
 class ObjectStore(StoreSaving):
@@ -365,9 +343,6 @@ class ObjectStore(StoreSaving):
 
 class _ShortBody(OSError):
     """A ranged GET that returned fewer bytes than asked (a connection cut mid-body)."""
-
-
-Where = Path | Location  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
 
 
 def _lost(where: ObjectPath, replaces: str | None) -> str:

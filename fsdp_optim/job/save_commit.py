@@ -22,7 +22,8 @@ from fsdp_optim.core.elementwise import check_elementwise, state_keys
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import new_save_id
-from fsdp_optim.disk.location import Begun, CommitOutcomeUnknown, Location, ObjectPath, Staging
+from fsdp_optim.disk.errors import CommitOutcomeUnknown
+from fsdp_optim.disk.location import Begun, Location, ObjectPath, Staging
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest

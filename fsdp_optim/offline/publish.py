@@ -25,7 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from fsdp_optim.disk.location import Begun, CommitOutcomeUnknown, Location
+from fsdp_optim.disk.errors import CommitOutcomeUnknown
+from fsdp_optim.disk.location import Begun, Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json

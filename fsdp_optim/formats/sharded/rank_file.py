@@ -30,8 +30,7 @@ from fsdp_optim.core.checksums import ChunkHasher, digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.json_input import RefusedJSON, loads
-from fsdp_optim.disk.location import ObjectPath
-from fsdp_optim.disk.storage import Where
+from fsdp_optim.disk.location import ObjectPath, Where
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest

@@ -29,8 +29,8 @@ from safetensors.torch import save as save_safetensors
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.json_input import loads
+from fsdp_optim.disk.location import Where
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.storage import Where
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, fsync_dir
+from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import OutputLockedError, lock_output
-from fsdp_optim.disk.storage import StoreUnavailable
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded

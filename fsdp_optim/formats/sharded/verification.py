@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
 from fsdp_optim.disk.location import Location
-from fsdp_optim.disk.storage import StoreUnavailable
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import checkpoint_dir, open_checkpoint
