@@ -9,6 +9,7 @@ checkpoints in /dev/shm, several times the state's size).
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
 import shutil
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _stop)
     shutil.rmtree(config.directory, ignore_errors=True)  # what a killed run left
     os.makedirs(config.directory)
+    atexit.register(shutil.rmtree, config.directory, True)  # again after a background save's thread has ended
     try:
         _join(config)
         run.log(f"{run.meta['model']} on {device}, files in {config.directory}")
