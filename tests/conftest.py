@@ -4,16 +4,34 @@ import sys
 # Tests import their helpers (_dist, _models, _checks) as top-level modules, in spawned ranks too.
 sys.path.insert(0, os.path.dirname(__file__))
 
+import re  # noqa: E402
+
 import pytest  # noqa: E402
+
+# A skip condition whose reason names CUDA or a GPU makes its test a CUDA test (marked ``gpu``).
+NEEDS_A_GPU = re.compile(r"\b(cuda|gpus?)\b", re.IGNORECASE)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: a long campaign; skipped unless FSDP_OPTIM_SLOW=1 (CI runs the bounded sample of each)"
     )
+    config.addinivalue_line(
+        "markers",
+        "gpu: a CUDA test (also given to every test with a skipif whose reason names CUDA or a GPU); "
+        ".ci/gpu-check runs them all on a lent GPU with -m gpu",
+    )
 
 
+def _mark_gpu(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(NEEDS_A_GPU.search(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_gpu(items)  # before -m deselects (pytest's own hook runs after this one)
     if os.environ.get("FSDP_OPTIM_SLOW"):
         return
     skip = pytest.mark.skip(reason="a long campaign: set FSDP_OPTIM_SLOW=1 to run it")

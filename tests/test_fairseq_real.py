@@ -28,6 +28,7 @@ import _fairseq_real as R
 import pytest
 import torch
 from _dist import run_ranks
+from _extras import missing
 
 UPDATES = 20
 SET = "checkpoint_1_10"
@@ -38,7 +39,7 @@ def fairseq_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     try:
         import fairseq  # noqa: F401
     except ImportError as exc:
-        pytest.fail(f"fairseq is not installed ({exc}); this test needs it. Install it as CI does: {R.INSTALL}")
+        missing(f"fairseq ({exc})", f"install it as CI does: {R.INSTALL}")
     root = tmp_path_factory.mktemp("fairseq")
     data = R.make_data(root)
     logs = {"w2": R.train(data, root / "w2", 2, UPDATES, whole=root / "whole")}

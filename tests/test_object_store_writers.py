@@ -23,9 +23,14 @@ from typing import Any
 
 import _store_campaign as C
 import pytest
-import s3fs
 import torch
 from _checks import assert_identical
+from _extras import missing
+
+try:
+    import s3fs
+except ImportError as e:  # the test extra brings it: fail, skip only on the GPU image (tests/_extras.py)
+    missing(f"s3fs ({e})")
 from _fault_proxy import Fault
 from test_object_store_faults import environment
 

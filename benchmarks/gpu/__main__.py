@@ -1,15 +1,19 @@
 """``python -m benchmarks.gpu [--small] [--repeats N] [--dir DIR]``: the GPU checkpoint table (see the package doc).
 
 Prints the table with each row against its floor and against DCP (default, and with its best staging), the issue's
-targets with a verdict each (``report``), and writes ``benchmarks/results/gpu_staging{,_small}.{json,md}``.
+targets with a verdict each (``report``), and writes ``benchmarks/results/gpu_staging{,_small}.{json,md}``. Prints
+as it goes (flushed); SIGTERM (``timeout``) and Ctrl-C end it through its cleanup, which removes ``--dir`` (its
+checkpoints in /dev/shm, several times the state's size).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
 import shutil
+import signal
 import socket
 import sys
 import warnings
@@ -44,29 +48,71 @@ def _join(config: Config) -> None:
                             timeout=datetime.timedelta(seconds=600))  # fmt: skip
 
 
-def measure(config: Config, model_name: str) -> tuple[list[dict[str, Any]], int]:
-    """Every row (``report.rows_of``) and the state's bytes."""
+class Progress:
+    """What is measured so far: ``publish(stage)`` writes it as the run's results, marked partial in the meta, so
+    that a run ended by its bound leaves every row it had measured; ``main`` writes the whole once done."""
+
+    def __init__(self, config: Config, run: Run) -> None:
+        self.config, self.run = config, run
+        self.model = f"{config.layers}x{config.dim}"
+        self.least: dict[str, float] = {}
+        self.peers: dict[str, dict[str, float]] = {peer: {} for peer in report.PEERS}
+        self.training: dict[str, Any] = {}
+
+    def add(self, peer: str, tally: rows.Tally) -> None:
+        self.peers[peer] |= {**tally.medians(), **tally.growth}
+        self.run.log(f"{peer}: {_ms(tally.medians())}")
+
+    def rows(self) -> list[dict[str, Any]]:
+        return report.rows_of(self.model, self.least, self.peers, self.training)
+
+    def publish(self, stage: str) -> dict[str, Any]:
+        meta = self.run.finish() | ({"partial": f"measured up to {stage}"} if stage else {})
+        result = self.rows()
+        return write(RESULTS, _name(self.config), rows=result, meta=meta, targets=report.targets(result), markdown=report.markdown)
+
+
+def _name(config: Config) -> str:
+    return "gpu_staging" if config.on_gpu else "gpu_staging_small"
+
+
+def measure(config: Config, progress: Progress) -> None:
+    """Every row (``report.rows_of``) into ``progress``, published after each stage."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     model, optim = ours(config)
     tensors = [p for p in model.parameters()] + [v for s in optim.state.values() for v in s.values() if v.dim()]
+    progress.run.meta["state_bytes"] = tensor_bytes(tensors)
     floors = Floors(tensors, config)
-    least = {name: min(fn() for _ in range(config.repeats + 1)) for name, fn in (("pinned copy", floors.copy), ("sync save", floors.save), ("load", floors.load))}
+    progress.least = {name: min(fn() for _ in range(config.repeats + 1)) for name, fn in (("pinned copy", floors.copy), ("sync save", floors.save), ("load", floors.load))}
     floors.remove()
-    mine = rows.ours(model, optim, config)
-    training = loop_mod.loop(model, optim, config)
-    nbytes = tensor_bytes(tensors)
+    progress.run.log(f"floors: {_ms(progress.least)}")
+    progress.add("ours", rows.ours(model, optim, config))
+    progress.publish("ours")
+    progress.training = loop_mod.loop(model, optim, config, save_s=progress.peers["ours"]["async save, committed"])
+    progress.run.log(f"loop: {progress.training}")
     del model, optim, floors, tensors
     dmodel, doptim = dcp_model(config)
-    default = rows.dcp_rows(dmodel, doptim, config)
+    progress.add("dcp", rows.dcp_rows(dmodel, doptim, config))
+    progress.publish("dcp")
     gpu = config.on_gpu  # pinned memory and non-blocking copies need an accelerator: on the CPU, the other two
     best_stager = DefaultStager(StagingOptions(gpu, True, True, gpu))
     try:
-        best = rows.dcp_rows(dmodel, doptim, config, stager=best_stager)
+        progress.add("dcp best staging", rows.dcp_rows(dmodel, doptim, config, stager=best_stager))
     finally:
         best_stager.close()
-    peers = {name: {**t.medians(), **t.growth} for name, t in (("ours", mine), ("dcp", default), ("dcp best staging", best))}
-    return report.rows_of(model_name, least, peers, training), nbytes
+    del dmodel, doptim
+    if gpu:
+        progress.publish("dcp best staging")
+        progress.add("ours", rows.nccl_blocking(config))
+
+
+def _ms(medians: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in medians.items())
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # through every finally: the checkpoints in --dir are removed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,17 +127,21 @@ def main(argv: list[str] | None = None) -> None:
     run = Run("python -m benchmarks.gpu", argv, backend="cpu:gloo,cuda:nccl" if config.on_gpu else "gloo")
     device = torch.cuda.get_device_name(0) if config.on_gpu else "the CPU"
     run.meta |= {"device": device, "model": f"{config.layers} x Linear({config.dim}, {config.dim}) nested, Adam, W=1", "repeats": config.repeats}
-    os.makedirs(config.directory, exist_ok=True)
-    _join(config)
+    signal.signal(signal.SIGTERM, _stop)
+    shutil.rmtree(config.directory, ignore_errors=True)  # what a killed run left
+    os.makedirs(config.directory)
+    atexit.register(shutil.rmtree, config.directory, True)  # again after a background save's thread has ended
+    progress = Progress(config, run)
     try:
-        result, run.meta["state_bytes"] = measure(config, f"{config.layers}x{config.dim}")
+        _join(config)
+        run.log(f"{run.meta['model']} on {device}, files in {config.directory}")
+        measure(config, progress)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         shutil.rmtree(config.directory, ignore_errors=True)
-    meta = run.finish()
-    targets = report.targets(result)
-    paths = write(RESULTS, "gpu_staging" if config.on_gpu else "gpu_staging_small", rows=result, meta=meta, targets=targets, markdown=report.markdown)
-    run.done(paths, paths["md"].read_text(), verdict_lines(targets))
+    paths = progress.publish("")
+    run.done(paths, paths["md"].read_text(), verdict_lines(report.targets(progress.rows())))
 
 
 if __name__ == "__main__":

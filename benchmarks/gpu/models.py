@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,11 +39,13 @@ def step(model: nn.Module, optim: torch.optim.Optimizer, config: Config) -> None
     optim.step()
 
 
-def ours(config: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
+def ours(config: Config, group: Any = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Our model; on ``group`` (a process group) for its collectives and reduce-scatter, else on the default one."""
+    kwargs = {} if group is None else {"process_group": group, "process_group_reduce_scatter": group}
     net = _layers(config)
     for i in range(len(net)):
-        net[i] = FSDP(net[i])
-    model = FSDP(net)
+        net[i] = FSDP(net[i], **kwargs)
+    model = FSDP(net, **kwargs)
     optim = torch.optim.Adam(model.parameters(), lr=1e-4)
     step(model, optim, config)
     return model, optim

@@ -10,18 +10,25 @@ from ..report import Report, Row, verdict
 GiB = 1 << 30
 PEERS = ("ours", "dcp", "dcp best staging")
 TIMED = ("sync save", "load", "async save, blocking", "async save, copied", "async save, committed")
+NCCL = ("async save, blocking (NCCL group, after a step)", "async save, blocking (NCCL group, GPU idle)")  # GPU only
 FLOOR_OF = {"sync save": "sync save", "load": "load", "async save, copied": "pinned copy"}  # row -> its floor
 ASYNC = ("async save, blocking", "async save, copied", "async save, committed")
-LOOP = "training loop, an async save every 10 steps"
+LOOP = "training loop with async saves"  # earlier results: "training loop, an async save every 10 steps"
+
+
+def _loop(at: dict[str, Row]) -> Row:
+    return next(row for name, row in at.items() if name.startswith("training loop"))
 
 
 def rows_of(model: str, floors: dict[str, float], peers: dict[str, dict[str, float]], loop: dict[str, Any]) -> list[Row]:
-    """One row per timed operation (seconds of ours, its floor and each DCP), per memory growth (bytes), and the loop."""
+    """One row per timed operation (seconds of ours, its floor and each DCP; ours alone for an NCCL row), per memory
+    growth (bytes), and the loop."""
     def row(name: str, **more: Any) -> Row:
-        return {"model": model, "world_size": 1, "row": name, **{p: peers[p][name] for p in PEERS if name in peers[p]}, **more}
+        return {"model": model, "world_size": 1, "row": name, **{p: peers[p][name] for p in PEERS if name in peers.get(p, {})}, **more}
 
     memory = sorted(k for k in peers["ours"] if k.endswith(("host RSS", "GPU memory")))
-    timed = [row(r, **({"floor": floors[FLOOR_OF[r]]} if r in FLOOR_OF else {})) for r in TIMED]
+    timed = [row(r, **({"floor": floors[FLOOR_OF[r]]} if FLOOR_OF.get(r) in floors else {})) for r in TIMED]
+    timed += [row(r) for r in NCCL if r in peers["ours"]]
     return timed + [row(k) for k in memory] + [{"model": model, "world_size": 1, "row": LOOP, **loop}]
 
 
@@ -35,10 +42,12 @@ def targets(rows: list[Row]) -> list[Row]:
         return verdict(name, model, 1, value, limit, value <= limit, detail)
 
     def ratio(name: str, row: str, versus: str, limit: float) -> Row:
+        if versus not in at[row]:  # a partial run's results: not measured yet
+            return verdict(name, model, 1, None, limit, None, "not measured")
         return check(name, o(row) / at[row][versus], limit, f"{o(row) * 1e3:.1f} ms vs {at[row][versus] * 1e3:.1f} ms")
 
     sync_rss, async_rss = (at.get(f"{r}: host RSS", {}).get("ours", 0) / 2**20 for r in ("sync save", "async save, blocking"))
-    best = {k.split(", ")[1]: o(k) / at[k]["dcp best staging"] for k in ASYNC}
+    best = {k.split(", ")[1]: o(k) / at[k]["dcp best staging"] for k in ASYNC if "dcp best staging" in at[k]}
     out = [
         check("async save blocking <= 50 ms", o("async save, blocking") * 1e3, 50, f"{o('async save, blocking') * 1e3:.1f} ms"),
         ratio("async copy done <= 1.2x pinned copy floor", "async save, copied", "floor", 1.2),
@@ -47,13 +56,22 @@ def targets(rows: list[Row]) -> list[Row]:
         ratio("load <= 1.15x floor", "load", "floor", 1.15),
         ratio("load <= 0.5x DCP", "load", "dcp", 0.5),
         check("host RSS growth of a later save <= 64 MiB", max(sync_rss, async_rss), 64, f"{sync_rss:.0f} / {async_rss:.0f} MiB (sync / async)"),
-        check("every async row at least even with DCP's best staging", max(best.values()), 1.0, ", ".join(f"{k} {v:.2f}x" for k, v in best.items())),
     ]
+    name = "every async row at least even with DCP's best staging"
+    if best:
+        out.append(check(name, max(best.values()), 1.0, ", ".join(f"{k} {v:.2f}x" for k, v in best.items())))
+    else:
+        out.append(verdict(name, model, 1, None, 1.0, None, "not measured"))
     gpu = [at[k]["ours"] / 2**20 for k in at if k.endswith("GPU memory")]
     if gpu:
         out.append(check("GPU memory growth during a save or load <= 64 MiB", max(gpu), 64, f"{max(gpu):.0f} MiB"))
-    if "slowdown" in at[LOOP]:
-        out.append(check("steps with a save in flight <= 1.10x steps without", at[LOOP]["slowdown"], 1.10, f"{at[LOOP]['slowdown']:.2f}x"))
+    if NCCL[0] in at:
+        nccl = o(NCCL[0]) * 1e3
+        out.append(check("async save blocking, NCCL group, after a step <= 50 ms", nccl, 50, f"{nccl:.1f} ms (GPU idle: {o(NCCL[1]) * 1e3:.1f} ms)"))
+    loop = _loop(at)
+    if "slowdown" in loop:
+        fit = f", {loop['saves that fit']} of {loop['saves']} saves done within their {loop['every']} steps" if "every" in loop else ""
+        out.append(check("steps with a save in flight <= 1.10x steps without", loop["slowdown"], 1.10, f"{loop['slowdown']:.2f}x{fit}"))
     return out
 
 
@@ -67,7 +85,8 @@ def _x(row: Row, key: str) -> str:
 
 def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None = None) -> str:
     at = {r["row"]: r for r in rows}
-    loop = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in at[LOOP].items() if k not in ("model", "world_size", "row")}
+    loop_row = _loop(at)
+    loop = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in loop_row.items() if k not in ("model", "world_size", "row")}
     rep = Report(f"Checkpoints on {meta['device']}", meta).add(
         f"Command: `{meta['command']}`; {meta['model']}; state {meta['state_bytes'] / GiB:.2f} GiB; medians of {meta['repeats']} rounds "
         f"after a warm-up; wall time {meta['wall_s'] / 60:.1f} min; load average before/after: {meta['load_before']} / {meta['load_after']}.",
@@ -75,11 +94,14 @@ def markdown(rows: list[Row], meta: dict[str, Any], png_name: str | None = None)
         "peak allocated minus allocated before it; both the largest of the later rounds.",
         "",
     )
+    if meta.get("partial"):
+        rep.add(f"**Partial results**: written as the run went, {meta['partial']}; it ended before the rest.", "")
     rep.targets(targets(rows), "## Targets")
     rep.add("## Rows", "").table(
         ["row", "ours", "floor", "DCP", "DCP best staging", "ours / floor", "ours / DCP", "ours / DCP best"],
-        [[r] + [_ms(at[r], k) for k in ("ours", "floor", "dcp", "dcp best staging")] + [_x(at[r], k) for k in ("floor", "dcp", "dcp best staging")] for r in TIMED],
+        [[r] + [_ms(at[r], k) for k in ("ours", "floor", "dcp", "dcp best staging")] + [_x(at[r], k) for k in ("floor", "dcp", "dcp best staging")] for r in (*TIMED, *NCCL) if r in at],
     )
     memory = [r for r in rows if r["row"].endswith(("host RSS", "GPU memory"))]
     rep.table(["memory growth", "ours", "DCP", "DCP best staging"], [[r["row"]] + [f"{r[p] / 2**20:.0f} MiB" if p in r else "" for p in PEERS] for r in memory])
-    return rep.add(f"{LOOP[0].upper() + LOOP[1:]}: " + ", ".join(f"{k} {v}" for k, v in loop.items()) + ".", "").text()
+    name = loop_row["row"]
+    return rep.add(f"{name[0].upper() + name[1:]}: " + (", ".join(f"{k} {v}" for k, v in loop.items()) or "not measured") + ".", "").text()

@@ -1,5 +1,6 @@
 """Every timed row, for ours and for DCP: sync save, async save (blocking part, copy done, committed), load, and
-the host-RSS and GPU-memory growth of each. Round 0 warms up (allocations every later save reuses); the figures are
+the host-RSS and GPU-memory growth of each; on a GPU, ours' blocking part once more with the model on an NCCL-only
+process group (``nccl_blocking``), where a host sync in the save's collectives would show. Round 0 warms up (allocations every later save reuses); the figures are
 the median of the later rounds (memory: their largest)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import fsdp_optim
 from benchmarks.gpu.models import Config, sync
-from benchmarks.peak import measured
+from benchmarks.peak import reset_peak, status_bytes
 
 
 class Tally:
@@ -40,17 +41,23 @@ class Tally:
         return {row: statistics.median(values) for row, values in self.seconds.items()}
 
 
-def watched(tally: Tally, row: str, warm: bool, config: Config, fn: Callable[[], Any]) -> Any:
-    """``fn()`` timed (synchronized), with its peak host RSS growth (``peak.measured``) and GPU memory growth (peak
-    over the start) tallied."""
+def watched(tally: Tally, row: str, warm: bool, config: Config, fn: Callable[[], Any], *, settle: bool = True) -> tuple[Any, float]:
+    """``fn()`` timed, with its peak host RSS growth (VmHWM over VmRSS) and GPU memory growth (peak over the start)
+    tallied; ``(its result, the clock's start)``. Outside the clock, before it starts: a device sync, collecting
+    garbage, trimming malloc's free lists and resetting the peaks. ``settle``: the clock stops after a device sync
+    (the work ``fn`` queued is part of it); without, when ``fn`` returns (an async save's blocking part)."""
     sync(config)
     gpu = _gpu_start(config)
-    seconds, host, result = measured(lambda: (fn(), sync(config))[0])
-    tally.add(row, seconds, warm)
-    tally.grew(f"{row}: host RSS", host, warm)
+    before = reset_peak()
+    start = time.perf_counter()
+    result = fn()
+    if settle:
+        sync(config)
+    tally.add(row, time.perf_counter() - start, warm)
+    tally.grew(f"{row}: host RSS", status_bytes("VmHWM") - before, warm)
     if config.on_gpu:
         tally.grew(f"{row}: GPU memory", torch.cuda.max_memory_allocated() - gpu, warm)
-    return result
+    return result, start
 
 
 def _gpu_start(config: Config) -> int:
@@ -78,8 +85,8 @@ def _rows(config: Config, name: str, save: Callable[[str], Any] | None, load: Ca
             watched(tally, "sync save", warm, config, lambda: save(path))
             watched(tally, "load", warm, config, lambda: load(path))
         path = _fresh(config, f"{name}-async")
-        start = time.perf_counter()
-        response = watched(tally, "async save, blocking", warm, config, lambda: async_save(path))
+        # Copied and committed: from the call's start (after watched's untimed preparation) until staged / committed.
+        response, start = watched(tally, "async save, blocking", warm, config, lambda: async_save(path), settle=False)
         staged(response)
         sync(config)
         tally.add("async save, copied", time.perf_counter() - start, warm)
@@ -91,6 +98,38 @@ def _rows(config: Config, name: str, save: Callable[[str], Any] | None, load: Ca
 def ours(model: nn.Module, optim: torch.optim.Optimizer, config: Config) -> Tally:
     return _rows(config, "ours", lambda path: fsdp_optim.save_checkpoint(model, optim, path), lambda path: fsdp_optim.load_checkpoint(model, optim, path),
                  lambda path: fsdp_optim.async_save_checkpoint(model, optim, path), lambda handle: handle.wait_staged(), lambda handle: handle.wait())  # fmt: skip
+
+
+NCCL_BLOCKING = "async save, blocking (NCCL group, after a step)"
+NCCL_IDLE = "async save, blocking (NCCL group, GPU idle)"
+
+
+def nccl_blocking(config: Config) -> Tally:
+    """Ours' async save's blocking part with the model on a process group of NCCL alone (the default group mixes
+    ``cpu:gloo,cuda:nccl``, whose gloo half runs the save's small CPU collectives without touching the GPU), called
+    right after a training step whose kernels are still queued (``NCCL_BLOCKING``: a host sync in the blocking part,
+    ``.tolist()`` or ``.item()``, waits for all of them) and with the GPU idle (``NCCL_IDLE``). GPU only."""
+    import torch.distributed as dist
+
+    from benchmarks.gpu.models import ours as our_model
+    from benchmarks.gpu.models import step
+
+    group = dist.new_group(backend="nccl")
+    model, optim = our_model(config, group)
+    tally = Tally()
+    for r in range(config.repeats + 1):
+        for row, queued in ((NCCL_IDLE, False), (NCCL_BLOCKING, True)):
+            path = _fresh(config, "ours-nccl")
+            step(model, optim, config)
+            if not queued:
+                sync(config)
+            start = time.perf_counter()
+            handle = fsdp_optim.async_save_checkpoint(model, optim, path)
+            tally.add(row, time.perf_counter() - start, r > 0)
+            handle.wait()
+    del model, optim
+    dist.destroy_process_group(group)
+    return tally
 
 
 def _dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

@@ -1,0 +1,191 @@
+"""``.ci/gpu-check``, the one script a lent GPU machine runs, tried here before a GPU minute is spent on it.
+
+On a device-like image (tests/_device_image.py: this interpreter with only the GPU image's packages, so neither
+fairscale nor parameterized, s3fs, fairseq nor mkdocs), with what ``--prepare`` carried: every test file the
+script selects is collected without an error, the CUDA tests among them, and without the carry collection fails
+(so the image is honest). ``--prepare`` fails loudly when a package cannot be carried. The step runner bounds each
+step, says which failed and reads pytest's results back; the GPU benchmark removes its checkpoints when ``timeout``
+ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _device_image import DeviceImage
+
+from benchmarks.gpu import carry as carry_mod
+from benchmarks.gpu.check import cuda_test_files
+from benchmarks.gpu.steps import Step, run_phase
+from benchmarks.gpu.summary import junit_results
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / ".ci" / "gpu-check"
+DEADLINE_S = 600
+NEED_S3FS = {"tests/test_s3_infra.py", "tests/test_object_store_writers.py"}  # skipped whole on the image, saying so
+KNOWN_CUDA_TESTS = [  # CUDA tests on main when this test was written: each must stay selected
+    "tests/test_stager.py::test_gpu_saves_and_loads_are_exact_and_load_into_the_live_state",
+    "tests/test_demo.py::test_demo_on_one_gpu_trains_saves_and_resumes_there",
+]
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[DeviceImage, Path]:
+    """The device-like image, and a carry made by ``--prepare`` here."""
+    root = tmp_path_factory.mktemp("device")
+    carried = root / "carry"
+    done = subprocess.run(["bash", str(SCRIPT), "--prepare", str(carried)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return DeviceImage(root / "image"), carried
+
+
+def _script(image: DeviceImage, carried: Path, out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    env = image.env(ROOT, None, GPU_CHECK_CARRY=str(carried), OUT=str(out))
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+    report = out / "gpu-check.json"
+    assert report.exists(), f"no {report}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+    return done, json.loads(report.read_text())
+
+
+def test_prepare_carries_both_packages_as_pure_python_folders(image: tuple[DeviceImage, Path]) -> None:
+    _, carried = image
+    for name in ("fairscale", "parameterized"):
+        assert (carried / name / "__init__.py").is_file(), f"{name} not carried into {carried}"
+    assert not list(carried.rglob("__pycache__")) and not list(carried.rglob("*.so")), "only sources travel"
+    assert (carried / "COMMIT").read_text().strip(), "the carry records the commit it came from"
+
+
+def test_device_like_image_lacks_what_the_gpu_machine_lacks(image: tuple[DeviceImage, Path]) -> None:
+    device, carried = image
+    probe = "import importlib.util as u; print([m for m in ('fairscale', 'parameterized', 's3fs', 'fairseq', 'mkdocs', 'torch') if u.find_spec(m)])"
+    for carry, expected in ((None, ["torch"]), (carried, ["fairscale", "parameterized", "torch"])):
+        done = subprocess.run([sys.executable, "-c", probe], env=device.env(ROOT, carry), capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == str(expected), f"carry {carry}: {done.stdout} {done.stderr}"
+
+
+def test_prepare_fails_loudly_where_a_package_is_missing(image: tuple[DeviceImage, Path], tmp_path: Path) -> None:
+    device, _ = image
+    dest = tmp_path / "carry"
+    done = subprocess.run(["bash", str(SCRIPT), "--prepare", str(dest)], env=device.env(ROOT, None), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, f"--prepare without fairscale exited {done.returncode}: {done.stdout} {done.stderr}"
+    assert "gpu-check --prepare FAILED: fairscale is not importable here" in done.stderr, done.stderr
+    assert not dest.exists(), "a failed --prepare wrote nothing"
+
+
+@pytest.mark.parametrize(("names", "says"), [
+    (("parameterized", "no_such_package_anywhere"), "no_such_package_anywhere is not importable here"),
+    (("argparse",), "argparse is a single module"),
+    (("xxhash",), "holds compiled files"),
+])  # fmt: skip
+def test_carry_refuses_what_cannot_travel_and_writes_nothing(tmp_path: Path, names: tuple[str, ...], says: str) -> None:
+    dest = tmp_path / "carry"
+    with pytest.raises(carry_mod.CarryError, match=says):
+        carry_mod.carry(dest, names)
+    assert not dest.exists(), "nothing written before every package was checked"
+
+
+def test_device_like_image_collects_every_cuda_test_the_script_selects(image: tuple[DeviceImage, Path], tmp_path: Path) -> None:
+    device, carried = image
+    done, report = _script(device, carried, tmp_path / "out", "--collect")
+    assert done.returncode == 0 and report["ok"], f"{[(s['name'], s['status'], s['tail'][-1500:]) for s in report['steps']]}"
+    collected = report["results"]["collected"]["cuda tests"]
+    assert set(KNOWN_CUDA_TESTS) <= set(collected), f"CUDA tests not selected: {set(KNOWN_CUDA_TESTS) - set(collected)}"
+    assert {c.split("::")[0] for c in collected} <= set(cuda_test_files()), collected
+    imports = next(s for s in report["steps"] if s["name"] == "imports")
+    assert f"from {carried}/fairscale" in imports["tail"], imports["tail"]
+
+
+def test_device_like_image_collects_the_whole_suite_without_an_error(image: tuple[DeviceImage, Path], tmp_path: Path) -> None:
+    device, carried = image
+    done, report = _script(device, carried, tmp_path / "out", "--collect", "--suite")
+    suite = next(s for s in report["steps"] if s["name"] == "suite")
+    assert done.returncode == 0 and suite["status"] == "passed", suite["tail"][-3000:]
+    files = {c.split("::")[0] for c in report["results"]["collected"]["suite"]}
+    every = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
+    assert every - files == NEED_S3FS, f"collected no test of {every - files - NEED_S3FS}, or of none of {NEED_S3FS - (every - files)}"
+    assert suite["tail"].count("which this machine lacks") == len(NEED_S3FS), f"each says why it is skipped: {suite['tail'][-2000:]}"
+    _, without = _script(device, tmp_path / "nothing-carried", tmp_path / "out2", "--collect")
+    assert not without["ok"], "without the carry the image cannot import fairscale: the collection must fail"
+
+
+def test_steps_are_bounded_and_each_says_how_it_ended(tmp_path: Path) -> None:
+    steps = [
+        Step("ok", (sys.executable, "-c", "print('fsdp_optim demo on the CPU (gloo): ok')"), 30, expect="fsdp_optim demo on the CPU"),
+        Step("wrong line", (sys.executable, "-c", "print('something else')"), 30, expect="fsdp_optim demo on GPUs"),
+        Step("fails", (sys.executable, "-c", "raise SystemExit(3)"), 30),
+        Step("hangs", (sys.executable, "-c", "import time; print('going', flush=True); time.sleep(60)"), 2),
+    ]
+    start = time.monotonic()
+    with open(tmp_path / "log", "w") as log:
+        outcomes = run_phase(steps, tmp_path, log, left_s=100)
+    assert time.monotonic() - start < 30, "the hanging step was ended at its bound"
+    statuses = {name: o["status"] for name, o in outcomes.items()}
+    assert statuses == {"ok": "passed", "wrong line": "failed: no line starting 'fsdp_optim demo on GPUs'", "fails": "failed",
+                        "hangs": "timed out"}, statuses  # fmt: skip
+    assert outcomes["hangs"]["tail"] == "going" and outcomes["fails"]["rc"] == 3, outcomes
+    assert outcomes["ok"]["seconds"] < outcomes["hangs"]["seconds"], "each step's own seconds, not its phase's"
+    assert "[ok] fsdp_optim demo" in (tmp_path / "log").read_text(), "every step's output goes into the run's log"
+
+
+def test_a_terminated_run_still_writes_its_json_saying_so(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = os.environ | {"OUT": str(out), "GPU_CHECK_CARRY": str(tmp_path / "none")}
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--collect"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None, "a pipe"
+        for line in proc.stdout:  # the first step has started: its process is running
+            if line.startswith("[imports] started"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, f"exit {proc.returncode}: {rest[-2000:]}"
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert not report["ok"] and report["interrupted"] == "signal 15", report
+    assert {s["name"]: s["status"] for s in report["steps"]} == {"imports": "not run", "cuda tests": "not run"}, report["steps"]
+
+
+def test_junit_results_count_outcomes_and_keep_skip_reasons(tmp_path: Path) -> None:
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_passes(): pass\n"
+        "def test_fails(): assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='needs a CUDA device')\n"
+        "def test_skipped(): pass\n"
+    )
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", str(tmp_path / "test_sample.py")],
+                   capture_output=True, cwd=tmp_path, timeout=120)  # fmt: skip
+    found = junit_results(xml, every=False)
+    assert found["counts"] == {"passed": 1, "failed": 1, "skipped": 1}, found
+    assert found["skip_reasons"] == {"needs a CUDA device": 1}, found
+    assert [t["test"].split("::")[-1] for t in found["tests"]] == ["test_fails"] and "one is not two" in found["tests"][0]["message"], found
+
+
+def test_gpu_benchmark_removes_its_checkpoints_when_timeout_ends_it(tmp_path: Path) -> None:
+    directory = tmp_path / "bench"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "benchmarks.gpu", "--small", "--repeats", "1", "--dir", str(directory)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        stop_at = time.monotonic() + DEADLINE_S
+        while not (directory / "ours").exists():  # a checkpoint is being written
+            assert proc.poll() is None and time.monotonic() < stop_at, f"the benchmark ended before it wrote: {proc.returncode}"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, f"exit {proc.returncode}: {output[-2000:]}"
+    assert not directory.exists(), f"left behind: {list(directory.rglob('*'))[:5]}"
+    assert "floors:" in output, f"progress lines reach the output as they come: {output[-2000:]}"
