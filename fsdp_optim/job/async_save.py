@@ -196,7 +196,7 @@ def async_save_sharded_optim_state(
     """
     finish_previous(fsdp)
     root = verify_root(fsdp)
-    local = read_for_save(root, optim)
+    local = read_for_save(root, optim, read_scalars=False)  # no host sync here: values read from the copy
     group = checkpoint_group(root.group)
     # Rank 0 holds the directory's lock until the background commit (refusals raise here, on every rank).
     target = where(directory)
