@@ -290,7 +290,8 @@ def scatter_objects(
 
     Tensors of one dimension or more travel as point-to-point tensor messages (no pickling); the rest
     (dicts, 0-dim tensors, numbers) is pickled in one ``send_object_list`` per destination. So ``src``
-    holds one destination's payload at a time and each rank receives only its own.
+    holds one destination's payload at a time and each rank receives only its own. Under NCCL they arrive in, and
+    stay in, this rank's GPU memory (a load puts them there anyway: no trip back through the host).
     If ``make(r)`` raises on ``src``, the later destinations are sent nothing and every rank raises
     (:func:`agree`): ``src`` its original error, the others the same error naming ``src``.
 
@@ -331,7 +332,7 @@ def _receive_tensors(skeleton: Any, src: int, group: dist.ProcessGroup | None, d
         buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         if buffer.numel():
             dist.recv(buffer, src=_global(group, src), group=group)
-        tensors.append(buffer.cpu())
+        tensors.append(buffer)
     return _fill(skeleton, tensors)
 
 
