@@ -147,23 +147,34 @@ def test_fairscale_class_trains_inside_the_switch_and_fairscale_is_restored_afte
         ref_optim.step()
 
 
-def test_the_cpu_path_is_chosen_by_where_the_model_computes_not_by_the_machine() -> None:
-    """runs_on_host: an explicit compute_device decides, else the parameters' device; the answer never depends on
-    whether the machine has CUDA."""
-    from fsdp_optim.job.options import runs_on_host
+def test_the_cpu_path_is_chosen_where_fairscale_computes() -> None:
+    """computes_on_host follows fairscale's compute_device (its default is the GPU): CPU offload computes on the GPU
+    of a GPU machine (the old rule, by the parameters' device, took the CPU path there and then refused every GPU
+    instance of the process); CPU parameters without offload take the CPU path on any machine."""
+    from fsdp_optim.job.options import Placement, computes_on_host, placement
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def host(gpu: bool, compute: torch.device | None, offload: bool, devices: set[str]) -> bool:
+        return computes_on_host(Placement(gpu, compute, offload, frozenset(devices)))
+
+    for gpu in (False, True):
+        assert host(gpu, cpu, False, {"cpu"}) and host(gpu, cpu, True, {"cpu"}), "an explicit CPU decides"
+        assert not host(gpu, cuda, True, {"cpu"}), "an explicit GPU decides"
+        assert host(gpu, None, False, {"cpu"}), "CPU parameters without offload: the CPU, on any machine"
+        assert not host(gpu, None, False, {"cuda"}) and not host(gpu, None, False, {"meta"}), "params elsewhere"
+        assert host(gpu, None, False, set()) is (not gpu), "no parameter at all: fairscale's default"
+    assert not host(True, None, True, {"cpu"}), "CPU offload on a GPU machine computes on its GPU, as in fairscale"
+    assert host(False, None, True, {"cpu"}), "CPU offload without CUDA: the CPU"
 
     cpu_net = torch.nn.Linear(2, 2)
-    assert runs_on_host(cpu_net, {})
-    assert runs_on_host(cpu_net, {"compute_device": torch.device("cpu")})
-    assert not runs_on_host(cpu_net, {"compute_device": "cuda:0"})
-    assert runs_on_host(cpu_net, {"move_params_to_cpu": True})  # offload onto a GPU names compute_device
-    assert not runs_on_host(cpu_net, {"move_params_to_cpu": True, "compute_device": torch.device("cuda")})
-    assert runs_on_host(torch.nn.Module(), {}) is (not torch.cuda.is_available())  # none at all: fairscale's default
-    meta_net = torch.nn.Linear(2, 2, device="meta")  # parameters on another device: not fairscale's CPU path
-    assert not runs_on_host(meta_net, {})
+    found = placement(cpu_net, {"cpu_offload": True, "compute_device": "cuda:0"})  # cpu_offload: the old name
+    assert found == Placement(torch.cuda.is_available(), torch.device("cuda:0"), True, frozenset({"cpu"})), found
+    assert placement(cpu_net, {}).offload is False, "no offload unless asked"
+    meta_net = torch.nn.Linear(2, 2, device="meta")
     for p in meta_net.parameters():  # a root over wrapped units: every parameter already taken by a nested instance
         p._is_sharded = True  # type: ignore[attr-defined]  # fairscale's mark on the parameters it took over
-    assert not runs_on_host(meta_net, {}), "a root over units that compute elsewhere computes there too"
+    assert placement(meta_net, {}).param_devices == {"meta"}, "a root over units: their parameters' devices"
 
 
 def _cpu_then_gpu_instance(rank: int, world_size: int) -> str:  # noqa: ARG001

@@ -28,6 +28,7 @@ from fsdp_optim import FullyShardedDataParallel as FSDP
 from fsdp_optim import load_sharded_optim_state, save_sharded_optim_state
 
 STEPS = 3
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,11 @@ CASES: dict[str, Case] = {
     "mixed_precision": Case({"mixed_precision": True}, rel=1e-2),
     "fp32_reduce_scatter": Case({"mixed_precision": True, "fp32_reduce_scatter": True}, rel=1e-2),
     "move_grads_to_cpu": Case({"move_grads_to_cpu": True}),
-    "move_params_to_cpu": Case({"move_params_to_cpu": True}),  # gradients follow (move_grads_to_cpu=None)
+    # gradients follow (move_grads_to_cpu=None). Offload computes on the GPU of a GPU machine, as in fairscale:
+    # these cases name the CPU, so that they test the CPU path there too (tests/test_cuda_offload.py: the GPU's).
+    "move_params_to_cpu": Case({"move_params_to_cpu": True, "compute_device": CPU}),
     # cpu_offload (the old name of move_params_to_cpu) together with mixed precision and unflattened units.
-    "cpu_offload": Case({"cpu_offload": True, "mixed_precision": True}, flatten=False, rel=1e-2),
+    "cpu_offload": Case({"cpu_offload": True, "mixed_precision": True, "compute_device": CPU}, flatten=False, rel=1e-2),
     "reshard_after_forward": Case({"reshard_after_forward": False}),
     "flatten_parameters": Case(flatten=False),
     "no_broadcast_optim_state": Case({"no_broadcast_optim_state": True}),  # only fairscale's gather reads it

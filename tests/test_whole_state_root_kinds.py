@@ -21,7 +21,8 @@ import fsdp_optim
 OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "fairscale_auto_wrap": ("auto_wrap", {}),
     "mixed_precision": ("ours", {"mixed_precision": True}),
-    "move_params_to_cpu": ("ours", {"move_params_to_cpu": True}),
+    # Offload computes on the GPU of a GPU machine (as in fairscale): the CPU path is named (tests/test_cuda_offload.py).
+    "move_params_to_cpu": ("ours", {"move_params_to_cpu": True, "compute_device": torch.device("cpu")}),
 }
 
 

@@ -11,8 +11,10 @@ manifest (last, atomically): the same files, atomicity and clean-up as
 The copy overlaps what the training loop does next (forward and backward never touch optimizer state): the
 optimizer's next ``step()`` or ``load_state_dict()`` waits, through a pre-hook registered once per optimizer,
 until the copy is done (for shards on a GPU, its stream waits on the GPU for the copies' event; the host waits
-only until they are enqueued), so the checkpoint is the state at the call. Code that writes into the optimizer's
-state tensors by other means calls :meth:`AsyncSave.wait_staged` first. A loop that steps right away waits
+only until they are enqueued), so the checkpoint is the state at the call. So do the root's ``load_state_dict`` /
+``load_local_state_dict``, the loads (with or without an optimizer) and any other optimizer's ``step()`` over the
+root's parameters (the guards are keyed by the root as well as the optimizer). Code that writes into the state
+tensors by other means calls :meth:`AsyncSave.wait_staged` first. A loop that steps right away waits
 as long as a copy before returning would have taken; one that runs a forward and backward first does not
 wait at all (``benchmarks/checkpoint.py`` measures the blocking part and the training overhead).
 
@@ -38,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
@@ -118,9 +121,6 @@ class _StepGuard:
         before_change(optim)
 
 
-_guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard] = weakref.WeakKeyDictionary()
-
-
 def _guard(optim: torch.optim.Optimizer) -> _StepGuard:
     with _lock:
         if optim not in _guards:
@@ -128,10 +128,40 @@ def _guard(optim: torch.optim.Optimizer) -> _StepGuard:
         return _guards[optim]
 
 
+def _guard_root(root: nn.Module) -> None:
+    """What changes a saved root's weights by other means than its saved optimizer waits for the copy too: its
+    ``load_state_dict`` / ``load_local_state_dict`` (fairscale loads through ``root.module``, so the pre-hook is on
+    both), and any other optimizer over its parameters (:func:`_before_any_step`, once per process)."""
+    global _any_step_hook
+    with _lock:
+        if _any_step_hook is None:
+            _any_step_hook = register_optimizer_step_pre_hook(_before_any_step)
+        if root in _guarded_roots:
+            return
+        _guarded_roots[root] = True
+    alive = weakref.ref(root)  # a hook on the root must not keep it alive
+    for module in {root, getattr(root, "module", root)}:
+        module.register_load_state_dict_pre_hook(lambda *_: before_change(alive()))
+
+
+def _before_any_step(optim: torch.optim.Optimizer, *_: Any) -> None:
+    """Before any optimizer's ``step``: a save still copying the weights of a root this optimizer updates comes
+    first. Nothing but a look at the saves in flight once their copies are done."""
+    with _lock:
+        copying = [root for root, handle in _inflight.items() if not handle.staged.is_set()]
+    for root in copying:
+        params = {id(p) for p in root.parameters()}
+        if any(id(p) in params for group in optim.param_groups for p in group["params"]):
+            before_change(root)
+
+
 _lock = threading.Lock()
 # One entry per live root, dropped with the root: a job that builds many roots (or saves many times) keeps
 # at most one handle and one set of buffers per root it still holds (tests/test_async_save.py counts them).
 _inflight: weakref.WeakKeyDictionary[nn.Module, AsyncSave] = weakref.WeakKeyDictionary()  # its last save
+_guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard] = weakref.WeakKeyDictionary()
+_guarded_roots: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+_any_step_hook: Any = None  # the process's one pre-hook on every optimizer's step (_before_any_step)
 _staging: weakref.WeakKeyDictionary[nn.Module, Staging] = weakref.WeakKeyDictionary()  # its reusable buffers
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
 
@@ -166,7 +196,7 @@ def async_save_sharded_optim_state(
     """
     finish_previous(fsdp)
     root = verify_root(fsdp)
-    local = read_for_save(root, optim)
+    local = read_for_save(root, optim, read_scalars=False)  # no host sync here: values read from the copy
     group = checkpoint_group(root.group)
     # Rank 0 holds the directory's lock until the background commit (refusals raise here, on every rank).
     target = where(directory)
@@ -209,7 +239,9 @@ def launch(
             handle.progress.finish()
 
     _guard(optim)
+    _guard_root(key)
     expect(optim, handle.progress)
+    expect(key, handle.progress)
     with _lock:
         _inflight[key] = handle
     threading.Thread(target=handle._run, args=(lambda: upload(staged),), name=f"fsdp_optim-async-save-{name}").start()

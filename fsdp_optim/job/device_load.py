@@ -30,7 +30,8 @@ def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str
     ``optim.load_state_dict`` takes it) with every state tensor of a parameter on a GPU already there, in the dtype
     ``load_state_dict`` would cast it to: copied into the live optimizer's own tensor for that parameter and key when
     it has one of that shape and dtype (no new GPU memory), into a new one otherwise. ``step`` stays as it is (as
-    ``load_state_dict`` keeps it). The same dict when no parameter is on a GPU. An async save still copying
+    ``load_state_dict`` keeps it); a tensor already on its parameter's GPU (received there) is used as it is. The same
+    dict when no parameter is on a GPU. An async save still copying
     ``optim``'s state is waited for first (its pre-hook on ``load_state_dict`` would come too late)."""
     before_change(optim)
     params = _params_by_id(optim, state_dict)
@@ -46,6 +47,9 @@ def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str
             if key == "step" or not torch.is_tensor(value) or not param.is_cuda:
                 continue
             dtype = param.dtype if param.is_floating_point() else value.dtype
+            if value.device == param.device:  # received there (a scatter under NCCL): no trip through the host
+                state[pid][key] = value.to(dtype)
+                continue
             target = live.get(key)
             if not (torch.is_tensor(target) and target.shape == value.shape and target.dtype == dtype
                     and target.device == param.device and target.is_contiguous()):  # fmt: skip

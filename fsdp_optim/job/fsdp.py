@@ -29,8 +29,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
 
     - it runs on the CPU, on any machine: with the module on CPU and a gloo process group, ``compute_device``
       defaults to the CPU and fairscale's stream calls become no-ops. Constructing one that computes on the CPU
-      (:func:`fsdp_optim.job.options.runs_on_host`: its ``compute_device``, else where its parameters are, not whether
-      the machine has CUDA)
+      (:func:`fsdp_optim.job.options.computes_on_host`: fairscale's own ``compute_device``; CPU parameters without
+      CPU offload compute on the CPU on any machine, with ``move_params_to_cpu`` on the GPU when there is one)
       enables :func:`fsdp_optim.host_execution` for the rest of the process (see :mod:`fsdp_optim.job.host`);
       one that computes on a GPU leaves fairscale as it is;
     - options that cannot work are refused at construction with a ``ValueError`` naming the option

@@ -18,7 +18,10 @@ from fsdp_optim.core.flatten import StateKind, classify_flat_state, same_scalar,
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.records import GroupRecord
 
-__all__ = ["LocalState", "check_agreement", "check_optimizer", "group_members", "read_local_state", "summary_digest"]
+__all__ = [
+    "LocalState", "check_agreement", "check_optimizer", "group_members", "read_local_state", "summary_digest",
+    "with_scalars",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,18 @@ class LocalState:
 
 
 def read_local_state(
-    layout: ModelLayout, params: Sequence[nn.Parameter], optim_state: Mapping[str, Any], optim_groups: Sequence[Any]
+    layout: ModelLayout,
+    params: Sequence[nn.Parameter],
+    optim_state: Mapping[str, Any],
+    optim_groups: Sequence[Any],
+    *,
+    read_scalars: bool = True,
 ) -> LocalState:
     """Map ``optim.state_dict()`` (``optim_state``) and ``optim.param_groups`` onto the layout.
+
+    ``read_scalars=False`` reads no tensor's value (an async save's blocking part: reading a GPU scalar waits for
+    all the GPU work queued before it): a 0-dim tensor is summarised as ``("tensor", dtype name, None)`` until
+    :func:`with_scalars` reads it from the save's own copy.
 
     Shapes::
 
@@ -59,7 +71,7 @@ def read_local_state(
     for i, entries in state.items():
         kinds = classify_flat_state(layout.flat_params[i], entries)
         summary[i] = tuple(
-            (key, kind, entries[key].dtype if kind is StateKind.SHARDED else _portable(entries[key]))
+            (key, kind, entries[key].dtype if kind is StateKind.SHARDED else _portable(entries[key], read_scalars))
             for key, kind in kinds.items()
         )
     return LocalState(tuple(groups), state, summary)
@@ -92,11 +104,28 @@ def check_optimizer(saved: str | None, optim: torch.optim.Optimizer, source: str
         raise ValueError(f"optim: {source} was saved from {saved}, found {type(optim).__name__}")
 
 
-def _portable(value: Any) -> Any:
-    """A cheap-to-pickle stand-in for a scalar: ``.item()`` is exact for every real dtype."""
+def _portable(value: Any, read: bool = True) -> Any:
+    """A cheap-to-pickle stand-in for a scalar: ``.item()`` is exact for every real dtype (``None`` unless ``read``)."""
     if torch.is_tensor(value):
-        return ("tensor", str(value.dtype).removeprefix("torch."), value.item())
+        return ("tensor", str(value.dtype).removeprefix("torch."), value.item() if read else None)
     return value
+
+
+def with_scalars(
+    summary: Mapping[int, tuple[tuple[str, StateKind, Any], ...]], state: Mapping[int, Mapping[str, Any]]
+) -> dict[int, tuple[tuple[str, StateKind, Any], ...]]:
+    """``summary`` (from ``read_local_state(..., read_scalars=False)``) with each unread 0-dim tensor's value read
+    from ``state`` (``{flat: {key: value}}``, a save's own host copy of the live state); other entries as they are
+    (so a summary read whole reads nothing here)."""
+    return {
+        i: tuple((key, kind, _portable(state[i][key]) if _unread(v) else v) for key, kind, v in entries)
+        for i, entries in summary.items()
+    }
+
+
+def _unread(summarised: Any) -> bool:
+    """A 0-dim tensor summarised without its value."""
+    return isinstance(summarised, tuple) and summarised[:1] == ("tensor",) and summarised[2:] == (None,)
 
 
 def _show(summarised: Any) -> str:

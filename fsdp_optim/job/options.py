@@ -6,13 +6,14 @@ already taken over (parameters of nested instances) is read in :mod:`fsdp_optim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fsdp_optim.job.root import unsharded_parameters
 
-__all__ = ["check_options", "runs_on_host"]
+__all__ = ["Placement", "check_options", "computes_on_host", "placement", "runs_on_host"]
 
 
 def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
@@ -49,22 +50,56 @@ def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
                 )
 
 
-def runs_on_host(module: torch.nn.Module, options: dict[str, Any]) -> bool:
-    """Whether fairscale computes this instance on the CPU (fairscale's CPU path: :mod:`fsdp_optim.job.host`).
+@dataclass(frozen=True)
+class Placement:
+    """What decides where fairscale computes one instance: the machine, and the constructor's inputs."""
 
-    Decided by where the model computes, never by whether the machine has CUDA (a CPU model under gloo on a GPU
-    machine runs on the CPU): an explicit ``compute_device`` decides; else the parameters' device (those of nested
-    instances for a root whose own were all taken by them); only a module without any parameter goes where fairscale
-    would put it. So CPU offload
-    onto a GPU (``move_params_to_cpu`` with parameters on the CPU) names its GPU: ``compute_device=torch.device(
-    "cuda")``, as fairscale asks for it anyway (it checks the process group on that device). ``options`` as for
-    :func:`check_options`.
+    cuda_available: bool
+    compute_device: torch.device | None  # the constructor's ``compute_device``, None when not given
+    offload: bool  # ``move_params_to_cpu`` or its old name ``cpu_offload``: shards kept on the CPU, computed elsewhere
+    param_devices: frozenset[str]  # device types of the parameters it takes (see :func:`placement`)
+
+
+def computes_on_host(where: Placement) -> bool:
+    """Whether an instance computes on the CPU (fairscale's CPU path: :mod:`fsdp_optim.job.host`). Pure.
+
+    fairscale 0.4.13 computes on ``compute_device or _get_default_cuda_device(module)``: the first parameter's device
+    when it is a GPU, else ``torch.device("cuda")``. So, in order:
+
+    - an explicit ``compute_device`` decides;
+    - parameters on a GPU (or any non-CPU device) compute there, as in fairscale;
+    - CPU parameters with ``move_params_to_cpu`` (CPU offload) compute on the default GPU when the machine has one,
+      as in fairscale (which requires offloaded parameters to start on the CPU), else on the CPU;
+    - CPU parameters without offload compute on the CPU, on any machine: fairscale would put its full-parameter
+      buffers on the GPU while the shards stay on the CPU, which no process group can all-gather; a CPU model under
+      gloo works on a GPU machine too;
+    - a module without any parameter goes where fairscale's default puts it: the GPU when there is one.
     """
-    compute = options.get("compute_device")
-    if compute is not None:
-        return torch.device(compute).type == "cpu"
-    # Its own parameters; those that nested instances took over when it has none (a root over wrapped layers).
+    if where.compute_device is not None:
+        return where.compute_device.type == "cpu"
+    if not where.param_devices:
+        return not where.cuda_available
+    if where.param_devices - {"cpu"}:
+        return False
+    return not (where.offload and where.cuda_available)
+
+
+def placement(module: torch.nn.Module, options: dict[str, Any]) -> Placement:
+    """The :class:`Placement` of ``module`` wrapped with ``options`` (as for :func:`check_options`), on this machine.
+
+    The parameters are the module's own, or those that nested instances took over when it has none (a root over
+    wrapped layers)."""
     devices = {p.device.type for p in unsharded_parameters(module)} or {p.device.type for p in module.parameters()}
-    if not devices:  # no parameters at all: where fairscale would compute it (its default is the GPU)
-        return not torch.cuda.is_available()
-    return not devices - {"cpu"}
+    compute = options.get("compute_device")
+    return Placement(
+        cuda_available=torch.cuda.is_available(),
+        compute_device=torch.device(compute) if compute is not None else None,
+        offload=bool(options.get("move_params_to_cpu") or options.get("cpu_offload")),
+        param_devices=frozenset(devices),
+    )
+
+
+def runs_on_host(module: torch.nn.Module, options: dict[str, Any]) -> bool:
+    """Whether fairscale computes ``module`` wrapped with ``options`` on the CPU here: :func:`computes_on_host` of
+    its :func:`placement`."""
+    return computes_on_host(placement(module, options))

@@ -30,7 +30,7 @@ from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.formats.sharded.writer import save_rules, write_shard_file
-from fsdp_optim.job.local import LocalState, check_agreement, read_local_state
+from fsdp_optim.job.local import LocalState, check_agreement, read_local_state, with_scalars
 from fsdp_optim.job.root import Root
 from fsdp_optim.job.stager import pieces
 from fsdp_optim.job.transport import ProcessGroup, agree, broadcast_object, dist_rank_and_size, gather_objects
@@ -91,12 +91,14 @@ def start_save(
     return broadcast_object(save_id, src=0, group=group), lock
 
 
-def read_for_save(root: Root, optim: torch.optim.Optimizer) -> LocalState:
-    """This rank's optimizer state, checked to be savable (local; reads only)."""
+def read_for_save(root: Root, optim: torch.optim.Optimizer, *, read_scalars: bool = True) -> LocalState:
+    """This rank's optimizer state, checked to be savable (local; reads only). ``read_scalars=False`` (an async
+    save's blocking part) reads no tensor's value: a 0-dim tensor is checked by its dtype, and its value is read from
+    the save's own copy (:func:`commit_save`), so the caller never waits for the GPU."""
     check_elementwise(optim, where="optim", keys=state_keys(optim))
     layout = root.layout
     layout.check_world_sizes()
-    local = read_local_state(layout, root.params, optim.state_dict(), optim.param_groups)
+    local = read_local_state(layout, root.params, optim.state_dict(), optim.param_groups, read_scalars=read_scalars)
     for k, group in enumerate(local.groups):
         for key, value in group.hyperparams.items():
             _check_loadable(value, f"optim: hyperparameter '{key}' of param group {k}")
@@ -105,8 +107,9 @@ def read_for_save(root: Root, optim: torch.optim.Optimizer) -> LocalState:
         for key, value in entries.items():
             where = f"optim: state '{key}' of {layout.flat_params[i].describe()}"
             _check_loadable(value, where)
-            if not torch.is_tensor(value) or value.dim() == 0:
-                to_json(value, where)  # a scalar: the manifest holds it
+            if not torch.is_tensor(value) or value.dim() == 0:  # a scalar: the manifest holds it
+                unread = torch.is_tensor(value) and not read_scalars  # checked by its dtype alone
+                to_json(torch.zeros((), dtype=value.dtype) if unread else value, where)
     return local
 
 
@@ -133,12 +136,14 @@ def commit_save(
     own = _Written()
     failure: Exception | None = None
     manifest: Manifest | None = None
+    summary = local.summary
     try:
         try:
             _write_own(own, state, side, directory, save_id, rank, world_size)
+            summary = with_scalars(local.summary, own.shards)  # the values read_for_save left unread, from the copy
         except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
             failure = exc
-        reports = gather_objects((local.summary, own.record, own.aux), dst=0, group=group)  # None except on rank 0
+        reports = gather_objects((summary, own.record, own.aux), dst=0, group=group)  # None except on rank 0
         written = all(r is not None and (side is None or a is not None) for _, r, a in reports or ())
         if reports is not None and failure is None and written:  # every rank's files (a rank's failure: none)
             try:

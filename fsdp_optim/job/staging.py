@@ -45,18 +45,20 @@ class Staged:
         self.staged.set()
 
 
-_pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, Staged] = weakref.WeakKeyDictionary()
+# Keyed by what an async save copies: its optimizer (the state) and its root module (the weights and buffers).
+_pending: weakref.WeakKeyDictionary[torch.optim.Optimizer | torch.nn.Module, Staged] = weakref.WeakKeyDictionary()
 
 
-def expect(optim: torch.optim.Optimizer, staged: Staged) -> None:
-    """Record that ``optim``'s state (and its model's weights) are being copied by ``staged``."""
-    _pending[optim] = staged
+def expect(owner: torch.optim.Optimizer | torch.nn.Module, staged: Staged) -> None:
+    """Record that ``owner``'s state (an optimizer's, or a root module's weights) is being copied by ``staged``."""
+    _pending[owner] = staged
 
 
-def before_change(optim: torch.optim.Optimizer | None) -> None:
-    """What anything that changes ``optim``'s state or its model's weights calls first: the last async save's copy
-    of them is enqueued (host) and done before the caller's stream goes on (GPU). Nothing when none is pending."""
-    staged = _pending.get(optim) if optim is not None else None
+def before_change(owner: torch.optim.Optimizer | torch.nn.Module | None) -> None:
+    """What anything that changes ``owner`` (an optimizer's state, a root module's weights) calls first: the last
+    async save's copy of it is enqueued (host) and done before the caller's stream goes on (GPU). Nothing when none is
+    pending."""
+    staged = _pending.get(owner) if owner is not None else None
     if staged is not None:
         staged.before_change()
 

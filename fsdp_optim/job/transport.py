@@ -26,25 +26,13 @@ import torch
 import torch.distributed as dist
 
 from fsdp_optim.core.layout import ShardBounds
+from fsdp_optim.job.host_copies import moved
 
 __all__ = [
-    "shut_down",
-    "ProcessGroup",
-    "Transfer",
-    "agree",
-    "all_gather_objects",
-    "broadcast_from_each_rank",
-    "broadcast_object",
-    "dist_rank_and_size",
-    "exchange_bytes",
-    "is_cpu_group",
-    "post_exchange",
-    "new_gloo_group",
-    "gather_flat_tensors",
-    "gather_objects",
-    "group_initialized",
-    "scatter_objects",
-]
+    "shut_down", "ProcessGroup", "Transfer", "agree", "all_gather_objects", "broadcast_from_each_rank",
+    "broadcast_object", "dist_rank_and_size", "exchange_bytes", "is_cpu_group", "post_exchange", "new_gloo_group",
+    "gather_flat_tensors", "gather_objects", "group_initialized", "scatter_objects",
+]  # fmt: skip
 
 ProcessGroup = dist.ProcessGroup  # for modules that hold a group but never talk through it (job/root.py)
 
@@ -105,10 +93,11 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 
 def broadcast_from_each_rank(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's ``obj`` on every rank, one ``broadcast_object_list`` per rank (W collectives)."""
+    """Every rank's ``obj`` on every rank, one ``broadcast_object_list`` per rank (W collectives). Its tensors travel
+    as host tensors (:func:`~fsdp_optim.job.host_copies.moved`): every rank receives them on its CPU."""
     received = []
     for src in range(dist.get_world_size(group)):
-        box = [obj if src == dist.get_rank(group) else None]
+        box = [moved(obj, torch.device("cpu")) if src == dist.get_rank(group) else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(_group(group), src), group=group)
         received.append(box[0])
     return received
@@ -301,7 +290,8 @@ def scatter_objects(
 
     Tensors of one dimension or more travel as point-to-point tensor messages (no pickling); the rest
     (dicts, 0-dim tensors, numbers) is pickled in one ``send_object_list`` per destination. So ``src``
-    holds one destination's payload at a time and each rank receives only its own.
+    holds one destination's payload at a time and each rank receives only its own. Under NCCL they arrive in, and
+    stay in, this rank's GPU memory (a load puts them there anyway: no trip back through the host).
     If ``make(r)`` raises on ``src``, the later destinations are sent nothing and every rank raises
     (:func:`agree`): ``src`` its original error, the others the same error naming ``src``.
 
@@ -342,7 +332,7 @@ def _receive_tensors(skeleton: Any, src: int, group: dist.ProcessGroup | None, d
         buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         if buffer.numel():
             dist.recv(buffer, src=_global(group, src), group=group)
-        tensors.append(buffer.cpu())
+        tensors.append(buffer)
     return _fill(skeleton, tensors)
 
 

@@ -247,7 +247,8 @@ def _castable(saved: str, live: torch.dtype) -> bool:
 def commit_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: Staged) -> None:
     """Copy what was staged into the live model and optimizer (every check passed on every rank): into GPU memory
     through the stager's pinned ring (:mod:`fsdp_optim.job.device_load`)."""
-    before_change(optim)  # an async save still copying these weights and state comes first
+    before_change(model)  # an async save still copying these weights and state comes first (optim=None too)
+    before_change(optim)
     live_buffers = persistent_buffers(model)
     pairs = [(param.data, staged.weights[i]) for i, param in enumerate(root.params)]
     into_live(pairs + [(live_buffers[name], value) for name, value in staged.buffers.items()])

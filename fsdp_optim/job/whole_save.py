@@ -29,7 +29,7 @@ from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.save_commit import Side, commit_save, own_tensor, read_for_save, start_save
-from fsdp_optim.job.transport import agree, all_gather_objects
+from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
@@ -104,9 +104,9 @@ def async_save_checkpoint(
     """
     finish_previous(model)
     root = verify_root(model, optim)
-    prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True)
-    directory = where(path)
     group = checkpoint_group(root.group)
+    prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True, caller_of=group)
+    directory = where(path)
     save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
     side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
     optimizer = type(optim).__name__
@@ -126,26 +126,41 @@ def prepare_whole(
 
 
 def _prepare_everywhere(
-    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any, *, copy_buffers: bool = False
+    root: Root,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    extra: Any,
+    *,
+    copy_buffers: bool = False,
+    caller_of: ProcessGroup | None = None,
 ) -> tuple[_Prepared, bool]:
     """:func:`_prepare` on every rank, agreed (a failure anywhere raises everywhere, nothing written), and whether
-    the buffers differ across ranks (one digest per rank, all-gathered)."""
+    the buffers differ across ranks (one digest per rank, all-gathered). ``caller_of``: the blocking part of an async
+    save, agreed over that (gloo) group and reading no optimizer scalar, so that the caller never waits for its GPU
+    (the buffers are copied to the host here: GPU buffers still do)."""
     prepared, failure = None, None
+    group = caller_of if caller_of is not None else root.group
     try:
-        prepared = _prepare(root, model, optim, extra, copy_buffers)
+        prepared = _prepare(root, model, optim, extra, copy_buffers, read_scalars=caller_of is None)
     except Exception as exc:  # every rank learns of it through agree(), with nothing written
         failure = exc
-    agree(failure, group=root.group, what="save_checkpoint refused its input, nothing was written")
+    agree(failure, group=group, what="save_checkpoint refused its input, nothing was written")
     assert prepared is not None, "agree() raises on every rank when any rank failed"
-    return prepared, len(set(all_gather_objects(buffers_digest(prepared.buffers), root.group))) > 1
+    return prepared, len(set(all_gather_objects(buffers_digest(prepared.buffers), group))) > 1
 
 
 def _prepare(
-    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any, copy_buffers: bool
+    root: Root,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    extra: Any,
+    copy_buffers: bool,
+    *,
+    read_scalars: bool = True,
 ) -> _Prepared:
     """Read and check everything this rank saves (reads only; the tensors are the live ones unless on a GPU or
     ``copy_buffers``: forward changes buffers, and an async save's copy runs beside it)."""
-    local = read_for_save(root, optim) if optim is not None else LocalState((), {}, {})
+    local = read_for_save(root, optim, read_scalars=read_scalars) if optim is not None else LocalState((), {}, {})
     state: dict[int, dict[str, Any]] = {}
     for i, shard in weight_shards(root).items():
         entries = {key: own_tensor(value) for key, value in local.state.get(i, {}).items()}
