@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _async_copier import AsyncCopier, AsyncEngines, Recorder
 
 from fsdp_optim.core.checksums import ChunkHasher, chunk_digests
 from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
@@ -169,7 +170,7 @@ def test_gpu_pieces_see_what_the_callers_stream_queued_and_allocate_no_gpu_memor
     assert torch.cuda.memory_allocated() == before, "staging allocates no GPU memory"
     expected = torch.arange(part.numel(), dtype=torch.float32)
     assert got == expected.numpy().tobytes()
-    ring = stager._ring(part.device)
+    ring = stager.CUDA.ring(stager.copier_of(part.device))
     assert all(b.is_pinned() for b in ring.buffers)
 
 
@@ -259,3 +260,65 @@ def test_gpu_saves_and_loads_are_exact_and_load_into_the_live_state(tmp_path) ->
 
     (result,) = run_ranks(_gpu_round_trip, 1, str(tmp_path), backend="nccl")
     assert result == {"at call": True, "reused": True, "sync": True}, result
+
+
+# -- under an asynchronous copier: copies that land later, on a thread of their own (tests/_async_copier.py) --------
+
+
+def test_under_async_copies_the_ring_yields_each_piece_only_once_its_copy_has_landed() -> None:
+    for seed in range(6):
+        engines = AsyncEngines(AsyncCopier(seed=seed), slots=3, slot_bytes=48)
+        parts = [engines.place(p) for p in _parts(seed + 40)]
+        got = [piece.numpy().tobytes() for piece in stager.pieces(parts, engines=engines)]
+        assert b"".join(got) == _joined(parts), f"seed {seed}: the pieces hold the parts' bytes, in order"
+
+
+def test_under_async_copies_a_ring_left_early_returns_only_once_its_copies_have_landed() -> None:
+    copier = AsyncCopier(max_delay=0.01)
+    engines = AsyncEngines(copier, slots=4, slot_bytes=8)
+    stream = stager.pieces([engines.place(torch.zeros(100))], engines=engines)
+    next(stream)
+    stream.close()
+    assert copier.in_flight() == 0, f"{copier.in_flight()} copies still writing into the ring's reused slots"
+
+
+def test_under_async_copies_an_upload_returns_once_every_byte_is_in_place() -> None:
+    for seed in range(6):
+        copier = AsyncCopier(seed=seed)
+        engines = AsyncEngines(copier, slots=2, slot_bytes=40)
+        sources = [t for t in _parts(seed + 7) if t.numel()] + [torch.arange(7), torch.tensor(2.5)]
+        targets = [engines.place(torch.full_like(t, -1)) for t in sources]
+        stager.upload(list(zip(targets, sources, strict=True)), engines=engines)
+        assert copier.in_flight() == 0, f"seed {seed}: the upload returned with copies still in flight"
+        for got, want in zip(targets, sources, strict=True):
+            assert torch.equal(got, want), f"seed {seed}: a destination does not hold its source's bytes"
+
+
+def _async_save(staging: Staging, state: dict[int, dict[str, Any]], engines: AsyncEngines) -> tuple[Staged, list]:
+    """What an async save does: the mark in the caller's thread, the copy in a thread of its own."""
+    import threading
+
+    staged, copies = Staged(), []
+    ready = ready_events(state, engines)
+    thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, staged)))
+    thread.start()
+    staged.issued.wait(30)
+    return staged, [thread, copies]
+
+
+def test_under_async_copies_the_staging_holds_the_state_at_the_call_when_the_step_changes_it_at_once() -> None:
+    for seed in range(4):
+        engines = AsyncEngines(AsyncCopier(seed=seed, max_delay=0.005))
+        staging = Staging(engines, Recorder())
+        live = {0: {"exp_avg": engines.place(torch.randn(300)), "step": torch.tensor(3.0)}, 1: {"w": engines.place(torch.randn(50))}}
+        at_call = {i: {k: v.clone() for k, v in e.items()} for i, e in live.items()}
+        staged, (thread, copies) = _async_save(staging, live, engines)
+        staged.before_change()  # what optim.step() does first
+        for entries in live.values():
+            for value in entries.values():
+                value.add_(1)  # the step changes the state in place
+        thread.join(30)
+        (copied,) = copies
+        for i, entries in at_call.items():
+            for key, value in entries.items():
+                assert torch.equal(copied[i][key], value), f"seed {seed}: {i}/{key} is not the state at the call"

@@ -17,8 +17,11 @@ called (:func:`mark`), so the copies see every kernel queued before the call and
 the copy has read it. No GPU memory is allocated. Tensors already on the CPU are never copied by the ring: the
 writer reads them where they are (:func:`fsdp_optim.formats.sharded.rank_file.host_pieces`).
 
-The ring's logic takes a :class:`Copier`; :class:`HostCopier` runs it with synchronous host copies, which is how the
-tests check its order and its reuse of memory on machines without a GPU (``tests/test_stager.py``).
+Every copy goes through one seam: a :class:`Copier` (one device's copy engine: queue a copy, wait for its ticket, make
+later copies wait for a mark, make the caller's stream wait for a ticket), chosen per tensor by an :class:`Engines`
+(:data:`CUDA` in a job). :class:`HostCopier` copies synchronously on the host; the tests run the ring, an async
+save's arena and the staging order under a copier whose copies land later on a thread of their own
+(``tests/_async_copier.py``), so an ordering mistake gives wrong bytes on a machine without a GPU too.
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ from fsdp_optim.formats.sharded.rank_file import host_pieces
 __all__ = [
     "SLOTS",
     "SLOT_BYTES",
+    "CUDA",
+    "DONE",
     "Copier",
     "CudaCopier",
+    "CudaEngines",
+    "Engines",
     "HostCopier",
     "Ring",
     "copier_of",
@@ -50,32 +57,86 @@ SLOT_BYTES = 32 << 20  # 128 MiB of pinned memory per GPU for the ring: large co
 
 
 class Copier(Protocol):
-    """Where a ring's buffers live and how a copy into one is made and awaited."""
+    """One device's copy engine, as the host sees it: copies queued in order on a stream of their own, each answered
+    by a ticket (an event: ``query()`` says whether it is done, ``synchronize()`` blocks the host until it is)."""
+
+    device: torch.device  # where the copies' device-side tensors live
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         """A host ``uint8`` buffer of ``nbytes`` (pinned, for copies from a GPU)."""
         ...
 
+    def mark(self) -> Any:
+        """An event recorded now on the caller's current stream of this device."""
+        ...
+
+    def after(self, event: Any) -> None:
+        """Copies queued from now on start once ``event`` (a :meth:`mark`) is done."""
+        ...
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Start copying ``src`` into ``dst`` (same number of bytes); a ticket for :meth:`wait`."""
+        """Queue a copy of ``src`` into ``dst`` (same number of bytes); a ticket for :meth:`wait`."""
         ...
 
     def wait(self, ticket: Any) -> None:
         """Block the host until the copy of ``ticket`` is done."""
         ...
 
+    def last(self) -> Any:
+        """A ticket done once every copy queued so far is done (copies run in order)."""
+        ...
+
+    def hold(self, ticket: Any) -> None:
+        """Make whatever the caller queues next on this device wait for ``ticket`` (on a GPU: its stream waits,
+        not the host)."""
+        ...
+
+    def bind(self) -> None:
+        """Make this copier's device the calling thread's current device (a thread of its own starts on GPU 0)."""
+        ...
+
+
+class _Done:
+    """A ticket that is done from the start: what a synchronous copy answers."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+DONE = _Done()
+
 
 class HostCopier:
-    """Synchronous copies into ordinary host memory: the ring's logic without a GPU."""
+    """Synchronous copies into ordinary host memory: the ring's logic without a GPU (every ticket done at once)."""
+
+    device = torch.device("cpu")
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        dst.copy_(src)
+    def mark(self) -> Any:
+        return DONE
+
+    def after(self, event: Any) -> None:  # noqa: ARG002 - the host ran everything queued before
         return None
 
-    def wait(self, ticket: Any) -> None:  # noqa: ARG002 - the copy was synchronous
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        dst.copy_(src)
+        return DONE
+
+    def wait(self, ticket: Any) -> None:
+        ticket.synchronize()
+
+    def last(self) -> Any:
+        return DONE
+
+    def hold(self, ticket: Any) -> None:
+        ticket.synchronize()
+
+    def bind(self) -> None:
         return None
 
 
@@ -86,12 +147,15 @@ class CudaCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def after(self, event: Any) -> None:
-        """Make the side stream wait (on the GPU) for ``event``, recorded on the caller's stream."""
-        self.stream.wait_event(event)
-
     def buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.device(self.device):
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def mark(self) -> Any:
+        return mark(self.device)
+
+    def after(self, event: Any) -> None:
+        self.stream.wait_event(event)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -104,6 +168,31 @@ class CudaCopier:
 
     def wait(self, ticket: Any) -> None:
         ticket.synchronize()
+
+    def last(self) -> Any:
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.stream)
+        return event
+
+    def hold(self, ticket: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(ticket)
+
+    def bind(self) -> None:
+        torch.cuda.set_device(self.device)
+
+
+class Engines(Protocol):
+    """Which copy engine a tensor sits behind (``None``: host memory, read where it is), and each engine's ring.
+    :data:`CUDA` in a job; the tests pass an engine of their own that models a GPU's on the CPU."""
+
+    def of(self, tensor: torch.Tensor) -> Copier | None:
+        """The copier of the device holding ``tensor``, ``None`` for host memory; refuses another device."""
+        ...
+
+    def ring(self, copier: Copier) -> Ring:
+        """That copier's ring, made once and reused by every later save and load."""
+        ...
 
 
 class Ring:
@@ -184,66 +273,78 @@ def _spans(parts: Sequence[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
             yield span
 
 
-_copiers: dict[int, CudaCopier] = {}  # one side stream per GPU, for the process's life
-_rings: dict[int, Ring] = {}  # one per GPU, for the process's life: the pinned memory every later save reuses
-_rings_lock = threading.Lock()
+class CudaEngines:
+    """The GPUs' copy engines: one side stream (:class:`CudaCopier`) and one ring per GPU, for the process's life
+    (the ring's pinned memory is what every later save and load reuses)."""
+
+    def __init__(self) -> None:
+        self._copiers: dict[int, CudaCopier] = {}
+        self._rings: dict[int, Ring] = {}
+        self._lock = threading.Lock()
+
+    def of(self, tensor: torch.Tensor) -> Copier | None:
+        device = tensor.device
+        if device.type == "cpu":
+            return None
+        if device.type != "cuda":
+            raise ValueError(f"a tensor on {device}: the stager copies from and to CPU and CUDA memory only")
+        return self.copier(device)
+
+    def copier(self, device: torch.device) -> CudaCopier:
+        """The side stream's copier of GPU ``device``."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            if index not in self._copiers:
+                self._copiers[index] = CudaCopier(torch.device("cuda", index))
+            return self._copiers[index]
+
+    def ring(self, copier: Copier) -> Ring:
+        index = copier.device.index
+        assert isinstance(copier, CudaCopier) and index is not None, f"a GPU's ring copies from it, not {copier}"
+        with self._lock:
+            if index not in self._rings:
+                self._rings[index] = Ring(copier)
+            return self._rings[index]
 
 
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+CUDA = CudaEngines()
 
 
 def copier_of(device: torch.device) -> CudaCopier:
-    """The side stream's copier of ``device`` (one per GPU, for the process's life)."""
-    index = _index(device)
-    with _rings_lock:
-        if index not in _copiers:
-            _copiers[index] = CudaCopier(torch.device("cuda", index))
-        return _copiers[index]
+    """The side stream's copier of GPU ``device`` (one per GPU, for the process's life)."""
+    return CUDA.copier(device)
 
 
-def _ring(device: torch.device) -> Ring:
-    copier = copier_of(device)  # before the lock: it takes it too
-    with _rings_lock:
-        index = _index(device)
-        if index not in _rings:
-            _rings[index] = Ring(copier)
-        return _rings[index]
-
-
-def pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+def pieces(parts: Sequence[torch.Tensor], *, engines: Engines = CUDA) -> Iterator[torch.Tensor]:
     """The writer's :data:`~fsdp_optim.formats.sharded.rank_file.Pieces` for a job: host tensors as they are,
     shards on a GPU through that GPU's pinned ring, the copies ordered after what the caller's stream queued."""
-    device = next((p.device for p in parts if p.device.type != "cpu"), None)
-    if device is None:
+    copier = next((c for c in map(engines.of, parts) if c is not None), None)
+    if copier is None:
         return host_pieces(parts)
-    if device.type != "cuda":
-        raise ValueError(f"a shard on {device}: the stager copies from CPU and CUDA memory only")
     # Made contiguous now, before the mark: a copy kernel queued after it would race the side stream's reads.
     parts = [p.detach().reshape(-1).contiguous() for p in parts]
-    ring = _ring(device)
-    assert isinstance(ring.copier, CudaCopier), "a GPU's ring copies from that GPU"
-    ring.copier.after(mark(device))
+    ring = engines.ring(copier)
+    copier.after(copier.mark())
     return ring.pieces(parts)
 
 
-def upload(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def upload(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, engines: Engines = CUDA) -> None:
     """Copy host tensors into live tensors (``(dst, src)`` pairs): into GPU tensors through that GPU's pinned ring,
     ordered after what the caller's stream queued (a kernel still using ``dst`` finishes first); into host tensors
     directly. Returns once every byte is in place."""
-    on_gpu = [(d, s) for d, s in pairs if d.is_cuda]
+    routed = [(engines.of(d), d, s) for d, s in pairs]
     with torch.no_grad():
-        for dst, src in pairs:
-            if not dst.is_cuda:
+        for copier, dst, src in routed:
+            if copier is None:
                 dst.copy_(src)
-    if on_gpu:
-        device = on_gpu[0][0].device
-        if any(d.device != device for d, _ in on_gpu):
-            raise ValueError(f"live tensors on several GPUs: {sorted({str(d.device) for d, _ in on_gpu})}")
-        ring = _ring(device)
-        assert isinstance(ring.copier, CudaCopier), "a GPU's ring copies to that GPU"
-        ring.copier.after(mark(device))
-        ring.upload(on_gpu)
+    on_device = [(c, d, s) for c, d, s in routed if c is not None]
+    if on_device:
+        copier = on_device[0][0]
+        if any(c is not copier for c, _, _ in on_device):
+            raise ValueError(f"live tensors on several GPUs: {sorted({str(d.device) for _, d, _ in on_device})}")
+        ring = engines.ring(copier)
+        copier.after(copier.mark())
+        ring.upload([(d, s) for _, d, s in on_device])
 
 
 def mark(device: torch.device) -> Any:
