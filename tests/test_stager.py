@@ -212,7 +212,7 @@ def test_the_ring_uploads_every_byte_into_its_destination_and_refuses_a_mismatch
     # A slot is refilled only after the copy out of it was awaited: with 2 slots, copy k+2 waits for copy k.
     for k in copies[2:]:
         assert copier.log.index(("wait", k - 2)) < copier.log.index(("copy", k)), copier.log
-    with pytest.raises(ValueError, match=r"cannot copy \(3,\) torch.float32 into \(2,\) torch.float32"):
+    with pytest.raises(ValueError, match=r"live tensor 0: expected \(2,\) torch.float32 .*found \(3,\) torch.float32"):
         ring.upload([(torch.empty(2), torch.zeros(3))])
 
 
@@ -322,3 +322,66 @@ def test_under_async_copies_the_staging_holds_the_state_at_the_call_when_the_ste
         for i, entries in at_call.items():
             for key, value in entries.items():
                 assert torch.equal(copied[i][key], value), f"seed {seed}: {i}/{key} is not the state at the call"
+
+
+def test_pieces_on_two_devices_are_refused_before_a_copy_is_queued() -> None:
+    first, second = AsyncCopier("fake:0"), AsyncCopier("fake:1")
+    engines = AsyncEngines(first, second)
+    parts = [engines.place(torch.randn(10), 0), engines.place(torch.randn(10), 1)]
+    with pytest.raises(ValueError, match=r"on several devices.*fake:0.*fake:1"):
+        list(stager.pieces(parts, engines=engines))
+    assert first.queued == second.queued == 0, "nothing was copied before the refusal"
+
+
+def _live(engines: AsyncEngines, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    return [engines.place(torch.full(s, -1.0)) for s in shapes]
+
+
+def test_an_upload_into_a_non_contiguous_live_tensor_lands_every_byte() -> None:
+    engines = AsyncEngines(AsyncCopier(max_delay=0.001), slots=2, slot_bytes=16)
+    first, strided, last = _live(engines, (5,), (4, 6), (7,))
+    sources = [torch.arange(5.0), torch.arange(24.0).reshape(4, 6).t(), torch.arange(7.0)]
+    strided = strided.t()  # a live tensor that is a transposed view
+    stager.upload([(first, sources[0]), (strided, sources[1]), (last, sources[2])], engines=engines)
+    for got, want in zip([first, strided, last], sources, strict=True):
+        assert torch.equal(got, want), "every destination holds its source, the strided one too"
+
+
+@pytest.mark.parametrize(
+    ("live", "source", "found"),
+    [
+        (torch.empty(2, 3), torch.zeros(3, 2), r"\(2, 3\) torch.float32.*found \(3, 2\) torch.float32"),
+        (torch.empty(6), torch.zeros(6, dtype=torch.int32), r"\(6,\) torch.float32.*found \(6,\) torch.int32"),
+        (torch.empty(6), torch.zeros(7), r"\(6,\) torch.float32.*found \(7,\) torch.float32"),
+    ],
+)
+def test_an_upload_refuses_a_mismatch_before_the_first_byte_is_written(live, source, found) -> None:
+    copier = AsyncCopier()
+    engines = AsyncEngines(copier, slots=2, slot_bytes=16)
+    earlier, on_host = _live(engines, (9,)), torch.full((3,), -1.0)
+    engines.place(live)
+    pairs = [(earlier[0], torch.zeros(9)), (on_host, torch.zeros(3)), (live, source)]
+    with pytest.raises(ValueError, match=rf"live tensor 2: expected {found}"):
+        stager.upload(pairs, engines=engines)
+    assert copier.queued == 0 and torch.all(earlier[0] == -1) and torch.all(on_host == -1), "nothing was written"
+
+
+def test_the_ring_checks_every_destination_before_it_copies() -> None:
+    copier = AsyncCopier()
+    ring = Ring(copier, slots=2, slot_bytes=16)
+    good, strided = torch.zeros(8), torch.zeros(4, 4).t()
+    with pytest.raises(ValueError, match="live tensor 1: expected a contiguous destination"):
+        ring.upload([(good, torch.ones(8)), (strided, torch.ones(4, 4))])
+    assert copier.queued == 0 and torch.all(good == 0), "nothing was copied before the refusal"
+
+
+def test_a_staging_copy_that_fails_after_queuing_copies_returns_only_once_they_have_landed() -> None:
+    copier = AsyncCopier(max_delay=0.02, fail_at=4)
+    engines = AsyncEngines(copier)
+    staging = Staging(engines, Recorder())
+    state = {i: {"exp_avg": engines.place(torch.randn(1000))} for i in range(6)}
+    staged = Staged()
+    with pytest.raises(RuntimeError, match="copy 4 failed to launch"):
+        staging.copy(state, ready_events(state, engines), staged)
+    assert copier.in_flight() == 0, f"{copier.in_flight()} copies still writing into the arena after the failure"
+    assert staged.issued.is_set(), "a step waiting for the failed copy does not hang"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -147,6 +147,9 @@ class CudaCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
+    def __str__(self) -> str:
+        return str(self.device)
+
     def buffer(self, nbytes: int) -> torch.Tensor:
         with torch.cuda.device(self.device):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -226,19 +229,17 @@ class Ring:
                     self.copier.wait(ticket)
 
     def upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each host tensor ``src`` into its ``dst`` (same number of bytes, ``dst`` contiguous) through the ring:
-        a slot is filled from ``src`` (the read, e.g. of a mapped file's pages) while the copies out of the earlier
-        slots run. Returns once every copy is done (one slot's copy after the last read)."""
+        """Copy each host tensor ``src`` into its ``dst`` (same shape and dtype, ``dst`` contiguous, on the copier's
+        device: every pair checked before the first byte is written) through the ring: a slot is filled from ``src``
+        (the read, e.g. of a mapped file's pages) while the copies out of the earlier slots run. Returns once every
+        copy is done (one slot's copy after the last read)."""
+        check_pairs(pairs, self.copier.device)
         with self.lock:
             busy: list[Any] = [None] * len(self.buffers)
             slot, last = 0, None
             try:
                 for dst, src in pairs:
                     out = dst.detach().reshape(-1).view(torch.uint8)
-                    if out.numel() != src.numel() * src.element_size() or not dst.is_contiguous():
-                        raise ValueError(
-                            f"cannot copy {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}"
-                        )
                     for at, span in _offsets(src, self.slot_bytes):
                         if busy[slot] is not None:
                             self.copier.wait(busy[slot])  # the copy out of this slot is done: refill it
@@ -257,6 +258,24 @@ class Ring:
         n = span.numel()
         flight.append((slot, n, self.copier.copy(self.buffers[slot][:n], span)))
         return True
+
+
+def check_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device | None = None) -> None:
+    """Refuse, before anything is copied, a ``(live, source)`` pair whose shapes or dtypes differ (a copy of the same
+    number of bytes would reinterpret them) and, with ``device`` (a ring's), a live tensor that is not a contiguous
+    tensor on it. Every problem is named in one ``ValueError``."""
+    errors = []
+    for i, (dst, src) in enumerate(pairs):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            errors.append(
+                f"live tensor {i}: expected {tuple(dst.shape)} {dst.dtype} (the live tensor's shape and dtype), "
+                f"found {tuple(src.shape)} {src.dtype} to copy into it"
+            )
+        elif device is not None and (dst.device != device or not dst.is_contiguous()):
+            errors.append(f"live tensor {i}: expected a contiguous destination on {device}, found "
+                          f"{'a strided one' if dst.device == device else 'one'} on {dst.device}")  # fmt: skip
+    if errors:
+        raise ValueError("cannot copy into the live tensors: " + "; ".join(errors))
 
 
 def _offsets(part: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -318,9 +337,12 @@ def copier_of(device: torch.device) -> CudaCopier:
 def pieces(parts: Sequence[torch.Tensor], *, engines: Engines = CUDA) -> Iterator[torch.Tensor]:
     """The writer's :data:`~fsdp_optim.formats.sharded.rank_file.Pieces` for a job: host tensors as they are,
     shards on a GPU through that GPU's pinned ring, the copies ordered after what the caller's stream queued."""
-    copier = next((c for c in map(engines.of, parts) if c is not None), None)
-    if copier is None:
+    copiers = _distinct(engines.of(p) for p in parts)
+    if not copiers:
         return host_pieces(parts)
+    if len(copiers) > 1:  # one ring, one side stream, one ticket per slot: the copies of one device only
+        raise ValueError(f"parts on several devices ({', '.join(map(str, copiers))}): a rank's shards are on one")
+    (copier,) = copiers
     # Made contiguous now, before the mark: a copy kernel queued after it would race the side stream's reads.
     parts = [p.detach().reshape(-1).contiguous() for p in parts]
     ring = engines.ring(copier)
@@ -332,19 +354,29 @@ def upload(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, engines: Engin
     """Copy host tensors into live tensors (``(dst, src)`` pairs): into GPU tensors through that GPU's pinned ring,
     ordered after what the caller's stream queued (a kernel still using ``dst`` finishes first); into host tensors
     directly. Returns once every byte is in place."""
+    check_pairs(pairs)  # all or nothing: every pair checked before the first byte is written
     routed = [(engines.of(d), d, s) for d, s in pairs]
+    copiers = _distinct(c for c, _, _ in routed)
+    if len(copiers) > 1:
+        raise ValueError(f"live tensors on several devices ({', '.join(map(str, copiers))}): a rank's are on one")
     with torch.no_grad():
-        for copier, dst, src in routed:
-            if copier is None:
+        for copier, dst, src in routed:  # host and strided device tensors: copied directly (ordered on the stream)
+            if copier is None or not dst.is_contiguous():
                 dst.copy_(src)
-    on_device = [(c, d, s) for c, d, s in routed if c is not None]
-    if on_device:
-        copier = on_device[0][0]
-        if any(c is not copier for c, _, _ in on_device):
-            raise ValueError(f"live tensors on several GPUs: {sorted({str(d.device) for _, d, _ in on_device})}")
-        ring = engines.ring(copier)
-        copier.after(copier.mark())
-        ring.upload([(d, s) for _, d, s in on_device])
+    through = [(d, s) for c, d, s in routed if c is not None and d.is_contiguous()]
+    if through:
+        ring = engines.ring(copiers[0])
+        copiers[0].after(copiers[0].mark())
+        ring.upload(through)
+
+
+def _distinct(copiers: Iterable[Copier | None]) -> list[Copier]:
+    """The copiers named, each once, in order (``None``: host memory, left out)."""
+    found: list[Copier] = []
+    for copier in copiers:
+        if copier is not None and all(copier is not c for c in found):
+            found.append(copier)
+    return found
 
 
 def mark(device: torch.device) -> Any:

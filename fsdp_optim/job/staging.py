@@ -128,11 +128,11 @@ class Staging:
                 for key, value in entries.items():
                     if key not in out[i]:
                         out[i][key] = self._host_copy(i, key, value)
-        finally:  # every copy enqueued is waited for, even when a later one failed
+        finally:  # every copy queued has landed before this returns or raises: the arena may be freed after it
             staged.done = [(copier, copier.last()) for copier in copiers]
             staged.issued.set()
-        for copier, ticket in staged.done:
-            copier.wait(ticket)
+            for copier, ticket in staged.done:
+                copier.wait(ticket)
         staged.staged.set()
         return {i: {k: out[i][k] for k in state[i]} for i in state}  # the state's own order
 
