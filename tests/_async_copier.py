@@ -27,7 +27,7 @@ import torch
 
 from fsdp_optim.job.stager import Copier, Ring
 
-__all__ = ["AsyncCopier", "AsyncEngines", "Ticket"]
+__all__ = ["AsyncCopier", "AsyncEngines", "Recorder", "Ticket"]
 
 TIMEOUT = 60.0  # seconds: a ticket never done is a test failure, not a hang
 
@@ -149,21 +149,30 @@ class AsyncEngines:
 
 
 class Recorder:
-    """A registrar that page-locks nothing and records each call: ``("register", start offset, nbytes, device)``;
-    ``fail=True`` makes every registration raise, as ``cudaHostRegister`` does when it cannot."""
+    """A registrar that page-locks nothing and records each call: ``(kind, pointer, nbytes, device, copies queued by
+    then)``. ``fail_from=n``: the n-th registration and every later one raise, as ``cudaHostRegister`` does when it
+    cannot (``1``: every one)."""
 
-    def __init__(self, *, fail: bool = False) -> None:
-        self.calls: list[tuple[str, int, int, torch.device]] = []
-        self.fail = fail
+    def __init__(self, *, fail_from: int | None = None, copier: AsyncCopier | None = None) -> None:
+        self.calls: list[tuple[str, int, int, torch.device, int]] = []
+        self.fail_from = fail_from
+        self.copier = copier
         self.lock = threading.Lock()
+
+    def registered(self) -> list[tuple[int, int]]:
+        """``(pointer, nbytes)`` of each successful registration."""
+        return [(p, n) for kind, p, n, _, _ in self.calls if kind == "register"]
 
     def register(self, memory: torch.Tensor, device: torch.device) -> None:
         nbytes = memory.numel() * memory.element_size()
         with self.lock:
-            self.calls.append(("register", memory.data_ptr(), nbytes, device))
-        if self.fail:
+            tries = sum(1 for call in self.calls if call[0] != "unregister") + 1
+            failed = self.fail_from is not None and tries >= self.fail_from
+            queued = self.copier.queued if self.copier is not None else 0
+            self.calls.append(("failed" if failed else "register", memory.data_ptr(), nbytes, device, queued))
+        if failed:
             raise RuntimeError(f"cannot page-lock {nbytes} bytes of host memory for staging (CUDA error 712)")
 
     def unregister(self, pointer: int, device: torch.device) -> None:
         with self.lock:
-            self.calls.append(("unregister", pointer, 0, device))
+            self.calls.append(("unregister", pointer, 0, device, 0))

@@ -385,3 +385,120 @@ def test_a_staging_copy_that_fails_after_queuing_copies_returns_only_once_they_h
         staging.copy(state, ready_events(state, engines), staged)
     assert copier.in_flight() == 0, f"{copier.in_flight()} copies still writing into the arena after the failure"
     assert staged.issued.is_set(), "a step waiting for the failed copy does not hang"
+
+
+def _state(engines: AsyncEngines, *sizes: int) -> dict[int, dict[str, Any]]:
+    return {i: {"exp_avg": engines.place(torch.randn(n)), "step": torch.tensor(float(i))} for i, n in enumerate(sizes)}
+
+
+def _staged_equal(copied: dict[int, dict[str, Any]], state: dict[int, dict[str, Any]]) -> bool:
+    return all(torch.equal(copied[i][k], v) for i, e in state.items() for k, v in e.items())
+
+
+def test_the_arena_is_page_locked_chunk_by_chunk_while_the_copies_run_and_reused_by_a_layout_that_fits(
+    monkeypatch,
+) -> None:
+    import gc
+
+    from fsdp_optim.job import arena
+
+    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
+    copier = AsyncCopier(max_delay=0.001)
+    engines = AsyncEngines(copier)
+    registrar = Recorder(copier=copier)
+    staging = Staging(engines, registrar)
+    state = _state(engines, 700, 300, 900)  # 8.5 KiB of shards, 512-byte aligned: 9 chunks, shards across them
+    assert _staged_equal(staging.copy(state, ready_events(state, engines), Staged()), state)
+    chunks = registrar.registered()
+    assert len(chunks) == 9 and all(n <= 1024 for _, n in chunks), f"one chunk at a time: {chunks}"
+    queued_at = [q for kind, *_, q in registrar.calls if kind == "register"]
+    assert queued_at[0] == 0 and queued_at[-1] > 0, f"copies were queued before the last chunk was locked: {queued_at}"
+    assert {d for *_, d, _ in registrar.calls} == {copier.device}, "each chunk is locked for the shards' device"
+    other = _state(engines, 900, 700, 200)  # another layout that fits: the arena and its registration are kept
+    assert _staged_equal(staging.copy(other, ready_events(other, engines), Staged()), other)
+    assert registrar.registered() == chunks, "a layout that fits the arena registers nothing again"
+    larger = _state(engines, 3000)
+    assert _staged_equal(staging.copy(larger, ready_events(larger, engines), Staged()), larger)
+    gc.collect()
+    unregistered = {p for kind, p, *_ in registrar.calls if kind == "unregister"}
+    assert unregistered == {p for p, _ in chunks}, "the old arena's chunks are unregistered once it is dropped"
+
+
+@pytest.mark.parametrize("fail_from", [1, 3])
+def test_a_registration_that_fails_falls_back_with_one_warning_and_the_copy_is_exact(monkeypatch, fail_from) -> None:
+    import threading
+    import warnings
+
+    from fsdp_optim.job import arena
+
+    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(arena, "_warned", threading.Event())
+    engines = AsyncEngines(AsyncCopier(max_delay=0.001))
+    registrar = Recorder(fail_from=fail_from)
+    staging = Staging(engines, registrar)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for sizes in [(700, 900), (2000, 100), (5000,)]:  # a save, one with a layout that fits, a larger one
+            state = _state(engines, *sizes)
+            assert _staged_equal(staging.copy(state, ready_events(state, engines), Staged()), state), sizes
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and "page-locking failed" in said[0], said
+    tries = [kind for kind, *_ in registrar.calls if kind != "unregister"]
+    assert tries.count("failed") == 1, f"after a failure no arena tries to page-lock again: {tries}"
+    assert len(tries) == fail_from, tries
+
+
+def test_the_save_thread_binds_the_shards_device_before_it_locks_or_copies() -> None:
+    import threading
+
+    seen: list[tuple[str, str]] = []
+
+    class Bound(AsyncCopier):
+        def bind(self) -> None:
+            seen.append(("bind", threading.current_thread().name))
+
+        def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+            seen.append(("copy", threading.current_thread().name))
+            return super().copy(dst, src)
+
+    engines = AsyncEngines(Bound())
+    state = _state(engines, 100)
+    staged, (thread, copies) = _async_save(Staging(engines, Recorder()), state, engines)
+    thread.join(30)
+    assert seen[0] == ("bind", thread.name) and ("copy", thread.name) in seen, seen
+
+
+@CUDA
+def test_gpu_staging_locks_in_chunks_on_the_shards_gpu_from_the_save_thread_and_falls_back_when_it_cannot(
+    monkeypatch,
+) -> None:
+    import threading
+
+    from fsdp_optim.job import arena
+
+    monkeypatch.setattr(arena, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(arena, "_warned", threading.Event())
+    device = torch.device("cuda", torch.cuda.device_count() - 1)  # not GPU 0 where there are several
+    seen: list[int] = []
+
+    class Watched(arena.CudaHost):
+        def register(self, memory: torch.Tensor, device: torch.device) -> None:
+            seen.append(torch.cuda.current_device())
+            super().register(memory, device)
+
+    class Failing(arena.CudaHost):
+        def register(self, memory: torch.Tensor, device: torch.device) -> None:
+            raise RuntimeError("cudaHostRegister is not supported here")
+
+    for registrar in (Watched(), Failing()):
+        live = torch.randn(3 << 20, device=device)  # 12 MiB: 12 chunks
+        state, staged, copies = {0: {"exp_avg": live}}, Staged(), []
+        staging = Staging(registrar=registrar)
+        ready = ready_events(state)
+        thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, staged)))  # noqa: B023
+        thread.start()
+        thread.join(60)
+        (copied,) = copies
+        assert torch.equal(copied[0]["exp_avg"], live.cpu()), type(registrar).__name__
+        assert copied[0]["exp_avg"].is_pinned(), f"{type(registrar).__name__}: the arena is page-locked memory"
+    assert len(seen) == 12 and set(seen) == {device.index}, f"registered on the shards' GPU, in chunks: {seen}"

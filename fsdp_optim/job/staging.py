@@ -1,11 +1,13 @@
 """Async saves' staging: a root's reused host memory for its shards, copied on the stager's side stream, and the
 wait that whatever changes the state next goes through (:func:`before_change`).
 
-One arena per root for its shards on GPUs, page-locked with CUDA at its exact size and kept across saves (host
-memory does not grow from one save to the next); a plain buffer per host tensor. The copies are enqueued by the
-save's thread after an event taken in the caller's thread when the save was called (:func:`ready_events`), so they
-see the state at the call; ``optim.step()``, ``load_state_dict()`` and the loads wait for them on the GPU (the
-host waits only until they are enqueued). See :mod:`fsdp_optim.job.stager` for the copies themselves.
+One arena per root for its shards on GPUs (:mod:`fsdp_optim.job.arena`: its exact size, page-locked chunk by chunk
+by the save's thread while the copies into the earlier chunks run, kept across saves and by a layout change that
+fits, so host memory does not grow from one save to the next); a plain buffer per host tensor. The copies are
+enqueued by the save's thread, bound to the shards' GPU, after an event taken in the caller's thread when the save
+was called (:func:`ready_events`), so they see the state at the call; ``optim.step()``, ``load_state_dict()`` and
+the loads wait for them on the GPU (the host waits only until they are enqueued). Every copy queued has landed
+before :meth:`Staging.copy` returns or raises. See :mod:`fsdp_optim.job.stager` for the copies themselves.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from fsdp_optim.job.arena import CUDA_HOST, Arena, Registrar
 from fsdp_optim.job.stager import CUDA, Copier, Engines
 
-__all__ = ["CUDA_HOST", "CudaHost", "Registrar", "Staged", "Staging", "before_change", "expect", "ready_events"]
+__all__ = ["Staged", "Staging", "before_change", "expect", "ready_events"]
 
 
 @dataclass
@@ -64,66 +67,38 @@ def before_change(optim: torch.optim.Optimizer | None) -> None:
 _ALIGN = 512  # bytes: every staged tensor starts aligned in the arena
 
 
-class Registrar(Protocol):
-    """How host memory is page-locked for a device's copies (CUDA: ``cudaHostRegister``); injectable for tests."""
-
-    def register(self, memory: torch.Tensor, device: torch.device) -> None:
-        """Page-lock ``memory``'s bytes for copies with ``device``; raises when it cannot."""
-        ...
-
-    def unregister(self, pointer: int, device: torch.device) -> None:
-        """Undo :meth:`register` of the memory starting at ``pointer``."""
-        ...
-
-
-class CudaHost:
-    """``cudaHostRegister`` / ``cudaHostUnregister``, each under its GPU's context (a save's thread would otherwise
-    open one on GPU 0 for every rank)."""
-
-    def register(self, memory: torch.Tensor, device: torch.device) -> None:
-        nbytes = memory.numel() * memory.element_size()
-        with torch.cuda.device(device):
-            code = int(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes, 0))
-        if code != 0:
-            raise RuntimeError(f"cannot page-lock {nbytes} bytes of host memory for staging (CUDA error {code})")
-
-    def unregister(self, pointer: int, device: torch.device) -> None:
-        with torch.cuda.device(device):
-            torch.cuda.cudart().cudaHostUnregister(pointer)
-
-
-CUDA_HOST = CudaHost()
-
-
 class Staging:
     """Host memory for one root's shards, kept across saves: a plain buffer per host tensor, ``(flat, key)`` -> a
-    tensor of that shape and dtype, and one pinned arena for the shards on GPUs (registered with CUDA at its exact
-    size: the caching host allocator would round each block up to a power of two, up to twice the state).
-    ``engines`` and ``registrar``: the copy engines and how memory is page-locked (CUDA's unless a test's)."""
+    tensor of that shape and dtype, and one :class:`~fsdp_optim.job.arena.Arena` for the shards on GPUs (allocated at
+    its exact size and page-locked chunk by chunk: the caching host allocator would round each block up to a power of
+    two, up to twice the state). ``engines`` and ``registrar``: the copy engines and how memory is page-locked
+    (CUDA's unless a test's); after a registration failed, arenas fall back to ordinary pinned or pageable memory."""
 
-    def __init__(self, engines: Engines = CUDA, registrar: Registrar = CUDA_HOST) -> None:
+    def __init__(self, engines: Engines = CUDA, registrar: Registrar | None = CUDA_HOST) -> None:
         self.engines = engines
         self.registrar = registrar
         self.host: dict[tuple[int, str], torch.Tensor] = {}
-        self.arena: torch.Tensor | None = None
+        self.arena: Arena | None = None
         self.layout: tuple[tuple[tuple[int, str], torch.Size, torch.dtype], ...] = ()
-        self.views: dict[tuple[int, str], torch.Tensor] = {}
+        self.views: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}  # (flat, key) -> (byte offset, view)
 
     def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[Copier, Any], staged: Staged) -> Any:
         """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory: host tensors at once,
-        GPU tensors enqueued after ``ready[copier]`` (:func:`ready_events`, taken when the save was called); sets
-        ``staged.issued``, waits for the GPU copies, sets ``staged.staged``. Returns the copy, same shape."""
+        GPU tensors enqueued after ``ready[copier]`` (:func:`ready_events`, taken when the save was called), each once
+        the arena is page-locked where it goes; sets ``staged.issued``, waits for the GPU copies, sets
+        ``staged.staged``. Returns the copy, same shape. Runs in the save's thread, on the GPU of the shards."""
         on_gpu = [((i, k), v.detach(), c) for i, e in state.items() for k, v in e.items() if (c := self._of(v))]
-        self._fit([(key, v.shape, v.dtype) for key, v, _ in on_gpu], on_gpu[0][2].device if on_gpu else None)
+        if on_gpu:
+            on_gpu[0][2].bind()  # this thread's CUDA calls go to the shards' GPU, not GPU 0
         out: dict[int, dict[str, Any]] = {i: {} for i in state}
         copiers: list[Copier] = []
         try:
+            self._fit([(key, v.shape, v.dtype) for key, v, _ in on_gpu], on_gpu[0][2].device if on_gpu else None)
             for (i, key), value, copier in on_gpu:
                 if copier not in copiers:
                     copiers.append(copier)
                     copier.after(ready[copier])
-                out[i][key] = self.views[(i, key)]
-                copier.copy(out[i][key], value)
+                out[i][key] = self._queue(copier, (i, key), value)
             for i, entries in state.items():
                 for key, value in entries.items():
                     if key not in out[i]:
@@ -136,6 +111,24 @@ class Staging:
         staged.staged.set()
         return {i: {k: out[i][k] for k in state[i]} for i in state}  # the state's own order
 
+    def _queue(self, copier: Copier, key: tuple[int, str], value: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of ``value`` into its view, once the arena is page-locked that far (the copies of the chunks
+        before run meanwhile), cut at the arena's chunk boundaries; the view."""
+        at, view = self.views[key]
+        nbytes = value.numel() * value.element_size()
+        arena = self.arena
+        assert arena is not None, "a shard to stage has an arena"
+        arena.lock_through(at + nbytes)
+        if arena.failed:
+            self.registrar = None  # it failed once: later arenas take the fallback memory at once
+        if not value.is_contiguous():
+            copier.copy(view, value)  # rare (a strided state tensor): one copy, correct whatever the registration
+            return view
+        raw, into = value.reshape(-1).view(torch.uint8), view.reshape(-1).view(torch.uint8)
+        for a, b in arena.cuts(at, at + nbytes):
+            copier.copy(into[a:b], raw[a:b])
+        return view
+
     @property
     def buffers(self) -> int:
         """How many tensors this root's staging holds memory for (host buffers and arena views)."""
@@ -145,7 +138,8 @@ class Staging:
         return self.engines.of(value) if torch.is_tensor(value) else None
 
     def _fit(self, specs: list[tuple[tuple[int, str], torch.Size, torch.dtype]], device: torch.device | None) -> None:
-        """The arena and its views for these shards: kept when the shapes and dtypes are those of the last save."""
+        """The arena and its views for these shards: the views kept when the shapes and dtypes are those of the last
+        save; the arena kept when they fit in it and fill half of it or more (nothing registered again)."""
         layout = tuple(specs)
         if layout == self.layout:
             return
@@ -153,22 +147,17 @@ class Staging:
         for _, shape, dtype in layout:
             offsets.append(total)
             total += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN
-        self.arena, self.layout, self.views = None, (), {}  # the old arena is released (and unregistered) first
-        arena = self._pinned(total, device) if total and device is not None else None
+        arena, self.layout, self.views = self.arena, (), {}
+        if arena is None or not (total <= arena.nbytes < 2 * total) or arena.device != device:
+            self.arena = arena = None  # the old arena is released (and unregistered) first
+            if total and device is not None:
+                arena = Arena.allocate(total, device, self.registrar)
+                self.registrar = None if arena.failed or arena.registrar is None else self.registrar
         views = {}
         for (key, shape, dtype), at in zip(layout, offsets, strict=True):
             assert arena is not None, "a shard to stage has an arena"
-            views[key] = arena[at : at + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            views[key] = (at, arena.memory[at : at + shape.numel() * dtype.itemsize].view(dtype).view(shape))
         self.arena, self.layout, self.views = arena, layout, views
-
-    def _pinned(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """``nbytes`` of host memory page-locked at exactly that size, unregistered when the returned tensor is
-        dropped (views cut from it may outlive it: host reads need no registration, and its owner copies into it
-        only while it holds it)."""
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        self.registrar.register(buffer, device)
-        weakref.finalize(buffer, self.registrar.unregister, buffer.data_ptr(), device)
-        return buffer
 
     def _host_copy(self, i: int, key: str, value: Any) -> Any:
         if not torch.is_tensor(value):
