@@ -14,7 +14,8 @@ from _async_copier import AsyncCopier, AsyncEngines, Recorder
 from fsdp_optim.core.checksums import ChunkHasher, chunk_digests
 from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
 from fsdp_optim.job import stager
-from fsdp_optim.job.stager import HostCopier, Ring
+from fsdp_optim.job.copiers import HostCopier
+from fsdp_optim.job.stager import Ring
 from fsdp_optim.job.staging import Staged, Staging, ready_events
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies from GPU memory)")

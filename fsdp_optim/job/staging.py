@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from fsdp_optim.job.arena import CUDA_HOST, Arena, Registrar
-from fsdp_optim.job.stager import CUDA, Copier, Engines
+from fsdp_optim.job.copiers import Copier
+from fsdp_optim.job.stager import CUDA, Engines
 
 __all__ = ["Staged", "Staging", "before_change", "expect", "ready_events"]
 
@@ -172,7 +173,7 @@ class Staging:
 
 
 def ready_events(state: Mapping[int, Mapping[str, Any]], engines: Engines = CUDA) -> dict[Copier, Any]:
-    """A :meth:`~fsdp_optim.job.stager.Copier.mark` on every device that holds a tensor of ``state``: taken in the
+    """A :meth:`~fsdp_optim.job.copiers.Copier.mark` on every device that holds a tensor of ``state``: taken in the
     caller's thread when a save is called (the copies, made later by the save's thread, must see the state as it
     was then)."""
     copiers = {c for entries in state.values() for v in entries.values() if torch.is_tensor(v) and (c := engines.of(v))}
