@@ -503,3 +503,14 @@ def test_gpu_staging_locks_in_chunks_on_the_shards_gpu_from_the_save_thread_and_
         assert torch.equal(copied[0]["exp_avg"], live.cpu()), type(registrar).__name__
         assert copied[0]["exp_avg"].is_pinned(), f"{type(registrar).__name__}: the arena is page-locked memory"
     assert len(seen) == 12 and set(seen) == {device.index}, f"registered on the shards' GPU, in chunks: {seen}"
+
+
+def test_into_live_casts_floating_point_only_and_refuses_any_other_dtype_before_writing() -> None:
+    from fsdp_optim.job.device_load import into_live
+
+    half, ints = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"live tensor 1: expected \(3,\) torch.int32 .*found \(3,\) torch.int64"):
+        into_live([(half, torch.ones(4)), (ints, torch.tensor([1, 2, 3]))])
+    assert torch.all(half == 0) and torch.all(ints == 0), "nothing was written"
+    into_live([(half, torch.ones(4))])
+    assert torch.all(half == 1), "a float32 host tensor is cast into a bfloat16 live one"
