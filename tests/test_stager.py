@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 import torch
+from _async_copier import AsyncCopier, AsyncEngines, Recorder
 
 from fsdp_optim.core.checksums import ChunkHasher, chunk_digests
 from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
 from fsdp_optim.job import stager
-from fsdp_optim.job.stager import HostCopier, Ring
+from fsdp_optim.job.copiers import HostCopier
+from fsdp_optim.job.stager import Ring
 from fsdp_optim.job.staging import Staged, Staging, ready_events
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies from GPU memory)")
@@ -169,7 +171,7 @@ def test_gpu_pieces_see_what_the_callers_stream_queued_and_allocate_no_gpu_memor
     assert torch.cuda.memory_allocated() == before, "staging allocates no GPU memory"
     expected = torch.arange(part.numel(), dtype=torch.float32)
     assert got == expected.numpy().tobytes()
-    ring = stager._ring(part.device)
+    ring = stager.CUDA.ring(stager.copier_of(part.device))
     assert all(b.is_pinned() for b in ring.buffers)
 
 
@@ -211,7 +213,7 @@ def test_the_ring_uploads_every_byte_into_its_destination_and_refuses_a_mismatch
     # A slot is refilled only after the copy out of it was awaited: with 2 slots, copy k+2 waits for copy k.
     for k in copies[2:]:
         assert copier.log.index(("wait", k - 2)) < copier.log.index(("copy", k)), copier.log
-    with pytest.raises(ValueError, match=r"cannot copy \(3,\) torch.float32 into \(2,\) torch.float32"):
+    with pytest.raises(ValueError, match=r"live tensor 0: expected \(2,\) torch.float32 .*found \(3,\) torch.float32"):
         ring.upload([(torch.empty(2), torch.zeros(3))])
 
 
@@ -259,3 +261,256 @@ def test_gpu_saves_and_loads_are_exact_and_load_into_the_live_state(tmp_path) ->
 
     (result,) = run_ranks(_gpu_round_trip, 1, str(tmp_path), backend="nccl")
     assert result == {"at call": True, "reused": True, "sync": True}, result
+
+
+# -- under an asynchronous copier: copies that land later, on a thread of their own (tests/_async_copier.py) --------
+
+
+def test_under_async_copies_the_ring_yields_each_piece_only_once_its_copy_has_landed() -> None:
+    for seed in range(6):
+        engines = AsyncEngines(AsyncCopier(seed=seed), slots=3, slot_bytes=48)
+        parts = [engines.place(p) for p in _parts(seed + 40)]
+        got = [piece.numpy().tobytes() for piece in stager.pieces(parts, engines=engines)]
+        assert b"".join(got) == _joined(parts), f"seed {seed}: the pieces hold the parts' bytes, in order"
+
+
+def test_under_async_copies_a_ring_left_early_returns_only_once_its_copies_have_landed() -> None:
+    copier = AsyncCopier(max_delay=0.01)
+    engines = AsyncEngines(copier, slots=4, slot_bytes=8)
+    stream = stager.pieces([engines.place(torch.zeros(100))], engines=engines)
+    next(stream)
+    stream.close()
+    assert copier.in_flight() == 0, f"{copier.in_flight()} copies still writing into the ring's reused slots"
+
+
+def test_under_async_copies_an_upload_returns_once_every_byte_is_in_place() -> None:
+    for seed in range(6):
+        copier = AsyncCopier(seed=seed)
+        engines = AsyncEngines(copier, slots=2, slot_bytes=40)
+        sources = [t for t in _parts(seed + 7) if t.numel()] + [torch.arange(7), torch.tensor(2.5)]
+        targets = [engines.place(torch.full_like(t, -1)) for t in sources]
+        stager.upload(list(zip(targets, sources, strict=True)), engines=engines)
+        assert copier.in_flight() == 0, f"seed {seed}: the upload returned with copies still in flight"
+        for got, want in zip(targets, sources, strict=True):
+            assert torch.equal(got, want), f"seed {seed}: a destination does not hold its source's bytes"
+
+
+def _async_save(staging: Staging, state: dict[int, dict[str, Any]], engines: AsyncEngines) -> tuple[Staged, list]:
+    """What an async save does: the mark in the caller's thread, the copy in a thread of its own."""
+    import threading
+
+    staged, copies = Staged(), []
+    ready = ready_events(state, engines)
+    thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, staged)))
+    thread.start()
+    staged.issued.wait(30)
+    return staged, [thread, copies]
+
+
+def test_under_async_copies_the_staging_holds_the_state_at_the_call_when_the_step_changes_it_at_once() -> None:
+    for seed in range(4):
+        engines = AsyncEngines(AsyncCopier(seed=seed, max_delay=0.005))
+        staging = Staging(engines, Recorder())
+        live = {0: {"exp_avg": engines.place(torch.randn(300)), "step": torch.tensor(3.0)}, 1: {"w": engines.place(torch.randn(50))}}
+        at_call = {i: {k: v.clone() for k, v in e.items()} for i, e in live.items()}
+        staged, (thread, copies) = _async_save(staging, live, engines)
+        staged.before_change()  # what optim.step() does first
+        for entries in live.values():
+            for value in entries.values():
+                value.add_(1)  # the step changes the state in place
+        thread.join(30)
+        (copied,) = copies
+        for i, entries in at_call.items():
+            for key, value in entries.items():
+                assert torch.equal(copied[i][key], value), f"seed {seed}: {i}/{key} is not the state at the call"
+
+
+def test_pieces_on_two_devices_are_refused_before_a_copy_is_queued() -> None:
+    first, second = AsyncCopier("fake:0"), AsyncCopier("fake:1")
+    engines = AsyncEngines(first, second)
+    parts = [engines.place(torch.randn(10), 0), engines.place(torch.randn(10), 1)]
+    with pytest.raises(ValueError, match=r"on several devices.*fake:0.*fake:1"):
+        list(stager.pieces(parts, engines=engines))
+    assert first.queued == second.queued == 0, "nothing was copied before the refusal"
+
+
+def _live(engines: AsyncEngines, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    return [engines.place(torch.full(s, -1.0)) for s in shapes]
+
+
+def test_an_upload_into_a_non_contiguous_live_tensor_lands_every_byte() -> None:
+    engines = AsyncEngines(AsyncCopier(max_delay=0.001), slots=2, slot_bytes=16)
+    first, strided, last = _live(engines, (5,), (4, 6), (7,))
+    sources = [torch.arange(5.0), torch.arange(24.0).reshape(4, 6).t(), torch.arange(7.0)]
+    strided = strided.t()  # a live tensor that is a transposed view
+    stager.upload([(first, sources[0]), (strided, sources[1]), (last, sources[2])], engines=engines)
+    for got, want in zip([first, strided, last], sources, strict=True):
+        assert torch.equal(got, want), "every destination holds its source, the strided one too"
+
+
+@pytest.mark.parametrize(
+    ("live", "source", "found"),
+    [
+        (torch.empty(2, 3), torch.zeros(3, 2), r"\(2, 3\) torch.float32.*found \(3, 2\) torch.float32"),
+        (torch.empty(6), torch.zeros(6, dtype=torch.int32), r"\(6,\) torch.float32.*found \(6,\) torch.int32"),
+        (torch.empty(6), torch.zeros(7), r"\(6,\) torch.float32.*found \(7,\) torch.float32"),
+    ],
+)
+def test_an_upload_refuses_a_mismatch_before_the_first_byte_is_written(live, source, found) -> None:
+    copier = AsyncCopier()
+    engines = AsyncEngines(copier, slots=2, slot_bytes=16)
+    earlier, on_host = _live(engines, (9,)), torch.full((3,), -1.0)
+    engines.place(live)
+    pairs = [(earlier[0], torch.zeros(9)), (on_host, torch.zeros(3)), (live, source)]
+    with pytest.raises(ValueError, match=rf"live tensor 2: expected {found}"):
+        stager.upload(pairs, engines=engines)
+    assert copier.queued == 0 and torch.all(earlier[0] == -1) and torch.all(on_host == -1), "nothing was written"
+
+
+def test_the_ring_checks_every_destination_before_it_copies() -> None:
+    copier = AsyncCopier()
+    ring = Ring(copier, slots=2, slot_bytes=16)
+    good, strided = torch.zeros(8), torch.zeros(4, 4).t()
+    with pytest.raises(ValueError, match="live tensor 1: expected a contiguous destination"):
+        ring.upload([(good, torch.ones(8)), (strided, torch.ones(4, 4))])
+    assert copier.queued == 0 and torch.all(good == 0), "nothing was copied before the refusal"
+
+
+def test_a_staging_copy_that_fails_after_queuing_copies_returns_only_once_they_have_landed() -> None:
+    copier = AsyncCopier(max_delay=0.02, fail_at=4)
+    engines = AsyncEngines(copier)
+    staging = Staging(engines, Recorder())
+    state = {i: {"exp_avg": engines.place(torch.randn(1000))} for i in range(6)}
+    staged = Staged()
+    with pytest.raises(RuntimeError, match="copy 4 failed to launch"):
+        staging.copy(state, ready_events(state, engines), staged)
+    assert copier.in_flight() == 0, f"{copier.in_flight()} copies still writing into the arena after the failure"
+    assert staged.issued.is_set(), "a step waiting for the failed copy does not hang"
+
+
+def _state(engines: AsyncEngines, *sizes: int) -> dict[int, dict[str, Any]]:
+    return {i: {"exp_avg": engines.place(torch.randn(n)), "step": torch.tensor(float(i))} for i, n in enumerate(sizes)}
+
+
+def _staged_equal(copied: dict[int, dict[str, Any]], state: dict[int, dict[str, Any]]) -> bool:
+    return all(torch.equal(copied[i][k], v) for i, e in state.items() for k, v in e.items())
+
+
+def test_the_arena_is_page_locked_chunk_by_chunk_while_the_copies_run_and_reused_by_a_layout_that_fits(
+    monkeypatch,
+) -> None:
+    import gc
+
+    from fsdp_optim.job import arena
+
+    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
+    copier = AsyncCopier(max_delay=0.001)
+    engines = AsyncEngines(copier)
+    registrar = Recorder(copier=copier)
+    staging = Staging(engines, registrar)
+    state = _state(engines, 700, 300, 900)  # 8.5 KiB of shards, 512-byte aligned: 9 chunks, shards across them
+    assert _staged_equal(staging.copy(state, ready_events(state, engines), Staged()), state)
+    chunks = registrar.registered()
+    assert len(chunks) == 9 and all(n <= 1024 for _, n in chunks), f"one chunk at a time: {chunks}"
+    queued_at = [q for kind, *_, q in registrar.calls if kind == "register"]
+    assert queued_at[0] == 0 and queued_at[-1] > 0, f"copies were queued before the last chunk was locked: {queued_at}"
+    assert {d for *_, d, _ in registrar.calls} == {copier.device}, "each chunk is locked for the shards' device"
+    other = _state(engines, 900, 700, 200)  # another layout that fits: the arena and its registration are kept
+    assert _staged_equal(staging.copy(other, ready_events(other, engines), Staged()), other)
+    assert registrar.registered() == chunks, "a layout that fits the arena registers nothing again"
+    larger = _state(engines, 3000)
+    assert _staged_equal(staging.copy(larger, ready_events(larger, engines), Staged()), larger)
+    gc.collect()
+    unregistered = {p for kind, p, *_ in registrar.calls if kind == "unregister"}
+    assert unregistered == {p for p, _ in chunks}, "the old arena's chunks are unregistered once it is dropped"
+
+
+@pytest.mark.parametrize("fail_from", [1, 3])
+def test_a_registration_that_fails_falls_back_with_one_warning_and_the_copy_is_exact(monkeypatch, fail_from) -> None:
+    import threading
+    import warnings
+
+    from fsdp_optim.job import arena
+
+    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(arena, "_warned", threading.Event())
+    engines = AsyncEngines(AsyncCopier(max_delay=0.001))
+    registrar = Recorder(fail_from=fail_from)
+    staging = Staging(engines, registrar)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for sizes in [(700, 900), (2000, 100), (5000,)]:  # a save, one with a layout that fits, a larger one
+            state = _state(engines, *sizes)
+            assert _staged_equal(staging.copy(state, ready_events(state, engines), Staged()), state), sizes
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and "page-locking failed" in said[0], said
+    tries = [kind for kind, *_ in registrar.calls if kind != "unregister"]
+    assert tries.count("failed") == 1, f"after a failure no arena tries to page-lock again: {tries}"
+    assert len(tries) == fail_from, tries
+
+
+def test_the_save_thread_binds_the_shards_device_before_it_locks_or_copies() -> None:
+    import threading
+
+    seen: list[tuple[str, str]] = []
+
+    class Bound(AsyncCopier):
+        def bind(self) -> None:
+            seen.append(("bind", threading.current_thread().name))
+
+        def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+            seen.append(("copy", threading.current_thread().name))
+            return super().copy(dst, src)
+
+    engines = AsyncEngines(Bound())
+    state = _state(engines, 100)
+    staged, (thread, copies) = _async_save(Staging(engines, Recorder()), state, engines)
+    thread.join(30)
+    assert seen[0] == ("bind", thread.name) and ("copy", thread.name) in seen, seen
+
+
+@CUDA
+def test_gpu_staging_locks_in_chunks_on_the_shards_gpu_from_the_save_thread_and_falls_back_when_it_cannot(
+    monkeypatch,
+) -> None:
+    import threading
+
+    from fsdp_optim.job import arena
+
+    monkeypatch.setattr(arena, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(arena, "_warned", threading.Event())
+    device = torch.device("cuda", torch.cuda.device_count() - 1)  # not GPU 0 where there are several
+    seen: list[int] = []
+
+    class Watched(arena.CudaHost):
+        def register(self, memory: torch.Tensor, device: torch.device) -> None:
+            seen.append(torch.cuda.current_device())
+            super().register(memory, device)
+
+    class Failing(arena.CudaHost):
+        def register(self, memory: torch.Tensor, device: torch.device) -> None:
+            raise RuntimeError("cudaHostRegister is not supported here")
+
+    for registrar in (Watched(), Failing()):
+        live = torch.randn(3 << 20, device=device)  # 12 MiB: 12 chunks
+        state, staged, copies = {0: {"exp_avg": live}}, Staged(), []
+        staging = Staging(registrar=registrar)
+        ready = ready_events(state)
+        thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, staged)))  # noqa: B023
+        thread.start()
+        thread.join(60)
+        (copied,) = copies
+        assert torch.equal(copied[0]["exp_avg"], live.cpu()), type(registrar).__name__
+        assert copied[0]["exp_avg"].is_pinned(), f"{type(registrar).__name__}: the arena is page-locked memory"
+    assert len(seen) == 12 and set(seen) == {device.index}, f"registered on the shards' GPU, in chunks: {seen}"
+
+
+def test_into_live_casts_floating_point_only_and_refuses_any_other_dtype_before_writing() -> None:
+    from fsdp_optim.job.device_load import into_live
+
+    half, ints = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"live tensor 1: expected \(3,\) torch.int32 .*found \(3,\) torch.int64"):
+        into_live([(half, torch.ones(4)), (ints, torch.tensor([1, 2, 3]))])
+    assert torch.all(half == 0) and torch.all(ints == 0), "nothing was written"
+    into_live([(half, torch.ones(4))])
+    assert torch.all(half == 1), "a float32 host tensor is cast into a bfloat16 live one"

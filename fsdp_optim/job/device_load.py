@@ -20,9 +20,14 @@ __all__ = ["into_live", "optimizer_state_on_device"]
 
 def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each checked host tensor into its live tensor (``(live, host)``; a floating-point host tensor of
-    another dtype is cast on the host first): GPU tensors through the pinned ring, host tensors directly."""
-    ready = [(live, host if host.dtype == live.dtype else host.to(live.dtype)) for live, host in pairs]
+    another dtype is cast on the host first): GPU tensors through the pinned ring, host tensors directly. Any other
+    difference of dtype or shape is refused before a byte is written (:func:`fsdp_optim.job.stager.check_pairs`)."""
+    ready = [(live, host.to(live.dtype) if _castable(host, live) else host) for live, host in pairs]
     upload(ready)
+
+
+def _castable(host: torch.Tensor, live: torch.Tensor) -> bool:
+    return host.dtype != live.dtype and host.is_floating_point() and live.is_floating_point()
 
 
 def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +59,7 @@ def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str
             if not (torch.is_tensor(target) and target.shape == value.shape and target.dtype == dtype
                     and target.device == param.device and target.is_contiguous()):  # fmt: skip
                 target = torch.empty(value.shape, dtype=dtype, device=param.device)
-            pairs.append((target, value))
+            pairs.append((target, value.to(dtype)))  # as load_state_dict casts it (an integer one too)
             state[pid][key] = target
     into_live(pairs)
     return {**state_dict, "state": state}

@@ -17,30 +17,35 @@ called (:func:`mark`), so the copies see every kernel queued before the call and
 the copy has read it. No GPU memory is allocated. Tensors already on the CPU are never copied by the ring: the
 writer reads them where they are (:func:`fsdp_optim.formats.sharded.rank_file.host_pieces`).
 
-The ring's logic takes a :class:`Copier`; :class:`HostCopier` runs it with synchronous host copies, which is how the
-tests check its order and its reuse of memory on machines without a GPU (``tests/test_stager.py``).
+Every copy goes through one seam: a :class:`~fsdp_optim.job.copiers.Copier` (one device's copy engine: queue a
+copy, wait for its ticket, make later copies wait for a mark, make the caller's stream wait for a ticket), chosen per
+tensor by an :class:`Engines` (:data:`CUDA` in a job). :class:`~fsdp_optim.job.copiers.HostCopier` copies
+synchronously on the host; the tests run the ring, an async save's arena and the staging order under a copier whose
+copies land later on a thread of their own (``tests/_async_copier.py``), so an ordering mistake gives wrong bytes on a
+machine without a GPU too.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from fsdp_optim.formats.sharded.rank_file import host_pieces
+from fsdp_optim.job.copiers import Copier, CudaCopier
 
 __all__ = [
     "SLOTS",
     "SLOT_BYTES",
-    "Copier",
-    "CudaCopier",
-    "HostCopier",
+    "CUDA",
+    "CudaEngines",
+    "Engines",
     "Ring",
+    "check_pairs",
     "copier_of",
-    "mark",
     "pieces",
     "upload",
 ]
@@ -49,61 +54,17 @@ SLOTS = 4  # copies in flight while one slot is hashed and written
 SLOT_BYTES = 32 << 20  # 128 MiB of pinned memory per GPU for the ring: large copies, little memory
 
 
-class Copier(Protocol):
-    """Where a ring's buffers live and how a copy into one is made and awaited."""
+class Engines(Protocol):
+    """Which copy engine a tensor sits behind (``None``: host memory, read where it is), and each engine's ring.
+    :data:`CUDA` in a job; the tests pass an engine of their own that models a GPU's on the CPU."""
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        """A host ``uint8`` buffer of ``nbytes`` (pinned, for copies from a GPU)."""
+    def of(self, tensor: torch.Tensor) -> Copier | None:
+        """The copier of the device holding ``tensor``, ``None`` for host memory; refuses another device."""
         ...
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Start copying ``src`` into ``dst`` (same number of bytes); a ticket for :meth:`wait`."""
+    def ring(self, copier: Copier) -> Ring:
+        """That copier's ring, made once and reused by every later save and load."""
         ...
-
-    def wait(self, ticket: Any) -> None:
-        """Block the host until the copy of ``ticket`` is done."""
-        ...
-
-
-class HostCopier:
-    """Synchronous copies into ordinary host memory: the ring's logic without a GPU."""
-
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        dst.copy_(src)
-        return None
-
-    def wait(self, ticket: Any) -> None:  # noqa: ARG002 - the copy was synchronous
-        return None
-
-
-class CudaCopier:
-    """Copies from one GPU on a side stream of its own into pinned host memory, each awaited through its event."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def after(self, event: Any) -> None:
-        """Make the side stream wait (on the GPU) for ``event``, recorded on the caller's stream."""
-        self.stream.wait_event(event)
-
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            if src.is_cuda:  # the allocator keeps src's memory until the side stream has read it
-                src.record_stream(self.stream)
-            done = torch.cuda.Event(blocking=True)  # a waiting host thread sleeps instead of spinning on a core
-            done.record(self.stream)
-        return done
-
-    def wait(self, ticket: Any) -> None:
-        ticket.synchronize()
 
 
 class Ring:
@@ -137,19 +98,17 @@ class Ring:
                     self.copier.wait(ticket)
 
     def upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each host tensor ``src`` into its ``dst`` (same number of bytes, ``dst`` contiguous) through the ring:
-        a slot is filled from ``src`` (the read, e.g. of a mapped file's pages) while the copies out of the earlier
-        slots run. Returns once every copy is done (one slot's copy after the last read)."""
+        """Copy each host tensor ``src`` into its ``dst`` (same shape and dtype, ``dst`` contiguous, on the copier's
+        device: every pair checked before the first byte is written) through the ring: a slot is filled from ``src``
+        (the read, e.g. of a mapped file's pages) while the copies out of the earlier slots run. Returns once every
+        copy is done (one slot's copy after the last read)."""
+        check_pairs(pairs, self.copier.device)
         with self.lock:
             busy: list[Any] = [None] * len(self.buffers)
             slot, last = 0, None
             try:
                 for dst, src in pairs:
                     out = dst.detach().reshape(-1).view(torch.uint8)
-                    if out.numel() != src.numel() * src.element_size() or not dst.is_contiguous():
-                        raise ValueError(
-                            f"cannot copy {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}"
-                        )
                     for at, span in _offsets(src, self.slot_bytes):
                         if busy[slot] is not None:
                             self.copier.wait(busy[slot])  # the copy out of this slot is done: refill it
@@ -170,6 +129,24 @@ class Ring:
         return True
 
 
+def check_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device | None = None) -> None:
+    """Refuse, before anything is copied, a ``(live, source)`` pair whose shapes or dtypes differ (a copy of the same
+    number of bytes would reinterpret them) and, with ``device`` (a ring's), a live tensor that is not a contiguous
+    tensor on it. Every problem is named in one ``ValueError``."""
+    errors = []
+    for i, (dst, src) in enumerate(pairs):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            errors.append(
+                f"live tensor {i}: expected {tuple(dst.shape)} {dst.dtype} (the live tensor's shape and dtype), "
+                f"found {tuple(src.shape)} {src.dtype} to copy into it"
+            )
+        elif device is not None and (dst.device != device or not dst.is_contiguous()):
+            errors.append(f"live tensor {i}: expected a contiguous destination on {device}, found "
+                          f"{'a strided one' if dst.device == device else 'one'} on {dst.device}")  # fmt: skip
+    if errors:
+        raise ValueError("cannot copy into the live tensors: " + "; ".join(errors))
+
+
 def _offsets(part: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]]:
     """``(byte offset, uint8 view of at most size bytes)`` over one tensor's bytes."""
     raw = part.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -184,70 +161,88 @@ def _spans(parts: Sequence[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
             yield span
 
 
-_copiers: dict[int, CudaCopier] = {}  # one side stream per GPU, for the process's life
-_rings: dict[int, Ring] = {}  # one per GPU, for the process's life: the pinned memory every later save reuses
-_rings_lock = threading.Lock()
+class CudaEngines:
+    """The GPUs' copy engines: one side stream (:class:`~fsdp_optim.job.copiers.CudaCopier`) and one ring per GPU,
+    for the process's life (the ring's pinned memory is what every later save and load reuses)."""
+
+    def __init__(self) -> None:
+        self._copiers: dict[int, CudaCopier] = {}
+        self._rings: dict[int, Ring] = {}
+        self._lock = threading.Lock()
+
+    def of(self, tensor: torch.Tensor) -> Copier | None:
+        device = tensor.device
+        if device.type == "cpu":
+            return None
+        if device.type != "cuda":
+            raise ValueError(f"a tensor on {device}: the stager copies from and to CPU and CUDA memory only")
+        return self.copier(device)
+
+    def copier(self, device: torch.device) -> CudaCopier:
+        """The side stream's copier of GPU ``device``."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            if index not in self._copiers:
+                self._copiers[index] = CudaCopier(torch.device("cuda", index))
+            return self._copiers[index]
+
+    def ring(self, copier: Copier) -> Ring:
+        index = copier.device.index
+        assert isinstance(copier, CudaCopier) and index is not None, f"a GPU's ring copies from it, not {copier}"
+        with self._lock:
+            if index not in self._rings:
+                self._rings[index] = Ring(copier)
+            return self._rings[index]
 
 
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+CUDA = CudaEngines()
 
 
 def copier_of(device: torch.device) -> CudaCopier:
-    """The side stream's copier of ``device`` (one per GPU, for the process's life)."""
-    index = _index(device)
-    with _rings_lock:
-        if index not in _copiers:
-            _copiers[index] = CudaCopier(torch.device("cuda", index))
-        return _copiers[index]
+    """The side stream's copier of GPU ``device`` (one per GPU, for the process's life)."""
+    return CUDA.copier(device)
 
 
-def _ring(device: torch.device) -> Ring:
-    copier = copier_of(device)  # before the lock: it takes it too
-    with _rings_lock:
-        index = _index(device)
-        if index not in _rings:
-            _rings[index] = Ring(copier)
-        return _rings[index]
-
-
-def pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+def pieces(parts: Sequence[torch.Tensor], *, engines: Engines = CUDA) -> Iterator[torch.Tensor]:
     """The writer's :data:`~fsdp_optim.formats.sharded.rank_file.Pieces` for a job: host tensors as they are,
     shards on a GPU through that GPU's pinned ring, the copies ordered after what the caller's stream queued."""
-    device = next((p.device for p in parts if p.device.type != "cpu"), None)
-    if device is None:
+    copiers = _distinct(engines.of(p) for p in parts)
+    if not copiers:
         return host_pieces(parts)
-    if device.type != "cuda":
-        raise ValueError(f"a shard on {device}: the stager copies from CPU and CUDA memory only")
+    if len(copiers) > 1:  # one ring, one side stream, one ticket per slot: the copies of one device only
+        raise ValueError(f"parts on several devices ({', '.join(map(str, copiers))}): a rank's shards are on one")
+    (copier,) = copiers
     # Made contiguous now, before the mark: a copy kernel queued after it would race the side stream's reads.
     parts = [p.detach().reshape(-1).contiguous() for p in parts]
-    ring = _ring(device)
-    assert isinstance(ring.copier, CudaCopier), "a GPU's ring copies from that GPU"
-    ring.copier.after(mark(device))
+    ring = engines.ring(copier)
+    copier.after(copier.mark())
     return ring.pieces(parts)
 
 
-def upload(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def upload(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, engines: Engines = CUDA) -> None:
     """Copy host tensors into live tensors (``(dst, src)`` pairs): into GPU tensors through that GPU's pinned ring,
     ordered after what the caller's stream queued (a kernel still using ``dst`` finishes first); into host tensors
     directly. Returns once every byte is in place."""
-    on_gpu = [(d, s) for d, s in pairs if d.is_cuda]
+    check_pairs(pairs)  # all or nothing: every pair checked before the first byte is written
+    routed = [(engines.of(d), d, s) for d, s in pairs]
+    copiers = _distinct(c for c, _, _ in routed)
+    if len(copiers) > 1:
+        raise ValueError(f"live tensors on several devices ({', '.join(map(str, copiers))}): a rank's are on one")
     with torch.no_grad():
-        for dst, src in pairs:
-            if not dst.is_cuda:
+        for copier, dst, src in routed:  # host and strided device tensors: copied directly (ordered on the stream)
+            if copier is None or not dst.is_contiguous():
                 dst.copy_(src)
-    if on_gpu:
-        device = on_gpu[0][0].device
-        if any(d.device != device for d, _ in on_gpu):
-            raise ValueError(f"live tensors on several GPUs: {sorted({str(d.device) for d, _ in on_gpu})}")
-        ring = _ring(device)
-        assert isinstance(ring.copier, CudaCopier), "a GPU's ring copies to that GPU"
-        ring.copier.after(mark(device))
-        ring.upload(on_gpu)
+    through = [(d, s) for c, d, s in routed if c is not None and d.is_contiguous()]
+    if through:
+        ring = engines.ring(copiers[0])
+        copiers[0].after(copiers[0].mark())
+        ring.upload(through)
 
 
-def mark(device: torch.device) -> Any:
-    """An event recorded now on ``device``'s current stream: copies made after it see everything queued before."""
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+def _distinct(copiers: Iterable[Copier | None]) -> list[Copier]:
+    """The copiers named, each once, in order (``None``: host memory, left out)."""
+    found: list[Copier] = []
+    for copier in copiers:
+        if copier is not None and all(copier is not c for c in found):
+            found.append(copier)
+    return found

@@ -1,11 +1,13 @@
 """Async saves' staging: a root's reused host memory for its shards, copied on the stager's side stream, and the
 wait that whatever changes the state next goes through (:func:`before_change`).
 
-One arena per root for its shards on GPUs, page-locked with CUDA at its exact size and kept across saves (host
-memory does not grow from one save to the next); a plain buffer per host tensor. The copies are enqueued by the
-save's thread after an event taken in the caller's thread when the save was called (:func:`ready_events`), so they
-see the state at the call; ``optim.step()``, ``load_state_dict()`` and the loads wait for them on the GPU (the
-host waits only until they are enqueued). See :mod:`fsdp_optim.job.stager` for the copies themselves.
+One arena per root for its shards on GPUs (:mod:`fsdp_optim.job.arena`: its exact size, page-locked chunk by chunk
+by the save's thread while the copies into the earlier chunks run, kept across saves and by a layout change that
+fits, so host memory does not grow from one save to the next); a plain buffer per host tensor. The copies are
+enqueued by the save's thread, bound to the shards' GPU, after an event taken in the caller's thread when the save
+was called (:func:`ready_events`), so they see the state at the call; ``optim.step()``, ``load_state_dict()`` and
+the loads wait for them on the GPU (the host waits only until they are enqueued). Every copy queued has landed
+before :meth:`Staging.copy` returns or raises. See :mod:`fsdp_optim.job.stager` for the copies themselves.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.job.stager import CudaCopier, copier_of, mark
+from fsdp_optim.job.arena import CUDA_HOST, Arena, Registrar
+from fsdp_optim.job.copiers import Copier
+from fsdp_optim.job.stager import CUDA, Engines
 
-__all__ = ["Staged", "Staging", "before_change", "expect", "pinned", "ready_events"]
+__all__ = ["Staged", "Staging", "before_change", "expect", "ready_events"]
 
 
 @dataclass
@@ -30,14 +34,14 @@ class Staged:
 
     issued: threading.Event = field(default_factory=threading.Event)
     staged: threading.Event = field(default_factory=threading.Event)
-    done: list[tuple[torch.device, Any]] = field(default_factory=list)  # per GPU: an event after its last copy
+    done: list[tuple[Copier, Any]] = field(default_factory=list)  # per GPU: a ticket after its last copy
 
     def before_change(self) -> None:
         """Before the live state changes (``optim.step()``, ``load_state_dict()``, a load): the host waits until the
         copies are enqueued; the caller's stream then waits, on the GPU, until they are done."""
         self.issued.wait()
-        for device, event in self.done:
-            torch.cuda.current_stream(device).wait_event(event)
+        for copier, ticket in self.done:
+            copier.hold(ticket)
 
     def finish(self) -> None:
         """Never left unset: a step waiting for a failed save must not hang."""
@@ -68,49 +72,77 @@ _ALIGN = 512  # bytes: every staged tensor starts aligned in the arena
 
 class Staging:
     """Host memory for one root's shards, kept across saves: a plain buffer per host tensor, ``(flat, key)`` -> a
-    tensor of that shape and dtype, and one pinned arena for the shards on GPUs (registered with CUDA at its exact
-    size: the caching host allocator would round each block up to a power of two, up to twice the state)."""
+    tensor of that shape and dtype, and one :class:`~fsdp_optim.job.arena.Arena` for the shards on GPUs (allocated at
+    its exact size and page-locked chunk by chunk: the caching host allocator would round each block up to a power of
+    two, up to twice the state). ``engines`` and ``registrar``: the copy engines and how memory is page-locked
+    (CUDA's unless a test's); after a registration failed, arenas fall back to ordinary pinned or pageable memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, engines: Engines = CUDA, registrar: Registrar | None = CUDA_HOST) -> None:
+        self.engines = engines
+        self.registrar = registrar
         self.host: dict[tuple[int, str], torch.Tensor] = {}
-        self.arena: torch.Tensor | None = None
+        self.arena: Arena | None = None
         self.layout: tuple[tuple[tuple[int, str], torch.Size, torch.dtype], ...] = ()
-        self.views: dict[tuple[int, str], torch.Tensor] = {}
+        self.views: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}  # (flat, key) -> (byte offset, view)
 
-    def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[torch.device, Any], staged: Staged) -> Any:
+    def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[Copier, Any], staged: Staged) -> Any:
         """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory: host tensors at once,
-        GPU tensors enqueued after ``ready[device]`` (:func:`mark`, taken when the save was called); sets
-        ``staged.issued``, waits for the GPU copies, sets ``staged.staged``. Returns the copy, same shape."""
-        on_gpu = [((i, k), v.detach()) for i, e in state.items() for k, v in e.items() if _is_gpu(v)]
-        self._fit([(key, v.shape, v.dtype) for key, v in on_gpu])
+        GPU tensors enqueued after ``ready[copier]`` (:func:`ready_events`, taken when the save was called), each once
+        the arena is page-locked where it goes; sets ``staged.issued``, waits for the GPU copies, sets
+        ``staged.staged``. Returns the copy, same shape. Runs in the save's thread, on the GPU of the shards."""
+        on_gpu = [((i, k), v.detach(), c) for i, e in state.items() for k, v in e.items() if (c := self._of(v))]
+        if on_gpu:
+            on_gpu[0][2].bind()  # this thread's CUDA calls go to the shards' GPU, not GPU 0
         out: dict[int, dict[str, Any]] = {i: {} for i in state}
-        copiers: dict[torch.device, CudaCopier] = {}
+        copiers: list[Copier] = []
         try:
-            for (i, key), value in on_gpu:
-                if value.device not in copiers:
-                    copiers[value.device] = copier_of(value.device)
-                    copiers[value.device].after(ready[value.device])
-                out[i][key] = self.views[(i, key)]
-                copiers[value.device].copy(out[i][key], value)
+            self._fit([(key, v.shape, v.dtype) for key, v, _ in on_gpu], on_gpu[0][2].device if on_gpu else None)
+            for (i, key), value, copier in on_gpu:
+                if copier not in copiers:
+                    copiers.append(copier)
+                    copier.after(ready[copier])
+                out[i][key] = self._queue(copier, (i, key), value)
             for i, entries in state.items():
                 for key, value in entries.items():
-                    if not _is_gpu(value):
+                    if key not in out[i]:
                         out[i][key] = self._host_copy(i, key, value)
-        finally:  # every copy enqueued is waited for, even when a later one failed
-            staged.done = [(device, _last(copier)) for device, copier in copiers.items()]
+        finally:  # every copy queued has landed before this returns or raises: the arena may be freed after it
+            staged.done = [(copier, copier.last()) for copier in copiers]
             staged.issued.set()
-        for _, event in staged.done:
-            event.synchronize()
+            for copier, ticket in staged.done:
+                copier.wait(ticket)
         staged.staged.set()
         return {i: {k: out[i][k] for k in state[i]} for i in state}  # the state's own order
+
+    def _queue(self, copier: Copier, key: tuple[int, str], value: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of ``value`` into its view, once the arena is page-locked that far (the copies of the chunks
+        before run meanwhile), cut at the arena's chunk boundaries; the view."""
+        at, view = self.views[key]
+        nbytes = value.numel() * value.element_size()
+        arena = self.arena
+        assert arena is not None, "a shard to stage has an arena"
+        arena.lock_through(at + nbytes)
+        if arena.failed:
+            self.registrar = None  # it failed once: later arenas take the fallback memory at once
+        if not value.is_contiguous():
+            copier.copy(view, value)  # rare (a strided state tensor): one copy, correct whatever the registration
+            return view
+        raw, into = value.reshape(-1).view(torch.uint8), view.reshape(-1).view(torch.uint8)
+        for a, b in arena.cuts(at, at + nbytes):
+            copier.copy(into[a:b], raw[a:b])
+        return view
 
     @property
     def buffers(self) -> int:
         """How many tensors this root's staging holds memory for (host buffers and arena views)."""
         return len(self.host) + len(self.views)
 
-    def _fit(self, specs: list[tuple[tuple[int, str], torch.Size, torch.dtype]]) -> None:
-        """The arena and its views for these shards: kept when the shapes and dtypes are those of the last save."""
+    def _of(self, value: Any) -> Copier | None:
+        return self.engines.of(value) if torch.is_tensor(value) else None
+
+    def _fit(self, specs: list[tuple[tuple[int, str], torch.Size, torch.dtype]], device: torch.device | None) -> None:
+        """The arena and its views for these shards: the views kept when the shapes and dtypes are those of the last
+        save; the arena kept when they fit in it and fill half of it or more (nothing registered again)."""
         layout = tuple(specs)
         if layout == self.layout:
             return
@@ -118,12 +150,16 @@ class Staging:
         for _, shape, dtype in layout:
             offsets.append(total)
             total += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN
-        self.arena, self.layout, self.views = None, (), {}  # the old arena is released (and unregistered) first
-        arena = pinned(total) if total else None
+        arena, self.layout, self.views = self.arena, (), {}
+        if arena is None or not (total <= arena.nbytes < 2 * total) or arena.device != device:
+            self.arena = arena = None  # the old arena is released (and unregistered) first
+            if total and device is not None:
+                arena = Arena.allocate(total, device, self.registrar)
+                self.registrar = None if arena.failed or arena.registrar is None else self.registrar
         views = {}
         for (key, shape, dtype), at in zip(layout, offsets, strict=True):
             assert arena is not None, "a shard to stage has an arena"
-            views[key] = arena[at : at + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            views[key] = (at, arena.memory[at : at + shape.numel() * dtype.itemsize].view(dtype).view(shape))
         self.arena, self.layout, self.views = arena, layout, views
 
     def _host_copy(self, i: int, key: str, value: Any) -> Any:
@@ -138,35 +174,9 @@ class Staging:
         return buffer
 
 
-def _is_gpu(value: Any) -> bool:
-    return torch.is_tensor(value) and value.device.type == "cuda"
-
-
-def pinned(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory registered with CUDA (page-locked) at exactly that size, unregistered when the
-    returned tensor is dropped (views cut from it may outlive it: host reads need no registration, and its owner
-    copies into it only while it holds it)."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    pointer = buffer.data_ptr()
-    code = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0))
-    if code != 0:
-        raise RuntimeError(f"cannot page-lock {nbytes} bytes of host memory for staging (CUDA error {code})")
-    weakref.finalize(buffer, _unregister, pointer)  # the arena tensor: its owner drops it only between saves
-    return buffer
-
-
-def _unregister(pointer: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pointer)
-
-
-def _last(copier: CudaCopier) -> Any:
-    event = torch.cuda.Event(blocking=True)
-    event.record(copier.stream)
-    return event
-
-
-def ready_events(state: Mapping[int, Mapping[str, Any]]) -> dict[torch.device, Any]:
-    """:func:`mark` on every GPU that holds a tensor of ``state``: taken in the caller's thread when a save is
-    called (the copies, made later by the save's thread, must see the state as it was then)."""
-    devices = {v.device for entries in state.values() for v in entries.values() if torch.is_tensor(v)}
-    return {d: mark(d) for d in devices if d.type == "cuda"}
+def ready_events(state: Mapping[int, Mapping[str, Any]], engines: Engines = CUDA) -> dict[Copier, Any]:
+    """A :meth:`~fsdp_optim.job.copiers.Copier.mark` on every device that holds a tensor of ``state``: taken in the
+    caller's thread when a save is called (the copies, made later by the save's thread, must see the state as it
+    was then)."""
+    copiers = {c for entries in state.values() for v in entries.values() if torch.is_tensor(v) and (c := engines.of(v))}
+    return {c: c.mark() for c in copiers}
