@@ -29,6 +29,7 @@ import torch
 from fsdp_optim.core.checksums import ChunkHasher, digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
+from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.location import ObjectPath
 from fsdp_optim.disk.storage import Where
@@ -106,7 +107,8 @@ def write_rank_tensors(
     """Write a format-3 rank file whose tensor ``name`` is the concatenation of ``tensors[name]`` (1-D parts,
     ``sizes[name]`` elements in all, in :func:`~.segments.file_layout` order). Returns the header's digest.
 
-    One pass over the data: each piece is hashed into its chunks' checksums and written while it is at hand; the
+    One pass over the data: each piece is hashed into its chunks' checksums while a thread writes it
+    (:class:`~fsdp_optim.disk.hashed_write.HashingWriter`), before the next piece is asked for; the
     header, whose checksums are then known, goes in last at the start of the file (its length does not depend
     on the digests' values, so room for it is left first)."""
     hashers = {name: _hasher(name, sizes[name], chunk_bytes) for name in tensors}
@@ -114,11 +116,10 @@ def write_rank_tensors(
     room = encode_rank_header({**meta, "checksums": _checksums_text(hashers, placeholder=True)}, sizes)
     start = file.tell()
     file.seek(start + len(room))
-    for name, parts in tensors.items():
-        for piece in pieces(parts):
-            raw = memoryview(piece.numpy())  # type: ignore[arg-type]
-            hashers[name].update(raw)
-            file.write(raw)
+    with HashingWriter(file) as writer:  # each piece hashed here while a thread writes it
+        for name, parts in tensors.items():
+            for piece in pieces(parts):
+                writer.put(memoryview(piece.numpy()), hashers[name].update)  # type: ignore[arg-type]
     header = encode_rank_header({**meta, "checksums": _checksums_text(hashers, placeholder=False)}, sizes)
     if len(header) != len(room):  # a digest of another length than the placeholder's: a bug, never the data's
         raise RuntimeError(f"the rank file's header takes {len(header)} bytes, {len(room)} were left for it")
