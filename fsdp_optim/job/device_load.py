@@ -1,5 +1,6 @@
-"""Loads into live GPU memory: checked host tensors copied straight into the live parameters, buffers and optimizer
-state through the stager's pinned ring (:func:`fsdp_optim.job.stager.upload`), never through pageable memory.
+"""Loads into live GPU memory: checked tensors copied into the live parameters, buffers and optimizer state; host
+tensors through the stager's pinned ring (:func:`fsdp_optim.job.stager.upload`), never through pageable memory,
+tensors a load already read onto the GPU (:mod:`fsdp_optim.job.ring_load`) on the device.
 
 On the CPU nothing changes: parameters and buffers are copied into as before, and ``optim.load_state_dict`` takes the
 host dict as it is.
@@ -19,18 +20,25 @@ __all__ = ["into_live", "optimizer_state_on_device"]
 
 
 def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each checked host tensor into its live tensor (``(live, host)``; a floating-point host tensor of
-    another dtype is cast on the host first): GPU tensors through the pinned ring, host tensors directly."""
-    ready = [(live, host if host.dtype == live.dtype else host.to(live.dtype)) for live, host in pairs]
-    upload(ready)
+    """Copy each checked tensor into its live tensor (``(live, checked)``): one already on the live tensor's GPU
+    (a load read it there, :mod:`fsdp_optim.job.ring_load`) on the device, cast there if need be; a host tensor
+    into a GPU tensor through the pinned ring (a floating-point one of another dtype cast on the host first), into
+    a host tensor directly."""
+    on_device = [(live, t) for live, t in pairs if live.is_cuda and t.device == live.device]
+    with torch.no_grad():
+        for live, t in on_device:
+            live.copy_(t)
+    rest = [(live, t) for live, t in pairs if not (live.is_cuda and t.device == live.device)]
+    upload([(live, t if t.dtype == live.dtype else t.to(live.dtype)) for live, t in rest])
 
 
 def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` (``{"state": {id: {key: host tensor or value}}, "param_groups": [...]}``, as
     ``optim.load_state_dict`` takes it) with every state tensor of a parameter on a GPU already there, in the dtype
     ``load_state_dict`` would cast it to: copied into the live optimizer's own tensor for that parameter and key when
-    it has one of that shape and dtype (no new GPU memory), into a new one otherwise. ``step`` stays as it is (as
-    ``load_state_dict`` keeps it). The same dict when no parameter is on a GPU. An async save still copying
+    it has one of that shape and dtype (the tensors the optimizer holds stay its own), else a tensor already there in
+    that dtype (read there by :mod:`fsdp_optim.job.ring_load`) as it is, else into a new one. ``step`` stays as it is
+    (as ``load_state_dict`` keeps it). The same dict when no parameter is on a GPU. An async save still copying
     ``optim``'s state is waited for first (its pre-hook on ``load_state_dict`` would come too late)."""
     before_change(optim)
     params = _params_by_id(optim, state_dict)
@@ -49,6 +57,8 @@ def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str
             target = live.get(key)
             if not (torch.is_tensor(target) and target.shape == value.shape and target.dtype == dtype
                     and target.device == param.device and target.is_contiguous()):  # fmt: skip
+                if value.device == param.device and value.dtype == dtype:
+                    continue  # read into new memory on its GPU (ring_load): the optimizer takes it as it is
                 target = torch.empty(value.shape, dtype=dtype, device=param.device)
             pairs.append((target, value))
             state[pid][key] = target

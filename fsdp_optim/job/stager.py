@@ -41,6 +41,7 @@ __all__ = [
     "Ring",
     "copier_of",
     "mark",
+    "ring_of",
     "pieces",
     "upload",
 ]
@@ -251,3 +252,9 @@ def mark(device: torch.device) -> Any:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def ring_of(device: torch.device) -> Ring:
+    """The pinned ring of the GPU ``device`` (one per GPU, for the process's life), for a caller that streams through
+    its slots itself (a load reading a file straight into them: :mod:`fsdp_optim.job.ring_load`)."""
+    return _ring(device)

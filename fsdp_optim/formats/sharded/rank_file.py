@@ -285,7 +285,7 @@ class RankFile:
             order = sorted((at, n, key) for key, (t, at, n) in self.layout[0].items() if t == name)
             read = self.open().read_parts(
                 self.grids[name], [(at, n) for at, n, _ in order], self.manifest.chunk_bytes, str(self.path),
-                partial(self._holds, name),
+                partial(self.holds, name),
             )  # fmt: skip
             shards.update({key: tensor for (_, _, key), tensor in zip(order, read)})
         out: dict[int, dict[str, Any]] = {}
@@ -295,7 +295,7 @@ class RankFile:
                 out.setdefault(i, {})[e.key] = value
         return out
 
-    def _holds(self, tensor: str, lo: int, hi: int) -> str:
+    def holds(self, tensor: str, lo: int, hi: int) -> str:
         """Which shards elements ``[lo, hi)`` of ``tensor`` belong to, for an error message."""
         hits = [(f, k) for (f, k), (t, at, n) in self.layout[0].items() if t == tensor and at < hi and at + n > lo]
         if not hits:
@@ -307,7 +307,7 @@ class RankFile:
     def read_whole(self, tensor: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Format 3: tensor ``tensor`` read whole (into ``out`` if given) and verified; a mismatch names the units."""
         file = self.open()
-        holds = partial(self._holds, tensor)
+        holds = partial(self.holds, tensor)
         return file.read_tensor(self.grids[tensor], self.manifest.chunk_bytes, str(self.path), out, holds)
 
     def release(self) -> None:
