@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _allocations import HostAllocations
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
 from _forge import manifest_rank_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_optim
 from fsdp_optim.formats.sharded.piece_reads import Piece, Shard
@@ -120,22 +120,6 @@ def test_a_failure_is_raised_after_every_thread_stopped_and_every_copy_landed(fa
     assert not [t for t in threading.enumerate() if t.name.startswith("fsdp_optim-load")], "a thread outlived the load"
 
 
-class _HostAllocations(TorchDispatchMode):
-    """Every host tensor allocated while active, by size in bytes (factory and copy ops that make new memory)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: list[int] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        made = name.startswith(("empty", "new_", "zeros", "ones", "full")) or name in {"clone", "_to_copy", "cat"}
-        if made and torch.is_tensor(out) and out.device.type == "cpu":
-            self.sizes.append(out.untyped_storage().nbytes())
-        return out
-
-
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Tanh(), torch.nn.Linear(256, 128))
@@ -161,12 +145,11 @@ def _round_trip(rank: int, world_size: int, out: str) -> dict[str, Any]:
     saved = {"model": snapshot(root.state_dict()), "optim": snapshot(optim.state_dict())}
     _train(root, optim, 2, rank)  # the live state now differs from the saved one
     state_bytes = sum(p.numel() * 4 * 3 for p in root.parameters())  # weights, exp_avg, exp_avg_sq
-    with _HostAllocations() as seen:
+    with HostAllocations() as seen:
         extra = fsdp_optim.load_checkpoint(root, optim, ckpt)
     assert_identical(root.state_dict(), saved["model"], f"rank {rank}: the weights after a load through the ring")
     assert_identical(optim.state_dict(), saved["optim"], f"rank {rank}: the optimizer after a load through the ring")
-    large = sorted((n for n in seen.sizes if n > SLOT), reverse=True)
-    return {"extra": extra, "copied": copier.copied, "state": state_bytes, "large": large}
+    return {"extra": extra, "copied": copier.copied, "state": state_bytes, "large": seen.above(SLOT)}
 
 
 def test_a_load_through_the_ring_is_bit_exact_and_reads_the_state_once(tmp_path: Path) -> None:
@@ -220,7 +203,7 @@ def _gpu_load(rank: int, world_size: int, out: str) -> dict[str, Any]:  # noqa: 
     fsdp_optim.load_checkpoint(root, optim, f"{out}/ckpt")  # the ring's pinned slots exist from here on
     optim.step()
     torch.cuda.synchronize()
-    with _HostAllocations() as seen:
+    with HostAllocations() as seen:
         fsdp_optim.load_checkpoint(root, optim, f"{out}/ckpt")
     torch.cuda.synchronize()
     same = True
@@ -229,7 +212,7 @@ def _gpu_load(rank: int, world_size: int, out: str) -> dict[str, Any]:  # noqa: 
         assert_identical(optim.state_dict(), saved["optim"])
     except AssertionError:
         same = False
-    return {"exact": same, "host bytes above 1 MiB": sum(n for n in seen.sizes if n > 1 << 20)}
+    return {"exact": same, "host bytes above 1 MiB": sum(seen.above(1 << 20))}
 
 
 @CUDA
