@@ -99,15 +99,20 @@ class ContainerHeader:
     text: bytes
 
 
-def encode_header(metadata: Mapping[str, str], tensors: Iterable[tuple[str, torch.dtype, Iterable[int]]]) -> bytes:
+def encode_header(
+    metadata: Mapping[str, str],
+    tensors: Iterable[tuple[str, torch.dtype, Iterable[int]]],
+    names: Mapping[torch.dtype, str] = DTYPE_NAMES,
+) -> bytes:
     """The header of a file of ``tensors`` (``(name, dtype, shape)``, in file order, packed one after another),
-    length prefix included, padded with spaces so that the data starts 8-byte aligned (as safetensors pads)."""
+    length prefix included, padded with spaces so that the data starts 8-byte aligned (as safetensors pads).
+    ``names``: safetensors' name of each dtype the file may hold."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     at = 0
     for name, dtype, shape in tensors:
         shape = list(shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [at, at + nbytes]}
+        header[name] = {"dtype": names[dtype], "shape": shape, "data_offsets": [at, at + nbytes]}
         at += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

@@ -1,5 +1,6 @@
-"""Loads into live GPU memory: checked host tensors copied straight into the live parameters, buffers and optimizer
-state through the stager's pinned ring (:func:`fsdp_optim.job.stager.upload`), never through pageable memory.
+"""Loads into live GPU memory: checked tensors copied into the live parameters, buffers and optimizer state; host
+tensors through the stager's pinned ring (:func:`fsdp_optim.job.stager.upload`), never through pageable memory,
+tensors a load already read onto the GPU (:mod:`fsdp_optim.job.ring_load`) on the device.
 
 On the CPU nothing changes: parameters and buffers are copied into as before, and ``optim.load_state_dict`` takes the
 host dict as it is.
@@ -12,18 +13,24 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.job.stager import upload
+from fsdp_optim.job.stager import check_pairs, upload
 from fsdp_optim.job.staging import before_change
 
 __all__ = ["into_live", "optimizer_state_on_device"]
 
 
 def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each checked host tensor into its live tensor (``(live, host)``; a floating-point host tensor of
-    another dtype is cast on the host first): GPU tensors through the pinned ring, host tensors directly. Any other
+    """Copy each checked tensor into its live tensor (``(live, checked)``): one already on the live tensor's GPU
+    (a load read it there, :mod:`fsdp_optim.job.ring_load`) on the device, a host tensor into a GPU tensor through
+    the pinned ring, into a host tensor directly. A floating-point tensor of another dtype is cast first; any other
     difference of dtype or shape is refused before a byte is written (:func:`fsdp_optim.job.stager.check_pairs`)."""
-    ready = [(live, host.to(live.dtype) if _castable(host, live) else host) for live, host in pairs]
-    upload(ready)
+    ready = [(live, t.to(live.dtype) if _castable(t, live) else t) for live, t in pairs]
+    check_pairs(ready)  # all or nothing: the device-side pairs too, before the first of them is copied
+    on_device = [(live, t) for live, t in ready if live.is_cuda and t.device == live.device]
+    with torch.no_grad():
+        for live, t in on_device:
+            live.copy_(t)
+    upload([(live, t) for live, t in ready if not (live.is_cuda and t.device == live.device)])
 
 
 def _castable(host: torch.Tensor, live: torch.Tensor) -> bool:
@@ -34,9 +41,10 @@ def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str
     """``state_dict`` (``{"state": {id: {key: host tensor or value}}, "param_groups": [...]}``, as
     ``optim.load_state_dict`` takes it) with every state tensor of a parameter on a GPU already there, in the dtype
     ``load_state_dict`` would cast it to: copied into the live optimizer's own tensor for that parameter and key when
-    it has one of that shape and dtype (no new GPU memory), into a new one otherwise. ``step`` stays as it is (as
-    ``load_state_dict`` keeps it); a tensor already on its parameter's GPU (received there) is used as it is. The same
-    dict when no parameter is on a GPU. An async save still copying
+    it has one of that shape and dtype (no new GPU memory); a tensor already on its parameter's GPU (received there
+    by a scatter, or read there by :mod:`fsdp_optim.job.ring_load`) is used as it is; else into a new one. ``step``
+    stays as it is (as ``load_state_dict`` keeps it). The same dict when no parameter is on a GPU. An async save
+    still copying
     ``optim``'s state is waited for first (its pre-hook on ``load_state_dict`` would come too late)."""
     before_change(optim)
     params = _params_by_id(optim, state_dict)

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import xxhash
 from torch import nn
 
-from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.layout import clean_path, join_path
 from fsdp_optim.job.root import Root
+from fsdp_optim.job.stager import pieces
 
 __all__ = ["buffers_digest", "persistent_buffers", "weight_shards"]
 
@@ -51,5 +52,12 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def buffers_digest(buffers: Mapping[str, torch.Tensor]) -> str:
-    """One digest of every buffer's name, dtype, shape and bytes: equal on ranks whose buffers are equal."""
-    return digest(dict(buffers))
+    """One digest of every buffer's name, dtype, shape and bytes: equal on ranks whose buffers are equal (compared
+    across ranks, never stored). Buffers on a GPU are read through the stager's pinned ring, not copied whole into
+    pageable memory."""
+    names = sorted(buffers)
+    h = xxhash.xxh3_128(repr([(n, str(buffers[n].dtype), tuple(buffers[n].shape)) for n in names]).encode())
+    parts = [buffers[n].detach().reshape(-1) for n in names if buffers[n].numel()]
+    for piece in pieces(parts) if parts else ():  # the bytes in order: the shapes above say where each ends
+        h.update(memoryview(piece.numpy()))  # type: ignore[arg-type]
+    return f"xxh3-128:{h.hexdigest()}"

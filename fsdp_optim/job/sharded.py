@@ -31,6 +31,7 @@ from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.api import full_source
 from fsdp_optim.job.device_load import optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
+from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.save_commit import commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.transport import (
@@ -145,8 +146,8 @@ def _read_sharded(
     with open_checkpoint(path) as ckpt:  # lazy: at the saved layout a rank reads only its own file
         check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
         the_plan = plan(ckpt.source(), layout, members=members)
-        if the_plan.identity:
-            own = ckpt.load_rank(rank)
+        if the_plan.identity:  # its own file, into new memory on the parameters' GPU (through its ring) or host
+            own = read_own(ckpt, rank, [p.device for p in root.params], lambda i, _: i in the_plan.flats)
             state = {i: own[i] for i in the_plan.flats}
         else:
             # Before cut_rank allocates what the manifest declares: the rank files this rank reads, checked

@@ -46,6 +46,7 @@ __all__ = [
     "Ring",
     "check_pairs",
     "copier_of",
+    "ring_of",
     "pieces",
     "upload",
 ]
@@ -246,3 +247,9 @@ def _distinct(copiers: Iterable[Copier | None]) -> list[Copier]:
         if copier is not None and all(copier is not c for c in found):
             found.append(copier)
     return found
+
+
+def ring_of(device: torch.device) -> Ring:
+    """The pinned ring of the GPU ``device`` (one per GPU, for the process's life), for a caller that streams through
+    its slots itself (a load reading a file straight into them: :mod:`fsdp_optim.job.ring_load`)."""
+    return CUDA.ring(copier_of(device))

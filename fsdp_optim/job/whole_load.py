@@ -31,6 +31,7 @@ from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file
 from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import persistent_buffers, weight_shards
+from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.staging import before_change
 from fsdp_optim.job.transport import agree
@@ -125,13 +126,15 @@ def plan_load(
 
 
 def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Received | None = None) -> Staged:
-    """Read and check into new memory everything this rank will change (``sides``: side files held in memory)."""
+    """Read and check into new memory everything this rank will change (``sides``: side files held in memory); at the
+    saved layout, the shards into new memory on the parameters' GPU (:func:`~fsdp_optim.job.ring_load.read_own`)."""
     rank, training = root.rank, ckpt.manifest.training
     assert training is not None, "weights_source() refuses a checkpoint without a training section"
     if plans.weights.identity:
-        own = ckpt.load_rank(rank)
-        weights = {i: own[i][WEIGHTS_KEY] for i in plans.weights.flats}
         kept = plans.optim.flats if plans.optim is not None else {}
+        want = lambda i, key: i in plans.weights.flats if key == WEIGHTS_KEY else i in kept  # noqa: E731
+        own = read_own(ckpt, rank, [p.device for p in root.params], want)  # on a GPU: through its ring
+        weights = {i: own[i][WEIGHTS_KEY] for i in plans.weights.flats}
         state = {i: {k: v for k, v in own[i].items() if k != WEIGHTS_KEY} for i in kept}
     else:
         ckpt.open_ranks(saved_ranks(plans.weights, rank) or [0])

@@ -22,13 +22,14 @@ from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
+from fsdp_optim.formats.sharded.side_file import encode_extra, host_copy, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previous, launch
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.save_commit import Side, commit_save, own_tensor, read_for_save, start_save
+from fsdp_optim.job.stager import pieces
 from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
@@ -158,16 +159,17 @@ def _prepare(
     *,
     read_scalars: bool = True,
 ) -> _Prepared:
-    """Read and check everything this rank saves (reads only; the tensors are the live ones unless on a GPU or
-    ``copy_buffers``: forward changes buffers, and an async save's copy runs beside it)."""
+    """Read and check everything this rank saves (reads only; the tensors are the live ones, copied through the
+    stager's pinned ring when on a GPU, unless ``copy_buffers``: then the buffers and ``extra``'s tensors are copied
+    once into host memory, as a save that writes after the call returns needs: forward changes buffers)."""
     local = read_for_save(root, optim, read_scalars=read_scalars) if optim is not None else LocalState((), {}, {})
     state: dict[int, dict[str, Any]] = {}
     for i, shard in weight_shards(root).items():
         entries = {key: own_tensor(value) for key, value in local.state.get(i, {}).items()}
         state[i] = {**entries, WEIGHTS_KEY: own_tensor(shard)}
     live = persistent_buffers(model)
-    buffers = {name: b.detach().cpu().clone() if copy_buffers else own_tensor(b) for name, b in live.items()}
-    return _Prepared(local, state, buffers, encode_extra(extra), read_aliases(model, root.layout))
+    buffers = {name: host_copy(b) if copy_buffers else own_tensor(b) for name, b in live.items()}
+    return _Prepared(local, state, buffers, encode_extra(extra, copy=copy_buffers), read_aliases(model, root.layout))
 
 
 def _write_side(
@@ -175,8 +177,9 @@ def _write_side(
 ) -> FileRecord:
     buffers = prepared.buffers if per_rank or rank == 0 else {}
     return write_side_file(
-        directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=prepared.extra, durable=durable
-    )
+        directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=prepared.extra, durable=durable,
+        pieces=pieces,
+    )  # fmt: skip
 
 
 def _training(prepared: _Prepared, per_rank: bool, files: tuple[FileRecord, ...]) -> TrainingRecord:

@@ -121,6 +121,35 @@ class MappedFile:
         check_grid(stream_chunk_digests(out, per, g.end - g.origin), g, per, where, holds)
         return out
 
+    def read_chunks(self, g: Grid, lo: int, hi: int, out: torch.Tensor, chunk_bytes: int, where: str) -> None:
+        """Elements ``[lo, hi)`` of the tensor ``g`` covers read into ``out`` (contiguous, ``hi - lo`` elements of its
+        dtype: e.g. a staging slot), not verified yet (:meth:`check_chunks` does, on ``out``): ``lo`` starts a chunk
+        and ``hi`` ends one (or the grid). Nothing is mapped."""
+        dtype, base = self._dtype(g.tensor, where)
+        per = chunk_elements(dtype, chunk_bytes)
+        whole = (lo - g.origin) % per == 0 and (hi == g.end or (hi - g.origin) % per == 0)
+        if not (g.origin <= lo <= hi <= g.end and whole):
+            raise ValueError(
+                f"{where}: elements {lo}..{hi} of tensor '{g.tensor}' are not whole chunks of its grid "
+                f"({g.origin}..{g.end}, {per} elements a chunk)"
+            )
+        self._pread(base + lo * dtype.itemsize, hi - lo, dtype, where, out)
+
+    @staticmethod
+    def check_chunks(
+        g: Grid, lo: int, values: torch.Tensor, chunk_bytes: int, where: str, holds: Callable[[int, int], str] | None
+    ) -> None:
+        """Refuse ``values`` (elements ``[lo, lo + len)`` of the tensor ``g`` covers, whole chunks, as
+        :meth:`read_chunks` read them) unless each chunk's digest is ``g``'s; a mismatch names its elements."""
+        per = chunk_elements(values.dtype, chunk_bytes)
+        for k, checksum in enumerate(chunk_digests(values, chunk_bytes), start=(lo - g.origin) // per):
+            if checksum != g.checksums[k]:
+                a, b = g.origin + k * per, min(g.origin + (k + 1) * per, g.end)
+                raise ValueError(
+                    f"{where}{holds(a, b) if holds else ''}: checksum mismatch in elements {a}..{b} of tensor "
+                    f"'{g.tensor}' (file is corrupt or was modified)"
+                )
+
     def _read_tiled(
         self, g: Grid, parts: list[tuple[int, int]], dtype: torch.dtype, base: int, where: str  # noqa: ARG002 - RemoteFile reads by g
     ) -> list[torch.Tensor]:

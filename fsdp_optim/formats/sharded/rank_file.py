@@ -29,6 +29,7 @@ import torch
 from fsdp_optim.core.checksums import ChunkHasher, digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
+from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.location import ObjectPath, Where
 from fsdp_optim.disk.text import escape
@@ -105,7 +106,8 @@ def write_rank_tensors(
     """Write a format-3 rank file whose tensor ``name`` is the concatenation of ``tensors[name]`` (1-D parts,
     ``sizes[name]`` elements in all, in :func:`~.segments.file_layout` order). Returns the header's digest.
 
-    One pass over the data: each piece is hashed into its chunks' checksums and written while it is at hand; the
+    One pass over the data: each piece is hashed into its chunks' checksums while a thread writes it
+    (:class:`~fsdp_optim.disk.hashed_write.HashingWriter`), before the next piece is asked for; the
     header, whose checksums are then known, goes in last at the start of the file (its length does not depend
     on the digests' values, so room for it is left first)."""
     hashers = {name: _hasher(name, sizes[name], chunk_bytes) for name in tensors}
@@ -113,11 +115,10 @@ def write_rank_tensors(
     room = encode_rank_header({**meta, "checksums": _checksums_text(hashers, placeholder=True)}, sizes)
     start = file.tell()
     file.seek(start + len(room))
-    for name, parts in tensors.items():
-        for piece in pieces(parts):
-            raw = memoryview(piece.numpy())  # type: ignore[arg-type]
-            hashers[name].update(raw)
-            file.write(raw)
+    with HashingWriter(file) as writer:  # each piece hashed here while a thread writes it
+        for name, parts in tensors.items():
+            for piece in pieces(parts):
+                writer.put(memoryview(piece.numpy()), hashers[name].update)  # type: ignore[arg-type]
     header = encode_rank_header({**meta, "checksums": _checksums_text(hashers, placeholder=False)}, sizes)
     if len(header) != len(room):  # a digest of another length than the placeholder's: a bug, never the data's
         raise RuntimeError(f"the rank file's header takes {len(header)} bytes, {len(room)} were left for it")
@@ -283,7 +284,7 @@ class RankFile:
             order = sorted((at, n, key) for key, (t, at, n) in self.layout[0].items() if t == name)
             read = self.open().read_parts(
                 self.grids[name], [(at, n) for at, n, _ in order], self.manifest.chunk_bytes, str(self.path),
-                partial(self._holds, name),
+                partial(self.holds, name),
             )  # fmt: skip
             shards.update({key: tensor for (_, _, key), tensor in zip(order, read)})
         out: dict[int, dict[str, Any]] = {}
@@ -293,7 +294,7 @@ class RankFile:
                 out.setdefault(i, {})[e.key] = value
         return out
 
-    def _holds(self, tensor: str, lo: int, hi: int) -> str:
+    def holds(self, tensor: str, lo: int, hi: int) -> str:
         """Which shards elements ``[lo, hi)`` of ``tensor`` belong to, for an error message."""
         hits = [(f, k) for (f, k), (t, at, n) in self.layout[0].items() if t == tensor and at < hi and at + n > lo]
         if not hits:
@@ -305,7 +306,7 @@ class RankFile:
     def read_whole(self, tensor: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Format 3: tensor ``tensor`` read whole (into ``out`` if given) and verified; a mismatch names the units."""
         file = self.open()
-        holds = partial(self._holds, tensor)
+        holds = partial(self.holds, tensor)
         return file.read_tensor(self.grids[tensor], self.manifest.chunk_bytes, str(self.path), out, holds)
 
     def release(self) -> None:

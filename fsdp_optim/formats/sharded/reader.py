@@ -221,6 +221,11 @@ class ShardedCheckpoint:
         flat = self.manifest.flat_params[flat_index]
         return rank if flat.world_size > 1 or flat.per_rank else 0
 
+    def rank_file(self, rank: int) -> RankFile | None:
+        """Rank ``rank``'s file of a format-2 or 3 checkpoint (not opened yet), ``None`` for format 1's torch files."""
+        f = self._files[rank]
+        return f if isinstance(f, RankFile) else None
+
     def load_rank(self, rank: int) -> dict[int, dict[str, Any]]:
         """Every unit of one rank file, read into memory (not mapped) and verified."""
         f = self._files[rank]

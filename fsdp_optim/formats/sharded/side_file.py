@@ -18,27 +18,30 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import xxhash
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
+from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import loads
 from fsdp_optim.disk.location import Where
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.safetensors_container import DTYPE_NAMES, encode_header
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
+from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces
 from fsdp_optim.formats.sharded.training import TrainingRecord, side_file_name
 
 __all__ = [
     "BUFFER_CHOICES", "MAX_DEPTH", "SideContent", "buffers_rule", "check_buffer_choice", "decode_extra",
-    "encode_extra", "mean_buffers", "read_rank_side", "read_side_file", "side_ranks", "write_side_file",
+    "encode_extra", "host_copy", "mean_buffers", "read_rank_side", "read_side_file", "side_ranks", "write_side_file",
 ]  # fmt: skip
 
 MAX_DEPTH = 64  # levels of nesting in ``extra``
@@ -48,28 +51,37 @@ SideContent = tuple[dict[str, torch.Tensor], Any]  # (buffers by name, extra)
 Received = Mapping[str, Callable[[], bytes]]  # {side file name: its bytes, held in memory (received from a peer)}
 
 
-def encode_extra(value: Any, where: str = "extra") -> tuple[str, dict[str, torch.Tensor]]:
-    """``value`` as JSON text with each tensor replaced by a reference, and the tensors (CPU, contiguous)."""
+def encode_extra(value: Any, where: str = "extra", *, copy: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
+    """``value`` as JSON text with each tensor replaced by a reference, and the tensors: each copied once into new
+    host memory (``copy``: the caller may change them once this returns), else as they are (detached: a save that
+    writes them before it returns; :func:`write_side_file` copies one on a GPU through the pieces it is given)."""
     tensors: dict[str, torch.Tensor] = {}
-    tree = _encode(value, tensors, where, 0)
+    tree = _encode(value, tensors, where, 0, host_copy if copy else torch.Tensor.detach)
     return json.dumps(tree, separators=(",", ":"), allow_nan=False), tensors
 
 
-def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str, depth: int) -> Any:
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied once into new, contiguous host memory (from a GPU or from the host alike)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+
+
+def _encode(
+    value: Any, tensors: dict[str, torch.Tensor], where: str, depth: int, keep: Callable[[torch.Tensor], torch.Tensor]
+) -> Any:
     if depth > MAX_DEPTH:
         raise ValueError(f"{where}: nested more than {MAX_DEPTH} levels deep; flatten the structure")
     if torch.is_tensor(value):
         key = str(len(tensors))
-        tensors[key] = value.detach().cpu().contiguous().clone()
+        tensors[key] = keep(value)
         return {_REF: int(key)}
     if isinstance(value, Mapping):
         bad = next((k for k in value if not isinstance(k, str)), None)
         if bad is not None:
             raise TypeError(f"{where}: a dict key {bad!r} ({type(bad).__name__}); extra's dict keys must be str")
-        body = {k: _encode(v, tensors, f"{where}['{k}']", depth + 1) for k, v in value.items()}
+        body = {k: _encode(v, tensors, f"{where}['{k}']", depth + 1, keep) for k, v in value.items()}
         return {"$dict": body} if any(k.startswith("$") for k in body) else body
     if isinstance(value, (list, tuple)):
-        items = [_encode(v, tensors, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+        items = [_encode(v, tensors, f"{where}[{i}]", depth + 1, keep) for i, v in enumerate(value)]
         return {"$tuple": items} if isinstance(value, tuple) else items
     try:
         return to_json(value, where)
@@ -116,24 +128,42 @@ def write_side_file(
     buffers: Mapping[str, torch.Tensor],
     extra: tuple[str, Mapping[str, torch.Tensor]],
     durable: bool = True,
+    pieces: Pieces = host_pieces,
 ) -> FileRecord:
     """Write one rank's side file atomically (``durable=False``: no fsync, for a file staged for an upload); its
-    record for the manifest (digest of the file's bytes)."""
+    record for the manifest (digest of the file's bytes).
+
+    Streamed: the header first, then each tensor's bytes as ``pieces`` hands them over (host tensors where they are;
+    a job's stager copies those on a GPU through its pinned ring), hashed while a thread writes them. No tensor is
+    copied into pageable memory, and the file is never built in memory."""
     text, extra_tensors = extra
-    tensors = {_BUFFER + n: _owned(t) for n, t in buffers.items()}
-    tensors.update({_EXTRA + k: t for k, t in extra_tensors.items()})
+    tensors = {_BUFFER + n: t.detach() for n, t in buffers.items()}
+    tensors.update({_EXTRA + k: t.detach() for k, t in extra_tensors.items()})
+    for key, t in tensors.items():
+        if t.dtype not in _SIDE_DTYPES:
+            raise TypeError(f"{key}: a {t.dtype} tensor, which a side file (safetensors) cannot hold")
     metadata = {
         "format": "fsdp_optim", "kind": "side", "version": "1", "save_id": save_id,
         "rank": str(rank), "world_size": str(world_size), "extra": text,
     }  # fmt: skip
-    data = save_safetensors(tensors, metadata)
+    header = encode_header(metadata, ((k, t.dtype, t.shape) for k, t in tensors.items()), names=_SIDE_DTYPES)
+    parts = [t.reshape(-1) for t in tensors.values() if t.numel()]
     name = side_file_name(save_id, rank, world_size)
-    size, checksum = atomic_write(directory / name, lambda f: (f.write(data), _file_digest(data))[1], durable=durable)
+    size, checksum = atomic_write(directory / name, partial(_stream, header, parts, pieces), durable=durable)
     return FileRecord(rank, name, checksum, size)
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous()
+_SIDE_DTYPES = {**DTYPE_NAMES, torch.complex64: "C64"}  # what safetensors writes (complex64 too, unlike rank files)
+
+
+def _stream(header: bytes, parts: Sequence[torch.Tensor], pieces: Pieces, file: BinaryIO) -> str:
+    """``header`` then the bytes of ``parts`` written to ``file``; the digest of all of them (:func:`_file_digest`)."""
+    hasher = xxhash.xxh3_128(header)
+    file.write(header)
+    with HashingWriter(file) as writer:
+        for piece in pieces(parts) if parts else ():
+            writer.put(memoryview(piece.numpy()), hasher.update)  # type: ignore[arg-type]
+    return f"xxh3-128:{hasher.hexdigest()}"
 
 
 def read_side_file(directory: Where, record: FileRecord, received: Received | None = None) -> SideContent:

@@ -1,0 +1,173 @@
+"""Loads at the floor: a rank file read a piece at a time straight into the slots of the GPU's pinned ring, each
+piece's chunk checksums checked on its slot, then copied to the GPU from there, while a reader thread fills the next
+slots. Nothing the size of the state passes through pageable memory (the old way: the whole file read into new host
+memory, hashed, then copied into a slot, then to the GPU).
+
+The pieces land in new tensors on the device (the state being loaded, not the live one), so a corrupt byte, or a
+failure on another rank, leaves every live tensor as it was: the caller commits only after every rank agreed
+(:func:`fsdp_optim.job.whole_load.commit_load`), copying the weights on the device and handing the optimizer its new
+state as it is. A load into host memory reads straight into its new tensors (no slot, no copy): that is its floor.
+
+Threads: the reader (``preadv``) waits for a slot's previous copies to be done before it refills it; the checker
+hashes the slot the reader filled before (xxhash; both release the GIL); the caller's thread queues each checked
+piece's copies and hands the slot back with their tickets. Each slot is read, checked and copied in turn, the three
+at work on three slots at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.flatten import StateKind, clone_value
+from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.piece_reads import Piece, check_piece, plan_pieces, read_piece
+from fsdp_optim.formats.sharded.rank_file import RankFile
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.job.stager import Ring, ring_of
+
+__all__ = ["read_own", "ring_for", "stream_pieces"]
+
+Copies = Callable[[Piece, torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+Stage = Callable[[Piece, torch.Tensor], None]
+_Queue = queue.Queue  # of (slot, piece), a failure, or None (no more); free slots: (slot, their copies' tickets)
+
+
+def ring_for(device: torch.device) -> Ring | None:
+    """The ring a load into ``device`` streams through: that GPU's pinned ring; none for host memory (a load into
+    host tensors reads straight into them). Tests run the ring's path on the host by answering a host ring here."""
+    return ring_of(device) if device.type == "cuda" else None
+
+
+def read_own(
+    ckpt: ShardedCheckpoint, rank: int, devices: Sequence[torch.device], want: Callable[[int, str], bool]
+) -> dict[int, dict[str, Any]]:
+    """Rank ``rank``'s own file at the saved layout: ``{flat: {key: shard or scalar}}`` for the entries ``want(flat,
+    key)`` accepts, each shard checked and in new memory on ``devices[flat]`` (all on one GPU: through its ring, a
+    piece at a time; else read into host memory, as :meth:`ShardedCheckpoint.load_rank` reads). Nothing live is
+    touched; a checksum mismatch raises ``ValueError`` naming the file, the elements and their unit."""
+    device = devices[0] if devices and all(d == devices[0] for d in devices) else None
+    ring = ring_for(device) if device is not None else None
+    rank_file = ckpt.rank_file(rank)
+    if ring is None or rank_file is None or ckpt.manifest.version < 3:
+        return _kept(ckpt.load_rank(rank), want)
+    try:
+        pieces = plan_pieces(rank_file, ring.slot_bytes)
+        out, into = _destinations(ckpt.manifest, rank_file, devices, want)
+        ring.copier.after(ring.copier.mark())  # the new tensors' memory may be the current stream's until now
+        stages = [partial(read_piece, rank_file), partial(check_piece, rank_file)]  # one thread each: overlapped
+        stream_pieces(ring, pieces, stages, partial(_copies, into))
+    finally:
+        rank_file.release()
+    return out
+
+
+def _kept(loaded: Mapping[int, Mapping[str, Any]], want: Callable[[int, str], bool]) -> dict[int, dict[str, Any]]:
+    units = ((i, {k: v for k, v in entries.items() if want(i, k)}) for i, entries in loaded.items())
+    return {i: entries for i, entries in units if entries}
+
+
+def _destinations(
+    manifest: Manifest, rank_file: RankFile, devices: Sequence[torch.device], want: Callable[[int, str], bool]
+) -> tuple[dict[int, dict[str, Any]], dict[tuple[int, str], torch.Tensor]]:
+    """The entries a load returns (new, empty tensors on their devices for the shards; the manifest's scalars), and
+    the tensors by ``(flat, key)`` that the pieces fill."""
+    out: dict[int, dict[str, Any]] = {}
+    into: dict[tuple[int, str], torch.Tensor] = {}
+    for i, flat in enumerate(manifest.flat_params):
+        for e in (e for e in flat.state if want(i, e.key)):
+            if e.kind is not StateKind.SHARDED:
+                out.setdefault(i, {})[e.key] = clone_value(e.value)  # the optimizer owns what it loads
+                continue
+            tensor, _, numel = rank_file.layout[0][(i, e.key)]
+            dtype = dtype_from_str(tensor, where=str(rank_file.path))
+            out.setdefault(i, {})[e.key] = into[(i, e.key)] = torch.empty(numel, dtype=dtype, device=devices[i])
+    return out, into
+
+
+def _copies(
+    into: Mapping[tuple[int, str], torch.Tensor], piece: Piece, slot: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(destination bytes, slot bytes)`` for each wanted shard's part in ``piece``, read into ``slot``."""
+    size = piece.dtype.itemsize
+    for shard, a, b in piece.spans():
+        dst = into.get((shard.flat, shard.key))
+        if dst is not None:
+            at = (shard.offset + a - piece.lo) * size
+            yield dst.view(torch.uint8)[a * size : b * size], slot[at : at + (b - a) * size]
+
+
+def stream_pieces(ring: Ring, pieces: Sequence[Piece], stages: Sequence[Stage], copies: Copies) -> None:
+    """Each piece put through ``stages`` in a slot of ``ring``, each stage on a thread of its own (``stage(piece, slot
+    bytes)``: the first reads the piece into the slot, the next checks it there), then copied out of the slot
+    (``copies(piece, slot bytes)``: ``(dst, src)`` pairs, queued on ``ring``'s copier) while the stages work on the
+    next slots. Returns once every copy is done; the first failure (a read, a check, a copy) is raised once every
+    thread has stopped and every copy started is done, so the slots are free again."""
+    assert stages, "a stream needs a stage that fills the slots"
+    with ring.lock:
+        free: _Queue = queue.Queue()
+        for slot in range(len(ring.buffers)):
+            free.put((slot, ()))
+        stop = threading.Event()
+        boxes: list[_Queue] = [queue.Queue() for _ in stages]  # boxes[k]: what stage k hands on
+        threads = [threading.Thread(target=_fill_slots, args=(ring, pieces, stages[0], free, boxes[0], stop))]
+        threads += [
+            threading.Thread(target=_pass_on, args=(ring, stage, boxes[k], boxes[k + 1], stop))
+            for k, stage in enumerate(stages[1:])
+        ]
+        for k, thread in enumerate(threads):
+            thread.name, thread.daemon = f"fsdp_optim-load-{k}", True
+            thread.start()
+        started: list[list[Any]] = [[] for _ in ring.buffers]  # each slot's copies not yet awaited by the reader
+        try:
+            while (item := boxes[-1].get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                slot, piece = item
+                started[slot] = [ring.copier.copy(d, s) for d, s in copies(piece, ring.buffers[slot][: piece.nbytes])]
+                free.put((slot, tuple(started[slot])))
+        finally:
+            stop.set()
+            free.put((-1, ()))  # wakes a reader waiting for a slot
+            for thread in threads:
+                thread.join()
+            for ticket in (t for tickets in started for t in tickets):
+                ring.copier.wait(ticket)  # (again, for those the reader awaited: done, so at once)
+
+
+def _fill_slots(
+    ring: Ring, pieces: Sequence[Piece], stage: Stage, free: _Queue, out: _Queue, stop: threading.Event
+) -> None:
+    """The first stage's thread: a free slot (its copies awaited), the next piece read into it, handed on."""
+    try:
+        ring.copier.bind()  # waits on this GPU's events here open no context on another GPU
+        for piece in pieces:
+            slot, tickets = free.get()
+            if stop.is_set() or slot < 0:
+                return
+            for ticket in tickets:
+                ring.copier.wait(ticket)  # the copies out of this slot are done: refill it
+            stage(piece, ring.buffers[slot][: piece.nbytes])
+            out.put((slot, piece))
+    except BaseException as exc:  # the caller raises it, once every thread has stopped
+        out.put(exc)
+    finally:
+        out.put(None)  # (after a failure: never read)
+
+
+def _pass_on(ring: Ring, stage: Stage, inbox: _Queue, out: _Queue, stop: threading.Event) -> None:
+    """A later stage's thread: each slot handed in, worked on, handed on; a failure or the end, handed on."""
+    try:
+        while (item := inbox.get()) is not None and not isinstance(item, BaseException) and not stop.is_set():
+            slot, piece = item
+            stage(piece, ring.buffers[slot][: piece.nbytes])
+            out.put(item)
+        out.put(item if not isinstance(item, tuple) else None)
+    except BaseException as exc:
+        out.put(exc)
