@@ -61,7 +61,7 @@ def _train_and_gather(rank: int, world_size: int, flatten: bool, optimizers: lis
         assert_full_matches_plain(full, fresh.state_dict(), skip=skip, rel=0)
 
 
-CASES = [(1, True), (2, True), (2, False), (3, True), (3, False), (4, True)]
+CASES = [(1, True), (1, False), (2, True), (2, False), (3, True), (3, False), (4, True)]
 
 
 @parameterized.expand(CASES, name_func=lambda f, n, p: f"{f.__name__}_ws{p.args[0]}_{'flat' if p.args[1] else 'unflat'}")

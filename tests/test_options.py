@@ -153,3 +153,35 @@ def test_option_is_refused_at_construction_naming_it(option: str) -> None:
         pytest.skip("a CUDA device is a valid choice here")
     with pytest.raises(ValueError, match=match):
         FSDP(_net(), **options)  # refused before any collective: this process has no process group
+
+
+def _bf16_forward(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    net[2] = FSDP(net[2], mixed_precision=True, compute_dtype=torch.bfloat16)
+    root = FSDP(net, mixed_precision=True, compute_dtype=torch.bfloat16)
+    optim = torch.optim.Adam(root.parameters(), lr=0.01)
+    before = [p.detach().clone() for p in root.parameters()]
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError) as caught:
+        root(x)  # fairscale would cast it to float16 and fail on "Half and BFloat16"
+    assert all(torch.equal(a, b) for a, b in zip(before, root.parameters())), "a refused forward changed nothing"
+    for run in (lambda: root(x.to(torch.bfloat16)), lambda: _under_autocast(root, x)):  # the two ways that work
+        optim.zero_grad()
+        run().float().sum().backward()
+        optim.step()
+    assert all(p.dtype == torch.float32 for p in root.parameters()), "fp32 master weights"
+    return str(caught.value)
+
+
+def _under_autocast(root: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return root(x)
+
+
+def test_bf16_mixed_precision_refuses_float32_inputs_by_name() -> None:
+    """mixed_precision=True, compute_dtype=bfloat16 builds (token ids, bf16 inputs and autocast work: the
+    "compute_dtype" case above trains with it), but a float32 input is refused at the forward, naming it."""
+    message = run_ranks(_bf16_forward, 2)[0]
+    assert "input args[0] is float32" in message and "casts float32 inputs to float16" in message, message
+    assert "torch.autocast" in message, message

@@ -169,6 +169,9 @@ def optimizer_state_dict(plan: Plan, state: Mapping[int, Mapping[str, Any]]) -> 
     """``{target flat: entries}`` -> what ``optim.load_state_dict`` takes; ids follow the plan's groups.
 
     ``{"state": {local_id: {key: shard or scalar}}, "param_groups": [{...hyperparams, "params": [local_id]}]}``
+
+    A shard is in the live shard's shape (:attr:`~fsdp_optim.core.layout.FlatParamLayout.shard_shape`): 1-D, or a
+    view in the parameter's own shape for one that fairscale keeps unflattened at world size 1.
     """
     out_state: dict[int, Any] = {}
     out_groups = []
@@ -177,8 +180,18 @@ def optimizer_state_dict(plan: Plan, state: Mapping[int, Mapping[str, Any]]) -> 
         ids = []
         for t in group.flat_indices:
             if t in state:
-                out_state[next_id] = dict(state[t])
+                out_state[next_id] = _live_shaped(plan, t, state[t])
             ids.append(next_id)
             next_id += 1
         out_groups.append({**{k: clone_value(v) for k, v in group.hyperparams.items()}, "params": ids})
     return {"state": out_state, "param_groups": out_groups}
+
+
+def _live_shaped(plan: Plan, flat: int, entries: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of one target flat's ``entries`` with every sharded tensor viewed in the live shard's shape."""
+    shape = plan.target.flat_params[flat].shard_shape
+    sharded = {e.key for e in plan.flats[flat].entries if e.kind is StateKind.SHARDED}
+    return {
+        key: value.view(shape) if key in sharded and tuple(value.shape) != shape else value
+        for key, value in entries.items()
+    }

@@ -34,20 +34,30 @@ class StateKind(str, Enum):
 def classify_flat_state(layout: FlatParamLayout, state: Mapping[str, Any]) -> dict[str, StateKind]:
     """Kind of each optimizer state entry of one flat parameter's local shard.
 
+    A shard-shaped tensor is 1-D of ``shard_numel`` elements, or of the live shard's own shape
+    (:attr:`~fsdp_optim.core.layout.FlatParamLayout.shard_shape`: a parameter left unflattened at world size 1).
     Raises ``NotImplementedError`` for a tensor that is neither shard-shaped nor 0-dim (for example a
-    factored second moment), since such state cannot be unflattened into per-parameter tensors.
+    factored second moment), since such state cannot be unflattened into per-parameter tensors, and for any
+    state of a 0-dim parameter kept in its own shape, whose per-element state cannot be told from a scalar.
     """
     kinds: dict[str, StateKind] = {}
-    shard_numel = layout.shard_numel
+    flat, live = (layout.shard_numel,), layout.shard_shape
+    if live == () and state:
+        raise NotImplementedError(
+            f"{layout.describe()} is a 0-dim parameter that fairscale keeps unflattened and unsharded: its optimizer "
+            f"state per element ({sorted(state)}) is 0-dim like a scalar such as 'step', so fsdp_optim cannot tell "
+            "them apart; wrap it with flatten_parameters=True"
+        )
     for key, value in state.items():
         if not torch.is_tensor(value) or value.dim() == 0:
             kinds[key] = StateKind.SCALAR
-        elif value.dim() == 1 and value.numel() == shard_numel:
+        elif tuple(value.shape) in (flat, live):
             kinds[key] = StateKind.SHARDED
         else:
+            shapes = f"{live}" if live == flat else f"{live} (viewed flat: {flat})"
             raise NotImplementedError(
-                f"optimizer state '{key}' of {layout.describe()} has shape {tuple(value.shape)}; expected the "
-                f"flat shard's shape ({shard_numel},) or a 0-dim scalar"
+                f"optimizer state '{key}' of {layout.describe()} has shape {tuple(value.shape)}; expected this "
+                f"rank's shard's shape {shapes} or a 0-dim scalar"
             )
     return kinds
 

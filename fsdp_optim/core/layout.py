@@ -117,6 +117,16 @@ class FlatParamLayout:
     def shard_numel(self) -> int:
         return self.bounds().numel
 
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """The shape of a live rank's shard: ``(shard_numel,)``, except for a parameter left unflattened and not
+        sharded (world size 1, or a unit of its own rank), which fairscale keeps in its own shape (its
+        ``_shard_parameters_`` neither flattens nor pads it). Its ``shard_numel`` elements are the same either way:
+        a reader views such a shard flat, a loader writes it back in this shape."""
+        if self.flattened or self.world_size > 1:
+            return (self.shard_numel,)
+        return self.params[0].shape
+
     def describe(self) -> str:
         """A short human label for error messages."""
         head = ", ".join(self.names[:3]) + (", ..." if len(self.params) > 3 else "")

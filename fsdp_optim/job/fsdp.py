@@ -17,7 +17,7 @@ from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 from fsdp_optim.job import api
 from fsdp_optim.job import host as _host
 from fsdp_optim.job.host_fixes import quiet
-from fsdp_optim.job.options import check_options, runs_on_host
+from fsdp_optim.job.options import check_forward_inputs, check_options, runs_on_host
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -35,7 +35,9 @@ class FullyShardedDataParallel(_FairscaleFSDP):
       one that computes on a GPU leaves fairscale as it is;
     - options that cannot work are refused at construction with a ``ValueError`` naming the option
       (``compute_dtype`` differing from the parameters' dtype without ``mixed_precision`` or CPU
-      offload; a non-CPU ``compute_device`` / ``state_dict_device`` on a machine without CUDA);
+      offload; a non-CPU ``compute_device`` / ``state_dict_device`` on a machine without CUDA), and at the first
+      forward a float32 input that fairscale would cast to float16 under ``mixed_precision`` with a
+      ``compute_dtype`` such as bfloat16;
     - :meth:`gather_full_optim_state_dict` and :meth:`get_shard_from_optim_state_dict` move optimizer
       state between this sharded form and one full, world-size-independent dict.
     """
@@ -51,6 +53,14 @@ class FullyShardedDataParallel(_FairscaleFSDP):
             _host.note_cuda_root()
         with quiet():  # fairscale's first Tensor.storage() call warns of a deprecation; not the user's to fix
             super().__init__(module, *args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """fairscale's forward; first, at the root under mixed precision in another dtype than float16, a float32
+        input is refused by name (fairscale would cast it to float16; see
+        :func:`~fsdp_optim.job.options.check_forward_inputs`)."""
+        if self.mixed_precision and self.compute_dtype != torch.float16 and self._is_root is not False:
+            check_forward_inputs(self.compute_dtype, args, kwargs)
+        return super().forward(*args, **kwargs)
 
     # -- optimizer state ---------------------------------------------------------------------------
 

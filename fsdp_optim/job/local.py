@@ -20,7 +20,7 @@ from fsdp_optim.core.records import GroupRecord
 
 __all__ = [
     "LocalState", "check_agreement", "check_optimizer", "group_members", "read_local_state", "summary_digest",
-    "with_scalars",
+    "viewed_flat", "with_scalars",
 ]  # fmt: skip
 
 
@@ -57,6 +57,9 @@ def read_local_state(
 
         optim_state = {"state": {local_id: {key: value}}, "param_groups": [{..., "params": [local_id]}]}
         -> LocalState(groups=(GroupRecord(hyperparams, flat_indices, named),), state={flat_index: {key: value}}, ...)
+
+    Per-element state is 1-D in ``state``: the live tensors, viewed flat where the parameter keeps its own shape
+    (:attr:`~fsdp_optim.core.layout.FlatParamLayout.shard_shape`).
     """
     members = group_members(optim_groups, params)
     groups: list[GroupRecord] = []
@@ -68,13 +71,22 @@ def read_local_state(
         hyper = {key: v for key, v in packed.items() if key not in ("params", "param_names")}
         groups.append(GroupRecord(hyper, tuple(indices), named="param_names" in packed))
     summary = {}
-    for i, entries in state.items():
+    for i, entries in list(state.items()):
         kinds = classify_flat_state(layout.flat_params[i], entries)
+        state[i] = entries = viewed_flat(entries, kinds)
         summary[i] = tuple(
             (key, kind, entries[key].dtype if kind is StateKind.SHARDED else _portable(entries[key], read_scalars))
             for key, kind in kinds.items()
         )
     return LocalState(tuple(groups), state, summary)
+
+
+def viewed_flat(entries: Mapping[str, Any], kinds: Mapping[str, StateKind]) -> Mapping[str, Any]:
+    """``entries`` with every per-element tensor viewed 1-D (a view, no copy: optimizer state is contiguous). The
+    same mapping when they are 1-D already; a parameter left unflattened at world size 1 keeps its own shape."""
+    if all(kind is StateKind.SCALAR or entries[key].dim() == 1 for key, kind in kinds.items()):
+        return entries
+    return {key: v.reshape(-1) if kinds[key] is StateKind.SHARDED else v for key, v in entries.items()}
 
 
 def group_members(param_groups: Sequence[Mapping[str, Any]], params: Sequence[nn.Parameter]) -> list[list[int]]:

@@ -16,24 +16,31 @@ from fsdp_optim.core.layout import clean_path, join_path
 from fsdp_optim.job.root import Root
 from fsdp_optim.job.stager import pieces
 
-__all__ = ["buffers_digest", "persistent_buffers", "weight_shards"]
+__all__ = ["buffers_digest", "live_shaped", "persistent_buffers", "weight_shards"]
 
 
 def weight_shards(root: Root) -> dict[int, torch.Tensor]:
     """``{flat index: this rank's padded 1-D shard}``: the live parameters' data (the fp32 master shard under
-    mixed precision), not copied. ``ValueError`` when a parameter is not in its sharded state (inside
-    ``summon_full_params`` or a forward pass), naming its unit."""
+    mixed precision), not copied; a parameter left unflattened at world size 1, which fairscale keeps in its own
+    shape, viewed flat. ``ValueError`` when a parameter is not in its sharded state (inside ``summon_full_params``
+    or a forward pass), naming its unit."""
     shards = {}
     for i, (flat, param) in enumerate(zip(root.layout.flat_params, root.params, strict=True)):
         data = param.data
-        if data.dim() != 1 or data.numel() != flat.shard_numel:
+        if tuple(data.shape) != flat.shard_shape:
             raise ValueError(
-                f"{flat.describe()}: its parameter holds {tuple(data.shape)} elements, expected this rank's flat "
-                f"shard of {flat.shard_numel}; save or load between training steps, outside summon_full_params "
-                "and forward"
+                f"{flat.describe()}: its parameter has shape {tuple(data.shape)}, expected this rank's shard of shape "
+                f"{flat.shard_shape}; save or load between training steps, outside summon_full_params and forward"
             )
-        shards[i] = data
+        shards[i] = data.reshape(-1)
     return shards
+
+
+def live_shaped(root: Root, index: int, shard: torch.Tensor) -> torch.Tensor:
+    """A 1-D shard of ``root.params[index]`` (as a checkpoint holds it) in the live parameter's shape: itself,
+    or a view of it in the parameter's own shape for one left unflattened at world size 1."""
+    shape = root.layout.flat_params[index].shard_shape
+    return shard if tuple(shard.shape) == shape else shard.view(shape)
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ already taken over (parameters of nested instances) is read in :mod:`fsdp_optim.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 
 from fsdp_optim.job.root import unsharded_parameters
 
-__all__ = ["Placement", "check_options", "computes_on_host", "placement", "runs_on_host"]
+__all__ = ["Placement", "check_forward_inputs", "check_options", "computes_on_host", "placement", "runs_on_host"]
 
 
 def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
@@ -103,3 +104,33 @@ def runs_on_host(module: torch.nn.Module, options: dict[str, Any]) -> bool:
     """Whether fairscale computes ``module`` wrapped with ``options`` on the CPU here: :func:`computes_on_host` of
     its :func:`placement`."""
     return computes_on_host(placement(module, options))
+
+
+def check_forward_inputs(compute_dtype: torch.dtype, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Refuse a float32 tensor among a mixed-precision root's forward inputs (``args``, ``kwargs``, nested in tuples,
+    lists and dicts) when ``compute_dtype`` is not float16, outside ``torch.autocast``; the error names the input.
+
+    fairscale 0.4.13's root casts every float32 input to float16 under ``mixed_precision``, whatever ``compute_dtype``
+    is: with bfloat16 parameters the first layer then fails on "Half and BFloat16" (on any device). Inputs already in
+    ``compute_dtype`` (fairseq's ``--bf16`` casts its batches), integer inputs (token ids) and autocast (which casts
+    both sides) all work, so this is checked where the inputs are known: at the forward, not at construction.
+    """
+    stack: list[tuple[str, Any]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
+    stack += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, (tuple, list)):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, Mapping):
+            stack.extend((f"{where}[{k!r}]", v) for k, v in value.items())
+        elif torch.is_tensor(value) and value.dtype == torch.float32 and not _autocast(value):
+            short = str(compute_dtype).removeprefix("torch.")
+            raise ValueError(
+                f"forward: input {where} is float32, and under mixed_precision=True fairscale casts float32 inputs "
+                f"to float16, not to compute_dtype={compute_dtype}: the first layer would mix float16 and {short}. "
+                f"Pass the inputs in {short} ({where}.to({compute_dtype})), or run the forward under torch.autocast"
+            )
+
+
+def _autocast(tensor: torch.Tensor) -> bool:
+    return torch.is_autocast_enabled(tensor.device.type)

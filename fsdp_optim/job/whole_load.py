@@ -30,7 +30,7 @@ from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file
 from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
-from fsdp_optim.job.model_state import persistent_buffers, weight_shards
+from fsdp_optim.job.model_state import live_shaped, persistent_buffers, weight_shards
 from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.staging import before_change
@@ -253,7 +253,7 @@ def commit_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | Non
     before_change(model)  # an async save still copying these weights and state comes first (optim=None too)
     before_change(optim)
     live_buffers = persistent_buffers(model)
-    pairs = [(param.data, staged.weights[i]) for i, param in enumerate(root.params)]
+    pairs = [(param.data, live_shaped(root, i, staged.weights[i])) for i, param in enumerate(root.params)]
     into_live(pairs + [(live_buffers[name], value) for name, value in staged.buffers.items()])
     if optim is not None and staged.optim_state is not None:
         optim.load_state_dict(optimizer_state_on_device(optim, staged.optim_state))
