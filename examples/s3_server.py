@@ -27,8 +27,19 @@ EXPORTED = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "A
             "AWS_EC2_METADATA_DISABLED")  # fmt: skip
 
 
-def _stop_on_sigterm(*_: Any) -> None:
+def _stop(*_: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM stop the server, however this script was started.
+
+    A program started in the background of a non-interactive shell (``cmd &`` in a script, a CI step) inherits
+    SIGINT *ignored*, and Python then keeps it ignored: without this, Ctrl-C or ``kill -INT`` would never reach us
+    and the server would serve on until SIGTERM or SIGKILL.
+    """
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from _s3 import start_server  # type: ignore[import-not-found]  # tests/_s3.py
 
     root = args.dir if args.dir is not None else Path(tempfile.mkdtemp(prefix="fsdp_optim-s3-"))
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    _stop_on_signals()
     server = None
     try:
         server = start_server(root, bucket=args.bucket)
@@ -61,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         if server is not None:
-            server.stop()
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C does not cut the (bounded) stop short
+                signal.signal(sig, signal.SIG_IGN)
+            server.stop()  # SIGTERM, then SIGKILL after tests/_s3.py's STOP_TIMEOUT_S: bounded
             print("stopped", flush=True)
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -193,7 +193,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path):
     finally:
         starter.kill()
         starter.wait(timeout=60)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # the kernel kills it at once; the bound is for a loaded machine
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     outlived = _alive(pid)

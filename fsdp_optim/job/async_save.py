@@ -47,7 +47,8 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
 from fsdp_optim.job.staging import Staged, Staging, before_change, expect, ready_events
-from fsdp_optim.job.transport import ProcessGroup, new_gloo_group
+from fsdp_optim.job.transport import ProcessGroup, group_initialized, new_gloo_group
+from fsdp_optim.job.unseen_saves import watch
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
 
@@ -55,8 +56,9 @@ __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
 class AsyncSave:
     """The handle of one asynchronous save: :meth:`wait` for its manifest path, :meth:`done` to poll."""
 
-    def __init__(self, directory: Path | Location) -> None:
+    def __init__(self, directory: Path | Location, name: str = "") -> None:
         self.directory = directory
+        self.name = name  # the save id's first characters, as the background thread is named
         self._finished = threading.Event()
         self.progress = Staged()  # the background copy of this rank's state: enqueued, then in host memory
         self.staged = self.progress.staged  # set once that copy is in host memory
@@ -68,7 +70,7 @@ class AsyncSave:
         try:
             self._result = upload()
         except BaseException as exc:  # surfaced by wait(), on this rank and (through agree) every rank
-            self._error = exc
+            self._error = exc if group_initialized() else _group_gone(self, exc)
         finally:
             self.progress.finish()  # never left unset: a step waiting for it must not hang on a failed save
             self._finished.set()
@@ -86,6 +88,12 @@ class AsyncSave:
         else:
             status = f"committed: {self._result}"
         return f"<AsyncSave into {str(self.directory)!r}: {status}>"
+
+    def unseen_error(self, timeout: float | None) -> BaseException | None:
+        """The save's error if it failed (within ``timeout`` seconds) and nobody has seen it; else ``None``."""
+        if not self._finished.wait(timeout) or self._reported:
+            return None
+        return self._error
 
     def done(self) -> bool:
         """Whether the upload has finished (successfully or not); never blocks."""
@@ -229,7 +237,7 @@ def launch(
     for the copy). ``optim``'s next ``step()`` / ``load_state_dict()`` waits for the copy."""
     with _lock:
         staging = _staging.setdefault(key, Staging())
-    handle = AsyncSave(directory)
+    handle = AsyncSave(directory, name)
     ready = ready_events(state)  # now, in the caller's thread: the copies see the state as it is at the call
 
     def staged() -> dict[int, dict[str, Any]]:  # in the thread; optim.step() waits for it (_StepGuard)
@@ -244,6 +252,7 @@ def launch(
     expect(key, handle.progress)
     with _lock:
         _inflight[key] = handle
+    watch(handle)  # a failure nobody sees ends the process loudly (fsdp_optim.job.unseen_saves)
     threading.Thread(target=handle._run, args=(lambda: upload(staged),), name=f"fsdp_optim-async-save-{name}").start()
     return handle
 
@@ -257,3 +266,14 @@ def _wait_previous(previous: AsyncSave) -> None:
             f"the previous async save into {previous.directory} failed and nobody called wait(): "
             f"{type(previous._error).__name__}: {previous._error}"
         ) from previous._error
+
+
+def _group_gone(handle: AsyncSave, exc: BaseException) -> RuntimeError:
+    """The error of a save whose process group was destroyed under it, saying so (the raw one names no save)."""
+    error = RuntimeError(
+        f"async save {handle.name} into {handle.directory} failed: the process group was destroyed "
+        "(dist.destroy_process_group()) before the save finished, so it could not commit; call handle.wait() on "
+        f"every rank before destroying the group ({type(exc).__name__}: {exc})"
+    )
+    error.__cause__ = exc
+    return error
