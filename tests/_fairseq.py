@@ -176,9 +176,9 @@ def _resume_fsdp2(rank: int, world_size: int, dcp_dir: Path) -> dict[str, Any]:
     optim = M.OPTIMIZERS["adam"](M.plain_param_groups(net))
 
     model_sd, optim_sd = get_state_dict(net, optim)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optimizer": optim_sd}  # to_dcp's keys
     dcp.load(state, checkpoint_id=str(dcp_dir))
-    set_state_dict(net, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(net, optim, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     for step in range(SAVE_AT, TOTAL):
         M.train_step(net, optim, *M.local_batch(step, rank, world_size))

@@ -190,10 +190,10 @@ def fsdp2_resume(rank: int, world_size: int, consolidated: Path, dcp_dir: Path) 
     fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=0.001)
     model_sd, optim_sd = get_state_dict(model, optim)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optimizer": optim_sd}  # convert --to dcp's keys
     # fairseq's Adam has no foreach, maximize, ...: keep the loader's values for those (README).
     dcp.load(state, checkpoint_id=str(dcp_dir), planner=DefaultLoadPlanner(allow_partial_load=True))
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights, optim_full = get_state_dict(model, optim, options=full)
     expected = torch.load(consolidated, map_location="cpu", weights_only=False)

@@ -53,13 +53,14 @@ def test_fsdp2_resumes_from_the_export(jobs, world_size) -> None:
 def test_export_holds_weights_state_and_extras(jobs, tmp_path) -> None:
     prefix = jobs.prefix("groups", 2)
     back = _read(jobs.dcp_dirs[2], tmp_path)
-    assert list(back) == ["model", "optim", "optim_extra"] and back["optim_extra"] == {"loss_scale": F.LOSS_SCALE}
+    assert list(back) == ["model", "optimizer", "optimizer_extra"], list(back)
+    assert back["optimizer_extra"] == {"loss_scale": F.LOSS_SCALE}
     consolidated = consolidate_shards(prefix, with_model=True)
     assert_identical(dict(sorted(back["model"].items())), dict(sorted(consolidated["model"].items())))
     named = fsdp_optim.to_named({k: v for k, v in consolidated[OPTIM_KEY].items() if k != "loss_scale"})
-    assert_identical(dict(sorted(back["optim"]["state"].items())), dict(sorted(named["state"].items())))
+    assert_identical(dict(sorted(back["optimizer"]["state"].items())), dict(sorted(named["state"].items())))
     order = ShardSet(prefix).manifest.param_order
-    for got, want in zip(back["optim"]["param_groups"], named["param_groups"], strict=True):
+    for got, want in zip(back["optimizer"]["param_groups"], named["param_groups"], strict=True):
         assert got == {**want, "params": sorted(want["params"], key=order.index)}
 
 
@@ -89,13 +90,13 @@ def test_every_source_exports_the_same_state(jobs, tmp_path) -> None:
     fsdp_optim.reshard(full, 2, tmp_path / "ours", layout=ShardSet(prefix).manifest)
     torch.save(full, tmp_path / "full.pt")
     sources = {"ours": tmp_path / "ours", "file": tmp_path / "full.pt", "dict": full}
-    expected = _read(jobs.dcp_dirs[3], tmp_path)["optim"]
+    expected = _read(jobs.dcp_dirs[3], tmp_path)["optimizer"]
     for name, source in sources.items():
         done = fsdp_optim.to_dcp(source, tmp_path / f"dcp-{name}")
         assert done.model_tensors == 0 and done.optim_params == len(expected["state"])
         back = _read(tmp_path / f"dcp-{name}", tmp_path)
-        assert list(back) == ["optim"], name
-        assert_identical(back["optim"], expected, name)
+        assert list(back) == ["optimizer"], name
+        assert_identical(back["optimizer"], expected, name)
 
 
 def test_refused_exports_write_nothing(jobs, tmp_path) -> None:
@@ -122,4 +123,4 @@ def test_cli_converts_every_source_to_dcp(jobs, tmp_path, capsys) -> None:
         code = main(["convert", str(tmp_path / name), "--to", "dcp", "-o", str(out_dir)])
         out, err = capsys.readouterr()
         assert code == 0 and "model 0 tensors, optimizer state of 16 params" in out, err
-        assert_identical(_read(out_dir, tmp_path)["optim"], _read(jobs.dcp_dirs[2], tmp_path)["optim"])
+        assert_identical(_read(out_dir, tmp_path)["optimizer"], _read(jobs.dcp_dirs[2], tmp_path)["optimizer"])

@@ -310,7 +310,7 @@ def test_cli(jobs, tmp_path, capsys) -> None:
                  "block2.inner | 3 | 4 | 66 | 2 | [0, 0] | float32 | step,exp_avg,exp_avg_sq"]:  # fmt: skip
         assert line in text, (line, text)
 
-    code, text, err = _run(capsys, "consolidate", jobs.prefix("unflat", 3), "-o", tmp_path / "c.pt", "--with-model")
+    code, text, err = _run(capsys, "consolidate", jobs.prefix("unflat", 3), "-o", tmp_path / "c.pt")  # weights kept
     assert code == 0 and "a consolidated fairseq checkpoint" in text, err
     assert_identical(
         _load(tmp_path / "c.pt")["model"], consolidate_shards(jobs.prefix("unflat", 3), with_model=True)["model"]
@@ -321,7 +321,7 @@ def test_cli(jobs, tmp_path, capsys) -> None:
     assert ShardSet(tmp_path / "r3" / F.PREFIX).world_size == 3
 
     code, text, err = _run(capsys, "convert", shard, "--to", "dcp", "-o", tmp_path / "dcp")
-    assert code == 0 and "optimizer extras under 'optim_extra': loss_scale" in text, err
+    assert code == 0 and "optimizer extras under 'optimizer_extra': loss_scale" in text, err
 
     (tmp_path / "r3" / f"{F.PREFIX}-shard1.pt").unlink()
     code, text, err = _run(capsys, "reshard", tmp_path / "r3" / F.PREFIX, "--world-size", 2, "-o", tmp_path / "bad")

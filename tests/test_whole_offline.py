@@ -4,6 +4,7 @@ unwrapped optimizer trains on from; the checkpoints are written by 2 real fairsc
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,9 @@ def test_inspect_whole_says_model_buffers_and_extra(saved, capsys) -> None:
     assert "buffers: 1 (block1.seen) in rank 0's side file" in lines
     assert "extra of ranks 0..1: step, rank, rng, scheduler, $odd key" in lines
     assert not any("@param" in line for line in lines), "the optimizer's lines leave the weights out"
+    assert main(["inspect", str(path), "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]  # before: extra_keys null where the text lists them
+    assert model["extra_keys"] == ["step", "rank", "rng", "scheduler", "$odd key"], model
 
 
 def test_verify_whole_checks_side_files(saved, tmp_path, capsys) -> None:
@@ -248,7 +252,13 @@ def test_convert_whole_to_dcp_resumes_fsdp2(saved, tmp_path, capsys) -> None:
     path, reference = saved
     out = tmp_path / "dcp"
     assert main(["convert", str(path), "--to", "dcp", "-o", str(out)]) == 0
-    assert "model 20 tensors" in capsys.readouterr().out  # 18 parameters, the tied name, the buffer
+    said = capsys.readouterr().out
+    assert "model 20 tensors" in said and "under 'optimizer'" in said, said  # 18 parameters, the tied name, the buffer
+    assert main(["inspect", str(out), "--json"]) == 0  # before: "state of 0 params ... 0 param groups"
+    details = json.loads(capsys.readouterr().out)["details"]
+    written = int(said.split("optimizer state of ")[1].split(" ")[0])  # the parameters with state (16 of 18)
+    assert written > 0 and (details["optimizer_params"], details["optimizer_key"]) == (written, "optimizer"), details
+    assert details["param_groups"] == 2, details  # M.fsdp_param_groups: two groups
     final = run_ranks(_resume_fsdp2, 2, str(out))[0]
     for key, value in reference["model"].items():  # what fairscale's root.state_dict() held at save time
         assert_identical(final["loaded"][key], value, key)
@@ -294,8 +304,15 @@ def test_convert_whole_to_safetensors_loads_strict(saved, tmp_path, max_size) ->
 
 def test_convert_whole_refuses_what_does_not_apply(saved, tmp_path, capsys) -> None:
     path, _ = saved
-    assert main(["convert", str(path), "--to", "dcp", "--max-shard-size", "1GB", "-o", str(tmp_path / "x")]) == 1
-    assert "--max-shard-size: applies to --to safetensors" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["convert", str(path), "--to", "dcp", "--max-shard-size", "1GB", "-o", str(tmp_path / "x")])
+    assert usage.value.code == 2 and "--max-shard-size applies to --to safetensors" in capsys.readouterr().err
+    for given in (["--to", "safetensors"], []):  # before: a directory named opt.safetensors
+        with pytest.raises(SystemExit) as usage:
+            main(["convert", str(path), *given, "-o", str(tmp_path / "opt.safetensors")])
+        err = capsys.readouterr().err
+        assert usage.value.code == 2 and "a whole checkpoint converts to a directory" in err, err
+    assert not (tmp_path / "opt.safetensors").exists()
     with pytest.raises(ValueError, match="max_shard_size: expected bytes"):
         fsdp_optim.to_safetensors(path, tmp_path / "y", max_shard_size="lots")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -136,7 +136,7 @@ def _run_verb(args: argparse.Namespace) -> Any:
     url = getattr(args, "output", None)
     if not isinstance(url, str) or where(url).local_path() is not None:
         return args.run(args)
-    inputs = [getattr(args, name, None) for name in ("source", "directory", "layout")]
+    inputs = [getattr(args, name, None) for name in ("source", "layout")]
     overwrite = bool(getattr(args, "overwrite", False))
     with checkpoint_output(url, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as (local, file_done):
         args.output, args.after_file = str(local), file_done
@@ -158,6 +158,10 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
             print(escape(f"interrupted; {_left(output, before)}", limit=2000), file=sys.stderr)
             return EXIT_INTERRUPTED
+        from fsdp_optim.cli.outcome import UsageError
+
+        if isinstance(exc, UsageError):
+            args.usage_error(str(exc))  # the verb's usage line, the message, exit 2 (SystemExit)
         if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
             print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
             return EXIT_BAD_INPUT

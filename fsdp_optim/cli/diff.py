@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from fsdp_optim.cli.arguments import count, tolerance
 from fsdp_optim.cli.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -29,10 +30,10 @@ def add_diff(verbs: Any) -> None:
     )
     p.add_argument("a", help="a sharded checkpoint directory, full dict file, named safetensors file or shard set")
     p.add_argument("b", help="the same kinds as A (the reference of relative errors)")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
-    p.add_argument("--rtol", type=float, default=0.0, help="tolerance relative to |B| (default 0: bitwise)")
+    p.add_argument("--atol", type=tolerance, default=0.0, help="absolute tolerance (default 0: bitwise)")
+    p.add_argument("--rtol", type=tolerance, default=0.0, help="tolerance relative to |B| (default 0: bitwise)")
     p.add_argument("--json", action="store_true", help="print the whole report (every row) as JSON")
-    p.add_argument("--limit", type=int, default=20, metavar="N", help="rows of differences shown (default 20)")
+    p.add_argument("--limit", type=count(0), default=20, metavar="N", help="rows of differences shown (default 20)")
     p.add_argument(
         "--allow-global", action="append", default=[], metavar="MODULE.CLASS",
         help="for a fairseq/metaseq shard set: allow this class in its cfg when loading (repeatable)",

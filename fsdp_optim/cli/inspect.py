@@ -33,11 +33,11 @@ def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
     import json
 
     from fsdp_optim.disk.text import escape
-    from fsdp_optim.offline.verify import verify
+    from fsdp_optim.offline.verify import report_json, verify
 
     report = verify(args.path, allow_globals=args.allow_global, deep=args.deep, layout=args.layout)
     if args.json:
-        return Outcome(tuple(json.dumps(report.to_json(), indent=1).splitlines()), 0 if report.ok else 1)
+        return Outcome(tuple(json.dumps(report_json(report), indent=1).splitlines()), 0 if report.ok else 1)
     lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]
     if report.ok:
         deep = "; state: all finite, second moments >= 0, steps and hyperparameters sound" if report.deep else ""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.cli.arguments import count
 from fsdp_optim.cli.diff import add_diff
 from fsdp_optim.cli.inspect import run_inspect, run_verify
 from fsdp_optim.cli.listing import run_list
@@ -102,11 +104,19 @@ def _add_consolidate(verbs: Any) -> None:
         "fairseq/metaseq shard set -> one consolidated fairseq checkpoint",
     )
     p.add_argument(
-        "directory",
-        help="a sharded checkpoint directory, a fairscale-native dict file with --layout, or a fairseq/metaseq "
-        "shard set (-> one consolidated fairseq checkpoint, every key kept)",
+        "source",
+        metavar="SOURCE",
+        help="a sharded checkpoint directory (optimizer-only or whole), a fairscale-native dict file with --layout, "
+        "or a fairseq/metaseq shard set (any *-shard<r>.pt file or the path before -shard: -> one consolidated "
+        "fairseq checkpoint, every key kept)",
     )
-    p.add_argument("-o", "--output", required=True, help="the file to write (an existing one: see --overwrite)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the file to write, a torch file (an existing one: see --overwrite; not a directory, not a .safetensors "
+        "name: convert --to safetensors writes safetensors)",
+    )
     _overwrite_file(p)
     p.add_argument(
         "--layout",
@@ -120,18 +130,32 @@ def _add_consolidate(verbs: Any) -> None:
         help="for a shard set or a whole checkpoint: leave out the model's full weights (kept by default); a whole "
         "checkpoint then gives the optimizer's full dict alone",
     )
-    p.add_argument(
-        "--with-model", action="store_true", help="for a shard set or a whole checkpoint: keep the weights (default)"
-    )
+    p.add_argument("--with-model", action="store_true", help=argparse.SUPPRESS)  # deprecated: the default
     p.add_argument(
         "--rank",
-        type=int,
+        type=count(0),
         metavar="R",
         help="for a whole checkpoint: whose side file gives extra (default 0) and, when they were saved per rank, "
         "the buffers (then required)",
     )
     _allow_global(p)
-    p.set_defaults(run=run_consolidate)
+    p.set_defaults(run=run_consolidate, check=check_consolidate, usage_error=p.error)
+
+
+def check_consolidate(args: argparse.Namespace) -> str | None:
+    """A usage error (the message) for a ``-o`` whose name promises another format, or ``--no-model`` with the
+    deprecated ``--with-model``; a deprecation warning (stderr) for ``--with-model`` alone."""
+    if Path(args.output).suffix.lower() == ".safetensors":
+        return (
+            f"-o {args.output}: consolidate writes a torch file (torch.load reads it), not safetensors; name it .pt, "
+            "or write safetensors with fsdp-optim convert SOURCE --to safetensors -o OUT"
+        )
+    if args.with_model and args.no_model:
+        return "--with-model and --no-model contradict each other (the weights are kept unless --no-model)"
+    if args.with_model:
+        print("fsdp-optim: warning: --with-model is deprecated: the weights are kept by default (--no-model leaves "
+              "them out); drop it", file=sys.stderr)  # fmt: skip
+    return None
 
 
 
@@ -144,7 +168,9 @@ def _add_reshard(verbs: Any) -> None:
         help="a sharded checkpoint directory, a full dict file, a fairscale-native dict file, or a fairseq/metaseq "
         "shard set (-> M shard files of the same format and names)",
     )
-    p.add_argument("--world-size", type=int, required=True, metavar="M", help="the number of ranks to write files for")
+    p.add_argument(
+        "--world-size", type=count(1), required=True, metavar="M", help="the number of ranks to write files for"
+    )
     p.add_argument("-o", "--output", required=True, help="the directory to write (not the source's)")
     p.add_argument(
         "--overwrite",
@@ -202,6 +228,12 @@ def _add_convert(verbs: Any) -> None:
         help="--to safetensors of a whole checkpoint: the largest model file before it is split, as Hugging Face "
         "spells it (default 5GB = 5*10**9 bytes; 500MiB, or bytes)",
     )
+    p.add_argument(
+        "--optim-key",
+        metavar="KEY",
+        help="--to dcp: the top-level key the optimizer state goes under (default: optimizer, as torchtitan names "
+        "it); the loading job's dcp.load dict must use the same key (the output says which was written)",
+    )
     _param_names(p)
     _allow_global(p)
     p.set_defaults(run=run_convert, check=check_convert_target, usage_error=p.error)
@@ -213,18 +245,24 @@ _EXTENSION_TARGETS = {".safetensors": ("safetensors",), ".pt": ("full", "named")
 
 def check_convert_target(args: argparse.Namespace) -> str | None:
     """Set ``args.to`` from ``-o``'s extension when ``--to`` is not given; a usage error (the message) when
-    ``--to`` writes something else than the extension says (a torch pickle named ``.safetensors``)."""
+    ``--to`` writes something else than the extension says (a torch pickle named ``.safetensors``), or an option
+    is given that the target does not take."""
     suffix = Path(args.output).suffix.lower()
     allowed = _EXTENSION_TARGETS.get(suffix)
     if args.to is None:
         args.to = allowed[0] if allowed is not None else "full"
-        return None
-    if allowed is None or args.to in allowed:
-        return None
-    return (
-        f"-o {args.output}: a {suffix} name is for --to {' or --to '.join(allowed)}, but --to {args.to} was given "
-        f"(it writes {_WRITES[args.to]}); rename the output or drop --to"
-    )
+    elif allowed is not None and args.to not in allowed:
+        return (
+            f"-o {args.output}: a {suffix} name is for --to {' or --to '.join(allowed)}, but --to {args.to} was "
+            f"given (it writes {_WRITES[args.to]}); rename the output or drop --to"
+        )
+    if args.max_shard_size is not None and args.to != "safetensors":
+        return f"--max-shard-size applies to --to safetensors (of a whole checkpoint), not --to {args.to}"
+    if args.optim_key is not None and args.to != "dcp":
+        return "--optim-key applies to --to dcp only (the key of the optimizer state in a DCP checkpoint)"
+    if args.optim_key is not None and (not args.optim_key or "." in args.optim_key or args.optim_key == "model"):
+        return f"--optim-key {args.optim_key!r}: expected a top-level key without '.', other than 'model'"
+    return None
 
 
 _WRITES = {

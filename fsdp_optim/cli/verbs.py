@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.cli.outcome import UsageError
 from fsdp_optim.disk.text import human_bytes
 
 
@@ -41,16 +43,27 @@ def _open(args: argparse.Namespace, path: Any, **options: Any) -> Any:
 
 
 
+def _file_output(output: str, verb: str) -> None:
+    """Refuse an ``-o`` that is an existing directory where the verb writes one file (``--overwrite`` replaces a
+    file, never a directory)."""
+    if os.path.isdir(output):
+        raise ValueError(
+            f"-o {output}: an existing directory, but {verb} writes one file; name the file (e.g. "
+            f"{os.path.join(output, 'consolidated.pt' if verb == 'consolidate' else 'optim.pt')})"
+        )
+
+
 def run_consolidate(args: argparse.Namespace) -> list[str]:
-    with _open(args, args.directory) as opened, progress_bar("consolidate") as progress:
+    _file_output(args.output, "consolidate")
+    with _open(args, args.source) as opened, progress_bar("consolidate") as progress:
         if (args.with_model or args.no_model) and not opened.holds_weights():
             flag = "--with-model" if args.with_model else "--no-model"
             raise ValueError(
-                f"{args.directory}: {flag} is for a fairseq/metaseq shard set or a whole checkpoint only (they hold "
+                f"{args.source}: {flag} is for a fairseq/metaseq shard set or a whole checkpoint only (they hold "
                 "weights)"
             )
         what = opened.write_consolidated(args.output, rank=args.rank, no_model=args.no_model,
-                                         inputs=(args.directory, args.layout), overwrite=args.overwrite,
+                                         inputs=(args.source, args.layout), overwrite=args.overwrite,
                                          progress=progress)  # fmt: skip
     return [f"wrote {args.output}: {what}"]
 
@@ -71,14 +84,13 @@ def run_convert(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.staged import write_file
     from fsdp_optim.formats.fairscale import to_named
 
-    if args.max_shard_size is not None and args.to != "safetensors":
-        raise ValueError(f"max_shard_size: applies to --to safetensors (of a whole checkpoint), not --to {args.to}")
     with _open(args, args.source) as opened:
         origin = opened.kind.value
         if args.to == "safetensors":
             return _to_safetensors(opened, args, origin)
         if args.to == "dcp":
             return _to_dcp(opened, args, origin)
+        _file_output(args.output, f"convert --to {args.to}")
         if opened.is_full_dict():
             if args.to == "full" and args.param_names is None:  # a plain dict named is a full dict made
                 raise ValueError(f"{args.source}: already a full dict; use --to named to key it by parameter name")
@@ -96,6 +108,13 @@ def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[
     """``--to safetensors``: one named safetensors file (``<param name>/<state key>`` tensors) of any source."""
     from fsdp_optim.offline.named import write_opened
 
+    if opened.is_whole() and Path(args.output).suffix.lower() == ".safetensors":
+        raise UsageError(
+            f"-o {args.output}: a whole checkpoint converts to a directory (model.safetensors, or its shards and "
+            "index, and optimizer.safetensors), not one .safetensors file; name the directory without .safetensors"
+        )
+    if not opened.is_whole():
+        _file_output(args.output, "convert --to safetensors")
     with progress_bar("write safetensors") as progress:
         size = write_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress, path=args.source,
                             max_shard_size=args.max_shard_size, overwrite=args.overwrite)  # fmt: skip
@@ -111,14 +130,16 @@ def _to_dcp(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
     from fsdp_optim.offline.export import export_opened
 
     with progress_bar("export to DCP") as progress:
-        done = export_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress)
+        done = export_opened(opened, args.output, inputs=(args.source, args.layout), progress=progress,
+                             optim_key=args.optim_key or "optimizer")  # fmt: skip
     size = sum(f.stat().st_size for f in done.path.iterdir())
     lines = [
         f"wrote {done.path} (dcp, from a {origin}): model {done.model_tensors} tensors, optimizer state of "
-        f"{done.optim_params} params, {human_bytes(size)}"
+        f"{done.optim_params} params under '{done.optim_key}', {human_bytes(size)}",
+        f"load it with the keys {{'model': ..., '{done.optim_key}': ...}} (get_state_dict, dcp.load, set_state_dict)",
     ]
     if done.extras:
-        lines.append(f"optimizer extras under 'optim_extra': {', '.join(done.extras)}")
+        lines.append(f"optimizer extras under '{done.optim_key}_extra': {', '.join(done.extras)}")
     if done.not_exported:
         lines.append(f"not exported (no DCP counterpart): {', '.join(done.not_exported)}")
     return lines

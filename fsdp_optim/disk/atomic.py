@@ -129,6 +129,7 @@ class _RecordingWriter:
 def load_file(
     path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False,
     tied: str | None = None,
+    shared: bool = False,
 ) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU through the gate of :mod:`fsdp_optim.disk.untrusted`.
 
@@ -139,9 +140,11 @@ def load_file(
     overlapping or zero-stride views, cycles, nesting). ``disjoint=True`` for a file that must hold an
     optimizer state dict: two of its tensors sharing memory are refused too (a dict handed over in memory
     is checked for less: ``check_tree(in_memory=True)``); ``tied``: a top-level key whose dict may name one tensor
-    more than once (tied parameters of a model's ``state_dict()``).
+    more than once (tied parameters of a model's ``state_dict()``); ``shared``: tensors sharing memory are left for
+    the caller to check once it knows what the file is (see :func:`~fsdp_optim.disk.objects.check_tree`).
     """
-    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks, disjoint=disjoint, tied=tied)
+    return load_untrusted(path, mmap=mmap, follow_symlinks=follow_symlinks, disjoint=disjoint, tied=tied,
+                          shared=shared)
 
 
 

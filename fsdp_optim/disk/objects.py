@@ -51,6 +51,7 @@ def check_tree(
     max_depth: int = MAX_DEPTH,
     max_nodes: int = MAX_NODES,
     tied: str | None = None,
+    shared: bool = False,
 ) -> list[torch.Tensor]:
     """Walk ``obj`` once (see the module docstring) and check every tensor; return the distinct tensors.
     Raises ``ValueError`` naming the place.
@@ -65,15 +66,19 @@ def check_tree(
 
     ``tied``: a top-level key whose dict may name one tensor more than once (a model's ``state_dict()`` with tied
     parameters, as consolidate writes it); the reader takes such a tensor once, under its first name.
+
+    ``shared``: accept, for now, tensors referenced more than once or sharing memory (every other check holds): a
+    reader that must first say what a file is (a model's ``state_dict()`` with tied weights is "not a checkpoint",
+    not "shares memory") walks it again without ``shared`` once it knows the file is one of ours.
     """
     tensors = _Walk(where, max_depth, max_nodes, tied).run(obj)
     for seen in tensors.values():  # where a tensor is, is spelled out only for an error
         problem = _kind_problem(seen.tensor) if in_memory else _tensor_problem(seen.tensor)
-        if problem is None and not in_memory and seen.references > 1 and seen.tensor.numel() > 1:
+        if problem is None and not (in_memory or shared) and seen.references > 1 and seen.tensor.numel() > 1:
             problem = f"one tensor of {seen.tensor.numel()} elements referenced {seen.references} times"
         if problem is not None:
             raise ValueError(f"{_show_path(where, seen.path)}: {problem}")
-    if disjoint and not in_memory:
+    if disjoint and not (in_memory or shared):
         _check_disjoint(list(tensors.values()), where)
     return [seen.tensor for seen in tensors.values()]
 

@@ -112,11 +112,12 @@ def _kind_of(path: str | os.PathLike[str]) -> str | None:
 def load_untrusted(
     path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False,
     tied: str | None = None,
+    shared: bool = False,
 ) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, after the file checks in the module docstring
     and before returning, :func:`check_tree` on the result (``disjoint=False`` by default: a caller that
-    knows the file holds optimizer state passes ``True``; ``tied``: see :func:`check_tree`); no returned tensor
-    requires grad.
+    knows the file holds optimizer state passes ``True``; ``tied``, ``shared``: see :func:`check_tree`); no
+    returned tensor requires grad.
 
     The file is opened once: the checks and the load read the same file even if the
     path is renamed meanwhile (on Linux, where ``/proc/self/fd`` exists, for ``mmap`` too).
@@ -151,7 +152,7 @@ def load_untrusted(
             raise unreadable(where, _reason(exc)) from None
     finally:
         os.close(fd)
-    for t in check_tree(obj, where, disjoint=disjoint, tied=tied):
+    for t in check_tree(obj, where, disjoint=disjoint, tied=tied, shared=shared):
         if t.requires_grad:  # a file holds values, never autograd state (leaves: this is allowed)
             t.requires_grad_(False)
     return obj

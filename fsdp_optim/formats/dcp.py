@@ -6,9 +6,11 @@ loads with ``dcp.load`` + ``set_state_dict``. The state dict it saves is keyed a
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` names things::
 
     {"model": {"embed.weight": Tensor[11, 6], ..., "head.weight": <same>, buffers},   # when the source has weights
-     "optim": {"state": {"embed.weight": {"exp_avg": Tensor[11, 6], "step": tensor(2.)}, ...},
-               "param_groups": [{"lr": 0.01, ..., "params": ["embed.weight", ...]}, ...]},
-     "optim_extra": {"loss_scale": 64.0}}                                               # a wrapper's extras, if any
+     "optimizer": {"state": {"embed.weight": {"exp_avg": Tensor[11, 6], "step": tensor(2.)}, ...},
+                   "param_groups": [{"lr": 0.01, ..., "params": ["embed.weight", ...]}, ...]},
+     "optimizer_extra": {"loss_scale": 64.0}}                                           # a wrapper's extras, if any
+
+(``"optimizer"``: ``to_dcp``'s ``optim_key``, torchtitan's key by default; ``inspect`` finds the state under any.)
 
 Every tensor is a full (unsharded) tensor by unwrapped name; DCP cuts what each rank of the loading job
 reads. Streaming: the plan (:func:`fsdp_optim.core.plan.plan`, target = one flat per parameter) is made before
@@ -271,9 +273,11 @@ def describe_dcp(path: str | os.PathLike[str], *, units: bool = False) -> list[s
     sections: dict[str, int] = {}
     for key in entries:
         sections[key.split(".", 1)[0]] = sections.get(key.split(".", 1)[0], 0) + 1
-    state = [k.split(".")[-1] for k in tensors if k.startswith("optim.state.")]
-    params = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in entries if k.startswith("optim.state.")}
-    groups = {k.split(".")[2] for k in entries if k.startswith("optim.param_groups.")}
+    key = optimizer_key(entries)
+    at = f"{key}.state."
+    state = [k.split(".")[-1] for k in tensors if k.startswith(at)]
+    params = {k.removeprefix(at).rsplit(".", 1)[0] for k in entries if k.startswith(at)}
+    groups = {k.split(".")[2] for k in entries if k.startswith(f"{key}.param_groups.")}
     nbytes = sum(v.size.numel() * v.properties.dtype.itemsize for v in tensors.values())
     files = [p for p in Path(path).iterdir() if p.name != METADATA]
     out = [
@@ -282,6 +286,7 @@ def describe_dcp(path: str | os.PathLike[str], *, units: bool = False) -> list[s
         f"model: {sum(1 for k in tensors if k.startswith('model.'))} tensors",
         f"optimizer: state of {len(params)} params, state keys {', '.join(dict.fromkeys(state)) or '-'}; "
         f"{len(groups)} param groups",
+        f"optimizer key: {key if key in sections else '-'} (what the loading job's dcp.load dict must name it)",
         f"dtypes: {', '.join(sorted({_dtype(v) for v in tensors.values()})) or '-'}",
         f"tensor bytes: {nbytes}, files: {len(files)} data files, {sum(p.stat().st_size for p in files)} bytes",
     ]
@@ -289,6 +294,15 @@ def describe_dcp(path: str | os.PathLike[str], *, units: bool = False) -> list[s
         out.append("key | dtype | shape")
         out += [f"{k} | {_dtype(v)} | {list(v.size)}" for k, v in tensors.items()]
     return out
+
+
+def optimizer_key(entries: Mapping[str, Any]) -> str:
+    """The top-level key an optimizer's state sits under in a DCP checkpoint's flattened keys (the one section with
+    ``<key>.state.`` or ``<key>.param_groups.`` entries: ``"optimizer"`` as torchtitan and ``to_dcp`` write it,
+    ``"optim"`` as older exports did, or any other); ``"optimizer"`` when none has."""
+    found = [s for s in dict.fromkeys(k.split(".", 1)[0] for k in entries)
+             if any(k.startswith((f"{s}.state.", f"{s}.param_groups.")) for k in entries)]  # fmt: skip
+    return next((s for s in ("optimizer", "optim") if s in found), found[0] if found else "optimizer")
 
 
 def _dtype(entry: Any) -> str:

@@ -15,11 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.formats.fairscale import dict_source, is_fairscale_native, is_named_dict
 from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
@@ -27,7 +30,16 @@ from fsdp_optim.formats.sharded.manifest import HEADER_KEY, MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind
 from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 
-__all__ = ["RANK_FILE_NAME", "Kind", "detect", "full_file_source", "names_shard_set", "path_kind", "sniff_kind"]
+__all__ = [
+    "RANK_FILE_NAME",
+    "Kind",
+    "detect",
+    "full_file_source",
+    "loaded_kind",
+    "names_shard_set",
+    "path_kind",
+    "sniff_kind",
+]
 
 
 class Kind(enum.Enum):
@@ -57,21 +69,53 @@ def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any
     kind = path_kind(given) or sniff_kind(given)
     if kind is not None:
         return kind, None
-    # A file must not hold overlapping tensors; a whole checkpoint's model may name a tied parameter twice.
-    obj = load_file(given, mmap=True, disjoint=True, tied=TIED_KEY)
+    # What the file is comes first: a model's state_dict() with tied weights is "not a checkpoint", not "shares
+    # memory". Tensors sharing memory are checked once it is one of ours (a whole checkpoint's model may name a tied
+    # parameter twice); every other check of the gate holds before anything is classified.
+    obj = load_file(given, mmap=True, shared=True)
+    kind = loaded_kind(obj, str(given))
+    check_tree(obj, str(given), disjoint=True, tied=TIED_KEY)
+    return kind, obj
+
+
+def loaded_kind(obj: Any, where: str) -> Kind:
+    """The kind of what a torch file held (loaded through the gate), or a refusal that says it is not a checkpoint
+    and what it looks like."""
     if is_whole_file(obj):
-        return Kind.WHOLE_FILE, obj
+        return Kind.WHOLE_FILE
     header = obj.get(HEADER_KEY) if isinstance(obj, Mapping) else None
     if isinstance(header, Mapping) and header.get("kind") in ("manifest", "shard"):
-        return (Kind.LAYOUT if header["kind"] == "manifest" else Kind.RANK_FILE), obj
+        return Kind.LAYOUT if header["kind"] == "manifest" else Kind.RANK_FILE
     if is_fairscale_native(obj):
-        return Kind.NATIVE, obj
+        return Kind.NATIVE
     if is_full_dict(obj):
-        return Kind.FULL, obj
+        return Kind.FULL
     if is_named_dict(obj):
-        return Kind.NAMED_DICT, obj
-    check_full_dict(obj, str(given))  # says what it expected and what the file holds instead
-    return Kind.FULL, obj
+        return Kind.NAMED_DICT
+    looks = _looks_like(obj)
+    if looks is not None:
+        raise (ValueError if isinstance(obj, Mapping) else TypeError)(
+            f"{where}: not a checkpoint: it looks like {looks}; expected a full optimizer state dict with 'state', "
+            "'param_groups' and 'param_names', a sharded checkpoint directory or another input fsdp-optim reads "
+            "(fsdp-optim --help lists them)"
+        )
+    check_full_dict(obj, where)  # an optimizer's dict short of a key: says what it expected and what it holds
+    return Kind.FULL
+
+
+def _looks_like(obj: Any) -> str | None:
+    """What a loaded object that is no checkpoint looks like (``None``: an optimizer state dict of some kind)."""
+    if isinstance(obj, Mapping) and "state" in obj:
+        return None
+    if isinstance(obj, Mapping) and obj and all(torch.is_tensor(v) for v in obj.values()):
+        names = sorted(map(str, obj))
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return f"a model's state_dict() ({len(names)} tensors keyed by name: {shown}), which holds no optimizer state"
+    if isinstance(obj, Mapping):
+        keys = sorted(map(str, obj))
+        shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        return f"a dict without optimizer state (keys: {shown or '-'})"
+    return f"a {'tensor' if torch.is_tensor(obj) else type(obj).__name__}, not a dict"
 
 
 def full_file_source(path: str | os.PathLike[str], layout: ModelLayout, *, optimizer: str | None) -> Source:

@@ -4,8 +4,10 @@ checkpoint through the writer of :mod:`fsdp_optim.formats.dcp`.
 A whole checkpoint (:func:`fsdp_optim.save_checkpoint`) is written in torchtitan's layout, ``{"model": the unwrapped
 model's state_dict() (parameters, tied names, rank 0's buffers), "optimizer": {"state": {name: ...},
 "param_groups": [...]}}``, which an FSDP2 job loads with ``get_state_dict`` / ``dcp.load`` / ``set_state_dict``
-(``set_model_state_dict`` / ``set_optimizer_state_dict``). Its per-rank ``extra`` is not exported (DCP would give
-every rank one copy): ``fsdp_optim.consolidate(path, rank=r)["extra"]`` reads it.
+(``set_model_state_dict`` / ``set_optimizer_state_dict``). Every source's optimizer state goes under the same key,
+``"optimizer"`` by default (``optim_key``, ``convert --optim-key``): the loading job's ``dcp.load`` dict must
+spell it the same, or DCP reports ``Missing key in checkpoint state_dict: <key>.state...``. Its per-rank ``extra``
+is not exported (DCP would give every rank one copy): ``fsdp_optim.consolidate(path, rank=r)["extra"]`` reads it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class DcpExport:
     path: Path
     model_tensors: int  # entries under the model key (0: the source holds no weights)
     optim_params: int  # parameters with optimizer state
+    optim_key: str  # the top-level key the optimizer state went under (its extras: "<optim_key>_extra")
     extras: tuple[str, ...]  # optimizer extras saved under "<optim_key>_extra"
     not_exported: tuple[str, ...]  # other keys of the source (fairseq's cfg, optimizer_history, ...)
 
@@ -44,7 +47,7 @@ def to_dcp(
     out_dir: str | os.PathLike[str],
     *,
     model_key: str = "model",
-    optim_key: str | None = None,
+    optim_key: str = "optimizer",
     param_order: ParamOrder = None,
     optimizer_keys: Sequence[Sequence[str]] | None = None,
     allow_globals: Sequence[str] = (),
@@ -57,9 +60,8 @@ def to_dcp(
         source: a full dict, or a path: a sharded checkpoint directory (or its manifest), a full dict file,
             or a fairseq/metaseq shard set (any shard file or the path before ``-shard``).
         out_dir: must not exist, or be an empty directory.
-        model_key, optim_key: the top-level names, as the loading job's ``dcp.load`` dict spells them; ``optim_key``
-            defaults to ``"optimizer"`` for a whole checkpoint (torchtitan's ``{"model", "optimizer"}``) and to
-            ``"optim"`` for every other source (as before).
+        model_key, optim_key: the top-level names, as the loading job's ``dcp.load`` dict must spell them
+            (torchtitan's ``{"model", "optimizer"}`` by default, for every source).
         param_order, optimizer_keys, allow_globals: for a shard set (see :class:`~fsdp_optim.fairseq.ShardSet`);
             the order of the names in each param group.
         progress: called after each tensor written.
@@ -67,9 +69,12 @@ def to_dcp(
     Load it in an FSDP2 job (every rank)::
 
         model_sd, optim_sd = get_state_dict(model, optim)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optimizer": optim_sd}   # the keys model_key and optim_key name
         dcp.load(state, checkpoint_id=out_dir)
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    An optimizer-only source: ``state = {"optimizer": get_optimizer_state_dict(model, optim)}``, then
+    ``set_optimizer_state_dict``.
     """
     if where(out_dir).local_path() is None:  # written locally, then uploaded file by file (offline/publish.py)
         with output_for(str(out_dir)) as local:
@@ -98,7 +103,7 @@ def export_opened(
     *,
     inputs: Sequence[Any] = (),
     model_key: str = "model",
-    optim_key: str | None = None,
+    optim_key: str = "optimizer",
     progress: Progress = None,
 ) -> DcpExport:
     """:func:`to_dcp` of a source already opened by :func:`~fsdp_optim.offline.sources.open_source`."""
@@ -106,7 +111,11 @@ def export_opened(
     _check_empty(out)
     export = opened.dcp_parts()
     whole = opened.is_whole()
-    optim_key = optim_key or ("optimizer" if whole else "optim")
+    if not optim_key or optim_key == model_key or "." in optim_key:
+        raise ValueError(
+            f"optim_key: expected a top-level key without '.', other than the model's ({model_key!r}), found "
+            f"{optim_key!r}"
+        )
     producers: dict[int, Callable[[], torch.Tensor]] = {}
     optim = optim_dict(export.source, export.order, producers, export.trim, progress)
     state: dict[str, Any] = {}
@@ -129,4 +138,4 @@ def export_opened(
     with staged_output(out, DCP_DIRECTORY, purpose="fsdp_optim.to_dcp", inputs=inputs) as stage:
         stage.last = (METADATA,)
         write_dcp(state, producers, stage.dir)
-    return DcpExport(out, len(model or {}), len(optim["state"]), tuple(export.extras), export.not_exported)
+    return DcpExport(out, len(model or {}), len(optim["state"]), optim_key, tuple(export.extras), export.not_exported)

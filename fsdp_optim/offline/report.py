@@ -155,8 +155,24 @@ def model_of_checkpoint(ckpt: Any) -> dict[str, Any]:
         buffers=[b.name for b in training.buffers],
         buffers_per_rank=training.buffers_per_rank,
         side_files={"count": len(training.files), "bytes": sum(f.nbytes for f in training.files)},
+        extra_keys=_extra_keys(ckpt),
         has_optimizer=manifest.optimizer is not None,
     )
+
+
+def _extra_keys(ckpt: Any) -> list[str] | None:
+    """Every key any rank's ``extra`` holds, in the order first seen (the text lists them rank by rank); ``None``
+    when no rank's ``extra`` is a dict."""
+    from fsdp_optim.formats.sharded.side_file import read_side_file
+
+    keys: dict[str, None] = {}
+    mapped = False
+    for record in ckpt.manifest.training.files:
+        _, extra = read_side_file(ckpt.directory, record)
+        if isinstance(extra, Mapping):
+            mapped = True
+            keys.update(dict.fromkeys(map(str, extra)))
+    return list(keys) if mapped else None
 
 
 def _unit(i: int, name: str, shape: list[int] | None, state: list[str], *, dtypes: list[str]) -> dict[str, Any]:
@@ -203,6 +219,8 @@ def of_dcp(out: dict[str, Any], lines: Sequence[str]) -> dict[str, Any]:
     }  # fmt: skip
     out["details"] = {k: _int(m.group(1)) if (m := re.search(p, text, re.MULTILINE)) else None
                       for k, p in patterns.items()}  # fmt: skip
+    key = re.search(r"^optimizer key: (\S+) ", text, re.MULTILINE)
+    out["details"]["optimizer_key"] = key.group(1) if key and key.group(1) != "-" else None
     out["param_groups"] = out["details"]["param_groups"]
     out["state_bytes"] = out["details"]["tensor_bytes"]
     return out

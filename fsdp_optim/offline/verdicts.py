@@ -11,22 +11,27 @@ from pathlib import Path
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.file_check import Verification, check_file
+from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.formats.fairseq.files import summarise
 from fsdp_optim.formats.fairseq.loading import load_shard
 from fsdp_optim.formats.fairseq.paths import shard_paths
-from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.formats.kinds import Kind, loaded_kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.sharded.reader import read_manifest
-from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
+from fsdp_optim.formats.whole_file import TIED_KEY
 
 __all__ = ["layout_file", "named_file", "refuse_dcp", "refuse_rank_file", "shard_set", "torch_file"]
 
 
 def torch_file(file: Path) -> Verification:
     """Any other file (a full dict, a fairscale-native dict, consolidate's whole file, a format-1 layout file): its
-    zip records' CRC-32 and the reading gate of :mod:`fsdp_optim.disk.untrusted`."""
+    zip records' CRC-32 and the reading gate of :mod:`fsdp_optim.disk.untrusted`. An intact file that is no
+    checkpoint (a model's ``state_dict()``, any other ``torch.save`` file) is refused as ``inspect`` refuses it."""
     found: list[str] = []
-    check = check_file(file, partial(_read_torch, found=found))
+    refused: list[Exception] = []
+    check = check_file(file, partial(_read_torch, found=found, refused=refused))
+    if refused:
+        raise refused[0]
     return Verification(file, found[0] if found else "file", (check,))
 
 
@@ -77,11 +82,18 @@ def shard_set(path: Path, allow_globals: tuple[str, ...]) -> Verification:
     return Verification(prefix, "fairseq/metaseq shard set", checks, problems)
 
 
-def _read_torch(path: Path, *, found: list[str]) -> str:
-    """A torch file through the reading gate (a tied parameter of consolidate's whole file read once); what it
-    holds goes to ``found`` (consolidate's file of a whole checkpoint, or a file)."""
-    obj = load_file(path, mmap=True, tied=TIED_KEY)
-    found.append(Kind.WHOLE_FILE.value if is_whole_file(obj) else "file")
+def _read_torch(path: Path, *, found: list[str], refused: list[Exception]) -> str:
+    """A torch file through the reading gate, its kind decided as ``inspect`` decides it (into ``found``; a file
+    that is no checkpoint: the refusal into ``refused``, not damage), then its tensors checked as its readers check
+    them (a tied parameter of consolidate's whole file read once)."""
+    obj = load_file(path, mmap=True, shared=True)
+    try:
+        kind = loaded_kind(obj, str(path))
+    except (ValueError, TypeError) as exc:
+        refused.append(exc)
+        return ""
+    check_tree(obj, str(path), disjoint=True, tied=TIED_KEY)
+    found.append(kind.value)
     return ""
 
 

@@ -31,14 +31,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from fsdp_optim.disk.file_check import FileCheck, Verification
-from fsdp_optim.formats.kinds import path_kind, sniff_kind
+from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
 from fsdp_optim.formats.sharded.verification import present_and_sized
 from fsdp_optim.offline.deep import Finding, deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened import class_of
 from fsdp_optim.offline.sources import fetched_whole
 
-__all__ = ["FileCheck", "Finding", "Verification", "present_and_sized", "verify"]
+__all__ = ["FileCheck", "Finding", "Verification", "present_and_sized", "report_json", "verify"]
+
+JSON_SCHEMA = 1
 
 
 def verify(
@@ -66,3 +68,20 @@ def verify(
 def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
     """Every file of ``path``, checked as its kind checks them (by names and first bytes: it may be damaged)."""
     return class_of(path_kind(path) or sniff_kind(path)).verify_files(path, allow_globals)
+
+
+def report_json(report: Verification) -> dict[str, object]:
+    """``verify --json``: the report as one object whose ``kind`` means what ``inspect --json``'s does (the input's
+    kind, ``sharded``, ``full``, ``shard_set``...; ``null`` for a file too damaged to say) and ``format`` is the text's
+    format line (documented in docs/cli.md)."""
+    body = report.to_json()
+    path, text = body.pop("path"), body.pop("kind")
+    return {"schema": JSON_SCHEMA, "path": path, "kind": _kind_name(report.kind), "format": text, **body}
+
+
+def _kind_name(text: str) -> str | None:
+    """The :class:`~fsdp_optim.formats.kinds.Kind` a verification names in its text, as ``inspect --json`` spells it."""
+    for kind in Kind:
+        if text in (kind.value, f"whole {kind.value} (model, optimizer, extra)"):
+            return kind.name.lower()
+    return None

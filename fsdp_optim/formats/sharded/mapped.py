@@ -66,10 +66,13 @@ class MappedFile:
 
     @staticmethod
     def _mismatch(p: Placement, g: Grid, k: int, per: int, where: str) -> str:
+        # A chunk may begin in the shard before this one and end in the next: the elements named are this shard's
+        # own (0..numel), and the chunk's place in the file's buffer of its dtype (named by it) follows.
         lo, hi = g.origin + k * per, min(g.origin + (k + 1) * per, g.end)
+        first, last = max(lo - p.offset, 0), min(hi - p.offset, p.numel)
         return (
-            f"{where}: checksum mismatch in elements {lo - p.offset}..{hi - p.offset} of state '{p.key}' "
-            f"(chunk {k} of tensor '{g.tensor}'; file is corrupt or was modified)"
+            f"{where}: checksum mismatch in elements {first}..{last} of state '{p.key}' ({p.numel} elements; chunk "
+            f"{k}, elements {lo}..{hi} of the rank file's {g.tensor} data; file is corrupt or was modified)"
         )
 
     def _elements(self, base: int, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
@@ -223,6 +226,6 @@ def check_grid(
         if checksum != expected:
             lo, hi = k * per, min((k + 1) * per, g.end)
             raise ValueError(
-                f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of tensor "
-                f"'{g.tensor}' (file is corrupt or was modified)"
+                f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of the rank "
+                f"file's {g.tensor} data (chunk {k}; file is corrupt or was modified)"
             )
