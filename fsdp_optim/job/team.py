@@ -43,7 +43,7 @@ TIMEOUT_S = 30.0  # every collective of a team: a lost process fails the others 
 _WORKING, _DONE, _FAILED = 0, 1, 2
 
 
-class PeerFailed(RuntimeError):
+class PeerFailed(ConnectionError):
     """Another process of the team failed or was lost (``contact_lost``: died or hangs, so it can agree on
     nothing more): this one stopped its share because of it."""
 
