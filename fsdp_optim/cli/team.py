@@ -32,6 +32,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
     assert team is not None, "launched() means a team of 2 or more"
     try:
         split = args.run is run_reshard and args.param_names is None and where(args.output).local_path() is not None
+        result: Any
         if split:
             result = _reshard(team, args)
         else:
