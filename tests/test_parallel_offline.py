@@ -70,7 +70,8 @@ def assert_same_but_save_id(a: Path, b: Path) -> None:
     ma, mb = (json.loads((d / "manifest.json").read_text())["body"] for d in (a, b))
     for m in (ma, mb):
         m["save_id"] = "-"
-        m["files"] = [{**f, "file": _SAVE_ID.sub("-", f["file"]), "checksum": "-"} for f in m["files"]]
+        for files in (m, m.get("training") or {}):
+            files["files"] = [{**f, "file": _SAVE_ID.sub("-", f["file"]), "checksum": "-"} for f in files["files"]]
     assert ma == mb, "the manifests differ beyond the save id"
     assert verify(b).ok, f"{b} does not verify"
 
@@ -196,3 +197,25 @@ def test_torchrun_two_nodes_of_two(source: Path, tmp_path: Path) -> None:
     assert [p.returncode for p in nodes] == [0, 0], [err for _, err in outputs]
     fsdp_optim.reshard(source, 7, tmp_path / "one")
     assert_same_but_save_id(tmp_path / "one", out)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A whole checkpoint (weights, buffers, optimizer, extra) saved by 2 real fairscale ranks."""
+    from test_whole_state import _save
+
+    out = tmp_path_factory.mktemp("whole") / "step3"
+    run_ranks(_save, 2, str(out), False)
+    return out
+
+
+@pytest.mark.slow
+def test_whole_checkpoint_by_two_processes(whole: Path, tmp_path: Path) -> None:
+    """Weights ride with the optimizer's keys and process 0 carries the side files: the same bytes as one process,
+    whose two runs differ in the save id alone, side files included."""
+    fsdp_optim.reshard(whole, 3, tmp_path / "a")
+    fsdp_optim.reshard(whole, 3, tmp_path / "b")
+    assert_same_but_save_id(tmp_path / "a", tmp_path / "b")
+    run_ranks(_reshard_in_ranks, 2, str(whole), str(tmp_path / "two"), 3, deadline_s=180)
+    assert_same_but_save_id(tmp_path / "a", tmp_path / "two")
+    assert any(n.startswith("train-") for n in os.listdir(tmp_path / "two")), "the side files were carried"
