@@ -70,7 +70,7 @@ def assert_same_but_save_id(a: Path, b: Path) -> None:
     ma, mb = (json.loads((d / "manifest.json").read_text())["body"] for d in (a, b))
     for m in (ma, mb):
         m["save_id"] = "-"
-        for files in (m, m.get("training") or {}):
+        for files in (m, *([m["training"]] if m.get("training") else [])):
             files["files"] = [{**f, "file": _SAVE_ID.sub("-", f["file"]), "checksum": "-"} for f in files["files"]]
     assert ma == mb, "the manifests differ beyond the save id"
     assert verify(b).ok, f"{b} does not verify"
@@ -88,6 +88,22 @@ def test_two_processes_write_what_one_writes(source: Path, tmp_path: Path, new_w
     assert results == [str(two / "manifest.json")] * 2, results
     assert_same_but_save_id(one, two)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging directory or lock is left"
+
+
+def _reshard_full_in_ranks(rank: int, world_size: int, full: str, layout: str, out: str) -> str:  # noqa: ARG001
+    return str(fsdp_optim.reshard(full, 3, out, layout=layout, parallel=True))
+
+
+def test_a_full_dict_is_resharded_by_process_0_alone(source: Path, tmp_path: Path) -> None:
+    """A source with no split of its own (a full dict file): process 0 writes it, the other waits, both return."""
+    import torch
+
+    full = tmp_path / "full.pt"
+    torch.save(_full(_layout(4)), full)
+    fsdp_optim.reshard(full, 3, tmp_path / "one", layout=source)
+    results = run_ranks(_reshard_full_in_ranks, 2, str(full), str(source), str(tmp_path / "two"), deadline_s=180)
+    assert results == [str(tmp_path / "two" / "manifest.json")] * 2, results
+    assert_same_but_save_id(tmp_path / "one", tmp_path / "two")
 
 
 def test_two_one_process_reshards_differ_only_in_the_save_id(source: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
+from fsdp_optim.formats.kinds import Kind, path_kind
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
@@ -53,15 +54,18 @@ def reshard_in_team(
     if out is None:
         raise ValueError(f"out_dir: {out_dir} is not a local directory; a reshard by many processes writes to a "
                          "file system they share (reshard into it, then upload)")  # fmt: skip
-    with open_source(source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,
-                     max_mapped_bytes=max_mapped_bytes) as opened:  # fmt: skip
-        if isinstance(opened, OpenedCheckpoint):
+    options: dict[str, Any] = {"layout": layout, "optimizer": optimizer, "allow_globals": allow_globals,
+                               "max_mapped_bytes": max_mapped_bytes, "target": True}  # fmt: skip
+    if not isinstance(source, Mapping) and path_kind(source) is Kind.SHARDED:  # split: every process opens it
+        with open_source(source, **options) as opened:
+            assert isinstance(opened, OpenedCheckpoint), f"a sharded checkpoint opens as one, found {type(opened)}"
             return reshard_across(team, opened.checkpoint, world_size, out, given=source, overwrite=overwrite,
                                   replace_existing=replace_existing, buffers=buffers, bar=bar)  # fmt: skip
 
-        def one() -> Path:
+    def one() -> Path:  # any other source: process 0 alone opens it (a full dict is loaded once, not per process)
+        with open_source(source, **options) as opened:
             return opened.reshard(world_size, out, layout=layout, given=source, overwrite=overwrite,
                                   replace_existing=replace_existing, buffers=buffers)  # fmt: skip
 
-        alone(team, one, "reshard")
+    alone(team, one, "reshard")
     return out / MANIFEST_NAME
