@@ -153,7 +153,9 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     output = getattr(args, "output", None)
     before = _signature(output)
     try:
-        result = _run_verb(args)
+        from fsdp_optim.cli.team import run_in_team  # under torchrun: the verb split across the processes
+
+        result = run_in_team(args, _run_verb)
     except BaseException as exc:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
             print(escape(f"interrupted; {_left(output, before)}", limit=2000), file=sys.stderr)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from fsdp_optim.job.host_copies import moved
 __all__ = [
     "shut_down", "ProcessGroup", "Transfer", "agree", "all_gather_objects", "broadcast_from_each_rank",
     "broadcast_object", "dist_rank_and_size", "exchange_bytes", "is_cpu_group", "post_exchange", "new_gloo_group",
-    "gather_flat_tensors", "gather_objects", "group_initialized", "scatter_objects",
+    "gather_flat_tensors", "gather_objects", "group_initialized", "join_from_env", "scatter_objects",
 ]  # fmt: skip
 
 ProcessGroup = dist.ProcessGroup  # for modules that hold a group but never talk through it (job/root.py)
@@ -61,11 +62,19 @@ def all_gather_digests(digest: int, group: dist.ProcessGroup | None) -> list[int
     return out.tolist()
 
 
-def new_gloo_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def new_gloo_group(group: dist.ProcessGroup | None, *, timeout_s: float | None = None) -> dist.ProcessGroup:
     """A new gloo group over the ranks of ``group`` (a collective over the default group: every process
-    calls it, in the same order), for work that must not share ``group`` with the training loop."""
+    calls it, in the same order), for work that must not share ``group`` with the training loop; ``timeout_s``:
+    its collectives' timeout (else torch's default)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks=ranks, backend="gloo")
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+
+
+def join_from_env(timeout_s: float) -> None:
+    """Join the default process group as ``torchrun`` describes it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` in the environment), over gloo, every collective bounded by ``timeout_s``."""
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
 
 
 def shut_down() -> None:

@@ -104,6 +104,7 @@ def reshard(
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
     overwrite: bool = False,
     buffers: str = "refuse",
+    parallel: bool = False,
 ) -> Path:
     """Write ``source`` as a sharded checkpoint for ``world_size`` ranks into ``out_dir``; returns its manifest.
 
@@ -127,12 +128,20 @@ def reshard(
             ``"rank0"`` (saved rank 0's) or ``"mean"`` (each floating-point buffer's mean across the saved ranks,
             rank 0's of integer and bool buffers); the result holds them once, in rank 0's side file. At the saved
             world size they stay per rank, whatever the choice.
+        parallel: every process of the process group (or torchrun's) calls it alike and writes a share of the
+            files into a directory all see; one commit (:mod:`fsdp_optim.offline.parallel`); ``progress`` unused.
 
     ``out_dir`` is locked while it is written (a second writer gets ``OutputLockedError``) and must not
     resolve to any input; ``world_size`` is at most :data:`fsdp_optim.core.limits.MAX_WORLD_SIZE`.
     The source is checked against the target once (one plan), then cut once per output rank.
     """
     check_world_size("world_size", world_size)
+    if parallel:
+        from fsdp_optim.offline.parallel.entry import reshard_in_team
+
+        return reshard_in_team(None, source, world_size, out_dir, layout=layout, optimizer=optimizer,
+                               allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes, overwrite=overwrite,
+                               buffers=buffers)  # fmt: skip
     write = partial(_reshard_local, source, world_size, layout=layout, optimizer=optimizer,
                     allow_globals=allow_globals, progress=progress, max_mapped_bytes=max_mapped_bytes,
                     overwrite=overwrite, buffers=buffers)  # fmt: skip

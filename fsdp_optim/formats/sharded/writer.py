@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ __all__ = [
     "write_all_or_nothing",
     "write_manifest",
     "write_shard_file",
+    "write_shard_parts",
     "write_shard_tensors",
 ]
 
@@ -171,6 +172,21 @@ def write_shard_tensors(
     # Into a staging directory (write_all_or_nothing): the commit moves it in and fsyncs the directory.
     size, checksum = durable_write(
         directory / name, lambda file: write_rank_tensors(file, parts, sizes, metadata, CHUNK_BYTES)
+    )
+    return FileRecord(rank, name, checksum, size)
+
+
+def write_shard_parts(
+    directory: Path, parts: Mapping[str, Sequence[torch.Tensor]], sizes: Mapping[str, int], *, save_id: str,
+    rank: int, world_size: int, pieces: Pieces = host_pieces,
+) -> FileRecord:  # fmt: skip
+    """:func:`write_shard_tensors` of a rank whose tensor ``name`` is the concatenation of ``parts[name]`` (1-D, in
+    ``segments.file_layout`` order, ``sizes[name]`` elements in all; a part may be made only when the writer asks
+    for it), into a staging directory."""
+    name = shard_file_name(save_id, rank, world_size)
+    metadata = _metadata(save_id, rank, world_size)
+    size, checksum = durable_write(
+        directory / name, lambda file: write_rank_tensors(file, parts, sizes, metadata, CHUNK_BYTES, pieces=pieces)
     )
     return FileRecord(rank, name, checksum, size)
 

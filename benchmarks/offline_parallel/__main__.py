@@ -1,0 +1,56 @@
+"""``python -m benchmarks.offline_parallel [--gib 4] [--repeats 2] [--no-run] [--out DIR]``: see the package
+docstring. Writes ``offline_parallel.{json,md}`` into ``--out`` (``benchmarks/results`` by default)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..report import RESULTS
+from .render import markdown, targets
+from .simulate import cases
+from .timed import SHM, make_source, planned_reads, timed
+
+
+def _here(gib: float, repeats: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(dir=SHM, prefix="offline_parallel_") as scratch:
+        src = Path(scratch) / "src"
+        size = make_source(src, gib)
+        print(f"source: {size} bytes on tmpfs", flush=True)
+        runs = []
+        for processes in (1, 2):
+            run = timed(src, processes, 3, repeats) | {"bytes_read": planned_reads(src, 3, processes)}
+            print(json.dumps(run), flush=True)
+            runs.append(run)
+        return {"gib": gib, "input_bytes": size, "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.offline_parallel")
+    parser.add_argument("--gib", type=float, default=4.0, help="the checkpoint's size here (the target asks >= 4)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per launcher (the best is kept)")
+    parser.add_argument("--no-run", action="store_true", help="the simulation only")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    simulated = cases()
+    for row in simulated:
+        print(json.dumps(row), flush=True)
+    here = None if args.no_run else _here(args.gib, args.repeats)
+    command = "python -m benchmarks.offline_parallel " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"meta": {"command": command.strip()}, "here": here, "simulated": simulated}
+    result["targets"] = targets(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "offline_parallel.json").write_text(json.dumps(result, indent=1))
+    (args.out / "offline_parallel.md").write_text(markdown(result))
+    print(markdown(result))
+    shutil.rmtree(SHM / "offline_parallel_none", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The targets of issue 42 and the results page of ``python -m benchmarks.offline_parallel``: a function of the stored
+JSON alone, so the stored page re-renders from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..report import table
+
+GiB = 1 << 30
+
+
+def _verdict(name: str, value: float | None, limit: float, met: bool | None, detail: str) -> dict[str, Any]:
+    word = "n/a" if met is None else "PASS" if met else "MISS"
+    return {"target": name, "value": value, "limit": limit, "verdict": word, "detail": detail}
+
+
+def _here_targets(here: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if here is None:
+        return [_verdict("here: reshard 2 -> 3, 2 processes vs 1, net of the launcher >= 1.7x", None, 1.7, None,
+                         "not run (--no-run)")]  # fmt: skip
+    one, two = here["runs"]
+    speedup = one["net_seconds"] / two["net_seconds"] if two["net_seconds"] > 0 else None
+    reads = two["bytes_read"]
+    balance = abs(reads[0] - reads[1]) / max(reads)
+    amplification = sum(reads) / here["input_bytes"]
+    peak = max(max(r["peak_rss"]) for r in here["runs"])
+    size = f"{here['input_bytes'] / GiB:.2f} GiB"
+    return [
+        _verdict("here: reshard 2 -> 3, 2 processes vs 1, net of the launcher >= 1.7x", speedup, 1.7,
+                 None if speedup is None else speedup >= 1.7, f"{size}; {one['net_seconds']:.2f} s vs {two['net_seconds']:.2f} s"),
+        _verdict("here: the two processes' bytes read within 10%", balance, 0.10, balance <= 0.10,
+                 f"{reads[0]} and {reads[1]} bytes (whole output files: 3 files over 2 processes)"),
+        _verdict("here: read amplification <= 1.05", amplification, 1.05, amplification <= 1.05,
+                 f"{sum(reads)} read / {here['input_bytes']} input bytes"),
+        _verdict("here: peak RSS per process <= 1 GiB", peak / GiB, 1.0, peak <= GiB, f"{peak} bytes at most"),
+    ]  # fmt: skip
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target with its verdict (PASS, MISS, n/a)."""
+    out = _here_targets(result["here"])
+    for row in result["simulated"]:
+        case = row["case"]
+        out += [
+            _verdict(f"simulated {case}: planning <= 10 s", row["plan_seconds"], 10.0, row["plan_seconds"] <= 10, ""),
+            _verdict(f"simulated {case}: per-process bytes within 5% of the mean", row["spread"], 0.05,
+                     row["spread"] <= 0.05, f"{row['bytes_min']} to {row['bytes_max']} bytes"),
+            _verdict(f"simulated {case}: no input range assigned twice", row["ranges_twice"], 0,
+                     row["ranges_twice"] == 0, "element ranges of sharded units"),
+            _verdict(f"simulated {case}: planned memory per process <= 1 GiB", row["memory_bytes"] / GiB, 1.0,
+                     row["memory_bytes"] <= GiB, f"{row['memory_bytes']} bytes"),
+        ]  # fmt: skip
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results page."""
+    lines = ["# Offline verbs by many processes", "", f"Command: `{result['meta']['command']}`.", "", "## Targets", ""]
+    rows = [[t["target"], "-" if t["value"] is None else f"{t['value']:.3g}", str(t["limit"]), t["verdict"], t["detail"]]
+            for t in result["targets"]]  # fmt: skip
+    lines += table(["target", "value", "limit", "verdict", "detail"], rows) + [""]
+    here = result["here"]
+    if here is not None:
+        lines += ["## Here", "", f"Input: {here['input_bytes']} bytes on tmpfs ({here['gib']} GiB asked).", ""]
+        lines += table(["processes", "reshard s", "launcher s", "net s", "peak RSS MiB", "bytes read"], [
+            [str(r["processes"]), f"{r['seconds']:.2f}", f"{r['launcher_seconds']:.2f}", f"{r['net_seconds']:.2f}",
+             " / ".join(str(p >> 20) for p in r["peak_rss"]), " / ".join(str(b) for b in r["bytes_read"])]
+            for r in here["runs"]
+        ]) + [""]  # fmt: skip
+    lines += ["## Simulated", ""]
+    lines += table(["case", "plan s", "spread", "ranges twice", "memory MiB"], [
+        [r["case"], f"{r['plan_seconds']:.2f}", f"{r['spread']:.3f}", str(r["ranges_twice"]), str(r["memory_bytes"] >> 20)]
+        for r in result["simulated"]
+    ])  # fmt: skip
+    return "\n".join(lines) + "\n"

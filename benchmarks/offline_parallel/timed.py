@@ -1,0 +1,111 @@
+"""The run here: a synthetic optimizer-only checkpoint of ``gib`` GiB (64 units, Adam's two fp32 keys) written on
+tmpfs at world size 2 by the package's own streamed writer, then resharded 2 -> 3 by one process and by ``torchrun
+--nproc_per_node 2``; each timed net of its launcher running ``inspect`` (reads the manifest only), best of
+``repeats``. Bytes read per process are what its plan reads (``byte_ranges.cut_spans`` of its output ranks: the
+chunk-widened ranges the reader maps and verifies; mmap reads on tmpfs count no I/O to measure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_optim.core.flatten import StateKind
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
+from fsdp_optim.core.plan import Source, plan
+from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.disk.atomic import new_save_id
+from fsdp_optim.formats.sharded.byte_ranges import cut_spans
+from fsdp_optim.formats.sharded.manifest import Manifest
+from fsdp_optim.formats.sharded.reader import open_checkpoint
+from fsdp_optim.formats.sharded.streamed import write_streamed
+from fsdp_optim.formats.sharded.writer import write_manifest
+from fsdp_optim.offline.parallel.reshard import plan_reshard
+from fsdp_optim.offline.rank_writes import described
+
+from ..peak import ROOT
+
+UNITS = 64
+SHM = Path("/dev/shm")
+
+
+def _read(flat: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+    out.fill_(flat + len(key) / 16)  # cheap: the values do not matter to a re-cut's speed, and each unit differs
+
+
+def make_source(directory: Path, gib: float) -> int:
+    """The synthetic checkpoint (module docstring) in ``directory``; its bytes."""
+    numel = int(gib * (1 << 30) / UNITS / 8)
+    flats = tuple(FlatParamLayout(f"u{u}", (ParamSpec(f"u{u}.w", (numel,), 0),), 2, 0, torch.float32, True)
+                  for u in range(UNITS))  # fmt: skip
+    state = (StateEntry("exp_avg", StateKind.SHARDED, dtype="float32"),
+             StateEntry("exp_avg_sq", StateKind.SHARDED, dtype="float32"), StateEntry("step", StateKind.SCALAR, value=7))  # fmt: skip
+    records = tuple(FlatRecord.from_layout(replace(f, world_size=1), state) for f in flats)
+    source = Source("synthetic", "Adam", records, (GroupRecord({"lr": 1e-3}, tuple(range(UNITS))),), _read, 1)
+    layout = ModelLayout(flats, tuple(f"u{u}.w" for u in range(UNITS)), 2, 0)
+    the_plan = plan(source, layout)
+    final = described(the_plan, Manifest.from_layout(layout, save_id=new_save_id()))
+    directory.mkdir()
+    files = tuple(write_streamed(directory, the_plan, final, r, after_shard=lambda: None) for r in range(2))
+    write_manifest(directory, replace(final, files=files))
+    return sum(f.nbytes for f in files)
+
+
+def planned_reads(src: Path, world_size: int, processes: int) -> list[int]:
+    """Bytes of the source each of ``processes`` processes reads re-cutting it for ``world_size`` ranks."""
+    with open_checkpoint(src) as ckpt:
+        planned = plan_reshard(ckpt, world_size, new_save_id(), processes, "refuse")
+        return [sum(s.stop - s.start for s in cut_spans(ckpt, planned.plan, run)) for run in planned.runs]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(processes: int, argv: list[str], report: Path) -> list[dict[str, Any]]:
+    module = ["-m", "benchmarks.offline_parallel.worker", str(report), *argv]
+    if processes == 1:
+        cmd = [sys.executable, *module]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", "--master-addr=127.0.0.1",
+               f"--master-port={_free_port()}", *module]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    found = sorted(report.parent.glob(report.name + ".*"))
+    out = [json.loads(p.read_text()) for p in found]
+    for p in found:
+        p.unlink()
+    return out
+
+
+def timed(src: Path, processes: int, world_size: int, repeats: int) -> dict[str, Any]:
+    """Best wall time of the reshard and of ``inspect`` under the same launcher, and each process's peak RSS."""
+    best, noop, peaks = float("inf"), float("inf"), [0] * processes
+    with tempfile.TemporaryDirectory(dir=SHM) as scratch:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _launch(processes, ["inspect", str(src)], Path(scratch) / "noop")
+            noop = min(noop, time.perf_counter() - start)
+            out = Path(scratch) / "out"
+            start = time.perf_counter()
+            reports = _launch(processes, ["reshard", str(src), "--world-size", str(world_size), "-o", str(out)],
+                              Path(scratch) / "reshard")  # fmt: skip
+            best = min(best, time.perf_counter() - start)
+            peaks = [max(p, r["peak_rss"]) for p, r in zip(peaks, sorted(reports, key=lambda r: r["rank"]))]
+            shutil.rmtree(out)
+    return {"processes": processes, "seconds": best, "launcher_seconds": noop, "net_seconds": best - noop,
+            "peak_rss": peaks}  # fmt: skip

@@ -1,0 +1,60 @@
+"""``fsdp-optim`` run by ``torchrun`` (``torchrun --nproc_per_node N -m fsdp_optim VERB ...``): the processes join one
+team (:func:`fsdp_optim.job.team.team_of_job`); ``reshard`` of our sharded checkpoint is split across them
+(:mod:`fsdp_optim.offline.parallel`), every other verb runs on process 0 while the others wait for it
+(:func:`~fsdp_optim.offline.parallel.alone.alone`). Process 0 prints the verb's report; every process exits with its
+code, and with its error when it failed. Without ``torchrun`` (no ``RANK``/``WORLD_SIZE`` of 2 or more), nothing
+here runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["run_in_team"]
+
+
+def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
+    """``run(args)`` as the module docstring says: by this process alone unless ``torchrun`` started it."""
+    from fsdp_optim.job.team import launched
+
+    if not launched():
+        return run(args)
+    from fsdp_optim.cli.outcome import Outcome
+    from fsdp_optim.cli.verbs import run_reshard
+    from fsdp_optim.disk.locations import where
+    from fsdp_optim.job.team import team_of_job
+    from fsdp_optim.job.transport import shut_down
+    from fsdp_optim.offline.parallel.alone import alone
+
+    team = team_of_job()
+    assert team is not None, "launched() means a team of 2 or more"
+    try:
+        split = args.run is run_reshard and args.param_names is None and where(args.output).local_path() is not None
+        result: Any
+        if split:
+            result = _reshard(team, args)
+        else:
+            result = alone(team, lambda: run(args), str(args.verb))
+        code = team.from_first(result.code if isinstance(result, Outcome) else 0)
+    finally:
+        shut_down()
+    return result if team.rank == 0 else Outcome((), code)
+
+
+def _reshard(team: Any, args: argparse.Namespace) -> list[str]:
+    """``fsdp-optim reshard`` split across ``team``; its report line, as one process words it."""
+    from fsdp_optim.disk.text import human_bytes
+    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.offline.parallel.entry import reshard_in_team
+
+    manifest = reshard_in_team(team, args.source, args.world_size, args.output, layout=args.layout,
+                               optimizer=args.optimizer, allow_globals=args.allow_global, overwrite=args.overwrite,
+                               replace_existing=False, buffers=args.buffers, bar=sys.stderr.isatty())  # fmt: skip
+    done = read_manifest(manifest)
+    line = f"{len(done.files)} rank files, {human_bytes(sum(f.nbytes for f in done.files))}"
+    if done.training is not None:
+        sides = done.training.files
+        line += f" (weights included), {len(sides)} side files, {human_bytes(sum(f.nbytes for f in sides))}"
+    return [f"wrote {args.output}: {line}"]

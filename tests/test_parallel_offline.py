@@ -1,0 +1,237 @@
+"""Offline verbs run by many processes (``fsdp_optim/offline/parallel``): the split is balanced and contiguous, the
+result of a reshard by 2 processes (spawned on a real gloo group, or real ``torchrun`` processes, on one "node" or
+two) is byte for byte what one process writes but for the save id, and a failure or a SIGKILL on any process fails
+every process, commits nothing, touches no foreign file, and a rerun starts clean."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _dist import free_port, run_ranks
+from test_recut_blocks import _full, _layout
+
+import fsdp_optim
+from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.offline.verify import verify
+
+ROOT = Path(__file__).resolve().parent.parent
+_SAVE_ID = re.compile(r"[0-9a-f]{32}|[0-9a-f]{12}")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of six units (two dtypes, one unit not sharded, one empty) at world size 2."""
+    src = tmp_path_factory.mktemp("parallel") / "src"
+    fsdp_optim.reshard(_full(_layout(4)), 2, src, layout=_layout(4))
+    return src
+
+
+def test_split_is_contiguous_and_balanced() -> None:
+    split = split_by_bytes([4, 4, 4], 2)
+    assert split.runs == ((0,), (1, 2)), split
+    for sizes, processes in [([10] * 992, 64), ([10] * 1024, 512), ([5, 1, 7, 0, 3, 3, 9], 3), ([0, 0, 0], 2)]:
+        split = split_by_bytes(sizes, processes)
+        flat = [i for run in split.runs for i in run]
+        assert flat == list(range(len(sizes))), f"every output once, in order: {split.runs}"
+        mean = sum(sizes) / processes
+        assert all(abs(n - mean) <= max(sizes) for n in split.nbytes), f"off by more than one output: {split.nbytes}"
+    assert split_by_bytes([10] * 1024, 512).spread() == 0.0, "1024 equal files over 512 processes: 2 each"
+    with pytest.raises(ValueError, match="processes: expected at least 1"):
+        split_by_bytes([1], 0)
+
+
+def _rank_file(path: Path) -> tuple[list[str], dict[str, Any], bytes]:
+    """A rank file's header keys in order, its header with the save id blanked, and its data."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["__metadata__"]["save_id"] = "-"
+    return list(header), header, raw[8 + n :]
+
+
+def assert_same_but_save_id(a: Path, b: Path) -> None:
+    """The checkpoints in ``a`` and ``b`` hold the same file names (but the save id), headers (key order included)
+    and tensor bytes, and the same manifest but the save id and the digests that cover it."""
+    names_a, names_b = sorted(os.listdir(a)), sorted(os.listdir(b))
+    assert [_SAVE_ID.sub("-", n) for n in names_a] == [_SAVE_ID.sub("-", n) for n in names_b], (names_a, names_b)
+    for x, y in zip(names_a, names_b):
+        if x.endswith(".safetensors"):
+            assert _rank_file(a / x) == _rank_file(b / y), f"{x} and {y} differ beyond the save id"
+    ma, mb = (json.loads((d / "manifest.json").read_text())["body"] for d in (a, b))
+    for m in (ma, mb):
+        m["save_id"] = "-"
+        for files in (m, *([m["training"]] if m.get("training") else [])):
+            files["files"] = [{**f, "file": _SAVE_ID.sub("-", f["file"]), "checksum": "-"} for f in files["files"]]
+    assert ma == mb, "the manifests differ beyond the save id"
+    assert verify(b).ok, f"{b} does not verify"
+
+
+def _reshard_in_ranks(rank: int, world_size: int, src: str, out: str, new_world_size: int) -> str:  # noqa: ARG001
+    return str(fsdp_optim.reshard(src, new_world_size, out, parallel=True))
+
+
+@pytest.mark.parametrize("new_world_size", [3, 5])
+def test_two_processes_write_what_one_writes(source: Path, tmp_path: Path, new_world_size: int) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    fsdp_optim.reshard(source, new_world_size, one)
+    results = run_ranks(_reshard_in_ranks, 2, str(source), str(two), new_world_size, deadline_s=180)
+    assert results == [str(two / "manifest.json")] * 2, results
+    assert_same_but_save_id(one, two)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging directory or lock is left"
+
+
+def _reshard_full_in_ranks(rank: int, world_size: int, full: str, layout: str, out: str) -> str:  # noqa: ARG001
+    return str(fsdp_optim.reshard(full, 3, out, layout=layout, parallel=True))
+
+
+def test_a_full_dict_is_resharded_by_process_0_alone(source: Path, tmp_path: Path) -> None:
+    """A source with no split of its own (a full dict file): process 0 writes it, the other waits, both return."""
+    import torch
+
+    full = tmp_path / "full.pt"
+    torch.save(_full(_layout(4)), full)
+    fsdp_optim.reshard(full, 3, tmp_path / "one", layout=source)
+    results = run_ranks(_reshard_full_in_ranks, 2, str(full), str(source), str(tmp_path / "two"), deadline_s=180)
+    assert results == [str(tmp_path / "two" / "manifest.json")] * 2, results
+    assert_same_but_save_id(tmp_path / "one", tmp_path / "two")
+
+
+def test_two_one_process_reshards_differ_only_in_the_save_id(source: Path, tmp_path: Path) -> None:
+    fsdp_optim.reshard(source, 3, tmp_path / "a")
+    fsdp_optim.reshard(source, 3, tmp_path / "b")
+    assert_same_but_save_id(tmp_path / "a", tmp_path / "b")
+
+
+def test_parallel_needs_a_team(source: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="parallel: expected a process group of 2 or more processes"):
+        fsdp_optim.reshard(source, 3, tmp_path / "out", parallel=True)
+    assert not (tmp_path / "out").exists(), "nothing written"
+
+
+# A process of the CLI that fails (or is killed) right after it has written and verified its first rank file.
+_FAILING = """
+import os, signal, sys
+import fsdp_optim.offline.parallel.reshard as R
+real = R.check_written
+def failing(path, record):
+    real(path, record)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(f"disk full (injected) after {path.name}")
+R.check_written = failing
+from fsdp_optim.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _launch(rank: int, port: int, argv: list[str], failing: str | None) -> subprocess.Popen[str]:
+    """Process ``rank`` of 2 as ``torchrun`` would start it (its environment), running ``fsdp-optim argv``."""
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT)}  # fmt: skip
+    cmd = [sys.executable, "-c", _FAILING, failing, *argv] if failing else [sys.executable, "-m", "fsdp_optim", *argv]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run_pair(argv: list[str], failing: dict[int, str]) -> list[tuple[int, str, float]]:
+    """Both processes to the end (each killed at 240 s): ``(exit code, stderr, seconds)`` each."""
+    port = free_port()
+    start = time.monotonic()
+    procs = [_launch(r, port, argv, failing.get(r)) for r in range(2)]
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, 240 - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        out.append((p.returncode, err, time.monotonic() - start))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("victim", "how"), [(1, "kill"), pytest.param(1, "error", marks=pytest.mark.slow), pytest.param(0, "kill", marks=pytest.mark.slow)]
+)
+def test_a_failure_anywhere_fails_all_and_commits_nothing(source: Path, tmp_path: Path, victim: int, how: str) -> None:
+    out = tmp_path / "out"
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("not ours")
+    argv = ["reshard", str(source), "--world-size", "3", "-o", str(out)]
+    results = _run_pair(argv, {victim: how})
+    other = results[1 - victim]
+    assert results[victim][0] == (-signal.SIGKILL if how == "kill" else 1), results[victim]
+    assert other[0] == 1, f"the other process must fail: {other}"
+    assert "fsdp-optim: error:" in other[1], other[1]
+    if how == "error":
+        assert "disk full (injected)" in other[1] and "raised on rank 1" in other[1], other[1]
+    assert other[2] < 120, f"the other process took {other[2]:.0f} s to fail"
+    assert not (out / "manifest.json").exists(), "nothing committed"
+    assert foreign.read_text() == "not ours", "a foreign file was touched"
+    if victim != 0:  # process 0 lived: it undid everything itself
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], list(tmp_path.iterdir())
+    again = _run_pair(argv, {})
+    assert [code for code, _, _ in again] == [0, 0], again
+    one = tmp_path / "one"
+    fsdp_optim.reshard(source, 3, one)
+    assert_same_but_save_id(one, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "one", "out"], "a rerun leaves nothing else"
+
+
+def _torchrun(argv: list[str], *, nnodes: int = 1, node_rank: int = 0, port: int) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+           "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "fsdp_optim", *argv]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_torchrun_two_processes(source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _torchrun(["reshard", str(source), "--world-size", "3", "-o", str(out)], port=free_port())
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr
+    assert stdout.splitlines() == [f"wrote {out}: 3 rank files, 4.1 KiB (4224 B)"], stdout
+    fsdp_optim.reshard(source, 3, tmp_path / "one")
+    assert_same_but_save_id(tmp_path / "one", out)
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_of_two(source: Path, tmp_path: Path) -> None:
+    """Two "nodes" on loopback (a static master), 4 processes, 7 output ranks."""
+    out, port = tmp_path / "out", free_port()
+    argv = ["reshard", str(source), "--world-size", "7", "-o", str(out)]
+    nodes = [_torchrun(argv, nnodes=2, node_rank=n, port=port) for n in range(2)]
+    outputs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [err for _, err in outputs]
+    fsdp_optim.reshard(source, 7, tmp_path / "one")
+    assert_same_but_save_id(tmp_path / "one", out)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A whole checkpoint (weights, buffers, optimizer, extra) saved by 2 real fairscale ranks."""
+    from test_whole_state import _save
+
+    out = tmp_path_factory.mktemp("whole") / "step3"
+    run_ranks(_save, 2, str(out), False)
+    return out
+
+
+@pytest.mark.slow
+def test_whole_checkpoint_by_two_processes(whole: Path, tmp_path: Path) -> None:
+    """Weights ride with the optimizer's keys and process 0 carries the side files: the same bytes as one process,
+    whose two runs differ in the save id alone, side files included."""
+    fsdp_optim.reshard(whole, 3, tmp_path / "a")
+    fsdp_optim.reshard(whole, 3, tmp_path / "b")
+    assert_same_but_save_id(tmp_path / "a", tmp_path / "b")
+    run_ranks(_reshard_in_ranks, 2, str(whole), str(tmp_path / "two"), 3, deadline_s=180)
+    assert_same_but_save_id(tmp_path / "a", tmp_path / "two")
+    assert any(n.startswith("train-") for n in os.listdir(tmp_path / "two")), "the side files were carried"
