@@ -28,7 +28,9 @@ class Watched(Protocol):
     """What the exit hook asks of an async save's handle (:class:`fsdp_optim.job.async_save.AsyncSave`)."""
 
     name: str
-    directory: object
+
+    @property
+    def directory(self) -> object: ...  # read only: any path-like the handle prints
 
     def done(self) -> bool: ...
 
