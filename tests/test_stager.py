@@ -514,3 +514,19 @@ def test_into_live_casts_floating_point_only_and_refuses_any_other_dtype_before_
     assert torch.all(half == 0) and torch.all(ints == 0), "nothing was written"
     into_live([(half, torch.ones(4))])
     assert torch.all(half == 1), "a float32 host tensor is cast into a bfloat16 live one"
+
+
+@CUDA
+def test_gpu_upload_lands_strided_and_contiguous_tensors_and_refuses_a_mismatch_before_writing() -> None:
+    live = [torch.full((5,), -1.0, device="cuda"), torch.full((4, 6), -1.0, device="cuda").t()]
+    sources = [torch.arange(5.0), torch.arange(24.0).reshape(4, 6).t()]
+    stager.upload(list(zip(live, sources, strict=True)))
+    torch.cuda.synchronize()
+    assert all(torch.equal(got.cpu(), want) for got, want in zip(live, sources, strict=True))
+    with pytest.raises(ValueError, match="live tensor 1: expected"):
+        stager.upload([(live[0], torch.zeros(5)), (live[1], torch.zeros(24))])
+    assert torch.equal(live[0].cpu(), sources[0]), "nothing was written before the refusal"
+    if torch.cuda.device_count() > 1:
+        parts = [torch.zeros(4, device="cuda:0"), torch.zeros(4, device="cuda:1")]
+        with pytest.raises(ValueError, match="on several devices"):
+            list(stager.pieces(parts))
