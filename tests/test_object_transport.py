@@ -2,7 +2,8 @@
 sender's device (``cuda:r``) and ``torch.cat`` across devices raised on the recipient (2+ GPUs under NCCL).
 
 Here "meta" stands in for a second device (this machine has only the CPU): the mapping is the same for any device.
-The CUDA test runs the real transport on two GPUs.
+The CUDA tests run the real transport: on one GPU (gloo, one rank's state moved to the GPU after training on the CPU)
+and on two GPUs under NCCL.
 """
 
 from __future__ import annotations
@@ -55,3 +56,28 @@ def test_the_object_transport_gathers_from_two_gpus() -> None:
 
     found = run_ranks(_gather_both, 2, backend="nccl")[0]
     assert found == {"devices": ["cpu"]}, found
+
+
+def _one_rank_on_the_gpu(rank: int, world_size: int) -> str:
+    import _models as M
+    from _checks import assert_identical
+
+    model = M.wrap(M.make_net(), "deep")  # trained on the CPU (gloo)
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(model))
+    for step in range(2):
+        M.train_step(model, optim, *M.local_batch(step, rank, world_size))
+    want = model.gather_full_optim_state_dict(optim, recipient_rank=None)
+    if rank == 1:  # its shards on the GPU, rank 0's on the host: parts from two devices meet on every rank
+        for entries in optim.state.values():
+            entries.update({k: v.cuda() for k, v in entries.items() if torch.is_tensor(v) and v.dim()})
+    got = model.gather_full_optim_state_dict(optim, recipient_rank=None, transport="object")
+    assert_identical(got, want, f"rank {rank}: object transport with shards on the GPU and the host")
+    return "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: one rank's shards on it")
+def test_the_object_transport_gathers_shards_from_the_gpu_and_the_host(monkeypatch) -> None:
+    from _dist import run_ranks
+
+    monkeypatch.setenv("FSDP_OPTIM_TEST_SPAWN", "1")  # fresh ranks that start CUDA themselves, not forks
+    assert run_ranks(_one_rank_on_the_gpu, 2) == ["ok", "ok"]

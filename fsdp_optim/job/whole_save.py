@@ -98,10 +98,12 @@ def async_save_checkpoint(
     is checked, the buffers and ``extra`` copied and a save id agreed (a collective: call on every rank).
 
     The weight shards and optimizer state are copied into reused host buffers by a background thread, which then
-    writes the files and commits the manifest; ``optim``'s next ``step()`` or ``load_state_dict()``, and
-    ``load_checkpoint`` with ``optim``, wait for the copy (the calls that change weights and state in a training
-    loop; call ``handle.wait_staged()`` before changing them by other means). ``handle.wait()`` returns the manifest
-    path or raises the save's error on every rank. One save per model in flight; the next one waits for it.
+    writes the files and commits the manifest; ``optim``'s next ``step()`` or ``load_state_dict()``,
+    ``load_checkpoint`` (with or without an optimizer), the model's ``load_state_dict()`` and any other optimizer's
+    ``step()`` over its parameters wait for the copy (call ``handle.wait_staged()`` before changing them by other
+    means). The call reads no tensor's value on the host (no wait for the GPU), GPU buffers and ``extra`` aside.
+    ``handle.wait()`` returns the manifest path or raises the save's error on every rank. One save per model in
+    flight; the next one waits for it.
     """
     finish_previous(model)
     root = verify_root(model, optim)
