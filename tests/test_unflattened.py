@@ -48,9 +48,9 @@ class Small(nn.Module):
         return self.head(h + self.block(h))
 
 
-def _job(flatten: bool, seed: int) -> tuple[FSDP, torch.optim.Optimizer]:
+def _job(flatten: bool, seed: int, device: str = "cpu") -> tuple[FSDP, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    net = Small()
+    net = Small().to(device)
     net.block = FSDP(net.block, flatten_parameters=flatten)
     root = FSDP(net, flatten_parameters=flatten)
     block = list(root.module.block.parameters())
@@ -64,8 +64,9 @@ def _train(root: FSDP, optim: torch.optim.Optimizer, step: int, rank: int, world
     x, y = torch.randn(GLOBAL_BATCH, 7, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
     per = GLOBAL_BATCH // world_size
     mine = slice(rank * per, (rank + 1) * per)
+    device = next(root.parameters()).device
     optim.zero_grad()
-    F.mse_loss(root(x[mine]), y[mine]).backward()
+    F.mse_loss(root(x[mine].to(device)), y[mine].to(device)).backward()
     optim.step()
 
 
@@ -175,3 +176,24 @@ def test_parameter_out_of_its_sharded_state_is_named_with_its_shape(tmp_path: Pa
     message = run_ranks(_inside_summon, 2, str(tmp_path))[0]
     assert "has shape (13, 7), expected this rank's shard of shape (46,)" in message, message
     assert not (tmp_path / "never").exists(), "a refused save writes nothing"
+
+
+def _on_gpu(rank: int, world_size: int, out: str) -> None:
+    """At W = 1 on a GPU (nccl): the whole checkpoint's weights and state go back in the parameters' own shape."""
+    root, optim = _job(False, seed=0, device="cuda")
+    for step in range(2):
+        _train(root, optim, step, rank, world_size)
+    fsdp_optim.save_checkpoint(root, optim, Path(out) / "gpu")
+    _train(root, optim, 2, rank, world_size)
+    again, fresh = _job(False, seed=123, device="cuda")
+    fsdp_optim.load_checkpoint(again, fresh, Path(out) / "gpu")
+    for param, state in fresh.state.items():
+        shapes = {key: tuple(v.shape) for key, v in state.items() if v.dim()}
+        assert all(s == tuple(param.shape) for s in shapes.values()), f"{shapes} for {tuple(param.shape)}"
+    _train(again, fresh, 2, rank, world_size)
+    assert_identical((again.state_dict(), _gathered(again, fresh)), (root.state_dict(), _gathered(root, optim)), "gpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_rank_unflattened_on_gpu(tmp_path: Path) -> None:
+    run_ranks(_on_gpu, 1, str(tmp_path), backend="nccl")

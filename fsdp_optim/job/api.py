@@ -140,7 +140,9 @@ def get_shard_from_optim_state_dict(
             param groups' order and its group membership is checked against the dict's; otherwise
             the ids follow ``fsdp.parameters()`` order within each of the dict's groups.
 
-    Returns ``{"state": {local_id: {key: padded shard or scalar}}, "param_groups": [...]}``.
+    Returns ``{"state": {local_id: {key: padded shard or scalar}}, "param_groups": [...]}``; a shard is shaped as the
+    live optimizer holds it: 1-D, or the parameter's own shape where fairscale keeps a parameter unflattened and
+    unsharded (``flatten_parameters=False`` at world size 1).
     """
     root = verify_root(fsdp, optim)
     layout, params = root.layout, root.params
