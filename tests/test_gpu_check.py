@@ -174,7 +174,7 @@ def test_junit_results_count_outcomes_and_keep_skip_reasons(tmp_path: Path) -> N
 def test_gpu_benchmark_removes_its_checkpoints_when_timeout_ends_it(tmp_path: Path) -> None:
     directory = tmp_path / "bench"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "benchmarks.gpu", "--small", "--repeats", "1", "--dir", str(directory)],
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "benchmarks.gpu", "--small", "--repeats", "1", "--dir", str(directory), "--out", str(tmp_path)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         stop_at = time.monotonic() + DEADLINE_S
