@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _device_image import DeviceImage
 
 from benchmarks.gpu import carry as carry_mod
@@ -189,3 +190,35 @@ def test_gpu_benchmark_removes_its_checkpoints_when_timeout_ends_it(tmp_path: Pa
     assert proc.returncode == 128 + signal.SIGTERM, f"exit {proc.returncode}: {output[-2000:]}"
     assert not directory.exists(), f"left behind: {list(directory.rglob('*'))[:5]}"
     assert "floors:" in output, f"progress lines reach the output as they come: {output[-2000:]}"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (what gpu-check measures there)")
+
+
+@CUDA
+def test_d2h_measures_each_kind_of_host_memory() -> None:
+    from benchmarks.gpu import d2h
+
+    rows = d2h.measure(64 << 20, 2)
+    assert [r["memory"] for r in rows] == ["registered", "pinned", "pageable"], rows
+    assert all("error" not in r and r["GB/s"] > 0 for r in rows), rows
+    assert rows[0]["register_s"] is not None and rows[1]["register_s"] is None, rows
+
+
+def _nccl_rows(rank: int, world_size: int, directory: str) -> dict[str, float]:  # noqa: ARG001
+    from benchmarks.gpu import rows
+    from benchmarks.gpu.models import Config
+
+    config = Config(2, 256, 8, torch.device("cuda", 0), directory, repeats=1)
+    return rows.nccl_blocking(config).medians()
+
+
+@CUDA
+def test_gpu_benchmark_measures_the_blocking_part_on_an_nccl_group(tmp_path: Path) -> None:
+    from _dist import run_ranks
+
+    from benchmarks.gpu.rows import NCCL_BLOCKING, NCCL_IDLE
+
+    (medians,) = run_ranks(_nccl_rows, 1, str(tmp_path), backend="nccl")
+    assert set(medians) == {NCCL_BLOCKING, NCCL_IDLE} and all(v > 0 for v in medians.values()), medians
+    assert not (tmp_path / "ours-nccl").exists(), "the row's checkpoints are removed once it is measured"
