@@ -116,6 +116,18 @@ def test_device_like_image_collects_the_whole_suite_without_an_error(image: tupl
     assert not without["ok"], "without the carry the image cannot import fairscale: the collection must fail"
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_missing_test_extra_fails_here_and_skips_on_the_image_saying_why(image: tuple[DeviceImage, Path], skip: bool) -> None:
+    device, carried = image
+    env = device.env(ROOT, carried, **({"FSDP_OPTIM_MISSING_EXTRAS": "skip"} if skip else {}))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_s3_infra.py"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)  # fmt: skip
+    if skip:
+        assert done.returncode == 5 and "needs s3fs and botocore (No module named 's3fs'), which this machine lacks" in done.stdout, done.stdout[-2000:]
+    else:
+        assert done.returncode == 2 and "needs s3fs and botocore (No module named 's3fs'): install the test extra" in done.stdout, done.stdout[-2000:]
+
+
 def test_steps_are_bounded_and_each_says_how_it_ended(tmp_path: Path) -> None:
     steps = [
         Step("ok", (sys.executable, "-c", "print('fsdp_optim demo on the CPU (gloo): ok')"), 30, expect="fsdp_optim demo on the CPU"),
