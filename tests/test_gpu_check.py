@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _device_image import DeviceImage
 
 from benchmarks.gpu import carry as carry_mod
@@ -115,6 +116,18 @@ def test_device_like_image_collects_the_whole_suite_without_an_error(image: tupl
     assert not without["ok"], "without the carry the image cannot import fairscale: the collection must fail"
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_missing_test_extra_fails_here_and_skips_on_the_image_saying_why(image: tuple[DeviceImage, Path], skip: bool) -> None:
+    device, carried = image
+    env = device.env(ROOT, carried, **({"FSDP_OPTIM_MISSING_EXTRAS": "skip"} if skip else {}))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_s3_infra.py"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)  # fmt: skip
+    if skip:
+        assert done.returncode == 5 and "needs s3fs and botocore (No module named 's3fs'), which this machine lacks" in done.stdout, done.stdout[-2000:]
+    else:
+        assert done.returncode == 2 and "needs s3fs and botocore (No module named 's3fs'): install the test extra" in done.stdout, done.stdout[-2000:]
+
+
 def test_steps_are_bounded_and_each_says_how_it_ended(tmp_path: Path) -> None:
     steps = [
         Step("ok", (sys.executable, "-c", "print('fsdp_optim demo on the CPU (gloo): ok')"), 30, expect="fsdp_optim demo on the CPU"),
@@ -174,7 +187,7 @@ def test_junit_results_count_outcomes_and_keep_skip_reasons(tmp_path: Path) -> N
 def test_gpu_benchmark_removes_its_checkpoints_when_timeout_ends_it(tmp_path: Path) -> None:
     directory = tmp_path / "bench"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "benchmarks.gpu", "--small", "--repeats", "1", "--dir", str(directory)],
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "benchmarks.gpu", "--small", "--repeats", "1", "--dir", str(directory), "--out", str(tmp_path)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         stop_at = time.monotonic() + DEADLINE_S
@@ -189,3 +202,35 @@ def test_gpu_benchmark_removes_its_checkpoints_when_timeout_ends_it(tmp_path: Pa
     assert proc.returncode == 128 + signal.SIGTERM, f"exit {proc.returncode}: {output[-2000:]}"
     assert not directory.exists(), f"left behind: {list(directory.rglob('*'))[:5]}"
     assert "floors:" in output, f"progress lines reach the output as they come: {output[-2000:]}"
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (what gpu-check measures there)")
+
+
+@CUDA
+def test_d2h_measures_each_kind_of_host_memory() -> None:
+    from benchmarks.gpu import d2h
+
+    rows = d2h.measure(64 << 20, 2)
+    assert [r["memory"] for r in rows] == ["registered", "pinned", "pageable"], rows
+    assert all("error" not in r and r["GB/s"] > 0 for r in rows), rows
+    assert rows[0]["register_s"] is not None and rows[1]["register_s"] is None, rows
+
+
+def _nccl_rows(rank: int, world_size: int, directory: str) -> dict[str, float]:  # noqa: ARG001
+    from benchmarks.gpu import rows
+    from benchmarks.gpu.models import Config
+
+    config = Config(2, 256, 8, torch.device("cuda", 0), directory, repeats=1)
+    return rows.nccl_blocking(config).medians()
+
+
+@CUDA
+def test_gpu_benchmark_measures_the_blocking_part_on_an_nccl_group(tmp_path: Path) -> None:
+    from _dist import run_ranks
+
+    from benchmarks.gpu.rows import NCCL_BLOCKING, NCCL_IDLE
+
+    (medians,) = run_ranks(_nccl_rows, 1, str(tmp_path), backend="nccl")
+    assert set(medians) == {NCCL_BLOCKING, NCCL_IDLE} and all(v > 0 for v in medians.values()), medians
+    assert not (tmp_path / "ours-nccl").exists(), "the row's checkpoints are removed once it is measured"

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,8 +53,8 @@ class Progress:
     """What is measured so far: ``publish(stage)`` writes it as the run's results, marked partial in the meta, so
     that a run ended by its bound leaves every row it had measured; ``main`` writes the whole once done."""
 
-    def __init__(self, config: Config, run: Run) -> None:
-        self.config, self.run = config, run
+    def __init__(self, config: Config, run: Run, out: Path) -> None:
+        self.config, self.run, self.out = config, run, out
         self.model = f"{config.layers}x{config.dim}"
         self.least: dict[str, float] = {}
         self.peers: dict[str, dict[str, float]] = {peer: {} for peer in report.PEERS}
@@ -69,7 +70,7 @@ class Progress:
     def publish(self, stage: str) -> dict[str, Any]:
         meta = self.run.finish() | ({"partial": f"measured up to {stage}"} if stage else {})
         result = self.rows()
-        return write(RESULTS, _name(self.config), rows=result, meta=meta, targets=report.targets(result), markdown=report.markdown)
+        return write(self.out, _name(self.config), rows=result, meta=meta, targets=report.targets(result), markdown=report.markdown)
 
 
 def _name(config: Config) -> str:
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small", action="store_true", help="the CPU mode (the default without CUDA)")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds after the warm-up round")
     parser.add_argument("--dir", default="/dev/shm/fsdp_optim_gpu_bench", help="checkpoint directory (tmpfs)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default: benchmarks/results)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     config = _config(args)
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(config.directory, ignore_errors=True)  # what a killed run left
     os.makedirs(config.directory)
     atexit.register(shutil.rmtree, config.directory, True)  # again after a background save's thread has ended
-    progress = Progress(config, run)
+    progress = Progress(config, run, args.out)
     try:
         _join(config)
         run.log(f"{run.meta['model']} on {device}, files in {config.directory}")

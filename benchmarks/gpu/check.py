@@ -39,7 +39,6 @@ from benchmarks.gpu.steps import Step, run_phase
 from benchmarks.gpu.summary import junit_results, last_json, summary_lines
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results"
 BENCH_DIR = "/dev/shm/fsdp_optim_gpu_bench"
 SKIP_MISSING = ("FSDP_OPTIM_MISSING_EXTRAS", "skip")  # tests/_extras.py: what the image lacks skips, saying so
 DEMO_SAYS = {1: "fsdp_optim demo on GPUs (nccl)", 4: "fsdp_optim demo on the CPU (gloo)"}  # one GPU
@@ -74,19 +73,20 @@ def default_phases(tmp: Path, collect: bool) -> list[list[Step]]:
                  env=(("OMP_NUM_THREADS", "2"), SKIP_MISSING))  # fmt: skip
     if collect:
         return [_setup(collect), [tests]]
-    demos = [Step(f"demo nproc_per_node={n}", ("torchrun", "--standalone", "--nproc_per_node", str(n), "-m", "fsdp_optim.demo", "--steps", "4"),
-                  100, expect=DEMO_SAYS[n]) for n in (1, 4)]  # fmt: skip
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone")  # the console script may be off PATH
+    demos = [Step(f"demo nproc_per_node={n}", (*torchrun, "--nproc_per_node", str(n), "-m", "fsdp_optim.demo", "--steps", "4"),
+                  100, env=(("OMP_NUM_THREADS", "2"),), expect=DEMO_SAYS[n]) for n in (1, 4)]  # fmt: skip
     d2h = Step("d2h 1 GiB", (sys.executable, "-u", "-m", "benchmarks.gpu.d2h", "--gib", "1"), 45)
-    bench = Step("benchmark", (sys.executable, "-u", "-m", "benchmarks.gpu", "--repeats", "1", "--dir", BENCH_DIR), 150)
+    bench = Step("benchmark", (sys.executable, "-u", "-m", "benchmarks.gpu", "--repeats", "1", "--dir", BENCH_DIR, "--out", str(tmp)), 150)
     return [_setup(collect), [*demos, tests], [d2h], [bench]]
 
 
 def suite_phases(tmp: Path, collect: bool) -> list[list[Step]]:
-    suite = Step("suite", _pytest(["tests"], tmp / "suite.xml", collect=collect, workers=16), 600, env=(("OMP_NUM_THREADS", "1"), SKIP_MISSING))
+    suite = Step("suite", _pytest(["--durations=15", "tests"], tmp / "suite.xml", collect=collect, workers=16), 600, env=(("OMP_NUM_THREADS", "1"), SKIP_MISSING))
     return [_setup(collect), [suite]]
 
 
-def _results(outcomes: dict[str, dict[str, Any]], tmp: Path, out: Path, started: float) -> dict[str, Any]:
+def _results(outcomes: dict[str, dict[str, Any]], tmp: Path, out: Path) -> dict[str, Any]:
     """What the steps produced besides their status: test outcomes, the micro-check's rows, the benchmark's."""
     found: dict[str, Any] = {}
     for name, xml in (("cuda tests", "cuda.xml"), ("suite", "suite.xml")):
@@ -97,12 +97,12 @@ def _results(outcomes: dict[str, dict[str, Any]], tmp: Path, out: Path, started:
         outcomes["cuda tests"]["status"] = f"failed: {skipped} CUDA tests skipped"
     if "d2h 1 GiB" in outcomes:
         found["d2h"] = last_json(outcomes["d2h 1 GiB"]["log_lines"])
-    bench = RESULTS / "gpu_staging.json"
-    if "benchmark" in outcomes and bench.exists() and bench.stat().st_mtime >= started:  # this run's, maybe partial
+    bench = tmp / "gpu_staging.json"  # this run's, maybe partial
+    if bench.exists():
         stored = json.loads(bench.read_text())
         found["benchmark"] = {k: stored[k] for k in ("rows", "targets", "meta")}
         for suffix in ("json", "md"):
-            shutil.copy(RESULTS / f"gpu_staging.{suffix}", out / f"gpu_staging.{suffix}")
+            shutil.copy(tmp / f"gpu_staging.{suffix}", out / f"gpu_staging.{suffix}")
     for name, outcome in outcomes.items():
         if "--collect-only" in outcome["command"]:
             found.setdefault("collected", {})[name] = [line for line in outcome["log_lines"] if "::" in line]
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = ("suite" if args.suite else "checks") + (" (collect only)" if args.collect else "")
     record: dict[str, Any] = {"mode": mode, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "commit": _commit(), "budget_s": args.budget}  # fmt: skip
-    start, wall_start = time.monotonic(), time.time()
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as name:
         tmp = Path(name)
         phases = (suite_phases if args.suite else default_phases)(tmp, args.collect)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             outcomes |= {s.name: s.not_run(f"interrupted ({exc}): ended or never started") for p in phases for s in p if s.name not in outcomes}
         finally:
             record["seconds"] = round(time.monotonic() - start, 1)
-            record["results"] = _results(outcomes, tmp, args.out, wall_start)
+            record["results"] = _results(outcomes, tmp, args.out)
             record["steps"] = [{k: v for k, v in o.items() if k not in ("log", "log_lines")} for o in outcomes.values()]
             record["ok"] = bool(outcomes) and "interrupted" not in record and all(o["status"] == "passed" for o in outcomes.values())
             (args.out / "gpu-check.json").write_text(json.dumps(record, indent=1, default=str) + "\n")

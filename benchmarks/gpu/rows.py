@@ -92,6 +92,8 @@ def _rows(config: Config, name: str, save: Callable[[str], Any] | None, load: Ca
         tally.add("async save, copied", time.perf_counter() - start, warm)
         committed(response)
         tally.add("async save, committed", time.perf_counter() - start, warm)
+    for left in (name, f"{name}-async"):  # /dev/shm holds one row's checkpoints at a time, not every row's
+        shutil.rmtree(os.path.join(config.directory, left), ignore_errors=True)
     return tally
 
 
@@ -127,6 +129,7 @@ def nccl_blocking(config: Config) -> Tally:
             handle = fsdp_optim.async_save_checkpoint(model, optim, path)
             tally.add(row, time.perf_counter() - start, r > 0)
             handle.wait()
+    shutil.rmtree(os.path.join(config.directory, "ours-nccl"), ignore_errors=True)
     del model, optim
     dist.destroy_process_group(group)
     return tally

@@ -69,7 +69,7 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
             lines.append(f"  {name}: {results[name]['counts']}")
             lines += [f"    {t['outcome']}: {t['test']}: {t['message'][:200]}" for t in results[name]["tests"] if t["outcome"] in ("failed", "error")]
     for row in (results.get("d2h") or {}).get("rows", []):
-        lines.append(f"  d2h into {row['memory']}: {row['GB/s']:.1f} GB/s")
+        lines.append(f"  d2h into {row['memory']}: " + (f"FAILED: {row['error']}" if "error" in row else f"{row['GB/s']:.1f} GB/s"))
     if "benchmark" in results:
         lines += _bench_lines(results["benchmark"])
     return lines
