@@ -5,8 +5,10 @@ memory, hashed, then copied into a slot, then to the GPU).
 
 The pieces land in new tensors on the device (the state being loaded, not the live one), so a corrupt byte, or a
 failure on another rank, leaves every live tensor as it was: the caller commits only after every rank agreed
-(:func:`fsdp_optim.job.whole_load.commit_load`), copying the weights on the device and handing the optimizer its new
-state as it is. A load into host memory reads straight into its new tensors (no slot, no copy): that is its floor.
+(:func:`fsdp_optim.job.whole_load.commit_load`), copying the weights on the device and the optimizer's state into its
+own tensors there (or handing it the new ones). So the GPU holds the loaded shards beside the live ones until the
+commit, as the host held them before. A load into host memory reads straight into its new tensors (no slot, no copy):
+that is its floor.
 
 Threads: the reader (``preadv``) waits for a slot's previous copies to be done before it refills it; the checker
 hashes the slot the reader filled before (xxhash; both release the GIL); the caller's thread queues each checked
