@@ -86,8 +86,13 @@ def start_save(
             lock = directory.begin_save(rules, purpose=purpose, overwrite=overwrite)
         except Exception as exc:  # every rank learns of it through agree()
             failure = exc
-    agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
-    return broadcast_object(save_id, src=0, group=group), lock
+    try:
+        agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
+        return broadcast_object(save_id, src=0, group=group), lock
+    except BaseException:  # a Ctrl-C or a peer's failure here: nothing was written, and the lock is not left held
+        if lock is not None:
+            directory.finish_save(lock, failed=True)
+        raise
 
 
 def read_for_save(root: Root, optim: torch.optim.Optimizer) -> LocalState:
@@ -146,7 +151,12 @@ def commit_save(
                 failure = exc
         what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
         agree(failure, group=group, what=f"{what} failed, no checkpoint was written")
+        own.committed = True  # every rank agreed: the manifest is in place, whatever interrupts us now
     except BaseException as exc:
+        if own.committed:  # e.g. a Ctrl-C right after the agreement: the save stands, as on the other ranks
+            _finish_committed(directory, lock, manifest)
+            exc.add_note(f"(the save into {directory} had committed before this interrupt: its checkpoint is whole)")
+            raise
         if lock is not None:
             directory.finish_save(lock, failed=True)
         if own.published and not isinstance(exc, CommitOutcomeUnknown):  # else the manifest may list them: kept
@@ -155,9 +165,14 @@ def commit_save(
     finally:
         if own.staging is not None:
             directory.unstage(own.staging)
-    if lock is not None:  # what the replaced checkpoint and failed writers left (rank 0)
-        directory.finish_save(lock, failed=False, keep=frozenset(manifest.file_names()) if manifest else frozenset())
+    _finish_committed(directory, lock, manifest)
     return directory / MANIFEST_NAME
+
+
+def _finish_committed(directory: Location, lock: Begun | None, manifest: Manifest | None) -> None:
+    """Rank 0 after a commit: remove what the replaced checkpoint and failed writers left (nothing elsewhere)."""
+    if lock is not None:
+        directory.finish_save(lock, failed=False, keep=frozenset(manifest.file_names()) if manifest else frozenset())
 
 
 @dataclass
@@ -169,6 +184,7 @@ class _Written:
     shards: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     staging: Staging | None = None
     published: list[str] = field(default_factory=list)
+    committed: bool = False  # every rank agreed that the manifest is in place
 
 
 def _write_own(

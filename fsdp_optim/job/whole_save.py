@@ -77,10 +77,10 @@ def save_checkpoint(
     root = verify_root(model, optim)
     prepared, per_rank = _prepare_everywhere(root, model, optim, extra)
     directory = where(path)
-    save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
     side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
     optimizer = type(optim).__name__ if optim is not None else None
-    return commit_save(
+    save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
+    return commit_save(  # at once: from here, commit_save releases the lock whatever happens
         root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock, side=side
     )
 
