@@ -88,7 +88,7 @@ class _CheckpointClaims:
         if problems:
             return Survey(known=frozenset(names & set(MANIFEST_NAMES)), problem="; ".join(problems))
         stale = leftovers(directory, names - files)  # an interrupted save's files: ours, and obsolete
-        return Survey(replaces=frozenset(files | stale), known=known | stale)
+        return Survey(replaces=frozenset(files), known=known | stale, stale=frozenset(stale))
 
     def created(self, entry: JournalEntry) -> set[str]:
         save_id, world_size = _journaled(entry)
