@@ -6,6 +6,7 @@
 - What a save interrupted by Ctrl-C left (rank and side files no journal names) is recognised as ours: verify names
   it, the next save removes it (it was kept, as foreign, for ever); a Ctrl-C to the whole job ends in one whole
   checkpoint once the job saves again.
+- A save called on one rank alone says that every rank must call it.
 - The memory tier warns when a replica would sit on the node it should outlive, and ``clear_memory()`` removes it.
 """
 
@@ -29,12 +30,16 @@ from fsdp_optim.formats.sharded.reader import open_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 300  # the ranks' own collectives time out well before
+CHECK_IN = "FSDP_OPTIM_CHECK_IN_S"
 
 
-def start_job(scenario: str, directory: Path, world_size: int = 2) -> list[subprocess.Popen[str]]:
+def start_job(
+    scenario: str, directory: Path, world_size: int = 2, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
     """``world_size`` ranks of ``tests/_user_job.py``, all in one new process group (the first rank's pid)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}  # fmt: skip
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+           **(env or {})}  # fmt: skip
     ranks: list[subprocess.Popen[str]] = []
     for rank in range(world_size):
         ranks.append(subprocess.Popen(
@@ -154,3 +159,13 @@ def test_the_memory_tier_warns_of_a_replica_on_the_same_node_and_clears_its_memo
         assert not memory.exists(), f"left in memory: {sorted(p.name for p in memory.rglob('*'))}"
     finally:
         shutil.rmtree(memory, ignore_errors=True)
+
+
+def test_a_save_called_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> None:
+    """Rank 0 calls save_checkpoint, rank 1 does not: rank 0 raises saying that every rank must call it (it died of
+    gloo's "Connection closed by peer", or a C++ abort when rank 1 was in another collective)."""
+    directory = tmp_path / "ckpt"
+    (code0, out0, err0), (code1, out1, err1) = finish(start_job("rank0-only", directory, env={CHECK_IN: "20"}))
+    assert code0 != 0 and "every rank must call it, but only 1 of the 2 ranks did" in out0, f"{out0}\n{err0[-3000:]}"
+    assert code1 == 0 and "rank 1: not saving" in out1, f"{out1}\n{err1[-3000:]}"
+    assert not directory.exists() or not list(directory.iterdir()), "nothing was to be written"

@@ -11,6 +11,7 @@ and commit. The location does what differs between backends, in the order its do
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,11 +33,32 @@ from fsdp_optim.formats.sharded.writer import save_rules, write_shard_file
 from fsdp_optim.job.local import LocalState, check_agreement, read_local_state
 from fsdp_optim.job.root import Root
 from fsdp_optim.job.stager import pieces
-from fsdp_optim.job.transport import ProcessGroup, agree, broadcast_object, dist_rank_and_size, gather_objects
+from fsdp_optim.job.transport import (
+    ProcessGroup,
+    agree,
+    broadcast_object,
+    dist_rank_and_size,
+    gather_objects,
+)
 
-__all__ = ["Begun", "Side", "commit_save", "own_tensor", "read_for_save", "start_save"]
+__all__ = ["Begun", "Side", "check_in_seconds", "commit_save", "own_tensor", "read_for_save", "start_save"]
 
 _SAFE_LEAVES = (type(None), bool, int, float, complex, str, torch.Tensor)
+CHECK_IN_ENV = "FSDP_OPTIM_CHECK_IN_S"
+CHECK_IN_DEFAULT_S = 600.0
+
+
+def check_in_seconds() -> float:
+    """How long a save waits for every rank to call it before saying that one did not
+    (:func:`~fsdp_optim.job.transport.check_in`): ``$FSDP_OPTIM_CHECK_IN_S`` seconds, default 600."""
+    text = os.environ.get(CHECK_IN_ENV)
+    try:
+        value = float(text) if text else CHECK_IN_DEFAULT_S
+    except ValueError:
+        raise ValueError(f"${CHECK_IN_ENV}: expected a number of seconds, found {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"${CHECK_IN_ENV}: expected a number of seconds > 0, found {text!r}")
+    return value
 
 
 def _check_loadable(value: Any, where: str) -> None:

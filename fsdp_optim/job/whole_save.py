@@ -28,8 +28,15 @@ from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previo
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
-from fsdp_optim.job.save_commit import Side, commit_save, own_tensor, read_for_save, start_save
-from fsdp_optim.job.transport import agree, all_gather_objects
+from fsdp_optim.job.save_commit import (
+    Side,
+    check_in_seconds,
+    commit_save,
+    own_tensor,
+    read_for_save,
+    start_save,
+)
+from fsdp_optim.job.transport import agree, all_gather_objects, check_in
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
@@ -76,6 +83,7 @@ def save_checkpoint(
         path/train-<id>-rank00000-of-00002.safetensors          # extra (+ buffers) of rank 0
     """
     root = verify_root(model, optim)
+    check_in("save_checkpoint", root.group, check_in_seconds())  # a rank calling it alone: said, not a gloo abort
     prepared, per_rank = _prepare_everywhere(root, model, optim, extra)
     directory = where(path)
     side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
@@ -105,6 +113,7 @@ def async_save_checkpoint(
     """
     finish_previous(model)
     root = verify_root(model, optim)
+    check_in("async_save_checkpoint", root.group, check_in_seconds())
     prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True)
     directory = where(path)
     group = checkpoint_group(root.group)
