@@ -177,7 +177,8 @@ def commit_save(
     except BaseException as exc:
         if own.committed:  # e.g. a Ctrl-C right after the agreement: the save stands, as on the other ranks
             _finish_committed(directory, lock, manifest)
-            exc.add_note(f"(the save into {directory} had committed before this interrupt: its checkpoint is whole)")
+            note = f"(the save into {directory} had committed before this interrupt: its checkpoint is whole)"
+            getattr(exc, "add_note", lambda _: None)(note)  # Python >= 3.11
             raise
         if lock is not None:
             directory.finish_save(lock, failed=True)

@@ -59,7 +59,7 @@ def verify_sharded(path: str | os.PathLike[str] | Location) -> Verification:
     return Verification(directory, kind, tuple(checks))  # named as inspect names it
 
 
-def _leftover_checks(directory: Path, listed: set[str]) -> list[FileCheck]:
+def _leftover_checks(directory: Path | Location, listed: set[str]) -> list[FileCheck]:
     """A line for each file an interrupted save of ours left beside the checkpoint (not part of it: the checkpoint
     is still whole), so the report does not call the directory clean."""
     if not isinstance(directory, Path) or not directory.is_dir():
