@@ -65,6 +65,7 @@ class Survey:
     problem: str | None = None  # why it cannot simply be written over (refused without overwrite)
     overwrite_means: str = "write there anyway (nothing there is deleted)"
     refused: str | None = None  # why it is refused even with overwrite (a foreign file the commit would replace)
+    stale: frozenset[str] = frozenset()  # an interrupted write's files: not foreign, no output; the commit removes them
 
 
 class Claims(Protocol):
@@ -142,13 +143,13 @@ def open_output(
         if lock.previous:
             recover(lock.output, lock.previous, claims)
             lock.forget()
-        replaces = _owned_or_refuse(lock.output, claims, overwrite=overwrite)
+        replaces, stale = _owned_or_refuse(lock.output, claims, overwrite=overwrite)
         if replaces and not replace and not overwrite:
             raise ForeignOutputError(
                 f"{lock.output}: already holds a checkpoint ({len(replaces)} of its files, e.g. "
                 f"{sorted(replaces)[0]}); pass overwrite=True (--overwrite) to replace it"
             )
-        lock.journal(dataclasses.replace(entry, replaces=tuple(sorted(replaces))))
+        lock.journal(dataclasses.replace(entry, replaces=tuple(sorted(replaces | stale))))
     except BaseException:
         lock.release()
         raise
@@ -164,10 +165,11 @@ def close_output(lock: OutputLock, claims: Claims, *, failed: bool) -> None:
         lock.release()
 
 
-def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> set[str]:
-    """What a commit in ``directory`` replaces; foreign content refused unless ``overwrite`` (kept either way)."""
+def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> tuple[set[str], set[str]]:
+    """What a commit in ``directory`` replaces, and the stale files it removes; foreign content refused unless
+    ``overwrite`` (kept either way)."""
     if not os.path.lexists(directory):
-        return set()
+        return set(), set()
     if not directory.is_dir():
         raise ForeignOutputError(f"{directory}: exists and is not a directory ({describe_file(directory)})")
     survey = claims.survey(directory)
@@ -183,7 +185,7 @@ def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> set
         raise ForeignOutputError(
             f"{directory}: {'; '.join(parts)}; pass overwrite=True (--overwrite) to {survey.overwrite_means}"
         )
-    return set(survey.replaces)
+    return set(survey.replaces), set(survey.stale)
 
 
 @contextlib.contextmanager

@@ -16,8 +16,10 @@ skipping torn and damaged ones and saying why.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,6 +262,26 @@ class CheckpointManager:
         extra = load_checkpoint(model, optim, self.path(step), buffers=buffers)
         self.restored_from, self.restored_step = "durable", step
         return extra
+
+    def clear_memory(self) -> list[Path]:
+        """Remove this node's memory tier (its steps in ``/dev/shm``, or ``memory_dir``) when the job is done with it,
+        and the memory directory once no node's tier is left there; durable checkpoints are not touched. Call on every
+        rank after the last save (a collective: two small agreements); a save in flight is waited for first. Returns the
+        directories this rank removed."""
+        self.wait()
+        if self.memory_every is None:
+            return []
+        tier = self._tier()
+        removed = []
+        agree(None, group=None, what="CheckpointManager.clear_memory")  # every rank's last memory save is sealed
+        if tier.node_dir().is_dir():
+            shutil.rmtree(tier.node_dir(), ignore_errors=True)  # the node's other ranks may be removing it too
+            removed.append(tier.node_dir())
+        agree(None, group=None, what="CheckpointManager.clear_memory")  # every node's tier is gone
+        with contextlib.suppress(OSError):  # not empty: another job's tier in a shared memory_dir is kept
+            tier.directory.rmdir()
+            removed.append(tier.directory)
+        return removed
 
     def _tier(self) -> MemoryTier:
         rank, _ = dist_rank_and_size(None)

@@ -20,6 +20,7 @@ Layout on disk: :mod:`fsdp_optim.formats.sharded.memory_tier`.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,11 +91,28 @@ def save_to_memory(
     rank, _ = dist_rank_and_size(group)
     reports = all_gather_objects((new_save_id() if rank == 0 else None, tier.node), group)
     save_id, nodes = reports[0][0], [n for _, n in reports]
+    _warn_one_node(tier, nodes, rank)
     job = _Job(root, side, type(optim).__name__ if optim is not None else None, tier, nodes, step, save_id, group)
     if optim is None:
         return job.run(prepared.state, prepared.local)
     upload = lambda staged: job.run(staged, prepared.local)  # noqa: E731 - the thread's whole job
     return launch(model, job.directory, optim, prepared.state, upload, name=f"memory-{save_id[:8]}")
+
+
+_warned: set[Path] = set()
+
+
+def _warn_one_node(tier: MemoryTier, nodes: list[str], rank: int) -> None:
+    """``replicas >= 1`` with every rank on one node: the "replica" sits on the node it should outlive (said once)."""
+    if tier.replicas < 1 or len(set(nodes)) > 1 or rank != 0 or tier.directory in _warned:
+        return
+    _warned.add(tier.directory)
+    warnings.warn(
+        f"memory tier: replicas={tier.replicas}, but every rank is on node {nodes[0]!r}, so each replica is kept "
+        "on the same node as the data it should survive; losing the node loses both. On several machines, set "
+        f"${NODE_ENV} or torchrun's LOCAL_WORLD_SIZE so ranks are told apart by node (or pass node=)",
+        stacklevel=3,
+    )
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ and commit. The location does what differs between backends, in the order its do
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,11 +34,32 @@ from fsdp_optim.formats.sharded.writer import save_rules, write_shard_file
 from fsdp_optim.job.local import LocalState, check_agreement, read_local_state, with_scalars
 from fsdp_optim.job.root import Root
 from fsdp_optim.job.stager import pieces
-from fsdp_optim.job.transport import ProcessGroup, agree, broadcast_object, dist_rank_and_size, gather_objects
+from fsdp_optim.job.transport import (
+    ProcessGroup,
+    agree,
+    broadcast_object,
+    dist_rank_and_size,
+    gather_objects,
+)
 
-__all__ = ["Begun", "Side", "commit_save", "own_tensor", "read_for_save", "start_save"]
+__all__ = ["Begun", "Side", "check_in_seconds", "commit_save", "own_tensor", "read_for_save", "start_save"]
 
 _SAFE_LEAVES = (type(None), bool, int, float, complex, str, torch.Tensor)
+CHECK_IN_ENV = "FSDP_OPTIM_CHECK_IN_S"
+CHECK_IN_DEFAULT_S = 600.0
+
+
+def check_in_seconds() -> float:
+    """How long a save waits for every rank to call it before saying that one did not
+    (:func:`~fsdp_optim.job.transport.check_in`): ``$FSDP_OPTIM_CHECK_IN_S`` seconds, default 600."""
+    text = os.environ.get(CHECK_IN_ENV)
+    try:
+        value = float(text) if text else CHECK_IN_DEFAULT_S
+    except ValueError:
+        raise ValueError(f"${CHECK_IN_ENV}: expected a number of seconds, found {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"${CHECK_IN_ENV}: expected a number of seconds > 0, found {text!r}")
+    return value
 
 
 def _check_loadable(value: Any, where: str) -> None:
@@ -87,8 +109,13 @@ def start_save(
             lock = directory.begin_save(rules, purpose=purpose, overwrite=overwrite)
         except Exception as exc:  # every rank learns of it through agree()
             failure = exc
-    agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
-    return broadcast_object(save_id, src=0, group=group), lock
+    try:
+        agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
+        return broadcast_object(save_id, src=0, group=group), lock
+    except BaseException:  # a Ctrl-C or a peer's failure here: nothing was written, and the lock is not left held
+        if lock is not None:
+            directory.finish_save(lock, failed=True)
+        raise
 
 
 def read_for_save(root: Root, optim: torch.optim.Optimizer, *, read_scalars: bool = True) -> LocalState:
@@ -152,7 +179,13 @@ def commit_save(
                 failure = exc
         what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
         agree(failure, group=group, what=f"{what} failed, no checkpoint was written")
+        own.committed = True  # every rank agreed: the manifest is in place, whatever interrupts us now
     except BaseException as exc:
+        if own.committed:  # e.g. a Ctrl-C right after the agreement: the save stands, as on the other ranks
+            _finish_committed(directory, lock, manifest)
+            note = f"(the save into {directory} had committed before this interrupt: its checkpoint is whole)"
+            getattr(exc, "add_note", lambda _: None)(note)  # Python >= 3.11
+            raise
         if lock is not None:
             directory.finish_save(lock, failed=True)
         if own.published and not isinstance(exc, CommitOutcomeUnknown):  # else the manifest may list them: kept
@@ -161,9 +194,14 @@ def commit_save(
     finally:
         if own.staging is not None:
             directory.unstage(own.staging)
-    if lock is not None:  # what the replaced checkpoint and failed writers left (rank 0)
-        directory.finish_save(lock, failed=False, keep=frozenset(manifest.file_names()) if manifest else frozenset())
+    _finish_committed(directory, lock, manifest)
     return directory / MANIFEST_NAME
+
+
+def _finish_committed(directory: Location, lock: Begun | None, manifest: Manifest | None) -> None:
+    """Rank 0 after a commit: remove what the replaced checkpoint and failed writers left (nothing elsewhere)."""
+    if lock is not None:
+        directory.finish_save(lock, failed=False, keep=frozenset(manifest.file_names()) if manifest else frozenset())
 
 
 @dataclass
@@ -175,6 +213,7 @@ class _Written:
     shards: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     staging: Staging | None = None
     published: list[str] = field(default_factory=list)
+    committed: bool = False  # every rank agreed that the manifest is in place
 
 
 def _write_own(

@@ -33,9 +33,10 @@ from fsdp_optim.job.device_load import optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root
-from fsdp_optim.job.save_commit import commit_save, own_tensor, read_for_save, start_save
+from fsdp_optim.job.save_commit import check_in_seconds, commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.transport import (
     agree,
+    check_in,
     scatter_objects,
 )
 
@@ -71,6 +72,7 @@ def save_sharded_optim_state(
     and each rank's own file write.
     """
     root = verify_root(fsdp)
+    check_in("save_sharded_optim_state", root.group, check_in_seconds())  # a rank calling it alone: said so
     local = read_for_save(root, optim)
     target = where(directory)
     state = {i: {key: own_tensor(v) for key, v in entries.items()} for i, entries in local.state.items()}

@@ -2,22 +2,20 @@
 
 Two ways to bring per-rank flat shards together:
 
-- :func:`gather_flat_tensors` (the default): every rank sends the *real* elements of each of its shards,
-  padding excluded, straight into the slice of a freshly allocated flat full tensor on the recipient.
-  Each byte moves once; ranks other than the recipient allocate nothing (on CPU/gloo they send views
-  of their live optimizer state). Cost: one point-to-point message per (flat parameter, state key,
-  sending rank) with real elements.
-- :func:`broadcast_from_each_rank`: the design card's ``broadcast_object_list`` path, one broadcast per
-  rank of that rank's pickled shard dict. Every rank receives every shard; kept for comparison.
+- :func:`gather_flat_tensors` (the default): every rank sends the *real* elements of each of its shards, padding
+  excluded, straight into the slice of a fresh flat full tensor on the recipient. Each byte moves once; ranks other
+  than the recipient allocate nothing (on gloo they send views of their live optimizer state). Cost: one
+  point-to-point message per (flat parameter, state key, sending rank) with real elements.
+- :func:`broadcast_from_each_rank`: one broadcast per rank of its pickled shard dict (kept for comparison).
 
-Metadata costs one all-gather of a 64-bit digest per rank (:func:`all_gather_digests`), and the full
-summaries travel (:func:`all_gather_objects`) only when digests differ, to say what differs. A final
-barrier makes every rank agree that the transfer completed.
+Metadata costs one all-gather of a 64-bit digest per rank (:func:`all_gather_digests`), and the full summaries
+travel (:func:`all_gather_objects`) only when digests differ. A final barrier agrees that the transfer completed.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,8 +29,8 @@ from fsdp_optim.job.host_copies import moved
 
 __all__ = [
     "shut_down", "ProcessGroup", "Transfer", "agree", "all_gather_objects", "broadcast_from_each_rank",
-    "broadcast_object", "dist_rank_and_size", "exchange_bytes", "is_cpu_group", "post_exchange", "new_gloo_group",
-    "gather_flat_tensors", "gather_objects", "group_initialized", "join_from_env", "scatter_objects",
+    "broadcast_object", "check_in", "dist_rank_and_size", "exchange_bytes", "is_cpu_group", "post_exchange",
+    "new_gloo_group", "gather_flat_tensors", "gather_objects", "group_initialized", "join_from_env", "scatter_objects",
 ]  # fmt: skip
 
 ProcessGroup = dist.ProcessGroup  # for modules that hold a group but never talk through it (job/root.py)
@@ -89,6 +87,25 @@ def group_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+_check_ins: dict[str, int] = {}  # calls of check_in per key, in this process
+
+
+def check_in(what: str, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+    """Wait on the job's store (not a collective) until every rank of ``group`` called this as often as this rank,
+    or raise saying so: a rank that calls ``what`` alone gets that, not a gloo abort or "connection closed"."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    base = f"fsdp_optim/check-in/{what}/{','.join(map(str, ranks))}"
+    _check_ins[base] = count = _check_ins.get(base, 0) + 1
+    store, key, stop_at = dist.distributed_c10d._get_default_store(), f"{base}/{count}", time.monotonic() + timeout_s
+    arrived = store.add(key, 1)
+    while arrived < len(ranks):
+        if time.monotonic() > stop_at:
+            raise RuntimeError(f"{what} is a collective: every rank must call it, but only {arrived} of the "
+                               f"{len(ranks)} ranks did within {timeout_s:g} s; nothing was written")  # fmt: skip
+        time.sleep(0.01)
+        arrived = store.add(key, 0)
+
+
 def dist_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """This process's rank in ``group`` and the group's size."""
     return dist.get_rank(group), dist.get_world_size(group)
@@ -143,11 +160,9 @@ class _Receives:
 def gather_flat_tensors(
     transfers: Sequence[Transfer], *, recipient: int | None, group: dist.ProcessGroup | None
 ) -> list[torch.Tensor] | None:
-    """Reassemble each transfer's flat full tensor (CPU, padding dropped) on ``recipient``.
-
-    ``recipient`` is a rank of ``group``; ``None`` assembles on every rank (one broadcast per piece
-    instead of one message). Returns the tensors in ``transfers`` order where assembled, else ``None``.
-    """
+    """Reassemble each transfer's flat full tensor (CPU, padding dropped) on ``recipient``, a rank of ``group``;
+    ``None`` assembles on every rank (one broadcast per piece instead of one message). Returns the tensors in
+    ``transfers`` order where assembled, else ``None``."""
     rank = dist.get_rank(group)
     receiving = recipient is None or rank == recipient
     io = _Receives(_comm_device(group))
@@ -247,10 +262,8 @@ _PORTABLE_ERRORS = {e.__name__: e for e in (ValueError, TypeError, NotImplemente
 def agree(failure: BaseException | None, *, group: dist.ProcessGroup | None, what: str) -> None:
     """Make every rank agree on whether a step failed: one all-gather of an int (and, when some rank failed, one of
     the errors), then every rank raises or none does. A rank that failed re-raises its own ``failure``; the others
-    raise the first failing rank's error with its type (a builtin or one of fsdp_optim's, such as
-    ``ForeignOutputError``; else the nearest :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``) and its
-    message, followed by that rank and ``what`` (e.g. ``"save_sharded_optim_state failed, no checkpoint was
-    written"``). So ``except ForeignOutputError`` catches it on every rank."""
+    raise the first failing rank's error with its type (a builtin or fsdp_optim's, e.g. ``ForeignOutputError``; else
+    the nearest :data:`_PORTABLE_ERRORS` type, else ``RuntimeError``), its message, that rank and ``what``."""
     if not any(all_gather_digests(int(failure is not None), group)):  # all went well: no pickling, one round
         return
     mine = None

@@ -27,10 +27,11 @@ EXIT_STATUS = 1
 class Watched(Protocol):
     """What the exit hook asks of an async save's handle (:class:`fsdp_optim.job.async_save.AsyncSave`)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     @property
-    def directory(self) -> object: ...  # read only: any path-like the handle prints
+    def directory(self) -> object: ...
 
     def done(self) -> bool: ...
 

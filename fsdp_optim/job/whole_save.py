@@ -28,9 +28,16 @@ from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previo
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
-from fsdp_optim.job.save_commit import Side, commit_save, own_tensor, read_for_save, start_save
+from fsdp_optim.job.save_commit import (
+    Side,
+    check_in_seconds,
+    commit_save,
+    own_tensor,
+    read_for_save,
+    start_save,
+)
 from fsdp_optim.job.stager import pieces
-from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects
+from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects, check_in
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
@@ -67,7 +74,8 @@ def save_checkpoint(
     scheduler's or grad scaler's ``state_dict()``, ``torch.get_rng_state()``, a data-loader position).
     :func:`fsdp_optim.load_checkpoint` gives it back exactly (at another world size, rank r gets saved rank
     ``r % saved_world_size``'s). Nothing is modified. A failure on any rank raises on every rank, with no
-    checkpoint written. Returns the manifest's path.
+    checkpoint written. Returns the manifest's path. A checkpoint of ours already in ``path`` is replaced (the new
+    manifest commits first); ``overwrite=True`` only allows writing beside files fsdp_optim did not write.
 
     Resulting directory (see :mod:`fsdp_optim.formats.sharded.training`)::
 
@@ -76,12 +84,13 @@ def save_checkpoint(
         path/train-<id>-rank00000-of-00002.safetensors          # extra (+ buffers) of rank 0
     """
     root = verify_root(model, optim)
+    check_in("save_checkpoint", root.group, check_in_seconds())  # a rank calling it alone: said, not a gloo abort
     prepared, per_rank = _prepare_everywhere(root, model, optim, extra)
     directory = where(path)
-    save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
     side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
     optimizer = type(optim).__name__ if optim is not None else None
-    return commit_save(
+    save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
+    return commit_save(  # at once: from here, commit_save releases the lock whatever happens
         root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock, side=side
     )
 
@@ -107,6 +116,7 @@ def async_save_checkpoint(
     """
     finish_previous(model)
     root = verify_root(model, optim)
+    check_in("async_save_checkpoint", root.group, check_in_seconds())
     group = checkpoint_group(root.group)
     prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True, caller_of=group)
     directory = where(path)

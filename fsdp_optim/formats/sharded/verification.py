@@ -18,6 +18,7 @@ from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.reader import checkpoint_dir, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import read_side_file
+from fsdp_optim.formats.sharded.writer import leftovers
 
 __all__ = ["present_and_sized", "verify_sharded"]
 
@@ -53,8 +54,22 @@ def verify_sharded(path: str | os.PathLike[str] | Location) -> Verification:
             return ", digest matches"
 
         checks.append(check_file(directory / side.file, read_side, nbytes=side.nbytes))
+    checks += _leftover_checks(directory, {manifest_path.name} | manifest.file_names())
     kind = "sharded checkpoint" if manifest.training is None else "whole sharded checkpoint (model, optimizer, extra)"
     return Verification(directory, kind, tuple(checks))  # named as inspect names it
+
+
+def _leftover_checks(directory: Path | Location, listed: set[str]) -> list[FileCheck]:
+    """A line for each file an interrupted save of ours left beside the checkpoint (not part of it: the checkpoint
+    is still whole), so the report does not call the directory clean."""
+    if not isinstance(directory, Path) or not directory.is_dir():
+        return []
+    stale = leftovers(directory, set(os.listdir(directory)) - listed)
+    return [
+        FileCheck(directory / name, True, "leftover of an interrupted save, not part of this checkpoint "
+                  "(the next save into this directory removes it)")  # fmt: skip
+        for name in sorted(stale)
+    ]
 
 
 def present_and_sized(path: str | os.PathLike[str] | Location, manifest: Manifest | None = None) -> list[str]:

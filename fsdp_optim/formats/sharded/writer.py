@@ -13,6 +13,7 @@ save id and world size the next writer knows, by name, every file a killed write
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -87,7 +88,8 @@ class _CheckpointClaims:
             return Survey(known=known, refused=f"{refused}; {why}")
         if problems:
             return Survey(known=frozenset(names & set(MANIFEST_NAMES)), problem="; ".join(problems))
-        return Survey(replaces=frozenset(files), known=known)
+        stale = leftovers(directory, names - files)  # an interrupted save's files: ours, and obsolete
+        return Survey(replaces=frozenset(files), known=known | stale, stale=frozenset(stale))
 
     def created(self, entry: JournalEntry) -> set[str]:
         save_id, world_size = _journaled(entry)
@@ -114,6 +116,43 @@ class _CheckpointClaims:
 
 
 CHECKPOINT = _CheckpointClaims()
+_NAMED_ID = re.compile(r"^(?:optim|train)-(?P<id>[0-9a-f]{12})-rank(?P<rank>\d+)-of-(?P<world>\d+)\.safetensors$")
+_MAX_LEFTOVER_HEADER = 1 << 26
+
+
+def leftovers(directory: Path, names: Iterable[str]) -> set[str]:
+    """Of ``names`` (files in ``directory`` that its manifest does not list), those an interrupted save of ours left:
+    a rank or side file (format 3) by its name, whose safetensors header says it is ours, with the save id, rank and
+    world size its name gives. (A save interrupted on one rank after rank 0 cleaned up leaves files no journal
+    names any more; a Ctrl-C to the process group does that.) Unreadable or foreign files are not ours."""
+    found = set()
+    for name in names:
+        match = _NAMED_ID.match(name)
+        if match is None or (directory / name).is_symlink():
+            continue
+        meta = _header_metadata(directory / name)
+        if (
+            meta.get("format") == "fsdp_optim"
+            and meta.get("save_id", "")[:12] == match["id"]
+            and meta.get("rank") == str(int(match["rank"]))
+            and meta.get("world_size") == str(int(match["world"]))
+        ):
+            found.add(name)
+    return found
+
+
+def _header_metadata(path: Path) -> dict[str, Any]:
+    """A safetensors file's ``__metadata__``, or ``{}`` where it cannot be read as one."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= _MAX_LEFTOVER_HEADER:
+                return {}
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):
+        return {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def _journaled(entry: JournalEntry) -> tuple[str | None, int | None]:
