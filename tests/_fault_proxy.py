@@ -15,6 +15,8 @@ method and by whether it has a Range header) that fires decides what happens to 
 - ``status503`` / ``status500``: answer ``503 SlowDown`` / ``500 InternalError`` with an S3 XML error body; the
   request is not forwarded.
 - ``truncate``: forward, send the response head unchanged and ``truncate_at`` bytes of the body, then close.
+- ``stall``: a frozen server: read the request head, then neither forward nor answer it; the connection stays open
+  (whatever the client sends is read and dropped) until the client gives up or the proxy closes.
 
 A rule fires on the next ``count`` matching requests (``count=None``: on every one) or, with ``probability``,
 on each matching request with that chance from a ``random.Random(seed)`` (``count`` then caps how often);
@@ -42,7 +44,7 @@ from _s3 import S3Endpoint
 
 SETTLE_S = 5  # how long stats() and log() wait for requests whose answer is sent to be counted
 IO_TIMEOUT_S = 60  # per socket operation; also how long an idle keep-alive connection is kept
-FaultKind = Literal["drop", "drop_response", "status503", "status500", "truncate"]
+FaultKind = Literal["drop", "drop_response", "status503", "status500", "truncate", "stall"]
 _ERRORS = {
     "status503": (503, "Service Unavailable", "SlowDown", "Please reduce your request rate."),
     "status500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
@@ -315,6 +317,16 @@ class FaultProxy:
             self._in_flight -= 1
             self._settled.notify_all()
 
+    def _hold(self, client: socket.socket) -> None:
+        """A frozen server's side of a connection: read and drop what the client sends, answer nothing, until the
+        client closes it or the proxy closes."""
+        while not self._closed.is_set():
+            try:
+                if not client.recv(1 << 16):
+                    return
+            except TimeoutError:
+                continue
+
     def _serve(self, client: socket.socket) -> None:
         upstream: socket.socket | None = None
         up_reader: BinaryIO | None = None
@@ -336,6 +348,11 @@ class FaultProxy:
                 if kind == "drop":
                     self._record(method, 0, record(None, 0))
                     pending = False
+                    return
+                if kind == "stall":
+                    self._record(method, 0, record(None, 0))
+                    pending = False
+                    self._hold(client)
                     return
                 expects = headers.get("expect", "").lower() == "100-continue"
                 head = [line for line in head if not line.lower().startswith(b"expect:")]

@@ -1,4 +1,4 @@
-"""What a new user hit on the command line (issue 40): ``verify`` passing any torch file, a model's state_dict refused
+"""What a new user hit on the command line: ``verify`` passing any torch file, a model's state_dict refused
 for its tied weights instead of as no checkpoint, a DCP export whose optimizer key was neither said nor chosen nor
 seen by ``inspect``, bad numbers exiting 1 instead of 2, an ``-o`` whose name or kind (a directory) the verb could not
 write, and ``verify --json``'s ``kind`` meaning something else than ``inspect --json``'s. Each test failed before its

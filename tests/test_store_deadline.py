@@ -156,3 +156,27 @@ def test_the_api_raises_permission_error_naming_the_object(s3_server: Any, saved
     options = dict(s3_server.storage_options, secret="not-the-secret")
     with pytest.raises(PermissionError, match=f"{saved}/manifest.json: .*refused access"):
         fsdp_optim.verify(fsdp_optim.open_store(saved, **options))
+
+
+def test_a_frozen_server_fails_a_request_at_the_deadline_and_says_a_transfers_allowance(fault_proxy: Any) -> None:
+    """A server that takes requests and never answers (the proxy's ``stall``): a small request gives up at the
+    deadline; a large upload is allowed its bytes at 4 MiB/s on top, and the message says so (before: "at the store
+    deadline, 20 s" after 50 s, the 30 s allowance unsaid)."""
+    store = fsdp_optim.open_store(fault_proxy.url("frozen"), deadline_s=2, **fault_proxy.storage_options)
+    fault_proxy.set_faults(Fault("stall", count=None))
+    kind, message = _outcome(lambda: store.size("manifest.json"))
+    assert kind == "StoreUnavailable" and "at the store deadline, 2 s (" in message, (kind, message)
+    assert "allowed for" not in message, message
+    kind, message = _outcome(lambda: store.put("big.bin", bytes(8 << 20)))
+    assert kind == "StoreUnavailable" and "big.bin" in message, (kind, message)
+    assert "at the store deadline, 2 s, plus 2.0 s allowed for its 8.0 MiB transfer at 4 MiB/s" in message, message
+    assert fault_proxy.stats().faults["stall"] >= 2, fault_proxy.stats()
+
+
+@pytest.mark.parametrize("where", ["missing_bucket", "empty_prefix"])
+def test_list_of_a_prefix_with_nothing_below_it_exits_1(s3_server: Any, where: str) -> None:
+    """Before: "no step directories" and exit 0, where a missing local root exits 1."""
+    url = "s3://no-such-bucket-fsdp-optim/run" if where == "missing_bucket" else s3_server.url("nothing-here")
+    done = _cli(s3_server.env, "list", url)
+    assert done.returncode == 1 and done.stdout == "" and done.stderr.count("\n") == 1, (done.stdout, done.stderr)
+    assert f"{url}: nothing is stored under this prefix (no such bucket" in done.stderr, done.stderr

@@ -5,7 +5,7 @@ the whole training state), with no process group.
     fsdp-optim consolidate SRC -o FILE [--overwrite] [--layout PATH] [--optimizer NAME] [--no-model] [--rank R]
     fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME] [--param-names FILE]
     fsdp-optim convert SRC -o FILE|DIR [--overwrite] [--layout PATH] [--optimizer NAME] [--param-names FILE]
-                       [--to full|named|dcp|safetensors]
+                       [--to full|named|dcp|safetensors] [--optim-key KEY (--to dcp; default optimizer)]
     fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
     fsdp-optim diff A B [--atol X] [--rtol Y] [--json]
     fsdp-optim list ROOT [--json] [--quick] [--memory-dir DIR|default]
@@ -38,7 +38,9 @@ and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 
 verb, for bad input: then with one line on stderr), and 2 for bad usage. ``verify --deep`` also reads the state
 for what a resumed run would trip on and exits 1 naming each finding's parameter and state key.
 
-Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse);
+Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse: a
+flag's value out of range, such as ``--world-size 0``; an option the target does not take; an ``-o`` name the input
+cannot be written as, :class:`~fsdp_optim.cli.outcome.UsageError`);
 70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
 saying what was left as it was; no traceback). A Ctrl-C that comes once the verb's work is done (its report being
 printed, the interpreter exiting) is ignored: the exit is the verb's own. Every file is read with
@@ -163,7 +165,11 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         from fsdp_optim.cli.outcome import UsageError
 
         if isinstance(exc, UsageError):
-            args.usage_error(str(exc))  # the verb's usage line, the message, exit 2 (SystemExit)
+            usage_error = getattr(args, "usage_error", None)
+            if usage_error is not None:
+                usage_error(str(exc))  # the verb's usage line, the message, exit 2 (SystemExit)
+            print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
+            return EXIT_USAGE
         if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
             print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
             return EXIT_BAD_INPUT

@@ -6,7 +6,8 @@
 
 Every file of every step is verified (what ``fsdp-optim verify`` reads), unless ``--quick`` (sizes only). Exits 0
 whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage). A checkpoint given as
-ROOT (a step directory itself) is refused (exit 1), naming ``inspect`` / ``verify``, which read one checkpoint.
+ROOT (a step directory itself) is refused (exit 1), naming ``inspect`` / ``verify``, which read one checkpoint; so is
+a missing root: a local directory that is not there, or a store prefix with nothing below it (a missing bucket).
 
 ``--memory-dir DIR`` adds what the memory tier of the nodes on this machine holds (complete steps only)::
 
@@ -39,6 +40,12 @@ def run_list(args: argparse.Namespace) -> list[str]:
     if not root.exists() and memory is None:
         raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
     found = [survey_step(step, path, verify=not args.quick) for step, path in find_step_dirs(root)]
+    if not found and memory is None and root.local_path() is None and not root.prefixes() and not root.listing():
+        # A store keeps no empty "directories": nothing below the prefix is what a missing local root is.
+        raise FileNotFoundError(
+            f"{root}: nothing is stored under this prefix (no such bucket, or no object below it); expected a "
+            "CheckpointManager's root holding step-NNNNNNNN directories"
+        )
     if not found and is_sharded_checkpoint(root):
         raise ValueError(
             f"{root}: a checkpoint (a step directory), not a CheckpointManager root of step directories; "

@@ -333,7 +333,7 @@ class ObjectStore(StoreSaving):
                 pause = self.policy.backoff_s * 2**attempt
                 if attempt == self.policy.attempts - 1 or clock.left() <= pause:
                     spent = time.monotonic() - began
-                    why = "" if clock.left() > pause else f", at {self.policy.describe()}"
+                    why = "" if clock.left() > pause else f", at {self.policy.describe(nbytes)}"
                     raise StoreUnavailable(
                         f"{what}: failed after {attempt + 1} attempts in {spent:.1f} s{why}: {describe(exc)}"
                     ) from exc

@@ -6,7 +6,10 @@ first attempt unless ``FSDP_OPTIM_STORE_DEADLINE_S`` or ``open_store(url, deadli
 attempt of an asynchronous filesystem (s3fs, gcsfs...) is cut at the time left, so the client's own retries inside
 it (botocore's, s3fs's) cannot outlast it either; a transfer is allowed its bytes at :data:`TRANSFER_FLOOR` bytes a
 second on top, so a large upload that is making progress is not cut. A store that keeps failing therefore fails
-every request within the deadline (plus one transfer's allowance), naming the object.
+every request within the deadline (plus one transfer's allowance, which the message states: "at the store deadline,
+20 s, plus 30.0 s allowed for its 120.0 MiB transfer at 4 MiB/s"), naming the object. A save that fails so then
+spends at most one more deadline removing what this rank uploaded (best effort; one deadline for all its objects),
+and a commit whose answer was lost one more asking the store whether it landed.
 
 Refused access (a 403, a wrong key or signature, no credentials at all) is an answer, not a fault: it is raised at
 once as a ``PermissionError`` that names the object and says where credentials come from.
@@ -90,8 +93,22 @@ class RetryPolicy:
         """The time left to one request, from now."""
         return Clock(time.monotonic() + self.deadline_s)
 
-    def describe(self) -> str:
-        return f"the store deadline, {self.deadline_s:g} s ({DEADLINE_ENV} or open_store(url, deadline_s=...))"
+    def describe(self, nbytes: int = 0) -> str:
+        """The deadline a request gave up at, and the allowance its transfer of ``nbytes`` had beyond it (an attempt
+        in flight when the deadline passes runs on for that long: :meth:`Clock.timeout`)."""
+        allowance = transfer_allowance(nbytes)
+        beyond = (
+            f", plus {allowance:.1f} s allowed for its {nbytes / (1 << 20):.1f} MiB transfer at "
+            f"{TRANSFER_FLOOR >> 20} MiB/s"
+            if allowance >= 0.05
+            else ""
+        )
+        return f"the store deadline, {self.deadline_s:g} s{beyond} ({DEADLINE_ENV} or open_store(url, deadline_s=...))"
+
+
+def transfer_allowance(nbytes: int) -> float:
+    """Seconds a transfer of ``nbytes`` is allowed beyond the deadline (at :data:`TRANSFER_FLOOR` bytes a second)."""
+    return nbytes / TRANSFER_FLOOR
 
 
 @dataclass(frozen=True)
@@ -105,7 +122,7 @@ class Clock:
 
     def timeout(self, nbytes: int = 0) -> float:
         """How long one attempt may run: the time left (at least :data:`MIN_ATTEMPT_S`) plus its transfer's share."""
-        return max(self.left(), MIN_ATTEMPT_S) + nbytes / TRANSFER_FLOOR
+        return max(self.left(), MIN_ATTEMPT_S) + transfer_allowance(nbytes)
 
 
 def refused(exc: BaseException | None) -> bool:
