@@ -235,3 +235,28 @@ def test_whole_checkpoint_by_two_processes(whole: Path, tmp_path: Path) -> None:
     run_ranks(_reshard_in_ranks, 2, str(whole), str(tmp_path / "two"), 3, deadline_s=180)
     assert_same_but_save_id(tmp_path / "a", tmp_path / "two")
     assert any(n.startswith("train-") for n in os.listdir(tmp_path / "two")), "the side files were carried"
+
+
+def _watched(rank: int, world_size: int) -> tuple[int, str]:
+    """Each process reports 1,000 + rank bytes done, then finishes; process 0 draws the bar."""
+    import io
+    import sys
+
+    from fsdp_optim.job.team import team_of_job
+
+    team = team_of_job()
+    assert team is not None, "a team of 2"
+    err, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        watch = team.watch(lambda: 1000 + rank, total=2001, bar=True)
+        watch.finish(None)
+        return watch.everyone, sys.stderr.getvalue()
+    finally:
+        sys.stderr = err
+
+
+def test_the_watch_counts_every_process_bytes() -> None:
+    (total0, bar0), (total1, bar1) = run_ranks(_watched, 2, deadline_s=120)
+    assert total0 == total1 == 2001, (total0, total1)
+    assert "2 processes: 100%" in bar0 and "1.95k/1.95k" in bar0, f"process 0's bar (2001 B in KiB): {bar0!r}"
+    assert bar1 == "", f"only process 0 draws a bar: {bar1!r}"

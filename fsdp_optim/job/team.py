@@ -111,6 +111,7 @@ class Watch:
         self.state = _WORKING
         self.lost: str | None = None
         self.contact_lost = False
+        self.everyone = 0  # the bytes every process had done at the last round (what the bar shows)
         self.bar: Any = None
         if total is not None:
             from tqdm import tqdm
@@ -129,8 +130,9 @@ class Watch:
                 self.lost = f"lost contact with another process ({' '.join(str(exc).split())[:300]})"
                 self.contact_lost = True
                 break
+            self.everyone = sum(b >> 2 for b in beats)
             if self.bar is not None:
-                self.bar.update(sum(b >> 2 for b in beats) - self.bar.n)
+                self.bar.update(self.everyone - self.bar.n)
             states = [b & 3 for b in beats]
             failed = [r for r, s in enumerate(states) if s == _FAILED]
             if failed:
