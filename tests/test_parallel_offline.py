@@ -260,3 +260,24 @@ def test_the_watch_counts_every_process_bytes() -> None:
     assert total0 == total1 == 2001, (total0, total1)
     assert "2 processes: 100%" in bar0 and "1.95k/1.95k" in bar0, f"process 0's bar (2001 B in KiB): {bar0!r}"
     assert bar1 == "", f"only process 0 draws a bar: {bar1!r}"
+
+
+def test_a_command_run_by_a_rank_runs_alone(source: Path) -> None:
+    """A training job's rank that runs ``fsdp-optim`` as a command passes RANK and WORLD_SIZE on: the command must not
+    try to join the job's group (it would wait for the other ranks), it runs alone."""
+    inner = f"import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-m', 'fsdp_optim', 'verify', {str(source)!r}]).returncode)"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", inner], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_benchmark_page_renders_from_its_json() -> None:
+    """benchmarks/results/offline_parallel.md is what its JSON renders, verdicts included."""
+    if str(ROOT) not in sys.path[:1]:
+        sys.path.insert(0, str(ROOT))  # fairscale's wheel installs a top-level ``benchmarks`` too
+    from benchmarks.offline_parallel.render import markdown, targets
+
+    stored = json.loads((ROOT / "benchmarks" / "results" / "offline_parallel.json").read_text())
+    assert targets(stored) == stored["targets"], "the verdicts differ from the stored ones"
+    assert markdown(stored) == (ROOT / "benchmarks" / "results" / "offline_parallel.md").read_text(), "page differs"

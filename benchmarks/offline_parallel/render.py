@@ -8,6 +8,19 @@ from typing import Any
 from ..report import table
 
 GiB = 1 << 30
+NOTES = (
+    "The machine here has 2 cores shared with other work: launcher start-up alone varied from 33 s to 54 s between "
+    "runs, so a time net of it is rough; the input asked may be under the 4 GiB the target names (see the input line).",
+    "One process runs the one-process path (an output rank cut whole, or by blocks of rank files); two processes run "
+    "the split path (one shard at a time, `formats/sharded/streamed.py`): the ratio mixes the two, and the peak RSS "
+    "column shows the difference in memory.",
+    "The split is by whole output rank files: 3 files over 2 processes is 1 : 2 in bytes. Balancing within 10% here "
+    "needs a file written by two processes (ranges at their offsets), which is not done.",
+    "Bytes read are what each process's plan reads (`cut_spans` of its output ranks: chunk-widened ranges and "
+    "headers), not a counter: the source is mapped, and mapped reads on tmpfs count no I/O.",
+    "Simulated: planning time is what one process computes (the plan, the split, its own reads); every process's "
+    "reads are then checked for overlap. 992 files over 512 processes cannot be shared evenly by whole files.",
+)
 
 
 def _verdict(name: str, value: float | None, limit: float, met: bool | None, detail: str) -> dict[str, Any]:
@@ -73,4 +86,5 @@ def markdown(result: dict[str, Any]) -> str:
         [r["case"], f"{r['plan_seconds']:.2f}", f"{r['spread']:.3f}", str(r["ranges_twice"]), str(r["memory_bytes"] >> 20)]
         for r in result["simulated"]
     ])  # fmt: skip
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in NOTES]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fsdp_optim.job.transport import (
@@ -53,8 +54,17 @@ class PeerFailed(ConnectionError):
 
 
 def launched() -> bool:
-    """Whether this process was started by ``torchrun`` (or a launcher like it) as one of several."""
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this process was started by ``torchrun`` (or a launcher like it) as one of several: ``RANK`` and a
+    ``WORLD_SIZE`` over 1 in its environment, and not merely inherited from its parent (a training job's rank that
+    runs ``fsdp-optim`` as a command passes its own on; the command then runs alone, as ``FSDP_OPTIM_ALONE=1`` also
+    asks)."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("FSDP_OPTIM_ALONE"):
+        return False
+    try:
+        parent = Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+    except OSError:  # no /proc: trust the environment
+        return True
+    return not any(v.startswith(b"RANK=") for v in parent)
 
 
 @dataclass(frozen=True)
