@@ -35,6 +35,7 @@ from fsdp_optim.job.transport import (
     group_initialized,
     join_from_env,
     new_gloo_group,
+    release_group,
 )
 
 __all__ = ["PERIOD_S", "TIMEOUT_S", "PeerFailed", "Team", "Watch", "launched", "team_of_job"]
@@ -93,6 +94,11 @@ class Team:
     def to_first(self, obj: Any) -> list[Any] | None:
         """Every process's ``obj`` on process 0 (in rank order), ``None`` elsewhere."""
         return gather_objects(obj, dst=0, group=self.control)
+
+    def close(self) -> None:
+        """Release the team's own groups (the default group, if this team joined it, stays up)."""
+        release_group(self.beat)
+        release_group(self.control)
 
     def watch(self, done_bytes: Callable[[], int], *, total: int, bar: bool) -> Watch:
         """A started :class:`Watch`; ``bar``: draw the progress bar (on process 0 only) over ``total`` bytes."""

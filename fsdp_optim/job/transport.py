@@ -31,7 +31,7 @@ from fsdp_optim.core.layout import ShardBounds
 __all__ = [
     "shut_down", "ProcessGroup", "Transfer", "agree", "all_gather_objects", "broadcast_from_each_rank",
     "broadcast_object", "dist_rank_and_size", "exchange_bytes", "is_cpu_group", "post_exchange", "new_gloo_group",
-    "gather_flat_tensors", "gather_objects", "group_initialized", "join_from_env", "scatter_objects",
+    "gather_flat_tensors", "gather_objects", "group_initialized", "join_from_env", "release_group", "scatter_objects",
 ]  # fmt: skip
 
 ProcessGroup = dist.ProcessGroup  # for modules that hold a group but never talk through it (job/root.py)
@@ -70,9 +70,13 @@ def new_gloo_group(group: dist.ProcessGroup | None, *, timeout_s: float | None =
     return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
 
+def release_group(group: dist.ProcessGroup) -> None:
+    """Destroy ``group`` (one of :func:`new_gloo_group`'s), its connections closed."""
+    dist.destroy_process_group(group)
+
+
 def join_from_env(timeout_s: float) -> None:
-    """Join the default process group as ``torchrun`` describes it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT`` in the environment), over gloo, every collective bounded by ``timeout_s``."""
+    """Join the default process group as ``torchrun``'s environment describes it, over gloo (``timeout_s``)."""
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
 
 
