@@ -281,3 +281,34 @@ def test_the_benchmark_page_renders_from_its_json() -> None:
     stored = json.loads((ROOT / "benchmarks" / "results" / "offline_parallel.json").read_text())
     assert targets(stored) == stored["targets"], "the verdicts differ from the stored ones"
     assert markdown(stored) == (ROOT / "benchmarks" / "results" / "offline_parallel.md").read_text(), "page differs"
+
+
+def _verify_in_ranks(rank: int, world_size: int, path: str) -> list[str]:  # noqa: ARG001
+    return verify(path, parallel=True).lines()
+
+
+def test_verify_by_two_processes_reports_what_one_does(source: Path, tmp_path: Path) -> None:
+    """Each process checks its share of the files; the report, a damaged file included, is one process's."""
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(source, damaged)
+    victim = sorted(damaged.glob("optim-*rank00001*"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-3] ^= 0xFF  # a byte of state, past the header
+    victim.write_bytes(bytes(raw))
+    for path in (source, damaged):
+        one = verify(path).lines()
+        both = run_ranks(_verify_in_ranks, 2, str(path), deadline_s=180)
+        assert both == [one, one], (both, one)
+    assert not verify(damaged).ok and "rank00001" in " ".join(verify(damaged).damaged()), "the damage is reported"
+
+
+def test_cli_verify_by_two_processes_prints_once(source: Path) -> None:
+    port = free_port()
+    procs = [_launch(r, port, ["verify", str(source)], None) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    one = subprocess.run([sys.executable, "-m", "fsdp_optim", "verify", str(source)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)  # fmt: skip
+    assert outs[0][0] == one.stdout and outs[1][0] == "", outs
