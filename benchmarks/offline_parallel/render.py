@@ -9,13 +9,13 @@ from ..report import table
 
 GiB = 1 << 30
 NOTES = (
-    "The machine here has 2 cores shared with other work: launcher start-up alone varied from 33 s to 54 s between "
-    "runs, so a time net of it is rough; the input asked may be under the 4 GiB the target names (see the input line).",
-    "One process runs the one-process path (an output rank cut whole, or by blocks of rank files); two processes run "
-    "the split path (one shard at a time, `formats/sharded/streamed.py`): the ratio mixes the two, and the peak RSS "
-    "column shows the difference in memory.",
-    "The split is by whole output rank files: 3 files over 2 processes is 1 : 2 in bytes. Balancing within 10% here "
-    "needs a file written by two processes (ranges at their offsets), which is not done.",
+    "The machine here has 2 cores shared with other work: launcher start-up varied from 5 s to 54 s between runs "
+    "(load average 5 to 16), so a time net of it is rough; the best of the repeats is kept.",
+    "Both runs write rank files one shard at a time (`formats/sharded/streamed.py`: no block of output ranks fits "
+    "the block re-cut's 256 MiB); the two processes also read each file back against its checksums before the "
+    "commit, which one process does not.",
+    "The split is by whole output rank files: 3 files over 2 processes is 1 : 2 in bytes, so the balance target is "
+    "missed here. Balancing within 10% needs a file written by two processes (ranges at their offsets), not done.",
     "Bytes read are what each process's plan reads (`cut_spans` of its output ranks: chunk-widened ranges and "
     "headers), not a counter: the source is mapped, and mapped reads on tmpfs count no I/O.",
     "Simulated: planning time is what one process computes (the plan, the split, its own reads); every process's "
