@@ -235,3 +235,80 @@ def test_whole_checkpoint_by_two_processes(whole: Path, tmp_path: Path) -> None:
     run_ranks(_reshard_in_ranks, 2, str(whole), str(tmp_path / "two"), 3, deadline_s=180)
     assert_same_but_save_id(tmp_path / "a", tmp_path / "two")
     assert any(n.startswith("train-") for n in os.listdir(tmp_path / "two")), "the side files were carried"
+
+
+def _watched(rank: int, world_size: int) -> tuple[int, str]:
+    """Each process reports 1,000 + rank bytes done, then finishes; process 0 draws the bar."""
+    import io
+    import sys
+
+    from fsdp_optim.job.team import team_of_job
+
+    team = team_of_job()
+    assert team is not None, "a team of 2"
+    err, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        watch = team.watch(lambda: 1000 + rank, total=2001, bar=True)
+        watch.finish(None)
+        return watch.everyone, sys.stderr.getvalue()
+    finally:
+        sys.stderr = err
+
+
+def test_the_watch_counts_every_process_bytes() -> None:
+    (total0, bar0), (total1, bar1) = run_ranks(_watched, 2, deadline_s=120)
+    assert total0 == total1 == 2001, (total0, total1)
+    assert "2 processes: 100%" in bar0 and "1.95k/1.95k" in bar0, f"process 0's bar (2001 B in KiB): {bar0!r}"
+    assert bar1 == "", f"only process 0 draws a bar: {bar1!r}"
+
+
+def test_a_command_run_by_a_rank_runs_alone(source: Path) -> None:
+    """A training job's rank that runs ``fsdp-optim`` as a command passes RANK and WORLD_SIZE on: the command must not
+    try to join the job's group (it would wait for the other ranks), it runs alone."""
+    inner = f"import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-m', 'fsdp_optim', 'verify', {str(source)!r}]).returncode)"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", inner], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_benchmark_page_renders_from_its_json() -> None:
+    """benchmarks/results/offline_parallel.md is what its JSON renders, verdicts included."""
+    if str(ROOT) not in sys.path[:1]:
+        sys.path.insert(0, str(ROOT))  # fairscale's wheel installs a top-level ``benchmarks`` too
+    from benchmarks.offline_parallel.render import markdown, targets
+
+    stored = json.loads((ROOT / "benchmarks" / "results" / "offline_parallel.json").read_text())
+    assert targets(stored) == stored["targets"], "the verdicts differ from the stored ones"
+    assert markdown(stored) == (ROOT / "benchmarks" / "results" / "offline_parallel.md").read_text(), "page differs"
+
+
+def _verify_in_ranks(rank: int, world_size: int, path: str) -> list[str]:  # noqa: ARG001
+    return verify(path, parallel=True).lines()
+
+
+def test_verify_by_two_processes_reports_what_one_does(source: Path, tmp_path: Path) -> None:
+    """Each process checks its share of the files; the report, a damaged file included, is one process's."""
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(source, damaged)
+    victim = sorted(damaged.glob("optim-*rank00001*"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-3] ^= 0xFF  # a byte of state, past the header
+    victim.write_bytes(bytes(raw))
+    for path in (source, damaged):
+        one = verify(path).lines()
+        both = run_ranks(_verify_in_ranks, 2, str(path), deadline_s=180)
+        assert both == [one, one], (both, one)
+    assert not verify(damaged).ok and "rank00001" in " ".join(verify(damaged).damaged()), "the damage is reported"
+
+
+def test_cli_verify_by_two_processes_prints_once(source: Path) -> None:
+    port = free_port()
+    procs = [_launch(r, port, ["verify", str(source)], None) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    one = subprocess.run([sys.executable, "-m", "fsdp_optim", "verify", str(source)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)  # fmt: skip
+    assert outs[0][0] == one.stdout and outs[1][0] == "", outs

@@ -35,7 +35,8 @@ def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
     from fsdp_optim.disk.text import escape
     from fsdp_optim.offline.verify import report_json, verify
 
-    report = verify(args.path, allow_globals=args.allow_global, deep=args.deep, layout=args.layout)
+    report = verify(args.path, allow_globals=args.allow_global, deep=args.deep, layout=args.layout,
+                    parallel=getattr(args, "parallel", False))  # set under torchrun (cli/team.py)
     if args.json:
         return Outcome(tuple(json.dumps(report_json(report), indent=1).splitlines()), 0 if report.ok else 1)
     lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]

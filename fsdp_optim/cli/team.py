@@ -1,13 +1,15 @@
-"""``fsdp-optim`` run by ``torchrun`` (``torchrun --nproc_per_node N -m fsdp_optim VERB ...``): the processes join one
-team (:func:`fsdp_optim.job.team.team_of_job`); ``reshard`` of our sharded checkpoint is split across them
-(:mod:`fsdp_optim.offline.parallel`), every other verb runs on process 0 while the others wait for it
-(:func:`~fsdp_optim.offline.parallel.alone.alone`). Process 0 prints the verb's report; every process exits with its
-code, and with its error when it failed. Without ``torchrun`` (no ``RANK``/``WORLD_SIZE`` of 2 or more), nothing
-here runs."""
+"""``fsdp-optim`` run by ``torchrun`` (``torchrun --nproc_per_node N -m fsdp_optim VERB ...``): the processes join
+one team (:func:`fsdp_optim.job.team.team_of_job`). ``reshard`` and ``verify`` (not ``--deep``) of our sharded
+checkpoint are split across them (:mod:`fsdp_optim.offline.parallel`); every other verb runs on process 0 while the
+others wait for it (:func:`~fsdp_optim.offline.parallel.alone.alone`). Process 0 prints the verb's report; every
+process exits with its code, and with its error when it failed. Without ``torchrun`` (no ``RANK``/``WORLD_SIZE`` of
+2 or more), nothing here runs."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +23,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
     if not launched():
         return run(args)
+    from fsdp_optim.cli.inspect import run_verify
     from fsdp_optim.cli.outcome import Outcome
     from fsdp_optim.cli.verbs import run_reshard
     from fsdp_optim.disk.locations import where
@@ -35,12 +38,24 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
         result: Any
         if split:
             result = _reshard(team, args)
+        elif args.run is run_verify and not args.deep and _sharded(args.path):  # every process reads its share
+            args.parallel = True
+            with contextlib.redirect_stdout(sys.stdout if team.rank == 0 else io.StringIO()):
+                result = run(args)
         else:
             result = alone(team, lambda: run(args), str(args.verb))
         code = team.from_first(result.code if isinstance(result, Outcome) else 0)
     finally:
         shut_down()
     return result if team.rank == 0 else Outcome((), code)
+
+
+def _sharded(path: str) -> bool:
+    """Whether ``path`` is a local sharded checkpoint of ours (by its names alone)."""
+    from fsdp_optim.disk.locations import where
+    from fsdp_optim.formats.kinds import Kind, path_kind
+
+    return where(path).local_path() is not None and path_kind(path) is Kind.SHARDED
 
 
 def _reshard(team: Any, args: argparse.Namespace) -> list[str]:

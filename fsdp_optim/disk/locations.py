@@ -40,7 +40,8 @@ def register_backend(scheme: str, opener: Opener) -> None:
 
 
 def where(path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None) -> Location:
-    """The :class:`~fsdp_optim.disk.location.Location` a path names: a URL's :class:`~fsdp_optim.disk.storage.ObjectStore`, a local path's
+    """The :class:`~fsdp_optim.disk.location.Location` a path names: a URL's
+    :class:`~fsdp_optim.disk.storage.ObjectStore`, a local path's
     :class:`LocalDirectory`, a location (of any backend, one of the package's or the caller's) as itself. The one
     place that tells a URL from a local path; a URL goes to the backend registered for its scheme
     (:func:`register_backend`), else to fsspec's."""

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fsdp_optim.job.transport import (
@@ -34,6 +35,7 @@ from fsdp_optim.job.transport import (
     group_initialized,
     join_from_env,
     new_gloo_group,
+    release_group,
 )
 
 __all__ = ["PERIOD_S", "TIMEOUT_S", "PeerFailed", "Team", "Watch", "launched", "team_of_job"]
@@ -53,8 +55,17 @@ class PeerFailed(ConnectionError):
 
 
 def launched() -> bool:
-    """Whether this process was started by ``torchrun`` (or a launcher like it) as one of several."""
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this process was started by ``torchrun`` (or a launcher like it) as one of several: ``RANK`` and a
+    ``WORLD_SIZE`` over 1 in its environment, and not merely inherited from its parent (a training job's rank that
+    runs ``fsdp-optim`` as a command passes its own on; the command then runs alone, as ``FSDP_OPTIM_ALONE=1`` also
+    asks)."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("FSDP_OPTIM_ALONE"):
+        return False
+    try:
+        parent = Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+    except OSError:  # no /proc: trust the environment
+        return True
+    return not any(v.startswith(b"RANK=") for v in parent)
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,11 @@ class Team:
         """Every process's ``obj`` on process 0 (in rank order), ``None`` elsewhere."""
         return gather_objects(obj, dst=0, group=self.control)
 
+    def close(self) -> None:
+        """Release the team's own groups (the default group, if this team joined it, stays up)."""
+        release_group(self.beat)
+        release_group(self.control)
+
     def watch(self, done_bytes: Callable[[], int], *, total: int, bar: bool) -> Watch:
         """A started :class:`Watch`; ``bar``: draw the progress bar (on process 0 only) over ``total`` bytes."""
         return Watch(self, done_bytes, total if bar and self.rank == 0 else None)
@@ -111,6 +127,7 @@ class Watch:
         self.state = _WORKING
         self.lost: str | None = None
         self.contact_lost = False
+        self.everyone = 0  # the bytes every process had done at the last round (what the bar shows)
         self.bar: Any = None
         if total is not None:
             from tqdm import tqdm
@@ -129,8 +146,9 @@ class Watch:
                 self.lost = f"lost contact with another process ({' '.join(str(exc).split())[:300]})"
                 self.contact_lost = True
                 break
+            self.everyone = sum(b >> 2 for b in beats)
             if self.bar is not None:
-                self.bar.update(sum(b >> 2 for b in beats) - self.bar.n)
+                self.bar.update(self.everyone - self.bar.n)
             states = [b & 3 for b in beats]
             failed = [r for r, s in enumerate(states) if s == _FAILED]
             if failed:

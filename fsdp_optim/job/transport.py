@@ -26,11 +26,13 @@ import torch.distributed as dist
 
 from fsdp_optim.core.layout import ShardBounds
 from fsdp_optim.job.host_copies import moved
+from fsdp_optim.job.skeleton import fill, slots, strip
 
 __all__ = [
     "shut_down", "ProcessGroup", "Transfer", "agree", "all_gather_objects", "broadcast_from_each_rank",
     "broadcast_object", "check_in", "dist_rank_and_size", "exchange_bytes", "is_cpu_group", "post_exchange",
-    "new_gloo_group", "gather_flat_tensors", "gather_objects", "group_initialized", "join_from_env", "scatter_objects",
+    "new_gloo_group", "gather_flat_tensors", "gather_objects", "group_initialized", "join_from_env", "release_group",
+    "scatter_objects",
 ]  # fmt: skip
 
 ProcessGroup = dist.ProcessGroup  # for modules that hold a group but never talk through it (job/root.py)
@@ -69,9 +71,13 @@ def new_gloo_group(group: dist.ProcessGroup | None, *, timeout_s: float | None =
     return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
 
+def release_group(group: dist.ProcessGroup) -> None:
+    """Destroy ``group`` (one of :func:`new_gloo_group`'s), its connections closed."""
+    dist.destroy_process_group(group)
+
+
 def join_from_env(timeout_s: float) -> None:
-    """Join the default process group as ``torchrun`` describes it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT`` in the environment), over gloo, every collective bounded by ``timeout_s``."""
+    """Join the default process group as ``torchrun``'s environment describes it, over gloo (``timeout_s``)."""
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
 
 
@@ -296,15 +302,6 @@ def _error_type(module: str, qualname: str, fallback: type[Exception]) -> type[E
     return found if isinstance(found, type) and issubclass(found, Exception) else fallback
 
 
-@dataclass(frozen=True)
-class _TensorSlot:
-    """Where a tensor sent after the pickled skeleton goes back in."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 def scatter_objects(
     make: Callable[[int], Any] | None, own: Any = None, *, src: int, group: dist.ProcessGroup | None
 ) -> Any:
@@ -337,7 +334,7 @@ def scatter_objects(
         skeleton = None
         if failure is None and make is not None:
             try:
-                skeleton = _strip(make(dst), tensors)
+                skeleton = strip(make(dst), tensors)
             except Exception as exc:  # every rank learns of it through agree() below
                 failure = exc
         dist.send_object_list([skeleton], dst=_global(group, dst), group=group, device=device)
@@ -350,43 +347,12 @@ def scatter_objects(
 
 def _receive_tensors(skeleton: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
     tensors = []
-    for slot in sorted(_slots(skeleton), key=lambda s: s.index):  # the order they were sent in
+    for slot in sorted(slots(skeleton), key=lambda s: s.index):  # the order they were sent in
         buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         if buffer.numel():
             dist.recv(buffer, src=_global(group, src), group=group)
         tensors.append(buffer)
-    return _fill(skeleton, tensors)
-
-
-def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if torch.is_tensor(obj) and obj.dim() > 0:
-        tensors.append(obj.detach())
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
-    return obj
-
-
-def _slots(obj: Any) -> list[_TensorSlot]:
-    if isinstance(obj, _TensorSlot):
-        return [obj]
-    if isinstance(obj, dict):
-        return [s for v in obj.values() for s in _slots(v)]
-    if isinstance(obj, (list, tuple)):
-        return [s for v in obj for s in _slots(v)]
-    return []
-
-
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(v, tensors) for v in obj)
-    return obj
+    return fill(skeleton, tensors)
 
 
 def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> Any:

@@ -119,7 +119,7 @@ def reshard(
             units: a sharded checkpoint or layout file of the same model (any world size), its
             :class:`~fsdp_optim.formats.sharded.manifest.Manifest`, a
             :class:`~fsdp_optim.core.layout.ModelLayout`, or the FSDP-wrapped model.
-        progress: called after each unit of each output rank.
+        progress: called after each shard (a unit's state key) of each output rank (each output rank, by blocks).
         overwrite: write into ``out_dir`` even if it holds files that are not an fsdp_optim checkpoint's
             (they are kept; without it such a directory is refused with ``ForeignOutputError``).
         buffers: a whole checkpoint whose buffers were saved per rank (they differed across ranks, as BatchNorm's

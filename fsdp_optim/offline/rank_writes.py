@@ -10,18 +10,19 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from fsdp_optim.core.plan import Plan, cut_rank
+from fsdp_optim.core.plan import Plan
 from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
-from fsdp_optim.formats.sharded.writer import write_shard_file, write_shard_tensors
+from fsdp_optim.formats.sharded.streamed import write_streamed
+from fsdp_optim.formats.sharded.writer import write_shard_tensors
 from fsdp_optim.offline.whole import carry_side_files
 
 __all__ = ["described", "fetched_from", "then_sides", "write_blocks", "write_ranks"]
 
-Progress = Callable[[], None] | None  # called once per FSDP unit (or output rank, by blocks) done
+Progress = Callable[[], None] | None  # once per shard (a unit's state key) of an output rank, or per rank by blocks
 
 
 def fetched_from(
@@ -53,16 +54,16 @@ def described(the_plan: Plan, target: Manifest) -> Manifest:
 def write_ranks(
     the_plan: Plan, target: Manifest, out: Path, after_unit: Progress, after_file: Callable[[Path], None] | None = None
 ) -> Manifest:
-    """Cut and write every rank file of ``target`` into ``out``, unit by unit; return the manifest (not yet
-    written). ``after_file(path)`` after each rank file."""
+    """Cut and write every rank file of ``target`` into ``out``, one shard (a unit's state key) at a time, so memory
+    holds one shard, never a rank's state (:func:`~fsdp_optim.formats.sharded.streamed.write_streamed`); return the
+    manifest (not yet written). ``after_unit`` after each shard, ``after_file(path)`` after each rank file."""
+    final = described(the_plan, target)
     records = []
     for rank in range(target.world_size):
-        state = cut_rank(the_plan, rank, after_unit=after_unit)
-        records.append(write_shard_file(out, state, save_id=target.save_id, rank=rank, world_size=target.world_size))
-        del state
+        records.append(write_streamed(out, the_plan, final, rank, after_shard=after_unit or (lambda: None)))
         if after_file is not None:
             after_file(out / records[-1].file)
-    return replace(described(the_plan, target), files=tuple(records))
+    return replace(final, files=tuple(records))
 
 
 def write_blocks(

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from fsdp_optim.disk.file_check import FileCheck, Verification
+from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
 from fsdp_optim.formats.sharded.verification import present_and_sized
 from fsdp_optim.offline.deep import Finding, deep_findings
@@ -49,15 +50,27 @@ def verify(
     allow_globals: Sequence[str] = (),
     deep: bool = False,
     layout: LayoutLike | None = None,
+    parallel: bool = False,
 ) -> Verification:
     """Check every file of the checkpoint at ``path`` (see the module docstring); nothing is written.
 
     ``allow_globals``: for a shard set, classes its ``cfg`` may hold (as ``ShardSet`` takes them). ``deep``: also
     read the state for what a resumed run would trip on (only when every file is intact); ``layout`` (deep only):
     the model's layout (a sharded checkpoint or layout file of it) to check parameters and shapes against.
+    ``parallel``: every process of the process group (or torchrun's) calls it alike; a local sharded checkpoint's
+    files are then split across them (:mod:`fsdp_optim.offline.parallel.verify`; not ``deep``'s reading).
     """
     if layout is not None and not deep:
         raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
+    if parallel and not deep and where(path).local_path() is not None and path_kind(path) is Kind.SHARDED:
+        from fsdp_optim.offline.parallel.entry import joined_team
+        from fsdp_optim.offline.parallel.verify import verify_across
+
+        team = joined_team()
+        try:
+            return verify_across(team, path)
+        finally:
+            team.close()
     with fetched_whole(path) as local:  # a URL of one object: downloaded once, for the files and the state
         checked = _verify_files(local, tuple(allow_globals))
         if not deep or not checked.ok:

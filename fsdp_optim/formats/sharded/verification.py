@@ -9,6 +9,7 @@ manager (:mod:`fsdp_optim.job.manager`) and ``fsdp-optim list`` call it for each
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from fsdp_optim.disk.errors import StoreUnavailable
@@ -23,9 +24,10 @@ from fsdp_optim.formats.sharded.writer import leftovers
 __all__ = ["present_and_sized", "verify_sharded"]
 
 
-def verify_sharded(path: str | os.PathLike[str] | Location) -> Verification:
+def verify_sharded(path: str | os.PathLike[str] | Location, only: Callable[[str], bool] | None = None) -> Verification:
     """One :class:`FileCheck` per file of the checkpoint at ``path`` (its directory or manifest); never raises for
-    damage (an unreadable manifest is the manifest's failed check)."""
+    damage (an unreadable manifest is the manifest's failed check). ``only``: the names of the files to check (the
+    manifest is checked always; a process's share when many verify one checkpoint)."""
     directory = checkpoint_dir(path)
     manifest_path = directory / MANIFEST_NAME
     try:
@@ -40,14 +42,14 @@ def verify_sharded(path: str | os.PathLike[str] | Location) -> Verification:
     listed = f"{len(manifest.files)} rank files" + (f" and {len(side_files)} side files" if side_files else "")
     checks = [FileCheck(manifest_path, True, f"ok: manifest of {listed}, checksum matches")]
     with ckpt:
-        for record in manifest.files:
+        for record in (f for f in manifest.files if only is None or only(f.file)):
 
             def read(_: Path, rank: int = record.rank) -> str:
                 units = ckpt.load_rank(rank)
                 return f", {len(units)} units, checksums match"
 
             checks.append(check_file(directory / record.file, read, nbytes=record.nbytes))
-    for side in side_files:
+    for side in (f for f in side_files if only is None or only(f.file)):
 
         def read_side(_: Path, record: FileRecord = side) -> str:
             read_side_file(directory, record)

@@ -47,7 +47,14 @@ def reshard_in_team(
     """:func:`fsdp_optim.reshard` by every process of ``team`` (each calls it alike; ``None``: this process's
     :func:`joined_team`); returns the manifest's path. A local output only (a directory every process sees);
     ``bar``: process 0 draws the progress bar."""
-    team = team or joined_team()
+    if team is None:
+        team = joined_team()
+        try:
+            return reshard_in_team(team, source, world_size, out_dir, layout=layout, optimizer=optimizer,
+                                   allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes, overwrite=overwrite,
+                                   replace_existing=replace_existing, buffers=buffers, bar=bar)  # fmt: skip
+        finally:
+            team.close()
     check_world_size("world_size", world_size)
     check_buffer_choice(buffers)
     out = where(out_dir).local_path()
