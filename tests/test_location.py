@@ -133,6 +133,29 @@ def test_writes_removals_and_names_are_the_same_on_each_backend(kind: str, tmp_p
     assert location.identity() == (str(Path(str(location)).absolute()) if kind == "local" else str(location))
 
 
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_location_emptied_and_removed_is_gone_on_each_backend(kind: str, tmp_path: Path) -> None:
+    location = _location(kind, str(tmp_path))
+    sub = location.child("sub")
+    sub.put("one", b"first")
+    assert sub.present() and sub.non_objects() == [], f"{kind}: a location holding an object is present"
+    with sub.guarded(purpose="test removal") as held:
+        assert held, f"{kind}: no writer holds it, so it may be removed"
+        sub.delete(sorted(sub.listing()))
+        sub.remove_marker()
+    assert not sub.present() and "sub" not in location.prefixes(), f"{kind}: removed, not listed"
+
+
+def test_a_local_directory_names_what_is_not_an_object_and_keeps_its_lock(tmp_path: Path) -> None:
+    local = LocalDirectory(tmp_path / "step")
+    (tmp_path / "step" / "inner").mkdir(parents=True)
+    (tmp_path / "step" / "file").write_bytes(b"x")
+    (tmp_path / "step" / "link").symlink_to(tmp_path / "step" / "file")
+    assert sorted(local.listing()) == ["file"] and local.non_objects() == ["inner", "link"], "links, subdirectories"
+    with local.guarded(purpose="first") as held, local.guarded(purpose="second") as again:
+        assert held and not again, "a second remover finds the lock held and may remove nothing"
+
+
 def test_only_a_local_directory_has_a_local_path(tmp_path: Path) -> None:
     assert where(tmp_path / "ckpt").local_path() == tmp_path / "ckpt"
     assert where(str(tmp_path / "ckpt" / "manifest.json")).local_path() == tmp_path / "ckpt" / "manifest.json"

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_optim.disk.atomic import atomic_write
+from fsdp_optim.disk.atomic import atomic_write, fsync_dir
 from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, StoredObject
-from fsdp_optim.disk.locks import OutputLock
+from fsdp_optim.disk.locks import OutputLock, OutputLockedError, lock_output
 from fsdp_optim.disk.staged import close_output, open_output, remove_recorded
 from fsdp_optim.disk.store_answers import Tiling
 from fsdp_optim.disk.store_policy import RetryPolicy
@@ -98,6 +98,15 @@ class LocalDirectory(Location):
                 found[e.name] = StoredObject(e.name, st.st_size, st.st_mtime, None)
         return found
 
+    def present(self) -> bool:
+        return self.path.is_dir()
+
+    def non_objects(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.path) if not e.is_file(follow_symlinks=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def prefixes(self) -> list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.path) if e.is_dir(follow_symlinks=False))
@@ -144,6 +153,25 @@ class LocalDirectory(Location):
     def delete(self, names: Iterable[str]) -> None:
         for name in names:
             (self.path / name).unlink(missing_ok=True)
+
+    @contextmanager
+    def guarded(self, *, purpose: str) -> Iterator[bool]:
+        """Under the directory's lock (``False``, nothing taken, while a writer holds it); the lock's journal is
+        dropped once the directory is gone."""
+        try:
+            lock = lock_output(self.path, purpose=purpose)
+        except OutputLockedError:
+            yield False
+            return
+        with lock:
+            yield True
+            if not os.path.lexists(self.path):
+                lock.forget()
+
+    def remove_marker(self) -> None:
+        """The emptied directory itself (``OSError`` if anything is left in it)."""
+        os.rmdir(self.path)
+        fsync_dir(self.path.parent)
 
     # -- saving --------------------------------------------------------------------------------------------
 

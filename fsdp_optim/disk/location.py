@@ -165,6 +165,17 @@ class Location(ABC):
         """Whether there is a place here to list (a store's prefix always is: it exists once an object does)."""
         return True
 
+    def present(self) -> bool:
+        """Whether this location is there now as a place of its own: by default while an object is below it (a
+        store may keep an emptied prefix listed by its marker: not present); a local directory while it exists,
+        even empty."""
+        return bool(self.listing())
+
+    def non_objects(self) -> list[str]:
+        """The names directly under this location that are not objects (a local directory's subdirectories, links,
+        devices: never a checkpoint's own files), sorted; none by default (a store's listing is all objects)."""
+        return []
+
     @abstractmethod
     def listing(self) -> dict[str, StoredObject]:
         """The objects (regular files) directly under this location, by name; {} when there is none."""
@@ -245,8 +256,15 @@ class Location(ABC):
     def put(self, name: str, data: bytes) -> None:
         """Write ``data`` as object ``name``, replaced whole (never seen half written)."""
 
+    def guarded(self, *, purpose: str) -> AbstractContextManager[bool]:  # noqa: ARG002 - no lock by default
+        """Held while this location is emptied and removed: ``False`` when a writer holds it (then nothing may be
+        removed), else ``True``. A local directory takes its lock (``purpose`` says why, to a second writer); a
+        store has none to take."""
+        return nullcontext(True)
+
     def remove_marker(self) -> None:  # noqa: B027 - most backends keep no marker
-        """Remove what keeps an emptied location listed (a store's "directory" object; nothing by default)."""
+        """Once its objects are deleted, remove what keeps this location listed (a store's "directory" object, a
+        local directory itself; nothing by default)."""
 
     # -- saving --------------------------------------------------------------------------------------------
 

@@ -19,13 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fsdp_optim.core.steps import parse_step_dir
-from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, fsync_dir
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.locks import OutputLockedError, lock_output
-from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, MANIFEST_NAMES, Manifest
-from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
+from fsdp_optim.formats.sharded.reader import read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
 from fsdp_optim.formats.sharded.writer import CHECKPOINT
 
@@ -65,22 +64,11 @@ def _is_ours(name: str) -> bool:
 
 
 def find_step_dirs(root: str | os.PathLike[str] | Location) -> list[tuple[int, Path | Location]]:
-    """``(step, path)`` of every step directory in ``root`` (a real directory, not a link; in a store, a prefix),
-    by step; [] when ``root`` does not exist yet."""
+    """``(step, path)`` of every step directory in ``root`` (a real directory, not a link; in a store, a prefix
+    holding an object: an emptied one may stay listed by its marker), by step; [] when ``root`` does not exist yet."""
     place = where(root)
-    local = place.local_path()
-    if local is None:  # an emptied prefix may stay listed (a directory marker): not a step
-        steps = ((s, place.child(n)) for n in place.prefixes() if (s := parse_step_dir(n)) is not None)
-        return sorted(((s, d) for s, d in steps if d.listing()), key=lambda found: found[0])
-    root = local
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in os.scandir(root):
-        step = parse_step_dir(entry.name)
-        if step is not None and entry.is_dir(follow_symlinks=False):
-            found.append((step, Path(entry.path)))
-    return sorted(found)  # type: ignore[arg-type]  # (step, Path) pairs
+    steps = ((s, place.child(n)) for n in place.prefixes() if (s := parse_step_dir(n)) is not None)
+    return sorted(((s, d.public()) for s, d in steps if d.present()), key=lambda found: found[0])
 
 
 def survey_step(step: int, path: Path | Location, *, verify: bool = True) -> StepDir:
@@ -88,8 +76,7 @@ def survey_step(step: int, path: Path | Location, *, verify: bool = True) -> Ste
     per file). Never raises for what it finds; reads nothing outside ``path``."""
     names, foreign, nbytes = _contents(path)
     base = StepDir(step, path, TORN, "", nbytes, foreign)
-    local = where(path).local_path()
-    if MANIFEST_NAME not in names if local is None else manifest_file(local) is None:
+    if not any(n in MANIFEST_NAMES for n in names):
         ours = [n for n in names if n not in foreign]
         shown = ", ".join(ours[:3]) + (", ..." if len(ours) > 3 else "")
         return replace(base, reason=f"no manifest: a save that did not finish ({len(ours)} files: {shown or '-'})")
@@ -111,17 +98,13 @@ def survey_step(step: int, path: Path | Location, *, verify: bool = True) -> Ste
 
 
 def _contents(path: Path | Location) -> tuple[list[str], tuple[str, ...], int]:
-    """The names in a step directory, those our writer never makes, and the bytes of its regular files."""
+    """The names in a step directory, those our writer never makes (or that are not objects: a local directory's
+    subdirectories and links), and the bytes of its objects."""
     place = where(path)
-    local = place.local_path()
-    if local is None:
-        listing = place.listing()
-        names = sorted(listing)
-        return names, tuple(n for n in names if not _is_ours(n)), sum(o.size for o in listing.values())
-    names = sorted(os.listdir(local))
-    foreign = tuple(n for n in names if not _is_ours(n) or not (local / n).is_file())
-    nbytes = sum((local / n).stat().st_size for n in names if (local / n).is_file() and not (local / n).is_symlink())
-    return names, foreign, nbytes
+    listing, others = place.listing(), place.non_objects()
+    names = sorted([*listing, *others])
+    foreign = tuple(n for n in names if n in others or not _is_ours(n))
+    return names, foreign, sum(o.size for o in listing.values())
 
 
 def _described(base: StepDir, manifest: Manifest) -> StepDir:
@@ -135,38 +118,19 @@ def _described(base: StepDir, manifest: Manifest) -> StepDir:
 
 
 def remove_step(step_dir: StepDir) -> bool:
-    """Remove a step directory of ours (:attr:`StepDir.ours`), under its lock: its files, the directory, then its
-    lock file. False, with nothing removed, when a writer holds its lock or it now holds something foreign."""
+    """Remove a step directory of ours (:attr:`StepDir.ours`), under its lock (a store has none): its manifest first
+    (the step is then torn, never damaged), the rest of its files, the directory (or a store's marker), then its lock
+    file. False, with nothing removed, when a writer holds its lock or it now holds something foreign."""
     assert step_dir.ours, f"remove_step is for a step directory of ours, not {step_dir.path} ({step_dir.foreign})"
     place = where(step_dir.path)
-    path = place.local_path()
-    if path is None:
-        return _remove_stored(place)
-    try:
-        lock = lock_output(path, purpose="remove an old checkpoint (CheckpointManager)")
-    except OutputLockedError:
-        return False
-    with lock:
-        names = os.listdir(path)
-        if any(not _is_ours(n) or not (path / n).is_file() for n in names):
+    with place.guarded(purpose="remove an old checkpoint (CheckpointManager)") as held:
+        if not held:
+            return False
+        names, foreign, _ = _contents(place)
+        if foreign:
             return False  # something foreign arrived since the survey: keep all of it
         manifests = [n for n in names if n in MANIFEST_NAMES]
-        for name in manifests + [n for n in names if n not in manifests]:  # the commit point first: torn, not damaged
-            (path / name).unlink(missing_ok=True)
-        os.rmdir(path)
-        fsync_dir(path.parent)
-        lock.forget()
-    return True
-
-
-def _remove_stored(store: Location) -> bool:
-    """:func:`remove_step` in a store (no lock there): the manifest first (the step is then torn, never damaged),
-    then the rest; False, with nothing removed, when it now holds something foreign."""
-    names = sorted(store.listing())
-    if any(not _is_ours(n) for n in names):
-        return False
-    manifests = [n for n in names if n in MANIFEST_NAMES]
-    store.delete(manifests)
-    store.delete(n for n in names if n not in manifests)
-    store.remove_marker()
+        place.delete(manifests)
+        place.delete(n for n in names if n not in manifests)
+        place.remove_marker()
     return True
