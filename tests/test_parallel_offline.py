@@ -203,7 +203,6 @@ def test_torchrun_two_processes(source: Path, tmp_path: Path) -> None:
     assert_same_but_save_id(tmp_path / "one", out)
 
 
-@pytest.mark.slow
 def test_torchrun_two_nodes_of_two(source: Path, tmp_path: Path) -> None:
     """Two "nodes" on loopback (a static master), 4 processes, 7 output ranks."""
     out, port = tmp_path / "out", free_port()
@@ -225,7 +224,6 @@ def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.slow
 def test_whole_checkpoint_by_two_processes(whole: Path, tmp_path: Path) -> None:
     """Weights ride with the optimizer's keys and process 0 carries the side files: the same bytes as one process,
     whose two runs differ in the save id alone, side files included."""
