@@ -125,8 +125,8 @@ import fsdp_optim.offline.parallel.reshard as R
 real = R.check_written
 def failing(path, record):
     real(path, record)
-    if sys.argv[1] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[1] in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if sys.argv[1] == "kill" else signal.SIGSTOP)
     raise OSError(f"disk full (injected) after {path.name}")
 R.check_written = failing
 from fsdp_optim.cli import main
@@ -184,6 +184,23 @@ def test_a_failure_anywhere_fails_all_and_commits_nothing(source: Path, tmp_path
     fsdp_optim.reshard(source, 3, one)
     assert_same_but_save_id(one, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "one", "out"], "a rerun leaves nothing else"
+
+
+@pytest.mark.slow
+def test_a_process_that_stops_answering_fails_the_others(source: Path, tmp_path: Path) -> None:
+    """Process 1 stopped (SIGSTOP) after its first file: process 0's watch round times out and it fails, commits
+    nothing, and undoes its output, within the team's timeout (30 s) and a round."""
+    out = tmp_path / "out"
+    port = free_port()
+    argv = ["reshard", str(source), "--world-size", "3", "-o", str(out)]
+    first, stopped = _launch(0, port, argv, None), _launch(1, port, argv, "stop")
+    try:
+        _, err = first.communicate(timeout=180)
+    finally:
+        stopped.kill()
+        stopped.communicate()
+    assert first.returncode == 1 and "lost contact with another process" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "process 0 undid everything"
 
 
 def _torchrun(argv: list[str], *, nnodes: int = 1, node_rank: int = 0, port: int) -> subprocess.Popen[str]:
