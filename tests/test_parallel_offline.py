@@ -327,3 +327,22 @@ def test_cli_verify_by_two_processes_prints_once(source: Path) -> None:
     one = subprocess.run([sys.executable, "-m", "fsdp_optim", "verify", str(source)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)  # fmt: skip
     assert outs[0][0] == one.stdout and outs[1][0] == "", outs
+
+
+def test_cli_consolidate_by_two_processes_runs_on_process_0(source: Path, tmp_path: Path) -> None:
+    """A verb with no split (consolidate): process 0 writes the file one process writes, process 1 prints nothing;
+    an error there is every process's exit 1."""
+    import torch
+
+    out = tmp_path / "full.pt"
+    port = free_port()
+    procs = [_launch(r, port, ["consolidate", str(source), "-o", str(out)], None) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    assert outs[0][0].startswith(f"wrote {out}") and outs[1][0] == "", outs
+    full = torch.load(out, weights_only=True)
+    assert sorted(full["state"]) == sorted(fsdp_optim.consolidate(source)["state"]), "the full dict"
+    port = free_port()
+    again = [_launch(r, port, ["consolidate", str(source), "-o", str(out)], None) for r in range(2)]
+    errs = [p.communicate(timeout=240)[1] for p in again]
+    assert [p.returncode for p in again] == [1, 1] and "exists already" in errs[1], errs
