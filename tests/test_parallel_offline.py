@@ -125,8 +125,8 @@ import fsdp_optim.offline.parallel.reshard as R
 real = R.check_written
 def failing(path, record):
     real(path, record)
-    if sys.argv[1] == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[1] in ("kill", "stop"):
+        os.kill(os.getpid(), signal.SIGKILL if sys.argv[1] == "kill" else signal.SIGSTOP)
     raise OSError(f"disk full (injected) after {path.name}")
 R.check_written = failing
 from fsdp_optim.cli import main
@@ -186,6 +186,23 @@ def test_a_failure_anywhere_fails_all_and_commits_nothing(source: Path, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "one", "out"], "a rerun leaves nothing else"
 
 
+@pytest.mark.slow
+def test_a_process_that_stops_answering_fails_the_others(source: Path, tmp_path: Path) -> None:
+    """Process 1 stopped (SIGSTOP) after its first file: process 0's watch round times out and it fails, commits
+    nothing, and undoes its output, within the team's timeout (30 s) and a round."""
+    out = tmp_path / "out"
+    port = free_port()
+    argv = ["reshard", str(source), "--world-size", "3", "-o", str(out)]
+    first, stopped = _launch(0, port, argv, None), _launch(1, port, argv, "stop")
+    try:
+        _, err = first.communicate(timeout=180)
+    finally:
+        stopped.kill()
+        stopped.communicate()
+    assert first.returncode == 1 and "lost contact with another process" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "process 0 undid everything"
+
+
 def _torchrun(argv: list[str], *, nnodes: int = 1, node_rank: int = 0, port: int) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
            "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "fsdp_optim", *argv]  # fmt: skip
@@ -203,7 +220,6 @@ def test_torchrun_two_processes(source: Path, tmp_path: Path) -> None:
     assert_same_but_save_id(tmp_path / "one", out)
 
 
-@pytest.mark.slow
 def test_torchrun_two_nodes_of_two(source: Path, tmp_path: Path) -> None:
     """Two "nodes" on loopback (a static master), 4 processes, 7 output ranks."""
     out, port = tmp_path / "out", free_port()
@@ -225,7 +241,6 @@ def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.slow
 def test_whole_checkpoint_by_two_processes(whole: Path, tmp_path: Path) -> None:
     """Weights ride with the optimizer's keys and process 0 carries the side files: the same bytes as one process,
     whose two runs differ in the save id alone, side files included."""
@@ -312,3 +327,22 @@ def test_cli_verify_by_two_processes_prints_once(source: Path) -> None:
     one = subprocess.run([sys.executable, "-m", "fsdp_optim", "verify", str(source)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)  # fmt: skip
     assert outs[0][0] == one.stdout and outs[1][0] == "", outs
+
+
+def test_cli_consolidate_by_two_processes_runs_on_process_0(source: Path, tmp_path: Path) -> None:
+    """A verb with no split (consolidate): process 0 writes the file one process writes, process 1 prints nothing;
+    an error there is every process's exit 1."""
+    import torch
+
+    out = tmp_path / "full.pt"
+    port = free_port()
+    procs = [_launch(r, port, ["consolidate", str(source), "-o", str(out)], None) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    assert outs[0][0].startswith(f"wrote {out}") and outs[1][0] == "", outs
+    full = torch.load(out, weights_only=True)
+    assert sorted(full["state"]) == sorted(fsdp_optim.consolidate(source)["state"]), "the full dict"
+    port = free_port()
+    again = [_launch(r, port, ["consolidate", str(source), "-o", str(out)], None) for r in range(2)]
+    errs = [p.communicate(timeout=240)[1] for p in again]
+    assert [p.returncode for p in again] == [1, 1] and "exists already" in errs[1], errs
