@@ -335,7 +335,8 @@ class ObjectStore(StoreSaving):
                     spent = time.monotonic() - began
                     why = "" if clock.left() > pause else f", at {self.policy.describe(nbytes)}"
                     raise StoreUnavailable(
-                        f"{what}: failed after {attempt + 1} attempts in {spent:.1f} s{why}: {describe(exc)}"
+                        f"{what}: failed after {attempt + 1} attempt{'s' if attempt else ''} in {spent:.1f} s{why}: "
+                        f"{describe(exc)}"
                     ) from exc
                 time.sleep(pause)
         raise AssertionError("unreachable: the last attempt returns or raises")

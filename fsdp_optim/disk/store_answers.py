@@ -47,7 +47,11 @@ def precondition_failed(exc: BaseException | None) -> bool:
 
 
 def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc)[:300]}"
+    """The error as one short line; a timeout that says nothing (fsspec's ``FSTimeoutError``) says what it means."""
+    text = str(exc)[:300].strip()
+    if not text and isinstance(exc, TimeoutError):
+        text = "no answer before the attempt's time was up (a store that is down, unreachable or not answering)"
+    return f"{type(exc).__name__}: {text}"
 
 
 def mtime_of(entry: Mapping[str, Any]) -> float | None:
