@@ -113,8 +113,9 @@ def test_an_interrupted_saves_leftovers_are_ours_reported_and_removed(tmp_path: 
 
 
 def test_ctrl_c_during_a_save_leaves_one_outcome_and_no_leftovers(tmp_path: Path) -> None:
-    """SIGINT to the job's process group while it saves in a loop: each rank says what became of its save, the next
-    save (overwrite=True) leaves exactly one whole checkpoint, and no rank reports a bare EOFError."""
+    """SIGINT to the job's process group while it saves in a loop: the ranks agree on what became of the save (it
+    finishes as agreed, then raises: before, one rank said done and the other raised, or hung in a collective), the
+    next save (overwrite=True) leaves exactly one whole checkpoint, and no rank reports a bare EOFError."""
     directory = tmp_path / "ckpt"
     ranks = start_job("interrupted", directory)
     deadline = time.monotonic() + DEADLINE_S
@@ -126,6 +127,8 @@ def test_ctrl_c_during_a_save_leaves_one_outcome_and_no_leftovers(tmp_path: Path
     for rank, (code, out, err) in enumerate(results):
         assert code == 0 and f"rank {rank}: after ok" in out, f"rank {rank} ({code}): {out}\n{err[-3000:]}"
         assert "EOFError" not in err, f"rank {rank}: {err[-3000:]}"
+    outcomes = [[line.split(": ", 1)[1] for line in out.splitlines() if "outcome" in line] for _, out, _ in results]
+    assert outcomes[0] == outcomes[1] and len(outcomes[0]) == 1, f"the ranks disagree: {outcomes}"
     report = fsdp_optim.verify(directory)
     assert report.ok and not any("leftover" in line for line in report.lines()), report.lines()
     manifest = open_checkpoint(directory).manifest
