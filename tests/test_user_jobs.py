@@ -23,9 +23,11 @@ import warnings
 from pathlib import Path
 
 import _models as M
+import pytest
 from _dist import free_port, run_ranks
 
 import fsdp_optim
+from fsdp_optim.cli import main
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +99,9 @@ def _files(directory: Path) -> set[str]:
     return {p.name for p in directory.iterdir()}
 
 
-def test_an_interrupted_saves_leftovers_are_ours_reported_and_removed(tmp_path: Path) -> None:
+def test_an_interrupted_saves_leftovers_are_ours_reported_and_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Files a save interrupted on one rank left beside a committed checkpoint (no journal names them any more):
     verify names them as leftovers, and the next save removes them (it kept them as foreign before)."""
     first, second = tmp_path / "first", tmp_path / "second"
@@ -107,6 +111,9 @@ def test_an_interrupted_saves_leftovers_are_ours_reported_and_removed(tmp_path: 
     report = fsdp_optim.verify(second)
     assert report.ok, report.lines()
     assert any(line.startswith(f"{side}: leftover of an interrupted save") for line in report.lines()), report.lines()
+    assert main(["verify", str(second)]) == 0
+    out = capsys.readouterr().out
+    assert "verified: 5 files, every one present, of its size, checksums matching; 1 leftover file(s)" in out, out
     run_ranks(_save_over, 2, str(second))
     assert side not in _files(second), f"the next save kept the leftover: {sorted(_files(second))}"
     assert fsdp_optim.verify(second).ok and not any("leftover" in x for x in fsdp_optim.verify(second).lines())
