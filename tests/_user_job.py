@@ -3,9 +3,9 @@
 
 Scenarios (what a user did, each then printing ``rank R: ...`` lines on stdout):
 - ``lost``: an async save, then ``dist.destroy_process_group()`` before ``handle.wait()``, then a normal exit.
-- ``interrupted``: saves into DIRECTORY until a SIGINT to the process group (Ctrl-C) interrupts one; prints the
-  outcome (``outcome committed N`` / ``outcome interrupted N``), then, after a barrier, saves once more with
-  ``overwrite=True`` (``after ok``); ``saving`` lines (``saving N``) let the test pick its moment.
+- ``interrupted``: saves into DIRECTORY until a SIGINT to the process group (Ctrl-C) interrupts one (SIGINT is
+  ignored between saves); prints the outcome (``outcome committed N`` / ``outcome interrupted N``), then saves once
+  more with ``overwrite=True`` (``after ok``).
 - ``rank0-only``: rank 0 calls ``save_checkpoint`` alone; the other rank waits at a barrier, then exits.
 
 Started with SIGINT at its default (a background job of a script would inherit it ignored).
@@ -43,17 +43,19 @@ def _lost(rank: int, world_size: int, directory: str) -> None:
 def _interrupted(rank: int, world_size: int, directory: str) -> None:
     model, optim = _trained(rank, world_size)
     step = 0
-    try:
-        while True:
-            step += 1
-            _say(rank, f"saving {step}")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches this loop inside a save only (the ranks' code
+    while True:  # outside it is the job's own: a rank interrupted there leaves the others in a save's collective)
+        step += 1
+        try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             fsdp_optim.save_checkpoint(model, optim, directory, extra={"step": step}, overwrite=True)
-            _say(rank, f"saved {step}")
-    except KeyboardInterrupt:
-        pass  # the outcome of that save is what this rank's save says it was
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            break
+        _say(rank, f"saved {step}")
     committed = fsdp_optim.load_checkpoint(model, optim, directory)["step"]
     _say(rank, f"outcome {'committed' if committed == step else 'interrupted'} {step} (on disk: {committed})")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # one Ctrl-C: the rest runs to its end
     fsdp_optim.save_checkpoint(model, optim, directory, extra={"step": -1}, overwrite=True)
     _say(rank, "after ok")
 

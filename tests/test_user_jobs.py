@@ -23,9 +23,11 @@ import warnings
 from pathlib import Path
 
 import _models as M
+import pytest
 from _dist import free_port, run_ranks
 
 import fsdp_optim
+from fsdp_optim.cli import main
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +99,9 @@ def _files(directory: Path) -> set[str]:
     return {p.name for p in directory.iterdir()}
 
 
-def test_an_interrupted_saves_leftovers_are_ours_reported_and_removed(tmp_path: Path) -> None:
+def test_an_interrupted_saves_leftovers_are_ours_reported_and_removed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Files a save interrupted on one rank left beside a committed checkpoint (no journal names them any more):
     verify names them as leftovers, and the next save removes them (it kept them as foreign before)."""
     first, second = tmp_path / "first", tmp_path / "second"
@@ -107,14 +111,18 @@ def test_an_interrupted_saves_leftovers_are_ours_reported_and_removed(tmp_path: 
     report = fsdp_optim.verify(second)
     assert report.ok, report.lines()
     assert any(line.startswith(f"{side}: leftover of an interrupted save") for line in report.lines()), report.lines()
+    assert main(["verify", str(second)]) == 0
+    out = capsys.readouterr().out
+    assert "verified: 5 files, every one present, of its size, checksums matching; 1 leftover file(s)" in out, out
     run_ranks(_save_over, 2, str(second))
     assert side not in _files(second), f"the next save kept the leftover: {sorted(_files(second))}"
     assert fsdp_optim.verify(second).ok and not any("leftover" in x for x in fsdp_optim.verify(second).lines())
 
 
 def test_ctrl_c_during_a_save_leaves_one_outcome_and_no_leftovers(tmp_path: Path) -> None:
-    """SIGINT to the job's process group while it saves in a loop: each rank says what became of its save, the next
-    save (overwrite=True) leaves exactly one whole checkpoint, and no rank reports a bare EOFError."""
+    """SIGINT to the job's process group while it saves in a loop: the ranks agree on what became of the save (it
+    finishes as agreed, then raises: before, one rank said done and the other raised, or hung in a collective), the
+    next save (overwrite=True) leaves exactly one whole checkpoint, and no rank reports a bare EOFError."""
     directory = tmp_path / "ckpt"
     ranks = start_job("interrupted", directory)
     deadline = time.monotonic() + DEADLINE_S
@@ -126,6 +134,8 @@ def test_ctrl_c_during_a_save_leaves_one_outcome_and_no_leftovers(tmp_path: Path
     for rank, (code, out, err) in enumerate(results):
         assert code == 0 and f"rank {rank}: after ok" in out, f"rank {rank} ({code}): {out}\n{err[-3000:]}"
         assert "EOFError" not in err, f"rank {rank}: {err[-3000:]}"
+    outcomes = [[line.split(": ", 1)[1] for line in out.splitlines() if "outcome" in line] for _, out, _ in results]
+    assert outcomes[0] == outcomes[1] and len(outcomes[0]) == 1, f"the ranks disagree: {outcomes}"
     report = fsdp_optim.verify(directory)
     assert report.ok and not any("leftover" in line for line in report.lines()), report.lines()
     manifest = open_checkpoint(directory).manifest

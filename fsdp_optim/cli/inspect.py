@@ -33,6 +33,7 @@ def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
     import json
 
     from fsdp_optim.disk.text import escape
+    from fsdp_optim.formats.sharded.verification import LEFTOVER
     from fsdp_optim.offline.verify import report_json, verify
 
     report = verify(args.path, allow_globals=args.allow_global, deep=args.deep, layout=args.layout,
@@ -42,7 +43,10 @@ def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
     lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]
     if report.ok:
         deep = "; state: all finite, second moments >= 0, steps and hyperparameters sound" if report.deep else ""
-        verdict = f"verified: {len(report.files)} files, every one present, of its size, checksums matching"
+        checked = [f for f in report.files if not f.detail.startswith(LEFTOVER)]
+        left = len(report.files) - len(checked)
+        verdict = f"verified: {len(checked)} files, every one present, of its size, checksums matching"
+        verdict += f"; {left} leftover file(s) of an interrupted save beside it" if left else ""
         return [*lines, verdict + deep]
     print("\n".join(escape(line, limit=1 << 20) for line in lines), flush=True)
     intact = not report.problems and all(f.ok for f in report.files)

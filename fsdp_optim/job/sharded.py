@@ -30,6 +30,7 @@ from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.api import full_source
 from fsdp_optim.job.device_load import optimizer_state_on_device
+from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root
@@ -71,13 +72,14 @@ def save_sharded_optim_state(
     Cost: four small object collectives (lock outcome, save id, per-rank summaries to rank 0, outcome)
     and each rank's own file write.
     """
-    root = verify_root(fsdp)
-    check_in("save_sharded_optim_state", root.group, check_in_seconds())  # a rank calling it alone: said so
-    local = read_for_save(root, optim)
-    target = where(directory)
-    state = {i: {key: own_tensor(v) for key, v in entries.items()} for i, entries in local.state.items()}
-    save_id, lock = start_save(target, root.group, overwrite=overwrite, purpose="save_sharded_optim_state")
-    return commit_save(root.layout, local, state, type(optim).__name__, target, save_id, root.group, lock=lock)
+    with interrupts_deferred("save_sharded_optim_state"):  # a Ctrl-C: the save ends as agreed, then raises
+        root = verify_root(fsdp)
+        check_in("save_sharded_optim_state", root.group, check_in_seconds())  # a rank calling it alone: said so
+        local = read_for_save(root, optim)
+        target = where(directory)
+        state = {i: {key: own_tensor(v) for key, v in entries.items()} for i, entries in local.state.items()}
+        save_id, lock = start_save(target, root.group, overwrite=overwrite, purpose="save_sharded_optim_state")
+        return commit_save(root.layout, local, state, type(optim).__name__, target, save_id, root.group, lock=lock)
 
 
 def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:

@@ -25,6 +25,7 @@ from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, host_copy, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previous, launch
+from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
@@ -83,16 +84,17 @@ def save_checkpoint(
         path/optim-<id>-rank00000-of-00002.safetensors          # weights + optimizer state of rank 0
         path/train-<id>-rank00000-of-00002.safetensors          # extra (+ buffers) of rank 0
     """
-    root = verify_root(model, optim)
-    check_in("save_checkpoint", root.group, check_in_seconds())  # a rank calling it alone: said, not a gloo abort
-    prepared, per_rank = _prepare_everywhere(root, model, optim, extra)
-    directory = where(path)
-    side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
-    optimizer = type(optim).__name__ if optim is not None else None
-    save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
-    return commit_save(  # at once: from here, commit_save releases the lock whatever happens
-        root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock, side=side
-    )
+    with interrupts_deferred("save_checkpoint"):  # a Ctrl-C: the save ends as agreed on every rank, then raises
+        root = verify_root(model, optim)
+        check_in("save_checkpoint", root.group, check_in_seconds())  # a rank calling it alone: said, no gloo abort
+        prepared, per_rank = _prepare_everywhere(root, model, optim, extra)
+        directory = where(path)
+        side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
+        optimizer = type(optim).__name__ if optim is not None else None
+        save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
+        return commit_save(  # at once: from here, commit_save releases the lock whatever happens
+            root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock, side=side
+        )
 
 
 def async_save_checkpoint(
@@ -114,19 +116,20 @@ def async_save_checkpoint(
     ``handle.wait()`` returns the manifest path or raises the save's error on every rank. One save per model in
     flight; the next one waits for it.
     """
-    finish_previous(model)
-    root = verify_root(model, optim)
-    check_in("async_save_checkpoint", root.group, check_in_seconds())
-    group = checkpoint_group(root.group)
-    prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True, caller_of=group)
-    directory = where(path)
-    save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
-    side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
-    optimizer = type(optim).__name__
-    upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
-        root.layout, prepared.local, staged, optimizer, directory, save_id, group, lock=lock, side=side
-    )
-    return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
+    with interrupts_deferred("async_save_checkpoint"):  # its agreed start (the thread does not see Ctrl-C)
+        finish_previous(model)
+        root = verify_root(model, optim)
+        check_in("async_save_checkpoint", root.group, check_in_seconds())
+        group = checkpoint_group(root.group)
+        prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True, caller_of=group)
+        directory = where(path)
+        save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
+        side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
+        optimizer = type(optim).__name__
+        upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
+            root.layout, prepared.local, staged, optimizer, directory, save_id, group, lock=lock, side=side
+        )
+        return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
 
 
 def prepare_whole(

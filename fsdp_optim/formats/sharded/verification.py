@@ -21,7 +21,9 @@ from fsdp_optim.formats.sharded.reader import checkpoint_dir, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import read_side_file
 from fsdp_optim.formats.sharded.writer import leftovers
 
-__all__ = ["present_and_sized", "verify_sharded"]
+__all__ = ["LEFTOVER", "present_and_sized", "verify_sharded"]
+
+LEFTOVER = "leftover of an interrupted save"  # how verify names such a file (the CLI counts them apart)
 
 
 def verify_sharded(path: str | os.PathLike[str] | Location, only: Callable[[str], bool] | None = None) -> Verification:
@@ -67,11 +69,8 @@ def _leftover_checks(directory: Path | Location, listed: set[str]) -> list[FileC
     if not isinstance(directory, Path) or not directory.is_dir():
         return []
     stale = leftovers(directory, set(os.listdir(directory)) - listed)
-    return [
-        FileCheck(directory / name, True, "leftover of an interrupted save, not part of this checkpoint "
-                  "(the next save into this directory removes it)")  # fmt: skip
-        for name in sorted(stale)
-    ]
+    detail = f"{LEFTOVER}, not part of this checkpoint (the next save into this directory removes it)"
+    return [FileCheck(directory / name, True, detail) for name in sorted(stale)]
 
 
 def present_and_sized(path: str | os.PathLike[str] | Location, manifest: Manifest | None = None) -> list[str]:
