@@ -137,7 +137,7 @@ def test_a_killed_export_is_cleaned_up_by_the_next(tmp_path, after: int) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt", "out"]
     assert sorted(os.listdir(out)) == [METADATA, DATA_FILE]
     dcp_to_torch_save(out, tmp_path / "back.pt")
-    back = torch.load(tmp_path / "back.pt", weights_only=False)["optim"]["state"]
+    back = torch.load(tmp_path / "back.pt", weights_only=False)["optimizer"]["state"]
     assert_identical(back, {f"layers.{i}.weight": entries for i, entries in full["state"].items()})
 
 
