@@ -71,3 +71,23 @@ def test_a_failed_block_publishes_nothing_and_removes_the_copy(scratch: Path) ->
         (Path(local) / "file.bin").write_bytes(b"half")
         raise RuntimeError("the writer failed")
     assert where(url).listing() == {} and list(scratch.iterdir()) == [], "nothing published, the copy removed"
+
+
+def _layout_twice(rank: int, world_size: int, tmp: str) -> dict[str, Any]:  # noqa: ARG001 - run_ranks' signature
+    import _models as M
+
+    root = M.wrap(M.make_net(), "deep")
+    url = f"memory://written-here/{uuid.uuid4().hex[:8]}"
+    local = fsdp_optim.save_layout(root, Path(tmp) / "layout.json")
+    stored = fsdp_optim.save_layout(root, f"{url}/layout.json")
+    return {"local": str(local), "stored": str(stored), "same": bytes(where(url).read_all("layout.json", limit=1 << 20))
+            == (Path(tmp) / "layout.json").read_bytes()}  # fmt: skip
+
+
+def test_save_layout_writes_a_local_file_in_place_and_a_store_object_whole(tmp_path: Path) -> None:
+    from _dist import run_ranks
+
+    (result,) = run_ranks(_layout_twice, 1, str(tmp_path))
+    assert result["local"] == str(tmp_path / "layout.json"), f"the local file's path: {result}"
+    assert result["stored"].startswith("memory://") and result["stored"].endswith("/layout.json"), f"{result}"
+    assert result["same"], "the stored layout is the same bytes as the local one"

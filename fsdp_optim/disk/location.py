@@ -280,6 +280,17 @@ class Location(ABC):
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
+    @contextmanager
+    def uploaded(self, local: Path) -> Iterator[None]:
+        """The plainest ``publishing`` for :meth:`written_here`: once the block ends cleanly, the file written at
+        ``local`` becomes this location's object (a directory: each file under its relative name), replaced whole."""
+        yield None
+        if local.is_dir():
+            for path in sorted(p for p in local.rglob("*") if p.is_file()):
+                self.upload(path, path.relative_to(local).as_posix())
+        else:
+            self.parent().upload(local, self.name)
+
     def remove_marker(self) -> None:  # noqa: B027 - most backends keep no marker
         """Once its objects are deleted, remove what keeps this location listed (a store's "directory" object, a
         local directory itself; nothing by default)."""
