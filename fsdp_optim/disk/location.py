@@ -16,8 +16,12 @@ Reading::
     fetched_whole(name)                       an object whole as a local file, for the readers that take a file
                                               (its own file, or a temporary copy: ``download(name, local)``)
     local_path()                              the local path whose files are mapped in place, or None (a store)
+    present() / non_objects()                 there as a place of its own now; names below that are no objects
 
-Writing an object whole: ``upload(local, name)``, ``put(name, data)``; removing: ``delete(names)``.
+Writing an object whole: ``upload(local, name)``, ``put(name, data)``; an output of any shape:
+``written_here(publishing)`` (in place where it is local, else a local copy published as the block ends; the plainest
+publishing: ``uploaded``). Removing: ``delete(names)``; a whole location, under ``guarded(purpose)``: its objects
+deleted, then ``remove_marker()``.
 
 A save, in this order (a job's ranks, or one process)::
 
