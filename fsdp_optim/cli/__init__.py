@@ -132,16 +132,15 @@ def _run_verb(args: argparse.Namespace) -> Any:
     """``args.run(args)``; an ``-o`` URL is written to a local path first and published when the verb succeeds
     (:func:`fsdp_optim.offline.publish.checkpoint_output`; a verb that writes rank files may start their uploads
     through ``args.after_file``), and the lines name the URL."""
-    from fsdp_optim.disk.locations import where
     from fsdp_optim.offline.publish import checkpoint_output
 
     url = getattr(args, "output", None)
-    if not isinstance(url, str) or where(url).local_path() is not None:
+    if not isinstance(url, str):
         return args.run(args)
     inputs = [getattr(args, name, None) for name in ("source", "layout")]
     overwrite = bool(getattr(args, "overwrite", False))
     with checkpoint_output(url, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as (local, file_done):
-        args.output, args.after_file = str(local), file_done
+        args.output, args.after_file = str(local), file_done  # (a local output: itself, as given)
         result = args.run(args)
     args.output = url
     if isinstance(result, list):

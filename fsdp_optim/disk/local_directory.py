@@ -13,13 +13,13 @@ import os
 import shutil
 import stat
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_optim.disk.atomic import atomic_write, fsync_dir
-from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, StoredObject
+from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, StoredObject, T
 from fsdp_optim.disk.locks import OutputLock, OutputLockedError, lock_output
 from fsdp_optim.disk.staged import close_output, open_output, remove_recorded
 from fsdp_optim.disk.store_answers import Tiling
@@ -43,6 +43,7 @@ class LocalDirectory(Location):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:  # noqa: D107 - see the class
         self.path = Path(path)
+        self.given = path  # as the caller spelled it
 
     def __fspath__(self) -> str:
         return os.fspath(self.path)
@@ -167,6 +168,13 @@ class LocalDirectory(Location):
             yield True
             if not os.path.lexists(self.path):
                 lock.forget()
+
+    @contextmanager
+    def written_here(
+        self, publishing: Callable[[Path], AbstractContextManager[T]]  # noqa: ARG002 - nothing to publish
+    ) -> Iterator[tuple[str | os.PathLike[str], T | None]]:
+        """The directory (or file) itself, spelled as given (an output's messages name it so): written in place."""
+        yield self.given, None
 
     def remove_marker(self) -> None:
         """The emptied directory itself (``OSError`` if anything is left in it)."""

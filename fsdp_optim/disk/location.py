@@ -16,8 +16,12 @@ Reading::
     fetched_whole(name)                       an object whole as a local file, for the readers that take a file
                                               (its own file, or a temporary copy: ``download(name, local)``)
     local_path()                              the local path whose files are mapped in place, or None (a store)
+    present() / non_objects()                 there as a place of its own now; names below that are no objects
 
-Writing an object whole: ``upload(local, name)``, ``put(name, data)``; removing: ``delete(names)``.
+Writing an object whole: ``upload(local, name)``, ``put(name, data)``; an output of any shape:
+``written_here(publishing)`` (in place where it is local, else a local copy published as the block ends; the plainest
+publishing: ``uploaded``). Removing: ``delete(names)``; a whole location, under ``guarded(purpose)``: its objects
+deleted, then ``remove_marker()``.
 
 A save, in this order (a job's ranks, or one process)::
 
@@ -36,6 +40,7 @@ A save, in this order (a job's ranks, or one process)::
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -44,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Claims
@@ -52,6 +57,7 @@ from fsdp_optim.disk.store_policy import RetryPolicy
 
 __all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject", "Where", "is_url"]
 
+T = TypeVar("T")
 _DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -261,6 +267,33 @@ class Location(ABC):
         removed), else ``True``. A local directory takes its lock (``purpose`` says why, to a second writer); a
         store has none to take."""
         return nullcontext(True)
+
+    @contextmanager
+    def written_here(
+        self, publishing: Callable[[Path], AbstractContextManager[T]]
+    ) -> Iterator[tuple[str | os.PathLike[str], T | None]]:
+        """A local path at which to write an output for this location (a file or a directory of its name), and what
+        ``publishing(local)`` yields: here a scratch copy in ``$TMPDIR``, entered in ``publishing(local)`` (which
+        refuses, uploads, commits or removes its uploads as the block ends) and removed however it ends. A local
+        directory is written in place: its path as it was given, and ``None`` (``publishing`` is not called)."""
+        scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
+        try:
+            local = scratch / self.name
+            with publishing(local) as published:
+                yield local, published
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    @contextmanager
+    def uploaded(self, local: Path) -> Iterator[None]:
+        """The plainest ``publishing`` for :meth:`written_here`: once the block ends cleanly, the file written at
+        ``local`` becomes this location's object (a directory: each file under its relative name), replaced whole."""
+        yield None
+        if local.is_dir():
+            for path in sorted(p for p in local.rglob("*") if p.is_file()):
+                self.upload(path, path.relative_to(local).as_posix())
+        else:
+            self.parent().upload(local, self.name)
 
     def remove_marker(self) -> None:  # noqa: B027 - most backends keep no marker
         """Once its objects are deleted, remove what keeps this location listed (a store's "directory" object, a

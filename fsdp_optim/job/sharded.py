@@ -91,11 +91,9 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     manifest = Manifest.from_layout(verify_root(fsdp).layout.at_rank(0), save_id="layout")
     data = manifest_to_json(manifest)  # a manifest without files, in JSON: no pickle (format 1 wrote a torch file)
     place = where(path)
-    if place.local_path() is None:  # one object, replaced whole
-        place.parent().put(place.name, data)
-        return place.parent() / place.name  # type: ignore[return-value]  # shown as its URL
-    write_stream(lambda file: file.write(data), Path(path), purpose="save_layout")  # under the file's lock
-    return Path(path)
+    with place.written_here(place.uploaded) as (local, _):  # in place, or a local copy uploaded whole
+        write_stream(lambda file: file.write(data), Path(local), purpose="save_layout")  # under the file's lock
+    return place.parent() / place.name  # type: ignore[return-value]  # (a store's: shown as its URL)
 
 
 def load_sharded_optim_state(

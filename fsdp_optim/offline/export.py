@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import staged_output
 from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, placeholder, write_dcp
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
@@ -76,18 +75,14 @@ def to_dcp(
     An optimizer-only source: ``state = {"optimizer": get_optimizer_state_dict(model, optim)}``, then
     ``set_optimizer_state_dict``.
     """
-    if where(out_dir).local_path() is None:  # written locally, then uploaded file by file (offline/publish.py)
-        with output_for(str(out_dir)) as local:
-            return to_dcp(source, local, model_key=model_key, optim_key=optim_key, param_order=param_order,
-                          optimizer_keys=optimizer_keys, allow_globals=allow_globals, progress=progress,
-                          max_mapped_bytes=max_mapped_bytes)  # fmt: skip
-    _check_empty(Path(out_dir))
-    with open_source(
-        source, layout=param_order, optimizer_keys=optimizer_keys, allow_globals=allow_globals,
-        max_mapped_bytes=max_mapped_bytes,
-    ) as opened:
-        return export_opened(opened, out_dir, inputs=(source,), model_key=model_key, optim_key=optim_key,
-                             progress=progress)
+    with output_for(str(out_dir)) as local:  # out_dir, or written locally, then uploaded file by file (publish.py)
+        _check_empty(Path(local))
+        with open_source(
+            source, layout=param_order, optimizer_keys=optimizer_keys, allow_globals=allow_globals,
+            max_mapped_bytes=max_mapped_bytes,
+        ) as opened:
+            return export_opened(opened, local, inputs=(source,), model_key=model_key, optim_key=optim_key,
+                                 progress=progress)
 
 
 def _check_empty(out: Path) -> None:

@@ -27,7 +27,6 @@ from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.disk.atomic import durable_write, load_file
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import staged_output, write_stream
 from fsdp_optim.formats import hf_safetensors as hf
@@ -67,16 +66,11 @@ def to_safetensors(
     A shard set's wrapper extras (``loss_scale``) and other keys are not kept. ``layout``, ``optimizer`` and
     ``allow_globals`` apply as :mod:`fsdp_optim.offline.sources` says (a fairscale-native dict needs ``layout``).
     """
-    if where(out).local_path() is None:  # written locally, then uploaded (offline/publish.py)
-        with output_for(str(out)) as local:
-            return to_safetensors(source, local, layout=layout, optimizer=optimizer, allow_globals=allow_globals,
-                                  progress=progress, max_mapped_bytes=max_mapped_bytes,
-                                  max_shard_size=max_shard_size)  # fmt: skip
-    with open_source(
+    with output_for(str(out)) as local, open_source(  # out, or written locally, then uploaded (offline/publish.py)
         source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as opened:
         given = None if isinstance(source, Mapping) else source
-        return write_opened(opened, out, inputs=(source,), progress=progress, path=given, bound=max_mapped_bytes,
+        return write_opened(opened, local, inputs=(source,), progress=progress, path=given, bound=max_mapped_bytes,
                             max_shard_size=max_shard_size)
 
 

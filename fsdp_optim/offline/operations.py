@@ -145,13 +145,11 @@ def reshard(
     write = partial(_reshard_local, source, world_size, layout=layout, optimizer=optimizer,
                     allow_globals=allow_globals, progress=progress, max_mapped_bytes=max_mapped_bytes,
                     overwrite=overwrite, buffers=buffers)  # fmt: skip
-    target = where(out_dir)
-    here = target.local_path()
-    if here is None:  # written locally, each rank file uploaded once written
-        with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done):
-            write(local, after_file=file_done)
-        return target / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
-    return write(here)
+    with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done):  # (a store's: each rank file uploaded
+        written = write(Path(local), after_file=file_done)  # once written)
+    if file_done is None:  # written in place
+        return written
+    return where(out_dir) / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
 
 
 def _reshard_local(

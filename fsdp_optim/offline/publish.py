@@ -18,11 +18,10 @@ upload; a file the local writer moves later is uploaded from a hard link made wh
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from fsdp_optim.disk.errors import CommitOutcomeUnknown
@@ -43,16 +42,12 @@ def output_for(
     overwrite: bool = False,
     inputs: Iterable[object] = (),
     keep_checkpoint: bool = False,
-) -> Iterator[Path]:
+) -> Iterator[str | os.PathLike[str]]:
     """``out`` itself when it is local; for a URL (or a store), a local path of the same name to write, published to
     ``out`` when the block succeeds (a sharded checkpoint if a manifest was written there, else its files).
 
     Refused before anything is written: ``out`` naming one of ``inputs``, and (``keep_checkpoint``, the command
     line's rule) a checkpoint already at ``out`` unless ``overwrite``."""
-    local = where(out).local_path()
-    if local is not None:
-        yield local
-        return
     with checkpoint_output(out, overwrite=overwrite, inputs=inputs, keep_checkpoint=keep_checkpoint) as (local, _):
         yield local
 
@@ -64,24 +59,34 @@ def checkpoint_output(
     overwrite: bool = False,
     inputs: Iterable[object] = (),
     keep_checkpoint: bool = False,
-) -> Iterator[tuple[Path, Callable[[Path], None]]]:
-    """:func:`output_for` of a URL (or store), with ``file_done(path)`` to call when a rank file of the checkpoint
-    being written is complete: its upload starts at once, in the background (one file at a time); whatever is not
-    uploaded yet when the block ends is uploaded then, and the checkpoint committed. A failure removes the uploads."""
-    url = str(out).rstrip("/")
+) -> Iterator[tuple[str | os.PathLike[str], Callable[[Path], None] | None]]:
+    """:func:`output_for`, with ``file_done(path)`` to call when a rank file of the checkpoint being written is
+    complete (``None`` where ``out`` is local: written in place, nothing to upload). For a URL (or store) its upload
+    starts at once, in the background (one file at a time); whatever is not uploaded yet when the block ends is
+    uploaded then, and the checkpoint committed. A failure removes the uploads."""
+    target = where(out)
+    publishing = partial(_published, target, str(out).rstrip("/"), overwrite=overwrite, inputs=inputs,
+                         keep_checkpoint=keep_checkpoint)  # fmt: skip
+    with target.written_here(publishing) as (local, file_done):
+        yield local, file_done
+
+
+@contextmanager
+def _published(
+    target: Location, url: str, local: Path, *, overwrite: bool, inputs: Iterable[object], keep_checkpoint: bool
+) -> Iterator[Callable[[Path], None]]:
+    """The checks, uploads and commit of :func:`checkpoint_output` for the local copy ``local`` of ``target``
+    (``url``: as given)."""
     if any(str(i).rstrip("/") == url for i in inputs if i is not None):
         raise ValueError(f"output: {url} is also an input; write to another place")
-    target = where(out)
     if keep_checkpoint and not overwrite and is_sharded_checkpoint(target):
         raise FileExistsError(f"output: {url} holds a checkpoint already; pass --overwrite to replace it")
     if keep_checkpoint and not overwrite and target.parent().size(target.name) is not None:
         raise FileExistsError(f"output: {url}: an object is there already; pass --overwrite to replace it")
-    scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
-    uploads = Uploads(target, overwrite=overwrite, links=scratch / ".uploading")
+    uploads = Uploads(target, overwrite=overwrite, links=local.parent / ".uploading")
     try:
-        local = scratch / target.name
         try:
-            yield local, uploads.file_done
+            yield uploads.file_done
         except BaseException:
             uploads.abort()
             raise
@@ -93,7 +98,6 @@ def checkpoint_output(
             target.parent().upload(local, local.name)
     finally:
         uploads.abort()  # (nothing left to do after a commit)
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def publish_checkpoint(local: Path, store: Location, *, overwrite: bool = False) -> None:
