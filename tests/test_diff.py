@@ -97,7 +97,9 @@ def test_tolerances_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture
     code, out, err = _cli(capsys, "diff", CKPT, tmp_path / "nothing")
     assert code == 1 and err.startswith("fsdp-optim: error: ") and "nothing" in err and "Traceback" not in err
     assert out == "" and len(err.splitlines()) == 1, err
-    assert _cli(capsys, "diff", CKPT, edited, "--atol", "-1")[0] == 1
+    with pytest.raises(SystemExit) as negative:  # a tolerance below 0 is bad usage, refused before reading
+        main(["diff", str(CKPT), str(edited), "--atol", "-1"])
+    assert negative.value.code == 2
     with pytest.raises(SystemExit) as exit_:
         main(["diff", str(CKPT)])
     assert exit_.value.code == 2

@@ -19,7 +19,7 @@ __all__ = ["run_in_team"]
 
 def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
     """``run(args)`` as the module docstring says: by this process alone unless ``torchrun`` started it."""
-    from fsdp_optim.job.team import launched
+    from fsdp_optim.job.launcher import launched
 
     if not launched():
         return run(args)

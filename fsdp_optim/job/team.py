@@ -16,15 +16,14 @@ Cost: one 8-byte all-gather per process per period.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from fsdp_optim.job.launcher import launched
 from fsdp_optim.job.transport import (
     ProcessGroup,
     agree,
@@ -38,7 +37,7 @@ from fsdp_optim.job.transport import (
     release_group,
 )
 
-__all__ = ["PERIOD_S", "TIMEOUT_S", "PeerFailed", "Team", "Watch", "launched", "team_of_job"]
+__all__ = ["PERIOD_S", "TIMEOUT_S", "PeerFailed", "Team", "Watch", "team_of_job"]
 
 PERIOD_S = 0.5  # the watch's rounds
 TIMEOUT_S = 30.0  # every collective of a team: a lost process fails the others within this (and one period)
@@ -52,20 +51,6 @@ class PeerFailed(ConnectionError):
     def __init__(self, message: str, *, contact_lost: bool = False) -> None:
         super().__init__(message)
         self.contact_lost = contact_lost
-
-
-def launched() -> bool:
-    """Whether this process was started by ``torchrun`` (or a launcher like it) as one of several: ``RANK`` and a
-    ``WORLD_SIZE`` over 1 in its environment, and not merely inherited from its parent (a training job's rank that
-    runs ``fsdp-optim`` as a command passes its own on; the command then runs alone, as ``FSDP_OPTIM_ALONE=1`` also
-    asks)."""
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("FSDP_OPTIM_ALONE"):
-        return False
-    try:
-        parent = Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
-    except OSError:  # no /proc: trust the environment
-        return True
-    return not any(v.startswith(b"RANK=") for v in parent)
 
 
 @dataclass(frozen=True)
