@@ -112,7 +112,11 @@ def _ms(medians: dict[str, float]) -> str:
     return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in medians.items())
 
 
+_STOPPED: list[int] = []  # the signal that ended the run, if one did
+
+
 def _stop(signum: int, _frame: Any) -> None:
+    _STOPPED.append(signum)
     raise SystemExit(128 + signum)  # through every finally: the checkpoints in --dir are removed
 
 
@@ -142,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(config.directory, ignore_errors=True)
+        if _STOPPED:  # (also where the code it landed in caught the SystemExit and went on: a stopped run is one)
+            raise SystemExit(128 + _STOPPED[0])
     paths = progress.publish("")
     run.done(paths, paths["md"].read_text(), verdict_lines(report.targets(progress.rows())))
 
