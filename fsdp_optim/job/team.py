@@ -72,6 +72,15 @@ class Team:
         if failure is not None:  # a peer that failed has told its error above; one that was lost cannot
             raise failure
 
+    def settle(self, watch: Watch, failure: BaseException | None, what: str) -> None:
+        """The end of a share of work: ``watch`` stopped (with this process's ``failure``, or the peer's it saw),
+        then :meth:`agree` on the outcome."""
+        try:
+            watch.finish(failure)
+        except PeerFailed as exc:
+            failure = exc
+        self.agree(failure, what)
+
     def from_first(self, obj: Any) -> Any:
         """Process 0's ``obj`` on every process."""
         return broadcast_object(obj, src=0, group=self.control)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from fsdp_optim.job.team import PeerFailed, Team
+from fsdp_optim.job.team import Team
 
 __all__ = ["alone"]
 
@@ -24,9 +24,5 @@ def alone(team: Team, run: Callable[[], T], what: str) -> T | None:
             result = run()
         except BaseException as exc:
             failure = exc
-    try:
-        watch.finish(failure)
-    except PeerFailed as exc:
-        failure = exc
-    team.agree(failure, f"{what} failed on process 0")
+    team.settle(watch, failure, f"{what} failed on process 0")
     return result

@@ -38,7 +38,7 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.streamed import check_written, rank_file_bytes, write_streamed
 from fsdp_optim.formats.sharded.writer import CHECKPOINT, write_manifest
-from fsdp_optim.job.team import PeerFailed, Team
+from fsdp_optim.job.team import Team
 from fsdp_optim.offline.rank_writes import described
 from fsdp_optim.offline.whole import carry_side_files, check_resharding, is_whole
 
@@ -168,9 +168,5 @@ def _share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging: Path,
                 records.append(record)
     except BaseException as exc:
         failure = exc
-    try:
-        watch.finish(failure)
-    except PeerFailed as exc:
-        failure = exc
-    team.agree(failure, "reshard failed on another process; nothing was committed")
+    team.settle(watch, failure, "reshard failed on another process; nothing was committed")
     return records

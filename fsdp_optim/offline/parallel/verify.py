@@ -11,7 +11,7 @@ from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.disk.file_check import FileCheck, Verification
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.verification import verify_sharded
-from fsdp_optim.job.team import PeerFailed, Team
+from fsdp_optim.job.team import Team
 
 __all__ = ["verify_across"]
 
@@ -32,11 +32,7 @@ def verify_across(team: Team, path: str | os.PathLike[str]) -> Verification:
         done[0] = sum(f.nbytes for f in files if f.file in mine)
     except BaseException as exc:
         failure = exc
-    try:
-        watch.finish(failure)
-    except PeerFailed as exc:
-        failure = exc
-    team.agree(failure, "verify failed on another process")
+    team.settle(watch, failure, "verify failed on another process")
     assert report is not None, "verified once every process agreed"
     gathered = team.to_first(report.files[1:])  # each process's checks but the manifest's (process 0 keeps its own)
     merged = None
