@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import free_port, run_ranks
 from safetensors import safe_open
 from test_recut_blocks import _full, _layout
 
@@ -138,3 +140,73 @@ def test_a_failure_mid_write_leaves_nothing(whole: Path, tmp_path: Path, monkeyp
 
 def _disk_full() -> torch.Tensor:
     raise OSError("disk full (injected)")
+
+
+# A process of the CLI under a torchrun-like environment; "kill" kills itself (SIGKILL) once it has written its
+# first tensor of the file.
+_PROCESS = """
+import os, signal, sys
+import fsdp_optim.offline.parallel.onefile as P
+real = P.write_tensors
+def killed(path, layout, which, *, after):
+    def then(nbytes):
+        after(nbytes)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(path, layout, which, after=then)
+if sys.argv[1] == "kill":
+    P.write_tensors = killed
+from fsdp_optim.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _pair(argv: list[Any], how: dict[int, str]) -> list[tuple[int, str, str]]:
+    """Processes 0 and 1 of 2, as torchrun starts them, running ``fsdp-optim argv``: (exit code, stdout, stderr)."""
+    port = free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS, how.get(r, "-"), *map(str, argv)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+        out.append((p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.parametrize("source", ["whole", "optim_only"])
+def test_two_processes_write_the_bytes_one_writes(source: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    src = request.getfixturevalue(source)
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    assert _cli("consolidate", src, "-o", one) == 0
+    results = _pair(["consolidate", src, "-o", two], {})
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert results[0][1].startswith(f"wrote {two}: safetensors, one file") and results[1][1] == "", results
+    assert one.read_bytes() == two.read_bytes(), "2 processes wrote other bytes than 1"
+    assert sorted(os.listdir(tmp_path)) == ["one.safetensors", "two.safetensors"], "nothing else left"
+
+
+def test_a_killed_process_commits_nothing(whole: Path, tmp_path: Path) -> None:
+    """Process 1 killed after its first tensor: process 0 fails (exit 1) within the team's timeout, removes its
+    temporary file, commits nothing; a rerun writes the file."""
+    out = tmp_path / "model.safetensors"
+    results = _pair(["consolidate", whole, "-o", out], {1: "kill"})
+    assert results[1][0] == -9 and results[0][0] == 1, results
+    assert "fsdp-optim: error:" in results[0][2], results[0][2]
+    assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)
+    assert [code for code, _, _ in _pair(["consolidate", whole, "-o", out], {})] == [0, 0]
+    assert verify(out).ok
+
+
+def test_two_processes_refuse_a_directory(whole: Path, tmp_path: Path) -> None:
+    taken = tmp_path / "taken.safetensors"
+    taken.mkdir()
+    results = _pair(["consolidate", whole, "-o", taken], {})
+    assert [code for code, _, _ in results] == [1, 1], results
+    assert all("an existing directory" in err for _, _, err in results), results
+    assert os.listdir(taken) == [], "left as it was"

@@ -53,15 +53,22 @@ def _file_output(output: str, verb: str) -> None:
         )
 
 
-def run_consolidate(args: argparse.Namespace) -> list[str]:
+@contextlib.contextmanager
+def checked_opening(args: argparse.Namespace) -> Iterator[Any]:
+    """consolidate's source opened, once its ``-o`` and its flags are checked against it."""
     _file_output(args.output, "consolidate")
-    with _open(args, args.source) as opened, progress_bar("consolidate") as progress:
+    with _open(args, args.source) as opened:
         if (args.with_model or args.no_model) and not opened.holds_weights():
             flag = "--with-model" if args.with_model else "--no-model"
             raise ValueError(
                 f"{args.source}: {flag} is for a fairseq/metaseq shard set or a whole checkpoint only (they hold "
                 "weights)"
             )
+        yield opened
+
+
+def run_consolidate(args: argparse.Namespace) -> list[str]:
+    with checked_opening(args) as opened, progress_bar("consolidate") as progress:
         if is_safetensors_name(args.output):
             what = _consolidate_safetensors(opened, args, progress)
             return [f"wrote {args.output}: {what}"]

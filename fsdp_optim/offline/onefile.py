@@ -137,7 +137,7 @@ def write_tensors(
 
 def _put(fd: int, tensor: torch.Tensor, offset: int, where: str) -> None:
     """The tensor's bytes written at ``offset``, then read back and compared piece by piece."""
-    data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).cast("B")
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done : done + _IO_BYTES], offset + done)
