@@ -168,9 +168,11 @@ def write_header(fd: int, layout: FileLayout, shares: Sequence[Mapping[str, Any]
     """The final header (every share's checksums), written over the placeholders' room at offset 0."""
     sums = {name: s for share in shares for name, s in share.items()}
     missing = [t.name for t in layout.tensors if t.name not in sums]
-    assert not missing, f"every tensor was written once; none wrote {missing[:3]}"
+    if missing:
+        raise RuntimeError(f"consolidate: no process wrote tensors {missing[:3]} ({len(missing)} in all)")
     header = layout.header(sums)
-    assert len(header) == (layout.offsets[0] if layout.offsets else layout.size), "the header kept its length"
+    if len(header) != (layout.offsets[0] if layout.offsets else layout.size):
+        raise RuntimeError("consolidate: the header with its checksums is not as long as the one planned")
     done = 0
     while done < len(header):
         done += os.pwrite(fd, header[done:], done)
