@@ -203,10 +203,30 @@ def test_a_killed_process_commits_nothing(whole: Path, tmp_path: Path) -> None:
     assert verify(out).ok
 
 
-def test_two_processes_refuse_a_directory(whole: Path, tmp_path: Path) -> None:
+def test_two_processes_refuse_a_directory_and_an_existing_file(whole: Path, tmp_path: Path) -> None:
+    """A directory: refused by every process while planning; a file without --overwrite: by process 0's output
+    (its lock), which every process then raises; both left as they were."""
     taken = tmp_path / "taken.safetensors"
     taken.mkdir()
     results = _pair(["consolidate", whole, "-o", taken], {})
     assert [code for code, _, _ in results] == [1, 1], results
     assert all("an existing directory" in err for _, _, err in results), results
     assert os.listdir(taken) == [], "left as it was"
+    existing = tmp_path / "x.safetensors"
+    existing.write_bytes(b"old")
+    results = _pair(["consolidate", whole, "-o", existing], {})
+    assert [code for code, _, _ in results] == [1, 1] and "exists already" in results[1][2], results
+    assert existing.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["taken.safetensors", "x.safetensors"]
+
+
+def test_torchrun_two_processes(whole: Path, tmp_path: Path) -> None:
+    """The real launcher: the file one process writes, printed once."""
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    assert _cli("consolidate", whole, "-o", one) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "fsdp_optim", "consolidate", str(whole), "-o", str(two)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 1 and done.stdout.startswith(f"wrote {two}"), done.stdout
+    assert one.read_bytes() == two.read_bytes(), "torchrun's 2 processes wrote other bytes than 1"
