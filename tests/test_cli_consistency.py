@@ -106,7 +106,7 @@ def test_dcp_export_names_its_optimizer_key_and_inspect_finds_it(tmp_path: Path,
         (["consolidate", "{ckpt}", "--rank", "-1", "-o", "{tmp}/c.pt"], "argument --rank: expected an integer >= 0"),
         (["diff", "{ckpt}", "{full}", "--atol", "-1"], "argument --atol: expected a finite number >= 0"),
         (["diff", "{ckpt}", "{full}", "--rtol", "nan"], "argument --rtol: expected a finite number >= 0"),
-        (["consolidate", "{ckpt}", "-o", "{tmp}/x.safetensors"], "convert SOURCE --to safetensors"),
+        (["consolidate", "{full}", "-o", "{tmp}/x.safetensors"], "convert SOURCE --to safetensors"),
         (["consolidate", "{ckpt}", "--no-model", "--with-model", "-o", "{tmp}/c.pt"], "contradict"),
     ],
     ids=["world-size-0", "world-size-text", "rank-negative", "atol-negative", "rtol-nan", "consolidate-safetensors",
@@ -114,7 +114,7 @@ def test_dcp_export_names_its_optimizer_key_and_inspect_finds_it(tmp_path: Path,
 )  # fmt: skip
 def test_bad_usage_exits_2_before_reading_anything(tmp_path: Path, capsys, argv: list[str], expected: str) -> None:
     """Before: --world-size 0 exited 1 (bad input) after opening the source, and consolidate -o x.safetensors wrote
-    a torch zip under that name."""
+    a torch zip under that name (now: one safetensors file of our sharded checkpoint; of any other source, refused)."""
     args = [a.format(ckpt=FIXTURE / "ckpt", full=FIXTURE / "full.pt", tmp=tmp_path) for a in argv]
     err = _usage(capsys, *args)
     assert expected in err and "Traceback" not in err, err

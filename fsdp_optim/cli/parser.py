@@ -114,8 +114,9 @@ def _add_consolidate(verbs: Any) -> None:
         "-o",
         "--output",
         required=True,
-        help="the file to write, a torch file (an existing one: see --overwrite; not a directory, not a .safetensors "
-        "name: convert --to safetensors writes safetensors)",
+        help="the file to write (an existing one: see --overwrite; not a directory): a torch file, or with a "
+        ".safetensors name one safetensors file (weights, buffers and optimizer state by name, the settings in its "
+        "metadata; our sharded checkpoint, whole or optimizer-only; split across the processes under torchrun)",
     )
     _overwrite_file(p)
     p.add_argument(
@@ -143,13 +144,8 @@ def _add_consolidate(verbs: Any) -> None:
 
 
 def check_consolidate(args: argparse.Namespace) -> str | None:
-    """A usage error (the message) for a ``-o`` whose name promises another format, or ``--no-model`` with the
-    deprecated ``--with-model``; a deprecation warning (stderr) for ``--with-model`` alone."""
-    if Path(args.output).suffix.lower() == ".safetensors":
-        return (
-            f"-o {args.output}: consolidate writes a torch file (torch.load reads it), not safetensors; name it .pt, "
-            "or write safetensors with fsdp-optim convert SOURCE --to safetensors -o OUT"
-        )
+    """A usage error (the message) for ``--no-model`` with the deprecated ``--with-model``; a deprecation warning
+    (stderr) for ``--with-model`` alone."""
     if args.with_model and args.no_model:
         return "--with-model and --no-model contradict each other (the weights are kept unless --no-model)"
     if args.with_model:

@@ -1,6 +1,7 @@
 """``fsdp-optim`` run by ``torchrun`` (``torchrun --nproc_per_node N -m fsdp_optim VERB ...``): the processes join
 one team (:func:`fsdp_optim.job.team.team_of_job`). ``reshard`` and ``verify`` (not ``--deep``) of our sharded
-checkpoint are split across them (:mod:`fsdp_optim.offline.parallel`); every other verb runs on process 0 while the
+checkpoint are split across them (:mod:`fsdp_optim.offline.parallel`), and so is ``consolidate -o FILE.safetensors``
+of one (each process writes its share of the one file); every other verb runs on process 0 while the
 others wait for it (:func:`~fsdp_optim.offline.parallel.alone.alone`). Process 0 prints the verb's report; every
 process exits with its code, and with its error when it failed. Without ``torchrun`` (no ``RANK``/``WORLD_SIZE`` of
 2 or more), nothing here runs."""
@@ -25,7 +26,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
         return run(args)
     from fsdp_optim.cli.inspect import run_verify
     from fsdp_optim.cli.outcome import Outcome
-    from fsdp_optim.cli.verbs import run_reshard
+    from fsdp_optim.cli.verbs import is_safetensors_name, run_consolidate, run_reshard
     from fsdp_optim.disk.locations import where
     from fsdp_optim.job.team import team_of_job
     from fsdp_optim.job.transport import shut_down
@@ -38,6 +39,9 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
         result: Any
         if split:
             result = _reshard(team, args)
+        elif (args.run is run_consolidate and is_safetensors_name(args.output) and _sharded(args.source)
+              and where(args.output).local_path() is not None):  # fmt: skip
+            result = _consolidate(team, args)
         elif args.run is run_verify and not args.deep and _sharded(args.path):  # every process reads its share
             args.parallel = True
             with contextlib.redirect_stdout(sys.stdout if team.rank == 0 else io.StringIO()):
@@ -56,6 +60,18 @@ def _sharded(path: str) -> bool:
     from fsdp_optim.formats.kinds import Kind, path_kind
 
     return where(path).local_path() is not None and path_kind(path) is Kind.SHARDED
+
+
+def _consolidate(team: Any, args: argparse.Namespace) -> list[str]:
+    """``fsdp-optim consolidate -o FILE.safetensors`` of our sharded checkpoint split across ``team``: every process
+    writes its share of the one file (:mod:`fsdp_optim.offline.parallel.onefile`); the line one process prints."""
+    from fsdp_optim.cli.verbs import checked_opening
+    from fsdp_optim.offline.parallel.onefile import consolidate_across
+
+    what = consolidate_across(team, lambda: checked_opening(args), args.output, rank=args.rank,
+                              no_model=args.no_model, inputs=(args.source, args.layout), overwrite=args.overwrite,
+                              bar=sys.stderr.isatty())  # fmt: skip
+    return [f"wrote {args.output}: {what}"]
 
 
 def _reshard(team: Any, args: argparse.Namespace) -> list[str]:

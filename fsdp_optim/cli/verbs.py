@@ -53,19 +53,48 @@ def _file_output(output: str, verb: str) -> None:
         )
 
 
-def run_consolidate(args: argparse.Namespace) -> list[str]:
+@contextlib.contextmanager
+def checked_opening(args: argparse.Namespace) -> Iterator[Any]:
+    """consolidate's source opened, once its ``-o`` and its flags are checked against it."""
     _file_output(args.output, "consolidate")
-    with _open(args, args.source) as opened, progress_bar("consolidate") as progress:
+    with _open(args, args.source) as opened:
         if (args.with_model or args.no_model) and not opened.holds_weights():
             flag = "--with-model" if args.with_model else "--no-model"
             raise ValueError(
                 f"{args.source}: {flag} is for a fairseq/metaseq shard set or a whole checkpoint only (they hold "
                 "weights)"
             )
+        yield opened
+
+
+def run_consolidate(args: argparse.Namespace) -> list[str]:
+    with checked_opening(args) as opened, progress_bar("consolidate") as progress:
+        if is_safetensors_name(args.output):
+            what = _consolidate_safetensors(opened, args, progress)
+            return [f"wrote {args.output}: {what}"]
         what = opened.write_consolidated(args.output, rank=args.rank, no_model=args.no_model,
                                          inputs=(args.source, args.layout), overwrite=args.overwrite,
                                          progress=progress)  # fmt: skip
     return [f"wrote {args.output}: {what}"]
+
+
+def is_safetensors_name(output: str) -> bool:
+    """Whether consolidate's ``-o`` asks for one safetensors file (by its name)."""
+    return Path(output).suffix.lower() == ".safetensors"
+
+
+def _consolidate_safetensors(opened: Any, args: argparse.Namespace, progress: Any) -> str:
+    """``consolidate -o FILE.safetensors`` by this process: our sharded checkpoint (whole or optimizer-only)."""
+    from fsdp_optim.formats.kinds import Kind
+    from fsdp_optim.offline.onefile import consolidate_to_safetensors
+
+    if opened.kind is not Kind.SHARDED:
+        raise UsageError(f"-o {args.output}: consolidate writes one safetensors file of our sharded checkpoint "
+                         f"(whole or optimizer-only); {args.source} is a {opened.kind.value}: convert it with "
+                         "fsdp-optim convert SOURCE --to safetensors -o OUT")  # fmt: skip
+    return consolidate_to_safetensors(opened, args.output, rank=args.rank, no_model=args.no_model,
+                                      inputs=(args.source, args.layout), overwrite=args.overwrite,
+                                      progress=progress)  # fmt: skip
 
 
 def run_reshard(args: argparse.Namespace) -> list[str]:

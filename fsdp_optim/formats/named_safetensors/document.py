@@ -74,7 +74,8 @@ from fsdp_optim.formats.safetensors_container import (
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
 
 FORMAT = "fsdp_optim.named_safetensors"
-VERSION = 2  # 2: a tensor entry's kind is "full" (1 wrote "sharded"); both read
+VERSION = 3  # 2: a tensor entry's kind is "full" (1 wrote "sharded"); 3: a "whole" section (consolidate); all read
+_OPTIMIZER_ONLY_VERSION = 2  # what a file without a "whole" section says (readable by a version-2 reader)
 METADATA_KEY = "fsdp_optim"
 # Bytes per chunk checksum of a named file's large tensors (a rank file's grid is segments.CHUNK_BYTES, 64 KiB:
 # a rank reads a range of a rank file, while a named file is read tensor by tensor).
@@ -141,6 +142,19 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class Whole:
+    """A whole checkpoint's part of a consolidated file (version 3): ``model`` the unwrapped ``state_dict()``'s
+    names in its order (weights, tied names as copies, buffers), each a tensor of the file under that very name;
+    ``extra`` the chosen ``rank``'s as a whole checkpoint's side file holds it (JSON text, each tensor a reference
+    ``{"$extra": k}`` to the file's tensor ``extra/<k>``, listed in ``extra_tensors``)."""
+
+    model: tuple[str, ...]
+    extra: str
+    extra_tensors: tuple[str, ...]
+    rank: int
+
+
+@dataclass(frozen=True)
 class Document:
     """The ``"fsdp_optim"`` metadata, decoded (see the module docstring)."""
 
@@ -152,11 +166,12 @@ class Document:
     state: Mapping[str, tuple[Entry, ...]]
     header: Mapping[str, Any]
     chunk_bytes: int = NAMED_CHUNK_BYTES
+    whole: Whole | None = None
 
     def to_json(self, checksums: Mapping[str, Mapping[str, Any]]) -> str:
         doc = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": _OPTIMIZER_ONLY_VERSION if self.whole is None else VERSION,
             "optimizer": self.optimizer,
             "param_order": list(self.param_order),
             "shapes_known": self.shapes_known,
@@ -170,6 +185,10 @@ class Document:
             "chunk_bytes": self.chunk_bytes,
             "header": encode(dict(self.header), "the full dict's 'fsdp_optim' block"),
         }
+        if self.whole is not None:
+            w = self.whole
+            doc["whole"] = {"model": list(w.model), "rank": w.rank, "extra": w.extra,
+                            "extra_tensors": list(w.extra_tensors)}  # fmt: skip
         return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
@@ -237,8 +256,19 @@ def parse_document(text: str, where: str) -> tuple[Document, dict[str, Any]]:
     header = decode(_get(doc, "header", dict, where), f"{where}: 'header'")
     optimizer = _get(doc, "optimizer", (str, type(None)), where)
     known = _get(doc, "shapes_known", bool, where)
-    document = Document(optimizer, order, shapes, known, tuple(groups), state, header, chunk_bytes)
+    document = Document(optimizer, order, shapes, known, tuple(groups), state, header, chunk_bytes, _whole(doc, where))
     return document, _get(doc, "tensors", dict, where)
+
+
+def _whole(doc: dict[str, Any], where: str) -> Whole | None:
+    if "whole" not in doc:
+        return None
+    raw = _get(doc, "whole", dict, where)
+    at = f"{where}: 'whole'"
+    model, extras = _get(raw, "model", list, at), _get(raw, "extra_tensors", list, at)
+    if not all(isinstance(n, str) for n in [*model, *extras]) or len({*model, *extras}) != len(model) + len(extras):
+        raise FormatError(f"{at}: 'model' and 'extra_tensors' must list distinct tensor names")
+    return Whole(tuple(model), _get(raw, "extra", str, at), tuple(extras), _get(raw, "rank", int, at))
 
 
 def _get_list(value: Any, where: str) -> list[Any]:
@@ -341,6 +371,14 @@ def _check_names(document: Document, tensors: Mapping[str, TensorInfo], where: s
             if len(info.chunks) != chunks:
                 found = len(info.chunks)
                 raise FormatError(f"{where}: tensor '{e.tensor}' has {found} chunk checksums, expected {chunks}")
+    for name in () if document.whole is None else (*document.whole.model, *document.whole.extra_tensors):
+        info = tensors.get(name)
+        if info is None or name in named:
+            lacks = "the file lacks it" if info is None else "a state entry names it too"
+            raise FormatError(f"{where}: model tensor '{name}' of the 'whole' section: {lacks}")
+        named.add(name)
+        if len(info.chunks) != chunk_digests_needed(info.nbytes, document.chunk_bytes):
+            raise FormatError(f"{where}: model tensor '{name}' has {len(info.chunks)} chunk checksums")
     extra = sorted(set(tensors) - named)
     if extra:
         raise FormatError(f"{where}: tensor '{extra[0]}' (and {len(extra) - 1} more) belongs to no parameter's state")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import IO, Any
 
 import torch
@@ -37,7 +38,7 @@ from fsdp_optim.formats.named_safetensors.document import (
 from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
 from fsdp_optim.formats.sharded.segments import chunk_digests
 
-__all__ = ["NamedWrite", "prepare_named_safetensors"]
+__all__ = ["NamedTensor", "NamedWrite", "prepare_named_safetensors", "tensor_checksums"]
 
 _PLACEHOLDER = f"{DIGEST_ALGORITHM}:{'0' * 32}"
 
@@ -59,6 +60,30 @@ class _Item:
 
 
 @dataclass(frozen=True)
+class NamedTensor:
+    """One tensor of a file to write: its name, dtype and shape, and ``make()``, which reads or assembles it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def tensor_checksums(tensor: torch.Tensor | None, nbytes: int) -> dict[str, Any]:
+    """A named file's ``"tensors"`` entry of ``tensor`` (``{"digest", "chunks"}``); ``None``: the placeholder of the
+    same width (a header written before its tensors, filled in once they are)."""
+    count = chunk_digests_needed(nbytes)
+    if tensor is None:
+        return {"digest": _PLACEHOLDER, "chunks": [_PLACEHOLDER] * count}
+    chunks = list(chunk_digests(tensor.reshape(-1), NAMED_CHUNK_BYTES)) if count else []  # as the sharded format cuts
+    return {"digest": digest(tensor), "chunks": chunks}
+
+
+@dataclass(frozen=True)
 class NamedWrite:
     """A checked plan of a named safetensors file: every tensor's name, dtype and shape, and the document.
 
@@ -69,6 +94,10 @@ class NamedWrite:
     plan: Plan
     document: Document
     items: tuple[_Item, ...]
+
+    def tensors(self) -> list[NamedTensor]:
+        """Every tensor of the file in writing order, each made (from the source) only when asked."""
+        return [NamedTensor(i.name, i.dtype, i.shape, partial(_produce, self.plan, i)) for i in self.items]
 
     def write(
         self, f: IO[bytes], *, trim: Callable[[], None] = lambda: None, progress: Callable[[], None] | None = None
@@ -187,11 +216,7 @@ def _produce(the_plan: Plan, item: _Item) -> torch.Tensor:
 
 def _checksums(item: _Item, tensor: torch.Tensor | None) -> dict[str, Any]:
     """``{"digest": ..., "chunks": [...]}``; zeros of the same width when ``tensor`` is None (the first header)."""
-    count = chunk_digests_needed(item.nbytes)
-    if tensor is None:
-        return {"digest": _PLACEHOLDER, "chunks": [_PLACEHOLDER] * count}
-    chunks = list(chunk_digests(tensor.reshape(-1), NAMED_CHUNK_BYTES)) if count else []  # as the sharded format cuts
-    return {"digest": digest(tensor), "chunks": chunks}
+    return tensor_checksums(tensor, item.nbytes)
 
 
 def _header_bytes(document: Document, sums: Mapping[str, Any], items: Sequence[_Item]) -> bytes:
