@@ -56,7 +56,8 @@ class AsyncCopier:
     """One fake device's copy engine: a FIFO of copies run by a worker thread, each after ``0..max_delay`` seconds.
 
     ``fail_at=n`` makes the n-th ``copy()`` call raise at once, as a CUDA launch error would, after the earlier
-    ones were queued. ``log`` records ``("copy", n)`` when the n-th copy lands; ``queued`` counts the copies queued.
+    ones were queued. ``log`` records ``("copy", n)`` when the n-th copy lands; ``queued`` counts the copies queued,
+    ``landed`` those landed and ``bytes_landed`` their bytes.
     """
 
     def __init__(self, name: str = "fake:0", *, seed: int = 0, max_delay: float = 0.002, fail_at: int | None = None):
@@ -64,6 +65,7 @@ class AsyncCopier:
         self.device = torch.device("cpu")  # its "device memory" is host memory placed on it by AsyncEngines
         self.queued = 0
         self.landed = 0
+        self.bytes_landed = 0
         self.fail_at = fail_at
         self.log: list[tuple[str, int]] = []
         self._rng = random.Random(seed)
@@ -100,6 +102,7 @@ class AsyncCopier:
             with torch.no_grad():  # the source is read now, not when the copy was queued
                 dst.view(-1).view(torch.uint8).copy_(src.detach().contiguous().view(-1).view(torch.uint8))
             self.landed += 1
+            self.bytes_landed += dst.numel() * dst.element_size()
             self.log.append(("copy", number))
             ticket._set()
 

@@ -1,15 +1,13 @@
 """Loads at the floor (:mod:`fsdp_optim.job.ring_load`): a rank file read a piece at a time into a ring's slots, each
 piece checked on its slot, then copied out while the next is read.
 
-Here the ring copies into host memory (its copier is :class:`~fsdp_optim.job.copiers.HostCopier`, or one whose copies
-land late on a thread of their own); on a GPU the same code copies into device memory (the CUDA test at the end).
+Here the ring copies into host memory (its copier is :class:`~fsdp_optim.job.copiers.HostCopier`, or the suite's
+asynchronous copier, ``tests/_async_copier.py``, whose copies land late on a worker thread); on a GPU the same code copies into device memory (the CUDA test at the end).
 Real process groups (gloo), real fairscale FSDP, real training steps and real files."""
 
 from __future__ import annotations
 
-import random
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _allocations import HostAllocations
+from _async_copier import AsyncCopier
 from _checks import assert_identical, snapshot
 from _dist import run_ranks
 from _forge import manifest_rank_file
@@ -24,40 +23,10 @@ from _forge import manifest_rank_file
 import fsdp_optim
 from fsdp_optim.formats.sharded.piece_reads import Piece, Shard
 from fsdp_optim.job import ring_load
-from fsdp_optim.job.copiers import HostCopier
 from fsdp_optim.job.stager import Ring
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies into GPU memory)")
 SLOT = 3 << 16  # three 64 KiB checksum chunks: a rank file of the model below is many pieces
-
-
-class _LateCopier(HostCopier):
-    """Copies that land later, on a thread of their own, after a random delay; a ticket is a real wait."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
-        self.lock = threading.Lock()
-        self.pending = 0
-        self.copied = 0
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        done, delay = threading.Event(), self.rng.random() * 0.002
-        with self.lock:
-            self.pending += 1
-
-        def land() -> None:
-            time.sleep(delay)
-            dst.copy_(src)
-            with self.lock:
-                self.pending -= 1
-                self.copied += dst.numel()
-            done.set()
-
-        threading.Thread(target=land, daemon=True).start()
-        return done
-
-    def wait(self, ticket: Any) -> None:
-        assert ticket.wait(30), "a copy never landed"
 
 
 def _pieces(total: int, step: int, cuts: list[int]) -> tuple[list[Piece], list[Shard]]:
@@ -79,7 +48,7 @@ def test_each_slot_is_read_checked_and_copied_in_turn_and_refilled_once_its_late
     total, step = 10_000, 256
     pieces, shards = _pieces(total, step, [1, 700, 701, 5_003, 9_998])
     into = {(s.flat, s.key): torch.full((s.numel,), -1.0) for s in shards}
-    copier = _LateCopier()
+    copier = AsyncCopier()
     ring = Ring(copier, slots=3, slot_bytes=step * 4)
     checked: list[int] = []
 
@@ -89,7 +58,7 @@ def test_each_slot_is_read_checked_and_copied_in_turn_and_refilled_once_its_late
 
     ring_load.stream_pieces(ring, pieces, [_fill, check], lambda p, slot: ring_load._copies(into, p, slot))
     assert checked == [p.lo for p in pieces], f"pieces checked out of order or twice: {checked[:8]}"
-    assert copier.pending == 0, f"{copier.pending} copies still in flight after the stream returned"
+    assert copier.in_flight() == 0, f"{copier.in_flight()} copies still in flight after the stream returned"
     whole = torch.cat([into[(s.flat, s.key)] for s in shards])
     assert torch.equal(whole, torch.arange(total, dtype=torch.float32)), "a slot was refilled before its copy landed"
 
@@ -98,7 +67,7 @@ def test_each_slot_is_read_checked_and_copied_in_turn_and_refilled_once_its_late
 def test_a_failure_is_raised_after_every_thread_stopped_and_every_copy_landed(failing: str) -> None:
     pieces, shards = _pieces(4_000, 100, [1_234])
     into = {(s.flat, s.key): torch.zeros(s.numel) for s in shards}
-    copier = _LateCopier(1)
+    copier = AsyncCopier(seed=1)
     ring = Ring(copier, slots=4, slot_bytes=400)
     read: list[int] = []
 
@@ -114,7 +83,7 @@ def test_a_failure_is_raised_after_every_thread_stopped_and_every_copy_landed(fa
 
     with pytest.raises(OSError if failing == "read" else ValueError):
         ring_load.stream_pieces(ring, pieces, [fill, check], lambda p, slot: ring_load._copies(into, p, slot))
-    assert copier.pending == 0, "the error came back while copies out of the slots were still landing"
+    assert copier.in_flight() == 0, "the error came back while copies out of the slots were still landing"
     assert max(read) < 1_700 + 4 * 100, f"the reader went on past the failed piece: {read[-3:]}"
     copied = torch.cat([into[(s.flat, s.key)] for s in shards])
     assert not copied[1_700:].any(), "the failed piece, or one after it, was copied out"
@@ -135,7 +104,7 @@ def _train(root: torch.nn.Module, optim: torch.optim.Optimizer, step: int, rank:
 
 
 def _round_trip(rank: int, world_size: int, out: str) -> dict[str, Any]:
-    copier = _LateCopier(rank)
+    copier = AsyncCopier(seed=rank)
     ring_load.ring_for = lambda device: Ring(copier, slots=3, slot_bytes=SLOT)  # the ring's path, on the host
     root = fsdp_optim.FullyShardedDataParallel(_net())
     optim = torch.optim.Adam(root.parameters(), lr=1e-2)
@@ -150,7 +119,7 @@ def _round_trip(rank: int, world_size: int, out: str) -> dict[str, Any]:
         extra = fsdp_optim.load_checkpoint(root, optim, ckpt)
     assert_identical(root.state_dict(), saved["model"], f"rank {rank}: the weights after a load through the ring")
     assert_identical(optim.state_dict(), saved["optim"], f"rank {rank}: the optimizer after a load through the ring")
-    return {"extra": extra, "copied": copier.copied, "state": state_bytes, "large": seen.above(SLOT)}
+    return {"extra": extra, "copied": copier.bytes_landed, "state": state_bytes, "large": seen.above(SLOT)}
 
 
 def test_a_load_through_the_ring_is_bit_exact_and_reads_the_state_once(tmp_path: Path) -> None:
@@ -163,7 +132,7 @@ def test_a_load_through_the_ring_is_bit_exact_and_reads_the_state_once(tmp_path:
 
 
 def _damaged(rank: int, world_size: int, out: str) -> tuple[str, str]:
-    ring_load.ring_for = lambda device: Ring(_LateCopier(rank), slots=2, slot_bytes=SLOT)
+    ring_load.ring_for = lambda device: Ring(AsyncCopier(seed=rank), slots=2, slot_bytes=SLOT)
     root = fsdp_optim.FullyShardedDataParallel(_net())
     optim = torch.optim.Adam(root.parameters(), lr=1e-2)
     _train(root, optim, 0, rank)
