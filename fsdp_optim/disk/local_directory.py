@@ -207,3 +207,17 @@ class LocalDirectory(Location):
                           "the new checkpoint", stacklevel=2)  # fmt: skip
         finally:
             close_output(begun.lock, begun.rules.claims, failed=failed)
+
+    # -- what it can do ------------------------------------------------------------------------------------
+
+    def shared_by_processes(self) -> bool:
+        return True
+
+    def same_place(self, other: Location) -> bool:
+        """The same directory once symlinks are resolved (``other`` of another kind never is)."""
+        return isinstance(other, LocalDirectory) and self.path.resolve() == other.path.resolve()
+
+    @contextmanager
+    def as_local_file(self) -> Iterator[str | os.PathLike[str]]:
+        """Its own path, spelled as given, whatever is there (the reader that opens it says what is wrong)."""
+        yield self.given

@@ -330,6 +330,27 @@ class Location(ABC):
         """Rank 0, after every rank agreed: release the save; a failed one's files go, a committed one removes the
         files of the checkpoint it replaced that it does not list (``keep``)."""
 
+    # -- what it can do (asked by name of the capability, never of the backend) ------------------------------
+
+    def shared_by_processes(self) -> bool:
+        """Whether several processes may write one output here together: each its own files, or its own byte
+        ranges of one file, all landing in the one place every process sees (a local directory of a file system
+        they share; ``os.fspath`` of it is then its path). ``False`` by default: an object is written whole, by one
+        writer."""
+        return False
+
+    def same_place(self, other: Location) -> bool:
+        """Whether ``other`` names this very location (by default: the same :meth:`identity`)."""
+        return self.identity() == other.identity()
+
+    @contextmanager
+    def as_local_file(self) -> Iterator[str | os.PathLike[str]]:
+        """This location, naming one object, as a local file for the readers that take a file (a full dict, a
+        consolidated checkpoint): by default the object fetched whole from the location above
+        (:meth:`fetched_whole`, removed after the block; ``FileNotFoundError`` when there is none)."""
+        with self.parent().fetched_whole(self.name) as local:
+            yield local
+
 
 
 Where = Path | Location  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
