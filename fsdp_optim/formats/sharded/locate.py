@@ -32,22 +32,26 @@ __all__ = [
 ]
 
 
-def checkpoint_dir(path: str | os.PathLike[str] | Location) -> Path | Location:
-    """The directory of a sharded checkpoint given the directory or its manifest file; for a URL (or a store), the
-    :class:`~fsdp_optim.disk.storage.ObjectStore` of its prefix; a location given as one stays itself (its own
-    reads, such as the memory tier's prefetch from peers, are kept)."""
+def checkpoint_dir(path: str | os.PathLike[str] | Location) -> Location:
+    """The location of a sharded checkpoint given its directory (a store's prefix) or its manifest: what every
+    reader of it holds (a location given as one stays itself: its own reads, such as the memory tier's prefetch
+    from peers, are kept)."""
     place = where(path)
-    local = place.local_path()
-    if local is None:
-        return _store_of(place)
-    if local.is_file():
-        return local.parent
-    return place if isinstance(path, Location) else local
+    return place.parent() if _names_manifest(place) else place
 
 
-def _store_of(place: Location) -> Location:
-    """The location of a checkpoint's prefix, given it or (a URL) its manifest."""
-    return place.parent() if place.name in MANIFEST_NAMES else place
+def _names_manifest(place: Location) -> bool:
+    """``place`` names a checkpoint's manifest (by name: no place of its own there), not its directory."""
+    return place.name in MANIFEST_NAMES and not place.present()
+
+
+def _holds(place: Location, name: str) -> bool:
+    """Whether ``place`` has an entry ``name``: an object, or another kind of entry (a symlink, a directory: refused
+    saying what it is when it is read)."""
+    try:
+        return place.size(name) is not None or name in place.non_objects()
+    except NotADirectoryError:  # a file, not a place holding entries
+        return False
 
 
 def manifest_file(directory: Path) -> Path | None:
@@ -57,54 +61,46 @@ def manifest_file(directory: Path) -> Path | None:
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str] | Location) -> bool:
-    """``path`` is a directory holding a manifest, or a manifest file itself (judged by name, not read); a URL is one
-    when its prefix holds a ``manifest.json``."""
+    """``path`` is a checkpoint's directory (a store's prefix) holding a manifest, or that manifest itself (judged
+    by name and presence, not read)."""
     place = where(path)
-    local = place.local_path()
-    if local is None:
-        return _store_of(place).size(MANIFEST_NAME) is not None
-    return manifest_file(local) is not None if local.is_dir() else local.name in MANIFEST_NAMES and local.is_file()
+    if _names_manifest(place):
+        return _holds(place.parent(), place.name)
+    return any(_holds(place, name) for name in MANIFEST_NAMES)
 
 
 def source_kind(path: str | os.PathLike[str] | Location) -> str:
-    """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"``.
+    """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"`` (one object,
+    which its readers take whole).
 
-    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory without a manifest. A URL is a
-    sharded checkpoint or nothing (a full dict file in a store is not read from there).
+    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory (a prefix holding objects) without
+    a manifest.
     """
-    local = where(path).local_path()
-    if local is None:
-        if is_sharded_checkpoint(path):
-            return "sharded"
-        raise FileNotFoundError(
-            f"{path}: no {MANIFEST_NAME} under this prefix (not a sharded checkpoint, or a save that never committed); "
-            "from a URL only sharded checkpoints are read"
-        )
-    path = local
-    if is_sharded_checkpoint(path):
+    place = where(path)
+    if is_sharded_checkpoint(place):
         return "sharded"
-    if path.is_dir():
+    if place.present():
         raise ValueError(
-            f"{path}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} or "
+            f"{place}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} or "
             f"{LEGACY_MANIFEST_NAME} "
-            f"(a save that never finished leaves none), and not a full dict file{_manager_root_hint(path)}"
+            f"(a save that never finished leaves none), and not a full dict file{_manager_root_hint(place)}"
         )
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory (there is no such checkpoint directory or file)")
+    if not place.name or not _holds(place.parent(), place.name):
+        raise FileNotFoundError(f"{place}: no such file or directory (there is no such checkpoint directory or file)")
     return "file"
 
 
-def _manager_root_hint(path: Path) -> str:
+def _manager_root_hint(place: Location) -> str:
     """For a directory of step directories (a ``CheckpointManager`` root): where its checkpoints are."""
     try:
-        steps = sorted(e.name for e in os.scandir(path) if parse_step_dir(e.name) is not None and e.is_dir())
+        steps = [name for name in place.prefixes() if parse_step_dir(name) is not None]
     except OSError:
         return ""
     if not steps:
         return ""
     shown = ", ".join(steps[:2]) + (", ..." if len(steps) > 2 else "")
     return (
-        f"; it holds step directories ({shown}): a CheckpointManager root, whose steps `fsdp-optim list {path}` "
+        f"; it holds step directories ({shown}): a CheckpointManager root, whose steps `fsdp-optim list {place}` "
         f"shows (each step directory is a checkpoint)"
     )
 
@@ -113,9 +109,11 @@ def read_manifest(path: str | os.PathLike[str] | Location) -> Manifest:
     """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file (or a URL of a
     checkpoint's prefix or manifest)."""
     place = where(path)
+    # A capability, not a backend: where the objects are local files, a manifest is read as one (format 1's torch
+    # file, a layout file of any name, never followed through a symlink); elsewhere it is read as bytes.
     local = place.local_path()
     if local is None:
-        return _read_remote_manifest(_store_of(place))
+        return _read_remote_manifest(checkpoint_dir(place))
     path = local
     file = manifest_file(path) if path.is_dir() else path
     if file is None or not os.path.lexists(file):

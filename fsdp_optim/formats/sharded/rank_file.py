@@ -31,7 +31,7 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import RefusedJSON, loads
-from fsdp_optim.disk.location import ObjectPath, Where
+from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
@@ -171,8 +171,14 @@ class RankFile:
     use. ``layout``: where the manifest's units put each shard in every format-3 file (``segments.file_layout``),
     computed once per checkpoint; unused for format 2, whose manifest lists each file's segments."""
 
-    def __init__(self, directory: Where, record: FileRecord, manifest: Manifest, layout: FileLayout) -> None:
-        self.path: Path | ObjectPath = directory / record.file
+    def __init__(
+        self, directory: Location, record: FileRecord, manifest: Manifest, layout: FileLayout, *, mapped: Path | None
+    ) -> None:
+        """``mapped``: the local directory holding ``directory``'s objects as files, which are mapped in place;
+        ``None``: read by byte ranges (:meth:`~fsdp_optim.disk.location.Location.read_into`)."""
+        self.directory = directory
+        self.mapped = mapped
+        self.path: Path | ObjectPath = directory / record.file  # as messages name it
         self.record = record
         self.manifest = manifest
         self.layout = layout
@@ -199,9 +205,9 @@ class RankFile:
 
         if self.provided is not None:
             return self.provided()
-        if isinstance(self.path, ObjectPath):
-            return _open_remote(self.path, self.record, truncated)
-        path = self.path
+        if self.mapped is None:
+            return _open_remote(self.directory, self.record, truncated)
+        path = self.mapped / self.record.file
         return open_recorded(path, self.record, lambda: MappedFile(path), truncated)
 
     def _check(self, file: MappedFile) -> None:
@@ -331,12 +337,15 @@ def _checksums(meta: Mapping[str, str], where: str) -> Any:
 T = TypeVar("T")
 
 
-def _open_remote(path: ObjectPath, record: Any, truncated: Callable[[ValueError, int], str]) -> MappedFile:
-    """The rank file ``path`` in its store (one HEAD for its size, two ranged GETs for its header), its errors
-    saying what the manifest knows, as :func:`open_recorded` does for a local file."""
-    from fsdp_optim.formats.sharded.remote_file import RemoteFile  # the store's reader, only where one is used
+def _open_remote(
+    directory: Location, record: FileRecord, truncated: Callable[[ValueError, int], str]
+) -> MappedFile:
+    """The rank file ``record`` names in ``directory``, read by ranges (one size query, two ranged reads for its
+    header), its errors saying what the manifest knows, as :func:`open_recorded` does for a mapped file."""
+    from fsdp_optim.formats.sharded.remote_file import RemoteFile  # the ranged reader, only where one is used
 
-    size = path.store.size(path.name)
+    path = directory / record.file
+    size = directory.size(record.file)
     if size is None:
         raise FileNotFoundError(
             f"{path}: no such object: the manifest lists it as rank {record.rank}'s file of {record.nbytes} bytes "
@@ -344,7 +353,7 @@ def _open_remote(path: ObjectPath, record: Any, truncated: Callable[[ValueError,
         )
     if size < record.nbytes:
         raise ValueError(truncated(ValueError(f"{path}: {size} bytes"), size))
-    return RemoteFile(path.store, path.name, size)
+    return RemoteFile(directory, record.file, size)
 
 
 def open_recorded(

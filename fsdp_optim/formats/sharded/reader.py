@@ -97,9 +97,13 @@ class ShardedCheckpoint:
         max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
         lazy: bool = False,
     ) -> None:
-        self.directory = checkpoint_dir(path)
-        self.manifest = read_manifest(path)  # (a directory, its manifest file, or a store's prefix or manifest)
-        if where(self.directory).local_path() is None and self.manifest.version < 2:
+        place = where(path)  # resolved once: every read below goes through this location
+        self.directory: Location = checkpoint_dir(place)
+        self.manifest = read_manifest(place)  # (a directory, its manifest file, or a store's prefix or manifest)
+        # A capability, not a backend: where the checkpoint's objects are local files, they are mapped in place
+        # (zero-copy views; format 1's torch files loaded from them); elsewhere they are read by byte ranges.
+        mapped = self.directory.local_path()
+        if mapped is None and self.manifest.version < 2:
             raise ValueError(
                 f"{path}: a format-{self.manifest.version} checkpoint (torch files), which is read from a local "
                 "directory only; copy it to local disk, or rewrite it with `fsdp-optim reshard` first"
@@ -113,9 +117,9 @@ class ShardedCheckpoint:
         layout = file_layout(shards)
         self.layout = layout
         self._files: dict[int, Any] = {
-            f.rank: RankFile(self.directory, f, self.manifest, layout)
-            if self.manifest.version >= 2
-            else LegacyRankFile(self._local(), f, self.manifest, self.shards)
+            f.rank: RankFile(self.directory, f, self.manifest, layout, mapped=mapped)
+            if self.manifest.version >= 2 or mapped is None
+            else LegacyRankFile(mapped, f, self.manifest, self.shards)
             for f in self.manifest.files
         }
         self._mapped = 0
@@ -314,12 +318,6 @@ class ShardedCheckpoint:
         """Bytes fetched from the store so far (0 for a local checkpoint): what a ranged load moved."""
         files = (f.file for f in self._files.values() if isinstance(f, RankFile))
         return sum(getattr(file, "bytes_fetched", 0) for file in files if file is not None)
-
-    def _local(self) -> Path:
-        local = where(self.directory).local_path()
-        if local is None:  # refused on open: only formats 2 and 3 are read from a store
-            raise TypeError(f"{self.directory}: a format-1 checkpoint is read from a local directory only")
-        return local
 
     def files(self) -> Iterator[Path | ObjectPath]:
         return (self.directory / f.file for f in self.manifest.files)

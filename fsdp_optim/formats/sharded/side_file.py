@@ -16,7 +16,6 @@ Nesting is bounded by :data:`MAX_DEPTH`.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -32,7 +31,6 @@ from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import loads
 from fsdp_optim.disk.location import Where
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.safetensors_container import DTYPE_NAMES, encode_header
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
@@ -186,21 +184,14 @@ def _read_exactly(directory: Where, record: FileRecord) -> bytes:
     """The side file's bytes, refused when it is not of the size the manifest records."""
     path = directory / record.file
     place = where(directory)
-    local = place.local_path()
-    if local is None:
-        size = place.size(record.file)
-        if size is None:
-            raise FileNotFoundError(f"{path}: no such object (the manifest lists it as a side file)")
-        if size != record.nbytes:
-            raise ValueError(f"{path}: {size} bytes, but the manifest records {record.nbytes} (truncated?)")
-        return bytes(place.read_range(record.file, 0, size))
-    fd, st = open_regular(local / record.file, follow_symlinks=False)
-    try:
-        if st.st_size != record.nbytes:
-            raise ValueError(f"{path}: {st.st_size} bytes, but the manifest records {record.nbytes} (truncated?)")
-        return os.pread(fd, record.nbytes, 0)
-    finally:
-        os.close(fd)
+    size = place.size(record.file)
+    if size is None and record.file in place.non_objects():  # a symlink (never followed), a directory...
+        raise ValueError(f"{path}: not a regular file, expected one (the manifest lists it as a side file)")
+    if size is None:
+        raise FileNotFoundError(f"{path}: no such file (the manifest lists it as a side file)")
+    if size != record.nbytes:
+        raise ValueError(f"{path}: {size} bytes, but the manifest records {record.nbytes} (truncated?)")
+    return bytes(place.read_range(record.file, 0, size))
 
 
 # What a load at another world size (or a reshard to one) does with buffers saved per rank (they differed across

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.received import held_readers
@@ -25,7 +24,7 @@ def fetched_ahead(
     """Within the block, ``ckpt`` reads its rank files from ``spans()`` (the ranges its load reads, in order of use)
     as its location fetches them ahead; yields thunks of the side files among them (``{name: bytes}``; {} where the
     location fetches nothing ahead). After it, the rank files are read from the location again."""
-    location = where(ckpt.directory)
+    location = ckpt.directory
     with location.prefetch(spans) as held:
         if held is None:
             yield {}

@@ -38,7 +38,7 @@ def verify_sharded(path: str | os.PathLike[str] | Location, only: Callable[[str]
         raise  # the store did not answer: not damage (a manager must not skip a good step for an outage)
     except (ValueError, OSError) as exc:
         detail = str(exc).removeprefix(f"{manifest_path}: ")
-        return Verification(directory, "sharded checkpoint", (FileCheck(manifest_path, False, detail),))
+        return Verification(directory.public(), "sharded checkpoint", (FileCheck(manifest_path, False, detail),))
     manifest = ckpt.manifest
     side_files = manifest.training.files if manifest.training is not None else ()
     listed = f"{len(manifest.files)} rank files" + (f" and {len(side_files)} side files" if side_files else "")
@@ -60,15 +60,13 @@ def verify_sharded(path: str | os.PathLike[str] | Location, only: Callable[[str]
         checks.append(check_file(directory / side.file, read_side, nbytes=side.nbytes))
     checks += _leftover_checks(directory, {manifest_path.name} | manifest.file_names())
     kind = "sharded checkpoint" if manifest.training is None else "whole sharded checkpoint (model, optimizer, extra)"
-    return Verification(directory, kind, tuple(checks))  # named as inspect names it
+    return Verification(directory.public(), kind, tuple(checks))  # named as inspect names it
 
 
-def _leftover_checks(directory: Path | Location, listed: set[str]) -> list[FileCheck]:
+def _leftover_checks(directory: Location, listed: set[str]) -> list[FileCheck]:
     """A line for each file an interrupted save of ours left beside the checkpoint (not part of it: the checkpoint
     is still whole), so the report does not call the directory clean."""
-    if not isinstance(directory, Path) or not directory.is_dir():
-        return []
-    stale = leftovers(directory, set(os.listdir(directory)) - listed)
+    stale = leftovers(directory, set(directory.listing()) - listed)
     detail = f"{LEFTOVER}, not part of this checkpoint (the next save into this directory removes it)"
     return [FileCheck(directory / name, True, detail) for name in sorted(stale)]
 

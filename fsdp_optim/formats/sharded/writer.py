@@ -24,8 +24,10 @@ import torch
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
+from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.location import Location, SaveRules
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
 from fsdp_optim.formats.sharded.manifest import (
@@ -120,17 +122,19 @@ _NAMED_ID = re.compile(r"^(?:optim|train)-(?P<id>[0-9a-f]{12})-rank(?P<rank>\d+)
 _MAX_LEFTOVER_HEADER = 1 << 26
 
 
-def leftovers(directory: Path, names: Iterable[str]) -> set[str]:
+def leftovers(directory: Path | Location, names: Iterable[str]) -> set[str]:
     """Of ``names`` (files in ``directory`` that its manifest does not list), those an interrupted save of ours left:
     a rank or side file (format 3) by its name, whose safetensors header says it is ours, with the save id, rank and
     world size its name gives. (A save interrupted on one rank after rank 0 cleaned up leaves files no journal
-    names any more; a Ctrl-C to the process group does that.) Unreadable or foreign files are not ours."""
+    names any more; a Ctrl-C to the process group does that.) Unreadable or foreign files (a symlink: no object of
+    its own) are not ours."""
+    place = where(directory)
     found = set()
     for name in names:
         match = _NAMED_ID.match(name)
-        if match is None or (directory / name).is_symlink():
+        if match is None:
             continue
-        meta = _header_metadata(directory / name)
+        meta = _header_metadata(place, name)
         if (
             meta.get("format") == "fsdp_optim"
             and meta.get("save_id", "")[:12] == match["id"]
@@ -141,14 +145,17 @@ def leftovers(directory: Path, names: Iterable[str]) -> set[str]:
     return found
 
 
-def _header_metadata(path: Path) -> dict[str, Any]:
-    """A safetensors file's ``__metadata__``, or ``{}`` where it cannot be read as one."""
+def _header_metadata(place: Location, name: str) -> dict[str, Any]:
+    """Object ``name``'s safetensors ``__metadata__``, or ``{}`` where it cannot be read as one."""
     try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= _MAX_LEFTOVER_HEADER:
-                return {}
-            header = json.loads(f.read(size))
+        if place.size(name) is None:  # missing, or no object of its own (a symlink, a directory)
+            return {}
+        size = int.from_bytes(place.read_range(name, 0, 8), "little")
+        if not 2 <= size <= _MAX_LEFTOVER_HEADER:
+            return {}
+        header = json.loads(bytes(place.read_range(name, 8, 8 + size)))
+    except StoreUnavailable:
+        raise  # the store did not answer: nothing is known of the object
     except (OSError, ValueError):
         return {}
     meta = header.get("__metadata__") if isinstance(header, dict) else None
