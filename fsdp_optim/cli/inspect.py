@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from fsdp_optim.cli.outcome import Outcome
@@ -17,8 +16,7 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.locations import where
     from fsdp_optim.offline.sources import open_source
 
-    # A URL stays a URL (Path would fold its '//').
-    path = args.path if where(args.path).local_path() is None else Path(args.path)
+    path = str(where(args.path))  # as its location spells it (a URL keeps its '//', which Path would fold)
     with open_source(path, allow_globals=args.allow_global, describe_only=True) as opened:
         lines = [f"path: {path}", *opened.describe(path, units=args.units)]
         report: dict[str, Any] = opened.report(path, lines) if args.json else {}

@@ -40,7 +40,7 @@ def run_list(args: argparse.Namespace) -> list[str]:
     if not root.exists() and memory is None:
         raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
     found = [survey_step(step, path, verify=not args.quick) for step, path in find_step_dirs(root)]
-    if not found and memory is None and root.local_path() is None and not root.prefixes() and not root.listing():
+    if not found and memory is None and not root.present() and not root.prefixes():
         # A store keeps no empty "directories": nothing below the prefix is what a missing local root is.
         raise FileNotFoundError(
             f"{root}: nothing is stored under this prefix (no such bucket, or no object below it); expected a "

@@ -35,12 +35,12 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
     team = team_of_job()
     assert team is not None, "launched() means a team of 2 or more"
     try:
-        split = args.run is run_reshard and args.param_names is None and where(args.output).local_path() is not None
+        split = args.run is run_reshard and args.param_names is None and where(args.output).shared_by_processes()
         result: Any
         if split:
             result = _reshard(team, args)
         elif (args.run is run_consolidate and is_safetensors_name(args.output) and _sharded(args.source)
-              and where(args.output).local_path() is not None):  # fmt: skip
+              and where(args.output).shared_by_processes()):  # fmt: skip
             result = _consolidate(team, args)
         elif args.run is run_verify and not args.deep and _sharded(args.path):  # every process reads its share
             args.parallel = True
@@ -55,11 +55,11 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
 
 def _sharded(path: str) -> bool:
-    """Whether ``path`` is a local sharded checkpoint of ours (by its names alone)."""
-    from fsdp_optim.disk.locations import where
-    from fsdp_optim.formats.kinds import Kind, path_kind
+    """Whether ``path`` is a sharded checkpoint of ours, in any location (by its names alone): every process reads
+    its share of it."""
+    from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
 
-    return where(path).local_path() is not None and path_kind(path) is Kind.SHARDED
+    return is_sharded_checkpoint(path)
 
 
 def _consolidate(team: Any, args: argparse.Namespace) -> list[str]:

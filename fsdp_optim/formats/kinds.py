@@ -144,10 +144,19 @@ def names_shard_set(given: Any) -> bool:
     if not isinstance(given, (str, os.PathLike)):
         return False
     try:
-        local = where(given).local_path()
+        files = _local_files(given)
     except ValueError:  # a URL of no known filesystem: no shard set either (opening it says why)
         return False
-    return local is not None and is_shard_set(given)
+    return files is not None and is_shard_set(given)
+
+
+def _local_files(path: str | os.PathLike[str]) -> Path | None:
+    """The local directory (or file) ``path`` is, where its objects are local files; ``None`` elsewhere.
+
+    A capability, not a backend: a fairseq/metaseq shard set and a DCP directory are read as local files by their
+    readers (``torch.load`` of each shard file, DCP's file system reader), so only a location whose objects are
+    local files can be one; a sharded checkpoint of ours is found anywhere (:func:`source_kind`)."""
+    return where(path).local_path()
 
 
 def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
@@ -165,15 +174,12 @@ def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
 
 def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
-    sharded checkpoint, a DCP directory, or ``None`` for a file whose content says the rest (:func:`detect`). A URL
-    is a sharded checkpoint or refused (:func:`~fsdp_optim.formats.sharded.reader.source_kind`)."""
-    if where(path).local_path() is None:
-        source_kind(path)  # raises unless a manifest is there
-        return Kind.SHARDED
-    if is_shard_set(path):
+    sharded checkpoint (in any location), a DCP directory, or ``None`` for a file whose content says the rest
+    (:func:`detect`); nothing there, or a directory (a store's prefix) of neither, is refused
+    (:func:`~fsdp_optim.formats.sharded.reader.source_kind`)."""
+    files = _local_files(path)
+    if files is not None and is_shard_set(path):
         return Kind.SHARD_SET
-    if Path(path).is_dir() and (Path(path) / ".metadata").is_file():  # formats/dcp.METADATA (not imported: DCP)
+    if files is not None and files.is_dir() and (files / ".metadata").is_file():  # formats/dcp.METADATA (not imported)
         return Kind.DCP
-    if source_kind(path) == "sharded":
-        return Kind.SHARDED
-    return None
+    return Kind.SHARDED if source_kind(path) == "sharded" else None

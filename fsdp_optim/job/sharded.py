@@ -117,8 +117,8 @@ def load_sharded_optim_state(
     parameter or file, with what was expected and what was found.
     """
     root = verify_root(fsdp, optim)
-    local = cast("str | os.PathLike[str]", path)  # (read as such only where it names no store)
-    if where(path).local_path() is not None and not _names_sharded(local):
+    local = cast("str | os.PathLike[str]", path)  # (read as a file only where it names one)
+    if not _names_sharded(where(path)):
         _refuse_shard_set(local)
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
         _scatter(root, optim, local, src_rank, what=what)
@@ -134,9 +134,10 @@ def load_sharded_optim_state(
     optim.load_state_dict(optimizer_state_on_device(optim, loaded))
 
 
-def _names_sharded(path: str | os.PathLike[str]) -> bool:
-    """A local ``path`` is a checkpoint directory or a manifest (by name), not a full dict file."""
-    return Path(path).is_dir() or Path(path).name in MANIFEST_NAMES
+def _names_sharded(place: Location) -> bool:
+    """``place`` is a checkpoint's directory (a place to list: a store's prefix always is) or its manifest, by name,
+    not a full dict file (which only ``src_rank`` may see: no rank opens it to classify it)."""
+    return place.exists() or place.name in MANIFEST_NAMES
 
 
 def _read_sharded(

@@ -150,9 +150,9 @@ def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Rec
 def _stage(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Location, buffers: str
 ) -> Staged:
-    local = path.local_path()
-    if local is not None and is_whole_file_path(path):
-        return stage_file(root, model, optim, local)  # a local file, never a store
+    if is_whole_file_path(path):
+        with path.as_local_file() as file:  # (a store's: fetched whole; a local one is read in place)
+            return stage_file(root, model, optim, file)
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
     with open_checkpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
@@ -165,10 +165,12 @@ def _stage(
 
 
 def is_whole_file_path(path: Location) -> bool:
-    """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory,
-    its manifest or a store."""
-    local = path.local_path()
-    return local is not None and local.is_file() and source_kind(local) != "sharded"
+    """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory
+    (a store's prefix) or its manifest; nothing there is none (opening it as a checkpoint says so)."""
+    try:
+        return source_kind(path) == "file"
+    except (FileNotFoundError, ValueError):
+        return False
 
 
 def stage_file(

@@ -88,8 +88,7 @@ def reshard_checkpoint(
 ) -> Path:  # fmt: skip
     """The sharded checkpoint ``ckpt`` (``source``: its optimizer state) re-cut for ``world_size`` ranks into
     ``out``: one plan, then one rank file at a time (a whole one carries its weights and side files)."""
-    source_dir = where(ckpt.directory).local_path()
-    if source_dir is not None and out.exists() and out.resolve() == source_dir.resolve():
+    if out.exists() and ckpt.directory.same_place(where(out)):
         raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
     target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
     whole = is_whole(ckpt)  # its weights ride along with the optimizer's keys, its side files are carried

@@ -33,10 +33,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.locations import downloaded, where
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.kinds import Kind, detect
 from fsdp_optim.formats.plain import name_plain_dict
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
     is_sharded_checkpoint,
@@ -116,14 +117,21 @@ def open_source(
 
 @contextlib.contextmanager
 def fetched_whole(given: Any) -> Iterator[Any]:
-    """``given`` itself, or for a URL that is no sharded checkpoint (one object) a local copy of it, downloaded
-    whole and removed when the block ends: the one place a non-checkpoint URL is fetched (``open_source``,
-    ``verify``)."""
-    if isinstance(given, str) and where(given).local_path() is None and not is_sharded_checkpoint(given):
-        with downloaded(given) as local:
-            yield local
+    """``given`` as the readers that take a local file open it: itself (a dict, a sharded checkpoint, a local path),
+    or, for one object of a location whose objects are no local files, a copy fetched whole and removed when the
+    block ends: the one place such an object is fetched (``open_source``, ``verify``)."""
+    if not isinstance(given, (str, os.PathLike)) or is_sharded_checkpoint(given):
+        yield given
         return
-    yield given
+    with contextlib.ExitStack() as stack:
+        try:
+            local = stack.enter_context(where(given).as_local_file())
+        except FileNotFoundError:  # (only while fetching: the block's own errors pass as they are)
+            raise FileNotFoundError(
+                f"{str(given).rstrip('/')}: no such object, and no {MANIFEST_NAME} under it (not a sharded "
+                "checkpoint's prefix either)"
+            ) from None
+        yield local
 
 
 @contextlib.contextmanager

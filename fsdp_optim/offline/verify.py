@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from fsdp_optim.disk.file_check import FileCheck, Verification
-from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
+from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
 from fsdp_optim.formats.sharded.verification import present_and_sized
 from fsdp_optim.offline.deep import Finding, deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
@@ -62,7 +62,7 @@ def verify(
     """
     if layout is not None and not deep:
         raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
-    if parallel and not deep and where(path).local_path() is not None and path_kind(path) is Kind.SHARDED:
+    if parallel and not deep and is_sharded_checkpoint(path):  # (in any location: each process reads its share)
         from fsdp_optim.offline.parallel.entry import joined_team
         from fsdp_optim.offline.parallel.verify import verify_across
 

@@ -57,10 +57,11 @@ def reshard_in_team(
             team.close()
     check_world_size("world_size", world_size)
     check_buffer_choice(buffers)
-    out = where(out_dir).local_path()
-    if out is None:
+    place = where(out_dir)
+    if not place.shared_by_processes():
         raise ValueError(f"out_dir: {out_dir} is not a local directory; a reshard by many processes writes to a "
                          "file system they share (reshard into it, then upload)")  # fmt: skip
+    out = Path(os.fspath(place))  # a place processes share is a directory of their file system
     options: dict[str, Any] = {"layout": layout, "optimizer": optimizer, "allow_globals": allow_globals,
                                "max_mapped_bytes": max_mapped_bytes, "target": True}  # fmt: skip
     if not isinstance(source, Mapping) and path_kind(source) is Kind.SHARDED:  # split: every process opens it
