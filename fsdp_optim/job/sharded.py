@@ -61,7 +61,9 @@ def save_sharded_optim_state(
     saves are removed only after the new manifest is in place. ``directory`` must be one path that every
     rank sees (a shared file system).
 
-    Never modifies ``optim`` or its state. Returns the manifest's path (on every rank, once it exists).
+    Never modifies ``optim`` or its state. Returns the manifest's path (on every rank, once it exists): a
+    ``pathlib.Path`` in a local directory, an :class:`~fsdp_optim.disk.location.ObjectPath` (printed as its URL)
+    in any other location, whose objects have no local path.
     A failure on any rank raises on every rank, and then no manifest was written and the files this
     save wrote are removed.
 
@@ -118,7 +120,8 @@ def load_sharded_optim_state(
     """
     root = verify_root(fsdp, optim)
     local = cast("str | os.PathLike[str]", path)  # (read as a file only where it names one)
-    if not _names_sharded(where(path)):
+    place = where(path)  # resolved once
+    if not _names_sharded(place):
         _refuse_shard_set(local)
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
         _scatter(root, optim, local, src_rank, what=what)
@@ -126,7 +129,7 @@ def load_sharded_optim_state(
     loaded: dict[str, Any] | None = None
     failure: Exception | None = None
     try:
-        loaded = _read_sharded(root, optim, path)
+        loaded = _read_sharded(root, optim, place)
     except Exception as exc:  # every rank learns of it through agree(), before any optimizer is touched
         failure = exc
     agree(failure, group=root.group, what=f"load_sharded_optim_state({str(path)!r}) changed no optimizer")

@@ -36,7 +36,10 @@ def checkpoint_dir(path: str | os.PathLike[str] | Location) -> Location:
     """The location of a sharded checkpoint given its directory (a store's prefix) or its manifest: what every
     reader of it holds (a location given as one stays itself: its own reads, such as the memory tier's prefetch
     from peers, are kept)."""
-    place = where(path)
+    return _directory(where(path))
+
+
+def _directory(place: Location) -> Location:
     return place.parent() if _names_manifest(place) else place
 
 
@@ -63,7 +66,10 @@ def manifest_file(directory: Path) -> Path | None:
 def is_sharded_checkpoint(path: str | os.PathLike[str] | Location) -> bool:
     """``path`` is a checkpoint's directory (a store's prefix) holding a manifest, or that manifest itself (judged
     by name and presence, not read)."""
-    place = where(path)
+    return _is_sharded(where(path))
+
+
+def _is_sharded(place: Location) -> bool:
     if _names_manifest(place):
         return _holds(place.parent(), place.name)
     return any(_holds(place, name) for name in MANIFEST_NAMES)
@@ -77,7 +83,7 @@ def source_kind(path: str | os.PathLike[str] | Location) -> str:
     a manifest.
     """
     place = where(path)
-    if is_sharded_checkpoint(place):
+    if _is_sharded(place):
         return "sharded"
     if place.present():
         raise ValueError(
@@ -113,7 +119,7 @@ def read_manifest(path: str | os.PathLike[str] | Location) -> Manifest:
     # file, a layout file of any name, never followed through a symlink); elsewhere it is read as bytes.
     local = place.local_path()
     if local is None:
-        return _read_remote_manifest(checkpoint_dir(place))
+        return _read_remote_manifest(_directory(place))
     path = local
     file = manifest_file(path) if path.is_dir() else path
     if file is None or not os.path.lexists(file):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.disk.location import Location
@@ -61,7 +61,7 @@ def reshard_in_team(
     if not place.shared_by_processes():
         raise ValueError(f"out_dir: {out_dir} is not a local directory; a reshard by many processes writes to a "
                          "file system they share (reshard into it, then upload)")  # fmt: skip
-    out = Path(os.fspath(place))  # a place processes share is a directory of their file system
+    out = Path(os.fspath(cast("os.PathLike[str]", place)))  # a place processes share: a directory of their files
     options: dict[str, Any] = {"layout": layout, "optimizer": optimizer, "allow_globals": allow_globals,
                                "max_mapped_bytes": max_mapped_bytes, "target": True}  # fmt: skip
     if not isinstance(source, Mapping) and path_kind(source) is Kind.SHARDED:  # split: every process opens it
