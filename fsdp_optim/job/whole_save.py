@@ -75,8 +75,10 @@ def save_checkpoint(
     scheduler's or grad scaler's ``state_dict()``, ``torch.get_rng_state()``, a data-loader position).
     :func:`fsdp_optim.load_checkpoint` gives it back exactly (at another world size, rank r gets saved rank
     ``r % saved_world_size``'s). Nothing is modified. A failure on any rank raises on every rank, with no
-    checkpoint written. Returns the manifest's path. A checkpoint of ours already in ``path`` is replaced (the new
-    manifest commits first); ``overwrite=True`` only allows writing beside files fsdp_optim did not write.
+    checkpoint written. Returns the manifest's path: a ``pathlib.Path`` in a local directory, an
+    :class:`~fsdp_optim.disk.location.ObjectPath` (printed as its URL) in any other location, whose objects have no
+    local path. A checkpoint of ours already in ``path`` is replaced (the new manifest commits first);
+    ``overwrite=True`` only allows writing beside files fsdp_optim did not write.
 
     Resulting directory (see :mod:`fsdp_optim.formats.sharded.training`)::
 
