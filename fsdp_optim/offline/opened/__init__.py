@@ -35,7 +35,7 @@ file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set,
 from __future__ import annotations
 
 from fsdp_optim.formats.kinds import Kind
-from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, DcpParts, Opened, Request
+from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, Opened, Request
 from fsdp_optim.offline.opened.loaded import OpenedFull, OpenedNamedDict, OpenedNative, OpenedWholeFile
 from fsdp_optim.offline.opened.readers import OpenedDcp, OpenedNamed, OpenedShardSet
 from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, OpenedRankFile
@@ -43,18 +43,7 @@ from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, Op
 __all__ = [
     "CLASSES",
     "NEEDS_LAYOUT",
-    "DcpParts",
     "Opened",
-    "OpenedCheckpoint",
-    "OpenedDcp",
-    "OpenedFull",
-    "OpenedLayout",
-    "OpenedNamed",
-    "OpenedNamedDict",
-    "OpenedNative",
-    "OpenedRankFile",
-    "OpenedShardSet",
-    "OpenedWholeFile",
     "Request",
     "class_of",
 ]
