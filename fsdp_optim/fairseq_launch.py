@@ -68,7 +68,8 @@ def patch_fairseq(*, on_cpu: bool = True) -> None:
         return
     from fairseq.trainer import Trainer
 
-    from fsdp_optim.job.host import enable_for_process, without_transfers
+    from fsdp_optim.job.host import enable_for_process
+    from fsdp_optim.job.host_fixes import without_transfers
 
     enable_for_process()
     if not getattr(Trainer.clip_grad_norm, "_fsdp_optim_host", False):

@@ -68,14 +68,16 @@ def checked_opening(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def run_consolidate(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.cli.written import consolidated_words
+
     with checked_opening(args) as opened, progress_bar("consolidate") as progress:
         if is_safetensors_name(args.output):
             what = _consolidate_safetensors(opened, args, progress)
             return [f"wrote {args.output}: {what}"]
-        what = opened.write_consolidated(args.output, rank=args.rank, no_model=args.no_model,
+        done = opened.write_consolidated(args.output, rank=args.rank, no_model=args.no_model,
                                          inputs=(args.source, args.layout), overwrite=args.overwrite,
                                          progress=progress)  # fmt: skip
-    return [f"wrote {args.output}: {what}"]
+    return [f"wrote {args.output}: {consolidated_words(done)}"]
 
 
 def is_safetensors_name(output: str) -> bool:
@@ -98,14 +100,16 @@ def _consolidate_safetensors(opened: Any, args: argparse.Namespace, progress: An
 
 
 def run_reshard(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.cli.written import resharded_words
+
     out = Path(args.output)
     with _open(args, args.source, target=True) as opened, progress_bar(f"reshard -> {args.world_size} ranks") as bar:
         # A checkpoint already in -o is replaced only with --overwrite (the API replaces it atomically).
-        what = opened.write_resharded(
+        done = opened.write_resharded(
             args.world_size, out, layout=args.layout, given=args.source, progress=bar, overwrite=args.overwrite,
             after_file=getattr(args, "after_file", None), buffers=args.buffers,
         )
-    return [f"wrote {out}: {what}"]
+    return [f"wrote {out}: {resharded_words(done)}"]
 
 
 

@@ -45,11 +45,9 @@ from fsdp_optim.core.records import FlatRecord, StateEntry
 from fsdp_optim.core.source import FlatPlan, Plan, Reader, Segment, Source, plan_error
 
 __all__ = [
-    "FlatPlan",
     "Plan",
     "Read",
     "Reader",
-    "Segment",
     "Source",
     "assemble_full",
     "cut_rank",

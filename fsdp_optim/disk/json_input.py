@@ -17,7 +17,7 @@ from typing import Any
 from fsdp_optim.core.limits import MAX_JSON_DEPTH
 from fsdp_optim.disk.text import escape
 
-__all__ = ["MAX_JSON_DEPTH", "DuplicateKeyError", "RefusedJSON", "check_depth", "duplicate", "loads", "unique_object"]
+__all__ = ["DuplicateKeyError", "RefusedJSON", "check_depth", "duplicate", "loads", "unique_object"]
 
 _CONTAINERS = (dict, list, tuple)
 

@@ -36,17 +36,11 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.core.dtypes import ALLOWED_DTYPES
-from fsdp_optim.core.limits import MAX_DEPTH, MAX_NODES, MAX_RECORDS
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.text import escape, unreadable
 from fsdp_optim.disk.torch_file import scan_pickle, zip_records
 
 __all__ = [
-    "ALLOWED_DTYPES",
-    "MAX_DEPTH",
-    "MAX_NODES",
-    "MAX_RECORDS",
     "check_stored_bytes",
     "describe_file",
     "load_foreign",

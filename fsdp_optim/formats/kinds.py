@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -32,6 +32,7 @@ from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 
 __all__ = [
     "RANK_FILE_NAME",
+    "Given",
     "Kind",
     "detect",
     "full_file_source",
@@ -57,8 +58,11 @@ class Kind(enum.Enum):
 
 RANK_FILE_NAME = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
 
+# What a caller hands in: a path (or a URL) to read, or a dict already in memory.
+Given: TypeAlias = str | os.PathLike[str] | Mapping[str, Any]
 
-def detect(given: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[Kind, Any]:
+
+def detect(given: Given) -> tuple[Kind, Any]:
     """The kind of ``given`` and, for a file, its loaded content (memory-mapped, through the untrusted gate).
 
     Raises ``FileNotFoundError`` for nothing there and ``ValueError`` naming what was found otherwise."""

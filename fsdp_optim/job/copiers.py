@@ -8,11 +8,23 @@ whose copies land later, on a thread of their own (``tests/_async_copier.py``).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 import torch
 
-__all__ = ["DONE", "Copier", "CudaCopier", "HostCopier", "mark"]
+__all__ = ["DONE", "Copier", "CudaCopier", "HostCopier", "Ticket", "mark"]
+
+
+class Ticket(Protocol):
+    """A copy's or a mark's answer (a CUDA event, or one done from the start on the host)."""
+
+    def query(self) -> bool:
+        """Whether it is done."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until it is done."""
+        ...
 
 
 class Copier(Protocol):
@@ -25,27 +37,27 @@ class Copier(Protocol):
         """A host ``uint8`` buffer of ``nbytes`` (pinned, for copies from a GPU)."""
         ...
 
-    def mark(self) -> Any:
+    def mark(self) -> Ticket:
         """An event recorded now on the caller's current stream of this device."""
         ...
 
-    def after(self, event: Any) -> None:
+    def after(self, event: Ticket) -> None:
         """Copies queued from now on start once ``event`` (a :meth:`mark`) is done."""
         ...
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         """Queue a copy of ``src`` into ``dst`` (same number of bytes); a ticket for :meth:`wait`."""
         ...
 
-    def wait(self, ticket: Any) -> None:
+    def wait(self, ticket: Ticket) -> None:
         """Block the host until the copy of ``ticket`` is done."""
         ...
 
-    def last(self) -> Any:
+    def last(self) -> Ticket:
         """A ticket done once every copy queued so far is done (copies run in order)."""
         ...
 
-    def hold(self, ticket: Any) -> None:
+    def hold(self, ticket: Ticket) -> None:
         """Make whatever the caller queues next on this device wait for ``ticket`` (on a GPU: its stream waits,
         not the host)."""
         ...
@@ -76,23 +88,23 @@ class HostCopier:
     def buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def mark(self) -> Any:
+    def mark(self) -> Ticket:
         return DONE
 
-    def after(self, event: Any) -> None:  # noqa: ARG002 - the host ran everything queued before
+    def after(self, event: Ticket) -> None:  # noqa: ARG002 - the host ran everything queued before
         return None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         dst.copy_(src)
         return DONE
 
-    def wait(self, ticket: Any) -> None:
+    def wait(self, ticket: Ticket) -> None:
         ticket.synchronize()
 
-    def last(self) -> Any:
+    def last(self) -> Ticket:
         return DONE
 
-    def hold(self, ticket: Any) -> None:
+    def hold(self, ticket: Ticket) -> None:
         ticket.synchronize()
 
     def bind(self) -> None:
@@ -113,13 +125,13 @@ class CudaCopier:
         with torch.cuda.device(self.device):
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def mark(self) -> Any:
+    def mark(self) -> Ticket:
         return mark(self.device)
 
-    def after(self, event: Any) -> None:
-        self.stream.wait_event(event)
+    def after(self, event: Ticket) -> None:
+        self.stream.wait_event(cast(torch.cuda.Event, event))  # one of this GPU's own marks
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             if src.is_cuda:  # the allocator keeps src's memory until the side stream has read it
@@ -128,23 +140,23 @@ class CudaCopier:
             done.record(self.stream)
         return done
 
-    def wait(self, ticket: Any) -> None:
+    def wait(self, ticket: Ticket) -> None:
         ticket.synchronize()
 
-    def last(self) -> Any:
+    def last(self) -> Ticket:
         with torch.cuda.device(self.device):
             event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         return event
 
-    def hold(self, ticket: Any) -> None:
-        torch.cuda.current_stream(self.device).wait_event(ticket)
+    def hold(self, ticket: Ticket) -> None:
+        torch.cuda.current_stream(self.device).wait_event(cast(torch.cuda.Event, ticket))  # one of its own copies'
 
     def bind(self) -> None:
         torch.cuda.set_device(self.device)
 
 
-def mark(device: torch.device) -> Any:
+def mark(device: torch.device) -> torch.cuda.Event:
     """An event recorded now on ``device``'s current stream: copies made after it see everything queued before."""
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))

@@ -63,12 +63,11 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from fsdp_optim.job.host_fixes import copying_to_host, keeping_the_optimizer, quietly
+from fsdp_optim.job.host_fixes import copying_to_host, keeping_the_optimizer, quietly, without_transfers
 
 __all__ = [
     "HostStream",
@@ -79,17 +78,30 @@ __all__ = [
     "is_enabled",
     "note_cuda_root",
     "new_stream",
-    "without_transfers",
 ]
+
+
+class _Param(Protocol):
+    """One of fairscale's flat parameters, as the switch reads it."""
+
+    _is_sharded: bool
+
+
+class _Instance(Protocol):
+    """What the switch's replacements touch of one of fairscale's FSDP instances (fairscale ships no types)."""
+
+    _is_root: bool | None
+    _streams: dict[str, torch.Stream]
+    params: list[_Param]
 
 
 class HostStream(torch.Stream):
     """A CPU stand-in for ``torch.cuda.Stream``: a real ``torch.Stream`` whose waits are no-ops."""
 
-    def wait_stream(self, stream: Any) -> None:  # noqa: ARG002 - CPU work is already ordered
+    def wait_stream(self, stream: torch.Stream) -> None:  # noqa: ARG002 - CPU work is already ordered
         return None
 
-    def wait_event(self, event: Any) -> None:  # noqa: ARG002
+    def wait_event(self, event: torch.Event) -> None:  # noqa: ARG002
         return None
 
     def synchronize(self) -> None:
@@ -112,10 +124,10 @@ class _HostCuda:
     def is_available(self) -> bool:
         return False
 
-    def synchronize(self, device: Any = None) -> None:  # noqa: ARG002
+    def synchronize(self, device: torch.device | int | str | None = None) -> None:  # noqa: ARG002
         return None
 
-    def current_stream(self, device: Any = None) -> torch.Stream:  # noqa: ARG002
+    def current_stream(self, device: torch.device | int | str | None = None) -> torch.Stream:  # noqa: ARG002
         stack = getattr(self._local, "stack", None)
         return stack[-1] if stack else self._default
 
@@ -145,33 +157,9 @@ class _TorchWithHostCuda:
 _TORCH_VIEW = _TorchWithHostCuda()
 
 
-class _NothingToMove(TorchFunctionMode):
-    """``Tensor.pin_memory()`` and ``Tensor.cuda()`` return the tensor itself; every other call runs as is.
-
-    Active only while one of fairscale's methods wrapped by :func:`without_transfers` runs: on a host
-    without an accelerator the CPU tensor already is where those calls would put it.
-    """
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.Tensor.pin_memory or func is torch.Tensor.cuda:
-            return args[0]
-        return func(*args, **(kwargs or {}))
-
-
-def without_transfers(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` run with ``Tensor.pin_memory()`` and ``Tensor.cuda()`` returning the tensor itself."""
-
-    @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with _NothingToMove():
-            return method(*args, **kwargs)
-
-    return wrapper
-
-
-def _with_host_streams(setup_streams: Callable[[Any], None]) -> Callable[[Any], None]:
+def _with_host_streams(setup_streams: Callable[[_Instance], None]) -> Callable[[_Instance], None]:
     @functools.wraps(setup_streams)
-    def wrapper(self: Any) -> None:
+    def wrapper(self: _Instance) -> None:
         setup_streams(self)
         if self._is_root and not self._streams:
             # fairscale made no streams (no CUDA), yet indexes them on every forward and backward. The
@@ -194,7 +182,7 @@ def _free_only_made(free_full_params: Callable[..., None]) -> Callable[..., None
     """
 
     @functools.wraps(free_full_params)
-    def wrapper(self: Any, params: Any = None) -> None:
+    def wrapper(self: _Instance, params: list[_Param] | None = None) -> None:
         chosen = self.params if params is None else params
         made = [p for p in chosen if hasattr(p, "_full_param_padded" if p._is_sharded else "_fp16_shard")]
         free_full_params(self, made)  # also when nothing was made: it marks the instance as holding none
@@ -217,9 +205,9 @@ _ABSENT = object()
 class _Patch:
     """One name replaced while the switch is on; ``original`` is what ``owner.__dict__`` held (or absent)."""
 
-    owner: Any
+    owner: object  # a module or a class
     name: str
-    original: Any
+    original: object
 
     def restore(self) -> None:
         if self.original is _ABSENT:
@@ -256,7 +244,7 @@ class _Switch:
     depth: int = 0  # enables not yet matched by a disable
     for_process: bool = False  # enable_for_process() ran: never restored
     patches: list[_Patch] = field(default_factory=list)  # what is replaced now; empty while off
-    library: Any = None  # the torch.library.Library holding our record_stream kernel, if we registered one
+    library: torch.library.Library | None = None  # holding our record_stream kernel, if we registered one
     cuda_roots: int = 0  # instances of ours built here that compute on a GPU (host execution would break them)
 
 

@@ -1,5 +1,7 @@
 """What the host switch (:mod:`fsdp_optim.job.host`) wraps fairscale's methods in, beyond moving no bytes.
 
+- :func:`without_transfers`: ``Tensor.pin_memory()`` and ``Tensor.cuda()`` return the tensor itself: on a host
+  without an accelerator the CPU tensor already is where those calls would put it.
 - :func:`copying_to_host`: ``Tensor.cpu()`` of a CPU tensor returns a copy, as it does from a GPU.
   fairscale's ``_gather_optim_state`` receives every state key into one reused buffer and keeps
   ``x.cpu()`` of it; on a CPU that is the buffer itself, so every key of a parameter ended up holding
@@ -17,38 +19,72 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Collection, Iterator
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["QUIET", "copying_to_host", "keeping_the_optimizer", "quiet", "quietly"]
+__all__ = ["QUIET", "copying_to_host", "keeping_the_optimizer", "quiet", "quietly", "without_transfers"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")  # one of fairscale's FSDP instances (fairscale ships no types)
+
+
+class _NothingToMove(TorchFunctionMode):
+    """``Tensor.pin_memory()`` and ``Tensor.cuda()`` return the tensor itself; every other call runs as is.
+
+    Active only while one of fairscale's methods wrapped by :func:`without_transfers` runs: on a host
+    without an accelerator the CPU tensor already is where those calls would put it.
+    """
+
+    def __torch_function__(
+        self, func: Callable[..., object], types: Collection[type], args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        if func is torch.Tensor.pin_memory or func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def without_transfers(method: Callable[P, R]) -> Callable[P, R]:
+    """``method`` run with ``Tensor.pin_memory()`` and ``Tensor.cuda()`` returning the tensor itself."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with _NothingToMove():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 class _CopyOnHost(TorchFunctionMode):
     """``Tensor.cpu()`` of a CPU tensor returns a copy, as it does from a GPU; every other call runs as is."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable[..., object], types: Collection[type], args: tuple = (), kwargs: dict | None = None
+    ) -> object:
         if func is torch.Tensor.cpu and args[0].device.type == "cpu":
             return args[0].clone()
         return func(*args, **(kwargs or {}))
 
 
-def copying_to_host(method: Callable[..., Any]) -> Callable[..., Any]:
+def copying_to_host(method: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         with _CopyOnHost():
             return method(*args, **kwargs)
 
     return wrapper
 
 
-def keeping_the_optimizer(gather: Callable[..., Any]) -> Callable[..., Any]:
+def keeping_the_optimizer(
+    gather: Callable[Concatenate[S, torch.optim.Optimizer, P], R],
+) -> Callable[Concatenate[S, torch.optim.Optimizer, P], R]:
     """fairscale's gather with every live ``step`` value put back afterwards (it turns them into floats)."""
 
     @functools.wraps(gather)
-    def wrapper(self: Any, optim: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: S, optim: torch.optim.Optimizer, *args: P.args, **kwargs: P.kwargs) -> R:
         steps = [(state, state["step"]) for state in optim.state.values() if "step" in state]
         try:
             return gather(self, optim, *args, **kwargs)
@@ -77,9 +113,9 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def quietly(method: Callable[..., Any]) -> Callable[..., Any]:
+def quietly(method: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         with quiet():
             return method(*args, **kwargs)
 

@@ -91,6 +91,7 @@ def save_to_memory(
     rank, _ = dist_rank_and_size(group)
     reports = all_gather_objects((new_save_id() if rank == 0 else None, tier.node), group)
     save_id, nodes = reports[0][0], [n for _, n in reports]
+    assert save_id is not None, "rank 0 sends the save id"
     _warn_one_node(tier, nodes, rank)
     job = _Job(root, side, type(optim).__name__ if optim is not None else None, tier, nodes, step, save_id, group)
     if optim is None:

@@ -42,7 +42,7 @@ from fsdp_optim.job.transport import (
     gather_objects,
 )
 
-__all__ = ["Begun", "Side", "check_in_seconds", "commit_save", "own_tensor", "read_for_save", "start_save"]
+__all__ = ["Side", "check_in_seconds", "commit_save", "own_tensor", "read_for_save", "start_save"]
 
 _SAFE_LEAVES = (type(None), bool, int, float, complex, str, torch.Tensor)
 CHECK_IN_ENV = "FSDP_OPTIM_CHECK_IN_S"

@@ -4,7 +4,6 @@ and put back once received. Pure: no collective here (:mod:`fsdp_optim.job.trans
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -20,7 +19,7 @@ class TensorSlot:
     dtype: torch.dtype
 
 
-def strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def strip(obj: object, tensors: list[torch.Tensor]) -> object:
     """``obj`` with each tensor of one dimension or more replaced by a :class:`TensorSlot` (the tensor appended to
     ``tensors``): the skeleton that is pickled; the tensors travel as tensors."""
     if torch.is_tensor(obj) and obj.dim() > 0:
@@ -33,7 +32,7 @@ def strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def slots(obj: Any) -> list[TensorSlot]:
+def slots(obj: object) -> list[TensorSlot]:
     if isinstance(obj, TensorSlot):
         return [obj]
     if isinstance(obj, dict):
@@ -43,7 +42,7 @@ def slots(obj: Any) -> list[TensorSlot]:
     return []
 
 
-def fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def fill(obj: object, tensors: list[torch.Tensor]) -> object:
     """A skeleton with each slot replaced by its received tensor."""
     if isinstance(obj, TensorSlot):
         return tensors[obj.index]

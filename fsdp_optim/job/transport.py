@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,8 @@ class Transfer:
     bounds: tuple[ShardBounds, ...]  # per rank of the group; a single entry when the unit is not sharded
     local: torch.Tensor  # this rank's padded shard; read, never written
 
+
+T = TypeVar("T")  # what an object collective carries
 
 def all_gather_digests(digest: int, group: dist.ProcessGroup | None) -> list[int]:
     """Every rank's 64-bit ``digest`` on every rank: one small tensor all-gather (no pickling)."""
@@ -117,21 +119,21 @@ def dist_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+def all_gather_objects(obj: T, group: dist.ProcessGroup | None) -> list[T]:
     """Every rank's ``obj`` on every rank (one collective)."""
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_from_each_rank(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+def broadcast_from_each_rank(obj: T, group: dist.ProcessGroup | None) -> list[T]:
     """Every rank's ``obj`` on every rank, one ``broadcast_object_list`` per rank (W collectives). Its tensors travel
     as host tensors (:func:`~fsdp_optim.job.host_copies.moved`): every rank receives them on its CPU."""
-    received = []
+    received: list[T] = []
     for src in range(dist.get_world_size(group)):
         box = [moved(obj, torch.device("cpu")) if src == dist.get_rank(group) else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(_group(group), src), group=group)
-        received.append(box[0])
+        received.append(cast(T, box[0]))  # rank src's obj
     return received
 
 
@@ -246,14 +248,14 @@ def is_cpu_group(group: dist.ProcessGroup | None) -> bool:
 # Sharded checkpoints: small objects for save/load coordination, and the scatter-on-load path.
 
 
-def broadcast_object(obj: Any, *, src: int, group: dist.ProcessGroup | None) -> Any:
+def broadcast_object(obj: T | None, *, src: int, group: dist.ProcessGroup | None) -> T:
     """``obj`` of rank ``src`` (a rank of ``group``) on every rank: one ``broadcast_object_list``."""
     box = [obj if dist.get_rank(group) == src else None]
     dist.broadcast_object_list(box, src=_global(group, src), group=group, device=_comm_device(group))
-    return box[0]
+    return cast(T, box[0])  # rank src's obj (other ranks pass None)
 
 
-def gather_objects(obj: Any, *, dst: int, group: dist.ProcessGroup | None) -> list[Any] | None:
+def gather_objects(obj: T, *, dst: int, group: dist.ProcessGroup | None) -> list[T] | None:
     """Every rank's ``obj`` on rank ``dst`` (rank order), ``None`` elsewhere: one ``gather_object``."""
     receiving = dist.get_rank(group) == dst
     out: list[Any] | None = [None] * dist.get_world_size(group) if receiving else None
@@ -296,15 +298,15 @@ def _error_type(module: str, qualname: str, fallback: type[Exception]) -> type[E
     """The exception class ``module.qualname`` when it is a builtin or fsdp_optim's own; else ``fallback``."""
     if module != "builtins" and module.partition(".")[0] != __name__.partition(".")[0]:
         return fallback
-    found: Any = sys.modules.get(module)
+    found: object = sys.modules.get(module)
     for part in qualname.split("."):
         found = getattr(found, part, None)
     return found if isinstance(found, type) and issubclass(found, Exception) else fallback
 
 
 def scatter_objects(
-    make: Callable[[int], Any] | None, own: Any = None, *, src: int, group: dist.ProcessGroup | None
-) -> Any:
+    make: Callable[[int], T] | None, own: T | None = None, *, src: int, group: dist.ProcessGroup | None
+) -> T:
     """Rank ``r`` receives ``make(r)``, built on ``src`` one destination at a time; ``src`` keeps ``own``.
 
     Tensors of one dimension or more travel as point-to-point tensor messages (no pickling); the rest
@@ -323,7 +325,7 @@ def scatter_objects(
         dist.recv_object_list(box, src=_global(group, src), group=group, device=device)
         received = _receive_tensors(box[0], src, group, device) if box[0] is not None else None
         agree(None, group=group, what="scatter failed")
-        return received
+        return cast(T, received)  # make(rank), rebuilt: agree() raised if src sent nothing
     failure: BaseException | None = None
     if make is None:  # a caller's mistake, reported on every rank like a failing make()
         failure = TypeError(f"make: rank {src} (src) must pass a function building rank r's payload, found None")
@@ -342,10 +344,10 @@ def scatter_objects(
             if tensor.numel():
                 dist.send(tensor.contiguous().to(device), dst=_global(group, dst), group=group)
     agree(failure, group=group, what="scatter failed")
-    return own
+    return cast(T, own)  # src's own payload
 
 
-def _receive_tensors(skeleton: Any, src: int, group: dist.ProcessGroup | None, device: torch.device) -> Any:
+def _receive_tensors(skeleton: object, src: int, group: dist.ProcessGroup | None, device: torch.device) -> object:
     tensors = []
     for slot in sorted(slots(skeleton), key=lambda s: s.index):  # the order they were sent in
         buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
@@ -355,7 +357,7 @@ def _receive_tensors(skeleton: Any, src: int, group: dist.ProcessGroup | None, d
     return fill(skeleton, tensors)
 
 
-def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> Any:
+def _broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> dist.Work | None:
     return dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
 
 

@@ -4,6 +4,6 @@
 ``operations.py`` holds ``consolidate`` / ``reshard`` over the sources it returns.
 """
 
-from fsdp_optim.offline.operations import consolidate, load_full_file, reshard, resolve_layout
+from fsdp_optim.offline.operations import resolve_layout
 
-__all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]
+__all__ = ["resolve_layout"]

@@ -22,7 +22,7 @@ from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
 
-__all__ = ["Finding", "deep_findings"]
+__all__ = ["deep_findings"]
 
 
 def deep_findings(

@@ -3,13 +3,19 @@ its class in :mod:`fsdp_optim.offline.opened`; the same as one JSON object is :m
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.disk.text import human_bytes
 
 if TYPE_CHECKING:
+    from fsdp_optim.formats.fairseq.shards import ShardSet
+    from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
     from fsdp_optim.formats.sharded.manifest import Manifest
+    from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+    from fsdp_optim.formats.whole_file import WholeFile
 
 
 def _step_text(steps: Sequence[Any]) -> str:
@@ -31,7 +37,7 @@ def _number_text(v: int | float) -> str:
 
 
 
-def _scalar(value: Any) -> Any:
+def _scalar(value: object) -> object:
     import torch
 
     return value.item() if torch.is_tensor(value) and value.dim() == 0 else value
@@ -131,16 +137,17 @@ def describe_full(obj: Mapping[str, Any], out: list[str], *, native: bool) -> No
 
 
 
-def describe_training(ckpt: Any) -> list[str]:
+def describe_training(ckpt: ShardedCheckpoint) -> list[str]:
     """A whole checkpoint's model, buffers and per-rank extra (its side files read: they are small)."""
     from fsdp_optim.core.dtypes import dtype_from_str
     from fsdp_optim.core.records import WEIGHTS_KEY
     from fsdp_optim.formats.sharded.side_file import read_side_file
 
     manifest, training = ckpt.manifest, ckpt.manifest.training
+    assert training is not None, f"{ckpt.directory}: asked for the model of an optimizer-only checkpoint"
     weights = [(f, e) for f in manifest.flat_params for e in f.state if e.key == WEIGHTS_KEY]
     nbytes = sum(f.numel * dtype_from_str(e.dtype, where="weights").itemsize for f, e in weights)
-    dtypes = sorted({e.dtype for _, e in weights})
+    dtypes = sorted({e.dtype for _, e in weights if e.dtype is not None})
     params = sum(len(f.params) for f, _ in weights)
     tied = ", ".join(f"{a} -> {b}" for a, b in training.aliases)
     where = "every rank's side file (they differed across ranks)" if training.buffers_per_rank else "rank 0's side file"
@@ -162,7 +169,7 @@ def describe_training(ckpt: Any) -> list[str]:
     return out
 
 
-def describe_whole_file(whole: Any) -> list[str]:
+def describe_whole_file(whole: WholeFile) -> list[str]:
     """consolidate's file of a whole checkpoint: its optimizer as a full dict's summary, then the model and extra."""
     out: list[str] = []
     if whole.optimizer is not None:
@@ -189,7 +196,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return f"{ranks[0]}..{ranks[-1]}" if contiguous else ", ".join(map(str, ranks))
 
 
-def describe_named(named: Any) -> list[str]:
+def describe_named(named: NamedSafetensors) -> list[str]:
     """A named safetensors file, from its checked header (no tensor is read but the 0-dim scalars)."""
     doc = named.document
     keys: dict[str, str] = {}
@@ -234,7 +241,7 @@ def param_table(state: Mapping[Any, Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def describe_shards(shards: Any, *, units: bool) -> list[str]:
+def describe_shards(shards: ShardSet, *, units: bool) -> list[str]:
     """A fairseq/metaseq shard set: its manifest's lines, then its files, extras, buffers and other keys."""
     out: list[str] = []
     rank0 = shards.rank0()
@@ -253,7 +260,9 @@ def describe_shards(shards: Any, *, units: bool) -> list[str]:
     return out
 
 
-def describe_sharded(path: Any, manifest: Manifest, checkpoint: Any, *, layout: bool, units: bool) -> list[str]:
+def describe_sharded(
+    path: str | os.PathLike[str], manifest: Manifest, checkpoint: ShardedCheckpoint | None, *, layout: bool, units: bool
+) -> list[str]:
     """A sharded checkpoint (its files present and sized first: ``damaged`` otherwise) or a layout file; a whole
     checkpoint's model, buffers and extra after the optimizer's lines."""
     if not layout:
@@ -264,17 +273,18 @@ def describe_sharded(path: Any, manifest: Manifest, checkpoint: Any, *, layout: 
             raise ValueError(f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)")
     out: list[str] = []
     what = "layout file" if layout else "sharded checkpoint"
-    whole = checkpoint is not None and manifest.training is not None
-    describe_manifest(manifest, f"whole {what} (model, optimizer, extra)" if whole else what, out, units=units)
-    return out + describe_training(checkpoint) if whole else out
+    whole = checkpoint if checkpoint is not None and manifest.training is not None else None
+    title = f"whole {what} (model, optimizer, extra)" if whole is not None else what
+    describe_manifest(manifest, title, out, units=units)
+    return out + describe_training(whole) if whole is not None else out
 
 
-def describe_rank_file(path: Any, raw: Any) -> list[str]:
+def describe_rank_file(path: str | os.PathLike[str], raw: Mapping[str, Any] | None) -> list[str]:
     """One rank file of a checkpoint (format 2 and 3: safetensors; format 1: a torch file)."""
     if raw is None:
         from fsdp_optim.formats.sharded.rank_file import describe_rank_file as describe_safetensors
 
-        return describe_safetensors(path)
+        return describe_safetensors(Path(path))
     header = raw["fsdp_optim_checkpoint"]
     return [
         "format: one rank file of a sharded checkpoint (inspect its directory for the whole)",
@@ -283,7 +293,7 @@ def describe_rank_file(path: Any, raw: Any) -> list[str]:
     ]
 
 
-def describe_loaded(path: Any, raw: Mapping[str, Any], *, native: bool, units: bool) -> list[str]:
+def describe_loaded(path: str | os.PathLike[str], raw: Mapping[str, Any], *, native: bool, units: bool) -> list[str]:
     """A full dict or a fairscale-native dict (its skeleton checked before the summary walks it)."""
     from fsdp_optim.disk.objects import check_state_dict
 

@@ -39,7 +39,7 @@ from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.publish import checkpoint_output
 from fsdp_optim.offline.sources import open_source
 
-__all__ = ["Progress", "consolidate", "load_full_file", "reshard", "resolve_layout"]
+__all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]
 
 
 def load_full_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -19,15 +19,23 @@ what only one kind records (a rank file's rank, a DCP directory's counts).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fsdp_optim.formats.kinds import Kind
+    from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+    from fsdp_optim.formats.sharded.manifest import Manifest
+    from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+    from fsdp_optim.formats.whole_file import WholeFile
 
 SCHEMA = 1
 _INT = re.compile(r"^-?\d+$")
 
 
-def base(path: Any, kind: Any, lines: Sequence[str]) -> dict[str, Any]:
+def base(path: str | os.PathLike[str], kind: Kind, lines: Sequence[str]) -> dict[str, Any]:
     """The members every kind has, ``null`` or empty until a kind fills them."""
     fmt = next((line.partition(": ")[2] for line in lines if line.startswith("format: ")), None)
     return {
@@ -38,7 +46,7 @@ def base(path: Any, kind: Any, lines: Sequence[str]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def of_manifest(out: dict[str, Any], manifest: Any) -> dict[str, Any]:
+def of_manifest(out: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
     """A sharded checkpoint's, a layout file's or a shard set's manifest (a whole checkpoint's weights left out)."""
     from dataclasses import replace
 
@@ -108,7 +116,7 @@ def of_full(out: dict[str, Any], obj: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def of_named(out: dict[str, Any], named: Any) -> dict[str, Any]:
+def of_named(out: dict[str, Any], named: NamedSafetensors) -> dict[str, Any]:
     """A named safetensors file, from its checked header."""
     doc = named.document
     keys: dict[str, str] = {}
@@ -131,7 +139,7 @@ def of_named(out: dict[str, Any], named: Any) -> dict[str, Any]:
     return out
 
 
-def of_whole_file(out: dict[str, Any], whole: Any) -> dict[str, Any]:
+def of_whole_file(out: dict[str, Any], whole: WholeFile) -> dict[str, Any]:
     """consolidate's file of a whole checkpoint: its optimizer as a full dict, then its model and extra."""
     if whole.optimizer is not None:
         of_full(out, whole.optimizer)
@@ -140,18 +148,19 @@ def of_whole_file(out: dict[str, Any], whole: Any) -> dict[str, Any]:
     return out
 
 
-def model_of_checkpoint(ckpt: Any) -> dict[str, Any]:
+def model_of_checkpoint(ckpt: ShardedCheckpoint) -> dict[str, Any]:
     """A whole sharded checkpoint's model: parameters, tied names, weight bytes and dtypes, buffers, side files."""
     from fsdp_optim.core.dtypes import dtype_from_str
     from fsdp_optim.core.records import WEIGHTS_KEY
 
     manifest, training = ckpt.manifest, ckpt.manifest.training
+    assert training is not None, f"{ckpt.directory}: asked for the model of an optimizer-only checkpoint"
     weights = [(f, e) for f in manifest.flat_params for e in f.state if e.key == WEIGHTS_KEY]
     return _model(
         params=sum(len(f.params) for f, _ in weights),
         tied=[list(pair) for pair in training.aliases],
         weight_bytes=sum(f.numel * dtype_from_str(e.dtype, where="weights").itemsize for f, e in weights),
-        weight_dtypes=sorted({e.dtype for _, e in weights}),
+        weight_dtypes=sorted({e.dtype for _, e in weights if e.dtype is not None}),
         buffers=[b.name for b in training.buffers],
         buffers_per_rank=training.buffers_per_rank,
         side_files={"count": len(training.files), "bytes": sum(f.nbytes for f in training.files)},
@@ -160,14 +169,14 @@ def model_of_checkpoint(ckpt: Any) -> dict[str, Any]:
     )
 
 
-def _extra_keys(ckpt: Any) -> list[str] | None:
+def _extra_keys(ckpt: ShardedCheckpoint) -> list[str] | None:
     """Every key any rank's ``extra`` holds, in the order first seen (the text lists them rank by rank); ``None``
     when no rank's ``extra`` is a dict."""
     from fsdp_optim.formats.sharded.side_file import read_side_file
 
     keys: dict[str, None] = {}
     mapped = False
-    for record in ckpt.manifest.training.files:
+    for record in ckpt.manifest.training.files if ckpt.manifest.training is not None else ():
         _, extra = read_side_file(ckpt.directory, record)
         if isinstance(extra, Mapping):
             mapped = True
@@ -190,20 +199,21 @@ def _product(shape: Sequence[int]) -> int:
     return n
 
 
-def _model(**given: Any) -> dict[str, Any]:
+def _model(**given: object) -> dict[str, Any]:
     """A whole checkpoint's model, in the same members whatever holds it (what it does not record: null)."""
     keys = ("params", "tied", "weight_bytes", "weight_dtypes", "buffers", "buffers_per_rank", "side_files",
             "extra_keys", "has_optimizer")  # fmt: skip
     return {key: given.get(key) for key in keys}
 
 
-def of_rank_file(out: dict[str, Any], lines: Sequence[str], raw: Any) -> dict[str, Any]:
+def of_rank_file(out: dict[str, Any], lines: Sequence[str], raw: Mapping[str, Any] | None) -> dict[str, Any]:
     """One rank file: its rank and world size as numbers (``details``; a format-1 file: its state entries too)."""
     found = next((re.match(r"rank: (\S+) of (\S+)$", line) for line in lines if line.startswith("rank: ")), None)
     rank, world = (found.group(1), found.group(2)) if found else (None, None)
     header = raw.get("fsdp_optim_checkpoint") if isinstance(raw, Mapping) else None
     out["details"] = {"rank": _int(rank), "world_size": _int(world),
-                      "state_entries": len(raw.get("state", {})) if isinstance(header, Mapping) else None}  # fmt: skip
+                      "state_entries": len(raw.get("state", {})) if raw is not None and isinstance(header, Mapping)
+                      else None}  # fmt: skip
     out["world_size"] = out["details"]["world_size"]
     return out
 

@@ -30,16 +30,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import replace
 
-from fsdp_optim.disk.file_check import FileCheck, Verification
+from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
 from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
-from fsdp_optim.formats.sharded.verification import present_and_sized
-from fsdp_optim.offline.deep import Finding, deep_findings
+from fsdp_optim.offline.deep import deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened import class_of
 from fsdp_optim.offline.sources import fetched_whole
 
-__all__ = ["FileCheck", "Finding", "Verification", "present_and_sized", "report_json", "verify"]
+__all__ = ["report_json", "verify"]
 
 JSON_SCHEMA = 1
 

@@ -43,14 +43,14 @@ from fsdp_optim.formats.fairseq.checks import (
     resolve_param_order,
     state_entries,
 )
-from fsdp_optim.formats.fairseq.files import METADATA_KEYS, OPTIM_KEY, RankSummary, summarise
+from fsdp_optim.formats.fairseq.files import OPTIM_KEY, RankSummary, summarise
 from fsdp_optim.formats.fairseq.loading import load_shard
 from fsdp_optim.formats.fairseq.optimizers import torch_optimizer
-from fsdp_optim.formats.fairseq.paths import is_shard_set, shard_paths
+from fsdp_optim.formats.fairseq.paths import shard_paths
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 
-__all__ = ["METADATA_KEYS", "OPTIM_KEY", "WEIGHT", "ShardSet", "is_shard_set"]
+__all__ = ["WEIGHT", "ShardSet"]
 
 WEIGHT = "param"  # the one state key of the weights source
 Progress = Callable[[], None] | None

@@ -55,7 +55,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -71,7 +71,7 @@ from fsdp_optim.formats.safetensors_container import (
     Span,
     read_header,
 )
-from fsdp_optim.formats.sharded.json_values import from_json, to_json
+from fsdp_optim.formats.sharded.json_values import JSONValue, from_json, to_json
 
 FORMAT = "fsdp_optim.named_safetensors"
 VERSION = 3  # 2: a tensor entry's kind is "full" (1 wrote "sharded"); 3: a "whole" section (consolidate); all read
@@ -90,13 +90,13 @@ class FormatError(ValueError):
 # Exact JSON values: the sharded manifest's (formats/sharded/json_values.py), one encoding for both files
 
 
-def encode(value: Any, where: str) -> Any:
+def encode(value: object, where: str) -> JSONValue:
     """``value`` as exact JSON (:func:`~fsdp_optim.formats.sharded.json_values.to_json`); ``ValueError`` naming
     ``where`` for what JSON cannot hold exactly."""
     return to_json(value, where)
 
 
-def decode(value: Any, where: str) -> Any:
+def decode(value: object, where: str) -> object:
     """The inverse of :func:`encode`; :class:`FormatError` for JSON that :func:`encode` does not write."""
     try:
         return from_json(value, where)
@@ -115,7 +115,7 @@ class Entry:
     key: str
     kind: str  # "sharded" (shaped like the parameter) or "scalar" (0-dim tensor or Python value)
     tensor: str | None = None
-    value: Any = None
+    value: object = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class Document:
         return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
-def _hyperparams(g: int, hyperparams: Mapping[Any, Any]) -> Any:
+def _hyperparams(g: int, hyperparams: Mapping[Any, Any]) -> dict[str, JSONValue]:
     bad = next((k for k in hyperparams if not isinstance(k, str)), None)
     if bad is not None:
         raise ValueError(f"param group {g} has hyperparameter key {bad!r}, a {type(bad).__name__}; expected strings")
@@ -208,7 +208,15 @@ def _entry_json(name: str, e: Entry) -> dict[str, Any]:
     return out
 
 
-def _get(d: Any, key: str, kind: Any, where: str) -> Any:
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+@overload
+def _get(d: object, key: str, kind: type[T], where: str) -> T: ...
+@overload
+def _get(d: object, key: str, kind: tuple[type[T], type[U]], where: str) -> T | U: ...
+def _get(d: object, key: str, kind: type | tuple[type, ...], where: str) -> object:
     if not isinstance(d, dict) or key not in d:
         raise FormatError(f"{where}: missing '{key}'")
     value = d[key]
@@ -254,6 +262,8 @@ def parse_document(text: str, where: str) -> tuple[Document, dict[str, Any]]:
     if chunk_bytes < 64 or chunk_bytes % 64:
         raise FormatError(f"{where}: 'chunk_bytes' is {chunk_bytes}, expected a positive multiple of 64")
     header = decode(_get(doc, "header", dict, where), f"{where}: 'header'")
+    if not isinstance(header, dict):  # a tagged object decodes to a tuple, a number or a tensor
+        raise FormatError(f"{where}: 'header' must be an object, found a {type(header).__name__}")
     optimizer = _get(doc, "optimizer", (str, type(None)), where)
     known = _get(doc, "shapes_known", bool, where)
     document = Document(optimizer, order, shapes, known, tuple(groups), state, header, chunk_bytes, _whole(doc, where))
@@ -271,7 +281,7 @@ def _whole(doc: dict[str, Any], where: str) -> Whole | None:
     return Whole(tuple(model), _get(raw, "extra", str, at), tuple(extras), _get(raw, "rank", int, at))
 
 
-def _get_list(value: Any, where: str) -> list[Any]:
+def _get_list(value: object, where: str) -> list[Any]:
     if not isinstance(value, list):
         raise FormatError(f"{where}: a parameter's state must be a list of entries, found {json.dumps(value)[:60]}")
     return value
@@ -291,7 +301,7 @@ def _entry(raw: Any, name: str, where: str) -> Entry:
     return Entry(key, kind, value=decode(raw["value"], f"{at}, state '{key}'"))
 
 
-def _shape(value: Any, where: str) -> list[int]:
+def _shape(value: object, where: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
         raise FormatError(f"{where}: expected a list of non-negative ints, found {json.dumps(value)[:60]}")
     return value

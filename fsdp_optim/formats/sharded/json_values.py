@@ -26,14 +26,17 @@ import re
 import struct
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.disk.text import escape
 
-__all__ = ["MAX_TENSOR_BYTES", "from_json", "has_reserved_key", "to_json"]
+__all__ = ["MAX_TENSOR_BYTES", "JSONValue", "from_json", "has_reserved_key", "to_json"]
+
+# What json.dumps writes and json.loads reads back.
+JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
 
 MAX_TENSOR_BYTES = 4096
 _TAGS = ("$tuple", "$float", "$complex", "$tensor", "$dict")
@@ -73,12 +76,12 @@ class _At:
         return self.where + "".join(f"['{p}']" if isinstance(p, str) else f"[{p}]" for p in self.parts)
 
 
-def to_json(value: Any, where: str) -> Any:
+def to_json(value: object, where: str) -> JSONValue:
     """``value`` as JSON-safe values (see the module docstring); ``where`` names it in errors."""
     return _to(value, _At(where))
 
 
-def _to(value: Any, at: _At) -> Any:
+def _to(value: object, at: _At) -> JSONValue:
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, float):
@@ -117,7 +120,7 @@ def _non_finite(value: float) -> str:
     return f"nan:{bits.hex()}"
 
 
-def _item(value: Any, part: str | int, at: _At) -> Any:
+def _item(value: object, part: str | int, at: _At) -> JSONValue:
     at.parts.append(part)
     out = _to(value, at)
     at.parts.pop()
@@ -140,12 +143,12 @@ def _tensor_to_json(t: torch.Tensor, where: str) -> dict[str, Any]:
     return {"dtype": dtype_to_str(t.dtype), "shape": list(t.shape), "hex": bytes(raw.tolist()).hex()}
 
 
-def from_json(value: Any, where: str) -> Any:
+def from_json(value: object, where: str) -> object:
     """The value :func:`to_json` was given, from what ``json.loads`` read (checked: a crafted file is refused)."""
     return _from(value, _At(where))
 
 
-def _from(value: Any, at: _At) -> Any:
+def _from(value: object, at: _At) -> object:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
@@ -178,19 +181,19 @@ def _from(value: Any, at: _At) -> Any:
     if tag == "$complex":
         if not (isinstance(body, list) and len(body) == 2 and all(isinstance(v, (int, float, dict)) for v in body)):
             raise ValueError(f"{at}: '$complex' is {body!r}, expected [real, imag]")
-        re, im = (_from(v, at) for v in body)
+        re, im = (cast(float, _from(v, at)) for v in body)  # numbers, or tagged floats (complex() refuses the rest)
         return complex(re, im)
     return _tensor_from_json(body, str(at))
 
 
-def _back(value: Any, part: str | int, at: _At) -> Any:
+def _back(value: object, part: str | int, at: _At) -> object:
     at.parts.append(part)
     out = _from(value, at)
     at.parts.pop()
     return out
 
 
-def _tensor_from_json(body: Any, where: str) -> torch.Tensor:
+def _tensor_from_json(body: object, where: str) -> torch.Tensor:
     if not isinstance(body, dict) or set(body) != {"dtype", "shape", "hex"}:
         found = sorted(body) if isinstance(body, dict) else type(body).__name__
         raise ValueError(f"{where}: '$tensor' must be an object with 'dtype', 'shape', 'hex', found {found}")

@@ -56,7 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fsdp_optim.core.checksums import digest, digest_matches
+from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.layout import ModelLayout
@@ -74,13 +74,8 @@ __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_NAMES",
     "FileRecord",
-    "FlatRecord",
-    "GroupRecord",
     "Manifest",
-    "StateEntry",
     "digest",
-    "digest_matches",
-    "dtype_from_str",
     "shard_file_name",
 ]
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 from fsdp_optim.core.checksums import digest, digest_matches, text_digest_matches
 from fsdp_optim.disk.json_input import DuplicateKeyError, RefusedJSON, check_depth, duplicate, loads, unique_object
 from fsdp_optim.disk.text import escape
-from fsdp_optim.formats.sharded.json_values import from_json, has_reserved_key, to_json
+from fsdp_optim.formats.sharded.json_values import JSONValue, from_json, has_reserved_key, to_json
 from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, Manifest
 
 __all__ = ["MAX_MANIFEST_BYTES", "manifest_from_json", "manifest_to_json"]
@@ -32,7 +32,7 @@ MAX_MANIFEST_BYTES = 64 << 20  # a 1,024-rank, 1,000-unit manifest is 0.1-20 MiB
 _WRITTEN = re.compile(rb'\A\{"' + HEADER_KEY.encode() + rb'":(\{[^{}]*\}),"body":')
 
 
-def _canonical(body: Any) -> str:
+def _canonical(body: object) -> str:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
@@ -55,10 +55,11 @@ def manifest_from_json(data: bytes, *, source: str) -> Manifest:
         if isinstance(head, dict) and head.get("version") == CHECKPOINT_VERSION:
             return _read_as_written(data, written.end(), head, source)
     doc = _json(data, source)
-    if not isinstance(doc, dict) or not isinstance(doc.get(HEADER_KEY), dict) or "body" not in doc:
+    head = doc.get(HEADER_KEY) if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or not isinstance(head, dict) or "body" not in doc:
         found = sorted(map(str, doc))[:10] if isinstance(doc, dict) else type(doc).__name__
         raise ValueError(f"{source}: expected an fsdp_optim manifest (keys '{HEADER_KEY}' and 'body'), found {found}")
-    version = _check_head(doc[HEADER_KEY], source)
+    version = _check_head(head, source)
     if version == CHECKPOINT_VERSION:
         raise ValueError(
             f"{source}: checksum mismatch in the manifest: a version-{version} manifest is checked on its bytes as "
@@ -68,12 +69,12 @@ def manifest_from_json(data: bytes, *, source: str) -> Manifest:
         canonical = _canonical(doc["body"])
     except ValueError as exc:
         raise ValueError(f"{source}: the body is not exact JSON ({exc})") from None
-    if not digest_matches(canonical, doc[HEADER_KEY].get("checksum")):
+    if not digest_matches(canonical, head.get("checksum")):
         raise ValueError(f"{source}: checksum mismatch in the manifest (file is corrupt or was modified)")
     return _manifest(from_json(doc["body"], source), version, source)
 
 
-def _json(data: str | bytes, source: str) -> Any:
+def _json(data: str | bytes, source: str) -> JSONValue:
     try:
         return loads(data, where=source, parse_constant=_refuse_constant)
     except RefusedJSON:
@@ -82,7 +83,7 @@ def _json(data: str | bytes, source: str) -> Any:
         raise ValueError(f"{source}: not a JSON manifest ({escape(str(exc), limit=200)})") from None
 
 
-def _check_head(head: Any, source: str) -> int:
+def _check_head(head: object, source: str) -> int:
     if not isinstance(head, dict) or head.get("kind") != "manifest":
         kind = head.get("kind") if isinstance(head, dict) else head
         raise ValueError(f"{source}: expected an fsdp_optim manifest, found a {escape(repr(kind), limit=80)} file")
@@ -117,7 +118,7 @@ def _read_as_written(data: bytes, start: int, head: dict[str, Any], source: str)
     return _manifest(parsed, version, source)
 
 
-def _manifest(body: Any, version: int, source: str) -> Manifest:
+def _manifest(body: object, version: int, source: str) -> Manifest:
     if not isinstance(body, dict) or body.get("version") != version:
         found = repr(body.get("version")) if isinstance(body, dict) else type(body).__name__
         raise ValueError(f"{source}: the body's version is {found}, expected {version} (as its header says)")
@@ -128,7 +129,7 @@ class _Untagged(Exception):
     """An object the parsing hook leaves to :func:`from_json` (which refuses it with its place, or reads it)."""
 
 
-def _tagged(pairs: list[tuple[str, Any]]) -> Any:
+def _tagged(pairs: list[tuple[str, Any]]) -> object:
     """:func:`from_json` of one object while parsing, its members restored already (innermost first), each
     key once."""
     obj = dict(pairs)
@@ -144,5 +145,5 @@ def _tagged(pairs: list[tuple[str, Any]]) -> Any:
         raise _Untagged from None
 
 
-def _refuse_constant(name: str) -> Any:
+def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"non-standard constant {name} (exact JSON writes non-finite floats as {{'$float': ...}})")

@@ -29,7 +29,6 @@ import torch
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
@@ -55,7 +54,6 @@ __all__ = [
     "checkpoint_dir",
     "is_json_manifest",
     "is_sharded_checkpoint",
-    "load_file",
     "manifest_file",
     "open_checkpoint",
     "read_manifest",

@@ -17,7 +17,8 @@ cannot: most often a refusal that says what the input is and what was expected):
     opened.full_state(progress=)    consolidate's full dict of its optimizer state (a shard set's with its extras)
     opened.full_dict(progress=)     the full dict it is (a full dict file: itself) or gives
     opened.consolidated(rank=, with_model=, progress=)   what fsdp_optim.consolidate returns
-    opened.write_consolidated(output, ...) / write_resharded(world_size, out, ...)   the CLI verbs' writes and lines
+    opened.write_consolidated(output, ...) / write_resharded(world_size, out, ...)   the CLI verbs' writes, each
+                                    returning a record of what it wrote (``written.py``; the CLI words it)
     opened.reshard(world_size, out, layout=, given=, ...)   fsdp_optim.reshard into a local directory
     opened.is_full_dict(), is_whole(), holds_weights()   what it holds
     opened.whole_model(rank=, progress=), whole_source(), side_state(), check_rank(rank)   a whole checkpoint's
@@ -34,7 +35,7 @@ file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set,
 from __future__ import annotations
 
 from fsdp_optim.formats.kinds import Kind
-from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, DcpParts, Opened, Request
+from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, Opened, Request
 from fsdp_optim.offline.opened.loaded import OpenedFull, OpenedNamedDict, OpenedNative, OpenedWholeFile
 from fsdp_optim.offline.opened.readers import OpenedDcp, OpenedNamed, OpenedShardSet
 from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, OpenedRankFile
@@ -42,18 +43,7 @@ from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, Op
 __all__ = [
     "CLASSES",
     "NEEDS_LAYOUT",
-    "DcpParts",
     "Opened",
-    "OpenedCheckpoint",
-    "OpenedDcp",
-    "OpenedFull",
-    "OpenedLayout",
-    "OpenedNamed",
-    "OpenedNamedDict",
-    "OpenedNative",
-    "OpenedRankFile",
-    "OpenedShardSet",
-    "OpenedWholeFile",
     "Request",
     "class_of",
 ]

@@ -4,6 +4,7 @@ answer. See :mod:`fsdp_optim.offline.opened` for the questions."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -17,13 +18,14 @@ from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.staged import write_file
-from fsdp_optim.disk.text import human_bytes
-from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, read_manifest
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
+from fsdp_optim.offline.layouts import LayoutLike, ParamOrder
+from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, RankFiles, Resharding
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options
 
@@ -53,14 +55,20 @@ class Request:
     how errors name it (``label``), and the options, each already accepted for the kind."""
 
     kind: Kind
-    given: Any
+    given: Given
     label: str
-    obj: Any = None
-    layout: Any = None
+    obj: Any = None  # loaded through the untrusted gate: a dict whose kind was decided, or None (not loaded)
+    layout: ParamOrder = None
     optimizer: str | None = None
     allow_globals: Sequence[str] = ()
     optimizer_keys: Sequence[Sequence[str]] | None = None
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES
+
+    @property
+    def path(self) -> str | os.PathLike[str]:
+        """``given`` as the path it is, for a kind read from its files (never a dict)."""
+        assert not isinstance(self.given, Mapping), f"{self.label}: a {self.kind.value} is read from files, not a dict"
+        return self.given
 
 
 @dataclass
@@ -113,16 +121,16 @@ class Opened:
 
     # inspect and verify
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
         """``inspect``'s lines for this input (after the ``path:`` line)."""
         raise NotImplementedError(f"{type(self).__name__} does not describe itself")
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         """:meth:`describe` as one JSON object (:mod:`fsdp_optim.offline.report`); here: the members every kind has."""
         return R.base(path, self.kind, lines)
 
     @classmethod
-    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003 - shard sets'
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003 - shard sets'
         """``verify``'s verdict on every file of the input of this kind at ``path`` (never opened: it may be
         damaged); here: a torch file's (a full dict, a fairscale-native dict, consolidate's whole file...)."""
         return V.torch_file(Path(path))
@@ -192,24 +200,25 @@ class Opened:
         return self.full_state(progress=progress)
 
     def write_consolidated(
-        self, output: Any, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,  # noqa: ARG002
+        self, output: str | os.PathLike[str], *, rank: int | None, no_model: bool, inputs: Sequence[object],  # noqa: ARG002
+        overwrite: bool,
         progress: Progress,
-    ) -> str:  # fmt: skip
+    ) -> Consolidation:  # fmt: skip
         """``fsdp-optim consolidate``: what consolidating this input gives, written as the file ``output``; returns
-        what was written, for the verb's ``wrote <output>: ...`` line."""
+        what was written (the CLI words it)."""
         self.check_rank(rank)
         out = self.full_state(progress=progress)
         size = write_file(out, output, inputs=inputs, overwrite=overwrite)
-        return f"{len(out['param_names'])} params, {len(out['state'])} with state, {human_bytes(size)}"
+        return FullDictFile(len(out["param_names"]), len(out["state"]), size)
 
     # reshard
 
-    def target_layout(self, given: Any) -> Any:
+    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
         """The layout a reshard of this input cuts for: the caller's (its own for a fairscale-native dict)."""
         return given
 
     def reshard(
-        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress = None,
+        self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress = None,
         overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
     ) -> Path:  # fmt: skip
         """:func:`fsdp_optim.reshard` of this input into the local directory ``out``; returns what it returns (the
@@ -226,23 +235,23 @@ class Opened:
                             after_file)  # fmt: skip
 
     def write_resharded(
-        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress, overwrite: bool,
+        self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress,
+        overwrite: bool,
         after_file: AfterFile, buffers: str,
-    ) -> str:  # fmt: skip
+    ) -> Resharding:  # fmt: skip
         """``fsdp-optim reshard``: :meth:`reshard` with a checkpoint already in ``out`` refused unless ``overwrite``;
-        returns what was written, for the verb's ``wrote <out>: ...`` line."""
+        returns what was written (the CLI words it)."""
         manifest = self.reshard(world_size, out, layout=layout, given=given, progress=progress, overwrite=overwrite,
                                 replace_existing=False, after_file=after_file, buffers=buffers)  # fmt: skip
         resharded = read_manifest(manifest)
         files = resharded.files
-        line = f"{len(files)} rank files, {human_bytes(sum(f.nbytes for f in files))}"
-        if resharded.training is not None:  # a whole checkpoint: weights in the rank files, side files carried
-            sides = resharded.training.files
-            line += f" (weights included), {len(sides)} side files, {human_bytes(sum(f.nbytes for f in sides))}"
-        return line
+        # a whole checkpoint: weights in the rank files, side files carried
+        sides = None if resharded.training is None else resharded.training.files
+        return RankFiles(len(files), sum(f.nbytes for f in files), None if sides is None else len(sides),
+                         sum(f.nbytes for f in sides or ()))  # fmt: skip
 
 
-def found_keys(kind: Kind, raw: Any) -> str:
+def found_keys(kind: Kind, raw: object) -> str:
     """``kind``, and the first keys of ``raw`` when it is a dict: what an input was found to be."""
     keys = f" (keys {', '.join(repr(k) for k in sorted(map(str, raw))[:8])})" if isinstance(raw, Mapping) else ""
     return kind.value + keys

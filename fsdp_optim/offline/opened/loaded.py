@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
@@ -15,16 +16,17 @@ from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import write_file
-from fsdp_optim.disk.text import human_bytes
 from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fullstate import full_dict_source, read_meta
+from fsdp_optim.formats.kinds import Given
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline.cuts import AfterFile, Progress
-from fsdp_optim.offline.layouts import resolve_layout
+from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
+from fsdp_optim.offline.opened.written import Consolidation, RewrittenFile
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole_file import reshard_whole_file
 
@@ -41,7 +43,7 @@ def _header(full: Mapping[str, Any] | None, label: str) -> Mapping[str, Any] | N
 class OpenedFull(Opened):
     """A full dict (ours, or a plain optimizer's ``state_dict()`` named)."""
 
-    raw: Any  # the loaded object (a dict: the dict itself)
+    raw: Mapping[str, Any]  # the loaded dict (a dict given: the dict itself)
     full: Mapping[str, Any] | None = None  # the full dict it is (a fairscale-native dict: converted into)
 
     native = False
@@ -57,10 +59,10 @@ class OpenedFull(Opened):
         order = tuple(f.params[0].name for f in source.flats)
         return cls(request.kind, label, source, None, order, full=obj, raw=obj)
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
         return D.describe_loaded(path, self.raw, native=self.native, units=units)
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_full(R.base(path, self.kind, lines), self.raw)
 
     def is_full_dict(self) -> bool:
@@ -96,7 +98,7 @@ class OpenedNative(OpenedFull):
     @classmethod
     def loaded(cls, request: Request) -> Opened:
         obj, label = request.obj, request.label
-        model = resolve_layout(request.layout)
+        model = resolve_layout(cast(LayoutLike, request.layout))  # required (checked); anything else: its TypeError
         state = obj.get("state")
         keys = {str(k) for entries in state.values() if isinstance(entries, Mapping) for k in entries} if isinstance(
             state, Mapping) else set()  # fmt: skip
@@ -109,7 +111,7 @@ class OpenedNative(OpenedFull):
     def for_inspect(cls, request: Request) -> Opened | None:
         return cls(request.kind, request.label, raw=request.obj) if request.layout is None else None  # as it is
 
-    def target_layout(self, given: Any) -> Any:  # noqa: ARG002 - its own layout was required when it was opened
+    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:  # noqa: ARG002 - its own layout was required when it was opened
         return self.layout
 
     def why_not_consolidated(self) -> str:
@@ -138,7 +140,7 @@ class OpenedNamedDict(OpenedFull):
     def is_full_dict(self) -> bool:  # keyed by names, not ids: not a full dict of ours
         return False
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
         check_state_dict(self.raw, str(path))
         return D.describe_named_dict(self.raw, units=units)
 
@@ -160,10 +162,10 @@ class OpenedWholeFile(Opened):
             check_state_dict(whole.optimizer, f"{label}['optimizer']", in_memory=isinstance(request.given, Mapping))
         return cls(request.kind, label, whole.source(), None, whole.params, whole_file=whole)
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_whole_file(self.whole_file)
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_whole_file(R.base(path, self.kind, lines), self.whole_file)
 
     def holds_weights(self) -> bool:
@@ -198,17 +200,17 @@ class OpenedWholeFile(Opened):
         return dict(clone_value({"model": dict(whole.model), "optimizer": whole.optimizer, "extra": whole.extra}))
 
     def write_consolidated(
-        self, output: Any, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,  # noqa: ARG002
+        self, output: str | os.PathLike[str], *, rank: int | None, no_model: bool, inputs: Sequence[object],
+        overwrite: bool,  # noqa: ARG002
         progress: Progress,
-    ) -> str:  # fmt: skip
+    ) -> Consolidation:  # fmt: skip
         """consolidate's own output, written again (or its optimizer alone)."""
         out = self.consolidated(rank=rank, with_model=False if no_model else None, progress=progress)
         size = write_file(out, output, inputs=inputs)
-        what = "the optimizer's full dict" if no_model else "{'model', 'optimizer', 'extra'}"
-        return f"{what} of {self.label}, {human_bytes(size)}"
+        return RewrittenFile(self.label, no_model, size)
 
     def reshard(
-        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress = None,
+        self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress = None,
         overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
     ) -> Path:  # fmt: skip
         check_world_size("world_size", world_size)

@@ -3,6 +3,7 @@ safetensors file (:class:`OpenedNamed`) and a PyTorch DCP directory (:class:`Ope
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,18 +14,19 @@ from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.staged import write_file
-from fsdp_optim.disk.text import human_bytes
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fairseq.shards import ShardSet
-from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import fairseq as F
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress
+from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import DcpParts, Opened, Request
+from fsdp_optim.offline.opened.written import Consolidation, FairseqCheckpoint, Resharding, ShardFiles
 
 __all__ = ["OpenedDcp", "OpenedNamed", "OpenedShardSet"]
 
@@ -54,7 +56,7 @@ class OpenedShardSet(Opened):
     @contextmanager
     def opening(cls, request: Request) -> Iterator[Opened]:
         with F.ShardSet(  # (its layout option resolved into parameter names)
-            request.given,
+            request.path,
             param_order=request.layout,
             optimizer=request.optimizer,
             optimizer_keys=request.optimizer_keys,
@@ -67,14 +69,14 @@ class OpenedShardSet(Opened):
             yield cls(request.kind, request.label, source, shards.manifest.layout(0), shards.manifest.param_order,
                       shards.trim, shards=shards)  # fmt: skip
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_shards(self.shards, units=units)
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_manifest(R.base(path, self.kind, lines), self.shards.manifest)
 
     @classmethod
-    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
         return V.shard_set(Path(path), allow_globals)
 
     def holds_weights(self) -> bool:
@@ -84,22 +86,20 @@ class OpenedShardSet(Opened):
         return consolidate_set(self.shards, with_model=False, progress=progress)[OPTIM_KEY]
 
     def write_consolidated(
-        self, output: Any, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,
+        self, output: str | os.PathLike[str], *, rank: int | None, no_model: bool, inputs: Sequence[object],
+        overwrite: bool,
         progress: Progress,
-    ) -> str:  # fmt: skip
+    ) -> Consolidation:  # fmt: skip
         """The whole consolidated fairseq checkpoint (every key; the weights unless ``no_model``)."""
         self.check_rank(rank)
         out = consolidate_set(self.shards, with_model=not no_model, progress=progress)
         size = write_file(out, output, inputs=inputs, overwrite=overwrite)
         full = out[OPTIM_KEY]
-        model = f", model: {len(out['model'])} tensors" if "model" in out else ""
-        return (
-            f"a consolidated fairseq checkpoint ({', '.join(out)}); {OPTIM_KEY}: "
-            f"{len(full['param_names'])} params, {len(full['state'])} with state{model}; {human_bytes(size)}"
-        )
+        model = len(out["model"]) if "model" in out else None
+        return FairseqCheckpoint(tuple(out), OPTIM_KEY, len(full["param_names"]), len(full["state"]), model, size)
 
     def reshard(
-        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress = None,  # noqa: ARG002
+        self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress = None,  # noqa: ARG002
         overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",  # noqa: ARG002
     ) -> Path:  # fmt: skip
         """A shard set for ``world_size`` ranks in ``out`` (returned), its own ids, order and optimizer kept."""
@@ -107,12 +107,12 @@ class OpenedShardSet(Opened):
         return out
 
     def write_resharded(
-        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress, overwrite: bool,  # noqa: ARG002
+        self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress,  # noqa: ARG002
+        overwrite: bool,
         after_file: AfterFile, buffers: str,  # noqa: ARG002
-    ) -> str:  # fmt: skip
+    ) -> Resharding:  # fmt: skip
         written = reshard_set(self.shards, world_size, out, overwrite=overwrite, progress=progress)
-        size = human_bytes(sum(f.stat().st_size for f in written))
-        return f"{len(written)} shard files {written[0].name} .. {written[-1].name}, {size}"
+        return ShardFiles(tuple(f.name for f in written), sum(f.stat().st_size for f in written))
 
     def dcp_parts(self) -> DcpParts:
         shards, parts = self.shards, super().dcp_parts()
@@ -136,18 +136,18 @@ class OpenedNamed(Opened):
     @classmethod
     @contextmanager
     def opening(cls, request: Request) -> Iterator[Opened]:
-        with NamedSafetensors(request.given, max_mapped_bytes=request.max_mapped_bytes) as named:
+        with NamedSafetensors(request.path, max_mapped_bytes=request.max_mapped_bytes) as named:
             yield cls(request.kind, request.label, named.source(), None, named.document.param_order, named.trim,
                       named=named)  # fmt: skip
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_named(self.named)
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_named(R.base(path, self.kind, lines), self.named)
 
     @classmethod
-    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
         return V.named_file(Path(path))
 
     def full_state(self, *, progress: Progress = None) -> dict[str, Any]:  # noqa: ARG002 - the interface's
@@ -166,14 +166,14 @@ class OpenedDcp(Opened):
     def for_inspect(cls, request: Request) -> Opened | None:
         return cls(request.kind, request.label)  # a directory: no object loaded
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
         from fsdp_optim.formats.dcp import describe_dcp
 
         return describe_dcp(path, units=units)
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_dcp(R.base(path, self.kind, lines), lines)
 
     @classmethod
-    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
         return V.refuse_dcp(path)

@@ -3,7 +3,8 @@ parts of one: a layout file (:class:`OpenedLayout`) and one rank file (:class:`O
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.disk.file_check import Verification
-from fsdp_optim.disk.text import human_bytes
+from fsdp_optim.formats.kinds import Given
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
@@ -21,7 +22,9 @@ from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress, consolidate_checkpoint, reshard_checkpoint
+from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
+from fsdp_optim.offline.opened.written import Consolidation, WholeFileWritten
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options, is_whole, whole_model, whole_state, write_whole
 
@@ -37,22 +40,22 @@ class OpenedCheckpoint(Opened):
     @classmethod
     @contextmanager
     def opening(cls, request: Request) -> Iterator[Opened]:
-        with open_checkpoint(request.given, lazy=False, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
+        with open_checkpoint(request.path, lazy=False, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
             manifest = ckpt.manifest
             yield cls(request.kind, request.label, ckpt.source(), manifest.layout(0), manifest.param_order, ckpt.trim,
                       checkpoint=ckpt)  # fmt: skip
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
         return D.describe_sharded(path, self.checkpoint.manifest, self.checkpoint, layout=False, units=units)
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         out = R.of_manifest(R.base(path, self.kind, lines), self.checkpoint.manifest)
         if self.is_whole():
             out["model"] = R.model_of_checkpoint(self.checkpoint)
         return out
 
     @classmethod
-    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
         return verify_sharded(path)
 
     def is_whole(self) -> bool:
@@ -91,9 +94,10 @@ class OpenedCheckpoint(Opened):
         return whole_state(self.whole_model(rank=rank, progress=progress), self._optimizer(progress))
 
     def write_consolidated(
-        self, output: Any, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,
+        self, output: str | os.PathLike[str], *, rank: int | None, no_model: bool, inputs: Sequence[object],
+        overwrite: bool,
         progress: Progress,
-    ) -> str:  # fmt: skip
+    ) -> Consolidation:  # fmt: skip
         if not self.is_whole() or no_model:
             return super().write_consolidated(output, rank=rank, no_model=no_model, inputs=inputs,
                                               overwrite=overwrite, progress=progress)  # fmt: skip
@@ -101,16 +105,12 @@ class OpenedCheckpoint(Opened):
         whole = self.whole_model(rank=rank, progress=progress)
         optimizer = self._optimizer(progress)
         size = write_whole(whole, optimizer, output, inputs=inputs, overwrite=overwrite)
-        optim = "none (saved with optim=None)" if optimizer is None else f"{len(optimizer['state'])} params with state"
-        return (
-            f"{{'model', 'optimizer', 'extra'}}: model {len(whole.params)} params "
-            f"({human_bytes(whole.param_bytes())}), {_count(len(whole.aliases), 'tied name')}, "
-            f"{_count(len(whole.buffers), 'buffer')}; "
-            f"optimizer {optim}; extra of rank {whole.rank}; {human_bytes(size)}"
-        )
+        optimizer_params = None if optimizer is None else len(optimizer["state"])
+        return WholeFileWritten(len(whole.params), whole.param_bytes(), len(whole.aliases), len(whole.buffers),
+                                optimizer_params, whole.rank, size)  # fmt: skip
 
     def reshard(
-        self, world_size: int, out: Path, *, layout: Any, given: Any, progress: Progress = None,  # noqa: ARG002
+        self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress = None,  # noqa: ARG002
         overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
     ) -> Path:  # fmt: skip
         check_world_size("world_size", world_size)
@@ -121,10 +121,6 @@ class OpenedCheckpoint(Opened):
                                   replace_existing, after_file, buffers)  # fmt: skip
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 @dataclass(kw_only=True)
 class OpenedLayout(Opened):
     """A layout file (``save_layout``): a manifest without rank files."""
@@ -133,19 +129,19 @@ class OpenedLayout(Opened):
 
     @classmethod
     def loaded(cls, request: Request) -> Opened:
-        return cls(request.kind, request.label, manifest=read_manifest(request.given))
+        return cls(request.kind, request.label, manifest=read_manifest(request.path))
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
         return D.describe_sharded(path, self.manifest, None, layout=True, units=units)
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_manifest(R.base(path, self.kind, lines), self.manifest)
 
     def why_not_consolidated(self) -> str:
         return f"{self.label}: a layout file lists no rank files: it holds no optimizer state to consolidate"
 
     @classmethod
-    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
         return V.layout_file(Path(path))
 
 
@@ -153,20 +149,20 @@ class OpenedLayout(Opened):
 class OpenedRankFile(Opened):
     """One rank file of a sharded checkpoint (read only through its manifest; inspect says what it holds)."""
 
-    raw: Any  # the file's loaded object
+    raw: Mapping[str, Any] | None  # the file's loaded dict (a format-1 torch file; None: a safetensors file)
 
     @classmethod
     def loaded(cls, request: Request) -> Opened:
         return cls(request.kind, request.label, raw=request.obj)
 
-    def describe(self, path: Any, *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
         return D.describe_rank_file(path, self.raw)
 
-    def report(self, path: Any, lines: Sequence[str]) -> dict[str, Any]:
+    def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_rank_file(R.base(path, self.kind, lines), lines, self.raw)
 
     @classmethod
-    def verify_files(cls, path: Any, allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
         return V.refuse_rank_file(Path(path))
 
     def _found(self) -> str:
