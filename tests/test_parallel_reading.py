@@ -26,6 +26,7 @@ from _dist import free_port, run_ranks
 from test_recut_blocks import _full
 
 import fsdp_optim
+from fsdp_optim.cli import main
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.offline.deep import deep_work
@@ -199,21 +200,28 @@ def _pair(argv: list[str], killed: int | None = None) -> list[tuple[int, str, st
     return out
 
 
-def _one(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsdp_optim", *argv], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-
-
 @pytest.mark.parametrize("verb", [["verify", "--deep"], ["diff", "--json"]])
-def test_cli_prints_once_what_one_process_prints(ckpts: dict[str, Path], verb: list[str]) -> None:
+def test_cli_prints_once_what_one_process_prints(
+    ckpts: dict[str, Path], verb: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = [*verb, str(ckpts["sick"]), *([str(ckpts["other"])] if verb[0] == "diff" else [])]
-    one = _one(argv)
-    assert one.returncode == 1 and one.stdout, one.stderr  # findings; differences
+    code = main(argv)
+    one = capsys.readouterr()
+    assert code == 1 and one.out, one.err  # findings; differences
     (c0, out0, err0, _), (c1, out1, err1, _) = _pair(argv)
-    assert (c0, c1) == (1, 1) and out0 == one.stdout and out1 == "", (err0, err1)
-    assert err0.splitlines()[-1:] == one.stderr.splitlines()[-1:], (err0, one.stderr)
+    assert (c0, c1) == (1, 1) and out0 == one.out and out1 == "", (err0, err1)
+    assert err0.splitlines()[-1:] == one.err.splitlines()[-1:], (err0, one.err)
     if verb[0] == "diff":
         assert json.loads(out0)["equal"] is False, out0
+
+
+def test_cli_convert_runs_on_process_0(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """``convert`` has no split (docs/cli.md says why): process 0 writes the bytes one process writes."""
+    main(["convert", str(ckpts["src"]), "--to", "safetensors", "-o", str(tmp_path / "one.safetensors")])
+    two = tmp_path / "two.safetensors"
+    (c0, out0, err0, _), (c1, out1, err1, _) = _pair(["convert", str(ckpts["src"]), "--to", "safetensors", "-o", str(two)])
+    assert (c0, c1) == (0, 0) and out0.startswith(f"wrote {two}") and out1 == "", (err0, err1)
+    assert two.read_bytes() == (tmp_path / "one.safetensors").read_bytes(), "what one process writes"
 
 
 @pytest.mark.parametrize("verb", [["verify", "--deep"], ["diff"]])
