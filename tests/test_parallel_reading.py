@@ -100,7 +100,8 @@ def test_verify_deep_by_two_processes_reports_what_one_does(ckpts: dict[str, Pat
     owners = _owners(sick)
     assert owners[("u0.w", "exp_avg")] == 0 and owners[("u3.b", "exp_avg_sq")] == 1, f"each finds one: {owners}"
     one = report_json(verify(sick, deep=True, layout=sick))
-    assert [f["param"] for f in one["findings"]] == ["u0.w", "u3.b"], one["findings"]  # type: ignore[index]
+    findings: Any = one["findings"]
+    assert [f["param"] for f in findings] == ["u0.w", "u3.b"], findings
     (r0, made0), (r1, made1) = run_ranks(_deep_in_ranks, 2, str(sick), deadline_s=120)
     assert r0 == r1 == one, (r0, r1, one)
     assert not set(made0) & set(made1), "no state tensor read by both processes"
@@ -137,6 +138,25 @@ def test_diff_of_a_full_dict_runs_on_process_0(ckpts: dict[str, Path], tmp_path:
     one = diff(ckpts["other"], full).to_json()
     (r0, made0), (r1, made1) = run_ranks(_diff_in_ranks, 2, str(ckpts["other"]), str(full), deadline_s=120)
     assert r0 == r1 == one and made0 and not made1, (made0, made1)
+
+
+def _whole_in_ranks(rank: int, world_size: int, a: str, b: str) -> tuple[Any, Any]:  # noqa: ARG001
+    return report_json(verify(a, deep=True, parallel=True)), diff(a, b, parallel=True).to_json()
+
+
+def test_a_whole_checkpoint_by_two_processes(tmp_path: Path) -> None:
+    """Weights (``@param``), per-rank buffers and ``extra`` (the side files, read by one process): ``verify --deep``
+    and ``diff`` against its reshard to 3 are one process's reports."""
+    from test_whole_state import _save
+
+    whole = tmp_path / "step3"
+    run_ranks(_save, 2, str(whole), True)
+    fsdp_optim.reshard(whole, 3, tmp_path / "w3", buffers="rank0")
+    one = report_json(verify(whole, deep=True)), diff(whole, tmp_path / "w3").to_json()
+    rows: Any = one[1]["rows"]
+    assert any(r["key"] == "@param" for r in rows) and any("@buffer" in r["key"] for r in rows), "weights, buffers"
+    both = run_ranks(_whole_in_ranks, 2, str(whole), str(tmp_path / "w3"), deadline_s=120)
+    assert both == [one, one], (both, one)
 
 
 def _flipped(src: Path, dst: Path, rank: int, at: int) -> Path:
