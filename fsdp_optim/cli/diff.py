@@ -44,7 +44,8 @@ def add_diff(verbs: Any) -> None:
 def run_diff(args: argparse.Namespace) -> Outcome:
     from fsdp_optim.offline.diff import diff
 
-    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, allow_globals=args.allow_global)
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, allow_globals=args.allow_global,
+                  parallel=getattr(args, "parallel", False))  # set under torchrun (cli/team.py)
     code = EXIT_EQUAL if report.equal else EXIT_DIFFERENT
     if args.json:
         return Outcome(tuple(json.dumps(report.to_json(), indent=1, allow_nan=False).splitlines()), code)

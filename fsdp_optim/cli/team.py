@@ -1,7 +1,8 @@
 """``fsdp-optim`` run by ``torchrun`` (``torchrun --nproc_per_node N -m fsdp_optim VERB ...``): the processes join
-one team (:func:`fsdp_optim.job.team.team_of_job`). ``reshard`` and ``verify`` (not ``--deep``) of our sharded
+one team (:func:`fsdp_optim.job.team.team_of_job`). ``reshard`` and ``verify`` (``--deep`` too) of our sharded
 checkpoint are split across them (:mod:`fsdp_optim.offline.parallel`), and so is ``consolidate -o FILE.safetensors``
-of one (each process writes its share of the one file); every other verb runs on process 0 while the
+of one (each process writes its share of the one file) and ``diff`` (split when both sides are read by ranges, else
+process 0's); every other verb runs on process 0 while the
 others wait for it (:func:`~fsdp_optim.offline.parallel.alone.alone`). Process 0 prints the verb's report; every
 process exits with its code, and with its error when it failed. Without ``torchrun`` (no ``RANK``/``WORLD_SIZE`` of
 2 or more), nothing here runs."""
@@ -24,6 +25,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
     if not launched():
         return run(args)
+    from fsdp_optim.cli.diff import run_diff
     from fsdp_optim.cli.inspect import run_verify
     from fsdp_optim.cli.outcome import Outcome
     from fsdp_optim.cli.verbs import is_safetensors_name, run_consolidate, run_reshard
@@ -42,7 +44,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
         elif (args.run is run_consolidate and is_safetensors_name(args.output) and _sharded(args.source)
               and where(args.output).shared_by_processes()):  # fmt: skip
             result = _consolidate(team, args)
-        elif args.run is run_verify and not args.deep and _sharded(args.path):  # every process reads its share
+        elif (args.run is run_verify and _sharded(args.path)) or args.run is run_diff:  # each reads its share
             args.parallel = True
             with contextlib.redirect_stdout(sys.stdout if team.rank == 0 else io.StringIO()):
                 result = run(args)

@@ -11,33 +11,51 @@ Streamed: the source is planned once for one flat per parameter
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
+from functools import partial
 
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems, step_outliers, tensor_problems
 from fsdp_optim.formats.kinds import names_shard_set
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
+from fsdp_optim.offline.parallel.pieces import Piece, Work, run_work, state_bytes
 from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
-from fsdp_optim.offline.sources import open_source
+from fsdp_optim.offline.sources import Opened, open_source
 
-__all__ = ["deep_findings"]
+__all__ = ["deep_findings", "deep_work"]
 
 
 def deep_findings(
     path: str | os.PathLike[str], *, allow_globals: Sequence[str] = (), layout: LayoutLike | None = None
 ) -> tuple[Finding, ...]:
     """Every finding of the state at ``path`` (any source :func:`open_source` reads), one tensor at a time."""
+    with deep_work(path, allow_globals=allow_globals, layout=layout) as work:
+        return run_work(work)
+
+
+@contextlib.contextmanager
+def deep_work(
+    path: str | os.PathLike[str], *, allow_globals: Sequence[str] = (), layout: LayoutLike | None = None
+) -> Iterator[Work[Finding, tuple[Finding, ...]]]:
+    """The findings of :func:`deep_findings` as a work of pieces (:mod:`fsdp_optim.offline.parallel.pieces`), in
+    the report's order: the settings, each state tensor of each parameter (its bytes), the side files, the checks
+    against ``layout``; the source stays open while the caller runs them."""
     model = resolve_layout(layout) if layout is not None else None
     shard_set = names_shard_set(path)
     with open_source(path, allow_globals=allow_globals if shard_set else ()) as opened:
         view = PerParameter.of(opened)
-        found = [*_settings(view), *_state(view), *_side(opened.side_state())]
+        pieces: list[Piece[Finding]] = [Piece(0, lambda: list(_settings(view)))]
+        for name in view.names:
+            for key in view.entries(name):
+                pieces.append(Piece(state_bytes(view, name, key), partial(_state, view, name, key), (name, key)))
+        pieces.append(Piece(0, partial(_side_findings, opened)))
         if model is not None:
             shapes = {spec.name: spec.shape for flat in model.flat_params for spec in flat.params}
-            found += _against_layout(view, shapes)
-    return tuple(found)
+            pieces.append(Piece(0, lambda: list(_against_layout(view, shapes))))
+        yield Work(pieces, tuple)
 
 
 def _settings(view: PerParameter) -> Iterator[Finding]:
@@ -50,15 +68,18 @@ def _settings(view: PerParameter) -> Iterator[Finding]:
             yield Finding(name, "step", problem, group=g)
 
 
-def _state(view: PerParameter) -> Iterator[Finding]:
-    """Each state value of each parameter: tensors read one at a time."""
-    for name in view.names:
-        for key, entry in view.entries(name).items():
-            if entry.kind is StateKind.SCALAR:
-                problems = scalar_problems(key, entry.value)
-            else:
-                problems = tensor_problems(key, view.tensor(name, key))
-            yield from (Finding(name, key, p) for p in problems)
+def _state(view: PerParameter, name: str, key: str) -> list[Finding]:
+    """State ``key`` of parameter ``name``: a tensor read whole (one at a time), or a scalar."""
+    entry = view.entries(name)[key]
+    if entry.kind is StateKind.SCALAR:
+        problems = scalar_problems(key, entry.value)
+    else:
+        problems = tensor_problems(key, view.tensor(name, key))
+    return [Finding(name, key, p) for p in problems]
+
+
+def _side_findings(opened: Opened) -> list[Finding]:
+    return list(_side(opened.side_state()))
 
 
 def _side(side: SideState | None) -> Iterator[Finding]:

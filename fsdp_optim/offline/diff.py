@@ -25,6 +25,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,11 +48,12 @@ from fsdp_optim.offline.diff_report import (
     SettingDiff,
     summarise,
 )
+from fsdp_optim.offline.parallel.pieces import Piece, Work, run_work, state_bytes
 from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
 
-__all__ = ["diff"]
+__all__ = ["diff", "diff_work"]
 
 Given = str | os.PathLike[str] | Mapping[str, Any]
 
@@ -64,6 +66,7 @@ def diff(
     rtol: float = 0.0,
     allow_globals: Sequence[str] = (),
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
+    parallel: bool = False,
 ) -> DiffReport:
     """Compare the optimizer state of ``a`` with ``b`` (see the module docstring); nothing is written.
 
@@ -73,6 +76,10 @@ def diff(
         atol, rtol: two tensors are the same when ``|a - b| <= atol + rtol * |b|`` everywhere; both 0 (the
             default): only when they are equal bit for bit.
         allow_globals: for a shard set, classes its ``cfg`` may hold.
+        parallel: every process of the process group (or torchrun's) calls it alike, and each returns the report.
+            When both sources are read by ranges (a local sharded checkpoint of ours, a named safetensors file), the
+            comparison is split by bytes across the processes, each reading its run of parameters once
+            (:mod:`fsdp_optim.offline.parallel.diff`); any other pair is compared by process 0 while the others wait.
 
     Returns a :class:`~fsdp_optim.offline.diff_report.DiffReport`; ``report.equal`` is the verdict. Raises
     ``ValueError`` / ``FileNotFoundError`` for an input that is not a source, as the readers do.
@@ -80,6 +87,23 @@ def diff(
     for name, value in (("atol", atol), ("rtol", rtol)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == math.inf:
             raise ValueError(f"{name}: expected a finite number >= 0, found {value!r}")
+    opening = diff_work(a, b, atol=float(atol), rtol=float(rtol), allow_globals=allow_globals,
+                        max_mapped_bytes=max_mapped_bytes)  # fmt: skip
+    if parallel:
+        from fsdp_optim.offline.parallel.diff import diff_in_team
+
+        return diff_in_team(a, b, opening)
+    with opening as work:
+        return run_work(work)
+
+
+@contextlib.contextmanager
+def diff_work(
+    a: Given, b: Given, *, atol: float, rtol: float, allow_globals: Sequence[str], max_mapped_bytes: int
+) -> Iterator[Work[DiffRow, DiffReport]]:
+    """:func:`diff` as a work of pieces (:mod:`fsdp_optim.offline.parallel.pieces`), in the report's order: each
+    state of each parameter of ``a`` (a tensor weighs its bytes on both sides), those only ``b`` has, the side
+    files; the settings are compared before any piece runs. Both sources stay open while the caller runs them."""
     with contextlib.ExitStack() as stack:
         opened = []
         for given in (a, b):
@@ -88,39 +112,52 @@ def diff(
                 stack.enter_context(open_source(given, allow_globals=globals_, max_mapped_bytes=max_mapped_bytes))
             )
         va, vb = (PerParameter.of(o) for o in opened)  # a whole checkpoint's weights: one more key, "@param"
-        rows = tuple(_rows(va, vb, float(atol), float(rtol)))
-        rows += tuple(_side_rows(opened[0].side_state(), opened[1].side_state(), float(atol), float(rtol)))
+        pieces = [*_row_pieces(va, vb, atol, rtol)]
+        pieces.append(Piece(0, lambda: list(_side_rows(opened[0].side_state(), opened[1].side_state(), atol, rtol))))
         settings = tuple(_settings(va, vb))
-    summary = summarise(rows, settings, len(va.names), len(vb.names))
-    return DiffReport(va.label, vb.label, va.kind, vb.kind, float(atol), float(rtol), rows, settings, summary)
+        counts = len(va.names), len(vb.names)
+
+        def report(rows: tuple[DiffRow, ...]) -> DiffReport:
+            summary = summarise(rows, settings, *counts)
+            return DiffReport(va.label, vb.label, va.kind, vb.kind, atol, rtol, rows, settings, summary)
+
+        yield Work(pieces, report)
 
 
-def _rows(va: PerParameter, vb: PerParameter, atol: float, rtol: float) -> Iterator[DiffRow]:
-    """Every parameter of ``a`` in its order, then those only ``b`` has."""
+def _row_pieces(va: PerParameter, vb: PerParameter, atol: float, rtol: float) -> Iterator[Piece[DiffRow]]:
+    """Every parameter of ``a`` in its order (a piece per state key), then those only ``b`` has."""
     in_a, in_b = set(va.names), set(vb.names)
     for name in va.names:
         if name in in_b:
-            yield from _param_rows(name, va, vb, atol, rtol)
+            yield from _param_pieces(name, va, vb, atol, rtol)
         else:
-            yield DiffRow(name, None, ONLY_A)
-    yield from (DiffRow(name, None, ONLY_B) for name in vb.names if name not in in_a)
+            yield Piece(0, partial(list, (DiffRow(name, None, ONLY_A),)))
+    only_b = [DiffRow(name, None, ONLY_B) for name in vb.names if name not in in_a]
+    yield Piece(0, partial(list, only_b))
 
 
-def _param_rows(name: str, va: PerParameter, vb: PerParameter, atol: float, rtol: float) -> Iterator[DiffRow]:
+def _param_pieces(name: str, va: PerParameter, vb: PerParameter, atol: float, rtol: float) -> Iterator[Piece[DiffRow]]:
     ea, eb = va.entries(name), vb.entries(name)
     shape_a, shape_b = va.shape(name), vb.shape(name)
     # Without state a full dict does not know a parameter's shape, so shapes are compared where both know them.
     known = (ea and eb) or (va.plan.source.shapes_known and vb.plan.source.shapes_known)
     if known and shape_a != shape_b:
-        yield DiffRow(name, None, SHAPE, detail=f"{shape_a} in a, {shape_b} in b")
+        yield Piece(0, partial(list, [DiffRow(name, None, SHAPE, detail=f"{shape_a} in a, {shape_b} in b")]))
         return
     for key in [*ea, *(k for k in eb if k not in ea)]:
         if key not in eb:
-            yield DiffRow(name, key, ONLY_A)
+            yield Piece(0, partial(list, [DiffRow(name, key, ONLY_A)]))
         elif key not in ea:
-            yield DiffRow(name, key, ONLY_B)
+            yield Piece(0, partial(list, [DiffRow(name, key, ONLY_B)]))
         else:
-            yield _entry_row(name, key, ea[key], eb[key], va, vb, atol, rtol)
+            nbytes = state_bytes(va, name, key) + state_bytes(vb, name, key)
+            yield Piece(nbytes, partial(_entry_rows, name, key, ea[key], eb[key], va, vb, atol, rtol), (name, key))
+
+
+def _entry_rows(
+    name: str, key: str, ea: StateEntry, eb: StateEntry, va: PerParameter, vb: PerParameter, atol: float, rtol: float
+) -> list[DiffRow]:
+    return [_entry_row(name, key, ea, eb, va, vb, atol, rtol)]
 
 
 def _entry_row(

@@ -1,0 +1,54 @@
+"""``diff`` by a team: when both sources are read by byte ranges (a local sharded checkpoint of ours, a local named
+safetensors file), the comparison's pieces (:func:`~fsdp_optim.offline.diff.diff_work`: a parameter's state key at a
+time, weighing its bytes on both sides) are split by bytes across the processes, each reading its run once
+(:func:`~fsdp_optim.offline.parallel.shared.across`). Any other pair (a full dict or a shard set is loaded whole:
+every process would read all of it) is compared by process 0 while the others wait
+(:func:`~fsdp_optim.offline.parallel.alone.alone`). Every process returns the report one process makes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from fsdp_optim.disk.locations import where
+from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
+from fsdp_optim.offline.diff_report import DiffReport, DiffRow
+from fsdp_optim.offline.parallel.alone import alone
+from fsdp_optim.offline.parallel.entry import joined_team
+from fsdp_optim.offline.parallel.pieces import Work, run_work
+from fsdp_optim.offline.parallel.shared import across
+
+__all__ = ["diff_in_team", "read_by_ranges"]
+
+
+def diff_in_team(
+    a: str | os.PathLike[str] | Mapping[str, Any], b: str | os.PathLike[str] | Mapping[str, Any],
+    opening: AbstractContextManager[Work[DiffRow, DiffReport]],
+) -> DiffReport:  # fmt: skip
+    """The report of ``opening`` (:func:`~fsdp_optim.offline.diff.diff_work` of ``a`` and ``b``) by this process's
+    team (:func:`~fsdp_optim.offline.parallel.entry.joined_team`), on every process."""
+    team = joined_team()
+    try:
+        if read_by_ranges(a) and read_by_ranges(b):
+            return across(team, opening, "diff")
+
+        def whole() -> DiffReport:
+            with opening as work:
+                return run_work(work)
+
+        report: DiffReport = team.from_first(alone(team, whole, "diff"))
+        return report
+    finally:
+        team.close()
+
+
+def read_by_ranges(given: str | os.PathLike[str] | Mapping[str, Any]) -> bool:
+    """Whether ``given`` is read by byte ranges, so that each process reads only its share: a local sharded
+    checkpoint of ours (by its names) or a local named safetensors file (by its name and first bytes)."""
+    if isinstance(given, Mapping) or where(given).local_path() is None:
+        return False
+    kind = path_kind(given)
+    return kind is Kind.SHARDED or (kind is None and Path(given).is_file() and sniff_kind(given) is Kind.NAMED)

@@ -1,0 +1,72 @@
+"""A verb's :class:`~fsdp_optim.offline.parallel.pieces.Work` done by a team: every process opens the inputs
+alike and cuts the same pieces, runs its contiguous run of them
+(:func:`~fsdp_optim.core.split.split_by_bytes`), process 0 puts the parts back in order and sends them to every
+process, and each makes the report of them: the one one process makes.
+
+Failures, as every offline verb of a team: opening is agreed first (every process raises the failing one's error);
+then each process checks its :class:`~fsdp_optim.job.team.Watch` between pieces, so a piece that fails (a chunk
+whose checksum does not match) or a process that is lost (killed) stops every process at its next piece, and
+:meth:`~fsdp_optim.job.team.Team.settle` makes each raise the first failing process's error.
+
+Cost beyond the reading: three small agreements (opening, the pieces' count and bytes), the watch's rounds, one
+gather of the parts to process 0 and one broadcast of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TypeVar
+
+from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.job.team import Team
+from fsdp_optim.offline.parallel.pieces import Piece, Work
+
+__all__ = ["across"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def across(team: Team, opening: AbstractContextManager[Work[T, R]], what: str) -> R:
+    """The report of the work ``opening`` yields (entered on every process, exited once the report is made), made
+    by ``team`` as the module docstring says; ``what`` names the verb in errors (``"diff"``)."""
+    with contextlib.ExitStack() as stack:
+        failure: BaseException | None = None
+        work: Work[T, R] | None = None
+        try:
+            work = stack.enter_context(opening)
+        except BaseException as exc:  # every process learns of it, and raises the failing one's error
+            failure = exc
+        team.agree(failure, f"{what}: opening the inputs failed on another process")
+        assert work is not None, "opened on every process once they agreed"
+        cut = (len(work.pieces), sum(p.nbytes for p in work.pieces))
+        first = team.from_first(cut)
+        mismatch = None if first == cut else ValueError(
+            f"{what}: the processes cut the inputs differently: process 0 found {first[0]} pieces of {first[1]} "
+            f"bytes, process {team.rank} {cut[0]} of {cut[1]} (did an input change while they opened it?)"
+        )  # fmt: skip
+        team.agree(mismatch, f"{what}: the processes cut the inputs differently")
+        return work.report(_run_shared(team, work.pieces, what))
+
+
+def _run_shared(team: Team, pieces: Sequence[Piece[T]], what: str) -> tuple[T, ...]:
+    """This process's run of ``pieces``, then every process's parts, in order, on every process."""
+    split = split_by_bytes([p.nbytes for p in pieces], team.size)
+    done = [0]
+    watch = team.watch(lambda: done[0], total=sum(split.nbytes), bar=False)
+    mine: list[T] = []
+    failure: BaseException | None = None
+    try:
+        for i in split.runs[team.rank]:
+            watch.check()  # another process failed or was lost: stop here
+            mine += pieces[i].run()
+            done[0] += pieces[i].nbytes
+    except BaseException as exc:
+        failure = exc
+    team.settle(watch, failure, f"{what} failed on another process")
+    gathered = team.to_first(mine)
+    merged = None if gathered is None else [part for share in gathered for part in share]
+    everyone: list[T] = team.from_first(merged)
+    return tuple(everyone)
