@@ -28,15 +28,15 @@ of its class).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TypeVar
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.locations import downloaded, where
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.formats.kinds import Kind, detect
-from fsdp_optim.formats.plain import name_plain_dict
+from fsdp_optim.formats.kinds import Given, Kind, detect
+from fsdp_optim.formats.plain import ParamNames, name_plain_dict
 from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
     is_sharded_checkpoint,
@@ -44,7 +44,7 @@ from fsdp_optim.formats.sharded.reader import (
 from fsdp_optim.offline.layouts import ParamOrder
 from fsdp_optim.offline.opened import NEEDS_LAYOUT, Opened, Request, class_of
 
-__all__ = ["Kind", "Opened", "detect", "fetched_whole", "open_source"]
+__all__ = ["Opened", "fetched_whole", "open_source"]
 
 
 _LAYOUT_USE = (
@@ -54,15 +54,17 @@ _LAYOUT_USE = (
 )
 
 
+G = TypeVar("G", bound=Given)  # what fetched_whole hands back when it downloads nothing
+
 def check_options(
     kind: Kind,
     label: str,
     *,
-    layout: Any,
+    layout: ParamOrder,
     optimizer: str | None,
     allow_globals: Sequence[str],
     target: bool,
-    optimizer_keys: Any = None,
+    optimizer_keys: Sequence[Sequence[str]] | None = None,
 ) -> None:
     """Refuse an option that does not apply to ``kind`` (the table of the module docstring: each kind's class says
     which it takes), the same way for every entry point; ``target``: the caller cuts the source for a layout of its
@@ -91,7 +93,7 @@ def check_options(
 
 @contextlib.contextmanager
 def open_source(
-    given: str | os.PathLike[str] | Mapping[str, Any],
+    given: Given,
     *,
     layout: ParamOrder = None,
     optimizer: str | None = None,
@@ -100,7 +102,7 @@ def open_source(
     target: bool = False,
     describe_only: bool = False,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
-    param_names: Any = None,
+    param_names: ParamNames | None = None,
 ) -> Iterator[Opened]:
     """Decide what ``given`` is (once), check the options against it, and open it; files stay open (memory-mapped)
     until the block ends. ``target``: the caller cuts the source for a layout of its own (see the table);
@@ -115,7 +117,7 @@ def open_source(
 
 
 @contextlib.contextmanager
-def fetched_whole(given: Any) -> Iterator[Any]:
+def fetched_whole(given: G) -> Iterator[G | Path]:
     """``given`` itself, or for a URL that is no sharded checkpoint (one object) a local copy of it, downloaded
     whole and removed when the block ends: the one place a non-checkpoint URL is fetched (``open_source``,
     ``verify``)."""
@@ -128,9 +130,9 @@ def fetched_whole(given: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _open_local(
-    given: Any, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
+    given: Given, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
     optimizer_keys: Sequence[Sequence[str]] | None, target: bool, describe_only: bool, max_mapped_bytes: int,
-    param_names: Any,
+    param_names: ParamNames | None,
 ) -> Iterator[Opened]:  # fmt: skip
     """:func:`open_source` of what is here (not a URL of one object): the kind decided, its class opens it."""
     label = "the full dict" if isinstance(given, Mapping) else str(given)
@@ -154,7 +156,9 @@ def _open_local(
         yield opened
 
 
-def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: str | None, target: bool) -> Opened:
+def _open_plain(
+    given: Given, label: str, names: ParamNames, *, layout: ParamOrder, optimizer: str | None, target: bool
+) -> Opened:
     """A plain optimizer's ``state_dict()`` (a dict, or a torch file through the untrusted gate) named into a
     full dict."""
     obj = given if isinstance(given, Mapping) else load_file(given, mmap=True, disjoint=True)
