@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fsdp_optim.cli.arguments import count, tolerance
 from fsdp_optim.cli.outcome import Outcome
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 EXIT_EQUAL, EXIT_DIFFERENT = 0, 1
 
 
-def add_diff(verbs: Any) -> None:
+def add_diff(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
         "diff",
         help="compare two sources of one model per parameter and state key (exit 0 equal, 1 different)",

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from fsdp_optim.cli.arguments import count
 from fsdp_optim.cli.diff import add_diff
 from fsdp_optim.cli.inspect import run_inspect, run_verify
 from fsdp_optim.cli.listing import run_list
 from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
+
+Verbs = argparse._SubParsersAction  # what add_subparsers() returns: one add_parser() per verb
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_verify(verbs: Any) -> None:
+def _add_verify(verbs: Verbs) -> None:
     p = verbs.add_parser("verify", help="every file of a checkpoint: present, of its size, checksums matching")
     p.add_argument("path", help="a sharded checkpoint directory, a fairseq/metaseq shard set, or a single file")
     p.add_argument(
@@ -56,7 +57,7 @@ def _add_verify(verbs: Any) -> None:
     p.set_defaults(run=run_verify)
 
 
-def _add_list(verbs: Any) -> None:
+def _add_list(verbs: Verbs) -> None:
     p = verbs.add_parser(
         "list", help="the step directories of a CheckpointManager root: state, world size, what each holds, bytes"
     )
@@ -74,7 +75,7 @@ def _add_list(verbs: Any) -> None:
 
 
 
-def _add_inspect(verbs: Any) -> None:
+def _add_inspect(verbs: Verbs) -> None:
     p = verbs.add_parser("inspect", help="world size, units, params, optimizer, bytes, step of a checkpoint")
     p.add_argument(
         "path",
@@ -96,7 +97,7 @@ def _add_inspect(verbs: Any) -> None:
 
 
 
-def _add_consolidate(verbs: Any) -> None:
+def _add_consolidate(verbs: Verbs) -> None:
     p = verbs.add_parser(
         "consolidate",
         help="sharded checkpoint directory (or fairscale-native dict) -> one full dict file; a whole checkpoint "
@@ -155,7 +156,7 @@ def check_consolidate(args: argparse.Namespace) -> str | None:
 
 
 
-def _add_reshard(verbs: Any) -> None:
+def _add_reshard(verbs: Verbs) -> None:
     p = verbs.add_parser(
         "reshard", help="sharded directory, full dict or fairseq/metaseq shard set -> the same for M ranks"
     )
@@ -192,7 +193,7 @@ def _add_reshard(verbs: Any) -> None:
 
 
 
-def _add_convert(verbs: Any) -> None:
+def _add_convert(verbs: Verbs) -> None:
     p = verbs.add_parser(
         "convert",
         help="any source -> full dict, name-keyed dict, safetensors (a whole checkpoint: Hugging Face model files), "

@@ -14,7 +14,10 @@ import contextlib
 import io
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fsdp_optim.job.team import Team
 
 __all__ = ["run_in_team"]
 
@@ -64,7 +67,7 @@ def _sharded(path: str) -> bool:
     return is_sharded_checkpoint(path)
 
 
-def _consolidate(team: Any, args: argparse.Namespace) -> list[str]:
+def _consolidate(team: Team, args: argparse.Namespace) -> list[str]:
     """``fsdp-optim consolidate -o FILE.safetensors`` of our sharded checkpoint split across ``team``: every process
     writes its share of the one file (:mod:`fsdp_optim.offline.parallel.onefile`); the line one process prints."""
     from fsdp_optim.cli.verbs import checked_opening
@@ -76,7 +79,7 @@ def _consolidate(team: Any, args: argparse.Namespace) -> list[str]:
     return [f"wrote {args.output}: {what}"]
 
 
-def _reshard(team: Any, args: argparse.Namespace) -> list[str]:
+def _reshard(team: Team, args: argparse.Namespace) -> list[str]:
     """``fsdp-optim reshard`` split across ``team``; its report line, as one process words it."""
     from fsdp_optim.disk.text import human_bytes
     from fsdp_optim.formats.sharded.reader import read_manifest

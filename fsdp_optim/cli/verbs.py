@@ -9,10 +9,15 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fsdp_optim.cli.outcome import UsageError
+
+if TYPE_CHECKING:
+    from fsdp_optim.offline.cuts import Progress
+    from fsdp_optim.offline.opened import Opened
 from fsdp_optim.disk.text import human_bytes
 
 
@@ -29,16 +34,15 @@ def progress_bar(desc: str) -> Iterator[Callable[[], None] | None]:
 
 
 
-def _open(args: argparse.Namespace, path: Any, **options: Any) -> Any:
+def _open(args: argparse.Namespace, path: str, *, target: bool = False) -> AbstractContextManager[Opened]:
     """The verb's source through the one way in, with the options every verb spells the same."""
     from fsdp_optim.formats.plain import param_names_file
     from fsdp_optim.offline.sources import open_source
 
     names = getattr(args, "param_names", None)
-    if names is not None:
-        options["param_names"] = param_names_file(names)
     return open_source(
-        path, layout=args.layout, optimizer=args.optimizer, allow_globals=args.allow_global, **options
+        path, layout=args.layout, optimizer=args.optimizer, allow_globals=args.allow_global, target=target,
+        param_names=None if names is None else param_names_file(names),
     )
 
 
@@ -54,7 +58,7 @@ def _file_output(output: str, verb: str) -> None:
 
 
 @contextlib.contextmanager
-def checked_opening(args: argparse.Namespace) -> Iterator[Any]:
+def checked_opening(args: argparse.Namespace) -> Iterator[Opened]:
     """consolidate's source opened, once its ``-o`` and its flags are checked against it."""
     _file_output(args.output, "consolidate")
     with _open(args, args.source) as opened:
@@ -85,7 +89,7 @@ def is_safetensors_name(output: str) -> bool:
     return Path(output).suffix.lower() == ".safetensors"
 
 
-def _consolidate_safetensors(opened: Any, args: argparse.Namespace, progress: Any) -> str:
+def _consolidate_safetensors(opened: Opened, args: argparse.Namespace, progress: Progress) -> str:
     """``consolidate -o FILE.safetensors`` by this process: our sharded checkpoint (whole or optimizer-only)."""
     from fsdp_optim.formats.kinds import Kind
     from fsdp_optim.offline.onefile import consolidate_to_safetensors
@@ -137,7 +141,7 @@ def run_convert(args: argparse.Namespace) -> list[str]:
 
 
 
-def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
+def _to_safetensors(opened: Opened, args: argparse.Namespace, origin: str) -> list[str]:
     """``--to safetensors``: one named safetensors file (``<param name>/<state key>`` tensors) of any source."""
     from fsdp_optim.offline.named import write_opened
 
@@ -159,7 +163,7 @@ def _to_safetensors(opened: Any, args: argparse.Namespace, origin: str) -> list[
 
 
 
-def _to_dcp(opened: Any, args: argparse.Namespace, origin: str) -> list[str]:
+def _to_dcp(opened: Opened, args: argparse.Namespace, origin: str) -> list[str]:
     from fsdp_optim.offline.export import export_opened
 
     with progress_bar("export to DCP") as progress:

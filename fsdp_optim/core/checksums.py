@@ -7,7 +7,7 @@ import codecs
 import ctypes
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Protocol
 
 import torch
 import xxhash
@@ -20,10 +20,18 @@ from fsdp_optim.core.dtypes import dtype_to_str
 DIGEST_ALGORITHM = "xxh3-128"
 
 
-_HASHES: dict[str, Callable[[], Any]] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+class _Hash(Protocol):
+    """A running hash (xxhash's or hashlib's)."""
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
 
 
-def digest(value: Any, algorithm: str = DIGEST_ALGORITHM) -> str:
+_HASHES: dict[str, Callable[[], _Hash]] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def digest(value: object, algorithm: str = DIGEST_ALGORITHM) -> str:
     """A content digest of a (nested) value: ``"xxh3-128:<hex>"``. Reads tensor bytes without copying them."""
     h = _HASHES[algorithm]()
     _feed(h, value)
@@ -62,7 +70,7 @@ class ChunkHasher:
         assert per > 0 and total >= 0 and element_size > 0, f"expected chunks > 0, found {per}, {total}, {element_size}"
         self._dtype, self._size, self._per, self._total = dtype, element_size, per, total
         self._digests: list[str] = []
-        self._h: Any = None
+        self._h: _Hash | None = None
         self._left = 0  # bytes the open chunk still takes
         self._fed = 0
 
@@ -112,7 +120,7 @@ def stream_chunk_digests(parts: Iterable[torch.Tensor], per: int, total: int) ->
     return hasher.digests() if hasher is not None else ()
 
 
-def digest_matches(value: Any, expected: Any) -> bool:
+def digest_matches(value: object, expected: object) -> bool:
     """Whether ``expected`` (a stored digest, any supported algorithm) is the digest of ``value``."""
     algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
     return algorithm in _HASHES and digest(value, algorithm) == expected
@@ -121,7 +129,7 @@ def digest_matches(value: Any, expected: Any) -> bool:
 _TEXT_CHUNK = 1 << 20
 
 
-def text_digest_matches(data: bytes, expected: Any, start: int = 0, end: int | None = None) -> bool:
+def text_digest_matches(data: bytes, expected: object, start: int = 0, end: int | None = None) -> bool:
     """``digest_matches(data[start:end].decode("utf-8", "replace"), expected)``, the text decoded and escaped
     (``repr``) a chunk at a time: memory stays the chunk's, not 5-11x the text's (a manifest's checksum)."""
     algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
@@ -150,7 +158,7 @@ def _escaped(text: str, double: bool) -> str:
 _PLAIN = frozenset({int, float, str, bool, type(None)})  # leaves fed as "type:repr|"
 
 
-def _feed(h: Any, value: Any) -> None:
+def _feed(h: _Hash, value: object) -> None:
     if torch.is_tensor(value):
         t = value.detach()
         if t.device.type != "cpu":

@@ -89,7 +89,7 @@ def same_scalar(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def show_value(value: Any) -> str:
+def show_value(value: object) -> str:
     """A scalar state for an error message: ``2.0 (torch.float32)`` for a 0-dim tensor, ``repr`` otherwise."""
     if torch.is_tensor(value):
         if value.dim() != 0:

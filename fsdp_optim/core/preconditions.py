@@ -8,7 +8,7 @@ function and the CLI call these before planning; what a source *holds* is checke
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from fsdp_optim.core.limits import check_world_size_bound
 
@@ -30,11 +30,11 @@ PLAIN_HINT = (
 )
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_rank(name: str, value: Any, world_size: int, *, allow_none: bool = False) -> None:
+def check_rank(name: str, value: object, world_size: int, *, allow_none: bool = False) -> None:
     """Refuse a rank argument that is not an int in ``[0, world_size)`` (or ``None`` where allowed)."""
     if value is None and allow_none:
         return
@@ -43,7 +43,7 @@ def check_rank(name: str, value: Any, world_size: int, *, allow_none: bool = Fal
         raise ValueError(f"{name}: expected {expected} in [0, {world_size}), found {value!r}")
 
 
-def check_world_size(name: str, value: Any) -> None:
+def check_world_size(name: str, value: object) -> None:
     """Refuse a world size that is not an int >= 1, or above the sane bound
     :data:`fsdp_optim.core.limits.MAX_WORLD_SIZE` (one rank file per rank)."""
     if not _is_int(value) or value < 1:
@@ -51,7 +51,7 @@ def check_world_size(name: str, value: Any) -> None:
     check_world_size_bound(name, value)
 
 
-def check_version(version: Any, source: str, latest: int) -> None:
+def check_version(version: object, source: str, latest: int) -> None:
     """The one format-version policy: an int in ``1..latest``; missing, 0, negative or newer is refused."""
     if not _is_int(version) or not 1 <= version <= latest:
         raise ValueError(
@@ -59,7 +59,7 @@ def check_version(version: Any, source: str, latest: int) -> None:
         )
 
 
-def is_full_dict(obj: Any) -> bool:
+def is_full_dict(obj: object) -> bool:
     """Whether ``obj`` has the keys of a full dict (its content is the engine's to check)."""
     return isinstance(obj, Mapping) and all(key in obj for key in FULL_DICT_KEYS)
 
@@ -69,7 +69,7 @@ def _some_keys(obj: Mapping[Any, Any], most: int = 40) -> str:
     return f"{keys[:most]}" + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
-def check_full_dict(obj: Any, where: str) -> None:
+def check_full_dict(obj: object, where: str) -> None:
     """Refuse anything without the full dict's top-level shape, saying what was found instead."""
     if not isinstance(obj, Mapping):
         raise TypeError(f"{where}: expected a dict (a full optimizer state dict), found {type(obj).__name__}")

@@ -248,7 +248,7 @@ def _check_disjoint(tensors: list[_Tensor], where: str) -> None:
 
 
 
-def check_state_dict(obj: Any, where: str, *, in_memory: bool = False) -> None:
+def check_state_dict(obj: object, where: str, *, in_memory: bool = False) -> None:
     """:func:`check_tree` plus the skeleton of an optimizer state dict (ours, a plain optimizer's or
     fairscale's), for the keys present: ``state`` maps ids (ints or strings) to dicts keyed by strings,
     ``param_groups`` is a list of dicts keyed by strings whose ``params`` lists ids, ``param_names`` and
@@ -285,7 +285,7 @@ def check_state_dict(obj: Any, where: str, *, in_memory: bool = False) -> None:
 
 
 
-def _check_id(pid: Any, where: str) -> None:
+def _check_id(pid: object, where: str) -> None:
     if type(pid) is not int and (not isinstance(pid, (int, str)) or isinstance(pid, bool)):
         raise ValueError(
             f"{where}: parameter id {escape(repr(pid), limit=80)} is a {type(pid).__name__}, expected an int"

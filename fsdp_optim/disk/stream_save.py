@@ -56,14 +56,14 @@ class _Pickler(pickle.Pickler):
         self.records: dict[str, Pending | torch.UntypedStorage] = {}
         self._keys: dict[Any, str] = {}
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, Pending):
             stride = tuple(math.prod(obj.shape[i + 1 :]) for i in range(len(obj.shape)))
             args: tuple[Any, ...] = (_Storage(obj), 0, torch.Size(obj.shape), stride, False, collections.OrderedDict())
             return torch._utils._rebuild_tensor_v2, args
         return NotImplemented
 
-    def persistent_id(self, obj: Any) -> Any:
+    def persistent_id(self, obj: object) -> object:
         if isinstance(obj, _Storage):
             key = self._key(id(obj.pending), obj.pending)
             name = torch.storage._dtype_to_storage_type_map()[obj.pending.dtype]
@@ -76,14 +76,14 @@ class _Pickler(pickle.Pickler):
             return ("storage", getattr(torch, obj._pickle_storage_type()), key, "cpu", obj._size())
         return None
 
-    def _key(self, identity: Any, record: Pending | torch.UntypedStorage) -> str:
+    def _key(self, identity: object, record: Pending | torch.UntypedStorage) -> str:
         if identity not in self._keys:
             self._keys[identity] = str(len(self.records))
             self.records[self._keys[identity]] = record
         return self._keys[identity]
 
 
-def stream_save(obj: Any, path: str | os.PathLike[str], *, after_tensor: Callable[[], None] | None = None) -> int:
+def stream_save(obj: object, path: str | os.PathLike[str], *, after_tensor: Callable[[], None] | None = None) -> int:
     """Write ``obj`` to ``path`` as ``torch.save`` would, producing each :class:`Pending` only when its bytes are
     written (``after_tensor`` runs after each). Flushed and ``fsync``-ed; returns the file's size.
 
@@ -98,7 +98,7 @@ def stream_save(obj: Any, path: str | os.PathLike[str], *, after_tensor: Callabl
 
 
 def stream_write(
-    obj: Any, f: BinaryIO, *, after_tensor: Callable[[], None] | None = None, where: str = "the output"
+    obj: object, f: BinaryIO, *, after_tensor: Callable[[], None] | None = None, where: str = "the output"
 ) -> None:
     """:func:`stream_save` into an open binary file ``f`` (the caller's atomic output: it flushes and syncs)."""
     buffer = io.BytesIO()

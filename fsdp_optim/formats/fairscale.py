@@ -43,7 +43,7 @@ _NATIVE_KEYS = ("state", "param_groups", "param_id_map", "uncollected_local_ids"
 NATIVE = "the fairscale dict"
 
 
-def is_fairscale_native(obj: Any) -> bool:
+def is_fairscale_native(obj: object) -> bool:
     """Whether ``obj`` looks like fairscale's ``gather_full_optim_state_dict`` output."""
     return isinstance(obj, Mapping) and all(k in obj for k in _NATIVE_KEYS)
 
@@ -144,7 +144,7 @@ def _check_plausible(name: str, entries: Mapping[str, Any], errors: list[str]) -
             )
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -238,7 +238,7 @@ def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def is_named_dict(obj: Any) -> bool:
+def is_named_dict(obj: object) -> bool:
     """Whether ``obj`` is what :func:`to_named` writes: state and group members keyed by parameter name."""
     if not isinstance(obj, Mapping) or "param_names" in obj or not isinstance(obj.get("state"), Mapping):
         return False

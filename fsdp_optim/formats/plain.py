@@ -22,19 +22,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 
-__all__ = ["name_optimizer_state", "name_plain_dict", "param_names_file"]
+__all__ = ["ParamNames", "name_optimizer_state", "name_plain_dict", "param_names_file"]
+
+# What names a plain optimizer's parameters: the module it was built over, the names, or {name: shape}.
+ParamNames: TypeAlias = nn.Module | Sequence[str] | Mapping[str, Sequence[int]]
 
 _FSDP_NAMES = ("_fsdp_wrapped_module", "flat_param")
 
 
 def name_optimizer_state(
     optim_state_dict: Mapping[str, Any],
-    model: nn.Module | Sequence[str] | Mapping[str, Sequence[int]],
+    model: ParamNames,
     *,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
@@ -52,7 +55,7 @@ def name_optimizer_state(
 
 
 def name_plain_dict(
-    optim_state_dict: Mapping[str, Any], model: Any, *, optimizer: torch.optim.Optimizer | None, where: str
+    optim_state_dict: Mapping[str, Any], model: ParamNames, *, optimizer: torch.optim.Optimizer | None, where: str
 ) -> dict[str, Any]:
     """:func:`name_optimizer_state`, its errors naming ``where`` (a file's path, for the command line)."""
     _check_plain(optim_state_dict, where)
@@ -73,7 +76,7 @@ def name_plain_dict(
     return {**optim_state_dict, "param_names": param_names}
 
 
-def _check_plain(obj: Any, where: str) -> None:
+def _check_plain(obj: object, where: str) -> None:
     if not isinstance(obj, Mapping) or not isinstance(obj.get("state"), Mapping) or not isinstance(
         obj.get("param_groups"), (list, tuple)
     ):
@@ -87,7 +90,7 @@ def _check_plain(obj: Any, where: str) -> None:
             raise ValueError(f"{where}: param_groups[{i}]['params'] must be a list of int ids, found {params!r:.80}")
 
 
-def _by_identity(optimizer: torch.optim.Optimizer, model: Any, count: int) -> list[str]:
+def _by_identity(optimizer: torch.optim.Optimizer, model: object, count: int) -> list[str]:
     """The names of the optimizer's parameters in its own order (group by group), by tensor identity."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: with optimizer=, expected the module it was built over, found {type(model)}")
@@ -102,7 +105,7 @@ def _by_identity(optimizer: torch.optim.Optimizer, model: Any, count: int) -> li
     return [by_id[id(p)] for p in held]
 
 
-def _names_and_shapes(model: Any) -> tuple[list[str], list[tuple[int, ...]] | None]:
+def _names_and_shapes(model: object) -> tuple[list[str], list[tuple[int, ...]] | None]:
     if isinstance(model, nn.Module):
         named = list(model.named_parameters())
         flat = [n for n, _ in named if any(part in n for part in _FSDP_NAMES)]

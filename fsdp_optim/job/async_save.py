@@ -122,10 +122,10 @@ class _StepGuard:
         optim.register_step_pre_hook(self._before_step)
         optim.register_load_state_dict_pre_hook(self._before_load)
 
-    def _before_step(self, optim: torch.optim.Optimizer, *_: Any) -> None:  # called with (optimizer, args, kwargs)
+    def _before_step(self, optim: torch.optim.Optimizer, *_: object) -> None:  # called with (optimizer, args, kwargs)
         before_change(optim)
 
-    def _before_load(self, optim: torch.optim.Optimizer, *_: Any) -> None:  # (optimizer, state_dict), unchanged
+    def _before_load(self, optim: torch.optim.Optimizer, *_: object) -> None:  # (optimizer, state_dict), unchanged
         before_change(optim)
 
 
@@ -152,7 +152,7 @@ def _guard_root(root: nn.Module) -> None:
         module.register_load_state_dict_pre_hook(lambda *_: before_change(alive()))
 
 
-def _before_any_step(optim: torch.optim.Optimizer, *_: Any) -> None:
+def _before_any_step(optim: torch.optim.Optimizer, *_: object) -> None:
     """Before any optimizer's ``step``: a save still copying the weights of a root this optimizer updates comes
     first. Nothing but a look at the saves in flight once their copies are done."""
     with _lock:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fsdp_optim.job.launcher import launched
 from fsdp_optim.job.transport import (
@@ -42,6 +42,9 @@ __all__ = ["PERIOD_S", "TIMEOUT_S", "PeerFailed", "Team", "Watch", "team_of_job"
 PERIOD_S = 0.5  # the watch's rounds
 TIMEOUT_S = 30.0  # every collective of a team: a lost process fails the others within this (and one period)
 _WORKING, _DONE, _FAILED = 0, 1, 2
+
+
+T = TypeVar("T")  # what a team sends
 
 
 class PeerFailed(ConnectionError):
@@ -85,7 +88,7 @@ class Team:
         """Process 0's ``obj`` on every process."""
         return broadcast_object(obj, src=0, group=self.control)
 
-    def to_first(self, obj: Any) -> list[Any] | None:
+    def to_first(self, obj: T) -> list[T] | None:
         """Every process's ``obj`` on process 0 (in rank order), ``None`` elsewhere."""
         return gather_objects(obj, dst=0, group=self.control)
 

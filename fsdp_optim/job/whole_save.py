@@ -59,7 +59,7 @@ def save_checkpoint(
     optim: torch.optim.Optimizer | None,
     path: str | os.PathLike[str] | Location,
     *,
-    extra: Any = None,
+    extra: object = None,
     overwrite: bool = False,
 ) -> Path | ObjectPath:
     """Save the whole training state into the checkpoint directory ``path``. A collective: call on every rank.
@@ -104,7 +104,7 @@ def async_save_checkpoint(
     optim: torch.optim.Optimizer,
     path: str | os.PathLike[str] | Location,
     *,
-    extra: Any = None,
+    extra: object = None,
     overwrite: bool = False,
 ) -> AsyncSave:
     """:func:`save_checkpoint` in the background: returns an :class:`~fsdp_optim.AsyncSave` handle once the state
@@ -135,7 +135,7 @@ def async_save_checkpoint(
 
 
 def prepare_whole(
-    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any, *, copy_buffers: bool = False
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: object, *, copy_buffers: bool = False
 ) -> tuple[_Prepared, Side]:
     """A whole save's checked input on every rank (agreed; nothing written) and its :class:`Side` (the side file
     writer and the manifest's training section), for savers that write elsewhere (the memory tier)."""
@@ -147,7 +147,7 @@ def _prepare_everywhere(
     root: Root,
     model: nn.Module,
     optim: torch.optim.Optimizer | None,
-    extra: Any,
+    extra: object,
     *,
     copy_buffers: bool = False,
     caller_of: ProcessGroup | None = None,
@@ -171,7 +171,7 @@ def _prepare(
     root: Root,
     model: nn.Module,
     optim: torch.optim.Optimizer | None,
-    extra: Any,
+    extra: object,
     copy_buffers: bool,
     *,
     read_scalars: bool = True,

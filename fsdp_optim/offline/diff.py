@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 from fsdp_optim.core.compare import compare_tensors
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.records import StateEntry
-from fsdp_optim.formats.kinds import names_shard_set
+from fsdp_optim.formats.kinds import Given, names_shard_set
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.diff_report import (
     DIFFERENT,
@@ -54,8 +53,6 @@ from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
 
 __all__ = ["diff", "diff_work"]
-
-Given = str | os.PathLike[str] | Mapping[str, Any]
 
 
 def diff(
@@ -231,7 +228,7 @@ def _status(bitwise: bool, close: bool, atol: float, rtol: float) -> str:
     return WITHIN if close and (atol > 0 or rtol > 0) else DIFFERENT
 
 
-def _scalar_row(name: str, key: str, x: Any, y: Any, atol: float, rtol: float) -> DiffRow:
+def _scalar_row(name: str, key: str, x: object, y: object, atol: float, rtol: float) -> DiffRow:
     """A scalar state (``step``, ...): bit for bit means one type, dtype and bit pattern (:func:`same_scalar`)."""
     bitwise = same_scalar(x, y)
     detail = "" if bitwise else f"{show_value(x)} in a, {show_value(y)} in b"
@@ -247,7 +244,7 @@ def _scalar_row(name: str, key: str, x: Any, y: Any, atol: float, rtol: float) -
     )
 
 
-def _as_tensor(value: Any) -> torch.Tensor | None:
+def _as_tensor(value: object) -> torch.Tensor | None:
     """A number or 0-dim tensor as a 1-element tensor (``None`` for anything else)."""
     if torch.is_tensor(value) and value.numel() == 1:
         return value.detach().reshape(1).cpu()
@@ -256,7 +253,7 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _dtype_name(value: Any) -> str:
+def _dtype_name(value: object) -> str:
     return str(value.dtype).removeprefix("torch.") if torch.is_tensor(value) else type(value).__name__
 
 
@@ -280,14 +277,17 @@ def _shown(hyperparams: Mapping[str, Any], key: str) -> str:
     return show_value(hyperparams[key]) if key in hyperparams else "absent"
 
 
-def _same_setting(x: Any, y: Any) -> bool:
+def _is_number(v: object) -> TypeGuard[int | float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _same_setting(x: object, y: object) -> bool:
     """Hyperparameters as a resumed run sees them: ``(0.9, 0.999)`` and ``[0.9, 0.999]`` alike, ``0`` and
     ``0.0`` alike, floats otherwise exactly; tensors bit for bit."""
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
         return len(x) == len(y) and all(_same_setting(p, q) for p, q in zip(x, y))
     if torch.is_tensor(x) or torch.is_tensor(y):
         return same_scalar(x, y)
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y))
-    if numbers:
+    if _is_number(x) and _is_number(y):
         return bool(x == y) or (math.isnan(x) and math.isnan(y))
     return type(x) is type(y) and bool(x == y)

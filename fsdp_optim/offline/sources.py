@@ -30,13 +30,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TypeVar
 
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.formats.kinds import Kind, detect
-from fsdp_optim.formats.plain import name_plain_dict
+from fsdp_optim.formats.kinds import Given, Kind, detect
+from fsdp_optim.formats.plain import ParamNames, name_plain_dict
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import (
     DEFAULT_MAPPED_BYTES,
@@ -45,7 +45,7 @@ from fsdp_optim.formats.sharded.reader import (
 from fsdp_optim.offline.layouts import ParamOrder
 from fsdp_optim.offline.opened import NEEDS_LAYOUT, Opened, Request, class_of
 
-__all__ = ["Kind", "Opened", "detect", "fetched_whole", "open_source"]
+__all__ = ["Opened", "fetched_whole", "open_source"]
 
 
 _LAYOUT_USE = (
@@ -55,15 +55,17 @@ _LAYOUT_USE = (
 )
 
 
+G = TypeVar("G", bound=Given)  # what fetched_whole hands back when it downloads nothing
+
 def check_options(
     kind: Kind,
     label: str,
     *,
-    layout: Any,
+    layout: ParamOrder,
     optimizer: str | None,
     allow_globals: Sequence[str],
     target: bool,
-    optimizer_keys: Any = None,
+    optimizer_keys: Sequence[Sequence[str]] | None = None,
 ) -> None:
     """Refuse an option that does not apply to ``kind`` (the table of the module docstring: each kind's class says
     which it takes), the same way for every entry point; ``target``: the caller cuts the source for a layout of its
@@ -92,7 +94,7 @@ def check_options(
 
 @contextlib.contextmanager
 def open_source(
-    given: str | os.PathLike[str] | Mapping[str, Any],
+    given: Given,
     *,
     layout: ParamOrder = None,
     optimizer: str | None = None,
@@ -101,7 +103,7 @@ def open_source(
     target: bool = False,
     describe_only: bool = False,
     max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
-    param_names: Any = None,
+    param_names: ParamNames | None = None,
 ) -> Iterator[Opened]:
     """Decide what ``given`` is (once), check the options against it, and open it; files stay open (memory-mapped)
     until the block ends. ``target``: the caller cuts the source for a layout of its own (see the table);
@@ -116,7 +118,7 @@ def open_source(
 
 
 @contextlib.contextmanager
-def fetched_whole(given: Any) -> Iterator[Any]:
+def fetched_whole(given: G) -> Iterator[G | str | os.PathLike[str]]:
     """``given`` as the readers that take a local file open it: itself (a dict, a sharded checkpoint, a local path),
     or, for one object of a location whose objects are no local files, a copy fetched whole and removed when the
     block ends: the one place such an object is fetched (``open_source``, ``verify``)."""
@@ -136,9 +138,9 @@ def fetched_whole(given: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _open_local(
-    given: Any, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
+    given: Given, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
     optimizer_keys: Sequence[Sequence[str]] | None, target: bool, describe_only: bool, max_mapped_bytes: int,
-    param_names: Any,
+    param_names: ParamNames | None,
 ) -> Iterator[Opened]:  # fmt: skip
     """:func:`open_source` of what is here (not a URL of one object): the kind decided, its class opens it."""
     label = "the full dict" if isinstance(given, Mapping) else str(given)
@@ -162,7 +164,9 @@ def _open_local(
         yield opened
 
 
-def _open_plain(given: Any, label: str, names: Any, *, layout: Any, optimizer: str | None, target: bool) -> Opened:
+def _open_plain(
+    given: Given, label: str, names: ParamNames, *, layout: ParamOrder, optimizer: str | None, target: bool
+) -> Opened:
     """A plain optimizer's ``state_dict()`` (a dict, or a torch file through the untrusted gate) named into a
     full dict."""
     obj = given if isinstance(given, Mapping) else load_file(given, mmap=True, disjoint=True)

@@ -55,7 +55,7 @@ def read_torch_header(
     return header, header.pop("checksum", None)
 
 
-def _describe(obj: Any) -> str:
+def _describe(obj: object) -> str:
     """What a file that is not ours holds, in the user's terms (a key list only for the unknown)."""
     if isinstance(obj, Mapping) and {"state", "param_groups"} <= set(obj):
         if "param_id_map" in obj:
@@ -68,7 +68,7 @@ def _describe(obj: Any) -> str:
     return str(sorted(map(str, obj))) if isinstance(obj, Mapping) else type(obj).__name__
 
 
-def check_checksum(header: Mapping[str, Any], checksum: Any, covered: Any, *, source: str) -> None:
+def check_checksum(header: Mapping[str, Any], checksum: object, covered: object, *, source: str) -> None:
     """Refuse a file whose header checksum does not cover its header and ``covered`` value."""
     if not digest_matches([dict(header), covered], checksum):
         raise ValueError(f"{source}: checksum mismatch in the file header (file is corrupt or was modified)")
