@@ -13,8 +13,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.disk.locations import where
-from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
+from fsdp_optim.disk.location import is_url
+from fsdp_optim.formats.kinds import Kind, sniff_kind
+from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
 from fsdp_optim.offline.diff_report import DiffReport, DiffRow
 from fsdp_optim.offline.parallel.alone import alone
 from fsdp_optim.offline.parallel.entry import joined_team
@@ -46,9 +47,11 @@ def diff_in_team(
 
 
 def read_by_ranges(given: str | os.PathLike[str] | Mapping[str, Any]) -> bool:
-    """Whether ``given`` is read by byte ranges, so that each process reads only its share: a local sharded
-    checkpoint of ours (by its names) or a local named safetensors file (by its name and first bytes)."""
-    if isinstance(given, Mapping) or where(given).local_path() is None:
+    """Whether ``given`` is read by byte ranges, so that each process reads only its share: a sharded checkpoint of
+    ours in any location (its readers read ranges) or a local named safetensors file (by its name and first bytes;
+    one at a URL is fetched whole)."""
+    if isinstance(given, Mapping):
         return False
-    kind = path_kind(given)
-    return kind is Kind.SHARDED or (kind is None and Path(given).is_file() and sniff_kind(given) is Kind.NAMED)
+    if is_sharded_checkpoint(given):
+        return True
+    return not is_url(given) and Path(given).is_file() and sniff_kind(given) is Kind.NAMED
