@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fsdp_optim.core.checksums import chunk_digests
-from fsdp_optim.disk.hashed_write import HashingWriter
+from fsdp_optim.disk.hashed_write import OVERLAP_BYTES, HashingWriter
 from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.job.copiers import HostCopier
@@ -36,10 +36,11 @@ class _ThreadLog(io.FileIO):
 
 
 def _tensors() -> dict[str, list[torch.Tensor]]:
+    """Parts of whole pieces (8 MiB and more: float32 2.2M = 8.4 MiB) and of small ones, around the ring's slots."""
     g = torch.Generator().manual_seed(3)
     return {
-        "float32": [torch.randn(700_000, generator=g), torch.randn(5, generator=g), torch.randn(600_001, generator=g)],
-        "bfloat16": [torch.randn(1_500_000, generator=g).to(torch.bfloat16)],
+        "float32": [torch.randn(2_200_000, generator=g), torch.randn(5, generator=g), torch.randn(600_001, generator=g)],
+        "bfloat16": [torch.randn(4_500_000, generator=g).to(torch.bfloat16)],
     }
 
 
@@ -47,11 +48,13 @@ def _tensors() -> dict[str, list[torch.Tensor]]:
 def test_a_rank_file_is_written_on_a_thread_while_hashed_and_is_exact(tmp_path: Path, ring: bool) -> None:
     tensors = _tensors()
     sizes = {name: sum(p.numel() for p in parts) for name, parts in tensors.items()}
-    pieces = Ring(HostCopier(), slots=3, slot_bytes=2 << 20).pieces if ring else host_pieces
+    pieces = Ring(HostCopier(), slots=3, slot_bytes=OVERLAP_BYTES).pieces if ring else host_pieces
     with _ThreadLog(tmp_path / "r.safetensors") as file:
         write_rank_tensors(file, tensors, sizes, META, CHUNK, pieces=pieces)
         writers = file.writers
-    assert writers and threading.current_thread().name not in writers, f"the large writes ran on {writers}"
+    here = threading.current_thread().name
+    assert here in writers, f"no smaller piece was written on the caller's thread: {writers}"
+    assert len(set(writers) - {here}) == 1, f"the whole 8 MiB pieces were not written on a writer thread: {writers}"
     data = (tmp_path / "r.safetensors").read_bytes()
     header = read_rank_header(lambda count, offset: data[offset : offset + count], len(data), "r")
     checksums = json.loads(header.metadata["checksums"])
@@ -74,3 +77,15 @@ def test_a_failed_write_is_raised_by_put_once_the_hash_is_done(tmp_path: Path) -
         with pytest.raises(ValueError, match="closed file"):
             writer.put(memoryview(b"x" * 100), lambda raw: hashed.append(len(raw)))
     assert hashed == [100], f"the piece was hashed while its write failed: {hashed}"
+
+
+def test_pieces_under_overlap_bytes_make_no_thread_hand_off(tmp_path: Path) -> None:
+    """One-process reshard's pieces (one shard each, 2.6 MiB at 25M parameters over 3 ranks) are written on the
+    caller's thread: a hand-off each cost more context switches and CPU than the hash it hid."""
+    g = torch.Generator().manual_seed(4)
+    tensors = {"float32": [torch.randn(680_000, generator=g) for _ in range(4)]}  # 2.6 MiB each
+    sizes = {"float32": sum(p.numel() for p in tensors["float32"])}
+    with _ThreadLog(tmp_path / "r.safetensors") as file:
+        write_rank_tensors(file, tensors, sizes, META, CHUNK)
+        writers = file.writers
+    assert writers == [threading.current_thread().name] * 4, f"the 2.6 MiB pieces were written on {writers}"

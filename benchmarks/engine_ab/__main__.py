@@ -5,10 +5,11 @@
 Checks the baseline out into a temporary ``git worktree``, starts one SeaweedFS S3 server (``weed mini``, data on
 tmpfs; ``benchmarks/storage/server.py``), then alternates one timing job per side (baseline, current, baseline,
 ...) so both see the same machine load. Each job is a world-size-2 gloo run (``tests/_dist.run_ranks``) of
-``benchmarks/engine_ab/job.py`` importing that side's ``fsdp_optim`` (and refusing any other): the POSIX,
-store and memory-tier ops listed there, the median over ``--repeats`` calls each, against a fresh store prefix
-and a fresh ``/dev/shm`` memory directory, both removed after the job. Prints the medians per side and the ratio
-current / baseline; writes ``benchmarks/results/engine_ab.{json,md}``.
+``benchmarks/engine_ab/job.py`` importing that side's ``fsdp_optim`` (and refusing any other): the POSIX ops,
+save and load of a whole checkpoint on each backend (local, fsspec, S3) and the memory tier's, listed there, the median
+over ``--repeats`` calls each, against a fresh store prefix and a fresh ``/dev/shm`` memory directory, both removed
+after the job. Prints the medians per side and the ratio current / baseline; writes
+``benchmarks/results/engine_ab.{json,md}``.
 """
 
 from __future__ import annotations

@@ -8,9 +8,13 @@ by path:
 
     POSIX    gather, get_shard, save, load, load_recut, scatter, consolidate, reshard (the optimizer-state API on a
              local directory; load_recut into another nesting, scatter of a full dict, the offline two on rank 0)
-    store    store_save / store_load: ``save_checkpoint`` / ``load_checkpoint`` of the whole state through
-             ``open_store(store_url, **storage_options)`` (uploads, ranged reads, the conditional-put commit; one
-             untimed call first)
+    whole    ``save_checkpoint`` / ``load_checkpoint`` of the whole state (model, optimizer, extra) on each
+             backend, the same calls: local_save / local_load (a local directory), fsspec_save / fsspec_load
+             (the fsspec backend on fsspec's local filesystem, ``open_store("local://DIR", auto_mkdir=True)``: the
+             store code without a network; ``memory://`` lives in one process, which two ranks cannot share, and
+             ``file://`` is a local path), store_save / store_load (the S3 server through
+             ``open_store(store_url, **storage_options)``: uploads, ranged reads, the conditional-put commit); one
+             untimed call first on each store
     memory   memory_save (what ``CheckpointManager.save`` of a memory step blocks for; its ``wait()`` untimed),
              memory_save_total (save and wait), memory_restore (``CheckpointManager.restore`` from the tiers of
              the 2 nodes, one rank each, 1 replica)
@@ -28,10 +32,11 @@ from typing import Any
 
 OPS = (
     "gather", "get_shard", "save", "load", "load_recut", "scatter", "consolidate", "reshard",
+    "local_save", "local_load", "fsspec_save", "fsspec_load",
     "store_save", "store_load", "memory_save", "memory_save_total", "memory_restore",
 )  # fmt: skip
 # Untimed calls first: the store's first request of a process sets up its client (credentials, connections).
-WARMUP = {"store_save": 1, "store_load": 1}
+WARMUP = {"fsspec_save": 1, "fsspec_load": 1, "store_save": 1, "store_load": 1}
 Op = tuple[Callable[[], object], Callable[[], object] | None]  # the timed call, and what runs untimed after it
 
 
@@ -67,8 +72,21 @@ def _posix_ops(fsdp_optim: Any, rank: int, spec: Any, model: Any, optim: Any, fr
     return {name: (call, None) for name, call in calls.items()}
 
 
-def _store_and_memory_ops(fsdp_optim: Any, rank: int, model: Any, optim: Any, fresh: Any, work: dict[str, Any]) -> dict[str, Op]:
-    store = fsdp_optim.open_store(work["store_url"], **work["storage_options"])
+def _whole_ops(fsdp_optim: Any, model: Any, optim: Any, fresh: Any, work: dict[str, Any]) -> dict[str, Op]:
+    """``save_checkpoint`` and ``load_checkpoint`` of the same state on each backend (module docstring)."""
+    backends = {
+        "local": os.path.join(work["out"], "whole"),
+        "fsspec": fsdp_optim.open_store(f"local://{os.path.join(work['out'], 'fsspec')}", auto_mkdir=True),
+        "store": fsdp_optim.open_store(work["store_url"], **work["storage_options"]),
+    }
+    ops: dict[str, Op] = {}
+    for name, target in backends.items():
+        ops[f"{name}_save"] = (lambda t=target: fsdp_optim.save_checkpoint(model, optim, t, extra={"step": 0}), None)
+        ops[f"{name}_load"] = (lambda t=target: fsdp_optim.load_checkpoint(model, fresh, t), None)
+    return ops
+
+
+def _memory_ops(fsdp_optim: Any, rank: int, model: Any, optim: Any, fresh: Any, work: dict[str, Any]) -> dict[str, Op]:
     # Nothing durable is ever saved (every=10**7): each step goes to the memory tier, each rank its own node.
     manager = fsdp_optim.CheckpointManager(
         os.path.join(work["out"], "durable"), every=10**7, keep=1, memory_every=1, replicas=1,
@@ -83,8 +101,6 @@ def _store_and_memory_ops(fsdp_optim: Any, rank: int, model: Any, optim: Any, fr
             raise RuntimeError(f"engine_ab: CheckpointManager.restore loaded from {manager.restored_from}, not the memory tier")
 
     return {
-        "store_save": (lambda: fsdp_optim.save_checkpoint(model, optim, store, extra={"step": 0}), None),
-        "store_load": (lambda: fsdp_optim.load_checkpoint(model, fresh, store), None),
         "memory_save": (save_memory, manager.wait),
         "memory_save_total": (lambda: (save_memory(), manager.wait()), None),
         "memory_restore": (restore, None),
@@ -123,5 +139,6 @@ def run(rank: int, world_size: int, model_name: str, repeats: int, work: dict[st
     optim = train(model, spec, 2, rank, torch.device("cpu"))
     fresh = torch.optim.Adam(model.parameters(), lr=1e-3)
     ops = _posix_ops(fsdp_optim, rank, spec, model, optim, fresh, work["out"])
-    ops |= _store_and_memory_ops(fsdp_optim, rank, model, optim, fresh, work)
+    ops |= _whole_ops(fsdp_optim, model, optim, fresh, work)
+    ops |= _memory_ops(fsdp_optim, rank, model, optim, fresh, work)
     return _medians(ops, repeats)

@@ -2,8 +2,10 @@
 
 A file's ``write`` and xxhash's ``update`` both release the GIL while they work on a large buffer, so a writer
 thread can push piece ``k`` to the file while the caller hashes the same piece. The piece is done (its memory may be
-reused, e.g. a staging ring's slot) once both are: :meth:`HashingWriter.put` returns only then. Small pieces are
-written and hashed in turn on the caller's thread, where a thread's hand-off would cost more than it saves.
+reused, e.g. a staging ring's slot) once both are: :meth:`HashingWriter.put` returns only then. Smaller pieces than
+:data:`OVERLAP_BYTES` are written and hashed in turn on the caller's thread, where a thread's hand-off would cost more
+than it saves: it saves at most the piece's hash (xxh3: about 0.1 ms a MiB), and costs two to three context switches
+(on a busy machine each waits for a core) and, for 1-2.5 MiB pieces, about 20% more CPU time for the same bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import BinaryIO
 
 __all__ = ["OVERLAP_BYTES", "HashingWriter"]
 
-OVERLAP_BYTES = 1 << 20  # pieces smaller than this are written and hashed in turn
+OVERLAP_BYTES = 8 << 20  # pieces smaller than this are written and hashed in turn (a host rank file's whole pieces)
 
 
 class HashingWriter:
