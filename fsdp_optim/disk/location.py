@@ -23,9 +23,11 @@ A save, in this order (a job's ranks, or one process), written once here on thos
                  ... write them into into.path (fsynced if into.durable) ...
                  location.publish(into, names)             make them the location's (in place, or uploaded)
     rank 0       location.commit_manifest(rules, begun, data)     the commit point, last (rename | conditional put)
-    every rank   location.finish_save(begun, failed=..., keep=...)   rank 0's ``begun`` released, with what a failed
-                                                                      save or the replaced checkpoint left
-    every rank   location.discard(into, names) after a failure; location.unstage(into) always
+    every rank   location.finish_save(begun, failed=False, keep=...)   once all agreed; rank 0 (``begun``, None
+                                                                        elsewhere) removes what the replaced
+                                                                        checkpoint left and releases the save
+    after a failure: rank 0 location.finish_save(begun, failed=True); every rank location.discard(into, names)
+    every rank   location.unstage(into) always
 
 The defaults are an object store's protocol (:mod:`~fsdp_optim.disk.store_save` says why it is safe): the prefix
 listed at ``begin_save`` (foreign objects refused, the commit object's etag noted), each rank's files staged in
