@@ -119,6 +119,21 @@ def test_a_save_over_foreign_content_is_refused_alike(kind: str, tmp_path: Path)
     assert sorted(location.listing()) == ["notes.txt"], "a refused save writes nothing"
 
 
+def test_a_backend_is_eight_byte_methods_and_the_save_steps_are_written_once() -> None:
+    """The interface is narrow (at most 10 abstract members; a user's backend in at most 80 lines), and no backend
+    carries a second copy of the save protocol: publish, discard, unstage, tidy and finish are ``Location``'s alone
+    (the memory tier's finish is its collective seal, on top of ``Location``'s)."""
+    import _flat_store
+
+    from fsdp_optim.disk.storage import ObjectStore
+
+    assert len(Location.__abstractmethods__) <= 10, sorted(Location.__abstractmethods__)
+    assert len(Path(_flat_store.__file__).read_text().splitlines()) <= 80, "the test backend is one small class"
+    for backend in (LocalDirectory, ObjectStore, FlatStore, NodeMemory):
+        copied = sorted({"publish", "discard", "unstage", "tidy", "finish_save"} & set(vars(backend)))
+        assert copied == (["finish_save"] if backend is NodeMemory else []), f"{backend.__name__} copies {copied}"
+
+
 def test_a_store_is_never_taken_for_a_local_path() -> None:
     store = fsdp_optim.open_store("memory://location-test/no-path")
     assert isinstance(store, Location) and not isinstance(store, os.PathLike)
