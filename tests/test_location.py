@@ -1,15 +1,18 @@
 """Every :class:`~fsdp_optim.disk.location.Location` backend behaves alike behind the one interface.
 
 The backends are the fixture's parameters: a local directory (``LocalDirectory``), an fsspec filesystem through
-``ObjectStore`` (``memory://``: a backend the package has no code for, reached through the same class as S3), and a
-backend written here as one class with its own commit rule (``tests/_flat_store.py``). A new backend is one more
-parameter here. The same calls (listing, sizes, ranged reads, the save call order through a
-real job, a second save replacing the first, a refusal of foreign content) give the same results on each.
+``ObjectStore`` (``memory://``: a backend the package has no code for, reached through the same class as S3), a
+backend written here as one class with its own commit rule (``tests/_flat_store.py``), and a step of the memory tier
+(``NodeMemory``: a node's directory, committed by a collective seal, its missing bytes received from peers). A new
+backend is one more parameter here. The same calls (listing, sizes, ranged reads, the save call order through a
+real job, a second save replacing the first, a refusal of foreign content; a manager's save, prune and restore)
+give the same results on each.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,13 @@ from fsdp_optim.disk.local_directory import LocalDirectory
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import ForeignOutputError
+from fsdp_optim.formats.sharded.memory_tier import node_dir, read_holdings
+from fsdp_optim.job.node_memory import NodeMemory
 
-BACKENDS = ["local", "memory", "flat"]
+BACKENDS = ["local", "memory", "flat", "node"]
+# A memory-tier step is written once, by the save whose id names its directory: a second save is a new step, never a
+# replacement, so the memory tier's job runs through a checkpoint manager (save, prune, restore) only.
+REPLACING = [kind for kind in BACKENDS if kind != "node"]
 
 
 def _location(kind: str, tmp: str) -> Location:
@@ -35,6 +43,8 @@ def _location(kind: str, tmp: str) -> Location:
         return LocalDirectory(Path(tmp) / f"ckpt-{uuid.uuid4().hex[:8]}")
     if kind == "flat":
         return FlatStore(Path(tmp) / "flat", f"ckpt-{uuid.uuid4().hex[:8]}")
+    if kind == "node":  # (its group, the default one, is used only by a save's seal and a load's prefetch)
+        return NodeMemory(Path(tmp) / "tier" / "node-0" / f"step-{uuid.uuid4().hex[:8]}", None)
     return fsdp_optim.open_store(f"memory://location-test/ckpt-{uuid.uuid4().hex[:8]}")
 
 
@@ -59,7 +69,7 @@ def _save_twice_and_load(rank: int, world_size: int, kind: str, tmp: str) -> dic
             "extra": extra, "where": str(location), "verified": fsdp_optim.verify(location).ok}  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("kind", REPLACING)
 def test_a_job_saves_replaces_and_loads_through_each_backend(kind: str, tmp_path: Path) -> None:
     (out,) = run_ranks(_save_twice_and_load, 1, kind, str(tmp_path))
     assert out["first"] == out["second"] == f"{out['where']}/manifest.json", out
@@ -109,6 +119,21 @@ def test_a_save_over_foreign_content_is_refused_alike(kind: str, tmp_path: Path)
     assert sorted(location.listing()) == ["notes.txt"], "a refused save writes nothing"
 
 
+def test_a_backend_is_eight_byte_methods_and_the_save_steps_are_written_once() -> None:
+    """The interface is narrow (at most 10 abstract members; a user's backend in at most 80 lines), and no backend
+    carries a second copy of the save protocol: publish, discard, unstage, tidy and finish are ``Location``'s alone
+    (the memory tier's finish is its collective seal, on top of ``Location``'s)."""
+    import _flat_store
+
+    from fsdp_optim.disk.storage import ObjectStore
+
+    assert len(Location.__abstractmethods__) <= 10, sorted(Location.__abstractmethods__)
+    assert len(Path(_flat_store.__file__).read_text().splitlines()) <= 80, "the test backend is one small class"
+    for backend in (LocalDirectory, ObjectStore, FlatStore, NodeMemory):
+        copied = sorted({"publish", "discard", "unstage", "tidy", "finish_save"} & set(vars(backend)))
+        assert copied == (["finish_save"] if backend is NodeMemory else []), f"{backend.__name__} copies {copied}"
+
+
 def test_a_store_is_never_taken_for_a_local_path() -> None:
     store = fsdp_optim.open_store("memory://location-test/no-path")
     assert isinstance(store, Location) and not isinstance(store, os.PathLike)
@@ -130,7 +155,8 @@ def test_writes_removals_and_names_are_the_same_on_each_backend(kind: str, tmp_p
         assert where(f"{location}/sub/one").parent() == sub
     sub.delete(["one", "missing"])
     assert sorted(sub.listing()) == ["two"]
-    assert location.identity() == (str(Path(str(location)).absolute()) if kind == "local" else str(location))
+    local = kind in ("local", "node")
+    assert location.identity() == (str(Path(str(location)).absolute()) if local else str(location))
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
@@ -217,8 +243,39 @@ def _managed(rank: int, world_size: int, kind: str, tmp: str) -> dict[str, Any]:
     return {"steps": location.prefixes(), "latest": restoring.latest(), "extra": extra, "from": restoring.restored_from}
 
 
+def _managed_in_memory(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """The memory tier under a checkpoint manager, one node per rank and a replica of each rank's files on the other
+    node: steps 1..6 saved into it (each step a ``NodeMemory`` through the save driver's steps, its commit the
+    location's ``finish_save``) and the newest 2 kept per node; then node 1's memory is lost and a fresh model
+    restored (node 1's rank receiving the step's manifest and bytes from node 0 through the location's prefetch)."""
+    memory = Path(tmp) / "tier"
+    options = {"every": 4, "keep": 2, "memory_every": 1, "replicas": 1, "memory_dir": memory, "keep_memory": 2}
+    root = M.wrap(M.make_net(), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+    manager = fsdp_optim.CheckpointManager(Path(tmp) / "durable", node=str(rank), **options)
+    for step in range(1, 7):
+        M.train_step(root, optim, *M.local_batch(step, rank, world_size))
+        manager.save(step, root, optim, extra={"step": step})
+    manager.wait()
+    held = sorted(h.step for h in read_holdings(node_dir(memory, str(rank))))
+    if rank == 1:  # (its own node's directory: the seals that wrote it are over on this rank)
+        shutil.rmtree(node_dir(memory, "1"))
+    fresh = M.wrap(M.make_net(seed=7), "deep")
+    fresh_optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(fresh))
+    restoring = fsdp_optim.CheckpointManager(Path(tmp) / "durable", node=str(rank), **options)
+    extra = restoring.restore(fresh, fresh_optim)
+    assert_identical(fresh.state_dict(), root.state_dict(), f"rank {rank}: weights")
+    assert_identical(fresh_optim.state_dict(), optim.state_dict(), f"rank {rank}: optimizer")
+    return {"held": held, "extra": extra, "from": restoring.restored_from}
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_a_checkpoint_manager_saves_prunes_and_restores_through_each_backend(kind: str, tmp_path: Path) -> None:
+    if kind == "node":
+        outs = run_ranks(_managed_in_memory, 2, str(tmp_path))
+        assert all(out["held"] == [5, 6] for out in outs), f"each node keeps its newest 2 steps: {outs}"
+        assert all(out["extra"] == {"step": 6} and out["from"] == "memory" for out in outs), outs
+        return
     (out,) = run_ranks(_managed, 1, kind, str(tmp_path))
     assert out["steps"] == ["step-00000004", "step-00000006"] and out["latest"] == 6, out
     assert out["extra"] == {"step": 6} and out["from"] == "durable", out

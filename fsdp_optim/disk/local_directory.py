@@ -12,28 +12,21 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_optim.disk.atomic import atomic_write, fsync_dir
+from fsdp_optim.disk.errors import ConcurrentCommitError
 from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, StoredObject, T
-from fsdp_optim.disk.locks import OutputLock, OutputLockedError, lock_output
-from fsdp_optim.disk.staged import close_output, open_output, remove_recorded
+from fsdp_optim.disk.locks import OutputLockedError, lock_output
+from fsdp_optim.disk.staged import close_output, open_output
 from fsdp_optim.disk.store_answers import Tiling
 from fsdp_optim.disk.store_policy import RetryPolicy
 
 __all__ = ["LocalDirectory"]
 
 _NO_RETRIES = RetryPolicy(float("inf"), attempts=1)  # a local read either works or says why at once
-
-
-@dataclass(frozen=True)
-class _LocalSave(Begun):
-    lock: OutputLock
-    rules: SaveRules
 
 
 class LocalDirectory(Location):
@@ -143,13 +136,27 @@ class LocalDirectory(Location):
             raise FileNotFoundError(f"{self / name}: no such object")
         yield self.path / name
 
-    def upload(self, local: Path, name: str) -> None:
-        (self.path / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(local, self.path / name)
+    def write(self, name: str, data: bytes | Path) -> None:
+        """Object ``name`` written whole, atomically (a temporary file renamed into place, fsynced)."""
+        target = self.path / name
+        target.parent.mkdir(parents=True, exist_ok=True)  # (a store's prefix exists once an object does)
+        if isinstance(data, Path):
+            with open(data, "rb") as source:
+                atomic_write(target, lambda file: shutil.copyfileobj(source, file))
+        else:
+            atomic_write(target, lambda file: file.write(data))
 
-    def put(self, name: str, data: bytes) -> None:
-        (self.path / name).parent.mkdir(parents=True, exist_ok=True)  # (a store's prefix exists once an object does)
-        atomic_write(self.path / name, lambda file: file.write(data))
+    def etag(self, name: str) -> str | None:
+        """The file's size and modification time (as its listing gives them), ``None`` when there is none."""
+        found = self.size(name)
+        return None if found is None else f"{found}-{os.stat(self.path / name).st_mtime}"
+
+    def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
+        """Checked, then renamed into place: exact while a save holds the directory's lock (:meth:`begin_save`),
+        which a save's own commit (:meth:`commit_manifest`) relies on instead."""
+        if (found := self.etag(name)) != replaces:
+            raise ConcurrentCommitError(f"{self / name}: changed by another writer ({found}, not {replaces})")
+        self.write(name, data)
 
     def delete(self, names: Iterable[str]) -> None:
         for name in names:
@@ -181,32 +188,23 @@ class LocalDirectory(Location):
         os.rmdir(self.path)
         fsync_dir(self.path.parent)
 
-    # -- saving --------------------------------------------------------------------------------------------
+    # -- saving: the hooks where a local directory does better than a store's defaults ---------------------------
 
     def begin_save(self, rules: SaveRules, *, purpose: str, overwrite: bool) -> Begun:
+        """The directory locked, what a killed writer left removed, foreign content refused (unless ``overwrite``)
+        and the save journaled with what its commit replaces (:func:`~fsdp_optim.disk.staged.open_output`); the lock
+        and journal are closed by ``finish_save`` (a failed save's files removed by the journal)."""
         lock = open_output(self.path, rules.claims, rules.entry, purpose=purpose, overwrite=overwrite)
-        return _LocalSave(lock, rules)
+        replaced = frozenset(lock.entries[-1].replaces or ())
+        return Begun(rules, None, replaced, release=lambda failed: close_output(lock, rules.claims, failed=failed))
 
     def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - every rank writes in place
-        return Staging(self.path, durable=True)
+        return Staging(self.path, durable=True, scratch=False)
 
-    def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:
-        if begun is not None and not isinstance(begun, _LocalSave):
-            raise TypeError(f"{self}: a save begun at another location ({begun!r})")
+    def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:  # noqa: ARG002
+        """Renamed into place (under the save's lock; ``begun`` ``None``: a directory of the job's own): its
+        temporary file carries the save's tag, so the journal of a save killed here names it."""
         atomic_write(self.path / rules.commit_name, lambda file: file.write(data), tag=rules.tag)
-
-    def finish_save(self, begun: Begun, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
-        if not isinstance(begun, _LocalSave):
-            raise TypeError(f"{self}: a save begun at another location ({begun!r})")
-        try:
-            if not failed:  # the replaced checkpoint's files, now that the new manifest is in place
-                replaced = begun.lock.entries[-1].replaces or ()
-                remove_recorded(self.path, replaced, begun.rules.claims, keep=set(keep))
-        except OSError as exc:  # committed all the same (every rank agreed on it): a warning, not a failure
-            warnings.warn(f"{self}: could not remove the replaced checkpoint's files ({exc}); they are left beside "
-                          "the new checkpoint", stacklevel=2)  # fmt: skip
-        finally:
-            close_output(begun.lock, begun.rules.claims, failed=failed)
 
     # -- what it can do ------------------------------------------------------------------------------------
 

@@ -5,25 +5,17 @@ A backend is a directory-like place holding named objects: :class:`~fsdp_optim.d
 filesystem: S3, GCS, ``memory://``...; a conditional put), :class:`~fsdp_optim.job.node_memory.NodeMemory` (the
 memory tier: a step in a node's tmpfs, committed by replicas and markers, its missing ranges received from peers;
 in ``job/``, as its commit and prefetch are collectives). Readers and writers above ``disk/`` take a ``Location`` and
-call these methods; none asks which kind it is. A new backend (a local NVMe tier, a store with another commit rule)
-is one subclass (a store's: of :class:`~fsdp_optim.disk.store_save.StoreSaving`), and one test parameter.
+call these methods; none asks which kind it is.
 
-Reading::
+A backend implements the eight byte-level primitives of :class:`~fsdp_optim.disk.byte_io.ByteIO` (its name, the
+level below, listing, ranged reads into buffers, an atomic whole-object write, the conditional commit, delete); its
+sizes, whole reads and copies follow from them there. Beyond them: ``prefetch(spans)`` (ranges fetched ahead of a
+load), ``local_path()`` (the path whose files are mapped in place, or None), ``present()`` / ``non_objects()``; an
+output of any shape written by ``written_here(publishing)`` (in place where it is local, else a local copy published
+as the block ends; the plainest publishing: ``uploaded``); a whole location removed under ``guarded(purpose)``: its
+objects deleted, then ``remove_marker()``.
 
-    listing() / prefixes() / size(name)       what is there now (never cached)
-    read_range(name, a, b) / read_into(...)   byte ranges (retried and bounded by ``policy`` where that means anything)
-    read_all(name, limit=...)                 a small object whole (a manifest)
-    fetched_whole(name)                       an object whole as a local file, for the readers that take a file
-                                              (its own file, or a temporary copy: ``download(name, local)``)
-    local_path()                              the local path whose files are mapped in place, or None (a store)
-    present() / non_objects()                 there as a place of its own now; names below that are no objects
-
-Writing an object whole: ``upload(local, name)``, ``put(name, data)``; an output of any shape:
-``written_here(publishing)`` (in place where it is local, else a local copy published as the block ends; the plainest
-publishing: ``uploaded``). Removing: ``delete(names)``; a whole location, under ``guarded(purpose)``: its objects
-deleted, then ``remove_marker()``.
-
-A save, in this order (a job's ranks, or one process)::
+A save, in this order (a job's ranks, or one process), written once here on those primitives::
 
     rank 0       begun = location.begin_save(rules, purpose=..., overwrite=...)   refuse foreign content, note what
                                                                                   the commit replaces
@@ -31,9 +23,19 @@ A save, in this order (a job's ranks, or one process)::
                  ... write them into into.path (fsynced if into.durable) ...
                  location.publish(into, names)             make them the location's (in place, or uploaded)
     rank 0       location.commit_manifest(rules, begun, data)     the commit point, last (rename | conditional put)
-    rank 0       location.finish_save(begun, failed=..., keep=...)   release, remove what a failed save or the
-                                                                      replaced checkpoint left
-    every rank   location.discard(names) after a failure; location.unstage(into) always
+    every rank   location.finish_save(begun, failed=False, keep=...)   once all agreed; rank 0 (``begun``, None
+                                                                        elsewhere) removes what the replaced
+                                                                        checkpoint left and releases the save
+    after a failure: rank 0 location.finish_save(begun, failed=True); every rank location.discard(into, names)
+    every rank   location.unstage(into) always
+
+The defaults are an object store's protocol (:mod:`~fsdp_optim.disk.store_save` says why it is safe): the prefix
+listed at ``begin_save`` (foreign objects refused, the commit object's etag noted), each rank's files staged in
+``$TMPDIR`` and uploaded, the manifest committed by the conditional ``commit`` on that etag, then the replaced
+checkpoint's files and the claimed objects older than this save's own removed. A backend that does better overrides
+the hook where it differs: a local directory stages in place (``stage``), takes its lock and journals the save
+(``begin_save``; ``Begun.release`` closes the journal) and renames its manifest into place (``commit_manifest``);
+the memory tier's commit is its ``finish_save``, a collective.
 
 ``disk/`` knows no format: what a save's output owns comes from the format as :class:`SaveRules`.
 """
@@ -44,21 +46,23 @@ import os
 import re
 import shutil
 import tempfile
-from abc import ABC, abstractmethod
+import warnings
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fsdp_optim.disk.byte_io import ByteIO, StoredObject
 from fsdp_optim.disk.journal import JournalEntry
+from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.disk.staged import Claims
 from fsdp_optim.disk.store_policy import RetryPolicy
 
 __all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject", "Where", "is_url"]
 
 T = TypeVar("T")
-_DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -66,16 +70,6 @@ def is_url(path: object) -> bool:
     """``path`` names an object store or another backend by URL (a scheme other than ``file://``), not a local
     path."""
     return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    """One object directly under a location: its name (relative), size, modification time and etag (if any)."""
-
-    name: str
-    size: int
-    mtime: float | None
-    etag: str | None
 
 
 @dataclass(frozen=True)
@@ -113,32 +107,40 @@ class ObjectPath:
         return self.store
 
 
+@dataclass(frozen=True)
 class Begun:
-    """What rank 0 holds between :meth:`Location.begin_save` and :meth:`Location.finish_save` (each backend's own)."""
+    """What rank 0 holds between :meth:`Location.begin_save` and :meth:`Location.finish_save`: the save's rules, the
+    commit object's etag as found (``None``: none there), the names the checkpoint there lists (removed once this
+    save's manifest replaced them), and ``release(failed)``: what ends a hold that journaled the save (a local
+    directory's lock; ``None`` where nothing is held and killed writers' files are found by their age)."""
+
+    rules: SaveRules
+    replaces: str | None
+    replaced_files: frozenset[str] = frozenset()
+    release: Callable[[bool], None] | None = None
 
 
 @dataclass(frozen=True)
 class Staging:
-    """The local directory a rank writes its own files into, and whether they must be made durable there (in place
-    in a local directory: yes; staged for an upload: no, the store's copy is what lasts)."""
+    """The local directory a rank writes its own files into; whether they must be made durable there (in place
+    in a local directory: yes; staged for an upload: no, the store's copy is what lasts); and whether it is a
+    ``scratch`` directory apart from the location (published by upload, removed after) rather than the location."""
 
     path: Path
     durable: bool
+    scratch: bool
 
 
-class Location(ABC):
+class Location(ByteIO):
     """A place holding a checkpoint's files (see the module docstring for the call order of a save)."""
 
     policy: RetryPolicy
 
     # -- naming --------------------------------------------------------------------------------------------
 
-    @abstractmethod
-    def __str__(self) -> str: ...
-
-    @abstractmethod
     def __truediv__(self, name: str) -> Path | ObjectPath:
         """Object ``name`` as shown to a user (a ``Path``, or an ``ObjectPath`` that prints as its URL)."""
+        return ObjectPath(self, name)
 
     @abstractmethod
     def child(self, name: str) -> Location:
@@ -182,29 +184,6 @@ class Location(ABC):
         devices: never a checkpoint's own files), sorted; none by default (a store's listing is all objects)."""
         return []
 
-    @abstractmethod
-    def listing(self) -> dict[str, StoredObject]:
-        """The objects (regular files) directly under this location, by name; {} when there is none."""
-
-    @abstractmethod
-    def prefixes(self) -> list[str]:
-        """The names of the locations directly below this one, sorted."""
-
-    @abstractmethod
-    def size(self, name: str) -> int | None:
-        """Object ``name``'s size, ``None`` when there is none."""
-
-    def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent); by default one
-        :meth:`read_into` a new buffer (a store overrides it with its own ranged GET)."""
-        out = bytearray(max(stop - start, 0))
-        self.read_into(name, start, [memoryview(out)])
-        return out
-
-    @abstractmethod
-    def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
-        """Fill ``targets`` (writable buffers tiling the object's bytes from ``start`` on, in order)."""
-
     def prefetch(
         self, spans: Callable[[], Sequence[Any]]  # noqa: ARG002 - nothing fetched ahead by default
     ) -> AbstractContextManager[Mapping[str, Sequence[Any]] | None]:
@@ -214,53 +193,7 @@ class Location(ABC):
         not called)."""
         return nullcontext(None)
 
-    def read_all(self, name: str, *, limit: int) -> bytes:
-        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent."""
-        size = self.size(name)
-        if size is None:
-            raise FileNotFoundError(f"{self / name}: no such object")
-        if size > limit:
-            raise ValueError(f"{self / name}: {size} bytes, above the bound for it ({limit})")
-        return bytes(self.read_range(name, 0, size))
-
-    @contextmanager
-    def fetched_whole(self, name: str) -> Iterator[Path]:
-        """Object ``name`` whole as a local file, for the readers that take a file (a full dict, a named safetensors
-        file, a layout file): a temporary copy (:meth:`download`), checked for the object's size and removed after
-        the block. ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of another size."""
-        size = self.size(name)
-        if size is None:
-            raise FileNotFoundError(f"{self / name}: no such object")
-        scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
-        try:
-            local = scratch / name
-            self.download(name, local, size=size)
-            if local.stat().st_size != size:
-                raise OSError(f"{self / name}: downloaded {local.stat().st_size} of {size} bytes")
-            yield local
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-    def download(self, name: str, local: Path, *, size: int) -> None:
-        """Copy object ``name`` (``size`` bytes) into the new local file ``local`` (here: by ranged reads, a piece
-        at a time; a backend with a whole-object copy of its own uses that)."""
-        with open(local, "wb") as out:
-            for start in range(0, size, _DOWNLOAD_PIECE):
-                out.write(self.read_range(name, start, min(start + _DOWNLOAD_PIECE, size)))
-
-    # -- removing ------------------------------------------------------------------------------------------
-
-    @abstractmethod
-    def delete(self, names: Iterable[str]) -> None:
-        """Remove objects ``names`` (missing ones are not an error)."""
-
-    @abstractmethod
-    def upload(self, local: Path, name: str) -> None:
-        """Make the local file ``local`` this location's object ``name`` (a copy; the file stays)."""
-
-    @abstractmethod
-    def put(self, name: str, data: bytes) -> None:
-        """Write ``data`` as object ``name``, replaced whole (never seen half written)."""
+    # -- writing and removing ------------------------------------------------------------------------------
 
     def guarded(self, *, purpose: str) -> AbstractContextManager[bool]:  # noqa: ARG002 - no lock by default
         """Held while this location is emptied and removed: ``False`` when a writer holds it (then nothing may be
@@ -299,36 +232,107 @@ class Location(ABC):
         """Once its objects are deleted, remove what keeps this location listed (a store's "directory" object, a
         local directory itself; nothing by default)."""
 
-    # -- saving --------------------------------------------------------------------------------------------
+    # -- saving: the steps, written once on the primitives (an object store's protocol by default) --------------
 
-    @abstractmethod
-    def begin_save(self, rules: SaveRules, *, purpose: str, overwrite: bool) -> Begun:
-        """Rank 0, before any rank writes: refuse foreign content (unless ``overwrite``) and note what the commit
-        will replace."""
+    def begin_save(self, rules: SaveRules, *, purpose: str, overwrite: bool) -> Begun:  # noqa: ARG002 - no lock here
+        """Rank 0, before any rank writes: refuse foreign content (unless ``overwrite``: it is then left alone, never
+        deleted) and a commit object that is not the format's; note its etag for the commit and the names the
+        checkpoint there lists (the commit replaces them). Here from one listing, holding nothing; a local directory
+        takes its lock and journals the save instead."""
+        listing = self.listing()
+        foreign = sorted(n for n in listing if n not in rules.known and not rules.claims.deletable(n))
+        if foreign and not overwrite:
+            raise ForeignOutputError(
+                f"{self}: holds objects that are not an fsdp_optim checkpoint's ({', '.join(foreign[:5])}"
+                f"{'...' if len(foreign) > 5 else ''}); write elsewhere, or pass overwrite=True to write beside them "
+                "(they are never deleted)"
+            )
+        replaced: frozenset[str] = frozenset()
+        etag = self.etag(rules.commit_name)
+        if rules.commit_name in listing:
+            try:
+                replaced = rules.listed(self)
+            except (ValueError, OSError) as exc:
+                raise ForeignOutputError(
+                    f"{self}: its {rules.commit_name} is not an fsdp_optim manifest ({exc}); the commit would replace "
+                    "it, so it is refused even with overwrite (move or delete it yourself)"
+                ) from None
+        return Begun(rules, etag, replaced)
 
-    @abstractmethod
     def stage(self, save_id: str, rank: int) -> Staging:
-        """Where this rank writes its own files."""
+        """Where this rank writes its own files: here a scratch directory in ``$TMPDIR``, nothing fsynced there,
+        uploaded by :meth:`publish` and removed by :meth:`unstage` (a local directory: itself, in place)."""
+        path = Path(tempfile.mkdtemp(prefix=f"fsdp_optim-{save_id[:8]}-rank{rank}-"))
+        return Staging(path, durable=False, scratch=True)
 
-    def publish(self, staging: Staging, names: Iterable[str]) -> None:  # noqa: B027 - in place by default
-        """Make the files ``names`` written into ``staging`` this location's (nothing to do where they were
-        written in place)."""
+    def publish(self, staging: Staging, names: Iterable[str]) -> None:
+        """Make the files ``names`` written into ``staging`` this location's: from a scratch directory each is
+        uploaded, then removed there; nothing to do where they were written in place."""
+        for name in names if staging.scratch else ():
+            self.upload(staging.path / name, name)
+            (staging.path / name).unlink()
 
-    def discard(self, names: Iterable[str]) -> None:  # noqa: B027 - the save's journal removes them by default
-        """After a failed save: remove what this rank published (best effort)."""
-
-    def unstage(self, staging: Staging) -> None:  # noqa: B027 - nothing staged apart by default
-        """Remove the staging directory if it is not the location itself."""
-
-    @abstractmethod
     def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:
         """Rank 0: write the commit point (``rules.commit_name``) last, only if the location is still as
-        :meth:`begin_save` found it (``begun``; ``None``: a save into a directory of one's own, not begun)."""
+        :meth:`begin_save` found it (``begun``; ``None``: a save into a location of its own, not begun: only if
+        there is none). Here the conditional :meth:`~fsdp_optim.disk.byte_io.ByteIO.commit` on the etag found."""
+        self.commit(rules.commit_name, data, replaces=begun.replaces if begun is not None else None)
 
-    @abstractmethod
-    def finish_save(self, begun: Begun, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
-        """Rank 0, after every rank agreed: release the save; a failed one's files go, a committed one removes the
-        files of the checkpoint it replaced that it does not list (``keep``)."""
+    def finish_save(self, begun: Begun | None, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
+        """Every rank, after every rank agreed: the save rank 0 began (``begun``; ``None`` on the other ranks and for
+        a save not begun: nothing to do) is released, a committed one first removing the files of the checkpoint it
+        replaced and what failed writers left that its manifest does not list (``keep``; :meth:`tidy`)."""
+        if begun is None:
+            return
+        try:
+            if not failed:
+                self.tidy(begun, keep)
+        finally:
+            if begun.release is not None:
+                begun.release(failed)
+
+    def discard(self, staging: Staging, names: Iterable[str]) -> None:
+        """After a failed save: remove what this rank published (best effort: the next save's :meth:`tidy` removes
+        the rest); nothing where its files were written in place (the save's journal removes them)."""
+        if not staging.scratch:
+            return
+        try:
+            self.delete(names)
+        except OSError as exc:
+            warnings.warn(f"{self}: could not remove this failed save's files ({exc}); the next save removes them",
+                          stacklevel=2)  # fmt: skip
+
+    def unstage(self, staging: Staging) -> None:
+        """Remove the staging directory where it is a scratch directory (never the location itself)."""
+        if staging.scratch:
+            shutil.rmtree(staging.path, ignore_errors=True)
+
+    def tidy(self, begun: Begun, keep: frozenset[str]) -> list[str]:
+        """After a commit: remove the files of the checkpoint it replaced that the new manifest does not list
+        (``keep``) and, where no journal recorded the saves (``begun.release`` is ``None``: a store), the claimed
+        objects older than this save's own files (:mod:`~fsdp_optim.disk.store_save` says why that is safe). Returns
+        the names removed; a failure only warns (the next save retries)."""
+        claims = begun.rules.claims
+        try:
+            if begun.release is not None:  # journaled: a killed writer's files were removed when this save began
+                stale = sorted(n for n in begun.replaced_files - keep if claims.deletable(n))
+            else:
+                listing = self.listing()
+                times = [listing[n].mtime for n in keep if n in listing]
+                oldest = min((t for t in times if t is not None), default=float("-inf"))
+                stale = [
+                    n
+                    for n, o in listing.items()
+                    if claims.deletable(n)
+                    and n not in keep
+                    and (n in begun.replaced_files or (o.mtime is not None and o.mtime < oldest))
+                ]
+            self.delete(stale)
+            return stale
+        except OSError as exc:
+            warnings.warn(f"{self}: could not remove the files of the checkpoint it replaced or of failed saves "
+                          f"({exc}); the next save removes them", stacklevel=2)  # fmt: skip
+            return []
 
     # -- what it can do (asked by name of the capability, never of the backend) ------------------------------
 

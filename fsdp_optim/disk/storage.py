@@ -27,20 +27,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
-from fsdp_optim.disk.location import ObjectPath, StoredObject
+from fsdp_optim.disk.location import Location, ObjectPath, StoredObject
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
 from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
-from fsdp_optim.disk.store_save import StoreSaving
 
 __all__ = ["ObjectStore"]
 
 T = TypeVar("T")
 
 
-class ObjectStore(StoreSaving):
+class ObjectStore(Location):
     """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing; the
-    :class:`~fsdp_optim.disk.location.Location` of every fsspec backend (its save protocol: :mod:`.store_save`).
+    :class:`~fsdp_optim.disk.location.Location` of every fsspec backend (its save steps: the location's defaults,
+    :mod:`.store_save`).
 
     ``ObjectStore.open("s3://bucket/run/step-100")``; ``str(store)`` is its URL (never its credentials).
     """
@@ -239,6 +239,10 @@ class ObjectStore(StoreSaving):
         """Put the local file as object ``name`` (multipart above the filesystem's block size, parts in parallel)."""
         what, nbytes = f"{self / name}: uploading {local}", local.stat().st_size
         self._retry(lambda limit: self.fs.put_file(str(local), self.key(name), **limit), what, nbytes=nbytes)
+
+    def write(self, name: str, data: bytes | Path) -> None:
+        """Object ``name`` written whole from bytes or a local file (:meth:`put` or :meth:`upload`)."""
+        self.upload(data, name) if isinstance(data, Path) else self.put(name, data)
 
     def put(self, name: str, data: bytes) -> None:
         """Put ``data`` as object ``name`` (an object is replaced whole, never seen half written)."""

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_optim.core.memory_plan import Chosen, Holding, choose_step, fetch_plan
+from fsdp_optim.core.memory_plan import Chosen, Fetch, Holding, choose_step, fetch_plan
 from fsdp_optim.formats.sharded.byte_ranges import files_read, load_spans
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
@@ -99,13 +99,17 @@ def restore_from_memory(
         return MemoryRestore(chosen.step if chosen is not None else None, live, None, None, False, newest)
     directory = tier.node_dir() / chosen.dirname
     what = f"restoring step {chosen.step} from the memory tiers changed nothing on any rank"
-    node = NodeMemory(directory, group)
+    # Every rank's transfers, which its prefetch sends and receives: planned from the checkpoint opened through this
+    # location, so given to it as the list that the planning fills.
+    fetches: list[Fetch] = []
+    node = NodeMemory(directory, group, fetches=lambda: fetches)
     if not all(_holds_step(report, chosen) for report in holdings):
         src = min(r for r, report in enumerate(holdings) if _holds_step(report, chosen))
         node.spread_manifest(src, nodes, what=what)
     ckpt, failure = None, None
     try:
-        ckpt, plans = _plan(root, model, optim, node, chosen, nodes, holdings, buffers)
+        ckpt, plans, planned = _plan(root, model, optim, node, chosen, nodes, holdings, buffers)
+        fetches.extend(planned)
     except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
         failure = exc
     try:
@@ -122,9 +126,9 @@ def restore_from_memory(
 def _plan(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, node: NodeMemory, chosen: Chosen,
     nodes: list[str], holdings: list[list[Holding]], buffers: str,
-) -> tuple[ShardedCheckpoint, LoadPlans]:  # fmt: skip
+) -> tuple[ShardedCheckpoint, LoadPlans, list[Fetch]]:  # fmt: skip
     """Step 3: the step opened through this node's memory (its manifest read), the load planned once, and every
-    rank's fetches handed to the location (its prefetch)."""
+    rank's fetches (what the location's prefetch sends and receives)."""
     try:
         ckpt = open_checkpoint(node, max_mapped_bytes=LOAD_WINDOW_BYTES)
     except (OSError, ValueError) as exc:
@@ -133,8 +137,7 @@ def _plan(
         plans = plan_load(root, model, optim, ckpt, buffers)
         needs = [files_read(ckpt, plans.weights, plans.optim, r, buffers=plans.buffers) for r in range(root.world_size)]
         has = {nodes[r]: _held(h, chosen) for r, h in enumerate(holdings)}
-        node.fetches = fetch_plan(chosen, nodes, needs, has)  # what its prefetch sends and receives
-        return ckpt, plans
+        return ckpt, plans, list(fetch_plan(chosen, nodes, needs, has))
     except BaseException:
         ckpt.close()
         raise

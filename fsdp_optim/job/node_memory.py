@@ -2,14 +2,18 @@
 node holds it in host memory (tmpfs), its peers' pieces arriving through the process group.
 
 It is a local directory to every reader and writer (the step directory, mapped in place; a save's files written
-there by :func:`~fsdp_optim.job.save_commit.commit_save` like anywhere else), and differs in two places:
+there by :func:`~fsdp_optim.job.save_commit.commit_save` like anywhere else), and differs in two places, each a
+:class:`~fsdp_optim.disk.location.Location` method that the save and the load call on every backend:
 
-- **its commit** (:meth:`NodeMemory.seal`, every rank, after ``commit_save``): the manifest spread to every node,
-  each rank's files sent to its replica peers on other nodes, one agreement, then each node's marker
-  (``COMPLETE.json``, :mod:`fsdp_optim.formats.sharded.memory_tier`) written by its first rank: the step becomes
-  visible there, all ranks or none;
+- **its commit** (:meth:`NodeMemory.finish_save`, which ``commit_save`` calls on every rank once they agreed; the
+  step and its nodes given at construction as a :class:`Sealing`): the manifest spread to every node, each rank's
+  files sent to its replica peers on other nodes, one agreement, then each node's marker (``COMPLETE.json``,
+  :mod:`fsdp_optim.formats.sharded.memory_tier`) written by its first rank: the step becomes visible there, all
+  ranks or none;
 - **its prefetch** (:meth:`NodeMemory.prefetch`, inside a load): the byte ranges this node lacks arrive from the
-  ranks whose node holds them (``fetches``, every rank's plan, the same on every rank: no message to agree on it),
+  ranks whose node holds them (``fetches``, given at construction: every rank's plan, the same on every rank, no
+  message to agree on it; a restore plans it through the checkpoint opened here, so it may be given as a function
+  that returns the plan once made),
   posted at once and waited for piece by piece as the load first reads each; the ranges other ranks need are
   sent from this node's files, mapped. Every received chunk is verified against its checksum before use, as a
   file's are (:class:`~fsdp_optim.formats.sharded.received.ReceivedFile`); nothing received is written anywhere.
@@ -33,6 +37,7 @@ import torch
 from fsdp_optim.core.memory_plan import Fetch, node_ranks, replica_peers, sources_of
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.location import Begun
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import Marker, prune_node, write_marker
@@ -69,12 +74,21 @@ class Sealing:
 
 class NodeMemory(LocalDirectory):
     """Step directory ``path`` of this rank's node in the memory tier, read and committed with the ranks of ``group``
-    (see the module docstring). ``fetches``: a restore's plan of the byte ranges sent between ranks, set once the
-    load is planned (none in a save)."""
+    (``None``: the default group; see the module docstring). ``sealing``: what a save's commit needs (none in a
+    restore); ``fetches``: a restore's plan of the byte ranges sent between ranks, or a function returning it when
+    the load's prefetch begins (none in a save)."""
 
-    def __init__(self, path: str | Path, group: ProcessGroup, *, fetches: Sequence[Fetch] = ()) -> None:  # noqa: D107
+    def __init__(
+        self,
+        path: str | Path,
+        group: ProcessGroup | None,
+        *,
+        sealing: Sealing | None = None,
+        fetches: Sequence[Fetch] | Callable[[], Sequence[Fetch]] = (),
+    ) -> None:  # noqa: D107
         super().__init__(path)
-        self.group, self.fetches = group, tuple(fetches)  # (a restore sets its fetches once it planned its load)
+        self.group, self.sealing = group, sealing
+        self._fetches = fetches if callable(fetches) else partial(tuple, fetches)
 
     def __repr__(self) -> str:
         return f"NodeMemory({str(self.path)!r})"
@@ -93,8 +107,9 @@ class NodeMemory(LocalDirectory):
         (unless the block raised first: its error is kept). A file of this node that cannot be read is sent as
         zeros, which its receivers refuse by checksum (no receiver waits for ever), and raises here."""
         rank, _ = dist_rank_and_size(self.group)
-        sends, unreadable = sends_of(self.fetches, rank, self.path)
-        mine = [f for f in self.fetches if f.dst == rank]
+        fetches = self._fetches()
+        sends, unreadable = sends_of(fetches, rank, self.path)
+        mine = [f for f in fetches if f.dst == rank]
         received, works = post_exchange(sends, [(f.src, f.nbytes) for f in mine], group=self.group)
         inflight = _InFlight(works, [t for _, t in sends])
         try:
@@ -126,11 +141,22 @@ class NodeMemory(LocalDirectory):
 
     # -- committing: replicas, then the node's marker ---------------------------------------------------------
 
+    def finish_save(self, begun: Begun | None, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
+        """The memory tier's commit, on every rank once ``commit_save``'s ranks agreed that every rank's files and
+        rank 0's manifest are here (a collective; nothing was begun: the step directory is this job's own): the
+        step sealed (:meth:`seal`). After a failure, nothing: no marker, so the step is never seen."""
+        super().finish_save(begun, failed=failed, keep=keep)
+        if failed:
+            return
+        if self.sealing is None:
+            raise TypeError(f"{self}: opened for a restore (no sealing given): it cannot commit a save")
+        self.seal(self.sealing)
+
     def seal(self, save: Sealing) -> Path:
-        """The memory tier's commit (collective, after ``commit_save`` wrote every rank's files and rank 0's manifest
-        here): the manifest on every node, each rank's files on its replica peers' nodes, agreed, then each node's
-        first rank writes its marker and prunes the node to the newest ``keep`` complete steps. A rank killed before
-        the markers leaves none of this step anywhere. This node's step directory."""
+        """The seal (collective, after ``commit_save`` wrote every rank's files and rank 0's manifest here): the
+        manifest on every node, each rank's files on its replica peers' nodes, agreed, then each node's first rank
+        writes its marker and prunes the node to the newest ``keep`` complete steps. A rank killed before the markers
+        leaves none of this step anywhere. This node's step directory."""
         rank, _ = dist_rank_and_size(self.group)
         what = f"the memory-tier save of step {save.step} failed, nothing was marked"
         here = self.path / MANIFEST_NAME

@@ -5,8 +5,9 @@ and commit. The location does what differs between backends, in the order its do
     start_save (rank 0)   location.begin_save: refuse foreign content, note what the commit replaces
     commit_save (each)    location.stage, write the rank file (+ side file) there, location.publish
                 (rank 0)  gather every rank's file records, build the manifest, location.commit_manifest (last),
-                          then agree: all ranks succeed or all raise; location.finish_save (rank 0) and, after a
-                          failure, location.discard (each rank)
+                          then agree: all ranks succeed or all raise; location.finish_save (every rank: rank 0
+                          releases what it began; the memory tier's ranks seal the step together) and, after a
+                          failure, location.finish_save (rank 0, failed) and location.discard (each rank)
 """
 
 from __future__ import annotations
@@ -182,14 +183,16 @@ def commit_save(
         own.committed = True  # every rank agreed: the manifest is in place, whatever interrupts us now
     except BaseException as exc:
         if own.committed:  # e.g. a Ctrl-C right after the agreement: the save stands, as on the other ranks
-            _finish_committed(directory, lock, manifest)
+            if lock is not None:  # (rank 0's release alone: no collective after an interrupt)
+                _finish_committed(directory, lock, manifest)
             note = f"(the save into {directory} had committed before this interrupt: its checkpoint is whole)"
             getattr(exc, "add_note", lambda _: None)(note)  # Python >= 3.11
             raise
         if lock is not None:
             directory.finish_save(lock, failed=True)
-        if own.published and not isinstance(exc, CommitOutcomeUnknown):  # else the manifest may list them: kept
-            directory.discard(own.published)  # (the next save's finish removes them if it does not)
+        if own.staging is not None and own.published and not isinstance(exc, CommitOutcomeUnknown):
+            # (else the manifest may list them: kept; the next save's finish removes them if it does not)
+            directory.discard(own.staging, own.published)
         raise
     finally:
         if own.staging is not None:
@@ -199,9 +202,9 @@ def commit_save(
 
 
 def _finish_committed(directory: Location, lock: Begun | None, manifest: Manifest | None) -> None:
-    """Rank 0 after a commit: remove what the replaced checkpoint and failed writers left (nothing elsewhere)."""
-    if lock is not None:
-        directory.finish_save(lock, failed=False, keep=frozenset(manifest.file_names()) if manifest else frozenset())
+    """Every rank after a commit (:meth:`Location.finish_save`): rank 0 removes what the replaced checkpoint and
+    failed writers left and releases the save (``lock``; ``None`` elsewhere, and for a save not begun)."""
+    directory.finish_save(lock, failed=False, keep=frozenset(manifest.file_names()) if manifest else frozenset())
 
 
 @dataclass

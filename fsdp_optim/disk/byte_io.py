@@ -1,0 +1,144 @@
+"""The bytes of a backend: :class:`ByteIO`, the eight primitives every place holding named objects implements, and
+what follows from them (sizes, etags, ranged and whole reads, copies, writes of a local file or of bytes).
+
+A backend implements eight methods and nothing else is required of it; what it can do better it overrides (a
+store's own ranged GET, a whole-object copy, a ``stat`` for a size)::
+
+    __str__()                          its name, e.g. "mystore://bucket/run/step-10" (its identity in every process)
+    child(name)                        the backend one level below ("step-10" under a manager's root)
+    listing()                          {name: StoredObject(name, size, mtime, etag)}: the objects directly below
+    prefixes()                         the names of the levels directly below, sorted
+    read_into(name, start, targets)    fill the writable buffers ``targets``, in order, from byte ``start`` on
+    write(name, data)                  one object written whole (``bytes``, or a local file's ``Path``), atomically:
+                                       a reader sees the old object or the new one, never a part
+    commit(name, data, replaces=etag)  the commit primitive: write ``data`` only if the object's etag is still
+                                       ``replaces`` (``None``: only if there is none), else ConcurrentCommitError
+    delete(names)                      remove objects (missing ones are not an error)
+
+How a checkpoint is saved on top of them (the save steps, written once) is
+:class:`~fsdp_optim.disk.location.Location`'s.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ByteIO", "StoredObject"]
+
+_DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One object directly under a location: its name (relative), size, modification time and etag (if any)."""
+
+    name: str
+    size: int
+    mtime: float | None
+    etag: str | None
+
+
+class ByteIO(ABC):
+    """The byte-level primitives of a backend (see the module docstring), and the reads and writes made of them."""
+
+    @abstractmethod
+    def __str__(self) -> str: ...
+
+    @abstractmethod
+    def child(self, name: str) -> ByteIO:
+        """The location ``name`` below this one (a step directory under a manager's root)."""
+
+    @abstractmethod
+    def listing(self) -> dict[str, StoredObject]:
+        """The objects (regular files) directly under this location, by name; {} when there is none."""
+
+    @abstractmethod
+    def prefixes(self) -> list[str]:
+        """The names of the locations directly below this one, sorted."""
+
+    @abstractmethod
+    def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
+        """Fill ``targets`` (writable buffers tiling the object's bytes from ``start`` on, in order)."""
+
+    @abstractmethod
+    def write(self, name: str, data: bytes | Path) -> None:
+        """Object ``name`` written whole from ``data`` (bytes, or a local file to copy), atomically."""
+
+    @abstractmethod
+    def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
+        """Write object ``name`` only if it is still as the caller found it: at etag ``replaces`` (``None``: absent);
+        else ``ConcurrentCommitError``, and nothing was written."""
+
+    @abstractmethod
+    def delete(self, names: Iterable[str]) -> None:
+        """Remove objects ``names`` (missing ones are not an error)."""
+
+    # -- what follows from them ----------------------------------------------------------------------------------
+
+    def size(self, name: str) -> int | None:
+        """Object ``name``'s size, ``None`` when there is none."""
+        found = self.listing().get(name)
+        return None if found is None else found.size
+
+    def etag(self, name: str) -> str | None:
+        """The object's etag (its version, for :meth:`commit`) as :meth:`listing` gives it (its size and time where
+        the backend gives none), ``None`` when there is none."""
+        found = self.listing().get(name)
+        if found is None:
+            return None
+        return found.etag if found.etag is not None else f"{found.size}-{found.mtime}"
+
+    def upload(self, local: Path, name: str) -> None:
+        """Make the local file ``local`` this location's object ``name`` (a copy; the file stays)."""
+        self.write(name, local)
+
+    def put(self, name: str, data: bytes) -> None:
+        """Write ``data`` as object ``name``, replaced whole (never seen half written)."""
+        self.write(name, data)
+
+    def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
+        """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent); by default one
+        :meth:`read_into` a new buffer (a store overrides it with its own ranged GET)."""
+        out = bytearray(max(stop - start, 0))
+        self.read_into(name, start, [memoryview(out)])
+        return out
+
+    def read_all(self, name: str, *, limit: int) -> bytes:
+        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent."""
+        size = self.size(name)
+        if size is None:
+            raise FileNotFoundError(f"{self}/{name}: no such object")
+        if size > limit:
+            raise ValueError(f"{self}/{name}: {size} bytes, above the bound for it ({limit})")
+        return bytes(self.read_range(name, 0, size))
+
+    @contextmanager
+    def fetched_whole(self, name: str) -> Iterator[Path]:
+        """Object ``name`` whole as a local file, for the readers that take a file (a full dict, a named safetensors
+        file, a layout file): a temporary copy (:meth:`download`), checked for the object's size and removed after
+        the block. ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of another size."""
+        size = self.size(name)
+        if size is None:
+            raise FileNotFoundError(f"{self}/{name}: no such object")
+        scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
+        try:
+            local = scratch / name
+            self.download(name, local, size=size)
+            if local.stat().st_size != size:
+                raise OSError(f"{self}/{name}: downloaded {local.stat().st_size} of {size} bytes")
+            yield local
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def download(self, name: str, local: Path, *, size: int) -> None:
+        """Copy object ``name`` (``size`` bytes) into the new local file ``local`` (here: by ranged reads, a piece
+        at a time; a backend with a whole-object copy of its own uses that)."""
+        with open(local, "wb") as out:
+            for start in range(0, size, _DOWNLOAD_PIECE):
+                out.write(self.read_range(name, start, min(start + _DOWNLOAD_PIECE, size)))
