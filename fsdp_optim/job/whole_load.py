@@ -151,7 +151,7 @@ def _stage(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Location, buffers: str
 ) -> Staged:
     if is_whole_file_path(path):
-        with path.as_local_file() as file:  # (a store's: fetched whole; a local one is read in place)
+        with path.as_local_file() as file:  # (a local file read in place; elsewhere fetched whole)
             return stage_file(root, model, optim, file)
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
@@ -166,7 +166,10 @@ def _stage(
 
 def is_whole_file_path(path: Location) -> bool:
     """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory
-    (a store's prefix) or its manifest; nothing there is none (opening it as a checkpoint says so)."""
+    or its manifest; a place to list (a directory, a store's prefix, which always is one) is none, and nothing there
+    is none either (opening it as a checkpoint says so)."""
+    if path.exists():
+        return False
     try:
         return source_kind(path) == "file"
     except (FileNotFoundError, ValueError):
