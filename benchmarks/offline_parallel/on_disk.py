@@ -29,6 +29,7 @@ from typing import Any
 
 from ..peak import ROOT
 from .timed import _launch, make_source
+from .worker import schedstat
 
 PIECE = 8 << 20
 OUTPUT_FILES = 3
@@ -121,15 +122,18 @@ def run(gib: float, scratch: Path, *, keep: bool = False) -> dict[str, Any]:
     phases = [made]
     sources = _files(src)
     drops = [dropped(sources)]
+    before = schedstat()  # (the floor runs on this process's main thread alone)
     record, written = _phase("floor: read all, write all", lambda: floor(sources, plain))
-    phases.append(record | {"bytes_read": sum(p.stat().st_size for p in sources), "bytes_written": written})
+    used = [a - b for a, b in zip(schedstat(), before)]
+    phases.append(record | {"bytes_read": sum(p.stat().st_size for p in sources), "bytes_written": written, "schedstat": used})
     shutil.rmtree(plain)
     drops.append(dropped(sources))
     report = scratch / "report"
     record, reports = _phase("reshard 2 -> 3, one process",
                              lambda: _launch(1, ["reshard", str(src), "--world-size", str(OUTPUT_FILES), "-o", str(out)], report))  # fmt: skip
     out_bytes = sum(p.stat().st_size for p in _files(out))
-    phases.append(record | {"bytes_read": size, "bytes_written": out_bytes, "peak_rss": reports[0]["peak_rss"], "worker_seconds": reports[0]["seconds"]})
+    phases.append(record | {"bytes_read": size, "bytes_written": out_bytes, "peak_rss": reports[0]["peak_rss"], "worker_seconds": reports[0]["seconds"],
+                            "schedstat": reports[0]["schedstat"]})  # fmt: skip
     record, _ = _phase("launcher: inspect", lambda: _launch(1, ["inspect", str(src)], report))
     phases.append(record)
     shutil.rmtree(out)
@@ -145,6 +149,9 @@ NOTES = (
     "The reshard is the CLI verb in a fresh interpreter (torch imported), timed from spawn to exit; the launcher row "
     "is `inspect` under the same launcher (start-up and reading the manifest).",
     "Peak RSS is the reshard process's VmHWM: anonymous memory and mapped file pages resident at once.",
+    "CPU s / run-queue s: the scheduler's account (`schedstat`) of the phase's threads: seconds on a CPU, and seconds "
+    "runnable but waiting for one while other work held both cores (the reshard's threads alive at its exit; the "
+    "floor's one thread). Wall time less the run-queue wait is shown as a diagnostic, not as the target.",
 )
 
 

@@ -37,6 +37,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         _verdict("one process: the same, net of the launcher's start-up (shown, not the target)", net, LIMIT_FLOOR,
                  None, f"{reshard['seconds'] - launcher['seconds']:.1f} s vs {floor['seconds']:.1f} s"),
     ]  # fmt: skip
+    if "schedstat" in reshard and "schedstat" in floor:
+        ours, base = reshard["seconds"] - reshard["schedstat"][1], floor["seconds"] - floor["schedstat"][1]
+        out.append(_verdict("one process: the same, each less its run-queue wait (shown, not the target)", ours / base,
+                            LIMIT_FLOOR, None, f"{ours:.1f} s vs {base:.1f} s"))  # fmt: skip
     for k, drop in enumerate(here["drops"]):
         after = drop["resident_after"]
         share = None if after is None else after / drop["bytes"]
@@ -65,8 +69,9 @@ def markdown(result: dict[str, Any]) -> str:
         rate = "-" if not seconds or not moved else f"{moved / seconds / 1e6:.0f}"
         cells.append([p["phase"], "-" if seconds is None else f"{seconds:.1f}", str(p.get("bytes_read", "-")),
                       str(p.get("bytes_written", "-")), rate, str(p["peak_rss"] >> 20) if "peak_rss" in p else "-",
+                      *([f"{v:.1f}" for v in p["schedstat"]] if "schedstat" in p else ["-", "-"]),
                       f"{p['load_before'][0]:.2f}", f"{p['load_after'][0]:.2f}" if "load_after" in p else "-"])  # fmt: skip
-    lines += table(["phase", "s", "bytes read", "bytes written", "MB/s (read + written)", "peak RSS MiB",
-                    "load before", "load after"], cells)  # fmt: skip
+    lines += table(["phase", "s", "bytes read", "bytes written", "MB/s (read + written)", "peak RSS MiB", "CPU s",
+                    "run-queue s", "load before", "load after"], cells)  # fmt: skip
     lines += ["", "## Notes", ""] + [f"- {n}" for n in result.get("notes", [])]
     return "\n".join(lines) + "\n"
