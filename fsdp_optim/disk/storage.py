@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
 from fsdp_optim.disk.location import ObjectPath, StoredObject
+from fsdp_optim.disk.multipart import S3Multipart
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
 from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
@@ -239,6 +240,13 @@ class ObjectStore(StoreSaving):
         """Put the local file as object ``name`` (multipart above the filesystem's block size, parts in parallel)."""
         what, nbytes = f"{self / name}: uploading {local}", local.stat().st_size
         self._retry(lambda limit: self.fs.put_file(str(local), self.key(name), **limit), what, nbytes=nbytes)
+
+    def multipart(self, name: str) -> S3Multipart | None:
+        """Object ``name`` as the parts of one multipart upload (:mod:`.multipart`), where the filesystem is S3's;
+        ``None`` elsewhere (the caller then writes locally and uploads the file whole)."""
+        if type(self.fs).__name__ != "S3FileSystem":
+            return None
+        return S3Multipart(self.fs, self.key(name), str(self / name), self._retry)
 
     def put(self, name: str, data: bytes) -> None:
         """Put ``data`` as object ``name`` (an object is replaced whole, never seen half written)."""
