@@ -47,6 +47,17 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.fixture(autouse=True)
+def _fresh_s3_clients() -> Any:
+    """s3fs clients made anew around each test: fsspec caches a filesystem by its arguments, not by the endpoint the
+    environment names, and the tests here point the environment at the server or at the fault proxy."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 def test_parts_tile_the_file_and_only_the_last_is_short() -> None:
     """Random layouts and splits: the parts tile ``[0, size)`` in number order, every part but the last is at least
     the minimum, process 0's first part starts at 0, and every tensor is written by exactly one process."""
@@ -212,3 +223,24 @@ def test_a_store_without_multipart_gets_the_file_uploaded_whole(big: Path, local
     with open_source(str(big)) as opened:
         consolidate_to_store(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None)
     assert fsspec.filesystem("memory").cat_file(url) == local, "the uploaded file differs from the local one"
+
+
+def test_a_store_fault_aborts_the_upload(fault_proxy: Any, s3_server: Any, big: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every put of part 2 answered 500 (through the fault proxy): the write fails naming the part once the store's
+    deadline has passed, and the upload is aborted: no object, no unfinished upload."""
+    from _fault_proxy import Fault
+
+    from fsdp_optim.offline.onefile_parts import consolidate_to_store
+    from fsdp_optim.offline.sources import open_source
+
+    for k, v in fault_proxy.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("FSDP_OPTIM_STORE_DEADLINE_S", "5")
+    fault_proxy.set_faults(Fault("status500", count=None, methods={"PUT"}, path="partNumber=2"))
+    url = fault_proxy.url("fault") + "/model.safetensors"
+    with open_source(str(big)) as opened, pytest.raises(OSError, match="part 2") as failed:
+        consolidate_to_store(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None,
+                             part_bytes=10 * MiB)  # fmt: skip
+    fault_proxy.set_faults()
+    data, _, pending = _object(s3_server, url)
+    assert data is None and pending == [], f"an object or an unfinished upload was left ({failed.value}): {pending}"
