@@ -244,3 +244,27 @@ def test_a_store_fault_aborts_the_upload(fault_proxy: Any, s3_server: Any, big: 
     fault_proxy.set_faults()
     data, _, pending = _object(s3_server, url)
     assert data is None and pending == [], f"an object or an unfinished upload was left ({failed.value}): {pending}"
+
+
+def test_a_lost_completion_answer_is_a_success(fault_proxy: Any, s3_server: Any, big: Path, local: bytes,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The completion is stored but its answer lost (the proxy closes the connection): the client's retry of the
+    completion is answered with success (SeaweedFS takes a repeated completion of a completed upload), and the object
+    is the local file's bytes, no upload left."""
+    from _fault_proxy import Fault
+
+    from fsdp_optim.offline.onefile_parts import consolidate_to_store
+    from fsdp_optim.offline.sources import open_source
+
+    for k, v in fault_proxy.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("FSDP_OPTIM_STORE_DEADLINE_S", "10")
+    fault_proxy.set_faults(Fault("drop_response", count=1, methods={"POST"}, path="uploadId="))
+    url = fault_proxy.url("lost") + "/model.safetensors"
+    with open_source(str(big)) as opened:
+        consolidate_to_store(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None,
+                             part_bytes=10 * MiB)  # fmt: skip
+    assert fault_proxy.stats().faults.get("drop_response") == 1, f"the fault did not fire: {fault_proxy.stats()}"
+    fault_proxy.set_faults()
+    data, _, pending = _object(s3_server, url)
+    assert data == local and pending == [], "the object differs from the local file, or uploads are left"
