@@ -36,7 +36,7 @@ def _here(gib: float, repeats: int) -> dict[str, Any]:
 
 def _on_disk(args: argparse.Namespace, argv: list[str] | None) -> int:
     here = on_disk.run(args.gib, args.scratch, keep=args.keep_source)
-    result = {"meta": on_disk.meta(argv, args.scratch), "here": here, "notes": list(on_disk.NOTES)}
+    result: dict[str, Any] = {"meta": on_disk.meta(argv, args.scratch), "here": here, "notes": list(on_disk.NOTES)}
     result["targets"] = render_disk.targets(result)
     name = f"offline_{args.gib:g}g"
     args.out.mkdir(parents=True, exist_ok=True)
