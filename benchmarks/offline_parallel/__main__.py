@@ -1,5 +1,8 @@
 """``python -m benchmarks.offline_parallel [--gib 4] [--repeats 2] [--no-run] [--out DIR]``: see the package
-docstring. Writes ``offline_parallel.{json,md}`` into ``--out`` (``benchmarks/results`` by default)."""
+docstring. Writes ``offline_parallel.{json,md}`` into ``--out`` (``benchmarks/results`` by default).
+
+``python -m benchmarks.offline_parallel --size-gib 16 --on-disk --scratch DIR``: the one-process run on disk
+(:mod:`.on_disk`) alone, into ``offline_<size>g.{json,md}``."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..report import RESULTS
+from . import on_disk, render_disk
 from .render import markdown, targets
 from .simulate import cases
 from .timed import SHM, make_source, planned_reads, timed
@@ -30,13 +34,32 @@ def _here(gib: float, repeats: int) -> dict[str, Any]:
         return {"gib": gib, "input_bytes": size, "runs": runs}
 
 
+def _on_disk(args: argparse.Namespace, argv: list[str] | None) -> int:
+    here = on_disk.run(args.gib, args.scratch, keep=args.keep_source)
+    result: dict[str, Any] = {"meta": on_disk.meta(argv, args.scratch), "here": here, "notes": list(on_disk.NOTES)}
+    result["targets"] = render_disk.targets(result)
+    name = f"offline_{args.gib:g}g"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{name}.md").write_text(render_disk.markdown(result))
+    print(render_disk.markdown(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.offline_parallel")
-    parser.add_argument("--gib", type=float, default=4.0, help="the checkpoint's size here (the target asks >= 4)")
+    parser.add_argument("--gib", "--size-gib", type=float, default=4.0, help="the checkpoint's size here (the target asks >= 4)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per launcher (the best is kept)")
     parser.add_argument("--no-run", action="store_true", help="the simulation only")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--on-disk", action="store_true", help="one process on disk instead (see on_disk.py)")
+    parser.add_argument("--scratch", type=Path, help="with --on-disk: a directory on the disk to measure (required)")
+    parser.add_argument("--keep-source", action="store_true", help="with --on-disk: keep SCRATCH/src for a rerun")
     args = parser.parse_args(argv)
+    if args.on_disk:
+        if args.scratch is None:
+            parser.error("--on-disk needs --scratch DIR, a directory on the disk to measure")
+        return _on_disk(args, argv)
     simulated = cases()
     for row in simulated:
         print(json.dumps(row), flush=True)

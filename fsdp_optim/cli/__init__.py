@@ -132,10 +132,11 @@ def _run_verb(args: argparse.Namespace) -> Any:
     """``args.run(args)``; an ``-o`` URL is written to a local path first and published when the verb succeeds
     (:func:`fsdp_optim.offline.publish.checkpoint_output`; a verb that writes rank files may start their uploads
     through ``args.after_file``), and the lines name the URL."""
+    from fsdp_optim.cli.verbs import uploads_itself
     from fsdp_optim.offline.publish import checkpoint_output
 
     url = getattr(args, "output", None)
-    if not isinstance(url, str):
+    if not isinstance(url, str) or uploads_itself(args):
         return args.run(args)
     inputs = [getattr(args, name, None) for name in ("source", "layout")]
     overwrite = bool(getattr(args, "overwrite", False))

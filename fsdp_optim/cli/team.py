@@ -31,7 +31,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
     from fsdp_optim.cli.diff import run_diff
     from fsdp_optim.cli.inspect import run_verify
     from fsdp_optim.cli.outcome import Outcome
-    from fsdp_optim.cli.verbs import is_safetensors_name, run_consolidate, run_reshard
+    from fsdp_optim.cli.verbs import is_safetensors_name, run_consolidate, run_reshard, uploads_itself
     from fsdp_optim.disk.locations import where
     from fsdp_optim.job.team import team_of_job
     from fsdp_optim.job.transport import shut_down
@@ -45,7 +45,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
         if split:
             result = _reshard(team, args)
         elif (args.run is run_consolidate and is_safetensors_name(args.output) and _sharded(args.source)
-              and where(args.output).shared_by_processes()):  # fmt: skip
+              and (where(args.output).shared_by_processes() or uploads_itself(args))):  # fmt: skip
             result = _consolidate(team, args)
         elif (args.run is run_verify and _sharded(args.path)) or args.run is run_diff:  # each reads its share
             args.parallel = True

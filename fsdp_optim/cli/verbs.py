@@ -98,9 +98,28 @@ def _consolidate_safetensors(opened: Opened, args: argparse.Namespace, progress:
         raise UsageError(f"-o {args.output}: consolidate writes one safetensors file of our sharded checkpoint "
                          f"(whole or optimizer-only); {args.source} is a {opened.kind.value}: convert it with "
                          "fsdp-optim convert SOURCE --to safetensors -o OUT")  # fmt: skip
+    if uploads_itself(args):  # straight into the store, as the parts of one multipart upload
+        from fsdp_optim.offline.onefile_parts import consolidate_to_store
+
+        return consolidate_to_store(opened, args.output, rank=args.rank, no_model=args.no_model,
+                                    inputs=(args.source, args.layout), overwrite=args.overwrite,
+                                    progress=progress)  # fmt: skip
     return consolidate_to_safetensors(opened, args.output, rank=args.rank, no_model=args.no_model,
                                       inputs=(args.source, args.layout), overwrite=args.overwrite,
                                       progress=progress)  # fmt: skip
+
+
+def uploads_itself(args: argparse.Namespace) -> bool:
+    """Whether the verb writes its ``-o`` URL itself (``consolidate -o URL.safetensors`` into a store that takes
+    multipart uploads) instead of a local file uploaded once written."""
+    from fsdp_optim.disk.locations import where
+    from fsdp_optim.disk.multipart import multipart_of
+
+    output = str(getattr(args, "output", ""))
+    if args.run is not run_consolidate or not is_safetensors_name(output) or where(output).local_path() is not None:
+        return False
+    parent, name = output.rstrip("/").rsplit("/", 1)
+    return multipart_of(where(parent), name) is not None
 
 
 def run_reshard(args: argparse.Namespace) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
 from fsdp_optim.disk.location import Location, ObjectPath, StoredObject
+from fsdp_optim.disk.multipart import S3Multipart
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
 from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
@@ -243,6 +244,13 @@ class ObjectStore(Location):
     def write(self, name: str, data: bytes | Path) -> None:
         """Object ``name`` written whole from bytes or a local file (:meth:`put` or :meth:`upload`)."""
         self.upload(data, name) if isinstance(data, Path) else self.put(name, data)
+
+    def multipart(self, name: str) -> S3Multipart | None:
+        """Object ``name`` as the parts of one multipart upload (:mod:`.multipart`), where the filesystem is S3's;
+        ``None`` elsewhere (the caller then writes locally and uploads the file whole)."""
+        if type(self.fs).__name__ != "S3FileSystem":
+            return None
+        return S3Multipart(self.fs, self.key(name), str(self / name), self._retry)
 
     def put(self, name: str, data: bytes) -> None:
         """Put ``data`` as object ``name`` (an object is replaced whole, never seen half written)."""

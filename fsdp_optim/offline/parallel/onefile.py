@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import Any, BinaryIO
 
 from fsdp_optim.core.split import Split, split_by_bytes
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.job.team import PeerFailed, Team
 from fsdp_optim.offline.onefile import FileLayout, described, lay_out, preallocate, write_header, write_tensors
@@ -38,6 +39,11 @@ def consolidate_across(
 ) -> str | None:  # fmt: skip
     """The module docstring's steps on this process; ``opening()`` opens the source (and checks the output) on
     each. Returns the report (:func:`~fsdp_optim.offline.onefile.described`) on process 0, ``None`` elsewhere."""
+    if where(str(output)).local_path() is None:  # an object store's: the parts of one multipart upload
+        from fsdp_optim.offline.parallel.upload import upload_across
+
+        return upload_across(team, opening, str(output), rank=rank, no_model=no_model, inputs=inputs,
+                             overwrite=overwrite, bar=bar)  # fmt: skip
     failure: BaseException | None = None
     layout = None
     opened: Any = None
