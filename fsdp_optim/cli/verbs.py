@@ -116,7 +116,7 @@ def uploads_itself(args: argparse.Namespace) -> bool:
     from fsdp_optim.disk.multipart import multipart_of
 
     output = str(getattr(args, "output", ""))
-    if args.run is not run_consolidate or not is_safetensors_name(output) or where(output).local_path() is not None:
+    if args.run is not run_consolidate or not is_safetensors_name(output) or where(output).shared_by_processes():
         return False
     parent, name = output.rstrip("/").rsplit("/", 1)
     return multipart_of(where(parent), name) is not None

@@ -52,13 +52,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdp_optim.disk.byte_io import ByteIO, StoredObject
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.disk.staged import Claims
 from fsdp_optim.disk.store_policy import RetryPolicy
+
+if TYPE_CHECKING:
+    from fsdp_optim.disk.multipart import Multipart
 
 __all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject", "Where", "is_url"]
 
@@ -342,6 +345,11 @@ class Location(ByteIO):
         they share; ``os.fspath`` of it is then its path). ``False`` by default: an object is written whole, by one
         writer."""
         return False
+
+    def multipart(self, name: str) -> Multipart | None:  # noqa: ARG002 - none by default
+        """Object ``name`` written as the parts of one multipart upload, by any number of processes, where the
+        backend offers it (:mod:`~fsdp_optim.disk.multipart`); ``None`` by default (written whole, by one writer)."""
+        return None
 
     def same_place(self, other: Location) -> bool:
         """Whether ``other`` names this very location (by default: the same :meth:`identity`)."""

@@ -22,7 +22,10 @@ import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from fsdp_optim.disk.location import Location
 
 __all__ = ["Multipart", "Part", "S3Multipart", "multipart_of"]
 
@@ -48,11 +51,11 @@ class Multipart(Protocol):
     def abort(self, upload_id: str) -> None: ...
 
 
-def multipart_of(location: Any, name: str) -> Multipart | None:
-    """Object ``name`` of ``location`` as a multipart upload, where its backend offers one (``multipart(name)``);
-    ``None`` elsewhere (a local directory, a backend without the API)."""
-    offer = getattr(location, "multipart", None)
-    return None if offer is None else offer(name)
+def multipart_of(location: Location, name: str) -> Multipart | None:
+    """Object ``name`` of ``location`` as a multipart upload, where its backend offers one
+    (:meth:`~fsdp_optim.disk.location.Location.multipart`); ``None`` elsewhere (a local directory, a backend without
+    the API)."""
+    return location.multipart(name)
 
 
 class S3Multipart:

@@ -39,7 +39,7 @@ def consolidate_across(
 ) -> str | None:  # fmt: skip
     """The module docstring's steps on this process; ``opening()`` opens the source (and checks the output) on
     each. Returns the report (:func:`~fsdp_optim.offline.onefile.described`) on process 0, ``None`` elsewhere."""
-    if where(str(output)).local_path() is None:  # an object store's: the parts of one multipart upload
+    if not where(str(output)).shared_by_processes():  # written whole by one writer: the parts of one multipart upload
         from fsdp_optim.offline.parallel.upload import upload_across
 
         return upload_across(team, opening, str(output), rank=rank, no_model=no_model, inputs=inputs,
