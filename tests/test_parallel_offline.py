@@ -161,6 +161,43 @@ def test_two_processes_write_inside_one_file(big: Path, tmp_path: Path, new_worl
     assert_same_but_save_id(one, two)
 
 
+def test_a_laid_out_file_filled_in_any_order_is_the_one_written_whole(big: Path, tmp_path: Path) -> None:
+    """Three shares' runs written into laid-out files last share first: each file is byte for byte the one
+    ``write_streamed`` writes, and its record the same; a file with one run left unwritten is refused."""
+    from fsdp_optim.core.dtypes import dtype_from_str
+    from fsdp_optim.formats.sharded.ranged import finished_record, laid_out, lay_out_file, write_chunks
+    from fsdp_optim.formats.sharded.reader import open_checkpoint
+    from fsdp_optim.formats.sharded.streamed import write_streamed
+    from fsdp_optim.offline.onefile import preallocate
+    from fsdp_optim.offline.parallel.reshard import plan_reshard
+    from fsdp_optim.offline.parallel.stretches import cut_piece
+
+    whole, ranged, torn = (tmp_path / n for n in ("whole", "ranged", "torn"))
+    for d in (whole, ranged, torn):
+        d.mkdir()
+    with open_checkpoint(big) as ckpt:
+        planned = plan_reshard(ckpt, 2, "ab" * 16, 3, "refuse")
+        layouts = [laid_out(planned.final, r) for r in range(2)]
+        for d in (ranged, torn):
+            for layout in layouts:
+                lay_out_file(d / layout.name, layout, preallocate)
+        runs = [run for p in (2, 1, 0) for run in planned.share(p)]
+        assert len({run.rank for run in planned.share(1)}) == 2, "process 1's share crosses both files"
+        for k, run in enumerate(runs):
+            read, dtype = planned.plan.source.reader(run.rank), dtype_from_str(run.name, where="test")
+            pieces = [cut_piece(planned.plan, run.rank, piece, dtype, read) for piece in run.pieces]
+            for d in (ranged, torn) if k != len(runs) // 2 else (ranged,):
+                write_chunks(d / layouts[run.rank].name, layouts[run.rank], run.tensor, run.start, run.stop, pieces,
+                             after=lambda n: None)
+        records = [write_streamed(whole, planned.plan, planned.final, r, after_shard=lambda: None) for r in range(2)]
+    for layout, record in zip(layouts, records):
+        assert (ranged / layout.name).read_bytes() == (whole / record.file).read_bytes(), f"{layout.name} differs"
+        assert finished_record(ranged / layout.name, layout) == record, "the same record"
+    missed = layouts[runs[len(runs) // 2].rank]
+    with pytest.raises(ValueError, match="placeholder is left"):
+        finished_record(torn / missed.name, missed)
+
+
 def _reshard_full_in_ranks(rank: int, world_size: int, full: str, layout: str, out: str) -> str:  # noqa: ARG001
     return str(fsdp_optim.reshard(full, 3, out, layout=layout, parallel=True))
 

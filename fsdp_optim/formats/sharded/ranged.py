@@ -134,7 +134,7 @@ def write_chunks(
     try:
         at = t.data + start * t.itemsize
         for piece in pieces:
-            raw = memoryview(piece.detach().contiguous().view(torch.uint8).numpy()).cast("B")
+            raw = memoryview(piece.detach().contiguous().view(torch.uint8).numpy().data).cast("B")
             hasher.update(raw)
             _write_all(fd, raw, at)
             _check_back(fd, raw, at, path)
