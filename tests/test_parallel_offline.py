@@ -267,9 +267,15 @@ def _run_pair(argv: list[str], failing: dict[int, str]) -> list[tuple[int, str, 
 
 
 @pytest.mark.parametrize(
-    ("victim", "how"), [(1, "kill"), pytest.param(1, "error", marks=pytest.mark.slow), pytest.param(0, "kill", marks=pytest.mark.slow)]
+    ("victim", "how", "kind"),
+    [(1, "kill", "source"), (1, "kill", "big"), pytest.param(1, "error", "source", marks=pytest.mark.slow),
+     pytest.param(0, "kill", "big", marks=pytest.mark.slow)],
 )
-def test_a_failure_anywhere_fails_all_and_commits_nothing(source: Path, tmp_path: Path, victim: int, how: str) -> None:
+def test_a_failure_anywhere_fails_all_and_commits_nothing(
+    request: pytest.FixtureRequest, tmp_path: Path, victim: int, how: str, kind: str
+) -> None:
+    """``kind`` "big": the victim dies after its first run of chunks, in a file the other process writes too."""
+    source = request.getfixturevalue(kind)
     out = tmp_path / "out"
     foreign = tmp_path / "notes.txt"
     foreign.write_text("not ours")
