@@ -190,5 +190,5 @@ def _check_back(fd: int, data: memoryview, offset: int, path: Path) -> None:
     """``OSError`` unless the file holds ``data`` at ``offset`` (read back in pieces)."""
     for at in range(0, len(data), _CHECK_BYTES):
         piece = data[at : at + _CHECK_BYTES]
-        if os.pread(fd, len(piece), offset + at) != piece:
+        if os.pread(fd, len(piece), offset + at) != piece.tobytes():  # bytes to bytes: a memcmp, not item by item
             raise OSError(f"{path}: the bytes read back at offset {offset + at} differ from those written")
