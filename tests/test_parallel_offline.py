@@ -21,7 +21,8 @@ from _dist import free_port, run_ranks
 from test_recut_blocks import _full, _layout
 
 import fsdp_optim
-from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
+from fsdp_optim.core.split import split_by_bytes, split_stream
 from fsdp_optim.offline.verify import verify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +49,51 @@ def test_split_is_contiguous_and_balanced() -> None:
     assert split_by_bytes([10] * 1024, 512).spread() == 0.0, "1024 equal files over 512 processes: 2 each"
     with pytest.raises(ValueError, match="processes: expected at least 1"):
         split_by_bytes([1], 0)
+
+
+def _big_layout(world_size: int) -> ModelLayout:
+    """Six units as ``_layout``'s (one empty, one not sharded, one of float64) but large enough that a rank file
+    holds many 64 KiB chunks: a share can end inside a file, a tensor and a shard."""
+    import torch
+
+    sizes = [(300_001, torch.float32, True), (5, torch.float32, True), (0, torch.float32, True),
+             (70_000, torch.float64, True), (9_000, torch.float32, False), (130_001, torch.float32, True)]  # fmt: skip
+    flats, names = [], []
+    for u, (numel, dtype, sharded) in enumerate(sizes):
+        w, b = ParamSpec(f"u{u}.w", (numel,), 0), ParamSpec(f"u{u}.b", (3,), numel)
+        flats.append(FlatParamLayout(f"u{u}", (w, b), world_size if sharded else 1, 0, dtype, True))
+        names += [w.name, b.name]
+    return ModelLayout(tuple(flats), tuple(names), world_size, 0)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``_big_layout``'s checkpoint at world size 2 (~3.5 MiB of state)."""
+    src = tmp_path_factory.mktemp("parallel_big") / "src"
+    fsdp_optim.reshard(_full(_big_layout(4)), 2, src, layout=_big_layout(4))
+    return src
+
+
+def test_stream_split_cuts_on_chunks_and_balances() -> None:
+    """Equal shares of all the files' bytes, cut only on a chunk boundary or a tensor's end, each byte once; the
+    owner of a file holds its first byte."""
+    tensors = [(1_000_000, 65536), (4, 65536), (300_000, 65536)]
+    d = sum(n for n, _ in tensors)
+    bounds = {0, d} | {b + k for b, (n, c) in zip([0, 1_000_000, 1_000_004], tensors) for k in range(0, n, c)}
+    for outputs, processes in [(3, 2), (1, 2), (7, 4), (992, 512), (992, 64), (2, 5)]:
+        split = split_stream(outputs, tensors, processes)
+        covered = [(s.output, s.start, s.stop) for p in range(processes) for s in split.stretches(p)]
+        assert sum(b - a for _, a, b in covered) == outputs * d, f"every byte once: {covered[:4]}"
+        assert covered == sorted(covered), "in order, no overlap"
+        assert all(a in bounds and b in bounds for _, a, b in covered), f"cut inside a chunk: {covered}"
+        assert all(abs(n - outputs * d / processes) <= 65536 for n in split.nbytes), split.nbytes
+        owners = [split.owner(o) for o in range(outputs)]
+        assert owners == [p for p in range(processes) for _ in split.owned(p)], "owned runs agree with owner()"
+        assert all(any(s.output == o and s.start == 0 for s in split.stretches(owners[o])) for o in range(outputs)), owners
+    metaseq = split_stream(992, [(2_822_000_000, 65536), (1_000_000, 65536)], 512)
+    assert metaseq.spread() < 0.0001, f"992 files of 2.8 GB over 512 processes: {metaseq.spread()}"
+    with pytest.raises(ValueError, match="processes: expected at least 1"):
+        split_stream(3, tensors, 0)
 
 
 def _rank_file(path: Path) -> tuple[list[str], dict[str, Any], bytes]:
@@ -90,6 +136,68 @@ def test_two_processes_write_what_one_writes(source: Path, tmp_path: Path, new_w
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no staging directory or lock is left"
 
 
+@pytest.mark.parametrize("new_world_size", [1, 3])
+def test_two_processes_write_inside_one_file(big: Path, tmp_path: Path, new_world_size: int) -> None:
+    """A file written by both processes (each its bytes at their offsets, its chunks' digests into their header
+    slots): the bytes one process writes; each process's share within a chunk of half."""
+    from fsdp_optim.formats.sharded.reader import open_checkpoint
+    from fsdp_optim.offline.parallel.reshard import plan_reshard, share_spans
+
+    with open_checkpoint(big) as ckpt:
+        planned = plan_reshard(ckpt, new_world_size, "0" * 32, 2, "refuse")
+        shares = [planned.split.stretches(p) for p in range(2)]
+        read = [sum(s.stop - s.start for s in share_spans(ckpt, planned, planned.share(p))) for p in range(2)]
+        alone = plan_reshard(ckpt, new_world_size, "0" * 32, 1, "refuse")
+        once = sum(s.stop - s.start for s in share_spans(ckpt, alone, alone.share(0)))
+    assert shares[0][-1].output == shares[1][0].output and shares[1][0].start > 0, f"a file split: {shares}"
+    assert abs(planned.split.nbytes[0] - planned.split.nbytes[1]) <= 2 * 65536, planned.split.nbytes
+    headers = 2 * 8192  # both processes read both source files' headers
+    shared = 6 * 2 * 65536  # at most one source chunk per (unit, state key), where the two shares meet
+    assert sum(read) <= once + headers + shared, f"each source byte read once but where shares meet: {read}, {once}"
+    one, two = tmp_path / "one", tmp_path / "two"
+    fsdp_optim.reshard(big, new_world_size, one)
+    results = run_ranks(_reshard_in_ranks, 2, str(big), str(two), new_world_size, deadline_s=180)
+    assert results == [str(two / "manifest.json")] * 2, results
+    assert_same_but_save_id(one, two)
+
+
+def test_a_laid_out_file_filled_in_any_order_is_the_one_written_whole(big: Path, tmp_path: Path) -> None:
+    """Three shares' runs written into laid-out files last share first: each file is byte for byte the one
+    ``write_streamed`` writes, and its record the same; a file with one run left unwritten is refused."""
+    from fsdp_optim.core.dtypes import dtype_from_str
+    from fsdp_optim.formats.sharded.ranged import finished_record, laid_out, lay_out_file, write_chunks
+    from fsdp_optim.formats.sharded.reader import open_checkpoint
+    from fsdp_optim.formats.sharded.streamed import write_streamed
+    from fsdp_optim.offline.onefile import preallocate
+    from fsdp_optim.offline.parallel.reshard import plan_reshard
+    from fsdp_optim.offline.parallel.stretches import cut_piece
+
+    whole, ranged, torn = (tmp_path / n for n in ("whole", "ranged", "torn"))
+    for d in (whole, ranged, torn):
+        d.mkdir()
+    with open_checkpoint(big) as ckpt:
+        planned = plan_reshard(ckpt, 2, "ab" * 16, 3, "refuse")
+        layouts = [laid_out(planned.final, r) for r in range(2)]
+        for d in (ranged, torn):
+            for layout in layouts:
+                lay_out_file(d / layout.name, layout, preallocate)
+        runs = [run for p in (2, 1, 0) for run in planned.share(p)]
+        assert len({run.rank for run in planned.share(1)}) == 2, "process 1's share crosses both files"
+        for k, run in enumerate(runs):
+            read, dtype = planned.plan.source.reader(run.rank), dtype_from_str(run.name, where="test")
+            pieces = [cut_piece(planned.plan, run.rank, piece, dtype, read) for piece in run.pieces]
+            for d in (ranged, torn) if k != len(runs) // 2 else (ranged,):
+                write_chunks(d / layouts[run.rank].name, layouts[run.rank], run.tensor, run.start, run.stop, pieces,
+                             after=lambda n: None)
+        records = [write_streamed(whole, planned.plan, planned.final, r, after_shard=lambda: None) for r in range(2)]
+    for layout, record in zip(layouts, records):
+        assert (ranged / layout.name).read_bytes() == (whole / record.file).read_bytes(), f"{layout.name} differs"
+        assert finished_record(ranged / layout.name, layout) == record, "the same record"
+    missed = layouts[runs[len(runs) // 2].rank]
+    with pytest.raises(ValueError, match="placeholder is left"):
+        finished_record(torn / missed.name, missed)
+
+
 def _reshard_full_in_ranks(rank: int, world_size: int, full: str, layout: str, out: str) -> str:  # noqa: ARG001
     return str(fsdp_optim.reshard(full, 3, out, layout=layout, parallel=True))
 
@@ -118,17 +226,17 @@ def test_parallel_needs_a_team(source: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists(), "nothing written"
 
 
-# A process of the CLI that fails (or is killed) right after it has written and verified its first rank file.
+# A process of the CLI that fails (or is killed) right after it has written and read back its first run of chunks.
 _FAILING = """
 import os, signal, sys
 import fsdp_optim.offline.parallel.reshard as R
-real = R.check_written
-def failing(path, record):
-    real(path, record)
+real = R.write_chunks
+def failing(path, *args, **kwargs):
+    real(path, *args, **kwargs)
     if sys.argv[1] in ("kill", "stop"):
         os.kill(os.getpid(), signal.SIGKILL if sys.argv[1] == "kill" else signal.SIGSTOP)
     raise OSError(f"disk full (injected) after {path.name}")
-R.check_written = failing
+R.write_chunks = failing
 from fsdp_optim.cli import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -159,9 +267,15 @@ def _run_pair(argv: list[str], failing: dict[int, str]) -> list[tuple[int, str, 
 
 
 @pytest.mark.parametrize(
-    ("victim", "how"), [(1, "kill"), pytest.param(1, "error", marks=pytest.mark.slow), pytest.param(0, "kill", marks=pytest.mark.slow)]
+    ("victim", "how", "kind"),
+    [(1, "kill", "source"), (1, "kill", "big"), pytest.param(1, "error", "source", marks=pytest.mark.slow),
+     pytest.param(0, "kill", "big", marks=pytest.mark.slow)],
 )
-def test_a_failure_anywhere_fails_all_and_commits_nothing(source: Path, tmp_path: Path, victim: int, how: str) -> None:
+def test_a_failure_anywhere_fails_all_and_commits_nothing(
+    request: pytest.FixtureRequest, tmp_path: Path, victim: int, how: str, kind: str
+) -> None:
+    """``kind`` "big": the victim dies after its first run of chunks, in a file the other process writes too."""
+    source = request.getfixturevalue(kind)
     out = tmp_path / "out"
     foreign = tmp_path / "notes.txt"
     foreign.write_text("not ours")
@@ -220,14 +334,15 @@ def test_torchrun_two_processes(source: Path, tmp_path: Path) -> None:
     assert_same_but_save_id(tmp_path / "one", out)
 
 
-def test_torchrun_two_nodes_of_two(source: Path, tmp_path: Path) -> None:
-    """Two "nodes" on loopback (a static master), 4 processes, 7 output ranks."""
+def test_torchrun_two_nodes_of_two(big: Path, tmp_path: Path) -> None:
+    """Two "nodes" on loopback (a static master), 4 processes, 3 output ranks: files written by processes of both
+    nodes."""
     out, port = tmp_path / "out", free_port()
-    argv = ["reshard", str(source), "--world-size", "7", "-o", str(out)]
+    argv = ["reshard", str(big), "--world-size", "3", "-o", str(out)]
     nodes = [_torchrun(argv, nnodes=2, node_rank=n, port=port) for n in range(2)]
     outputs = [p.communicate(timeout=300) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], [err for _, err in outputs]
-    fsdp_optim.reshard(source, 7, tmp_path / "one")
+    fsdp_optim.reshard(big, 3, tmp_path / "one")
     assert_same_but_save_id(tmp_path / "one", out)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -27,11 +28,13 @@ def _here(gib: float, repeats: int) -> dict[str, Any]:
         size = make_source(src, gib)
         print(f"source: {size} bytes on tmpfs", flush=True)
         runs = []
+        load = {"before": list(os.getloadavg())}
         for processes in (1, 2):
             run = timed(src, processes, 3, repeats) | {"bytes_read": planned_reads(src, 3, processes)}
             print(json.dumps(run), flush=True)
             runs.append(run)
-        return {"gib": gib, "input_bytes": size, "runs": runs}
+            load[f"after {processes} process{'es' if processes > 1 else ''}"] = list(os.getloadavg())
+        return {"gib": gib, "input_bytes": size, "runs": runs, "loadavg": load}
 
 
 def _on_disk(args: argparse.Namespace, argv: list[str] | None) -> int:

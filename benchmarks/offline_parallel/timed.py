@@ -1,8 +1,8 @@
 """The run here: a synthetic optimizer-only checkpoint of ``gib`` GiB (64 units, Adam's two fp32 keys) written on
 tmpfs at world size 2 by the package's own streamed writer, then resharded 2 -> 3 by one process and by ``torchrun
 --nproc_per_node 2``; each timed net of its launcher running ``inspect`` (reads the manifest only), best of
-``repeats``. Bytes read per process are what its plan reads (``byte_ranges.cut_spans`` of its output ranks: the
-chunk-widened ranges the reader maps and verifies; mmap reads on tmpfs count no I/O to measure)."""
+``repeats``. Bytes read per process are what its plan reads (``reshard.share_spans`` of its share: the
+chunk-widened ranges the reader maps and verifies, headers included; mmap reads on tmpfs count no I/O to measure)."""
 
 from __future__ import annotations
 
@@ -25,12 +25,11 @@ from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.plan import Source, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
 from fsdp_optim.disk.atomic import new_save_id
-from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.streamed import write_streamed
 from fsdp_optim.formats.sharded.writer import write_manifest
-from fsdp_optim.offline.parallel.reshard import plan_reshard
+from fsdp_optim.offline.parallel.reshard import plan_reshard, share_spans
 from fsdp_optim.offline.rank_writes import described
 
 from ..peak import ROOT
@@ -65,7 +64,7 @@ def planned_reads(src: Path, world_size: int, processes: int) -> list[int]:
     """Bytes of the source each of ``processes`` processes reads re-cutting it for ``world_size`` ranks."""
     with open_checkpoint(src) as ckpt:
         planned = plan_reshard(ckpt, world_size, new_save_id(), processes, "refuse")
-        return [sum(s.stop - s.start for s in cut_spans(ckpt, planned.plan, run)) for run in planned.runs]
+        return [sum(s.stop - s.start for s in share_spans(ckpt, planned, planned.share(p))) for p in range(processes)]
 
 
 def _free_port() -> int:

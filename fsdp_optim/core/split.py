@@ -1,6 +1,11 @@
 """Which process of an offline job writes which output: the outputs (rank files, in rank order) split by bytes into
 contiguous runs, one per process. Pure: every process computes the same split from the same sizes, so nothing is
-sent but the sizes' source (the plan, which every process makes alike).
+sent but the sizes' source (the plan, which every process makes alike). Two splits:
+
+- :func:`split_stream`: the outputs' data as one stream of bytes cut into equal shares at chunk boundaries, a file
+  written by several processes where a cut falls inside it (each writes its bytes at their offsets); shares within
+  one chunk of each other, whatever the number of files and processes;
+- :func:`split_by_bytes`: whole outputs per process (files checked or written whole).
 
 Contiguous runs, not a greedy largest-first packing: output rank ``r`` of a re-cut reads the input elements
 ``[r * c', (r + 1) * c')`` of every unit, so neighbouring outputs read neighbouring input bytes, and a run of them
@@ -14,10 +19,11 @@ by at most one output's size::
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Split", "split_by_bytes"]
+__all__ = ["Split", "Stretch", "StreamSplit", "split_by_bytes", "split_stream"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +62,93 @@ def split_by_bytes(sizes: Sequence[int], processes: int) -> Split:
         at += n
     runs = tuple(tuple(i for i, o in enumerate(owners) if o == p) for p in range(processes))
     return Split(runs, tuple(sum(sizes[i] for i in run) for run in runs))
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """Data bytes ``[start, stop)`` of output ``output`` (offsets in its data, the header not counted)."""
+
+    output: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class StreamSplit:
+    """``outputs`` outputs of ``file_bytes`` data bytes each, read as one stream (output 0's data, then output
+    1's, ...) and cut at ``cuts`` (``processes + 1`` stream offsets, from 0 to the end): process ``p`` writes
+    stream bytes ``[cuts[p], cuts[p + 1])``. The *owner* of an output (the process whose share holds its first
+    data byte; by count when outputs hold no data) lays it out and finishes it::
+
+        3 outputs of 100 bytes, 2 processes: cuts (0, 150, 300)
+        process 0: output 0 [0, 100), output 1 [0, 50)      owns outputs 0, 1
+        process 1: output 1 [50, 100), output 2 [0, 100)    owns output 2
+    """
+
+    outputs: int
+    file_bytes: int
+    cuts: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> tuple[int, ...]:
+        """Each process's data bytes."""
+        return tuple(b - a for a, b in zip(self.cuts, self.cuts[1:]))
+
+    def spread(self) -> float:
+        """The largest relative distance of a process's bytes from the mean (0.0: perfectly even)."""
+        return Split((), self.nbytes).spread()
+
+    def stretches(self, process: int) -> tuple[Stretch, ...]:
+        """Process ``process``'s share, one :class:`Stretch` per output it writes into, in order."""
+        lo, hi, d = self.cuts[process], self.cuts[process + 1], self.file_bytes
+        out = []
+        while lo < hi:
+            o = lo // d
+            stop = min(hi, (o + 1) * d)
+            out.append(Stretch(o, lo - o * d, stop - o * d))
+            lo = stop
+        return tuple(out)
+
+    def owned(self, process: int) -> range:
+        """The outputs ``process`` owns (a contiguous run, maybe empty)."""
+        processes, d = len(self.cuts) - 1, self.file_bytes
+        if d == 0:
+            return range(-(-process * self.outputs // processes), -(-(process + 1) * self.outputs // processes))
+        return range(-(-self.cuts[process] // d), min(-(-self.cuts[process + 1] // d), self.outputs))
+
+    def owner(self, output: int) -> int:
+        """The process that owns ``output``."""
+        if self.file_bytes == 0:
+            return next(p for p in range(len(self.cuts) - 1) if output in self.owned(p))
+        return bisect_right(self.cuts, output * self.file_bytes, hi=len(self.cuts) - 1) - 1
+
+
+def split_stream(outputs: int, tensors: Sequence[tuple[int, int]], processes: int) -> StreamSplit:
+    """``outputs`` outputs alike, each's data the ``tensors`` ``(bytes, chunk bytes)`` one after another, split over
+    ``processes`` (see :class:`StreamSplit`): cut ``p`` is the chunk boundary (or tensor end) nearest to
+    ``p / processes`` of the stream, so no chunk is cut and a process's bytes are within a chunk of the mean each
+    side."""
+    if processes < 1:
+        raise ValueError(f"processes: expected at least 1, found {processes}")
+    if outputs < 0 or any(n < 0 or c < 1 for n, c in tensors):
+        raise ValueError(f"expected outputs >= 0 and tensors of bytes >= 0, chunks >= 1, found {outputs}, {tensors}")
+    d = sum(n for n, _ in tensors)
+    total = outputs * d
+    cuts = [0]
+    for p in range(1, processes):
+        at = p * total // processes
+        o = at // d if d else 0
+        cuts.append(o * d + _snap(tensors, at - o * d))
+    cuts.append(total)
+    return StreamSplit(outputs, d, tuple(cuts))
+
+
+def _snap(tensors: Sequence[tuple[int, int]], x: int) -> int:
+    """The chunk boundary or tensor end nearest to data offset ``x`` of one output (non-decreasing in ``x``)."""
+    base = 0
+    for n, chunk in tensors:
+        if x < base + n:
+            k = (2 * (x - base) + chunk) // (2 * chunk)  # the nearest multiple of chunk (a half: up)
+            return base + min(k * chunk, n)
+        base += n
+    return base

@@ -143,7 +143,7 @@ def _put(fd: int, tensor: torch.Tensor, offset: int, where: str) -> None:
         done += os.pwrite(fd, data[done : done + _IO_BYTES], offset + done)
     for at in range(0, len(data), _IO_BYTES):
         piece = data[at : at + _IO_BYTES]
-        if os.pread(fd, len(piece), offset + at) != piece:
+        if os.pread(fd, len(piece), offset + at) != piece.tobytes():  # bytes to bytes: a memcmp, not item by item
             raise OSError(f"{where}: the bytes read back at offset {offset + at} differ from those written")
 
 

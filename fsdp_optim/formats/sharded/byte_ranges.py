@@ -26,7 +26,7 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import chunk_elements
 from fsdp_optim.formats.sharded.side_file import OWN, side_ranks
 
-__all__ = ["Ranges", "Span", "cut_spans", "files_read", "join_overlapping", "load_spans"]
+__all__ = ["Ranges", "Span", "cut_spans", "files_read", "join_overlapping", "load_spans", "read_spans"]
 
 Ranges = list[tuple[str, int, int]]  # (file name, start, stop): disjoint byte ranges of each file, in order of use
 
@@ -82,6 +82,12 @@ def cut_spans(ckpt: ShardedCheckpoint, the_plan: Plan, ranks: Iterable[int]) -> 
     if ckpt.manifest.version < 3:
         return []
     return _rank_file_ranges(ckpt, ((rank, read) for rank in ranks for read in read_ranges(the_plan, rank)))
+
+
+def read_spans(ckpt: ShardedCheckpoint, reads: Iterable[tuple[int, tuple[int, str, int, int]]]) -> list[Span]:
+    """:func:`cut_spans` of any reads: ``(output rank reading, (source flat, state key, start, stop))`` each, in order
+    of use; format 3 only (else none)."""
+    return _rank_file_ranges(ckpt, reads) if ckpt.manifest.version >= 3 else []
 
 
 def _rank_file_ranges(ckpt: ShardedCheckpoint, reads: Iterable[tuple[int, tuple[int, str, int, int]]]) -> list[Span]:

@@ -48,6 +48,7 @@ from fsdp_optim.formats.sharded.segments import (
 )
 
 __all__ = [
+    "DIGEST_PLACEHOLDER",
     "FileLayout",
     "Pieces",
     "RankFile",
@@ -67,7 +68,7 @@ Pieces = Callable[[Sequence[torch.Tensor]], Iterator[torch.Tensor]]
 until the next is asked for (a staging ring may reuse its memory then). :func:`host_pieces` serves tensors already
 in host memory; a job hands the writer its device-to-host stager's (:mod:`fsdp_optim.job.stager`)."""
 
-_PLACEHOLDER = "xxh3-128:" + "0" * 32  # a digest's length: the header is written once the data has been hashed
+DIGEST_PLACEHOLDER = "xxh3-128:" + "0" * 32  # a digest's length: the header is written once the data has been hashed
 
 
 def host_pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -138,7 +139,7 @@ def _checksums_text(hashers: Mapping[str, ChunkHasher], *, placeholder: bool) ->
     """The header's ``checksums`` entry: ``{tensor: [digest, ...]}`` as compact JSON (placeholders of equal length
     while the data is not yet hashed)."""
     if placeholder:
-        found = {name: [_PLACEHOLDER] * h.chunks for name, h in hashers.items()}
+        found = {name: [DIGEST_PLACEHOLDER] * h.chunks for name, h in hashers.items()}
     else:
         found = {name: list(h.digests()) for name, h in hashers.items()}
     return json.dumps(found, separators=(",", ":"))

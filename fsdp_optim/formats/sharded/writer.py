@@ -50,6 +50,7 @@ __all__ = [
     "begin_write",
     "end_write",
     "save_rules",
+    "shard_metadata",
     "write_all_or_nothing",
     "write_manifest",
     "write_shard_file",
@@ -170,6 +171,11 @@ def _journaled(entry: JournalEntry) -> tuple[str | None, int | None]:
     if not (world_size is not None and 0 < world_size <= MAX_WORLD_SIZE):
         return None, None
     return sid, world_size
+
+
+def shard_metadata(save_id: str, rank: int, world_size: int) -> dict[str, str]:
+    """A rank file's header metadata before the writer adds its chunk size and checksums."""
+    return _metadata(save_id, rank, world_size)
 
 
 def _metadata(save_id: str, rank: int, world_size: int) -> dict[str, str]:

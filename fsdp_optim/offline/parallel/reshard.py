@@ -4,15 +4,23 @@ The steps, every one ended by an agreement (a failure anywhere fails every proce
 
     every process   opens the source, plans alike (process 0's save id)    -> agree: the plan
     process 0       opens the output: lock, recover, journal, staging dir   -> agree: the output; its staging dir sent
-    every process   writes its run of output rank files (core/split.py) into the staging dir, one shard at a time,
-                    reads each back against its checksums; the watch counts bytes and stops all on a failure
-                                                                            -> agree: every share written and verified
+    every process   lays out the output rank files it owns (core/split.py split_stream: the file's first data byte
+                    is in its share): created, preallocated, the header with placeholder digests written
+                                                                            -> agree: every file laid out
+    every process   writes its share of the files' data (equal shares of all the files' bytes, cut on chunk
+                    boundaries: a file may be written by several) at its offsets, one piece at a time, each read
+                    back, and its chunks' digests into their header slots (formats/sharded/ranged.py); the watch
+                    counts bytes and stops all on a failure       -> agree: every share written and verified
+    every process   checks the headers of the files it owns (every digest filled in) and makes their records
+                                                                            -> agree: every file finished
     process 0       gathers the records, carries a whole checkpoint's side files, moves the files in and writes the
                     manifest last (disk/staged.py, the one way out)         -> agree: the commit
 
 The output must be a directory every process sees (a shared file system): process 0 locks and journals it, so a run
 killed anywhere is undone by the next writer, as for one process. The files are those one process writes: the same
-names (but for the save id) and the same bytes.
+names (but for the save id) and the same bytes (the same header encoder, the same chunk digests, whoever made them).
+Each process reads only the source ranges its share needs: two processes share at most a chunk of the source where
+their shares meet.
 """
 
 from __future__ import annotations
@@ -25,48 +33,68 @@ from typing import Any
 
 import torch
 
+from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.plan import Plan, plan
-from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.core.split import StreamSplit, split_stream
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Stage, staged_output
-from fsdp_optim.formats.sharded.byte_ranges import cut_spans
+from fsdp_optim.formats.sharded.byte_ranges import Span, read_spans
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
-from fsdp_optim.formats.sharded.rank_file import host_pieces
+from fsdp_optim.formats.sharded.ranged import LaidOutFile, finished_record, laid_out, lay_out_file, write_chunks
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
-from fsdp_optim.formats.sharded.streamed import check_written, rank_file_bytes, write_streamed
 from fsdp_optim.formats.sharded.writer import CHECKPOINT, write_manifest
 from fsdp_optim.job.team import Team
+from fsdp_optim.offline.onefile import preallocate
+from fsdp_optim.offline.parallel.stretches import ChunkRun, FileLayout, chunk_runs, cut_piece, piece_reads
 from fsdp_optim.offline.rank_writes import described
 from fsdp_optim.offline.whole import carry_side_files, check_resharding, is_whole
 
-__all__ = ["Planned", "plan_reshard", "reshard_across"]
+__all__ = ["Planned", "plan_reshard", "reshard_across", "share_spans"]
 
 
 @dataclass(frozen=True)
 class Planned:
     """A re-cut as every process plans it: the plan, the target manifest it fills (no files yet), whether the
-    checkpoint is whole, and the output ranks each process writes."""
+    checkpoint is whole, where each shard lies in every output file, and the files' bytes split over the processes."""
 
     plan: Plan
     final: Manifest
     whole: bool
-    runs: tuple[tuple[int, ...], ...]
+    layout: FileLayout
+    split: StreamSplit
+
+    def share(self, process: int) -> list[ChunkRun]:
+        """What ``process`` writes: its stretches of the output files as runs of chunks of their tensors."""
+        return chunk_runs(self.layout, self.split.stretches(process))
 
 
 def plan_reshard(ckpt: ShardedCheckpoint, world_size: int, save_id: str, processes: int, buffers: str) -> Planned:
-    """The plan of re-cutting ``ckpt`` for ``world_size`` ranks, and the output ranks split over ``processes``
-    (:func:`~fsdp_optim.core.split.split_by_bytes`): pure of the process, so every process makes the same."""
+    """The plan of re-cutting ``ckpt`` for ``world_size`` ranks, and the output files' data split over
+    ``processes`` (:func:`~fsdp_optim.core.split.split_stream`): pure of the process, so every process makes the
+    same."""
     target = replace(ckpt.manifest.with_world_size(world_size), save_id=save_id)
     whole = is_whole(ckpt)
     if whole:
         check_resharding(ckpt, world_size, buffers)
     the_plan = plan(ckpt.whole_source() if whole else ckpt.source(), target.layout(0))
     final = described(the_plan, target)
-    split = split_by_bytes([rank_file_bytes(final)] * world_size, processes)
-    return Planned(the_plan, final, whole, split.runs)
+    layout = file_layout(manifest_shards(final.flat_params, ShardIndex.of(final.flat_params)))
+    items = {name: dtype_from_str(name, where="state").itemsize for name in layout[1]}
+    tensors = [(n * items[name], chunk_elements(dtype_from_str(name, where="state"), CHUNK_BYTES) * items[name])
+               for name, n in layout[1].items()]  # fmt: skip
+    return Planned(the_plan, final, whole, layout, split_stream(world_size, tensors, processes))
+
+
+def share_spans(ckpt: ShardedCheckpoint, planned: Planned, runs: Sequence[ChunkRun]) -> list[Span]:
+    """The source ranges (chunk-widened, headers included) that writing ``runs`` reads, in order of use."""
+    reads = ((run.rank, (source, piece.key, first, last)) for run in runs for piece in run.pieces
+             for source, _, first, last in piece_reads(planned.plan, run.rank, piece))  # fmt: skip
+    return read_spans(ckpt, reads)
 
 
 def reshard_across(
@@ -137,36 +165,58 @@ def _commit(
 
 
 def _share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging: Path, *, bar: bool) -> list[FileRecord]:
-    """This process's run of output rank files written into ``staging`` and read back; every process agrees that
-    every share is done before any returns."""
-    ranks = planned.runs[team.rank]
-    done = [0]
-
-    def counted(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-        for piece in host_pieces(parts):
-            yield piece
-            done[0] += piece.numel()
-
-    total = rank_file_bytes(planned.final) * planned.final.world_size
-    watch = team.watch(lambda: done[0], total=total, bar=bar)
-
-    def after_shard() -> None:
-        ckpt.trim()
-        watch.check()
-
-    records: list[FileRecord] = []
+    """This process's part of the module docstring's three share steps, each agreed by every process; the records
+    of the files it owns."""
+    owned = [laid_out(planned.final, rank) for rank in planned.split.owned(team.rank)]
     failure: BaseException | None = None
     try:
         if not staging.is_dir():
             raise ValueError(f"{staging}: process 0's staging directory is not visible here: the output must be on a "
                              "file system every process shares")  # fmt: skip
-        with fetched_ahead(ckpt, lambda: cut_spans(ckpt, planned.plan, ranks)):
-            for rank in ranks:
-                record = write_streamed(staging, planned.plan, planned.final, rank, after_shard=after_shard,
-                                        pieces=counted)  # fmt: skip
-                check_written(staging / record.file, record)
-                records.append(record)
+        for layout in owned:
+            lay_out_file(staging / layout.name, layout, preallocate)
+    except Exception as exc:
+        failure = exc
+    team.agree(failure, "reshard: the output files could not be laid out; nothing was committed")
+    _write_share(team, ckpt, planned, staging, bar=bar)
+    records: list[FileRecord] = []
+    try:
+        records = [finished_record(staging / layout.name, layout) for layout in owned]
+    except Exception as exc:
+        failure = exc
+    team.agree(failure, "reshard: a written rank file did not check; nothing was committed")
+    return records
+
+
+def _write_share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging: Path, *, bar: bool) -> None:
+    """This process's runs written into the laid-out files, one piece at a time; every process agrees that every
+    share is written before any returns."""
+    runs = planned.share(team.rank)
+    done = [0]
+    watch = team.watch(lambda: done[0], total=planned.split.file_bytes * planned.split.outputs, bar=bar)
+
+    def after(nbytes: int) -> None:
+        done[0] += nbytes
+        ckpt.trim()
+        watch.check()
+
+    failure: BaseException | None = None
+    try:
+        layout: LaidOutFile | None = None
+        with fetched_ahead(ckpt, lambda: share_spans(ckpt, planned, runs)):
+            for run in runs:
+                if layout is None or layout.rank != run.rank:
+                    layout = laid_out(planned.final, run.rank)
+                write_chunks(staging / layout.name, layout, run.tensor, run.start, run.stop, _cut(planned, run),
+                             after=after)  # fmt: skip
     except BaseException as exc:
         failure = exc
     team.settle(watch, failure, "reshard failed on another process; nothing was committed")
-    return records
+
+
+def _cut(planned: Planned, run: ChunkRun) -> Iterator[torch.Tensor]:
+    """The pieces of ``run``, each cut when the writer asks for it."""
+    read = planned.plan.source.reader(run.rank)
+    dtype = dtype_from_str(run.name, where="state")
+    for piece in run.pieces:
+        yield cut_piece(planned.plan, run.rank, piece, dtype, read)
