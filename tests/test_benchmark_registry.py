@@ -120,3 +120,18 @@ def test_runner_runs_a_benchmark_in_its_own_process() -> None:
 def test_runner_refuses_bad_input(args: tuple[str, ...], message: str) -> None:
     out = _runner(*args)
     assert out.returncode == 2 and message in out.stderr, f"python -m benchmarks {' '.join(args)}: {out.returncode}, {out.stderr!r}"
+
+
+def test_quick_all_stops_at_the_first_failure(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three quick modes, each a real child process: one that passes, one that fails (a bad option), one never run."""
+    import benchmarks.__main__ as runner
+
+    def quick(args: str) -> registry.Benchmark:
+        return registry.Benchmark("format2", "its header cost", "--layout", "", args, "")
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setattr(runner, "BENCHMARKS", (quick("--layout"), quick("--no-such-option"), quick("--layout --never-run")))
+    assert runner.main(["quick"]) == 2, "a failed quick mode did not fail the run"
+    out = capsys.readouterr()
+    assert out.out.count("== python -m benchmarks.format2") == 2, f"did not stop at the failure:\n{out.out}"
+    assert "FAILED at format2 (exit code 2): `python -m benchmarks.format2 --no-such-option`; passed before it: format2" in out.err, out.err
