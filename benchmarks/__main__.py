@@ -114,9 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if verb == "report" and not rest:
         print(f"wrote {index.write(RESULTS).relative_to(BENCH.parent)}")
         return 0
-    print(USAGE if verb in ("-h", "--help") else f"benchmarks: unknown command {shlex.join(argv)!r}; {USAGE}",
-          file=sys.stdout if verb in ("-h", "--help") else sys.stderr)
-    return 0 if verb in ("-h", "--help") else 2
+    if verb in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    print(f"benchmarks: unknown command {shlex.join(argv)!r}; {USAGE}" if argv else f"benchmarks: no command; {USAGE}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ def test_runner_runs_a_benchmark_in_its_own_process() -> None:
         (("run", "all"), "only `run --quick all`"),
         (("run",), "no benchmark named"),
         (("frobnicate",), "unknown command"),
+        ((), "no command"),
     ],
 )
 def test_runner_refuses_bad_input(args: tuple[str, ...], message: str) -> None:
