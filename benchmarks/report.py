@@ -49,10 +49,10 @@ from typing import Any
 
 from .host import load_average, machine, package
 from .measure import Measurement, MiB, NotAvailable
+from .registry import RESULTS as RESULTS  # where results go (re-exported): benchmarks/registry.py
+from .registry import SCRATCH as SCRATCH
 
 Row = dict[str, Any]
-RESULTS = Path(__file__).parent / "results"  # committed: the latest full runs
-SCRATCH = Path(__file__).parent / "out"  # git-ignored: quick and ad-hoc runs
 
 # ---------------------------------------------------------------------------------------------------
 # The run: its header fields (meta) and its log

@@ -150,11 +150,12 @@ def test_profile_categories_name_existing_modules() -> None:
 
 
 def _data_lines(path: Path) -> set[int]:
-    """Lines of module-level constants that hold literal data (label and target tables), not code."""
+    """Lines of module-level constants that hold literal data (label and target tables, records of literals such as
+    ``registry.BENCHMARKS``), not code."""
     lines: set[int] = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-            if all(isinstance(n, (ast.Constant, ast.Tuple, ast.List, ast.Dict, ast.Name, ast.Load, ast.UnaryOp, ast.USub)) for n in ast.walk(node.value)):
+            if all(isinstance(n, (ast.Constant, ast.Tuple, ast.List, ast.Dict, ast.Name, ast.Load, ast.UnaryOp, ast.USub, ast.Call, ast.keyword)) for n in ast.walk(node.value)):
                 lines.update(range(node.lineno, node.end_lineno + 1))  # type: ignore[operator]
     return lines
 
