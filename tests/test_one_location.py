@@ -1,4 +1,4 @@
-"""Callers hold one :class:`~fsdp_optim.disk.location.Location` and never ask which backend it is (issue 41).
+"""Callers hold one :class:`~fsdp_optim.disk.location.Location` and never ask which backend it is.
 
 - A load resolves its path once: the backend registered for a URL's scheme is opened once per load, however many
   readers (the job's entry, the checkpoint's directory, its manifest, its side files) then use it. Counted by a
