@@ -72,3 +72,9 @@ class FlatStore(ObjectBackend):
     def delete(self, names: Iterable[str]) -> None:
         for name in names:
             self._file(name).unlink(missing_ok=True)
+
+
+def open_flat(url: str, options: object) -> FlatStore:  # noqa: ARG001 - it takes no options
+    """The opener for :func:`fsdp_optim.register_backend`: ``flat://ROOT/ckpt-NAME[/below]``."""
+    root, _, prefix = url.removeprefix("flat://").partition("/ckpt-")
+    return FlatStore(root, f"ckpt-{prefix}")

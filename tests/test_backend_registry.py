@@ -17,23 +17,17 @@ import _models as M
 import pytest
 from _checks import assert_identical
 from _dist import run_ranks
-from _flat_store import FlatStore
+from _flat_store import open_flat
 
 import fsdp_optim
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _flat(url: str, options: dict[str, Any]) -> FlatStore:
-    rest = url.removeprefix("flat://")
-    root, _, prefix = rest.partition("/ckpt-")
-    return FlatStore(root, f"ckpt-{prefix}")
-
-
 def _save_and_load_by_url(rank: int, world_size: int, url: str) -> dict[str, Any]:
     import sys as _sys
 
-    fsdp_optim.register_backend("flat", _flat)
+    fsdp_optim.register_backend("flat", open_flat)
     root = M.wrap(M.make_net(), "deep")
     optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
     M.train_step(root, optim, *M.local_batch(0, rank, world_size))
@@ -77,7 +71,7 @@ def test_a_local_save_imports_no_fsspec_code(tmp_path: Path) -> None:
 @pytest.mark.parametrize("scheme", ["file", "", "1x", "my store"])
 def test_a_scheme_that_is_not_one_is_refused(scheme: str) -> None:
     with pytest.raises(ValueError, match="scheme"):
-        fsdp_optim.register_backend(scheme, _flat)
+        fsdp_optim.register_backend(scheme, open_flat)
 
 
 def test_the_interface_and_its_errors_are_public() -> None:

@@ -2,7 +2,8 @@
 
 The backends are the fixture's parameters: a local directory (``LocalDirectory``), an fsspec filesystem through
 ``ObjectStore`` (``memory://``: a backend the package has no code for, reached through the same class as S3), a
-backend written here as one class with its own commit rule (``tests/_flat_store.py``), and a step of the memory tier
+backend written here as one class with its own commit rule (``tests/_flat_store.py``), the same backend registered
+for its URL scheme and reached through ``where("flat://...")`` as a user's own backend is, and a step of the memory tier
 (``NodeMemory``: a node's directory, committed by a collective seal, its missing bytes received from peers). A new
 backend is one more parameter here. The same calls (listing, sizes, ranged reads, the save call order through a
 real job, a second save replacing the first, a refusal of foreign content; a manager's save, prune and restore)
@@ -21,7 +22,7 @@ import _models as M
 import pytest
 from _checks import assert_identical
 from _dist import run_ranks
-from _flat_store import FlatStore
+from _flat_store import FlatStore, open_flat
 
 import fsdp_optim
 from fsdp_optim.disk.local_directory import LocalDirectory
@@ -31,7 +32,10 @@ from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.formats.sharded.memory_tier import node_dir, read_holdings
 from fsdp_optim.job.node_memory import NodeMemory
 
-BACKENDS = ["local", "memory", "flat", "node"]
+BACKENDS = ["local", "memory", "flat", "url", "node"]
+# "url": the same flat backend registered for its scheme, as a user adds one, and reached through where("flat://...")
+# (at this module's import: a spawned rank imports it too, and registers it again)
+fsdp_optim.register_backend("flat", open_flat)
 # A memory-tier step is written once, by the save whose id names its directory: a second save is a new step, never a
 # replacement, so the memory tier's job runs through a checkpoint manager (save, prune, restore) only.
 REPLACING = [kind for kind in BACKENDS if kind != "node"]
@@ -43,6 +47,8 @@ def _location(kind: str, tmp: str) -> Location:
         return LocalDirectory(Path(tmp) / f"ckpt-{uuid.uuid4().hex[:8]}")
     if kind == "flat":
         return FlatStore(Path(tmp) / "flat", f"ckpt-{uuid.uuid4().hex[:8]}")
+    if kind == "url":
+        return where(f"flat://{Path(tmp) / 'flat'}/ckpt-{uuid.uuid4().hex[:8]}")
     if kind == "node":  # (its group, the default one, is used only by a save's seal and a load's prefetch)
         return NodeMemory(Path(tmp) / "tier" / "node-0" / f"step-{uuid.uuid4().hex[:8]}", None)
     return fsdp_optim.open_store(f"memory://location-test/ckpt-{uuid.uuid4().hex[:8]}")
@@ -100,7 +106,7 @@ def test_reads_are_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
         location.read_all("missing", limit=10)
     assert str(location / "blob") == f"{location}/blob" and str(location.child("sub")) == f"{location}/sub"
     assert where(location) is location
-    if kind != "flat":  # (a flat store is named by its object: no URL scheme of fsspec's leads to it)
+    if kind != "flat":  # (a flat store built by hand is named by its object; registered, its URL leads to it)
         assert where(str(location)) == location
 
 
