@@ -113,13 +113,12 @@ def uploads_itself(args: argparse.Namespace) -> bool:
     """Whether the verb writes its ``-o`` URL itself (``consolidate -o URL.safetensors`` into a store that takes
     multipart uploads) instead of a local file uploaded once written."""
     from fsdp_optim.disk.locations import where
-    from fsdp_optim.disk.multipart import multipart_of
 
     output = str(getattr(args, "output", ""))
     if args.run is not run_consolidate or not is_safetensors_name(output) or where(output).shared_by_processes():
         return False
     parent, name = output.rstrip("/").rsplit("/", 1)
-    return multipart_of(where(parent), name) is not None
+    return where(parent).multipart(name) is not None
 
 
 def run_reshard(args: argparse.Namespace) -> list[str]:

@@ -6,14 +6,15 @@ leaves no object and frees its parts. Before completion nothing is visible under
 anywhere leaves no object (an upload nobody completes or aborts keeps its parts until the bucket's lifecycle rule
 ``AbortIncompleteMultipartUpload`` removes them)::
 
-    upload = multipart_of(where("s3://bucket/x"), "model.safetensors")   # None: the backend has no such API
+    upload = where("s3://bucket/x").multipart("model.safetensors")   # None: the backend has no such API
     upload_id = upload.begin()
     part = upload.put_part(upload_id, 2, data)        # any process; Part(2, etag), the etag checked against md5
     upload.complete(upload_id, [part1, part, ...])    # one process, once every part is in
     upload.abort(upload_id)                            # after a failure
 
 Each call is retried on transient errors under the store's policy (:meth:`ObjectStore._retry`). A backend without
-the API gets ``None`` from :func:`multipart_of`; its caller writes locally and uploads the whole file instead.
+the API gets ``None`` from :meth:`~fsdp_optim.disk.location.Location.multipart`; its caller writes locally and
+uploads the whole file instead.
 """
 
 from __future__ import annotations
@@ -22,12 +23,9 @@ import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from fsdp_optim.disk.location import Location
-
-__all__ = ["Multipart", "Part", "S3Multipart", "multipart_of"]
+__all__ = ["Multipart", "Part", "S3Multipart"]
 
 T = TypeVar("T")
 Retry = Callable[..., Any]  # ObjectStore._retry: (call(limit), what, *, nbytes) -> call's result
@@ -51,11 +49,6 @@ class Multipart(Protocol):
     def abort(self, upload_id: str) -> None: ...
 
 
-def multipart_of(location: Location, name: str) -> Multipart | None:
-    """Object ``name`` of ``location`` as a multipart upload, where its backend offers one
-    (:meth:`~fsdp_optim.disk.location.Location.multipart`); ``None`` elsewhere (a local directory, a backend without
-    the API)."""
-    return location.multipart(name)
 
 
 class S3Multipart:

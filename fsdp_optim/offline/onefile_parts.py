@@ -24,7 +24,7 @@ import torch
 
 from fsdp_optim.core.parts import PART_BYTES, PartPlan, PartSpan, plan_parts
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.multipart import Multipart, Part, multipart_of
+from fsdp_optim.disk.multipart import Multipart, Part
 from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
 from fsdp_optim.offline.onefile import FileLayout, described, lay_out, write_one_process
 
@@ -61,7 +61,7 @@ def open_upload(output: str, *, inputs: Iterable[Any], overwrite: bool) -> tuple
         raise ValueError(f"output: {url} is also an input; write to another place")
     parent, name = url.rsplit("/", 1)
     store = where(parent)
-    upload = multipart_of(store, name)
+    upload = store.multipart(name)
     if upload is None:
         return None
     if not overwrite and store.size(name) is not None:

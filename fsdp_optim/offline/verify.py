@@ -20,8 +20,8 @@ The kind of a file comes from :func:`fsdp_optim.formats.kinds.sniff_kind` (names
 refused (``ValueError``): it is checked against its checkpoint's manifest, so verify the checkpoint directory.
 
 A damaged file is reported, not raised: :attr:`Verification.ok` is false and the file's
-:class:`~fsdp_optim.disk.file_check.FileCheck` says what is wrong (missing, ``truncated: 3000 of 6985 bytes``, a checksum). A path that
-is no checkpoint at all raises as the readers do (``FileNotFoundError``, ``ValueError``).
+:class:`~fsdp_optim.disk.file_check.FileCheck` says what is wrong (missing, ``truncated: 3000 of 6985 bytes``, a
+checksum). A path that is no checkpoint at all raises as the readers do (``FileNotFoundError``, ``ValueError``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any
 from fsdp_optim.core.parts import PART_BYTES, PartPlan
 from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.multipart import Multipart, multipart_of
+from fsdp_optim.disk.multipart import Multipart
 from fsdp_optim.job.team import Team
 from fsdp_optim.offline.onefile import FileLayout, described, lay_out
 from fsdp_optim.offline.onefile_parts import Share, abort_quietly, commit_parts, layout_parts, open_upload, write_parts
@@ -75,7 +75,7 @@ def _begun(team: Team, output: str, *, inputs: tuple[Any, ...], overwrite: bool)
     if begun is not None:
         return begun
     parent, name = output.rstrip("/").rsplit("/", 1)
-    upload = multipart_of(where(parent), name)
+    upload = where(parent).multipart(name)
     if upload is None:
         raise ValueError(f"output: {output}: its store takes no multipart uploads here, though it did on process 0")
     return upload, str(upload_id)
