@@ -89,7 +89,11 @@ class ByteIO(ABC):
     def etag(self, name: str) -> str | None:
         """The object's etag (its version, for :meth:`commit`) as :meth:`listing` gives it (its size and time where
         the backend gives none), ``None`` when there is none."""
-        found = self.listing().get(name)
+        return self.listed_etag(self.listing().get(name))
+
+    def listed_etag(self, found: StoredObject | None) -> str | None:
+        """What :meth:`etag` answers for an object as a :meth:`listing` just gave it (``None``: not listed), asking
+        the backend nothing: a save that has listed its location takes the commit object's version from there."""
         if found is None:
             return None
         return found.etag if found.etag is not None else f"{found.size}-{found.mtime}"
@@ -109,9 +113,10 @@ class ByteIO(ABC):
         self.read_into(name, start, [memoryview(out)])
         return out
 
-    def read_all(self, name: str, *, limit: int) -> bytes:
-        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent."""
-        size = self.size(name)
+    def read_all(self, name: str, *, limit: int, size: int | None = None) -> bytes:
+        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent.
+        ``size``: its size as a listing just gave it (not asked again); by default :meth:`size` asks."""
+        size = self.size(name) if size is None else size
         if size is None:
             raise FileNotFoundError(f"{self}/{name}: no such object")
         if size > limit:

@@ -79,15 +79,15 @@ def is_url(path: object) -> bool:
 class SaveRules:
     """What a format tells a location about a save: ``claims`` (what an output of it owns), ``entry`` (the journal
     entry announcing the save: its id and world size), ``commit_name`` (the object written last, the commit point),
-    ``known`` (names that are never foreign: the format's manifests), and ``listed(location)``: the names the
-    committed checkpoint there lists (replaced by the commit), raising ``ValueError``/``OSError`` when it is not
-    the format's."""
+    ``known`` (names that are never foreign: the format's manifests), and ``listed(location, size)``: the names the
+    committed checkpoint there lists (replaced by the commit; ``size``: its commit object's, as listed), raising
+    ``ValueError``/``OSError`` when it is not the format's."""
 
     claims: Claims
     entry: JournalEntry
     commit_name: str
     known: frozenset[str]
-    listed: Callable[[Location], frozenset[str]]
+    listed: Callable[[Location, int | None], frozenset[str]]
 
     @property
     def tag(self) -> str:
@@ -251,10 +251,11 @@ class Location(ByteIO):
                 "(they are never deleted)"
             )
         replaced: frozenset[str] = frozenset()
-        etag = self.etag(rules.commit_name)
-        if rules.commit_name in listing:
+        committed = listing.get(rules.commit_name)  # its version and size from the listing: nothing asked again
+        etag = self.listed_etag(committed)
+        if committed is not None:
             try:
-                replaced = rules.listed(self)
+                replaced = rules.listed(self, committed.size)
             except (ValueError, OSError) as exc:
                 raise ForeignOutputError(
                     f"{self}: its {rules.commit_name} is not an fsdp_optim manifest ({exc}); the commit would replace "

@@ -266,6 +266,13 @@ class ObjectStore(Location):
             return None
         return etag_of(info) or f"size:{info.get('size')}"
 
+    def listed_etag(self, found: StoredObject | None) -> str | None:
+        """What :meth:`etag` answers for an object as :meth:`listing` gave it (the same entry fields), without a
+        request."""
+        if found is None:
+            return None
+        return found.etag or f"size:{found.size}"
+
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
         """Create object ``name`` only if it is still as this save found it: absent (``replaces=None``) or at etag
         ``replaces``. ``ConcurrentCommitError`` otherwise, and nothing was written.

@@ -274,8 +274,8 @@ def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
     and what the committed manifest there lists (replaced by the commit). A store journals nothing: it needs neither
     the save id nor the world size."""
 
-    def listed(location: Location) -> frozenset[str]:
-        data = location.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+    def listed(location: Location, size: int | None = None) -> frozenset[str]:
+        data = location.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES, size=size)
         return frozenset(manifest_from_json(data, source=str(location / MANIFEST_NAME)).file_names())
 
     entry = JournalEntry(save_id=save_id, world_size=world_size)
