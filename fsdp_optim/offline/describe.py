@@ -144,7 +144,8 @@ def describe_training(ckpt: ShardedCheckpoint) -> list[str]:
     from fsdp_optim.formats.sharded.side_file import read_side_file
 
     manifest, training = ckpt.manifest, ckpt.manifest.training
-    assert training is not None, f"{ckpt.directory}: asked for the model of an optimizer-only checkpoint"
+    if training is None:
+        raise ValueError(f"{ckpt.directory}: asked for the model of an optimizer-only checkpoint")
     weights = [(f, e) for f in manifest.flat_params for e in f.state if e.key == WEIGHTS_KEY]
     nbytes = sum(f.numel * dtype_from_str(e.dtype, where="weights").itemsize for f, e in weights)
     dtypes = sorted({e.dtype for _, e in weights if e.dtype is not None})

@@ -154,7 +154,8 @@ def model_of_checkpoint(ckpt: ShardedCheckpoint) -> dict[str, Any]:
     from fsdp_optim.core.records import WEIGHTS_KEY
 
     manifest, training = ckpt.manifest, ckpt.manifest.training
-    assert training is not None, f"{ckpt.directory}: asked for the model of an optimizer-only checkpoint"
+    if training is None:
+        raise ValueError(f"{ckpt.directory}: asked for the model of an optimizer-only checkpoint")
     weights = [(f, e) for f in manifest.flat_params for e in f.state if e.key == WEIGHTS_KEY]
     return _model(
         params=sum(len(f.params) for f, _ in weights),

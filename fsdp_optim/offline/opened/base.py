@@ -67,7 +67,8 @@ class Request:
     @property
     def path(self) -> str | os.PathLike[str]:
         """``given`` as the path it is, for a kind read from its files (never a dict)."""
-        assert not isinstance(self.given, Mapping), f"{self.label}: a {self.kind.value} is read from files, not a dict"
+        if isinstance(self.given, Mapping):
+            raise TypeError(f"{self.label}: a {self.kind.value} is read from files, not a dict")
         return self.given
 
 

@@ -40,7 +40,8 @@ def across(team: Team, opening: AbstractContextManager[Work[T, R]], what: str) -
         except BaseException as exc:  # every process learns of it, and raises the failing one's error
             failure = exc
         team.agree(failure, f"{what}: opening the inputs failed on another process")
-        assert work is not None, "opened on every process once they agreed"
+        if work is None:
+            raise RuntimeError("the work was not opened on this process, though every process agreed it was")
         cut = (len(work.pieces), sum(p.nbytes for p in work.pieces))
         first = team.from_first(cut)
         mismatch = None if first == cut else ValueError(
