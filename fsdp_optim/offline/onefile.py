@@ -164,8 +164,9 @@ def write_one_process(layout: FileLayout, trim: Callable[[], None], progress: Ca
     return write
 
 
-def write_header(fd: int, layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> None:
-    """The final header (every share's checksums), written over the placeholders' room at offset 0."""
+def final_header(layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> bytes:
+    """The final header: every tensor's checksum from the shares (each ``{name: checksum}``), as long as the room
+    the layout planned for it (``RuntimeError`` for a tensor no process wrote)."""
     sums = {name: s for share in shares for name, s in share.items()}
     missing = [t.name for t in layout.tensors if t.name not in sums]
     if missing:
@@ -173,6 +174,12 @@ def write_header(fd: int, layout: FileLayout, shares: Sequence[Mapping[str, Any]
     header = layout.header(sums)
     if len(header) != (layout.offsets[0] if layout.offsets else layout.size):
         raise RuntimeError("consolidate: the header with its checksums is not as long as the one planned")
+    return header
+
+
+def write_header(fd: int, layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> None:
+    """The final header (every share's checksums), written over the placeholders' room at offset 0."""
+    header = final_header(layout, shares)
     done = 0
     while done < len(header):
         done += os.pwrite(fd, header[done:], done)

@@ -26,7 +26,7 @@ from fsdp_optim.core.parts import PART_BYTES, PartPlan, PartSpan, plan_parts
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.multipart import Multipart, Part
 from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
-from fsdp_optim.offline.onefile import FileLayout, described, lay_out, write_one_process
+from fsdp_optim.offline.onefile import FileLayout, described, final_header, lay_out, write_one_process
 
 __all__ = [
     "Share",
@@ -140,13 +140,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 def commit_parts(layout: FileLayout, upload: Multipart, upload_id: str, held: Share, shares: Sequence[Share]) -> None:
     """The header (every share's checksums) written into ``held``'s parts, which are put; the upload completed."""
-    sums = {name: s for share in shares for name, s in share.sums.items()}
-    missing = [t.name for t in layout.tensors if t.name not in sums]
-    if missing:
-        raise RuntimeError(f"consolidate: no process wrote tensors {missing[:3]} ({len(missing)} in all)")
-    header = layout.header(sums)
-    if len(header) != (layout.offsets[0] if layout.offsets else layout.size):
-        raise RuntimeError("consolidate: the header with its checksums is not as long as the one planned")
+    header = final_header(layout, [share.sums for share in shares])
     for span, buffer in held.held.values():
         piece = header[span.start : span.stop]
         buffer[: len(piece)] = piece

@@ -28,7 +28,8 @@ from fsdp_optim.core.split import Split, split_by_bytes
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.job.team import PeerFailed, Team
-from fsdp_optim.offline.onefile import FileLayout, described, lay_out, preallocate, write_header, write_tensors
+from fsdp_optim.offline.onefile import FileLayout, described, preallocate, write_header, write_tensors
+from fsdp_optim.offline.parallel.file_plan import planned
 
 __all__ = ["consolidate_across"]
 
@@ -44,18 +45,8 @@ def consolidate_across(
 
         return upload_across(team, opening, str(output), rank=rank, no_model=no_model, inputs=inputs,
                              overwrite=overwrite, bar=bar)  # fmt: skip
-    failure: BaseException | None = None
-    layout = None
-    opened: Any = None
     with ExitStack() as stack:
-        try:
-            opened = stack.enter_context(opening())
-            layout = lay_out(opened, rank=rank, no_model=no_model)
-        except Exception as exc:
-            failure = exc
-        team.agree(failure, "consolidate: planning failed; nothing was written")
-        if layout is None:  # every process planned (else agree raised)
-            raise RuntimeError("consolidate: no layout after an agreed plan")
+        opened, layout = planned(team, stack, opening, rank=rank, no_model=no_model)
         split = split_by_bytes([t.nbytes for t in layout.tensors], team.size)
         if team.rank != 0:
             _other(team, layout, split, opened.trim, bar=bar)

@@ -24,8 +24,9 @@ from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.multipart import Multipart
 from fsdp_optim.job.team import Team
-from fsdp_optim.offline.onefile import FileLayout, described, lay_out
+from fsdp_optim.offline.onefile import FileLayout, described
 from fsdp_optim.offline.onefile_parts import Share, abort_quietly, commit_parts, layout_parts, open_upload, write_parts
+from fsdp_optim.offline.parallel.file_plan import planned
 
 __all__ = ["upload_across"]
 
@@ -36,18 +37,8 @@ def upload_across(
 ) -> str | None:  # fmt: skip
     """The module docstring's steps on this process; ``opening()`` opens the source on each. Returns the report on
     process 0, ``None`` elsewhere."""
-    failure: BaseException | None = None
-    layout = None
-    opened: Any = None
     with ExitStack() as stack:
-        try:
-            opened = stack.enter_context(opening())
-            layout = lay_out(opened, rank=rank, no_model=no_model)
-        except Exception as exc:
-            failure = exc
-        team.agree(failure, "consolidate: planning failed; nothing was written")
-        if layout is None:
-            raise RuntimeError("consolidate: no layout after an agreed plan")
+        opened, layout = planned(team, stack, opening, rank=rank, no_model=no_model)
         plan = layout_parts(layout, split_by_bytes([t.nbytes for t in layout.tensors], team.size).runs, part_bytes)
         upload, upload_id = _begun(team, output, inputs=inputs, overwrite=overwrite)
         try:
