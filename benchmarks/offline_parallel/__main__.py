@@ -30,11 +30,18 @@ def _here(gib: float, repeats: int) -> dict[str, Any]:
         runs = []
         load = {"before": list(os.getloadavg())}
         for processes in (1, 2):
-            run = timed(src, processes, 3, repeats) | {"bytes_read": planned_reads(src, 3, processes)}
+            reshard = ["reshard", str(src), "--world-size", "3"]
+            run = timed(src, processes, reshard, "out", repeats) | {"bytes_read": planned_reads(src, 3, processes)}
             print(json.dumps(run), flush=True)
             runs.append(run)
             load[f"after {processes} process{'es' if processes > 1 else ''}"] = list(os.getloadavg())
-        return {"gib": gib, "input_bytes": size, "runs": runs, "loadavg": load}
+        consolidated = []
+        for processes in (1, 2):
+            run = timed(src, processes, ["consolidate", str(src)], "model.safetensors", repeats)
+            print(json.dumps(run), flush=True)
+            consolidated.append(run)
+            load[f"after consolidate, {processes} process{'es' if processes > 1 else ''}"] = list(os.getloadavg())
+        return {"gib": gib, "input_bytes": size, "runs": runs, "consolidate": consolidated, "loadavg": load}
 
 
 def _on_disk(args: argparse.Namespace, argv: list[str] | None) -> int:

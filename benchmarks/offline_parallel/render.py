@@ -51,7 +51,21 @@ def _here_targets(here: dict[str, Any] | None) -> list[dict[str, Any]]:
         _verdict("here: read amplification <= 1.05", amplification, 1.05, amplification <= 1.05,
                  f"{sum(reads)} read / {here['input_bytes']} input bytes"),
         _verdict("here: peak RSS per process <= 1 GiB", peak / GiB, 1.0, peak <= GiB, f"{peak} bytes at most"),
+        _consolidate_target(here.get("consolidate"), size),
     ]  # fmt: skip
+
+
+def _consolidate_target(runs: list[dict[str, Any]] | None, size: str) -> dict[str, Any]:
+    name = "here: consolidate to one safetensors file, 2 processes vs 1, net of the launcher >= 1.7x"
+    if not runs:
+        return _verdict(name, None, 1.7, None, "not measured in this run")
+    one, two = runs
+    speedup = one["net_seconds"] / two["net_seconds"] if two["net_seconds"] > 0 else None
+    peak = max(max(r["peak_rss"]) for r in runs)
+    return _verdict(name, speedup, 1.7, None if speedup is None else speedup >= 1.7,
+                    f"{size}; {one['net_seconds']:.2f} s vs {two['net_seconds']:.2f} s net; {one['seconds']:.2f} s vs "
+                    f"{two['seconds']:.2f} s with the launcher ({one['seconds'] / two['seconds']:.2f}x); peak RSS "
+                    f"{peak >> 20} MiB")  # fmt: skip
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -88,6 +102,12 @@ def markdown(result: dict[str, Any]) -> str:
              " / ".join(str(p >> 20) for p in r["peak_rss"]), " / ".join(str(b) for b in r["bytes_read"])]
             for r in here["runs"]
         ]) + [""]  # fmt: skip
+        if here.get("consolidate"):
+            lines += table(["processes", "consolidate s", "launcher s", "net s", "peak RSS MiB"], [
+                [str(r["processes"]), f"{r['seconds']:.2f}", f"{r['launcher_seconds']:.2f}", f"{r['net_seconds']:.2f}",
+                 " / ".join(str(p >> 20) for p in r["peak_rss"])]
+                for r in here["consolidate"]
+            ]) + [""]  # fmt: skip
     lines += ["## Simulated", ""]
     lines += table(["case", "plan s", "spread", "ranges twice", "memory MiB"], [
         [r["case"], f"{r['plan_seconds']:.2f}", f"{r['spread']:.3f}", str(r["ranges_twice"]), str(r["memory_bytes"] >> 20)]

@@ -91,20 +91,20 @@ def _launch(processes: int, argv: list[str], report: Path) -> list[dict[str, Any
     return out
 
 
-def timed(src: Path, processes: int, world_size: int, repeats: int) -> dict[str, Any]:
-    """Best wall time of the reshard and of ``inspect`` under the same launcher, and each process's peak RSS."""
+def timed(src: Path, processes: int, verb: list[str], output: str, repeats: int) -> dict[str, Any]:
+    """Best wall time of ``fsdp-optim VERB... -o OUT`` (``output``: OUT's name in a scratch directory) and of
+    ``inspect`` under the same launcher, and each process's peak RSS."""
     best, noop, peaks = float("inf"), float("inf"), [0] * processes
     with tempfile.TemporaryDirectory(dir=SHM) as scratch:
         for _ in range(repeats):
             start = time.perf_counter()
             _launch(processes, ["inspect", str(src)], Path(scratch) / "noop")
             noop = min(noop, time.perf_counter() - start)
-            out = Path(scratch) / "out"
+            out = Path(scratch) / output
             start = time.perf_counter()
-            reports = _launch(processes, ["reshard", str(src), "--world-size", str(world_size), "-o", str(out)],
-                              Path(scratch) / "reshard")  # fmt: skip
+            reports = _launch(processes, [*verb, "-o", str(out)], Path(scratch) / "verb")
             best = min(best, time.perf_counter() - start)
             peaks = [max(p, r["peak_rss"]) for p, r in zip(peaks, sorted(reports, key=lambda r: r["rank"]))]
-            shutil.rmtree(out)
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
     return {"processes": processes, "seconds": best, "launcher_seconds": noop, "net_seconds": best - noop,
             "peak_rss": peaks}  # fmt: skip
