@@ -16,6 +16,7 @@ import datetime
 import multiprocessing.forkserver
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -34,10 +35,27 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fairscale.nn", "fsdp_
            "fsdp_optim.cli", "_dist", "_models", "_checks"]  # fmt: skip
 
 
+PORTS = (10000, 20000)  # below the kernel's ephemeral range (32768-60999 here) and weed's admin pairs (20000-39999)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, for a job's rendezvous. Not one ``bind(0)`` hands out: the kernel may hand a
+    port just released to the next caller, so two pytest-xdist workers starting jobs together could share one and
+    join each other's groups. It is drawn from ``PORTS``, below the ephemeral range that gloo's own listeners use, in
+    this worker's own slice of it (``PYTEST_XDIST_WORKER``), so two workers never draw the same port."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    span = (PORTS[1] - PORTS[0]) // max(count, 1)
+    low = PORTS[0] + (int(worker) % max(count, 1) if worker.isdigit() else 0) * span
+    for _ in range(500):
+        port = random.randrange(low, low + span)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or still in TIME_WAIT from an earlier job
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}..{low + span - 1} on 127.0.0.1 after 500 draws")
 
 
 def _worker(
