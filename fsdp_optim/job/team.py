@@ -19,7 +19,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -83,6 +84,21 @@ class Team:
         except PeerFailed as exc:
             failure = exc
         self.agree(failure, what)
+
+    @contextmanager
+    def step(self, what: str, *, watch: Watch | None = None) -> Iterator[None]:
+        """Run the body on every process and agree on its outcome (:func:`fsdp_optim.job.agreed.step`, over the
+        team's ``control`` group). With ``watch``, the body is a share of work the watch keeps together: the watch
+        is finished first (:meth:`settle`), so a peer's failure it saw is raised as the peer's error."""
+        failure: BaseException | None = None
+        try:
+            yield
+        except Exception as exc:
+            failure = exc
+        if watch is None:
+            self.agree(failure, what)
+        else:
+            self.settle(watch, failure, what)
 
     def from_first(self, obj: Any) -> Any:
         """Process 0's ``obj`` on every process."""
