@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
                 usage_error(str(exc))  # the verb's usage line, the message, exit 2 (SystemExit)
             print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
             return EXIT_USAGE
-        if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
+        if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError, ImportError)):
             print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
             return EXIT_BAD_INPUT
         if not isinstance(exc, Exception):
