@@ -43,9 +43,10 @@ flag's value out of range, such as ``--world-size 0``; an option the target does
 cannot be written as, :class:`~fsdp_optim.cli.outcome.UsageError`);
 70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
 saying what was left as it was; no traceback). A Ctrl-C that comes once the verb's work is done (its report being
-printed, the interpreter exiting) is ignored: the exit is the verb's own. Under ``torchrun`` every process exits with the same code and process 0
-alone prints the error line (also written into ``torchrun``'s error file, which its failure report shows). Every file is read with
-``torch.load(..., weights_only=True)``. Progress bars appear on a terminal only.
+printed, the interpreter exiting) is ignored: the exit is the verb's own. Under ``torchrun`` every process exits
+with the same code and process 0 alone prints the error line (also written into ``torchrun``'s error file, which its
+failure report shows). Every file is read with ``torch.load(..., weights_only=True)``. Progress bars appear on a
+terminal only.
 
 A dispatcher: torch and the package's modules are imported by the verb that needs them, so ``--help``
 and argument errors cost no more than starting Python, and no verb imports fairscale or the collectives.

@@ -4,8 +4,9 @@
     step 10  damaged: optim-...-rank00001-of-00002.safetensors: chunk 0 ... checksum   world size 2   model+Adam ...
     step  8  complete                                                               world size 2   model+Adam ...
 
-Every file of every step is verified (what ``fsdp-optim verify`` reads), unless ``--quick`` (sizes only). Exits 0
-whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage). A checkpoint given as
+Every file of every step is verified (what ``fsdp-optim verify`` reads), unless ``--quick`` (sizes only: its last
+line says so, and ``--json`` has ``"verified": false``). A step a prune began to remove shows as ``being pruned``.
+Exits 0 whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage). A checkpoint given as
 ROOT (a step directory itself) is refused (exit 1), naming ``inspect`` / ``verify``, which read one checkpoint; so is
 a missing root: a local directory that is not there, or a store prefix with nothing below it (a missing bucket).
 
@@ -52,7 +53,8 @@ def run_list(args: argparse.Namespace) -> list[str]:
             f"`fsdp-optim inspect {args.root}` and `fsdp-optim verify {args.root}` read one checkpoint"
         )
     if args.json:
-        return [json.dumps({"root": str(root), "steps": [_record(d) for d in found], "memory": memory or []})]
+        steps = [_record(d) for d in found]
+        return [json.dumps({"root": str(root), "verified": not args.quick, "steps": steps, "memory": memory or []})]
     memory_lines = [_memory_line(m) for m in memory or []]
     if memory == []:
         directory = _memory_dir(root, args.memory_dir)
@@ -60,7 +62,8 @@ def run_list(args: argparse.Namespace) -> list[str]:
     if not found:
         return [f"{root}: no step directories (step-NNNNNNNN)", *memory_lines]
     width = len(str(max(d.step for d in found)))
-    return [*(_line(d, width) for d in found), *memory_lines]
+    quick = [f"not verified (--quick): sizes only, no checksum read; `fsdp-optim list {args.root}` checks every byte"]
+    return [*(_line(d, width) for d in found), *memory_lines, *(quick if args.quick else [])]
 
 
 def _memory(root: Location, memory_dir: str | None) -> list[dict[str, Any]] | None:
