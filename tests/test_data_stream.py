@@ -150,3 +150,28 @@ def test_a_job_without_the_sampler_saves_no_data_record_and_a_load_asking_for_on
     assert sorted(training) == ["aliases", "buffers", "buffers_per_rank", "files", "version"], sorted(training)
     said = run_ranks(_plain, 2, str(tmp_path), True)
     assert all("records no data position (it was saved without data=)" in s for s in said), said
+
+
+def _async_and_disagreeing(rank: int, world: int, root: str) -> tuple[str, int]:
+    model = M.wrap(M.make_net(0), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(model))
+    sampler = fsdp_optim.ResumableSampler(Tokens(), world, rank, global_batch_size=BATCH)
+    sampler.advance(1 + rank)  # a rank's own count, not the job's
+    try:
+        fsdp_optim.save_checkpoint(model, optim, Path(root) / "disagree", data=sampler)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    sampler.consumed = 2 * BATCH
+    fsdp_optim.async_save_checkpoint(model, optim, Path(root) / "async", data=sampler.state_dict()).wait()
+    resumed = fsdp_optim.ResumableSampler(Tokens(), world, rank, global_batch_size=BATCH)
+    fsdp_optim.load_checkpoint(model, optim, Path(root) / "async", data=resumed)
+    return refused, resumed.consumed
+
+
+def test_an_async_save_records_the_position_and_ranks_that_disagree_are_refused(tmp_path: Path) -> None:
+    results = run_ranks(_async_and_disagreeing, 2, str(tmp_path))
+    for refused, consumed in results:
+        assert "every rank must save the same data position" in refused and "rank 1: {" in refused, refused
+        assert consumed == 2 * BATCH, consumed
+    assert not (tmp_path / "disagree" / "manifest.json").exists(), "a refused save wrote a manifest"
