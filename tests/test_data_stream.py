@@ -175,3 +175,25 @@ def test_an_async_save_records_the_position_and_ranks_that_disagree_are_refused(
         assert "every rank must save the same data position" in refused and "rank 1: {" in refused, refused
         assert consumed == 2 * BATCH, consumed
     assert not (tmp_path / "disagree" / "manifest.json").exists(), "a refused save wrote a manifest"
+
+
+def _memory(rank: int, world: int, root: str, restore: bool) -> tuple[str | None, int, int]:
+    model = M.wrap(M.make_net(0), "deep")
+    optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(model))
+    manager = fsdp_optim.CheckpointManager(Path(root) / "durable", every=100, keep=1, memory_every=2, replicas=1,
+                                           memory_dir=Path(root) / "memory", node=f"node{rank}")  # fmt: skip
+    sampler = fsdp_optim.ResumableSampler(Tokens(), world, rank, global_batch_size=BATCH)
+    if restore:
+        manager.restore(model, optim, data=sampler)
+        return manager.restored_from, sampler.epoch, sampler.consumed
+    sampler.set_epoch(1)
+    sampler.advance(2)
+    manager.save(2, model, optim, data=sampler)
+    manager.wait()
+    return None, 1, 2 * BATCH
+
+
+def test_the_memory_tier_keeps_the_position_too(tmp_path: Path) -> None:
+    run_ranks(_memory, 2, str(tmp_path), False)
+    restored = run_ranks(_memory, 3, str(tmp_path), True)
+    assert all(r == ("memory", 1, 2 * BATCH) for r in restored), restored
