@@ -42,7 +42,7 @@ class ResumableSampler(DistributedSampler[int]):
     ``DataLoader``); needed by :meth:`advance`, :meth:`state_dict` and :meth:`load_state_dict`. A resume with another
     global batch is refused, naming both, unless ``allow_batch_change=True``: then the stream goes on from the same
     sample, rounded down to a multiple of the world size, and a warning says how many samples are repeated or
-    skipped. :attr:`resumed` holds the last resume's :class:`~fsdp_optim.core.data_position.ResumeReport`.
+    skipped. ``resumed`` holds the last resume's :class:`~fsdp_optim.core.data_position.ResumeReport`.
     """
 
     def __init__(
