@@ -12,6 +12,7 @@ What happens at each edge, as the tests below say it:
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 from fsdp_optim import DataPosition, ResumableSampler, sample_generator, sample_seed
+from fsdp_optim.core.data_position import epoch_order, padded_order, total_size
 
 
 def _samplers(length: int, world: int, **kw: object) -> list[ResumableSampler]:
@@ -49,8 +51,6 @@ def _global_batches(samplers: list[ResumableSampler], per_rank: int) -> list[lis
 def test_the_order_is_distributed_samplers_index_for_index(
     length: int, world: int, shuffle: bool, drop_last: bool, seed: int, epoch: int
 ) -> None:
-    if drop_last and length < world:
-        return  # DistributedSampler itself has nothing to give then
     data = list(range(length))
     for rank in range(world):
         theirs = DistributedSampler(data, world, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]
@@ -135,6 +135,42 @@ def test_another_global_batch_is_refused_naming_both_or_allowed_with_a_count() -
     with pytest.warns(UserWarning, match="2 samples repeated, 0 skipped"):
         report = allowed.load_state_dict(saved.state_dict())
     assert report.start == 10, "sample 12 rounded down to a multiple of 5 ranks: samples 10 and 11 are seen again"
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    length=st.integers(1, 40),
+    saved_world=st.integers(1, 6),
+    world=st.integers(1, 6),
+    per_rank=st.integers(1, 4),
+    batches=st.integers(0, 12),
+    drop_last=st.booleans(),
+)
+def test_the_counts_of_repeated_and_skipped_samples_are_the_multisets_difference(
+    length: int, saved_world: int, world: int, per_rank: int, batches: int, drop_last: bool
+) -> None:
+    batch = per_rank * saved_world
+    saved = ResumableSampler(list(range(length)), saved_world, 0, drop_last=drop_last, global_batch_size=batch)
+    saved.advance(batches)
+    live = ResumableSampler(list(range(length)), world, 0, drop_last=drop_last, global_batch_size=per_rank * world,
+                            allow_batch_change=True)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = live.load_state_dict(saved.state_dict())
+    order = epoch_order(length, 0, 0, True)
+    before = Counter(padded_order(order, saved_world, drop_last)[saved.consumed :])
+    after = Counter(padded_order(order, world, drop_last)[report.start :])
+    assert (report.repeated, report.skipped) == ((after - before).total(), (before - after).total()), report
+    assert report.start % world == 0 and report.start <= total_size(length, world, drop_last), report
+    counts = set()
+    for rank in range(world):
+        other = ResumableSampler(list(range(length)), world, rank, drop_last=drop_last,
+                                 global_batch_size=per_rank * world, allow_batch_change=True)  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            other.load_state_dict(saved.state_dict())
+        counts.add(len(other))
+    assert len(counts) == 1, f"the ranks get different numbers of samples: {counts}"
 
 
 def test_another_dataset_seed_or_drop_last_is_refused_with_every_difference() -> None:

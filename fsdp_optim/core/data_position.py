@@ -153,11 +153,28 @@ def plan_resume(saved: DataPosition, live: DataPosition, *, allow_batch_change: 
     end = total_size(live.dataset_length, live.world_size, live.drop_last)
     start = end if saved.consumed >= saved_end else min(saved.consumed, end)
     start -= start % live.world_size  # already a multiple when the global batch is kept (or at the end)
-    order = epoch_order(saved.dataset_length, saved.seed, saved.epoch, saved.shuffle)
-    before = Counter(padded_order(order, saved.world_size, saved.drop_last)[saved.consumed :])
-    after = Counter(padded_order(order, live.world_size, live.drop_last)[start:])
+    before, after = _differing(saved, saved.consumed, saved_end, start, end)
     return ResumeReport(
         saved_world_size=saved.world_size, world_size=live.world_size, saved_global_batch=saved.global_batch,
         global_batch=live.global_batch, epoch=saved.epoch, start=start, repeated=(after - before).total(),
         skipped=(before - after).total(),
     )  # fmt: skip
+
+
+def _differing(
+    saved: DataPosition, consumed: int, saved_end: int, start: int, end: int
+) -> tuple[Counter[int], Counter[int]]:
+    """The samples of the saved run's rest of the epoch (positions ``consumed..saved_end``) and of the resumed run's
+    (``start..end``), less the positions both see: below the dataset's length the padded orders of every world size
+    agree (position p holds ``order[p % length]``), so only the few positions at the ends are read."""
+    length = saved.dataset_length
+    low, high = max(consumed, start), min(length, saved_end, end)  # positions both runs see, with the same sample
+    order = epoch_order(length, saved.seed, saved.epoch, saved.shuffle)
+
+    def outside(first: int, stop: int) -> Counter[int]:
+        if low >= high:
+            return Counter(order[p % length] for p in range(first, stop))
+        positions = [*range(first, min(stop, low)), *range(max(first, high), stop)]
+        return Counter(order[p % length] for p in positions)
+
+    return outside(consumed, saved_end), outside(start, end)
