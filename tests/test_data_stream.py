@@ -114,6 +114,9 @@ def test_a_resume_at_3_and_1_ranks_sees_the_uninterrupted_global_batches(tmp_pat
     for world in (3, 1):
         resumed = _global(run_ranks(_job, world, str(tmp_path), str(tmp_path / "step-3"), 23, "none"))
         _compare(f"2 -> {world} ranks", resumed, uninterrupted, 4)
+    fsdp_optim.reshard(tmp_path / "step-3", 3, tmp_path / "offline-3")  # offline: the position is the job's, kept
+    resharded = json.loads((tmp_path / "offline-3" / "manifest.json").read_text())["body"]
+    assert resharded["world_size"] == 3 and resharded["training"]["data"] == manifest["training"]["data"], resharded
     # Saved at the epoch's end (its 5 global batches consumed): the resumed loop's next set_epoch starts epoch 1.
     resumed = _global(run_ranks(_job, 3, str(tmp_path), str(tmp_path / "step-5"), 25, "none"))
     _compare("2 -> 3 ranks, saved at the epoch's end", resumed, uninterrupted, 6)
