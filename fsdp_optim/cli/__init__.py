@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         result = run_in_team(args, _run_verb)
     except BaseException as exc:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
-            _say_error(escape(f"interrupted; {_left(output, before)}", limit=2000))
+            _say_error(escape(f"interrupted; {_left(output, before)}", limit=2000), exc)
             return EXIT_INTERRUPTED
         from fsdp_optim.cli.outcome import UsageError
 
@@ -171,10 +171,10 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
             usage_error = getattr(args, "usage_error", None)
             if usage_error is not None:
                 usage_error(str(exc))  # the verb's usage line, the message, exit 2 (SystemExit)
-            _say_error(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}")
+            _say_error(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", exc)
             return EXIT_USAGE
         if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError, ImportError)):
-            _say_error(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}")
+            _say_error(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", exc)
             return EXIT_BAD_INPUT
         if not isinstance(exc, Exception):
             raise
@@ -193,15 +193,17 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     return code
 
 
-def _say_error(line: str) -> None:
-    """The one line of a failed verb on stderr: under ``torchrun`` by process 0 alone (every process has the same
-    error and exits with the same code, so the others stay silent). Each process also writes the line into the
+def _say_error(line: str, exc: BaseException) -> None:
+    """The one line of a failed verb on stderr: under ``torchrun`` by process 0 alone (the processes agreed on the
+    error and exit with the same code, so the others stay silent), unless this process lost contact with the others
+    (process 0 may be the one that died: then each survivor says so). Each process also writes the line into the
     error file ``torchrun`` names (``TORCHELASTIC_ERROR_FILE``), so that the launcher's own report of a non-zero exit
     (which it prints for any failed process, and which no flag turns off) names the error, not a traceback hint."""
     from fsdp_optim.job.launcher import launched
 
     team = launched()
-    if not team or os.environ.get("RANK") == "0":
+    lost = isinstance(exc, ConnectionError) or "lost contact with another process" in str(exc)
+    if not team or os.environ.get("RANK") == "0" or lost:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if team else None
     if error_file:
