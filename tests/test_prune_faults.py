@@ -7,7 +7,8 @@ itself a real signal at a seeded moment: the n-th Python or C call of its remova
 - a new job restores step 3 bit-exact, saves step 4 and prunes;
 - nothing of the killed prune is left: no lock file, no prune mark, no step directory but 3 and 4.
 
-The full campaign (52 moments) is slow; the default run takes a bounded sample of 6.
+The full campaign (54 moments: W = 1, 2; SIGKILL, SIGINT, two SIGINTs; 9 seeds each) is slow (FSDP_OPTIM_SLOW=1);
+the default run takes a bounded sample of 6.
 """
 
 from __future__ import annotations

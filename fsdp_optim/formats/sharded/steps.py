@@ -171,17 +171,27 @@ def remove_step(root: str | os.PathLike[str] | Location, step_dir: StepDir) -> b
         place.delete(n for n in names if n not in manifests)
         place.remove_marker()
         home.delete([mark])
+        home.delete(n for n in home.listing() if _marked_step(n, temporary=True) == step_dir.step)
     return True
 
 
+def _marked_step(name: str, *, temporary: bool = False) -> int | None:
+    """The step of a prune's mark (``temporary``: of the temporary file a write of one killed mid-way left)."""
+    if not temporary:
+        return parse_pruning_mark(name)
+    temp = TEMP_NAME.match(name)
+    return parse_pruning_mark(temp.group("final")) if temp else None
+
+
 def tidy_root(root: str | os.PathLike[str] | Location, *, saved: int) -> list[str]:
-    """What killed prunes left in ``root`` with no step directory beside it, removed: their marks, and their lock
-    files (each taken first: one a writer holds is kept). The mark of ``saved`` is dropped too: that step was just
-    saved again. Returns the names removed."""
+    """What killed prunes left in ``root`` with no step directory beside it, removed: their marks (and a mark's
+    temporary file), and their lock files (each taken first: one a writer holds is kept). The mark of ``saved``
+    is dropped too: that step was just saved again. Returns the names removed."""
     home = where(root)
     names = home.listing()
     present = {s for s, _ in find_step_dirs(home)}
     marks = [n for n in names if (s := parse_pruning_mark(n)) is not None and (s == saved or s not in present)]
+    marks += [n for n in names if (s := _marked_step(n, temporary=True)) is not None and s not in present]
     home.delete(marks)
     locks = []
     for name in names:
