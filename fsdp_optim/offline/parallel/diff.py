@@ -19,8 +19,8 @@ from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
 from fsdp_optim.offline.diff_report import DiffReport, DiffRow
 from fsdp_optim.offline.parallel.alone import alone
 from fsdp_optim.offline.parallel.entry import joined_team
-from fsdp_optim.offline.parallel.pieces import Work, run_work
 from fsdp_optim.offline.parallel.shared import across
+from fsdp_optim.offline.work import Work, run_work
 
 __all__ = ["diff_in_team", "read_by_ranges"]
 
