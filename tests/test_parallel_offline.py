@@ -397,7 +397,8 @@ def _watched(rank: int, world_size: int) -> tuple[int, str]:
     assert team is not None, "a team of 2"
     err, sys.stderr = sys.stderr, io.StringIO()
     try:
-        watch = team.watch(lambda: 1000 + rank, total=2001, bar=True)
+        watch = team.progress(2001, bar=True)
+        watch.advance(1000 + rank)
         watch.finish(None)
         return watch.everyone, sys.stderr.getvalue()
     finally:
