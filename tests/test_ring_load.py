@@ -21,7 +21,7 @@ from _dist import run_ranks
 from _forge import manifest_rank_file
 
 import fsdp_optim
-from fsdp_optim.formats.sharded.piece_reads import Piece, Shard
+from fsdp_optim.formats.sharded.piece_reads import Shard, TensorPiece
 from fsdp_optim.job import ring_load
 from fsdp_optim.job.stager import Ring
 
@@ -29,18 +29,18 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 SLOT = 3 << 16  # three 64 KiB checksum chunks: a rank file of the model below is many pieces
 
 
-def _pieces(total: int, step: int, cuts: list[int]) -> tuple[list[Piece], list[Shard]]:
+def _pieces(total: int, step: int, cuts: list[int]) -> tuple[list[TensorPiece], list[Shard]]:
     """Pieces of ``step`` elements over a float32 tensor of ``total`` elements cut into shards at ``cuts``."""
     bounds = [0, *cuts, total]
     shards = [Shard(k, "exp_avg", a, b - a) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     pieces = []
     for lo in range(0, total, step):
         hi = min(lo + step, total)
-        pieces.append(Piece("float32", torch.float32, lo, hi, tuple(s for s in shards if s.offset < hi and s.offset + s.numel > lo)))
+        pieces.append(TensorPiece("float32", torch.float32, lo, hi, tuple(s for s in shards if s.offset < hi and s.offset + s.numel > lo)))
     return pieces, shards
 
 
-def _fill(piece: Piece, slot: torch.Tensor) -> None:
+def _fill(piece: TensorPiece, slot: torch.Tensor) -> None:
     slot.view(torch.float32).copy_(torch.arange(piece.lo, piece.hi, dtype=torch.float32))
 
 
@@ -52,7 +52,7 @@ def test_each_slot_is_read_checked_and_copied_in_turn_and_refilled_once_its_late
     ring = Ring(copier, slots=3, slot_bytes=step * 4)
     checked: list[int] = []
 
-    def check(piece: Piece, slot: torch.Tensor) -> None:  # sees the slot as the reader filled it
+    def check(piece: TensorPiece, slot: torch.Tensor) -> None:  # sees the slot as the reader filled it
         assert torch.equal(slot.view(torch.float32), torch.arange(piece.lo, piece.hi, dtype=torch.float32)), piece.lo
         checked.append(piece.lo)
 
@@ -71,13 +71,13 @@ def test_a_failure_is_raised_after_every_thread_stopped_and_every_copy_landed(fa
     ring = Ring(copier, slots=4, slot_bytes=400)
     read: list[int] = []
 
-    def fill(piece: Piece, slot: torch.Tensor) -> None:
+    def fill(piece: TensorPiece, slot: torch.Tensor) -> None:
         if failing == "read" and piece.lo == 1_700:
             raise OSError("the file ended early")
         _fill(piece, slot)
         read.append(piece.lo)
 
-    def check(piece: Piece, slot: torch.Tensor) -> None:  # noqa: ARG001
+    def check(piece: TensorPiece, slot: torch.Tensor) -> None:  # noqa: ARG001
         if failing == "check" and piece.lo == 1_700:
             raise ValueError("checksum mismatch in elements 1700..1800 (file is corrupt or was modified)")
 

@@ -29,15 +29,15 @@ import torch
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.piece_reads import Piece, check_piece, plan_pieces, read_piece
+from fsdp_optim.formats.sharded.piece_reads import TensorPiece, check_piece, plan_pieces, read_piece
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.job.stager import Ring, ring_of
 
 __all__ = ["read_own", "ring_for", "stream_pieces"]
 
-Copies = Callable[[Piece, torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor]]]
-Stage = Callable[[Piece, torch.Tensor], None]
+Copies = Callable[[TensorPiece, torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+Stage = Callable[[TensorPiece, torch.Tensor], None]
 _Queue = queue.Queue  # of (slot, piece), a failure, or None (no more); free slots: (slot, their copies' tickets)
 
 
@@ -94,7 +94,7 @@ def _destinations(
 
 
 def _copies(
-    into: Mapping[tuple[int, str], torch.Tensor], piece: Piece, slot: torch.Tensor
+    into: Mapping[tuple[int, str], torch.Tensor], piece: TensorPiece, slot: torch.Tensor
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(destination bytes, slot bytes)`` for each wanted shard's part in ``piece``, read into ``slot``."""
     size = piece.dtype.itemsize
@@ -105,7 +105,7 @@ def _copies(
             yield dst.view(torch.uint8)[a * size : b * size], slot[at : at + (b - a) * size]
 
 
-def stream_pieces(ring: Ring, pieces: Sequence[Piece], stages: Sequence[Stage], copies: Copies) -> None:
+def stream_pieces(ring: Ring, pieces: Sequence[TensorPiece], stages: Sequence[Stage], copies: Copies) -> None:
     """Each piece put through ``stages`` in a slot of ``ring``, each stage on a thread of its own (``stage(piece, slot
     bytes)``: the first reads the piece into the slot, the next checks it there), then copied out of the slot
     (``copies(piece, slot bytes)``: ``(dst, src)`` pairs, queued on ``ring``'s copier) while the stages work on the
@@ -144,7 +144,7 @@ def stream_pieces(ring: Ring, pieces: Sequence[Piece], stages: Sequence[Stage], 
 
 
 def _fill_slots(
-    ring: Ring, pieces: Sequence[Piece], stage: Stage, free: _Queue, out: _Queue, stop: threading.Event
+    ring: Ring, pieces: Sequence[TensorPiece], stage: Stage, free: _Queue, out: _Queue, stop: threading.Event
 ) -> None:
     """The first stage's thread: a free slot (its copies awaited), the next piece read into it, handed on."""
     try:

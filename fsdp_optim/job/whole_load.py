@@ -29,6 +29,7 @@ from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, re
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file
+from fsdp_optim.job.agreed import step
 from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import live_shaped, persistent_buffers, weight_shards
@@ -36,7 +37,6 @@ from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.sampler import resume_data
 from fsdp_optim.job.staging import before_change
-from fsdp_optim.job.transport import agree
 
 __all__ = ["LOAD_WINDOW_BYTES", "LoadPlans", "commit_load", "load_checkpoint", "plan_load", "stage_load"]
 
@@ -98,14 +98,9 @@ def load_checkpoint(
     before).
     """
     root = verify_root(model, optim)
-    staged, failure, then = None, None, None
-    try:
+    with step(f"load_checkpoint({str(path)!r}) changed nothing on any rank", group=root.group):
         staged = _stage(root, model, optim, where(path), buffers)
         then = resume_data(data, staged.data, str(path))  # checked here; the sampler moves after the commit
-    except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
-        failure = exc
-    agree(failure, group=root.group, what=f"load_checkpoint({str(path)!r}) changed nothing on any rank")
-    assert staged is not None and then is not None, "agree() raises on every rank when any rank failed"
     commit_load(root, model, optim, staged)
     then()
     return staged.extra
