@@ -131,6 +131,28 @@ def test_a_load_through_the_ring_is_bit_exact_and_reads_the_state_once(tmp_path:
         assert sum(result["large"]) <= result["state"], f"rank {rank}: host allocations {result['large']} for a state of {result['state']} bytes"
 
 
+def _in_place(rank: int, world_size: int, out: str) -> dict[str, bool]:  # noqa: ARG001
+    ring_load.ring_for = lambda device: Ring(AsyncCopier(seed=rank + 7), slots=2, slot_bytes=SLOT)
+    root = fsdp_optim.FullyShardedDataParallel(_net())
+    optim = torch.optim.Adam(root.parameters(), lr=1e-2)
+    _train(root, optim, 0, rank)
+    fsdp_optim.save_checkpoint(root, optim, Path(out) / "ckpt")
+    saved = snapshot(optim.state_dict())
+    _train(root, optim, 1, rank)
+    live = {"params": [p.data_ptr() for p in root.parameters()],
+            "optim": {(pid, k): v for pid, e in optim.state_dict()["state"].items() for k, v in e.items() if v.dim()}}  # fmt: skip
+    fsdp_optim.load_checkpoint(root, optim, Path(out) / "ckpt")
+    assert_identical(optim.state_dict(), saved, f"rank {rank}: the optimizer after a load through the ring")
+    now = optim.state_dict()["state"]
+    return {"params": [p.data_ptr() for p in root.parameters()] == live["params"],
+            "optim": all(now[pid][k] is t for (pid, k), t in live["optim"].items())}  # fmt: skip
+
+
+def test_a_load_through_the_ring_under_late_copies_lands_in_the_live_tensors_in_place(tmp_path: Path) -> None:
+    """The one rule for where loaded state lands (job/device_load.py): in the live tensors, in place."""
+    assert run_ranks(_in_place, 2, str(tmp_path)) == [{"params": True, "optim": True}] * 2
+
+
 def _damaged(rank: int, world_size: int, out: str) -> tuple[str, str]:
     ring_load.ring_for = lambda device: Ring(AsyncCopier(seed=rank), slots=2, slot_bytes=SLOT)
     root = fsdp_optim.FullyShardedDataParallel(_net())
