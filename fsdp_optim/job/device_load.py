@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 
+from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.job.ring_load import Destination
 from fsdp_optim.job.stager import check_pairs, upload
 from fsdp_optim.job.staging import before_change
 
-__all__ = ["into_live", "optimizer_state_on_device"]
+__all__ = ["into_live", "live_destination", "optimizer_state_on_device"]
 
 
 def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -22,13 +24,37 @@ def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     (a load read it there, :mod:`fsdp_optim.job.ring_load`) on the device, a host tensor into a GPU tensor through
     the pinned ring, into a host tensor directly. A floating-point tensor of another dtype is cast first; any other
     difference of dtype or shape is refused before a byte is written (:func:`fsdp_optim.job.stager.check_pairs`)."""
-    ready = [(live, t.to(live.dtype) if _castable(t, live) else t) for live, t in pairs]
+    ready = [(live, t.to(live.dtype) if _castable(t, live) else t) for live, t in pairs if not _same(live, t)]
     check_pairs(ready)  # all or nothing: the device-side pairs too, before the first of them is copied
     on_device = [(live, t) for live, t in ready if live.is_cuda and t.device == live.device]
     with torch.no_grad():
         for live, t in on_device:
             live.copy_(t)
     upload([(live, t) for live, t in ready if not (live.is_cuda and t.device == live.device)])
+
+
+def _same(live: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` is ``live``'s own memory (a load read it there: nothing to copy)."""
+    same_place = live.device == t.device and live.data_ptr() == t.data_ptr()
+    return same_place and live.shape == t.shape and live.dtype == t.dtype
+
+
+def live_destination(params: Sequence[torch.Tensor], optim: torch.optim.Optimizer | None) -> Destination:
+    """Where a load at the saved layout reads each shard (:meth:`fsdp_optim.job.ring_load.Verified.land`), the one
+    rule: the live tensor itself (``params[flat]``'s data for the weights, the optimizer's own state tensor for a
+    state key) when it has the shard's numel, dtype and device and is contiguous; else a new tensor (an optimizer
+    that has not stepped yet: it becomes its state)."""
+
+    def destination(flat: int, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        param = params[flat]
+        state = optim.state.get(param, {}) if optim is not None else {}
+        live = param.data if key == WEIGHTS_KEY else state.get(key)
+        if (torch.is_tensor(live) and live.numel() == numel and live.dtype == dtype and live.device == device
+                and live.is_contiguous()):  # fmt: skip
+            return live.detach().view(-1)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    return destination
 
 
 def _castable(host: torch.Tensor, live: torch.Tensor) -> bool:
