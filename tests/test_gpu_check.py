@@ -321,3 +321,27 @@ def test_gpu_benchmark_measures_the_blocking_part_on_an_nccl_group(tmp_path: Pat
     (medians,) = run_ranks(_nccl_rows, 1, str(tmp_path), backend="nccl")
     assert set(medians) == {NCCL_BLOCKING, NCCL_IDLE} and all(v > 0 for v in medians.values()), medians
     assert not (tmp_path / "ours-nccl").exists(), "the row's checkpoints are removed once it is measured"
+
+
+LOOP_FIELDS = ("step clock", "step, no save", "step, save in flight", "worst step, save in flight", "slowdown", "worst slowdown",
+               "dcp: step, no save", "dcp: step, save in flight", "dcp: worst step, save in flight", "dcp: slowdown", "dcp: worst slowdown")  # fmt: skip
+MEMORY_ROWS = ("async save, whole: host RSS", "sync save: GPU memory", "load: GPU memory", "async save, whole: GPU memory")
+
+
+def test_the_small_benchmark_writes_every_field_a_user_compares_with_cpu_stand_ins(tmp_path: Path) -> None:
+    """DCP's step slowdown beside ours, measured the same way; per-step median and worst step while a save is in
+    flight; the host RSS growth over the whole async save; the GPU memory growth of save and load (on the CPU, the
+    host's, said in the meta)."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--small", "--repeats", "1", "--dir", str(tmp_path / "bench"), "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    stored = json.loads((tmp_path / "gpu_staging_small.json").read_text())
+    at = {r["row"]: r for r in stored["rows"]}
+    loop = next(r for name, r in at.items() if name.startswith("training loop"))
+    assert not [k for k in LOOP_FIELDS if k not in loop], f"the loop lacks {[k for k in LOOP_FIELDS if k not in loop]}: {loop}"
+    assert not [r for r in MEMORY_ROWS if "ours" not in at.get(r, {})], f"rows missing: {[r for r in MEMORY_ROWS if r not in at]}"
+    assert "dcp" in at["async save, whole: host RSS"], at["async save, whole: host RSS"]
+    assert "host RSS growth" in stored["meta"]["stand-ins"] and loop["step clock"].startswith("host clock"), stored["meta"]
+    names = [t["target"] for t in stored["targets"]]
+    assert "GPU memory growth of a load <= a ring slot + 64 MiB (96 MiB)" in names, names

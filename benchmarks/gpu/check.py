@@ -94,7 +94,7 @@ def default_phases(tmp: Path, collect: bool, gpus: int | None = None) -> list[li
 
 def suite_phases(tmp: Path, collect: bool) -> list[list[Step]]:
     # -v: a line per test as it ends (the per-test result when the bound ends pytest before its XML is written)
-    suite = Step("suite", _pytest([*([] if collect else ["-v"]), "--durations=15", "tests"], tmp / "suite.xml", collect=collect, workers=16), SUITE_BUDGET_S - 10,
+    suite = Step("suite", _pytest([*([] if collect else ["-v"]), "--durations=15", "tests"], tmp / "suite.xml", collect=collect, workers=16), int(SUITE_BUDGET_S) - 10,
                  env=(("OMP_NUM_THREADS", "1"), SKIP_MISSING), stop_signal="INT")  # fmt: skip
     return [_setup(collect), [suite]]
 
