@@ -1,8 +1,8 @@
 """A checkpoint in a local directory: the :class:`~fsdp_optim.disk.location.Location` with rename and a lock.
 
-Reads are ``stat``/``pread`` (nothing to retry); a save is the one way out of :mod:`fsdp_optim.disk.staged`: the
-directory locked and the save journaled (:func:`~fsdp_optim.disk.staged.open_output`), each rank's files written in
-place and fsynced, the manifest renamed into place last, the replaced checkpoint's files removed, the lock
+Reads are ``stat``/``pread`` (nothing to retry); a save's writer is
+:class:`~fsdp_optim.disk.staged.RenameWriter`: the directory locked and the save journaled, each rank's files written
+in place and fsynced, the manifest renamed into place last, the replaced checkpoint's files removed, the lock
 released (a failed save's files removed first, from its journal). ``os.fspath`` of it is its path, so the readers
 that map files take it as they take a ``Path``.
 """
@@ -18,21 +18,17 @@ from pathlib import Path
 
 from fsdp_optim.disk.atomic import atomic_write, fsync_dir
 from fsdp_optim.disk.errors import ConcurrentCommitError
-from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, StoredObject, T
+from fsdp_optim.disk.location import Location, StoredObject, T
 from fsdp_optim.disk.locks import OutputLockedError, lock_output
-from fsdp_optim.disk.staged import close_output, open_output
+from fsdp_optim.disk.save import SaveRules
+from fsdp_optim.disk.staged import RenameWriter
 from fsdp_optim.disk.store_answers import Tiling
-from fsdp_optim.disk.store_policy import RetryPolicy
 
 __all__ = ["LocalDirectory"]
-
-_NO_RETRIES = RetryPolicy(float("inf"), attempts=1)  # a local read either works or says why at once
 
 
 class LocalDirectory(Location):
     """The local directory ``path`` (need not exist until a save creates it)."""
-
-    policy = _NO_RETRIES
 
     def __init__(self, path: str | os.PathLike[str]) -> None:  # noqa: D107 - see the class
         self.path = Path(path)
@@ -152,8 +148,8 @@ class LocalDirectory(Location):
         return None if found is None else f"{found}-{os.stat(self.path / name).st_mtime}"
 
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
-        """Checked, then renamed into place: exact while a save holds the directory's lock (:meth:`begin_save`),
-        which a save's own commit (:meth:`commit_manifest`) relies on instead."""
+        """Checked, then renamed into place: exact while a save holds the directory's lock, which a save's own commit
+        (:class:`~fsdp_optim.disk.staged.RenameWriter`) relies on instead."""
         if (found := self.etag(name)) != replaces:
             raise ConcurrentCommitError(f"{self / name}: changed by another writer ({found}, not {replaces})")
         self.write(name, data)
@@ -188,25 +184,11 @@ class LocalDirectory(Location):
         os.rmdir(self.path)
         fsync_dir(self.path.parent)
 
-    # -- saving: the hooks where a local directory does better than a store's defaults ---------------------------
-
-    def begin_save(self, rules: SaveRules, *, purpose: str, overwrite: bool) -> Begun:
-        """The directory locked, what a killed writer left removed, foreign content refused (unless ``overwrite``)
-        and the save journaled with what its commit replaces (:func:`~fsdp_optim.disk.staged.open_output`); the lock
-        and journal are closed by ``finish_save`` (a failed save's files removed by the journal)."""
-        lock = open_output(self.path, rules.claims, rules.entry, purpose=purpose, overwrite=overwrite)
-        replaced = frozenset(lock.entries[-1].replaces or ())
-        return Begun(rules, None, replaced, release=lambda failed: close_output(lock, rules.claims, failed=failed))
-
-    def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - every rank writes in place
-        return Staging(self.path, durable=True, scratch=False)
-
-    def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:  # noqa: ARG002
-        """Renamed into place (under the save's lock; ``begun`` ``None``: a directory of the job's own): its
-        temporary file carries the save's tag, so the journal of a save killed here names it."""
-        atomic_write(self.path / rules.commit_name, lambda file: file.write(data), tag=rules.tag)
-
     # -- what it can do ------------------------------------------------------------------------------------
+
+    def writer(self, rules: SaveRules) -> RenameWriter:
+        """A rename under the directory's lock and journal."""
+        return RenameWriter(self, rules)
 
     def shared_by_processes(self) -> bool:
         return True

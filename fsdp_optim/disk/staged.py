@@ -1,6 +1,7 @@
-"""The one way out: every writer of fsdp_optim writes through :func:`staged_output` (a directory of files) or
-:func:`write_file` (one file), or, for a save shared by the ranks of a job, :func:`open_output` /
-:func:`close_output` (the same steps, with the files written in place by every rank).
+"""The one way out of a local directory: every writer of fsdp_optim writes through :func:`staged_output` (a directory
+of files) or :func:`write_file` (one file), or, for a save shared by the ranks of a job, :class:`RenameWriter` (the
+local directory's writer of the one save protocol, :mod:`fsdp_optim.disk.save`: the same steps, with the files
+written in place by every rank).
 
 What every writer gets, whatever the format::
 
@@ -12,7 +13,7 @@ What every writer gets, whatever the format::
 2. ``out``'s lock is taken (a second writer gets ``OutputLockedError``).
 3. What a killed writer of ``out`` left is removed, exactly as its journal announced it (:func:`recover`).
 4. Content of ``out`` that the format does not claim is *foreign*: refused with ``ForeignOutputError`` unless
-   ``overwrite``, and never deleted either way (a foreign file where the format commits, such as another
+   ``overwrite``, and never deleted either way (:func:`fsdp_optim.disk.save.refuse_foreign`) (a foreign file where the format commits, such as another
    tool's ``manifest.json``, is refused even with ``overwrite``: the commit would replace it).
 5. The write is journaled before any file exists (its staging directory, the names it will create, what
    its commit replaces); the files are staged, moved in, and the format's commit runs last (our manifest).
@@ -37,11 +38,12 @@ from typing import Any, BinaryIO, Protocol
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write, fsync_dir
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
-from fsdp_optim.disk.text import escape
+from fsdp_optim.disk.save import Begun, Staging, Writer, refuse_foreign
 from fsdp_optim.disk.untrusted import describe_file
 
 __all__ = [
     "Claims",
+    "RenameWriter",
     "Survey",
     "Stage",
     "check_not_input",
@@ -176,16 +178,45 @@ def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> tup
     if survey.refused:  # the commit would replace (delete) a foreign file: never, whatever the caller allows
         raise ForeignOutputError(f"{directory}: {survey.refused}")
     foreign = sorted(set(os.listdir(directory)) - survey.known)
-    if (foreign or survey.problem) and not overwrite:
-        parts = [survey.problem] if survey.problem else []
-        if foreign:
-            shown = ", ".join(escape(n, limit=80) for n in foreign[:5])
-            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-            parts.append(f"it holds files that are not an fsdp_optim checkpoint's: {shown}{more}")
-        raise ForeignOutputError(
-            f"{directory}: {'; '.join(parts)}; pass overwrite=True (--overwrite) to {survey.overwrite_means}"
-        )
+    refuse_foreign(directory, foreign, overwrite=overwrite, problem=survey.problem,
+                   overwrite_means=survey.overwrite_means)  # fmt: skip
     return set(survey.replaces), set(survey.stale)
+
+
+class RenameWriter(Writer):
+    """A local directory's save (:mod:`fsdp_optim.disk.save`): at ``begin`` the directory locked, what a killed writer
+    left removed, foreign content refused and the save journaled (:func:`open_output`); every rank's files written
+    in place and fsynced; the commit object renamed into place last (its temporary file carries the save's tag, so
+    the journal of a save killed there names it); then the replaced checkpoint's files removed and the lock released
+    (a failed save's files removed first, from its journal: :func:`close_output`)."""
+
+    def begin(self, *, purpose: str, overwrite: bool) -> Begun:
+        claims, path = self.rules.claims, self._path()
+        lock = open_output(path, claims, self.rules.entry, purpose=purpose, overwrite=overwrite)
+        replaced = frozenset(lock.entries[-1].replaces or ())
+        return Begun(None, replaced, release=lambda failed: close_output(lock, claims, failed=failed))
+
+    def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - every rank writes in place
+        return Staging(self._path(), durable=True, scratch=False)
+
+    def publish(self, staging: Staging, names: Iterable[str]) -> None:
+        """Nothing to do: written in place."""
+
+    def commit(self, begun: Begun | None, data: bytes | None) -> None:  # noqa: ARG002 - held by the lock
+        if data is not None:
+            atomic_write(self._path() / self.rules.commit_name, lambda file: file.write(data), tag=self.rules.tag)
+
+    def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:
+        """The replaced checkpoint's files that the commit does not list (a killed writer's were removed at
+        ``begin``, from the journal), then the lock released."""
+        if begun is not None:
+            deletable = self.rules.claims.deletable
+            self._remove(begun, sorted(n for n in begun.replaced_files - keep if deletable(n)))
+
+    def _path(self) -> Path:
+        path = self.location.local_path()
+        assert path is not None, f"{self.location}: a rename needs a local directory"
+        return path
 
 
 @contextlib.contextmanager

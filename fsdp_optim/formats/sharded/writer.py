@@ -26,7 +26,8 @@ from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.location import Location, SaveRules
+from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.save import SaveRules
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
