@@ -37,7 +37,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -167,9 +167,9 @@ class Writer:
         claims, listing = self.rules.claims, self.location.listing()
         times = [listing[n].mtime for n in keep if n in listing]
         oldest = min((t for t in times if t is not None), default=float("-inf"))
-        old = lambda o: o.mtime is not None and o.mtime < oldest  # noqa: E731
-        self._remove(begun, [n for n, o in listing.items()
-                             if claims.deletable(n) and n not in keep and (n in begun.replaced_files or old(o))])  # fmt: skip
+        stale = [n for n, o in listing.items() if claims.deletable(n) and n not in keep
+                 and (n in begun.replaced_files or (o.mtime is not None and o.mtime < oldest))]  # fmt: skip
+        self._remove(begun, stale)
 
     def abort(self, begun: Begun | None, staging: Staging, names: Sequence[str]) -> None:
         """After a failure: release what was begun (``begun``: rank 0's) and remove what this process published
@@ -196,17 +196,24 @@ class Writer:
                 begun.release(False)
 
 
-@dataclass
 class Save:
-    """One process's part of a save, as :func:`saving` hands it to its block."""
+    """One process's part of a save, as :func:`saving` hands it to its block. Its staging is made at first use
+    (within the block: inside the step that agrees on the writing)."""
 
-    writer: Writer
-    begun: Begun | None
-    staging: Staging
-    agreed: Agreed
-    published: list[str] = field(default_factory=list)
-    keep: frozenset[str] = frozenset()
-    committed: bool = False
+    def __init__(self, writer: Writer, begun: Begun | None, save_id: str, rank: int, agreed: Agreed,
+                 staging: Staging | None) -> None:  # fmt: skip  # noqa: D107 - see the class
+        self.writer, self.begun, self.agreed = writer, begun, agreed
+        self._where, self._staging = (save_id, rank), staging
+        self.published: list[str] = []
+        self.keep: frozenset[str] = frozenset()
+        self.committed = False
+
+    @property
+    def staging(self) -> Staging:
+        """Where this process writes its own files (:meth:`Writer.stage`, once)."""
+        if self._staging is None:
+            self._staging = self.writer.stage(*self._where)
+        return self._staging
 
     def begin(self, *, purpose: str, overwrite: bool) -> Begun:
         """:meth:`Writer.begin`, where one process begins the save within the block (once; an upload that starts
@@ -227,6 +234,26 @@ class Save:
             self.writer.commit(self.begun, data)
         self.keep, self.committed = frozenset(keep), True
 
+    def end(self, failure: BaseException | None) -> None:
+        """The driver's last step: :meth:`Writer.finish` after the commit (an interrupt after it too: the save
+        stands), else :meth:`Writer.abort` (what this process published is kept when the commit's outcome is
+        unknown); the scratch staging removed either way."""
+        try:
+            if self.committed:
+                self.writer.finish(self.begun, keep=self.keep)
+                if failure is not None:
+                    note = f"(the save into {self.writer.location} had committed before this interrupt: it is whole)"
+                    getattr(failure, "add_note", lambda _: None)(note)
+            else:
+                kept = isinstance(failure, CommitOutcomeUnknown)  # (the commit may list them)
+                self.writer.abort(self.begun, self._staging or _NOWHERE, () if kept else self.published)
+        finally:
+            if self._staging is not None and self._staging.scratch:
+                shutil.rmtree(self._staging.path, ignore_errors=True)
+
+
+_NOWHERE = Staging(Path(), durable=False, scratch=False)  # a process that never staged: nothing of its own to remove
+
 
 def _alone(what: str) -> AbstractContextManager[None]:  # noqa: ARG001 - one process: nothing to agree
     return nullcontext()
@@ -237,31 +264,14 @@ def saving(
     writer: Writer, begun: Begun | None, *, save_id: str, rank: int = 0, agreed: Agreed = _alone,
     staging: Staging | None = None,
 ) -> Iterator[Save]:  # fmt: skip
-    """The one driver of a save (the module docstring): this process's staging (``staging``: one already written
-    into), the block (which writes, publishes and calls :meth:`Save.commit`), then :meth:`Writer.finish`; a block
-    that fails, or ends without committing, aborts (:meth:`Writer.abort`). ``agreed(what)``: the step every process
-    runs and agrees on (a team's, a job's; one process: none). An interrupt after the commit leaves the save standing
-    (finished on this process alone)."""
-    save: Save | None = None
+    """The one driver of a save (the module docstring): the block writes into ``save.staging`` (``staging``: one
+    given, already there), publishes and calls :meth:`Save.commit`; then :meth:`Save.end`: finished, or aborted
+    when the block failed or ended without committing. ``agreed(what)``: the step every process runs and agrees on
+    (a job's, a team's; one process: none)."""
+    save = Save(writer, begun, save_id, rank, agreed, staging)
     try:
-        save = Save(writer, begun, staging or writer.stage(save_id, rank), agreed)
-        save.staging.path.mkdir(parents=True, exist_ok=True)
         yield save
     except BaseException as exc:
-        begun = save.begun if save is not None else begun
-        if save is not None and save.committed:
-            writer.finish(begun, keep=save.keep)
-            getattr(exc, "add_note", lambda _: None)(f"(the save into {writer.location} had committed before this "
-                                                     "interrupt: it is whole)")  # fmt: skip
-        elif save is not None:
-            writer.abort(begun, save.staging, () if isinstance(exc, CommitOutcomeUnknown) else save.published)
-        elif begun is not None and begun.release is not None:
-            begun.release(True)
+        save.end(exc)
         raise
-    finally:
-        if save is not None and save.staging.scratch:
-            shutil.rmtree(save.staging.path, ignore_errors=True)
-    if save.committed:
-        writer.finish(save.begun, keep=save.keep)
-    else:
-        writer.abort(save.begun, save.staging, save.published)
+    save.end(None)

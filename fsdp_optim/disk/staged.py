@@ -12,9 +12,10 @@ What every writer gets, whatever the format::
 1. ``out`` must not be (or hold) one of ``inputs`` (:func:`check_not_input`).
 2. ``out``'s lock is taken (a second writer gets ``OutputLockedError``).
 3. What a killed writer of ``out`` left is removed, exactly as its journal announced it (:func:`recover`).
-4. Content of ``out`` that the format does not claim is *foreign*: refused with ``ForeignOutputError`` unless
-   ``overwrite``, and never deleted either way (:func:`fsdp_optim.disk.save.refuse_foreign`) (a foreign file where the format commits, such as another
-   tool's ``manifest.json``, is refused even with ``overwrite``: the commit would replace it).
+4. Content of ``out`` that the format does not claim is *foreign* (:func:`fsdp_optim.disk.save.refuse_foreign`):
+   refused with ``ForeignOutputError`` unless ``overwrite``, and never deleted either way (a foreign file where the
+   format commits, such as another tool's ``manifest.json``, is refused even with ``overwrite``: the commit would
+   replace it).
 5. The write is journaled before any file exists (its staging directory, the names it will create, what
    its commit replaces); the files are staged, moved in, and the format's commit runs last (our manifest).
 6. A refused or failed write leaves ``out`` as it was; a killed one is cleaned up by the next writer.
@@ -28,18 +29,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write, fsync_dir
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
-from fsdp_optim.disk.save import Begun, Staging, Writer, refuse_foreign
+from fsdp_optim.disk.save import Begun, SaveRules, Staging, Writer, refuse_foreign, saving
 from fsdp_optim.disk.untrusted import describe_file
+
+if TYPE_CHECKING:
+    from fsdp_optim.disk.location import Location
 
 __all__ = [
     "Claims",
@@ -51,6 +55,7 @@ __all__ = [
     "open_output",
     "recover",
     "staged_output",
+    "staged_writer",
     "write_file",
     "write_stream",
 ]
@@ -91,15 +96,13 @@ class Claims(Protocol):
 
 @dataclass
 class Stage:
-    """An output being written: put files into ``dir``; they are moved into ``out`` when the block ends."""
+    """An output being written: put files into ``dir``; they are moved into ``out`` when the block ends, ``last``
+    last, then ``commit`` (the commit object's bytes, if the format has one) is renamed into place."""
 
     out: Path
     dir: Path
-    lock: OutputLock
-    replaces: frozenset[str]
     last: Sequence[str] = ()  # names moved in after every other file (a format's commit point)
-    commit: Callable[[Path], Any] | None = None  # runs after the move, before the replaced files go
-    moved: list[str] = field(default_factory=list)
+    commit: bytes | None = None
 
 
 def check_not_input(output: str | os.PathLike[str], inputs: Iterable[Any], *, name: str = "out_dir") -> None:
@@ -185,38 +188,71 @@ def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> tup
 
 class RenameWriter(Writer):
     """A local directory's save (:mod:`fsdp_optim.disk.save`): at ``begin`` the directory locked, what a killed writer
-    left removed, foreign content refused and the save journaled (:func:`open_output`); every rank's files written
-    in place and fsynced; the commit object renamed into place last (its temporary file carries the save's tag, so
-    the journal of a save killed there names it); then the replaced checkpoint's files removed and the lock released
-    (a failed save's files removed first, from its journal: :func:`close_output`)."""
+    left removed, foreign content refused (unless ``overwrite``; ``replace=False``: a checkpoint there too) and the
+    save journaled (:func:`open_output`); the files written in place by every rank of a job, or (``staging``: its
+    name) into a staging directory beside the output and moved in when published, the move journaled first; the
+    commit object renamed into place last (its temporary file carries the save's tag, so the journal of a save killed
+    there names it); then the replaced output's files removed and the lock released (a failed save's files removed
+    first, from its journal: :func:`close_output`)."""
+
+    def __init__(self, location: Location, rules: SaveRules, *, staging: str | None = None,
+                 inputs: Iterable[Any] = (), replace: bool = True) -> None:  # fmt: skip  # noqa: D107 - see the class
+        super().__init__(location, rules)
+        path = location.local_path()
+        assert path is not None, f"{location}: a rename needs a local directory"
+        self.path, self.staging, self.inputs, self.replace = path, staging, inputs, replace
+        self.lock: OutputLock | None = None  # held from begin (rank 0's) to finish or abort
 
     def begin(self, *, purpose: str, overwrite: bool) -> Begun:
-        claims, path = self.rules.claims, self._path()
-        lock = open_output(path, claims, self.rules.entry, purpose=purpose, overwrite=overwrite)
+        claims, entry = self.rules.claims, self.rules.entry
+        if self.staging is not None:
+            entry = dataclasses.replace(entry, staging=self.staging)
+        self.lock = lock = open_output(self.path, claims, entry, purpose=purpose, inputs=self.inputs,
+                                       overwrite=overwrite, replace=self.replace)  # fmt: skip
         replaced = frozenset(lock.entries[-1].replaces or ())
         return Begun(None, replaced, release=lambda failed: close_output(lock, claims, failed=failed))
 
-    def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - every rank writes in place
-        return Staging(self._path(), durable=True, scratch=False)
+    def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - one directory for every rank
+        if self.staging is None:  # every rank writes in place
+            self.path.mkdir(parents=True, exist_ok=True)
+            return Staging(self.path, durable=True, scratch=False)
+        path = self._out().parent / self.staging  # (beside the output its lock names: symlinks resolved)
+        path.mkdir(mode=0o700)
+        return Staging(path, durable=True, scratch=True)
 
     def publish(self, staging: Staging, names: Iterable[str]) -> None:
-        """Nothing to do: written in place."""
+        """Written in place: nothing to do. Staged: moved in, in order (a kill from here on is undone by name)."""
+        if not staging.scratch:
+            return
+        names, lock = list(names), self.lock
+        assert lock is not None, "a staged save is published by the process that began it"
+        lock.journal(dataclasses.replace(lock.entries[-1], moved=(*(lock.entries[-1].moved or ()), *names)))
+        lock.output.mkdir(exist_ok=True)
+        for n in names:
+            os.replace(staging.path / n, lock.output / n)
+        fsync_dir(lock.output)
 
     def commit(self, begun: Begun | None, data: bytes | None) -> None:  # noqa: ARG002 - held by the lock
         if data is not None:
-            atomic_write(self._path() / self.rules.commit_name, lambda file: file.write(data), tag=self.rules.tag)
+            atomic_write(self._out() / self.rules.commit_name, lambda file: file.write(data), tag=self.rules.tag)
 
     def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:
-        """The replaced checkpoint's files that the commit does not list (a killed writer's were removed at
-        ``begin``, from the journal), then the lock released."""
-        if begun is not None:
-            deletable = self.rules.claims.deletable
-            self._remove(begun, sorted(n for n in begun.replaced_files - keep if deletable(n)))
+        """The replaced output's files that the commit does not list (a killed writer's were removed at ``begin``,
+        from the journal), then the lock released."""
+        if begun is None:
+            return
+        try:
+            remove_recorded(self._out(), begun.replaced_files, self.rules.claims, keep=set(keep))
+        except OSError as exc:
+            warnings.warn(f"{self.path}: could not remove the files of the output it replaced ({exc}); the next save "
+                          "removes them", stacklevel=2)  # fmt: skip
+        finally:
+            if begun.release is not None:
+                begun.release(False)
 
-    def _path(self) -> Path:
-        path = self.location.local_path()
-        assert path is not None, f"{self.location}: a rename needs a local directory"
-        return path
+    def _out(self) -> Path:
+        """The output as its lock names it, where this process holds the lock; else as given."""
+        return self.lock.output if self.lock is not None else self.path
 
 
 @contextlib.contextmanager
@@ -229,44 +265,36 @@ def staged_output(
     overwrite: bool = False,
     replace: bool = True,
     entry: JournalEntry | None = None,
+    commit_name: str = "",
 ) -> Iterator[Stage]:
-    """Write a directory output all or nothing: the block fills ``stage.dir``; on a clean exit its files are
-    moved into ``out`` (``stage.last`` last), ``stage.commit`` runs, and the files of the output it replaces
-    are removed. ``entry``: what to journal besides the staging name (a format's ``created`` reads it)."""
-    tag = uuid.uuid4().hex[:12]
-    name = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
-    lock = open_output(out, claims, dataclasses.replace(entry or JournalEntry(), staging=name), purpose=purpose,
-                       inputs=inputs, overwrite=overwrite, replace=replace)  # fmt: skip
-    stage = Stage(lock.output, lock.output.parent / name, lock, frozenset(lock.entries[-1].replaces or ()))
-    failed = True
-    try:
-        stage.dir.mkdir(mode=0o700)
+    """Write a directory output all or nothing, through the one save driver (:func:`fsdp_optim.disk.save.saving`,
+    with a :class:`RenameWriter`): the block fills ``stage.dir``; on a clean exit its files are moved into ``out``
+    (``stage.last`` last), then the commit: ``stage.commit`` (bytes) renamed into place as ``commit_name``; then the
+    files of the output it replaces are removed. ``entry``: what to journal besides the staging name (a format's
+    ``created`` reads it)."""
+    writer = staged_writer(out, claims, inputs=inputs, replace=replace, entry=entry, commit_name=commit_name)
+    begun = writer.begin(purpose=purpose, overwrite=overwrite)
+    with saving(writer, begun, save_id=writer.rules.tag) as save:
+        stage = Stage(writer._out(), save.staging.path)
         yield stage
-        _move_in(stage, claims)
-        failed = False
-    finally:
-        _remove_staging(stage.dir)
-        close_output(lock, claims, failed=failed)
+        last = list(stage.last)
+        names = sorted(os.listdir(stage.dir), key=lambda n: (n in last, last.index(n) if n in last else 0))
+        save.publish(names)
+        save.commit(stage.commit, keep=[*names, commit_name])
 
 
-def _move_in(stage: Stage, claims: Claims) -> None:
-    last = list(stage.last)
-    names = sorted(os.listdir(stage.dir), key=lambda n: (n in last, last.index(n) if n in last else 0))
-    # A kill from here on is undone by name.
-    stage.lock.journal(dataclasses.replace(stage.lock.entries[-1], moved=tuple(names)))
-    stage.out.mkdir(exist_ok=True)
-    for n in names:
-        os.replace(stage.dir / n, stage.out / n)
-        stage.moved.append(n)
-    fsync_dir(stage.out)
-    if stage.commit is not None:
-        stage.commit(stage.out)
-    remove_recorded(stage.out, stage.replaces - set(names), claims, keep=set(names))
+def staged_writer(
+    out: str | os.PathLike[str], claims: Claims, *, inputs: Iterable[Any] = (), replace: bool = True,
+    entry: JournalEntry | None = None, commit_name: str = "",
+) -> RenameWriter:  # fmt: skip
+    """The :class:`RenameWriter` of a directory output staged beside ``out`` (its staging directory's name, with a
+    new tag, journaled with ``entry``; ``commit_name``: the format's commit object, if it has one)."""
+    from fsdp_optim.disk.local_directory import LocalDirectory  # (the local directory is the module above this one)
 
-
-def _remove_staging(staging: Path) -> None:
-    if staging.is_dir() and not staging.is_symlink():
-        shutil.rmtree(staging, ignore_errors=True)
+    tag = uuid.uuid4().hex[:12]
+    rules = SaveRules(claims, entry or JournalEntry(), commit_name, frozenset(), lambda _where, _size: frozenset())
+    staging = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
+    return RenameWriter(LocalDirectory(out), rules, staging=staging, inputs=inputs, replace=replace)
 
 
 def remove_recorded(directory: Path, names: Iterable[str], claims: Claims, *, keep: set[str]) -> list[str]:

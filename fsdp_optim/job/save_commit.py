@@ -27,7 +27,7 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.location import Location, ObjectPath
-from fsdp_optim.disk.save import Begun, Save, Writer, saving
+from fsdp_optim.disk.save import Begun, Save, saving
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest

@@ -2,8 +2,8 @@
 
 A sharded checkpoint is published through the one save driver (:func:`fsdp_optim.disk.save.saving`, with the
 store's writer: rank and side files under their save-unique names, then the manifest by a conditional put, then the
-replaced files removed); any other output (a consolidated file, a safetensors export, a DCP directory) is uploaded file by file,
-each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed either way::
+replaced files removed); any other output (a consolidated file, a safetensors export, a DCP directory) is uploaded
+file by file, each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed either way::
 
     with output_for("s3://bucket/out/full.pt") as local:   # local: /tmp/fsdp_optim-out-.../full.pt
         write_file(obj, local)
@@ -11,7 +11,8 @@ each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed e
 
 A sharded checkpoint's rank files can start uploading as soon as each is written (:func:`checkpoint_output`), while
 the next one is being cut: the upload of a re-cut then overlaps its computing and writing. The commit rule holds:
-the prefix's manifest is read (:meth:`~fsdp_optim.disk.save.Writer.begin`) before the first upload; a file the local writer moves later is uploaded from a hard link made when it was complete.
+the prefix's manifest is read (:meth:`~fsdp_optim.disk.save.Writer.begin`) before the first upload; a file the local
+writer moves later is uploaded from a hard link made when it was complete.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from functools import partial
 from pathlib import Path
 
 from fsdp_optim.disk.location import Location
-from fsdp_optim.disk.save import Save, Staging, saving
 from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.save import Save, Staging, saving
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
 from fsdp_optim.formats.sharded.writer import save_rules
 

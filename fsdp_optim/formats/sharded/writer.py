@@ -27,9 +27,9 @@ from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.location import Location
-from fsdp_optim.disk.save import SaveRules
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import OutputLock
+from fsdp_optim.disk.save import SaveRules
 from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
 from fsdp_optim.formats.sharded.manifest import (
     CHECKPOINT_VERSION,
@@ -299,12 +299,11 @@ def write_all_or_nothing(
     replace: bool = True,
 ) -> Path:
     """Have ``write`` put every rank file into the staging directory and return the manifest; then the files
-    move into ``out`` and the manifest is committed there, last (:func:`fsdp_optim.disk.staged.staged_output`).
+    move into ``out`` and the manifest is committed there, last (:func:`fsdp_optim.disk.staged.staged_output`, through
+    the one save driver).
     ``save_id`` and ``world_size`` are the manifest's: by them a killed write's files are journaled."""
     entry = JournalEntry(save_id=save_id or new_save_id(), world_size=world_size or 1)
-    with staged_output(
-        out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace, entry=entry
-    ) as stage:
-        manifest = write(stage.dir)
-        stage.commit = lambda target: write_manifest(target, manifest)
+    with staged_output(out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace,
+                       entry=entry, commit_name=MANIFEST_NAME) as stage:  # fmt: skip
+        stage.commit = manifest_to_json(write(stage.dir))  # (before anything moves: a value JSON cannot hold, refused)
     return Path(out) / MANIFEST_NAME
