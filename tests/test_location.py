@@ -123,8 +123,8 @@ def test_a_backend_is_eight_byte_methods_and_the_save_steps_are_written_once() -
     overrides the commit alone), each at most 7 steps."""
     import _flat_store
 
+    from fsdp_optim.disk.local_directory import RenameWriter
     from fsdp_optim.disk.save import Writer
-    from fsdp_optim.disk.staged import RenameWriter
     from fsdp_optim.disk.storage import ObjectStore
     from fsdp_optim.formats.sharded.writer import save_rules
     from fsdp_optim.job.node_memory import MemoryWriter

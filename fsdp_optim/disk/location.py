@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdp_optim.disk.byte_io import ByteIO, StoredObject
+from fsdp_optim.disk.save import SaveRules, Writer
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
-    from fsdp_optim.disk.save import SaveRules, Writer
 
 __all__ = ["Location", "ObjectPath", "StoredObject", "Where", "is_url"]
 
@@ -170,8 +170,6 @@ class Location(ByteIO):
     def writer(self, rules: SaveRules) -> Writer:
         """How a save under ``rules`` commits here (:mod:`fsdp_optim.disk.save`): by default a conditional put of
         the commit object, on the :class:`~fsdp_optim.disk.byte_io.ByteIO` primitives."""
-        from fsdp_optim.disk.save import Writer  # (the save protocol is written on top of this interface)
-
         return Writer(self, rules)
 
     def shared_by_processes(self) -> bool:

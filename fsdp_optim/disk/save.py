@@ -24,7 +24,7 @@ Three writers, one per way of committing:
   began before this save's first upload read the old commit object's etag (or none), so its commit fails after this
   one; a writer that begins later uploads later. Only a doomed writer's files can be older; a live writer's never
   are. A foreign object is never deleted.
-- :class:`~fsdp_optim.disk.staged.RenameWriter`: a local directory's, a rename under its lock and journal.
+- :class:`~fsdp_optim.disk.local_directory.RenameWriter`: a local directory's, a rename under its lock and journal.
 - :class:`~fsdp_optim.job.node_memory.MemoryWriter`: the memory tier's, whose commit alone differs (a collective).
 
 ``disk/`` knows no format: what a save's output owns comes from the format as :class:`SaveRules`.
@@ -39,20 +39,48 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from fsdp_optim.disk.byte_io import ByteIO
 from fsdp_optim.disk.errors import CommitOutcomeUnknown
+from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.disk.text import escape
 
-if TYPE_CHECKING:
-    from fsdp_optim.disk.journal import JournalEntry
-    from fsdp_optim.disk.location import Location
-    from fsdp_optim.disk.staged import Claims
-
-__all__ = ["Begun", "Save", "SaveRules", "Staging", "Writer", "refuse_foreign", "saving"]
+__all__ = ["Begun", "Claims", "Save", "SaveRules", "Staging", "Survey", "Writer", "refuse_foreign", "saving"]
 
 Agreed = Callable[[str], AbstractContextManager[None]]  # a step every process runs and agrees on (one process: none)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What a format finds in an existing output directory."""
+
+    replaces: frozenset[str] = frozenset()  # names a new commit there makes obsolete (removed after it)
+    known: frozenset[str] = frozenset()  # names that are not foreign (the rest is refused without overwrite)
+    problem: str | None = None  # why it cannot simply be written over (refused without overwrite)
+    overwrite_means: str = "write there anyway (nothing there is deleted)"
+    refused: str | None = None  # why it is refused even with overwrite (a foreign file the commit would replace)
+    stale: frozenset[str] = frozenset()  # an interrupted write's files: not foreign, no output; the commit removes them
+
+
+class Claims(Protocol):
+    """What a format owns in an output, so its writer can refuse, replace and recover (a killed save's files)."""
+
+    def survey(self, directory: Path) -> Survey:
+        """The existing directory as this format sees it."""
+
+    def created(self, entry: JournalEntry) -> set[str]:
+        """Names that the write journaled as ``entry`` creates (temporary files of these go too)."""
+
+    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:
+        """``(name, tag)`` of files the write journaled as ``entry`` saves with a tagged temporary file."""
+
+    def referenced(self, directory: Path) -> set[str] | None:
+        """Names the committed output in ``directory`` uses (kept by a recovery); ``None``: unreadable."""
+
+    def deletable(self, name: str) -> bool:
+        """Whether a recorded name may be deleted at all (a shape check: never a name this format can't make)."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +95,7 @@ class SaveRules:
     entry: JournalEntry
     commit_name: str
     known: frozenset[str]
-    listed: Callable[[Location, int | None], frozenset[str]]
+    listed: Callable[[ByteIO, int | None], frozenset[str]]
 
     @property
     def tag(self) -> str:
@@ -119,7 +147,7 @@ class Writer:
     """A save's steps at ``location`` under a format's ``rules``: the interface, and an object store's protocol (a
     conditional put; the module docstring). Another way of committing overrides the steps where it differs."""
 
-    def __init__(self, location: Location, rules: SaveRules) -> None:  # noqa: D107 - see the class
+    def __init__(self, location: ByteIO, rules: SaveRules) -> None:  # noqa: D107 - see the class
         self.location, self.rules = location, rules
 
     def begin(self, *, purpose: str, overwrite: bool) -> Begun:  # noqa: ARG002 - nothing held here

@@ -1,7 +1,6 @@
-"""The one way out of a local directory: every writer of fsdp_optim writes through :func:`staged_output` (a directory
-of files) or :func:`write_file` (one file), or, for a save shared by the ranks of a job, :class:`RenameWriter` (the
-local directory's writer of the one save protocol, :mod:`fsdp_optim.disk.save`: the same steps, with the files
-written in place by every rank).
+"""The steps of the one way out of a local directory: the lock, its journal and the recovery from it that a local
+directory's writer of the one save protocol takes (:class:`~fsdp_optim.disk.local_directory.RenameWriter`, behind
+``staged_output`` for a directory of files and every job save), and :func:`write_file` (one file).
 
 What every writer gets, whatever the format::
 
@@ -20,8 +19,8 @@ What every writer gets, whatever the format::
    its commit replaces); the files are staged, moved in, and the format's commit runs last (our manifest).
 6. A refused or failed write leaves ``out`` as it was; a killed one is cleaned up by the next writer.
 
-A format says what is its own with a :class:`Claims` (``formats/sharded/writer.py``: our checkpoint;
-``formats/fairseq``: a shard set; ``formats/dcp.py``: a DCP directory). This module knows no format.
+A format says what is its own with a :class:`~fsdp_optim.disk.save.Claims` (``formats/sharded/writer.py``: our
+checkpoint; ``formats/fairseq``: a shard set; ``formats/dcp.py``: a DCP directory). This module knows no format.
 """
 
 from __future__ import annotations
@@ -30,79 +29,26 @@ import contextlib
 import dataclasses
 import os
 import uuid
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
-from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write, fsync_dir
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
-from fsdp_optim.disk.save import Begun, SaveRules, Staging, Writer, refuse_foreign, saving
+from fsdp_optim.disk.save import Claims, Survey, refuse_foreign
 from fsdp_optim.disk.untrusted import describe_file
 
-if TYPE_CHECKING:
-    from fsdp_optim.disk.location import Location
-
 __all__ = [
-    "Claims",
-    "RenameWriter",
-    "Survey",
-    "Stage",
     "check_not_input",
     "close_output",
     "open_output",
     "recover",
-    "staged_output",
-    "staged_writer",
     "write_file",
     "write_stream",
 ]
 
 STAGING_MARK = ".fsdp-optim-staging."
-
-
-@dataclass(frozen=True)
-class Survey:
-    """What a format finds in an existing output directory."""
-
-    replaces: frozenset[str] = frozenset()  # names a new commit there makes obsolete (removed after it)
-    known: frozenset[str] = frozenset()  # names that are not foreign (the rest is refused without overwrite)
-    problem: str | None = None  # why it cannot simply be written over (refused without overwrite)
-    overwrite_means: str = "write there anyway (nothing there is deleted)"
-    refused: str | None = None  # why it is refused even with overwrite (a foreign file the commit would replace)
-    stale: frozenset[str] = frozenset()  # an interrupted write's files: not foreign, no output; the commit removes them
-
-
-class Claims(Protocol):
-    """What a format owns in an output directory, so the one writer can refuse, replace and recover."""
-
-    def survey(self, directory: Path) -> Survey:
-        """The existing directory as this format sees it."""
-
-    def created(self, entry: JournalEntry) -> set[str]:
-        """Names that the write journaled as ``entry`` creates (temporary files of these go too)."""
-
-    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:
-        """``(name, tag)`` of files the write journaled as ``entry`` saves with a tagged temporary file."""
-
-    def referenced(self, directory: Path) -> set[str] | None:
-        """Names the committed output in ``directory`` uses (kept by a recovery); ``None``: unreadable."""
-
-    def deletable(self, name: str) -> bool:
-        """Whether a recorded name may be deleted at all (a shape check: never a name this format can't make)."""
-
-
-@dataclass
-class Stage:
-    """An output being written: put files into ``dir``; they are moved into ``out`` when the block ends, ``last``
-    last, then ``commit`` (the commit object's bytes, if the format has one) is renamed into place."""
-
-    out: Path
-    dir: Path
-    last: Sequence[str] = ()  # names moved in after every other file (a format's commit point)
-    commit: bytes | None = None
 
 
 def check_not_input(output: str | os.PathLike[str], inputs: Iterable[Any], *, name: str = "out_dir") -> None:
@@ -184,117 +130,6 @@ def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> tup
     refuse_foreign(directory, foreign, overwrite=overwrite, problem=survey.problem,
                    overwrite_means=survey.overwrite_means)  # fmt: skip
     return set(survey.replaces), set(survey.stale)
-
-
-class RenameWriter(Writer):
-    """A local directory's save (:mod:`fsdp_optim.disk.save`): at ``begin`` the directory locked, what a killed writer
-    left removed, foreign content refused (unless ``overwrite``; ``replace=False``: a checkpoint there too) and the
-    save journaled (:func:`open_output`); the files written in place by every rank of a job, or (``staging``: its
-    name) into a staging directory beside the output and moved in when published, the move journaled first; the
-    commit object renamed into place last (its temporary file carries the save's tag, so the journal of a save killed
-    there names it); then the replaced output's files removed and the lock released (a failed save's files removed
-    first, from its journal: :func:`close_output`)."""
-
-    def __init__(self, location: Location, rules: SaveRules, *, staging: str | None = None,
-                 inputs: Iterable[Any] = (), replace: bool = True) -> None:  # fmt: skip  # noqa: D107 - see the class
-        super().__init__(location, rules)
-        path = location.local_path()
-        assert path is not None, f"{location}: a rename needs a local directory"
-        self.path, self.staging, self.inputs, self.replace = path, staging, inputs, replace
-        self.lock: OutputLock | None = None  # held from begin (rank 0's) to finish or abort
-
-    def begin(self, *, purpose: str, overwrite: bool) -> Begun:
-        claims, entry = self.rules.claims, self.rules.entry
-        if self.staging is not None:
-            entry = dataclasses.replace(entry, staging=self.staging)
-        self.lock = lock = open_output(self.path, claims, entry, purpose=purpose, inputs=self.inputs,
-                                       overwrite=overwrite, replace=self.replace)  # fmt: skip
-        replaced = frozenset(lock.entries[-1].replaces or ())
-        return Begun(None, replaced, release=lambda failed: close_output(lock, claims, failed=failed))
-
-    def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - one directory for every rank
-        if self.staging is None:  # every rank writes in place
-            self.path.mkdir(parents=True, exist_ok=True)
-            return Staging(self.path, durable=True, scratch=False)
-        path = self._out().parent / self.staging  # (beside the output its lock names: symlinks resolved)
-        path.mkdir(mode=0o700)
-        return Staging(path, durable=True, scratch=True)
-
-    def publish(self, staging: Staging, names: Iterable[str]) -> None:
-        """Written in place: nothing to do. Staged: moved in, in order (a kill from here on is undone by name)."""
-        if not staging.scratch:
-            return
-        names, lock = list(names), self.lock
-        assert lock is not None, "a staged save is published by the process that began it"
-        lock.journal(dataclasses.replace(lock.entries[-1], moved=(*(lock.entries[-1].moved or ()), *names)))
-        lock.output.mkdir(exist_ok=True)
-        for n in names:
-            os.replace(staging.path / n, lock.output / n)
-        fsync_dir(lock.output)
-
-    def commit(self, begun: Begun | None, data: bytes | None) -> None:  # noqa: ARG002 - held by the lock
-        if data is not None:
-            atomic_write(self._out() / self.rules.commit_name, lambda file: file.write(data), tag=self.rules.tag)
-
-    def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:
-        """The replaced output's files that the commit does not list (a killed writer's were removed at ``begin``,
-        from the journal), then the lock released."""
-        if begun is None:
-            return
-        try:
-            remove_recorded(self._out(), begun.replaced_files, self.rules.claims, keep=set(keep))
-        except OSError as exc:
-            warnings.warn(f"{self.path}: could not remove the files of the output it replaced ({exc}); the next save "
-                          "removes them", stacklevel=2)  # fmt: skip
-        finally:
-            if begun.release is not None:
-                begun.release(False)
-
-    def _out(self) -> Path:
-        """The output as its lock names it, where this process holds the lock; else as given."""
-        return self.lock.output if self.lock is not None else self.path
-
-
-@contextlib.contextmanager
-def staged_output(
-    out: str | os.PathLike[str],
-    claims: Claims,
-    *,
-    purpose: str,
-    inputs: Iterable[Any] = (),
-    overwrite: bool = False,
-    replace: bool = True,
-    entry: JournalEntry | None = None,
-    commit_name: str = "",
-) -> Iterator[Stage]:
-    """Write a directory output all or nothing, through the one save driver (:func:`fsdp_optim.disk.save.saving`,
-    with a :class:`RenameWriter`): the block fills ``stage.dir``; on a clean exit its files are moved into ``out``
-    (``stage.last`` last), then the commit: ``stage.commit`` (bytes) renamed into place as ``commit_name``; then the
-    files of the output it replaces are removed. ``entry``: what to journal besides the staging name (a format's
-    ``created`` reads it)."""
-    writer = staged_writer(out, claims, inputs=inputs, replace=replace, entry=entry, commit_name=commit_name)
-    begun = writer.begin(purpose=purpose, overwrite=overwrite)
-    with saving(writer, begun, save_id=writer.rules.tag) as save:
-        stage = Stage(writer._out(), save.staging.path)
-        yield stage
-        last = list(stage.last)
-        names = sorted(os.listdir(stage.dir), key=lambda n: (n in last, last.index(n) if n in last else 0))
-        save.publish(names)
-        save.commit(stage.commit, keep=[*names, commit_name])
-
-
-def staged_writer(
-    out: str | os.PathLike[str], claims: Claims, *, inputs: Iterable[Any] = (), replace: bool = True,
-    entry: JournalEntry | None = None, commit_name: str = "",
-) -> RenameWriter:  # fmt: skip
-    """The :class:`RenameWriter` of a directory output staged beside ``out`` (its staging directory's name, with a
-    new tag, journaled with ``entry``; ``commit_name``: the format's commit object, if it has one)."""
-    from fsdp_optim.disk.local_directory import LocalDirectory  # (the local directory is the module above this one)
-
-    tag = uuid.uuid4().hex[:12]
-    rules = SaveRules(claims, entry or JournalEntry(), commit_name, frozenset(), lambda _where, _size: frozenset())
-    staging = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
-    return RenameWriter(LocalDirectory(out), rules, staging=staging, inputs=inputs, replace=replace)
 
 
 def remove_recorded(directory: Path, names: Iterable[str], claims: Claims, *, keep: set[str]) -> list[str]:

@@ -37,9 +37,8 @@ import torch
 
 from fsdp_optim.core.memory_plan import Fetch, node_ranks, replica_peers, sources_of
 from fsdp_optim.disk.atomic import atomic_write
-from fsdp_optim.disk.local_directory import LocalDirectory
+from fsdp_optim.disk.local_directory import LocalDirectory, RenameWriter
 from fsdp_optim.disk.save import Begun, SaveRules
-from fsdp_optim.disk.staged import RenameWriter
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import Marker, prune_node, write_marker

@@ -41,8 +41,8 @@ from fsdp_optim.core.plan import Plan, plan
 from fsdp_optim.core.split import StreamSplit, split_stream
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.journal import JournalEntry
+from fsdp_optim.disk.local_directory import staged_writer
 from fsdp_optim.disk.save import Save, saving
-from fsdp_optim.disk.staged import staged_writer
 from fsdp_optim.formats.sharded.byte_ranges import Span, read_spans
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
