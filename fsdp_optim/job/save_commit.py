@@ -167,7 +167,7 @@ def commit_save(
             written = all(r is not None and (side is None or a is not None) for _, r, a in reports or ())
             if reports is not None and written:  # rank 0, every rank's files there: the manifest, not yet committed
                 manifest = _manifest_of(layout, local, own.shards, optimizer, save_id, reports, side)
-                data, keep = manifest_to_json(manifest), frozenset(manifest.file_names())  # (JSON it cannot hold: refused)
+                data, keep = manifest_to_json(manifest), frozenset(manifest.file_names())  # (bad JSON: refused)
         save.commit(data, keep=keep)
     return directory / MANIFEST_NAME
 
