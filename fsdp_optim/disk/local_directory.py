@@ -289,6 +289,11 @@ class RenameWriter(Writer):
             if begun.release is not None:
                 begun.release(False)
 
+    def abort(self, begun: Begun | None, staging: Staging, names: Sequence[str]) -> None:  # noqa: ARG002
+        """The save's journal undoes it as the lock is released (:func:`~fsdp_optim.disk.staged.close_output`)."""
+        if begun is not None and begun.release is not None:
+            begun.release(True)
+
     def _out(self) -> Path:
         """The output as its lock names it, where this process holds the lock; else as given."""
         return self.lock.output if self.lock is not None else self.path

@@ -189,15 +189,19 @@ class Writer:
 
     def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:
         """After the commit, where the save was begun: remove the replaced checkpoint's files and the claimed
-        objects older than this save's own (``keep``: what the commit lists), then release. A failure only warns."""
+        objects older than this save's own (``keep``: what the commit lists). A failure only warns (the next save
+        retries); nothing is held here to release."""
         if begun is None:
             return
-        claims, listing = self.rules.claims, self.location.listing()
-        times = [listing[n].mtime for n in keep if n in listing]
-        oldest = min((t for t in times if t is not None), default=float("-inf"))
-        stale = [n for n, o in listing.items() if claims.deletable(n) and n not in keep
-                 and (n in begun.replaced_files or (o.mtime is not None and o.mtime < oldest))]  # fmt: skip
-        self._remove(begun, stale)
+        try:
+            claims, listing = self.rules.claims, self.location.listing()
+            times = [listing[n].mtime for n in keep if n in listing]
+            oldest = min((t for t in times if t is not None), default=float("-inf"))
+            self.location.delete([n for n, o in listing.items() if claims.deletable(n) and n not in keep and (
+                n in begun.replaced_files or (o.mtime is not None and o.mtime < oldest))])  # fmt: skip
+        except OSError as exc:
+            warnings.warn(f"{self.location}: could not remove the files of the checkpoint it replaced or of failed "
+                          f"saves ({exc}); the next save removes them", stacklevel=2)  # fmt: skip
 
     def abort(self, begun: Begun | None, staging: Staging, names: Sequence[str]) -> None:
         """After a failure: release what was begun (``begun``: rank 0's) and remove what this process published
@@ -211,17 +215,6 @@ class Writer:
         except OSError as exc:
             warnings.warn(f"{self.location}: could not remove this failed save's files ({exc}); the next save "
                           "removes them", stacklevel=2)  # fmt: skip
-
-    def _remove(self, begun: Begun, stale: Sequence[str]) -> None:
-        """Delete ``stale`` (a failure only warns: the next save retries), then release the save."""
-        try:
-            self.location.delete(stale)
-        except OSError as exc:
-            warnings.warn(f"{self.location}: could not remove the files of the checkpoint it replaced or of failed "
-                          f"saves ({exc}); the next save removes them", stacklevel=3)  # fmt: skip
-        finally:
-            if begun.release is not None:
-                begun.release(False)
 
 
 class Save:

@@ -30,9 +30,8 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.save import SaveRules, Survey
-from fsdp_optim.disk.staged import close_output, open_output, remove_recorded
+from fsdp_optim.disk.staged import remove_recorded
 from fsdp_optim.formats.sharded.manifest import (
     CHECKPOINT_VERSION,
     LEGACY_MANIFEST_NAME,
@@ -50,8 +49,6 @@ from fsdp_optim.formats.sharded.training import side_file_name
 
 __all__ = [
     "CHECKPOINT",
-    "begin_write",
-    "end_write",
     "save_rules",
     "shard_metadata",
     "write_all_or_nothing",
@@ -248,27 +245,12 @@ def write_shard_parts(
 
 def write_manifest(directory: Path, manifest: Manifest, *, replaces: Iterable[str] = ()) -> Path:
     """Commit a checkpoint: write its manifest atomically (last), then remove the rank files of the
-    checkpoint it replaces (``replaces``: the previous manifest's files, from :func:`begin_write`)."""
+    checkpoint it replaces (``replaces``: the previous manifest's files)."""
     path = directory / MANIFEST_NAME
     data = manifest_to_json(manifest)  # before anything is written: a value JSON cannot hold is refused here
     atomic_write(path, lambda file: file.write(data), tag=manifest.save_id[:12])
     remove_recorded(directory, replaces, CHECKPOINT, keep=manifest.file_names())
     return path
-
-
-def begin_write(
-    out: str | os.PathLike[str],
-    *,
-    save_id: str,
-    world_size: int,
-    purpose: str,
-    inputs: Iterable[Any] = (),
-    overwrite: bool = False,
-) -> OutputLock:
-    """Open ``out`` for a save written in place by every rank of a job (:func:`fsdp_optim.disk.staged.open_output`
-    with this format's claims); finish with :func:`end_write`."""
-    entry = JournalEntry(save_id=save_id, world_size=world_size)
-    return open_output(out, CHECKPOINT, entry, purpose=purpose, inputs=inputs, overwrite=overwrite)
 
 
 def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
@@ -283,11 +265,6 @@ def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
 
     entry = JournalEntry(save_id=save_id, world_size=world_size)
     return SaveRules(CHECKPOINT, entry, MANIFEST_NAME, frozenset(MANIFEST_NAMES), listed)
-
-
-def end_write(lock: OutputLock, *, failed: bool) -> None:
-    """Release a lock from :func:`begin_write`; if the write failed, first remove what it created."""
-    close_output(lock, CHECKPOINT, failed=failed)
 
 
 def write_all_or_nothing(
