@@ -89,14 +89,14 @@ def _published(
         uploads = Uploads(save, overwrite=overwrite, links=local.parent / ".uploading")
         try:
             yield uploads.file_done
-        finally:
-            uploads.wait()
-        if (local / MANIFEST_NAME).is_file():
-            uploads.commit(local)
-        elif local.is_dir():
-            publish_files(local, target)
-        else:  # one object
-            target.parent().upload(local, local.name)
+            if (local / MANIFEST_NAME).is_file():
+                uploads.commit(local)
+            elif local.is_dir():
+                publish_files(local, target)
+            else:  # one object
+                target.parent().upload(local, local.name)
+        finally:  # (before a failed save's uploads are removed: none may land after)
+            uploads.stop()
 
 
 class Uploads:
@@ -118,8 +118,8 @@ class Uploads:
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="fsdp-optim-publish")
         self._early[path.name] = self._pool.submit(self.save.writer.location.upload, self.links / path.name, path.name)
 
-    def wait(self) -> None:
-        """Wait for the uploads under way (those not started are cancelled)."""
+    def stop(self) -> None:
+        """Wait for the uploads under way (those not started yet are cancelled)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
