@@ -24,7 +24,7 @@ import torch
 
 from fsdp_optim.core.elementwise import check_elementwise, state_keys
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.records import GroupRecord, state_entries
+from fsdp_optim.core.records import state_entries
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.save import Begun, Save, saving
@@ -201,19 +201,16 @@ def _write_own(
 
 
 def _manifest_of(
-    layout: ModelLayout,
-    local: LocalState,
-    shards: Mapping[int, Mapping[str, Any]],
-    optimizer: str | None,
-    save_id: str,
-    reports: list[Any],
-    side: Side | None,
-) -> Manifest:
-    """Rank 0, once every rank's files are written: the manifest to commit."""
+    layout: ModelLayout, local: LocalState, shards: Mapping[int, Mapping[str, Any]], optimizer: str | None,
+    save_id: str, reports: list[Any], side: Side | None,
+) -> Manifest:  # fmt: skip
+    """Rank 0, once every rank's files are written: the manifest to commit (``reports``: every rank's
+    ``(summary, rank file, side file)``)."""
     if len(reports) > 1:
         check_agreement(layout, [summary for summary, _, _ in reports])
-    files = [r for _, r, _ in reports]
-    manifest = _manifest(layout, local.groups, shards, optimizer, save_id, files)
+    entries = {i: state_entries(layout.flat_params[i], values) for i, values in shards.items()}
+    manifest = Manifest.from_layout(layout.at_rank(0), save_id=save_id, optimizer=optimizer, state=entries,
+                                    groups=local.groups, files=[r for _, r, _ in reports])  # fmt: skip
     if side is not None:
         manifest = replace(manifest, training=side.record(tuple(a for _, _, a in reports)))
     return manifest
@@ -227,17 +224,3 @@ class Side:
 
     write: Callable[..., FileRecord]  # (directory, save_id, rank, world_size, *, durable=True)
     record: Callable[[tuple[FileRecord, ...]], TrainingRecord]
-
-
-def _manifest(
-    layout: ModelLayout,
-    groups: tuple[GroupRecord, ...],
-    state: Mapping[int, Mapping[str, Any]],
-    optimizer: str | None,
-    save_id: str,
-    files: list[Any],
-) -> Manifest:
-    entries = {i: state_entries(layout.flat_params[i], values) for i, values in state.items()}
-    return Manifest.from_layout(
-        layout.at_rank(0), save_id=save_id, optimizer=optimizer, state=entries, groups=groups, files=files
-    )
