@@ -26,7 +26,7 @@ from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, full_dict_source
 
-__all__ = ["TIED_KEY", "WHOLE_KEYS", "WholeFile", "is_whole_file"]
+__all__ = ["TIED_KEY", "WHOLE_KEYS", "WholeFile", "is_whole_file", "read_whole_safetensors"]
 
 WHOLE_KEYS = ("model", "optimizer", "extra")
 TIED_KEY = "model"  # the top-level key whose values may name one tensor more than once (tied parameters)
@@ -119,6 +119,24 @@ class WholeFile:
             "extra_type": type(self.extra).__name__,
             "has_optimizer": self.optimizer is not None,
         }
+
+
+def read_whole_safetensors(path: Any) -> dict[str, Any]:
+    """consolidate's one safetensors file of a whole checkpoint read back as its ``.pt`` twin holds it (see
+    :meth:`~fsdp_optim.formats.named_safetensors.reader.NamedSafetensors.whole_dict`), every checksum checked;
+    ``ValueError`` for a named safetensors file of optimizer state alone."""
+    from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+
+    with NamedSafetensors(path) as named:
+        content = named.whole_dict()
+    if content is None:
+        raise ValueError(
+            f"{path}: a named safetensors file of optimizer state alone (no model: consolidate of an optimizer-only "
+            "checkpoint, or convert --to safetensors); expected a whole checkpoint (save_checkpoint's directory, or "
+            "the file consolidate writes of one, .pt or .safetensors); load optimizer state with "
+            "fsdp_optim.load_full_state"
+        )
+    return content
 
 
 def _optimizer_names(optimizer: Mapping[str, Any] | None, label: str) -> tuple[str, ...] | None:

@@ -32,6 +32,7 @@ from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_named_header
 from fsdp_optim.formats.sharded.segments import chunk_elements
+from fsdp_optim.formats.sharded.side_file import decode_extra
 
 __all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]
 
@@ -225,6 +226,43 @@ class NamedSafetensors:
         full = build_full_state(target, the_plan.groups, flat_states, optimizer=doc.optimizer)
         full["fsdp_optim"] = dict(doc.header)
         return full
+
+    def whole_dict(self) -> dict[str, Any] | None:
+        """A consolidated whole checkpoint (the document's ``"whole"`` section) as consolidate's ``.pt`` file holds
+        it, each tensor read whole, checked and copied; ``None`` for a file of optimizer state alone::
+
+            {"model": {"embed.weight": T[11, 6], ..., "head.weight": <embed.weight's tensor>, "block1.seen": T[4]},
+             "optimizer": <the full dict, as full_state()>, "extra": <the saved rank's extra>}
+
+        A tied name is its parameter's tensor (one object, as ``state_dict()`` gives it): the file lists the pairs;
+        a file that does not (written before it did) ties a name that is no parameter to the parameter whose
+        dtype, shape and bytes it has."""
+        whole = self.document.whole
+        if whole is None:
+            return None
+        model: dict[str, torch.Tensor] = {}
+        params = set(self.document.param_order)
+        tied = dict(whole.aliases) if whole.aliases is not None else None
+        for name in whole.model:
+            tensor = self._whole_tensor(name)
+            owner = tied.get(name) if tied is not None else None if name in params else _same_as(tensor, model, params)
+            model[name] = model[owner] if owner is not None and owner in model else tensor
+        extras = {name: self._whole_tensor(name) for name in whole.extra_tensors}
+        extra = decode_extra(whole.extra, extras, f"{self.path}: the 'whole' section")
+        return {"model": model, "optimizer": self.full_state(), "extra": extra}
+
+    def _whole_tensor(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        try:
+            return self.read_flat(name, 0, info.numel).clone().reshape(info.shape)
+        finally:
+            self.trim()
+
+
+def _same_as(tensor: torch.Tensor, model: dict[str, torch.Tensor], params: set[str]) -> str | None:
+    """The parameter already read whose dtype, shape and bytes ``tensor`` has (a tied name's copy), if any."""
+    return next((n for n, t in model.items() if n in params and t.dtype == tensor.dtype and t.shape == tensor.shape
+                 and torch.equal(t.view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8))), None)  # fmt: skip
 
 
 def _pieces(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:

@@ -28,7 +28,8 @@ from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, RewrittenFile
 from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole_file import reshard_whole_file
+from fsdp_optim.offline.whole import WholeModel
+from fsdp_optim.offline.whole_file import reshard_whole_file, whole_model_of
 
 __all__ = ["OpenedFull", "OpenedNamedDict", "OpenedNative", "OpenedWholeFile"]
 
@@ -150,6 +151,7 @@ class OpenedWholeFile(Opened):
     """consolidate's file of a whole checkpoint (``{"model", "optimizer", "extra"}``)."""
 
     whole_file: WholeFile
+    saved_rank: int = 0  # whose extra the file kept (consolidate's .pt does not say: rank 0's by default)
 
     LAYOUT = "target"
 
@@ -170,6 +172,13 @@ class OpenedWholeFile(Opened):
 
     def holds_weights(self) -> bool:
         return True
+
+    def is_whole(self) -> bool:
+        return True
+
+    def whole_model(self, *, rank: int | None = None, progress: Progress = None) -> WholeModel:  # noqa: ARG002
+        self.check_rank(rank)
+        return whole_model_of(self.whole_file, rank=self.saved_rank)
 
     def whole_source(self) -> Source | None:
         return self.whole_file.whole_source()

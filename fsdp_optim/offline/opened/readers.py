@@ -25,10 +25,12 @@ from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress
 from fsdp_optim.offline.layouts import LayoutLike
+from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.opened.base import DcpParts, Opened, Request
+from fsdp_optim.offline.opened.loaded import OpenedWholeFile
 from fsdp_optim.offline.opened.written import Consolidation, FairseqCheckpoint, Resharding, ShardFiles
 
-__all__ = ["OpenedDcp", "OpenedNamed", "OpenedShardSet"]
+__all__ = ["OpenedDcp", "OpenedNamed", "OpenedNamedWhole", "OpenedShardSet"]
 
 
 @dataclass(kw_only=True)
@@ -137,6 +139,13 @@ class OpenedNamed(Opened):
     @contextmanager
     def opening(cls, request: Request) -> Iterator[Opened]:
         with NamedSafetensors(request.path, max_mapped_bytes=request.max_mapped_bytes) as named:
+            content = named.whole_dict()
+            if content is not None:  # consolidate's one file of a whole checkpoint: read whole, as its .pt twin is
+                whole = WholeFile.of(content, request.label)
+                rank = named.document.whole.rank  # type: ignore[union-attr]
+                yield OpenedNamedWhole(request.kind, request.label, whole.source(), None, whole.params,
+                                       whole_file=whole, saved_rank=rank)  # fmt: skip
+                return
             yield cls(request.kind, request.label, named.source(), None, named.document.param_order, named.trim,
                       named=named)  # fmt: skip
 
@@ -155,6 +164,22 @@ class OpenedNamed(Opened):
 
     def named_header(self) -> Mapping[str, Any] | None:
         return self.named.document.header
+
+
+@dataclass(kw_only=True)
+class OpenedNamedWhole(OpenedWholeFile):
+    """consolidate's one safetensors file of a whole checkpoint (its document's ``"whole"`` section): the weights,
+    tied names, buffers, optimizer state and ``extra`` read into memory and answered as consolidate's ``.pt`` file of
+    it is (:class:`~fsdp_optim.offline.opened.loaded.OpenedWholeFile`); ``verify`` checks its every checksum."""
+
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
+        lines = super().describe(path, units=units)
+        return [f"format: {Kind.NAMED.value}, a whole checkpoint's (extra of saved rank {self.saved_rank})",
+                *lines[1:]]  # fmt: skip
+
+    @classmethod
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        return V.named_file(Path(path))
 
 
 class OpenedDcp(Opened):
