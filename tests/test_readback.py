@@ -113,3 +113,23 @@ def test_consolidate_counts_extra_apart(pair: dict[str, Path], tmp_path: Path, c
         model = len(json.loads(f.metadata()["fsdp_optim"])["whole"]["model"])
         optimizer -= sum("/" in k for k in json.loads(f.metadata()["fsdp_optim"])["whole"]["model"])
     assert code == 0 and f"optimizer {optimizer} tensors of" in text and f"model {model} tensors" in text, text
+
+
+def test_hugging_face_layout_is_read_by_inspect_diff_verify(pair: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
+    """convert --to safetensors' directory (and its model.safetensors alone) is inspected, diffed and verified
+    intact (verify called the model file damaged: no 'fsdp_optim' metadata)."""
+    for shards in ((), ("--max-shard-size", "2KB")):
+        hf = tmp_path / f"hf{len(shards)}"
+        assert main(["convert", str(pair["A"]), "--to", "safetensors", "-o", str(hf), *shards]) == 0
+        model = next(p for p in sorted(hf.iterdir()) if p.name.startswith("model") and p.suffix == ".safetensors")
+        for path in (hf, model):
+            code, text, err = _cli(capsys, "verify", path)
+            assert code == 0 and "damaged" not in text, text + err
+            code, text, err = _cli(capsys, "inspect", path)
+            assert code == 0 and "Hugging Face" in text, text + err
+        report = fsdp_optim.diff(hf, pair["A"])
+        assert all(r.param == "extra of rank 0" for r in report.differences), report.differences
+        assert sum(r.key == "@param" and r.same for r in report.rows) > 0, "the weights compared"
+        assert sum(r.key == "exp_avg" and r.same for r in report.rows) > 0, "the optimizer state compared"
+    code, text, err = _cli(capsys, "diff", tmp_path / "hf0" / "model.safetensors", tmp_path / "hf0" / "model.safetensors")
+    assert code == 0, text + err

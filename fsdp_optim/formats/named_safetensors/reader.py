@@ -34,7 +34,7 @@ from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, Te
 from fsdp_optim.formats.sharded.segments import chunk_elements
 from fsdp_optim.formats.sharded.side_file import decode_extra
 
-__all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]
+__all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors", "tie_copies"]
 
 DEFAULT_MAPPED_BYTES = 64 << 20
 
@@ -240,13 +240,11 @@ class NamedSafetensors:
         whole = self.document.whole
         if whole is None:
             return None
-        model: dict[str, torch.Tensor] = {}
-        params = set(self.document.param_order)
-        tied = dict(whole.aliases) if whole.aliases is not None else None
-        for name in whole.model:
-            tensor = self._whole_tensor(name)
-            owner = tied.get(name) if tied is not None else None if name in params else _same_as(tensor, model, params)
-            model[name] = model[owner] if owner is not None and owner in model else tensor
+        model = {name: self._whole_tensor(name) for name in whole.model}
+        if whole.aliases is not None:
+            model.update({alias: model[name] for alias, name in whole.aliases})
+        else:  # a file written before it listed them
+            model = tie_copies(model, set(self.document.param_order))
         extras = {name: self._whole_tensor(name) for name in whole.extra_tensors}
         extra = decode_extra(whole.extra, extras, f"{self.path}: the 'whole' section")
         return {"model": model, "optimizer": self.full_state(), "extra": extra}
@@ -259,10 +257,20 @@ class NamedSafetensors:
             self.trim()
 
 
-def _same_as(tensor: torch.Tensor, model: dict[str, torch.Tensor], params: set[str]) -> str | None:
-    """The parameter already read whose dtype, shape and bytes ``tensor`` has (a tied name's copy), if any."""
-    return next((n for n, t in model.items() if n in params and t.dtype == tensor.dtype and t.shape == tensor.shape
-                 and torch.equal(t.view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8))), None)  # fmt: skip
+def tie_copies(model: dict[str, torch.Tensor], params: set[str]) -> dict[str, torch.Tensor]:
+    """``model`` with each name that is no parameter but holds a copy of a parameter's tensor (its dtype, shape and
+    bytes: a tied name, as safetensors files keep one) made that parameter's tensor, as ``state_dict()`` gives it."""
+    out = dict(model)
+    for name, tensor in model.items():
+        if name not in params:
+            owner = next((p for p in model if p in params and _same_bytes(model[p], tensor)), None)
+            out[name] = model[owner] if owner is not None else tensor
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))  # fmt: skip
 
 
 def _pieces(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
