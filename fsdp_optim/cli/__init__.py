@@ -38,7 +38,7 @@ and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 
 verb, for bad input: then with one line on stderr), and 2 for bad usage. ``verify --deep`` also reads the state
 for what a resumed run would trip on and exits 1 naming each finding's parameter and state key.
 
-Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse: a
+Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``; ``diff``: 2, as diff(1)); 2 bad usage (argparse: a
 flag's value out of range, such as ``--world-size 0``; an option the target does not take; an ``-o`` name the input
 cannot be written as, :class:`~fsdp_optim.cli.outcome.UsageError`);
 70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
@@ -172,7 +172,7 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
             return EXIT_USAGE
         if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
             print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            return getattr(exc, "exit_code", EXIT_BAD_INPUT)  # a verb's own code for bad input (diff: 2)
         if not isinstance(exc, Exception):
             raise
         traceback.print_exc()
