@@ -133,3 +133,23 @@ def test_hugging_face_layout_is_read_by_inspect_diff_verify(pair: dict[str, Path
         assert sum(r.key == "exp_avg" and r.same for r in report.rows) > 0, "the optimizer state compared"
     code, text, err = _cli(capsys, "diff", tmp_path / "hf0" / "model.safetensors", tmp_path / "hf0" / "model.safetensors")
     assert code == 0, text + err
+
+
+def test_convert_says_what_it_leaves_out(pair: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
+    """convert --to full / named / safetensors of a whole checkpoint name the parts they do not write (they dropped
+    the weights, buffers and extra without a word)."""
+    for to in ("full", "named"):
+        code, text, err = _cli(capsys, "convert", pair["A"], "--to", to, "-o", tmp_path / f"{to}.pt")
+        assert code == 0 and "not written" in text and "weights, buffers and extra" in text, text + err
+    code, text, err = _cli(capsys, "convert", pair["A"], "--to", "safetensors", "-o", tmp_path / "hf")
+    assert code == 0 and "not written" in text and "extra" in text.split("not written")[1], text + err
+    code, text, err = _cli(capsys, "convert", pair["a.safetensors"], "--to", "full", "-o", tmp_path / "f2.pt")
+    assert code == 0 and "not written" in text, "the same for consolidate's file of a whole checkpoint"
+
+
+def test_diff_exit_codes_follow_diff1(pair: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
+    """0 equal, 1 different, 2 trouble (it exited 1 for bad input too)."""
+    assert _cli(capsys, "diff", pair["A"], pair["a.pt"])[0] == 0
+    assert _cli(capsys, "diff", pair["A"], pair["B"])[0] == 1
+    code, _, err = _cli(capsys, "diff", pair["A"], tmp_path / "missing")
+    assert code == 2 and err.startswith("fsdp-optim: error: "), err

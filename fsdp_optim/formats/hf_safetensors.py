@@ -196,7 +196,8 @@ def model_files(path: str | os.PathLike[str]) -> list[Path]:
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
         names = list(dict.fromkeys(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path / INDEX}: expected {{'weight_map': {{name: file}}}}, as transformers writes ({exc})")
+        expected = "{'weight_map': {name: file}}, as transformers writes"
+        raise ValueError(f"{path / INDEX}: expected {expected} ({exc})") from None
     bad = next((n for n in names if not isinstance(n, str) or "/" in n or n.startswith(".")), None)
     if bad is not None:
         raise ValueError(f"{path / INDEX}: names the file {bad!r}, expected a file name beside the index")

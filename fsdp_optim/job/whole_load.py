@@ -22,12 +22,12 @@ from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
+from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, source_kind
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
-from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file, read_whole_safetensors
 from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer

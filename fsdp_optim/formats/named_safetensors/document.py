@@ -62,6 +62,7 @@ import torch
 from fsdp_optim.core.preconditions import check_version
 from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.named_safetensors.whole import Whole, whole_from_json, whole_to_json
 from fsdp_optim.formats.safetensors_container import (
     DTYPES,
     MAX_HEADER_BYTES,
@@ -71,7 +72,6 @@ from fsdp_optim.formats.safetensors_container import (
     Span,
     read_header,
 )
-from fsdp_optim.formats.named_safetensors.whole import Whole, whole_from_json, whole_to_json
 from fsdp_optim.formats.sharded.json_values import JSONValue, from_json, to_json
 
 FORMAT = "fsdp_optim.named_safetensors"

@@ -19,13 +19,13 @@ from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fairseq.shards import ShardSet
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import fairseq as F
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress
 from fsdp_optim.offline.layouts import LayoutLike
-from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.opened.base import DcpParts, Opened, Request
 from fsdp_optim.offline.opened.loaded import OpenedWholeFile
 from fsdp_optim.offline.opened.written import Consolidation, FairseqCheckpoint, Resharding, ShardFiles
