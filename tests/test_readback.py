@@ -60,7 +60,9 @@ def test_diff_of_one_file_safetensors_compares_the_weights(pair: dict[str, Path]
     rows = fsdp_optim.diff(pair["a.safetensors"], pair["b.safetensors"]).differences
     assert {r.key for r in rows} == {"@param"}, "the weights, and only they, differ"
     code, text, _ = _cli(capsys, "diff", pair["a.safetensors"], pair["A"])
-    assert code == 0 and "verdict: equal" in text, "the file holds every weight and buffer of its checkpoint"
+    report = fsdp_optim.diff(pair["a.safetensors"], pair["A"])
+    assert {(r.param, r.status) for r in report.differences} == {("extra of rank 1", "not compared")}, text
+    assert code == 1 and "verdict: not shown equal" in text, "every weight and buffer equal; rank 1's extra named"
     report = fsdp_optim.diff(pair["a.safetensors"], pair["a.pt"])
     assert report.equal and any(r.key == "@buffer" for r in report.rows), "buffers compared"
     assert any(r.param == "extra of rank 0" for r in report.rows), "extra's tensors compared"
@@ -128,7 +130,9 @@ def test_hugging_face_layout_is_read_by_inspect_diff_verify(pair: dict[str, Path
             code, text, err = _cli(capsys, "inspect", path)
             assert code == 0 and "Hugging Face" in text, text + err
         report = fsdp_optim.diff(hf, pair["A"])
-        assert all(r.param == "extra of rank 0" for r in report.differences), report.differences
+        skipped = {(r.param, r.status) for r in report.differences}
+        assert skipped == {("extra of rank 0", "not compared"), ("extra of rank 1", "not compared")}, skipped
+        assert "keeps no extra" in report.differences[0].detail, report.differences[0]
         assert sum(r.key == "@param" and r.same for r in report.rows) > 0, "the weights compared"
         assert sum(r.key == "exp_avg" and r.same for r in report.rows) > 0, "the optimizer state compared"
     code, text, err = _cli(capsys, "diff", tmp_path / "hf0" / "model.safetensors", tmp_path / "hf0" / "model.safetensors")
@@ -148,8 +152,19 @@ def test_convert_says_what_it_leaves_out(pair: dict[str, Path], tmp_path: Path, 
 
 
 def test_diff_exit_codes_follow_diff1(pair: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
-    """0 equal, 1 different, 2 trouble (it exited 1 for bad input too)."""
-    assert _cli(capsys, "diff", pair["A"], pair["a.pt"])[0] == 0
+    """0 equal, 1 different (or a part not compared), 2 trouble (it exited 1 for bad input too)."""
+    assert _cli(capsys, "diff", pair["a.pt"], pair["a.safetensors"])[0] == 0
     assert _cli(capsys, "diff", pair["A"], pair["B"])[0] == 1
     code, _, err = _cli(capsys, "diff", pair["A"], tmp_path / "missing")
     assert code == 2 and err.startswith("fsdp-optim: error: "), err
+
+
+def test_diff_never_says_equal_over_a_part_it_skipped(pair: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
+    """extra's values (numbers, strings: not only its tensors) are compared; a saved rank's extra that one side
+    lacks is a "not compared" row saying why, and the verdict is not "equal" (it said "equal" in both cases)."""
+    whole = torch.load(pair["a.pt"], weights_only=True)
+    torch.save({**whole, "extra": {**whole["extra"], "step": 99}}, tmp_path / "step99.pt")
+    report = fsdp_optim.diff(pair["a.pt"], tmp_path / "step99.pt")
+    assert [(r.param, r.key) for r in report.differences] == [("extra of rank 0", "values")], report.differences
+    code, text, _ = _cli(capsys, "diff", pair["A"], pair["a.pt"])
+    assert code == 1 and "extra of rank 1 | - | not compared" in text and "verdict: not shown equal" in text, text

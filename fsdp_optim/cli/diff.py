@@ -78,13 +78,18 @@ def summary_lines(report: DiffReport, *, limit: int = 20) -> list[str]:
     if report.settings:
         lines.append("settings that differ (group | key | a | b):")
         lines += [f"{'-' if d.group is None else d.group} | {d.key} | {d.a} | {d.b}" for d in report.settings]
+    skipped = s.not_compared
     if report.equal:
         lines.append(f"verdict: equal ({tolerance})")
+    elif skipped == len(differences) and not report.settings:  # never "equal" over a part it did not compare
+        lines.append(f"verdict: not shown equal: every part compared is equal ({tolerance}), but {skipped} part(s) "
+                     "could not be compared (the 'not compared' rows say why)")  # fmt: skip
     else:
         one_sided = sum(r.status in (ONLY_A, ONLY_B) for r in differences)
         only = f" ({one_sided} on one side only)" if one_sided else ""
+        unseen = f" ({skipped} not compared)" if skipped else ""
         lines.append(
-            f"verdict: different: {len(differences)} of {len(report.rows)} rows{only}, "
+            f"verdict: different: {len(differences) - skipped} of {len(report.rows)} rows{only}{unseen}, "
             f"{len(report.settings)} setting(s)"
         )
     return lines

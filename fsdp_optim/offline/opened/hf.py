@@ -12,6 +12,7 @@ parameter names it is told apart by its bytes (as a consolidated file without it
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.opened.base import Request
 from fsdp_optim.offline.opened.loaded import OpenedWholeFile
+from fsdp_optim.offline.side_state import SideState
 
 __all__ = ["OpenedHf"]
 
@@ -54,6 +56,9 @@ class OpenedHf(OpenedWholeFile):
             *(line for line in lines if not line.startswith("extra:")),
             "extra: none (this layout holds the model and the optimizer state only)",
         ]
+
+    def side_state(self) -> SideState | None:
+        return replace(SideState.of_whole_file(self.whole_file), holds_extra=False)  # no extra: not an extra of None
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
