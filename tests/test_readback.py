@@ -30,6 +30,9 @@ def _save_pair(rank: int, world_size: int, a: str, b: str) -> None:
         for p in root.parameters():
             p.mul_(2)
     fsdp_optim.save_checkpoint(root, optim, b, extra=_extra(rank))
+    shallow = M.wrap(make_net(), "shallow")  # another nesting of the same model, for --layout
+    if rank == 0:
+        fsdp_optim.save_layout(shallow, str(Path(a).parent / "shallow.layout"))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Whole checkpoints A and B at W=2, and each consolidated into one safetensors file and a .pt file."""
     out = tmp_path_factory.mktemp("readback")
     run_ranks(_save_pair, 2, str(out / "A"), str(out / "B"))
-    files = {"A": out / "A", "B": out / "B"}
+    files = {"A": out / "A", "B": out / "B", "shallow": out / "shallow.layout"}
     for name in ("A", "B"):
         for suffix in ("safetensors", "pt"):
             path = out / f"{name.lower()}.{suffix}"
@@ -168,3 +171,28 @@ def test_diff_never_says_equal_over_a_part_it_skipped(pair: dict[str, Path], tmp
     assert [(r.param, r.key) for r in report.differences] == [("extra of rank 0", "values")], report.differences
     code, text, _ = _cli(capsys, "diff", pair["A"], pair["a.pt"])
     assert code == 1 and "extra of rank 1 | - | not compared" in text and "verdict: not shown equal" in text, text
+
+
+def _units(path: Path) -> list[tuple[str, ...]]:
+    from fsdp_optim.formats.sharded.reader import read_manifest
+
+    return [tuple(p.name for p in f.params) for f in read_manifest(path).flat_params]
+
+
+def test_consolidated_files_reshard_without_layout(pair: dict[str, Path], tmp_path: Path, capsys: Any) -> None:
+    """A consolidated file (.pt or one safetensors, whole or optimizer-only) records its source's FSDP layout:
+    reshard needs no --layout and cuts at the source's nesting; --layout still chooses another (it was refused)."""
+    opt_pt, opt_st = tmp_path / "optim.pt", tmp_path / "optim.safetensors"
+    for out in (opt_pt, opt_st):
+        assert main(["consolidate", str(pair["A"]), "--no-model", "-o", str(out)]) == 0, out
+    for source in (pair["a.pt"], pair["a.safetensors"], opt_pt, opt_st):
+        target = tmp_path / f"r3-{source.name}"
+        code, text, err = _cli(capsys, "reshard", source, "--world-size", 3, "-o", target)
+        assert code == 0 and "3 rank files" in text, (source, text + err)
+        assert _units(target) == _units(pair["A"]), f"{source}: the source's nesting"
+        against = pair["A"] if source.stem == "a" else opt_pt
+        moved = {r.param for r in fsdp_optim.diff(target, against).differences}  # the file kept rank 0's extra
+        assert moved <= {"extra of rank 1", "extra of rank 2"}, (source, moved)
+    other = tmp_path / "shallow"
+    code, _, err = _cli(capsys, "reshard", pair["a.pt"], "--world-size", 2, "--layout", pair["shallow"], "-o", other)
+    assert code == 0 and _units(other) == _units(pair["shallow"]) != _units(pair["A"]), err

@@ -134,7 +134,7 @@ def full_file_source(path: str | os.PathLike[str], layout: ModelLayout, *, optim
             "a full dict file or a named safetensors file"
         )
     kind, obj = detect(path)
-    if kind is Kind.NAMED:
+    if kind in (Kind.NAMED, Kind.HF):  # a safetensors file without our metadata: its reader says so
         return NamedSafetensors(path).source()
     if kind not in (Kind.FULL, Kind.NATIVE):
         raise ValueError(

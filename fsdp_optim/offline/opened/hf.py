@@ -19,10 +19,12 @@ from typing import Any
 from fsdp_optim.disk.file_check import Verification, check_file
 from fsdp_optim.formats import hf_safetensors as hf
 from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, FormatError
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, tie_copies
 from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import verdicts as V
+from fsdp_optim.offline.cuts import Progress
 from fsdp_optim.offline.opened.base import Request
 from fsdp_optim.offline.opened.loaded import OpenedWholeFile
 from fsdp_optim.offline.side_state import SideState
@@ -56,6 +58,14 @@ class OpenedHf(OpenedWholeFile):
             *(line for line in lines if not line.startswith("extra:")),
             "extra: none (this layout holds the model and the optimizer state only)",
         ]
+
+    def full_state(self, *, progress: Progress = None) -> dict[str, Any]:
+        if self.whole_file.optimizer is None:  # what a reader of optimizer state (load_full_state...) was handed
+            raise FormatError(
+                f"{self.label}: a safetensors file without fsdp_optim's '{METADATA_KEY}' metadata: a model's weights "
+                f"({Kind.HF.value}) and no optimizer state (no {hf.OPTIMIZER} beside them)"
+            )
+        return super().full_state(progress=progress)
 
     def side_state(self) -> SideState | None:
         return replace(SideState.of_whole_file(self.whole_file), holds_extra=False)  # no extra: not an extra of None

@@ -19,7 +19,7 @@ from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fairseq.shards import ShardSet
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
-from fsdp_optim.formats.whole_file import WholeFile
+from fsdp_optim.formats.whole_file import WholeFile, recorded_layout
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import fairseq as F
 from fsdp_optim.offline import report as R
@@ -164,6 +164,10 @@ class OpenedNamed(Opened):
 
     def named_header(self) -> Mapping[str, Any] | None:
         return self.named.document.header
+
+    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
+        """The caller's layout, else the one the file records (consolidate's: its checkpoint's FSDP layout)."""
+        return given if given is not None else recorded_layout(self.named.document.header, self.label)
 
 
 @dataclass(kw_only=True)
