@@ -87,7 +87,7 @@ def summary_lines(report: DiffReport, *, limit: int = 20) -> list[str]:
     else:
         one_sided = sum(r.status in (ONLY_A, ONLY_B) for r in differences)
         only = f" ({one_sided} on one side only)" if one_sided else ""
-        unseen = f" ({skipped} not compared)" if skipped else ""
+        unseen = f", {skipped} not compared" if skipped else ""
         lines.append(
             f"verdict: different: {len(differences) - skipped} of {len(report.rows)} rows{only}{unseen}, "
             f"{len(report.settings)} setting(s)"

@@ -207,7 +207,8 @@ def _side_rows(sa: SideState | None, sb: SideState | None, atol: float, rtol: fl
         yield from _pairs(extra_a, extra_b, atol, rtol, param=extra_label(r))
         same = _same_values(values_a, values_b)
         detail = "" if same else f"{show_value(values_a)[:80]} in a, {show_value(values_b)[:80]} in b"
-        yield DiffRow(extra_label(r), "values", EQUAL if same else DIFFERENT, 1, detail=detail)
+        yield DiffRow(extra_label(r), "values", EQUAL if same else DIFFERENT, 1, bitwise_equal=same, scalar=True,
+                      detail=detail)  # fmt: skip
 
 
 def _model_alone(sa: SideState | None, sb: SideState | None) -> Iterator[DiffRow]:
