@@ -174,16 +174,13 @@ class OpenedNamed(Opened):
 class OpenedNamedWhole(OpenedWholeFile):
     """consolidate's one safetensors file of a whole checkpoint (its document's ``"whole"`` section): the weights,
     tied names, buffers, optimizer state and ``extra`` read into memory and answered as consolidate's ``.pt`` file of
-    it is (:class:`~fsdp_optim.offline.opened.loaded.OpenedWholeFile`); ``verify`` checks its every checksum."""
+    it is (:class:`~fsdp_optim.offline.opened.loaded.OpenedWholeFile`); ``verify`` checks its every checksum, as
+    any named file's (:meth:`OpenedNamed.verify_files`: its kind's class)."""
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
         lines = super().describe(path, units=units)
         return [f"format: {Kind.NAMED.value}, a whole checkpoint's (extra of saved rank {self.saved_rank})",
                 *lines[1:]]  # fmt: skip
-
-    @classmethod
-    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        return V.named_file(Path(path))
 
 
 class OpenedDcp(Opened):
