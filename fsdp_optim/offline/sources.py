@@ -20,7 +20,8 @@ class opens the input (``opening``: its files mapped until the block ends; ``loa
                                 (reshard keeps the set's own order and optimizer: both refused there)
 
 "target only": a full dict has no FSDP units; a verb that cuts it (reshard) takes the model's layout as its
-target, or, for a file consolidate wrote, the layout the file records (its checkpoint's) when none is given. "checked": the name must be a known optimizer whose state keys are the ones found
+target, or, for a file consolidate wrote, the layout the file records (its checkpoint's) when none is given.
+"checked": the name must be a known optimizer whose state keys are the ones found
 (:func:`fsdp_optim.core.elementwise.check_optimizer_name`). ``allow_globals`` applies to shard sets only.
 
 An opened input is one of the classes of :mod:`fsdp_optim.offline.opened` (one per kind; ``source``, ``layout``,
