@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.staged import Survey
+from fsdp_optim.disk.save import Survey
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.safetensors_container import (
     MAX_HEADER_BYTES,
