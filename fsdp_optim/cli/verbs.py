@@ -115,7 +115,9 @@ def uploads_itself(args: argparse.Namespace) -> bool:
     from fsdp_optim.disk.locations import where
 
     output = str(getattr(args, "output", ""))
-    if args.run is not run_consolidate or not is_safetensors_name(output) or where(output).shared_by_processes():
+    if args.run is not run_consolidate or not is_safetensors_name(output):
+        return False
+    if where(output).shared_directory() is not None:
         return False
     parent, name = output.rstrip("/").rsplit("/", 1)
     return where(parent).multipart(name) is not None

@@ -199,8 +199,8 @@ class LocalDirectory(Location):
         """A rename under the directory's lock and journal."""
         return RenameWriter(self, rules)
 
-    def shared_by_processes(self) -> bool:
-        return True
+    def shared_directory(self) -> Path:
+        return self.path
 
     def same_place(self, other: Location) -> bool:
         """The same directory once symlinks are resolved (``other`` of another kind never is)."""

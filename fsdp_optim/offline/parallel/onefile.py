@@ -40,7 +40,7 @@ def consolidate_across(
 ) -> str | None:  # fmt: skip
     """The module docstring's steps on this process; ``opening()`` opens the source (and checks the output) on
     each. Returns the report (:func:`~fsdp_optim.offline.onefile.described`) on process 0, ``None`` elsewhere."""
-    if not where(str(output)).shared_by_processes():  # written whole by one writer: the parts of one multipart upload
+    if where(str(output)).shared_directory() is None:  # written whole by one writer: the parts of one multipart upload
         from fsdp_optim.offline.parallel.upload import upload_across
 
         return upload_across(team, opening, str(output), rank=rank, no_model=no_model, inputs=inputs,
