@@ -146,7 +146,7 @@ def _disk_full() -> torch.Tensor:
 # first tensor of the file.
 _PROCESS = """
 import os, signal, sys
-import fsdp_optim.offline.parallel.onefile as P
+import fsdp_optim.offline.onefile as P
 real = P.write_tensors
 def killed(path, layout, which, *, after):
     def then(nbytes):

@@ -17,17 +17,26 @@ tensor ``extra/<k>`` of the file; anything else (an object) is refused before th
 
 A failure at any step leaves no file: the temporary file is the one way out's (``disk.staged.write_stream``:
 locked, journaled, removed on failure, renamed on success).
+
+:func:`write_one_file` is the one path to the file, for one process and for a team
+(:mod:`fsdp_optim.offline.parallel.onefile`) alike, into one of two sinks (:class:`Sink`): this local file
+(:class:`FileSink`), or the parts of one multipart upload (:class:`~fsdp_optim.offline.onefile_parts.UploadSink`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, BinaryIO
+from functools import partial
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import torch
 
+from fsdp_optim.core.parts import PART_BYTES
+from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.disk.text import human_bytes
 from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, Document, Whole
@@ -36,11 +45,15 @@ from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_hea
 from fsdp_optim.formats.sharded.side_file import encode_extra
 from fsdp_optim.offline.whole import ModelTensor
 
-__all__ = ["FileLayout", "consolidate_to_safetensors", "described", "lay_out", "preallocate", "write_header",
-           "write_one_process", "write_tensors"]
+if TYPE_CHECKING:
+    from fsdp_optim.job.team import Team, Watch
+
+__all__ = ["FileLayout", "FileSink", "Sink", "consolidate_to_safetensors", "described", "lay_out", "preallocate",
+           "stepped", "write_header", "write_one_file", "write_tensors"]
 
 EXTRA_PREFIX = "extra/"  # a whole checkpoint's extra's tensors: extra/0, extra/1, ... (as its side file names them)
 _IO_BYTES = 64 << 20  # one pwrite / pread at most (a tensor is written and read back in such pieces)
+S = TypeVar("S")  # what one process's share of the file is to its sink
 
 
 @dataclass(frozen=True)
@@ -147,23 +160,6 @@ def _put(fd: int, tensor: torch.Tensor, offset: int, where: str) -> None:
             raise OSError(f"{where}: the bytes read back at offset {offset + at} differ from those written")
 
 
-def write_one_process(layout: FileLayout, trim: Callable[[], None], progress: Callable[[], None] | None
-                      ) -> Callable[[BinaryIO], None]:  # fmt: skip
-    """The ``write(file)`` of ``disk.staged.write_stream`` that fills the whole file in this process."""
-
-    def after(nbytes: int) -> None:  # noqa: ARG001 - the team's counter takes the bytes
-        trim()
-        if progress is not None:
-            progress()
-
-    def write(f: BinaryIO) -> None:
-        preallocate(f.fileno(), layout.size)
-        sums = write_tensors(f.name, layout, range(len(layout.tensors)), after=after)
-        write_header(f.fileno(), layout, [sums])
-
-    return write
-
-
 def final_header(layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> bytes:
     """The final header: every tensor's checksum from the shares (each ``{name: checksum}``), as long as the room
     the layout planned for it (``RuntimeError`` for a tensor no process wrote)."""
@@ -188,14 +184,155 @@ def write_header(fd: int, layout: FileLayout, shares: Sequence[Mapping[str, Any]
 def consolidate_to_safetensors(
     opened: Any, output: str | os.PathLike[str], *, rank: int | None = None, no_model: bool = False,
     inputs: Sequence[Any] = (), overwrite: bool = True, progress: Callable[[], None] | None = None,
+    part_bytes: int = PART_BYTES,
 ) -> str:  # fmt: skip
-    """``opened`` consolidated into the one safetensors file ``output`` by this process (the module docstring);
-    returns what was written (the verb's ``wrote <output>: ...``). An existing ``output`` is replaced only when
-    ``overwrite``."""
+    """``opened`` consolidated into the one safetensors file ``output`` by this process (the module docstring): a
+    local file, or an object of a store (the parts of one multipart upload of ``part_bytes`` parts; where the store
+    has none, the file written locally and uploaded whole). Returns what was written (the verb's ``wrote <output>:
+    ...``). An existing ``output`` is replaced only when ``overwrite``."""
     layout = lay_out(opened, rank=rank, no_model=no_model)
-    write = write_one_process(layout, opened.trim, progress)
-    size = write_stream(write, output, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
+    size = write_one_file(None, layout, output, inputs=inputs, overwrite=overwrite, trim=opened.trim,
+                          progress=progress, part_bytes=part_bytes)  # fmt: skip
     return described(layout, size)
+
+
+class Sink(Protocol[S]):
+    """Where the one file's bytes go: :meth:`write` puts tensors ``which`` of the layout (a process's run) and
+    returns that share (its checksums, and what else the commit needs); :meth:`sent` is what of a share goes to
+    process 0; :meth:`commit` (process 0) makes the file whole of every share."""
+
+    def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> S: ...
+
+    def sent(self, share: S) -> S: ...
+
+    def commit(self, mine: S, shares: Sequence[S]) -> None: ...
+
+
+class FileSink:
+    """A local file at ``path``, preallocated: each tensor written at its offset and read back; the header (with
+    every share's checksums) written by process 0, which holds the file open as ``fd``."""
+
+    def __init__(self, layout: FileLayout, path: str, fd: int | None) -> None:  # noqa: D107
+        self.layout, self.path, self.fd = layout, path, fd
+
+    def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> dict[str, Any]:  # noqa: ARG002
+        if not os.path.isfile(self.path):
+            raise ValueError(f"{self.path}: process 0's temporary file is not visible here: the output must be on a "
+                             "file system every process shares")  # fmt: skip
+        return write_tensors(self.path, self.layout, which, after=after)
+
+    def sent(self, share: dict[str, Any]) -> dict[str, Any]:
+        return share
+
+    def commit(self, mine: dict[str, Any], shares: Sequence[dict[str, Any]]) -> None:  # noqa: ARG002
+        assert self.fd is not None, "the header is written by process 0, which holds the file open"
+        write_header(self.fd, self.layout, shares)
+
+
+def write_one_file(
+    team: Team | None, layout: FileLayout, output: str | os.PathLike[str], *, inputs: Sequence[Any], overwrite: bool,
+    trim: Callable[[], None], progress: Callable[[], None] | None = None, bar: bool = False,
+    part_bytes: int = PART_BYTES,
+) -> int:  # fmt: skip
+    """The one path to a consolidated file: ``layout`` written into ``output`` by this process alone (``team``
+    ``None``) or by every process of ``team``, each its run of tensors (split by bytes, in file order), into one of
+    two sinks: a local file (:class:`FileSink`) or the parts of one multipart upload
+    (:mod:`fsdp_optim.offline.onefile_parts`). Returns the file's size (0 on a process but 0 of a team)."""
+    sizes = [t.nbytes for t in layout.tensors]
+    runs = [range(len(sizes))] if team is None else split_by_bytes(sizes, team.size).runs
+    fill = partial(_fill, team, runs, trim=trim, progress=progress, bar=bar, total=layout.size)
+    try:
+        if where(str(output)).shared_by_processes():
+            return _to_file(team, layout, output, fill, inputs=inputs, overwrite=overwrite)
+        from fsdp_optim.offline.onefile_parts import to_upload  # the multipart sink, only where one is written
+
+        size = to_upload(team, layout, runs, str(output), fill, inputs=inputs, overwrite=overwrite,
+                         part_bytes=part_bytes)  # fmt: skip
+    except _Agreed as agreed:
+        raise agreed.error from None
+    if size is None:  # a store without multipart uploads: the file written locally, then uploaded whole
+        from fsdp_optim.offline.publish import output_for
+
+        with output_for(output, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as local:
+            size = _to_file(None, layout, local, fill, inputs=(), overwrite=True)
+    return size
+
+
+class _Agreed(BaseException):
+    """A team's failure every process has agreed on already. A ``BaseException``, so that the step around it (a
+    :meth:`~fsdp_optim.job.team.Team.step` catches ``Exception``) lets it pass instead of agreeing on it again, which
+    a lost peer cannot do; :func:`write_one_file` raises its ``error``."""
+
+    def __init__(self, error: Exception) -> None:  # noqa: D107
+        super().__init__(str(error))
+        self.error = error
+
+
+def _fill(
+    team: Team | None, runs: Sequence[Sequence[int]], sink: Sink[Any], *, trim: Callable[[], None],
+    progress: Callable[[], None] | None, bar: bool, total: int,
+) -> None:  # fmt: skip
+    """This process's run written into ``sink`` (a team's watch counting its bytes; every process agrees that every
+    share is written), then process 0 commits every share. A team's caller agrees on the commit."""
+    rank, done = (0 if team is None else team.rank), [0]
+    watch = None if team is None else team.watch(lambda: done[0], total=total, bar=bar)
+
+    def after(nbytes: int) -> None:
+        done[0] += nbytes
+        trim()
+        if progress is not None:
+            progress()
+        if watch is not None:
+            watch.check()
+
+    try:
+        with stepped(team, "consolidate failed on another process; nothing was committed", watch=watch):
+            mine = sink.write(runs[rank], rank, after)
+    except Exception as exc:
+        if team is None:
+            raise
+        raise _Agreed(exc) from None  # every process raises it: no later step agrees on it again
+    shares = [mine] if team is None else team.to_first(sink.sent(mine))
+    if rank == 0:
+        sink.commit(mine, shares or [])
+
+
+def stepped(team: Team | None, what: str, *, watch: Watch | None = None) -> AbstractContextManager[None]:
+    """``team.step(what, watch=watch)``; nothing to agree on for a process alone."""
+    return nullcontext() if team is None else team.step(what, watch=watch)
+
+
+def _to_file(
+    team: Team | None, layout: FileLayout, output: str | os.PathLike[str], fill: Callable[[Sink[Any]], None], *,
+    inputs: Sequence[Any], overwrite: bool,
+) -> int:  # fmt: skip
+    """The local file sink: process 0 opens the output (``disk.staged.write_stream``: lock, journal, a temporary file
+    beside it), preallocates it and sends its path (``None``: it failed); every process fills it; process 0 writes
+    the header, fsyncs and renames; every process agrees on that commit."""
+    what = f"consolidate: process 0 could not write {output}; nothing was committed"
+    sent = [False]
+
+    def write(f: BinaryIO) -> None:
+        preallocate(f.fileno(), layout.size)
+        if team is not None:
+            sent[0] = True
+            team.from_first(f.name)
+        fill(FileSink(layout, f.name, f.fileno()))
+
+    size = 0
+    if team is None or team.rank == 0:
+        with stepped(team, what):
+            try:
+                size = write_stream(write, output, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
+            finally:
+                if team is not None and not sent[0]:  # the others wait for the temporary file's path: none
+                    team.from_first(None)
+        return size
+    path = team.from_first(None)
+    with team.step(what):
+        if path is not None:  # else process 0's error comes with this agreement
+            fill(FileSink(layout, path, None))
+    return size
 
 
 def described(layout: FileLayout, size: int) -> str:

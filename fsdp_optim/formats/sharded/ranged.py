@@ -141,7 +141,7 @@ def write_rank(
             for group in ([parts[t.name]] if after is None else ([p] for p in parts[t.name])):
                 done = at
                 for piece in pieces(group):  # type: ignore[arg-type]
-                    raw = memoryview(piece.numpy()).cast("B")
+                    raw = memoryview(piece.numpy()).cast("B")  # type: ignore[arg-type]
                     writer.put(raw, hasher.update)
                     if read_back:
                         _check_back(f, raw, at)
