@@ -1,8 +1,9 @@
-"""``consolidate -o s3://bucket/x/model.safetensors``: the one safetensors file of :mod:`fsdp_optim.offline.onefile`
-written straight into an object store as the parts of ONE multipart upload (:mod:`fsdp_optim.disk.multipart`),
-never whole on a local disk. The same layout, so the same bytes as the local file::
+"""``consolidate -o s3://bucket/x/model.safetensors``: the one safetensors file
+(:mod:`fsdp_optim.offline.onefile_layout`) written straight into an object store as the parts of ONE multipart
+upload (:mod:`fsdp_optim.disk.multipart`), never whole on a local disk. The same layout, so the same bytes as the
+local file::
 
-    plan     lay_out (onefile.py); the parts: core/parts.plan_parts (process 0's first part holds the header's room)
+    plan     lay_out; the parts: core/parts.plan_parts (process 0's first part holds the header's room)
     begin    the object refused if present (unless overwrite), one upload begun
     write    each tensor made, hashed, its bytes fed into the current part's buffer; a full part is put (the part
              that holds the header's room is held instead), then the next
@@ -26,7 +27,7 @@ from fsdp_optim.core.parts import PART_BYTES, PartPlan, PartSpan, plan_parts
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.multipart import Multipart, Part
 from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
-from fsdp_optim.offline.onefile import FileLayout, final_header, stepped
+from fsdp_optim.offline.onefile_layout import FileLayout, final_header, stepped
 
 if TYPE_CHECKING:
     from fsdp_optim.job.team import Team

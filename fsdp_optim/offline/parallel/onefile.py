@@ -1,5 +1,5 @@
 """``consolidate -o FILE.safetensors`` by a team of processes (:class:`~fsdp_optim.job.team.Team`): one file, laid
-out before any byte (:func:`~fsdp_optim.offline.onefile.lay_out`), each process writing its share of the tensors
+out before any byte (:func:`~fsdp_optim.offline.onefile_layout.lay_out`), each process writing its share of the tensors
 (:func:`~fsdp_optim.offline.onefile.write_one_file`, the path one process takes too). The steps, every one ended by
 an agreement (a failure anywhere fails every process, and nothing is committed)::
 
@@ -27,7 +27,8 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from fsdp_optim.job.team import Team
-from fsdp_optim.offline.onefile import described, lay_out, write_one_file
+from fsdp_optim.offline.onefile import write_one_file
+from fsdp_optim.offline.onefile_layout import described, lay_out
 
 __all__ = ["consolidate_across"]
 
@@ -37,7 +38,7 @@ def consolidate_across(
     rank: int | None, no_model: bool, inputs: tuple[Any, ...], overwrite: bool, bar: bool,
 ) -> str | None:  # fmt: skip
     """The module docstring's steps on this process; ``opening()`` opens the source (and checks the output) on
-    each. Returns the report (:func:`~fsdp_optim.offline.onefile.described`) on process 0, ``None`` elsewhere."""
+    each. Returns the report (:func:`~fsdp_optim.offline.onefile_layout.described`) on process 0, ``None`` elsewhere."""
     with ExitStack() as stack:
         with team.step("consolidate: planning failed; nothing was written"):
             opened = stack.enter_context(opening())
