@@ -13,9 +13,6 @@ tensor ``extra/<k>`` of the file; anything else (an object) is refused before th
     write    the file preallocated (posix_fallocate, else truncate); each tensor made, written with os.pwrite at its
              offset, read back and compared, freed (one tensor in memory)
     header   the same header with the checksums filled in (exactly as long), written at offset 0; fsync; rename
-
-A failure at any step leaves no file: the temporary file is the one way out's (``disk.staged.write_stream``:
-locked, journaled, removed on failure, renamed on success).
 """
 
 from __future__ import annotations
