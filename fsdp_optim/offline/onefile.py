@@ -132,7 +132,8 @@ class FileSink:
         return share
 
     def commit(self, mine: dict[str, Any], shares: Sequence[dict[str, Any]]) -> None:  # noqa: ARG002
-        assert self.fd is not None, "the header is written by process 0, which holds the file open"
+        if self.fd is None:
+            raise RuntimeError(f"{self.path}: the header is written by process 0, which holds the file open")
         write_header(self.fd, self.layout, shares)
 
 

@@ -161,7 +161,8 @@ class UploadSink:
         self.layout, self.plan, self.upload, self.upload_id = layout, plan, upload, upload_id
 
     def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> Share:
-        assert list(which) == list(self.plan.runs[rank]), "the parts were planned for this process's run"
+        if list(which) != list(self.plan.runs[rank]):
+            raise RuntimeError(f"consolidate: process {rank}'s parts were planned for another run of tensors")
         return write_parts(self.layout, self.plan, rank, self.upload, self.upload_id, after=after)
 
     def sent(self, share: Share) -> Share:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import torch
 
@@ -124,13 +124,15 @@ def write_rank(
     """Write ``layout``'s tensor ``t`` as the concatenation of the 1-D ``parts[t]``, each read once through
     ``pieces``; returns the header's digest (the manifest's record of the file).
 
-    ``file`` open at the file's start: every tensor and then the header (the module docstring), the file left at its
-    end. ``file`` a path: the file :func:`lay_out_file` made, of which ``span`` ``(tensor, start, stop)`` (elements,
-    whole chunks) alone is written, read back, its digests written into their slots and read back, then fsynced.
-    ``after(nbytes)``: after each part (and then each part is asked of ``pieces`` on its own)."""
+    Without ``span``, ``file`` is open at the file's start: every tensor and then the header (the module docstring),
+    the file left at its end. With ``span`` ``(tensor, start, stop)`` (elements, whole chunks), ``file`` is the path
+    of the file :func:`lay_out_file` made, of which that run alone is written, read back, its digests written into
+    their slots and read back, then fsynced. ``after(nbytes)``: after each part (and then each part is asked of
+    ``pieces`` on its own)."""
     runs = [(k, 0, t.numel) for k, t in enumerate(layout.tensors)] if span is None else [span]
-    header, read_back = bytearray(layout.header), isinstance(file, Path)
-    with _opened(file) as f, HashingWriter(f) as writer:
+    header, read_back = bytearray(layout.header), span is not None
+    opened = nullcontext(cast(BinaryIO, file)) if span is None else _laid_out(cast(Path, file))
+    with opened as f, HashingWriter(f) as writer:
         start = f.tell()
         for k, lo, hi in runs:
             t = layout.tensors[k]
@@ -169,12 +171,9 @@ def _slot_range(t: TensorPlace, span: tuple[int, int, int]) -> tuple[int, int]:
 
 
 @contextmanager
-def _opened(file: BinaryIO | Path) -> Iterator[BinaryIO]:
-    """``file`` itself, or the laid-out file at that path opened unbuffered for writing, fsynced once written."""
-    if not isinstance(file, Path):
-        yield file
-        return
-    with open(os.open(file, os.O_RDWR | os.O_NOFOLLOW), "r+b", buffering=0) as f:
+def _laid_out(path: Path) -> Iterator[BinaryIO]:
+    """The laid-out file at ``path`` opened unbuffered for writing, fsynced once written."""
+    with open(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+b", buffering=0) as f:
         yield f
         os.fsync(f.fileno())
 
