@@ -180,20 +180,17 @@ def _fill(
 ) -> None:  # fmt: skip
     """This process's run written into ``sink`` (a team's watch counting its bytes; every process agrees that every
     share is written), then process 0 commits every share. A team's caller agrees on the commit."""
-    rank, done = (0 if team is None else team.rank), [0]
-    watch = None if team is None else team.watch(lambda: done[0], total=total, bar=bar)
+    rank = 0 if team is None else team.rank
+    watch = None if team is None else team.progress(total, bar=bar, trim=trim)
 
-    def after(nbytes: int) -> None:
-        done[0] += nbytes
+    def alone(nbytes: int) -> None:  # noqa: ARG001 - a writer's after(nbytes); a team's watch counts them
         trim()
         if progress is not None:
             progress()
-        if watch is not None:
-            watch.check()
 
     try:
         with stepped(team, "consolidate failed on another process; nothing was committed", watch=watch):
-            mine = sink.write(runs[rank], rank, after)
+            mine = sink.write(runs[rank], rank, alone if watch is None else watch.advance)
     except Exception as exc:
         if team is None:
             raise
