@@ -165,9 +165,9 @@ def write_one_file(
 
 
 class _Agreed(BaseException):
-    """A team's failure every process has agreed on already. A ``BaseException``, so that the step around it (a
-    :meth:`~fsdp_optim.job.team.Team.step` catches ``Exception``) lets it pass instead of agreeing on it again, which
-    a lost peer cannot do; :func:`write_one_file` raises its ``error``."""
+    """A team's failure every process has agreed on already (the share step's), told apart from one still to agree
+    on (process 0's open or commit): agreeing on it again would wait on a lost peer. :func:`write_one_file` raises
+    its ``error``."""
 
     def __init__(self, error: Exception) -> None:  # noqa: D107
         super().__init__(str(error))
@@ -175,11 +175,11 @@ class _Agreed(BaseException):
 
 
 def _fill(
-    team: Team | None, runs: Sequence[Sequence[int]], sink: Sink[Any], *, trim: Callable[[], None],
+    team: Team | None, runs: Sequence[Sequence[int]], sink: Sink[S], *, trim: Callable[[], None],
     progress: Callable[[], None] | None, bar: bool, total: int,
-) -> None:  # fmt: skip
+) -> tuple[S, list[S]]:  # fmt: skip
     """This process's run written into ``sink`` (a team's watch counting its bytes; every process agrees that every
-    share is written), then process 0 commits every share. A team's caller agrees on the commit."""
+    share is written): ``(its share, every share on process 0)``, which process 0 then commits."""
     rank = 0 if team is None else team.rank
     watch = None if team is None else team.progress(total, bar=bar, trim=trim)
 
@@ -195,13 +195,11 @@ def _fill(
         if team is None:
             raise
         raise _Agreed(exc) from None  # every process raises it: no later step agrees on it again
-    shares = [mine] if team is None else team.to_first(sink.sent(mine))
-    if rank == 0:
-        sink.commit(mine, shares or [])
+    return mine, ([mine] if team is None else team.to_first(sink.sent(mine)) or [])
 
 
 def _to_file(
-    team: Team | None, layout: FileLayout, output: str | os.PathLike[str], fill: Callable[[Sink[Any]], None], *,
+    team: Team | None, layout: FileLayout, output: str | os.PathLike[str], fill: Callable[[FileSink], Any], *,
     inputs: Sequence[Any], overwrite: bool,
 ) -> int:  # fmt: skip
     """The local file sink: process 0 opens the output (``disk.staged.write_stream``: lock, journal, a temporary file
@@ -215,19 +213,25 @@ def _to_file(
         if team is not None:
             sent[0] = True
             team.from_first(f.name)
-        fill(FileSink(layout, f.name, f.fileno()))
+        sink = FileSink(layout, f.name, f.fileno())
+        sink.commit(*fill(sink))
 
-    size = 0
-    if team is None or team.rank == 0:
-        with stepped(team, what):
-            try:
-                size = write_stream(write, output, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
-            finally:
-                if team is not None and not sent[0]:  # the others wait for the temporary file's path: none
-                    team.from_first(None)
-        return size
-    path = team.from_first(None)
-    with team.step(what):
-        if path is not None:  # else process 0's error comes with this agreement
+    if team is not None and team.rank != 0:
+        path = team.from_first(None)
+        if path is not None:  # else process 0's error comes with the agreement below
             fill(FileSink(layout, path, None))
+        team.agree(None, what)  # on process 0's commit
+        return 0
+    try:
+        size = write_stream(write, output, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
+    except _Agreed:
+        raise  # the share step's failure: every process agreed on it there
+    except BaseException as exc:  # the open or the commit failed: the others are in the agreement below
+        if team is not None and not sent[0]:  # the others wait for the temporary file's path: none
+            team.from_first(None)
+        if team is not None:
+            team.agree(exc, what)
+        raise
+    if team is not None:
+        team.agree(None, what)
     return size

@@ -174,11 +174,11 @@ class UploadSink:
 
 def to_upload(
     team: Team | None, layout: FileLayout, runs: Sequence[Sequence[int]], output: str,
-    fill: Callable[[UploadSink], None], *, inputs: Sequence[Any], overwrite: bool, part_bytes: int,
+    fill: Callable[[UploadSink], tuple[Share, list[Share]]], *, inputs: Sequence[Any], overwrite: bool, part_bytes: int,
 ) -> int | None:  # fmt: skip
     """The multipart sink of :func:`~fsdp_optim.offline.onefile.write_one_file`: process 0 refuses an object there
-    (unless ``overwrite``) and begins the upload, and every process gets its id; ``fill`` puts every process's parts
-    and completes the upload on process 0; every process agrees on that commit. Process 0 aborts the upload after any
+    (unless ``overwrite``) and begins the upload, and every process gets its id; ``fill`` puts every process's parts;
+    process 0 completes the upload; every process agrees on that commit. Process 0 aborts the upload after any
     failure it sees. Returns the object's size (0 on a process but 0), ``None`` where a process alone finds that the
     store takes no multipart uploads."""
     plan = layout_parts(layout, runs, part_bytes)
@@ -193,9 +193,12 @@ def to_upload(
     if begun is None:
         return None
     upload, upload_id = begun
+    sink = UploadSink(layout, plan, upload, upload_id)
     try:
+        mine, shares = fill(sink)
         with stepped(team, "consolidate: the commit failed on process 0"):
-            fill(UploadSink(layout, plan, upload, upload_id))
+            if team is None or team.rank == 0:
+                sink.commit(mine, shares)
     except BaseException:
         if team is None or team.rank == 0:
             abort_quietly(upload, upload_id)
