@@ -52,7 +52,7 @@ from torch.futures import Future
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, plan, restrict
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.staged import Survey
+from fsdp_optim.disk.save import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
 
 __all__ = [

@@ -25,11 +25,14 @@ import torch
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
+from fsdp_optim.disk.byte_io import ByteIO
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.location import Location, SaveRules
+from fsdp_optim.disk.local_directory import staged_output
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.staged import Survey, remove_recorded, staged_output
+from fsdp_optim.disk.save import SaveRules, Survey
+from fsdp_optim.disk.staged import remove_recorded
 from fsdp_optim.formats.sharded.manifest import (
     LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
@@ -226,9 +229,9 @@ def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
     and what the committed manifest there lists (replaced by the commit). A store journals nothing: it needs neither
     the save id nor the world size."""
 
-    def listed(location: Location, size: int | None = None) -> frozenset[str]:
+    def listed(location: ByteIO, size: int | None = None) -> frozenset[str]:
         data = location.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES, size=size)
-        return frozenset(manifest_from_json(data, source=str(location / MANIFEST_NAME)).file_names())
+        return frozenset(manifest_from_json(data, source=f"{location}/{MANIFEST_NAME}").file_names())
 
     entry = JournalEntry(save_id=save_id, world_size=world_size)
     return SaveRules(CHECKPOINT, entry, MANIFEST_NAME, frozenset(MANIFEST_NAMES), listed)
@@ -245,12 +248,11 @@ def write_all_or_nothing(
     replace: bool = True,
 ) -> Path:
     """Have ``write`` put every rank file into the staging directory and return the manifest; then the files
-    move into ``out`` and the manifest is committed there, last (:func:`fsdp_optim.disk.staged.staged_output`).
+    move into ``out`` and the manifest is committed there, last (through the one save driver:
+    :func:`fsdp_optim.disk.local_directory.staged_output`).
     ``save_id`` and ``world_size`` are the manifest's: by them a killed write's files are journaled."""
     entry = JournalEntry(save_id=save_id or new_save_id(), world_size=world_size or 1)
-    with staged_output(
-        out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace, entry=entry
-    ) as stage:
-        manifest = write(stage.dir)
-        stage.commit = lambda target: write_manifest(target, manifest)
+    with staged_output(out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace,
+                       entry=entry, commit_name=MANIFEST_NAME) as stage:  # fmt: skip
+        stage.commit = manifest_to_json(write(stage.dir))  # (before anything moves: a value JSON cannot hold, refused)
     return Path(out) / MANIFEST_NAME
