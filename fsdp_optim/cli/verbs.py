@@ -150,7 +150,17 @@ def run_convert(args: argparse.Namespace) -> list[str]:
                 full = opened.full_dict(progress=progress)
         result = to_named(full) if args.to == "named" else full
         size = write_file(result, args.output, inputs=(args.source, args.layout), overwrite=args.overwrite)
-    return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
+        left = _left_out(opened, "a full dict" if args.to == "full" else "a name-keyed dict", "the optimizer state")
+    return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}", *left]
+
+
+def _left_out(opened: Opened, written: str, holds: str, parts: str = "the model's weights, buffers and extra"
+              ) -> list[str]:  # fmt: skip
+    """The line that says what of a source holding a model a conversion did not write (none for other sources)."""
+    if not opened.holds_weights():
+        return []
+    keep = "consolidate it to a .pt or .safetensors file" if opened.is_whole() else "consolidate it --with-model"
+    return [f"not written ({written} holds {holds} only): {parts}; to keep everything, {keep}"]
 
 
 
@@ -171,8 +181,11 @@ def _to_safetensors(opened: Opened, args: argparse.Namespace, origin: str) -> li
     if opened.is_whole():
         names = ", ".join(sorted(p.name for p in Path(args.output).iterdir()))
         return [f"wrote {args.output} (safetensors: the model as Hugging Face stores it, the optimizer by parameter "
-                f"name; from a whole {origin}): {names}; {human_bytes(size)}"]  # fmt: skip
-    return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}"]
+                f"name; from a whole {origin}): {names}; {human_bytes(size)}",
+                *_left_out(opened, "the Hugging Face layout", "the model and the optimizer state",
+                           "extra")]  # fmt: skip
+    return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}",
+            *_left_out(opened, "a named safetensors file", "the optimizer state", "the model's weights and buffers")]
 
 
 

@@ -23,12 +23,13 @@ from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
+from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, source_kind
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
-from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file
+from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file, read_whole_safetensors
 from fsdp_optim.job.agreed import step
 from fsdp_optim.job.device_load import into_live, live_destination, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
@@ -206,7 +207,10 @@ def stage_file(
     """:func:`stage_load` of consolidate's file of a whole checkpoint: every rank reads the file and cuts its own
     shards of the weights and optimizer state from it; the buffers and ``extra`` are the file's."""
     where_ = str(path)
-    obj = load_file(path, mmap=True, disjoint=True, tied=TIED_KEY)
+    if is_named_safetensors(path):  # consolidate's one safetensors file: the same content as its .pt
+        obj = read_whole_safetensors(path)
+    else:
+        obj = load_file(path, mmap=True, disjoint=True, tied=TIED_KEY)
     if not is_whole_file(obj):
         found = f"a dict with keys {sorted(map(str, obj))[:6]}" if isinstance(obj, Mapping) else type(obj).__name__
         raise ValueError(

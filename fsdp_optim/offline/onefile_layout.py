@@ -72,7 +72,7 @@ def lay_out(opened: Any, *, rank: int | None, no_model: bool) -> FileLayout:
         weights = [_model_tensor(name, t) for name, t in entries.items()]
         text, held = encode_extra(saved.extra, f"{opened.label}: the checkpoint's extra (rank {saved.rank}'s)")
         extras = [_model_tensor(f"{EXTRA_PREFIX}{k}", t) for k, t in held.items()]
-        whole = Whole(tuple(entries), text, tuple(t.name for t in extras), saved.rank)
+        whole = Whole(tuple(entries), text, tuple(t.name for t in extras), saved.rank, tuple(saved.aliases))
         tensors = [*weights, *extras, *tensors]
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
@@ -119,7 +119,7 @@ def described(layout: FileLayout, size: int) -> str:
     """The report of a written file: how many tensors of the model and of the optimizer, and its size."""
     whole = layout.document.whole
     model = 0 if whole is None else len(whole.model)
-    optim = len(layout.tensors) - model
+    optim = len(layout.tensors) - model - (0 if whole is None else len(whole.extra_tensors))
     what = f"model {model} tensors (weights, tied names, buffers), extra of rank {whole.rank}; " if whole else ""
     return (f"safetensors, one file: {what}optimizer {optim} tensors of {len(layout.document.state)} params with "
             f"state, settings in its metadata; {human_bytes(size)}")  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 
 from fsdp_optim.core.plan import Plan, assemble_full, per_parameter, plan, restrict
 from fsdp_optim.core.records import StateEntry
+from fsdp_optim.formats.kinds import Kind
 from fsdp_optim.offline.sources import Opened
 
 __all__ = ["PerParameter"]
@@ -60,8 +61,8 @@ class PerParameter:
             for g in the_plan.groups
         )
         names = tuple(order) + tuple(n for n in flat_names if n not in rank)
-        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if weights and opened.is_whole() else (
-            opened.kind.value)  # fmt: skip
+        whole = weights and opened.is_whole() and opened.kind not in (Kind.WHOLE_FILE, Kind.HF)  # (their names say so)
+        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if whole else opened.kind.value
         return cls(opened.label, kind, source.optimizer, the_plan, names, index, groups, opened.trim)
 
     def entries(self, name: str) -> dict[str, StateEntry]:

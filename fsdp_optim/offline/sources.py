@@ -13,11 +13,15 @@ class opens the input (``opening``: its files mapped until the block ends; ``loa
     fairseq/metaseq shard set   use_sharded_state files (..-shard<r>.pt)         param order   checked
     named safetensors file      to_safetensors' file (<name>/<key> tensors)      target only   refused
     whole checkpoint file       consolidate's {'model', 'optimizer', 'extra'}    target only   refused
+                                (its one safetensors file: a named safetensors file with a "whole" section, read the
+                                same way)
+    Hugging Face layout         convert --to safetensors' model files (+ optimizer.safetensors)  target only  refused
     name-keyed dict, DCP dir    what convert --to named / --to dcp write         inspect only
                                 (reshard keeps the set's own order and optimizer: both refused there)
 
 "target only": a full dict has no FSDP units; a verb that cuts it (reshard) takes the model's layout as its
-target. "checked": the name must be a known optimizer whose state keys are the ones found
+target, or, for a file consolidate wrote, the layout the file records (its checkpoint's) when none is given.
+"checked": the name must be a known optimizer whose state keys are the ones found
 (:func:`fsdp_optim.core.elementwise.check_optimizer_name`). ``allow_globals`` applies to shard sets only.
 
 An opened input is one of the classes of :mod:`fsdp_optim.offline.opened` (one per kind; ``source``, ``layout``,

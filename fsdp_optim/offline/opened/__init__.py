@@ -27,7 +27,8 @@ cannot: most often a refusal that says what the input is and what was expected):
 
 Each kind's class keeps its own reader as a field of its own: ``checkpoint`` (:class:`OpenedCheckpoint`),
 ``manifest`` (:class:`OpenedLayout`), ``shards`` (:class:`OpenedShardSet`), ``named`` (:class:`OpenedNamed`),
-``whole_file`` (:class:`OpenedWholeFile`), ``raw`` and ``full`` (:class:`OpenedFull` and its kinds), ``raw``
+``whole_file`` (:class:`OpenedWholeFile`; consolidate's one safetensors file of a whole checkpoint and the
+Hugging Face layout, ``hf.py``, read into one), ``raw`` and ``full`` (:class:`OpenedFull` and its kinds), ``raw``
 (:class:`OpenedRankFile`). Modules: ``base.py`` (the interface), ``sharded.py`` (our checkpoint, layout file, rank
 file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set, a named safetensors file, DCP).
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from fsdp_optim.formats.kinds import Kind
 from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, Opened, Request
+from fsdp_optim.offline.opened.hf import OpenedHf
 from fsdp_optim.offline.opened.loaded import OpenedFull, OpenedNamedDict, OpenedNative, OpenedWholeFile
 from fsdp_optim.offline.opened.readers import OpenedDcp, OpenedNamed, OpenedShardSet
 from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, OpenedRankFile
@@ -53,7 +55,7 @@ __all__ = [
 CLASSES: dict[Kind, type[Opened]] = {
     Kind.SHARDED: OpenedCheckpoint, Kind.LAYOUT: OpenedLayout, Kind.RANK_FILE: OpenedRankFile, Kind.FULL: OpenedFull,
     Kind.NATIVE: OpenedNative, Kind.SHARD_SET: OpenedShardSet, Kind.NAMED: OpenedNamed,
-    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile,
+    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile, Kind.HF: OpenedHf,
 }  # fmt: skip
 
 
