@@ -123,14 +123,17 @@ def test_bad_output_is_refused(whole: Path, tmp_path: Path, capsys: pytest.Captu
 
 def test_a_failure_mid_write_leaves_nothing(whole: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor that cannot be made (the fourth of the file) fails the write: no file, no temporary file left."""
+    from dataclasses import replace
+
     import fsdp_optim.offline.onefile as onefile
+    from fsdp_optim.formats.named_safetensors.writer import NamedTensor
 
     real = onefile.write_tensors
 
     def failing(path: Any, layout: Any, which: Any, *, after: Any) -> Any:
         broken = list(layout.tensors)
-        broken[3] = onefile.NamedTensor(broken[3].name, broken[3].dtype, broken[3].shape, _disk_full)
-        return real(path, onefile.replace(layout, tensors=tuple(broken)), which, after=after)
+        broken[3] = NamedTensor(broken[3].name, broken[3].dtype, broken[3].shape, _disk_full)
+        return real(path, replace(layout, tensors=tuple(broken)), which, after=after)
 
     monkeypatch.setattr(onefile, "write_tensors", failing)
     out = tmp_path / "model.safetensors"
@@ -146,7 +149,7 @@ def _disk_full() -> torch.Tensor:
 # first tensor of the file.
 _PROCESS = """
 import os, signal, sys
-import fsdp_optim.offline.parallel.onefile as P
+import fsdp_optim.offline.onefile as P
 real = P.write_tensors
 def killed(path, layout, which, *, after):
     def then(nbytes):

@@ -12,7 +12,8 @@ import torch
 from _async_copier import AsyncCopier, AsyncEngines, Recorder
 
 from fsdp_optim.core.checksums import ChunkHasher, chunk_digests
-from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
+from fsdp_optim.formats.sharded.ranged import rank_layout, write_rank
+from fsdp_optim.formats.sharded.rank_file import host_pieces
 from fsdp_optim.job import stager
 from fsdp_optim.job.copiers import HostCopier
 from fsdp_optim.job.stager import Ring
@@ -114,7 +115,7 @@ def test_the_one_pass_writer_writes_the_same_file_whatever_the_pieces() -> None:
     files = []
     for pieces in (host_pieces, Ring(HostCopier(), slots=2, slot_bytes=24).pieces):
         out = io.BytesIO()
-        header = write_rank_tensors(out, tensors, sizes, meta, 64, pieces=pieces)
+        header = write_rank(out, rank_layout(meta, sizes, 64), tensors, pieces=pieces)
         files.append((header, out.getvalue()))
     assert files[0] == files[1]
     from safetensors import safe_open

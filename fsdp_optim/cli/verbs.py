@@ -98,12 +98,7 @@ def _consolidate_safetensors(opened: Opened, args: argparse.Namespace, progress:
         raise UsageError(f"-o {args.output}: consolidate writes one safetensors file of our sharded checkpoint "
                          f"(whole or optimizer-only); {args.source} is a {opened.kind.value}: convert it with "
                          "fsdp-optim convert SOURCE --to safetensors -o OUT")  # fmt: skip
-    if uploads_itself(args):  # straight into the store, as the parts of one multipart upload
-        from fsdp_optim.offline.onefile_parts import consolidate_to_store
-
-        return consolidate_to_store(opened, args.output, rank=args.rank, no_model=args.no_model,
-                                    inputs=(args.source, args.layout), overwrite=args.overwrite,
-                                    progress=progress)  # fmt: skip
+    # a local file, or an object written straight into its store (uploads_itself): the parts of one multipart upload
     return consolidate_to_safetensors(opened, args.output, rank=args.rank, no_model=args.no_model,
                                       inputs=(args.source, args.layout), overwrite=args.overwrite,
                                       progress=progress)  # fmt: skip

@@ -55,7 +55,6 @@ __all__ = [
     "full_dict_source",
     "param_record",
     "read_meta",
-    "saved_optimizer",
     "shard_full_state",
 ]
 
@@ -175,12 +174,6 @@ def read_meta(full: Mapping[str, Any], where: str = FULL_DICT) -> Mapping[str, A
                 f"{where}: '{FORMAT_KEY}' '{key}' must be {expected} or None, found {type(value).__name__}"
             )
     return meta
-
-
-def saved_optimizer(full: Mapping[str, Any]) -> str | None:
-    """The optimizer class a full dict was gathered from, per its checked header (``None`` if unknown)."""
-    meta = read_meta(full)
-    return meta.get("optimizer") if meta else None
 
 
 def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:

@@ -47,7 +47,7 @@ from fsdp_optim.formats.sharded.byte_ranges import Span, read_spans
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.ranged import LaidOutFile, finished_record, laid_out, lay_out_file, write_chunks
+from fsdp_optim.formats.sharded.ranged import LaidOutFile, finished_record, laid_out, lay_out_file, write_rank
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
@@ -193,8 +193,8 @@ def _write_share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging:
             for run in runs:
                 if layout is None or layout.rank != run.rank:
                     layout = laid_out(planned.final, run.rank)
-                write_chunks(staging / layout.name, layout, run.tensor, run.start, run.stop, _cut(planned, run),
-                             after=after)  # fmt: skip
+                write_rank(staging / layout.name, layout, {run.name: _cut(planned, run)},
+                           span=(run.tensor, run.start, run.stop), after=after)  # fmt: skip
     except BaseException as exc:
         failure = exc
     team.settle(watch, failure, "reshard failed on another process; nothing was committed")
