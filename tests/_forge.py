@@ -21,14 +21,9 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.checksums import digest
+from fsdp_optim.formats.sharded.file_record import HEADER_KEY, FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
-from fsdp_optim.formats.sharded.manifest import (
-    HEADER_KEY,
-    LEGACY_MANIFEST_NAME,
-    MANIFEST_NAME,
-    FileRecord,
-    shard_file_name,
-)
+from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME, shard_file_name
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.torch_files import shard_payload, unwrap, wrap
 

@@ -60,8 +60,9 @@ from torch import nn
 from fsdp_optim import FullyShardedDataParallel as FSDP
 from fsdp_optim import consolidate, load_sharded_optim_state, save_sharded_optim_state
 from fsdp_optim.core.checksums import digest
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 
 TRIALS = int(os.environ.get("FSDP_OPTIM_FAULT_TRIALS", "20"))
 SEED = int(os.environ.get("FSDP_OPTIM_FAULT_SEED", "5"))

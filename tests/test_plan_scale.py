@@ -17,11 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp_optim.core import layout as layout_module
+from fsdp_optim.core.execute import Read, cut_rank, rank_reads, saved_ranks
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.intervals import ShardIndex, padding_per_rank, pieces
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec, shard_bounds
-from fsdp_optim.core.plan import Read, Source, cut_rank, plan, rank_reads, saved_ranks
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 
 STATE = (StateEntry("exp_avg", StateKind.SHARDED, dtype="float32"), StateEntry("step", StateKind.SCALAR, value=3))
 

@@ -16,7 +16,8 @@ from fsdp_optim import consolidate, reshard
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.sharded import recut
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.locate import read_manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.offline import cuts
 
 

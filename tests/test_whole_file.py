@@ -82,7 +82,7 @@ def test_diff_reads_it_weights_included(files, tmp_path) -> None:
 
 
 def test_reshard_reads_it_into_a_whole_checkpoint(files, tmp_path, capsys) -> None:
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
 
     path, whole = files
     with pytest.raises(ValueError, match="layout"):

@@ -188,7 +188,7 @@ def test_inspect_whole_says_model_buffers_and_extra(saved, capsys) -> None:
 def test_verify_whole_checks_side_files(saved, tmp_path, capsys) -> None:
     import shutil
 
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
 
     path, _ = saved
     report = fsdp_optim.verify(path)

@@ -61,7 +61,8 @@ def measure(op: str, directory: str, limit: str) -> dict[str, Any]:
 
 
 def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, is_sharded_checkpoint, read_manifest
+    from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint, read_manifest
+    from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 
     directory = work / "ckpt"
     if not is_sharded_checkpoint(directory):

@@ -22,8 +22,9 @@ import torch
 
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
-from fsdp_optim.core.plan import Source, plan
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import open_checkpoint

@@ -62,7 +62,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 def _sharded(path: str) -> bool:
     """Whether ``path`` is a sharded checkpoint of ours, in any location (by its names alone): every process reads
     its share of it."""
-    from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
+    from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 
     return is_sharded_checkpoint(path)
 
@@ -82,7 +82,7 @@ def _consolidate(team: Team, args: argparse.Namespace) -> list[str]:
 def _reshard(team: Team, args: argparse.Namespace) -> list[str]:
     """``fsdp-optim reshard`` split across ``team``; its report line, as one process words it."""
     from fsdp_optim.disk.text import human_bytes
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
     from fsdp_optim.offline.parallel.entry import reshard_in_team
 
     manifest = reshard_in_team(team, args.source, args.world_size, args.output, layout=args.layout,

@@ -17,8 +17,9 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from fsdp_optim.disk.atomic import atomic_write, fsync_dir
+from fsdp_optim.disk.byte_io import StoredObject
 from fsdp_optim.disk.errors import ConcurrentCommitError
-from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, StoredObject, T
+from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, T
 from fsdp_optim.disk.locks import OutputLockedError, lock_output
 from fsdp_optim.disk.staged import close_output, open_output
 from fsdp_optim.disk.store_answers import Tiling

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fsdp_optim.disk.byte_io import ByteIO, StoredObject
+from fsdp_optim.disk.byte_io import ByteIO
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.disk.staged import Claims
@@ -63,7 +63,7 @@ from fsdp_optim.disk.store_policy import RetryPolicy
 if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
 
-__all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "StoredObject", "Where", "is_url"]
+__all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "Where", "is_url"]
 
 T = TypeVar("T")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

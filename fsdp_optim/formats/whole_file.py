@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.dtypes import dtype_to_str
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.core.source import Source
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, full_dict_source
 
 __all__ = ["TIED_KEY", "WHOLE_KEYS", "WholeFile", "is_whole_file"]

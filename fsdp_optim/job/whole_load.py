@@ -16,14 +16,17 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
+from fsdp_optim.core.execute import cut_rank, optimizer_state_dict, saved_ranks
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, source_kind
+from fsdp_optim.formats.sharded.locate import source_kind
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord

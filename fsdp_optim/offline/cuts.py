@@ -16,9 +16,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.core.execute import assemble_full
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Plan, Source, assemble_full, plan
+from fsdp_optim.core.plan import plan
+from fsdp_optim.core.source import Plan, Source
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.fullstate import build_full_state

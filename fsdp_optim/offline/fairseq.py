@@ -8,10 +8,9 @@ from typing import Any
 
 from fsdp_optim.formats.fairseq import recut as _recut
 from fsdp_optim.formats.fairseq import shards as _shards
-from fsdp_optim.formats.fairseq.recut import reshard_shards
 from fsdp_optim.offline.layouts import ParamOrder, param_names
 
-__all__ = ["ShardSet", "consolidate_shards", "reshard_shards"]
+__all__ = ["ShardSet", "consolidate_shards", ]
 
 
 class ShardSet(_shards.ShardSet):

@@ -30,11 +30,11 @@ import torch
 
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.disk.text import human_bytes
+from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, Document, Whole
 from fsdp_optim.formats.named_safetensors.writer import NamedTensor, prepare_named_safetensors, tensor_checksums
 from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
 from fsdp_optim.formats.sharded.side_file import encode_extra
-from fsdp_optim.offline.whole import ModelTensor
 
 __all__ = ["FileLayout", "consolidate_to_safetensors", "described", "lay_out", "preallocate", "write_header",
            "write_one_process", "write_tensors"]

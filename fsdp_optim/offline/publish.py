@@ -27,9 +27,9 @@ from pathlib import Path
 from fsdp_optim.disk.errors import CommitOutcomeUnknown
 from fsdp_optim.disk.location import Begun, Location
 from fsdp_optim.disk.locations import where
+from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.writer import save_rules
 
 __all__ = ["Uploads", "checkpoint_output", "output_for", "publish_checkpoint", "publish_files"]
@@ -102,7 +102,7 @@ def _published(
 
 def publish_checkpoint(local: Path, store: Location, *, overwrite: bool = False) -> None:
     """Upload the sharded checkpoint in ``local`` to ``store`` and commit it there (conditional put of the
-    manifest; :class:`~fsdp_optim.disk.storage.ConcurrentCommitError` if another writer committed meanwhile)."""
+    manifest; :class:`~fsdp_optim.disk.errors.ConcurrentCommitError` if another writer committed meanwhile)."""
     uploads = Uploads(store, overwrite=overwrite)
     try:
         uploads.commit(local)

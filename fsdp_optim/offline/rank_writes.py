@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from fsdp_optim.core.plan import Plan
+from fsdp_optim.core.source import Plan
 from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.manifest import Manifest

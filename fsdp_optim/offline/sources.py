@@ -37,15 +37,14 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.kinds import Given, Kind, detect
 from fsdp_optim.formats.plain import ParamNames, name_plain_dict
+from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import (
-    DEFAULT_MAPPED_BYTES,
-    is_sharded_checkpoint,
-)
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder
-from fsdp_optim.offline.opened import NEEDS_LAYOUT, Opened, Request, class_of
+from fsdp_optim.offline.opened import class_of
+from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, Opened, Request
 
-__all__ = ["Opened", "fetched_whole", "open_source"]
+__all__ = ["fetched_whole", "open_source"]
 
 
 _LAYOUT_USE = (

@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
-from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
+from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 from fsdp_optim.offline.deep import deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened import class_of

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from fsdp_optim.core.execute import assemble_full, cut_rank, restrict
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import clean_path
-from fsdp_optim.core.plan import Plan, assemble_full, cut_rank, plan, restrict
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import resolve_output
 from fsdp_optim.disk.staged import staged_output

@@ -31,9 +31,11 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.execute import assemble_full, restrict
 from fsdp_optim.core.flatten import StateKind, split
-from fsdp_optim.core.plan import Source, assemble_full, plan, restrict
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 from fsdp_optim.formats.fairseq.checks import (
     ParamOrder,
     check_same_save,

@@ -27,19 +27,12 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
-from fsdp_optim.formats.sharded.locate import (  # re-exported: what finds a checkpoint, beside what reads it
-    checkpoint_dir,
-    is_json_manifest,
-    is_sharded_checkpoint,
-    manifest_file,
-    read_manifest,
-    source_kind,
-)
+from fsdp_optim.formats.sharded.locate import checkpoint_dir, read_manifest
 from fsdp_optim.formats.sharded.manifest import (
     manifest_source,
 )
@@ -51,13 +44,7 @@ from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
     "ShardedCheckpoint",
-    "checkpoint_dir",
-    "is_json_manifest",
-    "is_sharded_checkpoint",
-    "manifest_file",
     "open_checkpoint",
-    "read_manifest",
-    "source_kind",
 ]
 
 DEFAULT_MAPPED_BYTES = 64 << 20

@@ -2,7 +2,7 @@
 
 :func:`write_streamed` writes output rank ``r`` of a plan as :func:`~.writer.write_shard_file` would (the same bytes:
 the same :func:`~.segments.file_layout`, metadata and chunk checksums), but cuts each ``(unit, state key)`` shard
-only when the writer reaches it (:func:`~fsdp_optim.core.plan.cut_rank` of :func:`~fsdp_optim.core.plan.restrict`)
+only when the writer reaches it (:func:`~fsdp_optim.core.execute.cut_rank` of :func:`~fsdp_optim.core.execute.restrict`)
 and drops it once written: memory holds one shard of one unit, never the rank's whole state::
 
     output rank 1, tensors float32 = [u0/exp_avg | u0/exp_avg_sq | u2/exp_avg ...], bfloat16 = [u0/@param ...]
@@ -23,8 +23,9 @@ import torch
 
 from fsdp_optim.core.checksums import ChunkHasher
 from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.execute import cut_rank, restrict
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.plan import Plan, cut_rank, restrict
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.json_input import loads
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import Manifest

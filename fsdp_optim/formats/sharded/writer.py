@@ -30,18 +30,17 @@ from fsdp_optim.disk.location import Location, SaveRules
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import OutputLock
 from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
+from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
+from fsdp_optim.formats.sharded.locate import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.manifest import (
-    CHECKPOINT_VERSION,
     LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
     MANIFEST_NAMES,
-    FileRecord,
     Manifest,
     shard_file_name,
 )
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json, manifest_to_json
 from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces, write_rank_file, write_rank_tensors
-from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 from fsdp_optim.formats.sharded.training import side_file_name
 

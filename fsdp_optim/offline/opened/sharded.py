@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.formats.kinds import Given
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.sharded.verification import verify_sharded
 from fsdp_optim.offline import describe as D

@@ -15,7 +15,7 @@ from typing import Any
 
 from fsdp_optim.disk.location import is_url
 from fsdp_optim.formats.kinds import Kind, sniff_kind
-from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
+from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 from fsdp_optim.offline.diff_report import DiffReport, DiffRow
 from fsdp_optim.offline.parallel.alone import alone
 from fsdp_optim.offline.parallel.entry import joined_team

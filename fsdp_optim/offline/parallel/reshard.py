@@ -35,7 +35,8 @@ import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.plan import Plan, plan
+from fsdp_optim.core.plan import plan
+from fsdp_optim.core.source import Plan
 from fsdp_optim.core.split import StreamSplit, split_stream
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.journal import JournalEntry
