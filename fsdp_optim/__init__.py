@@ -98,7 +98,7 @@ _HOME = {
     "Location": "disk.location",
     "ObjectBackend": "disk.backend",
     "StoreUnavailable": "disk.errors",
-    "StoredObject": "disk.location",
+    "StoredObject": "disk.byte_io",
     "register_backend": "disk.locations",
     "FORMAT_VERSION": "formats.fullstate",
     "ForeignOutputError": "disk.locks",
