@@ -156,7 +156,7 @@ def test_a_rank_re_cutting_its_shard_reads_only_the_rank_files_it_overlaps(tmp_p
 
     from fsdp_optim import reshard
     from fsdp_optim.formats.sharded.manifest import Manifest
-    from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+    from fsdp_optim.formats.sharded.reader import open_checkpoint
 
     names = [f"u{u}.{p}" for u in range(3) for p in ("w", "b")]
     sizes = {n: (37 if n.endswith("w") else 5) for n in names}
@@ -172,7 +172,7 @@ def test_a_rank_re_cutting_its_shard_reads_only_the_rank_files_it_overlaps(tmp_p
     reshard(full, 8, tmp_path / "ckpt", layout=Manifest.from_layout(saved, save_id="layout"))
     shutil.copytree(tmp_path / "ckpt", tmp_path / "whole")
     target = ModelLayout(_units(names, sizes, [2, 4], 4), tuple(names), 4, 0)
-    with ShardedCheckpoint(tmp_path / "whole") as ckpt:
+    with open_checkpoint(tmp_path / "whole", lazy=False) as ckpt:
         the_plan = plan(ckpt.source(), target)
         expected = cut_rank(the_plan, 1)
         needed = saved_ranks(the_plan, 1)
@@ -180,7 +180,7 @@ def test_a_rank_re_cutting_its_shard_reads_only_the_rank_files_it_overlaps(tmp_p
     assert needed == [1, 2, 3], needed  # 42 elements a unit: rank 1 of 4 holds [11, 22), saved chunks are 6 long
     for path in removed:
         path.unlink()
-    with ShardedCheckpoint(tmp_path / "ckpt", lazy=True) as ckpt:
+    with open_checkpoint(tmp_path / "ckpt", lazy=True) as ckpt:
         the_plan = plan(ckpt.source(), target)
         ckpt.open_ranks(saved_ranks(the_plan, 1))
         found = cut_rank(the_plan, 1)

@@ -27,7 +27,7 @@ from fsdp_optim.formats.sharded.json_values import from_json, to_json
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json, manifest_to_json
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file
 
@@ -137,7 +137,7 @@ def test_a_recut_read_reads_little_more_than_it_copies(tmp_path: Path) -> None:
     _write(tmp_path / "ckpt", manifest, state)
     start, stop = numel // 3 + 5, 2 * numel // 3 - 7  # a third of the unit, cut mid-chunk at both ends
     out = torch.empty(stop - start)
-    with ShardedCheckpoint(tmp_path / "ckpt") as ckpt:
+    with open_checkpoint(tmp_path / "ckpt", lazy=False) as ckpt:
         ckpt.copy_range(0, "exp_avg_sq", start, stop, out)
         read = ckpt._files[0].file.bytes_verified
     assert torch.equal(out, state[0]["exp_avg_sq"][start:stop])

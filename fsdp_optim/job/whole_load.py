@@ -26,7 +26,7 @@ from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.locate import source_kind
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
@@ -158,7 +158,7 @@ def _stage(
             return stage_file(root, model, optim, file)
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
-    with open_checkpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
+    with ShardedCheckpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES, lazy=True) as ckpt:
         plans = plan_load(root, model, optim, ckpt, buffers)
         if plans.weights.identity or ckpt.manifest.version < 3:  # its own files, whole: nothing to cut from ranges
             return stage_load(root, ckpt, plans)
