@@ -31,7 +31,7 @@ from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.streamed import write_streamed
 from fsdp_optim.formats.sharded.writer import write_manifest
 from fsdp_optim.offline.parallel.reshard import plan_reshard, share_spans
-from fsdp_optim.offline.rank_writes import described
+from fsdp_optim.offline.rank_writes import planned_manifest
 
 from ..peak import ROOT
 
@@ -54,7 +54,7 @@ def make_source(directory: Path, gib: float) -> int:
     source = Source("synthetic", "Adam", records, (GroupRecord({"lr": 1e-3}, tuple(range(UNITS))),), _read, 1)
     layout = ModelLayout(flats, tuple(f"u{u}.w" for u in range(UNITS)), 2, 0)
     the_plan = plan(source, layout)
-    final = described(the_plan, Manifest.from_layout(layout, save_id=new_save_id()))
+    final = planned_manifest(the_plan, Manifest.from_layout(layout, save_id=new_save_id()))
     directory.mkdir()
     files = tuple(write_streamed(directory, the_plan, final, r, after_shard=lambda: None) for r in range(2))
     write_manifest(directory, replace(final, files=files))

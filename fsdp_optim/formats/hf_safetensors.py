@@ -32,7 +32,7 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.staged import Survey
 from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "SINGLE", "Tensor", "parse_size", "shard", "write_file"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "SINGLE", "Tensor", "parse_size", "shard"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -91,7 +91,7 @@ def check_dtypes(tensors: Sequence[Tensor]) -> None:
         raise ValueError(f"tensor '{bad.name}' has dtype {bad.dtype}, which safetensors cannot name")
 
 
-def write_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
+def write_hf_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
     """One safetensors file of ``tensors``: the header from their shapes, then each made, written and dropped."""
     f.write(encode_header({"format": "pt"}, ((t.name, t.dtype, t.shape) for t in tensors)))
     for t in tensors:

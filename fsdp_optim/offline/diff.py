@@ -45,7 +45,7 @@ from fsdp_optim.offline.diff_report import (
     DiffReport,
     DiffRow,
     SettingDiff,
-    summarise,
+    diff_summary,
 )
 from fsdp_optim.offline.parallel.pieces import Piece, Work, run_work, state_bytes
 from fsdp_optim.offline.per_param import PerParameter
@@ -115,7 +115,7 @@ def diff_work(
         counts = len(va.names), len(vb.names)
 
         def report(rows: tuple[DiffRow, ...]) -> DiffReport:
-            summary = summarise(rows, settings, *counts)
+            summary = diff_summary(rows, settings, *counts)
             return DiffReport(va.label, vb.label, va.kind, vb.kind, atol, rtol, rows, settings, summary)
 
         yield Work(pieces, report)

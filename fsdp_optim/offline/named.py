@@ -132,7 +132,7 @@ def write_whole_safetensors(
                        entry=JournalEntry(files=tuple(files))) as stage:  # fmt: skip
         stage.last = (hf.INDEX if len(groups) > 1 else hf.SINGLE,)
         for name, group in zip(names, groups):
-            durable_write(stage.dir / name, partial(hf.write_file, tensors=group, after=opened.trim))
+            durable_write(stage.dir / name, partial(hf.write_hf_file, tensors=group, after=opened.trim))
         if len(groups) > 1:
             data = hf.index(groups)
             durable_write(stage.dir / hf.INDEX, lambda f: f.write(data))

@@ -56,7 +56,7 @@ _LAYOUT_USE = (
 
 G = TypeVar("G", bound=Given)  # what fetched_whole hands back when it downloads nothing
 
-def check_options(
+def _check_options(
     kind: Kind,
     label: str,
     *,
@@ -155,7 +155,7 @@ def _open_local(
         return
     if cls.WRITTEN_ONLY is not None:
         raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {cls.WRITTEN_ONLY}")
-    check_options(
+    _check_options(
         kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
         optimizer_keys=optimizer_keys,
     )
@@ -171,6 +171,6 @@ def _open_plain(
     obj = given if isinstance(given, Mapping) else load_file(given, mmap=True, disjoint=True)
     if not isinstance(given, Mapping):
         check_state_dict(obj, label)
-    check_options(Kind.FULL, label, layout=layout, optimizer=optimizer, allow_globals=(), target=target)
+    _check_options(Kind.FULL, label, layout=layout, optimizer=optimizer, allow_globals=(), target=target)
     full = name_plain_dict(obj, names, optimizer=None, where=label)
     return class_of(Kind.FULL).loaded(Request(Kind.FULL, given, label, full, layout, optimizer))

@@ -157,7 +157,7 @@ class OpenedRankFile(Opened):
         return cls(request.kind, request.label, raw=request.obj)
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
-        return D.describe_rank_file(path, self.raw)
+        return D.describe_any_rank_file(path, self.raw)
 
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_rank_file(R.base(path, self.kind, lines), lines, self.raw)
