@@ -8,7 +8,9 @@
   path) -> extra`` (weights, buffers, optimizer state and loop state in one atomic sharded checkpoint, loaded at
   any world size and nesting without materializing the full model); ``async_save_checkpoint`` in the background;
   ``CheckpointManager(root, every=, keep=)`` saves one every ``every`` steps of a training loop, prunes old ones,
-  and restores the newest verified one.
+  and restores the newest verified one. ``ResumableSampler`` (``DistributedSampler``'s order, its position saved once
+  with ``data=`` and restored at any world size keeping the global batch; ``DataPosition``, ``ResumeReport``) and
+  ``sample_generator`` / ``sample_seed`` (per-sample randomness from the seed and the sample's global index).
 - Optimizer checkpoints on disk: ``save_sharded_optim_state`` / ``load_sharded_optim_state`` in a job (every rank
   writes and reads its own file; resharding on load), ``scatter_full_optim_state`` (one rank reads a full
   dict, each rank receives its shard), and with no process group ``consolidate`` / ``reshard`` and
@@ -51,6 +53,7 @@ __all__ = [
     "CheckpointManager",
     "CommitOutcomeUnknown",
     "ConcurrentCommitError",
+    "DataPosition",
     "FORMAT_VERSION",
     "ForeignOutputError",
     "FullyShardedDataParallel",
@@ -58,6 +61,8 @@ __all__ = [
     "NotElementwiseError",
     "ObjectBackend",
     "OutputLockedError",
+    "ResumableSampler",
+    "ResumeReport",
     "StoreUnavailable",
     "StoredObject",
     "async_save_checkpoint",
@@ -78,6 +83,8 @@ __all__ = [
     "register_backend",
     "register_elementwise_optimizer",
     "reshard",
+    "sample_generator",
+    "sample_seed",
     "save_checkpoint",
     "save_layout",
     "save_sharded_optim_state",
@@ -95,6 +102,11 @@ _HOME = {
     "CheckpointManager": "job.manager",
     "CommitOutcomeUnknown": "disk.errors",
     "ConcurrentCommitError": "disk.errors",
+    "DataPosition": "core.data_position",
+    "ResumeReport": "core.data_position",
+    "ResumableSampler": "job.sampler",
+    "sample_generator": "core.sample_random",
+    "sample_seed": "core.sample_random",
     "Location": "disk.location",
     "ObjectBackend": "disk.backend",
     "StoreUnavailable": "disk.errors",
@@ -148,7 +160,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # type checkers and IDEs see the real names
+    from fsdp_optim.core.data_position import DataPosition, ResumeReport
     from fsdp_optim.core.elementwise import NotElementwiseError, register_elementwise_optimizer
+    from fsdp_optim.core.sample_random import sample_generator, sample_seed
     from fsdp_optim.disk.backend import ObjectBackend
     from fsdp_optim.disk.byte_io import StoredObject
     from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
@@ -163,6 +177,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.job.fsdp import FullyShardedDataParallel
     from fsdp_optim.job.host import disable_host_execution, enable_host_execution, host_execution
     from fsdp_optim.job.manager import CheckpointManager
+    from fsdp_optim.job.sampler import ResumableSampler
     from fsdp_optim.job.sharded import (
         load_sharded_optim_state,
         save_layout,

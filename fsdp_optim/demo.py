@@ -7,14 +7,18 @@ Run it as users run FSDP jobs::
 Any world size works, on any machine: NCCL with one GPU per local rank when this node has a GPU for every local
 rank, otherwise gloo on the CPU (``--device`` chooses; the first line says which and why). Steps:
 
-1. train a small model with nested FSDP units and Adam at the launched world size ``W``;
+1. train a small model with nested FSDP units and Adam at the launched world size ``W``, reading a small synthetic
+   dataset through a real ``DataLoader`` and ``ResumableSampler`` (global batch ``8 * W``, per-rank batch 8);
 2. time the gather of the full optimizer state (both transports), then save the whole training state
-   (weights, buffers, optimizer state, the loop's step) as one sharded checkpoint with ``save_checkpoint``;
-3. resume on a process group of ``max(1, W // 2)`` ranks with a different FSDP nesting: ``load_checkpoint``
-   re-cuts every rank's weight and optimizer shards from the checkpoint; keep training;
+   (weights, buffers, optimizer state, the loop's step, the data position) as one sharded checkpoint with
+   ``save_checkpoint(..., data=sampler)``;
+3. resume on a process group of ``max(1, W // 2)`` ranks with a different FSDP nesting, keeping the global batch
+   (per-rank batch 16): ``load_checkpoint(..., data=sampler)`` re-cuts every rank's weight and optimizer shards
+   from the checkpoint and starts each rank at its share of the next global batch; keep training;
 4. resume once more on one process without FSDP: ``consolidate`` the checkpoint offline into the unwrapped
    model's ``state_dict()`` and a plain ``torch.optim.Adam`` state dict;
-5. compare both resumed runs with an uninterrupted unwrapped run and exit non-zero on a mismatch.
+5. compare both resumed runs with an uninterrupted unwrapped run on one process (the same global batches: the
+   sampler at one rank), weights and optimizer state and the loss of every step, and exit non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from torch import nn
 
 from fsdp_optim import FullyShardedDataParallel as FSDP
 from fsdp_optim import consolidate, gather_full_optim_state_dict, load_checkpoint, save_checkpoint
+from fsdp_optim.demo_data import VOCAB, Loader, stream, synthetic_loader
 
-VOCAB, DIM, SEQ = 64, 96, 16
+DIM = 96
 
 
 class Layer(nn.Module):
@@ -82,12 +87,6 @@ def _wrap(model: TinyLM, every: int, group: dist.ProcessGroup) -> FSDP:
     return FSDP(model, **kwargs)
 
 
-def global_batch(step: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g).to(device)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def choose_device(choice: str, local_ranks: int) -> tuple[torch.device, str, str]:
     """``(device, backend, why)``: a GPU per local rank under NCCL when there are enough, else the CPU under gloo."""
     gpus = torch.cuda.device_count()
@@ -110,22 +109,25 @@ def choose_device(choice: str, local_ranks: int) -> tuple[torch.device, str, str
 def train(
     model: nn.Module,
     optim: torch.optim.Optimizer,
-    steps: Sequence[int],
-    rank: int,
-    ranks: int,
-    batch: int,
+    loader: Loader,
+    steps: int,
     device: torch.device,
-) -> float:
-    loss = torch.zeros(())
-    for step in steps:
-        inputs, targets = global_batch(step, batch, device)
-        per = batch // ranks
-        inputs, targets = inputs[rank * per : (rank + 1) * per], targets[rank * per : (rank + 1) * per]
+    group: dist.ProcessGroup | None = None,
+) -> list[float]:
+    """``steps`` steps on the loader's next global batches; each step's loss over its global batch (the ranks' mean
+    over ``group``: their batches are equal)."""
+    losses = []
+    for inputs, targets in stream(*loader, steps):
         optim.zero_grad()
-        loss = F.cross_entropy(model(inputs).float().reshape(-1, VOCAB), targets.reshape(-1))
+        loss = F.cross_entropy(model(inputs.to(device)).float().reshape(-1, VOCAB), targets.to(device).reshape(-1))
         loss.backward()
         optim.step()
-    return loss.item()
+        total = loss.detach().clone()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+            total /= dist.get_world_size(group)
+        losses.append(total.item())
+    return losses
 
 
 def timed_gather(
@@ -204,6 +206,7 @@ def start(argv: Sequence[str] | None) -> Job:
     # get a looser bound than the optimizer state; losing the state moves parameters by ~lr per step.
     parser.add_argument("--param-tolerance", type=float, default=1e-3)
     parser.add_argument("--state-tolerance", type=float, default=1e-5)
+    parser.add_argument("--loss-tolerance", type=float, default=1e-4, help="largest relative loss difference")
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -232,18 +235,20 @@ def start(argv: Sequence[str] | None) -> Job:
     return job
 
 
-def train_gather_and_save(job: Job) -> None:
+def train_gather_and_save(job: Job) -> list[float]:
     """Steps 1-2: train at the launched world size, time the gather, save the whole state as a sharded checkpoint."""
     world = dist.group.WORLD
     if world is None:
         raise RuntimeError("expected the default process group to exist (start() joins it), found None")
     model = _wrap(build_model().to(job.device), every=1, group=world)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
-    loss = train(model, optim, job.first, job.rank, job.world, job.batch, job.device)
+    loader = synthetic_loader(job.batch, job.world, job.rank)
+    losses = train(model, optim, loader, len(job.first), job.device, world)
     params = sum(p.numel() for p in build_model().parameters())
     units = sum(isinstance(m, FSDP) for m in model.modules())
     job.say(f"  {plural(job.world)}, {params / 1e6:.2f}M parameters in {units} FSDP units, Adam")
-    job.say(f"  trained steps {job.first.start}-{job.first.stop - 1} at {plural(job.world)}; loss {loss:.4f}")
+    job.say(f"  trained steps {job.first.start}-{job.first.stop - 1} at {plural(job.world)} (global batch {job.batch} "
+            f"from a DataLoader with ResumableSampler); loss {losses[-1]:.4f}")  # fmt: skip
     full, tensor_ms = timed_gather(model, optim, "tensor", job.args.repeats, world)
     _, object_ms = timed_gather(model, optim, "object", job.args.repeats, world)
     if full is not None:  # rank 0, the recipient
@@ -253,16 +258,20 @@ def train_gather_and_save(job: Job) -> None:
             f"(broadcast_object_list), {object_ms / tensor_ms:.1f}x"
         )
     start = time.perf_counter()
-    save_checkpoint(model, optim, job.checkpoint, extra={"step": job.first.stop, "loss": loss})
+    # data=: the data position, once for the job; in extra too, for the resume on one process from consolidate's file.
+    extra = {"step": job.first.stop, "loss": losses[-1], "data": loader[0].state_dict()}
+    save_checkpoint(model, optim, job.checkpoint, extra=extra, data=loader[0])
     files = len(os.listdir(job.checkpoint))
     job.say(
-        f"  saved the whole training state (weights, optimizer, step) to {job.checkpoint}: {files} files, no rank "
-        f"gathered the model; {1e3 * (time.perf_counter() - start):.0f} ms"
+        f"  saved the whole training state (weights, optimizer, step, data position) to {job.checkpoint}: {files} "
+        f"files, no rank gathered the model; {1e3 * (time.perf_counter() - start):.0f} ms"
     )
+    return losses
 
 
-def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict] | None:
-    """Step 3: half the ranks, every 2nd layer its own unit; load_checkpoint re-cuts every shard; train on."""
+def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict, list[float]] | None:
+    """Step 3: half the ranks, every 2nd layer its own unit, the same global batch; load_checkpoint re-cuts every
+    shard and puts the sampler at the next global batch; train on."""
     resumed_world = max(1, job.world // 2)
     group = dist.new_group(ranks=list(range(resumed_world)))  # collective: every rank creates it
     resumed = None
@@ -270,37 +279,42 @@ def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict] | None:
         model = _wrap(build_model().to(job.device), every=2, group=group)
         optim = torch.optim.Adam(model.parameters(), lr=3e-3)
         # Works on any fairscale FSDP root (ours, fairscale's own, a subclass), at any world size and nesting.
-        extra = load_checkpoint(model, optim, job.checkpoint)
+        loader = synthetic_loader(job.batch, resumed_world, job.rank)  # per-rank batch job.batch / resumed_world
+        extra = load_checkpoint(model, optim, job.checkpoint, data=loader[0])
         if extra["step"] != job.second.start:
             raise RuntimeError(f"expected the checkpoint of step {job.second.start}, found {extra['step']}")
-        loss = train(model, optim, job.second, job.rank, resumed_world, job.batch, job.device)
+        losses = train(model, optim, loader, len(job.second), job.device, group)
         model_state = model.state_dict()  # a collective: every rank of the group
         gathered = gather_full_optim_state_dict(model, optim)
         if gathered is not None:  # rank 0, the recipient
-            resumed = (model_state, gathered)
+            resumed = (model_state, gathered, losses)
         job.say(
             f"  resumed at {plural(resumed_world)} (every 2nd layer its own unit) from step {extra['step']}, steps "
-            f"{job.second.start}-{job.second.stop - 1}; loss {loss:.4f}"
+            f"{job.second.start}-{job.second.stop - 1}, global batch {job.batch}; loss {losses[-1]:.4f}"
         )
     dist.barrier()
     return resumed
 
 
-def _verify(job: Job, resumed: tuple[dict, dict]) -> bool:
+def _verify(job: Job, first: list[float], resumed: tuple[dict, dict, list[float]]) -> bool:
     """Steps 4-5 (rank 0): resume on one process without FSDP; compare both resumes with uninterrupted training."""
-    device = job.device
+    device, steps = job.device, len(job.first) + len(job.second)
     reference = build_model().to(device)
     reference_optim = torch.optim.Adam(reference.parameters(), lr=3e-3)
-    train(reference, reference_optim, [*job.first, *job.second], 0, 1, job.batch, device)
+    expected = train(reference, reference_optim, synthetic_loader(job.batch, 1, 0), steps, device)  # same batches
     whole = consolidate(job.checkpoint)  # offline: {"model": state_dict(), "optimizer": full dict, "extra": ...}
     plain = build_model().to(device)
     plain.load_state_dict(whole["model"])  # strict: every name of the unwrapped model, tied weights included
     plain_optim = torch.optim.Adam(plain.parameters(), lr=3e-3)
     plain_optim.load_state_dict(whole["optimizer"])  # a plain optimizer loads it as is
-    train(plain, plain_optim, job.second, 0, 1, job.batch, device)
+    loader = synthetic_loader(job.batch, 1, 0)
+    loader[0].load_state_dict(whole["extra"]["data"])  # the position, at one rank: the same next global batch
+    plain_losses = train(plain, plain_optim, loader, len(job.second), device)
     control = build_model().to(device)  # negative control: the same resume with a fresh optimizer must fail the check
     control.load_state_dict(whole["model"])
-    train(control, torch.optim.Adam(control.parameters(), lr=3e-3), job.second, 0, 1, job.batch, device)
+    loader = synthetic_loader(job.batch, 1, 0)
+    loader[0].load_state_dict(whole["extra"]["data"])
+    train(control, torch.optim.Adam(control.parameters(), lr=3e-3), loader, len(job.second), device)
     checks = {
         f"resumed at {plural(max(1, job.world // 2))} (FSDP)": (resumed[0], resumed[1]),
         "resumed on 1 process (no FSDP)": (plain.state_dict(), plain_optim.state_dict()),
@@ -320,16 +334,38 @@ def _verify(job: Job, resumed: tuple[dict, dict]) -> bool:
         f"{max_diff(control.state_dict(), reference.state_dict()):.2e}; bounds: params {job.args.param_tolerance:.0e}, "
         f"state {job.args.state_tolerance:.0e})"
     )
+    ok = compare_losses(job, first + resumed[2], plain_losses, expected) and ok
     job.say("continuity verified against uninterrupted training" if ok else "continuity check FAILED")
+    return ok
+
+
+def compare_losses(job: Job, fsdp: list[float], plain: list[float], expected: list[float]) -> bool:
+    """Step by step: the loss of every global batch against the uninterrupted run's; the largest relative difference."""
+    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
+    second = expected[len(job.first) :]
+    runs = {
+        f"{plural(job.world)}, then {plural(max(1, job.world // 2))} (FSDP)": [*map(rel, fsdp, expected)],
+        "then 1 process (no FSDP)": [*map(rel, plain, second)],
+    }
+    ok = True
+    for what, diffs in runs.items():
+        worst = max(range(len(diffs)), key=diffs.__getitem__)
+        good = diffs[worst] <= job.args.loss_tolerance
+        ok = ok and good
+        job.say(
+            f"  loss per step, {what}: largest relative difference from the uninterrupted run "
+            f"{diffs[worst]:.2e} (step {worst + len(expected) - len(diffs)}) over {len(diffs)} steps -> "
+            f"{'OK' if good else 'MISMATCH'}"
+        )
     return ok
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     job = start(argv)
     try:
-        train_gather_and_save(job)
+        first = train_gather_and_save(job)
         resumed = resume_on_fewer_ranks(job)
-        box = [_verify(job, resumed) if resumed is not None else None]  # rank 0 belongs to the resumed group
+        box = [_verify(job, first, resumed) if resumed is not None else None]  # rank 0 belongs to the resumed group
         dist.broadcast_object_list(box, src=0)
     finally:
         dist.destroy_process_group()  # every rank is past its last read of job.out

@@ -28,6 +28,8 @@ def _demo(tmp_path: Path, ranks: int, steps: int) -> str:
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "continuity verified" in done.stdout, done.stdout[-2000:]
+    losses = [line for line in done.stdout.splitlines() if "largest relative difference from the uninterrupted" in line]
+    assert len(losses) == 2 and all(line.endswith("-> OK") for line in losses), done.stdout[-2000:]
     return done.stdout
 
 

@@ -120,7 +120,7 @@ class CheckpointManager:
         return self.root.child(step_dir_name(step)).public()
 
     def save(
-        self, step: int, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any = None
+        self, step: int, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any = None, *, data: Any = None
     ) -> Path | Location | None:
         """Call on every rank after every step: when ``step % every == 0``, save the whole state into
         :meth:`path` (``save_checkpoint``: a collective; a step saved before is replaced atomically) and return
@@ -135,7 +135,8 @@ class CheckpointManager:
         ``keep_every``) is removed, torn and damaged ones included; a directory holding anything that fsdp_optim
         did not write is kept, with a warning naming it, and so is anything in ``root`` that is not a step
         directory. Steps newer than ``step`` (a run resumed from an older step) are left alone. A prune that
-        fails warns rather than raises, so that every rank goes on to the same next step.
+        fails warns rather than raises, so that every rank goes on to the same next step. ``data``: the data
+        stream's position, once for the job (a :class:`~fsdp_optim.ResumableSampler`), as in ``save_checkpoint``.
         """
         directory = self.path(step)
         memory = self.memory_every is not None and step % self.memory_every == 0
@@ -144,14 +145,14 @@ class CheckpointManager:
         self.wait()
         if memory:
             tier = self._tier()
-            self._memory = (save_to_memory(model, optim, tier, step, extra=extra), tier)
+            self._memory = (save_to_memory(model, optim, tier, step, extra=extra, data=data), tier)
         if step % self.every != 0:
             return None
         rank, _ = dist_rank_and_size(verify_root(model).group)
         if self.async_save and optim is not None:
-            self._pending = (step, async_save_checkpoint(model, optim, directory, extra=extra), rank)
+            self._pending = (step, async_save_checkpoint(model, optim, directory, extra=extra, data=data), rank)
             return directory
-        save_checkpoint(model, optim, directory, extra=extra)
+        save_checkpoint(model, optim, directory, extra=extra, data=data)
         self._pruned(step, rank)
         return directory
 
@@ -223,7 +224,13 @@ class CheckpointManager:
         return step
 
     def restore(
-        self, model: nn.Module, optim: torch.optim.Optimizer | None, step: int | None = None, *, buffers: str = "refuse"
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer | None,
+        step: int | None = None,
+        *,
+        buffers: str = "refuse",
+        data: Any = None,
     ) -> Any:
         """Load ``step`` (default: :meth:`latest`) into ``model`` and ``optim`` with :func:`fsdp_optim.load_checkpoint`
         and return its ``extra``; None when there is nothing to restore (no usable step: a fresh run). A collective:
@@ -235,13 +242,16 @@ class CheckpointManager:
         (:class:`~fsdp_optim.job.node_memory.MemoryTierDamaged`, raised on every rank with nothing changed), a
         warning says so and the newest durable step is restored. ``restored_from`` and ``restored_step`` say what
         was loaded. ``buffers``: buffers saved per rank (BatchNorm's running statistics) at another world size, as
-        in :func:`fsdp_optim.load_checkpoint` (``"refuse"``, ``"rank0"`` or ``"mean"``)."""
+        in :func:`fsdp_optim.load_checkpoint` (``"refuse"``, ``"rank0"`` or ``"mean"``). ``data``: a
+        :class:`~fsdp_optim.ResumableSampler` put at the restored step's data position (untouched on a fresh run)."""
         self.wait()
         self.restored_from, self.restored_step = None, None
         damaged = None
         if step is None and self.memory_every is not None:
             try:
-                found = restore_from_memory(model, optim, self._tier(), durable=self._newest_durable, buffers=buffers)
+                found = restore_from_memory(
+                    model, optim, self._tier(), durable=self._newest_durable, buffers=buffers, data=data
+                )
             except MemoryTierDamaged as exc:  # raised on every rank, nothing changed: durable storage is next
                 damaged, found = exc, MemoryRestore(None, 0, None, None, loaded=False, durable=None)
             if found.loaded:
@@ -260,7 +270,7 @@ class CheckpointManager:
             if damaged is not None and dist_rank_and_size(verify_root(model).group)[0] == 0:
                 warnings.warn(f"CheckpointManager.restore: the memory tiers' newest step could not be restored "
                               f"({damaged}); restoring durable step {step} from {self.root}", stacklevel=2)  # fmt: skip
-        extra = load_checkpoint(model, optim, self.path(step), buffers=buffers)
+        extra = load_checkpoint(model, optim, self.path(step), buffers=buffers, data=data)
         self.restored_from, self.restored_step = "durable", step
         return extra
 

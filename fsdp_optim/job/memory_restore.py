@@ -36,10 +36,12 @@ from fsdp_optim.formats.sharded.byte_ranges import files_read, load_spans
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
+from fsdp_optim.job.agreed import step
 from fsdp_optim.job.async_save import checkpoint_group
 from fsdp_optim.job.memory_save import MemoryTier
 from fsdp_optim.job.node_memory import MemoryTierDamaged, NodeMemory
 from fsdp_optim.job.root import Root, verify_root
+from fsdp_optim.job.sampler import resume_data
 from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects, is_cpu_group
 from fsdp_optim.job.whole_load import LOAD_WINDOW_BYTES, LoadPlans, Staged, commit_load, plan_load, stage_load
 
@@ -86,13 +88,13 @@ def restore_from_memory(
     *,
     durable: Callable[[], int | None] | None = None,
     buffers: str = "refuse",
+    data: object = None,
 ) -> MemoryRestore:
     """Load the newest step the live nodes' memory tiers hold whole into ``model`` and ``optim``, unless none does
     or it is older than the newest durable step (``durable()``, run on rank 0 alone; its answer travels with the
     holdings and comes back as ``durable``): then nothing is changed and ``loaded`` is False. A collective: every
     rank gets the same answer, or raises the same error (:class:`.node_memory.MemoryTierDamaged` when the step's
-    bytes could not be read). ``buffers``: buffers saved per rank at another world size, as in
-    :func:`fsdp_optim.load_checkpoint`."""
+    bytes could not be read). ``buffers`` and ``data``: as in :func:`fsdp_optim.load_checkpoint`."""
     root = verify_root(model, optim)
     group = root.group if is_cpu_group(root.group) else checkpoint_group(root.group)
     nodes, holdings, chosen, newest = find_in_memory(tier, group, durable if root.rank == 0 else None)
@@ -121,7 +123,10 @@ def restore_from_memory(
     finally:
         if ckpt is not None:
             ckpt.close()
+    with step("check the data position", group=group):
+        then = resume_data(data, staged.data, f"step {chosen.step} in the memory tier")
     commit_load(root, model, optim, staged)
+    then()
     return MemoryRestore(chosen.step, live, directory, staged.extra, True, newest)
 
 

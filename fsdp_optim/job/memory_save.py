@@ -80,14 +80,20 @@ def memory_tier(
 
 
 def save_to_memory(
-    model: nn.Module, optim: torch.optim.Optimizer | None, tier: MemoryTier, step: int, *, extra: Any = None
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    tier: MemoryTier,
+    step: int,
+    *,
+    extra: Any = None,
+    data: object = None,
 ) -> AsyncSave | Path:
     """Save the whole state of ``step`` into the memory tier (a collective: call on every rank). With an optimizer
     it runs in the background like :func:`fsdp_optim.async_save_checkpoint` (returns its handle; ``wait()`` gives
     this node's step directory or raises the save's error on every rank); without one, synchronously."""
     finish_previous(model)
     root = verify_root(model, optim)
-    prepared, side = prepare_whole(root, model, optim, extra, copy_buffers=True)
+    prepared, side = prepare_whole(root, model, optim, extra, copy_buffers=True, data=data)
     group = checkpoint_group(root.group)
     rank, _ = dist_rank_and_size(group)
     reports = all_gather_objects((new_save_id() if rank == 0 else None, tier.node), group)

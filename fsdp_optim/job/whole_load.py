@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_optim.core.data_position import DataPosition
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.core.execute import cut_rank, optimizer_state_dict, saved_ranks
 from fsdp_optim.core.flatten import clone_value
@@ -36,6 +37,7 @@ from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import live_shaped, persistent_buffers, weight_shards
 from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root
+from fsdp_optim.job.sampler import resume_data
 from fsdp_optim.job.staging import before_change
 from fsdp_optim.job.transport import agree
 
@@ -52,6 +54,7 @@ class Staged:
     buffers: dict[str, torch.Tensor]
     optim_state: dict[str, Any] | None  # for optim.load_state_dict
     extra: Any
+    data: DataPosition | None = None  # the data stream's position, when saved with data=
 
 
 def load_checkpoint(
@@ -60,6 +63,7 @@ def load_checkpoint(
     path: str | os.PathLike[str] | Location,
     *,
     buffers: str = "refuse",
+    data: object = None,
 ) -> Any:
     """Load a whole checkpoint (:func:`fsdp_optim.save_checkpoint`) into ``model`` and ``optim``; return ``extra``.
 
@@ -87,19 +91,26 @@ def load_checkpoint(
     bool buffers, such as ``num_batches_tracked``, are rank 0's). At the saved world size each rank loads its own,
     and buffers saved once (equal across ranks) load as saved, whatever the choice.
 
+    ``data``: a :class:`~fsdp_optim.ResumableSampler` to put at the checkpoint's data position (saved with
+    ``data=``), at any world size: each rank starts at its share of the next global batch. A checkpoint without
+    one, or a position the sampler refuses (another dataset, another global batch: see its ``load_state_dict``),
+    is refused like any other mismatch, with nothing changed on any rank.
+
     Parameters load only into their saved dtype; a floating-point buffer loads into another floating-point dtype
     with a cast (mixed precision keeps buffers in the compute dtype once the model has run a forward pass, in fp32
     before).
     """
     root = verify_root(model, optim)
-    staged, failure = None, None
+    staged, failure, then = None, None, None
     try:
         staged = _stage(root, model, optim, where(path), buffers)
+        then = resume_data(data, staged.data, str(path))  # checked here; the sampler moves after the commit
     except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
         failure = exc
     agree(failure, group=root.group, what=f"load_checkpoint({str(path)!r}) changed nothing on any rank")
-    assert staged is not None, "agree() raises on every rank when any rank failed"
+    assert staged is not None and then is not None, "agree() raises on every rank when any rank failed"
     commit_load(root, model, optim, staged)
+    then()
     return staged.extra
 
 
@@ -147,7 +158,7 @@ def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Rec
     buffers, extra = read_rank_side(
         ckpt.directory, training, rank % ckpt.manifest.world_size, sides, rule=plans.buffers
     )
-    return Staged(weights, buffers, optim_state, extra)
+    return Staged(weights, buffers, optim_state, extra, training.data)
 
 
 def _stage(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_optim.core.data_position import DataPosition
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.location import Location, ObjectPath
@@ -29,6 +30,7 @@ from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
+from fsdp_optim.job.sampler import agreed_position, data_position
 from fsdp_optim.job.save_commit import (
     Side,
     check_in_seconds,
@@ -52,6 +54,7 @@ class _Prepared:
     buffers: dict[str, torch.Tensor]
     extra: tuple[str, dict[str, torch.Tensor]]  # encode_extra's (JSON text, tensors)
     aliases: tuple[tuple[str, str], ...]
+    data: DataPosition | None = None  # the data stream's position (data=), the same on every rank
 
 
 def save_checkpoint(
@@ -61,6 +64,7 @@ def save_checkpoint(
     *,
     extra: object = None,
     overwrite: bool = False,
+    data: object = None,
 ) -> Path | ObjectPath:
     """Save the whole training state into the checkpoint directory ``path``. A collective: call on every rank.
 
@@ -74,7 +78,10 @@ def save_checkpoint(
     dicts (``str`` keys), lists, tuples, numbers, strings, bools, None and tensors (step counters, an LR
     scheduler's or grad scaler's ``state_dict()``, ``torch.get_rng_state()``, a data-loader position).
     :func:`fsdp_optim.load_checkpoint` gives it back exactly (at another world size, rank r gets saved rank
-    ``r % saved_world_size``'s). Nothing is modified. A failure on any rank raises on every rank, with no
+    ``r % saved_world_size``'s). ``data``: the job's place in its data stream, once for the whole job (a
+    :class:`~fsdp_optim.ResumableSampler`, its ``state_dict()`` or a :class:`~fsdp_optim.DataPosition`, equal on
+    every rank), recorded in the manifest; ``load_checkpoint(..., data=sampler)`` restores it at any world size.
+    Nothing is modified. A failure on any rank raises on every rank, with no
     checkpoint written. Returns the manifest's path: a ``pathlib.Path`` in a local directory, an
     :class:`~fsdp_optim.disk.location.ObjectPath` (printed as its URL) in any other location, whose objects have no
     local path. A checkpoint of ours already in ``path`` is replaced (the new manifest commits first);
@@ -89,7 +96,7 @@ def save_checkpoint(
     with interrupts_deferred("save_checkpoint"):  # a Ctrl-C: the save ends as agreed on every rank, then raises
         root = verify_root(model, optim)
         check_in("save_checkpoint", root.group, check_in_seconds())  # a rank calling it alone: said, no gloo abort
-        prepared, per_rank = _prepare_everywhere(root, model, optim, extra)
+        prepared, per_rank = _prepare_everywhere(root, model, optim, extra, data=data)
         directory = where(path)
         side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
         optimizer = type(optim).__name__ if optim is not None else None
@@ -106,6 +113,7 @@ def async_save_checkpoint(
     *,
     extra: object = None,
     overwrite: bool = False,
+    data: object = None,
 ) -> AsyncSave:
     """:func:`save_checkpoint` in the background: returns an :class:`~fsdp_optim.AsyncSave` handle once the state
     is checked, the buffers and ``extra`` copied and a save id agreed (a collective: call on every rank).
@@ -123,7 +131,9 @@ def async_save_checkpoint(
         root = verify_root(model, optim)
         check_in("async_save_checkpoint", root.group, check_in_seconds())
         group = checkpoint_group(root.group)
-        prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=True, caller_of=group)
+        prepared, per_rank = _prepare_everywhere(
+            root, model, optim, extra, copy_buffers=True, caller_of=group, data=data
+        )
         directory = where(path)
         save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
         side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
@@ -135,11 +145,17 @@ def async_save_checkpoint(
 
 
 def prepare_whole(
-    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, extra: object, *, copy_buffers: bool = False
+    root: Root,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    extra: object,
+    *,
+    copy_buffers: bool = False,
+    data: object = None,
 ) -> tuple[_Prepared, Side]:
     """A whole save's checked input on every rank (agreed; nothing written) and its :class:`Side` (the side file
     writer and the manifest's training section), for savers that write elsewhere (the memory tier)."""
-    prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=copy_buffers)
+    prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=copy_buffers, data=data)
     return prepared, Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
 
 
@@ -151,6 +167,7 @@ def _prepare_everywhere(
     *,
     copy_buffers: bool = False,
     caller_of: ProcessGroup | None = None,
+    data: object = None,
 ) -> tuple[_Prepared, bool]:
     """:func:`_prepare` on every rank, agreed (a failure anywhere raises everywhere, nothing written), and whether
     the buffers differ across ranks (one digest per rank, all-gathered). ``caller_of``: the blocking part of an async
@@ -159,12 +176,14 @@ def _prepare_everywhere(
     prepared, failure = None, None
     group = caller_of if caller_of is not None else root.group
     try:
-        prepared = _prepare(root, model, optim, extra, copy_buffers, read_scalars=caller_of is None)
+        prepared = _prepare(root, model, optim, extra, copy_buffers, read_scalars=caller_of is None, data=data)
     except Exception as exc:  # every rank learns of it through agree(), with nothing written
         failure = exc
     agree(failure, group=group, what="save_checkpoint refused its input, nothing was written")
     assert prepared is not None, "agree() raises on every rank when any rank failed"
-    return prepared, len(set(all_gather_objects(buffers_digest(prepared.buffers), group))) > 1
+    gathered = all_gather_objects((buffers_digest(prepared.buffers), prepared.data), group)
+    agreed_position([position for _, position in gathered])  # equal on every rank, or the same error on each
+    return prepared, len({digest for digest, _ in gathered}) > 1
 
 
 def _prepare(
@@ -175,6 +194,7 @@ def _prepare(
     copy_buffers: bool,
     *,
     read_scalars: bool = True,
+    data: object = None,
 ) -> _Prepared:
     """Read and check everything this rank saves (reads only; the tensors are the live ones, copied through the
     stager's pinned ring when on a GPU, unless ``copy_buffers``: then the buffers and ``extra``'s tensors are copied
@@ -186,7 +206,8 @@ def _prepare(
         state[i] = {**entries, WEIGHTS_KEY: own_tensor(shard)}
     live = persistent_buffers(model)
     buffers = {name: host_copy(b) if copy_buffers else own_tensor(b) for name, b in live.items()}
-    return _Prepared(local, state, buffers, encode_extra(extra, copy=copy_buffers), read_aliases(model, root.layout))
+    extra_ = encode_extra(extra, copy=copy_buffers)
+    return _Prepared(local, state, buffers, extra_, read_aliases(model, root.layout), data_position(data))
 
 
 def _write_side(
@@ -201,4 +222,6 @@ def _write_side(
 
 def _training(prepared: _Prepared, per_rank: bool, files: tuple[FileRecord, ...]) -> TrainingRecord:
     specs = tuple(BufferSpec(n, tuple(b.shape), dtype_to_str(b.dtype)) for n, b in prepared.buffers.items())
-    return TrainingRecord(buffers=specs, buffers_per_rank=per_rank, aliases=prepared.aliases, files=files)
+    return TrainingRecord(
+        buffers=specs, buffers_per_rank=per_rank, aliases=prepared.aliases, files=files, data=prepared.data
+    )

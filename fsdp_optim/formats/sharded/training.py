@@ -10,7 +10,11 @@ manifest carries a ``"training"`` section::
                  "buffers_per_rank": false,        # false: rank 0's side file holds them; true: every rank's
                  "aliases": [["head.weight", "embed.weight"]],   # state_dict() names of tied parameters
                  "files": [{"rank": 0, "file": "train-3f2a9c1b0d4e-rank00000-of-00002.safetensors",
-                            "checksum": "xxh3-128:...", "bytes": 5120}, ...]}   # one side file per rank
+                            "checksum": "xxh3-128:...", "bytes": 5120}, ...],   # one side file per rank
+                 "data": {"version": 1, "seed": 0, "epoch": 3, "consumed": 48, ...}}   # only when saved with data=
+
+``"data"`` is the job's place in its data stream (:class:`~fsdp_optim.core.data_position.DataPosition`), saved once
+for the whole job; a checkpoint saved without it has no such key.
 
 A side file (:mod:`.side_file`) holds that rank's ``extra`` (the loop's state: counters, scheduler, RNG, ...)
 and, on rank 0 or on every rank when they differ, the model's buffers. The optimizer sees the checkpoint
@@ -23,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fsdp_optim.core.data_position import DataPosition
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.records import WEIGHTS_KEY, FlatRecord, get_checked
 from fsdp_optim.formats.sharded.file_record import FileRecord
@@ -67,15 +72,17 @@ class TrainingRecord:
     aliases: tuple[tuple[str, str], ...]  # (name in model.state_dict(), name of the parameter it is tied to)
     files: tuple[FileRecord, ...]  # one side file per rank, in rank order
     version: int = TRAINING_VERSION
+    data: DataPosition | None = None  # the data stream's position, when saved with data=
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "version": self.version,
             "buffers": [b.to_dict() for b in self.buffers],
             "buffers_per_rank": self.buffers_per_rank,
             "aliases": [list(a) for a in self.aliases],
             "files": [f.to_dict() for f in self.files],
         }
+        return d if self.data is None else {**d, "data": self.data.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Any, *, where: str) -> TrainingRecord:
@@ -96,6 +103,7 @@ class TrainingRecord:
             buffers_per_rank=get_checked(d, "buffers_per_rank", bool, where),
             aliases=tuple(aliases),
             files=tuple(FileRecord.from_dict(f, where=f"{where}, files") for f in get_checked(d, "files", list, where)),
+            data=DataPosition.from_dict(d["data"], where=f"{where}, data") if "data" in d else None,
         )
 
     def check(self, world_size: int, params: Sequence[str], files: Sequence[FileRecord], *, source: str) -> None:
