@@ -160,6 +160,8 @@ class Recorder:
     def __init__(self, *, fail_from: int | None = None, copier: AsyncCopier | None = None) -> None:
         self.calls: list[tuple[str, int, int, torch.device, int]] = []
         self.fail_from = fail_from
+        self.last_error = 0  # what a failed registration leaves, as cudaGetLastError would return it
+        self.cleared = 0  # calls of clear_error
         self.copier = copier
         self.lock = threading.Lock()
 
@@ -175,7 +177,13 @@ class Recorder:
             queued = self.copier.queued if self.copier is not None else 0
             self.calls.append(("failed" if failed else "register", memory.data_ptr(), nbytes, device, queued))
         if failed:
+            self.last_error = 712  # as the CUDA runtime keeps it, until read
             raise RuntimeError(f"cannot page-lock {nbytes} bytes of host memory for staging (CUDA error 712)")
+
+    def clear_error(self, device: torch.device) -> None:  # noqa: ARG002
+        with self.lock:
+            self.cleared += 1
+            self.last_error = 0
 
     def unregister(self, pointer: int, device: torch.device) -> None:
         with self.lock:

@@ -4,12 +4,8 @@ import sys
 # Tests import their helpers (_dist, _models, _checks) as top-level modules, in spawned ranks too.
 sys.path.insert(0, os.path.dirname(__file__))
 
-import re  # noqa: E402
-
+import _gpu_plan  # noqa: E402
 import pytest  # noqa: E402
-
-# A skip condition whose reason names CUDA or a GPU makes its test a CUDA test (marked ``gpu``).
-NEEDS_A_GPU = re.compile(r"\b(cuda|gpus?)\b", re.IGNORECASE)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,8 +21,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _mark_gpu(items: list[pytest.Item]) -> None:
     for item in items:
-        if any(NEEDS_A_GPU.search(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif")):
+        if _gpu_plan.is_cuda_test(item):  # a skip condition whose reason names CUDA or a GPU
             item.add_marker(pytest.mark.gpu)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _gpu_plan.write_plan(session.items)  # what a GPU machine runs, where FSDP_OPTIM_GPU_PLAN asks (.ci/gpu-check)
 
 
 @pytest.hookimpl(tryfirst=True)

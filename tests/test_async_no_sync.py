@@ -71,6 +71,32 @@ def test_an_async_saves_blocking_part_reads_no_state_scalar(tmp_path) -> None:
     assert run_ranks(_blocking_part_reads_nothing, 2, str(tmp_path)) == ["ok", "ok"]
 
 
+def _memory_tier_blocking_part_reads_nothing(rank: int, world_size: int, out: str) -> bool:
+    from pathlib import Path
+
+    from fsdp_optim.job.memory_save import memory_tier, save_to_memory
+
+    model = M.wrap(M.make_net(0), "deep")
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(2):
+        M.train_step(model, optim, *M.local_batch(step, rank, world_size))
+    for state in optim.state.values():
+        state["step"] = state["step"].as_subclass(Tripwire)
+    tier = memory_tier(Path(out) / "root", memory_dir=f"{out}/memory", node=rank, replicas=0, keep=1, rank=rank)
+    Tripwire.armed = threading.get_ident()
+    try:
+        handle = save_to_memory(model, optim, tier, 2, extra={"step": 2})
+        assert not isinstance(handle, Path), "with an optimizer the memory tier saves in the background"
+        handle.wait_staged()
+    finally:
+        Tripwire.armed = None
+    return Path(handle.wait()).is_dir()
+
+
+def test_a_memory_tier_saves_blocking_part_reads_no_state_scalar_and_agrees_over_the_gloo_group(tmp_path) -> None:
+    assert run_ranks(_memory_tier_blocking_part_reads_nothing, 2, str(tmp_path)) == [True, True]
+
+
 def _queued_work_outlives_the_call(rank: int, world_size: int, out: str) -> dict[str, Any]:
     model = M.wrap(M.make_net(0).cuda(), "deep")
     optim = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)  # its step on the GPU

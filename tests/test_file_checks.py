@@ -31,9 +31,8 @@ INVARIANTS = {
     # A whole checkpoint's training section, which weights_source() and is_whole() checked before:
     "offline/whole.py": 2,
     # Under torchrun: what the processes agreed on, before anything is read from it
-    "offline/parallel/entry.py": 1,  # a path that path_kind() called sharded opens as a sharded checkpoint
+    "offline/parallel/entry.py": 1,  # a path that splits() called sharded opens as a sharded checkpoint
     "offline/parallel/reshard.py": 3,  # the plan agreed on, the records process 0 gathered, every rank written once
-    "offline/parallel/verify.py": 1,  # the report exists once every process agreed
 }
 
 

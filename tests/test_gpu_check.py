@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,14 +24,19 @@ import torch
 from _device_image import DeviceImage
 
 from benchmarks.gpu import carry as carry_mod
+from benchmarks.gpu import check
 from benchmarks.gpu.check import cuda_test_files
 from benchmarks.gpu.steps import Step, run_phase
-from benchmarks.gpu.summary import junit_results
+from benchmarks.gpu.summary import judge_cuda_tests, junit_results, verbose_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / ".ci" / "gpu-check"
 DEADLINE_S = 600
 NEED_S3FS = {"tests/test_s3_infra.py", "tests/test_object_store_writers.py"}  # skipped whole on the image, saying so
+NEED_TWO_GPUS = [
+    "tests/test_cuda_scatter.py::test_a_scatter_over_nccl_loads_each_rank_its_own_shard_on_its_gpu",
+    "tests/test_object_transport.py::test_the_object_transport_gathers_from_two_gpus",
+]
 KNOWN_CUDA_TESTS = [  # CUDA tests on main when this test was written: each must stay selected
     "tests/test_stager.py::test_gpu_saves_and_loads_are_exact_and_load_into_the_live_state",
     "tests/test_demo.py::test_demo_on_one_gpu_trains_saves_and_resumes_there",
@@ -101,6 +107,87 @@ def test_device_like_image_collects_every_cuda_test_the_script_selects(image: tu
     assert {c.split("::")[0] for c in collected} <= set(cuda_test_files()), collected
     imports = next(s for s in report["steps"] if s["name"] == "imports")
     assert f"from {carried}/fairscale" in imports["tail"], imports["tail"]
+    plan = report["results"]["cuda plan"]  # what a one-GPU machine runs: nothing there may skip but for a count
+    assert plan["gpus"] == 1 and not plan["unexplained"], plan
+    assert set(KNOWN_CUDA_TESTS) <= set(plan["runs"]) and set(plan["runs"]) | set(plan["not_applicable"]) == set(collected), plan
+    assert set(NEED_TWO_GPUS) <= set(plan["not_applicable"]), plan
+    assert all(why.startswith("needs 2 CUDA devices, this machine has 1") for why in plan["not_applicable"].values()), plan
+
+
+SAMPLE_CUDA_TESTS = """
+import pytest
+@pytest.mark.skipif(True, reason="needs two CUDA devices: one rank per GPU")
+def test_two(): pass
+@pytest.mark.skipif(False, reason="needs a CUDA device: runs")
+def test_one(): pass
+@pytest.mark.skipif(False, reason="needs a CUDA device: skips from its body")
+def test_skips_itself(): pytest.skip("no reason given")
+"""
+
+
+def _sample_run(tmp_path: Path, gpus: int) -> tuple[dict, dict]:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text("import _gpu_plan\ndef pytest_collection_finish(session):\n    _gpu_plan.write_plan(session.items)\n")
+    (tmp_path / "tests" / "test_sample.py").write_text(SAMPLE_CUDA_TESTS)
+    env = os.environ | {"PYTHONPATH": str(ROOT / "tests"), "FSDP_OPTIM_GPU_PLAN": str(tmp_path / "plan.json"), "FSDP_OPTIM_GPUS": str(gpus)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={tmp_path / 'out.xml'}", "tests"],
+                   cwd=tmp_path, env=env, capture_output=True, timeout=120)  # fmt: skip
+    return junit_results(tmp_path / "out.xml", every=True), json.loads((tmp_path / "plan.json").read_text())
+
+
+def test_a_cuda_test_needing_more_gpus_is_not_applicable_and_any_other_skip_fails_the_step(tmp_path: Path) -> None:
+    found, plan = _sample_run(tmp_path, gpus=1)
+    assert plan["runs"] == ["tests/test_sample.py::test_one"], plan
+    assert plan["not_applicable"] == {"tests/test_sample.py::test_two": "needs 2 CUDA devices, this machine has 1: needs two CUDA devices: one rank per GPU"}, plan
+    assert list(plan["unexplained"]) == ["tests/test_sample.py::test_skips_itself"], plan
+    problem, not_applicable = judge_cuda_tests(found, plan)
+    assert not_applicable == {"tests.test_sample::test_two": plan["not_applicable"]["tests/test_sample.py::test_two"]}, not_applicable
+    assert problem is not None and "1 unexpected skips: tests.test_sample::test_skips_itself (no reason given)" in problem, problem
+    assert "1 may skip for an unstated reason" in problem, problem
+    del plan["unexplained"]["tests/test_sample.py::test_skips_itself"]
+    found["tests"] = [t for t in found["tests"] if not t["test"].endswith("test_skips_itself")]
+    assert judge_cuda_tests(found, plan) == (None, not_applicable), "a skip for too few GPUs alone: the step passes"
+
+
+def test_on_a_machine_with_enough_gpus_the_multi_gpu_tests_are_planned_to_run(tmp_path: Path) -> None:
+    _, plan = _sample_run(tmp_path, gpus=2)
+    assert sorted(plan["runs"]) == ["tests/test_sample.py::test_one", "tests/test_sample.py::test_two"] and not plan["not_applicable"], plan
+
+
+def test_prepare_uses_the_interpreter_that_runs_the_tests_not_the_first_python3(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python3").write_text("#!/bin/sh\nexec /usr/bin/env -i /bin/sh -c 'exit 1'\n")  # a python3 without the extra
+    (bare / "python3").chmod(0o755)
+    env = os.environ | {"PATH": f"{bare}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(SCRIPT), "--prepare", str(tmp_path / "carry")], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "carry" / "fairscale" / "__init__.py").is_file(), "carried by the interpreter that has fairscale"
+
+
+def test_the_default_run_fits_180_s_and_the_suite_8_minutes_with_a_result_per_test() -> None:
+    script = SCRIPT.read_text()
+    assert check.CHECKS_BUDGET_S <= 180 - 5 and "bound=190" in script, "the runner's budget, then its cleanup's bound"
+    assert check.SUITE_BUDGET_S <= 480 - 10 and "bound=490" in script, "--suite has its own budget"
+    with tempfile.TemporaryDirectory() as name:
+        suite = check.suite_phases(Path(name), collect=False)[-1][0]
+    assert suite.timeout_s < check.SUITE_BUDGET_S and suite.stop_signal == "INT" and "-v" in suite.argv, suite
+    lines = ["[gw1] [ 50%] PASSED tests/test_a.py::test_b", "[gw0] [100%] FAILED tests/test_a.py::C::test_d[x]"]
+    assert verbose_results(lines)["tests"] == [
+        {"test": "tests.test_a::test_b", "outcome": "passed", "seconds": None, "message": ""},
+        {"test": "tests.test_a.C::test_d[x]", "outcome": "failed", "seconds": None, "message": ""}], "a result per test"
+
+
+def test_a_pytest_step_ended_by_its_bound_still_writes_the_tests_that_ended(tmp_path: Path) -> None:
+    (tmp_path / "test_slow.py").write_text("import time\ndef test_quick(): pass\ndef test_sleeps(): time.sleep(60)\n")
+    xml = tmp_path / "out.xml"
+    step = Step("tests", (sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={xml}", str(tmp_path / "test_slow.py")),
+                8, stop_signal="INT")  # fmt: skip
+    with open(tmp_path / "log", "w") as log:
+        outcomes = run_phase([step], tmp_path, log, left_s=100)
+    assert outcomes["tests"]["status"] == "timed out", outcomes["tests"]
+    tests = junit_results(xml, every=True)["tests"]
+    assert {"test": "test_slow::test_quick", "outcome": "passed"}.items() <= tests[0].items(), tests
 
 
 def test_device_like_image_collects_the_whole_suite_without_an_error(image: tuple[DeviceImage, Path], tmp_path: Path) -> None:
@@ -234,3 +321,27 @@ def test_gpu_benchmark_measures_the_blocking_part_on_an_nccl_group(tmp_path: Pat
     (medians,) = run_ranks(_nccl_rows, 1, str(tmp_path), backend="nccl")
     assert set(medians) == {NCCL_BLOCKING, NCCL_IDLE} and all(v > 0 for v in medians.values()), medians
     assert not (tmp_path / "ours-nccl").exists(), "the row's checkpoints are removed once it is measured"
+
+
+LOOP_FIELDS = ("step clock", "step, no save", "step, save in flight", "worst step, save in flight", "slowdown", "worst slowdown",
+               "dcp: step, no save", "dcp: step, save in flight", "dcp: worst step, save in flight", "dcp: slowdown", "dcp: worst slowdown")  # fmt: skip
+MEMORY_ROWS = ("async save, whole: host RSS", "sync save: GPU memory", "load: GPU memory", "async save, whole: GPU memory")
+
+
+def test_the_small_benchmark_writes_every_field_a_user_compares_with_cpu_stand_ins(tmp_path: Path) -> None:
+    """DCP's step slowdown beside ours, measured the same way; per-step median and worst step while a save is in
+    flight; the host RSS growth over the whole async save; the GPU memory growth of save and load (on the CPU, the
+    host's, said in the meta)."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--small", "--repeats", "1", "--dir", str(tmp_path / "bench"), "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE_S)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    stored = json.loads((tmp_path / "gpu_staging_small.json").read_text())
+    at = {r["row"]: r for r in stored["rows"]}
+    loop = next(r for name, r in at.items() if name.startswith("training loop"))
+    assert not [k for k in LOOP_FIELDS if k not in loop], f"the loop lacks {[k for k in LOOP_FIELDS if k not in loop]}: {loop}"
+    assert not [r for r in MEMORY_ROWS if "ours" not in at.get(r, {})], f"rows missing: {[r for r in MEMORY_ROWS if r not in at]}"
+    assert "dcp" in at["async save, whole: host RSS"], at["async save, whole: host RSS"]
+    assert "host RSS growth" in stored["meta"]["stand-ins"] and loop["step clock"].startswith("host clock"), stored["meta"]
+    names = [t["target"] for t in stored["targets"]]
+    assert "GPU memory growth of a load <= a ring slot + 64 MiB (96 MiB)" in names, names

@@ -214,6 +214,25 @@ def test_a_full_dict_is_resharded_by_process_0_alone(source: Path, tmp_path: Pat
     assert_same_but_save_id(tmp_path / "one", tmp_path / "two")
 
 
+def test_split_or_alone_is_decided_by_one_rule(source: Path, tmp_path: Path) -> None:
+    """``splits``: the one rule the CLI under torchrun and the API's ``parallel=True`` both ask."""
+    import torch
+
+    from fsdp_optim.offline.parallel.entry import splits
+
+    full = tmp_path / "full.pt"
+    torch.save(_full(_layout(4)), full)
+    out = tmp_path / "out"
+    assert splits("reshard", source, output=out), "our sharded checkpoint into a local directory: split"
+    assert not splits("reshard", full, output=out), "a full dict: process 0 alone"
+    assert not splits("reshard", _full(_layout(4)), output=out), "a dict in memory: process 0 alone"
+    assert splits("consolidate", source, output=tmp_path / "m.safetensors"), "one safetensors file: split"
+    assert not splits("consolidate", source, output=tmp_path / "full.pt"), "a full dict file: process 0 alone"
+    assert splits("verify", source) and not splits("verify", full), "verify splits our sharded checkpoint only"
+    assert splits("diff", source, source) and not splits("diff", source, full), "diff splits what reads by ranges"
+    assert not splits("convert", source, output=out), "a verb with no split of its own"
+
+
 def test_two_one_process_reshards_differ_only_in_the_save_id(source: Path, tmp_path: Path) -> None:
     fsdp_optim.reshard(source, 3, tmp_path / "a")
     fsdp_optim.reshard(source, 3, tmp_path / "b")
@@ -378,7 +397,8 @@ def _watched(rank: int, world_size: int) -> tuple[int, str]:
     assert team is not None, "a team of 2"
     err, sys.stderr = sys.stderr, io.StringIO()
     try:
-        watch = team.watch(lambda: 1000 + rank, total=2001, bar=True)
+        watch = team.progress(2001, bar=True)
+        watch.advance(1000 + rank)
         watch.finish(None)
         return watch.everyone, sys.stderr.getvalue()
     finally:

@@ -21,7 +21,7 @@ from _dist import run_ranks
 from _forge import manifest_rank_file
 
 import fsdp_optim
-from fsdp_optim.formats.sharded.piece_reads import Piece, Shard
+from fsdp_optim.formats.sharded.piece_reads import Shard, TensorPiece
 from fsdp_optim.job import ring_load
 from fsdp_optim.job.stager import Ring
 
@@ -29,18 +29,18 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 SLOT = 3 << 16  # three 64 KiB checksum chunks: a rank file of the model below is many pieces
 
 
-def _pieces(total: int, step: int, cuts: list[int]) -> tuple[list[Piece], list[Shard]]:
+def _pieces(total: int, step: int, cuts: list[int]) -> tuple[list[TensorPiece], list[Shard]]:
     """Pieces of ``step`` elements over a float32 tensor of ``total`` elements cut into shards at ``cuts``."""
     bounds = [0, *cuts, total]
     shards = [Shard(k, "exp_avg", a, b - a) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     pieces = []
     for lo in range(0, total, step):
         hi = min(lo + step, total)
-        pieces.append(Piece("float32", torch.float32, lo, hi, tuple(s for s in shards if s.offset < hi and s.offset + s.numel > lo)))
+        pieces.append(TensorPiece("float32", torch.float32, lo, hi, tuple(s for s in shards if s.offset < hi and s.offset + s.numel > lo)))
     return pieces, shards
 
 
-def _fill(piece: Piece, slot: torch.Tensor) -> None:
+def _fill(piece: TensorPiece, slot: torch.Tensor) -> None:
     slot.view(torch.float32).copy_(torch.arange(piece.lo, piece.hi, dtype=torch.float32))
 
 
@@ -52,7 +52,7 @@ def test_each_slot_is_read_checked_and_copied_in_turn_and_refilled_once_its_late
     ring = Ring(copier, slots=3, slot_bytes=step * 4)
     checked: list[int] = []
 
-    def check(piece: Piece, slot: torch.Tensor) -> None:  # sees the slot as the reader filled it
+    def check(piece: TensorPiece, slot: torch.Tensor) -> None:  # sees the slot as the reader filled it
         assert torch.equal(slot.view(torch.float32), torch.arange(piece.lo, piece.hi, dtype=torch.float32)), piece.lo
         checked.append(piece.lo)
 
@@ -71,13 +71,13 @@ def test_a_failure_is_raised_after_every_thread_stopped_and_every_copy_landed(fa
     ring = Ring(copier, slots=4, slot_bytes=400)
     read: list[int] = []
 
-    def fill(piece: Piece, slot: torch.Tensor) -> None:
+    def fill(piece: TensorPiece, slot: torch.Tensor) -> None:
         if failing == "read" and piece.lo == 1_700:
             raise OSError("the file ended early")
         _fill(piece, slot)
         read.append(piece.lo)
 
-    def check(piece: Piece, slot: torch.Tensor) -> None:  # noqa: ARG001
+    def check(piece: TensorPiece, slot: torch.Tensor) -> None:  # noqa: ARG001
         if failing == "check" and piece.lo == 1_700:
             raise ValueError("checksum mismatch in elements 1700..1800 (file is corrupt or was modified)")
 
@@ -129,6 +129,57 @@ def test_a_load_through_the_ring_is_bit_exact_and_reads_the_state_once(tmp_path:
         # The only host memory above a slot made during the load is the new state itself (here on the host; on a
         # GPU it is the GPU's): never a copy of the rank file, or of the state, in pageable memory beside it.
         assert sum(result["large"]) <= result["state"], f"rank {rank}: host allocations {result['large']} for a state of {result['state']} bytes"
+
+
+def _in_place(rank: int, world_size: int, out: str) -> dict[str, bool]:  # noqa: ARG001
+    ring_load.ring_for = lambda device: Ring(AsyncCopier(seed=rank + 7), slots=2, slot_bytes=SLOT)
+    root = fsdp_optim.FullyShardedDataParallel(_net())
+    optim = torch.optim.Adam(root.parameters(), lr=1e-2)
+    _train(root, optim, 0, rank)
+    fsdp_optim.save_checkpoint(root, optim, Path(out) / "ckpt")
+    saved = snapshot(optim.state_dict())
+    _train(root, optim, 1, rank)
+    live = {"params": [p.data_ptr() for p in root.parameters()],
+            "optim": {(pid, k): v for pid, e in optim.state_dict()["state"].items() for k, v in e.items() if v.dim()}}  # fmt: skip
+    fsdp_optim.load_checkpoint(root, optim, Path(out) / "ckpt")
+    assert_identical(optim.state_dict(), saved, f"rank {rank}: the optimizer after a load through the ring")
+    now = optim.state_dict()["state"]
+    return {"params": [p.data_ptr() for p in root.parameters()] == live["params"],
+            "optim": all(now[pid][k] is t for (pid, k), t in live["optim"].items())}  # fmt: skip
+
+
+def test_a_load_through_the_ring_under_late_copies_lands_in_the_live_tensors_in_place(tmp_path: Path) -> None:
+    """The one rule for where loaded state lands (job/device_load.py): in the live tensors, in place."""
+    assert run_ranks(_in_place, 2, str(tmp_path)) == [{"params": True, "optim": True}] * 2
+
+
+def _load_memory(rank: int, world_size: int, out: str) -> dict[str, int]:  # noqa: ARG001
+    ring = Ring(AsyncCopier(seed=rank + 3), slots=2, slot_bytes=SLOT)
+    ring_load.ring_for = lambda device: ring  # the ring's path on the host: the host stands for the GPU's memory
+    torch.manual_seed(0)
+    root = fsdp_optim.FullyShardedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]))
+    optim = torch.optim.Adam(root.parameters(), lr=1e-2)
+    for step in range(2):
+        loss = root(torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    fsdp_optim.save_checkpoint(root, optim, Path(out) / "ckpt")
+    saved = {"model": snapshot(root.state_dict()), "optim": snapshot(optim.state_dict())}
+    optim.step()  # the live state now differs from the saved one
+    with HostAllocations() as seen:
+        fsdp_optim.load_checkpoint(root, optim, Path(out) / "ckpt")
+    assert_identical(root.state_dict(), saved["model"], f"rank {rank}: the weights")
+    assert_identical(optim.state_dict(), saved["optim"], f"rank {rank}: the optimizer")
+    return {"state": sum(p.numel() * 4 * 3 for p in root.parameters()), "allocated": sum(seen.sizes), "largest": max(seen.sizes, default=0)}
+
+
+def test_a_load_at_the_saved_layout_verifies_then_lands_in_place_growing_memory_by_less_than_a_slot(tmp_path: Path) -> None:
+    """N3, modelled on the host: the load's memory (the GPU's, here the host's) grows by less than one ring slot over
+    the live state (the bound on a GPU: a slot + 64 MiB), all or nothing kept (a verify pass, agreement, a pass that
+    lands in the live tensors: tests/test_ring_load.py's refused load changes nothing)."""
+    for rank, result in enumerate(run_ranks(_load_memory, 2, str(tmp_path))):
+        assert result["allocated"] < SLOT < result["state"] / 10, f"rank {rank}: {result}"
 
 
 def _damaged(rank: int, world_size: int, out: str) -> tuple[str, str]:
@@ -189,3 +240,35 @@ def _gpu_load(rank: int, world_size: int, out: str) -> dict[str, Any]:  # noqa: 
 def test_a_gpu_load_reads_through_the_pinned_ring_with_no_pageable_copy_of_the_state(tmp_path: Path) -> None:
     (result,) = run_ranks(_gpu_load, 1, str(tmp_path), backend="nccl")
     assert result == {"exact": True, "host bytes above 1 MiB": 0}, result  # a 96 MiB state, no host copy of it
+
+
+def _gpu_load_memory(rank: int, world_size: int, out: str) -> dict[str, Any]:  # noqa: ARG001
+    from fsdp_optim.job.stager import ring_of
+
+    root = fsdp_optim.FullyShardedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda())
+    optim = torch.optim.Adam(root.parameters(), lr=1e-3)
+    root(torch.randn(4, 2048, device="cuda")).square().mean().backward()
+    optim.step()
+    fsdp_optim.save_checkpoint(root, optim, f"{out}/ckpt")
+    saved = {"model": snapshot(root.state_dict()), "optim": snapshot(optim.state_dict())}
+    optim.step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    live = torch.cuda.memory_allocated()
+    fsdp_optim.load_checkpoint(root, optim, f"{out}/ckpt")
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_allocated() - live
+    same = True
+    try:
+        assert_identical(root.state_dict(), saved["model"])
+        assert_identical(optim.state_dict(), saved["optim"])
+    except AssertionError:
+        same = False
+    return {"exact": same, "growth": growth, "bound": ring_of(torch.device("cuda", 0)).slot_bytes + (64 << 20),
+            "state": sum(p.numel() * 4 * 3 for p in root.parameters())}  # fmt: skip
+
+
+@CUDA
+def test_gpu_a_load_at_the_saved_layout_grows_gpu_memory_by_at_most_a_slot_and_64_mib(tmp_path: Path) -> None:
+    (result,) = run_ranks(_gpu_load_memory, 1, str(tmp_path), backend="nccl")
+    assert result["exact"] and result["growth"] <= result["bound"] < result["state"], result

@@ -217,15 +217,21 @@ def test_the_ring_uploads_every_byte_into_its_destination_and_refuses_a_mismatch
         ring.upload([(torch.empty(2), torch.zeros(3))])
 
 
-def test_the_optimizer_state_for_host_parameters_is_left_as_it_is() -> None:
+def test_the_optimizer_state_for_host_parameters_lands_in_the_live_tensors_too() -> None:
+    """One rule on every device (job/device_load.py): loaded state lands in the live tensors, in place."""
     from fsdp_optim.job.device_load import optimizer_state_on_device
 
     net = torch.nn.Linear(3, 2)
     optim = torch.optim.Adam(net.parameters())
     net(torch.randn(4, 3)).sum().backward()
     optim.step()
-    saved = optim.state_dict()
-    assert optimizer_state_on_device(optim, saved) is saved
+    live = {(pid, k): v for pid, e in optim.state_dict()["state"].items() for k, v in e.items() if v.dim()}
+    loaded = {pid: {k: v + 1 if v.dim() else v for k, v in e.items()} for pid, e in optim.state_dict()["state"].items()}
+    ready = optimizer_state_on_device(optim, {**optim.state_dict(), "state": loaded})
+    optim.load_state_dict(ready)
+    for (pid, key), tensor in live.items():
+        now = optim.state_dict()["state"][pid][key]
+        assert now is tensor and torch.equal(now, loaded[pid][key]), f"{pid}.{key}: not loaded into the live tensor"
 
 
 def _gpu_round_trip(rank: int, world_size: int, out: str) -> dict[str, Any]:  # noqa: ARG001
@@ -447,6 +453,49 @@ def test_a_registration_that_fails_falls_back_with_one_warning_and_the_copy_is_e
     tries = [kind for kind, *_ in registrar.calls if kind != "unregister"]
     assert tries.count("failed") == 1, f"after a failure no arena tries to page-lock again: {tries}"
     assert len(tries) == fail_from, tries
+
+
+@pytest.mark.parametrize("fail_from", [1, 3])
+def test_a_failed_registration_clears_the_error_it_left_before_the_save_goes_on(monkeypatch, fail_from) -> None:
+    """A failed ``cudaHostRegister`` leaves the runtime's last error set; the next kernel launch on the save's thread
+    would fail for it. The arena clears it (the registrar's ``clear_error``) before it falls back."""
+    import threading
+    import warnings
+
+    from fsdp_optim.job import arena
+
+    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(arena, "_warned", threading.Event())
+    engines = AsyncEngines(AsyncCopier(max_delay=0.001))
+    registrar = Recorder(fail_from=fail_from)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = _state(engines, 3000)
+        assert _staged_equal(HostStaging(engines, registrar).copy(state, ready_events(state, engines), StagedCopy()), state)
+    assert any(kind == "failed" for kind, *_ in registrar.calls), registrar.calls
+    assert registrar.last_error == 0 and registrar.cleared == 1, (registrar.last_error, registrar.cleared)
+
+
+@CUDA
+def test_gpu_a_failed_registration_leaves_no_error_for_the_next_kernel_launch() -> None:
+    import warnings
+
+    from fsdp_optim.job.arena import CUDA_HOST, Arena
+
+    device = torch.device("cuda", 0)
+    memory = torch.empty(1 << 20, dtype=torch.uint8)
+    CUDA_HOST.register(memory, device)  # registering it again fails (already registered), as a locked limit would
+    try:
+        arena = Arena(memory, device, CUDA_HOST)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            arena.lock_through(memory.numel())
+        assert arena.failed, "the second registration of the same memory fails"
+        doubled = torch.ones(4, device=device) * 2  # a kernel launch: its launch check reads the last error
+        torch.cuda.synchronize()
+        assert doubled.sum().item() == 8, doubled
+    finally:
+        CUDA_HOST.unregister(memory.data_ptr(), device)
 
 
 def test_the_save_thread_binds_the_shards_device_before_it_locks_or_copies() -> None:

@@ -8,16 +8,21 @@ Default mode, in phases (the steps of a phase run at once; each phase starts whe
 2. ``checks``: the demo at ``--nproc_per_node 1`` (one GPU: NCCL) and ``4`` (more ranks than GPUs: gloo on the
    CPU, as ``fsdp_optim.demo`` chooses; each step checks the demo's first line says so), and every CUDA test:
    ``pytest -m gpu`` over the test files that mention CUDA (``tests/conftest.py`` marks a test ``gpu`` when a
-   skip condition of it names CUDA or a GPU);
+   skip condition of it names CUDA or a GPU). tests/_gpu_plan.py writes which of them this machine runs and which
+   need more GPUs than it has: those are reported "not applicable" with their reason; any other skip, or a test
+   that could skip for an unstated reason, fails the step. A machine with several GPUs runs the multi-GPU ones;
 3. ``d2h``: the 1 GiB device-to-host micro-check (:mod:`benchmarks.gpu.d2h`);
 4. ``benchmark``: ``python -m benchmarks.gpu --repeats 1``, its rows (each with its floor and DCP's) and targets
-   (the rows measured so far when its bound ends it: it writes its results after each stage, marked partial).
+   (the NCCL rows first; the rows measured so far when its bound ends it: it writes its results after each stage,
+   marked partial).
 
-``--suite`` runs the whole test suite instead of phases 2-4 (``pytest -n 16`` when pytest-xdist is there).
-``--collect`` only collects what a run would select (``pytest --collect-only``), nothing else: a test runs it on a
-device-like image here. Each step's status, seconds and output tail go into the JSON; its whole output into
-``DIR/gpu-check.log``. ``--budget`` (seconds, default 235) bounds the whole run: a step's timeout is cut to what is
-left of it. Exit status 0 when every step passed.
+``--suite`` runs the whole test suite instead of phases 2-4 (``pytest -n 16 -v`` when pytest-xdist is there), a
+result per test in the JSON (from its XML; from its ``-v`` lines when its bound ended it first). ``--collect`` only
+collects what a run would select (``pytest --collect-only``) and the CUDA tests' plan for ``--gpus`` (default 1),
+nothing else: a test runs it on a device-like image here. Each step's status, seconds and output tail go into the
+JSON; its whole output into ``DIR/gpu-check.log``. ``--budget`` (seconds, default 175: one H100 within 180 s;
+``--suite`` 470) bounds the whole run: a step's timeout is cut to what is left of it. Exit status 0 when every step
+passed.
 """
 
 from __future__ import annotations
@@ -36,10 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu.steps import Step, run_phase
-from benchmarks.gpu.summary import junit_results, last_json, summary_lines
+from benchmarks.gpu.summary import judge_cuda_tests, junit_results, last_json, summary_lines, verbose_results
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = "/dev/shm/fsdp_optim_gpu_bench"
+CHECKS_BUDGET_S = 175.0  # one H100 within 180 s
+SUITE_BUDGET_S = 470.0  # under 8 minutes
+PLAN = "cuda-plan.json"  # tests/_gpu_plan.py: which CUDA tests run here, which are not applicable and why
 SKIP_MISSING = ("FSDP_OPTIM_MISSING_EXTRAS", "skip")  # tests/_extras.py: what the image lacks skips, saying so
 DEMO_SAYS = {1: "fsdp_optim demo on GPUs (nccl)", 4: "fsdp_optim demo on the CPU (gloo)"}  # one GPU
 
@@ -64,25 +72,30 @@ def _setup(collect: bool) -> list[Step]:
              "'gpus', torch.cuda.device_count(), '| fairscale', fairscale.__version__, 'from', fairscale.__file__)")  # fmt: skip
     if not collect:
         probe += "; assert torch.cuda.is_available(), 'torch sees no CUDA device'"
-    steps = [Step("imports", (sys.executable, "-c", probe), 60)]
+    steps = [Step("imports", (sys.executable, "-c", probe), 40)]
     return steps if collect else [Step("nvidia-smi", ("nvidia-smi",), 15), *steps]
 
 
-def default_phases(tmp: Path, collect: bool) -> list[list[Step]]:
-    tests = Step("cuda tests", _pytest(["-m", "gpu", *cuda_test_files()], tmp / "cuda.xml", collect=collect, workers=4), 110,
-                 env=(("OMP_NUM_THREADS", "2"), SKIP_MISSING))  # fmt: skip
+def default_phases(tmp: Path, collect: bool, gpus: int | None = None) -> list[list[Step]]:
+    """The phases of the module doc; ``gpus`` makes the CUDA tests' plan for that many GPUs (default: those here)."""
+    plan_env = (("FSDP_OPTIM_GPU_PLAN", str(tmp / PLAN)),) + ((("FSDP_OPTIM_GPUS", str(gpus)),) if gpus is not None else ())
+    tests = Step("cuda tests", _pytest(["-m", "gpu", *cuda_test_files()], tmp / "cuda.xml", collect=collect, workers=4), 70,
+                 env=(("OMP_NUM_THREADS", "2"), SKIP_MISSING, *plan_env), stop_signal="INT")  # fmt: skip
     if collect:
         return [_setup(collect), [tests]]
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone")  # the console script may be off PATH
     demos = [Step(f"demo nproc_per_node={n}", (*torchrun, "--nproc_per_node", str(n), "-m", "fsdp_optim.demo", "--steps", "4"),
-                  100, env=(("OMP_NUM_THREADS", "2"),), expect=DEMO_SAYS[n]) for n in (1, 4)]  # fmt: skip
-    d2h = Step("d2h 1 GiB", (sys.executable, "-u", "-m", "benchmarks.gpu.d2h", "--gib", "1"), 45)
+                  60, env=(("OMP_NUM_THREADS", "2"),), expect=DEMO_SAYS[n]) for n in (1, 4)]  # fmt: skip
+    d2h = Step("d2h 1 GiB", (sys.executable, "-u", "-m", "benchmarks.gpu.d2h", "--gib", "1"), 20)
+    # whatever is left of the budget (about 100 s); the NCCL rows first, every stage published as it ends
     bench = Step("benchmark", (sys.executable, "-u", "-m", "benchmarks.gpu", "--repeats", "1", "--dir", BENCH_DIR, "--out", str(tmp)), 150)
     return [_setup(collect), [*demos, tests], [d2h], [bench]]
 
 
 def suite_phases(tmp: Path, collect: bool) -> list[list[Step]]:
-    suite = Step("suite", _pytest(["--durations=15", "tests"], tmp / "suite.xml", collect=collect, workers=16), 600, env=(("OMP_NUM_THREADS", "1"), SKIP_MISSING))
+    # -v: a line per test as it ends (the per-test result when the bound ends pytest before its XML is written)
+    suite = Step("suite", _pytest([*([] if collect else ["-v"]), "--durations=15", "tests"], tmp / "suite.xml", collect=collect, workers=16), int(SUITE_BUDGET_S) - 10,
+                 env=(("OMP_NUM_THREADS", "1"), SKIP_MISSING), stop_signal="INT")  # fmt: skip
     return [_setup(collect), [suite]]
 
 
@@ -91,10 +104,11 @@ def _results(outcomes: dict[str, dict[str, Any]], tmp: Path, out: Path) -> dict[
     found: dict[str, Any] = {}
     for name, xml in (("cuda tests", "cuda.xml"), ("suite", "suite.xml")):
         if (tmp / xml).exists():
-            found[name] = junit_results(tmp / xml, every=name == "cuda tests")
-    skipped = found.get("cuda tests", {}).get("counts", {}).get("skipped", 0)
-    if skipped and outcomes["cuda tests"]["status"] == "passed":  # on the GPU machine no CUDA test may skip
-        outcomes["cuda tests"]["status"] = f"failed: {skipped} CUDA tests skipped"
+            found[name] = junit_results(tmp / xml, every=True)
+        elif name in outcomes and "--collect-only" not in outcomes[name]["command"]:
+            found[name] = verbose_results(outcomes[name]["log_lines"])
+    if "cuda tests" in outcomes:
+        _judge_cuda(outcomes["cuda tests"], found, tmp / PLAN)
     if "d2h 1 GiB" in outcomes:
         found["d2h"] = last_json(outcomes["d2h 1 GiB"]["log_lines"])
     bench = tmp / "gpu_staging.json"  # this run's, maybe partial
@@ -107,6 +121,29 @@ def _results(outcomes: dict[str, dict[str, Any]], tmp: Path, out: Path) -> dict[
         if "--collect-only" in outcome["command"]:
             found.setdefault("collected", {})[name] = [line for line in outcome["log_lines"] if "::" in line]
     return found
+
+
+def _judge_cuda(outcome: dict[str, Any], found: dict[str, Any], plan_path: Path) -> None:
+    """Only a stated missing resource (too few GPUs) may keep a CUDA test from running: reported not applicable,
+    with its reason; any other skip, or a test that could skip otherwise, fails the step (collecting too)."""
+    plan = json.loads(plan_path.read_text()) if plan_path.exists() else None
+    if plan is not None:
+        found["cuda plan"] = plan
+    if outcome["status"] != "passed":
+        return
+    if "--collect-only" in outcome["command"]:
+        problem = _judge_plan(plan)
+    else:
+        problem, not_applicable = judge_cuda_tests(found.get("cuda tests", {}), plan)
+        found.setdefault("cuda tests", {})["not applicable"] = not_applicable
+    if problem:
+        outcome["status"] = f"failed: {problem}"
+
+
+def _judge_plan(plan: dict[str, Any] | None) -> str | None:
+    if plan is None:
+        return "no plan of the CUDA tests was written (tests/_gpu_plan.py)"
+    return f"{len(plan['unexplained'])} may skip for an unstated reason: {plan['unexplained']}" if plan["unexplained"] else None
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -130,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="where gpu-check.json and gpu-check.log go")
     parser.add_argument("--suite", action="store_true", help="the whole test suite instead of the checks")
     parser.add_argument("--collect", action="store_true", help="only collect the tests a run would select")
-    parser.add_argument("--budget", type=float, default=235.0, help="seconds for the whole run")
+    parser.add_argument("--budget", type=float, default=None, help=f"seconds for the whole run (default {CHECKS_BUDGET_S:.0f}, --suite {SUITE_BUDGET_S:.0f})")
+    parser.add_argument("--gpus", type=int, default=None, help="the GPUs to plan the CUDA tests for (default: those here; --collect: 1)")
     args = parser.parse_args(argv)
+    args.budget = args.budget or (SUITE_BUDGET_S if args.suite else CHECKS_BUDGET_S)
+    gpus = 1 if args.collect and args.gpus is None else args.gpus
     signal.signal(signal.SIGTERM, _interrupt)
     args.out.mkdir(parents=True, exist_ok=True)
     mode = ("suite" if args.suite else "checks") + (" (collect only)" if args.collect else "")
@@ -140,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as name:
         tmp = Path(name)
-        phases = (suite_phases if args.suite else default_phases)(tmp, args.collect)
+        phases = suite_phases(tmp, args.collect) if args.suite else default_phases(tmp, args.collect, gpus)
         outcomes: dict[str, dict[str, Any]] = {}
         try:
             run(phases, args.out, tmp, args.budget, outcomes)

@@ -41,11 +41,16 @@ class Tally:
         return {row: statistics.median(values) for row, values in self.seconds.items()}
 
 
-def watched(tally: Tally, row: str, warm: bool, config: Config, fn: Callable[[], Any], *, settle: bool = True) -> tuple[Any, float]:
+WHOLE_ASYNC = "async save, whole"  # its memory rows: from the call until the save is committed
+STAND_IN = "on the CPU the GPU memory rows hold the host RSS growth of the same span (no GPU memory exists)"
+
+
+def watched(tally: Tally, row: str, warm: bool, config: Config, fn: Callable[[], Any], *, settle: bool = True) -> tuple[Any, float, tuple[int, int]]:
     """``fn()`` timed, with its peak host RSS growth (VmHWM over VmRSS) and GPU memory growth (peak over the start)
-    tallied; ``(its result, the clock's start)``. Outside the clock, before it starts: a device sync, collecting
-    garbage, trimming malloc's free lists and resetting the peaks. ``settle``: the clock stops after a device sync
-    (the work ``fn`` queued is part of it); without, when ``fn`` returns (an async save's blocking part)."""
+    tallied; ``(its result, the clock's start, the memory at the start)``. Outside the clock, before it starts: a
+    device sync, collecting garbage, trimming malloc's free lists and resetting the peaks. ``settle``: the clock
+    stops after a device sync (the work ``fn`` queued is part of it); without, when ``fn`` returns (an async save's
+    blocking part)."""
     sync(config)
     gpu = _gpu_start(config)
     before = reset_peak()
@@ -54,10 +59,16 @@ def watched(tally: Tally, row: str, warm: bool, config: Config, fn: Callable[[],
     if settle:
         sync(config)
     tally.add(row, time.perf_counter() - start, warm)
-    tally.grew(f"{row}: host RSS", status_bytes("VmHWM") - before, warm)
-    if config.on_gpu:
-        tally.grew(f"{row}: GPU memory", torch.cuda.max_memory_allocated() - gpu, warm)
-    return result, start
+    grew(tally, row, warm, config, (before, gpu))
+    return result, start, (before, gpu)
+
+
+def grew(tally: Tally, row: str, warm: bool, config: Config, at_start: tuple[int, int]) -> None:
+    """``row``'s peak growths since ``at_start`` (host RSS, GPU memory) tallied; on the CPU, the GPU memory row holds
+    the host RSS growth (:data:`STAND_IN`)."""
+    host = status_bytes("VmHWM") - at_start[0]
+    tally.grew(f"{row}: host RSS", host, warm)
+    tally.grew(f"{row}: GPU memory", torch.cuda.max_memory_allocated() - at_start[1] if config.on_gpu else host, warm)
 
 
 def _gpu_start(config: Config) -> int:
@@ -86,12 +97,13 @@ def _rows(config: Config, name: str, save: Callable[[str], Any] | None, load: Ca
             watched(tally, "load", warm, config, lambda: load(path))
         path = _fresh(config, f"{name}-async")
         # Copied and committed: from the call's start (after watched's untimed preparation) until staged / committed.
-        response, start = watched(tally, "async save, blocking", warm, config, lambda: async_save(path), settle=False)
+        response, start, at_start = watched(tally, "async save, blocking", warm, config, lambda: async_save(path), settle=False)
         staged(response)
         sync(config)
         tally.add("async save, copied", time.perf_counter() - start, warm)
         committed(response)
         tally.add("async save, committed", time.perf_counter() - start, warm)
+        grew(tally, WHOLE_ASYNC, warm, config, at_start)  # the background copy and write included
     for left in (name, f"{name}-async"):  # /dev/shm holds one row's checkpoints at a time, not every row's
         shutil.rmtree(os.path.join(config.directory, left), ignore_errors=True)
     return tally
@@ -135,7 +147,7 @@ def nccl_blocking(config: Config) -> Tally:
     return tally
 
 
-def _dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     msd, osd = get_state_dict(model, optim)
     return {"model": msd, "optim": osd}
 
@@ -147,13 +159,13 @@ def dcp_rows(model: nn.Module, optim: torch.optim.Optimizer, config: Config, sta
         if getattr(response, "staging_completion", None) is not None:
             response.staging_completion.result()
 
-    save = (lambda path: dcp.save(_dcp_state(model, optim), checkpoint_id=path)) if stager is None else None
+    save = (lambda path: dcp.save(dcp_state(model, optim), checkpoint_id=path)) if stager is None else None
     return _rows(config, "dcp", save, lambda path: _dcp_load(model, optim, path),
-                 lambda path: dcp.async_save(_dcp_state(model, optim), checkpoint_id=path, async_stager=stager), staged,
+                 lambda path: dcp.async_save(dcp_state(model, optim), checkpoint_id=path, async_stager=stager), staged,
                  lambda response: getattr(response, "upload_completion", response).result())  # fmt: skip
 
 
 def _dcp_load(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> None:
-    state = _dcp_state(model, optim)
+    state = dcp_state(model, optim)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])

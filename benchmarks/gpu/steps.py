@@ -30,6 +30,7 @@ class Step:
     timeout_s: int
     env: tuple[tuple[str, str], ...] = ()
     expect: str = ""
+    stop_signal: str = "TERM"  # what its bound sends first (INT: pytest writes its XML with the tests that ended)
 
     def not_run(self, why: str) -> dict[str, Any]:
         return {"name": self.name, "command": " ".join(self.argv), "status": "not run", "rc": None, "seconds": 0.0,
@@ -49,7 +50,7 @@ def _pump(stream: IO[str], name: str, lines: list[str], sinks: list[IO[str]], lo
 
 
 def _status(step: Step, rc: int, lines: list[str]) -> str:
-    if rc in (124, 137, -9, -15):
+    if rc in (124, 137, -9, -15, -2):
         return "timed out"
     if rc != 0:
         return "failed"
@@ -68,7 +69,7 @@ def run_phase(steps: list[Step], tmp: Path, log: IO[str], left_s: float) -> dict
         own = open(path, "w")  # noqa: SIM115 - closed below, once the step's output has ended
         lines: list[str] = []
         ended: list[float] = []
-        proc = subprocess.Popen(["timeout", "-k", str(KILL_AFTER_S), str(bound), *step.argv], stdout=subprocess.PIPE,
+        proc = subprocess.Popen(["timeout", "-s", step.stop_signal, "-k", str(KILL_AFTER_S), str(bound), *step.argv], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=os.environ | dict(step.env), bufsize=1)  # fmt: skip
         assert proc.stdout is not None, "the step's output is a pipe"
         pump = threading.Thread(target=_pump, args=(proc.stdout, step.name, lines, [log, own], lock, ended), daemon=True)

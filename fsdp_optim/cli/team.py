@@ -1,8 +1,8 @@
 """``fsdp-optim`` run by ``torchrun`` (``torchrun --nproc_per_node N -m fsdp_optim VERB ...``): the processes join
 one team (:func:`fsdp_optim.job.team.team_of_job`). ``reshard`` and ``verify`` (``--deep`` too) of our sharded
 checkpoint are split across them (:mod:`fsdp_optim.offline.parallel`), and so is ``consolidate -o FILE.safetensors``
-of one (each process writes its share of the one file) and ``diff`` (split when both sides are read by ranges, else
-process 0's); every other verb runs on process 0 while the
+of one (each process writes its share of the one file) and ``diff`` when both sides are read by ranges, as
+:func:`fsdp_optim.offline.parallel.entry.splits` decides for the API too; every other verb runs on process 0 while the
 others wait for it (:func:`~fsdp_optim.offline.parallel.alone.alone`). Process 0 prints the verb's report; every
 process exits with its code, and with its error when it failed. Without ``torchrun`` (no ``RANK``/``WORLD_SIZE`` of
 2 or more), nothing here runs."""
@@ -28,43 +28,41 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
     if not launched():
         return run(args)
-    from fsdp_optim.cli.diff import run_diff
-    from fsdp_optim.cli.inspect import run_verify
     from fsdp_optim.cli.outcome import Outcome
-    from fsdp_optim.cli.verbs import is_safetensors_name, run_consolidate, run_reshard, uploads_itself
-    from fsdp_optim.disk.locations import where
     from fsdp_optim.job.team import team_of_job
     from fsdp_optim.job.transport import shut_down
-    from fsdp_optim.offline.parallel.alone import alone
 
     team = team_of_job()
     assert team is not None, "launched() means a team of 2 or more"
     try:
-        split = args.run is run_reshard and args.param_names is None and where(args.output).shared_by_processes()
-        result: Any
-        if split:
-            result = _reshard(team, args)
-        elif (args.run is run_consolidate and is_safetensors_name(args.output) and _sharded(args.source)
-              and (where(args.output).shared_by_processes() or uploads_itself(args))):  # fmt: skip
-            result = _consolidate(team, args)
-        elif (args.run is run_verify and _sharded(args.path)) or args.run is run_diff:  # each reads its share
-            args.parallel = True
-            with contextlib.redirect_stdout(sys.stdout if team.rank == 0 else io.StringIO()):
-                result = run(args)
-        else:
-            result = alone(team, lambda: run(args), str(args.verb))
+        result = _split_or_alone(team, args, run)
         code = team.from_first(result.code if isinstance(result, Outcome) else 0)
     finally:
         shut_down()
     return result if team.rank == 0 else Outcome((), code)
 
 
-def _sharded(path: str) -> bool:
-    """Whether ``path`` is a sharded checkpoint of ours, in any location (by its names alone): every process reads
-    its share of it."""
-    from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
+def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
+    """The verb split across ``team`` where :func:`~fsdp_optim.offline.parallel.entry.splits` says (the API's
+    ``parallel=True`` asks it alike), else ``run(args)`` on process 0 while the others wait."""
+    from fsdp_optim.cli.diff import run_diff
+    from fsdp_optim.cli.inspect import run_verify
+    from fsdp_optim.cli.verbs import run_consolidate, run_reshard
+    from fsdp_optim.offline.parallel.alone import alone
+    from fsdp_optim.offline.parallel.entry import splits
 
-    return is_sharded_checkpoint(path)
+    if args.run is run_reshard and args.param_names is None and splits("reshard", args.source, output=args.output):
+        return _reshard(team, args)
+    if args.run is run_consolidate and splits("consolidate", args.source, output=args.output):
+        return _consolidate(team, args)
+    reads = (args.run is run_verify and splits("verify", args.path)) or (
+        args.run is run_diff and splits("diff", args.a, args.b)
+    )
+    if reads:
+        args.parallel = True  # each reads its share
+        with contextlib.redirect_stdout(sys.stdout if team.rank == 0 else io.StringIO()):
+            return run(args)
+    return alone(team, lambda: run(args), str(args.verb))
 
 
 def _consolidate(team: Team, args: argparse.Namespace) -> list[str]:

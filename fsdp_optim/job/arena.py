@@ -19,6 +19,7 @@ The :class:`Registrar` is a seam: the tests page-lock nothing, or fail (``tests/
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import warnings
 import weakref
@@ -42,6 +43,11 @@ class Registrar(Protocol):
         """Undo :meth:`register` of the memory starting at ``pointer``."""
         ...
 
+    def clear_error(self, device: torch.device) -> None:
+        """Forget the error a failed :meth:`register` left on this thread (CUDA keeps it as the runtime's last
+        error, and the thread's next kernel launch would report it as its own)."""
+        ...
+
 
 class CudaHost:
     """``cudaHostRegister`` / ``cudaHostUnregister``, each under its GPU's context."""
@@ -56,6 +62,24 @@ class CudaHost:
     def unregister(self, pointer: int, device: torch.device) -> None:
         with torch.cuda.device(device):
             torch.cuda.cudart().cudaHostUnregister(pointer)
+
+    def clear_error(self, device: torch.device) -> None:
+        """``cudaGetLastError`` of the CUDA runtime torch loaded (torch's bindings lack it): reads and resets it."""
+        runtime = _loaded_cudart()
+        if runtime is not None:
+            with torch.cuda.device(device):
+                runtime.cudaGetLastError()
+
+
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process already holds (the one torch calls), or None when none is found: a
+    library loaded a second time would keep an error state of its own."""
+    try:
+        with open("/proc/self/maps") as maps:
+            found = sorted({line.split()[-1] for line in maps if "/libcudart" in line})
+    except OSError:
+        return None
+    return ctypes.CDLL(found[0]) if found else None
 
 
 CUDA_HOST = CudaHost()
@@ -96,6 +120,7 @@ class Arena:
             try:
                 self.registrar.register(chunk, self.device)
             except Exception as exc:  # noqa: BLE001 - any failure to page-lock falls back, the save goes on
+                self.registrar.clear_error(self.device)  # or this thread's next kernel launch fails for it
                 warn_once(exc)
                 self.registrar, self.failed, self.locked = None, True, self.nbytes
                 return

@@ -1,9 +1,7 @@
-"""Loads into live GPU memory: checked tensors copied into the live parameters, buffers and optimizer state; host
-tensors through the stager's pinned ring (:func:`fsdp_optim.job.stager.upload`), never through pageable memory,
-tensors a load already read onto the GPU (:mod:`fsdp_optim.job.ring_load`) on the device.
-
-On the CPU nothing changes: parameters and buffers are copied into as before, and ``optim.load_state_dict`` takes the
-host dict as it is.
+"""Where loaded state lands, one rule on every device: in the live tensors, in place (parameters, buffers and the
+optimizer's state tensors), so that memory does not double past the load. Host tensors go into GPU ones through the
+stager's pinned ring (:func:`fsdp_optim.job.stager.upload`), never through pageable memory; tensors a load already
+read onto the GPU (:mod:`fsdp_optim.job.ring_load`) or a scatter received there are copied on the device.
 """
 
 from __future__ import annotations
@@ -13,10 +11,12 @@ from typing import Any
 
 import torch
 
+from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.job.ring_load import Destination
 from fsdp_optim.job.stager import check_pairs, upload
 from fsdp_optim.job.staging import before_change
 
-__all__ = ["into_live", "optimizer_state_on_device"]
+__all__ = ["into_live", "live_destination", "optimizer_state_on_device"]
 
 
 def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -24,7 +24,7 @@ def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     (a load read it there, :mod:`fsdp_optim.job.ring_load`) on the device, a host tensor into a GPU tensor through
     the pinned ring, into a host tensor directly. A floating-point tensor of another dtype is cast first; any other
     difference of dtype or shape is refused before a byte is written (:func:`fsdp_optim.job.stager.check_pairs`)."""
-    ready = [(live, t.to(live.dtype) if _castable(t, live) else t) for live, t in pairs]
+    ready = [(live, t.to(live.dtype) if _castable(t, live) else t) for live, t in pairs if not _same(live, t)]
     check_pairs(ready)  # all or nothing: the device-side pairs too, before the first of them is copied
     on_device = [(live, t) for live, t in ready if live.is_cuda and t.device == live.device]
     with torch.no_grad():
@@ -33,23 +33,47 @@ def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     upload([(live, t) for live, t in ready if not (live.is_cuda and t.device == live.device)])
 
 
+def _same(live: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` is ``live``'s own memory (a load read it there: nothing to copy)."""
+    same_place = live.device == t.device and live.data_ptr() == t.data_ptr()
+    return same_place and live.shape == t.shape and live.dtype == t.dtype
+
+
+def live_destination(params: Sequence[torch.Tensor], optim: torch.optim.Optimizer | None) -> Destination:
+    """Where a load at the saved layout reads each shard (:meth:`fsdp_optim.job.ring_load.Verified.land`), the one
+    rule: the live tensor itself (``params[flat]``'s data for the weights, the optimizer's own state tensor for a
+    state key) when it has the shard's numel, dtype and device and is contiguous; else a new tensor (an optimizer
+    that has not stepped yet: it becomes its state)."""
+
+    def destination(flat: int, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        param = params[flat]
+        state = optim.state.get(param, {}) if optim is not None else {}
+        live = param.data if key == WEIGHTS_KEY else state.get(key)
+        if (torch.is_tensor(live) and live.numel() == numel and live.dtype == dtype and live.device == device
+                and live.is_contiguous()):  # fmt: skip
+            return live.detach().view(-1)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    return destination
+
+
 def _castable(host: torch.Tensor, live: torch.Tensor) -> bool:
     return host.dtype != live.dtype and host.is_floating_point() and live.is_floating_point()
 
 
 def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` (``{"state": {id: {key: host tensor or value}}, "param_groups": [...]}``, as
-    ``optim.load_state_dict`` takes it) with every state tensor of a parameter on a GPU already there, in the dtype
-    ``load_state_dict`` would cast it to: copied into the live optimizer's own tensor for that parameter and key when
-    it has one of that shape and dtype (no new GPU memory); a tensor already on its parameter's GPU (received there
-    by a scatter, or read there by :mod:`fsdp_optim.job.ring_load`) is used as it is; else into a new one. ``step``
-    stays as it is (as ``load_state_dict`` keeps it). The same dict when no parameter is on a GPU. An async save
-    still copying
-    ``optim``'s state is waited for first (its pre-hook on ``load_state_dict`` would come too late)."""
+    """``state_dict`` (``{"state": {id: {key: tensor or value}}, "param_groups": [...]}``, as
+    ``optim.load_state_dict`` takes it) with every state tensor landed where the load's one rule puts it: **in the
+    live optimizer's own tensor** for that parameter and key, in place, when it has one of that shape, dtype (the one
+    ``load_state_dict`` would cast to) and device, whatever device the loaded tensor came from (a GPU tensor a load
+    read there or a scatter received there: copied on the device; a host tensor into a GPU one: through the pinned
+    ring; host into host: copied), so a load never holds the state twice past this call. Without such a live tensor,
+    a tensor already on its parameter's device is used as it is, and a host tensor for a GPU parameter goes into a
+    new GPU tensor. ``step`` stays as it is (as ``load_state_dict`` keeps it). ``load_state_dict`` keeps tensors
+    of the right dtype and device as they are, so the live tensors stay the optimizer's. An async save still
+    copying ``optim``'s state is waited for first (its pre-hook on ``load_state_dict`` would come too late)."""
     before_change(optim)
     params = _params_by_id(optim, state_dict)
-    if not any(p.is_cuda for p in params.values()):
-        return state_dict
     state: dict[Any, dict[str, Any]] = {}
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for pid, entries in state_dict["state"].items():
@@ -57,20 +81,25 @@ def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str
         live = optim.state.get(param, {})
         state[pid] = dict(entries)
         for key, value in entries.items():
-            if key == "step" or not torch.is_tensor(value) or not param.is_cuda:
+            if key == "step" or not torch.is_tensor(value):
                 continue
             dtype = param.dtype if param.is_floating_point() else value.dtype
-            if value.device == param.device:  # received there (a scatter under NCCL): no trip through the host
-                state[pid][key] = value.to(dtype)
-                continue
             target = live.get(key)
-            if not (torch.is_tensor(target) and target.shape == value.shape and target.dtype == dtype
-                    and target.device == param.device and target.is_contiguous()):  # fmt: skip
+            if not _fits(target, value, dtype, param.device):
+                if value.device == param.device:  # nothing live to land in: the loaded tensor becomes it
+                    state[pid][key] = value.to(dtype)
+                    continue
                 target = torch.empty(value.shape, dtype=dtype, device=param.device)
-            pairs.append((target, value.to(dtype)))  # as load_state_dict casts it (an integer one too)
+            if target is not value:
+                pairs.append((target, value.to(dtype)))  # as load_state_dict casts it (an integer one too)
             state[pid][key] = target
     into_live(pairs)
     return {**state_dict, "state": state}
+
+
+def _fits(target: Any, value: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+    return (torch.is_tensor(target) and target.shape == value.shape and target.dtype == dtype
+            and target.device == device and target.is_contiguous())  # fmt: skip
 
 
 def _params_by_id(optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> dict[Any, torch.Tensor]:

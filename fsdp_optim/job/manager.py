@@ -33,6 +33,7 @@ from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
 from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
+from fsdp_optim.job import agreed
 from fsdp_optim.job.async_save import AsyncSave
 from fsdp_optim.job.memory_restore import MemoryRestore, restore_from_memory
 from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
@@ -208,12 +209,8 @@ class CheckpointManager:
         self.wait()
         if group_initialized():
             rank, _ = dist_rank_and_size(None)
-            found, failure = None, None
-            try:
-                found = _find_latest(self.root) if rank == 0 else None
-            except Exception as exc:  # every rank raises it (through agree) rather than waiting for rank 0
-                failure = exc
-            agree(failure, group=None, what=f"CheckpointManager.latest() could not read {self.root}")
+            with agreed.step(f"CheckpointManager.latest() could not read {self.root}", group=None):
+                found = _find_latest(self.root) if rank == 0 else None  # (an error: every rank raises it)
             step, skipped = broadcast_object(found, src=0, group=None)
             warn = rank == 0
         else:

@@ -23,7 +23,8 @@ node crosses the network once, plus at most a chunk on each side of each range),
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from fsdp_optim.job.memory_save import MemoryTier
 from fsdp_optim.job.node_memory import MemoryTierDamaged, NodeMemory
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.sampler import resume_data
-from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects, is_cpu_group
+from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, is_cpu_group
 from fsdp_optim.job.whole_load import LOAD_WINDOW_BYTES, LoadPlans, Staged, commit_load, plan_load, stage_load
 
 __all__ = ["MemoryRestore", "find_in_memory", "restore_from_memory"]
@@ -110,15 +111,11 @@ def restore_from_memory(
     if not all(_holds_step(report, chosen) for report in holdings):
         src = min(r for r, report in enumerate(holdings) if _holds_step(report, chosen))
         node.spread_manifest(src, nodes, what=what)
-    ckpt, failure = None, None
+    ckpt = None
     try:
-        ckpt, plans, planned = _plan(root, model, optim, node, chosen, nodes, holdings, buffers)
-        fetches.extend(planned)
-    except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
-        failure = exc
-    try:
-        agree(failure, group=group, what=what)
-        assert ckpt is not None, "agree() raises on every rank when any rank failed"
+        with step(what, group=group):  # nothing is changed anywhere when any rank fails
+            ckpt, plans, planned = _plan(root, model, optim, node, chosen, nodes, holdings, buffers)
+            fetches.extend(planned)
         staged = _fetch_and_stage(root, ckpt, plans, group, what)
     finally:
         if ckpt is not None:
@@ -153,18 +150,22 @@ def _plan(
 def _fetch_and_stage(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, group: ProcessGroup, what: str) -> Staged:
     """Step 4: every transfer posted (the prefetch of the step's location), the load read from this node's files and
     the pieces received as they arrive, every transfer waited for; agreed."""
-    staged, failure = None, None
-    try:
-        spans = lambda: load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)  # noqa: E731
+    spans = lambda: load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)  # noqa: E731
+    with step(what, group=group), _damaged():
         with fetched_ahead(ckpt, spans) as sides:  # (NodeMemory needs no spans: its plan covers every rank's)
             staged = stage_load(root, ckpt, plans, sides)
-    except MemoryTierDamaged as exc:
-        failure = exc
-    except Exception as exc:
-        failure = MemoryTierDamaged(str(exc))
-    agree(failure, group=group, what=what)
-    assert staged is not None, "agree() raises on every rank when any rank failed"
     return staged
+
+
+@contextmanager
+def _damaged() -> Iterator[None]:
+    """Any failure to read a step from the memory tiers is :class:`MemoryTierDamaged` (durable storage is next)."""
+    try:
+        yield
+    except MemoryTierDamaged:
+        raise
+    except Exception as exc:
+        raise MemoryTierDamaged(str(exc)) from exc
 
 
 def _held(report: list[Holding], chosen: Chosen) -> frozenset[str]:

@@ -93,8 +93,10 @@ def save_to_memory(
     this node's step directory or raises the save's error on every rank); without one, synchronously."""
     finish_previous(model)
     root = verify_root(model, optim)
-    prepared, side = prepare_whole(root, model, optim, extra, copy_buffers=True, data=data)
     group = checkpoint_group(root.group)
+    # an async save's blocking part agrees over the save's gloo group and reads no GPU scalar (as async_save does)
+    caller_of = group if optim is not None else None
+    prepared, side = prepare_whole(root, model, optim, extra, copy_buffers=True, data=data, caller_of=caller_of)
     rank, _ = dist_rank_and_size(group)
     reports = all_gather_objects((new_save_id() if rank == 0 else None, tier.node), group)
     save_id, nodes = reports[0][0], [n for _, n in reports]

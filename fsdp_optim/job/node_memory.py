@@ -41,7 +41,7 @@ from fsdp_optim.disk.location import Begun
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import Marker, prune_node, write_marker
-from fsdp_optim.formats.sharded.received import Held, Piece
+from fsdp_optim.formats.sharded.received import Held, ReceivedPiece
 from fsdp_optim.job.transport import (
     ProcessGroup,
     agree,
@@ -117,7 +117,7 @@ class NodeMemory(LocalDirectory):
                 raise MemoryTierDamaged(unreadable)
             pieces: dict[str, list[Held]] = {}
             for i, (fetch, data) in enumerate(zip(mine, received, strict=True)):
-                pieces.setdefault(fetch.file, []).append(Piece(fetch.start, data, partial(inflight.wait, i)))
+                pieces.setdefault(fetch.file, []).append(ReceivedPiece(fetch.start, data, partial(inflight.wait, i)))
             yield pieces
         except BaseException:
             inflight.finish(quiet=True)

@@ -3,12 +3,15 @@ piece's chunk checksums checked on its slot, then copied to the GPU from there, 
 slots. Nothing the size of the state passes through pageable memory (the old way: the whole file read into new host
 memory, hashed, then copied into a slot, then to the GPU).
 
-The pieces land in new tensors on the device (the state being loaded, not the live one), so a corrupt byte, or a
-failure on another rank, leaves every live tensor as it was: the caller commits only after every rank agreed
-(:func:`fsdp_optim.job.whole_load.commit_load`), copying the weights on the device and the optimizer's state into its
-own tensors there (or handing it the new ones). So the GPU holds the loaded shards beside the live ones until the
-commit, as the host held them before. A load into host memory reads straight into its new tensors (no slot, no copy):
-that is its floor.
+A whole load at the saved layout goes through the ring twice, so that the GPU never holds the state twice
+(:func:`verify_own`, then :meth:`Verified.land`): the first pass reads and checks every piece in the slots and keeps
+nothing; the ranks agree; the second reads and checks each piece again and copies it straight into the live tensor
+it lands in (``destination``: the parameter's data, the optimizer's own state tensor). GPU memory grows by nothing
+the size of the state (the slots are pinned host memory), and a corrupt byte, or a failure on another rank, leaves
+every live tensor as it was. What it costs: the file is read and hashed twice (the second time usually from the page
+cache); the copies to the GPU are those of one load. A mismatch in the second pass (the file changed between the
+passes) raises, naming the file, after part of the live state was written. :func:`read_own` (the scatter's loads,
+and a load into host memory, which reads straight into its new tensors: its floor) reads once into new memory.
 
 Threads: the reader (``preadv``) waits for a slot's previous copies to be done before it refills it; the checker
 hashes the slot the reader filled before (xxhash; both release the GIL); the caller's thread queues each checked
@@ -21,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -28,16 +32,19 @@ import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
+from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.piece_reads import Piece, check_piece, plan_pieces, read_piece
+from fsdp_optim.formats.sharded.piece_reads import TensorPiece, check_piece, plan_pieces, read_piece
 from fsdp_optim.formats.sharded.rank_file import RankFile
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.job.stager import Ring, ring_of
 
-__all__ = ["read_own", "ring_for", "stream_pieces"]
+__all__ = ["Destination", "Verified", "read_own", "ring_for", "stream_pieces", "verify_own"]
 
-Copies = Callable[[Piece, torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor]]]
-Stage = Callable[[Piece, torch.Tensor], None]
+Copies = Callable[[TensorPiece, torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+# (flat, key, numel, dtype, device) -> the 1-D contiguous tensor a shard lands in
+Destination = Callable[[int, str, int, torch.dtype, torch.device], torch.Tensor]
+Stage = Callable[[TensorPiece, torch.Tensor], None]
 _Queue = queue.Queue  # of (slot, piece), a failure, or None (no more); free slots: (slot, their copies' tickets)
 
 
@@ -47,21 +54,77 @@ def ring_for(device: torch.device) -> Ring | None:
     return ring_of(device) if device.type == "cuda" else None
 
 
-def read_own(
+@dataclass(frozen=True)
+class Verified:
+    """Rank ``rank``'s own file of the checkpoint at ``directory``, every piece read through the ring and checked
+    (:func:`verify_own`), nothing kept."""
+
+    directory: Location
+    rank: int
+    devices: tuple[torch.device, ...]
+    want: Callable[[int, str], bool]
+
+    def land(self, destination: Destination) -> dict[int, dict[str, Any]]:
+        """The file read again through the ring, each piece checked again and copied straight into the tensor
+        ``destination`` gives its shard: :func:`read_own`'s result, its shards those tensors."""
+        with open_checkpoint(self.directory) as ckpt:
+            return read_own(ckpt, self.rank, self.devices, self.want, destination)
+
+
+def verify_own(
     ckpt: ShardedCheckpoint, rank: int, devices: Sequence[torch.device], want: Callable[[int, str], bool]
-) -> dict[int, dict[str, Any]]:
-    """Rank ``rank``'s own file at the saved layout: ``{flat: {key: shard or scalar}}`` for the entries ``want(flat,
-    key)`` accepts, each shard checked and in new memory on ``devices[flat]`` (all on one GPU: through its ring, a
-    piece at a time; else read into host memory, as :meth:`ShardedCheckpoint.load_rank` reads). Nothing live is
-    touched; a checksum mismatch raises ``ValueError`` naming the file, the elements and their unit."""
+) -> Verified | None:
+    """The first pass of a load at the saved layout through a ring (module doc): every piece of rank ``rank``'s
+    file read into the ring's slots and checked there, nothing copied out, nothing allocated the size of the
+    state; ``ValueError`` at a checksum mismatch. None where no ring is used (host memory, format 1 or 2 files):
+    :func:`read_own` reads those once, into new memory."""
+    ring, rank_file = _ring_and_file(ckpt, rank, devices)
+    if ring is None or rank_file is None:
+        return None
+    try:
+        stages = [partial(read_piece, rank_file), partial(check_piece, rank_file)]
+        stream_pieces(ring, plan_pieces(rank_file, ring.slot_bytes), stages, _no_copies)
+    finally:
+        rank_file.release()
+    return Verified(ckpt.directory, rank, tuple(devices), want)
+
+
+def _ring_and_file(
+    ckpt: ShardedCheckpoint, rank: int, devices: Sequence[torch.device]
+) -> tuple[Ring | None, RankFile | None]:
     device = devices[0] if devices and all(d == devices[0] for d in devices) else None
     ring = ring_for(device) if device is not None else None
     rank_file = ckpt.rank_file(rank)
-    if ring is None or rank_file is None or ckpt.manifest.version < 3:
+    usable = ring is not None and rank_file is not None and ckpt.manifest.version >= 3
+    return (ring, rank_file) if usable else (None, None)
+
+
+def _no_copies(piece: TensorPiece, slot: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ARG001
+    return iter(())
+
+
+def _new(flat: int, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ARG001
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def read_own(
+    ckpt: ShardedCheckpoint,
+    rank: int,
+    devices: Sequence[torch.device],
+    want: Callable[[int, str], bool],
+    destination: Destination = _new,
+) -> dict[int, dict[str, Any]]:
+    """Rank ``rank``'s own file at the saved layout: ``{flat: {key: shard or scalar}}`` for the entries ``want(flat,
+    key)`` accepts, each shard checked and on ``devices[flat]`` (all on one GPU: through its ring, a piece at a time,
+    into the tensors ``destination`` gives, new ones by default; else read into new host memory, as
+    :meth:`ShardedCheckpoint.load_rank` reads). With new tensors nothing live is touched; a checksum mismatch raises
+    ``ValueError`` naming the file, the elements and their unit."""
+    ring, rank_file = _ring_and_file(ckpt, rank, devices)
+    if ring is None or rank_file is None:
         return _kept(ckpt.load_rank(rank), want)
     try:
         pieces = plan_pieces(rank_file, ring.slot_bytes)
-        out, into = _destinations(ckpt.manifest, rank_file, devices, want)
+        out, into = _destinations(ckpt.manifest, rank_file, devices, want, destination)
         ring.copier.after(ring.copier.mark())  # the new tensors' memory may be the current stream's until now
         stages = [partial(read_piece, rank_file), partial(check_piece, rank_file)]  # one thread each: overlapped
         stream_pieces(ring, pieces, stages, partial(_copies, into))
@@ -76,10 +139,14 @@ def _kept(loaded: Mapping[int, Mapping[str, Any]], want: Callable[[int, str], bo
 
 
 def _destinations(
-    manifest: Manifest, rank_file: RankFile, devices: Sequence[torch.device], want: Callable[[int, str], bool]
+    manifest: Manifest,
+    rank_file: RankFile,
+    devices: Sequence[torch.device],
+    want: Callable[[int, str], bool],
+    destination: Destination,
 ) -> tuple[dict[int, dict[str, Any]], dict[tuple[int, str], torch.Tensor]]:
-    """The entries a load returns (new, empty tensors on their devices for the shards; the manifest's scalars), and
-    the tensors by ``(flat, key)`` that the pieces fill."""
+    """The entries a load returns (for the shards, the tensors on their devices ``destination`` gives; the
+    manifest's scalars), and the tensors by ``(flat, key)`` that the pieces fill."""
     out: dict[int, dict[str, Any]] = {}
     into: dict[tuple[int, str], torch.Tensor] = {}
     for i, flat in enumerate(manifest.flat_params):
@@ -89,12 +156,14 @@ def _destinations(
                 continue
             tensor, _, numel = rank_file.layout[0][(i, e.key)]
             dtype = dtype_from_str(tensor, where=str(rank_file.path))
-            out.setdefault(i, {})[e.key] = into[(i, e.key)] = torch.empty(numel, dtype=dtype, device=devices[i])
+            landing = destination(i, e.key, numel, dtype, devices[i])
+            assert landing.is_contiguous() and landing.numel() == numel and landing.dtype == dtype, f"({i}, {e.key})"
+            out.setdefault(i, {})[e.key] = into[(i, e.key)] = landing
     return out, into
 
 
 def _copies(
-    into: Mapping[tuple[int, str], torch.Tensor], piece: Piece, slot: torch.Tensor
+    into: Mapping[tuple[int, str], torch.Tensor], piece: TensorPiece, slot: torch.Tensor
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(destination bytes, slot bytes)`` for each wanted shard's part in ``piece``, read into ``slot``."""
     size = piece.dtype.itemsize
@@ -105,7 +174,7 @@ def _copies(
             yield dst.view(torch.uint8)[a * size : b * size], slot[at : at + (b - a) * size]
 
 
-def stream_pieces(ring: Ring, pieces: Sequence[Piece], stages: Sequence[Stage], copies: Copies) -> None:
+def stream_pieces(ring: Ring, pieces: Sequence[TensorPiece], stages: Sequence[Stage], copies: Copies) -> None:
     """Each piece put through ``stages`` in a slot of ``ring``, each stage on a thread of its own (``stage(piece, slot
     bytes)``: the first reads the piece into the slot, the next checks it there), then copied out of the slot
     (``copies(piece, slot bytes)``: ``(dst, src)`` pairs, queued on ``ring``'s copier) while the stages work on the
@@ -144,7 +213,7 @@ def stream_pieces(ring: Ring, pieces: Sequence[Piece], stages: Sequence[Stage], 
 
 
 def _fill_slots(
-    ring: Ring, pieces: Sequence[Piece], stage: Stage, free: _Queue, out: _Queue, stop: threading.Event
+    ring: Ring, pieces: Sequence[TensorPiece], stage: Stage, free: _Queue, out: _Queue, stop: threading.Event
 ) -> None:
     """The first stage's thread: a free slot (its copies awaited), the next piece read into it, handed on."""
     try:

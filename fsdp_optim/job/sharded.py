@@ -30,6 +30,7 @@ from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
+from fsdp_optim.job.agreed import step
 from fsdp_optim.job.api import full_source
 from fsdp_optim.job.device_load import optimizer_state_on_device
 from fsdp_optim.job.interrupts import interrupts_deferred
@@ -37,11 +38,7 @@ from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.save_commit import check_in_seconds, commit_save, own_tensor, read_for_save, start_save
-from fsdp_optim.job.transport import (
-    agree,
-    check_in,
-    scatter_objects,
-)
+from fsdp_optim.job.transport import check_in, scatter_objects
 
 __all__ = ["load_sharded_optim_state", "save_layout", "save_sharded_optim_state", "scatter_full_optim_state"]
 
@@ -128,14 +125,8 @@ def load_sharded_optim_state(
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
         _scatter(root, optim, local, src_rank, what=what)
         return
-    loaded: dict[str, Any] | None = None
-    failure: Exception | None = None
-    try:
-        loaded = _read_sharded(root, optim, place)
-    except Exception as exc:  # every rank learns of it through agree(), before any optimizer is touched
-        failure = exc
-    agree(failure, group=root.group, what=f"load_sharded_optim_state({str(path)!r}) changed no optimizer")
-    assert loaded is not None, "agree() raises on every rank when any rank failed"
+    with step(f"load_sharded_optim_state({str(path)!r}) changed no optimizer", group=root.group):
+        loaded = _read_sharded(root, optim, place)  # (before any optimizer is touched)
     optim.load_state_dict(optimizer_state_on_device(optim, loaded))
 
 
@@ -202,15 +193,11 @@ def _scatter(
     check_rank("src_rank", src_rank, root.world_size)
     the_plan: Plan | None = None
     own: dict[str, Any] | None = None
-    failure: Exception | None = None
-    if root.rank == src_rank:
-        try:
+    with step(what, group=root.group):
+        if root.rank == src_rank:
             the_plan = _plan_full(full, root.layout, root.members, optim, src_rank)
             own = optimizer_state_dict(the_plan, cut_rank(the_plan, root.rank))
-        except Exception as exc:  # every rank learns of it through agree()
-            failure = exc
-    agree(failure, group=root.group, what=what)
-    # After agree(), src_rank holds a plan (or it would have raised) and the other ranks only receive.
+    # After the step, src_rank holds a plan (or it would have raised) and the other ranks only receive.
     make = partial(_cut_for, the_plan) if the_plan is not None else None
     optim.load_state_dict(optimizer_state_on_device(optim, scatter_objects(make, own, src=src_rank, group=root.group)))
 

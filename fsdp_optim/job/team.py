@@ -81,20 +81,27 @@ class Team:
         then :meth:`agree` on the outcome."""
         try:
             watch.finish(failure)
-        except PeerFailed as exc:
-            failure = exc
+        except PeerFailed as exc:  # (``failure`` was None: finish checks only then)
+            self.agree(exc, what)
+            raise
         self.agree(failure, what)
 
     @contextmanager
     def step(self, what: str, *, watch: Watch | None = None) -> Iterator[None]:
         """Run the body on every process and agree on its outcome (:func:`fsdp_optim.job.agreed.step`, over the
         team's ``control`` group). With ``watch``, the body is a share of work the watch keeps together: the watch
-        is finished first (:meth:`settle`), so a peer's failure it saw is raised as the peer's error."""
-        failure: BaseException | None = None
+        is finished first (:meth:`settle`), so a peer's failure it saw is raised as the peer's error.
+
+        Unlike a job's step, a ``BaseException`` (Ctrl-C in one process) is agreed on too: an offline verb holds no
+        interrupt, and the others stop with it rather than wait for the team's timeout."""
         try:
             yield
-        except Exception as exc:
-            failure = exc
+        except BaseException as exc:
+            self._end(exc, what, watch)
+            raise
+        self._end(None, what, watch)
+
+    def _end(self, failure: BaseException | None, what: str, watch: Watch | None) -> None:
         if watch is None:
             self.agree(failure, what)
         else:
@@ -117,6 +124,16 @@ class Team:
         """A started :class:`Watch`; ``bar``: draw the progress bar (on process 0 only) over ``total`` bytes."""
         return Watch(self, done_bytes, total if bar and self.rank == 0 else None)
 
+    def progress(self, total: int, *, bar: bool = False, trim: Callable[[], None] | None = None) -> Watch:
+        """A started :class:`Watch` that counts this process's bytes itself: hand its :meth:`Watch.advance` to a
+        writer as its ``after(nbytes)``, which also calls ``trim()`` (drop what was read) and :meth:`Watch.check`::
+
+            watch = team.progress(layout.size, bar=bar, trim=opened.trim)
+            with team.step("consolidate failed on another process", watch=watch):
+                write_tensors(path, layout, run, after=watch.advance)
+        """
+        return Watch(self, None, total if bar and self.rank == 0 else None, trim=trim)
+
 
 def team_of_job(timeout_s: float = TIMEOUT_S) -> Team | None:
     """The team of this process: the default process group's processes when one is up, or joined as ``torchrun``
@@ -135,8 +152,13 @@ class Watch:
     """The thread of the module docstring. The main thread calls :meth:`check` often (it raises once another
     process failed or was lost) and :meth:`finish` once, when its share is done or has failed."""
 
-    def __init__(self, team: Team, done_bytes: Callable[[], int], total: int | None) -> None:
-        self.team, self.done_bytes = team, done_bytes
+    def __init__(
+        self, team: Team, done_bytes: Callable[[], int] | None, total: int | None, *,
+        trim: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.done = 0  # this process's bytes, when :meth:`advance` counts them (``done_bytes`` None)
+        self.team, self.trim = team, trim
+        self.done_bytes: Callable[[], int] = done_bytes if done_bytes is not None else lambda: self.done
         self.state = _WORKING
         self.lost: str | None = None
         self.contact_lost = False
@@ -173,6 +195,13 @@ class Watch:
             time.sleep(PERIOD_S)
         if self.bar is not None:
             self.bar.close()
+
+    def advance(self, nbytes: int) -> None:
+        """``nbytes`` more done by this process: counted, ``trim()`` called, then :meth:`check`."""
+        self.done += nbytes
+        if self.trim is not None:
+            self.trim()
+        self.check()
 
     def check(self) -> None:
         """:class:`PeerFailed` once another process failed or was lost: this one stops its share there."""

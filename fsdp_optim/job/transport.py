@@ -14,6 +14,7 @@ travel (:func:`all_gather_objects`) only when digests differ. A final barrier ag
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_optim.core.layout import ShardBounds
+from fsdp_optim.job import gpu_choice
 from fsdp_optim.job.host_copies import moved
 from fsdp_optim.job.skeleton import fill, slots, strip
 
@@ -120,9 +122,10 @@ def dist_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def all_gather_objects(obj: T, group: dist.ProcessGroup | None) -> list[T]:
-    """Every rank's ``obj`` on every rank (one collective)."""
+    """Every rank's ``obj`` on every rank (one collective; under NCCL staged on :func:`object_device`)."""
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with _on_object_device(group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -132,7 +135,8 @@ def broadcast_from_each_rank(obj: T, group: dist.ProcessGroup | None) -> list[T]
     received: list[T] = []
     for src in range(dist.get_world_size(group)):
         box = [moved(obj, torch.device("cpu")) if src == dist.get_rank(group) else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(_group(group), src), group=group)
+        device = _comm_device(group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(_group(group), src), group=group, device=device)
         received.append(cast(T, box[0]))  # rank src's obj
     return received
 
@@ -259,7 +263,8 @@ def gather_objects(obj: T, *, dst: int, group: dist.ProcessGroup | None) -> list
     """Every rank's ``obj`` on rank ``dst`` (rank order), ``None`` elsewhere: one ``gather_object``."""
     receiving = dist.get_rank(group) == dst
     out: list[Any] | None = [None] * dist.get_world_size(group) if receiving else None
-    dist.gather_object(obj, out, dst=_global(group, dst), group=group)
+    with _on_object_device(group):
+        dist.gather_object(obj, out, dst=_global(group, dst), group=group)
     return out
 
 
@@ -376,5 +381,17 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
+        return object_device(group)
     return torch.device("cpu")
+
+
+def _on_object_device(group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[Any]:
+    """Under NCCL, :func:`object_device` made current for a torch object collective that takes no device."""
+    device = _comm_device(group)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def object_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The GPU an NCCL group's object collectives stage their bytes on (:func:`~fsdp_optim.job.gpu_choice.choose`:
+    the group's bound device, else ``LOCAL_RANK``'s GPU); warns once where ``current_device()`` differs."""
+    return gpu_choice.checked(getattr(_group(group), "bound_device_id", None))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,14 +32,14 @@ from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, re
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file
-from fsdp_optim.job.device_load import into_live, optimizer_state_on_device
+from fsdp_optim.job.agreed import step
+from fsdp_optim.job.device_load import into_live, live_destination, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import live_shaped, persistent_buffers, weight_shards
-from fsdp_optim.job.ring_load import read_own
+from fsdp_optim.job.ring_load import Verified, read_own, verify_own
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.sampler import resume_data
 from fsdp_optim.job.staging import before_change
-from fsdp_optim.job.transport import agree
 
 __all__ = ["LOAD_WINDOW_BYTES", "LoadPlans", "commit_load", "load_checkpoint", "plan_load", "stage_load"]
 
@@ -55,6 +55,8 @@ class Staged:
     optim_state: dict[str, Any] | None  # for optim.load_state_dict
     extra: Any
     data: DataPosition | None = None  # the data stream's position, when saved with data=
+    own: Verified | None = None  # at the saved layout through a ring: verified, read into the live state at commit
+    plans: LoadPlans | None = None  # (with ``own``: how its entries are split)
 
 
 def load_checkpoint(
@@ -101,14 +103,9 @@ def load_checkpoint(
     before).
     """
     root = verify_root(model, optim)
-    staged, failure, then = None, None, None
-    try:
+    with step(f"load_checkpoint({str(path)!r}) changed nothing on any rank", group=root.group):
         staged = _stage(root, model, optim, where(path), buffers)
         then = resume_data(data, staged.data, str(path))  # checked here; the sampler moves after the commit
-    except Exception as exc:  # every rank learns of it through agree(), and nothing is changed anywhere
-        failure = exc
-    agree(failure, group=root.group, what=f"load_checkpoint({str(path)!r}) changed nothing on any rank")
-    assert staged is not None and then is not None, "agree() raises on every rank when any rank failed"
     commit_load(root, model, optim, staged)
     then()
     return staged.extra
@@ -139,26 +136,42 @@ def plan_load(
     return LoadPlans(weights, optim_plan, rule)
 
 
-def stage_load(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Received | None = None) -> Staged:
+def stage_load(
+    root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Received | None = None, *, in_place: bool = False
+) -> Staged:
     """Read and check into new memory everything this rank will change (``sides``: side files held in memory); at the
-    saved layout, the shards into new memory on the parameters' GPU (:func:`~fsdp_optim.job.ring_load.read_own`)."""
+    saved layout, the shards into new memory on the parameters' GPU (:func:`~fsdp_optim.job.ring_load.read_own`),
+    or, ``in_place`` and through a GPU's ring, only checked, to be read into the live state at the commit
+    (:func:`~fsdp_optim.job.ring_load.verify_own`: the GPU never holds the state twice)."""
     rank, training = root.rank, ckpt.manifest.training
     assert training is not None, "weights_source() refuses a checkpoint without a training section"
+    verified = None
     if plans.weights.identity:
         kept = plans.optim.flats if plans.optim is not None else {}
         want = lambda i, key: i in plans.weights.flats if key == WEIGHTS_KEY else i in kept  # noqa: E731
-        own = read_own(ckpt, rank, [p.device for p in root.params], want)  # on a GPU: through its ring
-        weights = {i: own[i][WEIGHTS_KEY] for i in plans.weights.flats}
-        state = {i: {k: v for k, v in own[i].items() if k != WEIGHTS_KEY} for i in kept}
+        devices = [p.device for p in root.params]
+        verified = verify_own(ckpt, rank, devices, want) if in_place else None
+        own = {} if verified is not None else read_own(ckpt, rank, devices, want)  # on a GPU: through its ring
+        weights, optim_state = _split_own(own, plans) if verified is None else ({}, None)
     else:
         ckpt.open_ranks(saved_ranks(plans.weights, rank) or [0])
         weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(plans.weights, rank, after_unit=ckpt.trim).items()}
         state = cut_rank(plans.optim, rank, after_unit=ckpt.trim) if plans.optim is not None else {}
-    optim_state = optimizer_state_dict(plans.optim, state) if plans.optim is not None else None
+        optim_state = optimizer_state_dict(plans.optim, state) if plans.optim is not None else None
     buffers, extra = read_rank_side(
         ckpt.directory, training, rank % ckpt.manifest.world_size, sides, rule=plans.buffers
     )
-    return Staged(weights, buffers, optim_state, extra, training.data)
+    return Staged(weights, buffers, optim_state, extra, training.data, verified, plans)
+
+
+def _split_own(
+    own: Mapping[int, Mapping[str, Any]], plans: LoadPlans
+) -> tuple[dict[int, torch.Tensor], dict[str, Any] | None]:
+    """A rank file's entries (:func:`~fsdp_optim.job.ring_load.read_own`) as the weights and the optimizer state."""
+    kept = plans.optim.flats if plans.optim is not None else {}
+    weights = {i: own[i][WEIGHTS_KEY] for i in plans.weights.flats}
+    state = {i: {k: v for k, v in own[i].items() if k != WEIGHTS_KEY} for i in kept}
+    return weights, optimizer_state_dict(plans.optim, state) if plans.optim is not None else None
 
 
 def _stage(
@@ -172,7 +185,7 @@ def _stage(
     with ShardedCheckpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES, lazy=True) as ckpt:
         plans = plan_load(root, model, optim, ckpt, buffers)
         if plans.weights.identity or ckpt.manifest.version < 3:  # its own files, whole: nothing to cut from ranges
-            return stage_load(root, ckpt, plans)
+            return stage_load(root, ckpt, plans, in_place=True)
         spans = lambda: load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)  # noqa: E731
         with fetched_ahead(ckpt, spans) as sides:
             return stage_load(root, ckpt, plans, sides)
@@ -271,6 +284,10 @@ def commit_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | Non
     through the stager's pinned ring (:mod:`fsdp_optim.job.device_load`)."""
     before_change(model)  # an async save still copying these weights and state comes first (optim=None too)
     before_change(optim)
+    if staged.own is not None:  # verified through the ring: now read again, straight into the live tensors
+        assert staged.plans is not None, "a verified load keeps its plans"
+        weights, optim_state = _split_own(staged.own.land(live_destination(root.params, optim)), staged.plans)
+        staged = replace(staged, weights=weights, optim_state=optim_state, own=None)
     live_buffers = persistent_buffers(model)
     pairs = [(param.data, live_shaped(root, i, staged.weights[i])) for i, param in enumerate(root.params)]
     into_live(pairs + [(live_buffers[name], value) for name, value in staged.buffers.items()])

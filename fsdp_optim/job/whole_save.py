@@ -152,10 +152,14 @@ def prepare_whole(
     *,
     copy_buffers: bool = False,
     data: object = None,
+    caller_of: ProcessGroup | None = None,
 ) -> tuple[_Prepared, Side]:
     """A whole save's checked input on every rank (agreed; nothing written) and its :class:`Side` (the side file
-    writer and the manifest's training section), for savers that write elsewhere (the memory tier)."""
-    prepared, per_rank = _prepare_everywhere(root, model, optim, extra, copy_buffers=copy_buffers, data=data)
+    writer and the manifest's training section), for savers that write elsewhere (the memory tier). ``caller_of``:
+    the blocking part of an async save (see :func:`_prepare_everywhere`)."""
+    prepared, per_rank = _prepare_everywhere(
+        root, model, optim, extra, copy_buffers=copy_buffers, data=data, caller_of=caller_of
+    )
     return prepared, Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
 
 

@@ -21,10 +21,10 @@ from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems
 from fsdp_optim.formats.kinds import names_shard_set
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.opened.base import Opened
-from fsdp_optim.offline.parallel.pieces import Piece, Work, run_work, state_bytes
 from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
+from fsdp_optim.offline.work import Piece, Work, run_work, state_bytes
 
 __all__ = ["deep_findings", "deep_work"]
 
@@ -41,7 +41,7 @@ def deep_findings(
 def deep_work(
     path: str | os.PathLike[str], *, allow_globals: Sequence[str] = (), layout: LayoutLike | None = None
 ) -> Iterator[Work[Finding, tuple[Finding, ...]]]:
-    """The findings of :func:`deep_findings` as a work of pieces (:mod:`fsdp_optim.offline.parallel.pieces`), in
+    """The findings of :func:`deep_findings` as a work of pieces (:mod:`fsdp_optim.offline.work`), in
     the report's order: the settings, each state tensor of each parameter (its bytes), the side files, the checks
     against ``layout``; the source stays open while the caller runs them."""
     model = resolve_layout(layout) if layout is not None else None

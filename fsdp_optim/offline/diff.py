@@ -47,10 +47,10 @@ from fsdp_optim.offline.diff_report import (
     SettingDiff,
     diff_summary,
 )
-from fsdp_optim.offline.parallel.pieces import Piece, Work, run_work, state_bytes
 from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
+from fsdp_optim.offline.work import Piece, Work, run_work, state_bytes
 
 __all__ = ["diff", "diff_work"]
 
@@ -98,7 +98,7 @@ def diff(
 def diff_work(
     a: Given, b: Given, *, atol: float, rtol: float, allow_globals: Sequence[str], max_mapped_bytes: int
 ) -> Iterator[Work[DiffRow, DiffReport]]:
-    """:func:`diff` as a work of pieces (:mod:`fsdp_optim.offline.parallel.pieces`), in the report's order: each
+    """:func:`diff` as a work of pieces (:mod:`fsdp_optim.offline.work`), in the report's order: each
     state of each parameter of ``a`` (a tensor weighs its bytes on both sides), those only ``b`` has, the side
     files; the settings are compared before any piece runs. Both sources stay open while the caller runs them."""
     with contextlib.ExitStack() as stack:

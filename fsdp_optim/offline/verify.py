@@ -32,7 +32,6 @@ from dataclasses import replace
 
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
-from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 from fsdp_optim.offline.deep import deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened import class_of
@@ -62,7 +61,7 @@ def verify(
     """
     if layout is not None and not deep:
         raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
-    if parallel and is_sharded_checkpoint(path):  # (in any location: each process reads its share)
+    if parallel and _split(path):  # (in any location: each process reads its share)
         from fsdp_optim.offline.parallel.deep import verify_deep_across
         from fsdp_optim.offline.parallel.entry import joined_team
         from fsdp_optim.offline.parallel.verify import verify_across
@@ -79,6 +78,13 @@ def verify(
         if not deep or not checked.ok:
             return replace(checked, deep=deep)
         return replace(checked, deep=True, findings=deep_findings(local, allow_globals=allow_globals, layout=layout))
+
+
+def _split(path: str | os.PathLike[str]) -> bool:
+    """Whether a team splits the check of ``path`` (:func:`fsdp_optim.offline.parallel.entry.splits`)."""
+    from fsdp_optim.offline.parallel.entry import splits
+
+    return splits("verify", path)
 
 
 def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:

@@ -4,7 +4,7 @@ to where they go (a GPU's memory) and nothing the size of the file passes throug
 
 A piece is the whole checksum chunks of one tensor that fit the buffer: of tensor ``float32`` (``n`` elements, 64 KiB
 chunks, a 32 MiB buffer), elements ``[0, 8Mi)``, ``[8Mi, 16Mi)``, ... ``[.., n)``. Shards tile each tensor in file
-order and a piece may hold the end of one shard and the start of the next (:meth:`Piece.spans`).
+order and a piece may hold the end of one shard and the start of the next (:meth:`TensorPiece.spans`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fsdp_optim.formats.sharded.mapped import MappedFile, check_tiling
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.segments import chunk_elements
 
-__all__ = ["Piece", "Shard", "check_piece", "plan_pieces", "read_piece"]
+__all__ = ["TensorPiece", "Shard", "check_piece", "plan_pieces", "read_piece"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class Piece:
+class TensorPiece:
     """Elements ``[lo, hi)`` of tensor ``tensor`` (whole chunks), and the shards that overlap them."""
 
     tensor: str
@@ -58,14 +58,14 @@ class Piece:
                 yield s, a, b
 
 
-def plan_pieces(rank_file: RankFile, piece_bytes: int) -> list[Piece]:
+def plan_pieces(rank_file: RankFile, piece_bytes: int) -> list[TensorPiece]:
     """Every piece of the open format-3 ``rank_file`` (its tensors in file order), each at most ``piece_bytes``
     long; ``ValueError`` when a checksum chunk does not fit in ``piece_bytes`` or the shards do not tile a tensor."""
     where = str(rank_file.path)
     file = rank_file.open()
     if not rank_file.grids:
         raise ValueError(f"{where}: a format-{rank_file.manifest.version} rank file; pieces are read from format 3")
-    out: list[Piece] = []
+    out: list[TensorPiece] = []
     for name in sorted(rank_file.grids, key=lambda t: file.header.tensors[t][2]):
         g, dtype = rank_file.grids[name], dtype_from_str(name, where=where)
         shards = sorted(
@@ -85,11 +85,11 @@ def plan_pieces(rank_file: RankFile, piece_bytes: int) -> list[Piece]:
             hi = min(lo + step, g.end)
             first = bisect.bisect_right(ends, lo)  # the first shard ending after lo
             last = bisect.bisect_left([s.offset for s in shards], hi)  # shards starting before hi
-            out.append(Piece(name, dtype, lo, hi, tuple(shards[first:last])))
+            out.append(TensorPiece(name, dtype, lo, hi, tuple(shards[first:last])))
     return out
 
 
-def read_piece(rank_file: RankFile, piece: Piece, out: torch.Tensor) -> None:
+def read_piece(rank_file: RankFile, piece: TensorPiece, out: torch.Tensor) -> None:
     """Read ``piece`` from the open ``rank_file`` into ``out`` (``uint8``, contiguous, ``piece.nbytes`` long), not
     verified yet: :func:`check_piece` does, before any of it is used."""
     if out.dtype != torch.uint8 or out.numel() != piece.nbytes or not out.is_contiguous():
@@ -101,7 +101,7 @@ def read_piece(rank_file: RankFile, piece: Piece, out: torch.Tensor) -> None:
     rank_file.open().read_chunks(grid, piece.lo, piece.hi, out.view(piece.dtype), rank_file.manifest.chunk_bytes, where)
 
 
-def check_piece(rank_file: RankFile, piece: Piece, out: torch.Tensor) -> None:
+def check_piece(rank_file: RankFile, piece: TensorPiece, out: torch.Tensor) -> None:
     """Refuse ``piece`` as :func:`read_piece` read it into ``out`` unless every chunk's checksum is the file's; a
     mismatch names the elements and the units they belong to."""
     holds = partial(rank_file.holds, piece.tensor)

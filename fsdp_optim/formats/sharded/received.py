@@ -29,7 +29,7 @@ from fsdp_optim.formats.sharded.mapped import MappedFile
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Placement, chunk_elements
 
-__all__ = ["Held", "Piece", "ReceivedFile", "held_readers"]
+__all__ = ["Held", "ReceivedPiece", "ReceivedFile", "held_readers"]
 
 
 class Held(Protocol):
@@ -55,7 +55,7 @@ class Held(Protocol):
 
 
 @dataclass
-class Piece:
+class ReceivedPiece:
     """Bytes ``[start, start + data.numel())`` of a file, in ``data`` (1-D uint8) once ``ready()`` returned."""
 
     start: int

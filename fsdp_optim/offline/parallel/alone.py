@@ -17,12 +17,7 @@ T = TypeVar("T")
 def alone(team: Team, run: Callable[[], T], what: str) -> T | None:
     """``run()`` on process 0 (its result there, ``None`` elsewhere); every process raises if it failed."""
     result: T | None = None
-    failure: BaseException | None = None
-    watch = team.watch(lambda: 0, total=0, bar=False)
-    if team.rank == 0:
-        try:
+    with team.step(f"{what} failed on process 0", watch=team.progress(0)):
+        if team.rank == 0:
             result = run()
-        except BaseException as exc:
-            failure = exc
-    team.settle(watch, failure, f"{what} failed on process 0")
     return result

@@ -1,6 +1,7 @@
-"""``diff`` by a team: when both sources are read by byte ranges (a local sharded checkpoint of ours, a local named
-safetensors file), the comparison's pieces (:func:`~fsdp_optim.offline.diff.diff_work`: a parameter's state key at a
-time, weighing its bytes on both sides) are split by bytes across the processes, each reading its run once
+"""``diff`` by a team: when both sources are read by byte ranges (a sharded checkpoint of ours, a local named
+safetensors file: :func:`~fsdp_optim.offline.parallel.entry.splits`), the comparison's pieces
+(:func:`~fsdp_optim.offline.diff.diff_work`: a parameter's state key at a time, weighing its bytes on both sides)
+are split by bytes across the processes, each reading its run once
 (:func:`~fsdp_optim.offline.parallel.shared.across`). Any other pair (a full dict or a shard set is loaded whole:
 every process would read all of it) is compared by process 0 while the others wait
 (:func:`~fsdp_optim.offline.parallel.alone.alone`). Every process returns the report one process makes."""
@@ -10,19 +11,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
-from fsdp_optim.disk.location import is_url
-from fsdp_optim.formats.kinds import Kind, sniff_kind
-from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 from fsdp_optim.offline.diff_report import DiffReport, DiffRow
 from fsdp_optim.offline.parallel.alone import alone
-from fsdp_optim.offline.parallel.entry import joined_team
-from fsdp_optim.offline.parallel.pieces import Work, run_work
+from fsdp_optim.offline.parallel.entry import joined_team, splits
 from fsdp_optim.offline.parallel.shared import across
+from fsdp_optim.offline.work import Work, run_work
 
-__all__ = ["diff_in_team", "read_by_ranges"]
+__all__ = ["diff_in_team"]
 
 
 def diff_in_team(
@@ -33,7 +30,7 @@ def diff_in_team(
     team (:func:`~fsdp_optim.offline.parallel.entry.joined_team`), on every process."""
     team = joined_team()
     try:
-        if read_by_ranges(a) and read_by_ranges(b):
+        if splits("diff", a, b):
             return across(team, opening, "diff")
 
         def whole() -> DiffReport:
@@ -44,14 +41,3 @@ def diff_in_team(
         return report
     finally:
         team.close()
-
-
-def read_by_ranges(given: str | os.PathLike[str] | Mapping[str, Any]) -> bool:
-    """Whether ``given`` is read by byte ranges, so that each process reads only its share: a sharded checkpoint of
-    ours in any location (its readers read ranges) or a local named safetensors file (by its name and first bytes;
-    one at a URL is fetched whole)."""
-    if isinstance(given, Mapping):
-        return False
-    if is_sharded_checkpoint(given):
-        return True
-    return not is_url(given) and Path(given).is_file() and sniff_kind(given) is Kind.NAMED

@@ -1,4 +1,4 @@
-"""A verb's :class:`~fsdp_optim.offline.parallel.pieces.Work` done by a team: every process opens the inputs
+"""A verb's :class:`~fsdp_optim.offline.work.Work` done by a team: every process opens the inputs
 alike and cuts the same pieces, runs its contiguous run of them
 (:func:`~fsdp_optim.core.split.split_by_bytes`), process 0 puts the parts back in order and sends them to every
 process, and each makes the report of them: the one one process makes.
@@ -6,7 +6,7 @@ process, and each makes the report of them: the one one process makes.
 Failures, as every offline verb of a team: opening is agreed first (every process raises the failing one's error);
 then each process checks its :class:`~fsdp_optim.job.team.Watch` between pieces, so a piece that fails (a chunk
 whose checksum does not match) or a process that is lost (killed) stops every process at its next piece, and
-:meth:`~fsdp_optim.job.team.Team.settle` makes each raise the first failing process's error.
+:meth:`~fsdp_optim.job.team.Team.step` makes each raise the first failing process's error.
 
 Cost beyond the reading: three small agreements (opening, the pieces' count and bytes), the watch's rounds, one
 gather of the parts to process 0 and one broadcast of them.
@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.job.team import Team
-from fsdp_optim.offline.parallel.pieces import Piece, Work
+from fsdp_optim.offline.work import Piece, Work
 
 __all__ = ["across"]
 
@@ -33,15 +33,8 @@ def across(team: Team, opening: AbstractContextManager[Work[T, R]], what: str) -
     """The report of the work ``opening`` yields (entered on every process, exited once the report is made), made
     by ``team`` as the module docstring says; ``what`` names the verb in errors (``"diff"``)."""
     with contextlib.ExitStack() as stack:
-        failure: BaseException | None = None
-        work: Work[T, R] | None = None
-        try:
+        with team.step(f"{what}: opening the inputs failed on another process"):
             work = stack.enter_context(opening)
-        except BaseException as exc:  # every process learns of it, and raises the failing one's error
-            failure = exc
-        team.agree(failure, f"{what}: opening the inputs failed on another process")
-        if work is None:
-            raise RuntimeError("the work was not opened on this process, though every process agreed it was")
         cut = (len(work.pieces), sum(p.nbytes for p in work.pieces))
         first = team.from_first(cut)
         mismatch = None if first == cut else ValueError(
@@ -55,18 +48,13 @@ def across(team: Team, opening: AbstractContextManager[Work[T, R]], what: str) -
 def _run_shared(team: Team, pieces: Sequence[Piece[T]], what: str) -> tuple[T, ...]:
     """This process's run of ``pieces``, then every process's parts, in order, on every process."""
     split = split_by_bytes([p.nbytes for p in pieces], team.size)
-    done = [0]
-    watch = team.watch(lambda: done[0], total=sum(split.nbytes), bar=False)
+    watch = team.progress(sum(split.nbytes))
     mine: list[T] = []
-    failure: BaseException | None = None
-    try:
+    with team.step(f"{what} failed on another process", watch=watch):
         for i in split.runs[team.rank]:
             watch.check()  # another process failed or was lost: stop here
             mine += pieces[i].run()
-            done[0] += pieces[i].nbytes
-    except BaseException as exc:
-        failure = exc
-    team.settle(watch, failure, f"{what} failed on another process")
+            watch.advance(pieces[i].nbytes)
     gathered = team.to_first(mine)
     merged = None if gathered is None else [part for share in gathered for part in share]
     everyone: list[T] = team.from_first(merged)

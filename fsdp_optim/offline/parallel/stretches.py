@@ -1,6 +1,6 @@
 """A process's share of a re-cut's output rank files (:class:`~fsdp_optim.core.split.StreamSplit`): each stretch of
 a file's data turned into runs of whole chunks of one tensor (:class:`ChunkRun`), each run made of pieces of the
-output rank's padded shards (:class:`Piece`), each piece cut from the plan reading only its own source elements.
+output rank's padded shards (:class:`ShardPiece`), each piece cut from the plan reading only its own source elements.
 
 A rank file's tensor is its shards back to back (:func:`~fsdp_optim.formats.sharded.segments.file_layout`), so a
 stretch of its bytes is a run of elements of each tensor it crosses, and those elements are the tail of one shard,
@@ -25,7 +25,7 @@ from fsdp_optim.core.intervals import overlapping
 from fsdp_optim.core.source import Plan, Reader
 from fsdp_optim.core.split import Stretch
 
-__all__ = ["PIECE_BYTES", "ChunkRun", "Piece", "chunk_runs", "cut_piece", "piece_reads"]
+__all__ = ["PIECE_BYTES", "ChunkRun", "ShardPiece", "chunk_runs", "cut_piece", "piece_reads"]
 
 PIECE_BYTES = 64 << 20
 
@@ -33,7 +33,7 @@ FileLayout = tuple[Mapping[tuple[int, str], tuple[str, int, int]], Mapping[str, 
 
 
 @dataclass(frozen=True)
-class Piece:
+class ShardPiece:
     """Elements ``[lo, hi)`` of the output rank's padded shard of state ``key`` of target flat ``flat``."""
 
     flat: int
@@ -52,7 +52,7 @@ class ChunkRun:
     name: str
     start: int
     stop: int
-    pieces: tuple[Piece, ...]
+    pieces: tuple[ShardPiece, ...]
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +80,7 @@ def chunk_runs(layout: FileLayout, stretches: Sequence[Stretch]) -> list[ChunkRu
     return runs
 
 
-def _pieces(shards: Sequence[tuple[int, int, int, str]], start: int, stop: int, item: int) -> Iterator[Piece]:
+def _pieces(shards: Sequence[tuple[int, int, int, str]], start: int, stop: int, item: int) -> Iterator[ShardPiece]:
     """Pieces of the shards (``(offset, numel, flat, key)``, sorted) covering elements ``[start, stop)``."""
     most = max(1, PIECE_BYTES // item)
     k = max(bisect_right(shards, (start, float("inf"))) - 1, 0)
@@ -88,11 +88,11 @@ def _pieces(shards: Sequence[tuple[int, int, int, str]], start: int, stop: int, 
         offset, numel, flat, key = shards[k]
         lo, hi = max(start, offset) - offset, min(stop, offset + numel) - offset
         for at in range(lo, hi, most):
-            yield Piece(flat, key, at, min(at + most, hi))
+            yield ShardPiece(flat, key, at, min(at + most, hi))
         k += 1
 
 
-def piece_reads(the_plan: Plan, rank: int, piece: Piece) -> Iterator[tuple[int, int, int, int]]:
+def piece_reads(the_plan: Plan, rank: int, piece: ShardPiece) -> Iterator[tuple[int, int, int, int]]:
     """``(source flat, offset in the piece, source start, source stop)`` of every read that makes ``piece`` of
     output rank ``rank`` (full, unpadded source offsets); the padding past the rank's real elements reads nothing."""
     start, stop, _ = the_plan.shards.bounds(piece.flat, rank)
@@ -105,7 +105,7 @@ def piece_reads(the_plan: Plan, rank: int, piece: Piece) -> Iterator[tuple[int, 
             yield seg.source, x - a, seg.source_start + x - seg.start, seg.source_start + y - seg.start
 
 
-def cut_piece(the_plan: Plan, rank: int, piece: Piece, dtype: torch.dtype, read: Reader) -> torch.Tensor:
+def cut_piece(the_plan: Plan, rank: int, piece: ShardPiece, dtype: torch.dtype, read: Reader) -> torch.Tensor:
     """``piece`` of output rank ``rank``, new memory: its real elements read through ``read``, its padding zeros."""
     start, stop, _ = the_plan.shards.bounds(piece.flat, rank)
     real = min(max(stop - start - piece.lo, 0), piece.hi - piece.lo)

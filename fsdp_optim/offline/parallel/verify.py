@@ -23,17 +23,10 @@ def verify_across(team: Team, path: str | os.PathLike[str]) -> Verification:
     files = [*manifest.files, *(manifest.training.files if manifest.training is not None else ())]
     split = split_by_bytes([f.nbytes for f in files], team.size)
     mine = {files[i].file for i in split.runs[team.rank]}
-    done = [0]
-    watch = team.watch(lambda: done[0], total=sum(f.nbytes for f in files), bar=False)
-    report: Verification | None = None
-    failure: BaseException | None = None
-    try:
+    watch = team.progress(sum(f.nbytes for f in files))
+    with team.step("verify failed on another process", watch=watch):
         report = verify_sharded(path, only=mine.__contains__)
-        done[0] = sum(f.nbytes for f in files if f.file in mine)
-    except BaseException as exc:
-        failure = exc
-    team.settle(watch, failure, "verify failed on another process")
-    assert report is not None, "verified once every process agreed"
+        watch.advance(sum(f.nbytes for f in files if f.file in mine))
     gathered = team.to_first(report.files[1:])  # each process's checks but the manifest's (process 0 keeps its own)
     merged = None
     if gathered is not None:

@@ -2,8 +2,8 @@
 
 A :class:`Piece` is the bytes it reads and the function that reads them and returns its part of the report; a
 :class:`Work` is the pieces and how their parts make the report. One process runs every piece in order
-(:func:`run_work`); a team splits them by bytes into contiguous runs and puts
-the parts back in the same order (:mod:`.shared`), so both make the same report by construction::
+(:func:`run_work`); a team splits them by bytes into contiguous runs and puts the parts back in the same order
+(:mod:`fsdp_optim.offline.parallel.shared`), so both make the same report by construction::
 
     pieces   [settings: 0 B] [embed.weight exp_avg: 264 B] [embed.weight exp_avg_sq: 264 B] ... [side files: 0 B]
     one      run_pieces(pieces)            every part, in order
