@@ -28,19 +28,20 @@ import torch.distributed as dist  # noqa: E402
 from _dist import free_port  # noqa: E402
 
 import fsdp_optim  # noqa: E402
-from fsdp_optim.disk.storage import ObjectStore  # noqa: E402  (whose commit_manifest commit_save calls last)
+from fsdp_optim.disk.save import Writer  # noqa: E402  (a store's writer: whose commit the save driver calls last)
 
 
 def hold_before_commit(directory: Path, name: str) -> None:
-    commit = ObjectStore.commit_manifest
+    commit = Writer.commit
 
-    def held(self, rules, begun, data):  # type: ignore[no-untyped-def]
-        (directory / f"ready-{name}").touch()
-        while not (directory / "go").exists():
-            time.sleep(0.05)
-        return commit(self, rules, begun, data)
+    def held(self, begun, data):  # type: ignore[no-untyped-def]
+        if data is not None:
+            (directory / f"ready-{name}").touch()
+            while not (directory / "go").exists():
+                time.sleep(0.05)
+        return commit(self, begun, data)
 
-    ObjectStore.commit_manifest = held  # type: ignore[method-assign]
+    Writer.commit = held  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -80,3 +80,51 @@ def test_the_interface_and_its_errors_are_public() -> None:
     assert issubclass(fsdp_optim.StoreUnavailable, OSError) and issubclass(fsdp_optim.CommitOutcomeUnknown, OSError)
     abstract = sorted(fsdp_optim.ObjectBackend.__abstractmethods__)
     assert abstract == sorted(["__str__", "child", "listing", "prefixes", "read_into", "write", "commit", "delete"])
+
+
+def _cli(args: list[str], env: dict[str, str], path: list[Path]) -> subprocess.CompletedProcess[str]:
+    """``python -m fsdp_optim ARGS`` in a fresh process: nothing of this one's registrations reaches it."""
+    import os
+
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(map(str, [*path, ROOT, ROOT / "tests"]))}
+    return subprocess.run([sys.executable, "-m", "fsdp_optim", *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def flat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    url = f"flat://{tmp_path_factory.mktemp('flat') / 'objects'}/ckpt-run"
+    run_ranks(_save_and_load_by_url, 2, url)
+    return url
+
+
+def test_a_module_named_by_the_environment_brings_its_backend_to_the_command_line(
+    tmp_path: Path, flat_checkpoint: str
+) -> None:
+    (tmp_path / "my_backend.py").write_text(
+        "import fsdp_optim\nfrom _flat_store import open_flat\nfsdp_optim.register_backend('flat', open_flat)\n"
+    )
+    for verb in ("inspect", "verify"):
+        done = _cli([verb, flat_checkpoint], {"FSDP_OPTIM_BACKENDS": "my_backend"}, [tmp_path])
+        assert done.returncode == 0, f"{verb}: {done.stderr[-2000:]}"
+        assert "ckpt-run" in done.stdout, done.stdout
+    done = _cli(["inspect", flat_checkpoint], {"FSDP_OPTIM_BACKENDS": "no_such_module"}, [tmp_path])
+    assert done.returncode == 1 and "FSDP_OPTIM_BACKENDS names the module 'no_such_module'" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_an_entry_point_brings_its_backend_to_the_command_line(tmp_path: Path, flat_checkpoint: str) -> None:
+    info = tmp_path / "flat_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flat-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[fsdp_optim.backends]\nflat = _flat_store:open_flat\n")
+    done = _cli(["inspect", flat_checkpoint], {"FSDP_OPTIM_BACKENDS": ""}, [tmp_path])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ckpt-run" in done.stdout, done.stdout
+
+
+def test_an_unknown_scheme_names_the_ways_to_add_a_backend(tmp_path: Path) -> None:
+    done = _cli(["inspect", "nosuchscheme://bucket/ckpt"], {"FSDP_OPTIM_BACKENDS": ""}, [tmp_path])
+    assert done.returncode == 1, done.stderr
+    for said in ("nosuchscheme", "register_backend", "FSDP_OPTIM_BACKENDS", "fsdp_optim.backends"):
+        assert said in done.stderr, f"{said!r} not in {done.stderr}"

@@ -89,11 +89,7 @@ def test_reads_are_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
     location = _location(kind, str(tmp_path))
     assert location.listing() == {} and location.prefixes() == [] and location.size("x") is None
     data = bytes(range(256)) * 5
-    staging = location.stage("0" * 32, 0)
-    staging.path.mkdir(parents=True, exist_ok=True)
-    (staging.path / "blob").write_bytes(data)
-    location.publish(staging, ["blob"])
-    location.unstage(staging)
+    _publish(location, "blob", data)
     assert location.size("blob") == len(data) and sorted(location.listing()) == ["blob"]
     assert bytes(location.read_range("blob", 10, 300)) == data[10:300]
     parts = [bytearray(7), bytearray(100), bytearray(3)]
@@ -113,31 +109,53 @@ def test_reads_are_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_a_save_over_foreign_content_is_refused_alike(kind: str, tmp_path: Path) -> None:
     location = _location(kind, str(tmp_path))
-    staging = location.stage("0" * 32, 0)
-    staging.path.mkdir(parents=True, exist_ok=True)
-    (staging.path / "notes.txt").write_bytes(b"mine")
-    location.publish(staging, ["notes.txt"])
-    location.unstage(staging)
+    _publish(location, "notes.txt", b"mine")
     from fsdp_optim.formats.sharded.writer import save_rules
 
     with pytest.raises(ForeignOutputError, match="notes.txt"):
-        location.begin_save(save_rules("1" * 32, 1), purpose="test", overwrite=False)
+        location.writer(save_rules("1" * 32, 1)).begin(purpose="test", overwrite=False)
     assert sorted(location.listing()) == ["notes.txt"], "a refused save writes nothing"
 
 
 def test_a_backend_is_eight_byte_methods_and_the_save_steps_are_written_once() -> None:
-    """The interface is narrow (at most 10 abstract members; a user's backend in at most 80 lines), and no backend
-    carries a second copy of the save protocol: publish, discard, unstage, tidy and finish are ``Location``'s alone
-    (the memory tier's finish is its collective seal, on top of ``Location``'s)."""
+    """The interface is narrow (at most 10 abstract members; a user's backend in at most 80 lines); no backend
+    carries the save protocol: its ``writer`` is one of three (a conditional put, a rename, the memory tier's, which
+    overrides the commit alone), each at most 7 steps."""
     import _flat_store
 
+    from fsdp_optim.disk.local_directory import RenameWriter
+    from fsdp_optim.disk.save import Writer
     from fsdp_optim.disk.storage import ObjectStore
+    from fsdp_optim.formats.sharded.writer import save_rules
+    from fsdp_optim.job.node_memory import MemoryWriter
 
     assert len(Location.__abstractmethods__) <= 10, sorted(Location.__abstractmethods__)
     assert len(Path(_flat_store.__file__).read_text().splitlines()) <= 80, "the test backend is one small class"
-    for backend in (LocalDirectory, ObjectStore, FlatStore, NodeMemory):
-        copied = sorted({"publish", "discard", "unstage", "tidy", "finish_save"} & set(vars(backend)))
-        assert copied == (["finish_save"] if backend is NodeMemory else []), f"{backend.__name__} copies {copied}"
+    steps = {n for n in vars(Writer) if not n.startswith("__")}
+    assert steps <= {"begin", "stage", "publish", "commit", "finish", "abort", "_remove"}, sorted(steps)
+    assert {n for n in vars(MemoryWriter) if not n.startswith("_")} == {"commit"}, "the memory tier: its commit alone"
+    kinds = {ObjectStore: Writer, FlatStore: Writer, LocalDirectory: RenameWriter, NodeMemory: MemoryWriter}
+    for backend, kind in kinds.items():
+        assert not {"publish", "stage", "commit_manifest", "finish_save"} & set(vars(backend)), backend.__name__
+        assert backend.writer is not Location.writer or kind is Writer, backend.__name__
+    assert type(LocalDirectory("x").writer(save_rules())) is RenameWriter, "a local directory renames"
+
+
+def _publish(location: Location, name: str, data: bytes) -> None:
+    """Object ``name`` written through the save protocol's staging and publish (no commit)."""
+    from fsdp_optim.disk.save import Staging
+    from fsdp_optim.formats.sharded.writer import save_rules
+
+    writer = location.writer(save_rules("0" * 32, 1))
+    staging = writer.stage("0" * 32, 0)
+    staging.path.mkdir(parents=True, exist_ok=True)
+    (staging.path / name).write_bytes(data)
+    writer.publish(staging, [name])
+    if staging.scratch:
+        import shutil
+
+        shutil.rmtree(staging.path)
+    assert isinstance(staging, Staging), staging
 
 
 def test_a_store_is_never_taken_for_a_local_path() -> None:
@@ -252,7 +270,7 @@ def _managed(rank: int, world_size: int, kind: str, tmp: str) -> dict[str, Any]:
 def _managed_in_memory(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """The memory tier under a checkpoint manager, one node per rank and a replica of each rank's files on the other
     node: steps 1..6 saved into it (each step a ``NodeMemory`` through the save driver's steps, its commit the
-    location's ``finish_save``) and the newest 2 kept per node; then node 1's memory is lost and a fresh model
+    location's writer's commit) and the newest 2 kept per node; then node 1's memory is lost and a fresh model
     restored (node 1's rank receiving the step's manifest and bytes from node 0 through the location's prefetch)."""
     memory = Path(tmp) / "tier"
     options = {"every": 4, "keep": 2, "memory_every": 1, "replicas": 1, "memory_dir": memory, "keep_memory": 2}

@@ -21,7 +21,7 @@ from _flat_store import FlatStore
 import fsdp_optim
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_optim"
-BACKEND_TYPES = ("Location", "LocalDirectory", "ObjectStore", "ObjectPath", "NodeMemory", "StoreSaving", "Path")
+BACKEND_TYPES = ("Location", "LocalDirectory", "ObjectStore", "ObjectPath", "NodeMemory", "Path")
 OPENED: list[str] = []  # the URLs the counting backend was opened for, in this rank's process
 
 

@@ -55,7 +55,7 @@ def _torch_writer(source: Path, out: Path, *, one_file: bool) -> None:
     import torch.distributed.checkpoint as dist_cp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from fsdp_optim.disk.staged import staged_output
+    from fsdp_optim.disk.local_directory import staged_output
     from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, _LazyPlanner
     from fsdp_optim.offline.sources import open_source
 

@@ -43,8 +43,10 @@ flag's value out of range, such as ``--world-size 0``; an option the target does
 cannot be written as, :class:`~fsdp_optim.cli.outcome.UsageError`);
 70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
 saying what was left as it was; no traceback). A Ctrl-C that comes once the verb's work is done (its report being
-printed, the interpreter exiting) is ignored: the exit is the verb's own. Every file is read with
-``torch.load(..., weights_only=True)``. Progress bars appear on a terminal only.
+printed, the interpreter exiting) is ignored: the exit is the verb's own. Under ``torchrun`` every process exits
+with the same code and process 0 alone prints the error line (also written into ``torchrun``'s error file, which its
+failure report shows). Every file is read with ``torch.load(..., weights_only=True)``. Progress bars appear on a
+terminal only.
 
 A dispatcher: torch and the package's modules are imported by the verb that needs them, so ``--help``
 and argument errors cost no more than starting Python, and no verb imports fairscale or the collectives.
@@ -53,6 +55,7 @@ and argument errors cost no more than starting Python, and no verb imports fairs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -160,7 +163,7 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         result = run_in_team(args, _run_verb)
     except BaseException as exc:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
-            print(escape(f"interrupted; {_left(output, before)}", limit=2000), file=sys.stderr)
+            _say_error(escape(f"interrupted; {_left(output, before)}", limit=2000), exc)
             return EXIT_INTERRUPTED
         from fsdp_optim.cli.outcome import UsageError
 
@@ -168,10 +171,10 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
             usage_error = getattr(args, "usage_error", None)
             if usage_error is not None:
                 usage_error(str(exc))  # the verb's usage line, the message, exit 2 (SystemExit)
-            print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
+            _say_error(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", exc)
             return EXIT_USAGE
-        if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError)):
-            print(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", file=sys.stderr)
+        if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError, ImportError)):
+            _say_error(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", exc)
             return EXIT_BAD_INPUT
         if not isinstance(exc, Exception):
             raise
@@ -188,6 +191,28 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     except BrokenPipeError:  # `fsdp-optim inspect ... | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code
+
+
+def _say_error(line: str, exc: BaseException) -> None:
+    """The one line of a failed verb on stderr: under ``torchrun`` by process 0 alone (the processes agreed on the
+    error and exit with the same code, so the others stay silent), unless this process lost contact with the others
+    (process 0 may be the one that died: then each survivor says so). Each process also writes the line into the
+    error file ``torchrun`` names (``TORCHELASTIC_ERROR_FILE``), so that the launcher's own report of a non-zero exit
+    (which it prints for any failed process, and which no flag turns off) names the error, not a traceback hint."""
+    from fsdp_optim.job.launcher import launched
+
+    team = launched()
+    lost = isinstance(exc, ConnectionError) or "lost contact with another process" in str(exc)
+    if not team or os.environ.get("RANK") == "0" or lost:
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if team else None
+    if error_file:
+        import json
+        import time
+
+        with contextlib.suppress(OSError):  # the report is a courtesy: the exit code says the outcome
+            with open(error_file, "w") as file:
+                json.dump({"message": line, "timestamp": int(time.time())}, file)
 
 
 def _signature(output: Any) -> tuple[int, int, int, int] | None:

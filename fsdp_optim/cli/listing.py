@@ -4,8 +4,9 @@
     step 10  damaged: optim-...-rank00001-of-00002.safetensors: chunk 0 ... checksum   world size 2   model+Adam ...
     step  8  complete                                                               world size 2   model+Adam ...
 
-Every file of every step is verified (what ``fsdp-optim verify`` reads), unless ``--quick`` (sizes only). Exits 0
-whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage). A checkpoint given as
+Every file of every step is verified (what ``fsdp-optim verify`` reads), unless ``--quick`` (sizes only: its last
+line says so, and ``--json`` has ``"verified": false``). A step a prune began to remove shows as ``being pruned``.
+Exits 0 whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage). A checkpoint given as
 ROOT (a step directory itself) is refused (exit 1), naming ``inspect`` / ``verify``, which read one checkpoint; so is
 a missing root: a local directory that is not there, or a store prefix with nothing below it (a missing bucket).
 
@@ -33,13 +34,13 @@ __all__ = ["run_list"]
 def run_list(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.locations import where
     from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
-    from fsdp_optim.formats.sharded.steps import find_step_dirs, survey_step
+    from fsdp_optim.formats.sharded.steps import survey_root
 
     root = where(args.root)  # a local directory, or a prefix of an object store
     memory = _memory(root, getattr(args, "memory_dir", None))
     if not root.exists() and memory is None:
         raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
-    found = [survey_step(step, path, verify=not args.quick) for step, path in find_step_dirs(root)]
+    found = survey_root(root, verify=not args.quick)
     if not found and memory is None and not root.present() and not root.prefixes():
         # A store keeps no empty "directories": nothing below the prefix is what a missing local root is.
         raise FileNotFoundError(
@@ -52,7 +53,8 @@ def run_list(args: argparse.Namespace) -> list[str]:
             f"`fsdp-optim inspect {args.root}` and `fsdp-optim verify {args.root}` read one checkpoint"
         )
     if args.json:
-        return [json.dumps({"root": str(root), "steps": [_record(d) for d in found], "memory": memory or []})]
+        steps = [_record(d) for d in found]
+        return [json.dumps({"root": str(root), "verified": not args.quick, "steps": steps, "memory": memory or []})]
     memory_lines = [_memory_line(m) for m in memory or []]
     if memory == []:
         directory = _memory_dir(root, args.memory_dir)
@@ -60,7 +62,8 @@ def run_list(args: argparse.Namespace) -> list[str]:
     if not found:
         return [f"{root}: no step directories (step-NNNNNNNN)", *memory_lines]
     width = len(str(max(d.step for d in found)))
-    return [*(_line(d, width) for d in found), *memory_lines]
+    quick = [f"not verified (--quick): sizes only, no checksum read; `fsdp-optim list {args.root}` checks every byte"]
+    return [*(_line(d, width) for d in found), *memory_lines, *(quick if args.quick else [])]
 
 
 def _memory(root: Location, memory_dir: str | None) -> list[dict[str, Any]] | None:

@@ -2,6 +2,7 @@
 
     root/step-00000004/   # one whole checkpoint per saved step, 8 digits (sorted by name = sorted by step)
     root/step-00000006/
+    root/.step-00000002.pruning   # beside a step directory a prune is removing (written before anything is deleted)
 
 No file access: :mod:`fsdp_optim.formats.sharded.steps` reads a root, :mod:`fsdp_optim.job.manager` saves into it.
 """
@@ -11,10 +12,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-__all__ = ["STEP_DIGITS", "check_schedule", "parse_step_dir", "step_dir_name", "steps_to_keep"]
+__all__ = [
+    "STEP_DIGITS",
+    "check_schedule",
+    "parse_pruning_mark",
+    "parse_step_dir",
+    "pruning_mark_name",
+    "step_dir_name",
+    "steps_to_keep",
+]
 
 STEP_DIGITS = 8
 _STEP_DIR = re.compile(rf"^step-(\d{{{STEP_DIGITS}}})$")
+_PRUNING = re.compile(rf"^\.step-(\d{{{STEP_DIGITS}}})\.pruning$")
 
 
 def step_dir_name(step: int) -> str:
@@ -27,6 +37,17 @@ def step_dir_name(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     """The step a directory name stands for (``step-00000042`` -> 42), or None for any other name."""
     match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def pruning_mark_name(step: int) -> str:
+    """``.step-00000042.pruning``: the mark a prune of step 42 writes beside its directory before deleting anything."""
+    return f".{step_dir_name(step)}.pruning"
+
+
+def parse_pruning_mark(name: str) -> int | None:
+    """The step a prune's mark stands for (``.step-00000042.pruning`` -> 42), or None for any other name."""
+    match = _PRUNING.match(name)
     return int(match.group(1)) if match else None
 
 

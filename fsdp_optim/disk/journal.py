@@ -10,7 +10,7 @@ On disk an entry is one line ``{"journal": {...}}`` of the lock file, its member
      "moved": ["optim-...", "manifest.json"]}                # what was moved in (a kill from here on is undone)
 
 A journal is a file, so what is read back is untrusted: a member of the wrong type reads as absent (``None``), and
-each format checks the values it uses (:class:`fsdp_optim.disk.staged.Claims`).
+each format checks the values it uses (:class:`fsdp_optim.disk.save.Claims`).
 """
 
 from __future__ import annotations

@@ -1,39 +1,44 @@
-"""A checkpoint in a local directory: the :class:`~fsdp_optim.disk.location.Location` with rename and a lock.
+"""A checkpoint in a local directory: the :class:`~fsdp_optim.disk.location.Location` with rename and a lock, and its
+writer of the one save protocol (:class:`RenameWriter`; :func:`staged_output`: a directory output of any format written
+all or nothing through it).
 
-Reads are ``stat``/``pread`` (nothing to retry); a save is the one way out of :mod:`fsdp_optim.disk.staged`: the
-directory locked and the save journaled (:func:`~fsdp_optim.disk.staged.open_output`), each rank's files written in
-place and fsynced, the manifest renamed into place last, the replaced checkpoint's files removed, the lock
+Reads are ``stat``/``pread`` (nothing to retry); a save's writer is
+:class:`RenameWriter`: the directory locked and the save journaled, each rank's files written
+in place and fsynced, the manifest renamed into place last, the replaced checkpoint's files removed, the lock
 released (a failed save's files removed first, from its journal). ``os.fspath`` of it is its path, so the readers
 that map files take it as they take a ``Path``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
 import stat
+import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsdp_optim.disk.atomic import atomic_write, fsync_dir
 from fsdp_optim.disk.byte_io import StoredObject
 from fsdp_optim.disk.errors import ConcurrentCommitError
-from fsdp_optim.disk.location import Begun, Location, SaveRules, Staging, T
-from fsdp_optim.disk.locks import OutputLockedError, lock_output
-from fsdp_optim.disk.staged import close_output, open_output
+from fsdp_optim.disk.journal import JournalEntry
+from fsdp_optim.disk.location import Location, T
+from fsdp_optim.disk.locks import OutputLock, OutputLockedError, lock_output, resolve_output
+from fsdp_optim.disk.save import Begun, Claims, SaveRules, Staging, Writer, saving
+from fsdp_optim.disk.staged import STAGING_MARK, close_output, open_output, remove_recorded
 from fsdp_optim.disk.store_answers import Tiling
-from fsdp_optim.disk.store_policy import RetryPolicy
 
-__all__ = ["LocalDirectory"]
-
-_NO_RETRIES = RetryPolicy(float("inf"), attempts=1)  # a local read either works or says why at once
+__all__ = ["LocalDirectory", "RenameWriter", "Stage", "staged_output", "staged_writer"]
 
 
 class LocalDirectory(Location):
     """The local directory ``path`` (need not exist until a save creates it)."""
-
-    policy = _NO_RETRIES
 
     def __init__(self, path: str | os.PathLike[str]) -> None:  # noqa: D107 - see the class
         self.path = Path(path)
@@ -153,8 +158,8 @@ class LocalDirectory(Location):
         return None if found is None else f"{found}-{os.stat(self.path / name).st_mtime}"
 
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
-        """Checked, then renamed into place: exact while a save holds the directory's lock (:meth:`begin_save`),
-        which a save's own commit (:meth:`commit_manifest`) relies on instead."""
+        """Checked, then renamed into place: exact while a save holds the directory's lock, which a save's own commit
+        (:class:`RenameWriter`) relies on instead."""
         if (found := self.etag(name)) != replaces:
             raise ConcurrentCommitError(f"{self / name}: changed by another writer ({found}, not {replaces})")
         self.write(name, data)
@@ -189,25 +194,11 @@ class LocalDirectory(Location):
         os.rmdir(self.path)
         fsync_dir(self.path.parent)
 
-    # -- saving: the hooks where a local directory does better than a store's defaults ---------------------------
-
-    def begin_save(self, rules: SaveRules, *, purpose: str, overwrite: bool) -> Begun:
-        """The directory locked, what a killed writer left removed, foreign content refused (unless ``overwrite``)
-        and the save journaled with what its commit replaces (:func:`~fsdp_optim.disk.staged.open_output`); the lock
-        and journal are closed by ``finish_save`` (a failed save's files removed by the journal)."""
-        lock = open_output(self.path, rules.claims, rules.entry, purpose=purpose, overwrite=overwrite)
-        replaced = frozenset(lock.entries[-1].replaces or ())
-        return Begun(rules, None, replaced, release=lambda failed: close_output(lock, rules.claims, failed=failed))
-
-    def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - every rank writes in place
-        return Staging(self.path, durable=True, scratch=False)
-
-    def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:  # noqa: ARG002
-        """Renamed into place (under the save's lock; ``begun`` ``None``: a directory of the job's own): its
-        temporary file carries the save's tag, so the journal of a save killed here names it."""
-        atomic_write(self.path / rules.commit_name, lambda file: file.write(data), tag=rules.tag)
-
     # -- what it can do ------------------------------------------------------------------------------------
+
+    def writer(self, rules: SaveRules) -> RenameWriter:
+        """A rename under the directory's lock and journal."""
+        return RenameWriter(self, rules)
 
     def shared_by_processes(self) -> bool:
         return True
@@ -220,3 +211,130 @@ class LocalDirectory(Location):
     def as_local_file(self) -> Iterator[str | os.PathLike[str]]:
         """Its own path, spelled as given, whatever is there (the reader that opens it says what is wrong)."""
         yield self.given
+
+
+@dataclass
+class Stage:
+    """An output being written: put files into ``dir``; they are moved into ``out`` when the block ends, ``last``
+    last, then ``commit`` (the commit object's bytes, if the format has one) is renamed into place."""
+
+    out: Path
+    dir: Path
+    last: Sequence[str] = ()  # names moved in after every other file (a format's commit point)
+    commit: bytes | None = None
+
+
+class RenameWriter(Writer):
+    """A local directory's save (:mod:`fsdp_optim.disk.save`): at ``begin`` the directory locked, what a killed writer
+    left removed, foreign content refused (unless ``overwrite``; ``replace=False``: a checkpoint there too) and the
+    save journaled (:func:`open_output`); the files written in place by every rank of a job, or (``staging``: its
+    name) into a staging directory beside the output and moved in when published, the move journaled first; the
+    commit object renamed into place last (its temporary file carries the save's tag, so the journal of a save killed
+    there names it); then the replaced output's files removed and the lock released (a failed save's files removed
+    first, from its journal: :func:`close_output`)."""
+
+    location: Location
+
+    def __init__(self, location: Location, rules: SaveRules, *, staging: str | None = None,
+                 inputs: Iterable[Any] = (), replace: bool = True) -> None:  # fmt: skip  # noqa: D107 - see the class
+        super().__init__(location, rules)
+        path = location.local_path()
+        assert path is not None, f"{location}: a rename needs a local directory"
+        self.path, self.staging, self.inputs, self.replace = path, staging, inputs, replace
+        self.lock: OutputLock | None = None  # held from begin (rank 0's) to finish or abort
+
+    def begin(self, *, purpose: str, overwrite: bool) -> Begun:
+        claims, entry = self.rules.claims, self.rules.entry
+        if self.staging is not None:
+            entry = dataclasses.replace(entry, staging=self.staging)
+        self.lock = lock = open_output(self.path, claims, entry, purpose=purpose, inputs=self.inputs,
+                                       overwrite=overwrite, replace=self.replace)  # fmt: skip
+        replaced = frozenset(lock.entries[-1].replaces or ())
+        return Begun(None, replaced, release=lambda failed: close_output(lock, claims, failed=failed))
+
+    def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - one directory for every rank
+        if self.staging is None:  # every rank writes in place
+            self.path.mkdir(parents=True, exist_ok=True)
+            return Staging(self.path, durable=True, scratch=False)
+        path = self._out().parent / self.staging  # (beside the output its lock names: symlinks resolved)
+        path.mkdir(mode=0o700)
+        return Staging(path, durable=True, scratch=True)
+
+    def publish(self, staging: Staging, names: Iterable[str]) -> None:
+        """Written in place: nothing to do. Staged: moved in, in order (a kill from here on is undone by name)."""
+        if not staging.scratch:
+            return
+        names, lock = list(names), self.lock
+        assert lock is not None, "a staged save is published by the process that began it"
+        lock.journal(dataclasses.replace(lock.entries[-1], moved=(*(lock.entries[-1].moved or ()), *names)))
+        lock.output.mkdir(exist_ok=True)
+        for n in names:
+            os.replace(staging.path / n, lock.output / n)
+        fsync_dir(lock.output)
+
+    def commit(self, begun: Begun | None, data: bytes | None) -> None:  # noqa: ARG002 - held by the lock
+        if data is not None:
+            atomic_write(self._out() / self.rules.commit_name, lambda file: file.write(data), tag=self.rules.tag)
+
+    def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:
+        """The replaced output's files that the commit does not list (a killed writer's were removed at ``begin``,
+        from the journal), then the lock released."""
+        if begun is None:
+            return
+        try:
+            remove_recorded(self._out(), begun.replaced_files, self.rules.claims, keep=set(keep))
+        except OSError as exc:
+            warnings.warn(f"{self.path}: could not remove the files of the output it replaced ({exc}); the next save "
+                          "removes them", stacklevel=2)  # fmt: skip
+        finally:
+            if begun.release is not None:
+                begun.release(False)
+
+    def abort(self, begun: Begun | None, staging: Staging, names: Sequence[str]) -> None:  # noqa: ARG002
+        """The save's journal undoes it as the lock is released (:func:`~fsdp_optim.disk.staged.close_output`)."""
+        if begun is not None and begun.release is not None:
+            begun.release(True)
+
+    def _out(self) -> Path:
+        """The output as its lock names it, where this process holds the lock; else as given."""
+        return self.lock.output if self.lock is not None else self.path
+
+
+@contextlib.contextmanager
+def staged_output(
+    out: str | os.PathLike[str],
+    claims: Claims,
+    *,
+    purpose: str,
+    inputs: Iterable[Any] = (),
+    overwrite: bool = False,
+    replace: bool = True,
+    entry: JournalEntry | None = None,
+    commit_name: str = "",
+) -> Iterator[Stage]:
+    """Write a directory output all or nothing, through the one save driver (:func:`fsdp_optim.disk.save.saving`,
+    with a :class:`RenameWriter`): the block fills ``stage.dir``; on a clean exit its files are moved into ``out``
+    (``stage.last`` last), then the commit: ``stage.commit`` (bytes) renamed into place as ``commit_name``; then the
+    files of the output it replaces are removed. ``entry``: what to journal besides the staging name (a format's
+    ``created`` reads it)."""
+    writer = staged_writer(out, claims, inputs=inputs, replace=replace, entry=entry, commit_name=commit_name)
+    begun = writer.begin(purpose=purpose, overwrite=overwrite)
+    with saving(writer, begun, save_id=writer.rules.tag) as save:
+        stage = Stage(writer._out(), save.staging.path)
+        yield stage
+        last = list(stage.last)
+        names = sorted(os.listdir(stage.dir), key=lambda n: (n in last, last.index(n) if n in last else 0))
+        save.publish(names)
+        save.commit(stage.commit, keep=[*names, commit_name])
+
+
+def staged_writer(
+    out: str | os.PathLike[str], claims: Claims, *, inputs: Iterable[Any] = (), replace: bool = True,
+    entry: JournalEntry | None = None, commit_name: str = "",
+) -> RenameWriter:  # fmt: skip
+    """The :class:`RenameWriter` of a directory output staged beside ``out`` (its staging directory's name, with a
+    new tag, journaled with ``entry``; ``commit_name``: the format's commit object, if it has one)."""
+    tag = uuid.uuid4().hex[:12]
+    rules = SaveRules(claims, entry or JournalEntry(), commit_name, frozenset(), lambda _where, _size: frozenset())
+    staging = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
+    return RenameWriter(LocalDirectory(out), rules, staging=staging, inputs=inputs, replace=replace)

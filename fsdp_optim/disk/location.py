@@ -9,35 +9,15 @@ call these methods; none asks which kind it is.
 
 A backend implements the eight byte-level primitives of :class:`~fsdp_optim.disk.byte_io.ByteIO` (its name, the
 level below, listing, ranged reads into buffers, an atomic whole-object write, the conditional commit, delete); its
-sizes, whole reads and copies follow from them there. Beyond them: ``prefetch(spans)`` (ranges fetched ahead of a
-load), ``local_path()`` (the path whose files are mapped in place, or None), ``present()`` / ``non_objects()``; an
-output of any shape written by ``written_here(publishing)`` (in place where it is local, else a local copy published
-as the block ends; the plainest publishing: ``uploaded``); a whole location removed under ``guarded(purpose)``: its
-objects deleted, then ``remove_marker()``.
+sizes, whole reads and copies follow from them there. Beyond them: naming (``/``, ``child``, ``parent``,
+``identity``), ``prefetch(spans)`` (ranges fetched ahead of a load), ``local_path()`` (the path whose files are mapped
+in place, or None), ``present()`` / ``non_objects()``; an output of any shape written by ``written_here(publishing)``
+(in place where it is local, else a local copy published as the block ends; the plainest publishing: ``uploaded``);
+a whole location removed under ``guarded(purpose)``: its objects deleted, then ``remove_marker()``; and
+``writer(rules)``: how a save commits here (:mod:`fsdp_optim.disk.save`, the one save protocol: a conditional put by
+default, a rename under a lock and journal in a local directory).
 
-A save, in this order (a job's ranks, or one process), written once here on those primitives::
-
-    rank 0       begun = location.begin_save(rules, purpose=..., overwrite=...)   refuse foreign content, note what
-                                                                                  the commit replaces
-    every rank   into = location.stage(save_id, rank)     a local directory to write this rank's own files into
-                 ... write them into into.path (fsynced if into.durable) ...
-                 location.publish(into, names)             make them the location's (in place, or uploaded)
-    rank 0       location.commit_manifest(rules, begun, data)     the commit point, last (rename | conditional put)
-    every rank   location.finish_save(begun, failed=False, keep=...)   once all agreed; rank 0 (``begun``, None
-                                                                        elsewhere) removes what the replaced
-                                                                        checkpoint left and releases the save
-    after a failure: rank 0 location.finish_save(begun, failed=True); every rank location.discard(into, names)
-    every rank   location.unstage(into) always
-
-The defaults are an object store's protocol (:mod:`~fsdp_optim.disk.store_save` says why it is safe): the prefix
-listed at ``begin_save`` (foreign objects refused, the commit object's etag noted), each rank's files staged in
-``$TMPDIR`` and uploaded, the manifest committed by the conditional ``commit`` on that etag, then the replaced
-checkpoint's files and the claimed objects older than this save's own removed. A backend that does better overrides
-the hook where it differs: a local directory stages in place (``stage``), takes its lock and journals the save
-(``begin_save``; ``Begun.release`` closes the journal) and renames its manifest into place (``commit_manifest``);
-the memory tier's commit is its ``finish_save``, a collective.
-
-``disk/`` knows no format: what a save's output owns comes from the format as :class:`SaveRules`.
+``disk/`` knows no format: what a save's output owns comes from the format (:class:`~fsdp_optim.disk.save.SaveRules`).
 """
 
 from __future__ import annotations
@@ -46,24 +26,20 @@ import os
 import re
 import shutil
 import tempfile
-import warnings
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdp_optim.disk.byte_io import ByteIO
-from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.locks import ForeignOutputError
-from fsdp_optim.disk.staged import Claims
-from fsdp_optim.disk.store_policy import RetryPolicy
+from fsdp_optim.disk.save import SaveRules, Writer
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
 
-__all__ = ["Begun", "Location", "ObjectPath", "SaveRules", "Staging", "Where", "is_url"]
+__all__ = ["Location", "ObjectPath", "Where", "is_url"]
 
 T = TypeVar("T")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -73,26 +49,6 @@ def is_url(path: object) -> bool:
     """``path`` names an object store or another backend by URL (a scheme other than ``file://``), not a local
     path."""
     return isinstance(path, str) and bool(_URL.match(path)) and not path.startswith("file://")
-
-
-@dataclass(frozen=True)
-class SaveRules:
-    """What a format tells a location about a save: ``claims`` (what an output of it owns), ``entry`` (the journal
-    entry announcing the save: its id and world size), ``commit_name`` (the object written last, the commit point),
-    ``known`` (names that are never foreign: the format's manifests), and ``listed(location, size)``: the names the
-    committed checkpoint there lists (replaced by the commit; ``size``: its commit object's, as listed), raising
-    ``ValueError``/``OSError`` when it is not the format's."""
-
-    claims: Claims
-    entry: JournalEntry
-    commit_name: str
-    known: frozenset[str]
-    listed: Callable[[Location, int | None], frozenset[str]]
-
-    @property
-    def tag(self) -> str:
-        """The save's short tag (its temporary files carry it, so a killed save's are recognised)."""
-        return (self.entry.save_id or "")[:12]
 
 
 @dataclass(frozen=True)
@@ -110,34 +66,8 @@ class ObjectPath:
         return self.store
 
 
-@dataclass(frozen=True)
-class Begun:
-    """What rank 0 holds between :meth:`Location.begin_save` and :meth:`Location.finish_save`: the save's rules, the
-    commit object's etag as found (``None``: none there), the names the checkpoint there lists (removed once this
-    save's manifest replaced them), and ``release(failed)``: what ends a hold that journaled the save (a local
-    directory's lock; ``None`` where nothing is held and killed writers' files are found by their age)."""
-
-    rules: SaveRules
-    replaces: str | None
-    replaced_files: frozenset[str] = frozenset()
-    release: Callable[[bool], None] | None = None
-
-
-@dataclass(frozen=True)
-class Staging:
-    """The local directory a rank writes its own files into; whether they must be made durable there (in place
-    in a local directory: yes; staged for an upload: no, the store's copy is what lasts); and whether it is a
-    ``scratch`` directory apart from the location (published by upload, removed after) rather than the location."""
-
-    path: Path
-    durable: bool
-    scratch: bool
-
-
 class Location(ByteIO):
-    """A place holding a checkpoint's files (see the module docstring for the call order of a save)."""
-
-    policy: RetryPolicy
+    """A place holding a checkpoint's files (see the module docstring)."""
 
     # -- naming --------------------------------------------------------------------------------------------
 
@@ -235,110 +165,12 @@ class Location(ByteIO):
         """Once its objects are deleted, remove what keeps this location listed (a store's "directory" object, a
         local directory itself; nothing by default)."""
 
-    # -- saving: the steps, written once on the primitives (an object store's protocol by default) --------------
-
-    def begin_save(self, rules: SaveRules, *, purpose: str, overwrite: bool) -> Begun:  # noqa: ARG002 - no lock here
-        """Rank 0, before any rank writes: refuse foreign content (unless ``overwrite``: it is then left alone, never
-        deleted) and a commit object that is not the format's; note its etag for the commit and the names the
-        checkpoint there lists (the commit replaces them). Here from one listing, holding nothing; a local directory
-        takes its lock and journals the save instead."""
-        listing = self.listing()
-        foreign = sorted(n for n in listing if n not in rules.known and not rules.claims.deletable(n))
-        if foreign and not overwrite:
-            raise ForeignOutputError(
-                f"{self}: holds objects that are not an fsdp_optim checkpoint's ({', '.join(foreign[:5])}"
-                f"{'...' if len(foreign) > 5 else ''}); write elsewhere, or pass overwrite=True to write beside them "
-                "(they are never deleted)"
-            )
-        replaced: frozenset[str] = frozenset()
-        committed = listing.get(rules.commit_name)  # its version and size from the listing: nothing asked again
-        etag = self.listed_etag(committed)
-        if committed is not None:
-            try:
-                replaced = rules.listed(self, committed.size)
-            except (ValueError, OSError) as exc:
-                raise ForeignOutputError(
-                    f"{self}: its {rules.commit_name} is not an fsdp_optim manifest ({exc}); the commit would replace "
-                    "it, so it is refused even with overwrite (move or delete it yourself)"
-                ) from None
-        return Begun(rules, etag, replaced)
-
-    def stage(self, save_id: str, rank: int) -> Staging:
-        """Where this rank writes its own files: here a scratch directory in ``$TMPDIR``, nothing fsynced there,
-        uploaded by :meth:`publish` and removed by :meth:`unstage` (a local directory: itself, in place)."""
-        path = Path(tempfile.mkdtemp(prefix=f"fsdp_optim-{save_id[:8]}-rank{rank}-"))
-        return Staging(path, durable=False, scratch=True)
-
-    def publish(self, staging: Staging, names: Iterable[str]) -> None:
-        """Make the files ``names`` written into ``staging`` this location's: from a scratch directory each is
-        uploaded, then removed there; nothing to do where they were written in place."""
-        for name in names if staging.scratch else ():
-            self.upload(staging.path / name, name)
-            (staging.path / name).unlink()
-
-    def commit_manifest(self, rules: SaveRules, begun: Begun | None, data: bytes) -> None:
-        """Rank 0: write the commit point (``rules.commit_name``) last, only if the location is still as
-        :meth:`begin_save` found it (``begun``; ``None``: a save into a location of its own, not begun: only if
-        there is none). Here the conditional :meth:`~fsdp_optim.disk.byte_io.ByteIO.commit` on the etag found."""
-        self.commit(rules.commit_name, data, replaces=begun.replaces if begun is not None else None)
-
-    def finish_save(self, begun: Begun | None, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
-        """Every rank, after every rank agreed: the save rank 0 began (``begun``; ``None`` on the other ranks and for
-        a save not begun: nothing to do) is released, a committed one first removing the files of the checkpoint it
-        replaced and what failed writers left that its manifest does not list (``keep``; :meth:`tidy`)."""
-        if begun is None:
-            return
-        try:
-            if not failed:
-                self.tidy(begun, keep)
-        finally:
-            if begun.release is not None:
-                begun.release(failed)
-
-    def discard(self, staging: Staging, names: Iterable[str]) -> None:
-        """After a failed save: remove what this rank published (best effort: the next save's :meth:`tidy` removes
-        the rest); nothing where its files were written in place (the save's journal removes them)."""
-        if not staging.scratch:
-            return
-        try:
-            self.delete(names)
-        except OSError as exc:
-            warnings.warn(f"{self}: could not remove this failed save's files ({exc}); the next save removes them",
-                          stacklevel=2)  # fmt: skip
-
-    def unstage(self, staging: Staging) -> None:
-        """Remove the staging directory where it is a scratch directory (never the location itself)."""
-        if staging.scratch:
-            shutil.rmtree(staging.path, ignore_errors=True)
-
-    def tidy(self, begun: Begun, keep: frozenset[str]) -> list[str]:
-        """After a commit: remove the files of the checkpoint it replaced that the new manifest does not list
-        (``keep``) and, where no journal recorded the saves (``begun.release`` is ``None``: a store), the claimed
-        objects older than this save's own files (:mod:`~fsdp_optim.disk.store_save` says why that is safe). Returns
-        the names removed; a failure only warns (the next save retries)."""
-        claims = begun.rules.claims
-        try:
-            if begun.release is not None:  # journaled: a killed writer's files were removed when this save began
-                stale = sorted(n for n in begun.replaced_files - keep if claims.deletable(n))
-            else:
-                listing = self.listing()
-                times = [listing[n].mtime for n in keep if n in listing]
-                oldest = min((t for t in times if t is not None), default=float("-inf"))
-                stale = [
-                    n
-                    for n, o in listing.items()
-                    if claims.deletable(n)
-                    and n not in keep
-                    and (n in begun.replaced_files or (o.mtime is not None and o.mtime < oldest))
-                ]
-            self.delete(stale)
-            return stale
-        except OSError as exc:
-            warnings.warn(f"{self}: could not remove the files of the checkpoint it replaced or of failed saves "
-                          f"({exc}); the next save removes them", stacklevel=2)  # fmt: skip
-            return []
-
     # -- what it can do (asked by name of the capability, never of the backend) ------------------------------
+
+    def writer(self, rules: SaveRules) -> Writer:
+        """How a save under ``rules`` commits here (:mod:`fsdp_optim.disk.save`): by default a conditional put of
+        the commit object, on the :class:`~fsdp_optim.disk.byte_io.ByteIO` primitives."""
+        return Writer(self, rules)
 
     def shared_by_processes(self) -> bool:
         """Whether several processes may write one output here together: each its own files, or its own byte

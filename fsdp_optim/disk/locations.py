@@ -2,10 +2,16 @@
 registered for the URL's scheme, or an fsspec store), :func:`register_backend` (a scheme's backend, the caller's own),
 :func:`open_store` (the public way to name a store with its own settings), and :func:`downloaded` (one object fetched
 whole, for the readers that take a local file). The fsspec backend is imported only for a URL that no registered
-backend takes: a local save never loads it."""
+backend takes: a local save never loads it.
+
+A backend of one's own reaches every process that names its scheme, the command line's included, without code of
+the caller's: at the first URL of a scheme no backend is registered for, the modules ``$FSDP_OPTIM_BACKENDS`` names
+(comma-separated) are imported, and then the entry point of that scheme's name in the group
+:data:`ENTRY_POINT_GROUP` is loaded (a module that registers at its import, or the opener itself)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -18,10 +24,18 @@ from fsdp_optim.disk.location import Location, is_url
 if TYPE_CHECKING:
     from fsdp_optim.disk.storage import ObjectStore
 
-__all__ = ["downloaded", "open_store", "register_backend", "where"]
+__all__ = ["BACKENDS_ENV", "ENTRY_POINT_GROUP", "downloaded", "open_store", "register_backend", "where"]
 
 Opener = Callable[[str, Mapping[str, Any]], Location]  # (the URL, its storage options) -> its location
 _BACKENDS: dict[str, Opener] = {}
+BACKENDS_ENV = "FSDP_OPTIM_BACKENDS"  # modules to import (comma-separated) at the first URL of an unknown scheme
+ENTRY_POINT_GROUP = "fsdp_optim.backends"  # an entry point per scheme: a module that registers, or the opener
+_SOUGHT: set[str] = set()  # the schemes already looked for (the modules of $FSDP_OPTIM_BACKENDS: "")
+HOW_TO_ADD = (
+    "a backend of one's own is registered with fsdp_optim.register_backend(scheme, opener) in a module that "
+    f"${BACKENDS_ENV} names (comma-separated, imported at the first URL of an unknown scheme), or in an entry point "
+    f"named for the scheme in the group '{ENTRY_POINT_GROUP}' (docs/backends.md)"
+)
 
 
 def register_backend(scheme: str, opener: Opener) -> None:
@@ -48,13 +62,45 @@ def where(path: str | os.PathLike[str] | Location, storage_options: Mapping[str,
     if isinstance(path, Location):
         return path
     if is_url(path):
-        opener = _BACKENDS.get(str(path).split("://", 1)[0].lower())
+        scheme = str(path).split("://", 1)[0].lower()
+        opener = _BACKENDS.get(scheme) or _discovered(scheme)
         if opener is not None:
             return opener(str(path), dict(storage_options or {}))
         from fsdp_optim.disk.storage import ObjectStore
 
-        return ObjectStore.open(str(path), storage_options)
+        try:
+            return ObjectStore.open(str(path), storage_options)
+        except ValueError as exc:
+            if not str(exc).startswith(f"{path}: no filesystem for the scheme"):
+                raise
+            raise ValueError(f"{exc}; {HOW_TO_ADD}") from None
     return LocalDirectory(path)
+
+
+def _discovered(scheme: str) -> Opener | None:
+    """The backend of a scheme no backend is registered for, found once per process: the modules
+    ``$FSDP_OPTIM_BACKENDS`` names imported (they register at import), else the scheme's entry point in
+    :data:`ENTRY_POINT_GROUP` loaded (a module is imported; a callable is registered as the opener). None: fsspec's."""
+    if "" not in _SOUGHT:
+        _SOUGHT.add("")
+        for module in filter(None, (m.strip() for m in os.environ.get(BACKENDS_ENV, "").split(","))):
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                why = f"${BACKENDS_ENV} names the module {module!r}, which cannot be imported: {exc}"
+                raise ImportError(why) from exc
+        if scheme in _BACKENDS:
+            return _BACKENDS[scheme]
+    if scheme in _SOUGHT:
+        return _BACKENDS.get(scheme)
+    _SOUGHT.add(scheme)
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=ENTRY_POINT_GROUP, name=scheme):
+        loaded = point.load()
+        if scheme not in _BACKENDS and callable(loaded) and not isinstance(loaded, type(importlib)):
+            register_backend(scheme, loaded)
+    return _BACKENDS.get(scheme)
 
 
 @contextmanager

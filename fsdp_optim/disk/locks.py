@@ -153,7 +153,7 @@ class OutputLock:
         os.fsync(fd)
 
     def _held(self) -> int:
-        """The lock file's descriptor; a released lock (after ``end_write``) cannot be written through."""
+        """The lock file's descriptor; a released lock cannot be written through."""
         if self._fd is None:
             raise ValueError(f"{self.output}: this output lock was released; expected a held lock")
         return self._fd

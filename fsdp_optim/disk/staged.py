@@ -1,6 +1,6 @@
-"""The one way out: every writer of fsdp_optim writes through :func:`staged_output` (a directory of files) or
-:func:`write_file` (one file), or, for a save shared by the ranks of a job, :func:`open_output` /
-:func:`close_output` (the same steps, with the files written in place by every rank).
+"""The steps of the one way out of a local directory: the lock, its journal and the recovery from it that a local
+directory's writer of the one save protocol takes (:class:`~fsdp_optim.disk.local_directory.RenameWriter`, behind
+``staged_output`` for a directory of files and every job save), and :func:`write_file` (one file).
 
 What every writer gets, whatever the format::
 
@@ -11,15 +11,16 @@ What every writer gets, whatever the format::
 1. ``out`` must not be (or hold) one of ``inputs`` (:func:`check_not_input`).
 2. ``out``'s lock is taken (a second writer gets ``OutputLockedError``).
 3. What a killed writer of ``out`` left is removed, exactly as its journal announced it (:func:`recover`).
-4. Content of ``out`` that the format does not claim is *foreign*: refused with ``ForeignOutputError`` unless
-   ``overwrite``, and never deleted either way (a foreign file where the format commits, such as another
-   tool's ``manifest.json``, is refused even with ``overwrite``: the commit would replace it).
+4. Content of ``out`` that the format does not claim is *foreign* (:func:`fsdp_optim.disk.save.refuse_foreign`):
+   refused with ``ForeignOutputError`` unless ``overwrite``, and never deleted either way (a foreign file where the
+   format commits, such as another tool's ``manifest.json``, is refused even with ``overwrite``: the commit would
+   replace it).
 5. The write is journaled before any file exists (its staging directory, the names it will create, what
    its commit replaces); the files are staged, moved in, and the format's commit runs last (our manifest).
 6. A refused or failed write leaves ``out`` as it was; a killed one is cleaned up by the next writer.
 
-A format says what is its own with a :class:`Claims` (``formats/sharded/writer.py``: our checkpoint;
-``formats/fairseq``: a shard set; ``formats/dcp.py``: a DCP directory). This module knows no format.
+A format says what is its own with a :class:`~fsdp_optim.disk.save.Claims` (``formats/sharded/writer.py``: our
+checkpoint; ``formats/fairseq``: a shard set; ``formats/dcp.py``: a DCP directory). This module knows no format.
 """
 
 from __future__ import annotations
@@ -27,77 +28,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
-from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write, fsync_dir
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
-from fsdp_optim.disk.text import escape
+from fsdp_optim.disk.save import Claims, Survey, refuse_foreign
 from fsdp_optim.disk.untrusted import describe_file
 
 __all__ = [
-    "Claims",
-    "Survey",
-    "Stage",
     "check_not_input",
     "close_output",
     "open_output",
     "recover",
-    "staged_output",
     "write_file",
     "write_stream",
 ]
 
 STAGING_MARK = ".fsdp-optim-staging."
-
-
-@dataclass(frozen=True)
-class Survey:
-    """What a format finds in an existing output directory."""
-
-    replaces: frozenset[str] = frozenset()  # names a new commit there makes obsolete (removed after it)
-    known: frozenset[str] = frozenset()  # names that are not foreign (the rest is refused without overwrite)
-    problem: str | None = None  # why it cannot simply be written over (refused without overwrite)
-    overwrite_means: str = "write there anyway (nothing there is deleted)"
-    refused: str | None = None  # why it is refused even with overwrite (a foreign file the commit would replace)
-    stale: frozenset[str] = frozenset()  # an interrupted write's files: not foreign, no output; the commit removes them
-
-
-class Claims(Protocol):
-    """What a format owns in an output directory, so the one writer can refuse, replace and recover."""
-
-    def survey(self, directory: Path) -> Survey:
-        """The existing directory as this format sees it."""
-
-    def created(self, entry: JournalEntry) -> set[str]:
-        """Names that the write journaled as ``entry`` creates (temporary files of these go too)."""
-
-    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:
-        """``(name, tag)`` of files the write journaled as ``entry`` saves with a tagged temporary file."""
-
-    def referenced(self, directory: Path) -> set[str] | None:
-        """Names the committed output in ``directory`` uses (kept by a recovery); ``None``: unreadable."""
-
-    def deletable(self, name: str) -> bool:
-        """Whether a recorded name may be deleted at all (a shape check: never a name this format can't make)."""
-
-
-@dataclass
-class Stage:
-    """An output being written: put files into ``dir``; they are moved into ``out`` when the block ends."""
-
-    out: Path
-    dir: Path
-    lock: OutputLock
-    replaces: frozenset[str]
-    last: Sequence[str] = ()  # names moved in after every other file (a format's commit point)
-    commit: Callable[[Path], Any] | None = None  # runs after the move, before the replaced files go
-    moved: list[str] = field(default_factory=list)
 
 
 def check_not_input(output: str | os.PathLike[str], inputs: Iterable[Any], *, name: str = "out_dir") -> None:
@@ -176,66 +127,9 @@ def _owned_or_refuse(directory: Path, claims: Claims, *, overwrite: bool) -> tup
     if survey.refused:  # the commit would replace (delete) a foreign file: never, whatever the caller allows
         raise ForeignOutputError(f"{directory}: {survey.refused}")
     foreign = sorted(set(os.listdir(directory)) - survey.known)
-    if (foreign or survey.problem) and not overwrite:
-        parts = [survey.problem] if survey.problem else []
-        if foreign:
-            shown = ", ".join(escape(n, limit=80) for n in foreign[:5])
-            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-            parts.append(f"it holds files that are not an fsdp_optim checkpoint's: {shown}{more}")
-        raise ForeignOutputError(
-            f"{directory}: {'; '.join(parts)}; pass overwrite=True (--overwrite) to {survey.overwrite_means}"
-        )
+    refuse_foreign(directory, foreign, overwrite=overwrite, problem=survey.problem,
+                   overwrite_means=survey.overwrite_means)  # fmt: skip
     return set(survey.replaces), set(survey.stale)
-
-
-@contextlib.contextmanager
-def staged_output(
-    out: str | os.PathLike[str],
-    claims: Claims,
-    *,
-    purpose: str,
-    inputs: Iterable[Any] = (),
-    overwrite: bool = False,
-    replace: bool = True,
-    entry: JournalEntry | None = None,
-) -> Iterator[Stage]:
-    """Write a directory output all or nothing: the block fills ``stage.dir``; on a clean exit its files are
-    moved into ``out`` (``stage.last`` last), ``stage.commit`` runs, and the files of the output it replaces
-    are removed. ``entry``: what to journal besides the staging name (a format's ``created`` reads it)."""
-    tag = uuid.uuid4().hex[:12]
-    name = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
-    lock = open_output(out, claims, dataclasses.replace(entry or JournalEntry(), staging=name), purpose=purpose,
-                       inputs=inputs, overwrite=overwrite, replace=replace)  # fmt: skip
-    stage = Stage(lock.output, lock.output.parent / name, lock, frozenset(lock.entries[-1].replaces or ()))
-    failed = True
-    try:
-        stage.dir.mkdir(mode=0o700)
-        yield stage
-        _move_in(stage, claims)
-        failed = False
-    finally:
-        _remove_staging(stage.dir)
-        close_output(lock, claims, failed=failed)
-
-
-def _move_in(stage: Stage, claims: Claims) -> None:
-    last = list(stage.last)
-    names = sorted(os.listdir(stage.dir), key=lambda n: (n in last, last.index(n) if n in last else 0))
-    # A kill from here on is undone by name.
-    stage.lock.journal(dataclasses.replace(stage.lock.entries[-1], moved=tuple(names)))
-    stage.out.mkdir(exist_ok=True)
-    for n in names:
-        os.replace(stage.dir / n, stage.out / n)
-        stage.moved.append(n)
-    fsync_dir(stage.out)
-    if stage.commit is not None:
-        stage.commit(stage.out)
-    remove_recorded(stage.out, stage.replaces - set(names), claims, keep=set(names))
-
-
-def _remove_staging(staging: Path) -> None:
-    if staging.is_dir() and not staging.is_symlink():
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def remove_recorded(directory: Path, names: Iterable[str], claims: Claims, *, keep: set[str]) -> list[str]:

@@ -41,8 +41,8 @@ T = TypeVar("T")
 
 class ObjectStore(Location):
     """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing; the
-    :class:`~fsdp_optim.disk.location.Location` of every fsspec backend (its save steps: the location's defaults,
-    :mod:`.store_save`).
+    :class:`~fsdp_optim.disk.location.Location` of every fsspec backend (its save: the conditional put of
+    :class:`~fsdp_optim.disk.save.Writer`).
 
     ``ObjectStore.open("s3://bucket/run/step-100")``; ``str(store)`` is its URL (never its credentials).
     """

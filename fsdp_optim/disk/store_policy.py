@@ -11,6 +11,11 @@ every request within the deadline (plus one transfer's allowance, which the mess
 spends at most one more deadline removing what this rank uploaded (best effort; one deadline for all its objects),
 and a commit whose answer was lost one more asking the store whether it landed.
 
+The deadline bounds the store's requests, not a command's own start and exit: ``fsdp-optim inspect`` of a store
+that never answers gives up at the deadline (``tests/test_store_deadline_dead.py``: within 20% plus
+:data:`MIN_ATTEMPT_S`, once its modules are imported), and starting Python and importing torch (seconds on a busy
+machine), then the interpreter's exit, come on top of it.
+
 Refused access (a 403, a wrong key or signature, no credentials at all) is an answer, not a fault: it is raised at
 once as a ``PermissionError`` that names the object and says where credentials come from.
 """

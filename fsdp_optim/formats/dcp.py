@@ -54,7 +54,7 @@ from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.plan import per_parameter, plan
 from fsdp_optim.core.source import Plan, Source
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.staged import Survey
+from fsdp_optim.disk.save import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
 
 __all__ = [

@@ -29,7 +29,7 @@ from typing import BinaryIO
 import torch
 
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.staged import Survey
+from fsdp_optim.disk.save import Survey
 from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "SINGLE", "Tensor", "parse_size", "shard"]

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +33,20 @@ from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
-from fsdp_optim.formats.sharded.steps import COMPLETE, StepDir, find_step_dirs, remove_step, survey_step
+from fsdp_optim.formats.sharded.steps import (
+    COMPLETE,
+    PRUNING,
+    StepDir,
+    find_step_dirs,
+    pruning_marks,
+    remove_step,
+    survey_root,
+    survey_step,
+    tidy_root,
+)
 from fsdp_optim.job import agreed
 from fsdp_optim.job.async_save import AsyncSave
+from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.memory_restore import MemoryRestore, restore_from_memory
 from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
 from fsdp_optim.job.node_memory import MemoryTierDamaged
@@ -180,21 +192,24 @@ class CheckpointManager:
             try:
                 self._prune(step)
             except OSError as exc:
-                warnings.warn(f"CheckpointManager: pruning {self.root} after step {step} failed: {exc}", stacklevel=3)
+                _warn(f"CheckpointManager: pruning {self.root} after step {step} failed: {exc}")
 
     def _prune(self, saved: int) -> None:
-        found = [survey_step(s, p, verify=False) for s, p in find_step_dirs(self.root) if s < saved]
-        complete = [d.step for d in found if d.state == COMPLETE] + [saved]
-        kept = steps_to_keep(complete, keep=self.keep, keep_every=self.keep_every)
-        for step_dir in (d for d in found if d.step not in kept):
-            if not step_dir.ours:
-                warnings.warn(f"CheckpointManager kept {step_dir.path}: {_why_not_ours(step_dir)}", stacklevel=3)
-            elif not remove_step(step_dir):
-                warnings.warn(
-                    f"CheckpointManager kept {step_dir.path}: another writer holds it, or it now holds files that "
-                    "fsdp_optim did not write",
-                    stacklevel=3,
-                )
+        """Remove the steps not kept (and finish the removals a killed prune began), a first Ctrl-C held until the
+        end: a removal is crash-safe at any moment (:func:`~fsdp_optim.formats.sharded.steps.remove_step`)."""
+        with interrupts_deferred(f"the prune of {self.root} after step {saved}"):
+            tidy_root(self.root, saved=saved)
+            found = [d for d in survey_root(self.root, verify=False) if d.step < saved or d.state == PRUNING]
+            complete = [d.step for d in found if d.state == COMPLETE] + [saved]
+            kept = steps_to_keep(complete, keep=self.keep, keep_every=self.keep_every)
+            for step_dir in (d for d in found if d.step not in kept or d.state == PRUNING):
+                if not step_dir.ours:
+                    _warn(f"CheckpointManager kept {step_dir.path}: {_why_not_ours(step_dir)}")
+                elif not remove_step(self.root, step_dir):
+                    _warn(
+                        f"CheckpointManager kept {step_dir.path}: another writer holds it, or it now holds files "
+                        "that fsdp_optim did not write"
+                    )
 
     def latest(self) -> int | None:
         """The newest step whose checkpoint is complete and verified (every file present, of its size, every
@@ -217,7 +232,7 @@ class CheckpointManager:
             (step, skipped), warn = _find_latest(self.root), True
         self.skipped = tuple(skipped)
         for record in self.skipped if warn else ():
-            warnings.warn(f"CheckpointManager.latest() skipped {record}", stacklevel=2)
+            _warn(f"CheckpointManager.latest() skipped {record}")
         return step
 
     def restore(
@@ -265,8 +280,8 @@ class CheckpointManager:
                     raise damaged
                 return None
             if damaged is not None and dist_rank_and_size(verify_root(model).group)[0] == 0:
-                warnings.warn(f"CheckpointManager.restore: the memory tiers' newest step could not be restored "
-                              f"({damaged}); restoring durable step {step} from {self.root}", stacklevel=2)  # fmt: skip
+                _warn(f"CheckpointManager.restore: the memory tiers' newest step could not be restored "
+                      f"({damaged}); restoring durable step {step} from {self.root}")  # fmt: skip
         extra = load_checkpoint(model, optim, self.path(step), buffers=buffers, data=data)
         self.restored_from, self.restored_step = "durable", step
         return extra
@@ -299,8 +314,7 @@ class CheckpointManager:
     def _newest_durable(self) -> int | None:
         """The newest durable step with a manifest and every file of its size (not yet verified byte by byte): run
         on rank 0 alone (:func:`~fsdp_optim.job.memory_restore.restore_from_memory` tells every rank)."""
-        steps = [survey_step(s, p, verify=False) for s, p in find_step_dirs(self.root)]
-        return max((d.step for d in steps if d.state == COMPLETE), default=None)
+        return max((d.step for d in survey_root(self.root, verify=False) if d.state == COMPLETE), default=None)
 
     def _say_fallback(self, model: nn.Module, memory: int | None, nodes: int, durable: int | None) -> None:
         if dist_rank_and_size(verify_root(model).group)[0] != 0:
@@ -310,13 +324,14 @@ class CheckpointManager:
             if memory is None
             else (f"the memory tiers hold step {memory}, older than durable step {durable}")
         )
-        warnings.warn(f"CheckpointManager.restore: {held}; restoring from durable storage {self.root}", stacklevel=3)
+        _warn(f"CheckpointManager.restore: {held}; restoring from durable storage {self.root}")
 
 
 def _find_latest(root: Location) -> tuple[int | None, list[SkippedStep]]:
     skipped: list[SkippedStep] = []
+    marked = pruning_marks(root)
     for step, path in reversed(find_step_dirs(root)):
-        step_dir = survey_step(step, path, verify=True)
+        step_dir = survey_step(step, path, verify=True, pruning=step in marked)
         if step_dir.state == COMPLETE:
             return step, skipped
         skipped.append(SkippedStep(step, path, step_dir.state, step_dir.reason))
@@ -328,3 +343,13 @@ def _why_not_ours(step_dir: StepDir) -> str:
         shown = ", ".join(step_dir.foreign[:3]) + (", ..." if len(step_dir.foreign) > 3 else "")
         return f"it holds what fsdp_optim did not write ({shown}); remove those to let it be pruned"
     return f"it is not a checkpoint fsdp_optim can read ({step_dir.reason}); it is left for you to inspect"
+
+
+def _warn(message: str) -> None:
+    """A ``UserWarning`` at the caller's line: the first frame outside this package (the manager's methods call
+    each other, and ``save`` prunes after an async save committed, so no fixed ``stacklevel`` is right)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 2  # stacklevel 2: _warn's caller
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)

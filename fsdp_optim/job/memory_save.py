@@ -7,8 +7,8 @@ into the reused staging buffers and, on the checkpoint group (:func:`~fsdp_optim
 1. every rank writes its rank and side files into its node's step directory and rank 0 the manifest
    (:func:`fsdp_optim.job.save_commit.commit_save` into a :class:`~fsdp_optim.job.node_memory.NodeMemory`, the
    location every save writes through: all ranks or none);
-2. the location's commit (:meth:`NodeMemory.finish_save <fsdp_optim.job.node_memory.NodeMemory.finish_save>`,
-   which ``commit_save`` calls on every rank as on any location: the seal): the manifest is broadcast and written
+2. the location's commit (:class:`~fsdp_optim.job.node_memory.MemoryWriter`, whose ``commit`` the save driver
+   calls on every rank as on any location: the seal): the manifest is broadcast and written
    on every node; each rank sends its two files to its replica peers
    (:func:`fsdp_optim.core.memory_plan.replica_peers`, on other nodes), which write them beside their own;
 3. once every rank says all its parts and replicas are in (one all-gather), the first rank of each node writes its
@@ -148,6 +148,6 @@ class _Job:
         sealing = Sealing(self.step, self.save_id, self.nodes, tier.node, tier.replicas, tier.keep)
         node = NodeMemory(self.directory, self.group, sealing=sealing)  # this node's own: nothing to lock or replace
         commit_save(self.root.layout, local, state, self.optimizer, node, self.save_id, self.group, side=self.side)
-        return self.directory  # (sealed by commit_save: the location's finish_save)
+        return self.directory  # (sealed by commit_save: the location's writer's commit)
 
 

@@ -5,7 +5,8 @@ It is a local directory to every reader and writer (the step directory, mapped i
 there by :func:`~fsdp_optim.job.save_commit.commit_save` like anywhere else), and differs in two places, each a
 :class:`~fsdp_optim.disk.location.Location` method that the save and the load call on every backend:
 
-- **its commit** (:meth:`NodeMemory.finish_save`, which ``commit_save`` calls on every rank once they agreed; the
+- **its commit** (:class:`MemoryWriter`, whose ``commit`` alone differs from a local directory's: the one save
+  driver, :func:`~fsdp_optim.disk.save.saving`, calls it on every rank once every rank's files are written; the
   step and its nodes given at construction as a :class:`Sealing`): the manifest spread to every node, each rank's
   files sent to its replica peers on other nodes, one agreement, then each node's marker (``COMPLETE.json``,
   :mod:`fsdp_optim.formats.sharded.memory_tier`) written by its first rank: the step becomes visible there, all
@@ -36,8 +37,8 @@ import torch
 
 from fsdp_optim.core.memory_plan import Fetch, node_ranks, replica_peers, sources_of
 from fsdp_optim.disk.atomic import atomic_write
-from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.location import Begun
+from fsdp_optim.disk.local_directory import LocalDirectory, RenameWriter
+from fsdp_optim.disk.save import Begun, SaveRules
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import Marker, prune_node, write_marker
@@ -51,7 +52,7 @@ from fsdp_optim.job.transport import (
     post_exchange,
 )
 
-__all__ = ["MemoryTierDamaged", "NodeMemory", "Sealing", "file_bytes", "step_files"]
+__all__ = ["MemoryTierDamaged", "MemoryWriter", "NodeMemory", "Sealing", "file_bytes", "step_files"]
 
 
 class MemoryTierDamaged(ValueError):
@@ -141,26 +142,19 @@ class NodeMemory(LocalDirectory):
 
     # -- committing: replicas, then the node's marker ---------------------------------------------------------
 
-    def finish_save(self, begun: Begun | None, *, failed: bool, keep: frozenset[str] = frozenset()) -> None:
-        """The memory tier's commit, on every rank once ``commit_save``'s ranks agreed that every rank's files and
-        rank 0's manifest are here (a collective; nothing was begun: the step directory is this job's own): the
-        step sealed (:meth:`seal`). After a failure, nothing: no marker, so the step is never seen."""
-        super().finish_save(begun, failed=failed, keep=keep)
-        if failed:
-            return
-        if self.sealing is None:
-            raise TypeError(f"{self}: opened for a restore (no sealing given): it cannot commit a save")
-        self.seal(self.sealing)
+    def writer(self, rules: SaveRules) -> MemoryWriter:
+        """A local directory's writer whose commit is the seal (:class:`MemoryWriter`)."""
+        return MemoryWriter(self, rules)
 
-    def seal(self, save: Sealing) -> Path:
-        """The seal (collective, after ``commit_save`` wrote every rank's files and rank 0's manifest here): the
+    def seal(self, save: Sealing, manifest_bytes: bytes | None) -> Path:
+        """The seal (collective, once every rank's files are written here; ``manifest_bytes``: rank 0's): the
         manifest on every node, each rank's files on its replica peers' nodes, agreed, then each node's first rank
         writes its marker and prunes the node to the newest ``keep`` complete steps. A rank killed before the markers
         leaves none of this step anywhere. This node's step directory."""
         rank, _ = dist_rank_and_size(self.group)
         what = f"the memory-tier save of step {save.step} failed, nothing was marked"
         here = self.path / MANIFEST_NAME
-        data = broadcast_object(here.read_bytes() if rank == 0 else None, src=0, group=self.group)
+        data = broadcast_object(manifest_bytes if rank == 0 else None, src=0, group=self.group)
         manifest = manifest_from_json(data, source=f"the manifest of memory-tier step {save.step}")
         peers = replica_peers(save.nodes, save.replicas)
         failure, sends = None, []
@@ -184,6 +178,19 @@ class NodeMemory(LocalDirectory):
             write_marker(self.path, _marker(save, manifest, peers))
             prune_node(self.node_path(), keep=save.keep)
         return self.path
+
+
+class MemoryWriter(RenameWriter):
+    """The memory tier's save: a local directory's (the step directory is this job's own: nothing begun, locked or
+    replaced), whose commit is the seal (:meth:`NodeMemory.seal`), a collective on every rank."""
+
+    location: NodeMemory
+
+    def commit(self, begun: Begun | None, data: bytes | None) -> None:  # noqa: ARG002 - never begun
+        """Every rank: the step sealed, ``data`` (the manifest) from rank 0."""
+        if self.location.sealing is None:
+            raise TypeError(f"{self.location}: opened for a restore (no sealing given): it cannot commit a save")
+        self.location.seal(self.location.sealing, data)
 
 
 def _marker(save: Sealing, manifest: Manifest, peers: Sequence[Sequence[int]]) -> Marker:

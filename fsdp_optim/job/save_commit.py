@@ -1,13 +1,15 @@
-"""The save protocol every job save shares (optimizer-only, whole, synchronous, asynchronous, to any
+"""What every job save shares (optimizer-only, whole, synchronous, asynchronous, the memory tier, to any
 :class:`~fsdp_optim.disk.location.Location`): :func:`start_save` before any rank writes, :func:`commit_save` to write
-and commit. The location does what differs between backends, in the order its docstring gives:
+and commit, through the one save driver (:func:`fsdp_optim.disk.save.saving`; the location's writer does what
+differs between backends):
 
-    start_save (rank 0)   location.begin_save: refuse foreign content, note what the commit replaces
-    commit_save (each)    location.stage, write the rank file (+ side file) there, location.publish
-                (rank 0)  gather every rank's file records, build the manifest, location.commit_manifest (last),
-                          then agree: all ranks succeed or all raise; location.finish_save (every rank: rank 0
-                          releases what it began; the memory tier's ranks seal the step together) and, after a
-                          failure, location.finish_save (rank 0, failed) and location.discard (each rank)
+    start_save (rank 0)   writer.begin: refuse foreign content, note what the commit replaces   -> agreed
+    commit_save (each)    with saving(...) as save: write the rank file (+ side file) into save.staging,
+                          save.publish; gather every rank's file records, rank 0 builds the manifest  -> agreed
+                          save.commit(manifest on rank 0)   the commit point (rank 0's rename or conditional put;
+                                                            the memory tier's seal on every rank)  -> agreed
+                          leaving the block: writer.finish (rank 0: the replaced files removed, the save released),
+                          or after a failure writer.abort
 """
 
 from __future__ import annotations
@@ -22,26 +24,21 @@ import torch
 
 from fsdp_optim.core.elementwise import check_elementwise, state_keys
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.records import GroupRecord, state_entries
+from fsdp_optim.core.records import state_entries
 from fsdp_optim.disk.atomic import new_save_id
-from fsdp_optim.disk.errors import CommitOutcomeUnknown
-from fsdp_optim.disk.location import Begun, Location, ObjectPath, Staging
+from fsdp_optim.disk.location import Location, ObjectPath
+from fsdp_optim.disk.save import Begun, Save, saving
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.formats.sharded.writer import save_rules, write_shard_file
+from fsdp_optim.job.agreed import step
 from fsdp_optim.job.local import LocalState, check_agreement, read_local_state, with_scalars
 from fsdp_optim.job.root import Root
 from fsdp_optim.job.stager import pieces
-from fsdp_optim.job.transport import (
-    ProcessGroup,
-    agree,
-    broadcast_object,
-    dist_rank_and_size,
-    gather_objects,
-)
+from fsdp_optim.job.transport import ProcessGroup, broadcast_object, dist_rank_and_size, gather_objects
 
 __all__ = ["Side", "check_in_seconds", "commit_save", "own_tensor", "read_for_save", "start_save"]
 
@@ -95,27 +92,22 @@ def own_tensor(value: Any) -> Any:
 def start_save(
     directory: Location, group: ProcessGroup, *, overwrite: bool, purpose: str
 ) -> tuple[str, Begun | None]:
-    """Before any rank writes: rank 0 begins the save at ``directory`` (:meth:`Location.begin_save`: a local
-    directory is locked, what a killed writer left removed and the save journaled; a store's prefix is listed and its
-    manifest's etag noted; foreign contents refused unless ``overwrite``). Every rank then learns the save id, or
-    every rank raises rank 0's refusal, with nothing written. Returns ``(save id, what rank 0 began, None
+    """Before any rank writes: rank 0 begins the save at ``directory`` (:meth:`~fsdp_optim.disk.save.Writer.begin`: a
+    local directory is locked, what a killed writer left removed and the save journaled; a store's prefix is listed
+    and its manifest's etag noted; foreign contents refused unless ``overwrite``). Every rank then learns the save
+    id, or every rank raises rank 0's refusal, with nothing written. Returns ``(save id, what rank 0 began, None
     elsewhere)``; hand it to :func:`commit_save`. Two small collectives."""
     rank, world_size = dist_rank_and_size(group)
-    save_id, failure = None, None
-    lock: Begun | None = None
-    if rank == 0:
-        try:
-            save_id = new_save_id()
-            rules = save_rules(save_id, world_size)
-            lock = directory.begin_save(rules, purpose=purpose, overwrite=overwrite)
-        except Exception as exc:  # every rank learns of it through agree()
-            failure = exc
+    save_id, begun = None, None
     try:
-        agree(failure, group=group, what=f"{purpose} refused {directory}, nothing was written")
-        return broadcast_object(save_id, src=0, group=group), lock
+        with step(f"{purpose} refused {directory}, nothing was written", group=group):
+            if rank == 0:
+                save_id = new_save_id()
+                begun = directory.writer(save_rules(save_id, world_size)).begin(purpose=purpose, overwrite=overwrite)
+        return broadcast_object(save_id, src=0, group=group), begun
     except BaseException:  # a Ctrl-C or a peer's failure here: nothing was written, and the lock is not left held
-        if lock is not None:
-            directory.finish_save(lock, failed=True)
+        if begun is not None and begun.release is not None:
+            begun.release(True)
         raise
 
 
@@ -159,115 +151,68 @@ def commit_save(
     Shared by the synchronous and asynchronous saves and :func:`fsdp_optim.job.whole_save.save_checkpoint`.
     ``lock`` (rank 0): from :func:`start_save`; finished here (a failed save's files removed). ``None`` with a
     directory of this job's own (the memory tier's): the manifest is written last, nothing locked or replaced.
-    Where the files go and how the manifest commits is ``directory``'s (:mod:`fsdp_optim.disk.location`)."""
+    Where the files go and how the manifest commits is ``directory``'s writer's (:mod:`fsdp_optim.disk.save`)."""
     rank, world_size = dist_rank_and_size(group)
-    own = _Written()
-    failure: Exception | None = None
-    manifest: Manifest | None = None
-    summary = local.summary
-    try:
-        try:
-            _write_own(own, state, side, directory, save_id, rank, world_size)
-            summary = with_scalars(local.summary, own.shards)  # the values read_for_save left unread, from the copy
-        except Exception as exc:  # every rank learns of it through agree(), and no manifest is written
-            failure = exc
-        reports = gather_objects((summary, own.record, own.aux), dst=0, group=group)  # None except on rank 0
-        written = all(r is not None and (side is None or a is not None) for _, r, a in reports or ())
-        if reports is not None and failure is None and written:  # every rank's files (a rank's failure: none)
+    what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
+    writer = directory.writer(save_rules(save_id, world_size))
+    agreed = lambda text: step(f"{what} failed, {text}", group=group)  # noqa: E731
+    with saving(writer, lock, save_id=save_id, rank=rank, agreed=agreed) as save:
+        own, data, keep = _Written(summary=local.summary), None, frozenset[str]()
+        with agreed("no checkpoint was written"):
             try:
-                manifest = _commit(layout, local, own.shards, optimizer, save_id, reports, side, directory, lock)
-            except Exception as exc:
-                failure = exc
-        what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
-        agree(failure, group=group, what=f"{what} failed, no checkpoint was written")
-        own.committed = True  # every rank agreed: the manifest is in place, whatever interrupts us now
-    except BaseException as exc:
-        if own.committed:  # e.g. a Ctrl-C right after the agreement: the save stands, as on the other ranks
-            if lock is not None:  # (rank 0's release alone: no collective after an interrupt)
-                _finish_committed(directory, lock, manifest)
-            note = f"(the save into {directory} had committed before this interrupt: its checkpoint is whole)"
-            getattr(exc, "add_note", lambda _: None)(note)  # Python >= 3.11
-            raise
-        if lock is not None:
-            directory.finish_save(lock, failed=True)
-        if own.staging is not None and own.published and not isinstance(exc, CommitOutcomeUnknown):
-            # (else the manifest may list them: kept; the next save's finish removes them if it does not)
-            directory.discard(own.staging, own.published)
-        raise
-    finally:
-        if own.staging is not None:
-            directory.unstage(own.staging)
-    _finish_committed(directory, lock, manifest)
+                _write_own(save, own, state, side, save_id, rank, world_size)
+                own.summary = with_scalars(local.summary, own.shards)  # the values read_for_save left unread
+            finally:  # every rank reports, whatever happened (a failed rank: no files); rank 0 gathers
+                reports = gather_objects((own.summary, own.record, own.aux), dst=0, group=group)
+            written = all(r is not None and (side is None or a is not None) for _, r, a in reports or ())
+            if reports is not None and written:  # rank 0, every rank's files there: the manifest, not yet committed
+                manifest = _manifest_of(layout, local, own.shards, optimizer, save_id, reports, side)
+                data, keep = manifest_to_json(manifest), frozenset(manifest.file_names())  # (bad JSON: refused)
+        save.commit(data, keep=keep)
     return directory / MANIFEST_NAME
-
-
-def _finish_committed(directory: Location, lock: Begun | None, manifest: Manifest | None) -> None:
-    """Every rank after a commit (:meth:`Location.finish_save`): rank 0 removes what the replaced checkpoint and
-    failed writers left and releases the save (``lock``; ``None`` elsewhere, and for a save not begun)."""
-    directory.finish_save(lock, failed=False, keep=frozenset(manifest.file_names()) if manifest else frozenset())
 
 
 @dataclass
 class _Written:
-    """What this rank wrote for a save: its records, and where (its staging, the names published)."""
+    """What this rank wrote for a save, as far as it got: its state summary, shards and file records."""
 
+    summary: Any
     record: FileRecord | None = None
     aux: FileRecord | None = None
     shards: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
-    staging: Staging | None = None
-    published: list[str] = field(default_factory=list)
-    committed: bool = False  # every rank agreed that the manifest is in place
 
 
 def _write_own(
+    save: Save,
     own: _Written,
     state: Mapping[int, Mapping[str, Any]] | Callable[[], Mapping[int, Mapping[str, Any]]],
     side: Side | None,
-    directory: Location,
     save_id: str,
     rank: int,
     world_size: int,
 ) -> None:
-    """This rank's rank file (and side file) into the location's staging for it, then published there."""
-    own.staging = staging = directory.stage(save_id, rank)
-    staging.path.mkdir(parents=True, exist_ok=True)
+    """This rank's rank file (and side file) into its staging, then published."""
+    staging = save.staging
     own.shards = state() if callable(state) else state  # (async save: its staging copy, a failure agreed on)
-    own.record = write_shard_file(
-        staging.path,
-        own.shards,
-        save_id=save_id,
-        rank=rank,
-        world_size=world_size,
-        durable=staging.durable,
-        pieces=pieces,
-    )
+    own.record = write_shard_file(staging.path, own.shards, save_id=save_id, rank=rank, world_size=world_size,
+                                  durable=staging.durable, pieces=pieces)  # fmt: skip
     own.aux = side.write(staging.path, save_id, rank, world_size, durable=staging.durable) if side else None
-    names = [own.record.file] + ([own.aux.file] if own.aux is not None else [])
-    own.published = names  # (before publishing: a failure part way removes what went up)
-    directory.publish(staging, names)
+    save.publish([own.record.file] + ([own.aux.file] if own.aux is not None else []))
 
 
-def _commit(
-    layout: ModelLayout,
-    local: LocalState,
-    shards: Mapping[int, Mapping[str, Any]],
-    optimizer: str | None,
-    save_id: str,
-    reports: list[Any],
-    side: Side | None,
-    directory: Location,
-    lock: Begun | None,
-) -> Manifest:
-    """Rank 0, once every rank's files are written: the manifest, committed last (renamed into place, or put on the
-    condition that the store's manifest is still the one :func:`start_save` found)."""
+def _manifest_of(
+    layout: ModelLayout, local: LocalState, shards: Mapping[int, Mapping[str, Any]], optimizer: str | None,
+    save_id: str, reports: list[Any], side: Side | None,
+) -> Manifest:  # fmt: skip
+    """Rank 0, once every rank's files are written: the manifest to commit (``reports``: every rank's
+    ``(summary, rank file, side file)``)."""
     if len(reports) > 1:
         check_agreement(layout, [summary for summary, _, _ in reports])
-    files = [r for _, r, _ in reports]
-    manifest = _manifest(layout, local.groups, shards, optimizer, save_id, files)
+    entries = {i: state_entries(layout.flat_params[i], values) for i, values in shards.items()}
+    manifest = Manifest.from_layout(layout.at_rank(0), save_id=save_id, optimizer=optimizer, state=entries,
+                                    groups=local.groups, files=[r for _, r, _ in reports])  # fmt: skip
     if side is not None:
         manifest = replace(manifest, training=side.record(tuple(a for _, _, a in reports)))
-    data = manifest_to_json(manifest)  # before anything is written: a value JSON cannot hold is refused here
-    directory.commit_manifest(save_rules(save_id, len(files)), lock, data)
     return manifest
 
 
@@ -279,17 +224,3 @@ class Side:
 
     write: Callable[..., FileRecord]  # (directory, save_id, rank, world_size, *, durable=True)
     record: Callable[[tuple[FileRecord, ...]], TrainingRecord]
-
-
-def _manifest(
-    layout: ModelLayout,
-    groups: tuple[GroupRecord, ...],
-    state: Mapping[int, Mapping[str, Any]],
-    optimizer: str | None,
-    save_id: str,
-    files: list[Any],
-) -> Manifest:
-    entries = {i: state_entries(layout.flat_params[i], values) for i, values in state.items()}
-    return Manifest.from_layout(
-        layout.at_rank(0), save_id=save_id, optimizer=optimizer, state=entries, groups=groups, files=files
-    )

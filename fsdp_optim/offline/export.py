@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.disk.staged import staged_output
+from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, placeholder, write_dcp
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder

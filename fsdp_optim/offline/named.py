@@ -27,8 +27,9 @@ from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.atomic import durable_write, load_file
 from fsdp_optim.disk.journal import JournalEntry
+from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.disk.staged import staged_output, write_stream
+from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.formats import hf_safetensors as hf
 from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES

@@ -1,9 +1,9 @@
 """Offline outputs to an object store: written locally first (every local guarantee and check), then published.
 
-A sharded checkpoint is published by the commit protocol of :mod:`fsdp_optim.disk.store_save` (rank and
-side files under their save-unique names, then the manifest by a conditional put, then the replaced files
-removed); any other output (a consolidated file, a safetensors export, a DCP directory) is uploaded file by file,
-each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed either way::
+A sharded checkpoint is published through the one save driver (:func:`fsdp_optim.disk.save.saving`, with the
+store's writer: rank and side files under their save-unique names, then the manifest by a conditional put, then the
+replaced files removed); any other output (a consolidated file, a safetensors export, a DCP directory) is uploaded
+file by file, each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed either way::
 
     with output_for("s3://bucket/out/full.pt") as local:   # local: /tmp/fsdp_optim-out-.../full.pt
         write_file(obj, local)
@@ -11,8 +11,8 @@ each object replaced whole. The local copy lives in ``$TMPDIR`` and is removed e
 
 A sharded checkpoint's rank files can start uploading as soon as each is written (:func:`checkpoint_output`), while
 the next one is being cut: the upload of a re-cut then overlaps its computing and writing. The commit rule holds:
-the prefix's manifest is read (:meth:`~fsdp_optim.disk.store_save.StoreSaving.begin_save`) before the first
-upload; a file the local writer moves later is uploaded from a hard link made when it was complete.
+the prefix's manifest is read (:meth:`~fsdp_optim.disk.save.Writer.begin`) before the first upload; a file the local
+writer moves later is uploaded from a hard link made when it was complete.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
-from fsdp_optim.disk.errors import CommitOutcomeUnknown
-from fsdp_optim.disk.location import Begun, Location
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.save import Save, Staging, saving
 from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.writer import save_rules
 
-__all__ = ["Uploads", "checkpoint_output", "output_for", "publish_checkpoint", "publish_files"]
+__all__ = ["Uploads", "checkpoint_output", "output_for", "publish_files"]
 
 
 @contextmanager
@@ -83,93 +83,57 @@ def _published(
         raise FileExistsError(f"output: {url} holds a checkpoint already; pass --overwrite to replace it")
     if keep_checkpoint and not overwrite and target.parent().size(target.name) is not None:
         raise FileExistsError(f"output: {url}: an object is there already; pass --overwrite to replace it")
-    uploads = Uploads(target, overwrite=overwrite, links=local.parent / ".uploading")
-    try:
+    staging = Staging(local, durable=False, scratch=True)  # (written_here's copy: removed after, either way)
+    with saving(target.writer(save_rules()), None, save_id="", staging=staging) as save:
+        uploads = Uploads(save, overwrite=overwrite, links=local.parent / ".uploading")
         try:
             yield uploads.file_done
-        except BaseException:
-            uploads.abort()
-            raise
-        if (local / MANIFEST_NAME).is_file():
-            uploads.commit(local)
-        elif local.is_dir():
-            publish_files(local, target)
-        else:  # one object
-            target.parent().upload(local, local.name)
-    finally:
-        uploads.abort()  # (nothing left to do after a commit)
-
-
-def publish_checkpoint(local: Path, store: Location, *, overwrite: bool = False) -> None:
-    """Upload the sharded checkpoint in ``local`` to ``store`` and commit it there (conditional put of the
-    manifest; :class:`~fsdp_optim.disk.errors.ConcurrentCommitError` if another writer committed meanwhile)."""
-    uploads = Uploads(store, overwrite=overwrite)
-    try:
-        uploads.commit(local)
-    finally:
-        uploads.abort()
+            if (local / MANIFEST_NAME).is_file():
+                uploads.commit(local)
+            elif local.is_dir():
+                publish_files(local, target)
+            else:  # one object
+                target.parent().upload(local, local.name)
+        finally:  # (before a failed save's uploads are removed: none may land after)
+            uploads.stop()
 
 
 class Uploads:
-    """A sharded checkpoint's files uploaded to ``store`` (some while it is still being written: :meth:`file_done`),
-    then committed (:meth:`commit`) or removed (:meth:`abort`). The prefix is read before the first upload."""
+    """A sharded checkpoint's files uploaded within a save (some while it is still being written: :meth:`file_done`),
+    then committed (:meth:`commit`); the driver removes them after a failure. The prefix is read before the first
+    upload."""
 
-    def __init__(self, store: Location, *, overwrite: bool, links: Path | None = None) -> None:  # noqa: D107
-        self.store, self.overwrite, self.links = store, overwrite, links
-        self._rules = save_rules()  # (a store journals nothing: no save id or world size needed before the commit)
-        self._save: Begun | None = None
+    def __init__(self, save: Save, *, overwrite: bool, links: Path) -> None:  # noqa: D107
+        self.save, self.overwrite, self.links = save, overwrite, links
         self._pool: ThreadPoolExecutor | None = None
         self._early: dict[str, Future[None]] = {}
-        self._uploaded: list[str] = []
-        self._committed = False
-
-    def _begun(self) -> Begun:
-        if self._save is None:
-            self._save = self.store.begin_save(self._rules, purpose="publish", overwrite=self.overwrite)
-        return self._save
 
     def file_done(self, path: Path) -> None:
         """Start uploading the complete file ``path`` (a hard link keeps its bytes if the writer moves it)."""
-        if self.links is None:
-            raise ValueError("Uploads: file_done needs a directory for the links")
-        self._begun()
+        self.save.begin(purpose="publish", overwrite=self.overwrite)
         self.links.mkdir(exist_ok=True)
         os.link(path, self.links / path.name)
+        self.save.published.append(path.name)  # (a failure from here on removes it)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="fsdp-optim-publish")
-        self._early[path.name] = self._pool.submit(self.store.upload, self.links / path.name, path.name)
+        self._early[path.name] = self._pool.submit(self.save.writer.location.upload, self.links / path.name, path.name)
 
-    def commit(self, local: Path) -> None:
-        """Upload what is not uploaded yet of the checkpoint in ``local``, then put its manifest (conditionally)
-        and tidy; a failure removes every upload, unless the manifest may have landed."""
-        save = self._begun()
-        manifest = read_manifest(local)
-        try:
-            for name in sorted(manifest.file_names()):
-                early = self._early.pop(name, None)
-                if early is not None:
-                    early.result()
-                else:
-                    self.store.upload(local / name, name)
-                self._uploaded.append(name)
-            self.store.commit_manifest(self._rules, save, manifest_to_json(manifest))
-        except CommitOutcomeUnknown:
-            self._uploaded = []  # the manifest may be in place and list them: kept
-            raise
-        self._committed = True
-        self.store.finish_save(save, failed=False, keep=frozenset(manifest.file_names()))
-
-    def abort(self) -> None:
-        """Stop: wait for the uploads under way, then (unless committed) remove every file uploaded."""
+    def stop(self) -> None:
+        """Wait for the uploads under way (those not started yet are cancelled)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        done = [name for name, f in self._early.items() if f.done() and not f.cancelled() and f.exception() is None]
-        self._early = {}
-        if not self._committed and (self._uploaded or done):
-            self.store.delete([*self._uploaded, *done])
-        self._uploaded = []
+
+    def commit(self, local: Path) -> None:
+        """Publish what is not uploaded yet of the checkpoint in ``local``, then commit its manifest (a conditional
+        put)."""
+        self.save.begin(purpose="publish", overwrite=self.overwrite)
+        manifest = read_manifest(local)
+        for future in self._early.values():
+            future.result()  # (a failed early upload fails the save)
+        self.save.publish(sorted(set(manifest.file_names()) - set(self._early)))
+        self.save.commit(manifest_to_json(manifest), keep=manifest.file_names())
 
 
-def publish_files(local: Path, store: Location) -> None:
+def publish_files(local: Path, store: Location) -> None:  # (each object replaced whole: no commit point)
     """Upload every file under ``local`` to the same relative names under ``store``."""
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         store.upload(path, path.relative_to(local).as_posix())

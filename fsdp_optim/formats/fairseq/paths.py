@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.staged import Survey
+from fsdp_optim.disk.save import Survey
 
 __all__ = ["SetClaims", "is_shard_set", "shard_paths", "shard_siblings"]
 

@@ -22,8 +22,8 @@ from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.journal import JournalEntry
+from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.locks import resolve_output
-from fsdp_optim.disk.staged import staged_output
 from fsdp_optim.disk.stream_save import Pending, stream_save
 from fsdp_optim.formats.fairseq.checks import ParamOrder
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY

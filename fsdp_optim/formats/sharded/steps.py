@@ -3,6 +3,7 @@
     root/step-00000008/manifest.json + optim-* + train-*   complete (verified: every file, every checksum)
     root/step-00000010/optim-* train-* (no manifest)         torn: a save killed before its commit
     root/step-00000006/... one file fails its checksum       damaged
+    root/step-00000004/... + root/.step-00000004.pruning     being pruned: a prune that did not finish
     root/.step-00000010.fsdp-optim.lock                      the writer's lock and journal, beside the directory
     root/notes.txt, root/runs/, root/step-00000002/notes.txt foreign: never deleted, nor a directory holding it
 
@@ -10,6 +11,11 @@ A step directory is *ours* when its name is :func:`~fsdp_optim.core.steps.step_d
 names our writer makes (``manifest.json``, rank and side files, their temporary files), with a manifest that
 reads as ours or no manifest at all (torn). Only ours are ever removed (:func:`remove_step`), under the
 directory's own lock, so a writer of that step cannot be running at the time.
+
+A removal is crash-safe: it first writes its mark beside the directory (``.step-N.pruning``, written atomically and
+fsynced), and deletes it only after the directory is gone; the lock file goes last. A removal killed at any moment
+leaves the step *being pruned* (never torn), or a mark or lock file with no directory beside it, which the next
+prune's :func:`tidy_root` removes (a lock file only while no writer holds it).
 """
 
 from __future__ import annotations
@@ -18,25 +24,39 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fsdp_optim.core.steps import parse_step_dir
+from fsdp_optim.core.steps import parse_pruning_mark, parse_step_dir, pruning_mark_name, step_dir_name
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.locks import LOCK_SUFFIX
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
 from fsdp_optim.formats.sharded.writer import CHECKPOINT
 
-__all__ = ["COMPLETE", "DAMAGED", "TORN", "StepDir", "find_step_dirs", "remove_step", "survey_step"]
+__all__ = [
+    "COMPLETE",
+    "DAMAGED",
+    "PRUNING",
+    "TORN",
+    "StepDir",
+    "find_step_dirs",
+    "pruning_marks",
+    "remove_step",
+    "survey_root",
+    "survey_step",
+    "tidy_root",
+]
 
-COMPLETE, TORN, DAMAGED = "complete", "torn", "damaged"
+COMPLETE, TORN, DAMAGED, PRUNING = "complete", "torn", "damaged", "being pruned"
 
 
 @dataclass(frozen=True)
 class StepDir:
-    """What one step directory holds. ``state``: :data:`COMPLETE`, :data:`TORN` (no manifest) or :data:`DAMAGED`
-    (``reason`` says which file and what); ``foreign``: names in it that our writer never makes."""
+    """What one step directory holds. ``state``: :data:`COMPLETE`, :data:`TORN` (no manifest), :data:`DAMAGED`
+    (``reason`` says which file and what) or :data:`PRUNING` (a prune's mark beside it: its removal did not finish);
+    ``foreign``: names in it that our writer never makes."""
 
     step: int
     path: Path | Location
@@ -53,7 +73,7 @@ class StepDir:
     def ours(self) -> bool:
         """Recognised as a checkpoint of ours, which a prune may remove: nothing foreign in it, and a manifest of
         ours or none at all."""
-        return not self.foreign and (self.manifest_readable or self.state == TORN)
+        return not self.foreign and (self.manifest_readable or self.state in (TORN, PRUNING))
 
 
 def _is_ours(name: str) -> bool:
@@ -71,11 +91,25 @@ def find_step_dirs(root: str | os.PathLike[str] | Location) -> list[tuple[int, P
     return sorted(((s, d.public()) for s, d in steps if d.present()), key=lambda found: found[0])
 
 
-def survey_step(step: int, path: Path | Location, *, verify: bool = True) -> StepDir:
+def pruning_marks(root: str | os.PathLike[str] | Location) -> frozenset[int]:
+    """The steps whose prune's mark is in ``root`` (their removal began and did not finish), from one listing."""
+    return frozenset(s for n in where(root).listing() if (s := parse_pruning_mark(n)) is not None)
+
+
+def survey_root(root: str | os.PathLike[str] | Location, *, verify: bool) -> list[StepDir]:
+    """:func:`survey_step` of every step directory in ``root``, by step, those a prune began to remove included."""
+    marked = pruning_marks(root)
+    return [survey_step(s, p, verify=verify, pruning=s in marked) for s, p in find_step_dirs(root)]
+
+
+def survey_step(step: int, path: Path | Location, *, verify: bool = True, pruning: bool = False) -> StepDir:
     """Classify one step directory; ``verify``: every byte against its checksum (else sizes only, one ``stat``
-    per file). Never raises for what it finds; reads nothing outside ``path``."""
+    per file); ``pruning``: its prune's mark is beside it (:data:`PRUNING`, nothing read but its listing). Never
+    raises for what it finds; reads nothing outside ``path``."""
     names, foreign, nbytes = _contents(path)
     base = StepDir(step, path, TORN, "", nbytes, foreign)
+    if pruning:
+        return replace(base, state=PRUNING, reason="a prune began to remove it; the next save or prune finishes")
     if not any(n in MANIFEST_NAMES for n in names):
         ours = [n for n in names if n not in foreign]
         shown = ", ".join(ours[:3]) + (", ..." if len(ours) > 3 else "")
@@ -117,20 +151,55 @@ def _described(base: StepDir, manifest: Manifest) -> StepDir:
     )
 
 
-def remove_step(step_dir: StepDir) -> bool:
-    """Remove a step directory of ours (:attr:`StepDir.ours`), under its lock (a store has none): its manifest first
-    (the step is then torn, never damaged), the rest of its files, the directory (or a store's marker), then its lock
-    file. False, with nothing removed, when a writer holds its lock or it now holds something foreign."""
+def remove_step(root: str | os.PathLike[str] | Location, step_dir: StepDir) -> bool:
+    """Remove a step directory of ours (:attr:`StepDir.ours`) in ``root``, under its lock (a store has none): its
+    prune's mark written beside it first (the step is then :data:`PRUNING`, never torn), its manifest, the rest of
+    its files, the directory (or a store's marker), the mark, then its lock file. False, with nothing removed, when a
+    writer holds its lock or it now holds something foreign."""
     assert step_dir.ours, f"remove_step is for a step directory of ours, not {step_dir.path} ({step_dir.foreign})"
-    place = where(step_dir.path)
+    place, home = where(step_dir.path), where(root)
+    mark = pruning_mark_name(step_dir.step)
     with place.guarded(purpose="remove an old checkpoint (CheckpointManager)") as held:
         if not held:
             return False
         names, foreign, _ = _contents(place)
         if foreign:
             return False  # something foreign arrived since the survey: keep all of it
+        home.write(mark, f"{step_dir_name(step_dir.step)} is being removed by a prune\n".encode())
         manifests = [n for n in names if n in MANIFEST_NAMES]
         place.delete(manifests)
         place.delete(n for n in names if n not in manifests)
         place.remove_marker()
+        home.delete([mark])
+        home.delete(n for n in home.listing() if _marked_step(n, temporary=True) == step_dir.step)
     return True
+
+
+def _marked_step(name: str, *, temporary: bool = False) -> int | None:
+    """The step of a prune's mark (``temporary``: of the temporary file a write of one killed mid-way left)."""
+    if not temporary:
+        return parse_pruning_mark(name)
+    temp = TEMP_NAME.match(name)
+    return parse_pruning_mark(temp.group("final")) if temp else None
+
+
+def tidy_root(root: str | os.PathLike[str] | Location, *, saved: int) -> list[str]:
+    """What killed prunes left in ``root`` with no step directory beside it, removed: their marks (and a mark's
+    temporary file), and their lock files (each taken first: one a writer holds is kept). The mark of ``saved``
+    is dropped too: that step was just saved again. Returns the names removed."""
+    home = where(root)
+    names = home.listing()
+    present = {s for s, _ in find_step_dirs(home)}
+    marks = [n for n in names if (s := parse_pruning_mark(n)) is not None and (s == saved or s not in present)]
+    marks += [n for n in names if (s := _marked_step(n, temporary=True)) is not None and s not in present]
+    home.delete(marks)
+    locks = []
+    for name in names:
+        step = parse_step_dir(name[1:].removesuffix(LOCK_SUFFIX)) if name.endswith(LOCK_SUFFIX) else None
+        if step is None or step in present:
+            continue  # a lock beside a step directory may hold a killed save's journal: its next writer reads it
+        orphan = home.child(step_dir_name(step))
+        with orphan.guarded(purpose="remove a killed prune's lock (CheckpointManager)") as held:
+            if held:
+                locks.append(name)
+    return marks + locks

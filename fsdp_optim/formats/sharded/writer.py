@@ -24,12 +24,14 @@ import torch
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
+from fsdp_optim.disk.byte_io import ByteIO
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.location import Location, SaveRules
+from fsdp_optim.disk.local_directory import staged_output
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.locks import OutputLock
-from fsdp_optim.disk.staged import Survey, close_output, open_output, remove_recorded, staged_output
+from fsdp_optim.disk.save import SaveRules, Survey
+from fsdp_optim.disk.staged import remove_recorded
 from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
 from fsdp_optim.formats.sharded.locate import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.manifest import (
@@ -46,8 +48,6 @@ from fsdp_optim.formats.sharded.training import side_file_name
 
 __all__ = [
     "CHECKPOINT",
-    "begin_write",
-    "end_write",
     "save_rules",
     "shard_metadata",
     "write_all_or_nothing",
@@ -244,27 +244,12 @@ def write_shard_parts(
 
 def write_manifest(directory: Path, manifest: Manifest, *, replaces: Iterable[str] = ()) -> Path:
     """Commit a checkpoint: write its manifest atomically (last), then remove the rank files of the
-    checkpoint it replaces (``replaces``: the previous manifest's files, from :func:`begin_write`)."""
+    checkpoint it replaces (``replaces``: the previous manifest's files)."""
     path = directory / MANIFEST_NAME
     data = manifest_to_json(manifest)  # before anything is written: a value JSON cannot hold is refused here
     atomic_write(path, lambda file: file.write(data), tag=manifest.save_id[:12])
     remove_recorded(directory, replaces, CHECKPOINT, keep=manifest.file_names())
     return path
-
-
-def begin_write(
-    out: str | os.PathLike[str],
-    *,
-    save_id: str,
-    world_size: int,
-    purpose: str,
-    inputs: Iterable[Any] = (),
-    overwrite: bool = False,
-) -> OutputLock:
-    """Open ``out`` for a save written in place by every rank of a job (:func:`fsdp_optim.disk.staged.open_output`
-    with this format's claims); finish with :func:`end_write`."""
-    entry = JournalEntry(save_id=save_id, world_size=world_size)
-    return open_output(out, CHECKPOINT, entry, purpose=purpose, inputs=inputs, overwrite=overwrite)
 
 
 def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
@@ -273,17 +258,12 @@ def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
     and what the committed manifest there lists (replaced by the commit). A store journals nothing: it needs neither
     the save id nor the world size."""
 
-    def listed(location: Location, size: int | None = None) -> frozenset[str]:
+    def listed(location: ByteIO, size: int | None = None) -> frozenset[str]:
         data = location.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES, size=size)
-        return frozenset(manifest_from_json(data, source=str(location / MANIFEST_NAME)).file_names())
+        return frozenset(manifest_from_json(data, source=f"{location}/{MANIFEST_NAME}").file_names())
 
     entry = JournalEntry(save_id=save_id, world_size=world_size)
     return SaveRules(CHECKPOINT, entry, MANIFEST_NAME, frozenset(MANIFEST_NAMES), listed)
-
-
-def end_write(lock: OutputLock, *, failed: bool) -> None:
-    """Release a lock from :func:`begin_write`; if the write failed, first remove what it created."""
-    close_output(lock, CHECKPOINT, failed=failed)
 
 
 def write_all_or_nothing(
@@ -297,12 +277,11 @@ def write_all_or_nothing(
     replace: bool = True,
 ) -> Path:
     """Have ``write`` put every rank file into the staging directory and return the manifest; then the files
-    move into ``out`` and the manifest is committed there, last (:func:`fsdp_optim.disk.staged.staged_output`).
+    move into ``out`` and the manifest is committed there, last (through the one save driver:
+    :func:`fsdp_optim.disk.local_directory.staged_output`).
     ``save_id`` and ``world_size`` are the manifest's: by them a killed write's files are journaled."""
     entry = JournalEntry(save_id=save_id or new_save_id(), world_size=world_size or 1)
-    with staged_output(
-        out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace, entry=entry
-    ) as stage:
-        manifest = write(stage.dir)
-        stage.commit = lambda target: write_manifest(target, manifest)
+    with staged_output(out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace,
+                       entry=entry, commit_name=MANIFEST_NAME) as stage:  # fmt: skip
+        stage.commit = manifest_to_json(write(stage.dir))  # (before anything moves: a value JSON cannot hold, refused)
     return Path(out) / MANIFEST_NAME

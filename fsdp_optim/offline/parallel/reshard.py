@@ -3,7 +3,8 @@
 The steps, every one ended by an agreement (a failure anywhere fails every process, and nothing is committed)::
 
     every process   opens the source, plans alike (process 0's save id)    -> agree: the plan
-    process 0       opens the output: lock, recover, journal, staging dir   -> agree: the output; its staging dir sent
+    every process   enters the one save driver (disk/save.py ``saving``, a local directory's RenameWriter)
+    process 0       begins the save: lock, recover, journal, staging dir    -> agree: the output; its staging dir sent
     every process   lays out the output rank files it owns (core/split.py split_stream: the file's first data byte
                     is in its share): created, preallocated, the header with placeholder digests written
                                                                             -> agree: every file laid out
@@ -13,8 +14,9 @@ The steps, every one ended by an agreement (a failure anywhere fails every proce
                     counts bytes and stops all on a failure       -> agree: every share written and verified
     every process   checks the headers of the files it owns (every digest filled in) and makes their records
                                                                             -> agree: every file finished
-    process 0       gathers the records, carries a whole checkpoint's side files, moves the files in and writes the
-                    manifest last (disk/staged.py, the one way out)         -> agree: the commit
+    process 0       gathers the records, carries a whole checkpoint's side files, makes the manifest and moves the
+                    files in (``save.publish``)                             -> agree: the files in place
+    process 0       ``save.commit``: the manifest renamed into place, last  -> agree: the commit
 
 The output must be a directory every process sees (a shared file system): process 0 locks and journals it, so a run
 killed anywhere is undone by the next writer, as for one process. The files are those one process writes: the same
@@ -25,8 +27,8 @@ their shares meet.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,15 +42,17 @@ from fsdp_optim.core.source import Plan
 from fsdp_optim.core.split import StreamSplit, split_stream
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.staged import Stage, staged_output
+from fsdp_optim.disk.local_directory import staged_writer
+from fsdp_optim.disk.save import Save, saving
 from fsdp_optim.formats.sharded.byte_ranges import Span, read_spans
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
+from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.ranged import LaidOutFile, finished_record, laid_out, lay_out_file, write_chunks
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
-from fsdp_optim.formats.sharded.writer import CHECKPOINT, write_manifest
+from fsdp_optim.formats.sharded.writer import CHECKPOINT
 from fsdp_optim.job.team import Team
 from fsdp_optim.offline.onefile import preallocate
 from fsdp_optim.offline.parallel.stretches import ChunkRun, FileLayout, chunk_runs, cut_piece, piece_reads
@@ -103,66 +107,48 @@ def reshard_across(
     replace_existing: bool, buffers: str, bar: bool,
 ) -> Path:  # fmt: skip
     """The module docstring's steps on this process; returns the committed manifest's path (on every process)."""
-    failure: BaseException | None = None
-    planned = None
     save_id = team.from_first(new_save_id())
-    try:
+    planned: Planned | None = None
+    with team.step("reshard: planning failed; nothing was written"):
         planned = plan_reshard(ckpt, world_size, save_id, team.size, buffers)
-    except Exception as exc:
-        failure = exc
-    team.agree(failure, "reshard: planning failed; nothing was written")
     assert planned is not None, "the plan agreed on exists"
-    with ExitStack() as stack:  # a failure in here undoes the output (process 0) and is raised by every process
-        stage = _open_output(team, stack, out, given, planned, overwrite=overwrite, replace_existing=replace_existing)
-        staging = Path(team.from_first(None if stage is None else stage.dir))
+    entry = JournalEntry(save_id=planned.final.save_id, world_size=planned.final.world_size)
+    writer = staged_writer(out, CHECKPOINT, inputs=(given,), replace=replace_existing, entry=entry,
+                           commit_name=MANIFEST_NAME)  # fmt: skip
+    with saving(writer, None, save_id=save_id, rank=team.rank, agreed=team.step) as save:
+        staging = _open_output(team, save, out, overwrite=overwrite)
         records = _share(team, ckpt, planned, staging, bar=bar)
-        gathered = team.to_first(records)
-        if stage is not None:
-            assert gathered is not None, "process 0 gathers the records"
-            try:
-                stage.commit = _commit(ckpt, planned, gathered, staging, buffers)
-            except Exception as exc:
-                failure = exc
-        team.agree(failure, "reshard: process 0 could not make the manifest; nothing was committed")
-        committing = stack.pop_all()
-    try:  # process 0 moves the files in and writes the manifest last (or fails and undoes it)
-        committing.close()
-    except BaseException as exc:
-        failure = exc
-    team.agree(failure, "reshard: the commit failed on process 0")
+        gathered, data, names = team.to_first(records), None, list[str]()
+        with team.step("reshard: process 0 could not make the manifest; nothing was committed"):
+            if gathered is not None:  # process 0: the manifest (and a whole checkpoint's side files), files moved in
+                manifest = _manifest(ckpt, planned, gathered, staging, buffers)
+                data, names = manifest_to_json(manifest), sorted(os.listdir(staging))
+                save.publish(names)
+        save.commit(data, keep=names)  # process 0 renames the manifest into place, last
     return out / MANIFEST_NAME
 
 
-def _open_output(
-    team: Team, stack: ExitStack, out: Path, given: Any, planned: Planned, *, overwrite: bool, replace_existing: bool
-) -> Stage | None:
-    """Process 0 opens ``out`` (lock, recovery, journal, staging directory) within ``stack``; every process agrees
-    that it did. Its :class:`Stage` on process 0, ``None`` elsewhere."""
-    failure: BaseException | None = None
-    stage = None
-    if team.rank == 0:
-        entry = JournalEntry(save_id=planned.final.save_id, world_size=planned.final.world_size)
-        try:
-            opened = staged_output(out, CHECKPOINT, purpose="reshard", inputs=(given,), overwrite=overwrite,
-                                   replace=replace_existing, entry=entry)
-            stage = stack.enter_context(opened)
-        except Exception as exc:
-            failure = exc
-    team.agree(failure, f"reshard: the output {out} could not be opened; nothing was written")
-    return stage
+def _open_output(team: Team, save: Save, out: Path, *, overwrite: bool) -> Path:
+    """Process 0 begins the save at ``out`` (lock, recovery, journal, staging directory); every process agrees that
+    it did, and learns the staging directory that every process writes into."""
+    with team.step(f"reshard: the output {out} could not be opened; nothing was written"):
+        if team.rank == 0:
+            save.begin(purpose="reshard", overwrite=overwrite)
+            save.staging.path.stat()  # (made now, before any process looks for it)
+    return Path(team.from_first(str(save.staging.path) if team.rank == 0 else None))
 
 
-def _commit(
+def _manifest(
     ckpt: ShardedCheckpoint, planned: Planned, gathered: Sequence[list[FileRecord]], staging: Path, buffers: str
-) -> Callable[[Path], Path]:
+) -> Manifest:
     """Process 0: the manifest of every share's records (and a whole checkpoint's side files, written into
-    ``staging`` now), as the commit that writes it last."""
+    ``staging`` now)."""
     files = tuple(sorted((r for share in gathered for r in share), key=lambda r: r.rank))
     assert [f.rank for f in files] == list(range(planned.final.world_size)), "every output rank was written once"
     manifest = replace(planned.final, files=files)
     if planned.whole:
         manifest = carry_side_files(ckpt, staging, manifest, buffers)
-    return lambda target: write_manifest(target, manifest)
+    return manifest
 
 
 def _share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging: Path, *, bar: bool) -> list[FileRecord]:
