@@ -20,7 +20,7 @@ from _dist import run_ranks
 import fsdp_optim
 from fsdp_optim import consolidate, save_layout, save_sharded_optim_state, to_named
 from fsdp_optim.cli import main
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.locate import read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_optim.core.checksums import chunk_digests
+from fsdp_optim.core.checksums import digests_of_chunks
 from fsdp_optim.disk.hashed_write import OVERLAP_BYTES, HashingWriter
 from fsdp_optim.formats.sharded.ranged import rank_layout, write_rank
 from fsdp_optim.formats.sharded.rank_file import host_pieces
@@ -64,7 +64,7 @@ def test_a_rank_file_is_written_on_a_thread_while_hashed_and_is_exact(tmp_path: 
         whole = torch.cat(parts)
         found = torch.frombuffer(bytearray(data[at : at + whole.nbytes]), dtype=whole.dtype)
         assert torch.equal(found, whole), f"tensor {name} differs from what was written"
-        assert tuple(checksums[name]) == chunk_digests(whole, CHUNK // whole.element_size()), f"{name}'s checksums"
+        assert tuple(checksums[name]) == digests_of_chunks(whole, CHUNK // whole.element_size()), f"{name}'s checksums"
     reference = io.BytesIO()
     with HashingWriter(reference, overlap_bytes=1 << 62):  # every piece written then hashed, on this thread
         write_rank(reference, rank_layout(META, sizes, CHUNK), tensors)

@@ -174,7 +174,7 @@ def test_diff_never_says_equal_over_a_part_it_skipped(pair: dict[str, Path], tmp
 
 
 def _units(path: Path) -> list[tuple[str, ...]]:
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
 
     return [tuple(p.name for p in f.params) for f in read_manifest(path).flat_params]
 

@@ -93,7 +93,7 @@ def test_diff_reads_it_weights_included(files, tmp_path) -> None:
 
 
 def test_reshard_reads_it_into_a_whole_checkpoint(files, tmp_path, capsys) -> None:
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
 
     path, whole = files
     unrecorded = tmp_path / "unrecorded.pt"  # a file that records no layout (the API's dict, saved by hand)

@@ -140,7 +140,7 @@ def _save_from(
 
 
 def test_reshard_whole_keeps_weights_buffers_and_extra(saved, tmp_path, monkeypatch) -> None:
-    from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+    from fsdp_optim.formats.sharded.reader import open_checkpoint
     from fsdp_optim.offline import cuts
 
     path, _ = saved
@@ -149,7 +149,7 @@ def test_reshard_whole_keeps_weights_buffers_and_extra(saved, tmp_path, monkeypa
     monkeypatch.setattr(cuts, "BLOCK_BYTES", 0)  # not even one output rank fits: unit by unit
     units = tmp_path / "w3_units"
     assert main(["reshard", str(path), "--world-size", "3", "-o", str(units)]) == 0
-    with ShardedCheckpoint(blocks) as a, ShardedCheckpoint(units) as b:
+    with open_checkpoint(blocks, lazy=False) as a, open_checkpoint(units, lazy=False) as b:
         training = a.manifest.training
         assert training is not None and len(training.files) == 3 and not training.buffers_per_rank
         assert a.manifest.flat_params == b.manifest.flat_params and a.manifest.training.buffers == training.buffers
@@ -190,7 +190,7 @@ def test_inspect_whole_says_model_buffers_and_extra(saved, capsys) -> None:
 def test_verify_whole_checks_side_files(saved, tmp_path, capsys) -> None:
     import shutil
 
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
 
     path, _ = saved
     report = fsdp_optim.verify(path)

@@ -17,7 +17,7 @@ from fsdp_optim.cli.outcome import UsageError
 
 if TYPE_CHECKING:
     from fsdp_optim.offline.cuts import Progress
-    from fsdp_optim.offline.opened import Opened
+    from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.disk.text import human_bytes
 
 

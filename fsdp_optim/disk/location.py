@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fsdp_optim.disk.byte_io import ByteIO, StoredObject
+from fsdp_optim.disk.byte_io import ByteIO
 from fsdp_optim.disk.save import SaveRules, Writer
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
 
-__all__ = ["Location", "ObjectPath", "StoredObject", "Where", "is_url"]
+__all__ = ["Location", "ObjectPath", "Where", "is_url"]
 
 T = TypeVar("T")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

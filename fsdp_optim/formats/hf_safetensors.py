@@ -45,7 +45,7 @@ _RULES = HeaderRules(MAX_HEADER_BYTES, 0, "safetensors' own 100 MB")
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "OPTIMIZER", "SINGLE", "Tensor", "is_hf_directory", "is_plain",
-    "model_files", "parse_size", "read_model", "shard", "write_file",
+    "model_files", "parse_size", "read_model", "shard", "write_hf_file",
 ]  # fmt: skip
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -106,7 +106,7 @@ def check_dtypes(tensors: Sequence[Tensor]) -> None:
         raise ValueError(f"tensor '{bad.name}' has dtype {bad.dtype}, which safetensors cannot name")
 
 
-def write_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
+def write_hf_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
     """One safetensors file of ``tensors``: the header from their shapes, then each made, written and dropped."""
     f.write(encode_header({"format": "pt"}, ((t.name, t.dtype, t.shape) for t in tensors)))
     for t in tensors:

@@ -18,8 +18,8 @@ from typing import Any, TypeAlias
 import torch
 
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
@@ -27,8 +27,9 @@ from fsdp_optim.formats.fairscale import dict_source, is_fairscale_native, is_na
 from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.hf_safetensors import is_hf_directory, is_plain
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
-from fsdp_optim.formats.sharded.manifest import HEADER_KEY, MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind
+from fsdp_optim.formats.sharded.file_record import HEADER_KEY
+from fsdp_optim.formats.sharded.locate import is_json_manifest, source_kind
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 
 __all__ = [
@@ -182,7 +183,7 @@ def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
     sharded checkpoint (in any location), a DCP directory, or ``None`` for a file whose content says the rest
     (:func:`detect`); nothing there, or a directory (a store's prefix) of neither, is refused
-    (:func:`~fsdp_optim.formats.sharded.reader.source_kind`)."""
+    (:func:`~fsdp_optim.formats.sharded.locate.source_kind`)."""
     files = _local_files(path)
     if files is not None and is_shard_set(path):
         return Kind.SHARD_SET

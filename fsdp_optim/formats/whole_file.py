@@ -23,8 +23,8 @@ import torch
 
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.core.source import Source
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, full_dict_source
 from fsdp_optim.formats.sharded.manifest import Manifest
 

@@ -17,15 +17,18 @@ from torch import nn
 
 from fsdp_optim.core.data_position import DataPosition
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
+from fsdp_optim.core.execute import cut_rank, optimizer_state_dict, saved_ranks
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, source_kind
+from fsdp_optim.formats.sharded.locate import source_kind
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
@@ -180,7 +183,7 @@ def _stage(
             return stage_file(root, model, optim, file)
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
-    with open_checkpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
+    with ShardedCheckpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES, lazy=True) as ckpt:
         plans = plan_load(root, model, optim, ckpt, buffers)
         if plans.weights.identity or ckpt.manifest.version < 3:  # its own files, whole: nothing to cut from ranges
             return stage_load(root, ckpt, plans, in_place=True)

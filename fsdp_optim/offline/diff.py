@@ -46,7 +46,7 @@ from fsdp_optim.offline.diff_report import (
     DiffReport,
     DiffRow,
     SettingDiff,
-    summarise,
+    diff_summary,
 )
 from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
@@ -116,7 +116,7 @@ def diff_work(
         counts = len(va.names), len(vb.names)
 
         def report(rows: tuple[DiffRow, ...]) -> DiffReport:
-            summary = summarise(rows, settings, *counts)
+            summary = diff_summary(rows, settings, *counts)
             return DiffReport(va.label, vb.label, va.kind, vb.kind, atol, rtol, rows, settings, summary)
 
         yield Work(pieces, report)

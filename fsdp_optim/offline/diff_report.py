@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["EQUAL", "NOT_COMPARED", "WITHIN", "DiffReport", "DiffRow", "DiffSummary", "SettingDiff", "summarise"]
+__all__ = ["EQUAL", "NOT_COMPARED", "WITHIN", "DiffReport", "DiffRow", "DiffSummary", "SettingDiff", "diff_summary"]
 
 EQUAL, WITHIN, DIFFERENT = "equal", "within tolerance", "different"
 ONLY_A, ONLY_B, SHAPE, KIND = "only in a", "only in b", "shape differs", "kind differs"
@@ -116,7 +116,7 @@ class DiffReport:
         return _json_safe({**asdict(self), "equal": self.equal})
 
 
-def summarise(
+def diff_summary(
     rows: tuple[DiffRow, ...], settings: tuple[SettingDiff, ...], params_a: int, params_b: int
 ) -> DiffSummary:
     compared = [r for r in rows if r.status in (EQUAL, WITHIN, DIFFERENT)]

@@ -23,11 +23,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.disk.text import human_bytes
-from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, Document, Whole
+from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
+from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, Document
+from fsdp_optim.formats.named_safetensors.whole import Whole
 from fsdp_optim.formats.named_safetensors.writer import NamedTensor, prepare_named_safetensors, tensor_checksums
 from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
 from fsdp_optim.formats.sharded.side_file import encode_extra
-from fsdp_optim.offline.whole import ModelTensor
 
 if TYPE_CHECKING:
     from fsdp_optim.job.team import Team, Watch

@@ -41,15 +41,14 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.kinds import Given, Kind, detect
 from fsdp_optim.formats.plain import ParamNames, name_plain_dict
+from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import (
-    DEFAULT_MAPPED_BYTES,
-    is_sharded_checkpoint,
-)
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder
-from fsdp_optim.offline.opened import NEEDS_LAYOUT, Opened, Request, class_of
+from fsdp_optim.offline.opened import class_of
+from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, Opened, Request
 
-__all__ = ["Opened", "fetched_whole", "open_source"]
+__all__ = ["fetched_whole", "open_source"]
 
 
 _LAYOUT_USE = (
@@ -61,7 +60,7 @@ _LAYOUT_USE = (
 
 G = TypeVar("G", bound=Given)  # what fetched_whole hands back when it downloads nothing
 
-def check_options(
+def _check_options(
     kind: Kind,
     label: str,
     *,
@@ -160,7 +159,7 @@ def _open_local(
         return
     if cls.WRITTEN_ONLY is not None:
         raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {cls.WRITTEN_ONLY}")
-    check_options(
+    _check_options(
         kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
         optimizer_keys=optimizer_keys,
     )
@@ -176,6 +175,6 @@ def _open_plain(
     obj = given if isinstance(given, Mapping) else load_file(given, mmap=True, disjoint=True)
     if not isinstance(given, Mapping):
         check_state_dict(obj, label)
-    check_options(Kind.FULL, label, layout=layout, optimizer=optimizer, allow_globals=(), target=target)
+    _check_options(Kind.FULL, label, layout=layout, optimizer=optimizer, allow_globals=(), target=target)
     full = name_plain_dict(obj, names, optimizer=None, where=label)
     return class_of(Kind.FULL).loaded(Request(Kind.FULL, given, label, full, layout, optimizer))

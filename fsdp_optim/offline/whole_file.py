@@ -18,6 +18,7 @@ from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.plan import plan
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.formats.fullstate import read_meta
+from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
@@ -25,7 +26,7 @@ from fsdp_optim.formats.sharded.writer import write_all_or_nothing
 from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.rank_writes import write_ranks
-from fsdp_optim.offline.whole import ModelTensor, WholeModel
+from fsdp_optim.offline.whole import WholeModel
 
 __all__ = ["reshard_whole_file", "whole_model_of"]
 

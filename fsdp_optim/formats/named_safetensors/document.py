@@ -69,7 +69,7 @@ from fsdp_optim.formats.safetensors_container import (
     PORTABLE_DTYPES,
     HeaderError,
     HeaderRules,
-    Span,
+    TensorSpan,
     read_header,
 )
 from fsdp_optim.formats.sharded.json_values import JSONValue, from_json, to_json
@@ -333,7 +333,7 @@ def read_named_header(path: str | os.PathLike[str]) -> tuple[Document, dict[str,
     return document, tensors
 
 
-def _tensor(name: str, span: Span, checksums: Mapping[str, Any], where: str) -> TensorInfo:
+def _tensor(name: str, span: TensorSpan, checksums: Mapping[str, Any], where: str) -> TensorInfo:
     at = f"{where}: tensor '{name}'"
     sums = checksums.get(name)
     if not isinstance(sums, dict) or not isinstance(sums.get("digest"), str):

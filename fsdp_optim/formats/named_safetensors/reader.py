@@ -26,8 +26,9 @@ from fsdp_optim.core.checksums import digest_matches
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import ParamSpec
-from fsdp_optim.core.plan import Source, per_parameter, plan
+from fsdp_optim.core.plan import per_parameter, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_named_header

@@ -33,8 +33,8 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import loads
-from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, Manifest, shard_file_name
+from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
+from fsdp_optim.formats.sharded.manifest import Manifest, shard_file_name
 from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces
 from fsdp_optim.formats.sharded.safetensors_header import encode_rank_header, read_rank_header
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards

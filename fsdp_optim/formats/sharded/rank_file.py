@@ -30,7 +30,8 @@ from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import open_regular
-from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
+from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.mapped import MappedFile
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import (

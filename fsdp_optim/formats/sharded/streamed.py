@@ -1,8 +1,8 @@
 """A rank file of a re-cut written one shard at a time: :func:`streamed_parts` is what
 :func:`~.writer.write_shard_file` writes (the same bytes as for the rank's whole state: the same
 :func:`~.segments.file_layout`, metadata and chunk checksums), each ``(unit, state key)`` shard cut only when the
-writer reaches it (:func:`~fsdp_optim.core.plan.cut_rank` of :func:`~fsdp_optim.core.plan.restrict`) and dropped once
-written: memory holds one shard of one unit, never the rank's whole state::
+writer reaches it (:func:`~fsdp_optim.core.execute.cut_rank` of :func:`~fsdp_optim.core.execute.restrict`) and
+dropped once written: memory holds one shard of one unit, never the rank's whole state::
 
     output rank 1, tensors float32 = [u0/exp_avg | u0/exp_avg_sq | u2/exp_avg ...], bfloat16 = [u0/@param ...]
     each | ... | cut from the source's ranges, hashed into its chunks, written, released
@@ -15,8 +15,9 @@ from typing import Any, overload
 
 import torch
 
+from fsdp_optim.core.execute import cut_rank, restrict
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.plan import Plan, cut_rank, restrict
+from fsdp_optim.core.source import Plan
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
 from fsdp_optim.formats.sharded.writer import RankParts

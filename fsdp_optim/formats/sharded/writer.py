@@ -33,18 +33,18 @@ from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.save import SaveRules, Survey
 from fsdp_optim.disk.staged import remove_recorded
+from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.locate import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.manifest import (
     LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
     MANIFEST_NAMES,
-    FileRecord,
     Manifest,
     shard_file_name,
 )
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json, manifest_to_json
 from fsdp_optim.formats.sharded.ranged import rank_layout, shard_metadata, write_rank
 from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces
-from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.segments import plan_segments
 from fsdp_optim.formats.sharded.training import side_file_name
 

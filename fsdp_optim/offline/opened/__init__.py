@@ -1,7 +1,7 @@
 """An opened input: one small interface, one class per kind of input (:func:`fsdp_optim.offline.sources.open_source`
 decides the kind once and builds the class). The verbs ask the opened input; none asks which kind it has.
 
-Every opened input answers the same questions (:class:`Opened` in ``base.py``, with the answer of a kind that
+Every opened input answers the same questions (:class:`.base.Opened` in ``base.py``, with the answer of a kind that
 cannot: most often a refusal that says what the input is and what was expected)::
 
     opened.kind, opened.label       what it is, how errors name it
@@ -36,7 +36,7 @@ file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set,
 from __future__ import annotations
 
 from fsdp_optim.formats.kinds import Kind
-from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, Opened, Request
+from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.offline.opened.hf import OpenedHf
 from fsdp_optim.offline.opened.loaded import OpenedFull, OpenedNamedDict, OpenedNative, OpenedWholeFile
 from fsdp_optim.offline.opened.readers import OpenedDcp, OpenedNamed, OpenedShardSet
@@ -44,9 +44,6 @@ from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, Op
 
 __all__ = [
     "CLASSES",
-    "NEEDS_LAYOUT",
-    "Opened",
-    "Request",
     "class_of",
 ]
 
@@ -60,6 +57,6 @@ CLASSES: dict[Kind, type[Opened]] = {
 
 
 def class_of(kind: Kind | None) -> type[Opened]:
-    """The class of inputs of ``kind``; ``None`` (a torch file not loaded yet, whatever it holds): :class:`Opened`,
-    whose class methods treat it as the torch file it is."""
+    """The class of inputs of ``kind``; ``None`` (a torch file not loaded yet, whatever it holds):
+    :class:`.base.Opened`, whose class methods treat it as the torch file it is."""
     return Opened if kind is None else CLASSES[kind]

@@ -12,8 +12,8 @@ from typing import Any, ClassVar, cast
 
 from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.fairscale import from_fairscale

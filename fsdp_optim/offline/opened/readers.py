@@ -16,7 +16,7 @@ from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
-from fsdp_optim.formats.fairseq.shards import ShardSet
+from fsdp_optim.formats.fairseq.shards import ShardSetReader
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.whole_file import WholeFile, recorded_layout
@@ -38,7 +38,7 @@ class OpenedShardSet(Opened):
     """A fairseq/metaseq shard set (``use_sharded_state`` files): consolidated into a fairseq checkpoint and
     resharded as a shard set, in its own format (:mod:`fsdp_optim.formats.fairseq.recut`)."""
 
-    shards: ShardSet
+    shards: ShardSetReader
 
     LAYOUT = "order"
     OPTIMIZER = True

@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.flatten import StateKind
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.kinds import Given
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.sharded.verification import verify_sharded
 from fsdp_optim.formats.whole_file import LAYOUT_KEY, layout_record
@@ -179,7 +180,7 @@ class OpenedRankFile(Opened):
         return cls(request.kind, request.label, raw=request.obj)
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
-        return D.describe_rank_file(path, self.raw)
+        return D.describe_any_rank_file(path, self.raw)
 
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_rank_file(R.base(path, self.kind, lines), lines, self.raw)

@@ -37,7 +37,8 @@ import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.plan import Plan, plan
+from fsdp_optim.core.plan import plan
+from fsdp_optim.core.source import Plan
 from fsdp_optim.core.split import StreamSplit, split_stream
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.journal import JournalEntry
@@ -55,7 +56,7 @@ from fsdp_optim.formats.sharded.writer import CHECKPOINT
 from fsdp_optim.job.team import Team
 from fsdp_optim.offline.onefile import preallocate
 from fsdp_optim.offline.parallel.stretches import ChunkRun, FileLayout, chunk_runs, cut_piece, piece_reads
-from fsdp_optim.offline.rank_writes import described
+from fsdp_optim.offline.rank_writes import planned_manifest
 from fsdp_optim.offline.whole import carry_side_files, check_resharding, is_whole
 
 __all__ = ["Planned", "plan_reshard", "reshard_across", "share_spans"]
@@ -86,7 +87,7 @@ def plan_reshard(ckpt: ShardedCheckpoint, world_size: int, save_id: str, process
     if whole:
         check_resharding(ckpt, world_size, buffers)
     the_plan = plan(ckpt.whole_source() if whole else ckpt.source(), target.layout(0))
-    final = described(the_plan, target)
+    final = planned_manifest(the_plan, target)
     layout = file_layout(manifest_shards(final.flat_params, ShardIndex.of(final.flat_params)))
     items = {name: dtype_from_str(name, where="state").itemsize for name in layout[1]}
     tensors = [(n * items[name], chunk_elements(dtype_from_str(name, where="state"), CHUNK_BYTES) * items[name])
