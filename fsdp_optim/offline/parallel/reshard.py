@@ -155,23 +155,16 @@ def _share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging: Path,
     """This process's part of the module docstring's three share steps, each agreed by every process; the records
     of the files it owns."""
     owned = [laid_out(planned.final, rank) for rank in planned.split.owned(team.rank)]
-    failure: BaseException | None = None
-    try:
+    with team.step("reshard: the output files could not be laid out; nothing was committed"):
         if not staging.is_dir():
             raise ValueError(f"{staging}: process 0's staging directory is not visible here: the output must be on a "
                              "file system every process shares")  # fmt: skip
         for layout in owned:
             lay_out_file(staging / layout.name, layout, preallocate)
-    except Exception as exc:
-        failure = exc
-    team.agree(failure, "reshard: the output files could not be laid out; nothing was committed")
     _write_share(team, ckpt, planned, staging, bar=bar)
     records: list[FileRecord] = []
-    try:
+    with team.step("reshard: a written rank file did not check; nothing was committed"):
         records = [finished_record(staging / layout.name, layout) for layout in owned]
-    except Exception as exc:
-        failure = exc
-    team.agree(failure, "reshard: a written rank file did not check; nothing was committed")
     return records
 
 
@@ -179,26 +172,15 @@ def _write_share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging:
     """This process's runs written into the laid-out files, one piece at a time; every process agrees that every
     share is written before any returns."""
     runs = planned.share(team.rank)
-    done = [0]
-    watch = team.watch(lambda: done[0], total=planned.split.file_bytes * planned.split.outputs, bar=bar)
-
-    def after(nbytes: int) -> None:
-        done[0] += nbytes
-        ckpt.trim()
-        watch.check()
-
-    failure: BaseException | None = None
-    try:
+    watch = team.progress(planned.split.file_bytes * planned.split.outputs, bar=bar, trim=ckpt.trim)
+    with team.step("reshard failed on another process; nothing was committed", watch=watch):
         layout: LaidOutFile | None = None
         with fetched_ahead(ckpt, lambda: share_spans(ckpt, planned, runs)):
             for run in runs:
                 if layout is None or layout.rank != run.rank:
                     layout = laid_out(planned.final, run.rank)
                 write_rank(staging / layout.name, layout, {run.name: _cut(planned, run)},
-                           span=(run.tensor, run.start, run.stop), after=after)  # fmt: skip
-    except BaseException as exc:
-        failure = exc
-    team.settle(watch, failure, "reshard failed on another process; nothing was committed")
+                           span=(run.tensor, run.start, run.stop), after=watch.advance)  # fmt: skip
 
 
 def _cut(planned: Planned, run: ChunkRun) -> Iterator[torch.Tensor]:
