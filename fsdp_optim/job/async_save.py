@@ -25,8 +25,10 @@ second copy of the state in shared memory nor a process start per save.
 
 Coordination runs on a gloo process group of its own (created once per root process group, like
 torchtitan's), never on the training group, so the background thread's collectives cannot interleave
-with the training loop's. At most one save per process is in flight: a new one first waits for the
-previous one, whose failure, if nobody called ``wait()``, is raised then.
+with the training loop's. Its connections also tell a save that a rank is gone: a later save's check-in waits on
+a barrier over it, which fails as soon as a rank's process dies (docs/whole-state.md, "A dead rank").
+At most one save per process is in flight: a new one first waits for the previous one, whose failure, if nobody
+called ``wait()``, is raised then.
 """
 
 from __future__ import annotations
@@ -174,11 +176,21 @@ _staging: weakref.WeakKeyDictionary[nn.Module, Staging] = weakref.WeakKeyDiction
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
 
 
-def checkpoint_group(group: ProcessGroup) -> ProcessGroup:
-    """The gloo group that coordinates async saves over ``group``'s ranks (created on first use, then kept)."""
+MEET_S = 8.0  # how long a save's group creation waits for every rank, once they all checked in (docs/whole-state.md)
+
+
+def checkpoint_group(group: ProcessGroup, *, meet_s: float | None = None) -> ProcessGroup:
+    """The gloo group that coordinates async saves over ``group``'s ranks (created on first use, then kept; its
+    creation bounded by ``meet_s`` seconds: a dead rank stops it then, not at the collective timeout)."""
     if group not in _groups:
-        _groups[group] = new_gloo_group(group)
+        _groups[group] = new_gloo_group(group, create_within_s=meet_s)
     return _groups[group]
+
+
+def liveness_group(group: ProcessGroup) -> ProcessGroup | None:
+    """The checkpoint group of ``group`` if one was made (a save's check-in sees a dead rank through it); never
+    creates one."""
+    return _groups.get(group)
 
 
 def async_save_sharded_optim_state(
