@@ -16,7 +16,7 @@ the kill came first), and the time from the kill to that raise is printed. The p
 assertion allows :data:`MARGIN_S` for a loaded 2-core machine, far below the job's timeout.
 
 The full campaign (48 moments: W = 2, 3; four kinds; 6 seeds each) is slow (FSDP_OPTIM_SLOW=1); the default run
-takes a bounded sample of 5.
+takes a bounded sample of 6 (a victim other than rank 0, whose process holds the job's store, in 5).
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def _run_job(tmp_path: Path, world_size: int, case: dict[str, Any]) -> dict[int,
 
 def _cases() -> list[Any]:
     full = [(w, kind, seed) for w in (2, 3) for kind in KINDS for seed in range(6)]
-    sample = {(2, "before", 0), (3, "first collective", 1), (2, "copy", 2), (3, "write", 3), (3, "before", 4)}
+    sample = {(2, "before", 3), (3, "before", 5), (3, "first collective", 2), (2, "copy", 4), (3, "write", 4),
+              (3, "first collective", 1)}  # fmt: skip
     return [pytest.param(*c) if c in sample else pytest.param(*c, marks=pytest.mark.slow) for c in full]
 
 
