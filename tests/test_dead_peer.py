@@ -6,8 +6,8 @@ seeded step after the first (the save's own gloo group exists by then), a seeded
 at a seeded moment:
 
 - ``before``: a seeded 0-300 ms before it calls the save (the others are on their way in, or already waiting);
-- ``first collective``: at the n-th Python or C call once the save began (the check-in and the blocking part's
-  agreements);
+- ``first collective``: at the n-th Python or C call once the save began (its check-in, where the others wait);
+- ``agreements``: at the n-th call once every rank checked in (the blocking part's agreements, the save id);
 - ``copy``: at the n-th call once the background thread began copying the state into host memory;
 - ``write``: at the n-th call once the background thread began writing the rank file.
 
@@ -15,8 +15,8 @@ Every survivor must raise, from the save or from its ``wait()`` (or from the tra
 the kill came first), and the time from the kill to that raise is printed. The property is "within 10 s"; the
 assertion allows :data:`MARGIN_S` for a loaded 2-core machine, far below the job's timeout.
 
-The full campaign (48 moments: W = 2, 3; four kinds; 6 seeds each) is slow (FSDP_OPTIM_SLOW=1); the default run
-takes a bounded sample of 6 (a victim other than rank 0, whose process holds the job's store, in 5).
+The full campaign (60 moments: W = 2, 3; five kinds; 6 seeds each) is slow (FSDP_OPTIM_SLOW=1); the default run
+takes a bounded sample of 7 (in 6 of them the victim is not rank 0, whose process holds the job's store).
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ JOB_TIMEOUT_S = 120  # the job's collective timeout: a survivor that waited for 
 MARGIN_S = 40.0  # what the assertion allows (the property, measured and printed, is 10 s)
 DEADLINE_S = 200  # a rank still running by then is killed, and the test fails
 STEPS = 4
-KINDS = ("before", "first collective", "copy", "write")
+KINDS = ("before", "first collective", "agreements", "copy", "write")
 # Where each kind's counting starts: (function name, file name ending), or None for "before".
 TRIGGERS = {
     "first collective": ("async_save_checkpoint", "whole_save.py"),
+    "agreements": ("checkpoint_group", "async_save.py"),
     "copy": ("copy", "staging.py"),
     "write": ("write_shard_file", "writer.py"),
 }
-CALLS = {"before": 300, "first collective": 400, "copy": 60, "write": 300}  # moments are drawn below these
+CALLS = {"before": 300, "first collective": 400, "agreements": 400, "copy": 60, "write": 300}  # moments are drawn below these
 
 
 def _arm(kind: str, moment: int, killed: Path) -> None:
@@ -139,7 +140,7 @@ def _run_job(tmp_path: Path, world_size: int, case: dict[str, Any]) -> dict[int,
 def _cases() -> list[Any]:
     full = [(w, kind, seed) for w in (2, 3) for kind in KINDS for seed in range(6)]
     sample = {(2, "before", 3), (3, "before", 5), (3, "first collective", 2), (2, "copy", 4), (3, "write", 4),
-              (3, "first collective", 1)}  # fmt: skip
+              (3, "first collective", 1), (2, "agreements", 0)}  # fmt: skip
     return [pytest.param(*c) if c in sample else pytest.param(*c, marks=pytest.mark.slow) for c in full]
 
 
