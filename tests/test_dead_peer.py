@@ -101,7 +101,10 @@ def _rank(case: dict[str, Any]) -> None:
             if rank == case["victim"] and step == case["step"]:
                 _arm(case["kind"], case["moment"], out / "killed")
             where = "save"
-            fsdp_optim.async_save_checkpoint(model, optim, out / f"step-{step}", extra={"step": step}).wait()
+            if case.get("sync"):
+                fsdp_optim.save_checkpoint(model, optim, out / f"step-{step}", extra={"step": step})
+            else:
+                fsdp_optim.async_save_checkpoint(model, optim, out / f"step-{step}", extra={"step": step}).wait()
     except Exception as exc:
         outcome = {"raised_at": time.time(), "where": where, "step": step, "error": " ".join(str(exc).split())[:300]}
     (out / f"rank{rank}.json").write_text(json.dumps(outcome))
@@ -151,6 +154,18 @@ def test_a_rank_killed_around_an_async_save_fails_every_survivor_soon(
     draw = random.Random(f"{world_size}-{kind}-{seed}")
     case = {"victim": draw.randrange(world_size), "step": draw.randrange(2, STEPS), "kind": kind,
             "moment": draw.randrange(1, CALLS[kind])}  # fmt: skip
+    _check_survivors(tmp_path, world_size, kind, seed, case)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_killed_before_a_sync_save_fails_every_survivor_soon(tmp_path: Path, world_size: int) -> None:
+    """``save_checkpoint`` at every step; the last rank dies just before its step-3 save (the others wait in its
+    check-in, which sees the dead rank through the group the first save made)."""
+    case = {"victim": world_size - 1, "step": 3, "kind": "before", "moment": 100, "sync": True}
+    _check_survivors(tmp_path, world_size, "sync before", 0, case)
+
+
+def _check_survivors(tmp_path: Path, world_size: int, kind: str, seed: int, case: dict[str, Any]) -> None:
     results = _run_job(tmp_path, world_size, case)
     killed_file = tmp_path / "killed"
     assert killed_file.exists(), f"{case}: the victim was never killed: {results}"

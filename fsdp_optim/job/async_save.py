@@ -25,8 +25,9 @@ second copy of the state in shared memory nor a process start per save.
 
 Coordination runs on a gloo process group of its own (created once per root process group, like
 torchtitan's), never on the training group, so the background thread's collectives cannot interleave
-with the training loop's. Its connections also tell a save that a rank is gone: a later save's check-in waits on
-a barrier over it, which fails as soon as a rank's process dies (docs/whole-state.md, "A dead rank").
+with the training loop's. A second one, made at the first save, tells a save that a rank is gone: a later save's
+check-in waits on a barrier over it, which fails as soon as a rank's process dies (docs/whole-state.md, "A dead
+rank").
 At most one save per process is in flight: a new one first waits for the previous one, whose failure, if nobody
 called ``wait()``, is raised then.
 """
@@ -49,7 +50,7 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
 from fsdp_optim.job.staging import Staged, Staging, before_change, expect, ready_events
-from fsdp_optim.job.transport import ProcessGroup, group_initialized, new_gloo_group
+from fsdp_optim.job.transport import ProcessGroup, dist_rank_and_size, group_initialized, new_gloo_group
 from fsdp_optim.job.unseen_saves import watch
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
@@ -174,6 +175,7 @@ _guarded_roots: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDict
 _any_step_hook: Any = None  # the process's one pre-hook on every optimizer's step (_before_any_step)
 _staging: weakref.WeakKeyDictionary[nn.Module, Staging] = weakref.WeakKeyDictionary()  # its reusable buffers
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
+_alive: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the group its saves' check-ins wait on
 
 
 MEET_S = 8.0  # how long a save's group creation waits for every rank, once they all checked in (docs/whole-state.md)
@@ -188,9 +190,18 @@ def checkpoint_group(group: ProcessGroup, *, meet_s: float | None = None) -> Pro
 
 
 def liveness_group(group: ProcessGroup) -> ProcessGroup | None:
-    """The checkpoint group of ``group`` if one was made (a save's check-in sees a dead rank through it); never
-    creates one."""
-    return _groups.get(group)
+    """The gloo group whose barrier a save's check-in over ``group`` waits on beside the store, so that it sees a dead
+    rank at once (:func:`~fsdp_optim.job.transport.check_in`); ``None`` until a first save made it
+    (:func:`keep_liveness_group`). Only check-ins use it, in the callers' thread: an async save's background
+    collectives never cross it."""
+    return _alive.get(group)
+
+
+def keep_liveness_group(group: ProcessGroup) -> None:
+    """Right after a save's check-in (every rank is there): make ``group``'s liveness group if it has none, within
+    :data:`MEET_S`. Only over a group of every process of the job (making a group is a collective over them all)."""
+    if group not in _alive and dist_rank_and_size(group)[1] == dist_rank_and_size(None)[1]:
+        _alive[group] = new_gloo_group(group, create_within_s=MEET_S)
 
 
 def async_save_sharded_optim_state(
