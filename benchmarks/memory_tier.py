@@ -31,7 +31,7 @@ import torch
 from . import models, spawn
 from .ckpt.common import difference
 from .peak import rounds
-from .report import RESULTS, SCRATCH
+from .registry import RESULTS, SCRATCH
 
 # ---- configuration ---------------------------------------------------------------------------------
 MODEL = "25M"

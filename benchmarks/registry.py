@@ -100,6 +100,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "format2", "the rank-file header cost of one tensor per (unit, key) against one per dtype (format 3's layout)",
         "--layout", "not stated", None, "", (),
     ),
+    Benchmark(
+        "census", "the source tree's counts: lines, Location members, failure captures, forwarding imports, names "
+        "defined twice, docs/api.md entries at internal paths, dead functions", "", "seconds", None, "", (),
+    ),
 )
 
 # Modules with a main that are parts of a benchmark, not benchmarks: what each is for.

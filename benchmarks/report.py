@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from .host import load_average, machine, package
-from .measure import Measurement, MiB, NotAvailable
+from .measure import Measurement, NotAvailable
+from .peak import MiB
 from .registry import RESULTS as RESULTS  # where results go (re-exported): benchmarks/registry.py
 from .registry import SCRATCH as SCRATCH
 

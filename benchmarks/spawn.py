@@ -141,7 +141,7 @@ def options(p: argparse.ArgumentParser, *, warmup: int, repeats: int, steps: int
 
 def resolve(args: argparse.Namespace, *, world_sizes: tuple[int, ...], repeats: int, quick_repeats: int, storage: Path, name: str, quick_name: str = "") -> argparse.Namespace:
     """The defaults of :func:`options` that depend on --quick, and the scratch directory."""
-    from .report import RESULTS, SCRATCH
+    from .registry import RESULTS, SCRATCH
 
     args.world_sizes = tuple(sorted(set(args.world_sizes or world_sizes)))
     args.repeats = args.repeats or (quick_repeats if args.quick else repeats)

@@ -110,7 +110,7 @@ _HOME = {
     "Location": "disk.location",
     "ObjectBackend": "disk.backend",
     "StoreUnavailable": "disk.errors",
-    "StoredObject": "disk.location",
+    "StoredObject": "disk.byte_io",
     "register_backend": "disk.locations",
     "FORMAT_VERSION": "formats.fullstate",
     "ForeignOutputError": "disk.locks",
@@ -164,8 +164,9 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.core.elementwise import NotElementwiseError, register_elementwise_optimizer
     from fsdp_optim.core.sample_random import sample_generator, sample_seed
     from fsdp_optim.disk.backend import ObjectBackend
+    from fsdp_optim.disk.byte_io import StoredObject
     from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
-    from fsdp_optim.disk.location import Location, StoredObject
+    from fsdp_optim.disk.location import Location
     from fsdp_optim.disk.locations import open_store, register_backend
     from fsdp_optim.disk.locks import ForeignOutputError, OutputLockedError
     from fsdp_optim.formats.fairscale import from_fairscale, to_named

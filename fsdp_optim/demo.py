@@ -79,7 +79,7 @@ def build_model() -> TinyLM:
     return TinyLM()
 
 
-def wrap(model: TinyLM, every: int, group: dist.ProcessGroup) -> FSDP:
+def _wrap(model: TinyLM, every: int, group: dist.ProcessGroup) -> FSDP:
     """Wrap every ``every``-th layer in its own FSDP unit, then the root, all on ``group``."""
     kwargs = dict(process_group=group, process_group_reduce_scatter=group)
     for i in range(0, len(model.layers), every):
@@ -150,7 +150,7 @@ def plural(ranks: int) -> str:
     return f"{ranks} rank" + ("s" if ranks != 1 else "")
 
 
-def state_bytes(full: dict) -> int:
+def _state_bytes(full: dict) -> int:
     return sum(v.numel() * v.element_size() for s in full["state"].values() for v in s.values() if torch.is_tensor(v))
 
 
@@ -240,7 +240,7 @@ def train_gather_and_save(job: Job) -> list[float]:
     world = dist.group.WORLD
     if world is None:
         raise RuntimeError("expected the default process group to exist (start() joins it), found None")
-    model = wrap(build_model().to(job.device), every=1, group=world)
+    model = _wrap(build_model().to(job.device), every=1, group=world)
     optim = torch.optim.Adam(model.parameters(), lr=3e-3)
     loader = synthetic_loader(job.batch, job.world, job.rank)
     losses = train(model, optim, loader, len(job.first), job.device, world)
@@ -253,7 +253,7 @@ def train_gather_and_save(job: Job) -> list[float]:
     _, object_ms = timed_gather(model, optim, "object", job.args.repeats, world)
     if full is not None:  # rank 0, the recipient
         job.say(
-            f"  gathered the full optimizer state: {state_bytes(full) / 2**20:.1f} MiB, {len(full['param_names'])} "
+            f"  gathered the full optimizer state: {_state_bytes(full) / 2**20:.1f} MiB, {len(full['param_names'])} "
             f"parameters; median latency {tensor_ms:.1f} ms (tensor transport) vs {object_ms:.1f} ms "
             f"(broadcast_object_list), {object_ms / tensor_ms:.1f}x"
         )
@@ -276,7 +276,7 @@ def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict, list[float]] | None:
     group = dist.new_group(ranks=list(range(resumed_world)))  # collective: every rank creates it
     resumed = None
     if job.rank < resumed_world:
-        model = wrap(build_model().to(job.device), every=2, group=group)
+        model = _wrap(build_model().to(job.device), every=2, group=group)
         optim = torch.optim.Adam(model.parameters(), lr=3e-3)
         # Works on any fairscale FSDP root (ours, fairscale's own, a subclass), at any world size and nesting.
         loader = synthetic_loader(job.batch, resumed_world, job.rank)  # per-rank batch job.batch / resumed_world
@@ -296,7 +296,7 @@ def resume_on_fewer_ranks(job: Job) -> tuple[dict, dict, list[float]] | None:
     return resumed
 
 
-def verify(job: Job, first: list[float], resumed: tuple[dict, dict, list[float]]) -> bool:
+def _verify(job: Job, first: list[float], resumed: tuple[dict, dict, list[float]]) -> bool:
     """Steps 4-5 (rank 0): resume on one process without FSDP; compare both resumes with uninterrupted training."""
     device, steps = job.device, len(job.first) + len(job.second)
     reference = build_model().to(device)
@@ -365,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         first = train_gather_and_save(job)
         resumed = resume_on_fewer_ranks(job)
-        box = [verify(job, first, resumed) if resumed is not None else None]  # rank 0 belongs to the resumed group
+        box = [_verify(job, first, resumed) if resumed is not None else None]  # rank 0 belongs to the resumed group
         dist.broadcast_object_list(box, src=0)
     finally:
         dist.destroy_process_group()  # every rank is past its last read of job.out

@@ -21,15 +21,10 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.checksums import digest
+from fsdp_optim.formats.sharded.file_record import HEADER_KEY, FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
-from fsdp_optim.formats.sharded.manifest import (
-    HEADER_KEY,
-    LEGACY_MANIFEST_NAME,
-    MANIFEST_NAME,
-    FileRecord,
-    shard_file_name,
-)
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME, shard_file_name
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.torch_files import shard_payload, unwrap, wrap
 
 V1_MANIFEST = LEGACY_MANIFEST_NAME
@@ -40,7 +35,7 @@ V1_MANIFEST = LEGACY_MANIFEST_NAME
 
 def to_format1(directory: Path) -> None:
     """Rewrite the format-2 checkpoint in ``directory`` as format 1 (same state, same save id)."""
-    with ShardedCheckpoint(directory) as ckpt:
+    with open_checkpoint(directory, lazy=False) as ckpt:
         manifest = ckpt.manifest
         records = []
         for f in manifest.files:

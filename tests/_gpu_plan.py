@@ -9,7 +9,7 @@ machine will run) to ``PATH``::
     {"gpus": 1,
      "runs": ["tests/test_stager.py::test_gpu_saves_...", ...],          # runs there; must pass
      "not_applicable": {"tests/test_cuda_scatter.py::test_...": "needs 2 CUDA devices, this machine has 1: ..."},
-     "unexplained": {"tests/test_x.py::test_y": "skipif reason names no CUDA device count: 'flaky'"}}
+     "unexplained": {"tests/test_gather.py::test_y": "skipif reason names no CUDA device count: 'flaky'"}}
 
 ``unexplained`` lists the CUDA tests that could skip for something else than a stated missing resource (a
 ``skipif`` whose reason names no device count, a ``skip`` mark, a ``pytest.skip``/``importorskip`` call in the

@@ -153,7 +153,7 @@ def disarm(control: ProxyControl, rank: int, before: int) -> int:
 
 
 def committed_id(store: Any) -> str:
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
 
     return read_manifest(store).save_id
 
@@ -214,7 +214,7 @@ def check_tidy_after_next_save(rank: int, store: Any, save: Any) -> None:
     error, _, _ = save()
     assert error is None, describe(error)
     if rank == 0:
-        from fsdp_optim.formats.sharded.reader import read_manifest
+        from fsdp_optim.formats.sharded.locate import read_manifest
 
         listing = set(store.listing())
         expected = set(read_manifest(store).file_names()) | {"manifest.json"}

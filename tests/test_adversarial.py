@@ -43,7 +43,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp_optim import save_layout, save_sharded_optim_state
-from fsdp_optim.formats.sharded.manifest import HEADER_KEY, LEGACY_MANIFEST_NAME, MANIFEST_NAME
+from fsdp_optim.formats.sharded.file_record import HEADER_KEY
+from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME
 
 WORLD_SIZE = 2
 CLI_ERROR = "fsdp-optim: error: "

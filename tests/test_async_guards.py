@@ -28,13 +28,13 @@ def _hold_copies() -> threading.Event:
     from fsdp_optim.job import staging
 
     gate = threading.Event()
-    copy = staging.Staging.copy
+    copy = staging.HostStaging.copy
 
-    def held(self: staging.Staging, *args: Any, **kwargs: Any) -> Any:
+    def held(self: staging.HostStaging, *args: Any, **kwargs: Any) -> Any:
         gate.wait(HOLD_S)
         return copy(self, *args, **kwargs)
 
-    staging.Staging.copy = held  # type: ignore[method-assign]  # this rank's process only
+    staging.HostStaging.copy = held  # type: ignore[method-assign]  # this rank's process only
     return gate
 
 

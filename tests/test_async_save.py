@@ -137,16 +137,16 @@ def test_a_kill_mid_upload_leaves_a_loadable_checkpoint(tmp_path, delay: float) 
 
 def _deferred_copy_job(rank: int, world_size: int, out: str) -> dict:
     """The copy into host memory runs after the call returns; the next step (or load_state_dict) waits for it."""
-    from fsdp_optim.job.staging import Staging
+    from fsdp_optim.job.staging import HostStaging
 
     root, optim = _setup(rank, world_size)
-    real = Staging.copy
+    real = HostStaging.copy
 
     def slow_copy(self: Any, *args: Any) -> Any:  # a copy that takes long enough to be overtaken if unguarded
         time.sleep(0.5)
         return real(self, *args)
 
-    Staging.copy = slow_copy  # type: ignore[method-assign]
+    HostStaging.copy = slow_copy  # type: ignore[method-assign]
     try:
         results = {}
         for how in ("step", "load_state_dict"):
@@ -164,7 +164,7 @@ def _deferred_copy_job(rank: int, world_size: int, out: str) -> dict:
             assert_identical(fresh.state_dict()["state"], at_call["state"], f"rank {rank}, {how}: state at the call")
             M.train_step(root, optim, *M.local_batch(10, rank, world_size))
     finally:
-        Staging.copy = real  # type: ignore[method-assign]
+        HostStaging.copy = real  # type: ignore[method-assign]
     return results
 
 

@@ -22,7 +22,7 @@ from torch import nn
 import fsdp_optim
 from fsdp_optim import FullyShardedDataParallel as FSDP
 from fsdp_optim.cli import main
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 
 SAVED_WORLD = 2
 STEPS = 3
@@ -116,7 +116,7 @@ def _load(rank: int, world_size: int, per_rank: str, shared: list[str]) -> dict[
 
 def test_refused_without_a_choice_offline(saved, tmp_path, capsys) -> None:
     path, _ = saved
-    with ShardedCheckpoint(path) as ckpt:
+    with open_checkpoint(path, lazy=False) as ckpt:
         assert ckpt.manifest.training is not None and ckpt.manifest.training.buffers_per_rank
     with pytest.raises(ValueError, match=r"buffers: .*differed across its 2 ranks.*world size 3 needs a choice: "
                                          r"buffers='rank0' \(--buffers rank0\).*buffers='mean'"):  # fmt: skip
@@ -131,7 +131,7 @@ def test_refused_without_a_choice_offline(saved, tmp_path, capsys) -> None:
 def test_reshard_at_the_saved_world_size_keeps_them_per_rank(saved, tmp_path) -> None:
     path, held = saved
     fsdp_optim.reshard(path, SAVED_WORLD, tmp_path / "w2", buffers="mean")
-    with ShardedCheckpoint(tmp_path / "w2") as ckpt:
+    with open_checkpoint(tmp_path / "w2", lazy=False) as ckpt:
         assert ckpt.manifest.training is not None and ckpt.manifest.training.buffers_per_rank
     for rank in range(SAVED_WORLD):
         got = fsdp_optim.consolidate(tmp_path / "w2", rank=rank)["model"]
@@ -146,7 +146,7 @@ def test_load_at_another_world_size_with_each_choice(saved, tmp_path, world_size
     assert main(["reshard", str(path), "--world-size", "1", "--buffers", "rank0", "-o", str(tmp_path / "rank0-w1")]) == 0
     shared = {"mean": str(tmp_path / "mean-w3"), "rank0": str(tmp_path / "rank0-w1")}
     for choice, out in shared.items():
-        with ShardedCheckpoint(out) as ckpt:
+        with open_checkpoint(out, lazy=False) as ckpt:
             assert ckpt.manifest.training is not None and not ckpt.manifest.training.buffers_per_rank, choice
 
     results = run_ranks(_load, world_size, str(path), list(shared.values()))

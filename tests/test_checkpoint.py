@@ -28,8 +28,10 @@ from _dist import run_ranks
 from fsdp_optim import consolidate, load_sharded_optim_state, reshard, save_sharded_optim_state
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.plan import plan
-from fsdp_optim.formats.sharded.manifest import HEADER_KEY, MANIFEST_NAME, Manifest, manifest_source
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.file_record import HEADER_KEY
+from fsdp_optim.formats.sharded.locate import read_manifest
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest, manifest_source
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.torch_files import unwrap
 from fsdp_optim.formats.sharded.writer import write_shard_file
 
@@ -130,7 +132,7 @@ def test_reshard_offline_from_directory_and_from_full_file(saved, tmp_path) -> N
             assert_identical(consolidate(from_dir), expected, f"{name} via directory at {world_size}")
             assert_identical(consolidate(from_full), expected, f"{name} via full file at {world_size}")
             # Both routes write the same shards.
-            with ShardedCheckpoint(from_dir) as x, ShardedCheckpoint(from_full) as y:
+            with open_checkpoint(from_dir, lazy=False) as x, open_checkpoint(from_full, lazy=False) as y:
                 for rank in range(world_size):
                     assert_identical(x.load_rank(rank), y.load_rank(rank), f"{name} rank {rank}")
     # Resharding a resharded checkpoint again lands on the same full dict.

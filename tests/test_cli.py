@@ -20,7 +20,7 @@ from _dist import run_ranks
 import fsdp_optim
 from fsdp_optim import consolidate, save_layout, save_sharded_optim_state, to_named
 from fsdp_optim.cli import main
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.locate import read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,10 @@ def test_consolidate_reshard_convert(files, capsys, tmp_path) -> None:
     out, full = files
     code, text, err = _run(capsys, "consolidate", out / "ckpt", "-o", tmp_path / "full.pt")
     assert code == 0 and err == "" and text.startswith(f"wrote {tmp_path / 'full.pt'}")  # no bars off a terminal
-    assert_identical(torch.load(tmp_path / "full.pt", weights_only=True), full)
+    written = torch.load(tmp_path / "full.pt", weights_only=True)
+    layout = written["fsdp_optim"].pop("layout")  # the checkpoint's FSDP layout, recorded for reshard
+    assert layout["param_order"] == list(read_manifest(out / "ckpt").param_order), layout
+    assert_identical(written, full)
 
     for source, extra in ((out / "ckpt", ()), (out / "full.pt", ("--layout", out / "layout.pt"))):
         target = tmp_path / f"resharded-{source.name}"

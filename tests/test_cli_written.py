@@ -11,7 +11,8 @@ from typing import get_type_hints
 import pytest
 
 from fsdp_optim.cli.written import consolidated_words, resharded_words
-from fsdp_optim.offline.opened import CLASSES, Opened
+from fsdp_optim.offline.opened import CLASSES
+from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.offline.opened.written import (
     Consolidation,
     FairseqCheckpoint,

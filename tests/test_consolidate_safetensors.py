@@ -123,14 +123,17 @@ def test_bad_output_is_refused(whole: Path, tmp_path: Path, capsys: pytest.Captu
 
 def test_a_failure_mid_write_leaves_nothing(whole: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tensor that cannot be made (the fourth of the file) fails the write: no file, no temporary file left."""
+    from dataclasses import replace
+
     import fsdp_optim.offline.onefile as onefile
+    from fsdp_optim.formats.named_safetensors.writer import NamedTensor
 
     real = onefile.write_tensors
 
     def failing(path: Any, layout: Any, which: Any, *, after: Any) -> Any:
         broken = list(layout.tensors)
-        broken[3] = onefile.NamedTensor(broken[3].name, broken[3].dtype, broken[3].shape, _disk_full)
-        return real(path, onefile.replace(layout, tensors=tuple(broken)), which, after=after)
+        broken[3] = NamedTensor(broken[3].name, broken[3].dtype, broken[3].shape, _disk_full)
+        return real(path, replace(layout, tensors=tuple(broken)), which, after=after)
 
     monkeypatch.setattr(onefile, "write_tensors", failing)
     out = tmp_path / "model.safetensors"
@@ -146,7 +149,7 @@ def _disk_full() -> torch.Tensor:
 # first tensor of the file.
 _PROCESS = """
 import os, signal, sys
-import fsdp_optim.offline.parallel.onefile as P
+import fsdp_optim.offline.onefile as P
 real = P.write_tensors
 def killed(path, layout, which, *, after):
     def then(nbytes):
@@ -205,17 +208,19 @@ def test_a_killed_process_commits_nothing(whole: Path, tmp_path: Path) -> None:
 
 def test_two_processes_refuse_a_directory_and_an_existing_file(whole: Path, tmp_path: Path) -> None:
     """A directory: refused by every process while planning; a file without --overwrite: by process 0's output
-    (its lock), which every process then raises; both left as they were."""
+    (its lock), which every process then raises; both left as they were. Process 0 alone says why (one line under
+    torchrun), every process exits with its code."""
     taken = tmp_path / "taken.safetensors"
     taken.mkdir()
     results = _pair(["consolidate", whole, "-o", taken], {})
     assert [code for code, _, _ in results] == [1, 1], results
-    assert all("an existing directory" in err for _, _, err in results), results
+    assert "an existing directory" in results[0][2] and "an existing directory" not in results[1][2], results
     assert os.listdir(taken) == [], "left as it was"
     existing = tmp_path / "x.safetensors"
     existing.write_bytes(b"old")
     results = _pair(["consolidate", whole, "-o", existing], {})
-    assert [code for code, _, _ in results] == [1, 1] and "exists already" in results[1][2], results
+    assert [code for code, _, _ in results] == [1, 1] and "exists already" in results[0][2], results
+    assert "exists already" not in results[1][2], results
     assert existing.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["taken.safetensors", "x.safetensors"]
 
 

@@ -93,9 +93,9 @@ def test_tolerances_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture
     assert _cli(capsys, "diff", CKPT, edited, "--rtol", "1e-6")[0] == 1
     assert _cli(capsys, "diff", CKPT, edited, "--atol", "1.0")[0] == 0
     assert _cli(capsys, "diff", CKPT, CKPT)[0] == 0
-    # bad input: 1 with one line on stderr, as every verb; bad usage: 2
+    # bad input: 2 (trouble, as diff(1) and cmp say it) with one line on stderr, as every verb's; bad usage: 2
     code, out, err = _cli(capsys, "diff", CKPT, tmp_path / "nothing")
-    assert code == 1 and err.startswith("fsdp-optim: error: ") and "nothing" in err and "Traceback" not in err
+    assert code == 2 and err.startswith("fsdp-optim: error: ") and "nothing" in err and "Traceback" not in err
     assert out == "" and len(err.splitlines()) == 1, err
     with pytest.raises(SystemExit) as negative:  # a tolerance below 0 is bad usage, refused before reading
         main(["diff", str(CKPT), str(edited), "--atol", "-1"])

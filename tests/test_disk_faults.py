@@ -60,8 +60,9 @@ from torch import nn
 from fsdp_optim import FullyShardedDataParallel as FSDP
 from fsdp_optim import consolidate, load_sharded_optim_state, save_sharded_optim_state
 from fsdp_optim.core.checksums import digest
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 
 TRIALS = int(os.environ.get("FSDP_OPTIM_FAULT_TRIALS", "20"))
 SEED = int(os.environ.get("FSDP_OPTIM_FAULT_SEED", "5"))
@@ -202,7 +203,7 @@ _TEMP = re.compile(r"^\..*\.tmp\.\d+\.[0-9a-f]+$")  # storage.atomic_save's temp
 def _verify(directory: Path) -> str:
     """Consolidate (every unit's checksum verified) and read every rank file whole; the state's digest."""
     full = consolidate(directory)
-    with ShardedCheckpoint(directory) as ckpt:
+    with open_checkpoint(directory, lazy=False) as ckpt:
         for record in ckpt.manifest.files:
             ckpt.load_rank(record.rank)
     return digest(full)

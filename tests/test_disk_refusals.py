@@ -47,8 +47,8 @@ from torch import nn
 from fsdp_optim import consolidate, load_sharded_optim_state, reshard, save_layout, save_sharded_optim_state
 from fsdp_optim.cli import main as cli
 from fsdp_optim.core.checksums import digest
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import read_manifest
 
 WORLD_SIZE = 2
 STEPS = 2  # before the checkpoint every case starts from: "step" is 2.0 there

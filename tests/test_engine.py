@@ -51,8 +51,8 @@ def test_offline_reshard_of_a_full_dict_plans_once_for_every_rank(tmp_path) -> N
     full = _full()
     given = copy.deepcopy(full)
     layout = Manifest.from_layout(_layout(), save_id="layout")
-    with mock.patch("fsdp_optim.offline.cuts.plan", wraps=plan) as planned, mock.patch(
-        "fsdp_optim.offline.opened.loaded.full_dict_source", wraps=full_dict_source
+    with mock.patch("fsdp_optim.core.plan.plan", wraps=plan) as planned, mock.patch(
+        "fsdp_optim.formats.fullstate.full_dict_source", wraps=full_dict_source
     ) as adapted:
         reshard(full, 4, tmp_path / "out", layout=layout)
     assert (planned.call_count, adapted.call_count) == (1, 1)
@@ -89,8 +89,8 @@ def _scatter_counting(rank: int, world_size: int) -> dict:
         M.train_step(root, optim, *M.local_batch(step, rank, world_size))
     full = root.gather_full_optim_state_dict(optim, recipient_rank=0)
     fresh = M.OPTIMIZERS["adamw"](M.fsdp_param_groups(root))
-    with mock.patch("fsdp_optim.job.sharded.plan", wraps=plan) as planned, mock.patch(
-        "fsdp_optim.formats.fairscale.full_dict_source", wraps=full_dict_source
+    with mock.patch("fsdp_optim.core.plan.plan", wraps=plan) as planned, mock.patch(
+        "fsdp_optim.formats.fullstate.full_dict_source", wraps=full_dict_source
     ) as adapted:
         scatter_full_optim_state(root, fresh, full if rank == 0 else None, src_rank=0)
     return {"plans": planned.call_count, "sources": adapted.call_count, "loaded": fresh.state_dict(), "own": optim.state_dict()}

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_optim.core.checksums import chunk_digests
+from fsdp_optim.core.checksums import digests_of_chunks
 from fsdp_optim.disk.hashed_write import OVERLAP_BYTES, HashingWriter
-from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
+from fsdp_optim.formats.sharded.ranged import rank_layout, write_rank
+from fsdp_optim.formats.sharded.rank_file import host_pieces
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.job.copiers import HostCopier
 from fsdp_optim.job.stager import Ring
@@ -50,7 +51,7 @@ def test_a_rank_file_is_written_on_a_thread_while_hashed_and_is_exact(tmp_path: 
     sizes = {name: sum(p.numel() for p in parts) for name, parts in tensors.items()}
     pieces = Ring(HostCopier(), slots=3, slot_bytes=OVERLAP_BYTES).pieces if ring else host_pieces
     with _ThreadLog(tmp_path / "r.safetensors") as file:
-        write_rank_tensors(file, tensors, sizes, META, CHUNK, pieces=pieces)
+        write_rank(file, rank_layout(META, sizes, CHUNK), tensors, pieces=pieces)
         writers = file.writers
     here = threading.current_thread().name
     assert here in writers, f"no smaller piece was written on the caller's thread: {writers}"
@@ -63,10 +64,10 @@ def test_a_rank_file_is_written_on_a_thread_while_hashed_and_is_exact(tmp_path: 
         whole = torch.cat(parts)
         found = torch.frombuffer(bytearray(data[at : at + whole.nbytes]), dtype=whole.dtype)
         assert torch.equal(found, whole), f"tensor {name} differs from what was written"
-        assert tuple(checksums[name]) == chunk_digests(whole, CHUNK // whole.element_size()), f"{name}'s checksums"
+        assert tuple(checksums[name]) == digests_of_chunks(whole, CHUNK // whole.element_size()), f"{name}'s checksums"
     reference = io.BytesIO()
     with HashingWriter(reference, overlap_bytes=1 << 62):  # every piece written then hashed, on this thread
-        write_rank_tensors(reference, tensors, sizes, META, CHUNK)
+        write_rank(reference, rank_layout(META, sizes, CHUNK), tensors)
     assert reference.getvalue() == data, "the overlapped writer wrote other bytes than a sequential one"
 
 
@@ -86,6 +87,6 @@ def test_pieces_under_overlap_bytes_make_no_thread_hand_off(tmp_path: Path) -> N
     tensors = {"float32": [torch.randn(680_000, generator=g) for _ in range(4)]}  # 2.6 MiB each
     sizes = {"float32": sum(p.numel() for p in tensors["float32"])}
     with _ThreadLog(tmp_path / "r.safetensors") as file:
-        write_rank_tensors(file, tensors, sizes, META, CHUNK)
+        write_rank(file, rank_layout(META, sizes, CHUNK), tensors)
         writers = file.writers
     assert writers == [threading.current_thread().name] * 4, f"the 2.6 MiB pieces were written on {writers}"

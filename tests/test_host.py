@@ -151,12 +151,12 @@ def test_the_cpu_path_is_chosen_where_fairscale_computes() -> None:
     """computes_on_host follows fairscale's compute_device (its default is the GPU): CPU offload computes on the GPU
     of a GPU machine (the old rule, by the parameters' device, took the CPU path there and then refused every GPU
     instance of the process); CPU parameters without offload take the CPU path on any machine."""
-    from fsdp_optim.job.options import Placement, computes_on_host, placement
+    from fsdp_optim.job.options import ComputePlacement, computes_on_host, placement
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def host(gpu: bool, compute: torch.device | None, offload: bool, devices: set[str]) -> bool:
-        return computes_on_host(Placement(gpu, compute, offload, frozenset(devices)))
+        return computes_on_host(ComputePlacement(gpu, compute, offload, frozenset(devices)))
 
     for gpu in (False, True):
         assert host(gpu, cpu, False, {"cpu"}) and host(gpu, cpu, True, {"cpu"}), "an explicit CPU decides"
@@ -169,7 +169,7 @@ def test_the_cpu_path_is_chosen_where_fairscale_computes() -> None:
 
     cpu_net = torch.nn.Linear(2, 2)
     found = placement(cpu_net, {"cpu_offload": True, "compute_device": "cuda:0"})  # cpu_offload: the old name
-    assert found == Placement(torch.cuda.is_available(), torch.device("cuda:0"), True, frozenset({"cpu"})), found
+    assert found == ComputePlacement(torch.cuda.is_available(), torch.device("cuda:0"), True, frozenset({"cpu"})), found
     assert placement(cpu_net, {}).offload is False, "no offload unless asked"
     meta_net = torch.nn.Linear(2, 2, device="meta")
     for p in meta_net.parameters():  # a root over wrapped units: every parameter already taken by a nested instance

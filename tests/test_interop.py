@@ -23,7 +23,7 @@ from _checks import assert_fsdp2_matches_plain, assert_identical
 from _dist import run_ranks
 
 from fsdp_optim import from_fairscale, save_layout, to_named
-from fsdp_optim.offline.operations import resolve_layout
+from fsdp_optim.offline.layouts import resolve_layout
 
 SAVE_AT, TOTAL = 2, 4
 REL = 1e-4

@@ -1,5 +1,5 @@
 """``consolidate SRC -o s3://bucket/x/model.safetensors``: the one safetensors file written as the parts of ONE
-multipart upload (``offline/onefile_parts.py``, ``offline/parallel/upload.py``, ``disk/multipart.py``), against the
+multipart upload (``offline/onefile.py``, ``offline/onefile_parts.py``, ``disk/multipart.py``), against the
 real SeaweedFS server of ``tests/_s3.py``: the object equals the file one process writes locally, byte for byte,
 by one process and by two; a killed process leaves no object and no unfinished upload; a store without multipart
 uploads gets the local file uploaded whole."""
@@ -30,7 +30,7 @@ MiB = 1 << 20
 # tensor (its parts put).
 _PROCESS = """
 import os, signal, sys
-import fsdp_optim.offline.parallel.upload as U
+import fsdp_optim.offline.onefile_parts as U
 real = U.write_parts
 def killed(layout, plan, rank, upload, upload_id, *, after):
     left = [len(plan.runs[rank])]
@@ -152,15 +152,15 @@ def test_one_process_writes_one_upload_of_the_local_bytes(s3_server: Any, big: P
 
 def test_parts_of_one_process_api(s3_server: Any, big: Path, local: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The API with 10 MiB parts: several parts, the object still the local file's bytes."""
-    from fsdp_optim.offline.onefile_parts import consolidate_to_store
+    from fsdp_optim.offline.onefile import consolidate_to_safetensors
     from fsdp_optim.offline.sources import open_source
 
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)
     url = s3_server.url("api") + "/model.safetensors"
     with open_source(str(big)) as opened:
-        consolidate_to_store(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None,
-                             part_bytes=10 * MiB)  # fmt: skip
+        consolidate_to_safetensors(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None,
+                                   part_bytes=10 * MiB)  # fmt: skip
     data, etag, pending = _object(s3_server, url)
     assert data == local and pending == [], "the object differs from the local file, or uploads are left"
     assert etag is not None and etag.strip('"').endswith("-4"), f"32 MiB and the header in parts of at most 10 MiB: 4: {etag}"
@@ -216,12 +216,12 @@ def test_a_store_without_multipart_gets_the_file_uploaded_whole(big: Path, local
     """fsspec's memory filesystem has no multipart API: the file is written locally and uploaded whole."""
     import fsspec
 
-    from fsdp_optim.offline.onefile_parts import consolidate_to_store
+    from fsdp_optim.offline.onefile import consolidate_to_safetensors
     from fsdp_optim.offline.sources import open_source
 
     url = "memory://multipart-fallback/x/model.safetensors"
     with open_source(str(big)) as opened:
-        consolidate_to_store(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None)
+        consolidate_to_safetensors(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None)
     assert fsspec.filesystem("memory").cat_file(url) == local, "the uploaded file differs from the local one"
 
 
@@ -230,7 +230,7 @@ def test_a_store_fault_aborts_the_upload(fault_proxy: Any, s3_server: Any, big: 
     deadline has passed, and the upload is aborted: no object, no unfinished upload."""
     from _fault_proxy import Fault
 
-    from fsdp_optim.offline.onefile_parts import consolidate_to_store
+    from fsdp_optim.offline.onefile import consolidate_to_safetensors
     from fsdp_optim.offline.sources import open_source
 
     for k, v in fault_proxy.env.items():
@@ -239,8 +239,8 @@ def test_a_store_fault_aborts_the_upload(fault_proxy: Any, s3_server: Any, big: 
     fault_proxy.set_faults(Fault("status500", count=None, methods={"PUT"}, path="partNumber=2"))
     url = fault_proxy.url("fault") + "/model.safetensors"
     with open_source(str(big)) as opened, pytest.raises(OSError, match="part 2") as failed:
-        consolidate_to_store(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None,
-                             part_bytes=10 * MiB)  # fmt: skip
+        consolidate_to_safetensors(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None,
+                                   part_bytes=10 * MiB)  # fmt: skip
     fault_proxy.set_faults()
     data, _, pending = _object(s3_server, url)
     assert data is None and pending == [], f"an object or an unfinished upload was left ({failed.value}): {pending}"
@@ -253,7 +253,7 @@ def test_a_lost_completion_answer_is_a_success(fault_proxy: Any, s3_server: Any,
     is the local file's bytes, no upload left."""
     from _fault_proxy import Fault
 
-    from fsdp_optim.offline.onefile_parts import consolidate_to_store
+    from fsdp_optim.offline.onefile import consolidate_to_safetensors
     from fsdp_optim.offline.sources import open_source
 
     for k, v in fault_proxy.env.items():
@@ -262,8 +262,8 @@ def test_a_lost_completion_answer_is_a_success(fault_proxy: Any, s3_server: Any,
     fault_proxy.set_faults(Fault("drop_response", count=1, methods={"POST"}, path="uploadId="))
     url = fault_proxy.url("lost") + "/model.safetensors"
     with open_source(str(big)) as opened:
-        consolidate_to_store(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None,
-                             part_bytes=10 * MiB)  # fmt: skip
+        consolidate_to_safetensors(opened, url, rank=None, no_model=False, inputs=(), overwrite=False, progress=None,
+                                   part_bytes=10 * MiB)  # fmt: skip
     assert fault_proxy.stats().faults.get("drop_response") == 1, f"the fault did not fire: {fault_proxy.stats()}"
     fault_proxy.set_faults()
     data, _, pending = _object(s3_server, url)

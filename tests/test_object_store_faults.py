@@ -122,7 +122,7 @@ def run_offline(case: C.Case, fault_proxy, saved, out: dict[str, Any]) -> C.Outc
     else:
         out["world_size"] = 7 - out["world_size"]
     if case.op == "reshard":  # fault-free: the target holds the last committed re-cut, whole
-        from fsdp_optim.formats.sharded.reader import read_manifest
+        from fsdp_optim.formats.sharded.locate import read_manifest
 
         assert fsdp_optim.verify(out["url"]).ok, case.id
         assert read_manifest(out["url"]).world_size == out["world_size"], case.id

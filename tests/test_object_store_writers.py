@@ -36,7 +36,7 @@ from test_object_store_faults import environment
 
 import fsdp_optim
 from fsdp_optim.disk.errors import ConcurrentCommitError
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.locate import read_manifest
 
 WRITER = Path(__file__).with_name("_store_writer.py")
 DEADLINE_S = 180

@@ -19,8 +19,9 @@ from _dist import run_ranks
 
 from fsdp_optim import consolidate, load_sharded_optim_state, reshard
 from fsdp_optim.cli import main as cli
-from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION
+from fsdp_optim.formats.sharded.locate import read_manifest
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE = FIXTURES / "v1_adam_w2"

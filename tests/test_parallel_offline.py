@@ -163,11 +163,12 @@ def test_two_processes_write_inside_one_file(big: Path, tmp_path: Path, new_worl
 
 def test_a_laid_out_file_filled_in_any_order_is_the_one_written_whole(big: Path, tmp_path: Path) -> None:
     """Three shares' runs written into laid-out files last share first: each file is byte for byte the one
-    ``write_streamed`` writes, and its record the same; a file with one run left unwritten is refused."""
+    one process writes, and its record the same; a file with one run left unwritten is refused."""
     from fsdp_optim.core.dtypes import dtype_from_str
-    from fsdp_optim.formats.sharded.ranged import finished_record, laid_out, lay_out_file, write_chunks
+    from fsdp_optim.formats.sharded.ranged import finished_record, laid_out, lay_out_file, write_rank
     from fsdp_optim.formats.sharded.reader import open_checkpoint
-    from fsdp_optim.formats.sharded.streamed import write_streamed
+    from fsdp_optim.formats.sharded.streamed import streamed_parts
+    from fsdp_optim.formats.sharded.writer import write_shard_file
     from fsdp_optim.offline.onefile import preallocate
     from fsdp_optim.offline.parallel.reshard import plan_reshard
     from fsdp_optim.offline.parallel.stretches import cut_piece
@@ -187,9 +188,11 @@ def test_a_laid_out_file_filled_in_any_order_is_the_one_written_whole(big: Path,
             read, dtype = planned.plan.source.reader(run.rank), dtype_from_str(run.name, where="test")
             pieces = [cut_piece(planned.plan, run.rank, piece, dtype, read) for piece in run.pieces]
             for d in (ranged, torn) if k != len(runs) // 2 else (ranged,):
-                write_chunks(d / layouts[run.rank].name, layouts[run.rank], run.tensor, run.start, run.stop, pieces,
-                             after=lambda n: None)
-        records = [write_streamed(whole, planned.plan, planned.final, r, after_shard=lambda: None) for r in range(2)]
+                write_rank(d / layouts[run.rank].name, layouts[run.rank], {run.name: pieces},
+                           span=(run.tensor, run.start, run.stop), after=lambda n: None)
+        final = planned.final
+        records = [write_shard_file(whole, streamed_parts(planned.plan, final, r, after_shard=lambda: None),
+                                    save_id=final.save_id, rank=r, world_size=2, staged=True) for r in range(2)]
     for layout, record in zip(layouts, records):
         assert (ranged / layout.name).read_bytes() == (whole / record.file).read_bytes(), f"{layout.name} differs"
         assert finished_record(ranged / layout.name, layout) == record, "the same record"
@@ -249,13 +252,13 @@ def test_parallel_needs_a_team(source: Path, tmp_path: Path) -> None:
 _FAILING = """
 import os, signal, sys
 import fsdp_optim.offline.parallel.reshard as R
-real = R.write_chunks
+real = R.write_rank
 def failing(path, *args, **kwargs):
     real(path, *args, **kwargs)
     if sys.argv[1] in ("kill", "stop"):
         os.kill(os.getpid(), signal.SIGKILL if sys.argv[1] == "kill" else signal.SIGSTOP)
     raise OSError(f"disk full (injected) after {path.name}")
-R.write_chunks = failing
+R.write_rank = failing
 from fsdp_optim.cli import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -480,4 +483,5 @@ def test_cli_consolidate_by_two_processes_runs_on_process_0(source: Path, tmp_pa
     port = free_port()
     again = [_launch(r, port, ["consolidate", str(source), "-o", str(out)], None) for r in range(2)]
     errs = [p.communicate(timeout=240)[1] for p in again]
-    assert [p.returncode for p in again] == [1, 1] and "exists already" in errs[1], errs
+    assert [p.returncode for p in again] == [1, 1] and "exists already" in errs[0], errs
+    assert "exists already" not in errs[1], f"process 0 alone says why: {errs}"

@@ -17,11 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp_optim.core import layout as layout_module
+from fsdp_optim.core.execute import Read, cut_rank, rank_reads, saved_ranks
 from fsdp_optim.core.flatten import StateKind
-from fsdp_optim.core.intervals import ShardIndex, padding_per_rank, pieces
+from fsdp_optim.core.intervals import ShardIndex, padding_per_rank, rank_pieces
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec, shard_bounds
-from fsdp_optim.core.plan import Read, Source, cut_rank, plan, rank_reads, saved_ranks
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 
 STATE = (StateEntry("exp_avg", StateKind.SHARDED, dtype="float32"), StateEntry("step", StateKind.SCALAR, value=3))
 
@@ -123,7 +125,7 @@ def test_pieces_and_padding_match_per_rank_bounds(numel: int, world_size: int, d
     stop = data.draw(st.integers(start, numel))
     bounds = [shard_bounds(numel, world_size, r) for r in range(world_size)]
     expected = [(r, max(b.start, start), min(b.stop, stop)) for r, b in enumerate(bounds) if max(b.start, start) < min(b.stop, stop)]
-    assert list(pieces(numel, world_size, start, stop)) == expected
+    assert list(rank_pieces(numel, world_size, start, stop)) == expected
     assert padding_per_rank(numel, world_size) == [b.padding for b in bounds]
 
 
@@ -154,7 +156,7 @@ def test_a_rank_re_cutting_its_shard_reads_only_the_rank_files_it_overlaps(tmp_p
 
     from fsdp_optim import reshard
     from fsdp_optim.formats.sharded.manifest import Manifest
-    from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+    from fsdp_optim.formats.sharded.reader import open_checkpoint
 
     names = [f"u{u}.{p}" for u in range(3) for p in ("w", "b")]
     sizes = {n: (37 if n.endswith("w") else 5) for n in names}
@@ -170,7 +172,7 @@ def test_a_rank_re_cutting_its_shard_reads_only_the_rank_files_it_overlaps(tmp_p
     reshard(full, 8, tmp_path / "ckpt", layout=Manifest.from_layout(saved, save_id="layout"))
     shutil.copytree(tmp_path / "ckpt", tmp_path / "whole")
     target = ModelLayout(_units(names, sizes, [2, 4], 4), tuple(names), 4, 0)
-    with ShardedCheckpoint(tmp_path / "whole") as ckpt:
+    with open_checkpoint(tmp_path / "whole", lazy=False) as ckpt:
         the_plan = plan(ckpt.source(), target)
         expected = cut_rank(the_plan, 1)
         needed = saved_ranks(the_plan, 1)
@@ -178,7 +180,7 @@ def test_a_rank_re_cutting_its_shard_reads_only_the_rank_files_it_overlaps(tmp_p
     assert needed == [1, 2, 3], needed  # 42 elements a unit: rank 1 of 4 holds [11, 22), saved chunks are 6 long
     for path in removed:
         path.unlink()
-    with ShardedCheckpoint(tmp_path / "ckpt", lazy=True) as ckpt:
+    with open_checkpoint(tmp_path / "ckpt", lazy=True) as ckpt:
         the_plan = plan(ckpt.source(), target)
         ckpt.open_ranks(saved_ranks(the_plan, 1))
         found = cut_rank(the_plan, 1)

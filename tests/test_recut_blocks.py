@@ -16,7 +16,8 @@ from fsdp_optim import consolidate, reshard
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.sharded import recut
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.locate import read_manifest
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.offline import cuts
 
 
@@ -88,7 +89,7 @@ def test_block_recut_writes_what_the_unit_by_unit_path_writes(
 def test_small_groups_split_the_output_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     full = _full(_layout(4))
     reshard(full, 7, tmp_path / "src", layout=_layout(4))
-    with ShardedCheckpoint(tmp_path / "src") as ckpt:
+    with open_checkpoint(tmp_path / "src", lazy=False) as ckpt:
         target = read_manifest(tmp_path / "src").with_world_size(5)
         blocks = recut.Recut.of(ckpt, target)
         per_rank = blocks.rank_bytes(blocks.target_sizes)

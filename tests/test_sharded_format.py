@@ -24,9 +24,10 @@ from fsdp_optim import consolidate, reshard
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.records import GroupRecord, state_entries
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json, manifest_to_json
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file
 
@@ -136,7 +137,7 @@ def test_a_recut_read_reads_little_more_than_it_copies(tmp_path: Path) -> None:
     _write(tmp_path / "ckpt", manifest, state)
     start, stop = numel // 3 + 5, 2 * numel // 3 - 7  # a third of the unit, cut mid-chunk at both ends
     out = torch.empty(stop - start)
-    with ShardedCheckpoint(tmp_path / "ckpt") as ckpt:
+    with open_checkpoint(tmp_path / "ckpt", lazy=False) as ckpt:
         ckpt.copy_range(0, "exp_avg_sq", start, stop, out)
         read = ckpt._files[0].file.bytes_verified
     assert torch.equal(out, state[0]["exp_avg_sq"][start:stop])
@@ -158,7 +159,7 @@ def test_the_manifest_grows_by_a_file_record_per_rank_not_per_unit_and_rank(tmp_
 
 
 def test_stream_chunk_digests_equal_those_of_the_concatenation() -> None:
-    from fsdp_optim.core.checksums import chunk_digests, stream_chunk_digests
+    from fsdp_optim.core.checksums import digests_of_chunks, stream_chunk_digests
 
     g = torch.Generator().manual_seed(1)
     for trial in range(100):
@@ -166,7 +167,7 @@ def test_stream_chunk_digests_equal_those_of_the_concatenation() -> None:
         parts = [torch.randn(n, generator=g) for n in sizes]
         per = int(torch.randint(1, 17, (1,), generator=g))
         whole = torch.cat(parts) if parts else torch.empty(0)
-        assert stream_chunk_digests(parts, per, whole.numel()) == chunk_digests(whole, per), (trial, sizes, per)
+        assert stream_chunk_digests(parts, per, whole.numel()) == digests_of_chunks(whole, per), (trial, sizes, per)
 
 
 def test_nan_hyperparameters_keep_their_sign_and_payload_bits() -> None:

@@ -14,6 +14,7 @@ from _checks import assert_identical
 from _dist import run_ranks
 
 import fsdp_optim
+from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.side_file import encode_extra, read_side_file, write_side_file
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies from GPU memory)")
@@ -28,7 +29,7 @@ def test_a_streamed_side_file_reads_back_exactly_whatever_its_tensors(tmp_path: 
     extra = {"rng": torch.Generator().manual_seed(3).get_state(), "z": torch.randn(4, dtype=torch.complex64),
              "half": torch.randn(3, generator=g).half(), "step": 12, "$odd": (1, None)}  # fmt: skip
     record = write_side_file(tmp_path, save_id="s", rank=0, world_size=1, buffers=buffers, extra=encode_extra(extra))
-    back_buffers, back_extra = read_side_file(tmp_path, record)
+    back_buffers, back_extra = read_side_file(where(tmp_path), record)
     assert_identical(dict(sorted(back_buffers.items())), {k: buffers[k].contiguous() for k in sorted(buffers)}, "buffers")
     assert_identical(back_extra, extra, "extra")
     from safetensors import safe_open

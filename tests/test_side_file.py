@@ -10,6 +10,7 @@ import pytest
 import torch
 from _checks import assert_identical
 
+from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.side_file import MAX_DEPTH, decode_extra, encode_extra, read_side_file, write_side_file
 
 EXTRA = {
@@ -52,7 +53,7 @@ def test_nesting_is_bounded() -> None:
 def test_a_side_file_is_used_only_when_its_digest_matches(tmp_path: Path) -> None:
     buffers = {"norm.running_mean": torch.arange(4.0)}
     record = write_side_file(tmp_path, save_id="ab" * 16, rank=0, world_size=1, buffers=buffers, extra=encode_extra(EXTRA))
-    got_buffers, got_extra = read_side_file(tmp_path, record)
+    got_buffers, got_extra = read_side_file(where(tmp_path), record)
     assert_identical(got_buffers, buffers)
     assert_identical(got_extra, EXTRA)
     path = tmp_path / record.file
@@ -60,4 +61,4 @@ def test_a_side_file_is_used_only_when_its_digest_matches(tmp_path: Path) -> Non
     data[-1] ^= 1
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum mismatch"):
-        read_side_file(tmp_path, record)
+        read_side_file(where(tmp_path), record)

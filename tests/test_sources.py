@@ -18,7 +18,7 @@ from test_cli import _job  # the same real job: a sharded checkpoint, its full d
 from fsdp_optim import consolidate, reshard
 from fsdp_optim.cli import main
 from fsdp_optim.formats.kinds import Kind, detect
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.locate import read_manifest
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,13 @@ import pytest
 import torch
 from _async_copier import AsyncCopier, AsyncEngines, Recorder
 
-from fsdp_optim.core.checksums import ChunkHasher, chunk_digests
-from fsdp_optim.formats.sharded.rank_file import host_pieces, write_rank_tensors
+from fsdp_optim.core.checksums import ChunkHasher, digests_of_chunks
+from fsdp_optim.formats.sharded.ranged import rank_layout, write_rank
+from fsdp_optim.formats.sharded.rank_file import host_pieces
 from fsdp_optim.job import stager
 from fsdp_optim.job.copiers import HostCopier
 from fsdp_optim.job.stager import Ring
-from fsdp_optim.job.staging import Staged, Staging, ready_events
+from fsdp_optim.job.staging import HostStaging, StagedCopy, ready_events
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies from GPU memory)")
 
@@ -43,8 +44,8 @@ def test_chunk_hasher_fed_in_any_split_gives_the_chunk_digests() -> None:
             step = rng.randint(1, 97)
             hasher.update(memoryview(raw[at : at + step]))
             at += step
-        assert hasher.digests() == chunk_digests(whole, per), trial
-        assert hasher.chunks == len(chunk_digests(whole, per)), trial
+        assert hasher.digests() == digests_of_chunks(whole, per), trial
+        assert hasher.chunks == len(digests_of_chunks(whole, per)), trial
 
 
 class _Logged(HostCopier):
@@ -114,7 +115,7 @@ def test_the_one_pass_writer_writes_the_same_file_whatever_the_pieces() -> None:
     files = []
     for pieces in (host_pieces, Ring(HostCopier(), slots=2, slot_bytes=24).pieces):
         out = io.BytesIO()
-        header = write_rank_tensors(out, tensors, sizes, meta, 64, pieces=pieces)
+        header = write_rank(out, rank_layout(meta, sizes, 64), tensors, pieces=pieces)
         files.append((header, out.getvalue()))
     assert files[0] == files[1]
     from safetensors import safe_open
@@ -140,16 +141,16 @@ class open_file:  # noqa: N801 - a context manager used like open()
 
 
 def test_async_staging_reuses_its_buffers_and_says_when_the_copy_is_done() -> None:
-    staging = Staging()
+    staging = HostStaging()
     state = {0: {"exp_avg": torch.randn(10), "step": torch.tensor(3.0), "note": "x"}, 1: {"w": torch.randn(4)}}
-    first = Staged()
+    first = StagedCopy()
     copied = staging.copy(state, {}, first)
     assert first.issued.is_set() and first.staged.is_set() and first.done == []
     assert copied[0]["note"] == "x" and torch.equal(copied[0]["step"], state[0]["step"])
     pointers = {k: copied[k[0]][k[1]].data_ptr() for k in [(0, "exp_avg"), (1, "w")]}
     state[0]["exp_avg"].add_(1)  # the live state moves on; the copy does not
     assert not torch.equal(copied[0]["exp_avg"], state[0]["exp_avg"])
-    again = staging.copy(state, {}, Staged())
+    again = staging.copy(state, {}, StagedCopy())
     assert {k: again[k[0]][k[1]].data_ptr() for k in pointers} == pointers, "the next save reuses the buffers"
     assert torch.equal(again[0]["exp_avg"], state[0]["exp_avg"])
 
@@ -179,12 +180,12 @@ def test_gpu_pieces_see_what_the_callers_stream_queued_and_allocate_no_gpu_memor
 def test_gpu_async_staging_copies_the_state_at_the_call_and_the_step_waits_on_the_gpu() -> None:
     import threading
 
-    staging = Staging()
+    staging = HostStaging()
     live = torch.zeros(64 << 20, device="cuda")  # 256 MiB
     state = {0: {"exp_avg": live}}
     torch.cuda._sleep(100_000_000)  # a long kernel on the caller's stream: what comes after it is still queued
     live.fill_(1.0)  # the state at the call, not yet computed when the save is called
-    done, copies = Staged(), []
+    done, copies = StagedCopy(), []
     ready = ready_events(state)  # the caller's thread, at the call
     thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, done)))
     thread.start()
@@ -195,7 +196,7 @@ def test_gpu_async_staging_copies_the_state_at_the_call_and_the_step_waits_on_th
     (copied,) = copies
     assert copied[0]["exp_avg"].is_pinned()
     assert torch.all(copied[0]["exp_avg"] == 1.0), "the copy holds the state as it was at the call"
-    again = staging.copy(state, ready_events(state), Staged())
+    again = staging.copy(state, ready_events(state), StagedCopy())
     assert again[0]["exp_avg"].data_ptr() == copied[0]["exp_avg"].data_ptr(), "the next save reuses the arena"
 
 
@@ -301,11 +302,11 @@ def test_under_async_copies_an_upload_returns_once_every_byte_is_in_place() -> N
             assert torch.equal(got, want), f"seed {seed}: a destination does not hold its source's bytes"
 
 
-def _async_save(staging: Staging, state: dict[int, dict[str, Any]], engines: AsyncEngines) -> tuple[Staged, list]:
+def _async_save(staging: HostStaging, state: dict[int, dict[str, Any]], engines: AsyncEngines) -> tuple[StagedCopy, list]:
     """What an async save does: the mark in the caller's thread, the copy in a thread of its own."""
     import threading
 
-    staged, copies = Staged(), []
+    staged, copies = StagedCopy(), []
     ready = ready_events(state, engines)
     thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, staged)))
     thread.start()
@@ -316,7 +317,7 @@ def _async_save(staging: Staging, state: dict[int, dict[str, Any]], engines: Asy
 def test_under_async_copies_the_staging_holds_the_state_at_the_call_when_the_step_changes_it_at_once() -> None:
     for seed in range(4):
         engines = AsyncEngines(AsyncCopier(seed=seed, max_delay=0.005))
-        staging = Staging(engines, Recorder())
+        staging = HostStaging(engines, Recorder())
         live = {0: {"exp_avg": engines.place(torch.randn(300)), "step": torch.tensor(3.0)}, 1: {"w": engines.place(torch.randn(50))}}
         at_call = {i: {k: v.clone() for k, v in e.items()} for i, e in live.items()}
         staged, (thread, copies) = _async_save(staging, live, engines)
@@ -385,9 +386,9 @@ def test_the_ring_checks_every_destination_before_it_copies() -> None:
 def test_a_staging_copy_that_fails_after_queuing_copies_returns_only_once_they_have_landed() -> None:
     copier = AsyncCopier(max_delay=0.02, fail_at=4)
     engines = AsyncEngines(copier)
-    staging = Staging(engines, Recorder())
+    staging = HostStaging(engines, Recorder())
     state = {i: {"exp_avg": engines.place(torch.randn(1000))} for i in range(6)}
-    staged = Staged()
+    staged = StagedCopy()
     with pytest.raises(RuntimeError, match="copy 4 failed to launch"):
         staging.copy(state, ready_events(state, engines), staged)
     assert copier.in_flight() == 0, f"{copier.in_flight()} copies still writing into the arena after the failure"
@@ -413,19 +414,19 @@ def test_the_arena_is_page_locked_chunk_by_chunk_while_the_copies_run_and_reused
     copier = AsyncCopier(max_delay=0.001)
     engines = AsyncEngines(copier)
     registrar = Recorder(copier=copier)
-    staging = Staging(engines, registrar)
+    staging = HostStaging(engines, registrar)
     state = _state(engines, 700, 300, 900)  # 8.5 KiB of shards, 512-byte aligned: 9 chunks, shards across them
-    assert _staged_equal(staging.copy(state, ready_events(state, engines), Staged()), state)
+    assert _staged_equal(staging.copy(state, ready_events(state, engines), StagedCopy()), state)
     chunks = registrar.registered()
     assert len(chunks) == 9 and all(n <= 1024 for _, n in chunks), f"one chunk at a time: {chunks}"
     queued_at = [q for kind, *_, q in registrar.calls if kind == "register"]
     assert queued_at[0] == 0 and queued_at[-1] > 0, f"copies were queued before the last chunk was locked: {queued_at}"
     assert {d for *_, d, _ in registrar.calls} == {copier.device}, "each chunk is locked for the shards' device"
     other = _state(engines, 900, 700, 200)  # another layout that fits: the arena and its registration are kept
-    assert _staged_equal(staging.copy(other, ready_events(other, engines), Staged()), other)
+    assert _staged_equal(staging.copy(other, ready_events(other, engines), StagedCopy()), other)
     assert registrar.registered() == chunks, "a layout that fits the arena registers nothing again"
     larger = _state(engines, 3000)
-    assert _staged_equal(staging.copy(larger, ready_events(larger, engines), Staged()), larger)
+    assert _staged_equal(staging.copy(larger, ready_events(larger, engines), StagedCopy()), larger)
     gc.collect()
     unregistered = {p for kind, p, *_ in registrar.calls if kind == "unregister"}
     assert unregistered == {p for p, _ in chunks}, "the old arena's chunks are unregistered once it is dropped"
@@ -442,12 +443,12 @@ def test_a_registration_that_fails_falls_back_with_one_warning_and_the_copy_is_e
     monkeypatch.setattr(arena, "_warned", threading.Event())
     engines = AsyncEngines(AsyncCopier(max_delay=0.001))
     registrar = Recorder(fail_from=fail_from)
-    staging = Staging(engines, registrar)
+    staging = HostStaging(engines, registrar)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for sizes in [(700, 900), (2000, 100), (5000,)]:  # a save, one with a layout that fits, a larger one
             state = _state(engines, *sizes)
-            assert _staged_equal(staging.copy(state, ready_events(state, engines), Staged()), state), sizes
+            assert _staged_equal(staging.copy(state, ready_events(state, engines), StagedCopy()), state), sizes
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(said) == 1 and "page-locking failed" in said[0], said
     tries = [kind for kind, *_ in registrar.calls if kind != "unregister"]
@@ -471,7 +472,7 @@ def test_a_failed_registration_clears_the_error_it_left_before_the_save_goes_on(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = _state(engines, 3000)
-        assert _staged_equal(Staging(engines, registrar).copy(state, ready_events(state, engines), Staged()), state)
+        assert _staged_equal(HostStaging(engines, registrar).copy(state, ready_events(state, engines), StagedCopy()), state)
     assert any(kind == "failed" for kind, *_ in registrar.calls), registrar.calls
     assert registrar.last_error == 0 and registrar.cleared == 1, (registrar.last_error, registrar.cleared)
 
@@ -513,7 +514,7 @@ def test_the_save_thread_binds_the_shards_device_before_it_locks_or_copies() -> 
 
     engines = AsyncEngines(Bound())
     state = _state(engines, 100)
-    staged, (thread, copies) = _async_save(Staging(engines, Recorder()), state, engines)
+    staged, (thread, copies) = _async_save(HostStaging(engines, Recorder()), state, engines)
     thread.join(30)
     assert seen[0] == ("bind", thread.name) and ("copy", thread.name) in seen, seen
 
@@ -542,8 +543,8 @@ def test_gpu_staging_locks_in_chunks_on_the_shards_gpu_from_the_save_thread_and_
 
     for registrar in (Watched(), Failing()):
         live = torch.randn(3 << 20, device=device)  # 12 MiB: 12 chunks
-        state, staged, copies = {0: {"exp_avg": live}}, Staged(), []
-        staging = Staging(registrar=registrar)
+        state, staged, copies = {0: {"exp_avg": live}}, StagedCopy(), []
+        staging = HostStaging(registrar=registrar)
         ready = ready_events(state)
         thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, staged)))  # noqa: B023
         thread.start()

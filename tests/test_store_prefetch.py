@@ -20,7 +20,7 @@ import fsdp_optim
 from fsdp_optim.disk.prefetch import StorePrefetch
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import Span
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.received import held_readers
 from fsdp_optim.formats.sharded.remote_file import RemoteFile
 
@@ -74,7 +74,7 @@ def _save(rank: int, world_size: int, store: ObjectStore) -> None:
 def test_a_byte_changed_after_its_range_was_let_go_is_refused(s3_server: Any) -> None:
     store = fsdp_optim.open_store(s3_server.url("reverify"), **s3_server.storage_options)
     run_ranks(_save, 2, store)
-    ckpt = ShardedCheckpoint(store, lazy=True)
+    ckpt = open_checkpoint(store, lazy=True)
     record = ckpt.manifest.files[0]
     header = min(base for _, _, base in RemoteFile(store, record.file, record.nbytes).header.tensors.values())
     spans = [Span(record.file, 0, header, 0), Span(record.file, header, record.nbytes, 1)]

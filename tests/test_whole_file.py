@@ -28,6 +28,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "step3", root / "whole.pt"
 
 
+def _without_layout(whole: dict) -> dict:
+    """A consolidated whole file's content without the layout its optimizer's block records (for reshard)."""
+    return {**whole, "optimizer": {**whole["optimizer"], "fsdp_optim": {
+        k: v for k, v in whole["optimizer"]["fsdp_optim"].items() if k != "layout"}}}  # fmt: skip
+
+
 def _edited(path: Path, out: Path, name: str, value: float) -> Path:
     """A copy of the whole file with weight ``name``'s first element set to ``value``."""
     obj = torch.load(path, weights_only=True)
@@ -62,10 +68,11 @@ def test_verify_deep_reads_it_and_sees_its_weights(files, tmp_path, capsys) -> N
 def test_consolidate_reads_it(files, tmp_path) -> None:
     path, whole = files
     again = fsdp_optim.consolidate(whole)
-    assert_identical(again, fsdp_optim.consolidate(path), "consolidated twice")
+    assert again["optimizer"]["fsdp_optim"]["layout"]["world_size"] == 2, "the checkpoint's layout, recorded"
+    assert_identical(_without_layout(again), fsdp_optim.consolidate(path), "consolidated twice")
     assert again["model"]["head.weight"] is again["model"]["embed.weight"], "a tied parameter stays one tensor"
-    assert_identical(fsdp_optim.consolidate(whole, with_model=False), fsdp_optim.consolidate(path, with_model=False),
-                     "optimizer")  # fmt: skip
+    assert_identical(_without_layout({"optimizer": fsdp_optim.consolidate(whole, with_model=False)})["optimizer"],
+                     fsdp_optim.consolidate(path, with_model=False), "optimizer")  # fmt: skip
     assert main(["consolidate", str(whole), "-o", str(tmp_path / "again.pt")]) == 0
     assert_identical(torch.load(tmp_path / "again.pt", weights_only=True), torch.load(whole, weights_only=True), "file")
     assert main(["consolidate", str(whole), "--no-model", "-o", str(tmp_path / "optim.pt")]) == 0
@@ -75,18 +82,27 @@ def test_consolidate_reads_it(files, tmp_path) -> None:
 def test_diff_reads_it_weights_included(files, tmp_path) -> None:
     path, whole = files
     same = fsdp_optim.diff(path, whole)
-    assert same.equal and {row.key for row in same.rows} >= {"@param", "exp_avg"}, same.rows
+    assert {row.key for row in same.rows} >= {"@param", "exp_avg"}, same.rows
+    # The file keeps saved rank 0's extra: rank 1's is named as not compared, so the report is not "equal".
+    assert {(r.param, r.status) for r in same.differences} == {("extra of rank 1", "not compared")}, same.differences
+    assert not same.equal, "never equal over a part it did not compare"
     moved = fsdp_optim.diff(path, _edited(whole, tmp_path / "moved.pt", "block1.0.weight", 7.0))
     assert not moved.equal
-    assert {(r.param, r.key) for r in moved.rows if r.status != "equal"} == {("block1.0.weight", "@param")}
+    changed = {(r.param, r.key) for r in moved.rows if r.status not in ("equal", "not compared")}
+    assert changed == {("block1.0.weight", "@param")}, changed
 
 
 def test_reshard_reads_it_into_a_whole_checkpoint(files, tmp_path, capsys) -> None:
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
 
     path, whole = files
+    unrecorded = tmp_path / "unrecorded.pt"  # a file that records no layout (the API's dict, saved by hand)
+    torch.save(fsdp_optim.consolidate(path), unrecorded)
     with pytest.raises(ValueError, match="layout"):
-        fsdp_optim.reshard(whole, 3, tmp_path / "no_layout")
+        fsdp_optim.reshard(unrecorded, 3, tmp_path / "no_layout")
+    fsdp_optim.reshard(whole, 3, tmp_path / "recorded")  # consolidate's file records its checkpoint's layout
+    units = [[[p.name for p in f.params] for f in read_manifest(d).flat_params] for d in (tmp_path / "recorded", path)]
+    assert units[0] == units[1], "at the checkpoint's nesting"
     out = tmp_path / "w3"
     fsdp_optim.reshard(whole, 3, out, layout=path)
     training = read_manifest(out).training

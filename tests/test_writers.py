@@ -32,8 +32,8 @@ from _dist import run_ranks
 from fsdp_optim import consolidate, save_sharded_optim_state
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.disk.locks import LOCK_SUFFIX
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import read_manifest
 
 TRIALS = int(os.environ.get("FSDP_OPTIM_WRITER_TRIALS", "1"))
 FLOCK: dict[str, str] = {}

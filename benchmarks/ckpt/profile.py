@@ -34,7 +34,8 @@ from .. import models, spawn
 from ..checkpoint import STORAGE
 from ..host import storage
 from ..measure import release_memory
-from ..report import RESULTS, table
+from ..registry import RESULTS
+from ..report import table
 from . import floors as ckpt_floors
 
 PAGE = resource.getpagesize()

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import report
-from ..measure import Measurement, MiB
+from ..measure import Measurement
+from ..peak import MiB
 from ..report import Row
 
 FLOOR_OF = {

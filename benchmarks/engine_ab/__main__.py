@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..peak import ROOT
-from ..report import RESULTS, table
+from ..registry import RESULTS
+from ..report import table
 from ..storage import server
 from .job import OPS
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from .. import models, spawn
-from ..report import RESULTS, SCRATCH, Run
+from ..registry import RESULTS, SCRATCH
+from ..report import Run
 from ..spawn import csv, ints
 from . import report, suite
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import report
-from ..measure import MiB
+from ..peak import MiB
 from ..report import Row
 
 FLOOR = "floor_p2p_fresh"

@@ -28,7 +28,8 @@ from benchmarks.gpu import report, rows
 from benchmarks.gpu.floors import Floors
 from benchmarks.gpu.models import Config, dcp_model, ours
 from benchmarks.measure import tensor_bytes
-from benchmarks.report import RESULTS, Run, verdict_lines, write
+from benchmarks.registry import RESULTS
+from benchmarks.report import Run, verdict_lines, write
 
 
 def _config(args: argparse.Namespace) -> Config:

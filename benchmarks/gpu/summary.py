@@ -43,7 +43,7 @@ VERBOSE_OUTCOMES = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped"
 
 
 def verbose_results(lines: list[str]) -> dict[str, Any]:
-    """:func:`junit_results`'s shape from ``pytest -v`` lines (``[gw3] [ 12%] PASSED tests/test_x.py::test_y``):
+    """:func:`junit_results`'s shape from ``pytest -v`` lines (``[gw3] [ 12%] PASSED tests/test_gather.py::test_y``):
     each test that ended before a bound stopped pytest without its XML; ``partial`` says so."""
     counts: Counter[str] = Counter()
     tests = []
@@ -57,7 +57,7 @@ def verbose_results(lines: list[str]) -> dict[str, Any]:
 
 
 def junit_id(nodeid: str) -> str:
-    """pytest's node id as :func:`junit_results` names a test: ``tests/test_x.py::C::t`` -> ``tests.test_x.C::t``."""
+    """pytest's node id as :func:`junit_results` names a test: ``tests/test_gather.py::C::t`` -> ``tests.test_gather.C::t``."""
     path, _, rest = nodeid.partition("::")
     *classes, name = rest.split("::")
     return ".".join([path.removesuffix(".py").replace("/", "."), *classes]) + f"::{name}"

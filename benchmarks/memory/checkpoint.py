@@ -38,10 +38,10 @@ def measure(op: str, directory: str, limit: str) -> dict[str, Any]:
     """One row, in a fresh interpreter."""
     from fsdp_optim import consolidate, reshard
     from fsdp_optim.core.flatten import assemble
-    from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+    from fsdp_optim.formats.sharded.reader import open_checkpoint
 
     def naive() -> dict:  # every rank file read whole into memory, then assembled
-        with ShardedCheckpoint(directory, lazy=True) as ckpt:
+        with open_checkpoint(directory, lazy=True) as ckpt:
             manifest = ckpt.manifest
             files = [ckpt.load_rank(f.rank) for f in manifest.files]
         layout = manifest.layout(0)
@@ -61,7 +61,8 @@ def measure(op: str, directory: str, limit: str) -> dict[str, Any]:
 
 
 def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, is_sharded_checkpoint, read_manifest
+    from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint, read_manifest
+    from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 
     directory = work / "ckpt"
     if not is_sharded_checkpoint(directory):

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..report import RESULTS
+from ..registry import RESULTS
 from . import on_disk, render_disk
 from .render import markdown, targets
 from .simulate import cases

@@ -21,8 +21,9 @@ import torch
 
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
-from fsdp_optim.core.plan import Source, plan
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 from fsdp_optim.core.split import split_stream
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, file_layout

@@ -22,15 +22,16 @@ import torch
 
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
-from fsdp_optim.core.plan import Source, plan
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.formats.sharded.streamed import write_streamed
-from fsdp_optim.formats.sharded.writer import write_manifest
+from fsdp_optim.formats.sharded.streamed import streamed_parts
+from fsdp_optim.formats.sharded.writer import write_manifest, write_shard_file
 from fsdp_optim.offline.parallel.reshard import plan_reshard, share_spans
-from fsdp_optim.offline.rank_writes import described
+from fsdp_optim.offline.rank_writes import planned_manifest
 
 from ..peak import ROOT
 
@@ -53,9 +54,10 @@ def make_source(directory: Path, gib: float) -> int:
     source = Source("synthetic", "Adam", records, (GroupRecord({"lr": 1e-3}, tuple(range(UNITS))),), _read, 1)
     layout = ModelLayout(flats, tuple(f"u{u}.w" for u in range(UNITS)), 2, 0)
     the_plan = plan(source, layout)
-    final = described(the_plan, Manifest.from_layout(layout, save_id=new_save_id()))
+    final = planned_manifest(the_plan, Manifest.from_layout(layout, save_id=new_save_id()))
     directory.mkdir()
-    files = tuple(write_streamed(directory, the_plan, final, r, after_shard=lambda: None) for r in range(2))
+    files = tuple(write_shard_file(directory, streamed_parts(the_plan, final, r, after_shard=lambda: None),
+                                   save_id=final.save_id, rank=r, world_size=2, staged=True) for r in range(2))  # fmt: skip
     write_manifest(directory, replace(final, files=files))
     return sum(f.nbytes for f in files)
 

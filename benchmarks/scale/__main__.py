@@ -25,7 +25,7 @@ from fsdp_optim.formats.sharded.manifest import Manifest
 from .. import spawn
 from ..host import machine, package
 from ..peak import in_child, save_durably
-from ..report import RESULTS
+from ..registry import RESULTS
 from . import job as scale_job
 from . import ops as scale_ops
 from .report import plot, tables

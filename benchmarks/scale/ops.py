@@ -29,13 +29,14 @@ import safetensors.torch
 import torch
 
 from fsdp_optim.cli import main as cli_main
+from fsdp_optim.core.execute import rank_reads, saved_ranks
 from fsdp_optim.core.flatten import StateKind
-from fsdp_optim.core.intervals import pieces
+from fsdp_optim.core.intervals import rank_pieces
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
-from fsdp_optim.core.plan import plan, rank_reads, saved_ranks
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import GroupRecord, StateEntry
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
-from fsdp_optim.formats.sharded.reader import read_manifest
 
 from ..ckpt.floors import into_parts
 from ..peak import adam_full_dict, fsync_path
@@ -141,7 +142,7 @@ def floor_recut(src: Path, new_size: int, out: Path) -> None:
         for u, key in order:
             c, saved_c = -(-numel[u] // new_size), -(-numel[u] // world_size)
             shard = torch.zeros(c)
-            for saved, lo, hi in pieces(numel[u], world_size, min(rank * c, numel[u]), min((rank + 1) * c, numel[u])):
+            for saved, lo, hi in rank_pieces(numel[u], world_size, min(rank * c, numel[u]), min((rank + 1) * c, numel[u])):
                 name, offset = where[(saved, u, key)]
                 first = offset + lo - saved * saved_c
                 shard[lo - rank * c : hi - rank * c].copy_(files[saved][name][first : first + hi - lo])

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import report
-from ..measure import MiB
+from ..peak import MiB
 
 
 def _get(row: dict[str, Any], key: str, fmt: str) -> str:

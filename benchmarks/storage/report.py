@@ -8,7 +8,8 @@ import statistics
 from typing import Any
 
 from .. import report
-from ..measure import Measurement, MiB
+from ..measure import Measurement
+from ..peak import MiB
 from ..report import Row
 from ..whole.report import line, notes, sections
 

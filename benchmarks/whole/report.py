@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from .. import report
-from ..measure import Measurement, MiB
+from ..measure import Measurement
+from ..peak import MiB
 from ..report import Row
 
 FLOOR_OF = {

@@ -34,13 +34,13 @@ A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) 
 every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
 
 ``diff`` compares two sources of one model (any formats, world sizes and nesting) per parameter and state key
-and exits 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they differ (or, as every
-verb, for bad input: then with one line on stderr), and 2 for bad usage. ``verify --deep`` also reads the state
+and exits as ``diff(1)`` does: 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they
+differ, 2 for trouble (bad input, then with one line on stderr; bad usage). ``verify --deep`` also reads the state
 for what a resumed run would trip on and exits 1 naming each finding's parameter and state key.
 
-Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``); 2 bad usage (argparse: a
-flag's value out of range, such as ``--world-size 0``; an option the target does not take; an ``-o`` name the input
-cannot be written as, :class:`~fsdp_optim.cli.outcome.UsageError`);
+Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``; ``diff``: 2, as diff(1)); 2 bad
+usage (argparse: a flag's value out of range, such as ``--world-size 0``; an option the target does not take; an
+``-o`` name the input cannot be written as, :class:`~fsdp_optim.cli.outcome.UsageError`);
 70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
 saying what was left as it was; no traceback). A Ctrl-C that comes once the verb's work is done (its report being
 printed, the interpreter exiting) is ignored: the exit is the verb's own. Under ``torchrun`` every process exits
@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
             return EXIT_USAGE
         if isinstance(exc, (ValueError, TypeError, OSError, NotImplementedError, ImportError)):
             _say_error(f"fsdp-optim: error: {escape(_one_line(exc), limit=2000)}", exc)
-            return EXIT_BAD_INPUT
+            return getattr(exc, "exit_code", EXIT_BAD_INPUT)  # a verb's own code for bad input (diff: 2)
         if not isinstance(exc, Exception):
             raise
         traceback.print_exc()

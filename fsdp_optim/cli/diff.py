@@ -1,7 +1,7 @@
 """``fsdp-optim diff A B``: a short summary table of :func:`fsdp_optim.diff` (``--json``: the whole record).
 
-Exit codes: 0 equal (bit for bit, or within ``--atol``/``--rtol``), 1 different or bad input (then one line on
-stderr, ``fsdp-optim: error: ...``, as every verb's), 2 bad usage.
+Exit codes, as ``diff(1)`` and ``cmp(1)``: 0 equal (bit for bit, or within ``--atol``/``--rtol``), 1 different, 2
+trouble: bad input (then one line on stderr, ``fsdp-optim: error: ...``, as every verb's) or bad usage.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from fsdp_optim.cli.outcome import Outcome
 if TYPE_CHECKING:
     from fsdp_optim.offline.diff_report import DiffReport, DiffRow
 
-EXIT_EQUAL, EXIT_DIFFERENT = 0, 1
+EXIT_EQUAL, EXIT_DIFFERENT, EXIT_TROUBLE = 0, 1, 2  # as diff(1) and cmp(1)
 
 
 def add_diff(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
         "diff",
-        help="compare two sources of one model per parameter and state key (exit 0 equal, 1 different)",
+        help="compare two sources of one model per parameter and state key (exit 0 equal, 1 different, 2 trouble)",
         description="Compare the optimizer state of A and B, whatever their formats, world sizes and nesting: per "
         "parameter and state key, bitwise equality, max abs / rel error, max ULP distance, NaN and Inf counts; "
         "hyperparameters, steps, and what is on one side only; a whole checkpoint's weights, buffers and extra "
@@ -44,8 +44,12 @@ def add_diff(verbs: argparse._SubParsersAction) -> None:
 def run_diff(args: argparse.Namespace) -> Outcome:
     from fsdp_optim.offline.diff import diff
 
-    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, allow_globals=args.allow_global,
-                  parallel=getattr(args, "parallel", False))  # set under torchrun (cli/team.py)
+    try:
+        report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, allow_globals=args.allow_global,
+                      parallel=getattr(args, "parallel", False))  # set under torchrun (cli/team.py)
+    except (ValueError, TypeError, OSError, NotImplementedError) as exc:
+        exc.exit_code = EXIT_TROUBLE  # type: ignore[union-attr]  # diff(1)'s: 2 for trouble, not 1 (different)
+        raise
     code = EXIT_EQUAL if report.equal else EXIT_DIFFERENT
     if args.json:
         return Outcome(tuple(json.dumps(report.to_json(), indent=1, allow_nan=False).splitlines()), code)
@@ -74,13 +78,18 @@ def summary_lines(report: DiffReport, *, limit: int = 20) -> list[str]:
     if report.settings:
         lines.append("settings that differ (group | key | a | b):")
         lines += [f"{'-' if d.group is None else d.group} | {d.key} | {d.a} | {d.b}" for d in report.settings]
+    skipped = s.not_compared
     if report.equal:
         lines.append(f"verdict: equal ({tolerance})")
+    elif skipped == len(differences) and not report.settings:  # never "equal" over a part it did not compare
+        lines.append(f"verdict: not shown equal: every part compared is equal ({tolerance}), but {skipped} part(s) "
+                     "could not be compared (the 'not compared' rows say why)")  # fmt: skip
     else:
         one_sided = sum(r.status in (ONLY_A, ONLY_B) for r in differences)
         only = f" ({one_sided} on one side only)" if one_sided else ""
+        unseen = f", {skipped} not compared" if skipped else ""
         lines.append(
-            f"verdict: different: {len(differences)} of {len(report.rows)} rows{only}, "
+            f"verdict: different: {len(differences) - skipped} of {len(report.rows)} rows{only}{unseen}, "
             f"{len(report.settings)} setting(s)"
         )
     return lines

@@ -33,7 +33,7 @@ __all__ = ["run_list"]
 
 def run_list(args: argparse.Namespace) -> list[str]:
     from fsdp_optim.disk.locations import where
-    from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
+    from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
     from fsdp_optim.formats.sharded.steps import survey_root
 
     root = where(args.root)  # a local directory, or a prefix of an object store

@@ -80,7 +80,7 @@ def _consolidate(team: Team, args: argparse.Namespace) -> list[str]:
 def _reshard(team: Team, args: argparse.Namespace) -> list[str]:
     """``fsdp-optim reshard`` split across ``team``; its report line, as one process words it."""
     from fsdp_optim.disk.text import human_bytes
-    from fsdp_optim.formats.sharded.reader import read_manifest
+    from fsdp_optim.formats.sharded.locate import read_manifest
     from fsdp_optim.offline.parallel.entry import reshard_in_team
 
     manifest = reshard_in_team(team, args.source, args.world_size, args.output, layout=args.layout,

@@ -17,7 +17,7 @@ from fsdp_optim.cli.outcome import UsageError
 
 if TYPE_CHECKING:
     from fsdp_optim.offline.cuts import Progress
-    from fsdp_optim.offline.opened import Opened
+    from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.disk.text import human_bytes
 
 
@@ -98,12 +98,7 @@ def _consolidate_safetensors(opened: Opened, args: argparse.Namespace, progress:
         raise UsageError(f"-o {args.output}: consolidate writes one safetensors file of our sharded checkpoint "
                          f"(whole or optimizer-only); {args.source} is a {opened.kind.value}: convert it with "
                          "fsdp-optim convert SOURCE --to safetensors -o OUT")  # fmt: skip
-    if uploads_itself(args):  # straight into the store, as the parts of one multipart upload
-        from fsdp_optim.offline.onefile_parts import consolidate_to_store
-
-        return consolidate_to_store(opened, args.output, rank=args.rank, no_model=args.no_model,
-                                    inputs=(args.source, args.layout), overwrite=args.overwrite,
-                                    progress=progress)  # fmt: skip
+    # a local file, or an object written straight into its store (uploads_itself): the parts of one multipart upload
     return consolidate_to_safetensors(opened, args.output, rank=args.rank, no_model=args.no_model,
                                       inputs=(args.source, args.layout), overwrite=args.overwrite,
                                       progress=progress)  # fmt: skip
@@ -115,7 +110,9 @@ def uploads_itself(args: argparse.Namespace) -> bool:
     from fsdp_optim.disk.locations import where
 
     output = str(getattr(args, "output", ""))
-    if args.run is not run_consolidate or not is_safetensors_name(output) or where(output).shared_by_processes():
+    if args.run is not run_consolidate or not is_safetensors_name(output):
+        return False
+    if where(output).shared_directory() is not None:
         return False
     parent, name = output.rstrip("/").rsplit("/", 1)
     return where(parent).multipart(name) is not None
@@ -155,7 +152,17 @@ def run_convert(args: argparse.Namespace) -> list[str]:
                 full = opened.full_dict(progress=progress)
         result = to_named(full) if args.to == "named" else full
         size = write_file(result, args.output, inputs=(args.source, args.layout), overwrite=args.overwrite)
-    return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}"]
+        left = _left_out(opened, "a full dict" if args.to == "full" else "a name-keyed dict", "the optimizer state")
+    return [f"wrote {args.output} ({args.to}, from a {origin}): {human_bytes(size)}", *left]
+
+
+def _left_out(opened: Opened, written: str, holds: str, parts: str = "the model's weights, buffers and extra"
+              ) -> list[str]:  # fmt: skip
+    """The line that says what of a source holding a model a conversion did not write (none for other sources)."""
+    if not opened.holds_weights():
+        return []
+    keep = "consolidate it to a .pt or .safetensors file" if opened.is_whole() else "consolidate it --with-model"
+    return [f"not written ({written} holds {holds} only): {parts}; to keep everything, {keep}"]
 
 
 
@@ -176,8 +183,11 @@ def _to_safetensors(opened: Opened, args: argparse.Namespace, origin: str) -> li
     if opened.is_whole():
         names = ", ".join(sorted(p.name for p in Path(args.output).iterdir()))
         return [f"wrote {args.output} (safetensors: the model as Hugging Face stores it, the optimizer by parameter "
-                f"name; from a whole {origin}): {names}; {human_bytes(size)}"]  # fmt: skip
-    return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}"]
+                f"name; from a whole {origin}): {names}; {human_bytes(size)}",
+                *_left_out(opened, "the Hugging Face layout", "the model and the optimizer state",
+                           "extra")]  # fmt: skip
+    return [f"wrote {args.output} (safetensors, by parameter name, from a {origin}): {human_bytes(size)}",
+            *_left_out(opened, "a named safetensors file", "the optimizer state", "the model's weights and buffers")]
 
 
 

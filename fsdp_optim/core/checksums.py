@@ -38,7 +38,7 @@ def digest(value: object, algorithm: str = DIGEST_ALGORITHM) -> str:
     return f"{algorithm}:{h.hexdigest()}"
 
 
-def chunk_digests(values: torch.Tensor, per: int) -> tuple[str, ...]:
+def digests_of_chunks(values: torch.Tensor, per: int) -> tuple[str, ...]:
     """``digest(values[k : k + per])`` for every ``k`` in ``range(0, numel, per)`` of a 1-D tensor: the same
     digests, without building a slice and walking it per chunk (a 100M-parameter state has ~12,000 chunks)."""
     assert values.dim() == 1 and per > 0, f"expected a 1-D tensor and chunks > 0, found {tuple(values.shape)}, {per}"
@@ -60,7 +60,7 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 class ChunkHasher:
-    """:func:`chunk_digests` of one dtype's elements, fed as raw bytes in order, split anywhere (a piece may end
+    """:func:`digests_of_chunks` of one dtype's elements, fed as raw bytes in order, split anywhere (a piece may end
     inside an element or a chunk): what a writer computes while the bytes pass through it on their way to the file.
 
     ``per`` elements per chunk, ``total`` elements in all, each ``element_size`` bytes, digests named by ``dtype``.
@@ -107,7 +107,7 @@ class ChunkHasher:
 
 
 def stream_chunk_digests(parts: Iterable[torch.Tensor], per: int, total: int) -> tuple[str, ...]:
-    """:func:`chunk_digests` of the concatenation of the 1-D ``parts`` (``total`` elements of one dtype in all),
+    """:func:`digests_of_chunks` of the concatenation of the 1-D ``parts`` (``total`` elements of one dtype in all),
     without concatenating them: a chunk may span several parts, a part several chunks."""
     assert per > 0 and total >= 0, f"expected chunks > 0 and a total >= 0, found {per}, {total}"
     hasher: ChunkHasher | None = None

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["ShardIndex", "chunk", "overlapping", "padding_per_rank", "pieces", "rank_range"]
+__all__ = ["ShardIndex", "chunk", "overlapping", "padding_per_rank", "rank_pieces", "rank_range"]
 
 
 def chunk(numel: int, world_size: int) -> int:
@@ -37,7 +37,7 @@ def rank_range(numel: int, world_size: int, start: int, stop: int) -> range:
     return range(start // c, min((stop - 1) // c + 1, world_size))
 
 
-def pieces(numel: int, world_size: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+def rank_pieces(numel: int, world_size: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
     """``(rank, lo, hi)`` for each rank holding part of ``[start, stop)``: its part ``[lo, hi)``, global offsets.
 
     Rank ``rank``'s padded shard holds ``[lo, hi)`` at ``[lo - rank * chunk, hi - rank * chunk)``.
@@ -107,8 +107,8 @@ class ShardIndex:
         return start, stop, c - (stop - start)
 
     def pieces(self, unit: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
-        """See :func:`pieces`: the saved ranks holding ``[start, stop)`` of ``unit``."""
-        return pieces(self.numel[unit], self.world_size[unit], start, stop)
+        """See :func:`rank_pieces`: the saved ranks holding ``[start, stop)`` of ``unit``."""
+        return rank_pieces(self.numel[unit], self.world_size[unit], start, stop)
 
 
 class _Param(Protocol):

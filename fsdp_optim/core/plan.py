@@ -3,13 +3,13 @@
 Pure: records in, records out; never opens files, never imports ``torch.distributed``.
 
 Every entry point (``get_shard_from_optim_state_dict``, scatter, load, consolidate, reshard, the fairscale
-and FSDP2 converters, the CLI) adapts its input to a :class:`Source`, calls :func:`plan` once, then
-executes the plan per rank with :func:`cut_rank` (padded shards for one rank) or :func:`assemble_full`
-(world-size-independent flat tensors). A new check belongs in :func:`plan`; a new format is one adapter
-that builds a :class:`Source`.
+and FSDP2 converters, the CLI) adapts its input to a :class:`.source.Source`, calls :func:`plan` once, then
+executes the plan per rank with :func:`.execute.cut_rank` (padded shards for one rank) or
+:func:`.execute.assemble_full` (world-size-independent flat tensors). A new check belongs in :func:`plan`; a new
+format is one adapter that builds a :class:`.source.Source`.
 
-The records (:class:`Source`, :class:`Plan`, :class:`Segment`) live in :mod:`fsdp_optim.core.source`, the
-executors in :mod:`fsdp_optim.core.execute`; both are importable from here too.
+The records (:class:`.source.Source`, :class:`.source.Plan`, :class:`Segment`) live in
+:mod:`fsdp_optim.core.source`, the executors in :mod:`fsdp_optim.core.execute`: import them from there.
 
 Worked example. Source: a checkpoint saved at world size 2 with units ``a`` (params ``a.w`` [2, 3],
 ``a.b`` [3]) and ``b`` (``b.w`` [4]). Target: one unit holding ``a.b``, ``b.w`` (9 elements at
@@ -28,37 +28,15 @@ from dataclasses import replace
 from typing import Any
 
 from fsdp_optim.core.dtypes import dtype_to_str
-from fsdp_optim.core.execute import (
-    Read,
-    assemble_full,
-    cut_rank,
-    optimizer_state_dict,
-    rank_reads,
-    read_ranges,
-    restrict,
-    saved_ranks,
-)
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.records import FlatRecord, StateEntry
-from fsdp_optim.core.source import FlatPlan, Plan, Reader, Segment, Source, plan_error
+from fsdp_optim.core.source import FlatPlan, Plan, Segment, Source, plan_error
 
 __all__ = [
-    "Plan",
-    "Read",
-    "Reader",
-    "Source",
-    "assemble_full",
-    "cut_rank",
-    "optimizer_state_dict",
     "per_parameter",
     "plan",
-    "plan_error",
-    "rank_reads",
-    "read_ranges",
-    "restrict",
-    "saved_ranks",
 ]
 
 
@@ -91,7 +69,7 @@ def plan(
             (its parameters train); with ``members``, membership in a group is what requires it.
         order: a sort key per target flat for groups derived from the source.
 
-    Raises ``ValueError`` (:func:`plan_error`) listing every problem found, each naming the parameter
+    Raises ``ValueError`` (:func:`.source.plan_error`) listing every problem found, each naming the parameter
     with expected vs found. Nothing is allocated before the plan exists.
     """
     errors: list[str] = []

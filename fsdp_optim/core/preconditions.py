@@ -2,7 +2,7 @@
 
 Pure: no file access, no ``torch.distributed``, no fairscale import at module level. Every public
 function and the CLI call these before planning; what a source *holds* is checked by the engine
-(:func:`fsdp_optim.core.plan.plan`), and what a *path* is by :func:`fsdp_optim.formats.sharded.reader.source_kind`.
+(:func:`fsdp_optim.core.plan.plan`), and what a *path* is by :func:`fsdp_optim.formats.sharded.locate.source_kind`.
 """
 
 from __future__ import annotations

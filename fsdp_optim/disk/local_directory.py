@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.disk.atomic import atomic_write, fsync_dir
+from fsdp_optim.disk.byte_io import StoredObject
 from fsdp_optim.disk.errors import ConcurrentCommitError
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.location import Location, StoredObject, T
+from fsdp_optim.disk.location import Location, T
 from fsdp_optim.disk.locks import OutputLock, OutputLockedError, lock_output, resolve_output
 from fsdp_optim.disk.save import Begun, Claims, SaveRules, Staging, Writer, saving
 from fsdp_optim.disk.staged import STAGING_MARK, close_output, open_output, remove_recorded
@@ -199,8 +200,8 @@ class LocalDirectory(Location):
         """A rename under the directory's lock and journal."""
         return RenameWriter(self, rules)
 
-    def shared_by_processes(self) -> bool:
-        return True
+    def shared_directory(self) -> Path:
+        return self.path
 
     def same_place(self, other: Location) -> bool:
         """The same directory once symlinks are resolved (``other`` of another kind never is)."""

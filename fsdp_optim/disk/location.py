@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fsdp_optim.disk.byte_io import ByteIO, StoredObject
+from fsdp_optim.disk.byte_io import ByteIO
 from fsdp_optim.disk.save import SaveRules, Writer
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
 
-__all__ = ["Location", "ObjectPath", "StoredObject", "Where", "is_url"]
+__all__ = ["Location", "ObjectPath", "Where", "is_url"]
 
 T = TypeVar("T")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -172,12 +172,11 @@ class Location(ByteIO):
         the commit object, on the :class:`~fsdp_optim.disk.byte_io.ByteIO` primitives."""
         return Writer(self, rules)
 
-    def shared_by_processes(self) -> bool:
-        """Whether several processes may write one output here together: each its own files, or its own byte
-        ranges of one file, all landing in the one place every process sees (a local directory of a file system
-        they share; ``os.fspath`` of it is then its path). ``False`` by default: an object is written whole, by one
-        writer."""
-        return False
+    def shared_directory(self) -> Path | None:
+        """The directory of a file system every process sees, where several processes may write one output
+        together (each its own files, or its own byte ranges of one file); ``None`` by default: an object is
+        written whole, by one writer."""
+        return None
 
     def multipart(self, name: str) -> Multipart | None:  # noqa: ARG002 - none by default
         """Object ``name`` written as the parts of one multipart upload, by any number of processes, where the

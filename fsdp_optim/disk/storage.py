@@ -26,8 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fsdp_optim.disk.byte_io import StoredObject
 from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
-from fsdp_optim.disk.location import Location, ObjectPath, StoredObject
+from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.multipart import S3Multipart
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed

@@ -12,9 +12,9 @@ allocates anything whose size a file (or a dict) merely *declares*:
 - ``check_tree`` (``disk/objects.py``): one walk, memoized by identity (a shared object is visited once,
   but counted once per reference, so a structure whose expansion is exponential is refused in linear
   time), iterative (no recursion), refusing cycles, nesting deeper than
-  :data:`~fsdp_optim.disk.objects.MAX_DEPTH` and more than :data:`~fsdp_optim.disk.objects.MAX_NODES` references;
+  :data:`~fsdp_optim.core.limits.MAX_DEPTH` and more than :data:`~fsdp_optim.core.limits.MAX_NODES` references;
   then ``check_tensor`` on every tensor: strided, dense and non-overlapping, inside its storage, of an allowed dtype
-  (:data:`~fsdp_optim.disk.objects.ALLOWED_DTYPES`), not quantized/sparse/meta/nested/a
+  (:data:`~fsdp_optim.core.dtypes.ALLOWED_DTYPES`), not quantized/sparse/meta/nested/a
   subclass; and no two multi-element tensors share memory (nor is one referenced twice).
 - ``check_state_dict`` (``disk/objects.py``): the above plus the types a state dict's skeleton must have
   (ids, keys, param groups), so a mistyped dict is refused naming where, instead of failing deep inside.

@@ -49,8 +49,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from fsdp_optim.core.execute import assemble_full, restrict
 from fsdp_optim.core.flatten import StateKind, clone_value
-from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, plan, restrict
+from fsdp_optim.core.plan import per_parameter, plan
+from fsdp_optim.core.source import Plan, Source
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.save import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT

@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
+from fsdp_optim.core.execute import assemble_full
 from fsdp_optim.core.flatten import same_scalar, show_value
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Source, assemble_full, plan, plan_error
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import GroupRecord
+from fsdp_optim.core.source import Source, plan_error
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.fullstate import FORMAT_KEY, PER_RANK_KEY, build_full_state, full_dict_source, param_record
 
@@ -59,7 +61,7 @@ def from_fairscale(
 
     Args:
         native: fairscale's ``gather_full_optim_state_dict`` output. Not modified.
-        layout: the wrapped model's layout (:func:`fsdp_optim.offline.resolve_layout` makes one from the
+        layout: the wrapped model's layout (:func:`fsdp_optim.offline.layouts.resolve_layout` makes one from the
             model, a sharded checkpoint or a layout file). It must be the wrapping the dict was saved
             from: fairscale's ids are positions in FSDP-instance order.
         optimizer: the optimizer's class name, recorded in ``"fsdp_optim"``; ``None`` when unknown

@@ -41,11 +41,13 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.execute import cut_rank, optimizer_state_dict
 from fsdp_optim.core.flatten import StateKind, clone_value, same_scalar, show_value, split
 from fsdp_optim.core.layout import ModelLayout, ParamSpec
-from fsdp_optim.core.plan import Reader, Source, cut_rank, optimizer_state_dict, plan, plan_error
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_full_dict, check_version
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Reader, Source, plan_error
 from fsdp_optim.disk.objects import check_state_dict
 
 __all__ = [
@@ -55,7 +57,6 @@ __all__ = [
     "full_dict_source",
     "param_record",
     "read_meta",
-    "saved_optimizer",
     "shard_full_state",
 ]
 
@@ -177,20 +178,14 @@ def read_meta(full: Mapping[str, Any], where: str = FULL_DICT) -> Mapping[str, A
     return meta
 
 
-def saved_optimizer(full: Mapping[str, Any]) -> str | None:
-    """The optimizer class a full dict was gathered from, per its checked header (``None`` if unknown)."""
-    meta = read_meta(full)
-    return meta.get("optimizer") if meta else None
-
-
 def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
-    """A full dict (see the module docstring) as a planning :class:`~fsdp_optim.core.plan.Source`.
+    """A full dict (see the module docstring) as a planning :class:`~fsdp_optim.core.source.Source`.
 
     Every parameter is a source flat of its own (world size 1, offset 0), in ``param_names`` order;
     its state entries say sharded (with the state's shape and dtype) or scalar (with the value).
     Parameters of per-rank units are ``per_rank`` flats read from ``"per_rank_state"[rank]``.
     Checks the dict's own consistency (names, ids, groups, value kinds, per-rank sections) and raises
-    ``ValueError`` (:func:`~fsdp_optim.core.plan.plan_error`) listing every problem; fit to a model is
+    ``ValueError`` (:func:`~fsdp_optim.core.source.plan_error`) listing every problem; fit to a model is
     :func:`plan`'s job. Nothing is copied: ``read`` copies straight from the dict's tensors.
     """
     check_full_dict(full, label)

@@ -27,15 +27,30 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from safetensors import safe_open
 
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.save import Survey
-from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
+from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.safetensors_container import (
+    MAX_HEADER_BYTES,
+    PORTABLE_DTYPES,
+    ContainerHeader,
+    HeaderRules,
+    encode_header,
+    read_header,
+)
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "SINGLE", "Tensor", "parse_size", "shard", "write_file"]
+_RULES = HeaderRules(MAX_HEADER_BYTES, 0, "safetensors' own 100 MB")
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "OPTIMIZER", "SINGLE", "Tensor", "is_hf_directory", "is_plain",
+    "model_files", "parse_size", "read_model", "shard", "write_hf_file",
+]  # fmt: skip
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+OPTIMIZER = "optimizer.safetensors"  # beside the model files: the optimizer state by parameter name (a named file)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -91,7 +106,7 @@ def check_dtypes(tensors: Sequence[Tensor]) -> None:
         raise ValueError(f"tensor '{bad.name}' has dtype {bad.dtype}, which safetensors cannot name")
 
 
-def write_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
+def write_hf_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
     """One safetensors file of ``tensors``: the header from their shapes, then each made, written and dropped."""
     f.write(encode_header({"format": "pt"}, ((t.name, t.dtype, t.shape) for t in tensors)))
     for t in tensors:
@@ -140,3 +155,65 @@ class _HfClaims:
 
 
 HF_DIRECTORY = _HfClaims()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading the layout back (inspect, diff, verify): its files, and every tensor of them
+
+
+def is_hf_directory(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory of this layout (it holds ``model.safetensors`` or the index)."""
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, SINGLE)) or
+                                    os.path.isfile(os.path.join(path, INDEX)))  # fmt: skip
+
+
+def is_plain(path: str | os.PathLike[str]) -> bool:
+    """Whether the safetensors file ``path`` has a readable header without fsdp_optim's metadata (a model's weights
+    as Hugging Face stores them, not a named optimizer file of ours); a header that cannot be read: ``False``."""
+    try:
+        return "fsdp_optim" not in _header(path).metadata
+    except (OSError, ValueError):
+        return False
+
+
+def _header(path: str | os.PathLike[str]) -> ContainerHeader:
+    fd, st = open_regular(path)
+    try:
+        return read_header(fd, st.st_size, str(path), _RULES)
+    finally:
+        os.close(fd)
+
+
+def model_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The model files of ``path``: itself (one file), or a directory's ``model.safetensors`` or the files its index
+    names, in order; ``ValueError`` for an index that is not this layout's."""
+    path = Path(path)
+    if not path.is_dir():
+        return [path]
+    if (path / SINGLE).is_file() or not (path / INDEX).is_file():
+        return [path / SINGLE]
+    try:
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        names = list(dict.fromkeys(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        expected = "{'weight_map': {name: file}}, as transformers writes"
+        raise ValueError(f"{path / INDEX}: expected {expected} ({exc})") from None
+    bad = next((n for n in names if not isinstance(n, str) or "/" in n or n.startswith(".")), None)
+    if bad is not None:
+        raise ValueError(f"{path / INDEX}: names the file {bad!r}, expected a file name beside the index")
+    return [path / n for n in names]
+
+
+def read_model(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of the model files of ``path`` (:func:`model_files`), in file then header order, each copied out
+    of the file's mapping; each header checked first. The layout records no checksums: what is checked is the
+    header (dtypes, shapes against offsets, no overlap or gap) and that every byte reads."""
+    out: dict[str, torch.Tensor] = {}
+    for file in model_files(path):
+        header = _header(file)
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in header.tensors:
+                if name in out:
+                    raise ValueError(f"{file}: tensor '{name}' is in two model files")
+                out[name] = f.get_tensor(name).clone()
+    return out

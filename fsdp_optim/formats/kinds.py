@@ -18,16 +18,18 @@ from typing import Any, TypeAlias
 import torch
 
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.formats.fairscale import dict_source, is_fairscale_native, is_named_dict
 from fsdp_optim.formats.fairseq.paths import is_shard_set
+from fsdp_optim.formats.hf_safetensors import is_hf_directory, is_plain
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
-from fsdp_optim.formats.sharded.manifest import HEADER_KEY, MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import is_json_manifest, source_kind
+from fsdp_optim.formats.sharded.file_record import HEADER_KEY
+from fsdp_optim.formats.sharded.locate import is_json_manifest, source_kind
+from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.whole_file import TIED_KEY, is_whole_file
 
 __all__ = [
@@ -54,6 +56,7 @@ class Kind(enum.Enum):
     NAMED_DICT = "name-keyed dict (convert --to named, for FSDP2's set_optimizer_state_dict)"
     DCP = "PyTorch DCP checkpoint"
     WHOLE_FILE = "consolidated whole checkpoint file ({'model', 'optimizer', 'extra'})"
+    HF = "Hugging Face safetensors model (model.safetensors or its shards and index; optimizer.safetensors beside)"
 
 
 RANK_FILE_NAME = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$")
@@ -132,7 +135,7 @@ def full_file_source(path: str | os.PathLike[str], layout: ModelLayout, *, optim
             "a full dict file or a named safetensors file"
         )
     kind, obj = detect(path)
-    if kind is Kind.NAMED:
+    if kind in (Kind.NAMED, Kind.HF):  # a safetensors file without our metadata: its reader says so
         return NamedSafetensors(path).source()
     if kind not in (Kind.FULL, Kind.NATIVE):
         raise ValueError(
@@ -169,8 +172,8 @@ def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
     file; ``None`` for anything else (a torch file: :func:`detect` loads it to say more)."""
     if RANK_FILE_NAME.match(Path(path).name) and Path(path).suffix == ".safetensors":
         return Kind.RANK_FILE  # read only through its checkpoint's manifest
-    if is_named_safetensors(path):  # any other safetensors file: ours, or refused by name when it is not
-        return Kind.NAMED
+    if is_named_safetensors(path):  # any other safetensors file: ours, or a model's weights without our metadata
+        return Kind.HF if is_plain(path) else Kind.NAMED
     if is_json_manifest(path):  # a layout file (save_layout writes a manifest without files, in JSON)
         return Kind.LAYOUT
     return None
@@ -180,10 +183,12 @@ def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
     sharded checkpoint (in any location), a DCP directory, or ``None`` for a file whose content says the rest
     (:func:`detect`); nothing there, or a directory (a store's prefix) of neither, is refused
-    (:func:`~fsdp_optim.formats.sharded.reader.source_kind`)."""
+    (:func:`~fsdp_optim.formats.sharded.locate.source_kind`)."""
     files = _local_files(path)
     if files is not None and is_shard_set(path):
         return Kind.SHARD_SET
     if files is not None and files.is_dir() and (files / ".metadata").is_file():  # formats/dcp.METADATA (not imported)
         return Kind.DCP
+    if files is not None and is_hf_directory(files):  # what convert --to safetensors writes of a whole checkpoint
+        return Kind.HF
     return Kind.SHARDED if source_kind(path) == "sharded" else None

@@ -33,7 +33,7 @@ from fsdp_optim.disk.text import escape
 
 __all__ = [
     "DTYPES", "DTYPE_NAMES", "MAX_HEADER_BYTES", "PORTABLE_DTYPES", "ContainerHeader", "HeaderError", "HeaderRules",
-    "Span", "encode_header", "read_header",
+    "TensorSpan", "encode_header", "read_header",
 ]  # fmt: skip
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header
@@ -77,7 +77,7 @@ class HeaderRules:
 
 
 @dataclass(frozen=True)
-class Span:
+class TensorSpan:
     """One tensor of the file: its dtype, shape, first byte in the file and byte count (checked against both)."""
 
     dtype: torch.dtype
@@ -95,7 +95,7 @@ class ContainerHeader:
     """A checked header: its metadata, its tensors in header order, and the header's JSON bytes."""
 
     metadata: Mapping[str, str]
-    tensors: Mapping[str, Span]
+    tensors: Mapping[str, TensorSpan]
     text: bytes
 
 
@@ -167,7 +167,7 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-standard constant {name}")
 
 
-def _span(name: str, e: Any, data: int, data_start: int, where: str, rules: HeaderRules) -> Span:
+def _span(name: str, e: Any, data: int, data_start: int, where: str, rules: HeaderRules) -> TensorSpan:
     """One tensor entry checked alone."""
     at = f"{where}: tensor '{escape(str(name), limit=80)}'"
     if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
@@ -192,10 +192,10 @@ def _span(name: str, e: Any, data: int, data_start: int, where: str, rules: Head
             f"{at}: shape {shape} of {e['dtype']} is {nbytes} bytes but its offsets [{begin}, {end}] span "
             f"{end - begin} (expected {nbytes} for shape {shape})"
         )
-    return Span(dtype, tuple(shape), data_start + begin, nbytes)
+    return TensorSpan(dtype, tuple(shape), data_start + begin, nbytes)
 
 
-def _check_tiling(spans: Mapping[str, Span], data_start: int, data: int, where: str) -> None:
+def _check_tiling(spans: Mapping[str, TensorSpan], data_start: int, data: int, where: str) -> None:
     """The tensors must tile the data exactly (what safetensors itself requires): no overlap, no gap."""
     at = 0
     placed = sorted((s.start - data_start, s.start - data_start + s.nbytes, n) for n, s in spans.items())

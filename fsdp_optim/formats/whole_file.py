@@ -22,13 +22,19 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.dtypes import dtype_to_str
-from fsdp_optim.core.plan import Source
+from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.core.source import Source
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, full_dict_source
+from fsdp_optim.formats.sharded.manifest import Manifest
 
-__all__ = ["TIED_KEY", "WHOLE_KEYS", "WholeFile", "is_whole_file"]
+__all__ = [
+    "LAYOUT_KEY", "TIED_KEY", "WHOLE_KEYS", "WholeFile", "is_whole_file", "layout_record", "read_whole_safetensors",
+    "recorded_layout",
+]  # fmt: skip
 
 WHOLE_KEYS = ("model", "optimizer", "extra")
+LAYOUT_KEY = "layout"  # in a consolidated file's "fsdp_optim" block: the FSDP layout its checkpoint was saved with
 TIED_KEY = "model"  # the top-level key whose values may name one tensor more than once (tied parameters)
 
 
@@ -119,6 +125,41 @@ class WholeFile:
             "extra_type": type(self.extra).__name__,
             "has_optimizer": self.optimizer is not None,
         }
+
+
+def read_whole_safetensors(path: Any) -> dict[str, Any]:
+    """consolidate's one safetensors file of a whole checkpoint read back as its ``.pt`` twin holds it (see
+    :meth:`~fsdp_optim.formats.named_safetensors.reader.NamedSafetensors.whole_dict`), every checksum checked;
+    ``ValueError`` for a named safetensors file of optimizer state alone."""
+    from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+
+    with NamedSafetensors(path) as named:
+        content = named.whole_dict()
+    if content is None:
+        raise ValueError(
+            f"{path}: a named safetensors file of optimizer state alone (no model: consolidate of an optimizer-only "
+            "checkpoint, or convert --to safetensors); expected a whole checkpoint (save_checkpoint's directory, or "
+            "the file consolidate writes of one, .pt or .safetensors); load optimizer state with "
+            "fsdp_optim.load_full_state"
+        )
+    return content
+
+
+def layout_record(layout: ModelLayout) -> dict[str, Any]:
+    """``layout`` as a consolidated file keeps it in its full dict's ``"fsdp_optim"`` block (under ``"layout"``): the
+    manifest of a layout file (units, names, shapes, dtypes, world size; no state, no files), as
+    :meth:`~fsdp_optim.formats.sharded.manifest.Manifest.to_dict` gives it. ``reshard`` of the file cuts for it when
+    no ``--layout`` is given."""
+    return Manifest.from_layout(layout, save_id=LAYOUT_KEY).to_dict()
+
+
+def recorded_layout(meta: Mapping[str, Any] | None, where: str) -> ModelLayout | None:
+    """The layout a full dict's ``"fsdp_optim"`` block ``meta`` records (:func:`layout_record`), checked as a
+    manifest is; ``None`` when it records none (a file written before, a dict gathered in a job)."""
+    record = None if meta is None else meta.get(LAYOUT_KEY)
+    if record is None:
+        return None
+    return Manifest.from_dict(record, source=f"{where}: the recorded '{LAYOUT_KEY}'").layout(0)
 
 
 def _optimizer_names(optimizer: Mapping[str, Any] | None, label: str) -> tuple[str, ...] | None:

@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.elementwise import check_elementwise, state_keys
+from fsdp_optim.core.execute import cut_rank, optimizer_state_dict
 from fsdp_optim.core.flatten import StateKind, assemble
 from fsdp_optim.core.layout import ModelLayout, ShardBounds
-from fsdp_optim.core.plan import Source, cut_rank, optimizer_state_dict, plan
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_rank
+from fsdp_optim.core.source import Source
 from fsdp_optim.formats.fairscale import dict_source
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.kinds import full_file_source

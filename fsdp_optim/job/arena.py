@@ -5,7 +5,7 @@ Why chunks: ``cudaHostRegister`` of a whole 6 GiB arena takes seconds, and no co
 not page-locked yet. Registered chunk by chunk (:data:`CHUNK_BYTES`), the first copies are queued once the first chunk
 is locked, and the GPU copies chunk k into host memory while the host locks chunk k + 1, so the copy and the
 registration overlap instead of following each other. The caller's ``optim.step()`` waits on the host only until the
-copies are queued (:meth:`fsdp_optim.job.staging.Staged.before_change`): on the first save of a layout that is the
+copies are queued (:meth:`fsdp_optim.job.staging.StagedCopy.before_change`): on the first save of a layout that is the
 registration, chunk by chunk; every later save, and a layout change whose shards fit in the arena held (and fill half
 of it or more), registers nothing. A copy never spans two registrations (it is cut at chunk boundaries): the driver
 treats a copy into memory locked by two calls as pageable.

@@ -49,7 +49,7 @@ from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
-from fsdp_optim.job.staging import Staged, Staging, before_change, expect, ready_events
+from fsdp_optim.job.staging import HostStaging, StagedCopy, before_change, expect, ready_events
 from fsdp_optim.job.transport import ProcessGroup, dist_rank_and_size, group_initialized, new_gloo_group
 from fsdp_optim.job.unseen_saves import watch
 
@@ -63,7 +63,7 @@ class AsyncSave:
         self.directory = directory
         self.name = name  # the save id's first characters, as the background thread is named
         self._finished = threading.Event()
-        self.progress = Staged()  # the background copy of this rank's state: enqueued, then in host memory
+        self.progress = StagedCopy()  # the background copy of this rank's state: enqueued, then in host memory
         self.staged = self.progress.staged  # set once that copy is in host memory
         self._result: Path | ObjectPath | None = None
         self._error: BaseException | None = None
@@ -173,7 +173,7 @@ _inflight: weakref.WeakKeyDictionary[nn.Module, AsyncSave] = weakref.WeakKeyDict
 _guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard] = weakref.WeakKeyDictionary()
 _guarded_roots: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 _any_step_hook: Any = None  # the process's one pre-hook on every optimizer's step (_before_any_step)
-_staging: weakref.WeakKeyDictionary[nn.Module, Staging] = weakref.WeakKeyDictionary()  # its reusable buffers
+_staging: weakref.WeakKeyDictionary[nn.Module, HostStaging] = weakref.WeakKeyDictionary()  # its reusable buffers
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
 _alive: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the group its saves' check-ins wait on
 
@@ -259,7 +259,7 @@ def launch(
     tensor}}``) into this root's reusable staging buffers, then runs ``upload(staged)`` (which calls ``staged()``
     for the copy). ``optim``'s next ``step()`` / ``load_state_dict()`` waits for the copy."""
     with _lock:
-        staging = _staging.setdefault(key, Staging())
+        staging = _staging.setdefault(key, HostStaging())
     handle = AsyncSave(directory, name)
     ready = ready_events(state)  # now, in the caller's thread: the copies see the state as it is at the call
 

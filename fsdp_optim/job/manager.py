@@ -47,8 +47,9 @@ from fsdp_optim.formats.sharded.steps import (
 from fsdp_optim.job import agreed
 from fsdp_optim.job.async_save import AsyncSave
 from fsdp_optim.job.interrupts import interrupts_deferred
-from fsdp_optim.job.memory_restore import MemoryRestore, MemoryTierDamaged, restore_from_memory
+from fsdp_optim.job.memory_restore import MemoryRestore, restore_from_memory
 from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
+from fsdp_optim.job.node_memory import MemoryTierDamaged
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, group_initialized
 from fsdp_optim.job.whole_load import load_checkpoint
@@ -250,7 +251,7 @@ class CheckpointManager:
         With the memory tier (``memory_every``) and no ``step`` given, the newest step the live nodes' memory tiers
         hold whole is restored (:func:`fsdp_optim.job.memory_restore.restore_from_memory`), unless durable storage
         holds a newer complete step; when no step survives whole in memory, or its bytes fail a check on some rank
-        (:class:`~fsdp_optim.job.memory_restore.MemoryTierDamaged`, raised on every rank with nothing changed), a
+        (:class:`~fsdp_optim.job.node_memory.MemoryTierDamaged`, raised on every rank with nothing changed), a
         warning says so and the newest durable step is restored. ``restored_from`` and ``restored_step`` say what
         was loaded. ``buffers``: buffers saved per rank (BatchNorm's running statistics) at another world size, as
         in :func:`fsdp_optim.load_checkpoint` (``"refuse"``, ``"rank0"`` or ``"mean"``). ``data``: a

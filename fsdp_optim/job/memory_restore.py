@@ -15,7 +15,8 @@
    anywhere. The ranks agree, then every rank changes its model and optimizer, or none does.
 
 A failure to read the step's bytes (a checksum mismatch, a file missing, a transfer that failed) raises
-:class:`MemoryTierDamaged` on every rank, with nothing changed: the manager then restores from durable storage.
+:class:`.node_memory.MemoryTierDamaged` on every rank, with nothing changed: the manager then restores from durable
+storage.
 Cost: one all-gather, two agreements, one message per byte range received (each byte a load reads from another
 node crosses the network once, plus at most a chunk on each side of each range), then the load's own work.
 """
@@ -45,7 +46,7 @@ from fsdp_optim.job.sampler import resume_data
 from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, is_cpu_group
 from fsdp_optim.job.whole_load import LOAD_WINDOW_BYTES, LoadPlans, Staged, commit_load, plan_load, stage_load
 
-__all__ = ["MemoryRestore", "MemoryTierDamaged", "find_in_memory", "restore_from_memory"]
+__all__ = ["MemoryRestore", "find_in_memory", "restore_from_memory"]
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,8 @@ def restore_from_memory(
     """Load the newest step the live nodes' memory tiers hold whole into ``model`` and ``optim``, unless none does
     or it is older than the newest durable step (``durable()``, run on rank 0 alone; its answer travels with the
     holdings and comes back as ``durable``): then nothing is changed and ``loaded`` is False. A collective: every
-    rank gets the same answer, or raises the same error (:class:`MemoryTierDamaged` when the step's bytes could not
-    be read). ``buffers`` and ``data``: as in :func:`fsdp_optim.load_checkpoint`."""
+    rank gets the same answer, or raises the same error (:class:`.node_memory.MemoryTierDamaged` when the step's
+    bytes could not be read). ``buffers`` and ``data``: as in :func:`fsdp_optim.load_checkpoint`."""
     root = verify_root(model, optim)
     group = root.group if is_cpu_group(root.group) else checkpoint_group(root.group)
     nodes, holdings, chosen, newest = find_in_memory(tier, group, durable if root.rank == 0 else None)

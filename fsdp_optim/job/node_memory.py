@@ -52,7 +52,7 @@ from fsdp_optim.job.transport import (
     post_exchange,
 )
 
-__all__ = ["MemoryTierDamaged", "MemoryWriter", "NodeMemory", "Sealing", "file_bytes", "step_files", "write_file"]
+__all__ = ["MemoryTierDamaged", "MemoryWriter", "NodeMemory", "Sealing", "file_bytes", "step_files"]
 
 
 class MemoryTierDamaged(ValueError):
@@ -135,7 +135,7 @@ class NodeMemory(LocalDirectory):
         try:
             if node_ranks(nodes)[nodes[rank]][0] == rank and not manifest.is_file():
                 self.path.mkdir(parents=True, exist_ok=True)
-                write_file(manifest, data)
+                _write_file(manifest, data)
         except Exception as exc:
             failure = exc
         agree(failure, group=self.group, what=what)
@@ -160,7 +160,7 @@ class NodeMemory(LocalDirectory):
         failure, sends = None, []
         try:
             if not here.exists():
-                write_file(here, data)
+                _write_file(here, data)
             own = [self.path / name for name, _ in step_files(manifest, rank)]
             sends = [(dst, file_bytes(path)) for dst in peers[rank] for path in own]
         except Exception as exc:  # every rank learns of it through agree(), before any replica moves
@@ -170,7 +170,7 @@ class NodeMemory(LocalDirectory):
         received = exchange_bytes(sends, [(src, n) for src, _, n in expected], group=self.group)
         try:
             for (_, name, _), data_in in zip(expected, received, strict=True):
-                write_file(self.path / name, data_in)
+                _write_file(self.path / name, data_in)
         except Exception as exc:
             failure = exc
         agree(failure, group=self.group, what=what)
@@ -268,7 +268,7 @@ def file_bytes(path: Path) -> torch.Tensor:
     return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
 
 
-def write_file(path: Path, data: bytes | torch.Tensor) -> None:
+def _write_file(path: Path, data: bytes | torch.Tensor) -> None:
     """Write ``path`` atomically from bytes or a uint8 tensor (no copy of the tensor's bytes)."""
     view = data.numpy().data if isinstance(data, torch.Tensor) else data  # a memoryview: no copy
     atomic_write(path, lambda f: f.write(view))

@@ -14,7 +14,7 @@ import torch
 
 from fsdp_optim.job.root import unsharded_parameters
 
-__all__ = ["Placement", "check_forward_inputs", "check_options", "computes_on_host", "placement", "runs_on_host"]
+__all__ = ["ComputePlacement", "check_forward_inputs", "check_options", "computes_on_host", "placement", "runs_on_host"]
 
 
 def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
@@ -52,7 +52,7 @@ def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
 
 
 @dataclass(frozen=True)
-class Placement:
+class ComputePlacement:
     """What decides where fairscale computes one instance: the machine, and the constructor's inputs."""
 
     cuda_available: bool
@@ -61,7 +61,7 @@ class Placement:
     param_devices: frozenset[str]  # device types of the parameters it takes (see :func:`placement`)
 
 
-def computes_on_host(where: Placement) -> bool:
+def computes_on_host(where: ComputePlacement) -> bool:
     """Whether an instance computes on the CPU (fairscale's CPU path: :mod:`fsdp_optim.job.host`). Pure.
 
     fairscale 0.4.13 computes on ``compute_device or _get_default_cuda_device(module)``: the first parameter's device
@@ -85,14 +85,15 @@ def computes_on_host(where: Placement) -> bool:
     return not (where.offload and where.cuda_available)
 
 
-def placement(module: torch.nn.Module, options: dict[str, Any]) -> Placement:
-    """The :class:`Placement` of ``module`` wrapped with ``options`` (as for :func:`check_options`), on this machine.
+def placement(module: torch.nn.Module, options: dict[str, Any]) -> ComputePlacement:
+    """The :class:`ComputePlacement` of ``module`` wrapped with ``options`` (as for :func:`check_options`), on this
+    machine.
 
     The parameters are the module's own, or those that nested instances took over when it has none (a root over
     wrapped layers)."""
     devices = {p.device.type for p in unsharded_parameters(module)} or {p.device.type for p in module.parameters()}
     compute = options.get("compute_device")
-    return Placement(
+    return ComputePlacement(
         cuda_available=torch.cuda.is_available(),
         compute_device=torch.device(compute) if compute is not None else None,
         offload=bool(options.get("move_params_to_cpu") or options.get("cpu_offload")),

@@ -17,9 +17,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from fsdp_optim.core.execute import cut_rank, optimizer_state_dict, saved_ranks
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_rank
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream

@@ -7,7 +7,7 @@ fits, so host memory does not grow from one save to the next); a plain buffer pe
 enqueued by the save's thread, bound to the shards' GPU, after an event taken in the caller's thread when the save
 was called (:func:`ready_events`), so they see the state at the call; ``optim.step()``, ``load_state_dict()`` and
 the loads wait for them on the GPU (the host waits only until they are enqueued). Every copy queued has landed
-before :meth:`Staging.copy` returns or raises. See :mod:`fsdp_optim.job.stager` for the copies themselves.
+before :meth:`HostStaging.copy` returns or raises. See :mod:`fsdp_optim.job.stager` for the copies themselves.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from fsdp_optim.job.arena import CUDA_HOST, Arena, Registrar
 from fsdp_optim.job.copiers import Copier
 from fsdp_optim.job.stager import CUDA, Engines
 
-__all__ = ["Staged", "Staging", "before_change", "expect", "ready_events"]
+__all__ = ["StagedCopy", "HostStaging", "before_change", "expect", "ready_events"]
 
 
 @dataclass
-class Staged:
+class StagedCopy:
     """One async save's copy into host memory: ``issued`` once every copy is done (host tensors) or enqueued
     (GPU tensors, each GPU's last copy recorded in ``done``), ``staged`` once the host holds every byte."""
 
@@ -50,10 +50,10 @@ class Staged:
 
 
 # Keyed by what an async save copies: its optimizer (the state) and its root module (the weights and buffers).
-_pending: weakref.WeakKeyDictionary[torch.optim.Optimizer | torch.nn.Module, Staged] = weakref.WeakKeyDictionary()
+_pending: weakref.WeakKeyDictionary[torch.optim.Optimizer | torch.nn.Module, StagedCopy] = weakref.WeakKeyDictionary()
 
 
-def expect(owner: torch.optim.Optimizer | torch.nn.Module, staged: Staged) -> None:
+def expect(owner: torch.optim.Optimizer | torch.nn.Module, staged: StagedCopy) -> None:
     """Record that ``owner``'s state (an optimizer's, or a root module's weights) is being copied by ``staged``."""
     _pending[owner] = staged
 
@@ -70,7 +70,7 @@ def before_change(owner: torch.optim.Optimizer | torch.nn.Module | None) -> None
 _ALIGN = 512  # bytes: every staged tensor starts aligned in the arena
 
 
-class Staging:
+class HostStaging:
     """Host memory for one root's shards, kept across saves: a plain buffer per host tensor, ``(flat, key)`` -> a
     tensor of that shape and dtype, and one :class:`~fsdp_optim.job.arena.Arena` for the shards on GPUs (allocated at
     its exact size and page-locked chunk by chunk: the caching host allocator would round each block up to a power of
@@ -85,7 +85,7 @@ class Staging:
         self.layout: tuple[tuple[tuple[int, str], torch.Size, torch.dtype], ...] = ()
         self.views: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}  # (flat, key) -> (byte offset, view)
 
-    def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[Copier, Any], staged: Staged) -> Any:
+    def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[Copier, Any], staged: StagedCopy) -> Any:
         """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory: host tensors at once,
         GPU tensors enqueued after ``ready[copier]`` (:func:`ready_events`, taken when the save was called), each once
         the arena is page-locked where it goes; sets ``staged.issued``, waits for the GPU copies, sets

@@ -120,10 +120,6 @@ class Team:
         release_group(self.beat)
         release_group(self.control)
 
-    def watch(self, done_bytes: Callable[[], int], *, total: int, bar: bool) -> Watch:
-        """A started :class:`Watch`; ``bar``: draw the progress bar (on process 0 only) over ``total`` bytes."""
-        return Watch(self, done_bytes, total if bar and self.rank == 0 else None)
-
     def progress(self, total: int, *, bar: bool = False, trim: Callable[[], None] | None = None) -> Watch:
         """A started :class:`Watch` that counts this process's bytes itself: hand its :meth:`Watch.advance` to a
         writer as its ``after(nbytes)``, which also calls ``trim()`` (drop what was read) and :meth:`Watch.check`::

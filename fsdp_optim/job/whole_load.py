@@ -17,18 +17,22 @@ from torch import nn
 
 from fsdp_optim.core.data_position import DataPosition
 from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
+from fsdp_optim.core.execute import cut_rank, optimizer_state_dict, saved_ranks
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.plan import Plan, cut_rank, optimizer_state_dict, plan, saved_ranks
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
+from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, source_kind
+from fsdp_optim.formats.sharded.locate import source_kind
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
-from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file
+from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file, read_whole_safetensors
 from fsdp_optim.job.agreed import step
 from fsdp_optim.job.device_load import into_live, live_destination, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
@@ -179,7 +183,7 @@ def _stage(
             return stage_file(root, model, optim, file)
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.
-    with open_checkpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES) as ckpt:
+    with ShardedCheckpoint(path, max_mapped_bytes=LOAD_WINDOW_BYTES, lazy=True) as ckpt:
         plans = plan_load(root, model, optim, ckpt, buffers)
         if plans.weights.identity or ckpt.manifest.version < 3:  # its own files, whole: nothing to cut from ranges
             return stage_load(root, ckpt, plans, in_place=True)
@@ -206,7 +210,10 @@ def stage_file(
     """:func:`stage_load` of consolidate's file of a whole checkpoint: every rank reads the file and cuts its own
     shards of the weights and optimizer state from it; the buffers and ``extra`` are the file's."""
     where_ = str(path)
-    obj = load_file(path, mmap=True, disjoint=True, tied=TIED_KEY)
+    if is_named_safetensors(path):  # consolidate's one safetensors file: the same content as its .pt
+        obj = read_whole_safetensors(path)
+    else:
+        obj = load_file(path, mmap=True, disjoint=True, tied=TIED_KEY)
     if not is_whole_file(obj):
         found = f"a dict with keys {sorted(map(str, obj))[:6]}" if isinstance(obj, Mapping) else type(obj).__name__
         raise ValueError(

@@ -4,6 +4,5 @@
 ``operations.py`` holds ``consolidate`` / ``reshard`` over the sources it returns.
 """
 
-from fsdp_optim.offline.operations import resolve_layout
 
-__all__ = ["resolve_layout"]
+__all__ = []

@@ -16,9 +16,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.core.execute import assemble_full
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Plan, Source, assemble_full, plan
+from fsdp_optim.core.plan import plan
+from fsdp_optim.core.source import Plan, Source
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.fullstate import build_full_state
@@ -28,7 +30,7 @@ from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
-from fsdp_optim.offline.rank_writes import described, fetched_from, then_sides, write_blocks, write_ranks
+from fsdp_optim.offline.rank_writes import fetched_from, planned_manifest, then_sides, write_blocks, write_ranks
 from fsdp_optim.offline.whole import check_resharding, is_whole
 
 __all__ = ["BLOCK_BYTES", "consolidate_checkpoint", "reshard_checkpoint", "reshard_full"]
@@ -98,7 +100,7 @@ def reshard_checkpoint(
     write = partial(write_ranks, the_plan, target, after_unit=then(ckpt.trim, progress), after_file=after_file)
     # Cut unit by unit from ranges fetched ahead, where the location fetches ahead (unless cut by blocks, below).
     write = partial(fetched_from, ckpt, partial(cut_spans, ckpt, the_plan, range(world_size)), write)
-    final = described(the_plan, target)
+    final = planned_manifest(the_plan, target)
     if recut.applicable(ckpt, final):
         blocks = recut.Recut.of(ckpt, final)
         group = recut.group_size(blocks, ckpt.layout[1], BLOCK_BYTES)

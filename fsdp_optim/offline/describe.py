@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_optim.disk.text import human_bytes
 
 if TYPE_CHECKING:
-    from fsdp_optim.formats.fairseq.shards import ShardSet
+    from fsdp_optim.formats.fairseq.shards import ShardSetReader
     from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
     from fsdp_optim.formats.sharded.manifest import Manifest
     from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
@@ -242,7 +242,7 @@ def param_table(state: Mapping[Any, Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def describe_shards(shards: ShardSet, *, units: bool) -> list[str]:
+def describe_shards(shards: ShardSetReader, *, units: bool) -> list[str]:
     """A fairseq/metaseq shard set: its manifest's lines, then its files, extras, buffers and other keys."""
     out: list[str] = []
     rank0 = shards.rank0()
@@ -280,7 +280,7 @@ def describe_sharded(
     return out + describe_training(whole) if whole is not None else out
 
 
-def describe_rank_file(path: str | os.PathLike[str], raw: Mapping[str, Any] | None) -> list[str]:
+def describe_any_rank_file(path: str | os.PathLike[str], raw: Mapping[str, Any] | None) -> list[str]:
     """One rank file of a checkpoint (format 2 and 3: safetensors; format 1: a torch file)."""
     if raw is None:
         from fsdp_optim.formats.sharded.rank_file import describe_rank_file as describe_safetensors

@@ -38,6 +38,7 @@ from fsdp_optim.offline.diff_report import (
     DIFFERENT,
     EQUAL,
     KIND,
+    NOT_COMPARED,
     ONLY_A,
     ONLY_B,
     SHAPE,
@@ -45,7 +46,7 @@ from fsdp_optim.offline.diff_report import (
     DiffReport,
     DiffRow,
     SettingDiff,
-    summarise,
+    diff_summary,
 )
 from fsdp_optim.offline.per_param import PerParameter
 from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
@@ -115,7 +116,7 @@ def diff_work(
         counts = len(va.names), len(vb.names)
 
         def report(rows: tuple[DiffRow, ...]) -> DiffReport:
-            summary = summarise(rows, settings, *counts)
+            summary = diff_summary(rows, settings, *counts)
             return DiffReport(va.label, vb.label, va.kind, vb.kind, atol, rtol, rows, settings, summary)
 
         yield Work(pieces, report)
@@ -181,24 +182,66 @@ def _tensor_row(param: str, key: str, ta: torch.Tensor, tb: torch.Tensor, atol: 
 
 
 def _side_rows(sa: SideState | None, sb: SideState | None, atol: float, rtol: float) -> Iterator[DiffRow]:
-    """The buffers (and, between two whole checkpoints, each common rank's ``extra`` tensors), one saved rank at a
-    time; against a side without them, the buffers are rows of one side only."""
+    """The buffers and each saved rank's ``extra`` (its tensors, then its other values), one saved rank at a time.
+    A part one side holds and the other does not (a source without a model, a rank only one side saved, a layout
+    that keeps no ``extra``) is a row of that side only, saying why: never left out in silence."""
     if sa is None or sb is None:
-        one, status = (sa, ONLY_A) if sa is not None else (sb, ONLY_B)
-        for name in one.buffer_names if one is not None else ():
-            yield DiffRow(name, BUFFER_KEY, status, detail="a whole checkpoint's buffer; the other side has no model")
+        yield from _model_alone(sa, sb)
         return
     per_rank = sa.per_rank or sb.per_rank
+    both = min(sa.world_size, sb.world_size)
     for r in range(max(sa.world_size, sb.world_size)):
-        if r > 0 and not per_rank and r >= min(sa.world_size, sb.world_size):
-            return
-        buffers_a, extra_a = sa.rank(r) if r < sa.world_size else ({}, {})
-        buffers_b, extra_b = sb.rank(r) if r < sb.world_size else ({}, {})
+        if r >= both and not per_rank:  # rank 0's buffers are everyone's; this rank's extra is on one side only
+            yield _extra_alone(r, sa, sb)
+            continue
+        buffers_a, extra_a, values_a = sa.parts(r) if r < sa.world_size else ({}, {}, None)
+        buffers_b, extra_b, values_b = sb.parts(r) if r < sb.world_size else ({}, {}, None)
         if per_rank or r == 0:
             key = f"{BUFFER_KEY} of rank {r}" if per_rank else BUFFER_KEY
             yield from _pairs(buffers_a, buffers_b, atol, rtol, key=key)
-        if r < min(sa.world_size, sb.world_size):  # extra: compared where both sides hold this rank's
-            yield from _pairs(extra_a, extra_b, atol, rtol, param=extra_label(r))
+        if not (sa.holds_extra or sb.holds_extra):  # neither keeps one (two Hugging Face layouts)
+            continue
+        if r >= both or not (sa.holds_extra and sb.holds_extra):
+            yield _extra_alone(r, sa, sb)
+            continue
+        yield from _pairs(extra_a, extra_b, atol, rtol, param=extra_label(r))
+        same = _same_values(values_a, values_b)
+        detail = "" if same else f"{show_value(values_a)[:80]} in a, {show_value(values_b)[:80]} in b"
+        yield DiffRow(extra_label(r), "values", EQUAL if same else DIFFERENT, 1, bitwise_equal=same, scalar=True,
+                      detail=detail)  # fmt: skip
+
+
+def _model_alone(sa: SideState | None, sb: SideState | None) -> Iterator[DiffRow]:
+    """The buffers and ``extra`` of the one side that holds a model: rows of that side only."""
+    one, status, other = (sa, ONLY_A, "b") if sa is not None else (sb, ONLY_B, "a")
+    if one is None:
+        return
+    for name in one.buffer_names:
+        yield DiffRow(name, BUFFER_KEY, status, detail=f"a whole checkpoint's buffer; {other} has no model")
+    for r in range(one.world_size if one.holds_extra else 0):
+        side = "a" if status == ONLY_A else "b"
+        yield DiffRow(extra_label(r), None, NOT_COMPARED, detail=f"only {side} holds it; {other} has no model")
+
+
+def _extra_alone(r: int, sa: SideState, sb: SideState) -> DiffRow:
+    """Saved rank ``r``'s ``extra``, which one side holds and the other does not: why, as its row says."""
+    in_a = r < sa.world_size and sa.holds_extra
+    other = sb if in_a else sa
+    why = ("its layout keeps no extra" if not other.holds_extra else
+           f"it holds the extra of {other.world_size} saved rank(s)")  # fmt: skip
+    return DiffRow(extra_label(r), None, NOT_COMPARED, detail=f"only {'a' if in_a else 'b'} holds it; "
+                                                              f"{'b' if in_a else 'a'}: {why}")
+
+
+def _same_values(x: object, y: object) -> bool:
+    """``extra``'s values as a resumed run reads them: one structure (a tuple is no list), numbers bit for bit."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        return list(x) == list(y) and all(_same_values(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same_values(p, q) for p, q in zip(x, y))
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return type(x) is type(y) and bool(x == y)
 
 
 def _pairs(

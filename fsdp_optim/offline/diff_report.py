@@ -9,6 +9,8 @@ A row's ``status``:
     only in a/b       the parameter, or its state key, is in one source only
     shape differs     the parameter's shape differs (its state is not compared)
     kind differs      a scalar on one side, a tensor on the other
+    not compared      a part one side holds that the other cannot hold or did not keep (a saved rank's ``extra``
+                      when the two saved different numbers of ranks, or a layout keeps none): ``detail`` says why
 
 ``DiffReport.to_json()`` is the record as JSON values: floats that are not finite are the strings ``"inf"``
 and ``"nan"``, so that the output is strict JSON.
@@ -20,10 +22,11 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["EQUAL", "WITHIN", "DiffReport", "DiffRow", "DiffSummary", "SettingDiff", "summarise"]
+__all__ = ["EQUAL", "NOT_COMPARED", "WITHIN", "DiffReport", "DiffRow", "DiffSummary", "SettingDiff", "diff_summary"]
 
 EQUAL, WITHIN, DIFFERENT = "equal", "within tolerance", "different"
 ONLY_A, ONLY_B, SHAPE, KIND = "only in a", "only in b", "shape differs", "kind differs"
+NOT_COMPARED = "not compared"  # never "equal": the report is not equal while any part is not compared
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,9 @@ class DiffSummary:
     tensors: int  # (param, state key) tensors compared on both sides
     tensors_equal: int  # of those, bit for bit
     scalars: int  # scalar states compared on both sides
-    rows_different: int  # rows whose status is neither equal nor within tolerance
+    rows_different: int  # rows whose status is neither equal nor within tolerance (not compared ones included)
     settings_different: int
+    not_compared: int  # rows of parts that could not be compared (each says why)
     max_abs: float
     max_rel: float
     max_ulp: int
@@ -87,7 +91,7 @@ class DiffSummary:
 @dataclass(frozen=True)
 class DiffReport:
     """Two sources compared (see the module docstring); ``equal``: within ``atol``/``rtol`` everywhere (bit for
-    bit when both are 0) and no setting differs."""
+    bit when both are 0), no setting differs and no part went uncompared."""
 
     a: str
     b: str
@@ -112,7 +116,7 @@ class DiffReport:
         return _json_safe({**asdict(self), "equal": self.equal})
 
 
-def summarise(
+def diff_summary(
     rows: tuple[DiffRow, ...], settings: tuple[SettingDiff, ...], params_a: int, params_b: int
 ) -> DiffSummary:
     compared = [r for r in rows if r.status in (EQUAL, WITHIN, DIFFERENT)]
@@ -125,6 +129,7 @@ def summarise(
         scalars=len(compared) - len(tensors),
         rows_different=sum(not r.same for r in rows),
         settings_different=len(settings),
+        not_compared=sum(r.status == NOT_COMPARED for r in rows),
         max_abs=max((r.max_abs for r in compared), default=0.0),
         max_rel=max((r.max_rel for r in compared), default=0.0),
         max_ulp=max((r.max_ulp or 0 for r in compared), default=0),

@@ -24,8 +24,9 @@ from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.formats.dcp import DCP_DIRECTORY, METADATA, Progress, model_dict, optim_dict, placeholder, write_dcp
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder
+from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.offline.publish import output_for
-from fsdp_optim.offline.sources import Opened, open_source
+from fsdp_optim.offline.sources import open_source
 
 
 @dataclass(frozen=True)

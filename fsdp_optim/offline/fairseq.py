@@ -8,14 +8,13 @@ from typing import Any
 
 from fsdp_optim.formats.fairseq import recut as _recut
 from fsdp_optim.formats.fairseq import shards as _shards
-from fsdp_optim.formats.fairseq.recut import reshard_shards
 from fsdp_optim.offline.layouts import ParamOrder, param_names
 
-__all__ = ["ShardSet", "consolidate_shards", "reshard_shards"]
+__all__ = ["ShardSet", "consolidate_shards"]
 
 
-class ShardSet(_shards.ShardSet):
-    __doc__ = _shards.ShardSet.__doc__
+class ShardSet(_shards.ShardSetReader):
+    __doc__ = _shards.ShardSetReader.__doc__
 
     def __init__(self, path: str | os.PathLike[str], *, param_order: ParamOrder = None, **options: Any) -> None:
         super().__init__(path, param_order=param_names(param_order), **options)
@@ -24,7 +23,7 @@ class ShardSet(_shards.ShardSet):
 def consolidate_shards(
     path: str | os.PathLike[str], *, param_order: ParamOrder = None, **options: Any
 ) -> dict[str, Any]:
-    return _recut.consolidate_shards(path, param_order=param_names(param_order), **options)
+    return _recut.consolidate_shard_files(path, param_order=param_names(param_order), **options)
 
 
-consolidate_shards.__doc__ = _recut.consolidate_shards.__doc__
+consolidate_shards.__doc__ = _recut.consolidate_shard_files.__doc__

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from fsdp_optim.core.layout import ModelLayout
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import read_manifest
 
 LayoutLike = ModelLayout | Manifest | nn.Module | str | os.PathLike
 

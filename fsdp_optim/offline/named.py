@@ -23,20 +23,21 @@ from typing import Any, BinaryIO
 import torch
 
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.atomic import durable_write, load_file
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.formats import hf_safetensors as hf
+from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors
 from fsdp_optim.offline.layouts import LayoutLike
+from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.offline.publish import output_for
-from fsdp_optim.offline.sources import Opened, open_source
-from fsdp_optim.offline.whole import ModelTensor
+from fsdp_optim.offline.sources import open_source
 
 __all__ = ["load_full_state", "to_safetensors"]
 
@@ -132,7 +133,7 @@ def write_whole_safetensors(
                        entry=JournalEntry(files=tuple(files))) as stage:  # fmt: skip
         stage.last = (hf.INDEX if len(groups) > 1 else hf.SINGLE,)
         for name, group in zip(names, groups):
-            durable_write(stage.dir / name, partial(hf.write_file, tensors=group, after=opened.trim))
+            durable_write(stage.dir / name, partial(hf.write_hf_file, tensors=group, after=opened.trim))
         if len(groups) > 1:
             data = hf.index(groups)
             durable_write(stage.dir / hf.INDEX, lambda f: f.write(data))

@@ -1,19 +1,9 @@
-"""``fsdp-optim consolidate SRC -o FILE.safetensors``: a checkpoint as ONE safetensors file, laid out before a byte
-is written and filled by positional writes, so that one process or many (:mod:`fsdp_optim.offline.parallel.onefile`)
-write the same bytes.
-
-The file is a named safetensors file (:mod:`fsdp_optim.formats.named_safetensors.document`): the optimizer state as
-``<param name>/<state key>`` tensors and its settings in the ``"fsdp_optim"`` metadata; a whole checkpoint adds the
-model (the unwrapped ``state_dict()``: weights, tied names as copies, buffers) under its own names, listed with the
-chosen rank's ``extra`` in the document's ``"whole"`` section (version 3). ``extra`` is kept as a whole checkpoint's
-side file keeps it: JSON (exact: tuples, non-finite floats tagged) with each tensor (an RNG state) a reference to a
-tensor ``extra/<k>`` of the file; anything else (an object) is refused before the output is touched::
-
-    plan     every tensor's name, dtype, shape (model first, in state_dict order; then the optimizer's, in parameter
-             then state order) -> offsets; the header with checksums of fixed width left as zeros -> its length
-    write    the file preallocated (posix_fallocate, else truncate); each tensor made, written with os.pwrite at its
-             offset, read back and compared, freed (one tensor in memory)
-    header   the same header with the checksums filled in (exactly as long), written at offset 0; fsync; rename
+"""``consolidate -o FILE.safetensors`` written: :func:`write_one_file`, the one path to the file of
+:func:`~fsdp_optim.offline.onefile_layout.lay_out`, for one process and for a team
+(:mod:`fsdp_optim.offline.parallel.onefile`) alike, into one of two sinks (:class:`Sink`): a local file
+(:class:`FileSink`: preallocated; each tensor made, written with os.pwrite at its offset, read back and compared,
+freed; the header with every checksum written over its room at offset 0; fsync; rename), or the parts of one
+multipart upload (:class:`~fsdp_optim.offline.onefile_parts.UploadSink`).
 
 A failure at any step leaves no file: the temporary file is the one way out's (``disk.staged.write_stream``:
 locked, journaled, removed on failure, renamed on success).
@@ -23,84 +13,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, BinaryIO
+from functools import partial
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import torch
 
+from fsdp_optim.core.parts import PART_BYTES
+from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
-from fsdp_optim.disk.text import human_bytes
-from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, Document, Whole
-from fsdp_optim.formats.named_safetensors.writer import NamedTensor, prepare_named_safetensors, tensor_checksums
-from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
-from fsdp_optim.formats.sharded.side_file import encode_extra
-from fsdp_optim.offline.whole import ModelTensor
+from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
+from fsdp_optim.offline.onefile_layout import FileLayout, described, final_header, lay_out, stepped
+from fsdp_optim.offline.onefile_parts import to_upload
 
-__all__ = ["FileLayout", "consolidate_to_safetensors", "described", "lay_out", "preallocate", "write_header",
-           "write_one_process", "write_tensors"]
+if TYPE_CHECKING:
+    from fsdp_optim.job.team import Team
 
-EXTRA_PREFIX = "extra/"  # a whole checkpoint's extra's tensors: extra/0, extra/1, ... (as its side file names them)
+__all__ = ["FileSink", "Sink", "consolidate_to_safetensors", "preallocate", "write_header", "write_one_file",
+           "write_tensors"]
+
 _IO_BYTES = 64 << 20  # one pwrite / pread at most (a tensor is written and read back in such pieces)
-
-
-@dataclass(frozen=True)
-class FileLayout:
-    """The file before any byte of it: its tensors in file order, the document, where each tensor's bytes start."""
-
-    document: Document
-    tensors: tuple[NamedTensor, ...]
-    offsets: tuple[int, ...]  # absolute, in the file
-    size: int
-
-    def header(self, sums: Mapping[str, Any] | None) -> bytes:
-        """The header (length prefix included); ``sums`` ``None``: the placeholders, of the same length."""
-        if sums is None:
-            sums = {t.name: tensor_checksums(None, t.nbytes) for t in self.tensors}
-        metadata = {"format": "pt", METADATA_KEY: self.document.to_json(sums)}
-        return encode_header(metadata, ((t.name, t.dtype, t.shape) for t in self.tensors))
-
-
-def lay_out(opened: Any, *, rank: int | None, no_model: bool) -> FileLayout:
-    """The :class:`FileLayout` of ``opened`` (an :func:`~fsdp_optim.offline.sources.open_source` input holding
-    optimizer state; a whole checkpoint's model too unless ``no_model``; ``rank``: whose side file gives the buffers
-    and ``extra``). Everything is checked here, before any output exists: no optimizer state, a dtype safetensors
-    cannot name, an ``extra`` or hyperparameter that exact JSON cannot hold, two tensors of one name."""
-    opened.check_rank(rank)
-    if opened.source is None:
-        raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state (saved with optim=None?); "
-                         "consolidate it to a .pt file, or convert --to safetensors for the model alone")  # fmt: skip
-    prepared = prepare_named_safetensors(opened.source, order=opened.order, header=opened.named_header())
-    tensors = prepared.tensors()
-    whole = None
-    if opened.is_whole() and not no_model:
-        saved = opened.whole_model(rank=rank)
-        entries = saved.entries(lambda p: p)
-        weights = [_model_tensor(name, t) for name, t in entries.items()]
-        text, held = encode_extra(saved.extra, f"{opened.label}: the checkpoint's extra (rank {saved.rank}'s)")
-        extras = [_model_tensor(f"{EXTRA_PREFIX}{k}", t) for k, t in held.items()]
-        whole = Whole(tuple(entries), text, tuple(t.name for t in extras), saved.rank)
-        tensors = [*weights, *extras, *tensors]
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"{opened.label}: two tensors would both be named '{twice}' in one safetensors file")
-    layout = FileLayout(replace(prepared.document, whole=whole), tuple(tensors), (), 0)
-    at = len(layout.header(None))
-    offsets = []
-    for t in tensors:
-        offsets.append(at)
-        at += t.nbytes
-    return replace(layout, offsets=tuple(offsets), size=at)
-
-
-def _model_tensor(name: str, t: Any) -> NamedTensor:
-    if isinstance(t, ModelTensor):
-        tensor = NamedTensor(name, t.dtype, tuple(t.shape), t.make)
-    else:  # a buffer, in memory already
-        tensor = NamedTensor(name, t.dtype, tuple(t.shape), lambda: t)
-    if tensor.dtype not in PORTABLE_DTYPES:
-        raise ValueError(f"model tensor '{name}' has dtype {tensor.dtype}, which safetensors cannot name")
-    return tensor
+S = TypeVar("S")  # what one process's share of the file is to its sink
 
 
 def preallocate(fd: int, size: int) -> None:
@@ -147,36 +80,6 @@ def _put(fd: int, tensor: torch.Tensor, offset: int, where: str) -> None:
             raise OSError(f"{where}: the bytes read back at offset {offset + at} differ from those written")
 
 
-def write_one_process(layout: FileLayout, trim: Callable[[], None], progress: Callable[[], None] | None
-                      ) -> Callable[[BinaryIO], None]:  # fmt: skip
-    """The ``write(file)`` of ``disk.staged.write_stream`` that fills the whole file in this process."""
-
-    def after(nbytes: int) -> None:  # noqa: ARG001 - the team's counter takes the bytes
-        trim()
-        if progress is not None:
-            progress()
-
-    def write(f: BinaryIO) -> None:
-        preallocate(f.fileno(), layout.size)
-        sums = write_tensors(f.name, layout, range(len(layout.tensors)), after=after)
-        write_header(f.fileno(), layout, [sums])
-
-    return write
-
-
-def final_header(layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> bytes:
-    """The final header: every tensor's checksum from the shares (each ``{name: checksum}``), as long as the room
-    the layout planned for it (``RuntimeError`` for a tensor no process wrote)."""
-    sums = {name: s for share in shares for name, s in share.items()}
-    missing = [t.name for t in layout.tensors if t.name not in sums]
-    if missing:
-        raise RuntimeError(f"consolidate: no process wrote tensors {missing[:3]} ({len(missing)} in all)")
-    header = layout.header(sums)
-    if len(header) != (layout.offsets[0] if layout.offsets else layout.size):
-        raise RuntimeError("consolidate: the header with its checksums is not as long as the one planned")
-    return header
-
-
 def write_header(fd: int, layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> None:
     """The final header (every share's checksums), written over the placeholders' room at offset 0."""
     header = final_header(layout, shares)
@@ -188,21 +91,147 @@ def write_header(fd: int, layout: FileLayout, shares: Sequence[Mapping[str, Any]
 def consolidate_to_safetensors(
     opened: Any, output: str | os.PathLike[str], *, rank: int | None = None, no_model: bool = False,
     inputs: Sequence[Any] = (), overwrite: bool = True, progress: Callable[[], None] | None = None,
+    part_bytes: int = PART_BYTES,
 ) -> str:  # fmt: skip
-    """``opened`` consolidated into the one safetensors file ``output`` by this process (the module docstring);
-    returns what was written (the verb's ``wrote <output>: ...``). An existing ``output`` is replaced only when
-    ``overwrite``."""
+    """``opened`` consolidated into the one safetensors file ``output`` by this process (the module docstring): a
+    local file, or an object of a store (the parts of one multipart upload of ``part_bytes`` parts; where the store
+    has none, the file written locally and uploaded whole). Returns what was written (the verb's ``wrote <output>:
+    ...``). An existing ``output`` is replaced only when ``overwrite``."""
     layout = lay_out(opened, rank=rank, no_model=no_model)
-    write = write_one_process(layout, opened.trim, progress)
-    size = write_stream(write, output, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
+    size = write_one_file(None, layout, output, inputs=inputs, overwrite=overwrite, trim=opened.trim,
+                          progress=progress, part_bytes=part_bytes)  # fmt: skip
     return described(layout, size)
 
 
-def described(layout: FileLayout, size: int) -> str:
-    """The report of a written file: how many tensors of the model and of the optimizer, and its size."""
-    whole = layout.document.whole
-    model = 0 if whole is None else len(whole.model)
-    optim = len(layout.tensors) - model
-    what = f"model {model} tensors (weights, tied names, buffers), extra of rank {whole.rank}; " if whole else ""
-    return (f"safetensors, one file: {what}optimizer {optim} tensors of {len(layout.document.state)} params with "
-            f"state, settings in its metadata; {human_bytes(size)}")  # fmt: skip
+class Sink(Protocol[S]):
+    """Where the one file's bytes go: :meth:`write` puts tensors ``which`` of the layout (a process's run) and
+    returns that share (its checksums, and what else the commit needs); :meth:`sent` is what of a share goes to
+    process 0; :meth:`commit` (process 0) makes the file whole of every share."""
+
+    def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> S: ...
+
+    def sent(self, share: S) -> S: ...
+
+    def commit(self, mine: S, shares: Sequence[S]) -> None: ...
+
+
+class FileSink:
+    """A local file at ``path``, preallocated: each tensor written at its offset and read back; the header (with
+    every share's checksums) written by process 0, which holds the file open as ``fd``."""
+
+    def __init__(self, layout: FileLayout, path: str, fd: int | None) -> None:  # noqa: D107
+        self.layout, self.path, self.fd = layout, path, fd
+
+    def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> dict[str, Any]:  # noqa: ARG002
+        if not os.path.isfile(self.path):
+            raise ValueError(f"{self.path}: process 0's temporary file is not visible here: the output must be on a "
+                             "file system every process shares")  # fmt: skip
+        return write_tensors(self.path, self.layout, which, after=after)
+
+    def sent(self, share: dict[str, Any]) -> dict[str, Any]:
+        return share
+
+    def commit(self, mine: dict[str, Any], shares: Sequence[dict[str, Any]]) -> None:  # noqa: ARG002
+        if self.fd is None:
+            raise RuntimeError(f"{self.path}: the header is written by process 0, which holds the file open")
+        write_header(self.fd, self.layout, shares)
+
+
+def write_one_file(
+    team: Team | None, layout: FileLayout, output: str | os.PathLike[str], *, inputs: Sequence[Any], overwrite: bool,
+    trim: Callable[[], None], progress: Callable[[], None] | None = None, bar: bool = False,
+    part_bytes: int = PART_BYTES,
+) -> int:  # fmt: skip
+    """The one path to a consolidated file: ``layout`` written into ``output`` by this process alone (``team``
+    ``None``) or by every process of ``team``, each its run of tensors (split by bytes, in file order), into one of
+    two sinks: a local file (:class:`FileSink`) or the parts of one multipart upload
+    (:mod:`fsdp_optim.offline.onefile_parts`). Returns the file's size (0 on a process but 0 of a team)."""
+    sizes = [t.nbytes for t in layout.tensors]
+    runs = [range(len(sizes))] if team is None else split_by_bytes(sizes, team.size).runs
+    fill = partial(_fill, team, runs, trim=trim, progress=progress, bar=bar, total=layout.size)
+    try:
+        if where(str(output)).shared_directory() is not None:
+            return _to_file(team, layout, output, fill, inputs=inputs, overwrite=overwrite)
+        size = to_upload(team, layout, runs, str(output), fill, inputs=inputs, overwrite=overwrite,
+                         part_bytes=part_bytes)  # fmt: skip
+    except _Agreed as agreed:
+        raise agreed.error from None
+    if size is None:  # a store without multipart uploads: the file written locally, then uploaded whole
+        from fsdp_optim.offline.publish import output_for
+
+        with output_for(output, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as local:
+            size = _to_file(None, layout, local, fill, inputs=(), overwrite=True)
+    return size
+
+
+class _Agreed(BaseException):
+    """A team's failure every process has agreed on already (the share step's), told apart from one still to agree
+    on (process 0's open or commit): agreeing on it again would wait on a lost peer. :func:`write_one_file` raises
+    its ``error``."""
+
+    def __init__(self, error: Exception) -> None:  # noqa: D107
+        super().__init__(str(error))
+        self.error = error
+
+
+def _fill(
+    team: Team | None, runs: Sequence[Sequence[int]], sink: Sink[S], *, trim: Callable[[], None],
+    progress: Callable[[], None] | None, bar: bool, total: int,
+) -> tuple[S, list[S]]:  # fmt: skip
+    """This process's run written into ``sink`` (a team's watch counting its bytes; every process agrees that every
+    share is written): ``(its share, every share on process 0)``, which process 0 then commits."""
+    rank = 0 if team is None else team.rank
+    watch = None if team is None else team.progress(total, bar=bar, trim=trim)
+
+    def alone(nbytes: int) -> None:  # noqa: ARG001 - a writer's after(nbytes); a team's watch counts them
+        trim()
+        if progress is not None:
+            progress()
+
+    try:
+        with stepped(team, "consolidate failed on another process; nothing was committed", watch=watch):
+            mine = sink.write(runs[rank], rank, alone if watch is None else watch.advance)
+    except Exception as exc:
+        if team is None:
+            raise
+        raise _Agreed(exc) from None  # every process raises it: no later step agrees on it again
+    return mine, ([mine] if team is None else team.to_first(sink.sent(mine)) or [])
+
+
+def _to_file(
+    team: Team | None, layout: FileLayout, output: str | os.PathLike[str], fill: Callable[[FileSink], Any], *,
+    inputs: Sequence[Any], overwrite: bool,
+) -> int:  # fmt: skip
+    """The local file sink: process 0 opens the output (``disk.staged.write_stream``: lock, journal, a temporary file
+    beside it), preallocates it and sends its path (``None``: it failed); every process fills it; process 0 writes
+    the header, fsyncs and renames; every process agrees on that commit."""
+    what = f"consolidate: process 0 could not write {output}; nothing was committed"
+    sent = [False]
+
+    def write(f: BinaryIO) -> None:
+        preallocate(f.fileno(), layout.size)
+        if team is not None:
+            sent[0] = True
+            team.from_first(f.name)
+        sink = FileSink(layout, f.name, f.fileno())
+        sink.commit(*fill(sink))
+
+    if team is not None and team.rank != 0:
+        path = team.from_first(None)
+        if path is not None:  # else process 0's error comes with the agreement below
+            fill(FileSink(layout, path, None))
+        team.agree(None, what)  # on process 0's commit
+        return 0
+    try:
+        size = write_stream(write, output, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
+    except _Agreed:
+        raise  # the share step's failure: every process agreed on it there
+    except BaseException as exc:  # the open or the commit failed: the others are in the agreement below
+        if team is not None and not sent[0]:  # the others wait for the temporary file's path: none
+            team.from_first(None)
+        if team is not None:
+            team.agree(exc, what)
+        raise
+    if team is not None:
+        team.agree(None, what)
+    return size

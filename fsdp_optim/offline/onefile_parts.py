@@ -1,8 +1,9 @@
-"""``consolidate -o s3://bucket/x/model.safetensors``: the one safetensors file of :mod:`fsdp_optim.offline.onefile`
-written straight into an object store as the parts of ONE multipart upload (:mod:`fsdp_optim.disk.multipart`),
-never whole on a local disk. The same layout, so the same bytes as the local file::
+"""``consolidate -o s3://bucket/x/model.safetensors``: the one safetensors file
+(:mod:`fsdp_optim.offline.onefile_layout`) written straight into an object store as the parts of ONE multipart
+upload (:mod:`fsdp_optim.disk.multipart`), never whole on a local disk. The same layout, so the same bytes as the
+local file::
 
-    plan     lay_out (onefile.py); the parts: core/parts.plan_parts (process 0's first part holds the header's room)
+    plan     lay_out; the parts: core/parts.plan_parts (process 0's first part holds the header's room)
     begin    the object refused if present (unless overwrite), one upload begun
     write    each tensor made, hashed, its bytes fed into the current part's buffer; a full part is put (the part
              that holds the header's room is held instead), then the next
@@ -10,7 +11,7 @@ never whole on a local disk. The same layout, so the same bytes as the local fil
              every part: the object appears whole, at once
 
 A failure at any step aborts the upload: no object appears. Memory: one tensor and one part buffer (64 MiB), and
-the held first part. Under ``torchrun`` each process writes its own parts (:mod:`fsdp_optim.offline.parallel.upload`).
+the held first part. Under ``torchrun`` each process writes its own parts (:mod:`fsdp_optim.offline.parallel.onefile`).
 A store without multipart uploads gets the file written locally and uploaded whole (``offline/publish.py``).
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,17 +27,13 @@ from fsdp_optim.core.parts import PART_BYTES, PartPlan, PartSpan, plan_parts
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.multipart import Multipart, Part
 from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
-from fsdp_optim.offline.onefile import FileLayout, described, final_header, lay_out, write_one_process
+from fsdp_optim.offline.onefile_layout import FileLayout, final_header, stepped
 
-__all__ = [
-    "Share",
-    "abort_quietly",
-    "commit_parts",
-    "consolidate_to_store",
-    "layout_parts",
-    "open_upload",
-    "write_parts",
-]
+if TYPE_CHECKING:
+    from fsdp_optim.job.team import Team
+
+__all__ = ["Share", "UploadSink", "abort_quietly", "commit_parts", "layout_parts", "open_upload", "to_upload",
+           "write_parts"]
 
 
 @dataclass
@@ -148,34 +145,6 @@ def commit_parts(layout: FileLayout, upload: Multipart, upload_id: str, held: Sh
     upload.complete(upload_id, [*parts, *(p for s in shares for p in s.parts)])
 
 
-def consolidate_to_store(
-    opened: Any, output: str, *, rank: int | None, no_model: bool, inputs: Sequence[Any], overwrite: bool,
-    progress: Callable[[], None] | None, part_bytes: int = PART_BYTES,
-) -> str:  # fmt: skip
-    """:func:`~fsdp_optim.offline.onefile.consolidate_to_safetensors` into the object ``output`` (a URL) by this
-    process: one multipart upload (module docstring), or, where the store has none, the file written locally and
-    uploaded whole. Returns the report."""
-    layout = lay_out(opened, rank=rank, no_model=no_model)
-    begun = open_upload(output, inputs=inputs, overwrite=overwrite)
-    if begun is None:
-        return _written_then_uploaded(opened, layout, output, overwrite=overwrite, inputs=inputs, progress=progress)
-    upload, upload_id = begun
-    try:
-        plan = layout_parts(layout, [range(len(layout.tensors))], part_bytes)
-
-        def after(nbytes: int) -> None:  # noqa: ARG001
-            opened.trim()
-            if progress is not None:
-                progress()
-
-        share = write_parts(layout, plan, 0, upload, upload_id, after=after)
-        commit_parts(layout, upload, upload_id, share, [share])
-    except BaseException:
-        abort_quietly(upload, upload_id)
-        raise
-    return described(layout, layout.size)
-
-
 def abort_quietly(upload: Multipart, upload_id: str) -> None:
     """The upload aborted, a failure to abort ignored (the failure that brought the caller here is the one told)."""
     try:
@@ -184,11 +153,66 @@ def abort_quietly(upload: Multipart, upload_id: str) -> None:
         pass
 
 
-def _written_then_uploaded(opened: Any, layout: FileLayout, output: str, *, overwrite: bool, inputs: Sequence[Any],
-                           progress: Callable[[], None] | None) -> str:  # fmt: skip
-    from fsdp_optim.disk.staged import write_stream
-    from fsdp_optim.offline.publish import output_for
+class UploadSink:
+    """The parts of one multipart upload (:class:`~fsdp_optim.offline.onefile.Sink`): each process puts the parts of
+    its run; process 0 holds the part with the header's room, writes the header into it and completes the upload."""
 
-    with output_for(output, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as local:
-        size = write_stream(write_one_process(layout, opened.trim, progress), local, purpose="fsdp_optim.consolidate")
-    return described(layout, size)
+    def __init__(self, layout: FileLayout, plan: PartPlan, upload: Multipart, upload_id: str) -> None:  # noqa: D107
+        self.layout, self.plan, self.upload, self.upload_id = layout, plan, upload, upload_id
+
+    def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> Share:
+        if list(which) != list(self.plan.runs[rank]):
+            raise RuntimeError(f"consolidate: process {rank}'s parts were planned for another run of tensors")
+        return write_parts(self.layout, self.plan, rank, self.upload, self.upload_id, after=after)
+
+    def sent(self, share: Share) -> Share:
+        return Share(share.sums, share.parts)  # the held part stays on process 0
+
+    def commit(self, mine: Share, shares: Sequence[Share]) -> None:
+        commit_parts(self.layout, self.upload, self.upload_id, mine, shares)
+
+
+def to_upload(
+    team: Team | None, layout: FileLayout, runs: Sequence[Sequence[int]], output: str,
+    fill: Callable[[UploadSink], tuple[Share, list[Share]]], *, inputs: Sequence[Any], overwrite: bool, part_bytes: int,
+) -> int | None:  # fmt: skip
+    """The multipart sink of :func:`~fsdp_optim.offline.onefile.write_one_file`: process 0 refuses an object there
+    (unless ``overwrite``) and begins the upload, and every process gets its id; ``fill`` puts every process's parts;
+    process 0 completes the upload; every process agrees on that commit. Process 0 aborts the upload after any
+    failure it sees. Returns the object's size (0 on a process but 0), ``None`` where a process alone finds that the
+    store takes no multipart uploads."""
+    plan = layout_parts(layout, runs, part_bytes)
+    begun = None
+    with stepped(team, "consolidate: process 0 could not begin the upload; nothing was written"):
+        if team is None or team.rank == 0:
+            begun = open_upload(output, inputs=inputs, overwrite=overwrite)
+            if begun is None and team is not None:
+                raise ValueError(f"output: {output}: its store takes no multipart uploads")
+    if team is not None:
+        begun = _joined(team, output, begun)
+    if begun is None:
+        return None
+    upload, upload_id = begun
+    sink = UploadSink(layout, plan, upload, upload_id)
+    try:
+        mine, shares = fill(sink)
+        with stepped(team, "consolidate: the commit failed on process 0"):
+            if team is None or team.rank == 0:
+                sink.commit(mine, shares)
+    except BaseException:
+        if team is None or team.rank == 0:
+            abort_quietly(upload, upload_id)
+        raise
+    return layout.size if team is None or team.rank == 0 else 0
+
+
+def _joined(team: Team, output: str, begun: tuple[Multipart, str] | None) -> tuple[Multipart, str]:
+    """The upload process 0 began, on every process with its own client."""
+    upload_id = team.from_first(None if begun is None else begun[1])
+    if begun is not None:
+        return begun
+    parent, name = output.rstrip("/").rsplit("/", 1)
+    upload = where(parent).multipart(name)
+    if upload is None:
+        raise ValueError(f"output: {output}: its store takes no multipart uploads here, though it did on process 0")
+    return upload, str(upload_id)

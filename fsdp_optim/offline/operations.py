@@ -10,8 +10,8 @@
 
 Both open their input (:func:`~fsdp_optim.offline.sources.open_source`) and ask it
 (:meth:`~fsdp_optim.offline.opened.Opened.consolidated`, :meth:`~fsdp_optim.offline.opened.Opened.reshard`); its
-class plans once and executes the plan (:mod:`fsdp_optim.offline.cuts`: :func:`~fsdp_optim.core.plan.assemble_full`,
-or :func:`~fsdp_optim.core.plan.cut_rank` once per output rank).
+class plans once and executes the plan (:mod:`fsdp_optim.offline.cuts`: :func:`~fsdp_optim.core.execute.assemble_full`,
+or :func:`~fsdp_optim.core.execute.cut_rank` once per output rank).
 
 Memory: rank files are memory-mapped and read one FSDP unit at a time; mappings are dropped whenever
 the touched pages exceed ``max_mapped_bytes``. ``consolidate`` therefore peaks near the size of the
@@ -35,11 +35,11 @@ from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.cuts import Progress
-from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
+from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.publish import checkpoint_output
 from fsdp_optim.offline.sources import open_source
 
-__all__ = ["consolidate", "load_full_file", "reshard", "resolve_layout"]
+__all__ = ["consolidate", "load_full_file", "reshard", ]
 
 
 def load_full_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """An opened source seen parameter by parameter: planned once against one flat per parameter
 (:func:`~fsdp_optim.core.plan.per_parameter`), each ``(parameter, state key)`` tensor made when asked, one at a
-time, from a restricted plan (:func:`~fsdp_optim.core.plan.restrict`), as the DCP and safetensors exports do.
+time, from a restricted plan (:func:`~fsdp_optim.core.execute.restrict`), as the DCP and safetensors exports do.
 
 ``diff`` and ``verify --deep`` walk sources this way, so their memory is one state tensor per source, whatever
 the size of the state::
@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.core.plan import Plan, assemble_full, per_parameter, plan, restrict
+from fsdp_optim.core.execute import assemble_full, restrict
+from fsdp_optim.core.plan import per_parameter, plan
 from fsdp_optim.core.records import StateEntry
-from fsdp_optim.offline.sources import Opened
+from fsdp_optim.core.source import Plan
+from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.offline.opened.base import Opened
 
 __all__ = ["PerParameter"]
 
@@ -60,8 +63,8 @@ class PerParameter:
             for g in the_plan.groups
         )
         names = tuple(order) + tuple(n for n in flat_names if n not in rank)
-        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if weights and opened.is_whole() else (
-            opened.kind.value)  # fmt: skip
+        whole = weights and opened.is_whole() and opened.kind not in (Kind.WHOLE_FILE, Kind.HF)  # (their names say so)
+        kind = f"whole {opened.kind.value} (model, optimizer, extra)" if whole else opened.kind.value
         return cls(opened.label, kind, source.optimizer, the_plan, names, index, groups, opened.trim)
 
     def entries(self, name: str) -> dict[str, StateEntry]:

@@ -27,10 +27,9 @@ from pathlib import Path
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.save import Save, Staging, saving
-from fsdp_optim.formats.sharded.locate import read_manifest
+from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint, read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.reader import is_sharded_checkpoint
 from fsdp_optim.formats.sharded.writer import save_rules
 
 __all__ = ["Uploads", "checkpoint_output", "output_for", "publish_files"]

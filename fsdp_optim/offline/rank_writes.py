@@ -10,17 +10,17 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from fsdp_optim.core.plan import Plan
+from fsdp_optim.core.source import Plan
 from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
-from fsdp_optim.formats.sharded.streamed import write_streamed
-from fsdp_optim.formats.sharded.writer import write_shard_tensors
+from fsdp_optim.formats.sharded.streamed import streamed_parts
+from fsdp_optim.formats.sharded.writer import RankParts, write_shard_file
 from fsdp_optim.offline.whole import carry_side_files
 
-__all__ = ["described", "fetched_from", "then_sides", "write_blocks", "write_ranks"]
+__all__ = ["planned_manifest", "fetched_from", "then_sides", "write_blocks", "write_ranks"]
 
 Progress = Callable[[], None] | None  # once per shard (a unit's state key) of an output rank, or per rank by blocks
 
@@ -42,7 +42,7 @@ def then_sides(
     return carry_side_files(ckpt, staging, write(staging), buffers)
 
 
-def described(the_plan: Plan, target: Manifest) -> Manifest:
+def planned_manifest(the_plan: Plan, target: Manifest) -> Manifest:
     """``target``'s manifest as the plan fills it (state entries, groups, optimizer), without files yet."""
     flats = tuple(
         replace(f, state=the_plan.flats[t].entries if t in the_plan.flats else ())
@@ -55,12 +55,14 @@ def write_ranks(
     the_plan: Plan, target: Manifest, out: Path, after_unit: Progress, after_file: Callable[[Path], None] | None = None
 ) -> Manifest:
     """Cut and write every rank file of ``target`` into ``out``, one shard (a unit's state key) at a time, so memory
-    holds one shard, never a rank's state (:func:`~fsdp_optim.formats.sharded.streamed.write_streamed`); return the
+    holds one shard, never a rank's state (:func:`~fsdp_optim.formats.sharded.streamed.streamed_parts`); return the
     manifest (not yet written). ``after_unit`` after each shard, ``after_file(path)`` after each rank file."""
-    final = described(the_plan, target)
+    final = planned_manifest(the_plan, target)
     records = []
     for rank in range(target.world_size):
-        records.append(write_streamed(out, the_plan, final, rank, after_shard=after_unit or (lambda: None)))
+        parts = streamed_parts(the_plan, final, rank, after_shard=after_unit or (lambda: None))
+        records.append(write_shard_file(out, parts, save_id=final.save_id, rank=rank, world_size=final.world_size,
+                                        staged=True))  # fmt: skip
         if after_file is not None:
             after_file(out / records[-1].file)
     return replace(final, files=tuple(records))
@@ -75,7 +77,8 @@ def write_blocks(
     each rank file."""
     records = []
     for rank, tensors in recut.recut_groups(ckpt, blocks, group):
-        record = write_shard_tensors(out, tensors, save_id=target.save_id, rank=rank, world_size=target.world_size)
+        record = write_shard_file(out, RankParts.of_tensors(tensors), save_id=target.save_id, rank=rank,
+                                  world_size=target.world_size, staged=True)  # fmt: skip
         records.append(record)
         if after_file is not None:
             after_file(out / record.file)

@@ -10,8 +10,8 @@ this is the walk over them, one saved rank at a time (side files are small: buff
     side.rank(1)                          ({"block1.seen": T[4], ...}, {"['rng']": T[5056], "['opt'][0]": T[3]})
 
 ``rank(r)``'s buffers are rank 0's unless they were saved per rank; its second dict is ``extra``'s tensors keyed
-by where they sit in the tree (``"['rng']"``; the root itself ``""``). Non-tensor values of ``extra`` are not
-included.
+by where they sit in the tree (``"['rng']"``; the root itself ``""``); ``parts(r)`` adds ``extra``'s other values
+(its tree, each tensor a placeholder).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import read_rank_side
 from fsdp_optim.formats.whole_file import WholeFile
 
-__all__ = ["BUFFER_KEY", "SideState", "extra_label"]
+__all__ = ["BUFFER_KEY", "TENSOR", "SideState", "extra_label"]
 
 BUFFER_KEY = "@buffer"  # the key of a buffer's row or finding, beside the weights' "@param"
 
@@ -45,6 +45,7 @@ class SideState:
     per_rank: bool  # every rank saved its own buffers (they differed across ranks)
     buffer_names: tuple[str, ...]
     read: Callable[[int], tuple[dict[str, torch.Tensor], Any]]  # saved rank -> (buffers, extra), checked
+    holds_extra: bool = True  # False: a layout that keeps no extra at all (Hugging Face's), not an extra of None
 
     @classmethod
     def of_checkpoint(cls, ckpt: ShardedCheckpoint) -> SideState:
@@ -64,8 +65,27 @@ class SideState:
 
     def rank(self, saved_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(buffers, extra's tensors by place)`` of saved rank ``saved_rank`` (both checked against the manifest)."""
+        buffers, tensors, _ = self.parts(saved_rank)
+        return buffers, tensors
+
+    def parts(self, saved_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+        """:meth:`rank`, and ``extra``'s other values: its tree with each tensor replaced by :data:`TENSOR` (so that
+        two extras' numbers, strings and structure compare apart from their tensors)."""
         buffers, extra = self.read(saved_rank)
-        return buffers, dict(_tensors(extra, ""))
+        return buffers, dict(_tensors(extra, "")), _values(extra)
+
+
+TENSOR = "<tensor>"  # where a tensor of extra sits, in :meth:`SideState.parts`' values
+
+
+def _values(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return TENSOR
+    if isinstance(value, dict):
+        return {k: _values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_values(v) for v in value)
+    return value
 
 
 def _tensors(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:

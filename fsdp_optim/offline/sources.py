@@ -13,11 +13,15 @@ class opens the input (``opening``: its files mapped until the block ends; ``loa
     fairseq/metaseq shard set   use_sharded_state files (..-shard<r>.pt)         param order   checked
     named safetensors file      to_safetensors' file (<name>/<key> tensors)      target only   refused
     whole checkpoint file       consolidate's {'model', 'optimizer', 'extra'}    target only   refused
+                                (its one safetensors file: a named safetensors file with a "whole" section, read the
+                                same way)
+    Hugging Face layout         convert --to safetensors' model files (+ optimizer.safetensors)  target only  refused
     name-keyed dict, DCP dir    what convert --to named / --to dcp write         inspect only
                                 (reshard keeps the set's own order and optimizer: both refused there)
 
 "target only": a full dict has no FSDP units; a verb that cuts it (reshard) takes the model's layout as its
-target. "checked": the name must be a known optimizer whose state keys are the ones found
+target, or, for a file consolidate wrote, the layout the file records (its checkpoint's) when none is given.
+"checked": the name must be a known optimizer whose state keys are the ones found
 (:func:`fsdp_optim.core.elementwise.check_optimizer_name`). ``allow_globals`` applies to shard sets only.
 
 An opened input is one of the classes of :mod:`fsdp_optim.offline.opened` (one per kind; ``source``, ``layout``,
@@ -37,15 +41,14 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.kinds import Given, Kind, detect
 from fsdp_optim.formats.plain import ParamNames, name_plain_dict
+from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
-from fsdp_optim.formats.sharded.reader import (
-    DEFAULT_MAPPED_BYTES,
-    is_sharded_checkpoint,
-)
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder
-from fsdp_optim.offline.opened import NEEDS_LAYOUT, Opened, Request, class_of
+from fsdp_optim.offline.opened import class_of
+from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, Opened, Request
 
-__all__ = ["Opened", "fetched_whole", "open_source"]
+__all__ = ["fetched_whole", "open_source"]
 
 
 _LAYOUT_USE = (
@@ -57,7 +60,7 @@ _LAYOUT_USE = (
 
 G = TypeVar("G", bound=Given)  # what fetched_whole hands back when it downloads nothing
 
-def check_options(
+def _check_options(
     kind: Kind,
     label: str,
     *,
@@ -156,7 +159,7 @@ def _open_local(
         return
     if cls.WRITTEN_ONLY is not None:
         raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {cls.WRITTEN_ONLY}")
-    check_options(
+    _check_options(
         kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
         optimizer_keys=optimizer_keys,
     )
@@ -172,6 +175,6 @@ def _open_plain(
     obj = given if isinstance(given, Mapping) else load_file(given, mmap=True, disjoint=True)
     if not isinstance(given, Mapping):
         check_state_dict(obj, label)
-    check_options(Kind.FULL, label, layout=layout, optimizer=optimizer, allow_globals=(), target=target)
+    _check_options(Kind.FULL, label, layout=layout, optimizer=optimizer, allow_globals=(), target=target)
     full = name_plain_dict(obj, names, optimizer=None, where=label)
     return class_of(Kind.FULL).loaded(Request(Kind.FULL, given, label, full, layout, optimizer))

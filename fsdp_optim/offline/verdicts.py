@@ -17,7 +17,7 @@ from fsdp_optim.formats.fairseq.loading import load_shard
 from fsdp_optim.formats.fairseq.paths import shard_paths
 from fsdp_optim.formats.kinds import Kind, loaded_kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
-from fsdp_optim.formats.sharded.reader import read_manifest
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.whole_file import TIED_KEY
 
 __all__ = ["layout_file", "named_file", "refuse_dcp", "refuse_rank_file", "shard_set", "torch_file"]

@@ -25,8 +25,10 @@ from typing import Any, BinaryIO, TypeVar
 
 import torch
 
-from fsdp_optim.core.plan import Plan, assemble_full, per_parameter, plan, restrict
+from fsdp_optim.core.execute import assemble_full, restrict
+from fsdp_optim.core.plan import per_parameter, plan
 from fsdp_optim.core.records import WEIGHTS_KEY
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.disk.stream_save import Pending, stream_write
 from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor  # one parameter, made when due
@@ -36,7 +38,6 @@ from fsdp_optim.formats.sharded.side_file import OWN, buffers_rule, encode_extra
 from fsdp_optim.formats.sharded.training import TrainingRecord
 
 __all__ = [
-    "ModelTensor",
     "WholeModel",
     "carry_side_files",
     "check_resharding",

@@ -17,6 +17,8 @@ from typing import Any
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.plan import plan
 from fsdp_optim.disk.atomic import new_save_id
+from fsdp_optim.formats.fullstate import read_meta
+from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
@@ -24,8 +26,9 @@ from fsdp_optim.formats.sharded.writer import write_all_or_nothing
 from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.rank_writes import write_ranks
+from fsdp_optim.offline.whole import WholeModel
 
-__all__ = ["reshard_whole_file"]
+__all__ = ["reshard_whole_file", "whole_model_of"]
 
 
 def reshard_whole_file(
@@ -64,3 +67,16 @@ def reshard_whole_file(
         out, write, save_id=target.save_id, world_size=world_size, inputs=(given, layout), overwrite=overwrite,
         replace=replace_existing,
     )  # fmt: skip
+
+
+def whole_model_of(whole: WholeFile, *, rank: int = 0) -> WholeModel:
+    """A consolidated file's model as a whole checkpoint's (:class:`~fsdp_optim.offline.whole.WholeModel`), so that
+    the verbs that take one (convert, consolidate to safetensors) take it: each parameter a copy made when asked,
+    its tied names and buffers as the file holds them, ``extra`` of saved rank ``rank`` (the one the file kept)."""
+    params = tuple(
+        ModelTensor(name, tuple(whole.model[name].shape), whole.model[name].dtype, whole.model[name].clone)
+        for name in whole.params
+    )
+    meta = read_meta(whole.optimizer, f"{whole.label}['optimizer']") if whole.optimizer is not None else None
+    optimizer = None if whole.optimizer is None else (meta or {}).get("optimizer") or "unknown"
+    return WholeModel(params, whole.aliases, whole.buffer_tensors(), whole.extra, rank, 1, optimizer)

@@ -34,7 +34,7 @@ __all__ = [
     "model_aliases",
     "optimizer_ids",
     "resolve_param_order",
-    "state_entries",
+    "fairseq_state_entries",
 ]
 
 ParamOrder = Sequence[str] | None  # the unwrapped model's names, in named_parameters() order
@@ -251,7 +251,7 @@ def optimizer_ids(
     return out
 
 
-def state_entries(first: RankSummary, pid: int | None, key: str) -> tuple[StateEntry, ...]:
+def fairseq_state_entries(first: RankSummary, pid: int | None, key: str) -> tuple[StateEntry, ...]:
     if pid is None:
         return ()
     out = []

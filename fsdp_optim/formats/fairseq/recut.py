@@ -1,7 +1,7 @@
 """What to do with a shard set offline: consolidate it into one fairseq-shaped checkpoint, or re-cut it into a
 set for another world size (written through :mod:`fsdp_optim.disk.staged`, all or nothing).
 
-Both plan once against the set's records (:class:`~fsdp_optim.formats.fairseq.shards.ShardSet`) and execute the
+Both plan once against the set's records (:class:`~fsdp_optim.formats.fairseq.shards.ShardSetReader`) and execute the
 plan one tensor at a time (``restrict``), so memory stays near one tensor plus the mapping bound.
 """
 
@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from fsdp_optim.core.execute import assemble_full, cut_rank, restrict
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import clean_path
-from fsdp_optim.core.plan import Plan, assemble_full, cut_rank, plan, restrict
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.locks import resolve_output
@@ -26,12 +28,12 @@ from fsdp_optim.disk.stream_save import Pending, stream_save
 from fsdp_optim.formats.fairseq.checks import ParamOrder
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.paths import SetClaims
-from fsdp_optim.formats.fairseq.shards import WEIGHT, Progress, ShardSet
+from fsdp_optim.formats.fairseq.shards import WEIGHT, Progress, ShardSetReader
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 
 
-def consolidate_shards(
+def consolidate_shard_files(
     path: str | os.PathLike[str],
     *,
     with_model: bool = False,
@@ -51,10 +53,10 @@ def consolidate_shards(
          "cfg": ..., "optimizer_history": ..., "extra_state": ..., ...}   # every other key of rank 0's file
 
     ``last_optimizer_state`` without the extras is what ``gather_full_optim_state_dict`` returns for the same
-    state when ``param_order`` and ``optimizer`` are given (see :class:`ShardSet`). The metadata key is
+    state when ``param_order`` and ``optimizer`` are given (see :class:`ShardSetReader`). The metadata key is
     dropped: it describes the sharding, which the result no longer has. All tensors are new CPU memory.
     """
-    with ShardSet(
+    with ShardSetReader(
         path,
         param_order=param_order,
         optimizer_keys=optimizer_keys,
@@ -66,8 +68,8 @@ def consolidate_shards(
 
 
 
-def consolidate_set(shards: ShardSet, *, with_model: bool, progress: Progress = None) -> dict[str, Any]:
-    """:func:`consolidate_shards` of a set already open (its optimizer name and order are the set's)."""
+def consolidate_set(shards: ShardSetReader, *, with_model: bool, progress: Progress = None) -> dict[str, Any]:
+    """:func:`consolidate_shard_files` of a set already open (its optimizer name and order are the set's)."""
     layout = shards.manifest.layout(0)
     the_plan = plan(shards.source(), layout)
     states = {}
@@ -120,7 +122,7 @@ def reshard_shards(
     complete. Memory: one unit's shard and the mapping bound.
     """
     check_world_size("world_size", world_size)
-    with ShardSet(
+    with ShardSetReader(
         path, optimizer_keys=optimizer_keys, allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes
     ) as shards:
         return reshard_set(shards, world_size, Path(out_dir), overwrite=overwrite, progress=progress)
@@ -128,7 +130,7 @@ def reshard_shards(
 
 
 def reshard_set(
-    shards: ShardSet, world_size: int, out: Path, *, overwrite: bool = False, progress: Progress = None
+    shards: ShardSetReader, world_size: int, out: Path, *, overwrite: bool = False, progress: Progress = None
 ) -> list[Path]:
     """:func:`reshard_shards` of a set already open."""
     check_world_size("world_size", world_size)
@@ -155,7 +157,7 @@ def reshard_set(
 
 
 def _rank_file(
-    shards: ShardSet, rank0: Mapping[str, Any], rank: int, opt_plan: Plan, w_plan: Plan, progress: Progress
+    shards: ShardSetReader, rank0: Mapping[str, Any], rank: int, opt_plan: Plan, w_plan: Plan, progress: Progress
 ) -> dict[str, Any]:
     """Rank ``rank``'s file as an object whose tensors are :class:`Pending` cuts (written one at a time)."""
 

@@ -2,15 +2,15 @@
 
 No model, no process group: the layout comes from the files' own metadata (format in
 :mod:`fsdp_optim.formats.fairseq.files`, loading policy in :mod:`fsdp_optim.formats.fairseq.loading`).
-:class:`ShardSet` checks a set once and exposes it twice, as the optimizer's state (:meth:`ShardSet.source`,
-one state entry per optimizer state key) and as the model's weights (:meth:`ShardSet.weights_source`, one
+:class:`ShardSetReader` checks a set once and exposes it twice, as the optimizer's state (:meth:`ShardSetReader.source`,
+one state entry per optimizer state key) and as the model's weights (:meth:`ShardSetReader.weights_source`, one
 entry ``"param"``), so the engine plans and cuts both::
 
-    shards -> ShardSet -> Source (flats = backing parameters at N ranks)
+    shards -> ShardSetReader -> Source (flats = backing parameters at N ranks)
            -> plan(source, same units at M ranks)      -> cut_rank per rank, one unit at a time -> M files
            -> plan(source, same units at world size N) -> assemble_full -> build_full_state  -> full dict
 
-- :func:`~fsdp_optim.formats.fairseq.recut.consolidate_shards`: the set as one fairseq-shaped checkpoint:
+- :func:`~fsdp_optim.formats.fairseq.recut.consolidate_shard_files`: the set as one fairseq-shaped checkpoint:
   ``last_optimizer_state`` is our full dict (what ``gather_full_optim_state_dict`` returns, plus the wrapper's extras
   such as ``loss_scale``), ``model`` the full weights by unwrapped name (``with_model=True``), and every other key of
   rank 0's file.
@@ -31,17 +31,19 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.dtypes import dtype_to_str
+from fsdp_optim.core.execute import assemble_full, restrict
 from fsdp_optim.core.flatten import StateKind, split
-from fsdp_optim.core.plan import Source, assemble_full, plan, restrict
+from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 from fsdp_optim.formats.fairseq.checks import (
     ParamOrder,
     check_same_save,
     check_shards,
+    fairseq_state_entries,
     model_aliases,
     optimizer_ids,
     resolve_param_order,
-    state_entries,
 )
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY, RankSummary, summarise
 from fsdp_optim.formats.fairseq.loading import load_shard
@@ -50,13 +52,13 @@ from fsdp_optim.formats.fairseq.paths import shard_paths
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 
-__all__ = ["WEIGHT", "ShardSet"]
+__all__ = ["WEIGHT", "ShardSetReader"]
 
 WEIGHT = "param"  # the one state key of the weights source
 Progress = Callable[[], None] | None
 
 
-class ShardSet:
+class ShardSetReader:
     """A fairseq/metaseq shard set opened for reading: checked records and reads of any element range.
 
     Opening reads every file's outline, one file mapped at a time, and refuses (naming the file, unit or
@@ -131,7 +133,7 @@ class ShardSet:
         flats, weight_flats = [], []
         for i, b in enumerate(self.backings):
             model_dtype = first.model[b.key][1]
-            entries = state_entries(first, self.id_of_flat.get(i), b.key)
+            entries = fairseq_state_entries(first, self.id_of_flat.get(i), b.key)
             dtype = next((getattr(torch, str(e.dtype)) for e in entries if e.kind is StateKind.SHARDED), model_dtype)
             record = FlatRecord(b.unit, b.params, self.world_size, None, dtype, flattened=b.flattened)
             flats.append(replace(record, state=entries))
@@ -200,7 +202,7 @@ class ShardSet:
         self._files = [None] * self.world_size
         self._mapped = 0
 
-    def __enter__(self) -> ShardSet:
+    def __enter__(self) -> ShardSetReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -62,13 +62,14 @@ import torch
 from fsdp_optim.core.preconditions import check_version
 from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.named_safetensors.whole import Whole, whole_from_json, whole_to_json
 from fsdp_optim.formats.safetensors_container import (
     DTYPES,
     MAX_HEADER_BYTES,
     PORTABLE_DTYPES,
     HeaderError,
     HeaderRules,
-    Span,
+    TensorSpan,
     read_header,
 )
 from fsdp_optim.formats.sharded.json_values import JSONValue, from_json, to_json
@@ -142,19 +143,6 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-class Whole:
-    """A whole checkpoint's part of a consolidated file (version 3): ``model`` the unwrapped ``state_dict()``'s
-    names in its order (weights, tied names as copies, buffers), each a tensor of the file under that very name;
-    ``extra`` the chosen ``rank``'s as a whole checkpoint's side file holds it (JSON text, each tensor a reference
-    ``{"$extra": k}`` to the file's tensor ``extra/<k>``, listed in ``extra_tensors``)."""
-
-    model: tuple[str, ...]
-    extra: str
-    extra_tensors: tuple[str, ...]
-    rank: int
-
-
-@dataclass(frozen=True)
 class Document:
     """The ``"fsdp_optim"`` metadata, decoded (see the module docstring)."""
 
@@ -186,9 +174,7 @@ class Document:
             "header": encode(dict(self.header), "the full dict's 'fsdp_optim' block"),
         }
         if self.whole is not None:
-            w = self.whole
-            doc["whole"] = {"model": list(w.model), "rank": w.rank, "extra": w.extra,
-                            "extra_tensors": list(w.extra_tensors)}  # fmt: skip
+            doc["whole"] = whole_to_json(self.whole)
         return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
@@ -273,12 +259,10 @@ def parse_document(text: str, where: str) -> tuple[Document, dict[str, Any]]:
 def _whole(doc: dict[str, Any], where: str) -> Whole | None:
     if "whole" not in doc:
         return None
-    raw = _get(doc, "whole", dict, where)
-    at = f"{where}: 'whole'"
-    model, extras = _get(raw, "model", list, at), _get(raw, "extra_tensors", list, at)
-    if not all(isinstance(n, str) for n in [*model, *extras]) or len({*model, *extras}) != len(model) + len(extras):
-        raise FormatError(f"{at}: 'model' and 'extra_tensors' must list distinct tensor names")
-    return Whole(tuple(model), _get(raw, "extra", str, at), tuple(extras), _get(raw, "rank", int, at))
+    try:
+        return whole_from_json(doc["whole"], f"{where}: 'whole'")
+    except ValueError as exc:
+        raise FormatError(str(exc)) from None
 
 
 def _get_list(value: object, where: str) -> list[Any]:
@@ -349,7 +333,7 @@ def read_named_header(path: str | os.PathLike[str]) -> tuple[Document, dict[str,
     return document, tensors
 
 
-def _tensor(name: str, span: Span, checksums: Mapping[str, Any], where: str) -> TensorInfo:
+def _tensor(name: str, span: TensorSpan, checksums: Mapping[str, Any], where: str) -> TensorInfo:
     at = f"{where}: tensor '{name}'"
     sums = checksums.get(name)
     if not isinstance(sums, dict) or not isinstance(sums.get("digest"), str):

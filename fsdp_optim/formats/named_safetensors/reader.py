@@ -26,14 +26,16 @@ from fsdp_optim.core.checksums import digest_matches
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.layout import ParamSpec
-from fsdp_optim.core.plan import Source, per_parameter, plan
+from fsdp_optim.core.plan import per_parameter, plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.named_safetensors.document import Entry, FormatError, TensorInfo, read_named_header
 from fsdp_optim.formats.sharded.segments import chunk_elements
+from fsdp_optim.formats.sharded.side_file import decode_extra
 
-__all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors"]
+__all__ = ["ChecksumError", "NamedSafetensors", "is_named_safetensors", "tie_copies"]
 
 DEFAULT_MAPPED_BYTES = 64 << 20
 
@@ -225,6 +227,51 @@ class NamedSafetensors:
         full = build_full_state(target, the_plan.groups, flat_states, optimizer=doc.optimizer)
         full["fsdp_optim"] = dict(doc.header)
         return full
+
+    def whole_dict(self) -> dict[str, Any] | None:
+        """A consolidated whole checkpoint (the document's ``"whole"`` section) as consolidate's ``.pt`` file holds
+        it, each tensor read whole, checked and copied; ``None`` for a file of optimizer state alone::
+
+            {"model": {"embed.weight": T[11, 6], ..., "head.weight": <embed.weight's tensor>, "block1.seen": T[4]},
+             "optimizer": <the full dict, as full_state()>, "extra": <the saved rank's extra>}
+
+        A tied name is its parameter's tensor (one object, as ``state_dict()`` gives it): the file lists the pairs;
+        a file that does not (written before it did) ties a name that is no parameter to the parameter whose
+        dtype, shape and bytes it has."""
+        whole = self.document.whole
+        if whole is None:
+            return None
+        model = {name: self._whole_tensor(name) for name in whole.model}
+        if whole.aliases is not None:
+            model.update({alias: model[name] for alias, name in whole.aliases})
+        else:  # a file written before it listed them
+            model = tie_copies(model, set(self.document.param_order))
+        extras = {name: self._whole_tensor(name) for name in whole.extra_tensors}
+        extra = decode_extra(whole.extra, extras, f"{self.path}: the 'whole' section")
+        return {"model": model, "optimizer": self.full_state(), "extra": extra}
+
+    def _whole_tensor(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        try:
+            return self.read_flat(name, 0, info.numel).clone().reshape(info.shape)
+        finally:
+            self.trim()
+
+
+def tie_copies(model: dict[str, torch.Tensor], params: set[str]) -> dict[str, torch.Tensor]:
+    """``model`` with each name that is no parameter but holds a copy of a parameter's tensor (its dtype, shape and
+    bytes: a tied name, as safetensors files keep one) made that parameter's tensor, as ``state_dict()`` gives it."""
+    out = dict(model)
+    for name, tensor in model.items():
+        if name not in params:
+            owner = next((p for p in model if p in params and _same_bytes(model[p], tensor)), None)
+            out[name] = model[owner] if owner is not None else tensor
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))  # fmt: skip
 
 
 def _pieces(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:

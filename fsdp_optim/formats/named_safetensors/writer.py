@@ -24,8 +24,10 @@ import torch
 
 from fsdp_optim.core.checksums import DIGEST_ALGORITHM, digest
 from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.execute import assemble_full, restrict
 from fsdp_optim.core.flatten import StateKind, clone_value
-from fsdp_optim.core.plan import Plan, Source, assemble_full, per_parameter, plan, restrict
+from fsdp_optim.core.plan import per_parameter, plan
+from fsdp_optim.core.source import Plan, Source
 from fsdp_optim.formats.fullstate import FORMAT_VERSION
 from fsdp_optim.formats.named_safetensors.document import (
     METADATA_KEY,

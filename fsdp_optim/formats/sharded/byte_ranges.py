@@ -2,7 +2,7 @@
 
 A load (:func:`fsdp_optim.load_checkpoint`) at the saved layout reads its own rank file whole; a re-cut reads, per
 unit and state key, the elements of the saved shards that overlap its own (the same interval lookup,
-:func:`fsdp_optim.core.plan.read_ranges` and :meth:`ShardedCheckpoint.pieces`). In a format-3 rank file a shard is
+:func:`fsdp_optim.core.execute.read_ranges` and :meth:`ShardedCheckpoint.pieces`). In a format-3 rank file a shard is
 a run of elements of its dtype's tensor, guarded by that tensor's 64 KiB chunk checksums; each run is widened to
 the chunks it touches (what a reader verifies before using a byte), so a peer that receives exactly these ranges,
 and the file's header (which holds the checksums), can verify every byte it reads::
@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from fsdp_optim.core.dtypes import dtype_from_str
-from fsdp_optim.core.plan import Plan, read_ranges, saved_ranks
+from fsdp_optim.core.execute import read_ranges, saved_ranks
+from fsdp_optim.core.source import Plan
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import chunk_elements
 from fsdp_optim.formats.sharded.side_file import OWN, side_ranks
@@ -76,7 +77,7 @@ def load_spans(
 
 
 def cut_spans(ckpt: ShardedCheckpoint, the_plan: Plan, ranks: Iterable[int]) -> list[Span]:
-    """The rank-file ranges that cutting ``ranks`` one after another reads (:func:`fsdp_optim.core.plan.cut_rank`
+    """The rank-file ranges that cutting ``ranks`` one after another reads (:func:`fsdp_optim.core.execute.cut_rank`
     of each, an offline re-cut), headers included, in order of first use, each with its number of shard reads
     (a chunk two ranks read is one range); format 3 only (else none)."""
     if ckpt.manifest.version < 3:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_optim.core.records import get_checked
-from fsdp_optim.formats.sharded.segments import Segment
+from fsdp_optim.formats.sharded.segments import ShardSegment
 
 __all__ = ["CHECKPOINT_VERSION", "HEADER_KEY", "FileRecord"]
 
@@ -28,7 +28,7 @@ class FileRecord:
     file: str
     checksum: str
     nbytes: int
-    segments: tuple[Segment, ...] = ()
+    segments: tuple[ShardSegment, ...] = ()
 
     def to_dict(self, version: int = CHECKPOINT_VERSION) -> dict[str, Any]:
         d = {"rank": self.rank, "file": self.file, "checksum": self.checksum, "bytes": self.nbytes}
@@ -39,10 +39,10 @@ class FileRecord:
         name = get_checked(d, "file", str, where)
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise ValueError(f"{where}: file name must be a plain name inside the checkpoint directory, found {name!r}")
-        segments: tuple[Segment, ...] = ()
+        segments: tuple[ShardSegment, ...] = ()
         if version == 2:  # format 3 derives them (segments.file_layout); format 1 had none
             segments = tuple(
-                Segment.from_dict(s, where=f"{where} '{name}', segments[{k}]")
+                ShardSegment.from_dict(s, where=f"{where} '{name}', segments[{k}]")
                 for k, s in enumerate(get_checked(d, "segments", (list, tuple), where))
             )
         return cls(

@@ -20,7 +20,8 @@ from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import check_stored_bytes
-from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
+from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.rank_file import open_recorded
 from fsdp_optim.formats.sharded.torch_files import check_checksum, read_torch_header
 

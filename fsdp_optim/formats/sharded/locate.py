@@ -24,8 +24,10 @@ from fsdp_optim.formats.sharded.torch_files import read_torch_header, unwrap
 
 __all__ = [
     "checkpoint_dir",
+    "checkpoint_location",
     "is_json_manifest",
     "is_sharded_checkpoint",
+    "manifest_at",
     "manifest_file",
     "read_manifest",
     "source_kind",
@@ -36,10 +38,11 @@ def checkpoint_dir(path: str | os.PathLike[str] | Location) -> Location:
     """The location of a sharded checkpoint given its directory (a store's prefix) or its manifest: what every
     reader of it holds (a location given as one stays itself: its own reads, such as the memory tier's prefetch
     from peers, are kept)."""
-    return _directory(where(path))
+    return checkpoint_location(where(path))
 
 
-def _directory(place: Location) -> Location:
+def checkpoint_location(place: Location) -> Location:
+    """:func:`checkpoint_dir` of a location already resolved."""
     return place.parent() if _names_manifest(place) else place
 
 
@@ -114,12 +117,16 @@ def _manager_root_hint(place: Location) -> str:
 def read_manifest(path: str | os.PathLike[str] | Location) -> Manifest:
     """Read and verify a manifest: ``path`` is a checkpoint directory, its manifest, or a layout file (or a URL of a
     checkpoint's prefix or manifest)."""
-    place = where(path)
+    return manifest_at(where(path))
+
+
+def manifest_at(place: Location) -> Manifest:
+    """:func:`read_manifest` of a location already resolved."""
     # A capability, not a backend: where the objects are local files, a manifest is read as one (format 1's torch
     # file, a layout file of any name, never followed through a symlink); elsewhere it is read as bytes.
     local = place.local_path()
     if local is None:
-        return _read_remote_manifest(_directory(place))
+        return _read_remote_manifest(checkpoint_location(place))
     path = local
     file = manifest_file(path) if path.is_dir() else path
     if file is None or not os.path.lexists(file):

@@ -45,9 +45,9 @@ The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by
                 "bytes": 4711}],
      "chunk_bytes": 65536}                             # formats 2, 3
 
-Checksums are content digests (:func:`digest`, xxh3-128; SHA-256 in files of earlier versions): tensors
-contribute dtype, shape and raw bytes, other values their type and ``repr``. A unit's digest is checked when
-that unit is read, so a reader that processes one unit at a time never has to touch a whole file first.
+Checksums are content digests (:func:`fsdp_optim.core.checksums.digest`, xxh3-128; SHA-256 in files of earlier
+versions): tensors contribute dtype, shape and raw bytes, other values their type and ``repr``. A unit's digest is
+checked when that unit is read, so a reader that processes one unit at a time never has to touch a whole file first.
 """
 
 from __future__ import annotations
@@ -56,26 +56,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Reader, Source
 from fsdp_optim.core.preconditions import check_version, check_world_size
 from fsdp_optim.core.records import WEIGHTS_KEY, FlatRecord, GroupRecord, StateEntry, get_checked
-from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, HEADER_KEY, FileRecord
+from fsdp_optim.core.source import Reader, Source
+from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 from fsdp_optim.formats.sharded.training import TrainingRecord
 
 __all__ = [
-    "CHECKPOINT_VERSION",
-    "HEADER_KEY",
     "LEGACY_MANIFEST_NAME",
     "MANIFEST_NAME",
     "MANIFEST_NAMES",
-    "FileRecord",
     "Manifest",
-    "digest",
     "shard_file_name",
 ]
 

@@ -22,8 +22,9 @@ from typing import Any, NoReturn
 from fsdp_optim.core.checksums import digest, digest_matches, text_digest_matches
 from fsdp_optim.disk.json_input import DuplicateKeyError, RefusedJSON, check_depth, duplicate, loads, unique_object
 from fsdp_optim.disk.text import escape
+from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, HEADER_KEY
 from fsdp_optim.formats.sharded.json_values import JSONValue, from_json, has_reserved_key, to_json
-from fsdp_optim.formats.sharded.manifest import CHECKPOINT_VERSION, HEADER_KEY, Manifest
+from fsdp_optim.formats.sharded.manifest import Manifest
 
 __all__ = ["MAX_MANIFEST_BYTES", "manifest_from_json", "manifest_to_json"]
 

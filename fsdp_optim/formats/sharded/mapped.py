@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
 
-__all__ = ["MappedFile", "check_grid", "check_tiling"]
+__all__ = ["MappedFile", "check_grid", "check_tiling", "verify"]
 
 
 class MappedFile:
@@ -57,10 +57,8 @@ class MappedFile:
         if todo:  # one pass over the unverified chunks (and any verified ones between them: rare, harmless)
             lo, hi = g.origin + todo[0] * per, min(g.origin + (todo[-1] + 1) * per, g.end)
             found = chunk_digests(self._elements(base, dtype, lo, hi - lo), chunk_bytes)
-            for k, checksum in enumerate(found, start=todo[0]):
-                if checksum != g.checksums[k]:
-                    raise ValueError(self._mismatch(p, g, k, per, where))
-                self._verified.add((g.tensor, g.origin, k))
+            verify(found, g, todo[0], lambda k: self._mismatch(p, g, k, per, where))
+            self._verified.update((g.tensor, g.origin, k) for k in range(todo[0], todo[0] + len(found)))
             self.bytes_verified += (hi - lo) * dtype.itemsize
         return self._elements(base, dtype, p.offset + start, stop - start)
 
@@ -87,8 +85,8 @@ class MappedFile:
         first, last = (p.offset - g.origin) // per, -(-(p.offset + p.numel - g.origin) // per)
         lo, hi = g.origin + first * per, min(g.origin + last * per, g.end)
         out = self._pread(base + lo * dtype.itemsize, max(hi - lo, 0), dtype, where)
-        if chunk_digests(out, chunk_bytes) != g.checksums[first:last]:
-            raise ValueError(f"{where}: checksum mismatch in state '{p.key}' (file is corrupt or was modified)")
+        bad = f"{where}: checksum mismatch in state '{p.key}' (file is corrupt or was modified)"
+        verify(chunk_digests(out, chunk_bytes), g, first, lambda _: bad)
         return out[p.offset - lo : p.offset - lo + p.numel]
 
     def read_tensor(
@@ -145,13 +143,13 @@ class MappedFile:
         """Refuse ``values`` (elements ``[lo, lo + len)`` of the tensor ``g`` covers, whole chunks, as
         :meth:`read_chunks` read them) unless each chunk's digest is ``g``'s; a mismatch names its elements."""
         per = chunk_elements(values.dtype, chunk_bytes)
-        for k, checksum in enumerate(chunk_digests(values, chunk_bytes), start=(lo - g.origin) // per):
-            if checksum != g.checksums[k]:
-                a, b = g.origin + k * per, min(g.origin + (k + 1) * per, g.end)
-                raise ValueError(
-                    f"{where}{holds(a, b) if holds else ''}: checksum mismatch in elements {a}..{b} of tensor "
-                    f"'{g.tensor}' (file is corrupt or was modified)"
-                )
+
+        def bad(k: int) -> str:
+            a, b = g.origin + k * per, min(g.origin + (k + 1) * per, g.end)
+            return (f"{where}{holds(a, b) if holds else ''}: checksum mismatch in elements {a}..{b} of tensor "
+                    f"'{g.tensor}' (file is corrupt or was modified)")  # fmt: skip
+
+        verify(chunk_digests(values, chunk_bytes), g, (lo - g.origin) // per, bad)
 
     def _read_tiled(
         self, g: Grid, parts: list[tuple[int, int]], dtype: torch.dtype, base: int, where: str  # noqa: ARG002 - RemoteFile reads by g
@@ -222,10 +220,19 @@ def check_grid(
 ) -> None:
     """Refuse the first chunk whose digest (``found``, the whole grid's) differs from ``g``'s, naming its elements
     and, through ``holds(lo, hi)``, what they belong to."""
-    for k, (checksum, expected) in enumerate(zip(found, g.checksums)):
+
+    def bad(k: int) -> str:
+        lo, hi = k * per, min((k + 1) * per, g.end)
+        return (f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of the rank "
+                f"file's {g.tensor} data (chunk {k}; file is corrupt or was modified)")  # fmt: skip
+
+    verify(found, g, 0, bad)
+
+
+def verify(found: Iterable[str], g: Grid, first: int, mismatch: Callable[[int], str]) -> None:
+    """The one check of chunks read, whatever held their bytes (a mapping, a store's ranges, received pieces, a
+    ring's slot): ``found`` are the digests of ``g``'s chunks ``first, first + 1, ...``; ``ValueError(mismatch(k))``
+    for the first chunk ``k`` whose digest is not ``g``'s."""
+    for k, (checksum, expected) in enumerate(zip(found, g.checksums[first:]), start=first):
         if checksum != expected:
-            lo, hi = k * per, min((k + 1) * per, g.end)
-            raise ValueError(
-                f"{where}{holds(lo, hi) if holds else ''}: checksum mismatch in elements {lo}..{hi} of the rank "
-                f"file's {g.tensor} data (chunk {k}; file is corrupt or was modified)"
-            )
+            raise ValueError(mismatch(k))

@@ -1,43 +1,48 @@
-"""A format-3 rank file laid out before any of its data exists, so that several processes can fill it at once.
+"""Writing a format-3 rank file: its layout before any of its data exists, and :func:`write_rank`, the one function
+that writes its bytes (a job's save, an offline block re-cut, a re-cut streamed unit by unit, a team's byte ranges).
 
 The header of a rank file does not depend on its data but through its chunk checksums, and each of those is a digest
-of fixed length (:data:`~.rank_file.DIGEST_PLACEHOLDER`'s). So the whole file is known up front: the header with
-placeholders (its *skeleton*), where each tensor's data starts, and where in the header each chunk's digest goes::
+of fixed length (:data:`DIGEST_PLACEHOLDER`'s). So the whole file is known up front: the header with placeholders
+(its *skeleton*), where each tensor's data starts, and where in the header each chunk's digest goes::
 
     <u64 n> {"__metadata__": {..., "checksums": "{\\"float32\\":[\\"xxh3-128:000..0\\",\\"xxh3-128:000..0\\"]}"},
              "float32": {...}}  <float32 data: chunk 0 | chunk 1>
                                           ^ slot of chunk 0   ^ slot of chunk 1 (a fixed stride apart)
 
-One process lays the file out (:func:`lay_out_file`: created, preallocated, the skeleton written); then any process
-writes a run of whole chunks of a tensor at their offsets and its digests into their slots
-(:func:`write_chunks`); once every run is written, :func:`finished_record` reads the header back and checks that it
-is the skeleton with every slot filled, and returns the file's record. The bytes are exactly those of
-:func:`~.rank_file.write_rank_tensors` for the same data (the same header encoder, the same digests).
+:func:`write_rank` writes runs of whole chunks of tensors at their offsets, hashing each piece while a thread writes
+it (:class:`~fsdp_optim.disk.hashed_write.HashingWriter`), and fills their digests into the slots: one process
+writes every tensor whole and then the whole header; a team's process writes one run (``span``) into a file laid out
+beforehand (:func:`lay_out_file`), reads back what it wrote, and fills that run's slots alone; once every run is
+written, :func:`finished_record` reads the header back and checks that it is the skeleton with every slot filled.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import torch
 
 from fsdp_optim.core.checksums import ChunkHasher, digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
+from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import loads
-from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
 from fsdp_optim.formats.sharded.manifest import Manifest, shard_file_name
-from fsdp_optim.formats.sharded.rank_file import DIGEST_PLACEHOLDER
+from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces
 from fsdp_optim.formats.sharded.safetensors_header import encode_rank_header, read_rank_header
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
-from fsdp_optim.formats.sharded.writer import shard_metadata
 
-__all__ = ["LaidOutFile", "TensorPlace", "finished_record", "lay_out_file", "laid_out", "write_chunks"]
+__all__ = ["DIGEST_PLACEHOLDER", "LaidOutFile", "TensorPlace", "finished_record", "lay_out_file", "laid_out",
+           "rank_layout", "shard_metadata", "write_rank"]  # fmt: skip
 
+DIGEST_PLACEHOLDER = "xxh3-128:" + "0" * 32  # a digest's length: the header is written once the data has been hashed
 _SLOT = len(DIGEST_PLACEHOLDER)
 _CHECK_BYTES = 8 << 20  # read back in pieces of at most this
 
@@ -55,14 +60,10 @@ class TensorPlace:
     first_slot: int
     stride: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
 
 @dataclass(frozen=True)
 class LaidOutFile:
-    """Output rank ``rank``'s file ``name`` before its data: the header skeleton, its tensors, its size."""
+    """Rank ``rank``'s file ``name`` before its data: the header skeleton, its tensors, its size."""
 
     name: str
     rank: int
@@ -71,27 +72,40 @@ class LaidOutFile:
     size: int
 
 
+def shard_metadata(save_id: str, rank: int, world_size: int) -> dict[str, str]:
+    """A rank file's header metadata before the writer adds its chunk size and checksums."""
+    return {"format": "fsdp_optim", "kind": "shard", "version": str(CHECKPOINT_VERSION), "save_id": save_id,
+            "rank": str(rank), "world_size": str(world_size)}  # fmt: skip
+
+
 def laid_out(final: Manifest, rank: int) -> LaidOutFile:
     """The layout of rank ``rank``'s file of the checkpoint ``final`` describes (its save id, world size, units)."""
     _, sizes = file_layout(manifest_shards(final.flat_params, ShardIndex.of(final.flat_params)))
-    per = {name: chunk_elements(dtype_from_str(name, where="state"), CHUNK_BYTES) for name in sizes}
-    text = json.dumps({name: [DIGEST_PLACEHOLDER] * -(-n // per[name]) for name, n in sizes.items()},
-                      separators=(",", ":"))  # fmt: skip
-    meta = {**shard_metadata(final.save_id, rank, final.world_size), "chunk_bytes": str(CHUNK_BYTES)}
-    header = encode_rank_header({**meta, "checksums": text}, sizes)
+    name = shard_file_name(final.save_id, rank, final.world_size)
+    return rank_layout(shard_metadata(final.save_id, rank, final.world_size), sizes, name=name, rank=rank)
+
+
+def rank_layout(
+    metadata: Mapping[str, str], sizes: Mapping[str, int], chunk_bytes: int = CHUNK_BYTES, *, name: str = "",
+    rank: int = 0,
+) -> LaidOutFile:  # fmt: skip
+    """The layout of a rank file with header ``metadata`` whose tensor ``t`` holds ``sizes[t]`` elements (in order)."""
+    per = {t: chunk_elements(dtype_from_str(t, where="state"), chunk_bytes) for t in sizes}
+    text = json.dumps({t: [DIGEST_PLACEHOLDER] * -(-n // per[t]) for t, n in sizes.items()}, separators=(",", ":"))
+    header = encode_rank_header({**metadata, "chunk_bytes": str(chunk_bytes), "checksums": text}, sizes)
     slots = _slots(header)
     tensors, at, k = [], len(header), 0
-    for name, n in sizes.items():
-        itemsize, chunks = dtype_from_str(name, where="state").itemsize, -(-n // per[name])
+    for t, n in sizes.items():
+        itemsize, chunks = dtype_from_str(t, where="state").itemsize, -(-n // per[t])
         mine = slots[k : k + chunks]
         stride = mine[1] - mine[0] if chunks > 1 else 0
         if any(b - a != stride for a, b in zip(mine, mine[1:])):
-            raise RuntimeError(f"rank file {rank}: the digests of tensor {name} are not evenly spaced in its header")
-        tensors.append(TensorPlace(name, n, itemsize, per[name], at, mine[0] if chunks else 0, stride))
+            raise RuntimeError(f"rank file {rank}: the digests of tensor {t} are not evenly spaced in its header")
+        tensors.append(TensorPlace(t, n, itemsize, per[t], at, mine[0] if chunks else 0, stride))
         at, k = at + n * itemsize, k + chunks
     if k != len(slots):
         raise RuntimeError(f"rank file {rank}: {len(slots)} digest slots in its header, expected {k}")
-    return LaidOutFile(shard_file_name(final.save_id, rank, final.world_size), rank, header, tuple(tensors), at)
+    return LaidOutFile(name, rank, header, tuple(tensors), at)
 
 
 def _slots(header: bytes) -> list[int]:
@@ -103,56 +117,82 @@ def _slots(header: bytes) -> list[int]:
     return found
 
 
+def write_rank(
+    file: BinaryIO | Path, layout: LaidOutFile, parts: Mapping[str, Iterable[torch.Tensor]], *,
+    span: tuple[int, int, int] | None = None, pieces: Pieces = host_pieces, after: Callable[[int], None] | None = None,
+) -> str:  # fmt: skip
+    """Write ``layout``'s tensor ``t`` as the concatenation of the 1-D ``parts[t]``, each read once through
+    ``pieces``; returns the header's digest (the manifest's record of the file).
+
+    Without ``span``, ``file`` is open at the file's start: every tensor and then the header (the module docstring),
+    the file left at its end. With ``span`` ``(tensor, start, stop)`` (elements, whole chunks), ``file`` is the path
+    of the file :func:`lay_out_file` made, of which that run alone is written, read back, its digests written into
+    their slots and read back, then fsynced. ``after(nbytes)``: after each part (and then each part is asked of
+    ``pieces`` on its own)."""
+    runs = [(k, 0, t.numel) for k, t in enumerate(layout.tensors)] if span is None else [span]
+    header, read_back = bytearray(layout.header), span is not None
+    opened = nullcontext(cast(BinaryIO, file)) if span is None else _laid_out(cast(Path, file))
+    with opened as f, HashingWriter(f) as writer:
+        start = f.tell()
+        for k, lo, hi in runs:
+            t = layout.tensors[k]
+            if lo % t.per or (hi % t.per and hi != t.numel) or not 0 <= lo <= hi <= t.numel:
+                raise ValueError(f"{file}: elements [{lo}, {hi}) of {t.name} are not whole chunks of {t.per}")
+            hasher, at = ChunkHasher(t.name, t.itemsize, t.per, hi - lo), start + t.data + lo * t.itemsize
+            f.seek(at)
+            for group in ([parts[t.name]] if after is None else ([p] for p in parts[t.name])):
+                done = at
+                for piece in pieces(group):  # type: ignore[arg-type]
+                    raw = memoryview(piece.numpy()).cast("B")  # type: ignore[arg-type]
+                    writer.put(raw, hasher.update)
+                    if read_back:
+                        _check_back(f, raw, at)
+                    at += len(raw)
+                if after is not None:
+                    after(at - done)
+            if at != start + t.data + hi * t.itemsize:
+                raise RuntimeError(f"{file}: {t.name} [{lo}, {hi}): {at - start - t.data} bytes written, expected more")
+            for j, d in enumerate(hasher.digests(), start=lo // t.per):
+                header[t.first_slot + j * t.stride : t.first_slot + j * t.stride + _SLOT] = d.encode()
+        first, last = (0, len(header)) if span is None else _slot_range(layout.tensors[span[0]], span)
+        f.seek(start + first)
+        writer.put(memoryview(header)[first:last], lambda _: None)
+        if read_back:
+            _check_back(f, memoryview(header)[first:last], first)
+        f.seek(start + layout.size)
+    return digest(bytes(header[8:]))
+
+
+def _slot_range(t: TensorPlace, span: tuple[int, int, int]) -> tuple[int, int]:
+    """The header bytes holding the digests of ``span``'s chunks (empty when it has none)."""
+    first, count = span[1] // t.per, -(-span[2] // t.per) - span[1] // t.per
+    lo = t.first_slot + first * t.stride
+    return (lo, lo + (count - 1) * t.stride + _SLOT) if count else (lo, lo)
+
+
+@contextmanager
+def _laid_out(path: Path) -> Iterator[BinaryIO]:
+    """The laid-out file at ``path`` opened unbuffered for writing, fsynced once written."""
+    with open(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+b", buffering=0) as f:
+        yield f
+        os.fsync(f.fileno())
+
+
 def lay_out_file(path: Path, layout: LaidOutFile, preallocate: Callable[[int, int], None]) -> None:
     """Create ``path`` (exclusively), make it ``layout.size`` bytes (``preallocate(fd, size)``), write the header
     skeleton, fsync. A failure removes the file."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         preallocate(fd, layout.size)
-        _write_all(fd, layout.header, 0)
+        done = 0
+        while done < len(layout.header):
+            done += os.pwrite(fd, layout.header[done:], done)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
         raise
     os.close(fd)
-
-
-def write_chunks(
-    path: Path, layout: LaidOutFile, tensor: int, start: int, stop: int, pieces: Iterable[torch.Tensor],
-    *, after: Callable[[int], None],
-) -> None:  # fmt: skip
-    """Elements ``[start, stop)`` of tensor ``tensor`` of the laid-out file ``path`` (``start`` on a chunk boundary,
-    ``stop`` on one or the tensor's end), given as 1-D ``pieces`` in order: each written at its offset and read back,
-    their chunks' digests written into their header slots and read back, then fsync. ``after(nbytes)`` after each
-    piece."""
-    t = layout.tensors[tensor]
-    if start % t.per or (stop % t.per and stop != t.numel) or not 0 <= start <= stop <= t.numel:
-        raise ValueError(f"{path}: elements [{start}, {stop}) of {t.name} are not whole chunks of {t.per}")
-    hasher = ChunkHasher(t.name, t.itemsize, t.per, stop - start)
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    try:
-        at = t.data + start * t.itemsize
-        for piece in pieces:
-            raw = memoryview(piece.detach().contiguous().view(torch.uint8).numpy().data).cast("B")
-            hasher.update(raw)
-            _write_all(fd, raw, at)
-            _check_back(fd, raw, at, path)
-            at += len(raw)
-            after(len(raw))
-        if at != t.data + stop * t.itemsize:
-            raise RuntimeError(f"{path}: {t.name} [{start}, {stop}): pieces of {at - t.data} bytes, expected more")
-        digests = hasher.digests()
-        if digests:
-            first = t.first_slot + start // t.per * t.stride
-            slots = bytearray(layout.header[first : first + (len(digests) - 1) * t.stride + _SLOT])
-            for k, d in enumerate(digests):
-                slots[k * t.stride : k * t.stride + _SLOT] = d.encode()
-            _write_all(fd, slots, first)
-            _check_back(fd, memoryview(slots), first, path)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def finished_record(path: Path, layout: LaidOutFile) -> FileRecord:
@@ -180,15 +220,9 @@ def finished_record(path: Path, layout: LaidOutFile) -> FileRecord:
     return FileRecord(layout.rank, layout.name, digest(header[8:]), size)
 
 
-def _write_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    view, done = memoryview(data).cast("B"), 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-def _check_back(fd: int, data: memoryview, offset: int, path: Path) -> None:
+def _check_back(file: BinaryIO, data: memoryview, offset: int) -> None:
     """``OSError`` unless the file holds ``data`` at ``offset`` (read back in pieces)."""
     for at in range(0, len(data), _CHECK_BYTES):
         piece = data[at : at + _CHECK_BYTES]
-        if os.pread(fd, len(piece), offset + at) != piece.tobytes():  # bytes to bytes: a memcmp, not item by item
-            raise OSError(f"{path}: the bytes read back at offset {offset + at} differ from those written")
+        if os.pread(file.fileno(), len(piece), offset + at) != piece.tobytes():  # bytes to bytes: a memcmp
+            raise OSError(f"{file.name}: the bytes read back at offset {offset + at} differ from those written")

@@ -12,51 +12,43 @@ and the file's size. Any safetensors reader opens it (``safetensors.safe_open(pa
 write it ourselves, streaming each shard's bytes straight from the optimizer's tensors:
 ``safetensors.torch.save_file`` takes a dict of whole tensors, which would cost a copy of the rank's state
 to concatenate them. A format-2 file is the same without ``chunk_bytes`` and ``checksums`` (its manifest
-lists them per segment).
+lists them per segment). The one writer is :func:`~.ranged.write_rank`; this module reads.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from fsdp_optim.core.checksums import ChunkHasher, digest
-from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
-from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.text import escape
 from fsdp_optim.disk.untrusted import open_regular
-from fsdp_optim.formats.sharded.manifest import FileRecord, Manifest
+from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.mapped import MappedFile
-from fsdp_optim.formats.sharded.safetensors_header import encode_rank_header, read_rank_header
+from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import (
     Grid,
     Placement,
     check_segments,
-    chunk_elements,
     grids_v3,
     placements_v2,
-    plan_segments,
 )
 
 __all__ = [
-    "DIGEST_PLACEHOLDER",
     "FileLayout",
     "Pieces",
     "RankFile",
     "describe_rank_file",
     "host_pieces",
     "open_recorded",
-    "write_rank_file",
-    "write_rank_tensors",
 ]
 
 _WRITE_BYTES = 8 << 20  # bytes per write call
@@ -68,8 +60,6 @@ Pieces = Callable[[Sequence[torch.Tensor]], Iterator[torch.Tensor]]
 until the next is asked for (a staging ring may reuse its memory then). :func:`host_pieces` serves tensors already
 in host memory; a job hands the writer its device-to-host stager's (:mod:`fsdp_optim.job.stager`)."""
 
-DIGEST_PLACEHOLDER = "xxh3-128:" + "0" * 32  # a digest's length: the header is written once the data has been hashed
-
 
 def host_pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
     """The bytes of ``parts`` without a copy, at most 8 MiB a piece (a tensor on a device is copied to the host
@@ -78,71 +68,6 @@ def host_pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
         raw = part.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         for start in range(0, raw.numel(), _WRITE_BYTES):
             yield raw[start : start + _WRITE_BYTES]
-
-
-def write_rank_file(
-    file: BinaryIO,
-    state: Mapping[int, Mapping[str, Any]],
-    metadata: Mapping[str, str],
-    chunk_bytes: int,
-    *,
-    pieces: Pieces = host_pieces,
-) -> str:
-    """Write a format-3 rank file of ``state`` (``{flat: {key: padded 1-D shard or scalar}}``; scalars are the
-    manifest's) to ``file``, its bytes read once through ``pieces``. Returns the header's digest."""
-    tensors, sizes = plan_segments(state)
-    parts = {name: [v for _, _, v in found] for name, found in tensors.items()}
-    return write_rank_tensors(file, parts, sizes, metadata, chunk_bytes, pieces=pieces)
-
-
-def write_rank_tensors(
-    file: BinaryIO,
-    tensors: Mapping[str, Sequence[torch.Tensor]],
-    sizes: Mapping[str, int],
-    metadata: Mapping[str, str],
-    chunk_bytes: int,
-    *,
-    pieces: Pieces = host_pieces,
-) -> str:
-    """Write a format-3 rank file whose tensor ``name`` is the concatenation of ``tensors[name]`` (1-D parts,
-    ``sizes[name]`` elements in all, in :func:`~.segments.file_layout` order). Returns the header's digest.
-
-    One pass over the data: each piece is hashed into its chunks' checksums while a thread writes it
-    (:class:`~fsdp_optim.disk.hashed_write.HashingWriter`), before the next piece is asked for; the
-    header, whose checksums are then known, goes in last at the start of the file (its length does not depend
-    on the digests' values, so room for it is left first)."""
-    hashers = {name: _hasher(name, sizes[name], chunk_bytes) for name in tensors}
-    meta = {**metadata, "chunk_bytes": str(chunk_bytes)}
-    room = encode_rank_header({**meta, "checksums": _checksums_text(hashers, placeholder=True)}, sizes)
-    start = file.tell()
-    file.seek(start + len(room))
-    with HashingWriter(file) as writer:  # each piece hashed here while a thread writes it
-        for name, parts in tensors.items():
-            for piece in pieces(parts):
-                writer.put(memoryview(piece.numpy()), hashers[name].update)  # type: ignore[arg-type]
-    header = encode_rank_header({**meta, "checksums": _checksums_text(hashers, placeholder=False)}, sizes)
-    if len(header) != len(room):  # a digest of another length than the placeholder's: a bug, never the data's
-        raise RuntimeError(f"the rank file's header takes {len(header)} bytes, {len(room)} were left for it")
-    end = file.tell()
-    file.seek(start)
-    file.write(header)
-    file.seek(end)
-    return digest(header[8:])
-
-
-def _hasher(name: str, size: int, chunk_bytes: int) -> ChunkHasher:
-    dtype = dtype_from_str(name, where="state")
-    return ChunkHasher(name, dtype.itemsize, chunk_elements(dtype, chunk_bytes), size)
-
-
-def _checksums_text(hashers: Mapping[str, ChunkHasher], *, placeholder: bool) -> str:
-    """The header's ``checksums`` entry: ``{tensor: [digest, ...]}`` as compact JSON (placeholders of equal length
-    while the data is not yet hashed)."""
-    if placeholder:
-        found = {name: [DIGEST_PLACEHOLDER] * h.chunks for name, h in hashers.items()}
-    else:
-        found = {name: list(h.digests()) for name, h in hashers.items()}
-    return json.dumps(found, separators=(",", ":"))
 
 
 def describe_rank_file(path: Path) -> list[str]:

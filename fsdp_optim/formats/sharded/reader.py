@@ -27,19 +27,12 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
-from fsdp_optim.formats.sharded.locate import (  # re-exported: what finds a checkpoint, beside what reads it
-    checkpoint_dir,
-    is_json_manifest,
-    is_sharded_checkpoint,
-    manifest_file,
-    read_manifest,
-    source_kind,
-)
+from fsdp_optim.formats.sharded.locate import checkpoint_location, manifest_at
 from fsdp_optim.formats.sharded.manifest import (
     manifest_source,
 )
@@ -51,13 +44,7 @@ from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
 __all__ = [
     "DEFAULT_MAPPED_BYTES",
     "ShardedCheckpoint",
-    "checkpoint_dir",
-    "is_json_manifest",
-    "is_sharded_checkpoint",
-    "manifest_file",
     "open_checkpoint",
-    "read_manifest",
-    "source_kind",
 ]
 
 DEFAULT_MAPPED_BYTES = 64 << 20
@@ -72,7 +59,7 @@ def open_checkpoint(
     ``lazy`` (the default): no rank file is opened yet, each reader opens those it reads (a job's rank its own at
     the saved layout); ``lazy=False`` opens and checks every rank file first (the offline tools, which read them
     all). ``max_mapped_bytes``: see :class:`ShardedCheckpoint`."""
-    return ShardedCheckpoint(path, lazy=lazy, max_mapped_bytes=max_mapped_bytes)
+    return ShardedCheckpoint(where(path), lazy=lazy, max_mapped_bytes=max_mapped_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -90,24 +77,24 @@ class ShardedCheckpoint:
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | Location,
+        place: Location,
         *,
         max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
         lazy: bool = False,
     ) -> None:
-        place = where(path)  # resolved once: every read below goes through this location
-        self.directory: Location = checkpoint_dir(place)
-        self.manifest = read_manifest(place)  # (a directory, its manifest file, or a store's prefix or manifest)
+        # ``place``: resolved once by the caller (:func:`open_checkpoint`); every read below goes through it
+        self.directory: Location = checkpoint_location(place)
+        self.manifest = manifest_at(place)  # (a directory, its manifest file, or a store's prefix or manifest)
         # A capability, not a backend: where the checkpoint's objects are local files, they are mapped in place
         # (zero-copy views; format 1's torch files loaded from them); elsewhere they are read by byte ranges.
         mapped = self.directory.local_path()
         if mapped is None and self.manifest.version < 2:
             raise ValueError(
-                f"{path}: a format-{self.manifest.version} checkpoint (torch files), which is read from a local "
+                f"{place}: a format-{self.manifest.version} checkpoint (torch files), which is read from a local "
                 "directory only; copy it to local disk, or rewrite it with `fsdp-optim reshard` first"
             )
         if not self.manifest.files:
-            raise ValueError(f"{path}: the manifest lists no rank files (a layout file, not a checkpoint)")
+            raise ValueError(f"{place}: the manifest lists no rank files (a layout file, not a checkpoint)")
         self.max_mapped_bytes = max_mapped_bytes
         self.shards = ShardIndex.of(self.manifest.flat_params)  # per-unit ints: ranks and ranges by arithmetic
         # Format 3: where each shard lies, the same in every rank file, from the units (once, not per file).

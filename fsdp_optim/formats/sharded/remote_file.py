@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_optim.disk.location import Location
-from fsdp_optim.formats.sharded.mapped import MappedFile, check_buffer
+from fsdp_optim.formats.sharded.mapped import MappedFile, check_buffer, verify
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 from fsdp_optim.formats.sharded.segments import Grid, Placement, chunk_digests, chunk_elements
 
@@ -49,9 +49,7 @@ class RemoteFile(MappedFile):
         fetch_lo = lo + (kept.numel() if kept is not None else 0)
         fetched = self._fetch(base + fetch_lo * dtype.itemsize, hi - fetch_lo, dtype)
         found = chunk_digests(fetched, chunk_bytes) if fetched.numel() else ()
-        for k, checksum in enumerate(found, start=first + (kept is not None)):
-            if checksum != g.checksums[k]:
-                raise ValueError(self._mismatch(p, g, k, per, where))
+        verify(found, g, first + (kept is not None), lambda k: self._mismatch(p, g, k, per, where))
         self.bytes_verified += fetched.numel() * dtype.itemsize
         chunks = fetched if kept is None else torch.cat([kept, fetched]) if fetched.numel() else kept
         if fetched.numel():  # keep the last chunk fetched (whole: it ends at a chunk boundary or the grid's end)

@@ -15,7 +15,7 @@ others, and the manifest grows with units + ranks, never units x ranks::
     "float32": [u0.exp_avg 0..3 | u0.exp_avg_sq 3..6 | u1.exp_avg 6..8]      # the same offsets in every rank file
     __metadata__["checksums"] = '{"float32": ["xxh3-128:...", ...]}'          # chunk k: elements [k*per, (k+1)*per)
 
-Format 2 recorded, per rank file, one :class:`Segment` per (unit, sharded state key) in the manifest, with
+Format 2 recorded, per rank file, one :class:`ShardSegment` per (unit, sharded state key) in the manifest, with
 the chunk checksums of that segment alone (chunks starting at the segment)::
 
     {"flat": 1, "key": "exp_avg", "tensor": "float32", "offset": 46, "numel": 46, "checksums": [...]}
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.core.checksums import chunk_digests as digests_of_chunks
+from fsdp_optim.core.checksums import digests_of_chunks
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.intervals import ShardIndex
@@ -58,7 +58,7 @@ __all__ = [
     "CHUNK_BYTES",
     "Grid",
     "Placement",
-    "Segment",
+    "ShardSegment",
     "check_segments",
     "chunk_digests",
     "chunk_elements",
@@ -76,7 +76,7 @@ CHUNK_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
-class Segment:
+class ShardSegment:
     """One shard of one state key in a rank file: ``numel`` elements at element ``offset`` of ``tensor``."""
 
     flat: int
@@ -101,7 +101,7 @@ class Segment:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, where: str) -> Segment:
+    def from_dict(cls, d: Mapping[str, Any], *, where: str) -> ShardSegment:
         ints = [get_checked(d, k, int, where) for k in ("flat", "offset", "numel")]
         if min(ints) < 0:
             raise ValueError(f"{where}: 'flat', 'offset' and 'numel' must be non-negative, found {ints}")
@@ -236,7 +236,7 @@ def _largest(
     return f"; unit '{unit or '<root>'}' state '{key}' alone is declared {numel} elements per rank"
 
 
-def placements_v2(segments: Mapping[tuple[int, str], Segment]) -> dict[tuple[int, str], Placement]:
+def placements_v2(segments: Mapping[tuple[int, str], ShardSegment]) -> dict[tuple[int, str], Placement]:
     """Format 2's checked segments as placements, each with a grid of its own."""
     return {
         k: Placement(s.flat, s.key, s.tensor, s.offset, s.numel, Grid(s.tensor, s.offset, s.end, s.checksums))
@@ -245,17 +245,17 @@ def placements_v2(segments: Mapping[tuple[int, str], Segment]) -> dict[tuple[int
 
 
 def check_segments(
-    segments: Sequence[Segment],
+    segments: Sequence[ShardSegment],
     tensors: Mapping[str, int],
     flat_params: Sequence[FlatRecord],
     rank: int,
     chunk_bytes: int,
     *,
     where: str,
-) -> dict[tuple[int, str], Segment]:
+) -> dict[tuple[int, str], ShardSegment]:
     """Refuse segments that do not tile this rank file's ``tensors`` (``{name: numel}``, from its checked
     header) with exactly the shards the manifest's units say the file holds; return them by (flat, key)."""
-    by_key: dict[tuple[int, str], Segment] = {}
+    by_key: dict[tuple[int, str], ShardSegment] = {}
     for s in segments:
         if (s.flat, s.key) in by_key:
             raise ValueError(f"{where}: segment of flat parameter {s.flat}, state '{s.key}' is listed twice")
@@ -293,7 +293,7 @@ def check_segments(
 
 def _check_tiling(segments: Any, tensors: Mapping[str, int], where: str) -> None:
     """Each tensor must be covered exactly once, in order, by its segments (no overlap, no gap, in bounds)."""
-    per_tensor: dict[str, list[Segment]] = {}
+    per_tensor: dict[str, list[ShardSegment]] = {}
     for s in segments:
         per_tensor.setdefault(s.tensor, []).append(s)
     if set(per_tensor) != set(tensors):

@@ -29,8 +29,7 @@ from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import loads
-from fsdp_optim.disk.location import Where
-from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.location import Location, Where
 from fsdp_optim.formats.safetensors_container import DTYPE_NAMES, encode_header
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
@@ -164,7 +163,7 @@ def _stream(header: bytes, parts: Sequence[torch.Tensor], pieces: Pieces, file: 
     return f"xxh3-128:{hasher.hexdigest()}"
 
 
-def read_side_file(directory: Where, record: FileRecord, received: Received | None = None) -> SideContent:
+def read_side_file(directory: Location, record: FileRecord, received: Received | None = None) -> SideContent:
     """``(buffers, extra)`` of a side file (local, or an object in a store, or ``received[name]()``: its bytes as
     the caller holds them), after checking its size and digest against ``record``."""
     path = directory / record.file
@@ -180,10 +179,9 @@ def read_side_file(directory: Where, record: FileRecord, received: Received | No
     return buffers, extra
 
 
-def _read_exactly(directory: Where, record: FileRecord) -> bytes:
+def _read_exactly(place: Location, record: FileRecord) -> bytes:
     """The side file's bytes, refused when it is not of the size the manifest records."""
-    path = directory / record.file
-    place = where(directory)
+    path = place / record.file
     size = place.size(record.file)
     if size is None and record.file in place.non_objects():  # a symlink (never followed), a directory...
         raise ValueError(f"{path}: not a regular file, expected one (the manifest lists it as a side file)")
@@ -250,7 +248,7 @@ def mean_buffers(per_rank: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, to
 
 
 def read_rank_side(
-    directory: Where, training: TrainingRecord, saved_rank: int, received: Received | None = None, *, rule: str = OWN
+    directory: Location, training: TrainingRecord, saved_rank: int, received: Received | None = None, *, rule: str = OWN
 ) -> SideContent:
     """Saved rank ``saved_rank``'s ``extra`` with the buffers ``rule`` (:func:`buffers_rule`) gives: ``"own"``: its
     own when they were saved per rank, else rank 0's; ``"rank0"``: rank 0's; ``"mean"``: :func:`mean_buffers` of

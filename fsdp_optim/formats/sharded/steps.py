@@ -30,8 +30,8 @@ from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import LOCK_SUFFIX
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
-from fsdp_optim.formats.sharded.reader import read_manifest
 from fsdp_optim.formats.sharded.verification import present_and_sized, verify_sharded
 from fsdp_optim.formats.sharded.writer import CHECKPOINT
 

@@ -16,8 +16,9 @@ from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.locate import checkpoint_dir
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
-from fsdp_optim.formats.sharded.reader import checkpoint_dir, open_checkpoint
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.side_file import read_side_file
 from fsdp_optim.formats.sharded.writer import leftovers
 

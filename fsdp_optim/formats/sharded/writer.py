@@ -17,6 +17,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,30 +33,28 @@ from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.save import SaveRules, Survey
 from fsdp_optim.disk.staged import remove_recorded
+from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.locate import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.manifest import (
-    CHECKPOINT_VERSION,
     LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
     MANIFEST_NAMES,
-    FileRecord,
     Manifest,
     shard_file_name,
 )
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json, manifest_to_json
-from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces, write_rank_file, write_rank_tensors
-from fsdp_optim.formats.sharded.reader import manifest_file, read_manifest
-from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
+from fsdp_optim.formats.sharded.ranged import rank_layout, shard_metadata, write_rank
+from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces
+from fsdp_optim.formats.sharded.segments import plan_segments
 from fsdp_optim.formats.sharded.training import side_file_name
 
 __all__ = [
     "CHECKPOINT",
+    "RankParts",
     "save_rules",
-    "shard_metadata",
     "write_all_or_nothing",
     "write_manifest",
     "write_shard_file",
-    "write_shard_parts",
-    "write_shard_tensors",
 ]
 
 # Rank files of every format; a JSON-manifest commit also removes a format-1 checkpoint's manifest.pt.
@@ -173,73 +172,44 @@ def _journaled(entry: JournalEntry) -> tuple[str | None, int | None]:
     return sid, world_size
 
 
-def shard_metadata(save_id: str, rank: int, world_size: int) -> dict[str, str]:
-    """A rank file's header metadata before the writer adds its chunk size and checksums."""
-    return _metadata(save_id, rank, world_size)
+@dataclass(frozen=True)
+class RankParts:
+    """A rank's tensors as its file holds them: tensor ``name`` is the concatenation of ``parts[name]`` (1-D, in
+    ``segments.file_layout`` order, ``sizes[name]`` elements in all; a part may be made only when the writer asks
+    for it, as :func:`~.streamed.streamed_parts` does)."""
 
+    parts: Mapping[str, Sequence[torch.Tensor]]
+    sizes: Mapping[str, int]
 
-def _metadata(save_id: str, rank: int, world_size: int) -> dict[str, str]:
-    return {
-        "format": "fsdp_optim",
-        "kind": "shard",
-        "version": str(CHECKPOINT_VERSION),
-        "save_id": save_id,
-        "rank": str(rank),
-        "world_size": str(world_size),
-    }
+    @classmethod
+    def of_state(cls, state: Mapping[int, Mapping[str, Any]]) -> RankParts:
+        """``state`` (``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's), laid out."""
+        tensors, sizes = plan_segments(state)
+        return cls({name: [v for _, _, v in found] for name, found in tensors.items()}, sizes)
+
+    @classmethod
+    def of_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> RankParts:
+        """Shards already laid out as the file holds them: ``{dtype name: 1-D tensor}`` (what a block re-cut builds)."""
+        return cls({k: [v] for k, v in tensors.items()}, {k: v.numel() for k, v in tensors.items()})
 
 
 def write_shard_file(
-    directory: Path,
-    state: Mapping[int, Mapping[str, Any]],
-    *,
-    save_id: str,
-    rank: int,
-    world_size: int,
-    durable: bool = True,
-    pieces: Pieces = host_pieces,
-) -> FileRecord:
-    """Write one rank's file atomically (a safetensors file, :mod:`.rank_file`); its record for the manifest.
-
-    ``state`` is ``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's to hold.
-    ``durable=False``: no fsync (a file staged for an upload). ``pieces``: how the shards' bytes reach the host
-    (:data:`~.rank_file.Pieces`; a job's device-to-host stager for shards on a GPU).
-    """
-    name = shard_file_name(save_id, rank, world_size)
-    metadata = _metadata(save_id, rank, world_size)
-    write = lambda file: write_rank_file(file, state, metadata, CHUNK_BYTES, pieces=pieces)  # noqa: E731
-    size, checksum = atomic_write(directory / name, write, durable=durable)
-    return FileRecord(rank, name, checksum, size)
-
-
-def write_shard_tensors(
-    directory: Path, tensors: Mapping[str, torch.Tensor], *, save_id: str, rank: int, world_size: int
-) -> FileRecord:
-    """:func:`write_shard_file` of a rank whose shards are already laid out as the file holds them: ``{dtype
-    name: 1-D tensor}`` in ``segments.file_layout`` order (what a block re-cut builds), into a staging directory."""
-    name = shard_file_name(save_id, rank, world_size)
-    metadata = _metadata(save_id, rank, world_size)
-    parts = {k: [v] for k, v in tensors.items()}
-    sizes = {k: v.numel() for k, v in tensors.items()}
-    # Into a staging directory (write_all_or_nothing): the commit moves it in and fsyncs the directory.
-    size, checksum = durable_write(
-        directory / name, lambda file: write_rank_tensors(file, parts, sizes, metadata, CHUNK_BYTES)
-    )
-    return FileRecord(rank, name, checksum, size)
-
-
-def write_shard_parts(
-    directory: Path, parts: Mapping[str, Sequence[torch.Tensor]], sizes: Mapping[str, int], *, save_id: str,
-    rank: int, world_size: int, pieces: Pieces = host_pieces,
+    directory: Path, source: Mapping[int, Mapping[str, Any]] | RankParts, *, save_id: str, rank: int,
+    world_size: int, durable: bool = True, staged: bool = False, pieces: Pieces = host_pieces,
 ) -> FileRecord:  # fmt: skip
-    """:func:`write_shard_tensors` of a rank whose tensor ``name`` is the concatenation of ``parts[name]`` (1-D, in
-    ``segments.file_layout`` order, ``sizes[name]`` elements in all; a part may be made only when the writer asks
-    for it), into a staging directory."""
+    """Write one rank's file (a safetensors file, :func:`~.ranged.write_rank`); its record for the manifest.
+
+    ``source``: the rank's state ``{flat: {key: padded 1-D shard or scalar}}`` (a job's save), or its
+    :class:`RankParts` (an offline block re-cut, a re-cut streamed one shard at a time). Written atomically beside
+    the checkpoint's files, or ``staged`` into a staging directory (created there and fsynced; the commit moves it
+    in). ``durable=False``: no fsync (a file staged for an upload). ``pieces``: how the shards' bytes reach the host
+    (:data:`~.rank_file.Pieces`; a job's device-to-host stager for shards on a GPU)."""
+    content = source if isinstance(source, RankParts) else RankParts.of_state(source)
     name = shard_file_name(save_id, rank, world_size)
-    metadata = _metadata(save_id, rank, world_size)
-    size, checksum = durable_write(
-        directory / name, lambda file: write_rank_tensors(file, parts, sizes, metadata, CHUNK_BYTES, pieces=pieces)
-    )
+    layout = rank_layout(shard_metadata(save_id, rank, world_size), content.sizes, name=name, rank=rank)
+    write = lambda file: write_rank(file, layout, content.parts, pieces=pieces)  # noqa: E731
+    path = directory / name
+    size, checksum = durable_write(path, write) if staged else atomic_write(path, write, durable=durable)
     return FileRecord(rank, name, checksum, size)
 
 

@@ -1,7 +1,7 @@
 """An opened input: one small interface, one class per kind of input (:func:`fsdp_optim.offline.sources.open_source`
 decides the kind once and builds the class). The verbs ask the opened input; none asks which kind it has.
 
-Every opened input answers the same questions (:class:`Opened` in ``base.py``, with the answer of a kind that
+Every opened input answers the same questions (:class:`.base.Opened` in ``base.py``, with the answer of a kind that
 cannot: most often a refusal that says what the input is and what was expected)::
 
     opened.kind, opened.label       what it is, how errors name it
@@ -27,7 +27,8 @@ cannot: most often a refusal that says what the input is and what was expected):
 
 Each kind's class keeps its own reader as a field of its own: ``checkpoint`` (:class:`OpenedCheckpoint`),
 ``manifest`` (:class:`OpenedLayout`), ``shards`` (:class:`OpenedShardSet`), ``named`` (:class:`OpenedNamed`),
-``whole_file`` (:class:`OpenedWholeFile`), ``raw`` and ``full`` (:class:`OpenedFull` and its kinds), ``raw``
+``whole_file`` (:class:`OpenedWholeFile`; consolidate's one safetensors file of a whole checkpoint and the
+Hugging Face layout, ``hf.py``, read into one), ``raw`` and ``full`` (:class:`OpenedFull` and its kinds), ``raw``
 (:class:`OpenedRankFile`). Modules: ``base.py`` (the interface), ``sharded.py`` (our checkpoint, layout file, rank
 file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set, a named safetensors file, DCP).
 """
@@ -35,16 +36,14 @@ file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set,
 from __future__ import annotations
 
 from fsdp_optim.formats.kinds import Kind
-from fsdp_optim.offline.opened.base import NEEDS_LAYOUT, Opened, Request
+from fsdp_optim.offline.opened.base import Opened
+from fsdp_optim.offline.opened.hf import OpenedHf
 from fsdp_optim.offline.opened.loaded import OpenedFull, OpenedNamedDict, OpenedNative, OpenedWholeFile
 from fsdp_optim.offline.opened.readers import OpenedDcp, OpenedNamed, OpenedShardSet
 from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, OpenedRankFile
 
 __all__ = [
     "CLASSES",
-    "NEEDS_LAYOUT",
-    "Opened",
-    "Request",
     "class_of",
 ]
 
@@ -53,11 +52,11 @@ __all__ = [
 CLASSES: dict[Kind, type[Opened]] = {
     Kind.SHARDED: OpenedCheckpoint, Kind.LAYOUT: OpenedLayout, Kind.RANK_FILE: OpenedRankFile, Kind.FULL: OpenedFull,
     Kind.NATIVE: OpenedNative, Kind.SHARD_SET: OpenedShardSet, Kind.NAMED: OpenedNamed,
-    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile,
+    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile, Kind.HF: OpenedHf,
 }  # fmt: skip
 
 
 def class_of(kind: Kind | None) -> type[Opened]:
-    """The class of inputs of ``kind``; ``None`` (a torch file not loaded yet, whatever it holds): :class:`Opened`,
-    whose class methods treat it as the torch file it is."""
+    """The class of inputs of ``kind``; ``None`` (a torch file not loaded yet, whatever it holds):
+    :class:`.base.Opened`, whose class methods treat it as the torch file it is."""
     return Opened if kind is None else CLASSES[kind]

@@ -14,12 +14,13 @@ from typing import Any, ClassVar
 import torch
 
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.kinds import Given, Kind
-from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES, read_manifest
+from fsdp_optim.formats.sharded.locate import read_manifest
+from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V

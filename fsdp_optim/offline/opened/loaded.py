@@ -12,15 +12,15 @@ from typing import Any, ClassVar, cast
 
 from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.plan import Source
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fullstate import full_dict_source, read_meta
 from fsdp_optim.formats.kinds import Given
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
-from fsdp_optim.formats.whole_file import WholeFile
+from fsdp_optim.formats.whole_file import WholeFile, recorded_layout
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline.cuts import AfterFile, Progress
@@ -28,7 +28,8 @@ from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, RewrittenFile
 from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole_file import reshard_whole_file
+from fsdp_optim.offline.whole import WholeModel
+from fsdp_optim.offline.whole_file import reshard_whole_file, whole_model_of
 
 __all__ = ["OpenedFull", "OpenedNamedDict", "OpenedNative", "OpenedWholeFile"]
 
@@ -84,6 +85,10 @@ class OpenedFull(Opened):
 
     def named_header(self) -> Mapping[str, Any] | None:
         return _header(self.full, self.label)
+
+    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
+        """The caller's layout, else the one a consolidated file records (its source's FSDP layout)."""
+        return given if given is not None else recorded_layout(self.named_header(), self.label)
 
 
 @dataclass(kw_only=True)
@@ -150,6 +155,7 @@ class OpenedWholeFile(Opened):
     """consolidate's file of a whole checkpoint (``{"model", "optimizer", "extra"}``)."""
 
     whole_file: WholeFile
+    saved_rank: int = 0  # whose extra the file kept (consolidate's .pt does not say: rank 0's by default)
 
     LAYOUT = "target"
 
@@ -171,6 +177,13 @@ class OpenedWholeFile(Opened):
     def holds_weights(self) -> bool:
         return True
 
+    def is_whole(self) -> bool:
+        return True
+
+    def whole_model(self, *, rank: int | None = None, progress: Progress = None) -> WholeModel:  # noqa: ARG002
+        self.check_rank(rank)
+        return whole_model_of(self.whole_file, rank=self.saved_rank)
+
     def whole_source(self) -> Source | None:
         return self.whole_file.whole_source()
 
@@ -183,6 +196,11 @@ class OpenedWholeFile(Opened):
 
     def named_header(self) -> Mapping[str, Any] | None:
         return _header(self.whole_file.optimizer, self.label)
+
+    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
+        """The caller's layout, else the one the file records (its checkpoint's FSDP layout; none: saved without an
+        optimizer, or written before files recorded it)."""
+        return given if given is not None else recorded_layout(self.named_header(), self.label)
 
     def full_state(self, *, progress: Progress = None) -> dict[str, Any]:  # noqa: ARG002 - the interface's
         return self.consolidated(rank=None, with_model=False, progress=None)
@@ -215,7 +233,8 @@ class OpenedWholeFile(Opened):
     ) -> Path:  # fmt: skip
         check_world_size("world_size", world_size)
         check_buffer_choice(buffers)
-        if layout is None:  # refused there: the file names no units
+        layout = self.target_layout(layout)
+        if layout is None:  # refused there: the file names no units and records none
             return super().reshard(world_size, out, layout=layout, given=given)
         # weights, optimizer, buffers and extra: a whole one
         return reshard_whole_file(self.whole_file, world_size, out, layout, given=given, progress=progress,

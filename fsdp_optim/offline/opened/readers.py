@@ -16,9 +16,10 @@ from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
-from fsdp_optim.formats.fairseq.shards import ShardSet
+from fsdp_optim.formats.fairseq.shards import ShardSetReader
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+from fsdp_optim.formats.whole_file import WholeFile, recorded_layout
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import fairseq as F
 from fsdp_optim.offline import report as R
@@ -26,9 +27,10 @@ from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import DcpParts, Opened, Request
+from fsdp_optim.offline.opened.loaded import OpenedWholeFile
 from fsdp_optim.offline.opened.written import Consolidation, FairseqCheckpoint, Resharding, ShardFiles
 
-__all__ = ["OpenedDcp", "OpenedNamed", "OpenedShardSet"]
+__all__ = ["OpenedDcp", "OpenedNamed", "OpenedNamedWhole", "OpenedShardSet"]
 
 
 @dataclass(kw_only=True)
@@ -36,7 +38,7 @@ class OpenedShardSet(Opened):
     """A fairseq/metaseq shard set (``use_sharded_state`` files): consolidated into a fairseq checkpoint and
     resharded as a shard set, in its own format (:mod:`fsdp_optim.formats.fairseq.recut`)."""
 
-    shards: ShardSet
+    shards: ShardSetReader
 
     LAYOUT = "order"
     OPTIMIZER = True
@@ -137,6 +139,13 @@ class OpenedNamed(Opened):
     @contextmanager
     def opening(cls, request: Request) -> Iterator[Opened]:
         with NamedSafetensors(request.path, max_mapped_bytes=request.max_mapped_bytes) as named:
+            content = named.whole_dict()
+            if content is not None:  # consolidate's one file of a whole checkpoint: read whole, as its .pt twin is
+                whole = WholeFile.of(content, request.label)
+                rank = named.document.whole.rank  # type: ignore[union-attr]
+                yield OpenedNamedWhole(request.kind, request.label, whole.source(), None, whole.params,
+                                       whole_file=whole, saved_rank=rank)  # fmt: skip
+                return
             yield cls(request.kind, request.label, named.source(), None, named.document.param_order, named.trim,
                       named=named)  # fmt: skip
 
@@ -155,6 +164,23 @@ class OpenedNamed(Opened):
 
     def named_header(self) -> Mapping[str, Any] | None:
         return self.named.document.header
+
+    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
+        """The caller's layout, else the one the file records (consolidate's: its checkpoint's FSDP layout)."""
+        return given if given is not None else recorded_layout(self.named.document.header, self.label)
+
+
+@dataclass(kw_only=True)
+class OpenedNamedWhole(OpenedWholeFile):
+    """consolidate's one safetensors file of a whole checkpoint (its document's ``"whole"`` section): the weights,
+    tied names, buffers, optimizer state and ``extra`` read into memory and answered as consolidate's ``.pt`` file of
+    it is (:class:`~fsdp_optim.offline.opened.loaded.OpenedWholeFile`); ``verify`` checks its every checksum, as
+    any named file's (:meth:`OpenedNamed.verify_files`: its kind's class)."""
+
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
+        lines = super().describe(path, units=units)
+        return [f"format: {Kind.NAMED.value}, a whole checkpoint's (extra of saved rank {self.saved_rank})",
+                *lines[1:]]  # fmt: skip
 
 
 class OpenedDcp(Opened):

@@ -10,21 +10,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_optim.core.plan import Source
+from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.preconditions import check_world_size
+from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
+from fsdp_optim.disk.staged import write_file
+from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.kinds import Given
+from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint, read_manifest
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.sharded.verification import verify_sharded
+from fsdp_optim.formats.whole_file import LAYOUT_KEY, layout_record
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress, consolidate_checkpoint, reshard_checkpoint
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
-from fsdp_optim.offline.opened.written import Consolidation, WholeFileWritten
+from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, WholeFileWritten
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options, is_whole, whole_model, whole_state, write_whole
 
@@ -98,16 +103,35 @@ class OpenedCheckpoint(Opened):
         overwrite: bool,
         progress: Progress,
     ) -> Consolidation:  # fmt: skip
-        if not self.is_whole() or no_model:
-            return super().write_consolidated(output, rank=rank, no_model=no_model, inputs=inputs,
-                                              overwrite=overwrite, progress=progress)  # fmt: skip
+        if not self.is_whole() or no_model:  # the optimizer's full dict, its layout recorded
+            self.check_rank(rank)
+            out = self._with_layout(self.full_state(progress=progress))
+            size = write_file(out, output, inputs=inputs, overwrite=overwrite)
+            return FullDictFile(len(out["param_names"]), len(out["state"]), size)
         # A whole checkpoint -> one file {"model", "optimizer", "extra"}, each parameter streamed.
         whole = self.whole_model(rank=rank, progress=progress)
         optimizer = self._optimizer(progress)
+        optimizer = None if optimizer is None else self._with_layout(optimizer)
         size = write_whole(whole, optimizer, output, inputs=inputs, overwrite=overwrite)
         optimizer_params = None if optimizer is None else len(optimizer["state"])
         return WholeFileWritten(len(whole.params), whole.param_bytes(), len(whole.aliases), len(whole.buffers),
                                 optimizer_params, whole.rank, size)  # fmt: skip
+
+    def _with_layout(self, full: dict[str, Any]) -> dict[str, Any]:
+        """``full`` (this checkpoint's consolidated full dict) with its FSDP layout recorded in its ``"fsdp_optim"``
+        block, so that a reshard of the file written from it needs no ``--layout``."""
+        if self.layout is None:
+            return full
+        return {**full, FORMAT_KEY: {**full[FORMAT_KEY], LAYOUT_KEY: layout_record(self.layout)}}
+
+    def named_header(self) -> Mapping[str, Any] | None:
+        """The ``"fsdp_optim"`` block a named safetensors file of this checkpoint keeps (as the writer makes it from
+        the source), its layout recorded too."""
+        if self.source is None or self.layout is None:
+            return None
+        scalars = {e.key for flat in self.source.flats for e in flat.state if e.kind is StateKind.SCALAR}
+        return {"version": FORMAT_VERSION, "optimizer": self.source.optimizer, "world_size": self.source.world_size,
+                "scalar_keys": sorted(scalars), LAYOUT_KEY: layout_record(self.layout)}  # fmt: skip
 
     def reshard(
         self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress = None,  # noqa: ARG002
@@ -156,7 +180,7 @@ class OpenedRankFile(Opened):
         return cls(request.kind, request.label, raw=request.obj)
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
-        return D.describe_rank_file(path, self.raw)
+        return D.describe_any_rank_file(path, self.raw)
 
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         return R.of_rank_file(R.base(path, self.kind, lines), lines, self.raw)

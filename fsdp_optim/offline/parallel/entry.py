@@ -52,7 +52,7 @@ def splits(verb: str, *inputs: Given, output: str | os.PathLike[str] | Location 
     if output is None:
         return False
     if verb == "reshard":
-        return ours and where(output).shared_by_processes()
+        return ours and where(output).shared_directory() is not None
     if verb == "consolidate":
         return ours and Path(str(output)).suffix.lower() == ".safetensors" and _many_write(output)
     return False
@@ -61,7 +61,7 @@ def splits(verb: str, *inputs: Given, output: str | os.PathLike[str] | Location 
 def _many_write(output: str | os.PathLike[str] | Location) -> bool:
     """``output`` is one file that many processes may write: on a file system they share, or in a store that takes
     multipart uploads (each process puts its own parts)."""
-    if where(output).shared_by_processes():
+    if where(output).shared_directory() is not None:
         return True
     parent, name = str(output).rstrip("/").rsplit("/", 1)
     return where(parent).multipart(name) is not None
@@ -109,7 +109,7 @@ def reshard_in_team(
     check_world_size("world_size", world_size)
     check_buffer_choice(buffers)
     place = where(out_dir)
-    out = place.local_path() if place.shared_by_processes() else None  # a directory of the processes' files
+    out = place.shared_directory()  # a directory of the processes' files
     if out is None:
         raise ValueError(f"out_dir: {out_dir} is not a local directory; a reshard by many processes writes to a "
                          "file system they share (reshard into it, then upload)")  # fmt: skip

@@ -37,7 +37,8 @@ import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.plan import Plan, plan
+from fsdp_optim.core.plan import plan
+from fsdp_optim.core.source import Plan
 from fsdp_optim.core.split import StreamSplit, split_stream
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.journal import JournalEntry
@@ -47,7 +48,7 @@ from fsdp_optim.formats.sharded.byte_ranges import Span, read_spans
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
-from fsdp_optim.formats.sharded.ranged import LaidOutFile, finished_record, laid_out, lay_out_file, write_chunks
+from fsdp_optim.formats.sharded.ranged import LaidOutFile, finished_record, laid_out, lay_out_file, write_rank
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
@@ -55,7 +56,7 @@ from fsdp_optim.formats.sharded.writer import CHECKPOINT
 from fsdp_optim.job.team import Team
 from fsdp_optim.offline.onefile import preallocate
 from fsdp_optim.offline.parallel.stretches import ChunkRun, FileLayout, chunk_runs, cut_piece, piece_reads
-from fsdp_optim.offline.rank_writes import described
+from fsdp_optim.offline.rank_writes import planned_manifest
 from fsdp_optim.offline.whole import carry_side_files, check_resharding, is_whole
 
 __all__ = ["Planned", "plan_reshard", "reshard_across", "share_spans"]
@@ -86,7 +87,7 @@ def plan_reshard(ckpt: ShardedCheckpoint, world_size: int, save_id: str, process
     if whole:
         check_resharding(ckpt, world_size, buffers)
     the_plan = plan(ckpt.whole_source() if whole else ckpt.source(), target.layout(0))
-    final = described(the_plan, target)
+    final = planned_manifest(the_plan, target)
     layout = file_layout(manifest_shards(final.flat_params, ShardIndex.of(final.flat_params)))
     items = {name: dtype_from_str(name, where="state").itemsize for name in layout[1]}
     tensors = [(n * items[name], chunk_elements(dtype_from_str(name, where="state"), CHUNK_BYTES) * items[name])
@@ -154,23 +155,16 @@ def _share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging: Path,
     """This process's part of the module docstring's three share steps, each agreed by every process; the records
     of the files it owns."""
     owned = [laid_out(planned.final, rank) for rank in planned.split.owned(team.rank)]
-    failure: BaseException | None = None
-    try:
+    with team.step("reshard: the output files could not be laid out; nothing was committed"):
         if not staging.is_dir():
             raise ValueError(f"{staging}: process 0's staging directory is not visible here: the output must be on a "
                              "file system every process shares")  # fmt: skip
         for layout in owned:
             lay_out_file(staging / layout.name, layout, preallocate)
-    except Exception as exc:
-        failure = exc
-    team.agree(failure, "reshard: the output files could not be laid out; nothing was committed")
     _write_share(team, ckpt, planned, staging, bar=bar)
     records: list[FileRecord] = []
-    try:
+    with team.step("reshard: a written rank file did not check; nothing was committed"):
         records = [finished_record(staging / layout.name, layout) for layout in owned]
-    except Exception as exc:
-        failure = exc
-    team.agree(failure, "reshard: a written rank file did not check; nothing was committed")
     return records
 
 
@@ -178,26 +172,15 @@ def _write_share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging:
     """This process's runs written into the laid-out files, one piece at a time; every process agrees that every
     share is written before any returns."""
     runs = planned.share(team.rank)
-    done = [0]
-    watch = team.watch(lambda: done[0], total=planned.split.file_bytes * planned.split.outputs, bar=bar)
-
-    def after(nbytes: int) -> None:
-        done[0] += nbytes
-        ckpt.trim()
-        watch.check()
-
-    failure: BaseException | None = None
-    try:
+    watch = team.progress(planned.split.file_bytes * planned.split.outputs, bar=bar, trim=ckpt.trim)
+    with team.step("reshard failed on another process; nothing was committed", watch=watch):
         layout: LaidOutFile | None = None
         with fetched_ahead(ckpt, lambda: share_spans(ckpt, planned, runs)):
             for run in runs:
                 if layout is None or layout.rank != run.rank:
                     layout = laid_out(planned.final, run.rank)
-                write_chunks(staging / layout.name, layout, run.tensor, run.start, run.stop, _cut(planned, run),
-                             after=after)  # fmt: skip
-    except BaseException as exc:
-        failure = exc
-    team.settle(watch, failure, "reshard failed on another process; nothing was committed")
+                write_rank(staging / layout.name, layout, {run.name: _cut(planned, run)},
+                           span=(run.tensor, run.start, run.stop), after=watch.advance)  # fmt: skip
 
 
 def _cut(planned: Planned, run: ChunkRun) -> Iterator[torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import overlapping
-from fsdp_optim.core.plan import Plan, Reader
+from fsdp_optim.core.source import Plan, Reader
 from fsdp_optim.core.split import Stretch
 
 __all__ = ["PIECE_BYTES", "ChunkRun", "ShardPiece", "chunk_runs", "cut_piece", "piece_reads"]
