@@ -25,8 +25,11 @@ second copy of the state in shared memory nor a process start per save.
 
 Coordination runs on a gloo process group of its own (created once per root process group, like
 torchtitan's), never on the training group, so the background thread's collectives cannot interleave
-with the training loop's. At most one save per process is in flight: a new one first waits for the
-previous one, whose failure, if nobody called ``wait()``, is raised then.
+with the training loop's. A second one, made at the first save, tells a save that a rank is gone: a later save's
+check-in waits on a barrier over it, which fails as soon as a rank's process dies (docs/whole-state.md, "A dead
+rank").
+At most one save per process is in flight: a new one first waits for the previous one, whose failure, if nobody
+called ``wait()``, is raised then.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
 from fsdp_optim.job.staging import HostStaging, StagedCopy, before_change, expect, ready_events
-from fsdp_optim.job.transport import ProcessGroup, group_initialized, new_gloo_group
+from fsdp_optim.job.transport import ProcessGroup, dist_rank_and_size, group_initialized, new_gloo_group
 from fsdp_optim.job.unseen_saves import watch
 
 __all__ = ["AsyncSave", "async_save_sharded_optim_state"]
@@ -172,13 +175,33 @@ _guarded_roots: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDict
 _any_step_hook: Any = None  # the process's one pre-hook on every optimizer's step (_before_any_step)
 _staging: weakref.WeakKeyDictionary[nn.Module, HostStaging] = weakref.WeakKeyDictionary()  # its reusable buffers
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
+_alive: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the group its saves' check-ins wait on
 
 
-def checkpoint_group(group: ProcessGroup) -> ProcessGroup:
-    """The gloo group that coordinates async saves over ``group``'s ranks (created on first use, then kept)."""
+MEET_S = 8.0  # how long a save's group creation waits for every rank, once they all checked in (docs/whole-state.md)
+
+
+def checkpoint_group(group: ProcessGroup, *, meet_s: float | None = None) -> ProcessGroup:
+    """The gloo group that coordinates async saves over ``group``'s ranks (created on first use, then kept; its
+    creation bounded by ``meet_s`` seconds: a dead rank stops it then, not at the collective timeout)."""
     if group not in _groups:
-        _groups[group] = new_gloo_group(group)
+        _groups[group] = new_gloo_group(group, create_within_s=meet_s)
     return _groups[group]
+
+
+def liveness_group(group: ProcessGroup) -> ProcessGroup | None:
+    """The gloo group whose barrier a save's check-in over ``group`` waits on beside the store, so that it sees a dead
+    rank at once (:func:`~fsdp_optim.job.transport.check_in`); ``None`` until a first save made it
+    (:func:`keep_liveness_group`). Only check-ins use it, in the callers' thread: an async save's background
+    collectives never cross it."""
+    return _alive.get(group)
+
+
+def keep_liveness_group(group: ProcessGroup) -> None:
+    """Right after a save's check-in (every rank is there): make ``group``'s liveness group if it has none, within
+    :data:`MEET_S`. Only over a group of every process of the job (making a group is a collective over them all)."""
+    if group not in _alive and dist_rank_and_size(group)[1] == dist_rank_and_size(None)[1]:
+        _alive[group] = new_gloo_group(group, create_within_s=MEET_S)
 
 
 def async_save_sharded_optim_state(

@@ -1,15 +1,11 @@
 """The one module that talks to ``torch.distributed``.
 
-Two ways to bring per-rank flat shards together:
-
-- :func:`gather_flat_tensors` (the default): every rank sends the *real* elements of each of its shards, padding
-  excluded, straight into the slice of a fresh flat full tensor on the recipient. Each byte moves once; ranks other
-  than the recipient allocate nothing (on gloo they send views of their live optimizer state). Cost: one
-  point-to-point message per (flat parameter, state key, sending rank) with real elements.
-- :func:`broadcast_from_each_rank`: one broadcast per rank of its pickled shard dict (kept for comparison).
-
-Metadata costs one all-gather of a 64-bit digest per rank (:func:`all_gather_digests`), and the full summaries
-travel (:func:`all_gather_objects`) only when digests differ. A final barrier agrees that the transfer completed.
+Two ways to bring per-rank flat shards together: :func:`gather_flat_tensors` (the default) sends each rank's *real*
+elements of each shard, padding excluded, straight into the slice of a fresh flat full tensor on the recipient (each
+byte moves once; one message per flat parameter, state key and sending rank); :func:`broadcast_from_each_rank`
+broadcasts each rank's pickled shard dict (kept for comparison). Metadata costs one all-gather of a 64-bit digest
+per rank (:func:`all_gather_digests`); the full summaries travel only when digests differ. A final barrier agrees
+that the transfer completed.
 """
 
 from __future__ import annotations
@@ -31,16 +27,14 @@ from fsdp_optim.job.host_copies import moved
 from fsdp_optim.job.skeleton import fill, slots, strip
 
 __all__ = [
-    "shut_down", "ProcessGroup", "Transfer", "agree", "all_gather_objects", "broadcast_from_each_rank",
-    "broadcast_object", "check_in", "dist_rank_and_size", "exchange_bytes", "is_cpu_group", "post_exchange",
+    "shut_down", "ProcessGroup", "Transfer", "agree", "all_gather_objects", "broadcast_from_each_rank", "check_in",
+    "broadcast_object", "dist_rank_and_size", "exchange_bytes", "is_cpu_group", "post_exchange", "scatter_objects",
     "new_gloo_group", "gather_flat_tensors", "gather_objects", "group_initialized", "join_from_env", "release_group",
-    "scatter_objects",
 ]  # fmt: skip
 
 ProcessGroup = dist.ProcessGroup  # for modules that hold a group but never talk through it (job/root.py)
 
-# On NCCL, staging buffers on the GPU are flushed once this many bytes are in flight.
-_STAGING_BYTES = 256 << 20
+_STAGING_BYTES = 256 << 20  # on NCCL, staging buffers on the GPU are flushed once this many bytes are in flight
 
 
 @dataclass(frozen=True)
@@ -66,13 +60,18 @@ def all_gather_digests(digest: int, group: dist.ProcessGroup | None) -> list[int
     return out.tolist()
 
 
-def new_gloo_group(group: dist.ProcessGroup | None, *, timeout_s: float | None = None) -> dist.ProcessGroup:
-    """A new gloo group over the ranks of ``group`` (a collective over the default group: every process
-    calls it, in the same order), for work that must not share ``group`` with the training loop; ``timeout_s``:
-    its collectives' timeout (else torch's default)."""
+def new_gloo_group(group: dist.ProcessGroup | None, *, timeout_s: float | None = None,
+                   create_within_s: float | None = None) -> dist.ProcessGroup:  # fmt: skip
+    """A new gloo group over the ranks of ``group`` (a collective over the default group: every process calls it, in
+    the same order), for work apart from the training loop; ``timeout_s``: its collectives' (else torch's default).
+    ``create_within_s`` bounds its creation alone (met through the store, which sees a dead rank only then)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    timeout = dist.default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s)
+    within = timeout if create_within_s is None else min(timeout, timedelta(seconds=create_within_s))
+    made = dist.new_group(ranks=ranks, backend="gloo", timeout=within)
+    if within != timeout and isinstance(made, dist.ProcessGroup):
+        made.set_timeout(timeout)  # its collectives wait on peers at work: the full timeout
+    return made
 
 
 def release_group(group: dist.ProcessGroup) -> None:
@@ -100,16 +99,21 @@ def group_initialized() -> bool:
 _check_ins: dict[str, int] = {}  # calls of check_in per key, in this process
 
 
-def check_in(what: str, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+def check_in(what: str, group: dist.ProcessGroup | None, timeout_s: float, *, alive: Any = None) -> None:
     """Wait on the job's store (not a collective) until every rank of ``group`` called this as often as this rank,
-    or raise saying so: a rank that calls ``what`` alone gets that, not a gloo abort or "connection closed"."""
+    or raise saying so: a rank that calls ``what`` alone gets that, not a gloo abort. ``alive``: a gloo group over
+    those ranks whose barrier, posted here, fails once a rank's process is gone: said at once, not at ``timeout_s``."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     base = f"fsdp_optim/check-in/{what}/{','.join(map(str, ranks))}"
     _check_ins[base] = count = _check_ins.get(base, 0) + 1
     store, key, stop_at = dist.distributed_c10d._get_default_store(), f"{base}/{count}", time.monotonic() + timeout_s
-    arrived = store.add(key, 1)
-    while arrived < len(ranks):
-        if time.monotonic() > stop_at:
+    arrived, beat = store.add(key, 1), None if alive is None else dist.barrier(group=alive, async_op=True)
+    while arrived < len(ranks) or beat is not None:
+        if beat is not None and beat.is_completed():  # done, or failed: a rank's connections closed (or it hung)
+            if beat.exception() is not None:
+                raise RuntimeError(f"{what}: another rank was lost while this one waited for it: {beat.exception()}")
+            beat = None
+        elif time.monotonic() > stop_at:
             raise RuntimeError(f"{what} is a collective: every rank must call it, but only {arrived} of the "
                                f"{len(ranks)} ranks did within {timeout_s:g} s; nothing was written")  # fmt: skip
         time.sleep(0.01)
@@ -212,9 +216,8 @@ def gather_flat_tensors(
     for destination, source in own_pieces:
         destination.copy_(source)
     io.flush()
-    # A sender's own messages can complete while another sender dies: without this, such a rank would
-    # return normally while the recipient raises. With it, a failure anywhere fails every rank (within
-    # the process group's timeout at worst).
+    # A sender's own messages can complete while another sender dies: without this, such a rank would return
+    # normally while the recipient raises. With it, a failure anywhere fails every rank (within the timeout at worst).
     dist.barrier(group=group)
     return outputs if receiving else None
 
@@ -314,17 +317,16 @@ def scatter_objects(
 ) -> T:
     """Rank ``r`` receives ``make(r)``, built on ``src`` one destination at a time; ``src`` keeps ``own``.
 
-    Tensors of one dimension or more travel as point-to-point tensor messages (no pickling); the rest
-    (dicts, 0-dim tensors, numbers) is pickled in one ``send_object_list`` per destination. So ``src``
-    holds one destination's payload at a time and each rank receives only its own. Under NCCL they arrive in, and
-    stay in, this rank's GPU memory (a load puts them there anyway: no trip back through the host).
+    Tensors of one dimension or more travel as point-to-point tensor messages (no pickling); the rest (dicts, 0-dim
+    tensors, numbers) is pickled in one ``send_object_list`` per destination. So ``src`` holds one destination's
+    payload at a time and each rank receives only its own. Under NCCL they arrive in, and stay in, this rank's GPU
+    memory (a load puts them there anyway: no trip back through the host).
     If ``make(r)`` raises on ``src``, the later destinations are sent nothing and every rank raises
     (:func:`agree`): ``src`` its original error, the others the same error naming ``src``.
 
     Cost: per destination, one object message plus one message per tensor; then one small all-gather.
     """
-    rank = dist.get_rank(group)
-    device = _comm_device(group)
+    rank, device = dist.get_rank(group), _comm_device(group)
     if rank != src:
         box: list[Any] = [None]
         dist.recv_object_list(box, src=_global(group, src), group=group, device=device)

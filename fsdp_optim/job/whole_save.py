@@ -25,7 +25,15 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, host_copy, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
-from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previous, launch
+from fsdp_optim.job.async_save import (
+    MEET_S,
+    AsyncSave,
+    checkpoint_group,
+    finish_previous,
+    keep_liveness_group,
+    launch,
+    liveness_group,
+)
 from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
@@ -95,7 +103,8 @@ def save_checkpoint(
     """
     with interrupts_deferred("save_checkpoint"):  # a Ctrl-C: the save ends as agreed on every rank, then raises
         root = verify_root(model, optim)
-        check_in("save_checkpoint", root.group, check_in_seconds())  # a rank calling it alone: said, no gloo abort
+        check_in("save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
+        keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
         prepared, per_rank = _prepare_everywhere(root, model, optim, extra, data=data)
         directory = where(path)
         side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
@@ -129,8 +138,9 @@ def async_save_checkpoint(
     with interrupts_deferred("async_save_checkpoint"):  # its agreed start (the thread does not see Ctrl-C)
         finish_previous(model)
         root = verify_root(model, optim)
-        check_in("async_save_checkpoint", root.group, check_in_seconds())
-        group = checkpoint_group(root.group)
+        check_in("async_save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))
+        keep_liveness_group(root.group)
+        group = checkpoint_group(root.group, meet_s=MEET_S)  # every rank checked in: made at once, or a rank is lost
         prepared, per_rank = _prepare_everywhere(
             root, model, optim, extra, copy_buffers=True, caller_of=group, data=data
         )
