@@ -79,8 +79,8 @@ def test_s3_server_serves_until_interrupted(tmp_path: Path) -> None:
         assert set(env) >= {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}, shown
         assert urlparse(env["AWS_ENDPOINT_URL"]).hostname == "127.0.0.1", env
         client = (
-            "import fsdp_optim; s = fsdp_optim.open_store('s3://tryout/run'); s.put('a.txt', b'hello'); "
-            "assert s.read_all('a.txt', limit=10) == b'hello'"
+            "import fsdp_optim; from fsdp_optim.disk.byte_io import read_all; s = fsdp_optim.open_store('s3://tryout/run'); "
+            "s.write('a.txt', b'hello'); assert read_all(s, 'a.txt', limit=10) == b'hello'"
         )
         keep = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         used = subprocess.run([sys.executable, "-c", client], cwd=ROOT, env={**keep, **env}, capture_output=True,

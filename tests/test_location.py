@@ -25,8 +25,9 @@ from _dist import run_ranks
 from _flat_store import FlatStore, open_flat
 
 import fsdp_optim
+from fsdp_optim.disk.byte_io import read_all
 from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, fetched_file, identity, non_objects, present
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.formats.sharded.memory_tier import node_dir, read_holdings
@@ -95,11 +96,11 @@ def test_reads_are_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
     parts = [bytearray(7), bytearray(100), bytearray(3)]
     location.read_into("blob", 500, [memoryview(p) for p in parts])
     assert b"".join(parts) == data[500:610]
-    assert location.read_all("blob", limit=len(data)) == data
+    assert read_all(location, "blob", limit=len(data)) == data
     with pytest.raises(ValueError, match="above the bound"):
-        location.read_all("blob", limit=10)
+        read_all(location, "blob", limit=10)
     with pytest.raises(FileNotFoundError):
-        location.read_all("missing", limit=10)
+        read_all(location, "missing", limit=10)
     assert str(location / "blob") == f"{location}/blob" and str(location.child("sub")) == f"{location}/sub"
     assert where(location) is location
     if kind != "flat":  # (a flat store built by hand is named by its object; registered, its URL leads to it)
@@ -167,10 +168,10 @@ def test_a_store_is_never_taken_for_a_local_path() -> None:
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_writes_removals_and_names_are_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
     location = _location(kind, str(tmp_path))
-    location.child("sub").put("one", b"first")
+    location.child("sub").write("one", b"first")
     source = tmp_path / "source.bin"
     source.write_bytes(b"second object")
-    location.child("sub").upload(source, "two")
+    location.child("sub").write("two", source)
     sub = location.child("sub")
     assert sorted(sub.listing()) == ["one", "two"] and location.prefixes() == ["sub"]
     assert bytes(sub.read_range("two", 0, 13)) == b"second object" and source.is_file(), "an upload copies"
@@ -180,20 +181,20 @@ def test_writes_removals_and_names_are_the_same_on_each_backend(kind: str, tmp_p
     sub.delete(["one", "missing"])
     assert sorted(sub.listing()) == ["two"]
     local = kind in ("local", "node")
-    assert location.identity() == (str(Path(str(location)).absolute()) if local else str(location))
+    assert identity(location) == (str(Path(str(location)).absolute()) if local else str(location))
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_a_location_emptied_and_removed_is_gone_on_each_backend(kind: str, tmp_path: Path) -> None:
     location = _location(kind, str(tmp_path))
     sub = location.child("sub")
-    sub.put("one", b"first")
-    assert sub.present() and sub.non_objects() == [], f"{kind}: a location holding an object is present"
+    sub.write("one", b"first")
+    assert present(sub) and non_objects(sub) == [], f"{kind}: a location holding an object is present"
     with sub.guarded(purpose="test removal") as held:
         assert held, f"{kind}: no writer holds it, so it may be removed"
         sub.delete(sorted(sub.listing()))
         sub.remove_marker()
-    assert not sub.present() and "sub" not in location.prefixes(), f"{kind}: removed, not listed"
+    assert not present(sub) and "sub" not in location.prefixes(), f"{kind}: removed, not listed"
 
 
 def test_a_local_directory_names_what_is_not_an_object_and_keeps_its_lock(tmp_path: Path) -> None:
@@ -201,7 +202,7 @@ def test_a_local_directory_names_what_is_not_an_object_and_keeps_its_lock(tmp_pa
     (tmp_path / "step" / "inner").mkdir(parents=True)
     (tmp_path / "step" / "file").write_bytes(b"x")
     (tmp_path / "step" / "link").symlink_to(tmp_path / "step" / "file")
-    assert sorted(local.listing()) == ["file"] and local.non_objects() == ["inner", "link"], "links, subdirectories"
+    assert sorted(local.listing()) == ["file"] and non_objects(local) == ["inner", "link"], "links, subdirectories"
     with local.guarded(purpose="first") as held, local.guarded(purpose="second") as again:
         assert held and not again, "a second remover finds the lock held and may remove nothing"
 
@@ -217,8 +218,8 @@ def test_only_a_local_directory_has_a_local_path(tmp_path: Path) -> None:
 def test_an_object_fetched_whole_is_the_same_on_each_backend(kind: str, tmp_path: Path) -> None:
     location = _location(kind, str(tmp_path))
     data = bytes(range(256)) * 9
-    location.put("blob.pt", data)
-    with location.fetched_whole("blob.pt") as local:
+    location.write("blob.pt", data)
+    with fetched_file(location, "blob.pt") as local:
         assert local.name == "blob.pt" and local.read_bytes() == data, kind
         copied = location.local_path() is None
     assert local.is_file() != copied, f"{kind}: its own file stays, a copy goes after the block"
@@ -228,7 +229,7 @@ def test_an_object_fetched_whole_is_the_same_on_each_backend(kind: str, tmp_path
     Location.download(location, "blob.pt", into, size=len(data))  # the default: ranged reads, for any backend
     assert into.read_bytes() == data
     with pytest.raises(FileNotFoundError, match="missing.pt: no such object"):
-        with location.fetched_whole("missing.pt"):
+        with fetched_file(location, "missing.pt"):
             pass
 
 
@@ -236,7 +237,7 @@ def test_a_url_of_one_object_is_downloaded_whole_or_refused_by_name() -> None:
     from fsdp_optim.disk.locations import downloaded
 
     store = fsdp_optim.open_store(f"memory://location-test/one-{uuid.uuid4().hex[:8]}")
-    store.put("full.pt", b"payload")
+    store.write("full.pt", b"payload")
     with downloaded(f"{store}/full.pt") as local:
         assert local.read_bytes() == b"payload" and local.name == "full.pt"
     assert not local.exists(), "the download is removed after the block"

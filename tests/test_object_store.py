@@ -236,7 +236,7 @@ def test_ranged_reads_fill_parts_across_piece_boundaries(monkeypatch: pytest.Mon
     monkeypatch.setattr(storage, "PIECE_BYTES", 7)
     store = fsdp_optim.open_store("memory://ranged-reads")
     data = bytes(range(256)) * 3
-    store.put("obj", data)
+    store.write("obj", data)
     for start, sizes in [(0, [768]), (5, [1, 30, 0, 2, 100]), (700, [13, 55])]:
         parts = [bytearray(n) for n in sizes]
         store.read_into("obj", start, [memoryview(p) for p in parts])

@@ -35,6 +35,7 @@ from _fault_proxy import Fault
 from test_object_store_faults import environment
 
 import fsdp_optim
+from fsdp_optim.disk.byte_io import read_all
 from fsdp_optim.disk.errors import ConcurrentCommitError
 from fsdp_optim.formats.sharded.locate import read_manifest
 
@@ -77,7 +78,7 @@ def test_a_writer_killed_mid_save(fault_proxy, tmp_path):
     url, env = fault_proxy.url("killed"), fault_proxy.env
     assert result(writer(url, "first", 2, env, "--state", str(tmp_path / "first.pt"))) == {"ok": True}
     with environment(env):
-        fsdp_optim.open_store(url).put("notes.txt", b"not a checkpoint's")
+        fsdp_optim.open_store(url).write("notes.txt", b"not a checkpoint's")
     fault_proxy.reset_stats()
     # The killed writer's first upload gets through; every later put fails (and is retried) until it is killed.
     fault_proxy.set_faults(Fault("status503", count=None, methods={"PUT"}, after=1))
@@ -101,7 +102,7 @@ def test_a_writer_killed_mid_save(fault_proxy, tmp_path):
     with environment(env):
         check_holds(url, tmp_path / "next.pt", "next")
         only_checkpoint(url, "notes.txt")  # the leftover removed, the foreign object kept
-        assert fsdp_optim.open_store(url).read_all("notes.txt", limit=100) == b"not a checkpoint's"
+        assert read_all(fsdp_optim.open_store(url), "notes.txt", limit=100) == b"not a checkpoint's"
 
 
 def test_two_writers_of_one_prefix(fault_proxy, tmp_path):

@@ -168,7 +168,7 @@ def test_a_frozen_server_fails_a_request_at_the_deadline_and_says_a_transfers_al
     assert kind == "StoreUnavailable" and "at the store deadline, 2 s (" in message, (kind, message)
     assert "allowed for" not in message, message
     assert "failed after 1 attempt in" in message and "no answer before the attempt's time was up" in message, message
-    kind, message = _outcome(lambda: store.put("big.bin", bytes(8 << 20)))
+    kind, message = _outcome(lambda: store.write("big.bin", bytes(8 << 20)))
     assert kind == "StoreUnavailable" and "big.bin" in message, (kind, message)
     assert "at the store deadline, 2 s, plus 2.0 s allowed for its 8.0 MiB transfer at 4 MiB/s" in message, message
     assert fault_proxy.stats().faults["stall"] >= 2, fault_proxy.stats()

@@ -17,6 +17,7 @@ import torch
 from _dist import run_ranks
 
 import fsdp_optim
+from fsdp_optim.disk.byte_io import read_all
 from fsdp_optim.disk.prefetch import StorePrefetch
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import Span
@@ -37,7 +38,7 @@ def _stores(s3_server: Any, fault_proxy: Any, prefix: str) -> tuple[ObjectStore,
 def test_ranges_are_fetched_once_in_order_within_the_window(s3_server: Any, fault_proxy: Any) -> None:
     data = os.urandom(1 << 20)
     direct, counted = _stores(s3_server, fault_proxy, "window")
-    direct.put("blob", data)
+    direct.write("blob", data)
     spans = [Span("blob", a, a + 64 * KIB, 1) for a in range(0, 1 << 20, 64 * KIB)]
     fault_proxy.reset_stats()
     most = 0
@@ -55,7 +56,7 @@ def test_ranges_are_fetched_once_in_order_within_the_window(s3_server: Any, faul
 def test_a_range_needed_again_is_fetched_again(s3_server: Any) -> None:
     data = os.urandom(256 * KIB)
     store = fsdp_optim.open_store(s3_server.url("again"), **s3_server.storage_options)
-    store.put("blob", data)
+    store.write("blob", data)
     with StorePrefetch(store, [Span("blob", 0, 128 * KIB, 1), Span("blob", 128 * KIB, 256 * KIB, 0)]) as ahead:
         first, kept = ahead.pieces
         assert bytes(first.bytes().numpy()) == data[: 128 * KIB]
@@ -85,9 +86,9 @@ def test_a_byte_changed_after_its_range_was_let_go_is_refused(s3_server: Any) ->
         out = torch.empty(numel, dtype=torch.float32)
         ckpt.reader(0)(flat, key, 0, numel, out)  # read, verified, and the range let go (its one use)
         assert held[record.file][1].dropped
-        damaged = bytearray(store.read_all(record.file, limit=record.nbytes))
+        damaged = bytearray(read_all(store, record.file, limit=record.nbytes))
         damaged[header] ^= 0xFF
-        store.put(record.file, bytes(damaged))
+        store.write(record.file, bytes(damaged))
         with pytest.raises(ValueError, match="checksum mismatch"):
             ckpt.reader(0)(flat, key, 0, numel, out)
     ckpt.close()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fsdp_optim
+from fsdp_optim.disk.byte_io import read_all
 from fsdp_optim.disk.locations import where
 from fsdp_optim.offline.publish import checkpoint_output
 
@@ -57,7 +58,7 @@ def test_a_store_output_is_published_from_a_local_copy_then_removed(tmp_path: Pa
     fsdp_optim.to_safetensors(_full(), tmp_path / "optim.safetensors")
     fsdp_optim.to_safetensors(_full(), f"{url}/optim.safetensors")
     store = where(url)
-    assert bytes(store.read_all("optim.safetensors", limit=1 << 20)) == (tmp_path / "optim.safetensors").read_bytes()
+    assert bytes(read_all(store, "optim.safetensors", limit=1 << 20)) == (tmp_path / "optim.safetensors").read_bytes()
     fsdp_optim.to_dcp(_full(), f"{url}/dcp")
     assert ".metadata" in store.child("dcp").listing(), f"a DCP directory, uploaded: {store.child('dcp').listing()}"
     assert list(scratch.iterdir()) == [], f"the local copies are removed: {list(scratch.iterdir())}"
@@ -80,7 +81,7 @@ def _layout_twice(rank: int, world_size: int, tmp: str) -> dict[str, Any]:  # no
     url = f"memory://written-here/{uuid.uuid4().hex[:8]}"
     local = fsdp_optim.save_layout(root, Path(tmp) / "layout.json")
     stored = fsdp_optim.save_layout(root, f"{url}/layout.json")
-    return {"local": str(local), "stored": str(stored), "same": bytes(where(url).read_all("layout.json", limit=1 << 20))
+    return {"local": str(local), "stored": str(stored), "same": bytes(read_all(where(url), "layout.json", limit=1 << 20))
             == (Path(tmp) / "layout.json").read_bytes()}  # fmt: skip
 
 

@@ -32,16 +32,17 @@ __all__ = ["run_list"]
 
 
 def run_list(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.location import exists, present
     from fsdp_optim.disk.locations import where
     from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
     from fsdp_optim.formats.sharded.steps import survey_root
 
     root = where(args.root)  # a local directory, or a prefix of an object store
     memory = _memory(root, getattr(args, "memory_dir", None))
-    if not root.exists() and memory is None:
+    if not exists(root) and memory is None:
         raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
     found = survey_root(root, verify=not args.quick)
-    if not found and memory is None and not root.present() and not root.prefixes():
+    if not found and memory is None and not present(root) and not root.prefixes():
         # A store keeps no empty "directories": nothing below the prefix is what a missing local root is.
         raise FileNotFoundError(
             f"{root}: nothing is stored under this prefix (no such bucket, or no object below it); expected a "

@@ -107,12 +107,13 @@ def _consolidate_safetensors(opened: Opened, args: argparse.Namespace, progress:
 def uploads_itself(args: argparse.Namespace) -> bool:
     """Whether the verb writes its ``-o`` URL itself (``consolidate -o URL.safetensors`` into a store that takes
     multipart uploads) instead of a local file uploaded once written."""
+    from fsdp_optim.disk.location import shared_directory
     from fsdp_optim.disk.locations import where
 
     output = str(getattr(args, "output", ""))
     if args.run is not run_consolidate or not is_safetensors_name(output):
         return False
-    if where(output).shared_directory() is not None:
+    if shared_directory(where(output)) is not None:
         return False
     parent, name = output.rstrip("/").rsplit("/", 1)
     return where(parent).multipart(name) is not None

@@ -13,7 +13,7 @@ A backend that can do better overrides one more method (a ranged GET of its own:
 
 from __future__ import annotations
 
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, identity
 from fsdp_optim.disk.store_policy import RetryPolicy
 
 __all__ = ["ObjectBackend"]
@@ -26,7 +26,7 @@ class ObjectBackend(Location):
     policy = RetryPolicy(float("inf"), attempts=1)  # a backend retries inside its own methods, if it needs to
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Location) and other.identity() == self.identity()
+        return isinstance(other, Location) and identity(other) == identity(self)
 
     def __hash__(self) -> int:
-        return hash(self.identity())
+        return hash(identity(self))

@@ -1,5 +1,5 @@
 """The bytes of a backend: :class:`ByteIO`, the eight primitives every place holding named objects implements, and
-what follows from them (sizes, etags, ranged and whole reads, copies, writes of a local file or of bytes).
+what follows from them (sizes, etags, ranged reads, copies; :func:`read_all`: an object whole).
 
 A backend implements eight methods and nothing else is required of it; what it can do better it overrides (a
 store's own ranged GET, a whole-object copy, a ``stat`` for a size)::
@@ -21,15 +21,12 @@ How a checkpoint is saved on top of them (the save steps, written once) is
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ByteIO", "StoredObject"]
+__all__ = ["ByteIO", "StoredObject", "read_all"]
 
 _DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
 
@@ -98,14 +95,6 @@ class ByteIO(ABC):
             return None
         return found.etag if found.etag is not None else f"{found.size}-{found.mtime}"
 
-    def upload(self, local: Path, name: str) -> None:
-        """Make the local file ``local`` this location's object ``name`` (a copy; the file stays)."""
-        self.write(name, local)
-
-    def put(self, name: str, data: bytes) -> None:
-        """Write ``data`` as object ``name``, replaced whole (never seen half written)."""
-        self.write(name, data)
-
     def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
         """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent); by default one
         :meth:`read_into` a new buffer (a store overrides it with its own ranged GET)."""
@@ -113,37 +102,20 @@ class ByteIO(ABC):
         self.read_into(name, start, [memoryview(out)])
         return out
 
-    def read_all(self, name: str, *, limit: int, size: int | None = None) -> bytes:
-        """The whole object (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when absent.
-        ``size``: its size as a listing just gave it (not asked again); by default :meth:`size` asks."""
-        size = self.size(name) if size is None else size
-        if size is None:
-            raise FileNotFoundError(f"{self}/{name}: no such object")
-        if size > limit:
-            raise ValueError(f"{self}/{name}: {size} bytes, above the bound for it ({limit})")
-        return bytes(self.read_range(name, 0, size))
-
-    @contextmanager
-    def fetched_whole(self, name: str) -> Iterator[Path]:
-        """Object ``name`` whole as a local file, for the readers that take a file (a full dict, a named safetensors
-        file, a layout file): a temporary copy (:meth:`download`), checked for the object's size and removed after
-        the block. ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of another size."""
-        size = self.size(name)
-        if size is None:
-            raise FileNotFoundError(f"{self}/{name}: no such object")
-        scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
-        try:
-            local = scratch / name
-            self.download(name, local, size=size)
-            if local.stat().st_size != size:
-                raise OSError(f"{self}/{name}: downloaded {local.stat().st_size} of {size} bytes")
-            yield local
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-
     def download(self, name: str, local: Path, *, size: int) -> None:
         """Copy object ``name`` (``size`` bytes) into the new local file ``local`` (here: by ranged reads, a piece
         at a time; a backend with a whole-object copy of its own uses that)."""
         with open(local, "wb") as out:
             for start in range(0, size, _DOWNLOAD_PIECE):
                 out.write(self.read_range(name, start, min(start + _DOWNLOAD_PIECE, size)))
+
+
+def read_all(loc: ByteIO, name: str, *, limit: int, size: int | None = None) -> bytes:
+    """Object ``name`` of ``loc`` whole (at most ``limit`` bytes, else ``ValueError``); ``FileNotFoundError`` when
+    absent. ``size``: its size as a listing just gave it (not asked again); by default :meth:`ByteIO.size` asks."""
+    size = loc.size(name) if size is None else size
+    if size is None:
+        raise FileNotFoundError(f"{loc}/{name}: no such object")
+    if size > limit:
+        raise ValueError(f"{loc}/{name}: {size} bytes, above the bound for it ({limit})")
+    return bytes(loc.read_range(name, 0, size))

@@ -69,22 +69,13 @@ class LocalDirectory(Location):
     def name(self) -> str:
         return self.path.name
 
-    def public(self) -> Path:
-        return self.path
-
     def local_path(self) -> Path:
         return self.path
-
-    def identity(self) -> str:
-        return str(self.path.absolute())
 
     def parent(self) -> LocalDirectory:
         return LocalDirectory(self.path.parent)
 
     # -- reading -------------------------------------------------------------------------------------------
-
-    def exists(self) -> bool:
-        return self.path.is_dir()
 
     def listing(self) -> dict[str, StoredObject]:
         try:
@@ -97,15 +88,6 @@ class LocalDirectory(Location):
             if stat.S_ISREG(st.st_mode):
                 found[e.name] = StoredObject(e.name, st.st_size, st.st_mtime, None)
         return found
-
-    def present(self) -> bool:
-        return self.path.is_dir()
-
-    def non_objects(self) -> list[str]:
-        try:
-            return sorted(e.name for e in os.scandir(self.path) if not e.is_file(follow_symlinks=False))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
 
     def prefixes(self) -> list[str]:
         try:
@@ -134,13 +116,6 @@ class LocalDirectory(Location):
                 at += len(data)
         finally:
             os.close(fd)
-
-    @contextmanager
-    def fetched_whole(self, name: str) -> Iterator[Path]:
-        """The object's own file: nothing copied, nothing removed after."""
-        if self.size(name) is None:
-            raise FileNotFoundError(f"{self / name}: no such object")
-        yield self.path / name
 
     def write(self, name: str, data: bytes | Path) -> None:
         """Object ``name`` written whole, atomically (a temporary file renamed into place, fsynced)."""
@@ -199,13 +174,6 @@ class LocalDirectory(Location):
     def writer(self, rules: SaveRules) -> RenameWriter:
         """A rename under the directory's lock and journal."""
         return RenameWriter(self, rules)
-
-    def shared_directory(self) -> Path:
-        return self.path
-
-    def same_place(self, other: Location) -> bool:
-        """The same directory once symlinks are resolved (``other`` of another kind never is)."""
-        return isinstance(other, LocalDirectory) and self.path.resolve() == other.path.resolve()
 
     @contextmanager
     def as_local_file(self) -> Iterator[str | os.PathLike[str]]:

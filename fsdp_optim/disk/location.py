@@ -9,13 +9,17 @@ call these methods; none asks which kind it is.
 
 A backend implements the eight byte-level primitives of :class:`~fsdp_optim.disk.byte_io.ByteIO` (its name, the
 level below, listing, ranged reads into buffers, an atomic whole-object write, the conditional commit, delete); its
-sizes, whole reads and copies follow from them there. Beyond them: naming (``/``, ``child``, ``parent``,
-``identity``), ``prefetch(spans)`` (ranges fetched ahead of a load), ``local_path()`` (the path whose files are mapped
-in place, or None), ``present()`` / ``non_objects()``; an output of any shape written by ``written_here(publishing)``
-(in place where it is local, else a local copy published as the block ends; the plainest publishing: ``uploaded``);
-a whole location removed under ``guarded(purpose)``: its objects deleted, then ``remove_marker()``; and
-``writer(rules)``: how a save commits here (:mod:`fsdp_optim.disk.save`, the one save protocol: a conditional put by
-default, a rename under a lock and journal in a local directory).
+sizes and etags follow from them there. Beyond them, the members a backend may override: naming (``/``, ``name``,
+``child``, ``parent``), ``local_path()`` (the path whose files are mapped in place, or None), ``prefetch(spans)``
+(ranges fetched ahead of a load), an output of any shape written by ``written_here(publishing)`` (in place where it is
+local, else a local copy published as the block ends), a whole location removed under ``guarded(purpose)``: its
+objects deleted, then ``remove_marker()``; ``as_local_file()``, ``multipart(name)``, and ``writer(rules)``: how a save
+commits here (:mod:`fsdp_optim.disk.save`, the one save protocol: a conditional put by default, a rename under a lock
+and journal in a local directory).
+
+What follows from the members, the same for every backend, is a function over a location below (a local path, where
+there is one, answers): :func:`fetched_file`, :func:`public`, :func:`identity`, :func:`same_place`, :func:`exists`,
+:func:`present`, :func:`non_objects`, :func:`shared_directory` and the plainest publishing, :func:`uploaded`.
 
 ``disk/`` knows no format: what a save's output owns comes from the format (:class:`~fsdp_optim.disk.save.SaveRules`).
 """
@@ -39,7 +43,10 @@ from fsdp_optim.disk.save import SaveRules, Writer
 if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
 
-__all__ = ["Location", "ObjectPath", "Where", "is_url"]
+__all__ = [
+    "Location", "ObjectPath", "Where", "exists", "fetched_file", "identity", "is_url", "non_objects", "present",
+    "public", "same_place", "shared_directory", "uploaded",
+]
 
 T = TypeVar("T")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -83,39 +90,16 @@ class Location(ByteIO):
     def name(self) -> str:
         return str(self).rstrip("/").rsplit("/", 1)[-1]
 
-    def public(self) -> Path | Location:
-        """What the API hands back for this location (a ``Path`` for a local directory, as it always has)."""
-        return self
-
     def local_path(self) -> Path | None:
         """The local path this location is, for the readers that map or open its files in place; ``None`` where its
         objects have no local path (a store: read by ranges, written by uploads)."""
         return None
-
-    def identity(self) -> str:
-        """A name that says which location this is in any process (a URL, a local directory's absolute path)."""
-        return str(self)
 
     def parent(self) -> Location:
         """The location this one is directly below (of an object's URL: the prefix holding it)."""
         raise NotImplementedError(f"{self}: no parent location")
 
     # -- reading -------------------------------------------------------------------------------------------
-
-    def exists(self) -> bool:
-        """Whether there is a place here to list (a store's prefix always is: it exists once an object does)."""
-        return True
-
-    def present(self) -> bool:
-        """Whether this location is there now as a place of its own: by default while an object is below it (a
-        store may keep an emptied prefix listed by its marker: not present); a local directory while it exists,
-        even empty."""
-        return bool(self.listing())
-
-    def non_objects(self) -> list[str]:
-        """The names directly under this location that are not objects (a local directory's subdirectories, links,
-        devices: never a checkpoint's own files), sorted; none by default (a store's listing is all objects)."""
-        return []
 
     def prefetch(
         self, spans: Callable[[], Sequence[Any]]  # noqa: ARG002 - nothing fetched ahead by default
@@ -150,17 +134,6 @@ class Location(ByteIO):
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    @contextmanager
-    def uploaded(self, local: Path) -> Iterator[None]:
-        """The plainest ``publishing`` for :meth:`written_here`: once the block ends cleanly, the file written at
-        ``local`` becomes this location's object (a directory: each file under its relative name), replaced whole."""
-        yield None
-        if local.is_dir():
-            for path in sorted(p for p in local.rglob("*") if p.is_file()):
-                self.upload(path, path.relative_to(local).as_posix())
-        else:
-            self.parent().upload(local, self.name)
-
     def remove_marker(self) -> None:  # noqa: B027 - most backends keep no marker
         """Once its objects are deleted, remove what keeps this location listed (a store's "directory" object, a
         local directory itself; nothing by default)."""
@@ -172,29 +145,117 @@ class Location(ByteIO):
         the commit object, on the :class:`~fsdp_optim.disk.byte_io.ByteIO` primitives."""
         return Writer(self, rules)
 
-    def shared_directory(self) -> Path | None:
-        """The directory of a file system every process sees, where several processes may write one output
-        together (each its own files, or its own byte ranges of one file); ``None`` by default: an object is
-        written whole, by one writer."""
-        return None
-
     def multipart(self, name: str) -> Multipart | None:  # noqa: ARG002 - none by default
         """Object ``name`` written as the parts of one multipart upload, by any number of processes, where the
         backend offers it (:mod:`~fsdp_optim.disk.multipart`); ``None`` by default (written whole, by one writer)."""
         return None
 
-    def same_place(self, other: Location) -> bool:
-        """Whether ``other`` names this very location (by default: the same :meth:`identity`)."""
-        return self.identity() == other.identity()
-
     @contextmanager
     def as_local_file(self) -> Iterator[str | os.PathLike[str]]:
         """This location, naming one object, as a local file for the readers that take a file (a full dict, a
         consolidated checkpoint): by default the object fetched whole from the location above
-        (:meth:`fetched_whole`, removed after the block; ``FileNotFoundError`` when there is none)."""
-        with self.parent().fetched_whole(self.name) as local:
+        (:func:`fetched_file`, removed after the block; ``FileNotFoundError`` when there is none)."""
+        with fetched_file(self.parent(), self.name) as local:
             yield local
 
 
 
+
+
 Where = Path | Location  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
+
+
+# -- what follows from the members (the same for every backend: a local path, where there is one, answers) ----------
+
+
+def public(loc: Location) -> Path | Location:
+    """What the API hands back for ``loc``: its local path (a ``Path`` for a local directory, as it always has), else
+    the location itself."""
+    path = loc.local_path()
+    return loc if path is None else path
+
+
+def identity(loc: Location) -> str:
+    """A name that says which location ``loc`` is in any process (a local directory's absolute path, else its URL)."""
+    path = loc.local_path()
+    return str(loc) if path is None else str(path.absolute())
+
+
+def same_place(loc: Location, other: Location) -> bool:
+    """Whether ``other`` names the very location ``loc`` does: the same directory once symlinks are resolved (a
+    local directory is never the same place as a location of another kind), else the same :func:`identity`."""
+    path, other_path = loc.local_path(), other.local_path()
+    if path is None and other_path is None:
+        return identity(loc) == identity(other)
+    return path is not None and other_path is not None and path.resolve() == other_path.resolve()
+
+
+def exists(loc: Location) -> bool:
+    """Whether there is a place here to list: a local directory while it is one (a store's prefix always is: it
+    exists once an object does)."""
+    path = loc.local_path()
+    return True if path is None else path.is_dir()
+
+
+def present(loc: Location) -> bool:
+    """Whether ``loc`` is there now as a place of its own: a local directory while it exists, even empty; a store's
+    prefix while an object is below it (an emptied prefix kept listed by its marker is not present)."""
+    path = loc.local_path()
+    return bool(loc.listing()) if path is None else path.is_dir()
+
+
+def non_objects(loc: Location) -> list[str]:
+    """The names directly under ``loc`` that are not objects (a local directory's subdirectories, links, devices:
+    never a checkpoint's own files), sorted; none where it has no local path (a store's listing is all objects)."""
+    path = loc.local_path()
+    if path is None:
+        return []
+    try:
+        return sorted(e.name for e in os.scandir(path) if not e.is_file(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def shared_directory(loc: Location) -> Path | None:
+    """The directory of a file system every process sees, where several processes may write one output together
+    (each its own files, or its own byte ranges of one file): a local directory's path; ``None`` elsewhere (an object
+    is written whole, by one writer)."""
+    return loc.local_path()
+
+
+@contextmanager
+def uploaded(loc: Location, local: Path) -> Iterator[None]:
+    """The plainest ``publishing`` for :meth:`Location.written_here` (``functools.partial(uploaded, loc)``): once the
+    block ends cleanly, the file written at ``local`` becomes ``loc``'s object (a directory: each file under its
+    relative name), replaced whole."""
+    yield None
+    if local.is_dir():
+        for path in sorted(p for p in local.rglob("*") if p.is_file()):
+            loc.write(path.relative_to(local).as_posix(), path)
+    else:
+        loc.parent().write(loc.name, local)
+
+
+@contextmanager
+def fetched_file(loc: Location, name: str) -> Iterator[Path]:
+    """Object ``name`` of ``loc`` whole as a local file, for the readers that take a file (a full dict, a named
+    safetensors file, a layout file): where ``loc`` has a local path, the object's own file (nothing copied, nothing
+    removed after); else a temporary copy (:meth:`~fsdp_optim.disk.byte_io.ByteIO.download`), checked for the object's
+    size and removed after the block. ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of
+    another size."""
+    size = loc.size(name)
+    if size is None:
+        raise FileNotFoundError(f"{loc / name}: no such object")  # (a local file's path, else the object's URL)
+    path = loc.local_path()
+    if path is not None:
+        yield path / name
+        return
+    scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
+    try:
+        local = scratch / name
+        loc.download(name, local, size=size)
+        if local.stat().st_size != size:
+            raise OSError(f"{loc}/{name}: downloaded {local.stat().st_size} of {size} bytes")
+        yield local
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

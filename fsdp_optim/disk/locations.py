@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.location import Location, is_url
+from fsdp_optim.disk.location import Location, fetched_file, is_url
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.storage import ObjectStore
@@ -111,7 +111,7 @@ def downloaded(url: str, storage_options: Mapping[str, Any] | None = None) -> It
     location = where(url, storage_options)
     with ExitStack() as stack:
         try:
-            local = stack.enter_context(location.parent().fetched_whole(location.name))
+            local = stack.enter_context(fetched_file(location.parent(), location.name))
         except FileNotFoundError:  # (only while fetching: the block's own errors pass as they are)
             raise FileNotFoundError(
                 f"{url.rstrip('/')}: no such object, and no manifest.json under it (not a sharded checkpoint's "

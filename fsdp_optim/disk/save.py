@@ -176,7 +176,7 @@ class Writer:
     def publish(self, staging: Staging, names: Iterable[str]) -> None:
         """Make the files ``names`` written into ``staging`` the location's: here each uploaded, then removed."""
         for name in names:
-            self.location.upload(staging.path / name, name)
+            self.location.write(name, staging.path / name)
             (staging.path / name).unlink()
 
     def commit(self, begun: Begun | None, data: bytes | None) -> None:

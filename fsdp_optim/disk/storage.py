@@ -96,9 +96,6 @@ class ObjectStore(Location):
     def name(self) -> str:
         return self.url.rsplit("/", 1)[-1]
 
-    def public(self) -> ObjectStore:
-        return self
-
     def key(self, name: str) -> str:
         return f"{self.root}/{name}"
 

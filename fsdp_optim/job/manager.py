@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.steps import check_schedule, step_dir_name, steps_to_keep
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, public
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.memory_tier import node_name, tier_bytes
 from fsdp_optim.formats.sharded.steps import (
@@ -130,7 +130,7 @@ class CheckpointManager:
 
     def path(self, step: int) -> Path | Location:
         """The directory of ``step``: ``root/step-00000042`` (a ``Path``, or a store's prefix)."""
-        return self.root.child(step_dir_name(step)).public()
+        return public(self.root.child(step_dir_name(step)))
 
     def save(
         self, step: int, model: nn.Module, optim: torch.optim.Optimizer | None, extra: Any = None, *, data: Any = None

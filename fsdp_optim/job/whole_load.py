@@ -23,7 +23,7 @@ from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, exists
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
@@ -196,7 +196,7 @@ def is_whole_file_path(path: Location) -> bool:
     """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory
     or its manifest; a place to list (a directory, a store's prefix, which always is one) is none, and nothing there
     is none either (opening it as a checkpoint says so)."""
-    if path.exists():
+    if exists(path):
         return False
     try:
         return source_kind(path) == "file"

@@ -22,6 +22,7 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.source import Plan, Source
 from fsdp_optim.disk.atomic import new_save_id
+from fsdp_optim.disk.location import same_place
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded import recut
@@ -90,7 +91,7 @@ def reshard_checkpoint(
 ) -> Path:  # fmt: skip
     """The sharded checkpoint ``ckpt`` (``source``: its optimizer state) re-cut for ``world_size`` ranks into
     ``out``: one plan, then one rank file at a time (a whole one carries its weights and side files)."""
-    if out.exists() and ckpt.directory.same_place(where(out)):
+    if out.exists() and same_place(ckpt.directory, where(out)):
         raise ValueError(f"out_dir: {out} is the source checkpoint's directory; write to another directory")
     target = replace(ckpt.manifest.with_world_size(world_size), save_id=new_save_id())
     whole = is_whole(ckpt)  # its weights ride along with the optimizer's keys, its side files are carried

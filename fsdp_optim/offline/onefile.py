@@ -20,6 +20,7 @@ import torch
 
 from fsdp_optim.core.parts import PART_BYTES
 from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.disk.location import shared_directory
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
@@ -150,7 +151,7 @@ def write_one_file(
     runs = [range(len(sizes))] if team is None else split_by_bytes(sizes, team.size).runs
     fill = partial(_fill, team, runs, trim=trim, progress=progress, bar=bar, total=layout.size)
     try:
-        if where(str(output)).shared_directory() is not None:
+        if shared_directory(where(str(output))) is not None:
             return _to_file(team, layout, output, fill, inputs=inputs, overwrite=overwrite)
         size = to_upload(team, layout, runs, str(output), fill, inputs=inputs, overwrite=overwrite,
                          part_bytes=part_bytes)  # fmt: skip

@@ -93,7 +93,7 @@ def _published(
             elif local.is_dir():
                 publish_files(local, target)
             else:  # one object
-                target.parent().upload(local, local.name)
+                target.parent().write(local.name, local)
         finally:  # (before a failed save's uploads are removed: none may land after)
             uploads.stop()
 
@@ -115,7 +115,7 @@ class Uploads:
         os.link(path, self.links / path.name)
         self.save.published.append(path.name)  # (a failure from here on removes it)
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="fsdp-optim-publish")
-        self._early[path.name] = self._pool.submit(self.save.writer.location.upload, self.links / path.name, path.name)
+        self._early[path.name] = self._pool.submit(self.save.writer.location.write, path.name, self.links / path.name)
 
     def stop(self) -> None:
         """Wait for the uploads under way (those not started yet are cancelled)."""
@@ -136,4 +136,4 @@ class Uploads:
 def publish_files(local: Path, store: Location) -> None:  # (each object replaced whole: no commit point)
     """Upload every file under ``local`` to the same relative names under ``store``."""
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        store.upload(path, path.relative_to(local).as_posix())
+        store.write(path.relative_to(local).as_posix(), path)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.byte_io import read_all
+from fsdp_optim.disk.location import Location, non_objects, present
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import open_regular
@@ -48,14 +49,14 @@ def checkpoint_location(place: Location) -> Location:
 
 def _names_manifest(place: Location) -> bool:
     """``place`` names a checkpoint's manifest (by name: no place of its own there), not its directory."""
-    return place.name in MANIFEST_NAMES and not place.present()
+    return place.name in MANIFEST_NAMES and not present(place)
 
 
 def _holds(place: Location, name: str) -> bool:
     """Whether ``place`` has an entry ``name``: an object, or another kind of entry (a symlink, a directory: refused
     saying what it is when it is read)."""
     try:
-        return place.size(name) is not None or name in place.non_objects()
+        return place.size(name) is not None or name in non_objects(place)
     except NotADirectoryError:  # a file, not a place holding entries
         return False
 
@@ -88,7 +89,7 @@ def source_kind(path: str | os.PathLike[str] | Location) -> str:
     place = where(path)
     if _is_sharded(place):
         return "sharded"
-    if place.present():
+    if present(place):
         raise ValueError(
             f"{place}: not a sharded checkpoint directory, a directory without a {MANIFEST_NAME} or "
             f"{LEGACY_MANIFEST_NAME} "
@@ -148,7 +149,7 @@ def manifest_at(place: Location) -> Manifest:
 
 def _read_remote_manifest(store: Location) -> Manifest:
     try:
-        data = store.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
+        data = read_all(store, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise ValueError(
             f"{store}: not a sharded checkpoint (no {MANIFEST_NAME} under this prefix; a save that never committed "

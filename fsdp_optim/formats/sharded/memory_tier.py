@@ -27,7 +27,7 @@ from fsdp_optim.core.memory_plan import Holding
 from fsdp_optim.core.steps import step_dir_name
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.json_input import loads
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, identity
 from fsdp_optim.disk.locations import where
 
 __all__ = [
@@ -98,7 +98,7 @@ def node_name(node: object) -> str:
 def default_memory_dir(root: Path | Location) -> Path:
     """A manager's memory directory unless given: ``/dev/shm/fsdp_optim-<12 hex of its root's absolute path>`` (of
     its URL, for a root in an object store)."""
-    name = where(root).identity()
+    name = identity(where(root))
     return Path("/dev/shm") / f"fsdp_optim-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 

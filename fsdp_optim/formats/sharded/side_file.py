@@ -29,7 +29,7 @@ from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import loads
-from fsdp_optim.disk.location import Location, Where
+from fsdp_optim.disk.location import Location, Where, non_objects
 from fsdp_optim.formats.safetensors_container import DTYPE_NAMES, encode_header
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
@@ -183,7 +183,7 @@ def _read_exactly(place: Location, record: FileRecord) -> bytes:
     """The side file's bytes, refused when it is not of the size the manifest records."""
     path = place / record.file
     size = place.size(record.file)
-    if size is None and record.file in place.non_objects():  # a symlink (never followed), a directory...
+    if size is None and record.file in non_objects(place):  # a symlink (never followed), a directory...
         raise ValueError(f"{path}: not a regular file, expected one (the manifest lists it as a side file)")
     if size is None:
         raise FileNotFoundError(f"{path}: no such file (the manifest lists it as a side file)")

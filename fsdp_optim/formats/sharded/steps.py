@@ -27,7 +27,7 @@ from pathlib import Path
 from fsdp_optim.core.steps import parse_pruning_mark, parse_step_dir, pruning_mark_name, step_dir_name
 from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME
 from fsdp_optim.disk.errors import StoreUnavailable
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, non_objects, present, public
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import LOCK_SUFFIX
 from fsdp_optim.formats.sharded.locate import read_manifest
@@ -88,7 +88,7 @@ def find_step_dirs(root: str | os.PathLike[str] | Location) -> list[tuple[int, P
     holding an object: an emptied one may stay listed by its marker), by step; [] when ``root`` does not exist yet."""
     place = where(root)
     steps = ((s, place.child(n)) for n in place.prefixes() if (s := parse_step_dir(n)) is not None)
-    return sorted(((s, d.public()) for s, d in steps if d.present()), key=lambda found: found[0])
+    return sorted(((s, public(d)) for s, d in steps if present(d)), key=lambda found: found[0])
 
 
 def pruning_marks(root: str | os.PathLike[str] | Location) -> frozenset[int]:
@@ -135,7 +135,7 @@ def _contents(path: Path | Location) -> tuple[list[str], tuple[str, ...], int]:
     """The names in a step directory, those our writer never makes (or that are not objects: a local directory's
     subdirectories and links), and the bytes of its objects."""
     place = where(path)
-    listing, others = place.listing(), place.non_objects()
+    listing, others = place.listing(), non_objects(place)
     names = sorted([*listing, *others])
     foreign = tuple(n for n in names if n in others or not _is_ours(n))
     return names, foreign, sum(o.size for o in listing.values())

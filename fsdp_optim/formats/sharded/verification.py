@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, public
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.locate import checkpoint_dir
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
@@ -39,7 +39,7 @@ def verify_sharded(path: str | os.PathLike[str] | Location, only: Callable[[str]
         raise  # the store did not answer: not damage (a manager must not skip a good step for an outage)
     except (ValueError, OSError) as exc:
         detail = str(exc).removeprefix(f"{manifest_path}: ")
-        return Verification(directory.public(), "sharded checkpoint", (FileCheck(manifest_path, False, detail),))
+        return Verification(public(directory), "sharded checkpoint", (FileCheck(manifest_path, False, detail),))
     manifest = ckpt.manifest
     side_files = manifest.training.files if manifest.training is not None else ()
     listed = f"{len(manifest.files)} rank files" + (f" and {len(side_files)} side files" if side_files else "")
@@ -61,7 +61,7 @@ def verify_sharded(path: str | os.PathLike[str] | Location, only: Callable[[str]
         checks.append(check_file(directory / side.file, read_side, nbytes=side.nbytes))
     checks += _leftover_checks(directory, {manifest_path.name} | manifest.file_names())
     kind = "sharded checkpoint" if manifest.training is None else "whole sharded checkpoint (model, optimizer, extra)"
-    return Verification(directory.public(), kind, tuple(checks))  # named as inspect names it
+    return Verification(public(directory), kind, tuple(checks))  # named as inspect names it
 
 
 def _leftover_checks(directory: Location, listed: set[str]) -> list[FileCheck]:

@@ -25,7 +25,7 @@ import torch
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
-from fsdp_optim.disk.byte_io import ByteIO
+from fsdp_optim.disk.byte_io import ByteIO, read_all
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
@@ -230,7 +230,7 @@ def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
     the save id nor the world size."""
 
     def listed(location: ByteIO, size: int | None = None) -> frozenset[str]:
-        data = location.read_all(MANIFEST_NAME, limit=MAX_MANIFEST_BYTES, size=size)
+        data = read_all(location, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES, size=size)
         return frozenset(manifest_from_json(data, source=f"{location}/{MANIFEST_NAME}").file_names())
 
     entry = JournalEntry(save_id=save_id, world_size=world_size)

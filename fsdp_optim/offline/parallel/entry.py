@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.preconditions import check_world_size
-from fsdp_optim.disk.location import Location, is_url
+from fsdp_optim.disk.location import Location, is_url, shared_directory
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.kinds import Kind, sniff_kind
 from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
@@ -52,7 +52,7 @@ def splits(verb: str, *inputs: Given, output: str | os.PathLike[str] | Location 
     if output is None:
         return False
     if verb == "reshard":
-        return ours and where(output).shared_directory() is not None
+        return ours and shared_directory(where(output)) is not None
     if verb == "consolidate":
         return ours and Path(str(output)).suffix.lower() == ".safetensors" and _many_write(output)
     return False
@@ -61,7 +61,7 @@ def splits(verb: str, *inputs: Given, output: str | os.PathLike[str] | Location 
 def _many_write(output: str | os.PathLike[str] | Location) -> bool:
     """``output`` is one file that many processes may write: on a file system they share, or in a store that takes
     multipart uploads (each process puts its own parts)."""
-    if where(output).shared_directory() is not None:
+    if shared_directory(where(output)) is not None:
         return True
     parent, name = str(output).rstrip("/").rsplit("/", 1)
     return where(parent).multipart(name) is not None
@@ -109,7 +109,7 @@ def reshard_in_team(
     check_world_size("world_size", world_size)
     check_buffer_choice(buffers)
     place = where(out_dir)
-    out = place.shared_directory()  # a directory of the processes' files
+    out = shared_directory(place)  # a directory of the processes' files
     if out is None:
         raise ValueError(f"out_dir: {out_dir} is not a local directory; a reshard by many processes writes to a "
                          "file system they share (reshard into it, then upload)")  # fmt: skip
