@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import _models as M
@@ -19,7 +22,7 @@ from _checks import assert_identical
 from _dist import run_ranks
 
 from fsdp_optim import consolidate, reshard, scatter_full_optim_state
-from fsdp_optim.core import plan as plan_module
+from fsdp_optim.core import execute as execute_module
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.plan import plan
 from fsdp_optim.formats import fullstate
@@ -27,6 +30,18 @@ from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, full_dict_s
 from fsdp_optim.formats.sharded.manifest import Manifest
 
 SHAPES = {"a.w": (3, 5), "a.b": (5,), "b.w": (7,)}
+
+
+@contextlib.contextmanager
+def _counting(fn: Callable) -> Iterator[mock.Mock]:
+    """One call counter around our own ``fn`` wherever the package's modules hold it (each imports it from the module
+    that defines it), the real function called through it."""
+    counter = mock.Mock(wraps=fn)
+    with contextlib.ExitStack() as stack:
+        for name, module in list(sys.modules.items()):
+            if name.startswith("fsdp_optim") and getattr(module, fn.__name__, None) is fn:
+                stack.enter_context(mock.patch.object(module, fn.__name__, counter))
+        yield counter
 
 
 def _layout() -> ModelLayout:
@@ -51,9 +66,7 @@ def test_offline_reshard_of_a_full_dict_plans_once_for_every_rank(tmp_path) -> N
     full = _full()
     given = copy.deepcopy(full)
     layout = Manifest.from_layout(_layout(), save_id="layout")
-    with mock.patch("fsdp_optim.core.plan.plan", wraps=plan) as planned, mock.patch(
-        "fsdp_optim.formats.fullstate.full_dict_source", wraps=full_dict_source
-    ) as adapted:
+    with _counting(plan) as planned, _counting(full_dict_source) as adapted:
         reshard(full, 4, tmp_path / "out", layout=layout)
     assert (planned.call_count, adapted.call_count) == (1, 1)
     assert_identical(full, given, "the caller's dict")
@@ -89,9 +102,7 @@ def _scatter_counting(rank: int, world_size: int) -> dict:
         M.train_step(root, optim, *M.local_batch(step, rank, world_size))
     full = root.gather_full_optim_state_dict(optim, recipient_rank=0)
     fresh = M.OPTIMIZERS["adamw"](M.fsdp_param_groups(root))
-    with mock.patch("fsdp_optim.core.plan.plan", wraps=plan) as planned, mock.patch(
-        "fsdp_optim.formats.fullstate.full_dict_source", wraps=full_dict_source
-    ) as adapted:
+    with _counting(plan) as planned, _counting(full_dict_source) as adapted:
         scatter_full_optim_state(root, fresh, full if rank == 0 else None, src_rank=0)
     return {"plans": planned.call_count, "sources": adapted.call_count, "loaded": fresh.state_dict(), "own": optim.state_dict()}
 
@@ -106,7 +117,7 @@ def test_scatter_plans_once_on_the_source_rank_only() -> None:
 def test_engine_modules_exist_once() -> None:
     # The parallel paths the engine replaced are gone, not kept beside it.
     assert not hasattr(fullstate, "_check_membership") and not hasattr(fullstate, "GroupSpec")
-    assert hasattr(plan_module, "cut_rank") and hasattr(plan_module, "assemble_full")
+    assert hasattr(execute_module, "cut_rank") and hasattr(execute_module, "assemble_full")
 
 
 def test_checksums_are_xxh3_and_earlier_sha256_digests_still_verify() -> None:

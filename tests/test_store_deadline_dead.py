@@ -16,7 +16,7 @@ from fsdp_optim.cli import main
 from fsdp_optim.disk.store_policy import DEADLINE_ENV, MIN_ATTEMPT_S
 
 try:
-    import s3fs  # noqa: F401 - the store a URL without a registered backend reaches
+    import s3fs  # the store a URL without a registered backend reaches
 except ImportError as e:
     missing(f"s3fs ({e})")
 
@@ -25,6 +25,9 @@ DEADLINE_S = 3.0
 
 @pytest.fixture
 def silent_endpoint() -> Iterator[str]:
+    # s3fs keeps one filesystem per set of arguments for the process, and the endpoint comes from the environment:
+    # an earlier test's filesystem (a live local server) would answer instead of the silent endpoint.
+    s3fs.S3FileSystem.clear_instance_cache()
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(64)  # connections are accepted by the kernel and never answered
@@ -32,6 +35,7 @@ def silent_endpoint() -> Iterator[str]:
         yield f"http://127.0.0.1:{hole.getsockname()[1]}"
     finally:
         hole.close()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.mark.parametrize("verb", ["inspect", "list"])
