@@ -186,7 +186,8 @@ def test_the_default_run_fits_180_s_and_the_suite_8_minutes_with_a_result_per_te
 def test_a_pytest_step_ended_by_its_bound_still_writes_the_tests_that_ended(tmp_path: Path) -> None:
     (tmp_path / "test_slow.py").write_text("import time\ndef test_quick(): pass\ndef test_sleeps(): time.sleep(60)\n")
     xml = tmp_path / "out.xml"
-    step = Step("tests", (sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={xml}", str(tmp_path / "test_slow.py")),
+    # --rootdir: the test names in the XML are relative to it, wherever the checkout running this lies (under /tmp too)
+    step = Step("tests", (sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--rootdir={tmp_path}", f"--junitxml={xml}", str(tmp_path / "test_slow.py")),
                 8, stop_signal="INT")  # fmt: skip
     with open(tmp_path / "log", "w") as log:
         outcomes = run_phase([step], tmp_path, log, left_s=100)
