@@ -227,13 +227,18 @@ def _gpu_load(rank: int, world_size: int, out: str) -> dict[str, Any]:  # noqa: 
     with HostAllocations() as seen:
         fsdp_optim.load_checkpoint(root, optim, f"{out}/ckpt")
     torch.cuda.synchronize()
-    same = True
+    same = _as_saved(root, optim, saved)
+    return {"exact": same, "host bytes above 1 MiB": sum(seen.above(1 << 20))}
+
+
+def _as_saved(root: torch.nn.Module, optim: torch.optim.Optimizer, saved: dict[str, Any]) -> bool:
+    """Whether the live model and optimizer hold exactly what ``saved`` snapshotted (``{"model", "optim"}``)."""
     try:
         assert_identical(root.state_dict(), saved["model"])
         assert_identical(optim.state_dict(), saved["optim"])
     except AssertionError:
-        same = False
-    return {"exact": same, "host bytes above 1 MiB": sum(seen.above(1 << 20))}
+        return False
+    return True
 
 
 @CUDA
@@ -258,12 +263,7 @@ def _gpu_load_memory(rank: int, world_size: int, out: str) -> dict[str, Any]:  #
     fsdp_optim.load_checkpoint(root, optim, f"{out}/ckpt")
     torch.cuda.synchronize()
     growth = torch.cuda.max_memory_allocated() - live
-    same = True
-    try:
-        assert_identical(root.state_dict(), saved["model"])
-        assert_identical(optim.state_dict(), saved["optim"])
-    except AssertionError:
-        same = False
+    same = _as_saved(root, optim, saved)
     return {"exact": same, "growth": growth, "bound": ring_of(torch.device("cuda", 0)).slot_bytes + (64 << 20),
             "state": sum(p.numel() * 4 * 3 for p in root.parameters())}  # fmt: skip
 
