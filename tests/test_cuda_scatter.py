@@ -14,8 +14,8 @@ import torch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: state received in GPU memory")
 def test_state_already_on_its_parameters_gpu_is_taken_as_it_is() -> None:
     """optimizer_state_on_device, the one rule (job/device_load.py): a tensor received on its parameter's GPU is
-    copied on the device into the live tensor; one on the host goes through the ring into the live state; the result
-    loads exactly, every live tensor kept."""
+    memory of its own there and becomes the state as it is; one on the host crosses devices through the ring into the
+    live state; the result loads exactly."""
     from fsdp_optim.job.device_load import optimizer_state_on_device
 
     net = torch.nn.Linear(64, 32).cuda()
@@ -30,13 +30,14 @@ def test_state_already_on_its_parameters_gpu_is_taken_as_it_is() -> None:
     mixed[1]["exp_avg"] = mixed[1]["exp_avg"].cpu()  # from the host, as a file gives it
     live = {(pid, k): v for pid, e in optim.state_dict()["state"].items() for k, v in e.items() if v.dim()}
     ready = optimizer_state_on_device(optim, {**saved, "state": mixed})
-    assert ready["state"][0]["exp_avg"] is live[(0, "exp_avg")], "a tensor received on the GPU lands in the live one"
+    assert ready["state"][0]["exp_avg"] is received, "a tensor received on its GPU becomes the state as it is"
     assert ready["state"][1]["exp_avg"] is live[(1, "exp_avg")], "a host tensor lands in the live one, on its GPU"
     optim.load_state_dict(ready)
     for pid, entries in want.items():
         for key, value in entries.items():
             assert torch.equal(optim.state_dict()["state"][pid][key], value), f"{pid}.{key}"
-    assert all(optim.state_dict()["state"][pid][k] is t for (pid, k), t in live.items()), "the live tensors stay"
+    kept = [(pid, k) for pid, k in live if (pid, k) != (0, "exp_avg")]
+    assert all(optim.state_dict()["state"][pid][k] is live[(pid, k)] for pid, k in kept), "the other live tensors stay"
 
 
 def _scatter_on_gpus(rank: int, world_size: int) -> dict[str, Any]:

@@ -1,7 +1,10 @@
-"""Where loaded state lands, one rule on every device: in the live tensors, in place (parameters, buffers and the
-optimizer's state tensors), so that memory does not double past the load. Host tensors go into GPU ones through the
-stager's pinned ring (:func:`fsdp_optim.job.stager.upload`), never through pageable memory; tensors a load already
-read onto the GPU (:mod:`fsdp_optim.job.ring_load`) or a scatter received there are copied on the device.
+"""Where loaded state lands, one rule on every device: the device never holds the state twice past the load.
+Parameters and buffers land in the live tensors, in place (FSDP's flat parameters must keep their storage). The
+optimizer's state lands in its live tensors where the loaded bytes cross devices (host tensors into GPU ones, through
+the stager's pinned ring, :func:`fsdp_optim.job.stager.upload`, never through pageable memory); a loaded tensor
+already in memory of its own on its parameter's device becomes the state as it is (a copy would cost and save
+nothing). A load at the saved layout through a GPU's ring reads straight into the live tensors
+(:func:`live_destination`), so there nothing is copied at all.
 """
 
 from __future__ import annotations
@@ -63,15 +66,16 @@ def _castable(host: torch.Tensor, live: torch.Tensor) -> bool:
 
 def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` (``{"state": {id: {key: tensor or value}}, "param_groups": [...]}``, as
-    ``optim.load_state_dict`` takes it) with every state tensor landed where the load's one rule puts it: **in the
-    live optimizer's own tensor** for that parameter and key, in place, when it has one of that shape, dtype (the one
-    ``load_state_dict`` would cast to) and device, whatever device the loaded tensor came from (a GPU tensor a load
-    read there or a scatter received there: copied on the device; a host tensor into a GPU one: through the pinned
-    ring; host into host: copied), so a load never holds the state twice past this call. Without such a live tensor,
-    a tensor already on its parameter's device is used as it is, and a host tensor for a GPU parameter goes into a
-    new GPU tensor. ``step`` stays as it is (as ``load_state_dict`` keeps it). ``load_state_dict`` keeps tensors
-    of the right dtype and device as they are, so the live tensors stay the optimizer's. An async save still
-    copying ``optim``'s state is waited for first (its pre-hook on ``load_state_dict`` would come too late)."""
+    ``optim.load_state_dict`` takes it) with every state tensor where the load's one rule puts it: a loaded tensor
+    already on its parameter's device (a host load for a host parameter, a GPU tensor a load read there or a
+    scatter received there) is new memory of its own and **becomes the state as it is** (cast to the dtype
+    ``load_state_dict`` would cast it to): copying it into the live tensor would cost a copy of the whole state and
+    lower no peak, since the live tensors are freed when ``load_state_dict`` replaces them. A tensor that must
+    cross devices (a host tensor for a GPU parameter) lands **in the live optimizer's own tensor** for that
+    parameter and key, in place, through the pinned ring, when it has one of that shape, dtype and device, and in
+    a new GPU tensor when it has none, so the GPU never holds the state twice. ``step`` stays as it is (as
+    ``load_state_dict`` keeps it). An async save still copying ``optim``'s state is waited for first (its pre-hook
+    on ``load_state_dict`` would come too late)."""
     before_change(optim)
     params = _params_by_id(optim, state_dict)
     state: dict[Any, dict[str, Any]] = {}
@@ -85,13 +89,13 @@ def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str
                 continue
             dtype = param.dtype if param.is_floating_point() else value.dtype
             target = live.get(key)
-            if not _fits(target, value, dtype, param.device):
-                if value.device == param.device:  # nothing live to land in: the loaded tensor becomes it
-                    state[pid][key] = value.to(dtype)
-                    continue
+            fits = _fits(target, value, dtype, param.device)
+            if value.device == param.device:  # memory of its own where it belongs (or the live tensor's own)
+                state[pid][key] = target if fits and _same(target, value) else value.to(dtype)
+                continue
+            if not fits:
                 target = torch.empty(value.shape, dtype=dtype, device=param.device)
-            if target is not value:
-                pairs.append((target, value.to(dtype)))  # as load_state_dict casts it (an integer one too)
+            pairs.append((target, value.to(dtype)))  # as load_state_dict casts it (an integer one too)
             state[pid][key] = target
     into_live(pairs)
     return {**state_dict, "state": state}
