@@ -134,7 +134,7 @@ def run_reshard(args: argparse.Namespace) -> list[str]:
 
 
 def run_convert(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.disk.staged import write_file
+    from fsdp_optim.disk.one_file import write_file
     from fsdp_optim.formats.fairscale import to_named
 
     with _open(args, args.source) as opened:

@@ -35,23 +35,16 @@ def fsync_dir(directory: Path) -> None:
 
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str], *, tag: str | None = None) -> int:
-    """``torch.save(obj)`` to ``path`` through :func:`atomic_write` (temporary file, fsync, rename). Returns the
-    file's size. torch's zip writer reports a failed write (disk full, file too large) as a bare ``RuntimeError``
-    about stream positions; the operating system's error and the file are raised instead."""
-    writers: list[_RecordingWriter] = []
-
-    def write(file: BinaryIO) -> None:
-        writers.append(_RecordingWriter(file))
-        torch.save(obj, cast("IO[bytes]", writers[-1]))
-
+def save_into(obj: Any, file: BinaryIO) -> None:
+    """``torch.save(obj)`` into ``file``. torch's zip writer reports a failed write (disk full, file too large) as a
+    bare ``RuntimeError`` about stream positions; the operating system's error is raised instead."""
+    recording = _RecordingWriter(file)
     try:
-        return atomic_write(path, write, tag=tag)[0]
-    except RuntimeError as exc:
-        cause = writers[-1].error if writers else None
-        if cause is None:
+        torch.save(obj, cast("IO[bytes]", recording))
+    except RuntimeError:
+        if recording.error is None:
             raise
-        raise OSError(cause.errno, f"{path}: cannot write the checkpoint file: {cause.strerror or cause}") from exc
+        raise recording.error from None
 
 
 T = TypeVar("T")
@@ -148,7 +141,7 @@ def load_file(
 
 
 
-# atomic_save's temporary names: ".<final>.tmp.<pid>.<8 hex>", or with a tag ".<final>.<12 hex>.tmp.<pid>.<8 hex>".
+# atomic_write's temporary names: ".<final>.tmp.<pid>.<8 hex>", or with a tag ".<final>.<12 hex>.tmp.<pid>.<8 hex>".
 TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.tmp\.\d+\.[0-9a-f]{8}$")
 
 

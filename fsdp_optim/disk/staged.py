@@ -1,6 +1,6 @@
 """The steps of the one way out of a local directory: the lock, its journal and the recovery from it that a local
 directory's writer of the one save protocol takes (:class:`~fsdp_optim.disk.local_directory.RenameWriter`, behind
-``staged_output`` for a directory of files and every job save), and :func:`write_file` (one file).
+``staged_output`` for a directory of files and every job save; ``disk/one_file.py`` for one file).
 
 What every writer gets, whatever the format::
 
@@ -28,15 +28,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME, atomic_save, atomic_write
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.locks import ForeignOutputError, OutputLock, lock_output, resolve_output
-from fsdp_optim.disk.save import Claims, Survey, refuse_foreign
+from fsdp_optim.disk.save import Claims, refuse_foreign
 from fsdp_optim.disk.untrusted import describe_file
 
 __all__ = [
@@ -44,8 +43,6 @@ __all__ = [
     "close_output",
     "open_output",
     "recover",
-    "write_file",
-    "write_stream",
 ]
 
 STAGING_MARK = ".fsdp-optim-staging."
@@ -189,69 +186,3 @@ def sweep_temporaries(directory: Path, own: set[str], tagged: set[tuple[str, str
             Path(entry.path).unlink(missing_ok=True)
             removed.append(entry.name)
     return removed
-
-
-class _FileClaims:
-    """A single output file claims nothing in a directory; its temporary file is journaled by tag."""
-
-    def survey(self, directory: Path) -> Survey:  # noqa: ARG002
-        return Survey()
-
-    def created(self, entry: JournalEntry) -> set[str]:  # noqa: ARG002
-        return set()
-
-    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:  # noqa: ARG002
-        return set()
-
-    def referenced(self, directory: Path) -> set[str]:  # noqa: ARG002
-        return set()
-
-    def deletable(self, name: str) -> bool:  # noqa: ARG002
-        return False
-
-
-def write_file(
-    obj: Any, path: str | os.PathLike[str], *, inputs: Iterable[Any] = (), overwrite: bool = True
-) -> int:
-    """``torch.save`` of a single output file, atomically, under its lock, refused if it is one of ``inputs``;
-    the temporary file is journaled, so one left by a killed writer is removed by the next. Returns the file's
-    size. An existing file at ``path`` is replaced when ``overwrite`` (the API's default), else refused with
-    ``FileExistsError`` and left as it was (the command line's default: ``-o FILE`` replaces only with
-    ``--overwrite``)."""
-    return _write_one(path, inputs, "write a file", lambda out, tag: atomic_save(obj, out, tag=tag), overwrite)
-
-
-def write_stream(
-    write: Callable[[BinaryIO], Any],
-    path: str | os.PathLike[str],
-    *,
-    inputs: Iterable[Any] = (),
-    purpose: str,
-    overwrite: bool = True,
-) -> int:
-    """:func:`write_file` for a format that writes its own bytes: ``write(file)`` fills the (seekable) temporary
-    file. Returns the file's size."""
-    return _write_one(path, inputs, purpose, lambda out, tag: atomic_write(out, write, tag=tag)[0], overwrite)
-
-
-def _write_one(
-    path: str | os.PathLike[str],
-    inputs: Iterable[Any],
-    purpose: str,
-    save: Callable[[Path, str], int],
-    overwrite: bool,
-) -> int:
-    """Check, lock, recover, journal, then ``save(final path, tag)`` (an atomic write with that tag)."""
-    check_not_input(path, inputs, name="output")
-    tag = uuid.uuid4().hex[:12]
-    with lock_output(path, purpose=purpose) as lock:
-        if lock.previous:
-            recover(lock.output.parent, lock.previous, _FileClaims())
-            lock.forget()
-        if not overwrite and os.path.lexists(lock.output):  # under the lock: no writer of ours is replacing it
-            raise FileExistsError(
-                f"{path}: exists already ({describe_file(lock.output)}); pass overwrite=True (--overwrite) to "
-                "replace it"
-            )
-        lock.journal(JournalEntry(file=lock.output.name, tag=tag))
-        return save(lock.output, tag)

@@ -24,7 +24,7 @@ from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.location import Location, ObjectPath, exists, uploaded
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.staged import write_stream
+from fsdp_optim.disk.one_file import write_stream
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json

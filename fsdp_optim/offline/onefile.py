@@ -2,19 +2,19 @@
 :func:`~fsdp_optim.offline.onefile_layout.lay_out`, for one process and for a team
 (:mod:`fsdp_optim.offline.parallel.onefile`) alike, into one of two sinks (:class:`Sink`): a local file
 (:class:`FileSink`: preallocated; each tensor made, written with os.pwrite at its offset, read back and compared,
-freed; the header with every checksum written over its room at offset 0; fsync; rename), or the parts of one
-multipart upload (:class:`~fsdp_optim.offline.onefile_parts.UploadSink`).
-
-A failure at any step leaves no file: the temporary file is the one way out's (``disk.staged.write_stream``:
-locked, journaled, removed on failure, renamed on success).
+freed), or the parts of one multipart upload (:class:`~fsdp_optim.offline.onefile_parts.UploadSink`). Either is a
+save of one object through the one driver (:func:`fsdp_optim.disk.save.saving`), whose commit's data is the header
+with every checksum: written over its room at offset 0, fsync, rename (:class:`~fsdp_optim.disk.one_file.FileWriter`:
+locked, journaled), or put into the held part and the upload completed. A failure at any step leaves no file: the
+temporary file removed, the upload aborted.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -22,16 +22,16 @@ from fsdp_optim.core.parts import PART_BYTES
 from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.disk.location import shared_directory
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.staged import write_stream
+from fsdp_optim.disk.one_file import FileWriter
+from fsdp_optim.disk.save import Save, Writer, saving
 from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
 from fsdp_optim.offline.onefile_layout import FileLayout, described, final_header, lay_out, stepped
-from fsdp_optim.offline.onefile_parts import to_upload
+from fsdp_optim.offline.onefile_parts import upload_sink
 
 if TYPE_CHECKING:
     from fsdp_optim.job.team import Team
 
-__all__ = ["FileSink", "Sink", "consolidate_to_safetensors", "preallocate", "write_header", "write_one_file",
-           "write_tensors"]
+__all__ = ["FileSink", "Sink", "consolidate_to_safetensors", "preallocate", "write_one_file", "write_tensors"]
 
 _IO_BYTES = 64 << 20  # one pwrite / pread at most (a tensor is written and read back in such pieces)
 S = TypeVar("S")  # what one process's share of the file is to its sink
@@ -81,14 +81,6 @@ def _put(fd: int, tensor: torch.Tensor, offset: int, where: str) -> None:
             raise OSError(f"{where}: the bytes read back at offset {offset + at} differ from those written")
 
 
-def write_header(fd: int, layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> None:
-    """The final header (every share's checksums), written over the placeholders' room at offset 0."""
-    header = final_header(layout, shares)
-    done = 0
-    while done < len(header):
-        done += os.pwrite(fd, header[done:], done)
-
-
 def consolidate_to_safetensors(
     opened: Any, output: str | os.PathLike[str], *, rank: int | None = None, no_model: bool = False,
     inputs: Sequence[Any] = (), overwrite: bool = True, progress: Callable[[], None] | None = None,
@@ -105,37 +97,53 @@ def consolidate_to_safetensors(
 
 
 class Sink(Protocol[S]):
-    """Where the one file's bytes go: :meth:`write` puts tensors ``which`` of the layout (a process's run) and
-    returns that share (its checksums, and what else the commit needs); :meth:`sent` is what of a share goes to
-    process 0; :meth:`commit` (process 0) makes the file whole of every share."""
+    """Where the one file's bytes go, the writer of its save (:func:`~fsdp_optim.disk.save.saving`) with it:
+    :meth:`open` (process 0: the save begun, what the others need sent), :meth:`write` puts tensors ``which`` of the
+    layout (a process's run) and returns that share (its checksums, and what else the commit needs); :meth:`sent` is
+    what of a share goes to process 0; :meth:`header` (process 0) is the commit's data: the final header of every
+    share."""
+
+    target: str  # what process 0's open sent: the temporary file's path, the upload's id
+
+    @property
+    def writer(self) -> Writer: ...
+
+    def open(self, save: Save, *, overwrite: bool) -> str: ...
 
     def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> S: ...
 
     def sent(self, share: S) -> S: ...
 
-    def commit(self, mine: S, shares: Sequence[S]) -> None: ...
+    def header(self, mine: S, shares: Sequence[S]) -> bytes: ...
 
 
 class FileSink:
-    """A local file at ``path``, preallocated: each tensor written at its offset and read back; the header (with
-    every share's checksums) written by process 0, which holds the file open as ``fd``."""
+    """A local file, staged beside ``output`` (:class:`~fsdp_optim.disk.one_file.FileWriter`) and preallocated by
+    process 0, whose temporary file every process fills: each tensor written at its offset and read back."""
 
-    def __init__(self, layout: FileLayout, path: str, fd: int | None) -> None:  # noqa: D107
-        self.layout, self.path, self.fd = layout, path, fd
+    def __init__(self, layout: FileLayout, output: str | os.PathLike[str], inputs: Sequence[Any]) -> None:  # noqa: D107
+        self.layout, self.writer, self.target = layout, FileWriter(output, inputs=inputs), ""
+
+    def open(self, save: Save, *, overwrite: bool) -> str:
+        save.begin(purpose="fsdp_optim.consolidate", overwrite=overwrite)
+        fd = os.open(save.staging.path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            preallocate(fd, self.layout.size)
+        finally:
+            os.close(fd)
+        return str(save.staging.path)
 
     def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> dict[str, Any]:  # noqa: ARG002
-        if not os.path.isfile(self.path):
-            raise ValueError(f"{self.path}: process 0's temporary file is not visible here: the output must be on a "
+        if not os.path.isfile(self.target):
+            raise ValueError(f"{self.target}: process 0's temporary file is not visible here: the output must be on a "
                              "file system every process shares")  # fmt: skip
-        return write_tensors(self.path, self.layout, which, after=after)
+        return write_tensors(self.target, self.layout, which, after=after)
 
     def sent(self, share: dict[str, Any]) -> dict[str, Any]:
         return share
 
-    def commit(self, mine: dict[str, Any], shares: Sequence[dict[str, Any]]) -> None:  # noqa: ARG002
-        if self.fd is None:
-            raise RuntimeError(f"{self.path}: the header is written by process 0, which holds the file open")
-        write_header(self.fd, self.layout, shares)
+    def header(self, mine: dict[str, Any], shares: Sequence[dict[str, Any]]) -> bytes:  # noqa: ARG002
+        return final_header(self.layout, shares)
 
 
 def write_one_file(
@@ -143,36 +151,33 @@ def write_one_file(
     trim: Callable[[], None], progress: Callable[[], None] | None = None, bar: bool = False,
     part_bytes: int = PART_BYTES,
 ) -> int:  # fmt: skip
-    """The one path to a consolidated file: ``layout`` written into ``output`` by this process alone (``team``
-    ``None``) or by every process of ``team``, each its run of tensors (split by bytes, in file order), into one of
-    two sinks: a local file (:class:`FileSink`) or the parts of one multipart upload
-    (:mod:`fsdp_optim.offline.onefile_parts`). Returns the file's size (0 on a process but 0 of a team)."""
+    """The one path to a consolidated file, a save through the one driver: ``layout`` written into ``output`` by
+    this process alone (``team`` ``None``) or by every process of ``team``, each its run of tensors (split by bytes,
+    in file order), into one of two sinks: a local file (:class:`FileSink`) or the parts of one multipart upload
+    (:class:`~fsdp_optim.offline.onefile_parts.UploadSink`). Process 0 opens the output (every process gets what it
+    sent), every process writes its run, process 0 commits (the header: renamed, or the upload completed); each
+    step agreed. Returns the file's size (0 on a process but 0 of a team)."""
     sizes = [t.nbytes for t in layout.tensors]
     runs = [range(len(sizes))] if team is None else split_by_bytes(sizes, team.size).runs
-    fill = partial(_fill, team, runs, trim=trim, progress=progress, bar=bar, total=layout.size)
-    try:
-        if shared_directory(where(str(output))) is not None:
-            return _to_file(team, layout, output, fill, inputs=inputs, overwrite=overwrite)
-        size = to_upload(team, layout, runs, str(output), fill, inputs=inputs, overwrite=overwrite,
-                         part_bytes=part_bytes)  # fmt: skip
-    except _Agreed as agreed:
-        raise agreed.error from None
-    if size is None:  # a store without multipart uploads: the file written locally, then uploaded whole
+    rank = 0 if team is None else team.rank
+    sink: Sink[Any] | None = FileSink(layout, output, inputs)
+    if shared_directory(where(str(output))) is None:
+        sink = upload_sink(layout, runs, str(output), inputs=inputs, part_bytes=part_bytes)
+    if sink is None and team is not None:
+        raise ValueError(f"output: {output}: its store takes no multipart uploads")
+    if sink is None:  # a store without multipart uploads: the file written locally, then uploaded whole
         from fsdp_optim.offline.publish import output_for
 
         with output_for(output, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as local:
-            size = _to_file(None, layout, local, fill, inputs=(), overwrite=True)
-    return size
-
-
-class _Agreed(BaseException):
-    """A team's failure every process has agreed on already (the share step's), told apart from one still to agree
-    on (process 0's open or commit): agreeing on it again would wait on a lost peer. :func:`write_one_file` raises
-    its ``error``."""
-
-    def __init__(self, error: Exception) -> None:  # noqa: D107
-        super().__init__(str(error))
-        self.error = error
+            return write_one_file(None, layout, local, inputs=(), overwrite=True, trim=trim, progress=progress)
+    agreed = partial(stepped, team)
+    with saving(sink.writer, None, save_id="", rank=rank, agreed=agreed) as save:
+        with agreed(f"consolidate: process 0 could not open {output}; nothing was written"):
+            opened = sink.open(save, overwrite=overwrite) if rank == 0 else ""
+        sink.target = opened if team is None else str(team.from_first(opened))
+        mine, shares = _fill(team, runs, sink, trim=trim, progress=progress, bar=bar, total=layout.size)
+        save.commit(sink.header(mine, shares) if rank == 0 else None)
+    return layout.size if rank == 0 else 0
 
 
 def _fill(
@@ -189,50 +194,6 @@ def _fill(
         if progress is not None:
             progress()
 
-    try:
-        with stepped(team, "consolidate failed on another process; nothing was committed", watch=watch):
-            mine = sink.write(runs[rank], rank, alone if watch is None else watch.advance)
-    except Exception as exc:
-        if team is None:
-            raise
-        raise _Agreed(exc) from None  # every process raises it: no later step agrees on it again
+    with stepped(team, "consolidate failed on another process; nothing was committed", watch=watch):
+        mine = sink.write(runs[rank], rank, alone if watch is None else watch.advance)
     return mine, ([mine] if team is None else team.to_first(sink.sent(mine)) or [])
-
-
-def _to_file(
-    team: Team | None, layout: FileLayout, output: str | os.PathLike[str], fill: Callable[[FileSink], Any], *,
-    inputs: Sequence[Any], overwrite: bool,
-) -> int:  # fmt: skip
-    """The local file sink: process 0 opens the output (``disk.staged.write_stream``: lock, journal, a temporary file
-    beside it), preallocates it and sends its path (``None``: it failed); every process fills it; process 0 writes
-    the header, fsyncs and renames; every process agrees on that commit."""
-    what = f"consolidate: process 0 could not write {output}; nothing was committed"
-    sent = [False]
-
-    def write(f: BinaryIO) -> None:
-        preallocate(f.fileno(), layout.size)
-        if team is not None:
-            sent[0] = True
-            team.from_first(f.name)
-        sink = FileSink(layout, f.name, f.fileno())
-        sink.commit(*fill(sink))
-
-    if team is not None and team.rank != 0:
-        path = team.from_first(None)
-        if path is not None:  # else process 0's error comes with the agreement below
-            fill(FileSink(layout, path, None))
-        team.agree(None, what)  # on process 0's commit
-        return 0
-    try:
-        size = write_stream(write, output, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
-    except _Agreed:
-        raise  # the share step's failure: every process agreed on it there
-    except BaseException as exc:  # the open or the commit failed: the others are in the agreement below
-        if team is not None and not sent[0]:  # the others wait for the temporary file's path: none
-            team.from_first(None)
-        if team is not None:
-            team.agree(exc, what)
-        raise
-    if team is not None:
-        team.agree(None, what)
-    return size

@@ -17,23 +17,22 @@ A store without multipart uploads gets the file written locally and uploaded who
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fsdp_optim.core.parts import PART_BYTES, PartPlan, PartSpan, plan_parts
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.multipart import Multipart, Part
+from fsdp_optim.disk.save import Begun, Save, Staging, Writer
 from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
-from fsdp_optim.offline.onefile_layout import FileLayout, final_header, stepped
+from fsdp_optim.offline.onefile_layout import FileLayout, final_header
 
-if TYPE_CHECKING:
-    from fsdp_optim.job.team import Team
-
-__all__ = ["Share", "UploadSink", "abort_quietly", "commit_parts", "layout_parts", "open_upload", "to_upload",
-           "write_parts"]
+__all__ = ["Share", "UploadSink", "layout_parts", "upload_sink", "write_parts"]
 
 
 @dataclass
@@ -48,22 +47,6 @@ class Share:
 def layout_parts(layout: FileLayout, runs: Sequence[Sequence[int]], part_bytes: int = PART_BYTES) -> PartPlan:
     """The parts of ``layout`` written by processes whose tensors are ``runs`` (``core/parts.plan_parts``)."""
     return plan_parts(layout.offsets, [t.nbytes for t in layout.tensors], layout.size, runs, part_bytes=part_bytes)
-
-
-def open_upload(output: str, *, inputs: Iterable[Any], overwrite: bool) -> tuple[Multipart, str] | None:
-    """``output``'s multipart upload, begun: ``(upload, its id)``; ``None`` where its backend has none. Refused first:
-    ``output`` naming an input, an object already there unless ``overwrite``."""
-    url = str(output).rstrip("/")
-    if any(str(i).rstrip("/") == url for i in inputs if i is not None):
-        raise ValueError(f"output: {url} is also an input; write to another place")
-    parent, name = url.rsplit("/", 1)
-    store = where(parent)
-    upload = store.multipart(name)
-    if upload is None:
-        return None
-    if not overwrite and store.size(name) is not None:
-        raise FileExistsError(f"output: {url}: an object is there already; pass --overwrite to replace it")
-    return upload, upload.begin()
 
 
 class _Parts:
@@ -135,84 +118,71 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).cast("B")
 
 
-def commit_parts(layout: FileLayout, upload: Multipart, upload_id: str, held: Share, shares: Sequence[Share]) -> None:
-    """The header (every share's checksums) written into ``held``'s parts, which are put; the upload completed."""
-    header = final_header(layout, [share.sums for share in shares])
-    for span, buffer in held.held.values():
-        piece = header[span.start : span.stop]
-        buffer[: len(piece)] = piece
-    parts = [upload.put_part(upload_id, span.number, buffer) for span, buffer in held.held.values()]
-    upload.complete(upload_id, [*parts, *(p for s in shares for p in s.parts)])
+class UploadSink(Writer):
+    """The parts of one multipart upload of ``output`` (``upload``), the sink of the one file
+    (:class:`~fsdp_optim.offline.onefile.Sink`) and the writer of its save: process 0 refuses an object there (unless
+    ``overwrite``) and begins the upload (its id sent); each process puts the parts of its run; process 0 holds the
+    part with the header's room, and its commit writes the header into it, puts it and completes the upload with
+    every part: the object appears whole, at once. An abort (process 0) aborts the upload: no object appears."""
 
+    def __init__(self, layout: FileLayout, plan: PartPlan, output: str, store: Location, upload: Multipart,
+                 inputs: Sequence[Any]) -> None:  # fmt: skip  # noqa: D107
+        self.layout, self.plan, self.output, self.upload, self.inputs = layout, plan, output, upload, inputs
+        self.location, self.writer = store, self
+        self.target = ""  # the upload's id
+        self.parts: list[Part] = []  # process 0's at the commit: every part put
+        self.held: list[tuple[PartSpan, bytearray]] = []
 
-def abort_quietly(upload: Multipart, upload_id: str) -> None:
-    """The upload aborted, a failure to abort ignored (the failure that brought the caller here is the one told)."""
-    try:
-        upload.abort(upload_id)
-    except Exception:  # noqa: S110 - the failure that brought us here is the one to report; the upload never completes
-        pass
+    def begin(self, *, purpose: str, overwrite: bool) -> Begun:  # noqa: ARG002 - nothing held
+        if any(str(i).rstrip("/") == self.output for i in self.inputs if i is not None):
+            raise ValueError(f"output: {self.output} is also an input; write to another place")
+        if not overwrite and self.location.size(self.output.rsplit("/", 1)[1]) is not None:
+            raise FileExistsError(f"output: {self.output}: an object is there already; pass --overwrite to replace it")
+        self.target = self.upload.begin()
+        return Begun(None)
 
-
-class UploadSink:
-    """The parts of one multipart upload (:class:`~fsdp_optim.offline.onefile.Sink`): each process puts the parts of
-    its run; process 0 holds the part with the header's room, writes the header into it and completes the upload."""
-
-    def __init__(self, layout: FileLayout, plan: PartPlan, upload: Multipart, upload_id: str) -> None:  # noqa: D107
-        self.layout, self.plan, self.upload, self.upload_id = layout, plan, upload, upload_id
+    def open(self, save: Save, *, overwrite: bool) -> str:
+        save.begin(purpose="fsdp_optim.consolidate", overwrite=overwrite)
+        return self.target
 
     def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> Share:
         if list(which) != list(self.plan.runs[rank]):
             raise RuntimeError(f"consolidate: process {rank}'s parts were planned for another run of tensors")
-        return write_parts(self.layout, self.plan, rank, self.upload, self.upload_id, after=after)
+        return write_parts(self.layout, self.plan, rank, self.upload, self.target, after=after)
 
     def sent(self, share: Share) -> Share:
         return Share(share.sums, share.parts)  # the held part stays on process 0
 
-    def commit(self, mine: Share, shares: Sequence[Share]) -> None:
-        commit_parts(self.layout, self.upload, self.upload_id, mine, shares)
+    def header(self, mine: Share, shares: Sequence[Share]) -> bytes:
+        self.held, self.parts = list(mine.held.values()), [p for s in shares for p in s.parts]
+        return final_header(self.layout, [share.sums for share in shares])
+
+    def commit(self, begun: Begun | None, data: bytes | None) -> None:  # noqa: ARG002 - the upload is the hold
+        if data is None:
+            return
+        for span, buffer in self.held:
+            piece = data[span.start : span.stop]
+            buffer[: len(piece)] = piece
+        held = [self.upload.put_part(self.target, span.number, buffer) for span, buffer in self.held]
+        self.upload.complete(self.target, [*held, *self.parts])
+
+    def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:
+        """Nothing left to do: the completed upload is the object."""
+
+    def abort(self, begun: Begun | None, staging: Staging, names: Sequence[str]) -> None:  # noqa: ARG002
+        """The upload aborted, where this process began it (a failure to abort ignored: the failure that brought
+        the driver here is the one told; an upload never completed leaves no object)."""
+        if begun is not None:
+            with contextlib.suppress(Exception):
+                self.upload.abort(self.target)
 
 
-def to_upload(
-    team: Team | None, layout: FileLayout, runs: Sequence[Sequence[int]], output: str,
-    fill: Callable[[UploadSink], tuple[Share, list[Share]]], *, inputs: Sequence[Any], overwrite: bool, part_bytes: int,
-) -> int | None:  # fmt: skip
-    """The multipart sink of :func:`~fsdp_optim.offline.onefile.write_one_file`: process 0 refuses an object there
-    (unless ``overwrite``) and begins the upload, and every process gets its id; ``fill`` puts every process's parts;
-    process 0 completes the upload; every process agrees on that commit. Process 0 aborts the upload after any
-    failure it sees. Returns the object's size (0 on a process but 0), ``None`` where a process alone finds that the
-    store takes no multipart uploads."""
+def upload_sink(
+    layout: FileLayout, runs: Sequence[Sequence[int]], output: str, *, inputs: Sequence[Any], part_bytes: int
+) -> UploadSink | None:
+    """The multipart sink of ``output`` (:class:`UploadSink`), ``None`` where its store takes no multipart uploads."""
+    output = output.rstrip("/")
+    store = where(output.rsplit("/", 1)[0])
+    upload = store.multipart(output.rsplit("/", 1)[1])
     plan = layout_parts(layout, runs, part_bytes)
-    begun = None
-    with stepped(team, "consolidate: process 0 could not begin the upload; nothing was written"):
-        if team is None or team.rank == 0:
-            begun = open_upload(output, inputs=inputs, overwrite=overwrite)
-            if begun is None and team is not None:
-                raise ValueError(f"output: {output}: its store takes no multipart uploads")
-    if team is not None:
-        begun = _joined(team, output, begun)
-    if begun is None:
-        return None
-    upload, upload_id = begun
-    sink = UploadSink(layout, plan, upload, upload_id)
-    try:
-        mine, shares = fill(sink)
-        with stepped(team, "consolidate: the commit failed on process 0"):
-            if team is None or team.rank == 0:
-                sink.commit(mine, shares)
-    except BaseException:
-        if team is None or team.rank == 0:
-            abort_quietly(upload, upload_id)
-        raise
-    return layout.size if team is None or team.rank == 0 else 0
-
-
-def _joined(team: Team, output: str, begun: tuple[Multipart, str] | None) -> tuple[Multipart, str]:
-    """The upload process 0 began, on every process with its own client."""
-    upload_id = team.from_first(None if begun is None else begun[1])
-    if begun is not None:
-        return begun
-    parent, name = output.rstrip("/").rsplit("/", 1)
-    upload = where(parent).multipart(name)
-    if upload is None:
-        raise ValueError(f"output: {output}: its store takes no multipart uploads here, though it did on process 0")
-    return upload, str(upload_id)
+    return None if upload is None else UploadSink(layout, plan, output, store, upload, inputs)

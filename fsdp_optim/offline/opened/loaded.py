@@ -15,7 +15,7 @@ from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.disk.staged import write_file
+from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fullstate import full_dict_source, read_meta
 from fsdp_optim.formats.kinds import Given
