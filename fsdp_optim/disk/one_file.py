@@ -1,15 +1,11 @@
-"""A single local output file, saved through the one save protocol (:func:`fsdp_optim.disk.save.saving`) as a save
-of one object: :class:`FileWriter`, and :func:`write_stream` / :func:`write_file` (one process fills the file)::
+"""One local output file as a save of one object through the one driver (:func:`fsdp_optim.disk.save.saving`):
+:class:`FileWriter`, and :func:`write_stream` / :func:`write_file` (one process fills the file)::
 
-    begin    check_not_input; the file's lock (beside it); a killed writer's temporary file removed (by the tag
-             its journal names); an existing file refused unless ``overwrite``; the save journaled (file, tag)
+    begin    check_not_input; the file's lock; a killed writer's temporary file removed (by its journaled tag); an
+             existing file refused unless ``overwrite``; the save journaled (file, tag)
     stage    the tagged temporary file beside the output, created exclusively: the bytes are written there
-    commit   ``data`` (a header over its planned room; nothing for a stream) written at offset 0, fsync, rename,
-             fsync of the directory: the file appears whole, at once
+    commit   ``data`` (a header over its planned room; none for a stream) written at offset 0, fsync, rename
     finish   the lock released; abort: the temporary file removed, then the lock released
-
-A process of a team that fills its share of the file gets the staging from the one that began
-(:mod:`fsdp_optim.offline.onefile`).
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ from fsdp_optim.disk.atomic import fsync_dir, save_into
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import LocalDirectory
 from fsdp_optim.disk.locks import OutputLock, lock_output
-from fsdp_optim.disk.save import Begun, Staging, Survey, Writer, saving
-from fsdp_optim.disk.staged import check_not_input, recover
+from fsdp_optim.disk.save import Begun, Staging, Writer, saving
+from fsdp_optim.disk.staged import check_not_input, sweep_temporaries
 from fsdp_optim.disk.untrusted import describe_file
 
 __all__ = ["FileWriter", "write_file", "write_stream"]
@@ -46,8 +42,9 @@ class FileWriter(Writer):
         check_not_input(self.path, self.inputs, name="output")
         self.lock = lock = lock_output(self.path, purpose=purpose)
         try:
-            if lock.previous:
-                recover(lock.output.parent, lock.previous, _FileClaims())
+            if lock.previous:  # a killed writer's temporary file, by the tag it journaled
+                killed = {(e.file, e.tag) for e in lock.previous if e.file and e.tag}
+                sweep_temporaries(lock.output.parent, set(), killed)
                 lock.forget()
             if not overwrite and os.path.lexists(lock.output):  # under the lock: no writer of ours is replacing it
                 raise FileExistsError(f"{self.path}: exists already ({describe_file(lock.output)}); pass "
@@ -128,22 +125,3 @@ def write_stream(
             raise _cannot_write(Path(path), exc) from exc
         save.commit(b"")
     return writer.size
-
-
-class _FileClaims:
-    """A single output file claims nothing in a directory; its temporary file is journaled by tag."""
-
-    def survey(self, directory: Path) -> Survey:  # noqa: ARG002
-        return Survey()
-
-    def created(self, entry: JournalEntry) -> set[str]:  # noqa: ARG002
-        return set()
-
-    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:  # noqa: ARG002
-        return set()
-
-    def referenced(self, directory: Path) -> set[str]:  # noqa: ARG002
-        return set()
-
-    def deletable(self, name: str) -> bool:  # noqa: ARG002
-        return False
