@@ -31,6 +31,7 @@ __all__ = [
     "manifest_at",
     "manifest_file",
     "read_manifest",
+    "sharded_at",
     "source_kind",
 ]
 
@@ -70,24 +71,24 @@ def manifest_file(directory: Path) -> Path | None:
 def is_sharded_checkpoint(path: str | os.PathLike[str] | Location) -> bool:
     """``path`` is a checkpoint's directory (a store's prefix) holding a manifest, or that manifest itself (judged
     by name and presence, not read)."""
-    return _is_sharded(where(path))
+    return sharded_at(where(path))
 
 
-def _is_sharded(place: Location) -> bool:
+def sharded_at(place: Location) -> bool:
+    """:func:`is_sharded_checkpoint` of a location already resolved."""
     if _names_manifest(place):
         return _holds(place.parent(), place.name)
     return any(_holds(place, name) for name in MANIFEST_NAMES)
 
 
-def source_kind(path: str | os.PathLike[str] | Location) -> str:
-    """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"`` (one object,
-    which its readers take whole).
+def source_kind(place: Location) -> str:
+    """What a source's location is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"`` (one
+    object, which its readers take whole).
 
     Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory (a prefix holding objects) without
     a manifest.
     """
-    place = where(path)
-    if _is_sharded(place):
+    if sharded_at(place):
         return "sharded"
     if present(place):
         raise ValueError(

@@ -17,6 +17,7 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.sharded.locate import read_manifest
@@ -56,7 +57,7 @@ class Request:
     how errors name it (``label``), and the options, each already accepted for the kind."""
 
     kind: Kind
-    given: Given
+    given: Given | Location
     label: str
     obj: Any = None  # loaded through the untrusted gate: a dict whose kind was decided, or None (not loaded)
     layout: ParamOrder = None
@@ -70,6 +71,14 @@ class Request:
         """``given`` as the path it is, for a kind read from its files (never a dict)."""
         if isinstance(self.given, Mapping):
             raise TypeError(f"{self.label}: a {self.kind.value} is read from files, not a dict")
+        assert not isinstance(self.given, Location), f"{self.label}: a location is a sharded checkpoint's (place)"
+        return self.given
+
+    @property
+    def place(self) -> Location:
+        """``given`` as the location :func:`~fsdp_optim.offline.sources.open_source` resolved it to (a sharded
+        checkpoint's)."""
+        assert isinstance(self.given, Location), f"{self.label}: a sharded checkpoint is opened at its location"
         return self.given
 
 

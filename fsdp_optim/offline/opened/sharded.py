@@ -14,12 +14,13 @@ from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
+from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.kinds import Given
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.sharded.verification import verify_sharded
 from fsdp_optim.formats.whole_file import LAYOUT_KEY, layout_record
@@ -45,7 +46,7 @@ class OpenedCheckpoint(Opened):
     @classmethod
     @contextmanager
     def opening(cls, request: Request) -> Iterator[Opened]:
-        with open_checkpoint(request.path, lazy=False, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
+        with ShardedCheckpoint(request.place, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
             manifest = ckpt.manifest
             yield cls(request.kind, request.label, ckpt.source(), manifest.layout(0), manifest.param_order, ckpt.trim,
                       checkpoint=ckpt)  # fmt: skip
@@ -61,7 +62,7 @@ class OpenedCheckpoint(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        return verify_sharded(path)
+        return verify_sharded(where(path))
 
     def is_whole(self) -> bool:
         return is_whole(self.checkpoint)
