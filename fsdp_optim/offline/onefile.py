@@ -16,16 +16,13 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import torch
-
 from fsdp_optim.core.parts import PART_BYTES
 from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.disk.location import shared_directory
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.one_file import FileWriter
 from fsdp_optim.disk.save import Save, Writer, saving
-from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
-from fsdp_optim.offline.onefile_layout import FileLayout, described, final_header, lay_out, stepped
+from fsdp_optim.offline.onefile_layout import FileLayout, described, final_header, lay_out, made, stepped
 from fsdp_optim.offline.onefile_parts import upload_sink
 
 if TYPE_CHECKING:
@@ -55,13 +52,7 @@ def write_tensors(
     try:
         for i in which:
             t = layout.tensors[i]
-            tensor = t.make()
-            if tuple(tensor.shape) != t.shape or tensor.dtype != t.dtype:
-                raise ValueError(f"tensor '{t.name}': made as {tensor.dtype} {list(tensor.shape)}, planned as "
-                                 f"{t.dtype} {list(t.shape)}")  # fmt: skip
-            sums[t.name] = tensor_checksums(tensor, t.nbytes)
-            _put(fd, tensor, layout.offsets[i], f"{path}: tensor '{t.name}'")
-            del tensor
+            _put(fd, made(t, sums), layout.offsets[i], f"{path}: tensor '{t.name}'")  # (freed before the next)
             after(t.nbytes)
         os.fsync(fd)
     finally:
@@ -69,9 +60,8 @@ def write_tensors(
     return sums
 
 
-def _put(fd: int, tensor: torch.Tensor, offset: int, where: str) -> None:
-    """The tensor's bytes written at ``offset``, then read back and compared piece by piece."""
-    data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).cast("B")
+def _put(fd: int, data: memoryview, offset: int, where: str) -> None:
+    """A tensor's bytes written at ``offset``, then read back and compared piece by piece."""
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done : done + _IO_BYTES], offset + done)

@@ -22,6 +22,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from fsdp_optim.disk.text import human_bytes
 from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, Document
@@ -33,7 +35,7 @@ from fsdp_optim.formats.sharded.side_file import encode_extra
 if TYPE_CHECKING:
     from fsdp_optim.job.team import Team, Watch
 
-__all__ = ["EXTRA_PREFIX", "FileLayout", "described", "final_header", "lay_out", "stepped"]
+__all__ = ["EXTRA_PREFIX", "FileLayout", "described", "final_header", "lay_out", "made", "stepped"]
 
 EXTRA_PREFIX = "extra/"  # a whole checkpoint's extra's tensors: extra/0, extra/1, ... (as its side file names them)
 
@@ -109,6 +111,16 @@ def final_header(layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> byt
     if len(header) != (layout.offsets[0] if layout.offsets else layout.size):
         raise RuntimeError("consolidate: the header with its checksums is not as long as the one planned")
     return header
+
+
+def made(t: NamedTensor, sums: dict[str, Any]) -> memoryview:
+    """Tensor ``t`` made (``ValueError`` unless as planned) and its checksums put in ``sums``: its bytes."""
+    tensor = t.make()
+    if tuple(tensor.shape) != t.shape or tensor.dtype != t.dtype:
+        raise ValueError(f"tensor '{t.name}': made as {tensor.dtype} {list(tensor.shape)}, planned as {t.dtype} "
+                         f"{list(t.shape)}")  # fmt: skip
+    sums[t.name] = tensor_checksums(tensor, t.nbytes)
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).cast("B")
 
 
 def stepped(team: Team | None, what: str, *, watch: Watch | None = None) -> AbstractContextManager[None]:

@@ -22,17 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from fsdp_optim.core.parts import PART_BYTES, PartPlan, PartSpan, plan_parts
+from fsdp_optim.core.parts import PartPlan, PartSpan, plan_parts
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.multipart import Multipart, Part
 from fsdp_optim.disk.save import Begun, Save, Staging, Writer
-from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
-from fsdp_optim.offline.onefile_layout import FileLayout, final_header
+from fsdp_optim.offline.onefile_layout import FileLayout, final_header, made
 
-__all__ = ["Share", "UploadSink", "layout_parts", "upload_sink", "write_parts"]
+__all__ = ["Share", "UploadSink", "upload_sink", "write_parts"]
 
 
 @dataclass
@@ -42,11 +39,6 @@ class Share:
     sums: dict[str, Any] = field(default_factory=dict)
     parts: list[Part] = field(default_factory=list)
     held: dict[int, tuple[PartSpan, bytearray]] = field(default_factory=dict)
-
-
-def layout_parts(layout: FileLayout, runs: Sequence[Sequence[int]], part_bytes: int = PART_BYTES) -> PartPlan:
-    """The parts of ``layout`` written by processes whose tensors are ``runs`` (``core/parts.plan_parts``)."""
-    return plan_parts(layout.offsets, [t.nbytes for t in layout.tensors], layout.size, runs, part_bytes=part_bytes)
 
 
 class _Parts:
@@ -92,7 +84,7 @@ def write_parts(
     layout: FileLayout, plan: PartPlan, rank: int, upload: Multipart, upload_id: str, *, after: Callable[[int], None]
 ) -> Share:  # fmt: skip
     """Process ``rank``'s tensors of ``plan`` made, hashed and put as its parts (process 0's first bytes: the header's
-    room, held for :func:`commit_parts`). ``after(nbytes)`` runs after each tensor."""
+    room, held for the commit). ``after(nbytes)`` runs after each tensor."""
     share = Share()
     spans = plan.parts[rank]
     room = layout.offsets[0] if layout.offsets else layout.size  # the header's
@@ -100,22 +92,10 @@ def write_parts(
     if spans and spans[0].start == 0:
         parts.feed(memoryview(bytes(room)))  # zeros: the header is written there at the commit
     for i in plan.runs[rank]:
-        t = layout.tensors[i]
-        tensor = t.make()
-        if tuple(tensor.shape) != t.shape or tensor.dtype != t.dtype:
-            raise ValueError(
-                f"tensor '{t.name}': made as {tensor.dtype} {list(tensor.shape)}, planned as {t.dtype} {list(t.shape)}"
-            )
-        share.sums[t.name] = tensor_checksums(tensor, t.nbytes)
-        parts.feed(_bytes_of(tensor))
-        del tensor
-        after(t.nbytes)
+        parts.feed(made(layout.tensors[i], share.sums))  # (freed before the next)
+        after(layout.tensors[i].nbytes)
     parts.close()
     return share
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).cast("B")
 
 
 class UploadSink(Writer):
@@ -184,5 +164,5 @@ def upload_sink(
     output = output.rstrip("/")
     store = where(output.rsplit("/", 1)[0])
     upload = store.multipart(output.rsplit("/", 1)[1])
-    plan = layout_parts(layout, runs, part_bytes)
+    plan = plan_parts(layout.offsets, [t.nbytes for t in layout.tensors], layout.size, runs, part_bytes=part_bytes)
     return None if upload is None else UploadSink(layout, plan, output, store, upload, inputs)

@@ -179,8 +179,7 @@ def _open_plain(
     """A plain optimizer's ``state_dict()`` (a dict, or a torch file through the untrusted gate) named into a
     full dict."""
     if isinstance(given, Location):
-        raise ValueError(f"{label}: a sharded checkpoint; param_names names a plain optimizer's state_dict() (a dict "
-                         "or its torch file)")  # fmt: skip
+        raise ValueError(f"{label}: a sharded checkpoint, not a plain optimizer's state_dict() that param_names names")
     obj = given if isinstance(given, Mapping) else load_file(given, mmap=True, disjoint=True)
     if not isinstance(given, Mapping):
         check_state_dict(obj, label)
