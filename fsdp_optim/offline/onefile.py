@@ -150,9 +150,9 @@ def write_one_file(
     sizes = [t.nbytes for t in layout.tensors]
     runs = [range(len(sizes))] if team is None else split_by_bytes(sizes, team.size).runs
     rank = 0 if team is None else team.rank
-    sink: Sink[Any] | None = FileSink(layout, output, inputs)
-    if shared_directory(where(str(output))) is None:
-        sink = upload_sink(layout, runs, str(output), inputs=inputs, part_bytes=part_bytes)
+    in_place = shared_directory(where(str(output))) is not None
+    sink: Sink[Any] | None = (FileSink(layout, output, inputs) if in_place else
+                              upload_sink(layout, runs, str(output), inputs=inputs, part_bytes=part_bytes))  # fmt: skip
     if sink is None and team is not None:
         raise ValueError(f"output: {output}: its store takes no multipart uploads")
     if sink is None:  # a store without multipart uploads: the file written locally, then uploaded whole
