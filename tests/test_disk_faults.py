@@ -197,7 +197,7 @@ def _save_repeatedly(rank: int, world_size: int, conn: Connection, directory: st
             conn.send(("done", k, time.perf_counter() - start))
 
 
-_TEMP = re.compile(r"^\..*\.tmp\.\d+\.[0-9a-f]+$")  # storage.atomic_save's temporary names
+_TEMP = re.compile(r"^\..*\.tmp\.\d+\.[0-9a-f]+$")  # disk.atomic's temporary names
 
 
 def _verify(directory: Path) -> str:
