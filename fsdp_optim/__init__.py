@@ -113,7 +113,7 @@ _HOME = {
     "StoredObject": "disk.byte_io",
     "register_backend": "disk.locations",
     "FORMAT_VERSION": "formats.fullstate",
-    "ForeignOutputError": "disk.locks",
+    "ForeignOutputError": "disk.save",
     "NotElementwiseError": "core.elementwise",
     "OutputLockedError": "disk.locks",
     "register_elementwise_optimizer": "core.elementwise",

@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -248,7 +249,7 @@ class RenameWriter(Writer):
         except BaseException:
             lock.release()
             raise
-        return Begun(None, replaced, release=self._release)
+        return Begun(None, replaced, release=partial(self._release, lock))
 
     def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - one directory for every rank
         if self.staging is None:  # every rank writes in place
@@ -293,10 +294,8 @@ class RenameWriter(Writer):
         if begun is not None and begun.release is not None:
             begun.release(True)
 
-    def _release(self, failed: bool) -> None:
+    def _release(self, lock: OutputLock, failed: bool) -> None:
         """Release the lock taken at :meth:`begin`; if the save failed, first remove what it created (its journal)."""
-        lock = self.lock
-        assert lock is not None, "released by the writer that began the save"
         try:
             if failed:
                 recover(lock.output, lock.entries, self.rules.claims)

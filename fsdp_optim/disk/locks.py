@@ -1,7 +1,7 @@
 """One writer at a time per output: an exclusive lock beside each output, the journal kept in it, and the recovery
 from that journal (:func:`recover`).
 
-Pure of collectives; touches only the lock file. Every writer (``save_sharded_optim_state``, the async
+Pure of collectives; the lock touches only its file. Every writer (``save_sharded_optim_state``, the async
 save, ``reshard``, the CLI's ``-o`` outputs) holds :func:`lock_output` for its output while it writes::
 
     ckpt/                                  # the output directory (may not exist yet)
