@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -79,7 +79,7 @@ class Ring:
         self.buffers = [copier.buffer(slot_bytes) for _ in range(slots)]
         self.lock = threading.Lock()  # one stream of pieces at a time
 
-    def pieces(self, parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    def pieces(self, parts: Sequence[torch.Tensor]) -> Generator[torch.Tensor, None, None]:
         """The bytes of the 1-D ``parts`` in order, as views of the ring's buffers; each valid until the next is
         asked for. A generator closed early still waits for the copies it started (the buffers are reused)."""
         with self.lock:
