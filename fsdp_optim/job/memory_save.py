@@ -103,7 +103,7 @@ def save_to_memory(
     assert save_id is not None, "rank 0 sends the save id"
     _warn_one_node(tier, nodes, rank)
     optimizer = type(optim).__name__ if optim is not None else None
-    job = _Job(root, files.side(), optimizer, tier, nodes, step, save_id, group)
+    job = _Job(root, files, optimizer, tier, nodes, step, save_id, group)
     if optim is None:
         return job.run(prepared.state, prepared.local)
     upload = lambda staged: job.run(files.after(staged, group), prepared.local)  # noqa: E731 - the thread's whole job

@@ -1,9 +1,10 @@
 """Async saves' staging: a root's reused host memory for its shards, copied on the stager's side stream, and the
 wait that whatever changes the state next goes through (:func:`before_change`).
 
-One arena per root for its shards on GPUs (:mod:`fsdp_optim.job.arena`: its exact size, page-locked chunk by chunk
-by the save's thread while the copies into the earlier chunks run, kept across saves and by a layout change that
-fits, so host memory does not grow from one save to the next); a plain buffer per host tensor. The copies are
+One arena per root for its shards on GPUs (:mod:`fsdp_optim.job.arena`: its exact size, filled through the GPU's
+ring on a layout's first save and page-locked by the save's thread after it, kept across saves and by a layout change
+that fits, so host memory does not grow from one save to the next); a plain buffer per host tensor; the buffers and
+``extra``'s tensors copied at the call (:meth:`HostStaging.side_copy`). The copies are
 enqueued by the save's thread, bound to the shards' GPU, after an event taken in the caller's thread when the save
 was called (:func:`ready_events`), so they see the state at the call; ``optim.step()``, ``load_state_dict()`` and
 the loads wait for them on the GPU (the host waits only until they are enqueued). Every copy queued has landed

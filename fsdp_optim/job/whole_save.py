@@ -43,7 +43,6 @@ from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weigh
 from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.sampler import agreed_position, data_position
 from fsdp_optim.job.save_commit import (
-    Side,
     check_in_seconds,
     commit_save,
     own_tensor,
@@ -72,7 +71,7 @@ class _Prepared:
 
 @dataclass
 class SideFiles:
-    """A whole save's side files (:class:`Side`: ``side()``), once :meth:`agree` (on every rank) has compared the
+    """A whole save's side files (a :class:`Side`), once :meth:`agree` (on every rank) has compared the
     buffers across ranks: written into rank 0's side file alone, or into every rank's when they differ."""
 
     prepared: _Prepared
@@ -96,10 +95,7 @@ class SideFiles:
 
         return state
 
-    def side(self) -> Side:
-        return Side(write=self._write, record=self._record)
-
-    def _write(self, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True) -> FileRecord:
+    def write(self, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True) -> FileRecord:
         assert self.per_rank is not None, "the buffers are compared across ranks before a side file is written"
         buffers = self.prepared.buffers if self.per_rank or rank == 0 else {}
         return write_side_file(
@@ -107,7 +103,7 @@ class SideFiles:
             durable=durable, pieces=pieces,
         )  # fmt: skip
 
-    def _record(self, files: tuple[FileRecord, ...]) -> TrainingRecord:
+    def record(self, files: tuple[FileRecord, ...]) -> TrainingRecord:
         assert self.per_rank is not None, "the buffers are compared across ranks before the manifest is built"
         specs = tuple(BufferSpec(n, tuple(b.shape), dtype_to_str(b.dtype)) for n, b in self.prepared.buffers.items())
         return TrainingRecord(
@@ -162,7 +158,7 @@ def save_checkpoint(
         save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
         return commit_save(  # at once: from here, commit_save releases the lock whatever happens
             root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock,
-            side=files.side(),
+            side=files,
         )  # fmt: skip
 
 
@@ -176,13 +172,15 @@ def async_save_checkpoint(
     data: object = None,
 ) -> AsyncSave:
     """:func:`save_checkpoint` in the background: returns an :class:`~fsdp_optim.AsyncSave` handle once the state
-    is checked, the buffers and ``extra`` copied and a save id agreed (a collective: call on every rank).
+    is checked, the buffers and ``extra`` copied (on a GPU: queued) and a save id agreed (a collective: call on
+    every rank).
 
     The weight shards and optimizer state are copied into reused host buffers by a background thread, which then
     writes the files and commits the manifest; ``optim``'s next ``step()`` or ``load_state_dict()``,
     ``load_checkpoint`` (with or without an optimizer), the model's ``load_state_dict()`` and any other optimizer's
     ``step()`` over its parameters wait for the copy (call ``handle.wait_staged()`` before changing them by other
-    means). The call reads no tensor's value on the host (no wait for the GPU), GPU buffers and ``extra`` aside.
+    means). The call reads no tensor's value on the host (no wait for the GPU); the caller's stream waits on the GPU
+    for the copies of the GPU buffers and ``extra``'s tensors (a forward changes buffers in place).
     ``handle.wait()`` returns the manifest path or raises the save's error on every rank. One save per model in
     flight; the next one waits for it.
     """
@@ -198,7 +196,7 @@ def async_save_checkpoint(
         optimizer = type(optim).__name__
         upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
             root.layout, prepared.local, files.after(staged, group), optimizer, directory, save_id, group, lock=lock,
-            side=files.side(),
+            side=files,
         )  # fmt: skip
         return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
 
