@@ -217,7 +217,7 @@ def _manifest_of(
 
 
 class Side(Protocol):
-    """What a whole checkpoint writes beside each rank file (:class:`fsdp_optim.job.whole_save.SideFiles`)."""
+    """What a whole checkpoint writes beside each rank file (:func:`fsdp_optim.job.whole_save.prepare_whole`'s)."""
 
     def write(self, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True) -> FileRecord:
         """This rank's side file."""

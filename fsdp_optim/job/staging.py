@@ -86,7 +86,7 @@ class HostStaging:
         self.arena: Arena | None = None
         self.layout: tuple[tuple[tuple[int, str], torch.Size, torch.dtype], ...] = ()
         self.views: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}  # (flat, key) -> (byte offset, view)
-        self.side: dict[tuple[str, bool], torch.Tensor] = {}  # (name, from a GPU) -> its copy (:meth:`side_copy`)
+        self.side: dict[str, torch.Tensor] = {}  # name -> pinned copy of a GPU tensor (:meth:`side_copy`)
 
     def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[Copier, Any], staged: StagedCopy) -> Any:
         """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory: host tensors at once,
@@ -148,20 +148,19 @@ class HostStaging:
         (``{name: host tensor}``, each valid once its GPU's ticket is done) and ``[(copier, ticket)]``."""
         out, copiers = {}, []
         for name, value in tensors.items():
-            value, copier = value.detach(), self._of(value)
-            buffer = self.side.get((name, copier is not None))  # pinned for a GPU's, pageable for the host's
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                nbytes = value.numel() * value.element_size()
-                raw = copier.buffer(nbytes) if copier else torch.empty(nbytes, dtype=torch.uint8)
-                buffer = self.side[(name, copier is not None)] = raw.view(value.dtype).view(value.shape)
-            out[name] = buffer
+            copier = self._of(value)
             if copier is None:
-                buffer.copy_(value)
+                out[name] = self._host_copy(-1, name, value)
                 continue
+            buffer = self.side.get(name)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                raw = copier.buffer(value.numel() * value.element_size())
+                buffer = self.side[name] = raw.view(value.dtype).view(value.shape)
             if copier not in copiers:
                 copiers.append(copier)
                 copier.after(copier.mark())
-            copier.copy(buffer, value)
+            out[name] = buffer
+            copier.copy(buffer, value.detach())
         tickets = [(copier, copier.last()) for copier in copiers]
         for copier, ticket in tickets:
             copier.hold(ticket)

@@ -53,12 +53,14 @@ from fsdp_optim.job.stager import pieces
 from fsdp_optim.job.staging import HostStaging
 from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, check_in
 
-__all__ = ["SideFiles", "async_save_checkpoint", "prepare_whole", "save_checkpoint"]
+__all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Prepared:
-    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied)."""
+    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied), and its side files (a
+    :class:`Side`) once :meth:`agree` (on every rank) has compared the buffers across ranks: written into rank 0's side
+    file alone, or into every rank's when they differ."""
 
     local: LocalState
     state: dict[int, dict[str, Any]]  # {flat: {optimizer key or WEIGHTS_KEY: padded shard or scalar}}
@@ -67,19 +69,11 @@ class _Prepared:
     aliases: tuple[tuple[str, str], ...]
     data: DataPosition | None = None  # the data stream's position (data=), the same on every rank
     landed: tuple[tuple[Copier, Any], ...] = ()  # an async save's: the buffers and extra are read once these are done
-
-
-@dataclass
-class SideFiles:
-    """A whole save's side files (a :class:`Side`), once :meth:`agree` (on every rank) has compared the
-    buffers across ranks: written into rank 0's side file alone, or into every rank's when they differ."""
-
-    prepared: _Prepared
-    per_rank: bool | None = None
+    per_rank: bool | None = None  # whether the buffers differ across ranks (:meth:`agree`)
 
     def agree(self, group: ProcessGroup) -> None:
         """Whether the buffers differ across ranks: one digest per rank, all-gathered (a collective)."""
-        self.per_rank = len(set(all_gather_objects(buffers_digest(self.prepared.buffers), group))) > 1
+        self.per_rank = len(set(all_gather_objects(buffers_digest(self.buffers), group))) > 1
 
     def after(self, staged: Callable[[], dict[int, dict[str, Any]]], group: ProcessGroup) -> Callable[[], Any]:
         """An async save's state for :func:`commit_save`, in its thread: ``staged()``, the buffers and ``extra``
@@ -88,7 +82,7 @@ class SideFiles:
         def state() -> dict[int, dict[str, Any]]:
             with step("the copy into host memory failed, no checkpoint was written", group=group):
                 copied = staged()
-                for copier, ticket in self.prepared.landed:
+                for copier, ticket in self.landed:
                     copier.wait(ticket)
             self.agree(group)
             return copied
@@ -97,18 +91,18 @@ class SideFiles:
 
     def write(self, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True) -> FileRecord:
         assert self.per_rank is not None, "the buffers are compared across ranks before a side file is written"
-        buffers = self.prepared.buffers if self.per_rank or rank == 0 else {}
+        buffers = self.buffers if self.per_rank or rank == 0 else {}
         return write_side_file(
-            directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=self.prepared.extra,
+            directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=self.extra,
             durable=durable, pieces=pieces,
         )  # fmt: skip
 
     def record(self, files: tuple[FileRecord, ...]) -> TrainingRecord:
         assert self.per_rank is not None, "the buffers are compared across ranks before the manifest is built"
-        specs = tuple(BufferSpec(n, tuple(b.shape), dtype_to_str(b.dtype)) for n, b in self.prepared.buffers.items())
+        specs = tuple(BufferSpec(n, tuple(b.shape), dtype_to_str(b.dtype)) for n, b in self.buffers.items())
         return TrainingRecord(
-            buffers=specs, buffers_per_rank=self.per_rank, aliases=self.prepared.aliases, files=files,
-            data=self.prepared.data,
+            buffers=specs, buffers_per_rank=self.per_rank, aliases=self.aliases, files=files,
+            data=self.data,
         )  # fmt: skip
 
 
@@ -152,13 +146,13 @@ def save_checkpoint(
         root = verify_root(model, optim)
         check_in("save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
         keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
-        prepared, files = prepare_whole(root, model, optim, extra, data=data)
+        prepared = prepare_whole(root, model, optim, extra, data=data)
         directory = where(path)
         optimizer = type(optim).__name__ if optim is not None else None
         save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
         return commit_save(  # at once: from here, commit_save releases the lock whatever happens
             root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock,
-            side=files,
+            side=prepared,
         )  # fmt: skip
 
 
@@ -190,13 +184,13 @@ def async_save_checkpoint(
         check_in("async_save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))
         keep_liveness_group(root.group)
         group = checkpoint_group(root.group, meet_s=MEET_S)  # every rank checked in: made at once, or a rank is lost
-        prepared, files = prepare_whole(root, model, optim, extra, caller_of=group, data=data)
+        prepared = prepare_whole(root, model, optim, extra, caller_of=group, data=data)
         directory = where(path)
         save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
         optimizer = type(optim).__name__
         upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
-            root.layout, prepared.local, files.after(staged, group), optimizer, directory, save_id, group, lock=lock,
-            side=files,
+            root.layout, prepared.local, prepared.after(staged, group), optimizer, directory, save_id, group, lock=lock,
+            side=prepared,
         )  # fmt: skip
         return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
 
@@ -209,9 +203,9 @@ def prepare_whole(
     *,
     data: object = None,
     caller_of: ProcessGroup | None = None,
-) -> tuple[_Prepared, SideFiles]:
+) -> _Prepared:
     """A whole save's checked input on every rank (agreed: a failure anywhere raises everywhere, nothing written) and
-    its side files (compared across ranks here, or in an async save's thread: :meth:`SideFiles.after`), for every
+    its side files (compared across ranks here, or in an async save's thread: :meth:`_Prepared.after`), for every
     saver (the memory tier's too). ``caller_of``: the blocking part of an async save of ``model``, agreed over that
     (gloo) group, reading no optimizer scalar and copying the buffers and ``extra``'s tensors through the root's
     staging (:meth:`~fsdp_optim.job.staging.HostStaging.side_copy`: GPU ones queued only), so that the caller never
@@ -220,10 +214,9 @@ def prepare_whole(
     with step("save_checkpoint refused its input, nothing was written", group=group):
         prepared = _prepare(root, model, optim, extra, staging_of(model) if caller_of is not None else None, data=data)
     agreed_position(all_gather_objects(prepared.data, group))  # equal on every rank, or the same error on each
-    files = SideFiles(prepared)
     if caller_of is None:
-        files.agree(group)
-    return prepared, files
+        prepared.agree(group)
+    return prepared
 
 
 def _prepare(
