@@ -1,5 +1,5 @@
 """``fsdp-optim consolidate``, ``reshard`` and ``convert``: each opens its source through the one way in
-(:func:`fsdp_optim.offline.sources.open_source`) and writes through the one way out (``disk/staged.py``).
+(:func:`fsdp_optim.offline.sources.open_source`) and writes through the one way out (``disk/local_directory.py``).
 """
 
 from __future__ import annotations

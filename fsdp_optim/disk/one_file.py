@@ -20,9 +20,8 @@ from typing import Any, BinaryIO
 from fsdp_optim.disk.atomic import fsync_dir, save_into
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.locks import OutputLock, lock_output
+from fsdp_optim.disk.locks import OutputLock, check_not_input, lock_output, sweep_temporaries
 from fsdp_optim.disk.save import Begun, Staging, Writer, saving
-from fsdp_optim.disk.staged import check_not_input, sweep_temporaries
 from fsdp_optim.disk.untrusted import describe_file
 
 __all__ = ["FileWriter", "write_file", "write_stream"]

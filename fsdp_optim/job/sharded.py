@@ -1,7 +1,7 @@
 """Sharded optimizer checkpoints inside a training job: save, load (with resharding), scatter a full dict.
 
 Orchestration only: records in :mod:`fsdp_optim.formats.sharded.manifest`, files in
-:mod:`fsdp_optim.disk.staged`, every check and cut in :mod:`fsdp_optim.core.plan`, collectives in
+:mod:`fsdp_optim.disk.local_directory`, every check and cut in :mod:`fsdp_optim.core.plan`, collectives in
 :mod:`.transport`. Works with any fairscale FSDP root (fairscale's own
 class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParallel`).
 """
