@@ -4,8 +4,8 @@
     begin    check_not_input; the file's lock; a killed writer's temporary file removed (by its journaled tag); an
              existing file refused unless ``overwrite``; the save journaled (file, tag)
     stage    the tagged temporary file beside the output, created exclusively: the bytes are written there
-    commit   ``data`` (a header over its planned room; none for a stream) written at offset 0, fsync, rename
-    finish   the lock released; abort: the temporary file removed, then the lock released
+    commit   ``data`` (a header over its planned room; none for a stream) written at offset 0, fsync, rename;
+             finish: the lock released (abort: the temporary file removed first)
 """
 
 from __future__ import annotations
@@ -39,20 +39,16 @@ class FileWriter(Writer):
 
     def begin(self, *, purpose: str, overwrite: bool) -> Begun:
         check_not_input(self.path, self.inputs, name="output")
-        self.lock = lock = lock_output(self.path, purpose=purpose)
-        try:
-            if lock.previous:  # a killed writer's temporary file, by the tag it journaled
-                killed = {(e.file, e.tag) for e in lock.previous if e.file and e.tag}
-                sweep_temporaries(lock.output.parent, set(), killed)
-                lock.forget()
-            if not overwrite and os.path.lexists(lock.output):  # under the lock: no writer of ours is replacing it
-                raise FileExistsError(f"{self.path}: exists already ({describe_file(lock.output)}); pass "
-                                      "overwrite=True (--overwrite) to replace it")  # fmt: skip
-            lock.journal(JournalEntry(file=lock.output.name, tag=self.tag))
-        except BaseException:
-            lock.release()
-            raise
-        return Begun(None, release=lambda _failed: lock.release())
+        self.lock = lock = lock_output(self.path, purpose=purpose)  # released by finish or abort (the driver's)
+        if lock.previous:  # a killed writer's temporary file, by the tag it journaled
+            killed = {(e.file, e.tag) for e in lock.previous if e.file and e.tag}
+            sweep_temporaries(lock.output.parent, set(), killed)
+            lock.forget()
+        if not overwrite and os.path.lexists(lock.output):  # under the lock: no writer of ours is replacing it
+            raise FileExistsError(f"{self.path}: exists already ({describe_file(lock.output)}); pass "
+                                  "overwrite=True (--overwrite) to replace it")  # fmt: skip
+        lock.journal(JournalEntry(file=lock.output.name, tag=self.tag))
+        return Begun(None)
 
     def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - one file, made by the process that began
         assert self.lock is not None, "the file is staged by the process that began its save"
@@ -83,16 +79,16 @@ class FileWriter(Writer):
         fsync_dir(self.lock.output.parent)
 
     def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:  # noqa: ARG002 - one file
-        if begun is not None and begun.release is not None:
-            begun.release(False)
+        if self.lock is not None:
+            self.lock.release()
 
     def abort(self, begun: Begun | None, staging: Staging, names: Sequence[str]) -> None:  # noqa: ARG002
         try:
             if self.staged is not None:
                 self.staged.unlink(missing_ok=True)
         finally:
-            if begun is not None and begun.release is not None:
-                begun.release(True)
+            if self.lock is not None:  # (where this process began: taken there)
+                self.lock.release()
 
 
 def _cannot_write(path: Path, exc: OSError) -> OSError:
@@ -115,8 +111,8 @@ def write_stream(
     and left as it was (the command line's default: ``-o FILE`` replaces only with ``--overwrite``). Returns the
     file's size."""
     writer = FileWriter(path, inputs=inputs)
-    begun = writer.begin(purpose=purpose, overwrite=overwrite)
-    with saving(writer, begun, save_id=writer.tag) as save:
+    with saving(writer, None, save_id=writer.tag) as save:
+        save.begin(purpose=purpose, overwrite=overwrite)
         try:
             with open(save.staging.path, "r+b") as file:
                 write(file)

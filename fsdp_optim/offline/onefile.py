@@ -116,11 +116,8 @@ class FileSink:
 
     def open(self, save: Save, *, overwrite: bool) -> str:
         save.begin(purpose="fsdp_optim.consolidate", overwrite=overwrite)
-        fd = os.open(save.staging.path, os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            preallocate(fd, self.layout.size)
-        finally:
-            os.close(fd)
+        with open(save.staging.path, "r+b") as file:
+            preallocate(file.fileno(), self.layout.size)
         return str(save.staging.path)
 
     def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> dict[str, Any]:  # noqa: ARG002
@@ -153,10 +150,11 @@ def write_one_file(
     in_place = shared_directory(where(str(output))) is not None
     sink: Sink[Any] | None = (FileSink(layout, output, inputs) if in_place else
                               upload_sink(layout, runs, str(output), inputs=inputs, part_bytes=part_bytes))  # fmt: skip
-    if sink is None and team is not None:
-        raise ValueError(f"output: {output}: its store takes no multipart uploads")
     if sink is None:  # a store without multipart uploads: the file written locally, then uploaded whole
         from fsdp_optim.offline.publish import output_for
+
+        if team is not None:  # (a team splits only an output it can write in parts: parallel/entry.splits)
+            raise ValueError(f"output: {output}: its store takes no multipart uploads")
 
         with output_for(output, overwrite=overwrite, inputs=inputs, keep_checkpoint=True) as local:
             return write_one_file(None, layout, local, inputs=(), overwrite=True, trim=trim, progress=progress)

@@ -92,8 +92,7 @@ def _split(path: str | os.PathLike[str]) -> bool:
 
 def _verify_files(given: str | os.PathLike[str] | Location, allow_globals: tuple[str, ...]) -> Verification:
     """Every file of ``given``, checked as its kind checks them (by names and first bytes: it may be damaged); a
-    location is a sharded checkpoint's (:func:`~fsdp_optim.offline.sources.fetched_whole` resolves only such a
-    path to one)."""
+    location is a sharded checkpoint's (the only path :func:`~fsdp_optim.offline.sources.fetched_whole` hands on so)."""
     if isinstance(given, Location):
         return verify_sharded(given)
     return class_of(path_kind(where(given)) or sniff_kind(given)).verify_files(given, allow_globals)

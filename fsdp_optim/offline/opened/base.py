@@ -71,14 +71,7 @@ class Request:
         """``given`` as the path it is, for a kind read from its files (never a dict)."""
         if isinstance(self.given, Mapping):
             raise TypeError(f"{self.label}: a {self.kind.value} is read from files, not a dict")
-        assert not isinstance(self.given, Location), f"{self.label}: a location is a sharded checkpoint's (place)"
-        return self.given
-
-    @property
-    def place(self) -> Location:
-        """``given`` as the location :func:`~fsdp_optim.offline.sources.open_source` resolved it to (a sharded
-        checkpoint's)."""
-        assert isinstance(self.given, Location), f"{self.label}: a sharded checkpoint is opened at its location"
+        assert not isinstance(self.given, Location), f"{self.label}: a location is a sharded checkpoint's"
         return self.given
 
 

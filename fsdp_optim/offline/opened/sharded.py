@@ -14,6 +14,7 @@ from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
@@ -46,7 +47,9 @@ class OpenedCheckpoint(Opened):
     @classmethod
     @contextmanager
     def opening(cls, request: Request) -> Iterator[Opened]:
-        with ShardedCheckpoint(request.place, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
+        place = request.given  # resolved once, by open_source
+        assert isinstance(place, Location), f"{request.label}: a sharded checkpoint is opened at its location"
+        with ShardedCheckpoint(place, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
             manifest = ckpt.manifest
             yield cls(request.kind, request.label, ckpt.source(), manifest.layout(0), manifest.param_order, ckpt.trim,
                       checkpoint=ckpt)  # fmt: skip
