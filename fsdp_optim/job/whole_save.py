@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, host_copy, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
+from fsdp_optim.job.agreed import step
 from fsdp_optim.job.async_save import (
     MEET_S,
     AsyncSave,
@@ -48,7 +49,7 @@ from fsdp_optim.job.save_commit import (
     start_save,
 )
 from fsdp_optim.job.stager import pieces
-from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects, check_in
+from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, check_in
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
@@ -101,18 +102,7 @@ def save_checkpoint(
         path/optim-<id>-rank00000-of-00002.safetensors          # weights + optimizer state of rank 0
         path/train-<id>-rank00000-of-00002.safetensors          # extra (+ buffers) of rank 0
     """
-    with interrupts_deferred("save_checkpoint"):  # a Ctrl-C: the save ends as agreed on every rank, then raises
-        root = verify_root(model, optim)
-        check_in("save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
-        keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
-        prepared, per_rank = _prepare_everywhere(root, model, optim, extra, data=data)
-        directory = where(path)
-        side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
-        optimizer = type(optim).__name__ if optim is not None else None
-        save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
-        return commit_save(  # at once: from here, commit_save releases the lock whatever happens
-            root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock, side=side
-        )
+    return cast("Path | ObjectPath", _save_whole(model, optim, path, extra, overwrite, data, background=False))
 
 
 def async_save_checkpoint(
@@ -135,22 +125,41 @@ def async_save_checkpoint(
     ``handle.wait()`` returns the manifest path or raises the save's error on every rank. One save per model in
     flight; the next one waits for it.
     """
-    with interrupts_deferred("async_save_checkpoint"):  # its agreed start (the thread does not see Ctrl-C)
-        finish_previous(model)
+    return cast(AsyncSave, _save_whole(model, optim, path, extra, overwrite, data, background=True))
+
+
+def _save_whole(
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    path: str | os.PathLike[str] | Location,
+    extra: object,
+    overwrite: bool,
+    data: object,
+    *,
+    background: bool,
+) -> Path | ObjectPath | AsyncSave:
+    """Either save: checked in, prepared and begun alike; committed at once, or by an async save's thread."""
+    purpose = "async_save_checkpoint" if background else "save_checkpoint"
+    with interrupts_deferred(purpose):  # a Ctrl-C: held until the save (async: its start) ended as agreed everywhere
+        if background:
+            finish_previous(model)
         root = verify_root(model, optim)
-        check_in("async_save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))
-        keep_liveness_group(root.group)
-        group = checkpoint_group(root.group, meet_s=MEET_S)  # every rank checked in: made at once, or a rank is lost
-        prepared, per_rank = _prepare_everywhere(
-            root, model, optim, extra, copy_buffers=True, caller_of=group, data=data
+        check_in(purpose, root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
+        keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
+        # async: every rank checked in, so its gloo group is made at once, or a rank is lost
+        group = checkpoint_group(root.group, meet_s=MEET_S) if background else root.group
+        prepared, side = prepare_whole(
+            root, model, optim, extra, copy_buffers=background, data=data, caller_of=group if background else None
         )
         directory = where(path)
-        save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
-        side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
-        optimizer = type(optim).__name__
-        upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
-            root.layout, prepared.local, staged, optimizer, directory, save_id, group, lock=lock, side=side
+        optimizer = type(optim).__name__ if optim is not None else None
+        save_id, lock = start_save(directory, group, overwrite=overwrite, purpose=purpose)
+        upload = lambda state: commit_save(  # noqa: E731 - releases the lock whatever happens
+            root.layout, prepared.local, state, optimizer, directory, save_id, group, lock=lock, side=side
         )
+        if not background:
+            return upload(prepared.state)
+        assert optim is not None, "async_save_checkpoint takes an optimizer"
         return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
 
 
@@ -164,40 +173,18 @@ def prepare_whole(
     data: object = None,
     caller_of: ProcessGroup | None = None,
 ) -> tuple[_Prepared, Side]:
-    """A whole save's checked input on every rank (agreed; nothing written) and its :class:`Side` (the side file
-    writer and the manifest's training section), for savers that write elsewhere (the memory tier). ``caller_of``:
-    the blocking part of an async save (see :func:`_prepare_everywhere`)."""
-    prepared, per_rank = _prepare_everywhere(
-        root, model, optim, extra, copy_buffers=copy_buffers, data=data, caller_of=caller_of
-    )
-    return prepared, Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
-
-
-def _prepare_everywhere(
-    root: Root,
-    model: nn.Module,
-    optim: torch.optim.Optimizer | None,
-    extra: object,
-    *,
-    copy_buffers: bool = False,
-    caller_of: ProcessGroup | None = None,
-    data: object = None,
-) -> tuple[_Prepared, bool]:
-    """:func:`_prepare` on every rank, agreed (a failure anywhere raises everywhere, nothing written), and whether
-    the buffers differ across ranks (one digest per rank, all-gathered). ``caller_of``: the blocking part of an async
-    save, agreed over that (gloo) group and reading no optimizer scalar, so that the caller never waits for its GPU
-    (the buffers are copied to the host here: GPU buffers still do)."""
-    prepared, failure = None, None
+    """A whole save's checked input on every rank (:func:`_prepare`, agreed: a failure anywhere raises everywhere,
+    nothing written) and its :class:`Side` (the side file writer and the manifest's training section); the buffers
+    are saved per rank when they differ across ranks (one digest per rank, all-gathered). ``caller_of``: the blocking
+    part of an async save, agreed over that (gloo) group and reading no optimizer scalar, so that the caller never
+    waits for its GPU (the buffers are copied to the host here: GPU buffers still do)."""
     group = caller_of if caller_of is not None else root.group
-    try:
+    with step("save_checkpoint refused its input, nothing was written", group=group):
         prepared = _prepare(root, model, optim, extra, copy_buffers, read_scalars=caller_of is None, data=data)
-    except Exception as exc:  # every rank learns of it through agree(), with nothing written
-        failure = exc
-    agree(failure, group=group, what="save_checkpoint refused its input, nothing was written")
-    assert prepared is not None, "agree() raises on every rank when any rank failed"
     gathered = all_gather_objects((buffers_digest(prepared.buffers), prepared.data), group)
     agreed_position([position for _, position in gathered])  # equal on every rank, or the same error on each
-    return prepared, len({digest for digest, _ in gathered}) > 1
+    per_rank = len({digest for digest, _ in gathered}) > 1
+    return prepared, Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
 
 
 def _prepare(
