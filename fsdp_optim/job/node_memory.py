@@ -43,9 +43,9 @@ from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import Marker, prune_node, write_marker
 from fsdp_optim.formats.sharded.received import Held, ReceivedPiece
+from fsdp_optim.job.agreed import step
 from fsdp_optim.job.transport import (
     ProcessGroup,
-    agree,
     broadcast_object,
     dist_rank_and_size,
     exchange_bytes,
@@ -94,10 +94,6 @@ class NodeMemory(LocalDirectory):
     def __repr__(self) -> str:
         return f"NodeMemory({str(self.path)!r})"
 
-    def node_path(self) -> Path:
-        """The node directory holding this step (and the node's other steps)."""
-        return self.path.parent
-
     # -- reading: the pieces this node lacks, received -------------------------------------------------------
 
     @contextmanager
@@ -131,14 +127,10 @@ class NodeMemory(LocalDirectory):
         rank, _ = dist_rank_and_size(self.group)
         manifest = self.path / MANIFEST_NAME
         data = broadcast_object(manifest.read_bytes() if rank == src else None, src=src, group=self.group)
-        failure = None
-        try:
+        with step(what, group=self.group):
             if node_ranks(nodes)[nodes[rank]][0] == rank and not manifest.is_file():
                 self.path.mkdir(parents=True, exist_ok=True)
                 _write_file(manifest, data)
-        except Exception as exc:
-            failure = exc
-        agree(failure, group=self.group, what=what)
 
     # -- committing: replicas, then the node's marker ---------------------------------------------------------
 
@@ -157,26 +149,19 @@ class NodeMemory(LocalDirectory):
         data = broadcast_object(manifest_bytes if rank == 0 else None, src=0, group=self.group)
         manifest = manifest_from_json(data, source=f"the manifest of memory-tier step {save.step}")
         peers = replica_peers(save.nodes, save.replicas)
-        failure, sends = None, []
-        try:
+        with step(what, group=self.group):  # every rank learns of a failure before any replica moves
             if not here.exists():
                 _write_file(here, data)
             own = [self.path / name for name, _ in step_files(manifest, rank)]
             sends = [(dst, file_bytes(path)) for dst in peers[rank] for path in own]
-        except Exception as exc:  # every rank learns of it through agree(), before any replica moves
-            failure = exc
-        agree(failure, group=self.group, what=what)
         expected = [(src, name, n) for src in sources_of(peers, rank) for name, n in step_files(manifest, src)]
         received = exchange_bytes(sends, [(src, n) for src, _, n in expected], group=self.group)
-        try:
+        with step(what, group=self.group):
             for (_, name, _), data_in in zip(expected, received, strict=True):
                 _write_file(self.path / name, data_in)
-        except Exception as exc:
-            failure = exc
-        agree(failure, group=self.group, what=what)
         if node_ranks(save.nodes)[save.node][0] == rank:
             write_marker(self.path, _marker(save, manifest, peers))
-            prune_node(self.node_path(), keep=save.keep)
+            prune_node(self.path.parent, keep=save.keep)  # the node's directory
         return self.path
 
 
