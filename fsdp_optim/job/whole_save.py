@@ -173,42 +173,29 @@ def prepare_whole(
     data: object = None,
     caller_of: ProcessGroup | None = None,
 ) -> tuple[_Prepared, Side]:
-    """A whole save's checked input on every rank (:func:`_prepare`, agreed: a failure anywhere raises everywhere,
-    nothing written) and its :class:`Side` (the side file writer and the manifest's training section); the buffers
-    are saved per rank when they differ across ranks (one digest per rank, all-gathered). ``caller_of``: the blocking
-    part of an async save, agreed over that (gloo) group and reading no optimizer scalar, so that the caller never
-    waits for its GPU (the buffers are copied to the host here: GPU buffers still do)."""
+    """A whole save's checked input on every rank (agreed: a failure anywhere raises everywhere, nothing written) and
+    its :class:`Side` (the side file writer and the manifest's training section); the buffers are saved per rank when
+    they differ across ranks (one digest per rank, all-gathered). Reads only: the tensors are the live ones, copied
+    through the stager's pinned ring when on a GPU, unless ``copy_buffers``: then the buffers and ``extra``'s tensors
+    are copied once into host memory, as a save that writes after the call returns needs (forward changes buffers).
+    ``caller_of``: the blocking part of an async save, agreed over that (gloo) group and reading no optimizer scalar,
+    so that the caller never waits for its GPU (the buffers are copied to the host here: GPU buffers still do)."""
     group = caller_of if caller_of is not None else root.group
     with step("save_checkpoint refused its input, nothing was written", group=group):
-        prepared = _prepare(root, model, optim, extra, copy_buffers, read_scalars=caller_of is None, data=data)
+        read = caller_of is None
+        local = read_for_save(root, optim, read_scalars=read) if optim is not None else LocalState((), {}, {})
+        state: dict[int, dict[str, Any]] = {}
+        for i, shard in weight_shards(root).items():
+            entries = {key: own_tensor(value) for key, value in local.state.get(i, {}).items()}
+            state[i] = {**entries, WEIGHTS_KEY: own_tensor(shard)}
+        live = persistent_buffers(model)
+        buffers = {name: host_copy(b) if copy_buffers else own_tensor(b) for name, b in live.items()}
+        extra_ = encode_extra(extra, copy=copy_buffers)
+        prepared = _Prepared(local, state, buffers, extra_, read_aliases(model, root.layout), data_position(data))
     gathered = all_gather_objects((buffers_digest(prepared.buffers), prepared.data), group)
     agreed_position([position for _, position in gathered])  # equal on every rank, or the same error on each
     per_rank = len({digest for digest, _ in gathered}) > 1
     return prepared, Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
-
-
-def _prepare(
-    root: Root,
-    model: nn.Module,
-    optim: torch.optim.Optimizer | None,
-    extra: object,
-    copy_buffers: bool,
-    *,
-    read_scalars: bool = True,
-    data: object = None,
-) -> _Prepared:
-    """Read and check everything this rank saves (reads only; the tensors are the live ones, copied through the
-    stager's pinned ring when on a GPU, unless ``copy_buffers``: then the buffers and ``extra``'s tensors are copied
-    once into host memory, as a save that writes after the call returns needs: forward changes buffers)."""
-    local = read_for_save(root, optim, read_scalars=read_scalars) if optim is not None else LocalState((), {}, {})
-    state: dict[int, dict[str, Any]] = {}
-    for i, shard in weight_shards(root).items():
-        entries = {key: own_tensor(value) for key, value in local.state.get(i, {}).items()}
-        state[i] = {**entries, WEIGHTS_KEY: own_tensor(shard)}
-    live = persistent_buffers(model)
-    buffers = {name: host_copy(b) if copy_buffers else own_tensor(b) for name, b in live.items()}
-    extra_ = encode_extra(extra, copy=copy_buffers)
-    return _Prepared(local, state, buffers, extra_, read_aliases(model, root.layout), data_position(data))
 
 
 def _write_side(
