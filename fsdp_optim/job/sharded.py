@@ -29,7 +29,7 @@ from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.agreed import step
-from fsdp_optim.job.api import full_source
+from fsdp_optim.job.api import full_plan
 from fsdp_optim.job.device_load import optimizer_state_on_device
 from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import check_optimizer
@@ -189,9 +189,7 @@ def _scatter(
         if root.rank == src_rank:  # the one plan, checked once, then cut for each rank (no rank but src reads)
             if full is None:
                 raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
-            source = full_source(full, root.layout, optimizer=type(optim).__name__)
-            check_optimizer(source.optimizer, optim, "the full optimizer state dict")
-            the_plan = plan(source, root.layout, members=root.members)
+            the_plan = full_plan(root, full, optim)
             make = lambda r: optimizer_state_dict(the_plan, cut_rank(the_plan, r))  # noqa: E731
             own = make(root.rank)
     # After the step, src_rank holds a plan (or it would have raised) and the other ranks only receive.
