@@ -1,26 +1,14 @@
 """The memory tier as a :class:`~fsdp_optim.disk.location.Location`: :class:`NodeMemory`, one step as this rank's
 node holds it in host memory (tmpfs), its peers' pieces arriving through the process group.
 
-It is a local directory to every reader and writer (the step directory, mapped in place; a save's files written
-there by :func:`~fsdp_optim.job.save_commit.commit_save` like anywhere else), and differs in two places, each a
-:class:`~fsdp_optim.disk.location.Location` method that the save and the load call on every backend:
-
-- **its commit** (:class:`MemoryWriter`, whose ``commit`` alone differs from a local directory's: the one save
-  driver, :func:`~fsdp_optim.disk.save.saving`, calls it on every rank once every rank's files are written; the
-  step and its nodes given at construction as a :class:`Sealing`): the manifest spread to every node, each rank's
-  files sent to its replica peers on other nodes, one agreement, then each node's marker (``COMPLETE.json``,
-  :mod:`fsdp_optim.formats.sharded.memory_tier`) written by its first rank: the step becomes visible there, all
-  ranks or none;
-- **its prefetch** (:meth:`NodeMemory.prefetch`, inside a load): the byte ranges this node lacks arrive from the
-  ranks whose node holds them (``fetches``, given at construction: every rank's plan, the same on every rank, no
-  message to agree on it; a restore plans it through the checkpoint opened here, so it may be given as a function
-  that returns the plan once made),
-  posted at once and waited for piece by piece as the load first reads each; the ranges other ranks need are
-  sent from this node's files, mapped. Every received chunk is verified against its checksum before use, as a
-  file's are (:class:`~fsdp_optim.formats.sharded.received.ReceivedFile`); nothing received is written anywhere.
-
-Every collective here runs on the group the :class:`NodeMemory` was made with (the checkpoint group of a save,
-the restore's group).
+To every reader and writer it is a local directory (the step directory, mapped in place; a save's files written there
+by :func:`~fsdp_optim.job.save_commit.commit_save` as anywhere else). It differs in two of the methods the save and
+the load call on every backend: its writer's commit is the seal (:class:`MemoryWriter`, :meth:`NodeMemory.seal`:
+the manifest on every node, each rank's files on its replica peers' nodes, then each node's marker, all ranks or
+none), and its prefetch receives the byte ranges this node lacks from the ranks whose node holds them
+(:meth:`NodeMemory.prefetch`, planned alike on every rank: no message agrees on it; nothing received is written
+anywhere, every chunk is verified before use). Every collective here runs on the group the :class:`NodeMemory` was
+made with (the checkpoint group of a save, the restore's group).
 """
 
 from __future__ import annotations
