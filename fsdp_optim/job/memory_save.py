@@ -96,7 +96,7 @@ def save_to_memory(
     group = checkpoint_group(root.group)
     # an async save's blocking part agrees over the save's gloo group and reads no GPU scalar (as async_save does)
     caller_of = group if optim is not None else None
-    prepared, side = prepare_whole(root, model, optim, extra, copy_buffers=True, data=data, caller_of=caller_of)
+    prepared = prepare_whole(root, model, optim, extra, data=data, caller_of=caller_of)
     rank, _ = dist_rank_and_size(group)
     reports = all_gather_objects((new_save_id() if rank == 0 else None, tier.node), group)
     save_id, nodes = reports[0][0], [n for _, n in reports]
@@ -108,12 +108,13 @@ def save_to_memory(
     optimizer = type(optim).__name__ if optim is not None else None
 
     def run(state: Any) -> Path:  # the module docstring's steps 1-3: commit_save's commit is the writer's seal
-        commit_save(root.layout, prepared.local, state, optimizer, node, save_id, group, side=side)
+        commit_save(root.layout, prepared.local, state, optimizer, node, save_id, group, side=prepared)
         return directory
 
     if optim is None:
         return run(prepared.state)
-    return launch(model, directory, optim, prepared.state, run, name=f"memory-{save_id[:8]}")
+    upload = lambda staged: run(prepared.after(staged, group))  # noqa: E731 - the thread's whole job
+    return launch(model, directory, optim, prepared.state, upload, name=f"memory-{save_id[:8]}")
 
 
 _warned: set[Path] = set()

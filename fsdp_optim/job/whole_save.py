@@ -9,10 +9,10 @@ manifest last (:func:`fsdp_optim.job.save_commit.commit_save`): the checkpoint e
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.side_file import encode_extra, host_copy, write_side_file
+from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.job.agreed import step
 from fsdp_optim.job.async_save import (
@@ -34,14 +34,15 @@ from fsdp_optim.job.async_save import (
     keep_liveness_group,
     launch,
     liveness_group,
+    staging_of,
 )
+from fsdp_optim.job.copiers import Copier
 from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.sampler import agreed_position, data_position
 from fsdp_optim.job.save_commit import (
-    Side,
     check_in_seconds,
     commit_save,
     own_tensor,
@@ -49,14 +50,17 @@ from fsdp_optim.job.save_commit import (
     start_save,
 )
 from fsdp_optim.job.stager import pieces
+from fsdp_optim.job.staging import HostStaging
 from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, check_in
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Prepared:
-    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied)."""
+    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied), and its side files (a
+    :class:`Side`) once :meth:`agree` (on every rank) has compared the buffers across ranks: written into rank 0's side
+    file alone, or into every rank's when they differ."""
 
     local: LocalState
     state: dict[int, dict[str, Any]]  # {flat: {optimizer key or WEIGHTS_KEY: padded shard or scalar}}
@@ -64,6 +68,42 @@ class _Prepared:
     extra: tuple[str, dict[str, torch.Tensor]]  # encode_extra's (JSON text, tensors)
     aliases: tuple[tuple[str, str], ...]
     data: DataPosition | None = None  # the data stream's position (data=), the same on every rank
+    landed: tuple[tuple[Copier, Any], ...] = ()  # an async save's: the buffers and extra are read once these are done
+    per_rank: bool | None = None  # whether the buffers differ across ranks (:meth:`agree`)
+
+    def agree(self, group: ProcessGroup) -> None:
+        """Whether the buffers differ across ranks: one digest per rank, all-gathered (a collective)."""
+        self.per_rank = len(set(all_gather_objects(buffers_digest(self.buffers), group))) > 1
+
+    def after(self, staged: Callable[[], dict[int, dict[str, Any]]], group: ProcessGroup) -> Callable[[], Any]:
+        """An async save's state for :func:`commit_save`, in its thread: ``staged()``, the buffers and ``extra``
+        landed on the host (agreed on every rank), then :meth:`agree`."""
+
+        def state() -> dict[int, dict[str, Any]]:
+            with step("the copy into host memory failed, no checkpoint was written", group=group):
+                copied = staged()
+                for copier, ticket in self.landed:
+                    copier.wait(ticket)
+            self.agree(group)
+            return copied
+
+        return state
+
+    def write(self, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True) -> FileRecord:
+        assert self.per_rank is not None, "the buffers are compared across ranks before a side file is written"
+        buffers = self.buffers if self.per_rank or rank == 0 else {}
+        return write_side_file(
+            directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=self.extra,
+            durable=durable, pieces=pieces,
+        )  # fmt: skip
+
+    def record(self, files: tuple[FileRecord, ...]) -> TrainingRecord:
+        assert self.per_rank is not None, "the buffers are compared across ranks before the manifest is built"
+        specs = tuple(BufferSpec(n, tuple(b.shape), dtype_to_str(b.dtype)) for n, b in self.buffers.items())
+        return TrainingRecord(
+            buffers=specs, buffers_per_rank=self.per_rank, aliases=self.aliases, files=files,
+            data=self.data,
+        )  # fmt: skip
 
 
 def save_checkpoint(
@@ -102,7 +142,18 @@ def save_checkpoint(
         path/optim-<id>-rank00000-of-00002.safetensors          # weights + optimizer state of rank 0
         path/train-<id>-rank00000-of-00002.safetensors          # extra (+ buffers) of rank 0
     """
-    return cast("Path | ObjectPath", _save_whole(model, optim, path, extra, overwrite, data, background=False))
+    with interrupts_deferred("save_checkpoint"):  # a Ctrl-C: the save ends as agreed on every rank, then raises
+        root = verify_root(model, optim)
+        check_in("save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
+        keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
+        prepared = prepare_whole(root, model, optim, extra, data=data)
+        directory = where(path)
+        optimizer = type(optim).__name__ if optim is not None else None
+        save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
+        return commit_save(  # at once: from here, commit_save releases the lock whatever happens
+            root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock,
+            side=prepared,
+        )  # fmt: skip
 
 
 def async_save_checkpoint(
@@ -115,51 +166,32 @@ def async_save_checkpoint(
     data: object = None,
 ) -> AsyncSave:
     """:func:`save_checkpoint` in the background: returns an :class:`~fsdp_optim.AsyncSave` handle once the state
-    is checked, the buffers and ``extra`` copied and a save id agreed (a collective: call on every rank).
+    is checked, the buffers and ``extra`` copied (on a GPU: queued) and a save id agreed (a collective: call on
+    every rank).
 
     The weight shards and optimizer state are copied into reused host buffers by a background thread, which then
     writes the files and commits the manifest; ``optim``'s next ``step()`` or ``load_state_dict()``,
     ``load_checkpoint`` (with or without an optimizer), the model's ``load_state_dict()`` and any other optimizer's
     ``step()`` over its parameters wait for the copy (call ``handle.wait_staged()`` before changing them by other
-    means). The call reads no tensor's value on the host (no wait for the GPU), GPU buffers and ``extra`` aside.
+    means). The call reads no tensor's value on the host (no wait for the GPU); the caller's stream waits on the GPU
+    for the copies of the GPU buffers and ``extra``'s tensors (a forward changes buffers in place).
     ``handle.wait()`` returns the manifest path or raises the save's error on every rank. One save per model in
     flight; the next one waits for it.
     """
-    return cast(AsyncSave, _save_whole(model, optim, path, extra, overwrite, data, background=True))
-
-
-def _save_whole(
-    model: nn.Module,
-    optim: torch.optim.Optimizer | None,
-    path: str | os.PathLike[str] | Location,
-    extra: object,
-    overwrite: bool,
-    data: object,
-    *,
-    background: bool,
-) -> Path | ObjectPath | AsyncSave:
-    """Either save: checked in, prepared and begun alike; committed at once, or by an async save's thread."""
-    purpose = "async_save_checkpoint" if background else "save_checkpoint"
-    with interrupts_deferred(purpose):  # a Ctrl-C: held until the save (async: its start) ended as agreed everywhere
-        if background:
-            finish_previous(model)
+    with interrupts_deferred("async_save_checkpoint"):  # its agreed start (the thread does not see Ctrl-C)
+        finish_previous(model)
         root = verify_root(model, optim)
-        check_in(purpose, root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
-        keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
-        # async: every rank checked in, so its gloo group is made at once, or a rank is lost
-        group = checkpoint_group(root.group, meet_s=MEET_S) if background else root.group
-        prepared, side = prepare_whole(
-            root, model, optim, extra, copy_buffers=background, data=data, caller_of=group if background else None
-        )
+        check_in("async_save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))
+        keep_liveness_group(root.group)
+        group = checkpoint_group(root.group, meet_s=MEET_S)  # every rank checked in: made at once, or a rank is lost
+        prepared = prepare_whole(root, model, optim, extra, caller_of=group, data=data)
         directory = where(path)
-        optimizer = type(optim).__name__ if optim is not None else None
-        save_id, lock = start_save(directory, group, overwrite=overwrite, purpose=purpose)
-        upload = lambda state: commit_save(  # noqa: E731 - releases the lock whatever happens
-            root.layout, prepared.local, state, optimizer, directory, save_id, group, lock=lock, side=side
-        )
-        if not background:
-            return upload(prepared.state)
-        assert optim is not None, "async_save_checkpoint takes an optimizer"
+        save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
+        optimizer = type(optim).__name__
+        upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
+            root.layout, prepared.local, prepared.after(staged, group), optimizer, directory, save_id, group, lock=lock,
+            side=prepared,
+        )  # fmt: skip
         return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
 
 
@@ -169,47 +201,48 @@ def prepare_whole(
     optim: torch.optim.Optimizer | None,
     extra: object,
     *,
-    copy_buffers: bool = False,
     data: object = None,
     caller_of: ProcessGroup | None = None,
-) -> tuple[_Prepared, Side]:
+) -> _Prepared:
     """A whole save's checked input on every rank (agreed: a failure anywhere raises everywhere, nothing written) and
-    its :class:`Side` (the side file writer and the manifest's training section); the buffers are saved per rank when
-    they differ across ranks (one digest per rank, all-gathered). Reads only: the tensors are the live ones, copied
-    through the stager's pinned ring when on a GPU, unless ``copy_buffers``: then the buffers and ``extra``'s tensors
-    are copied once into host memory, as a save that writes after the call returns needs (forward changes buffers).
-    ``caller_of``: the blocking part of an async save, agreed over that (gloo) group and reading no optimizer scalar,
-    so that the caller never waits for its GPU (the buffers are copied to the host here: GPU buffers still do)."""
+    its side files (compared across ranks here, or in an async save's thread: :meth:`_Prepared.after`), for every
+    saver (the memory tier's too). ``caller_of``: the blocking part of an async save of ``model``, agreed over that
+    (gloo) group, reading no optimizer scalar and copying the buffers and ``extra``'s tensors through the root's
+    staging (:meth:`~fsdp_optim.job.staging.HostStaging.side_copy`: GPU ones queued only), so that the caller never
+    waits for its GPU."""
     group = caller_of if caller_of is not None else root.group
     with step("save_checkpoint refused its input, nothing was written", group=group):
-        read = caller_of is None
-        local = read_for_save(root, optim, read_scalars=read) if optim is not None else LocalState((), {}, {})
-        state: dict[int, dict[str, Any]] = {}
-        for i, shard in weight_shards(root).items():
-            entries = {key: own_tensor(value) for key, value in local.state.get(i, {}).items()}
-            state[i] = {**entries, WEIGHTS_KEY: own_tensor(shard)}
-        live = persistent_buffers(model)
-        buffers = {name: host_copy(b) if copy_buffers else own_tensor(b) for name, b in live.items()}
-        extra_ = encode_extra(extra, copy=copy_buffers)
-        prepared = _Prepared(local, state, buffers, extra_, read_aliases(model, root.layout), data_position(data))
-    gathered = all_gather_objects((buffers_digest(prepared.buffers), prepared.data), group)
-    agreed_position([position for _, position in gathered])  # equal on every rank, or the same error on each
-    per_rank = len({digest for digest, _ in gathered}) > 1
-    return prepared, Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
+        prepared = _prepare(root, model, optim, extra, staging_of(model) if caller_of is not None else None, data=data)
+    agreed_position(all_gather_objects(prepared.data, group))  # equal on every rank, or the same error on each
+    if caller_of is None:
+        prepared.agree(group)
+    return prepared
 
 
-def _write_side(
-    prepared: _Prepared, per_rank: bool, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True
-) -> FileRecord:
-    buffers = prepared.buffers if per_rank or rank == 0 else {}
-    return write_side_file(
-        directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=prepared.extra, durable=durable,
-        pieces=pieces,
-    )  # fmt: skip
-
-
-def _training(prepared: _Prepared, per_rank: bool, files: tuple[FileRecord, ...]) -> TrainingRecord:
-    specs = tuple(BufferSpec(n, tuple(b.shape), dtype_to_str(b.dtype)) for n, b in prepared.buffers.items())
-    return TrainingRecord(
-        buffers=specs, buffers_per_rank=per_rank, aliases=prepared.aliases, files=files, data=prepared.data
-    )
+def _prepare(
+    root: Root,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    extra: object,
+    staging: HostStaging | None,
+    *,
+    data: object = None,
+) -> _Prepared:
+    """Read and check everything this rank saves (reads only; the tensors are the live ones, copied through the
+    stager's pinned ring when on a GPU, unless ``staging`` (an async save, which writes after the call returns:
+    forward changes buffers): then the buffers and ``extra``'s tensors are copied into it, GPU ones queued)."""
+    local = read_for_save(root, optim, read_scalars=staging is None) if optim is not None else LocalState((), {}, {})
+    state: dict[int, dict[str, Any]] = {}
+    for i, shard in weight_shards(root).items():
+        entries = {key: own_tensor(value) for key, value in local.state.get(i, {}).items()}
+        state[i] = {**entries, WEIGHTS_KEY: own_tensor(shard)}
+    buffers = {name: own_tensor(b) for name, b in persistent_buffers(model).items()}
+    text, tensors = encode_extra(extra)
+    landed: list[tuple[Copier, Any]] = []
+    if staging is not None:
+        named = {**{f"b/{n}": b for n, b in buffers.items()}, **{f"x/{k}": t for k, t in tensors.items()}}
+        copies, landed = staging.side_copy(named)
+        buffers = {n: copies[f"b/{n}"] for n in buffers}
+        tensors = {k: copies[f"x/{k}"] for k in tensors}
+    aliases = read_aliases(model, root.layout)
+    return _Prepared(local, state, buffers, (text, tensors), aliases, data_position(data), tuple(landed))
