@@ -31,7 +31,6 @@ __all__ = [
     "manifest_at",
     "manifest_file",
     "read_manifest",
-    "sharded_at",
     "source_kind",
 ]
 
@@ -71,11 +70,10 @@ def manifest_file(directory: Path) -> Path | None:
 def is_sharded_checkpoint(path: str | os.PathLike[str] | Location) -> bool:
     """``path`` is a checkpoint's directory (a store's prefix) holding a manifest, or that manifest itself (judged
     by name and presence, not read)."""
-    return sharded_at(where(path))
+    return _is_sharded(where(path))
 
 
-def sharded_at(place: Location) -> bool:
-    """:func:`is_sharded_checkpoint` of a location already resolved."""
+def _is_sharded(place: Location) -> bool:
     if _names_manifest(place):
         return _holds(place.parent(), place.name)
     return any(_holds(place, name) for name in MANIFEST_NAMES)
@@ -88,7 +86,7 @@ def source_kind(place: Location) -> str:
     Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory (a prefix holding objects) without
     a manifest.
     """
-    if sharded_at(place):
+    if _is_sharded(place):
         return "sharded"
     if present(place):
         raise ValueError(
