@@ -248,7 +248,7 @@ def test_parallel_needs_a_team(source: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists(), "nothing written"
 
 
-# A process of the CLI that fails (or is killed) right after it has written and read back its first run of chunks.
+# A process of the CLI that fails (or is killed) right after it has written its first run of chunks.
 _FAILING = """
 import os, signal, sys
 import fsdp_optim.offline.parallel.reshard as R

@@ -17,7 +17,8 @@ NOTES = (
     "`split_stream`): a rank file is written by every process whose share crosses it, each at its offsets, its "
     "chunks' digests into their header slots (`formats/sharded/ranged.py`); 2 -> 3 on 2 processes splits file 1.",
     "The one-process run writes rank files one shard at a time (`formats/sharded/streamed.py`); each of the two "
-    "processes writes pieces of at most 64 MiB and reads each back (one process does not).",
+    "processes writes pieces of at most 64 MiB, hashed as they are written (as one process does: neither reads "
+    "back what it wrote).",
     "Bytes read are what each process's plan reads (`reshard.share_spans` of its share: chunk-widened ranges and "
     "the headers), not a counter: the source is mapped, and mapped reads on tmpfs count no I/O. Two shares that "
     "meet inside a unit's shard both read the source chunk there (at most 64 KiB per unit and state key).",

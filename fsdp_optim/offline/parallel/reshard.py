@@ -9,9 +9,9 @@ The steps, every one ended by an agreement (a failure anywhere fails every proce
                     is in its share): created, preallocated, the header with placeholder digests written
                                                                             -> agree: every file laid out
     every process   writes its share of the files' data (equal shares of all the files' bytes, cut on chunk
-                    boundaries: a file may be written by several) at its offsets, one piece at a time, each read
-                    back, and its chunks' digests into their header slots (formats/sharded/ranged.py); the watch
-                    counts bytes and stops all on a failure       -> agree: every share written and verified
+                    boundaries: a file may be written by several) at its offsets, one piece at a time, hashed as
+                    it is written, and its chunks' digests into their header slots (formats/sharded/ranged.py);
+                    the watch counts bytes and stops all on a failure             -> agree: every share written
     every process   checks the headers of the files it owns (every digest filled in) and makes their records
                                                                             -> agree: every file finished
     process 0       gathers the records, carries a whole checkpoint's side files, makes the manifest and moves the
