@@ -174,12 +174,13 @@ def _laid_out(path: Path) -> Iterator[BinaryIO]:
         os.fsync(f.fileno())
 
 
-def lay_out_file(path: Path, layout: LaidOutFile, preallocate: Callable[[int, int], None]) -> None:
-    """Create ``path`` (exclusively), make it ``layout.size`` bytes (``preallocate(fd, size)``), write the header
-    skeleton, fsync. A failure removes the file."""
+def lay_out_file(path: Path, layout: LaidOutFile) -> None:
+    """Create ``path`` (exclusively), ``layout.size`` bytes long, write the header skeleton, fsync. A failure removes
+    the file. Its data's blocks are not reserved (a hole-filled file): each writer's runs fill them as one process's
+    writes do, so no process reserves (on tmpfs: allocates) the blocks of a whole file before any is written."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        preallocate(fd, layout.size)
+        os.ftruncate(fd, layout.size)
         done = 0
         while done < len(layout.header):
             done += os.pwrite(fd, layout.header[done:], done)
