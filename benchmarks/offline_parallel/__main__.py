@@ -35,7 +35,7 @@ def _here(gib: float, repeats: int) -> dict[str, Any]:
         for round_ in range(repeats):
             for (verb, processes), done in samples.items():
                 done.append(sample(src, processes, *verbs[verb]))
-                print(json.dumps({"round": round_, "verb": verb} | done[-1]), flush=True)
+                print(json.dumps({"round": round_, "what": verb} | done[-1]), flush=True)
             load[f"after round {round_ + 1}"] = list(os.getloadavg())
         result = {v: [best(samples[v, p]) for p in (1, 2)] for v in verbs}
         for run, processes in zip(result["runs"], (1, 2)):
