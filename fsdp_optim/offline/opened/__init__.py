@@ -35,28 +35,30 @@ file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set,
 
 from __future__ import annotations
 
+import importlib
+
 from fsdp_optim.formats.kinds import Kind
 from fsdp_optim.offline.opened.base import Opened
-from fsdp_optim.offline.opened.hf import OpenedHf
-from fsdp_optim.offline.opened.loaded import OpenedFull, OpenedNamedDict, OpenedNative, OpenedWholeFile
-from fsdp_optim.offline.opened.readers import OpenedDcp, OpenedNamed, OpenedShardSet
-from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, OpenedRankFile
 
-__all__ = [
-    "CLASSES",
-    "class_of",
-]
+__all__ = ["class_of"]
 
 
-# The class of each kind of input: the one place a kind picks its class.
-CLASSES: dict[Kind, type[Opened]] = {
-    Kind.SHARDED: OpenedCheckpoint, Kind.LAYOUT: OpenedLayout, Kind.RANK_FILE: OpenedRankFile, Kind.FULL: OpenedFull,
-    Kind.NATIVE: OpenedNative, Kind.SHARD_SET: OpenedShardSet, Kind.NAMED: OpenedNamed,
-    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile, Kind.HF: OpenedHf,
+# The class of each kind of input (its module here, its name): the one place a kind picks its class. A class is
+# imported when its kind is first opened, so reading our own checkpoint loads no other format's reader.
+_HOMES: dict[Kind, tuple[str, str]] = {
+    Kind.SHARDED: ("sharded", "OpenedCheckpoint"), Kind.LAYOUT: ("sharded", "OpenedLayout"),
+    Kind.RANK_FILE: ("sharded", "OpenedRankFile"), Kind.FULL: ("loaded", "OpenedFull"),
+    Kind.NATIVE: ("loaded", "OpenedNative"), Kind.SHARD_SET: ("readers", "OpenedShardSet"),
+    Kind.NAMED: ("readers", "OpenedNamed"), Kind.NAMED_DICT: ("loaded", "OpenedNamedDict"),
+    Kind.DCP: ("readers", "OpenedDcp"), Kind.WHOLE_FILE: ("loaded", "OpenedWholeFile"), Kind.HF: ("hf", "OpenedHf"),
 }  # fmt: skip
 
 
 def class_of(kind: Kind | None) -> type[Opened]:
     """The class of inputs of ``kind``; ``None`` (a torch file not loaded yet, whatever it holds):
     :class:`.base.Opened`, whose class methods treat it as the torch file it is."""
-    return Opened if kind is None else CLASSES[kind]
+    if kind is None:
+        return Opened
+    module, name = _HOMES[kind]
+    cls: type[Opened] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return cls
