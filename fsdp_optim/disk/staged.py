@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import os
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -55,37 +55,24 @@ def check_not_input(output: str | os.PathLike[str], inputs: Iterable[Any], *, na
     """Refuse an output that resolves (real path, or the same inode) to one of ``inputs``: a file, a
     directory (or a file in it, such as its manifest) and every file in that directory."""
     real = resolve_output(output)
-    mine = _inode(real)  # None: nothing there yet, so nothing is the same file
     for given in inputs:
         if given is None or isinstance(given, Mapping) or not isinstance(given, (str, os.PathLike)):
             continue
         path = Path(given)
+        candidates = [path]
         directory = path if path.is_dir() else path.parent if path.name.startswith("manifest.") else None
-        for candidate, resolved in _resolved(path, directory):
-            if resolved == real or (mine is not None and _inode(candidate) == mine):
+        if directory is not None:
+            candidates += [directory, *directory.iterdir()]
+        for candidate in candidates:
+            if resolve_output(candidate) == real or _same_inode(candidate, real):
                 raise ValueError(f"{name}: {output} is {candidate}, one of the inputs; write to another path")
 
 
-def _resolved(path: Path, directory: Path | None) -> Iterator[tuple[Path, Path]]:
-    """``path``, ``directory`` and every file in it, each with its real path: a file of the directory that is no
-    symbolic link has the directory's real path and its name (one resolution for the directory, not one a file)."""
-    yield path, resolve_output(path)
-    if directory is None:
-        return
-    inside = resolve_output(directory)
-    yield directory, inside
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            candidate = directory / entry.name
-            yield candidate, resolve_output(candidate) if entry.is_symlink() else inside / entry.name
-
-
-def _inode(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+def _same_inode(a: Path, b: Path) -> bool:
     try:
-        st = os.stat(path)
+        return os.path.samefile(a, b)
     except OSError:
-        return None
-    return st.st_dev, st.st_ino
+        return False
 
 
 def open_output(

@@ -152,19 +152,10 @@ def names_shard_set(given: Any) -> bool:
     if not isinstance(given, (str, os.PathLike)):
         return False
     try:
-        files = _local_files(given)
+        files = where(given).local_path()
     except ValueError:  # a URL of no known filesystem: no shard set either (opening it says why)
         return False
     return files is not None and is_shard_set(given)
-
-
-def _local_files(path: str | os.PathLike[str]) -> Path | None:
-    """The local directory (or file) ``path`` is, where its objects are local files; ``None`` elsewhere.
-
-    A capability, not a backend: a fairseq/metaseq shard set and a DCP directory are read as local files by their
-    readers (``torch.load`` of each shard file, DCP's file system reader), so only a location whose objects are
-    local files can be one; a sharded checkpoint of ours is found anywhere (:func:`source_kind`)."""
-    return where(path).local_path()
 
 
 def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
@@ -186,8 +177,9 @@ def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
     sharded checkpoint (in any location), a DCP directory, or ``None`` for a file whose content says the rest
     (:func:`detect`); nothing there, or a directory (a store's prefix) of neither, is refused
-    (:func:`~fsdp_optim.formats.sharded.locate.source_kind`)."""
-    files = _local_files(path)
+    (:func:`~fsdp_optim.formats.sharded.locate.source_kind`). A shard set, a DCP directory and a Hugging Face
+    layout are read as local files by their readers, so only a location whose objects are local files can be one."""
+    files = where(path).local_path()
     if files is not None and is_shard_set(path):
         return Kind.SHARD_SET
     if files is not None and files.is_dir() and (files / ".metadata").is_file():  # formats/dcp.METADATA (not imported)

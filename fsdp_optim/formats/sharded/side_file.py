@@ -174,9 +174,8 @@ def read_side_file(directory: Location, record: FileRecord, received: Received |
     tensors = load_safetensors(data)
     header_size = int.from_bytes(data[:8], "little")
     metadata = loads(data[8 : 8 + header_size], where=f"{path}, header").get("__metadata__", {})
-    where = f"{path}"
     buffers = {n[len(_BUFFER) :]: t for n, t in tensors.items() if n.startswith(_BUFFER)}
-    extra = decode_extra(metadata.get("extra", "null"), tensors, where)
+    extra = decode_extra(metadata.get("extra", "null"), tensors, str(path))
     return buffers, extra
 
 

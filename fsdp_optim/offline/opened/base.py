@@ -21,14 +21,15 @@ from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
+from fsdp_optim.offline import report as R
 from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
 from fsdp_optim.offline.layouts import LayoutLike, ParamOrder
 from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, RankFiles, Resharding
+from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.file_check import Verification
-    from fsdp_optim.offline.side_state import SideState
 
 __all__ = ["NEEDS_LAYOUT", "DcpParts", "Opened", "Request"]
 
@@ -129,15 +130,13 @@ class Opened:
 
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         """:meth:`describe` as one JSON object (:mod:`fsdp_optim.offline.report`); here: the members every kind has."""
-        from fsdp_optim.offline.report import base  # (inspect's and verify's readers: imported by them alone)
-
-        return base(path, self.kind, lines)
+        return R.base(path, self.kind, lines)
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003 - shard sets'
         """``verify``'s verdict on every file of the input of this kind at ``path`` (never opened: it may be
         damaged); here: a torch file's (a full dict, a fairscale-native dict, consolidate's whole file...)."""
-        from fsdp_optim.offline.verdicts import torch_file
+        from fsdp_optim.offline.verdicts import torch_file  # (verify's checks: imported by it alone)
 
         return torch_file(Path(path))
 

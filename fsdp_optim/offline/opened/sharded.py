@@ -21,15 +21,17 @@ from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.whole_file import LAYOUT_KEY, layout_record
+from fsdp_optim.offline import describe as D
+from fsdp_optim.offline import report as R
 from fsdp_optim.offline.cuts import AfterFile, Progress, consolidate_checkpoint, reshard_checkpoint
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, WholeFileWritten
+from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options, is_whole, whole_model, whole_state, write_whole
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.file_check import Verification
-    from fsdp_optim.offline.side_state import SideState
 
 __all__ = ["OpenedCheckpoint", "OpenedLayout", "OpenedRankFile"]
 
@@ -49,13 +51,9 @@ class OpenedCheckpoint(Opened):
                       checkpoint=ckpt)  # fmt: skip
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
-        from fsdp_optim.offline.describe import describe_sharded  # (inspect's readers: imported by inspect alone)
-
-        return describe_sharded(path, self.checkpoint.manifest, self.checkpoint, layout=False, units=units)
+        return D.describe_sharded(path, self.checkpoint.manifest, self.checkpoint, layout=False, units=units)
 
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
-        from fsdp_optim.offline import report as R
-
         out = R.of_manifest(R.base(path, self.kind, lines), self.checkpoint.manifest)
         if self.is_whole():
             out["model"] = R.model_of_checkpoint(self.checkpoint)
@@ -63,7 +61,7 @@ class OpenedCheckpoint(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        from fsdp_optim.formats.sharded.verification import verify_sharded
+        from fsdp_optim.formats.sharded.verification import verify_sharded  # (verify's checks: imported by it alone)
 
         return verify_sharded(path)
 
@@ -80,8 +78,6 @@ class OpenedCheckpoint(Opened):
         return whole_model(self.checkpoint, rank=rank, progress=progress)
 
     def side_state(self) -> SideState | None:
-        from fsdp_optim.offline.side_state import SideState
-
         return SideState.of_checkpoint(self.checkpoint) if self.is_whole() else None
 
     def check_rank(self, rank: int | None) -> None:
@@ -162,13 +158,9 @@ class OpenedLayout(Opened):
         return cls(request.kind, request.label, manifest=read_manifest(request.path))
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
-        from fsdp_optim.offline.describe import describe_sharded
-
-        return describe_sharded(path, self.manifest, None, layout=True, units=units)
+        return D.describe_sharded(path, self.manifest, None, layout=True, units=units)
 
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
-        from fsdp_optim.offline import report as R
-
         return R.of_manifest(R.base(path, self.kind, lines), self.manifest)
 
     def why_not_consolidated(self) -> str:
@@ -192,13 +184,9 @@ class OpenedRankFile(Opened):
         return cls(request.kind, request.label, raw=request.obj)
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002 - the interface's arguments
-        from fsdp_optim.offline.describe import describe_any_rank_file
-
-        return describe_any_rank_file(path, self.raw)
+        return D.describe_any_rank_file(path, self.raw)
 
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
-        from fsdp_optim.offline import report as R
-
         return R.of_rank_file(R.base(path, self.kind, lines), lines, self.raw)
 
     @classmethod
