@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -183,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"jobs W={args.jobs}", flush=True)
             result["jobs"] = jobs(args.jobs, args.repeats, root)
         result["seconds"] = time.perf_counter() - started
+        command = f"python -m benchmarks.scale {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+        result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": command}
+        result["targets"] = {f"{r['world_size']}x{r['units']} {name}": met for r in result["fresh"] for name, met in (
+            ("second <= 2x floor", r["second_x_floor"] <= 2), ("first - second <= 0.1 s", r["first_minus_second_s"] <= 0.1))}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = tables(result)

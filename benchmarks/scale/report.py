@@ -47,7 +47,7 @@ SECTIONS = (  # (result key, lead-in, columns, cells of a row)
     ("jobs", "In a job (fsdp_optim FSDP, gloo, 128 units; median seconds, slowest rank; other-W = the checkpoint of the job of 2W ranks, re-cut on load):",
      ["W", "state KiB/rank", "gather s", "save s", "load same-W s", "load 2W -> W s", "x same-W", "peak RSS/rank MiB", "disk MiB"], _job),
     ("fresh", "Fixed costs: reshard W -> 3W/4 in fresh interpreters, torch imported first (median seconds; first = the import of fsdp_optim.reshard "
-     "plus the first call; floor = the byte floor above; targets: second <= 2x floor, first - second <= 0.1 s):",
+     "plus the first call; floor = the byte floor of the offline table; targets: second <= 2x floor, first - second <= 0.1 s):",
      ["W -> W'", "units", "files", "import s", "first s", "second s", "floor s", "second x floor", "first - second s"], _fresh),
 )
 
