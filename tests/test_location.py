@@ -190,10 +190,10 @@ def test_a_location_emptied_and_removed_is_gone_on_each_backend(kind: str, tmp_p
     sub = location.child("sub")
     sub.write("one", b"first")
     assert present(sub) and non_objects(sub) == [], f"{kind}: a location holding an object is present"
-    with sub.guarded(purpose="test removal") as held:
-        assert held, f"{kind}: no writer holds it, so it may be removed"
+    with sub.removal(purpose="test removal") as remove_marker:
+        assert remove_marker is not None, f"{kind}: no writer holds it, so it may be removed"
         sub.delete(sorted(sub.listing()))
-        sub.remove_marker()
+        remove_marker()
     assert not present(sub) and "sub" not in location.prefixes(), f"{kind}: removed, not listed"
 
 
@@ -203,8 +203,8 @@ def test_a_local_directory_names_what_is_not_an_object_and_keeps_its_lock(tmp_pa
     (tmp_path / "step" / "file").write_bytes(b"x")
     (tmp_path / "step" / "link").symlink_to(tmp_path / "step" / "file")
     assert sorted(local.listing()) == ["file"] and non_objects(local) == ["inner", "link"], "links, subdirectories"
-    with local.guarded(purpose="first") as held, local.guarded(purpose="second") as again:
-        assert held and not again, "a second remover finds the lock held and may remove nothing"
+    with local.removal(purpose="first") as held, local.removal(purpose="second") as again:
+        assert held is not None and again is None, "a second remover finds the lock held and may remove nothing"
 
 
 def test_only_a_local_directory_has_a_local_path(tmp_path: Path) -> None:
