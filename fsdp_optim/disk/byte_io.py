@@ -1,5 +1,6 @@
 """The bytes of a backend: :class:`ByteIO`, the eight primitives every place holding named objects implements, and
-what follows from them (sizes, etags, ranged reads, copies; :func:`read_all`: an object whole; :func:`listed_etag`).
+what follows from them (sizes, ranged reads, copies; :func:`read_all`: an object whole; :func:`listed_etag`: its
+version).
 
 A backend implements eight methods and nothing else is required of it; what it can do better it overrides (a
 store's own ranged GET, a whole-object copy, a ``stat`` for a size)::
@@ -83,11 +84,6 @@ class ByteIO(ABC):
         found = self.listing().get(name)
         return None if found is None else found.size
 
-    def etag(self, name: str) -> str | None:
-        """The object's etag (its version, for :meth:`commit`) as :meth:`listing` gives it (:func:`listed_etag`),
-        ``None`` when there is none."""
-        return listed_etag(self.listing().get(name))
-
     def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
         """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent); by default one
         :meth:`read_into` a new buffer (a store overrides it with its own ranged GET)."""
@@ -104,9 +100,9 @@ class ByteIO(ABC):
 
 
 def listed_etag(found: StoredObject | None) -> str | None:
-    """What :meth:`ByteIO.etag` answers for an object as a listing just gave it (``None``: not listed), asking the
-    backend nothing (a save that has listed its location takes the commit object's version from there): its etag,
-    else its size and time."""
+    """An object's version as a listing just gave it (``None``: not listed): its etag, else its size and time. A save
+    that has listed its location takes the commit object's version from there, for :meth:`ByteIO.commit`'s
+    ``replaces``; a backend's commit compares it with the version it finds then."""
     if found is None:
         return None
     return found.etag if found.etag is not None else f"{found.size}-{found.mtime}"

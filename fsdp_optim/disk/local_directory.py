@@ -65,10 +65,6 @@ class LocalDirectory(Location):
     def child(self, name: str) -> LocalDirectory:
         return LocalDirectory(self.path / name)
 
-    @property
-    def name(self) -> str:
-        return self.path.name
-
     def local_path(self) -> Path:
         return self.path
 

@@ -9,7 +9,7 @@ call these methods; none asks which kind it is.
 
 A backend implements the eight byte-level primitives of :class:`~fsdp_optim.disk.byte_io.ByteIO` (its name, the
 level below, listing, ranged reads into buffers, an atomic whole-object write, the conditional commit, delete); its
-sizes and etags follow from them there. Beyond them, the members a backend may override: naming (``/``, ``name``,
+sizes and ranged reads follow from them there. Beyond them, the members a backend may override: naming (``/``, ``name``,
 ``child``, ``parent``), ``local_path()`` (the path whose files are mapped in place, or None), ``prefetch(spans)``
 (ranges fetched ahead of a load), a local path for it given by ``written_here(publishing)`` (itself where it is
 local, else a local copy that ``publishing`` fills or publishes), a whole location removed under ``removal(purpose)``
