@@ -27,7 +27,7 @@ from _flat_store import FlatStore, open_flat
 import fsdp_optim
 from fsdp_optim.disk.byte_io import read_all
 from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.location import Location, fetched_file, identity, non_objects, present
+from fsdp_optim.disk.location import Location, as_local_file, identity, non_objects, present
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.formats.sharded.memory_tier import node_dir, read_holdings
@@ -219,8 +219,8 @@ def test_an_object_fetched_whole_is_the_same_on_each_backend(kind: str, tmp_path
     location = _location(kind, str(tmp_path))
     data = bytes(range(256)) * 9
     location.write("blob.pt", data)
-    with fetched_file(location, "blob.pt") as local:
-        assert local.name == "blob.pt" and local.read_bytes() == data, kind
+    with as_local_file(location.child("blob.pt")) as local:
+        assert isinstance(local, Path) and local.name == "blob.pt" and local.read_bytes() == data, kind
         copied = location.local_path() is None
     assert local.is_file() != copied, f"{kind}: its own file stays, a copy goes after the block"
     if kind == "local":
@@ -228,24 +228,28 @@ def test_an_object_fetched_whole_is_the_same_on_each_backend(kind: str, tmp_path
     into = tmp_path / "by-ranges.pt"
     Location.download(location, "blob.pt", into, size=len(data))  # the default: ranged reads, for any backend
     assert into.read_bytes() == data
+    if not copied:  # a local file is itself, whatever is there: the reader that opens it says what is wrong
+        with as_local_file(location.child("missing.pt")) as local:
+            assert not Path(local).exists(), f"{kind}: nothing fetched, nothing made"
+        return
     with pytest.raises(FileNotFoundError, match="missing.pt: no such object"):
-        with fetched_file(location, "missing.pt"):
+        with as_local_file(location.child("missing.pt")):
             pass
 
 
 def test_a_url_of_one_object_is_downloaded_whole_or_refused_by_name() -> None:
-    from fsdp_optim.disk.locations import downloaded
+    from fsdp_optim.offline.sources import fetched_whole
 
     store = fsdp_optim.open_store(f"memory://location-test/one-{uuid.uuid4().hex[:8]}")
     store.write("full.pt", b"payload")
-    with downloaded(f"{store}/full.pt") as local:
+    with fetched_whole(f"{store}/full.pt") as local:
         assert local.read_bytes() == b"payload" and local.name == "full.pt"
     assert not local.exists(), "the download is removed after the block"
     with pytest.raises(FileNotFoundError, match=r"missing\.pt: no such object, and no manifest\.json under it"):
-        with downloaded(f"{store}/missing.pt"):
+        with fetched_whole(f"{store}/missing.pt"):
             pass
     with pytest.raises(FileNotFoundError, match="^mine$"):  # the block's own errors pass as they are
-        with downloaded(f"{store}/full.pt"):
+        with fetched_whole(f"{store}/full.pt"):
             raise FileNotFoundError("mine")
 
 

@@ -18,9 +18,8 @@ local, else a local copy that ``publishing`` fills or publishes), a whole locati
 in a local directory).
 
 What follows from the members, the same for every backend, is a function over a location below (a local path, where
-there is one, answers): :func:`as_local_file`, :func:`fetched_file`, :func:`public`, :func:`identity`,
-:func:`same_place`, :func:`exists`, :func:`present`, :func:`non_objects`, :func:`shared_directory` and the plainest
-publishing, :func:`uploaded`.
+there is one, answers): :func:`as_local_file`, :func:`public`, :func:`identity`, :func:`same_place`, :func:`exists`,
+:func:`present`, :func:`non_objects`, :func:`shared_directory` and the plainest publishing, :func:`uploaded`.
 
 ``disk/`` knows no format: what a save's output owns comes from the format (:class:`~fsdp_optim.disk.save.SaveRules`).
 """
@@ -35,6 +34,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
 
 __all__ = [
-    "Location", "ObjectPath", "Where", "as_local_file", "exists", "fetched_file", "identity", "is_url", "non_objects",
-    "present", "public", "same_place", "shared_directory", "uploaded",
+    "Location", "ObjectPath", "Where", "as_local_file", "exists", "identity", "is_url", "non_objects", "present",
+    "public", "same_place", "shared_directory", "uploaded",
 ]
 
 T = TypeVar("T")
@@ -229,40 +229,22 @@ def uploaded(loc: Location, local: Path) -> Iterator[None]:
 
 @contextmanager
 def as_local_file(loc: Location) -> Iterator[str | os.PathLike[str]]:
-    """``loc``, naming one object, as a local file for the readers that take a file (a full dict, a consolidated
-    checkpoint): where it is local, itself as :meth:`Location.written_here` spells it, whatever is there (the reader
-    that opens it says what is wrong); else the object fetched whole from the location above into a copy removed
-    after the block (``FileNotFoundError`` when there is none)."""
-    with loc.written_here(lambda local: _fetched(loc.parent(), loc.name, local)) as (local, _):
+    """``loc``, naming one object, as a local file for the readers that take a file (a full dict, a named safetensors
+    file, a layout file): where it is local, itself as :meth:`Location.written_here` spells it, whatever is there
+    (the reader that opens it says what is wrong); else a copy of the object fetched whole from the location above
+    (:meth:`~fsdp_optim.disk.byte_io.ByteIO.download`), checked for its size and removed after the block.
+    ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of another size."""
+    with loc.written_here(partial(_fetched, loc)) as (local, _):
         yield local
 
 
 @contextmanager
-def fetched_file(loc: Location, name: str) -> Iterator[Path]:
-    """Object ``name`` of ``loc`` whole as a local file, for the readers that take a file (a full dict, a named
-    safetensors file, a layout file): where ``loc`` has a local path, the object's own file (nothing copied, nothing
-    removed after); else a temporary copy, removed after the block. ``FileNotFoundError`` when there is no such
-    object; ``OSError`` for a copy of another size."""
-    path = loc.local_path()
-    if path is not None and loc.size(name) is not None:
-        yield path / name
-        return
-    scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
-    try:
-        with _fetched(loc, name, scratch / name):
-            yield scratch / name
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-@contextmanager
-def _fetched(loc: Location, name: str, local: Path) -> Iterator[None]:
-    """Object ``name`` of ``loc`` copied whole into the new local file ``local`` (:meth:`ByteIO.download
-    <fsdp_optim.disk.byte_io.ByteIO.download>`), checked for the object's size."""
-    size = loc.size(name)
+def _fetched(loc: Location, local: Path) -> Iterator[None]:
+    above, name = loc.parent(), loc.name
+    size = above.size(name)
     if size is None:
-        raise FileNotFoundError(f"{loc / name}: no such object")  # (a local file's path, else the object's URL)
-    loc.download(name, local, size=size)
+        raise FileNotFoundError(f"{above / name}: no such object")  # (the object's URL)
+    above.download(name, local, size=size)
     if local.stat().st_size != size:
-        raise OSError(f"{loc}/{name}: downloaded {local.stat().st_size} of {size} bytes")
+        raise OSError(f"{above}/{name}: downloaded {local.stat().st_size} of {size} bytes")
     yield None
