@@ -9,7 +9,7 @@ call these methods; none asks which kind it is.
 
 A backend implements the eight byte-level primitives of :class:`~fsdp_optim.disk.byte_io.ByteIO` (its name, the
 level below, listing, ranged reads into buffers, an atomic whole-object write, the conditional commit, delete); its
-sizes and ranged reads follow from them there. Beyond them, the members a backend may override: naming (``/``, ``name``,
+sizes, ranges and copies follow from them there. Beyond them, the members a backend may override: naming (``/``,
 ``child``, ``parent``), ``local_path()`` (the path whose files are mapped in place, or None), ``prefetch(spans)``
 (ranges fetched ahead of a load), a local path for it given by ``written_here(publishing)`` (itself where it is
 local, else a local copy that ``publishing`` fills or publishes), a whole location removed under ``removal(purpose)``
@@ -18,8 +18,9 @@ local, else a local copy that ``publishing`` fills or publishes), a whole locati
 in a local directory).
 
 What follows from the members, the same for every backend, is a function over a location below (a local path, where
-there is one, answers): :func:`as_local_file`, :func:`public`, :func:`identity`, :func:`same_place`, :func:`exists`,
-:func:`present`, :func:`non_objects`, :func:`shared_directory` and the plainest publishing, :func:`uploaded`.
+there is one, answers): :func:`base_name`, :func:`as_local_file`, :func:`public`, :func:`identity`, :func:`same_place`,
+:func:`exists`, :func:`present`, :func:`non_objects`, :func:`shared_directory` and the plainest publishing,
+:func:`uploaded`.
 
 ``disk/`` knows no format: what a save's output owns comes from the format (:class:`~fsdp_optim.disk.save.SaveRules`).
 """
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
 
 __all__ = [
-    "Location", "ObjectPath", "Where", "as_local_file", "exists", "identity", "is_url", "non_objects", "present",
-    "public", "same_place", "shared_directory", "uploaded",
+    "Location", "ObjectPath", "Where", "as_local_file", "base_name", "exists", "identity", "is_url", "non_objects",
+    "present", "public", "same_place", "shared_directory", "uploaded",
 ]
 
 T = TypeVar("T")
@@ -86,10 +87,6 @@ class Location(ByteIO):
     @abstractmethod
     def child(self, name: str) -> Location:
         """The location ``name`` below this one (a step directory under a manager's root)."""
-
-    @property
-    def name(self) -> str:
-        return str(self).rstrip("/").rsplit("/", 1)[-1]
 
     def local_path(self) -> Path | None:
         """The local path this location is, for the readers that map or open its files in place; ``None`` where its
@@ -131,7 +128,7 @@ class Location(ByteIO):
         called)."""
         scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
         try:
-            local = scratch / self.name
+            local = scratch / base_name(self)
             with publishing(local) as published:
                 yield local, published
         finally:
@@ -157,6 +154,12 @@ Where = Path | Location  # a checkpoint directory as the readers hold it (local 
 
 
 # -- what follows from the members (the same for every backend: a local path, where there is one, answers) ----------
+
+
+def base_name(loc: Location) -> str:
+    """The last part of ``loc``'s name (of a URL naming one object: that object's name in the location above)."""
+    path = loc.local_path()
+    return str(loc).rstrip("/").rsplit("/", 1)[-1] if path is None else path.name
 
 
 def public(loc: Location) -> Path | Location:
@@ -224,7 +227,7 @@ def uploaded(loc: Location, local: Path) -> Iterator[None]:
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             loc.write(path.relative_to(local).as_posix(), path)
     else:
-        loc.parent().write(loc.name, local)
+        loc.parent().write(base_name(loc), local)
 
 
 @contextmanager
@@ -240,7 +243,7 @@ def as_local_file(loc: Location) -> Iterator[str | os.PathLike[str]]:
 
 @contextmanager
 def _fetched(loc: Location, local: Path) -> Iterator[None]:
-    above, name = loc.parent(), loc.name
+    above, name = loc.parent(), base_name(loc)
     size = above.size(name)
     if size is None:
         raise FileNotFoundError(f"{above / name}: no such object")  # (the object's URL)

@@ -22,7 +22,7 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.core.source import Plan
-from fsdp_optim.disk.location import Location, ObjectPath, exists, uploaded
+from fsdp_optim.disk.location import Location, ObjectPath, base_name, exists, uploaded
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
@@ -94,7 +94,7 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     place = where(path)
     with place.written_here(partial(uploaded, place)) as (local, _):  # in place, or a local copy uploaded whole
         write_stream(lambda file: file.write(data), Path(local), purpose="save_layout")  # under the file's lock
-    return place.parent() / place.name  # type: ignore[return-value]  # (a store's: shown as its URL)
+    return place.parent() / base_name(place)  # type: ignore[return-value]  # (a store's: shown as its URL)
 
 
 def load_sharded_optim_state(
@@ -133,7 +133,7 @@ def load_sharded_optim_state(
 def _names_sharded(place: Location) -> bool:
     """``place`` is a checkpoint's directory (a place to list: a store's prefix always is) or its manifest, by name,
     not a full dict file (which only ``src_rank`` may see: no rank opens it to classify it)."""
-    return exists(place) or place.name in MANIFEST_NAMES
+    return exists(place) or base_name(place) in MANIFEST_NAMES
 
 
 def _read_sharded(
