@@ -147,9 +147,6 @@ class Location(ByteIO):
         return None
 
 
-
-
-
 Where = Path | Location  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
 
 
