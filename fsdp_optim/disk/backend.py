@@ -8,8 +8,8 @@ conditional create, what a replaced checkpoint left removed after) is written on
 
 A backend that can do better overrides one more method (a ranged GET of its own: ``read_range``; a whole-object copy:
 ``download``); callers never ask which backend they hold. Its ``commit`` may check an object's version with
-:meth:`ObjectBackend.etag`. Register it for a URL scheme with
-:func:`~fsdp_optim.disk.locations.register_backend`, or pass an instance wherever a path is taken.
+:meth:`ObjectBackend.etag`. Register it for a URL scheme with :func:`~fsdp_optim.disk.locations.register_backend`, or
+pass an instance wherever a path is taken.
 """
 
 from __future__ import annotations
