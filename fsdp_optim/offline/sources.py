@@ -37,7 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeVar
 
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, as_local_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.kinds import Given, Kind, detect, path_kind
@@ -135,7 +135,7 @@ def fetched_whole(given: G) -> Iterator[G | Location | str | os.PathLike[str]]:
         return
     with contextlib.ExitStack() as stack:
         try:
-            local = stack.enter_context(place.as_local_file())
+            local = stack.enter_context(as_local_file(place))
         except FileNotFoundError:  # (only while fetching: the block's own errors pass as they are)
             raise FileNotFoundError(
                 f"{str(given).rstrip('/')}: no such object, and no {MANIFEST_NAME} under it (not a sharded "
