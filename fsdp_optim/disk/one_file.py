@@ -75,7 +75,7 @@ class FileWriter(Writer):
                 os.close(fd)
             os.replace(staged, self.lock.output)
         except OSError as exc:
-            raise _cannot_write(self.lock.output, exc) from exc
+            raise OSError(exc.errno, f"{self.path}: cannot write the checkpoint file: {exc.strerror or exc}") from exc
         fsync_dir(self.lock.output.parent)
 
     def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:  # noqa: ARG002 - one file
@@ -89,10 +89,6 @@ class FileWriter(Writer):
         finally:
             if self.lock is not None:  # (where this process began: taken there)
                 self.lock.release()
-
-
-def _cannot_write(path: Path, exc: OSError) -> OSError:
-    return OSError(exc.errno, f"{path}: cannot write the checkpoint file: {exc.strerror or exc}")
 
 
 def write_file(
@@ -117,6 +113,6 @@ def write_stream(
             with open(save.staging.path, "r+b") as file:
                 write(file)
         except OSError as exc:
-            raise _cannot_write(Path(path), exc) from exc
+            raise OSError(exc.errno, f"{path}: cannot write the checkpoint file: {exc.strerror or exc}") from exc
         save.commit(b"")
     return writer.size

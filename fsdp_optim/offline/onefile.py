@@ -98,7 +98,7 @@ class Sink(Protocol[S]):
     @property
     def writer(self) -> Writer: ...
 
-    def open(self, save: Save, *, overwrite: bool) -> str: ...
+    def open(self, save: Save) -> str: ...
 
     def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> S: ...
 
@@ -114,8 +114,7 @@ class FileSink:
     def __init__(self, layout: FileLayout, output: str | os.PathLike[str], inputs: Sequence[Any]) -> None:  # noqa: D107
         self.layout, self.writer, self.target = layout, FileWriter(output, inputs=inputs), ""
 
-    def open(self, save: Save, *, overwrite: bool) -> str:
-        save.begin(purpose="fsdp_optim.consolidate", overwrite=overwrite)
+    def open(self, save: Save) -> str:
         with open(save.staging.path, "r+b") as file:
             preallocate(file.fileno(), self.layout.size)
         return str(save.staging.path)
@@ -161,7 +160,9 @@ def write_one_file(
     agreed = partial(stepped, team)
     with saving(sink.writer, None, save_id="", rank=rank, agreed=agreed) as save:
         with agreed(f"consolidate: process 0 could not open {output}; nothing was written"):
-            opened = sink.open(save, overwrite=overwrite) if rank == 0 else ""
+            if rank == 0:
+                save.begin(purpose="fsdp_optim.consolidate", overwrite=overwrite)
+            opened = sink.open(save) if rank == 0 else ""
         sink.target = opened if team is None else str(team.from_first(opened))
         mine, shares = _fill(team, runs, sink, trim=trim, progress=progress, bar=bar, total=layout.size)
         save.commit(sink.header(mine, shares) if rank == 0 else None)

@@ -121,8 +121,7 @@ class UploadSink(Writer):
         self.target = self.upload.begin()
         return Begun(None)
 
-    def open(self, save: Save, *, overwrite: bool) -> str:
-        save.begin(purpose="fsdp_optim.consolidate", overwrite=overwrite)
+    def open(self, save: Save) -> str:  # noqa: ARG002 - begun: the upload's id
         return self.target
 
     def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> Share:

@@ -122,10 +122,9 @@ def open_source(
 
 @contextlib.contextmanager
 def fetched_whole(given: G) -> Iterator[G | Location | str | os.PathLike[str]]:
-    """``given`` as its readers open it, a path resolved to its location here, once (``open_source``, ``verify``: the
-    layers below take the location): a dict, itself; a sharded checkpoint, its location; a local path, itself; one
-    object of a location whose objects are no local files, a copy fetched whole and removed when the block ends: the
-    one place such an object is fetched."""
+    """``given`` as its readers open it, a path resolved here, once (``open_source``, ``verify``): a dict or a local
+    path, itself; a sharded checkpoint, its location; one object of a location whose objects are no local files, a
+    copy fetched whole and removed when the block ends: the one place such an object is fetched."""
     if isinstance(given, Mapping):
         yield given
         return
