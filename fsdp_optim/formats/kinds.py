@@ -159,7 +159,8 @@ def names_shard_set(given: Any) -> bool:
 
 
 def _local_files(path: str | os.PathLike[str]) -> Path | None:
-    """The local directory or file ``path`` is, where its objects are local files (path_kind says why); else None."""
+    """The local directory or file ``path`` is, where its objects are local files; else None. A capability, not a
+    backend: shard sets, DCP directories and Hugging Face layouts are read as local files by their readers."""
     return where(path).local_path()
 
 
