@@ -1,6 +1,5 @@
 """A path is resolved to its :class:`~fsdp_optim.disk.location.Location` once, at the public entry point, and the
-location is passed down: a one-process ``load_checkpoint`` of a real checkpoint calls ``where()`` once, and so do
-``verify`` and ``consolidate`` of it.
+location is passed down: a one-process ``load_checkpoint`` of a real checkpoint calls ``where()`` once.
 
 Counted with a profile hook on ``where``'s own code (every call, whatever name a module imported it under), around
 a real load on a real one-rank gloo group."""
@@ -35,16 +34,11 @@ def where_calls(run: Any) -> list[str]:
     return callers
 
 
-def _save(rank: int, world_size: int, out: str) -> tuple[Any, Any]:
+def _save_then_load(rank: int, world_size: int, out: str) -> list[str]:
     root = M.wrap(M.make_net(), "deep")
     optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
     M.train_step(root, optim, *M.local_batch(0, rank, world_size))
     fsdp_optim.save_checkpoint(root, optim, out, extra={"step": 1})
-    return root, optim
-
-
-def _save_then_load(rank: int, world_size: int, out: str) -> list[str]:
-    root, optim = _save(rank, world_size, out)
     loaded: list[Any] = []
     callers = where_calls(lambda: loaded.append(fsdp_optim.load_checkpoint(root, optim, out)))
     assert loaded == [{"step": 1}], f"the load returned {loaded}, expected the saved extra"
@@ -54,22 +48,3 @@ def _save_then_load(rank: int, world_size: int, out: str) -> list[str]:
 def test_load_checkpoint_resolves_its_path_once(tmp_path: Path) -> None:
     callers = run_ranks(_save_then_load, 1, str(tmp_path / "ckpt"))[0]
     assert len(callers) == 1, f"where() called {len(callers)} times in one load_checkpoint, expected 1: {callers}"
-
-
-def test_verify_and_consolidate_resolve_their_path_once(tmp_path: Path) -> None:
-    """The offline verbs of a real whole checkpoint (saved by one rank), without a process group: ``verify`` and
-    ``consolidate`` each call ``where()`` once."""
-    out = str(tmp_path / "ckpt")
-    run_ranks(_save_only, 1, out)
-    reports: list[Any] = []
-    callers = where_calls(lambda: reports.append(fsdp_optim.verify(out)))
-    assert reports[0].ok, f"the saved checkpoint does not verify: {reports[0]}"
-    assert len(callers) == 1, f"where() called {len(callers)} times in one verify, expected 1: {callers}"
-    full: list[Any] = []
-    callers = where_calls(lambda: full.append(fsdp_optim.consolidate(out)))
-    assert full[0]["extra"] == {"step": 1}, f"consolidate gave extra {full[0].get('extra')}, expected the saved one"
-    assert len(callers) == 1, f"where() called {len(callers)} times in one consolidate, expected 1: {callers}"
-
-
-def _save_only(rank: int, world_size: int, out: str) -> None:
-    _save(rank, world_size, out)

@@ -21,7 +21,6 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.formats.fairscale import dict_source, is_fairscale_native, is_named_dict
@@ -65,19 +64,17 @@ RANK_FILE_NAME = re.compile(r"^optim-[0-9a-f]+-rank\d+-of-\d+\.(pt|safetensors)$
 Given: TypeAlias = str | os.PathLike[str] | Mapping[str, Any]
 
 
-def detect(given: Given | Location) -> tuple[Kind, Any]:
-    """The kind of ``given`` (a location: as the caller resolved it) and, for a file, its loaded content
-    (memory-mapped, through the untrusted gate).
+def detect(given: Given) -> tuple[Kind, Any]:
+    """The kind of ``given`` and, for a file, its loaded content (memory-mapped, through the untrusted gate).
 
     Raises ``FileNotFoundError`` for nothing there and ``ValueError`` naming what was found otherwise."""
     if isinstance(given, Mapping):
         if is_whole_file(given):
             return Kind.WHOLE_FILE, given
         return (Kind.NATIVE if is_fairscale_native(given) else Kind.FULL), given
-    kind = path_kind(given) if isinstance(given, Location) else path_kind(where(given)) or sniff_kind(given)
+    kind = path_kind(given) or sniff_kind(given)
     if kind is not None:
         return kind, None
-    assert not isinstance(given, Location), f"{given}: one object of a location is fetched before it is read"
     # What the file is comes first: a model's state_dict() with tied weights is "not a checkpoint", not "shares
     # memory". Tensors sharing memory are checked once it is one of ours (a whole checkpoint's model may name a tied
     # parameter twice); every other check of the gate holds before anything is classified.
@@ -155,10 +152,16 @@ def names_shard_set(given: Any) -> bool:
     if not isinstance(given, (str, os.PathLike)):
         return False
     try:
-        files = where(given).local_path()
+        files = _local_files(given)
     except ValueError:  # a URL of no known filesystem: no shard set either (opening it says why)
         return False
     return files is not None and is_shard_set(given)
+
+
+def _local_files(path: str | os.PathLike[str]) -> Path | None:
+    """The local directory or file ``path`` is, where its objects are local files; else None. A capability, not a
+    backend: shard sets, DCP directories and Hugging Face layouts are read as local files by their readers."""
+    return where(path).local_path()
 
 
 def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
@@ -176,17 +179,17 @@ def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
     return None
 
 
-def path_kind(place: Location) -> Kind | None:
+def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
     sharded checkpoint (in any location), a DCP directory, or ``None`` for a file whose content says the rest
     (:func:`detect`); nothing there, or a directory (a store's prefix) of neither, is refused
     (:func:`~fsdp_optim.formats.sharded.locate.source_kind`). A shard set, a DCP directory and a Hugging Face
     layout are read as local files by their readers, so only a location whose objects are local files can be one."""
-    files = place.local_path()
-    if files is not None and is_shard_set(files):
+    files = _local_files(path)
+    if files is not None and is_shard_set(path):
         return Kind.SHARD_SET
     if files is not None and files.is_dir() and (files / ".metadata").is_file():  # formats/dcp.METADATA (not imported)
         return Kind.DCP
     if files is not None and is_hf_directory(files):  # what convert --to safetensors writes of a whole checkpoint
         return Kind.HF
-    return Kind.SHARDED if source_kind(place) == "sharded" else None
+    return Kind.SHARDED if source_kind(path) == "sharded" else None

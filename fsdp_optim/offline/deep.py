@@ -18,7 +18,6 @@ from functools import partial
 
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems, step_outliers, tensor_problems
-from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.kinds import names_shard_set
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.opened.base import Opened
@@ -31,7 +30,7 @@ __all__ = ["deep_findings", "deep_work"]
 
 
 def deep_findings(
-    path: str | os.PathLike[str] | Location, *, allow_globals: Sequence[str] = (), layout: LayoutLike | None = None
+    path: str | os.PathLike[str], *, allow_globals: Sequence[str] = (), layout: LayoutLike | None = None
 ) -> tuple[Finding, ...]:
     """Every finding of the state at ``path`` (any source :func:`open_source` reads), one tensor at a time."""
     with deep_work(path, allow_globals=allow_globals, layout=layout) as work:
@@ -40,7 +39,7 @@ def deep_findings(
 
 @contextlib.contextmanager
 def deep_work(
-    path: str | os.PathLike[str] | Location, *, allow_globals: Sequence[str] = (), layout: LayoutLike | None = None
+    path: str | os.PathLike[str], *, allow_globals: Sequence[str] = (), layout: LayoutLike | None = None
 ) -> Iterator[Work[Finding, tuple[Finding, ...]]]:
     """The findings of :func:`deep_findings` as a work of pieces (:mod:`fsdp_optim.offline.work`), in
     the report's order: the settings, each state tensor of each parameter (its bytes), the side files, the checks

@@ -37,11 +37,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeVar
 
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.location import Location, as_local_file
+from fsdp_optim.disk.location import as_local_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.formats.kinds import Given, Kind, detect, path_kind
+from fsdp_optim.formats.kinds import Given, Kind, detect
 from fsdp_optim.formats.plain import ParamNames, name_plain_dict
+from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.layouts import ParamOrder
@@ -58,7 +59,7 @@ _LAYOUT_USE = (
 )
 
 
-G = TypeVar("G", bound=Given | Location)  # what fetched_whole hands back when it downloads nothing
+G = TypeVar("G", bound=Given)  # what fetched_whole hands back when it downloads nothing
 
 def _check_options(
     kind: Kind,
@@ -97,7 +98,7 @@ def _check_options(
 
 @contextlib.contextmanager
 def open_source(
-    given: Given | Location,
+    given: Given,
     *,
     layout: ParamOrder = None,
     optimizer: str | None = None,
@@ -121,20 +122,16 @@ def open_source(
 
 
 @contextlib.contextmanager
-def fetched_whole(given: G) -> Iterator[G | Location | str | os.PathLike[str]]:
-    """``given`` as its readers open it, a path resolved here, once (``open_source``, ``verify``): a dict or a local
-    path, itself; a sharded checkpoint, its location; one object of a location whose objects are no local files, a
-    copy fetched whole and removed when the block ends: the one place such an object is fetched."""
-    if isinstance(given, Mapping):
+def fetched_whole(given: G) -> Iterator[G | str | os.PathLike[str]]:
+    """``given`` as the readers that take a local file open it: itself (a dict, a sharded checkpoint, a local path),
+    or, for one object of a location whose objects are no local files, a copy fetched whole and removed when the
+    block ends: the one place such an object is fetched (``open_source``, ``verify``)."""
+    if not isinstance(given, (str, os.PathLike)) or is_sharded_checkpoint(given):
         yield given
-        return
-    place = where(given)
-    if path_kind(place) is Kind.SHARDED:
-        yield place
         return
     with contextlib.ExitStack() as stack:
         try:
-            local = stack.enter_context(as_local_file(place))
+            local = stack.enter_context(as_local_file(where(given)))
         except FileNotFoundError:  # (only while fetching: the block's own errors pass as they are)
             raise FileNotFoundError(
                 f"{str(given).rstrip('/')}: no such object, and no {MANIFEST_NAME} under it (not a sharded "
@@ -145,7 +142,7 @@ def fetched_whole(given: G) -> Iterator[G | Location | str | os.PathLike[str]]:
 
 @contextlib.contextmanager
 def _open_local(
-    given: Given | Location, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
+    given: Given, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
     optimizer_keys: Sequence[Sequence[str]] | None, target: bool, describe_only: bool, max_mapped_bytes: int,
     param_names: ParamNames | None,
 ) -> Iterator[Opened]:  # fmt: skip
@@ -172,13 +169,10 @@ def _open_local(
 
 
 def _open_plain(
-    given: Given | Location, label: str, names: ParamNames, *, layout: ParamOrder, optimizer: str | None,
-    target: bool,
-) -> Opened:  # fmt: skip
+    given: Given, label: str, names: ParamNames, *, layout: ParamOrder, optimizer: str | None, target: bool
+) -> Opened:
     """A plain optimizer's ``state_dict()`` (a dict, or a torch file through the untrusted gate) named into a
     full dict."""
-    if isinstance(given, Location):
-        raise ValueError(f"{label}: a sharded checkpoint, not a plain optimizer's state_dict() that param_names names")
     obj = given if isinstance(given, Mapping) else load_file(given, mmap=True, disjoint=True)
     if not isinstance(given, Mapping):
         check_state_dict(obj, label)

@@ -31,10 +31,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from fsdp_optim.disk.file_check import Verification
-from fsdp_optim.disk.location import Location
-from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.kinds import Kind, path_kind, sniff_kind
-from fsdp_optim.formats.sharded.verification import verify_sharded
 from fsdp_optim.offline.deep import deep_findings
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened import class_of
@@ -90,12 +87,9 @@ def _split(path: str | os.PathLike[str]) -> bool:
     return splits("verify", path)
 
 
-def _verify_files(given: str | os.PathLike[str] | Location, allow_globals: tuple[str, ...]) -> Verification:
-    """Every file of ``given``, checked as its kind checks them (by names and first bytes: it may be damaged); a
-    location is a sharded checkpoint's (the only path :func:`~fsdp_optim.offline.sources.fetched_whole` hands on so)."""
-    if isinstance(given, Location):
-        return verify_sharded(given)
-    return class_of(path_kind(where(given)) or sniff_kind(given)).verify_files(given, allow_globals)
+def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
+    """Every file of ``path``, checked as its kind checks them (by names and first bytes: it may be damaged)."""
+    return class_of(path_kind(path) or sniff_kind(path)).verify_files(path, allow_globals)
 
 
 def report_json(report: Verification) -> dict[str, object]:

@@ -79,13 +79,14 @@ def _is_sharded(place: Location) -> bool:
     return any(_holds(place, name) for name in MANIFEST_NAMES)
 
 
-def source_kind(place: Location) -> str:
-    """What a source's location is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"`` (one
-    object, which its readers take whole).
+def source_kind(path: str | os.PathLike[str] | Location) -> str:
+    """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"`` (one object,
+    which its readers take whole).
 
     Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory (a prefix holding objects) without
     a manifest.
     """
+    place = where(path)
     if _is_sharded(place):
         return "sharded"
     if present(place):

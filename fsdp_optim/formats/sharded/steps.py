@@ -122,7 +122,7 @@ def survey_step(step: int, path: Path | Location, *, verify: bool = True, prunin
         return replace(base, state=DAMAGED, reason=f"its manifest is not readable: {exc}")
     base = _described(base, manifest)
     if verify:
-        report = verify_sharded(where(path))
+        report = verify_sharded(path)
         damaged = [line.removeprefix(f"{path}{os.sep}").removeprefix(f"{path}/") for line in report.damaged()]
     else:
         damaged = present_and_sized(path)

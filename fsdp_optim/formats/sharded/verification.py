@@ -16,9 +16,9 @@ from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.file_check import FileCheck, Verification, check_file
 from fsdp_optim.disk.location import Location, public
 from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.locate import checkpoint_dir, checkpoint_location
+from fsdp_optim.formats.sharded.locate import checkpoint_dir
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
+from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.side_file import read_side_file
 from fsdp_optim.formats.sharded.writer import leftovers
 
@@ -27,14 +27,14 @@ __all__ = ["LEFTOVER", "present_and_sized", "verify_sharded"]
 LEFTOVER = "leftover of an interrupted save"  # how verify names such a file (the CLI counts them apart)
 
 
-def verify_sharded(place: Location, only: Callable[[str], bool] | None = None) -> Verification:
-    """One :class:`FileCheck` per file of the checkpoint at ``place`` (its directory or manifest); never raises for
+def verify_sharded(path: str | os.PathLike[str] | Location, only: Callable[[str], bool] | None = None) -> Verification:
+    """One :class:`FileCheck` per file of the checkpoint at ``path`` (its directory or manifest); never raises for
     damage (an unreadable manifest is the manifest's failed check). ``only``: the names of the files to check (the
     manifest is checked always; a process's share when many verify one checkpoint)."""
-    directory = checkpoint_location(place)
+    directory = checkpoint_dir(path)
     manifest_path = directory / MANIFEST_NAME
     try:
-        ckpt = ShardedCheckpoint(place, lazy=True)
+        ckpt = open_checkpoint(path)
     except StoreUnavailable:
         raise  # the store did not answer: not damage (a manager must not skip a good step for an outage)
     except (ValueError, OSError) as exc:

@@ -90,7 +90,7 @@ class _CheckpointClaims:
             return Survey(known=known, refused=f"{refused}; {why}")
         if problems:
             return Survey(known=frozenset(names & set(MANIFEST_NAMES)), problem="; ".join(problems))
-        stale = leftovers(where(directory), names - files)  # an interrupted save's files: ours, and obsolete
+        stale = leftovers(directory, names - files)  # an interrupted save's files: ours, and obsolete
         return Survey(replaces=frozenset(files), known=known | stale, stale=frozenset(stale))
 
     def created(self, entry: JournalEntry) -> set[str]:
@@ -122,12 +122,13 @@ _NAMED_ID = re.compile(r"^(?:optim|train)-(?P<id>[0-9a-f]{12})-rank(?P<rank>\d+)
 _MAX_LEFTOVER_HEADER = 1 << 26
 
 
-def leftovers(place: Location, names: Iterable[str]) -> set[str]:
+def leftovers(directory: Path | Location, names: Iterable[str]) -> set[str]:
     """Of ``names`` (files in ``directory`` that its manifest does not list), those an interrupted save of ours left:
     a rank or side file (format 3) by its name, whose safetensors header says it is ours, with the save id, rank and
     world size its name gives. (A save interrupted on one rank after rank 0 cleaned up leaves files no journal
     names any more; a Ctrl-C to the process group does that.) Unreadable or foreign files (a symlink: no object of
     its own) are not ours."""
+    place = where(directory)
     found = set()
     for name in names:
         match = _NAMED_ID.match(name)

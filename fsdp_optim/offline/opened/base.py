@@ -16,7 +16,6 @@ import torch
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.sharded.locate import read_manifest
@@ -58,7 +57,7 @@ class Request:
     how errors name it (``label``), and the options, each already accepted for the kind."""
 
     kind: Kind
-    given: Given | Location
+    given: Given
     label: str
     obj: Any = None  # loaded through the untrusted gate: a dict whose kind was decided, or None (not loaded)
     layout: ParamOrder = None
@@ -72,7 +71,6 @@ class Request:
         """``given`` as the path it is, for a kind read from its files (never a dict)."""
         if isinstance(self.given, Mapping):
             raise TypeError(f"{self.label}: a {self.kind.value} is read from files, not a dict")
-        assert not isinstance(self.given, Location), f"{self.label}: a location is a sharded checkpoint's"
         return self.given
 
 

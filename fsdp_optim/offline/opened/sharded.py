@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING, Any
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.location import Location
-from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.kinds import Given
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.whole_file import LAYOUT_KEY, layout_record
 from fsdp_optim.offline import describe as D
@@ -47,9 +45,7 @@ class OpenedCheckpoint(Opened):
     @classmethod
     @contextmanager
     def opening(cls, request: Request) -> Iterator[Opened]:
-        place = request.given  # resolved once, by open_source
-        assert isinstance(place, Location), f"{request.label}: a sharded checkpoint is opened at its location"
-        with ShardedCheckpoint(place, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
+        with open_checkpoint(request.path, lazy=False, max_mapped_bytes=request.max_mapped_bytes) as ckpt:
             manifest = ckpt.manifest
             yield cls(request.kind, request.label, ckpt.source(), manifest.layout(0), manifest.param_order, ckpt.trim,
                       checkpoint=ckpt)  # fmt: skip
@@ -67,7 +63,7 @@ class OpenedCheckpoint(Opened):
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
         from fsdp_optim.formats.sharded.verification import verify_sharded  # (verify's checks: imported by it alone)
 
-        return verify_sharded(where(path))
+        return verify_sharded(path)
 
     def is_whole(self) -> bool:
         return is_whole(self.checkpoint)

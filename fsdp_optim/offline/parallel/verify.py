@@ -9,7 +9,6 @@ from dataclasses import replace
 
 from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.disk.file_check import FileCheck, Verification
-from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.verification import verify_sharded
 from fsdp_optim.job.team import Team
@@ -20,14 +19,13 @@ __all__ = ["verify_across"]
 def verify_across(team: Team, path: str | os.PathLike[str]) -> Verification:
     """:func:`~fsdp_optim.formats.sharded.verification.verify_sharded` of ``path`` split across ``team``; the whole
     report on every process."""
-    place = where(path)
-    manifest = open_checkpoint(place).manifest
+    manifest = open_checkpoint(path).manifest
     files = [*manifest.files, *(manifest.training.files if manifest.training is not None else ())]
     split = split_by_bytes([f.nbytes for f in files], team.size)
     mine = {files[i].file for i in split.runs[team.rank]}
     watch = team.progress(sum(f.nbytes for f in files))
     with team.step("verify failed on another process", watch=watch):
-        report = verify_sharded(place, only=mine.__contains__)
+        report = verify_sharded(path, only=mine.__contains__)
         watch.advance(sum(f.nbytes for f in files if f.file in mine))
     gathered = team.to_first(report.files[1:])  # each process's checks but the manifest's (process 0 keeps its own)
     merged = None
