@@ -17,7 +17,7 @@ there by :func:`~fsdp_optim.job.save_commit.commit_save` like anywhere else), an
   that returns the plan once made),
   posted at once and waited for piece by piece as the load first reads each; the ranges other ranks need are
   sent from this node's files, mapped. Every received chunk is verified against its checksum before use, as a
-  file's are (:class:`~fsdp_optim.formats.sharded.received.ReceivedFile`); nothing received is written anywhere.
+  file's are (:class:`~fsdp_optim.formats.sharded.sources.HeldSource`); nothing received is written anywhere.
 
 Every collective here runs on the group the :class:`NodeMemory` was made with (the checkpoint group of a save,
 the restore's group).
@@ -42,7 +42,7 @@ from fsdp_optim.disk.save import Begun, SaveRules
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import Marker, prune_node, write_marker
-from fsdp_optim.formats.sharded.received import Held, ReceivedPiece
+from fsdp_optim.formats.sharded.sources import Held, ReceivedPiece
 from fsdp_optim.job.transport import (
     ProcessGroup,
     agree,

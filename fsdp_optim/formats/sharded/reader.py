@@ -31,14 +31,14 @@ from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
-from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
+from fsdp_optim.formats.sharded.legacy import LegacyRankFile
 from fsdp_optim.formats.sharded.locate import checkpoint_location, manifest_at
 from fsdp_optim.formats.sharded.manifest import (
     manifest_source,
 )
-from fsdp_optim.formats.sharded.mapped import MappedFile
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
+from fsdp_optim.formats.sharded.sources import ByteSource
 from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
 
 __all__ = [
@@ -101,7 +101,7 @@ class ShardedCheckpoint:
         shards = manifest_shards(self.manifest.flat_params, self.shards) if self.manifest.version >= 3 else []
         layout = file_layout(shards)
         self.layout = layout
-        self._files: dict[int, Any] = {
+        self._files: dict[int, RankFile | LegacyRankFile] = {
             f.rank: RankFile(self.directory, f, self.manifest, layout, mapped=mapped)
             if self.manifest.version >= 2 or mapped is None
             else LegacyRankFile(mapped, f, self.manifest, self.shards)
@@ -124,12 +124,11 @@ class ShardedCheckpoint:
     def open_ranks(self, ranks: Iterable[int]) -> None:
         """:meth:`open_all` for rank files ``ranks`` only: those a plan reads (``core.plan.saved_ranks``)."""
         for rank in ranks:
-            f = self._files[rank]
-            f.open() if isinstance(f, RankFile) else f.open(mmap=True)
+            self._files[rank].open()
 
-    def provide(self, files: Mapping[int, Callable[[], MappedFile] | None]) -> None:
+    def provide(self, files: Mapping[int, Callable[[], ByteSource] | None]) -> None:
         """Read rank ``r``'s file from what ``files[r]()`` opens (its bytes as the caller holds them, e.g. received
-        from a peer: :class:`~fsdp_optim.formats.sharded.received.ReceivedFile`) rather than from the directory; its
+        from a peer: :class:`~fsdp_optim.formats.sharded.sources.HeldSource`) rather than from the directory; its
         header is checked against the manifest when it is opened, and every chunk read is verified, as on disk.
         ``None`` reads it from the directory again."""
         for rank, file in files.items():
@@ -191,13 +190,8 @@ class ShardedCheckpoint:
 
     def unit(self, rank: int, flat_index: int) -> Mapping[str, Any]:
         """Rank ``rank``'s verified entries for flat parameter ``flat_index`` (file-backed: copy what you keep)."""
-        f = self._files[self.file_rank(rank, flat_index)]
-        if isinstance(f, RankFile):
-            entries = f.unit(flat_index)
-            self._touched(sum(nbytes(v) for v in entries.values()))
-            return entries
-        entries, nbytes = f.unit(flat_index, mmap=True)
-        self._touched(nbytes)
+        entries = self._files[self.file_rank(rank, flat_index)].unit(flat_index)
+        self._touched(sum(v.numel() * v.element_size() for v in entries.values() if torch.is_tensor(v)))
         return entries
 
     def _touched(self, nbytes: int) -> None:
@@ -218,21 +212,8 @@ class ShardedCheckpoint:
     def load_rank(self, rank: int) -> dict[int, dict[str, Any]]:
         """Every unit of one rank file, read into memory (not mapped) and verified."""
         f = self._files[rank]
-        if isinstance(f, RankFile):
-            try:
-                return f.load_all()
-            finally:
-                f.release()
-        if f.payload is not None:  # mapped by open_all(): read the file again, into memory
-            f.release()
-            f.verified.clear()
         try:
-            out = {}
-            for i, flat in enumerate(self.manifest.flat_params):
-                if flat.state:
-                    entries, _ = f.unit(i, mmap=False)
-                    out[i] = dict(entries)
-            return out
+            return f.load_all()
         finally:
             f.release()
 
@@ -266,12 +247,8 @@ class ShardedCheckpoint:
 
     def _copy(self, rank: int, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements ``[start, stop)`` of rank ``rank``'s shard of ``key`` into ``out``."""
-        f = self._files[self.file_rank(rank, flat_index)]
-        if isinstance(f, RankFile):
-            out.copy_(f.view(flat_index, key, start, stop))
-            self._touched((stop - start) * out.element_size())
-        else:
-            out.copy_(self.unit(rank, flat_index)[key][start:stop])
+        out.copy_(self._files[self.file_rank(rank, flat_index)].view(flat_index, key, start, stop))
+        self._touched((stop - start) * out.element_size())
 
     def read_rows(self, tensor: str, ranks: range, out: torch.Tensor) -> None:
         """Format 3: tensor ``tensor`` of rank files ``ranks`` read whole into the rows of ``out``, each verified."""
@@ -284,25 +261,16 @@ class ShardedCheckpoint:
             )
         for row, rank in enumerate(ranks):
             f = self._files[rank]
+            assert isinstance(f, RankFile), f"{f.path}: format {self.manifest.version}"
             f.read_whole(tensor, out[row])
             f.release()
 
     def trim(self) -> None:
         """Drop the pages touched since the last drop if they exceed ``max_mapped_bytes``."""
         if self._mapped > self.max_mapped_bytes:
-            if self.manifest.version >= 2:  # keep the mappings (their headers are checked), drop their pages
-                for f in self._files.values():
-                    if f.file is not None:
-                        f.file.drop_pages()
-                self._mapped = 0
-            else:
-                self.close()
-
-    @property
-    def bytes_fetched(self) -> int:
-        """Bytes fetched from the store so far (0 for a local checkpoint): what a ranged load moved."""
-        files = (f.file for f in self._files.values() if isinstance(f, RankFile))
-        return sum(getattr(file, "bytes_fetched", 0) for file in files if file is not None)
+            for f in self._files.values():
+                f.drop()  # (formats 2, 3: the mappings kept, their headers checked; their pages dropped)
+            self._mapped = 0
 
     def files(self) -> Iterator[Path | ObjectPath]:
         return (self.directory / f.file for f in self.manifest.files)

@@ -42,7 +42,8 @@ many small units is dominated by it; one tensor per dtype keeps a rank file with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = [
     "Placement",
     "ShardSegment",
     "check_segments",
+    "check_tiling",
     "chunk_digests",
     "chunk_elements",
     "file_layout",
@@ -67,6 +69,8 @@ __all__ = [
     "manifest_shards",
     "placements_v2",
     "plan_segments",
+    "shard_mismatch",
+    "verify",
 ]
 
 # 64 KiB: a re-cut read of r bytes reads at most r + 128 KiB (<= 1.1 r from 1.25 MiB on: a third of a
@@ -313,3 +317,36 @@ def _check_tiling(segments: Any, tensors: Mapping[str, int], where: str) -> None
             at += s.numel
         if at != tensors[name]:
             raise ValueError(f"{where}: tensor '{name}' holds {tensors[name]} elements, but its segments cover {at}")
+
+
+def shard_mismatch(p: Placement, per: int, where: str, k: int) -> str:
+    """The refusal of chunk ``k`` of ``p``'s grid (``per`` elements a chunk) read for shard ``p``: a chunk may begin
+    in the shard before this one and end in the next, so the elements named are this shard's own (0..numel), then
+    the chunk's place in the file's buffer of its dtype (named by it)."""
+    g = p.grid
+    lo, hi = g.origin + k * per, min(g.origin + (k + 1) * per, g.end)
+    first, last = max(lo - p.offset, 0), min(hi - p.offset, p.numel)
+    return (
+        f"{where}: checksum mismatch in elements {first}..{last} of state '{p.key}' ({p.numel} elements; chunk "
+        f"{k}, elements {lo}..{hi} of the rank file's {g.tensor} data; file is corrupt or was modified)"
+    )
+
+
+def check_tiling(g: Grid, parts: list[tuple[int, int]], where: str) -> None:
+    """Refuse ``parts`` (``(offset, numel)``) that do not tile the elements ``g`` covers, in order."""
+    starts = list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin))
+    if [o for o, _ in parts] != starts or (parts and parts[-1][0] + parts[-1][1] != g.end):
+        raise ValueError(
+            f"{where}: the shards of tensor '{g.tensor}' do not tile its elements {g.origin}..{g.end}: expected "
+            f"shards starting at {starts[:8]}, found {[o for o, _ in parts][:8]} (a manifest and rank file "
+            "that disagree)"
+        )
+
+
+def verify(found: Iterable[str], g: Grid, first: int, mismatch: Callable[[int], str]) -> None:
+    """The one check of chunks read, whatever held their bytes (a mapping, a store's ranges, received pieces, a
+    ring's slot): ``found`` are the digests of ``g``'s chunks ``first, first + 1, ...``; ``ValueError(mismatch(k))``
+    for the first chunk ``k`` whose digest is not ``g``'s."""
+    for k, (checksum, expected) in enumerate(zip(found, g.checksums[first:]), start=first):
+        if checksum != expected:
+            raise ValueError(mismatch(k))

@@ -1,7 +1,7 @@
 """A load reading a checkpoint's files from byte ranges its location fetched ahead (:meth:`Location.prefetch
 <fsdp_optim.disk.location.Location.prefetch>`: an object store's ranged reads, a bounded window ahead of the load;
 a local directory maps its files instead and fetches nothing). Every range becomes part of a
-:class:`~fsdp_optim.formats.sharded.received.ReceivedFile` (:func:`~fsdp_optim.formats.sharded.received.held_readers`),
+:class:`~fsdp_optim.formats.sharded.sources.HeldSource` (:func:`~fsdp_optim.formats.sharded.sources.held_readers`),
 so every byte is verified as a file's are before it is used.
 """
 
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.received import held_readers
+from fsdp_optim.formats.sharded.sources import held_readers
 
 __all__ = ["fetched_ahead"]
 
