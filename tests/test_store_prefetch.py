@@ -1,5 +1,5 @@
 """A re-cutting load from an object store fetches its byte ranges ahead, concurrently, a bounded window at a time
-(fsdp_optim/disk/prefetch.py, read by a load through formats/sharded/store_prefetch.py), against the real S3 server of tests/_s3.py.
+(fsdp_optim/disk/prefetch.py, read by a load through ShardedCheckpoint.fetched_ahead), against the real S3 server of tests/_s3.py.
 
 Each range is fetched once, never more than the window plus the range being read is held,
 and a range needed again after it was let go is fetched again and verified again (a byte changed in the store in
@@ -81,7 +81,7 @@ def test_a_byte_changed_after_its_range_was_let_go_is_refused(s3_server: Any) ->
     header = min(base for _, _, base in rank_file.open().tensors.values())
     spans = [Span(record.file, 0, header, 0), Span(record.file, header, record.nbytes, 1)]
     (flat, key), (_, _, numel) = next(iter(ckpt.layout[0].items()))
-    with store.prefetch(lambda: spans) as held:  # what a load reads through (formats/sharded/store_prefetch.py)
+    with store.prefetch(lambda: spans) as held:  # what a load reads through (ShardedCheckpoint.fetched_ahead)
         files, _ = held_readers(ckpt.manifest.files, lambda name: store / name, held)
         ckpt.provide({0: files[record.rank]})
         out = torch.empty(numel, dtype=torch.float32)

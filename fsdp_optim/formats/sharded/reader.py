@@ -19,7 +19,8 @@ a consumer that copies what it needs keeps its resident memory near its own outp
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,12 +34,10 @@ from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile
 from fsdp_optim.formats.sharded.locate import checkpoint_location, manifest_at
-from fsdp_optim.formats.sharded.manifest import (
-    manifest_source,
-)
+from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
-from fsdp_optim.formats.sharded.sources import ByteSource
+from fsdp_optim.formats.sharded.sources import ByteSource, held_readers
 from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
 
 __all__ = [
@@ -139,12 +138,29 @@ class ShardedCheckpoint:
             f.release()
             f.provided = file
 
+    @contextmanager
+    def fetched_ahead(self, spans: Callable[[], Sequence[Any]]) -> Iterator[dict[str, Callable[[], bytes]]]:
+        """Within the block, the rank files are read from the byte ranges ``spans()`` lists (those a load reads, in
+        order of use: ``byte_ranges.Span``) as :meth:`Location.prefetch <fsdp_optim.disk.location.Location.prefetch>`
+        fetches them ahead (a store's ranged reads, a bounded window ahead; node memory's pieces from peers), each
+        verified as a file's bytes are; yields thunks of the side files among them (``{name: bytes}``; {} where the
+        location fetches nothing ahead: a local directory maps its files). After it, they are read as before."""
+        with self.directory.prefetch(spans) as held:
+            if held is None:
+                yield {}
+                return
+            files, sides = held_readers(self.manifest.files, lambda name: self.directory / name, held)
+            self.provide(files)
+            try:
+                yield sides
+            finally:
+                self.provide(dict.fromkeys(files))
+
     def source(self) -> Source:
         """This checkpoint's optimizer state as a planning source (reads go through :meth:`copy_range`); a whole
         checkpoint's weights are left out (:meth:`weights_source`)."""
         manifest = replace(self.manifest, flat_params=optimizer_flats(self.manifest.flat_params))
-        load_rank = self._keys_of(lambda key: key != WEIGHTS_KEY)
-        return manifest_source(manifest, str(self.directory), self.copy_range, load_rank, self._rank_reader())
+        return self.whole_source(manifest, self._keys_of(lambda key: key != WEIGHTS_KEY))
 
     def weights_source(self) -> Source:
         """A whole checkpoint's model weights as a planning source: one group of every unit, one state key
@@ -157,16 +173,17 @@ class ShardedCheckpoint:
         flats = weights_flats(self.manifest.flat_params)
         groups = (GroupRecord({}, tuple(range(len(flats)))),)
         manifest = replace(self.manifest, flat_params=flats, groups=groups, optimizer="model weights")
-        load_rank = self._keys_of(lambda key: key == WEIGHTS_KEY)
-        return manifest_source(manifest, str(self.directory), self.copy_range, load_rank, self._rank_reader())
+        return self.whole_source(manifest, self._keys_of(lambda key: key == WEIGHTS_KEY))
 
-    def whole_source(self) -> Source:
+    def whole_source(
+        self, manifest: Manifest | None = None, load_rank: Callable[[int], dict[int, dict[str, Any]]] | None = None
+    ) -> Source:
         """Every state key of every unit (a whole checkpoint's weights beside its optimizer state) as one planning
-        source, in the optimizer's groups (a frozen unit's weights in none): what an offline reshard re-cuts."""
-        return manifest_source(self.manifest, str(self.directory), self.copy_range, self.load_rank, self._rank_reader())
-
-    def _rank_reader(self) -> Callable[[int], Callable[[int, str, int, int, torch.Tensor], None]] | None:
-        return self.reader if any(f.per_rank for f in self.manifest.flat_params) else None
+        source, in the optimizer's groups (a frozen unit's weights in none): what an offline reshard re-cuts.
+        (``manifest``, ``load_rank``: a part of it, as :meth:`source` and :meth:`weights_source` ask.)"""
+        per_rank = any(f.per_rank for f in self.manifest.flat_params)
+        return manifest_source(manifest or self.manifest, str(self.directory), self.copy_range,
+                               load_rank or self.load_rank, self.reader if per_rank else None)  # fmt: skip
 
     def _keys_of(self, keep: Callable[[str], bool]) -> Callable[[int], dict[int, dict[str, Any]]]:
         """:meth:`load_rank` limited to the state keys ``keep`` accepts (units left without any dropped)."""
