@@ -1,6 +1,6 @@
 """Format-1 rank files (torch files, read through the pickle gate): checked against the manifest, one unit at a time.
 
-Never imports ``torch.distributed``. A format-1 rank file (:func:`.torch_files.shard_payload`) holds
+Never imports ``torch.distributed``. A format-1 rank file (:mod:`.torch_files`) holds
 ``{HEADER_KEY: {...}, "unit_checksums": {flat: digest}, "state": {flat: {key: padded shard or scalar}}}``;
 each unit's digest is checked the first time the unit is read.
 """

@@ -1,19 +1,11 @@
-"""Checkpoint files: atomic writes, checked reads of both formats, and a memory-bounded shard reader.
+""":class:`ShardedCheckpoint`: a sharded checkpoint opened for reading (:func:`open_checkpoint`), its manifest verified,
+its rank files opened lazily, each read by the one reader of its format: :class:`~.rank_file.RankFile` (formats 2 and
+3, safetensors, no pickle), :class:`~.legacy.LegacyRankFile` (format 1's torch files, through the gate of
+:mod:`fsdp_optim.disk.untrusted`). Never imports ``torch.distributed``.
 
-Never imports ``torch.distributed``. Formats 3 and 2 (``manifest.json``, safetensors rank files) are read without
-pickle: the JSON manifest through :mod:`.manifest_json`, rank files mapped once each and read by byte
-range through :mod:`.rank_file`. Format 1 files are read with ``torch.load(..., weights_only=True)``
-through the gate of :mod:`fsdp_optim.disk.untrusted`.
-
-Writes go to a hidden temporary file in the target directory, are flushed and ``fsync``-ed, then renamed
-over the final name, and the directory is ``fsync``-ed: a crash leaves either the old file or the new
-one, never a torn one. A sharded checkpoint becomes visible only when its manifest is renamed into
-place, and rank files carry the save's id in their names, so saving into a directory that already
-holds a checkpoint never touches the files the old manifest points to until the new manifest exists.
-
-:class:`ShardedCheckpoint` reads rank files with ``mmap=True`` and hands out one unit at a time; the
-pages it has touched are released (the mappings dropped) whenever they exceed ``max_mapped_bytes``, so
-a consumer that copies what it needs keeps its resident memory near its own output plus that bound.
+Units are handed out one at a time, read in place; the pages touched are released whenever they exceed
+``max_mapped_bytes``, so a consumer that copies what it needs keeps its resident memory near its own output plus
+that bound.
 """
 
 from __future__ import annotations
@@ -59,10 +51,6 @@ def open_checkpoint(
     the saved layout); ``lazy=False`` opens and checks every rank file first (the offline tools, which read them
     all). ``max_mapped_bytes``: see :class:`ShardedCheckpoint`."""
     return ShardedCheckpoint(where(path), lazy=lazy, max_mapped_bytes=max_mapped_bytes)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reading: one rank file per rank, format 3 and 2 mapped (rank_file.RankFile), format 1 through the gate (legacy)
 
 
 class ShardedCheckpoint:
