@@ -17,6 +17,7 @@ lists them per segment). The one writer is :func:`~.ranged.write_rank`; this mod
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -37,7 +38,6 @@ from fsdp_optim.formats.sharded.segments import (
     Grid,
     Placement,
     check_segments,
-    check_tiling,
     chunk_digests,
     chunk_elements,
     grids_v3,
@@ -231,13 +231,15 @@ class RankFile:
         return out
 
     def grid_shards(self) -> list[tuple[Grid, list[tuple[int, int, tuple[int, str]]]]]:
-        """Each grid of the open file and the shards it covers, ``(offset, numel, (flat, key))`` in file order,
-        checked to tile it."""
+        """Each grid of the open file and the shards it covers, ``(offset, numel, (flat, key))`` in file order: they
+        tile it (format 3: the manifest's layout, whose sizes the header's tensors were checked against; format 2: a
+        grid per shard)."""
         out = [(g, sorted((at, n, k) for k, (t, at, n) in self._shards().items() if t == g.tensor))
                for g in self.grids.values()]  # fmt: skip
         out += [(p.grid, [(p.offset, p.numel, k)]) for k, p in self.placements.items()]
         for g, keys in out:
-            check_tiling(g, [(at, n) for at, n, _ in keys], str(self.path))
+            ends = list(itertools.accumulate((n for _, n, _ in keys), initial=g.origin))
+            assert [at for at, _, _ in keys] == ends[:-1] and ends[-1] == g.end, f"{self.path}: {g.tensor} untiled"
         return out
 
     def _shards(self) -> Mapping[tuple[int, str], tuple[str, int, int]]:

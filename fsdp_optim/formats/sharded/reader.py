@@ -94,8 +94,7 @@ class ShardedCheckpoint:
             else LegacyRankFile(mapped, f, self.manifest, self.shards)
             for f in self.manifest.files
         }
-        self._mapped = 0
-        self.peak_mapped = 0
+        self._mapped = 0  # bytes read in place since the last trim
         if not lazy:
             self.open_all()
 
@@ -196,12 +195,8 @@ class ShardedCheckpoint:
     def unit(self, rank: int, flat_index: int) -> Mapping[str, Any]:
         """Rank ``rank``'s verified entries for flat parameter ``flat_index`` (file-backed: copy what you keep)."""
         entries = self._files[self.file_rank(rank, flat_index)].unit(flat_index)
-        self._touched(sum(v.numel() * v.element_size() for v in entries.values() if torch.is_tensor(v)))
+        self._mapped += sum(v.numel() * v.element_size() for v in entries.values() if torch.is_tensor(v))
         return entries
-
-    def _touched(self, nbytes: int) -> None:
-        self._mapped += nbytes
-        self.peak_mapped = max(self.peak_mapped, self._mapped)
 
     def file_rank(self, rank: int, flat_index: int) -> int:
         # A unit that is not sharded is stored whole in every rank file; read rank 0's, unless every
@@ -253,7 +248,7 @@ class ShardedCheckpoint:
     def _copy(self, rank: int, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements ``[start, stop)`` of rank ``rank``'s shard of ``key`` into ``out``."""
         out.copy_(self._files[self.file_rank(rank, flat_index)].view(flat_index, key, start, stop))
-        self._touched((stop - start) * out.element_size())
+        self._mapped += (stop - start) * out.element_size()
 
     def read_rows(self, tensor: str, ranks: range, out: torch.Tensor) -> None:
         """Format 3: tensor ``tensor`` of rank files ``ranks`` read whole into the rows of ``out``, each verified."""

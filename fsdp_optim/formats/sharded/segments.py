@@ -42,7 +42,6 @@ many small units is dominated by it; one tensor per dtype keeps a rank file with
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +60,6 @@ __all__ = [
     "Placement",
     "ShardSegment",
     "check_segments",
-    "check_tiling",
     "chunk_digests",
     "chunk_elements",
     "file_layout",
@@ -330,17 +328,6 @@ def shard_mismatch(p: Placement, per: int, where: str, k: int) -> str:
         f"{where}: checksum mismatch in elements {first}..{last} of state '{p.key}' ({p.numel} elements; chunk "
         f"{k}, elements {lo}..{hi} of the rank file's {g.tensor} data; file is corrupt or was modified)"
     )
-
-
-def check_tiling(g: Grid, parts: list[tuple[int, int]], where: str) -> None:
-    """Refuse ``parts`` (``(offset, numel)``) that do not tile the elements ``g`` covers, in order."""
-    starts = list(itertools.accumulate((n for _, n in parts[:-1]), initial=g.origin))
-    if [o for o, _ in parts] != starts or (parts and parts[-1][0] + parts[-1][1] != g.end):
-        raise ValueError(
-            f"{where}: the shards of tensor '{g.tensor}' do not tile its elements {g.origin}..{g.end}: expected "
-            f"shards starting at {starts[:8]}, found {[o for o, _ in parts][:8]} (a manifest and rank file "
-            "that disagree)"
-        )
 
 
 def verify(found: Iterable[str], g: Grid, first: int, mismatch: Callable[[int], str]) -> None:
