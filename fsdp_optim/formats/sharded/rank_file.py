@@ -43,7 +43,7 @@ from fsdp_optim.formats.sharded.segments import (
     grids_v3,
     placements_v2,
     shard_mismatch,
-    verify,
+    verify_chunks,
 )
 from fsdp_optim.formats.sharded.sources import ByteSource, MapSource, StoreSource
 
@@ -197,7 +197,7 @@ class RankFile:
         values = raw.view(dtype)
         if todo:  # one pass over the unverified chunks (and any verified ones between them: rare, harmless)
             a, b = (todo[0] - first) * per, min((todo[-1] + 1 - first) * per, hi - lo)
-            verify(chunk_digests(values[a:b], self.manifest.chunk_bytes), g, todo[0],
+            verify_chunks(chunk_digests(values[a:b], self.manifest.chunk_bytes), g, todo[0],
                    partial(shard_mismatch, p, per, where))  # fmt: skip
             self._verified.update((g.tensor, g.origin, k) for k in range(todo[0], todo[-1] + 1))
             self.bytes_verified += (b - a) * size
@@ -305,7 +305,7 @@ class RankFile:
             return (f"{self.path}{self.holds(g.tensor, a, b)}: checksum mismatch in elements {a}..{b} of the rank "
                     f"file's {g.tensor} data (chunk {k}; file is corrupt or was modified)")  # fmt: skip
 
-        verify(stream_chunk_digests(parts, per, total), g, (lo - g.origin) // per, bad)
+        verify_chunks(stream_chunk_digests(parts, per, total), g, (lo - g.origin) // per, bad)
 
     def drop(self) -> None:
         """Let go of the memory read so far (a mapping's pages); what was verified is verified again when read."""
@@ -357,13 +357,7 @@ def _truncated(path: Path | ObjectPath, record: FileRecord, exc: ValueError, siz
 
 def _headed(source: ByteSource, path: Path | ObjectPath) -> tuple[ByteSource, Header]:
     """``source`` and the checked safetensors header of the rank file it holds."""
-    return source, read_rank_header(partial(_pread, source), source.size, str(path))
-
-
-def _pread(source: ByteSource, count: int, offset: int) -> bytes:
-    out = torch.empty(count, dtype=torch.uint8)
-    source.fill(offset, [out])
-    return out.numpy().tobytes()
+    return source, read_rank_header(source.pread, source.size, str(path))
 
 
 def open_recorded(

@@ -68,7 +68,7 @@ __all__ = [
     "placements_v2",
     "plan_segments",
     "shard_mismatch",
-    "verify",
+    "verify_chunks",
 ]
 
 # 64 KiB: a re-cut read of r bytes reads at most r + 128 KiB (<= 1.1 r from 1.25 MiB on: a third of a
@@ -330,7 +330,7 @@ def shard_mismatch(p: Placement, per: int, where: str, k: int) -> str:
     )
 
 
-def verify(found: Iterable[str], g: Grid, first: int, mismatch: Callable[[int], str]) -> None:
+def verify_chunks(found: Iterable[str], g: Grid, first: int, mismatch: Callable[[int], str]) -> None:
     """The one check of chunks read, whatever held their bytes (a mapping, a store's ranges, received pieces, a
     ring's slot): ``found`` are the digests of ``g``'s chunks ``first, first + 1, ...``; ``ValueError(mismatch(k))``
     for the first chunk ``k`` whose digest is not ``g``'s."""

@@ -1,8 +1,8 @@
 """Where a rank file's bytes come from: the one thing that differs between the ways a rank file is read.
 
 :class:`~fsdp_optim.formats.sharded.rank_file.RankFile` parses, checks and verifies; a :class:`ByteSource` only
-hands it bytes, in two ways: :meth:`~ByteSource.fill` copies bytes into buffers of the caller's (new memory, a
-staging ring's slot), :meth:`~ByteSource.span` hands out bytes to read in place. Three sources:
+hands it bytes: :meth:`~ByteSource.pread` a few (a header), :meth:`~ByteSource.fill` into buffers of the caller's
+(new memory, a staging ring's slot), :meth:`~ByteSource.span` to read in place. Three sources:
 
 - :class:`MapSource`: a local file, mapped once (spans are zero-copy views of the mapping), filled by ``preadv``;
 - :class:`StoreSource`: an object in a store, by ranged reads (each span is fetched; the last chunk it read is kept,
@@ -38,6 +38,9 @@ class ByteSource(Protocol):
 
     size: int
 
+    def pread(self, count: int, offset: int) -> bytes:
+        """``count`` bytes from ``offset`` on."""
+
     def fill(self, start: int, targets: Sequence[torch.Tensor]) -> None:
         """Copy the bytes from ``start`` on into ``targets`` (contiguous ``uint8`` tensors tiling them, in order)."""
 
@@ -61,6 +64,9 @@ class MapSource:
         finally:
             os.close(fd)
         self.size = st.st_size
+
+    def pread(self, count: int, offset: int) -> bytes:
+        return self._map[offset : offset + count] if self._map is not None else b""
 
     def fill(self, start: int, targets: Sequence[torch.Tensor]) -> None:
         fd, _ = open_regular(self.path, follow_symlinks=False)
@@ -92,6 +98,9 @@ class StoreSource:
     def __init__(self, store: Location, name: str, size: int) -> None:  # noqa: D107 - see the class
         self.store, self.name, self.size = store, name, size
         self._kept: tuple[int, torch.Tensor] | None = None  # (first byte, bytes) of the last chunk a span read
+
+    def pread(self, count: int, offset: int) -> bytes:
+        return bytes(self.store.read_range(self.name, offset, offset + count))
 
     def fill(self, start: int, targets: Sequence[torch.Tensor]) -> None:
         self.store.read_into(self.name, start, [t.numpy().data for t in targets if t.numel()])
@@ -178,6 +187,10 @@ class HeldSource:
                 "file's header places its tensors elsewhere than its manifest says"
             )
         return self._pieces[k]
+
+    def pread(self, count: int, offset: int) -> bytes:
+        piece = self._piece(offset, offset + count)
+        return piece.bytes()[offset - piece.start : offset - piece.start + count].numpy().tobytes()
 
     def fill(self, start: int, targets: Sequence[torch.Tensor]) -> None:
         for target in targets:
