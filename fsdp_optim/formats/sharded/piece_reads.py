@@ -17,20 +17,9 @@ import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.formats.sharded.rank_file import RankFile
-from fsdp_optim.formats.sharded.segments import chunk_elements
+from fsdp_optim.formats.sharded.segments import Placement, chunk_elements
 
-__all__ = ["Shard", "TensorPiece", "plan_pieces"]
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One shard in a rank file: state ``key`` of flat parameter ``flat``, elements ``[offset, offset + numel)`` of
-    its tensor."""
-
-    flat: int
-    key: str
-    offset: int
-    numel: int
+__all__ = ["TensorPiece", "plan_pieces"]
 
 
 @dataclass(frozen=True)
@@ -41,13 +30,13 @@ class TensorPiece:
     dtype: torch.dtype
     lo: int
     hi: int
-    shards: tuple[Shard, ...]
+    shards: tuple[Placement, ...]
 
     @property
     def nbytes(self) -> int:
         return (self.hi - self.lo) * self.dtype.itemsize
 
-    def spans(self) -> Iterator[tuple[Shard, int, int]]:
+    def spans(self) -> Iterator[tuple[Placement, int, int]]:
         """``(shard, a, b)``: elements ``[a, b)`` of ``shard`` lie in this piece, at element ``shard.offset + a -
         lo`` of it."""
         for s in self.shards:
@@ -64,8 +53,7 @@ def plan_pieces(rank_file: RankFile, piece_bytes: int) -> list[TensorPiece]:
     if not rank_file.grids:
         raise ValueError(f"{where}: a format-{rank_file.manifest.version} rank file; pieces are read from format 3")
     out: list[TensorPiece] = []
-    for g, keys in sorted(rank_file.grid_shards(), key=lambda gk: header.tensors[gk[0].tensor][2]):
-        shards = [Shard(flat, key, at, n) for at, n, (flat, key) in keys]
+    for g, shards in sorted(rank_file.grid_shards(), key=lambda gs: header.tensors[gs[0].tensor][2]):
         dtype = dtype_from_str(g.tensor, where=where)
         per = chunk_elements(dtype, rank_file.manifest.chunk_bytes)
         step = piece_bytes // dtype.itemsize // per * per

@@ -218,11 +218,11 @@ class RankFile:
         each grid's shards verified in one pass over its chunks (format 3: a grid per dtype; 2: per shard)."""
         self.open()
         shards: dict[tuple[int, str], torch.Tensor] = {}
-        for g, keys in self.grid_shards():  # each grid's shards in file order, read and verified as one pass
-            parts = [torch.empty(n, dtype=self._dtype(g.tensor)[0]) for _, n, _ in keys]
+        for g, placed in self.grid_shards():  # each grid's shards in file order, read and verified as one pass
+            parts = [torch.empty(p.numel, dtype=self._dtype(g.tensor)[0]) for p in placed]
             self._fill(g.tensor, g.origin, g.end, parts)
             self._verify(g, g.origin, parts)
-            shards.update({key: tensor for (_, _, key), tensor in zip(keys, parts)})
+            shards.update({(p.flat, p.key): tensor for p, tensor in zip(placed, parts)})
         out: dict[int, dict[str, Any]] = {}
         for i, flat in enumerate(self.manifest.flat_params):
             for e in flat.state:
@@ -230,17 +230,16 @@ class RankFile:
                 out.setdefault(i, {})[e.key] = value
         return out
 
-    def grid_shards(self) -> list[tuple[Grid, list[tuple[int, int, tuple[int, str]]]]]:
-        """Each grid of the open file and the shards it covers, ``(offset, numel, (flat, key))`` in file order: they
-        tile it (format 3: the manifest's layout, whose sizes the header's tensors were checked against; format 2: a
-        grid per shard)."""
-        out = [(g, sorted((at, n, k) for k, (t, at, n) in self._shards().items() if t == g.tensor))
-               for g in self.grids.values()]  # fmt: skip
-        out += [(p.grid, [(p.offset, p.numel, k)]) for k, p in self.placements.items()]
-        for g, keys in out:
-            ends = list(itertools.accumulate((n for _, n, _ in keys), initial=g.origin))
-            assert [at for at, _, _ in keys] == ends[:-1] and ends[-1] == g.end, f"{self.path}: {g.tensor} untiled"
-        return out
+    def grid_shards(self) -> list[tuple[Grid, list[Placement]]]:
+        """Each grid of the open file and the shards it covers, in file order: they tile it (format 3: the manifest's
+        layout, whose sizes the header's tensors were checked against; format 2: a grid per shard)."""
+        by_grid: dict[tuple[str, int], list[Placement]] = {}  # (tensor, origin): a grid's shards
+        for p in sorted((self.placement(*k) for k in self._shards()), key=lambda p: p.offset):
+            by_grid.setdefault((p.grid.tensor, p.grid.origin), []).append(p)
+        for placed in by_grid.values():
+            g, ends = placed[0].grid, list(itertools.accumulate((p.numel for p in placed), initial=placed[0].offset))
+            assert [p.offset for p in placed] == ends[:-1] and (ends[0], ends[-1]) == (g.origin, g.end), f"{g.tensor}"
+        return [(placed[0].grid, placed) for placed in by_grid.values()]
 
     def _shards(self) -> Mapping[tuple[int, str], tuple[str, int, int]]:
         """``{(flat, key): (tensor, offset, numel)}``: where this file holds each shard."""
