@@ -41,7 +41,6 @@ from fsdp_optim.formats.sharded.segments import (
     chunk_digests,
     chunk_elements,
     grids_v3,
-    placements_v2,
     shard_mismatch,
     verify_chunks,
 )
@@ -153,11 +152,10 @@ class RankFile:
             units = [f.unit for f in self.manifest.flat_params]
             self.grids = grids_v3(checksums, self.layout, tensors, chunk, where=where, units=units)
             return
-        segments = check_segments(
+        self.placements = check_segments(
             self.record.segments, tensors, self.manifest.flat_params, self.record.rank, self.manifest.chunk_bytes,
             where=where,
         )  # fmt: skip
-        self.placements = placements_v2(segments)
 
     def where(self, flat_index: int) -> str:
         flat = self.manifest.flat_params[flat_index]

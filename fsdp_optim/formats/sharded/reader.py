@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.location import Location, ObjectPath
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.legacy import LegacyRankFile
 from fsdp_optim.formats.sharded.locate import checkpoint_location, manifest_at
@@ -271,6 +270,3 @@ class ShardedCheckpoint:
             for f in self._files.values():
                 f.drop()  # (formats 2, 3: the mappings kept, their headers checked; their pages dropped)
             self._mapped = 0
-
-    def files(self) -> Iterator[Path | ObjectPath]:
-        return (self.directory / f.file for f in self.manifest.files)

@@ -65,7 +65,6 @@ __all__ = [
     "file_layout",
     "grids_v3",
     "manifest_shards",
-    "placements_v2",
     "plan_segments",
     "shard_mismatch",
     "verify_chunks",
@@ -238,14 +237,6 @@ def _largest(
     return f"; unit '{unit or '<root>'}' state '{key}' alone is declared {numel} elements per rank"
 
 
-def placements_v2(segments: Mapping[tuple[int, str], ShardSegment]) -> dict[tuple[int, str], Placement]:
-    """Format 2's checked segments as placements, each with a grid of its own."""
-    return {
-        k: Placement(s.flat, s.key, s.tensor, s.offset, s.numel, Grid(s.tensor, s.offset, s.end, s.checksums))
-        for k, s in segments.items()
-    }
-
-
 def check_segments(
     segments: Sequence[ShardSegment],
     tensors: Mapping[str, int],
@@ -254,9 +245,10 @@ def check_segments(
     chunk_bytes: int,
     *,
     where: str,
-) -> dict[tuple[int, str], ShardSegment]:
+) -> dict[tuple[int, str], Placement]:
     """Refuse segments that do not tile this rank file's ``tensors`` (``{name: numel}``, from its checked
-    header) with exactly the shards the manifest's units say the file holds; return them by (flat, key)."""
+    header) with exactly the shards the manifest's units say the file holds; return them by (flat, key), as
+    placements each with a grid of its own."""
     by_key: dict[tuple[int, str], ShardSegment] = {}
     for s in segments:
         if (s.flat, s.key) in by_key:
@@ -290,7 +282,10 @@ def check_segments(
                 f"checksums, expected {-(-numel // per)} ({numel} elements, {per} per chunk)"
             )
     _check_tiling(by_key.values(), tensors, where)
-    return by_key
+    return {
+        k: Placement(s.flat, s.key, s.tensor, s.offset, s.numel, Grid(s.tensor, s.offset, s.end, s.checksums))
+        for k, s in by_key.items()
+    }
 
 
 def _check_tiling(segments: Any, tensors: Mapping[str, int], where: str) -> None:
