@@ -113,7 +113,7 @@ _HOME = {
     "StoredObject": "disk.byte_io",
     "register_backend": "disk.locations",
     "FORMAT_VERSION": "formats.fullstate",
-    "ForeignOutputError": "disk.locks",
+    "ForeignOutputError": "disk.save",
     "NotElementwiseError": "core.elementwise",
     "OutputLockedError": "disk.locks",
     "register_elementwise_optimizer": "core.elementwise",
@@ -168,7 +168,8 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real names
     from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
     from fsdp_optim.disk.location import Location
     from fsdp_optim.disk.locations import open_store, register_backend
-    from fsdp_optim.disk.locks import ForeignOutputError, OutputLockedError
+    from fsdp_optim.disk.locks import OutputLockedError
+    from fsdp_optim.disk.save import ForeignOutputError
     from fsdp_optim.formats.fairscale import from_fairscale, to_named
     from fsdp_optim.formats.fullstate import FORMAT_VERSION
     from fsdp_optim.formats.plain import name_optimizer_state

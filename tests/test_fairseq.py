@@ -25,9 +25,9 @@ import torch
 from _checks import assert_full_matches_plain, assert_identical
 
 import fsdp_optim
+from fsdp_optim import ForeignOutputError
 from fsdp_optim.cli import main
 from fsdp_optim.core.layout import shard_bounds
-from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.disk.stream_save import Pending, stream_save
 from fsdp_optim.fairseq import OPTIM_KEY, ShardSet, consolidate_shards, reshard_shards
 from fsdp_optim.formats.fairseq.checks import match_optimizer_ids

@@ -25,11 +25,11 @@ from _dist import run_ranks
 from _flat_store import FlatStore, open_flat
 
 import fsdp_optim
+from fsdp_optim import ForeignOutputError
 from fsdp_optim.disk.byte_io import read_all
 from fsdp_optim.disk.local_directory import LocalDirectory
 from fsdp_optim.disk.location import Location, fetched_file, identity, non_objects, present
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.formats.sharded.memory_tier import node_dir, read_holdings
 from fsdp_optim.job.node_memory import NodeMemory
 

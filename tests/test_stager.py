@@ -406,7 +406,19 @@ def _staged_equal(copied: dict[int, dict[str, Any]], state: dict[int, dict[str, 
     return all(torch.equal(copied[i][k], v) for i, e in state.items() for k, v in e.items())
 
 
-def test_the_arena_is_page_locked_chunk_by_chunk_while_the_copies_run_and_reused_by_a_layout_that_fits(
+class _Destinations(AsyncCopier):
+    """Fake copies that note where each lands (its destination's storage)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.into: list[int] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        self.into.append(dst.untyped_storage().data_ptr())
+        return super().copy(dst, src)
+
+
+def test_a_layouts_first_save_copies_through_the_ring_and_its_arena_is_locked_after_it_in_chunks_then_reused(
     monkeypatch,
 ) -> None:
     import gc
@@ -414,25 +426,132 @@ def test_the_arena_is_page_locked_chunk_by_chunk_while_the_copies_run_and_reused
     from fsdp_optim.job import arena
 
     monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
-    copier = AsyncCopier(max_delay=0.001)
+    copier = _Destinations(max_delay=0.001)
     engines = AsyncEngines(copier)
     registrar = Recorder(copier=copier)
     staging = HostStaging(engines, registrar)
+    ring = {b.untyped_storage().data_ptr() for b in engines.ring(copier).buffers}
     state = _state(engines, 700, 300, 900)  # 8.5 KiB of shards, 512-byte aligned: 9 chunks, shards across them
     assert _staged_equal(staging.copy(state, ready_events(state, engines), StagedCopy()), state)
+    assert registrar.calls == [], "the first save of a layout page-locks nothing: its copies go through the ring"
+    assert set(copier.into) == ring, "every copy of the first save lands in the ring's page-locked slots"
+    staging.lock()  # what the save's thread does once its upload is done
     chunks = registrar.registered()
     assert len(chunks) == 9 and all(n <= 1024 for _, n in chunks), f"one chunk at a time: {chunks}"
-    queued_at = [q for kind, *_, q in registrar.calls if kind == "register"]
-    assert queued_at[0] == 0 and queued_at[-1] > 0, f"copies were queued before the last chunk was locked: {queued_at}"
     assert {d for *_, d, _ in registrar.calls} == {copier.device}, "each chunk is locked for the shards' device"
+    copier.into.clear()
     other = _state(engines, 900, 700, 200)  # another layout that fits: the arena and its registration are kept
     assert _staged_equal(staging.copy(other, ready_events(other, engines), StagedCopy()), other)
     assert registrar.registered() == chunks, "a layout that fits the arena registers nothing again"
+    assert copier.into and not set(copier.into) & ring, "a locked arena takes its copies straight, not through the ring"
     larger = _state(engines, 3000)
     assert _staged_equal(staging.copy(larger, ready_events(larger, engines), StagedCopy()), larger)
     gc.collect()
     unregistered = {p for kind, p, *_ in registrar.calls if kind == "unregister"}
     assert unregistered == {p for p, _ in chunks}, "the old arena's chunks are unregistered once it is dropped"
+
+
+class _Slow(Recorder):
+    """A registrar whose page-locking (seconds for a large arena) lasts until the test releases it; it notes the
+    thread of each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.released = threading.Event()
+        self.threads: list[str] = []
+
+    def register(self, memory: torch.Tensor, device: torch.device) -> None:
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        assert self.released.wait(30), "the test never released the registration"
+        super().register(memory, device)
+
+
+def test_the_first_save_of_a_layout_lets_step_go_on_before_anything_is_page_locked(monkeypatch) -> None:
+    """Issue 47: on the first async save of a layout, ``step()`` waited while the arena was page-locked (seconds for
+    GiBs); now the copies go through the ring's slots, already locked, and the save's thread locks the arena after."""
+    import threading
+
+    from fsdp_optim.job import arena
+
+    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
+    copier = AsyncCopier(max_delay=0.002)
+    engines = AsyncEngines(copier)
+    registrar = _Slow()
+    staging = HostStaging(engines, registrar)
+    state = _state(engines, 700, 300, 900)
+    at_call = {i: {k: v.clone() for k, v in e.items()} for i, e in state.items()}
+    staged, copies = StagedCopy(), []
+    ready = ready_events(state, engines)  # the caller's thread, at the call
+
+    def save() -> None:  # the save's thread (fsdp_optim.job.async_save.launch): the copy, the upload, the locking
+        copies.append(staging.copy(state, ready, staged))
+        staging.lock()
+
+    thread = threading.Thread(target=save, name="the-save")
+    thread.start()
+    try:
+        assert staged.issued.wait(10), "step() would wait for the arena's page-locking"
+        staged.before_change()  # what optim.step() does first
+        for entries in state.values():
+            for value in entries.values():
+                value.add_(1)  # the step changes the state in place
+    finally:
+        registrar.released.set()
+    thread.join(30)
+    (copied,) = copies
+    assert _staged_equal(copied, at_call), "the copy holds the state at the call"
+    assert len(registrar.registered()) == 9 and set(registrar.threads) == {"the-save"}, registrar.threads
+    again = staging.copy(state, ready_events(state, engines), StagedCopy())
+    assert _staged_equal(again, state) and len(registrar.registered()) == 9, "a later save registers nothing"
+
+
+@CUDA
+def test_gpu_the_first_save_of_a_layout_lets_step_go_on_before_anything_is_page_locked() -> None:
+    import threading
+
+    from fsdp_optim.job import arena
+
+    class Slow(arena.CudaHost):
+        def __init__(self) -> None:
+            self.released, self.calls = threading.Event(), 0
+
+        def register(self, memory: torch.Tensor, device: torch.device) -> None:
+            assert self.released.wait(60), "the test never released the registration"
+            self.calls += 1
+            super().register(memory, device)
+
+    registrar = Slow()
+    staging = HostStaging(registrar=registrar)
+    live = torch.randn(64 << 20, device="cuda")  # 256 MiB: several of the ring's slots
+    at_call = live.cpu()
+    state, staged, copies = {0: {"exp_avg": live}}, StagedCopy(), []
+    ready = ready_events(state)
+
+    def save() -> None:
+        copies.append(staging.copy(state, ready, staged))
+        staging.lock()
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    try:
+        assert staged.issued.wait(30), "step() would wait for the arena's page-locking"
+        staged.before_change()
+        live.add_(1.0)  # the step, on the caller's stream
+    finally:
+        registrar.released.set()
+    thread.join(60)
+    (copied,) = copies
+    assert torch.equal(copied[0]["exp_avg"], at_call), "the copy holds the state at the call"
+    assert registrar.calls >= 1 and copied[0]["exp_avg"].is_pinned(), "the arena is page-locked after the save"
+    calls = registrar.calls
+    again = staging.copy(state, ready_events(state), StagedCopy())
+    torch.cuda.synchronize()
+    assert torch.equal(again[0]["exp_avg"], live.cpu()) and registrar.calls == calls, "a later save locks nothing"
+    assert again[0]["exp_avg"].data_ptr() == copied[0]["exp_avg"].data_ptr(), "and reuses the arena"
 
 
 @pytest.mark.parametrize("fail_from", [1, 3])
@@ -452,6 +571,7 @@ def test_a_registration_that_fails_falls_back_with_one_warning_and_the_copy_is_e
         for sizes in [(700, 900), (2000, 100), (5000,)]:  # a save, one with a layout that fits, a larger one
             state = _state(engines, *sizes)
             assert _staged_equal(staging.copy(state, ready_events(state, engines), StagedCopy()), state), sizes
+            staging.lock()  # as the save's thread does after its upload
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(said) == 1 and "page-locking failed" in said[0], said
     tries = [kind for kind, *_ in registrar.calls if kind != "unregister"]
@@ -474,8 +594,9 @@ def test_a_failed_registration_clears_the_error_it_left_before_the_save_goes_on(
     registrar = Recorder(fail_from=fail_from)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        state = _state(engines, 3000)
-        assert _staged_equal(HostStaging(engines, registrar).copy(state, ready_events(state, engines), StagedCopy()), state)
+        state, staging = _state(engines, 3000), HostStaging(engines, registrar)
+        assert _staged_equal(staging.copy(state, ready_events(state, engines), StagedCopy()), state)
+        staging.lock()
     assert any(kind == "failed" for kind, *_ in registrar.calls), registrar.calls
     assert registrar.last_error == 0 and registrar.cleared == 1, (registrar.last_error, registrar.cleared)
 
@@ -549,12 +670,18 @@ def test_gpu_staging_locks_in_chunks_on_the_shards_gpu_from_the_save_thread_and_
         state, staged, copies = {0: {"exp_avg": live}}, StagedCopy(), []
         staging = HostStaging(registrar=registrar)
         ready = ready_events(state)
-        thread = threading.Thread(target=lambda: copies.append(staging.copy(state, ready, staged)))  # noqa: B023
+
+        def save() -> None:  # the copy, then the locking, on the save's thread (launch)
+            copies.append(staging.copy(state, ready, staged))  # noqa: B023
+            staging.lock()  # noqa: B023
+
+        thread = threading.Thread(target=save)
         thread.start()
         thread.join(60)
-        (copied,) = copies
-        assert torch.equal(copied[0]["exp_avg"], live.cpu()), type(registrar).__name__
-        assert copied[0]["exp_avg"].is_pinned(), f"{type(registrar).__name__}: the arena is page-locked memory"
+        copies.append(staging.copy(state, ready_events(state), StagedCopy()))  # a later save
+        for copied in copies:
+            assert torch.equal(copied[0]["exp_avg"], live.cpu()), type(registrar).__name__
+        assert copies[1][0]["exp_avg"].is_pinned(), f"{type(registrar).__name__}: a later save's arena is page-locked"
     assert len(seen) == 12 and set(seen) == {device.index}, f"registered on the shards' GPU, in chunks: {seen}"
 
 
@@ -583,3 +710,78 @@ def test_gpu_upload_lands_strided_and_contiguous_tensors_and_refuses_a_mismatch_
         parts = [torch.zeros(4, device="cuda:0"), torch.zeros(4, device="cuda:1")]
         with pytest.raises(ValueError, match="on several devices"):
             list(stager.pieces(parts))
+
+
+# -- an async save's buffers and extra: copied through the root's staging on the save's copy engine, never read ----
+# -- on the host in the caller (issue 47) ----------------------------------------------------------------------------
+
+
+def _net_with_buffer(n: int, device: str = "cpu") -> Any:
+    import fsdp_optim
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    net.register_buffer("stat", torch.randn(n))
+    root = fsdp_optim.FullyShardedDataParallel(net.to(device))
+    optim = torch.optim.Adam(root.parameters(), lr=1e-2, capturable=device != "cpu")
+    root(torch.randn(2, 8, device=device)).sum().backward()
+    optim.step()
+    return root, optim
+
+
+def _side_tensors_on_a_fake_device(rank: int, world_size: int, out: str) -> dict[str, bool]:  # noqa: ARG001
+    import fsdp_optim
+    from fsdp_optim.job import async_save
+
+    copier = AsyncCopier(max_delay=0.002)
+    engines = AsyncEngines(copier)
+    root, optim = _net_with_buffer(300)
+    stat = engines.place(root.module.stat)  # the buffer and an extra tensor sit on the fake device
+    extra = {"step": 1, "t": engines.place(torch.randn(500))}
+    async_save._staging[root] = HostStaging(engines, Recorder(copier=copier))  # the root's staging, on that device
+    at_call = (stat.clone(), extra["t"].clone())
+    handle = fsdp_optim.async_save_checkpoint(root, optim, out, extra=extra)
+    stat.add_(1)  # a forward changes the buffer in place right after the call; the loop its extra
+    extra["t"].add_(1)
+    handle.wait()
+    through = copier.bytes_landed == (300 + 500) * 4
+    back = fsdp_optim.load_checkpoint(root, optim, out)
+    return {"through the engine": through, "buffer": torch.equal(root.module.stat, at_call[0]),
+            "extra": torch.equal(back["t"], at_call[1])}  # fmt: skip
+
+
+def test_an_async_saves_buffers_and_extra_on_a_device_go_through_its_copy_engine_and_hold_the_state_at_the_call(
+    tmp_path,
+) -> None:
+    from _dist import run_ranks
+
+    (result,) = run_ranks(_side_tensors_on_a_fake_device, 1, str(tmp_path))
+    assert result == {"through the engine": True, "buffer": True, "extra": True}, result
+
+
+def _gpu_side_tensors_queued_only(rank: int, world_size: int, out: str) -> dict[str, bool]:  # noqa: ARG001
+    import fsdp_optim
+
+    root, optim = _net_with_buffer(1 << 20, "cuda")  # 4 MiB buffer
+    extra = {"step": 1, "t": torch.randn(1 << 20, device="cuda")}
+    fsdp_optim.async_save_checkpoint(root, optim, f"{out}/warm", extra=extra).wait()  # groups and staging made once
+    at_call = (root.module.stat.cpu(), extra["t"].cpu())
+    stream = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4_000_000_000)  # about 2 s of queued GPU work on the caller's stream
+    handle = fsdp_optim.async_save_checkpoint(root, optim, f"{out}/async", extra=extra)
+    queued = not stream.query()  # the call returned while the GPU still ran what came before it
+    root.module.stat.add_(1)  # a forward's in-place change, queued right after the call
+    extra["t"].add_(1)
+    handle.wait()
+    back = fsdp_optim.load_checkpoint(root, optim, f"{out}/async")
+    return {"still queued after the call": queued, "buffer": torch.equal(root.module.stat.cpu(), at_call[0]),
+            "extra": torch.equal(back["t"].cpu(), at_call[1])}  # fmt: skip
+
+
+@CUDA
+def test_gpu_an_async_saves_gpu_buffers_and_extra_are_queued_on_the_save_stream_not_read_in_the_call(tmp_path) -> None:
+    from _dist import run_ranks
+
+    (result,) = run_ranks(_gpu_side_tensors_queued_only, 1, str(tmp_path), backend="nccl")
+    assert result == {"still queued after the call": True, "buffer": True, "extra": True}, result

@@ -86,7 +86,7 @@ def measure(op: str, work: str, count: str = "") -> dict[str, Any]:
     import fsdp_optim
 
     # every module a row uses is imported before the measured window (fsdp_optim imports its names lazily)
-    for module in ("fsdp_optim.offline.export", "fsdp_optim.offline.sources", "fsdp_optim.disk.staged"):
+    for module in ("fsdp_optim.offline.export", "fsdp_optim.offline.sources", "fsdp_optim.disk.local_directory"):
         importlib.import_module(module)
     w = Path(work)
     out = w / "out"

@@ -1,5 +1,5 @@
 """``fsdp-optim consolidate``, ``reshard`` and ``convert``: each opens its source through the one way in
-(:func:`fsdp_optim.offline.sources.open_source`) and writes through the one way out (``disk/staged.py``).
+(:func:`fsdp_optim.offline.sources.open_source`) and writes through the one way out (``disk/local_directory.py``).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def run_reshard(args: argparse.Namespace) -> list[str]:
 
 
 def run_convert(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.disk.staged import write_file
+    from fsdp_optim.disk.local_directory import write_file
     from fsdp_optim.formats.fairscale import to_named
 
     with _open(args, args.source) as opened:

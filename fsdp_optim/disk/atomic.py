@@ -65,7 +65,7 @@ def atomic_write(
 
     The temporary file is ``.<name>[.<tag>].tmp.<pid>.<random>``, created exclusively (never through an existing
     file or symlink); a writer that journals ``tag`` before writing lets the next holder of its lock recognise
-    the file if it is killed (``disk/staged.py``). A failure removes it and leaves ``path`` as it was.
+    the file if it is killed (``disk/local_directory.py``). A failure removes it and leaves ``path`` as it was.
     ``durable=False`` skips both fsyncs: for a file that is only staged here, to be uploaded and removed."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{f'.{tag}' if tag else ''}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
@@ -91,7 +91,7 @@ def durable_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], T]) 
     """Create ``path`` (exclusively: never through an existing file or symlink), fill it with ``write(file)``,
     flush and fsync it; returns ``(its size, what write returned)``. No rename and no directory fsync: for a
     file in a staging directory, which becomes visible only when the whole output is moved in and its
-    directory fsynced (``disk/staged.py``). A failure removes the file."""
+    directory fsynced (``disk/local_directory.py``). A failure removes the file."""
     path = Path(path)
     try:
         with open(path, "xb") as f:

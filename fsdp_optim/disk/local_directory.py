@@ -1,17 +1,32 @@
-"""A checkpoint in a local directory: the :class:`~fsdp_optim.disk.location.Location` with rename and a lock, and its
-writer of the one save protocol (:class:`RenameWriter`; :func:`staged_output`: a directory output of any format written
-all or nothing through it).
+"""A checkpoint in a local directory: the :class:`~fsdp_optim.disk.location.Location` with rename and a lock, and the
+one way out of a local directory, its writer of the one save protocol (:class:`RenameWriter`; :func:`staged_output`:
+a directory output of any format written all or nothing through it; :func:`write_file`: one file).
 
-Reads are ``stat``/``pread`` (nothing to retry); a save's writer is
-:class:`RenameWriter`: the directory locked and the save journaled, each rank's files written
-in place and fsynced, the manifest renamed into place last, the replaced checkpoint's files removed, the lock
-released (a failed save's files removed first, from its journal). ``os.fspath`` of it is its path, so the readers
-that map files take it as they take a ``Path``.
+Reads are ``stat``/``pread`` (nothing to retry). What every local writer gets, whatever the format::
+
+    out/                                   # the output (may not exist yet)
+    .out.fsdp-optim.lock                   # beside it: the lock and its journal (disk/locks.py)
+    .out.fsdp-optim-staging.<12 hex>/      # a staged output's files are written here, then moved into out/
+
+1. ``out`` must not be (or hold) one of ``inputs`` (:func:`~fsdp_optim.disk.locks.check_not_input`).
+2. ``out``'s lock is taken (a second writer gets ``OutputLockedError``).
+3. What a killed writer of ``out`` left is removed, exactly as its journal announced it
+   (:func:`~fsdp_optim.disk.locks.recover`).
+4. Content of ``out`` that the format does not claim is *foreign* (:func:`fsdp_optim.disk.save.surveyed`): refused
+   with ``ForeignOutputError`` unless ``overwrite``, and never deleted (a foreign file where the format commits, such
+   as another tool's ``manifest.json``, is refused even with ``overwrite``: the commit would replace it).
+5. The write is journaled before any file exists (its staging directory, the names it will create, what its commit
+   replaces); the files are written in place (a job's ranks) or staged and moved in, the format's commit object (our
+   manifest) renamed into place last; then the replaced output's files are removed.
+6. A refused or failed write leaves ``out`` as it was; a killed one is cleaned up by the next writer.
+
+A format says what is its own with a :class:`~fsdp_optim.disk.save.Claims` (``formats/sharded/writer.py``: our
+checkpoint; ``formats/fairseq``: a shard set; ``formats/dcp.py``: a DCP directory). This module knows no format.
+``os.fspath`` of a :class:`LocalDirectory` is its path, so the readers that map files take it as they take a ``Path``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
@@ -21,20 +36,30 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from fsdp_optim.disk.atomic import atomic_write, fsync_dir
+from fsdp_optim.disk.atomic import atomic_save, atomic_write, fsync_dir
 from fsdp_optim.disk.byte_io import StoredObject
 from fsdp_optim.disk.errors import ConcurrentCommitError
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.location import Location, T
-from fsdp_optim.disk.locks import OutputLock, OutputLockedError, lock_output, resolve_output
-from fsdp_optim.disk.save import Begun, Claims, SaveRules, Staging, Writer, saving
-from fsdp_optim.disk.staged import STAGING_MARK, close_output, open_output, remove_recorded
+from fsdp_optim.disk.locks import (
+    OutputLock,
+    OutputLockedError,
+    check_not_input,
+    lock_output,
+    recover,
+    remove_recorded,
+    resolve_output,
+    sweep_temporaries,
+)
+from fsdp_optim.disk.save import Begun, Claims, SaveRules, Staging, Writer, saving, surveyed
 from fsdp_optim.disk.store_answers import Tiling
+from fsdp_optim.disk.untrusted import describe_file
 
-__all__ = ["LocalDirectory", "RenameWriter", "Stage", "staged_output", "staged_writer"]
+__all__ = ["LocalDirectory", "RenameWriter", "Stage", "staged_output", "staged_writer", "write_file", "write_stream"]
 
 
 class LocalDirectory(Location):
@@ -193,13 +218,11 @@ class Stage:
 
 
 class RenameWriter(Writer):
-    """A local directory's save (:mod:`fsdp_optim.disk.save`): at ``begin`` the directory locked, what a killed writer
-    left removed, foreign content refused (unless ``overwrite``; ``replace=False``: a checkpoint there too) and the
-    save journaled (:func:`open_output`); the files written in place by every rank of a job, or (``staging``: its
-    name) into a staging directory beside the output and moved in when published, the move journaled first; the
-    commit object renamed into place last (its temporary file carries the save's tag, so the journal of a save killed
-    there names it); then the replaced output's files removed and the lock released (a failed save's files removed
-    first, from its journal: :func:`close_output`)."""
+    """A local directory's save (:mod:`fsdp_optim.disk.save`; steps 1-6 of the module docstring): ``begin`` takes the
+    lock (``replace=False``: a checkpoint there is refused too); the files are written in place by every rank of a
+    job, or (``staging``: its name) into a staging directory beside the output and moved in when published, the move
+    journaled first; the commit object is renamed into place last (its temporary file carries the save's tag, so the
+    journal of a save killed there names it); then the lock is released (a failed save's files removed first)."""
 
     location: Location
 
@@ -212,13 +235,21 @@ class RenameWriter(Writer):
         self.lock: OutputLock | None = None  # held from begin (rank 0's) to finish or abort
 
     def begin(self, *, purpose: str, overwrite: bool) -> Begun:
-        claims, entry = self.rules.claims, self.rules.entry
-        if self.staging is not None:
-            entry = dataclasses.replace(entry, staging=self.staging)
-        self.lock = lock = open_output(self.path, claims, entry, purpose=purpose, inputs=self.inputs,
-                                       overwrite=overwrite, replace=self.replace)  # fmt: skip
-        replaced = frozenset(lock.entries[-1].replaces or ())
-        return Begun(None, replaced, release=lambda failed: close_output(lock, claims, failed=failed))
+        """Steps 1-4 and the journal of step 5: the lock held until :meth:`finish` or :meth:`abort` releases it; the
+        save journaled with what its commit replaces (the names the survey found, and an interrupted write's)."""
+        claims, entry = self.rules.claims, dataclasses.replace(self.rules.entry, staging=self.staging)
+        check_not_input(self.path, self.inputs)
+        self.lock = lock = lock_output(self.path, purpose=purpose)
+        try:
+            if lock.previous:
+                recover(lock.output, lock.previous, claims)
+                lock.forget()
+            replaced = surveyed(lock.output, claims, overwrite=overwrite, replace=self.replace)
+            lock.journal(dataclasses.replace(entry, replaces=tuple(sorted(replaced))))
+        except BaseException:
+            lock.release()
+            raise
+        return Begun(None, replaced, release=partial(self._release, lock))
 
     def stage(self, save_id: str, rank: int) -> Staging:  # noqa: ARG002 - one directory for every rank
         if self.staging is None:  # every rank writes in place
@@ -259,16 +290,24 @@ class RenameWriter(Writer):
                 begun.release(False)
 
     def abort(self, begun: Begun | None, staging: Staging, names: Sequence[str]) -> None:  # noqa: ARG002
-        """The save's journal undoes it as the lock is released (:func:`~fsdp_optim.disk.staged.close_output`)."""
+        """The save's journal undoes it as the lock is released."""
         if begun is not None and begun.release is not None:
             begun.release(True)
+
+    def _release(self, lock: OutputLock, failed: bool) -> None:
+        """Release the lock taken at :meth:`begin`; if the save failed, first remove what it created (its journal)."""
+        try:
+            if failed:
+                recover(lock.output, lock.entries, self.rules.claims)
+        finally:
+            lock.release()
 
     def _out(self) -> Path:
         """The output as its lock names it, where this process holds the lock; else as given."""
         return self.lock.output if self.lock is not None else self.path
 
 
-@contextlib.contextmanager
+@contextmanager
 def staged_output(
     out: str | os.PathLike[str],
     claims: Claims,
@@ -304,5 +343,53 @@ def staged_writer(
     new tag, journaled with ``entry``; ``commit_name``: the format's commit object, if it has one)."""
     tag = uuid.uuid4().hex[:12]
     rules = SaveRules(claims, entry or JournalEntry(), commit_name, frozenset(), lambda _where, _size: frozenset())
-    staging = f".{resolve_output(out).name}{STAGING_MARK}{tag}"
+    staging = f".{resolve_output(out).name}.fsdp-optim-staging.{tag}"
     return RenameWriter(LocalDirectory(out), rules, staging=staging, inputs=inputs, replace=replace)
+
+
+def write_file(
+    obj: Any, path: str | os.PathLike[str], *, inputs: Iterable[Any] = (), overwrite: bool = True
+) -> int:
+    """``torch.save`` of a single output file, atomically, under its lock, refused if it is one of ``inputs``;
+    the temporary file is journaled, so one left by a killed writer is removed by the next. Returns the file's
+    size. An existing file at ``path`` is replaced when ``overwrite`` (the API's default), else refused with
+    ``FileExistsError`` and left as it was (the command line's default: ``-o FILE`` replaces only with
+    ``--overwrite``)."""
+    return _write_one(path, inputs, "write a file", lambda out, tag: atomic_save(obj, out, tag=tag), overwrite)
+
+
+def write_stream(
+    write: Callable[[BinaryIO], Any],
+    path: str | os.PathLike[str],
+    *,
+    inputs: Iterable[Any] = (),
+    purpose: str,
+    overwrite: bool = True,
+) -> int:
+    """:func:`write_file` for a format that writes its own bytes: ``write(file)`` fills the (seekable) temporary
+    file. Returns the file's size."""
+    return _write_one(path, inputs, purpose, lambda out, tag: atomic_write(out, write, tag=tag)[0], overwrite)
+
+
+def _write_one(
+    path: str | os.PathLike[str],
+    inputs: Iterable[Any],
+    purpose: str,
+    save: Callable[[Path, str], int],
+    overwrite: bool,
+) -> int:
+    """Check, lock, recover, journal, then ``save(final path, tag)`` (an atomic write with that tag)."""
+    check_not_input(path, inputs, name="output")
+    tag = uuid.uuid4().hex[:12]
+    with lock_output(path, purpose=purpose) as lock:
+        if lock.previous:  # a killed writer's temporary file, named by its journaled tag
+            tagged = {(e.file, e.tag) for e in lock.previous if e.file is not None and e.tag is not None}
+            sweep_temporaries(lock.output.parent, set(), tagged)
+            lock.forget()
+        if not overwrite and os.path.lexists(lock.output):  # under the lock: no writer of ours is replacing it
+            raise FileExistsError(
+                f"{path}: exists already ({describe_file(lock.output)}); pass overwrite=True (--overwrite) to "
+                "replace it"
+            )
+        lock.journal(JournalEntry(file=lock.output.name, tag=tag))
+        return save(lock.output, tag)

@@ -1,6 +1,7 @@
-"""One writer at a time per output: an exclusive lock beside each output, and the journal kept in it.
+"""One writer at a time per output: an exclusive lock beside each output, the journal kept in it, and the recovery
+from that journal (:func:`recover`).
 
-Pure of collectives; touches only the lock file. Every writer (``save_sharded_optim_state``, the async
+Pure of collectives; the lock touches only its file. Every writer (``save_sharded_optim_state``, the async
 save, ``reshard``, the CLI's ``-o`` outputs) holds :func:`lock_output` for its output while it writes::
 
     ckpt/                                  # the output directory (may not exist yet)
@@ -24,7 +25,8 @@ atomic rename, so two writers breaking it at once cannot both win.
 **The journal.** Before a writer creates a file it records what it is about to create (and what its
 commit will make obsolete) in the lock file. A clean release deletes the lock file; a killed writer
 leaves it, and the next holder of the lock gets those entries (the lock's ``previous``), so it can
-remove exactly what the killed writer left, and nothing else (see ``disk/staged.py``).
+remove exactly what the killed writer left, and nothing else (:func:`recover`; the writers:
+``disk/local_directory.py``).
 
 A second writer gets :class:`OutputLockedError` (an ``OSError``) at once, naming the holder.
 """
@@ -39,20 +41,26 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fsdp_optim.disk.atomic import TAGGED_TEMP_NAME, TEMP_NAME
 from fsdp_optim.disk.journal import JournalEntry
+from fsdp_optim.disk.save import Claims
 
 __all__ = [
     "LOCK_SUFFIX",
     "STALE_AFTER_S",
-    "ForeignOutputError",
     "OutputLock",
     "OutputLockedError",
+    "check_not_input",
     "lock_output",
     "lock_path",
+    "recover",
+    "remove_recorded",
     "resolve_output",
+    "sweep_temporaries",
 ]
 
 LOCK_SUFFIX = ".fsdp-optim.lock"
@@ -64,11 +72,6 @@ class OutputLockedError(OSError):
     """Another writer holds the output's lock; the message names it (pid, host, since, what it does)."""
 
 
-class ForeignOutputError(FileExistsError):
-    """The output holds what fsdp_optim did not write (a foreign manifest, other files); writing
-    there needs ``overwrite=True`` (``--overwrite``), and even then nothing foreign is deleted."""
-
-
 def resolve_output(output: str | os.PathLike[str]) -> Path:
     """``output`` with symlinks and ``..`` resolved, whether or not it exists yet."""
     return Path(os.path.realpath(output))
@@ -78,6 +81,30 @@ def lock_path(output: str | os.PathLike[str]) -> Path:
     """Where the lock of ``output`` lives: ``<parent>/.<name>.fsdp-optim.lock`` of the resolved path."""
     resolved = resolve_output(output)
     return resolved.parent / f".{resolved.name}{LOCK_SUFFIX}"
+
+
+def check_not_input(output: str | os.PathLike[str], inputs: Iterable[Any], *, name: str = "out_dir") -> None:
+    """Refuse an output that resolves (real path, or the same inode) to one of ``inputs``: a file, a
+    directory (or a file in it, such as its manifest) and every file in that directory."""
+    real = resolve_output(output)
+    for given in inputs:
+        if given is None or isinstance(given, Mapping) or not isinstance(given, (str, os.PathLike)):
+            continue
+        path = Path(given)
+        candidates = [path]
+        directory = path if path.is_dir() else path.parent if path.name.startswith("manifest.") else None
+        if directory is not None:
+            candidates += [directory, *directory.iterdir()]
+        for candidate in candidates:
+            if resolve_output(candidate) == real or _same_inode(candidate, real):
+                raise ValueError(f"{name}: {output} is {candidate}, one of the inputs; write to another path")
+
+
+def _same_inode(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -307,3 +334,61 @@ def _lock_exclusive(resolved: Path, path: Path, purpose: str) -> OutputLock:
         previous += _parse(text)[1]
         broken_files.append(broken)
     raise OutputLockedError(f"{resolved}: could not take its lock {path}")
+
+
+
+def recover(directory: Path, entries: Sequence[JournalEntry], claims: Claims) -> list[str]:
+    """Remove what journal ``entries`` announced and the output in ``directory`` does not use: the files each
+    write creates (``claims.created``) and their temporary files, the files moved in by a write that never
+    committed, the files a commit replaced once the output no longer names them, and the staging directories.
+    Files are kept while the output's own record cannot be read (nothing proves them unused)."""
+    referenced = claims.referenced(directory) if directory.is_dir() else set()
+    own: set[str] = set()
+    tagged: set[tuple[str, str]] = set()
+    replaced: set[str] = set()
+    for entry in entries:
+        own |= claims.created(entry) | set(entry.moved or ())
+        replaced.update(entry.replaces or ())
+        tagged |= claims.tagged(entry)
+    removed = []
+    if directory.is_dir():
+        removed += sweep_temporaries(directory, own, tagged)
+        if referenced is not None:
+            removed += remove_recorded(directory, own | replaced, claims, keep=referenced)
+    for entry in entries:
+        staging = entry.staging
+        if staging is not None and "/" not in staging and staging.startswith("."):
+            path = directory.parent / staging
+            if path.is_dir() and not path.is_symlink():
+                # a staging directory is this package's alone (its name was journaled): what the format can make goes
+                removed += sweep_temporaries(path, own, set())
+                removed += remove_recorded(path, os.listdir(path), claims, keep=set())
+                with contextlib.suppress(OSError):  # not empty: something not ours is in there, leave it
+                    path.rmdir()
+    return removed
+
+
+def sweep_temporaries(directory: Path, own: set[str], tagged: set[tuple[str, str]]) -> list[str]:
+    """Delete the temporary files (``disk.atomic`` names) of ``own`` names and of ``(name, tag)`` pairs."""
+    removed = []
+    for entry in os.scandir(directory):
+        plain, with_tag = TEMP_NAME.match(entry.name), TAGGED_TEMP_NAME.match(entry.name)
+        ours = (plain is not None and plain["final"] in own) or (
+            with_tag is not None and (with_tag["final"], with_tag["tag"]) in tagged
+        )
+        if ours and not entry.is_dir(follow_symlinks=False):
+            Path(entry.path).unlink(missing_ok=True)
+            removed.append(entry.name)
+    return removed
+
+
+def remove_recorded(directory: Path, names: Iterable[str], claims: Claims, *, keep: set[str]) -> list[str]:
+    """Delete ``names`` but ``keep`` from ``directory``: only names the format can make, only files (never a
+    directory), never followed. ``names`` come from a record of ours (a manifest, a journal)."""
+    removed = []
+    for n in sorted(set(names) - keep):
+        target = directory / n
+        if claims.deletable(n) and (target.is_symlink() or target.is_file()):
+            target.unlink(missing_ok=True)
+            removed.append(n)
+    return removed

@@ -32,6 +32,7 @@ Three writers, one per way of committing:
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import warnings
@@ -44,10 +45,22 @@ from typing import Protocol
 from fsdp_optim.disk.byte_io import ByteIO
 from fsdp_optim.disk.errors import CommitOutcomeUnknown
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.locks import ForeignOutputError
 from fsdp_optim.disk.text import escape
+from fsdp_optim.disk.untrusted import describe_file
 
-__all__ = ["Begun", "Claims", "Save", "SaveRules", "Staging", "Survey", "Writer", "refuse_foreign", "saving"]
+__all__ = [
+    "Begun",
+    "Claims",
+    "ForeignOutputError",
+    "Save",
+    "SaveRules",
+    "Staging",
+    "Survey",
+    "Writer",
+    "refuse_foreign",
+    "saving",
+    "surveyed",
+]
 
 Agreed = Callable[[str], AbstractContextManager[None]]  # a step every process runs and agrees on (one process: none)
 
@@ -126,6 +139,11 @@ class Staging:
     scratch: bool
 
 
+class ForeignOutputError(FileExistsError):
+    """The output holds what fsdp_optim did not write (a foreign manifest, other files); writing
+    there needs ``overwrite=True`` (``--overwrite``), and even then nothing foreign is deleted."""
+
+
 def refuse_foreign(
     where: object, foreign: Sequence[str], *, overwrite: bool, problem: str | None = None,
     overwrite_means: str = "write there anyway (nothing there is deleted)",
@@ -141,6 +159,28 @@ def refuse_foreign(
         more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         parts.append(f"it holds files that are not an fsdp_optim checkpoint's: {shown}{more}")
     raise ForeignOutputError(f"{where}: {'; '.join(parts)}; pass overwrite=True (--overwrite) to {overwrite_means}")
+
+
+def surveyed(directory: Path, claims: Claims, *, overwrite: bool, replace: bool) -> frozenset[str]:
+    """A local output directory under the foreign-content rule, as its format's ``claims`` survey it: the names a
+    commit there replaces and the stale files it removes. Foreign content is refused unless ``overwrite`` (and kept
+    either way); ``replace=False``: an output of the format already there is refused too, unless ``overwrite``."""
+    if not os.path.lexists(directory):
+        return frozenset()
+    if not directory.is_dir():
+        raise ForeignOutputError(f"{directory}: exists and is not a directory ({describe_file(directory)})")
+    survey = claims.survey(directory)
+    if survey.refused:  # the commit would replace (delete) a foreign file: never, whatever the caller allows
+        raise ForeignOutputError(f"{directory}: {survey.refused}")
+    foreign = sorted(set(os.listdir(directory)) - survey.known)
+    refuse_foreign(directory, foreign, overwrite=overwrite, problem=survey.problem,
+                   overwrite_means=survey.overwrite_means)  # fmt: skip
+    if survey.replaces and not replace and not overwrite:
+        raise ForeignOutputError(
+            f"{directory}: already holds a checkpoint ({len(survey.replaces)} of its files, e.g. "
+            f"{sorted(survey.replaces)[0]}); pass overwrite=True (--overwrite) to replace it"
+        )
+    return survey.replaces | survey.stale
 
 
 class Writer:

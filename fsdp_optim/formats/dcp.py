@@ -206,7 +206,7 @@ def _append(stream: BinaryIO, item: WriteItem, planner: SavePlanner, name: str) 
 
 
 class _DcpClaims:
-    """A DCP output directory (for :mod:`fsdp_optim.disk.staged`): it must be new or empty; a write creates
+    """A DCP output directory (for :mod:`fsdp_optim.disk.local_directory`): it must be new or empty; a write creates
     ``DATA_FILE`` then ``METADATA`` (moved in last: the commit point); other DCP names are deletable too."""
 
     def survey(self, directory: Path) -> Survey:  # noqa: ARG002 - nothing in an existing directory is ours

@@ -133,7 +133,7 @@ _OURS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.
 
 
 class _HfClaims:
-    """An output directory of model files (for :mod:`fsdp_optim.disk.staged`): new or empty (what is there is
+    """An output directory of model files (for :mod:`fsdp_optim.disk.local_directory`): new or empty (what is there is
     foreign: refused without overwrite, kept with it); a write journals the names it creates; the index (or the
     single model file) moves in last, the commit point."""
 

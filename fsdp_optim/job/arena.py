@@ -1,19 +1,19 @@
 """An async save's host arena: one allocation at the exact size of a root's shards on a GPU, page-locked a chunk at a
-time in the save's thread as its copies reach it, kept (and reused by a later layout that fits) across saves.
+time in the save's thread after its first save, kept (and reused by a later layout that fits) across saves.
 
-Why chunks: ``cudaHostRegister`` of a whole 6 GiB arena takes seconds, and no copy can be queued into memory that is
-not page-locked yet. Registered chunk by chunk (:data:`CHUNK_BYTES`), the first copies are queued once the first chunk
-is locked, and the GPU copies chunk k into host memory while the host locks chunk k + 1, so the copy and the
-registration overlap instead of following each other. The caller's ``optim.step()`` waits on the host only until the
-copies are queued (:meth:`fsdp_optim.job.staging.StagedCopy.before_change`): on the first save of a layout that is the
-registration, chunk by chunk; every later save, and a layout change whose shards fit in the arena held (and fill half
-of it or more), registers nothing. A copy never spans two registrations (it is cut at chunk boundaries): the driver
-treats a copy into memory locked by two calls as pageable.
+Page-locked after the fact: ``cudaHostRegister`` of a whole 6 GiB arena takes seconds, and no copy can be queued
+into memory that is not page-locked yet. So the first save of a layout copies through the GPU's ring, whose slots are
+page-locked already (:meth:`fsdp_optim.job.staging.HostStaging.copy`), and the save's thread locks the arena once its
+upload is done (:meth:`~fsdp_optim.job.staging.HostStaging.lock`): the caller's ``optim.step()``, which waits on the
+host until the copies are queued, never waits for a registration. Every later save, and a layout change whose shards
+fit in the arena held (and fill half of it or more), copies straight into it. Chunk by chunk (:data:`CHUNK_BYTES`),
+and a copy never spans two registrations (it is cut at chunk boundaries): the driver treats a copy into memory locked
+by two calls as pageable.
 
 Registration runs under the arena's GPU's context (:class:`CudaHost`): the save's thread would otherwise open a
 context on GPU 0 on every rank. When it fails (no support, a locked-memory limit), the save goes on with a one-time
-warning: a new arena falls back to the caching allocator's pinned memory (``pin_memory=True``), or pageable memory
-where that fails too; an arena that fails partway keeps what is locked and copies the rest through pageable memory.
+warning: the next save's arena is the caching allocator's pinned memory (``pin_memory=True``), or pageable memory
+where that fails too.
 The :class:`Registrar` is a seam: the tests page-lock nothing, or fail (``tests/_async_copier.py``).
 """
 
@@ -104,12 +104,10 @@ class Arena:
 
     @classmethod
     def allocate(cls, nbytes: int, device: torch.device, registrar: Registrar | None) -> Arena:
-        """A new arena, its first chunk locked; with the fallback memory if that fails (or ``registrar=None``)."""
+        """A new arena, nothing locked yet; with ``registrar=None`` (a registration failed before), the fallback
+        memory."""
         if registrar is not None:
-            arena = cls(torch.empty(nbytes, dtype=torch.uint8), device, registrar)
-            arena.lock_through(min(nbytes, CHUNK_BYTES))
-            if not arena.failed:
-                return arena
+            return cls(torch.empty(nbytes, dtype=torch.uint8), device, registrar)
         return cls(_fallback(nbytes, device), device, None)
 
     def lock_through(self, stop: int) -> None:

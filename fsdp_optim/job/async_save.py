@@ -257,9 +257,9 @@ def launch(
 ) -> AsyncSave:
     """Start the background thread of an async save of root ``key``: it copies ``state`` (``{flat: {key: live
     tensor}}``) into this root's reusable staging buffers, then runs ``upload(staged)`` (which calls ``staged()``
-    for the copy). ``optim``'s next ``step()`` / ``load_state_dict()`` waits for the copy."""
-    with _lock:
-        staging = _staging.setdefault(key, HostStaging())
+    for the copy), then page-locks what the copy went around. ``optim``'s next ``step()`` / ``load_state_dict()``
+    waits for the copy."""
+    staging = staging_of(key)
     handle = AsyncSave(directory, name)
     ready = ready_events(state)  # now, in the caller's thread: the copies see the state as it is at the call
 
@@ -276,8 +276,20 @@ def launch(
     with _lock:
         _inflight[key] = handle
     watch(handle)  # a failure nobody sees ends the process loudly (fsdp_optim.job.unseen_saves)
-    threading.Thread(target=handle._run, args=(lambda: upload(staged),), name=f"fsdp_optim-async-save-{name}").start()
+    def job() -> Path | ObjectPath:
+        try:
+            return upload(staged)
+        finally:  # before the next save of this root starts: it copies straight into page-locked memory
+            staging.lock()
+
+    threading.Thread(target=handle._run, args=(job,), name=f"fsdp_optim-async-save-{name}").start()
     return handle
+
+
+def staging_of(key: nn.Module) -> HostStaging:
+    """Root ``key``'s host memory for its async saves, made at its first and kept while the root lives."""
+    with _lock:
+        return _staging.setdefault(key, HostStaging())
 
 
 def _wait_previous(previous: AsyncSave) -> None:

@@ -96,16 +96,17 @@ def save_to_memory(
     group = checkpoint_group(root.group)
     # an async save's blocking part agrees over the save's gloo group and reads no GPU scalar (as async_save does)
     caller_of = group if optim is not None else None
-    prepared, side = prepare_whole(root, model, optim, extra, copy_buffers=True, data=data, caller_of=caller_of)
+    prepared = prepare_whole(root, model, optim, extra, data=data, caller_of=caller_of)
     rank, _ = dist_rank_and_size(group)
     reports = all_gather_objects((new_save_id() if rank == 0 else None, tier.node), group)
     save_id, nodes = reports[0][0], [n for _, n in reports]
     assert save_id is not None, "rank 0 sends the save id"
     _warn_one_node(tier, nodes, rank)
-    job = _Job(root, side, type(optim).__name__ if optim is not None else None, tier, nodes, step, save_id, group)
+    optimizer = type(optim).__name__ if optim is not None else None
+    job = _Job(root, prepared, optimizer, tier, nodes, step, save_id, group)
     if optim is None:
         return job.run(prepared.state, prepared.local)
-    upload = lambda staged: job.run(staged, prepared.local)  # noqa: E731 - the thread's whole job
+    upload = lambda staged: job.run(prepared.after(staged, group), prepared.local)  # noqa: E731 - the thread's whole job
     return launch(model, job.directory, optim, prepared.state, upload, name=f"memory-{save_id[:8]}")
 
 

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -216,11 +216,13 @@ def _manifest_of(
     return manifest
 
 
-@dataclass(frozen=True)
-class Side:
-    """What a whole checkpoint writes beside each rank file: ``write(directory, save_id, rank, world_size, *,
-    durable)`` makes the rank's side file, ``record(side files of every rank)`` the manifest's ``"training"``
-    section (rank 0)."""
+class Side(Protocol):
+    """What a whole checkpoint writes beside each rank file (:func:`fsdp_optim.job.whole_save.prepare_whole`'s)."""
 
-    write: Callable[..., FileRecord]  # (directory, save_id, rank, world_size, *, durable=True)
-    record: Callable[[tuple[FileRecord, ...]], TrainingRecord]
+    def write(self, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True) -> FileRecord:
+        """This rank's side file."""
+        ...
+
+    def record(self, files: tuple[FileRecord, ...]) -> TrainingRecord:
+        """Rank 0: the manifest's ``"training"`` section, from every rank's side file."""
+        ...

@@ -1,7 +1,7 @@
 """Sharded optimizer checkpoints inside a training job: save, load (with resharding), scatter a full dict.
 
 Orchestration only: records in :mod:`fsdp_optim.formats.sharded.manifest`, files in
-:mod:`fsdp_optim.disk.staged`, every check and cut in :mod:`fsdp_optim.core.plan`, collectives in
+:mod:`fsdp_optim.disk.local_directory`, every check and cut in :mod:`fsdp_optim.core.plan`, collectives in
 :mod:`.transport`. Works with any fairscale FSDP root (fairscale's own
 class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParallel`).
 """
@@ -22,9 +22,9 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.core.source import Plan
+from fsdp_optim.disk.local_directory import write_stream
 from fsdp_optim.disk.location import Location, ObjectPath, exists, uploaded
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json

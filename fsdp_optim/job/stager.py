@@ -8,8 +8,9 @@ save, copied on a side CUDA stream, so that no save copies through pageable memo
 - **loads into a GPU** (:func:`upload`): the same ring the other way: a slot is filled from the file's pages while
   the copies out of the earlier slots run, straight into the live parameters and optimizer state;
 - **asynchronous saves** (:meth:`fsdp_optim.job.staging.HostStaging.copy`): one reused page-locked arena for the shards
-  on GPUs, the copies enqueued on the side stream by the save's thread; the optimizer's next ``step()`` makes its stream
-  wait for them on the GPU (:meth:`fsdp_optim.job.staging.StagedCopy.before_change`), not the host.
+  on GPUs (a layout's first save fills it through the ring), the copies enqueued on the side stream by the save's
+  thread; the optimizer's next ``step()`` makes its stream wait for them on the GPU
+  (:meth:`fsdp_optim.job.staging.StagedCopy.before_change`), not the host.
 
 Ordering: the side stream first waits for an event recorded on the caller's current stream when the save was
 called (:func:`mark`), so the copies see every kernel queued before the call and none after; every source is
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -79,7 +80,7 @@ class Ring:
         self.buffers = [copier.buffer(slot_bytes) for _ in range(slots)]
         self.lock = threading.Lock()  # one stream of pieces at a time
 
-    def pieces(self, parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    def pieces(self, parts: Sequence[torch.Tensor]) -> Generator[torch.Tensor, None, None]:
         """The bytes of the 1-D ``parts`` in order, as views of the ring's buffers; each valid until the next is
         asked for. A generator closed early still waits for the copies it started (the buffers are reused)."""
         with self.lock:

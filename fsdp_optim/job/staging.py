@@ -1,9 +1,10 @@
 """Async saves' staging: a root's reused host memory for its shards, copied on the stager's side stream, and the
 wait that whatever changes the state next goes through (:func:`before_change`).
 
-One arena per root for its shards on GPUs (:mod:`fsdp_optim.job.arena`: its exact size, page-locked chunk by chunk
-by the save's thread while the copies into the earlier chunks run, kept across saves and by a layout change that
-fits, so host memory does not grow from one save to the next); a plain buffer per host tensor. The copies are
+One arena per root for its shards on GPUs (:mod:`fsdp_optim.job.arena`: its exact size, filled through the GPU's
+ring on a layout's first save and page-locked by the save's thread after it, kept across saves and by a layout change
+that fits, so host memory does not grow from one save to the next); a plain buffer per host tensor; the buffers and
+``extra``'s tensors copied at the call (:meth:`HostStaging.side_copy`). The copies are
 enqueued by the save's thread, bound to the shards' GPU, after an event taken in the caller's thread when the save
 was called (:func:`ready_events`), so they see the state at the call; ``optim.step()``, ``load_state_dict()`` and
 the loads wait for them on the GPU (the host waits only until they are enqueued). Every copy queued has landed
@@ -15,6 +16,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch
 
 from fsdp_optim.job.arena import CUDA_HOST, Arena, Registrar
 from fsdp_optim.job.copiers import Copier
-from fsdp_optim.job.stager import CUDA, Engines
+from fsdp_optim.job.stager import CUDA, Engines, Ring
 
 __all__ = ["StagedCopy", "HostStaging", "before_change", "expect", "ready_events"]
 
@@ -84,12 +86,15 @@ class HostStaging:
         self.arena: Arena | None = None
         self.layout: tuple[tuple[tuple[int, str], torch.Size, torch.dtype], ...] = ()
         self.views: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}  # (flat, key) -> (byte offset, view)
+        self.side: dict[str, torch.Tensor] = {}  # name -> pinned copy of a GPU tensor (:meth:`side_copy`)
 
     def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[Copier, Any], staged: StagedCopy) -> Any:
         """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory: host tensors at once,
-        GPU tensors enqueued after ``ready[copier]`` (:func:`ready_events`, taken when the save was called), each once
-        the arena is page-locked where it goes; sets ``staged.issued``, waits for the GPU copies, sets
-        ``staged.staged``. Returns the copy, same shape. Runs in the save's thread, on the GPU of the shards."""
+        GPU tensors enqueued after ``ready[copier]`` (:func:`ready_events`, taken when the save was called): straight
+        into the arena once it is page-locked (:meth:`lock`), else (a layout's first save) through the copier's ring,
+        whose slots are, so that page-locking never stands between the save and ``step()``; sets ``staged.issued``,
+        waits for the GPU copies, sets ``staged.staged``. Returns the copy, same shape. Runs in the save's thread, on
+        the GPU of the shards."""
         on_gpu = [((i, k), v.detach(), c) for i, e in state.items() for k, v in e.items() if (c := self._of(v))]
         if on_gpu:
             on_gpu[0][2].bind()  # this thread's CUDA calls go to the shards' GPU, not GPU 0
@@ -97,11 +102,19 @@ class HostStaging:
         copiers: list[Copier] = []
         try:
             self._fit([(key, v.shape, v.dtype) for key, v, _ in on_gpu], on_gpu[0][2].device if on_gpu else None)
+            locked = self.arena is None or self.arena.locked == self.arena.nbytes
+            ringed: dict[Copier, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             for (i, key), value, copier in on_gpu:
                 if copier not in copiers:
                     copiers.append(copier)
                     copier.after(ready[copier])
-                out[i][key] = self._queue(copier, (i, key), value)
+                if locked or not value.is_contiguous():
+                    out[i][key] = self._queue(copier, (i, key), value)
+                else:
+                    out[i][key] = self.views[(i, key)][1]
+                    ringed.setdefault(copier, []).append((out[i][key], value))
+            for copier, pairs in ringed.items():
+                _through_ring(self.engines.ring(copier), pairs)
             for i, entries in state.items():
                 for key, value in entries.items():
                     if key not in out[i]:
@@ -114,16 +127,52 @@ class HostStaging:
         staged.staged.set()
         return {i: {k: out[i][k] for k in state[i]} for i in state}  # the state's own order
 
+    def lock(self) -> None:
+        """Page-lock this root's arena, chunk by chunk, where it is not yet: on the save's thread once its upload is
+        done, ahead of the next save of this layout, which then copies straight into it. After a failure (warned
+        once) the next save takes the fallback memory."""
+        arena = self.arena
+        if arena is None or self.registrar is None:
+            return
+        arena.lock_through(arena.nbytes)
+        if arena.failed:  # no arena tries to page-lock again
+            self.registrar, self.arena, self.layout, self.views = None, None, (), {}
+
+    def side_copy(
+        self, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[Copier, Any]]]:
+        """What an async save's caller does with the buffers and ``extra``'s tensors (``{name: tensor}``): host
+        tensors copied at once, GPU tensors queued on their GPU's copy stream after a mark taken now, into this root's
+        pinned memory (reused by the next save), with the caller's stream made to wait for them on the GPU (a forward
+        that changes a buffer in place runs after its copy): nothing waits for the GPU on the host. Returns the copies
+        (``{name: host tensor}``, each valid once its GPU's ticket is done) and ``[(copier, ticket)]``."""
+        out, copiers = {}, []
+        for name, value in tensors.items():
+            copier = self._of(value)
+            if copier is None:
+                out[name] = self._host_copy(-1, name, value)
+                continue
+            buffer = self.side.get(name)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                raw = copier.buffer(value.numel() * value.element_size())
+                buffer = self.side[name] = raw.view(value.dtype).view(value.shape)
+            if copier not in copiers:
+                copiers.append(copier)
+                copier.after(copier.mark())
+            out[name] = buffer
+            copier.copy(buffer, value.detach())
+        tickets = [(copier, copier.last()) for copier in copiers]
+        for copier, ticket in tickets:
+            copier.hold(ticket)
+        return out, tickets
+
     def _queue(self, copier: Copier, key: tuple[int, str], value: torch.Tensor) -> torch.Tensor:
-        """Queue the copy of ``value`` into its view, once the arena is page-locked that far (the copies of the chunks
-        before run meanwhile), cut at the arena's chunk boundaries; the view."""
+        """Queue the copy of ``value`` into its view, cut at the arena's chunk boundaries (no copy spans two
+        registrations); the view."""
         at, view = self.views[key]
         nbytes = value.numel() * value.element_size()
         arena = self.arena
         assert arena is not None, "a shard to stage has an arena"
-        arena.lock_through(at + nbytes)
-        if arena.failed:
-            self.registrar = None  # it failed once: later arenas take the fallback memory at once
         if not value.is_contiguous():
             copier.copy(view, value)  # rare (a strided state tensor): one copy, correct whatever the registration
             return view
@@ -155,7 +204,6 @@ class HostStaging:
             self.arena = arena = None  # the old arena is released (and unregistered) first
             if total and device is not None:
                 arena = Arena.allocate(total, device, self.registrar)
-                self.registrar = None if arena.failed or arena.registrar is None else self.registrar
         views = {}
         for (key, shape, dtype), at in zip(layout, offsets, strict=True):
             assert arena is not None, "a shard to stage has an arena"
@@ -172,6 +220,17 @@ class HostStaging:
             self.host[(i, key)] = buffer
         buffer.copy_(value)
         return buffer
+
+
+def _through_ring(ring: Ring, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each GPU tensor's bytes into its host view (``(view, tensor)`` pairs, contiguous) through ``ring``'s
+    page-locked slots: a slot's bytes copied into place on the host while the copies into the next slots run."""
+    slot = ring.slot_bytes
+    spans = (raw[a : a + slot] for view, _ in pairs for raw in [view.reshape(-1).view(torch.uint8)]
+             for a in range(0, raw.numel(), slot))  # fmt: skip
+    with closing(ring.pieces([value.reshape(-1) for _, value in pairs])) as pieces:
+        for piece, span in zip(pieces, spans, strict=True):
+            span.copy_(piece)
 
 
 def ready_events(state: Mapping[int, Mapping[str, Any]], engines: Engines = CUDA) -> dict[Copier, Any]:

@@ -9,8 +9,8 @@ manifest last (:func:`fsdp_optim.job.save_commit.commit_save`): the checkpoint e
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,9 @@ from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.side_file import encode_extra, host_copy, write_side_file
+from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
+from fsdp_optim.job.agreed import step
 from fsdp_optim.job.async_save import (
     MEET_S,
     AsyncSave,
@@ -33,14 +34,15 @@ from fsdp_optim.job.async_save import (
     keep_liveness_group,
     launch,
     liveness_group,
+    staging_of,
 )
+from fsdp_optim.job.copiers import Copier
 from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.sampler import agreed_position, data_position
 from fsdp_optim.job.save_commit import (
-    Side,
     check_in_seconds,
     commit_save,
     own_tensor,
@@ -48,14 +50,17 @@ from fsdp_optim.job.save_commit import (
     start_save,
 )
 from fsdp_optim.job.stager import pieces
-from fsdp_optim.job.transport import ProcessGroup, agree, all_gather_objects, check_in
+from fsdp_optim.job.staging import HostStaging
+from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, check_in
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Prepared:
-    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied)."""
+    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied), and its side files (a
+    :class:`Side`) once :meth:`agree` (on every rank) has compared the buffers across ranks: written into rank 0's side
+    file alone, or into every rank's when they differ."""
 
     local: LocalState
     state: dict[int, dict[str, Any]]  # {flat: {optimizer key or WEIGHTS_KEY: padded shard or scalar}}
@@ -63,6 +68,42 @@ class _Prepared:
     extra: tuple[str, dict[str, torch.Tensor]]  # encode_extra's (JSON text, tensors)
     aliases: tuple[tuple[str, str], ...]
     data: DataPosition | None = None  # the data stream's position (data=), the same on every rank
+    landed: tuple[tuple[Copier, Any], ...] = ()  # an async save's: the buffers and extra are read once these are done
+    per_rank: bool | None = None  # whether the buffers differ across ranks (:meth:`agree`)
+
+    def agree(self, group: ProcessGroup) -> None:
+        """Whether the buffers differ across ranks: one digest per rank, all-gathered (a collective)."""
+        self.per_rank = len(set(all_gather_objects(buffers_digest(self.buffers), group))) > 1
+
+    def after(self, staged: Callable[[], dict[int, dict[str, Any]]], group: ProcessGroup) -> Callable[[], Any]:
+        """An async save's state for :func:`commit_save`, in its thread: ``staged()``, the buffers and ``extra``
+        landed on the host (agreed on every rank), then :meth:`agree`."""
+
+        def state() -> dict[int, dict[str, Any]]:
+            with step("the copy into host memory failed, no checkpoint was written", group=group):
+                copied = staged()
+                for copier, ticket in self.landed:
+                    copier.wait(ticket)
+            self.agree(group)
+            return copied
+
+        return state
+
+    def write(self, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True) -> FileRecord:
+        assert self.per_rank is not None, "the buffers are compared across ranks before a side file is written"
+        buffers = self.buffers if self.per_rank or rank == 0 else {}
+        return write_side_file(
+            directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=self.extra,
+            durable=durable, pieces=pieces,
+        )  # fmt: skip
+
+    def record(self, files: tuple[FileRecord, ...]) -> TrainingRecord:
+        assert self.per_rank is not None, "the buffers are compared across ranks before the manifest is built"
+        specs = tuple(BufferSpec(n, tuple(b.shape), dtype_to_str(b.dtype)) for n, b in self.buffers.items())
+        return TrainingRecord(
+            buffers=specs, buffers_per_rank=self.per_rank, aliases=self.aliases, files=files,
+            data=self.data,
+        )  # fmt: skip
 
 
 def save_checkpoint(
@@ -105,14 +146,14 @@ def save_checkpoint(
         root = verify_root(model, optim)
         check_in("save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
         keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
-        prepared, per_rank = _prepare_everywhere(root, model, optim, extra, data=data)
+        prepared = prepare_whole(root, model, optim, extra, data=data)
         directory = where(path)
-        side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
         optimizer = type(optim).__name__ if optim is not None else None
         save_id, lock = start_save(directory, root.group, overwrite=overwrite, purpose="save_checkpoint")
         return commit_save(  # at once: from here, commit_save releases the lock whatever happens
-            root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock, side=side
-        )
+            root.layout, prepared.local, prepared.state, optimizer, directory, save_id, root.group, lock=lock,
+            side=prepared,
+        )  # fmt: skip
 
 
 def async_save_checkpoint(
@@ -125,13 +166,15 @@ def async_save_checkpoint(
     data: object = None,
 ) -> AsyncSave:
     """:func:`save_checkpoint` in the background: returns an :class:`~fsdp_optim.AsyncSave` handle once the state
-    is checked, the buffers and ``extra`` copied and a save id agreed (a collective: call on every rank).
+    is checked, the buffers and ``extra`` copied (on a GPU: queued) and a save id agreed (a collective: call on
+    every rank).
 
     The weight shards and optimizer state are copied into reused host buffers by a background thread, which then
     writes the files and commits the manifest; ``optim``'s next ``step()`` or ``load_state_dict()``,
     ``load_checkpoint`` (with or without an optimizer), the model's ``load_state_dict()`` and any other optimizer's
     ``step()`` over its parameters wait for the copy (call ``handle.wait_staged()`` before changing them by other
-    means). The call reads no tensor's value on the host (no wait for the GPU), GPU buffers and ``extra`` aside.
+    means). The call reads no tensor's value on the host (no wait for the GPU); the caller's stream waits on the GPU
+    for the copies of the GPU buffers and ``extra``'s tensors (a forward changes buffers in place).
     ``handle.wait()`` returns the manifest path or raises the save's error on every rank. One save per model in
     flight; the next one waits for it.
     """
@@ -141,16 +184,14 @@ def async_save_checkpoint(
         check_in("async_save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))
         keep_liveness_group(root.group)
         group = checkpoint_group(root.group, meet_s=MEET_S)  # every rank checked in: made at once, or a rank is lost
-        prepared, per_rank = _prepare_everywhere(
-            root, model, optim, extra, copy_buffers=True, caller_of=group, data=data
-        )
+        prepared = prepare_whole(root, model, optim, extra, caller_of=group, data=data)
         directory = where(path)
         save_id, lock = start_save(directory, group, overwrite=overwrite, purpose="async_save_checkpoint")
-        side = Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
         optimizer = type(optim).__name__
         upload = lambda staged: commit_save(  # noqa: E731 - the thread's whole job, in one call
-            root.layout, prepared.local, staged, optimizer, directory, save_id, group, lock=lock, side=side
-        )
+            root.layout, prepared.local, prepared.after(staged, group), optimizer, directory, save_id, group, lock=lock,
+            side=prepared,
+        )  # fmt: skip
         return launch(model, directory, optim, prepared.state, upload, name=save_id[:8])
 
 
@@ -160,44 +201,22 @@ def prepare_whole(
     optim: torch.optim.Optimizer | None,
     extra: object,
     *,
-    copy_buffers: bool = False,
     data: object = None,
     caller_of: ProcessGroup | None = None,
-) -> tuple[_Prepared, Side]:
-    """A whole save's checked input on every rank (agreed; nothing written) and its :class:`Side` (the side file
-    writer and the manifest's training section), for savers that write elsewhere (the memory tier). ``caller_of``:
-    the blocking part of an async save (see :func:`_prepare_everywhere`)."""
-    prepared, per_rank = _prepare_everywhere(
-        root, model, optim, extra, copy_buffers=copy_buffers, data=data, caller_of=caller_of
-    )
-    return prepared, Side(write=partial(_write_side, prepared, per_rank), record=partial(_training, prepared, per_rank))
-
-
-def _prepare_everywhere(
-    root: Root,
-    model: nn.Module,
-    optim: torch.optim.Optimizer | None,
-    extra: object,
-    *,
-    copy_buffers: bool = False,
-    caller_of: ProcessGroup | None = None,
-    data: object = None,
-) -> tuple[_Prepared, bool]:
-    """:func:`_prepare` on every rank, agreed (a failure anywhere raises everywhere, nothing written), and whether
-    the buffers differ across ranks (one digest per rank, all-gathered). ``caller_of``: the blocking part of an async
-    save, agreed over that (gloo) group and reading no optimizer scalar, so that the caller never waits for its GPU
-    (the buffers are copied to the host here: GPU buffers still do)."""
-    prepared, failure = None, None
+) -> _Prepared:
+    """A whole save's checked input on every rank (agreed: a failure anywhere raises everywhere, nothing written) and
+    its side files (compared across ranks here, or in an async save's thread: :meth:`_Prepared.after`), for every
+    saver (the memory tier's too). ``caller_of``: the blocking part of an async save of ``model``, agreed over that
+    (gloo) group, reading no optimizer scalar and copying the buffers and ``extra``'s tensors through the root's
+    staging (:meth:`~fsdp_optim.job.staging.HostStaging.side_copy`: GPU ones queued only), so that the caller never
+    waits for its GPU."""
     group = caller_of if caller_of is not None else root.group
-    try:
-        prepared = _prepare(root, model, optim, extra, copy_buffers, read_scalars=caller_of is None, data=data)
-    except Exception as exc:  # every rank learns of it through agree(), with nothing written
-        failure = exc
-    agree(failure, group=group, what="save_checkpoint refused its input, nothing was written")
-    assert prepared is not None, "agree() raises on every rank when any rank failed"
-    gathered = all_gather_objects((buffers_digest(prepared.buffers), prepared.data), group)
-    agreed_position([position for _, position in gathered])  # equal on every rank, or the same error on each
-    return prepared, len({digest for digest, _ in gathered}) > 1
+    with step("save_checkpoint refused its input, nothing was written", group=group):
+        prepared = _prepare(root, model, optim, extra, staging_of(model) if caller_of is not None else None, data=data)
+    agreed_position(all_gather_objects(prepared.data, group))  # equal on every rank, or the same error on each
+    if caller_of is None:
+        prepared.agree(group)
+    return prepared
 
 
 def _prepare(
@@ -205,37 +224,25 @@ def _prepare(
     model: nn.Module,
     optim: torch.optim.Optimizer | None,
     extra: object,
-    copy_buffers: bool,
+    staging: HostStaging | None,
     *,
-    read_scalars: bool = True,
     data: object = None,
 ) -> _Prepared:
     """Read and check everything this rank saves (reads only; the tensors are the live ones, copied through the
-    stager's pinned ring when on a GPU, unless ``copy_buffers``: then the buffers and ``extra``'s tensors are copied
-    once into host memory, as a save that writes after the call returns needs: forward changes buffers)."""
-    local = read_for_save(root, optim, read_scalars=read_scalars) if optim is not None else LocalState((), {}, {})
+    stager's pinned ring when on a GPU, unless ``staging`` (an async save, which writes after the call returns:
+    forward changes buffers): then the buffers and ``extra``'s tensors are copied into it, GPU ones queued)."""
+    local = read_for_save(root, optim, read_scalars=staging is None) if optim is not None else LocalState((), {}, {})
     state: dict[int, dict[str, Any]] = {}
     for i, shard in weight_shards(root).items():
         entries = {key: own_tensor(value) for key, value in local.state.get(i, {}).items()}
         state[i] = {**entries, WEIGHTS_KEY: own_tensor(shard)}
-    live = persistent_buffers(model)
-    buffers = {name: host_copy(b) if copy_buffers else own_tensor(b) for name, b in live.items()}
-    extra_ = encode_extra(extra, copy=copy_buffers)
-    return _Prepared(local, state, buffers, extra_, read_aliases(model, root.layout), data_position(data))
-
-
-def _write_side(
-    prepared: _Prepared, per_rank: bool, directory: Path, save_id: str, rank: int, size: int, *, durable: bool = True
-) -> FileRecord:
-    buffers = prepared.buffers if per_rank or rank == 0 else {}
-    return write_side_file(
-        directory, save_id=save_id, rank=rank, world_size=size, buffers=buffers, extra=prepared.extra, durable=durable,
-        pieces=pieces,
-    )  # fmt: skip
-
-
-def _training(prepared: _Prepared, per_rank: bool, files: tuple[FileRecord, ...]) -> TrainingRecord:
-    specs = tuple(BufferSpec(n, tuple(b.shape), dtype_to_str(b.dtype)) for n, b in prepared.buffers.items())
-    return TrainingRecord(
-        buffers=specs, buffers_per_rank=per_rank, aliases=prepared.aliases, files=files, data=prepared.data
-    )
+    buffers = {name: own_tensor(b) for name, b in persistent_buffers(model).items()}
+    text, tensors = encode_extra(extra)
+    landed: list[tuple[Copier, Any]] = []
+    if staging is not None:
+        named = {**{f"b/{n}": b for n, b in buffers.items()}, **{f"x/{k}": t for k, t in tensors.items()}}
+        copies, landed = staging.side_copy(named)
+        buffers = {n: copies[f"b/{n}"] for n in buffers}
+        tensors = {k: copies[f"x/{k}"] for k in tensors}
+    aliases = read_aliases(model, root.layout)
+    return _Prepared(local, state, buffers, (text, tensors), aliases, data_position(data), tuple(landed))

@@ -3,7 +3,7 @@
 - :func:`to_safetensors`: any source :func:`~fsdp_optim.offline.sources.open_source` opens (a full dict or its
   file, a sharded checkpoint, a fairseq/metaseq shard set, a fairscale-native dict with its layout, another such
   file) -> one safetensors file (:mod:`fsdp_optim.formats.named_safetensors`), one tensor at a time, through the
-  one way out (``disk.staged.write_stream``: locked, journaled, atomic).
+  one way out (``disk.local_directory.write_stream``: locked, journaled, atomic).
 - :func:`load_full_state`: such a file, or any other source kind, -> the full dict that
   ``gather_full_optim_state_dict`` returns.
 
@@ -27,9 +27,8 @@ from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.atomic import durable_write, load_file
 from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.local_directory import staged_output
+from fsdp_optim.disk.local_directory import staged_output, write_stream
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.formats import hf_safetensors as hf
 from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES

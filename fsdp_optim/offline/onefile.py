@@ -5,7 +5,7 @@
 freed; the header with every checksum written over its room at offset 0; fsync; rename), or the parts of one
 multipart upload (:class:`~fsdp_optim.offline.onefile_parts.UploadSink`).
 
-A failure at any step leaves no file: the temporary file is the one way out's (``disk.staged.write_stream``:
+A failure at any step leaves no file: the temporary file is the one way out's (``disk.local_directory.write_stream``:
 locked, journaled, removed on failure, renamed on success).
 """
 
@@ -20,9 +20,9 @@ import torch
 
 from fsdp_optim.core.parts import PART_BYTES
 from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.disk.local_directory import write_stream
 from fsdp_optim.disk.location import shared_directory
 from fsdp_optim.disk.locations import where
-from fsdp_optim.disk.staged import write_stream
 from fsdp_optim.formats.named_safetensors.writer import tensor_checksums
 from fsdp_optim.offline.onefile_layout import FileLayout, described, final_header, lay_out, stepped
 from fsdp_optim.offline.onefile_parts import to_upload
@@ -203,7 +203,7 @@ def _to_file(
     team: Team | None, layout: FileLayout, output: str | os.PathLike[str], fill: Callable[[FileSink], Any], *,
     inputs: Sequence[Any], overwrite: bool,
 ) -> int:  # fmt: skip
-    """The local file sink: process 0 opens the output (``disk.staged.write_stream``: lock, journal, a temporary file
+    """The local file sink: process 0 opens the output (:func:`write_stream`: lock, journal, a temporary file
     beside it), preallocates it and sends its path (``None``: it failed); every process fills it; process 0 writes
     the header, fsyncs and renames; every process agrees on that commit."""
     what = f"consolidate: process 0 could not write {output}; nothing was committed"

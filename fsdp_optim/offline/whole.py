@@ -29,7 +29,7 @@ from fsdp_optim.core.execute import assemble_full, restrict
 from fsdp_optim.core.plan import per_parameter, plan
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.core.source import Plan
-from fsdp_optim.disk.staged import write_stream
+from fsdp_optim.disk.local_directory import write_stream
 from fsdp_optim.disk.stream_save import Pending, stream_write
 from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor  # one parameter, made when due
 from fsdp_optim.formats.sharded.manifest import Manifest

@@ -1,5 +1,5 @@
 """A fairseq / metaseq shard set's file names: which paths name a set, its files in rank order, and what an
-output directory of a set owns (:class:`SetClaims`, for :mod:`fsdp_optim.disk.staged`). Judged by names and
+output directory of a set owns (:class:`SetClaims`, for :mod:`fsdp_optim.disk.local_directory`). Judged by names and
 directory listings only: no file is opened here.
 
 One file per rank, ``{prefix}-shard{r}.pt`` (metaseq: ``checkpoint_18-model_part-0-shard0.pt``; fairseq:
@@ -45,7 +45,7 @@ def shard_siblings(prefix: Path) -> dict[int, list[Path]]:
 
 @dataclass(frozen=True)
 class SetClaims:
-    """What an output directory of a shard set named ``name`` owns (for :mod:`fsdp_optim.disk.staged`): its
+    """What an output directory of a shard set named ``name`` owns (for :mod:`fsdp_optim.disk.local_directory`): its
     ``{name}-shard<r>.pt`` files. Other files (a fairseq checkpoint directory holds many) are never foreign, and
     never touched; an existing set of the same name is replaced only with ``overwrite``."""
 

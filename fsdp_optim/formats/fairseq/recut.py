@@ -1,5 +1,5 @@
 """What to do with a shard set offline: consolidate it into one fairseq-shaped checkpoint, or re-cut it into a
-set for another world size (written through :mod:`fsdp_optim.disk.staged`, all or nothing).
+set for another world size (written through :mod:`fsdp_optim.disk.local_directory`, all or nothing).
 
 Both plan once against the set's records (:class:`~fsdp_optim.formats.fairseq.shards.ShardSetReader`) and execute the
 plan one tensor at a time (``restrict``), so memory stays near one tensor plus the mapping bound.

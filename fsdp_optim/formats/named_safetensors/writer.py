@@ -8,7 +8,7 @@ over the first one, now with the checksums, and is exactly as long. Memory: one 
 the source maps (its ``trim`` runs after every tensor).
 
 :func:`prepare_named_safetensors` checks everything (one plan, the document encoded) before a file exists;
-:meth:`NamedWrite.write` streams into a file the caller opened (``disk.staged.write_stream``: locked,
+:meth:`NamedWrite.write` streams into a file the caller opened (``disk.local_directory.write_stream``: locked,
 journaled, atomic).
 """
 

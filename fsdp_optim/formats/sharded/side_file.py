@@ -38,7 +38,7 @@ from fsdp_optim.formats.sharded.training import TrainingRecord, side_file_name
 
 __all__ = [
     "BUFFER_CHOICES", "MAX_DEPTH", "SideContent", "buffers_rule", "check_buffer_choice", "decode_extra",
-    "encode_extra", "host_copy", "mean_buffers", "read_rank_side", "read_side_file", "side_ranks", "write_side_file",
+    "encode_extra", "mean_buffers", "read_rank_side", "read_side_file", "side_ranks", "write_side_file",
 ]  # fmt: skip
 
 MAX_DEPTH = 64  # levels of nesting in ``extra``
@@ -48,37 +48,30 @@ SideContent = tuple[dict[str, torch.Tensor], Any]  # (buffers by name, extra)
 Received = Mapping[str, Callable[[], bytes]]  # {side file name: its bytes, held in memory (received from a peer)}
 
 
-def encode_extra(value: Any, where: str = "extra", *, copy: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
-    """``value`` as JSON text with each tensor replaced by a reference, and the tensors: each copied once into new
-    host memory (``copy``: the caller may change them once this returns), else as they are (detached: a save that
-    writes them before it returns; :func:`write_side_file` copies one on a GPU through the pieces it is given)."""
+def encode_extra(value: Any, where: str = "extra") -> tuple[str, dict[str, torch.Tensor]]:
+    """``value`` as JSON text with each tensor replaced by a reference, and the tensors as they are (detached: an
+    async save copies them at the call, :meth:`fsdp_optim.job.staging.HostStaging.side_copy`;
+    :func:`write_side_file` copies one on a GPU through the pieces it is given)."""
     tensors: dict[str, torch.Tensor] = {}
-    tree = _encode(value, tensors, where, 0, host_copy if copy else torch.Tensor.detach)
+    tree = _encode(value, tensors, where, 0)
     return json.dumps(tree, separators=(",", ":"), allow_nan=False), tensors
 
 
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t`` copied once into new, contiguous host memory (from a GPU or from the host alike)."""
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
-
-
-def _encode(
-    value: Any, tensors: dict[str, torch.Tensor], where: str, depth: int, keep: Callable[[torch.Tensor], torch.Tensor]
-) -> Any:
+def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str, depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise ValueError(f"{where}: nested more than {MAX_DEPTH} levels deep; flatten the structure")
     if torch.is_tensor(value):
         key = str(len(tensors))
-        tensors[key] = keep(value)
+        tensors[key] = value.detach()
         return {_REF: int(key)}
     if isinstance(value, Mapping):
         bad = next((k for k in value if not isinstance(k, str)), None)
         if bad is not None:
             raise TypeError(f"{where}: a dict key {bad!r} ({type(bad).__name__}); extra's dict keys must be str")
-        body = {k: _encode(v, tensors, f"{where}['{k}']", depth + 1, keep) for k, v in value.items()}
+        body = {k: _encode(v, tensors, f"{where}['{k}']", depth + 1) for k, v in value.items()}
         return {"$dict": body} if any(k.startswith("$") for k in body) else body
     if isinstance(value, (list, tuple)):
-        items = [_encode(v, tensors, f"{where}[{i}]", depth + 1, keep) for i, v in enumerate(value)]
+        items = [_encode(v, tensors, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
         return {"$tuple": items} if isinstance(value, tuple) else items
     try:
         return to_json(value, where)

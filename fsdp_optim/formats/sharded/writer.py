@@ -1,5 +1,5 @@
 """Writing our sharded checkpoint: rank files, then the manifest last (the commit point), through the one way
-out (:mod:`fsdp_optim.disk.staged`). :data:`CHECKPOINT` tells that writer what a checkpoint directory owns:
+out (:mod:`fsdp_optim.disk.local_directory`). :data:`CHECKPOINT` tells that writer what a checkpoint directory owns:
 
     ckpt/manifest.json                   # ours when it reads as our manifest (format 1: manifest.pt)
     ckpt/optim-<save id 12 hex>-rank00000-of-00002.safetensors   # ours when that manifest lists it (format 1: .pt)
@@ -31,8 +31,8 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.locks import remove_recorded
 from fsdp_optim.disk.save import SaveRules, Survey
-from fsdp_optim.disk.staged import remove_recorded
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.locate import manifest_file, read_manifest
 from fsdp_optim.formats.sharded.manifest import (

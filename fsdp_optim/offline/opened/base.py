@@ -17,7 +17,7 @@ from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
-from fsdp_optim.disk.staged import write_file
+from fsdp_optim.disk.local_directory import write_file
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES

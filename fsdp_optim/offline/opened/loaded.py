@@ -14,8 +14,8 @@ from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
 from fsdp_optim.core.source import Source
+from fsdp_optim.disk.local_directory import write_file
 from fsdp_optim.disk.objects import check_state_dict
-from fsdp_optim.disk.staged import write_file
 from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fullstate import full_dict_source, read_meta
 from fsdp_optim.formats.kinds import Given

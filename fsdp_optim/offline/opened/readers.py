@@ -13,7 +13,7 @@ from typing import Any
 from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.disk.file_check import Verification
-from fsdp_optim.disk.staged import write_file
+from fsdp_optim.disk.local_directory import write_file
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fairseq.shards import ShardSetReader

@@ -14,7 +14,7 @@ from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.file_check import Verification
-from fsdp_optim.disk.staged import write_file
+from fsdp_optim.disk.local_directory import write_file
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.kinds import Given
 from fsdp_optim.formats.sharded.locate import read_manifest

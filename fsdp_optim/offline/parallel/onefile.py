@@ -4,7 +4,7 @@ out before any byte (:func:`~fsdp_optim.offline.onefile_layout.lay_out`), each p
 an agreement (a failure anywhere fails every process, and nothing is committed)::
 
     every process   opens the source, lays the file out alike                    -> agree: the layout
-    process 0       opens the output: a local file (disk/staged.py write_stream: lock, journal, a temporary file
+    process 0       opens the output: a local file (local_directory.write_stream: lock, journal, a temporary file
                     beside it, preallocated; its path sent) or one multipart upload (refused if the object is
                     there, unless overwrite; its id sent)                        -> agree: opened
     every process   writes its run of tensors (split by bytes, core/split.py, in file order): at their offsets, each
