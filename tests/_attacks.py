@@ -528,14 +528,21 @@ def mutate(directory: Path, seed: int, kind: str) -> None:
 # Writers for the concurrency tests: real processes, real files (tests/test_writers.py)
 
 
-def slow_reshard(source: str, world_size: int, out: str, delay_s: float, started: str, env: dict[str, str]) -> str:
+def slow_reshard(
+    source: str, world_size: int, out: str, delay_s: float, started: str, env: dict[str, str], hold: str = ""
+) -> str:
     """``reshard`` that sleeps ``delay_s`` after each unit and touches ``started`` after the first one
-    (by then it holds the lock and is writing), so a test can collide with it or kill it there."""
+    (by then it holds the lock and is writing), so a test can collide with it or kill it there; with ``hold``, it
+    also waits after its first unit until that file exists (at most 120 s), so a colliding process that starts
+    slowly on a loaded machine still finds it writing."""
     os.environ.update(env)
     from fsdp_optim import reshard
 
     def progress() -> None:
         Path(started).touch()
+        deadline = time.monotonic() + 120
+        while hold and not Path(hold).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         time.sleep(delay_s)
 
     return str(reshard(source, world_size, out, progress=progress))

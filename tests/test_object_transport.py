@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from fsdp_optim.job.host_copies import moved
+from fsdp_optim.job.skeleton import moved
 
 
 def test_parts_from_several_devices_are_put_on_one_before_they_are_joined() -> None:

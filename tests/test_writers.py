@@ -80,10 +80,11 @@ def _state(directory: Path) -> str:
 def test_a_second_reshard_into_a_directory_being_written_is_refused_naming_the_holder(
     sources: Path, tmp_path: Path, env: dict[str, str]
 ) -> None:
-    out, started = tmp_path / "out", tmp_path / "started"
-    first = A.launch(A.slow_reshard, str(sources / "a"), 3, str(out), 0.2, str(started), env)
-    A.wait_for(started)  # the first writer holds the lock and is writing its files
+    out, started, hold = tmp_path / "out", tmp_path / "started", tmp_path / "hold"
+    first = A.launch(A.slow_reshard, str(sources / "a"), 3, str(out), 0.2, str(started), env, str(hold))
+    A.wait_for(started)  # the first writer holds the lock and waits, writing, until the second one is done
     second = A.bounded(A.slow_reshard, str(sources / "b"), 2, str(out), 0.0, str(tmp_path / "s2"), env)
+    hold.touch()
     assert second.kind == "raised" and "OutputLockedError" in second.bases, second
     assert "another writer is writing there" in second.message and f"pid {first.process.pid}" in second.message
     assert "reshard" in second.message, second.message
@@ -121,7 +122,8 @@ def test_a_killed_reshard_keeps_the_previous_checkpoint_and_the_next_one_cleans_
     out, started = tmp_path / "out", tmp_path / "started"
     assert A.bounded(A.reshard_entry, str(sources / "a"), 2, str(out)).kind == "ok"
     previous = _state(out)
-    writer = A.launch(A.slow_reshard, str(sources / "b"), 3, str(out), 0.5, str(started), env)
+    never = str(tmp_path / "never")  # it waits, writing, after its first unit until it is killed
+    writer = A.launch(A.slow_reshard, str(sources / "b"), 3, str(out), 0.5, str(started), env, never)
     A.wait_for(started)
     os.kill(writer.process.pid, signal.SIGKILL)
     assert A.collect(writer).kind == "died"

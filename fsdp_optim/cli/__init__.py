@@ -1,55 +1,15 @@
 """``fsdp-optim``: inspect, verify, compare, consolidate, reshard and convert checkpoints (the optimizer state, or
-the whole training state), with no process group.
+the whole training state), with no process group. docs/cli.md shows every verb, its output and its exit codes;
+``fsdp-optim VERB --help`` every flag (:mod:`fsdp_optim.cli.parser`).
 
-    fsdp-optim inspect PATH [--units] [--json]
-    fsdp-optim consolidate SRC -o FILE [--overwrite] [--layout PATH] [--optimizer NAME] [--no-model] [--rank R]
-    fsdp-optim reshard SRC --world-size M -o DIR [--layout PATH] [--optimizer NAME] [--param-names FILE]
-    fsdp-optim convert SRC -o FILE|DIR [--overwrite] [--layout PATH] [--optimizer NAME] [--param-names FILE]
-                       [--to full|named|dcp|safetensors] [--optim-key KEY (--to dcp; default optimizer)]
-    fsdp-optim verify PATH [--deep [--layout PATH]] [--json]
-    fsdp-optim diff A B [--atol X] [--rtol Y] [--json]
-    fsdp-optim list ROOT [--json] [--quick] [--memory-dir DIR|default]
-
-``convert`` without ``--to`` writes what ``-o``'s extension names (``.safetensors``: the named safetensors file;
-``.pt``/``.pth`` or any other: the full dict); a ``--to`` the extension contradicts is a usage error (exit 2).
-
-Sources: a sharded checkpoint directory of ours, a full dict file, a fairscale-native dict file, and a
-fairseq/metaseq shard set (``use_sharded_state``: any ``*-shard<r>.pt`` file of the set, or the path before
-``-shard``; ``--allow-global module.Class`` allows a class its ``cfg`` holds, see
-:mod:`fsdp_optim.formats.fairseq.loading`).
-A shard set is consolidated into one fairseq-shaped checkpoint (every key kept, ``last_optimizer_state`` our
-full dict, ``model`` the full weights unless ``--no-model``, as fairseq's own consolidation keeps them) and
-resharded into shard files of the same format. A whole checkpoint (``save_checkpoint``) is consolidated into one
-file ``{"model": the unwrapped model's state_dict(), "optimizer": the full dict, "extra": rank 0's (--rank R)}``.
-``verify`` checks every file of a checkpoint or shard set (present, of its size, checksums matching) and exits 1
-naming each damaged file. ``list`` shows the step directories of a :class:`~fsdp_optim.CheckpointManager` root
-(complete / torn / damaged and why, world size, what each holds, bytes) and exits 0 (1 for a checkpoint given as
-the root: ``inspect``/``verify`` read one). ``-o FILE`` never replaces an existing file without ``--overwrite``.
-
-A plain (non-FSDP) optimizer's ``state_dict()`` names no parameters: ``convert`` and ``reshard`` take it with
-``--param-names FILE`` (a JSON list of the model's ``named_parameters()`` names, or ``{name: shape}``), as
-:func:`~fsdp_optim.name_optimizer_state` does in Python.
-
-A fairscale-native dict (from fairscale's own ``gather_full_optim_state_dict``) names no parameters, so
-every verb but ``inspect`` needs ``--layout`` for it and converts it with :func:`~fsdp_optim.from_fairscale`.
-
-``diff`` compares two sources of one model (any formats, world sizes and nesting) per parameter and state key
-and exits as ``diff(1)`` does: 0 when they are equal (bit for bit, or within ``--atol``/``--rtol``), 1 when they
-differ, 2 for trouble (bad input, then with one line on stderr; bad usage). ``verify --deep`` also reads the state
-for what a resumed run would trip on and exits 1 naming each finding's parameter and state key.
-
-Exit codes: 0 done; 1 bad input (one line on stderr: ``fsdp-optim: error: ...``; ``diff``: 2, as diff(1)); 2 bad
-usage (argparse: a flag's value out of range, such as ``--world-size 0``; an option the target does not take; an
-``-o`` name the input cannot be written as, :class:`~fsdp_optim.cli.outcome.UsageError`);
-70 an internal error (with its traceback); 130 interrupted (Ctrl-C: one line on stderr, ``interrupted; ...``,
-saying what was left as it was; no traceback). A Ctrl-C that comes once the verb's work is done (its report being
-printed, the interpreter exiting) is ignored: the exit is the verb's own. Under ``torchrun`` every process exits
-with the same code and process 0 alone prints the error line (also written into ``torchrun``'s error file, which its
-failure report shows). Every file is read with ``torch.load(..., weights_only=True)``. Progress bars appear on a
-terminal only.
-
-A dispatcher: torch and the package's modules are imported by the verb that needs them, so ``--help``
-and argument errors cost no more than starting Python, and no verb imports fairscale or the collectives.
+This module is the dispatcher: it parses, runs the verb (under ``torchrun``, across the processes:
+:mod:`fsdp_optim.cli.team`), prints its lines and maps what it raised to an exit code: 0 done; 1 bad input (one line
+on stderr, ``fsdp-optim: error: ...``; a verb may set its own code, ``diff``'s 2); 2 bad usage (argparse's, or a
+:class:`~fsdp_optim.cli.outcome.UsageError` only the opened input reveals); 70 an internal error (with its
+traceback); 130 interrupted (Ctrl-C: one line saying what was left as it was; a Ctrl-C once the verb's work is done
+is ignored). Under ``torchrun`` every process exits with the same code and process 0 alone prints the error line.
+torch and the package's modules are imported by the verb that needs them, so ``--help`` and argument errors cost no
+more than starting Python, and no verb imports fairscale or the collectives.
 """
 
 from __future__ import annotations
@@ -83,14 +43,6 @@ _FLAGS = {
     "max_shard_size": "--max-shard-size",
     "param_names": "--param-names",
 }
-
-
-# ---------------------------------------------------------------------------------------------------
-# inspect
-
-
-# ---------------------------------------------------------------------------------------------------
-# the other verbs
 
 
 _parser = build_parser  # the grammar, for tests and docs that print --help

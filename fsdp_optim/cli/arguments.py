@@ -1,5 +1,5 @@
 """Argument types that refuse a bad value as bad usage (argparse's exit 2, with the verb's usage line), before any
-file is opened: a count below its least value, a negative or non-finite tolerance."""
+file is opened: a count below its least value, a negative or non-finite tolerance; and the flags several verbs share."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["count", "tolerance"]
+__all__ = ["allow_global", "count", "tolerance"]
 
 
 def count(least: int) -> Callable[[str], int]:
@@ -34,3 +34,15 @@ def tolerance(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, found {text}")
     return value
+
+
+def allow_global(p: argparse.ArgumentParser) -> None:
+    """``--allow-global``, as every verb that may read a shard set spells it."""
+    p.add_argument(
+        "--allow-global",
+        action="append",
+        default=[],
+        metavar="MODULE.CLASS",
+        help="for a fairseq/metaseq shard set: allow this class in its cfg when loading (repeatable; only for "
+        "files you trust)",
+    )

@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from fsdp_optim.cli.arguments import count, tolerance
+from fsdp_optim.cli.arguments import allow_global, count, tolerance
 from fsdp_optim.cli.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -34,10 +34,7 @@ def add_diff(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--rtol", type=tolerance, default=0.0, help="tolerance relative to |B| (default 0: bitwise)")
     p.add_argument("--json", action="store_true", help="print the whole report (every row) as JSON")
     p.add_argument("--limit", type=count(0), default=20, metavar="N", help="rows of differences shown (default 20)")
-    p.add_argument(
-        "--allow-global", action="append", default=[], metavar="MODULE.CLASS",
-        help="for a fairseq/metaseq shard set: allow this class in its cfg when loading (repeatable)",
-    )
+    allow_global(p)
     p.set_defaults(run=run_diff)
 
 

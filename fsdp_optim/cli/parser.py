@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_optim.cli.arguments import count
+from fsdp_optim.cli.arguments import allow_global, count
 from fsdp_optim.cli.diff import add_diff
 from fsdp_optim.cli.inspect import run_inspect, run_verify
 from fsdp_optim.cli.listing import run_list
@@ -53,7 +53,7 @@ def _add_verify(verbs: Verbs) -> None:
         "--layout", help="with --deep: a sharded checkpoint or layout file of the model, to check parameters and shapes"
     )
     p.add_argument("--json", action="store_true", help="print the verdict, every file and every finding as JSON")
-    _allow_global(p)
+    allow_global(p)
     p.set_defaults(run=run_verify)
 
 
@@ -92,7 +92,7 @@ def _add_inspect(verbs: Verbs) -> None:
     p.add_argument(
         "--json", action="store_true", help="one JSON object: each 'key: value' line a member, each table a list"
     )
-    _allow_global(p)
+    allow_global(p)
     p.set_defaults(run=run_inspect)
 
 
@@ -140,7 +140,7 @@ def _add_consolidate(verbs: Verbs) -> None:
         help="for a whole checkpoint: whose side file gives extra (default 0) and, when they were saved per rank, "
         "the buffers (then required)",
     )
-    _allow_global(p)
+    allow_global(p)
     p.set_defaults(run=run_consolidate, check=check_consolidate, usage_error=p.error)
 
 
@@ -188,7 +188,7 @@ def _add_reshard(verbs: Verbs) -> None:
         "the saved ranks; rank 0's integer buffers)",
     )
     _param_names(p)
-    _allow_global(p)
+    allow_global(p)
     p.set_defaults(run=run_reshard)
 
 
@@ -232,7 +232,7 @@ def _add_convert(verbs: Verbs) -> None:
         "it); the loading job's dcp.load dict must use the same key (the output says which was written)",
     )
     _param_names(p)
-    _allow_global(p)
+    allow_global(p)
     p.set_defaults(run=run_convert, check=check_convert_target, usage_error=p.error)
 
 
@@ -286,15 +286,4 @@ def _param_names(p: argparse.ArgumentParser) -> None:
         help="the source is a plain (non-FSDP) optimizer's state_dict(): name its parameters with this JSON file, a "
         "list of the model's named_parameters() names in the optimizer's order, or an object {name: shape} (shapes "
         "then checked), e.g. json.dump({n: list(p.shape) for n, p in model.named_parameters()}, f)",
-    )
-
-
-def _allow_global(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--allow-global",
-        action="append",
-        default=[],
-        metavar="MODULE.CLASS",
-        help="for a fairseq/metaseq shard set: allow this class in its cfg when loading (repeatable; only for "
-        "files you trust)",
     )

@@ -79,16 +79,16 @@ def _consolidate(team: Team, args: argparse.Namespace) -> list[str]:
 
 def _reshard(team: Team, args: argparse.Namespace) -> list[str]:
     """``fsdp-optim reshard`` split across ``team``; its report line, as one process words it."""
-    from fsdp_optim.disk.text import human_bytes
+    from fsdp_optim.cli.written import resharded_words
     from fsdp_optim.formats.sharded.locate import read_manifest
+    from fsdp_optim.offline.opened.written import RankFiles
     from fsdp_optim.offline.parallel.entry import reshard_in_team
 
     manifest = reshard_in_team(team, args.source, args.world_size, args.output, layout=args.layout,
                                optimizer=args.optimizer, allow_globals=args.allow_global, overwrite=args.overwrite,
                                replace_existing=False, buffers=args.buffers, bar=sys.stderr.isatty())  # fmt: skip
     done = read_manifest(manifest)
-    line = f"{len(done.files)} rank files, {human_bytes(sum(f.nbytes for f in done.files))}"
-    if done.training is not None:
-        sides = done.training.files
-        line += f" (weights included), {len(sides)} side files, {human_bytes(sum(f.nbytes for f in sides))}"
-    return [f"wrote {args.output}: {line}"]
+    sides = done.training.files if done.training is not None else None
+    written = RankFiles(len(done.files), sum(f.nbytes for f in done.files), None if sides is None else len(sides),
+                        sum(f.nbytes for f in sides or ()))  # fmt: skip
+    return [f"wrote {args.output}: {resharded_words(written)}"]

@@ -171,7 +171,7 @@ def _to_safetensors(opened: Opened, args: argparse.Namespace, origin: str) -> li
     """``--to safetensors``: one named safetensors file (``<param name>/<state key>`` tensors) of any source."""
     from fsdp_optim.offline.named import write_opened
 
-    if opened.is_whole() and Path(args.output).suffix.lower() == ".safetensors":
+    if opened.is_whole() and is_safetensors_name(args.output):
         raise UsageError(
             f"-o {args.output}: a whole checkpoint converts to a directory (model.safetensors, or its shards and "
             "index, and optimizer.safetensors), not one .safetensors file; name the directory without .safetensors"

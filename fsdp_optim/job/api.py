@@ -8,7 +8,7 @@ Orchestration only: the layout comes from :mod:`fsdp_optim.core.layout`, checks 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -20,7 +20,7 @@ from fsdp_optim.core.flatten import StateKind, assemble
 from fsdp_optim.core.layout import ModelLayout, ShardBounds
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_rank
-from fsdp_optim.core.source import Source
+from fsdp_optim.core.source import Plan
 from fsdp_optim.formats.fairscale import dict_source
 from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.kinds import full_file_source
@@ -31,7 +31,7 @@ from fsdp_optim.job.local import (
     read_local_state,
     summary_digest,
 )
-from fsdp_optim.job.root import verify_root
+from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.transport import (
     ProcessGroup,
     Transfer,
@@ -147,32 +147,31 @@ def get_shard_from_optim_state_dict(
     unsharded (``flatten_parameters=False`` at world size 1).
     """
     root = verify_root(fsdp, optim)
-    layout, params = root.layout, root.params
+    the_plan = full_plan(
+        root, full_optim_state_dict, optim, required=[p.requires_grad for p in root.params], order=root.positions
+    )
+    return optimizer_state_dict(the_plan, cut_rank(the_plan, root.rank))
+
+
+def full_plan(
+    root: Root, full: Mapping[str, Any] | str | os.PathLike[str], optim: torch.optim.Optimizer | None, *,
+    required: Sequence[bool] | None = None, order: Sequence[int] | None = None,
+) -> Plan:  # fmt: skip
+    """The one plan of a full dict handed to a live model: in memory, a file holding one (memory-mapped), or a named
+    safetensors file (read range by range, each range checked as it is read); checked against ``optim`` (or, without
+    one, its state keys against the saved optimizer's), then planned for ``root`` (``required``, ``order``: as
+    :func:`~fsdp_optim.core.plan.plan` takes them)."""
     optimizer = type(optim).__name__ if optim is not None else None
-    source = full_source(full_optim_state_dict, layout, optimizer=optimizer)
+    if not isinstance(full, (str, os.PathLike)):  # a dict, or what dict_source refuses by name
+        source = dict_source(full, root.layout, label="the full dict", optimizer=optimizer)
+    else:  # which kinds serve: formats/kinds.py decides
+        source = full_file_source(full, root.layout, optimizer=optimizer)
     if optim is not None:
         check_optimizer(source.optimizer, optim, "the full optimizer state dict")
     else:
         keys = {e.key for flat in source.flats for e in flat.state}
         check_elementwise(source.optimizer, where="the full optimizer state dict", keys=keys)
-    the_plan = plan(
-        source,
-        layout,
-        members=root.members,
-        required=[p.requires_grad for p in params],
-        order=root.positions,
-    )
-    return optimizer_state_dict(the_plan, cut_rank(the_plan, root.rank))
-
-
-def full_source(
-    full: Mapping[str, Any] | str | os.PathLike[str], layout: ModelLayout, *, optimizer: str | None
-) -> Source:
-    """The planning source of a full dict handed to a live model: in memory, a file holding one (memory-mapped),
-    or a named safetensors file (read range by range, each range checked as it is read)."""
-    if not isinstance(full, (str, os.PathLike)):  # a dict, or what dict_source refuses by name
-        return dict_source(full, layout, label="the full dict", optimizer=optimizer)
-    return full_file_source(full, layout, optimizer=optimizer)  # which kinds serve: formats/kinds.py decides
+    return plan(source, root.layout, members=root.members, required=required, order=order)
 
 
 # ---------------------------------------------------------------------------------------------------

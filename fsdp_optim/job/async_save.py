@@ -1,35 +1,20 @@
-"""Asynchronous sharded save: training blocks only for the checks and the agreement on a save id.
+"""Asynchronous saves: training blocks only for the checks and the agreement on a save id (what a user sees:
+docs/optimizer-state.md, "Asynchronous save").
 
-``async_save_sharded_optim_state(fsdp, optim, directory)`` checks the state (as the synchronous save
-does), agrees on a save id and returns an :class:`AsyncSave` handle. A background thread then copies this
-rank's shards into staging buffers that are kept and reused across saves (pinned for shards on a GPU, copied on a
-side stream: :mod:`fsdp_optim.job.stager`),
-writes, checksums and fsyncs the rank file and, once every rank's file is durable, rank 0 commits the
-manifest (last, atomically): the same files, atomicity and clean-up as
-:func:`fsdp_optim.save_sharded_optim_state`, which this shares its commit with.
+:func:`launch` starts the background thread of every async save (optimizer-only, whole, the memory tier): it copies
+the rank's state into staging buffers kept and reused across saves (pinned for shards on a GPU, copied on a side
+stream: :mod:`fsdp_optim.job.stager`), then runs the save's commit (:func:`fsdp_optim.job.save_commit.commit_save`,
+the same files, atomicity and clean-up as a synchronous save). Until the copy is done, what would change the saved
+state waits for it (:func:`_guard`: the optimizer's ``step()`` / ``load_state_dict()``, the root's loads, any other
+optimizer over its parameters; for shards on a GPU its stream waits on the GPU for the copies' event, the host only
+until they are enqueued). A thread, not a process: ``write``, ``fsync`` and hashing release the GIL, and no second
+copy of the state is needed in shared memory.
 
-The copy overlaps what the training loop does next (forward and backward never touch optimizer state): the
-optimizer's next ``step()`` or ``load_state_dict()`` waits, through a pre-hook registered once per optimizer,
-until the copy is done (for shards on a GPU, its stream waits on the GPU for the copies' event; the host waits
-only until they are enqueued), so the checkpoint is the state at the call. So do the root's ``load_state_dict`` /
-``load_local_state_dict``, the loads (with or without an optimizer) and any other optimizer's ``step()`` over the
-root's parameters (the guards are keyed by the root as well as the optimizer). Code that writes into the state
-tensors by other means calls :meth:`AsyncSave.wait_staged` first. A loop that steps right away waits
-as long as a copy before returning would have taken; one that runs a forward and backward first does not
-wait at all (``benchmarks/checkpoint.py`` measures the blocking part and the training overhead).
-
-Thread, not process: the upload is file I/O, hashing and pickling of a few small dicts; ``write``,
-``fsync`` and ``hashlib`` over large buffers release the GIL, so a thread competes little with the
-training loop (measured in ``benchmarks/checkpoint.py``'s training-overhead table) and needs neither a
-second copy of the state in shared memory nor a process start per save.
-
-Coordination runs on a gloo process group of its own (created once per root process group, like
-torchtitan's), never on the training group, so the background thread's collectives cannot interleave
-with the training loop's. A second one, made at the first save, tells a save that a rank is gone: a later save's
-check-in waits on a barrier over it, which fails as soon as a rank's process dies (docs/whole-state.md, "A dead
-rank").
-At most one save per process is in flight: a new one first waits for the previous one, whose failure, if nobody
-called ``wait()``, is raised then.
+Coordination runs on a gloo process group of its own (created once per root process group, like torchtitan's),
+never on the training group, so the background thread's collectives cannot interleave with the training loop's. A
+second one, made at the first save, tells a save that a rank is gone: a later save's check-in waits on a barrier over
+it, which fails as soon as a rank's process dies (docs/whole-state.md, "A dead rank"). At most one save per root is
+in flight: a new one first waits for the previous one, whose failure, if nobody called ``wait()``, is raised then.
 """
 
 from __future__ import annotations
@@ -117,42 +102,25 @@ class AsyncSave:
         return self._result
 
 
-class _StepGuard:
-    """Pre-hooks on one optimizer's ``step`` and ``load_state_dict``: the last async save's copy of its state comes
-    first (:func:`fsdp_optim.job.staging.before_change`; loads call it too)."""
-
-    def __init__(self, optim: torch.optim.Optimizer) -> None:
-        optim.register_step_pre_hook(self._before_step)
-        optim.register_load_state_dict_pre_hook(self._before_load)
-
-    def _before_step(self, optim: torch.optim.Optimizer, *_: object) -> None:  # called with (optimizer, args, kwargs)
-        before_change(optim)
-
-    def _before_load(self, optim: torch.optim.Optimizer, *_: object) -> None:  # (optimizer, state_dict), unchanged
-        before_change(optim)
-
-
-def _guard(optim: torch.optim.Optimizer) -> _StepGuard:
-    with _lock:
-        if optim not in _guards:
-            _guards[optim] = _StepGuard(optim)
-        return _guards[optim]
-
-
-def _guard_root(root: nn.Module) -> None:
-    """What changes a saved root's weights by other means than its saved optimizer waits for the copy too: its
-    ``load_state_dict`` / ``load_local_state_dict`` (fairscale loads through ``root.module``, so the pre-hook is on
-    both), and any other optimizer over its parameters (:func:`_before_any_step`, once per process)."""
+def _guard(optim: torch.optim.Optimizer, root: nn.Module) -> None:
+    """What changes a saved root's state by other means than a step of ``optim`` waits for the copy too
+    (:func:`fsdp_optim.job.staging.before_change`; loads call it as well): ``optim``'s ``step`` and
+    ``load_state_dict``, the root's ``load_state_dict`` / ``load_local_state_dict`` (fairscale loads through
+    ``root.module``, so the pre-hook is on both), and any other optimizer over its parameters
+    (:func:`_before_any_step`, once per process). Each hook registered once per object."""
     global _any_step_hook
     with _lock:
         if _any_step_hook is None:
             _any_step_hook = register_optimizer_step_pre_hook(_before_any_step)
-        if root in _guarded_roots:
-            return
-        _guarded_roots[root] = True
-    alive = weakref.ref(root)  # a hook on the root must not keep it alive
-    for module in {root, getattr(root, "module", root)}:
-        module.register_load_state_dict_pre_hook(lambda *_: before_change(alive()))
+        fresh = [thing for thing in (optim, root) if thing not in _guarded]
+        _guarded.update(dict.fromkeys(fresh, True))
+    if optim in fresh:  # the hooks are called with (optimizer, args, kwargs) and (optimizer, state_dict)
+        optim.register_step_pre_hook(lambda changed, *_: before_change(changed))
+        optim.register_load_state_dict_pre_hook(lambda changed, *_: before_change(changed))
+    if root in fresh:
+        alive = weakref.ref(root)  # a hook on the root must not keep it alive
+        for module in {root, getattr(root, "module", root)}:
+            module.register_load_state_dict_pre_hook(lambda *_: before_change(alive()))
 
 
 def _before_any_step(optim: torch.optim.Optimizer, *_: object) -> None:
@@ -170,8 +138,7 @@ _lock = threading.Lock()
 # One entry per live root, dropped with the root: a job that builds many roots (or saves many times) keeps
 # at most one handle and one set of buffers per root it still holds (tests/test_async_save.py counts them).
 _inflight: weakref.WeakKeyDictionary[nn.Module, AsyncSave] = weakref.WeakKeyDictionary()  # its last save
-_guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepGuard] = weakref.WeakKeyDictionary()
-_guarded_roots: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+_guarded: weakref.WeakKeyDictionary[torch.optim.Optimizer | nn.Module, bool] = weakref.WeakKeyDictionary()  # hooked
 _any_step_hook: Any = None  # the process's one pre-hook on every optimizer's step (_before_any_step)
 _staging: weakref.WeakKeyDictionary[nn.Module, HostStaging] = weakref.WeakKeyDictionary()  # its reusable buffers
 _groups: dict[ProcessGroup, ProcessGroup] = {}  # root process group -> the checkpoint coordination group
@@ -242,8 +209,13 @@ def finish_previous(key: nn.Module) -> None:
     """Before a new async save of root ``key``: let the one in flight finish (raising its unseen failure)."""
     with _lock:
         previous = _inflight.get(key)
-    if previous is not None:
-        _wait_previous(previous)
+    error = previous.unseen_error(None) if previous is not None else None
+    if previous is not None and error is not None:
+        previous._reported = True
+        raise RuntimeError(
+            f"the previous async save into {previous.directory} failed and nobody called wait(): "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def launch(
@@ -263,14 +235,13 @@ def launch(
     handle = AsyncSave(directory, name)
     ready = ready_events(state)  # now, in the caller's thread: the copies see the state as it is at the call
 
-    def staged() -> dict[int, dict[str, Any]]:  # in the thread; optim.step() waits for it (_StepGuard)
+    def staged() -> dict[int, dict[str, Any]]:  # in the thread; optim.step() waits for it (_guard)
         try:
             return staging.copy(state, ready, handle.progress)
         finally:
             handle.progress.finish()
 
-    _guard(optim)
-    _guard_root(key)
+    _guard(optim, key)
     expect(optim, handle.progress)
     expect(key, handle.progress)
     with _lock:
@@ -290,17 +261,6 @@ def staging_of(key: nn.Module) -> HostStaging:
     """Root ``key``'s host memory for its async saves, made at its first and kept while the root lives."""
     with _lock:
         return _staging.setdefault(key, HostStaging())
-
-
-def _wait_previous(previous: AsyncSave) -> None:
-    """Let the previous save finish; raise its error now if nobody has seen it yet."""
-    previous._finished.wait()
-    if previous._error is not None and not previous._reported:
-        previous._reported = True
-        raise RuntimeError(
-            f"the previous async save into {previous.directory} failed and nobody called wait(): "
-            f"{type(previous._error).__name__}: {previous._error}"
-        ) from previous._error
 
 
 def _group_gone(handle: AsyncSave, exc: BaseException) -> RuntimeError:

@@ -17,7 +17,7 @@ from fairscale.nn import FullyShardedDataParallel as _FairscaleFSDP
 from fsdp_optim.job import api
 from fsdp_optim.job import host as _host
 from fsdp_optim.job.host_fixes import quiet
-from fsdp_optim.job.options import check_forward_inputs, check_options, runs_on_host
+from fsdp_optim.job.options import check_forward_inputs, check_options, computes_on_host, placement
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -46,7 +46,7 @@ class FullyShardedDataParallel(_FairscaleFSDP):
         # Options that cannot work are refused here, naming the option, before any collective.
         options = _FAIRSCALE_PARAMS.bind_partial(None, module, *args, **kwargs).arguments
         check_options(module, options)
-        if runs_on_host(module, options):
+        if computes_on_host(placement(module, options)):  # where fairscale computes it, here
             # For the rest of the process (a model outlives any scope we could pick); idempotent.
             _host.enable_for_process()
         else:

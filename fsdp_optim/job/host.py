@@ -1,51 +1,34 @@
 """Host execution: fairscale's FullyShardedDataParallel on CPU with a gloo process group.
 
-The fairscale adapter: every use of fairscale's private names lives here. fairscale 0.4.13 assumes CUDA
-in places that have nothing to do with the maths of sharding:
+The fairscale adapter: every use of fairscale's private names lives here. fairscale 0.4.13 assumes CUDA in places
+that have nothing to do with the maths of sharding. On a CPU every operation is synchronous and there is nothing to
+pin or move, so each is a no-op by definition; while on, the switch (:func:`host_execution`, or
+:func:`enable_host_execution` / :func:`disable_host_execution`) makes it one:
 
-1. it enters ``torch.cuda.stream(...)``, asks ``torch.cuda.current_stream()`` and calls
-   ``torch.cuda.synchronize()`` unconditionally on several paths (backward hooks, ``summon_full_params``,
-   ``load_local_state_dict``), and creates its streams only ``if torch.cuda.is_available()`` while later
-   indexing them unconditionally;
-2. it calls ``Tensor.record_stream`` on the tensors it frees, an op with no CPU kernel;
-3. its reduce-scatter bucket hands a 2-D input to ``_reduce_scatter_base``, which NCCL accepts and gloo
-   rejects;
-4. with ``move_params_to_cpu`` / ``cpu_offload`` / ``move_grads_to_cpu`` it pins the CPU copies
-   (``Tensor.pin_memory()``), which raises "Cannot access accelerator device when none is available";
-5. ``clip_grad_norm_`` moves the local norm with ``.cuda()``; and without ``compute_device`` it
-   defaults to ``torch.device("cuda")``;
-6. its ``gather_full_optim_state_dict`` receives every state key into one reused buffer and keeps
-   ``x.cpu()`` of it, a copy on a GPU but the very same tensor on a CPU: every key of a parameter ends up
-   holding the last key's values (Adam's ``exp_avg`` equal to ``exp_avg_sq``); and it turns the live
-   optimizer's ``step`` tensors into Python numbers, after which ``Adam.step()`` raises.
-
-On a CPU every operation is synchronous and there is nothing to pin or move, so each of these is a
-no-op by definition. The switch (:func:`host_execution`, or :func:`enable_host_execution` /
-:func:`disable_host_execution`) therefore, while on,
-
-1. replaces the name ``torch`` *inside fairscale's FSDP module only* by a view of torch whose ``cuda``
-   attribute hands out :class:`HostStream` objects and no-op synchronisation (everything else is the real
-   torch), and gives the root instance such streams (``_setup_streams``);
-2. registers a no-op CPU kernel for ``aten::record_stream`` (on CPU there is no allocator stream to
-   record), unless one is registered already;
-3. switches fairscale's bucketer to the list form of reduce-scatter, which is what fairscale itself does
-   when ``ENABLE_NCCL_BASE_COLLECTIVES=0``;
-4. runs fairscale's ``_init_param_attributes`` with ``Tensor.pin_memory()`` returning the tensor itself,
-   and ``clip_grad_norm_`` with ``Tensor.cuda()`` returning the tensor itself (a torch-function mode
-   active during those two methods only: no other code sees it);
-5. makes fairscale's default ``compute_device`` the CPU;
-6. works around one fairscale bug that is not about CUDA (the path is the same on GPUs; fairscale issue
-   #1193 and PR #1149 report it from GPU jobs): ``load_local_state_dict`` before the first forward of a
-   model with nested units frees full parameters that were never made and raises ``'FlatParameter' object
-   has no attribute '_full_param_padded'``; ``_free_full_params`` skips the parameters that have none. On a GPU, call
-   ``model.local_state_dict()`` once before loading (it initialises every unit);
-7. runs fairscale's ``_gather_optim_state`` with ``Tensor.cpu()`` of a CPU tensor returning a copy (what
-   it returns from a GPU), and its ``gather_full_optim_state_dict`` with the live optimizer's ``step``
-   values put back afterwards, so fairscale's own gather gives the right dict on a CPU and leaves the
-   optimizer as it was (``tests/test_fairscale_methods_and_errors.py``);
-8. uses the list form of fairscale's parameter all-gather too (no deprecated ``_all_gather_base``), and
-   silences torch's ``TypedStorage`` deprecation inside fairscale's constructor, where fairscale first
-   calls ``Tensor.storage()`` (torch warns once per process): warnings nobody using the package can act on.
+1. fairscale enters ``torch.cuda.stream(...)``, asks ``torch.cuda.current_stream()`` and calls
+   ``torch.cuda.synchronize()`` unconditionally (backward hooks, ``summon_full_params``, ``load_local_state_dict``),
+   and indexes streams it creates only ``if torch.cuda.is_available()``: the name ``torch`` *inside fairscale's FSDP
+   module only* becomes a view of torch whose ``cuda`` hands out :class:`HostStream` objects and no-op
+   synchronisation (everything else is the real torch), and the root instance gets such streams (``_setup_streams``);
+2. it calls ``Tensor.record_stream``, which has no CPU kernel: a no-op CPU kernel is registered (unless one is);
+3. its reduce-scatter bucket hands a 2-D input to ``_reduce_scatter_base``, which gloo rejects: the list form is
+   used, as fairscale does when ``ENABLE_NCCL_BASE_COLLECTIVES=0`` (for its parameter all-gather too: no deprecated
+   ``_all_gather_base``);
+4. with ``move_params_to_cpu`` / ``cpu_offload`` / ``move_grads_to_cpu`` it pins the CPU copies (which raises "Cannot
+   access accelerator device when none is available"), ``clip_grad_norm_`` moves the local norm with ``.cuda()``,
+   and its default ``compute_device`` is ``cuda``: ``_init_param_attributes`` and ``clip_grad_norm_`` run with
+   ``pin_memory()`` and ``cuda()`` returning the tensor itself (:mod:`.host_fixes`: no other code sees it), and the
+   default compute device is the CPU;
+5. its ``gather_full_optim_state_dict`` receives every state key into one reused buffer and keeps ``x.cpu()`` of it,
+   the very same tensor on a CPU (Adam's ``exp_avg`` equal to ``exp_avg_sq``), and turns the live optimizer's
+   ``step`` tensors into numbers, after which ``Adam.step()`` raises: ``cpu()`` of a CPU tensor copies there, and
+   the ``step`` values are put back (``tests/test_fairscale_methods_and_errors.py``);
+6. one fairscale bug that is not about CUDA (fairscale issue #1193 and PR #1149 report it from GPU jobs):
+   ``load_local_state_dict`` before the first forward of a model with nested units frees full parameters that were
+   never made and raises ``'FlatParameter' object has no attribute '_full_param_padded'``: ``_free_full_params``
+   skips the parameters that have none (on a GPU, call ``model.local_state_dict()`` once before loading);
+7. torch's ``TypedStorage`` deprecation, warned where fairscale's constructor first calls ``Tensor.storage()``, is
+   silenced there: a warning nobody using the package can act on.
 
 Leaving the switch (the outermost exit) restores every one of these names to the very object it was and
 destroys the ``record_stream`` registration (``torch.library.Library._destroy``), so fairscale is exactly
@@ -171,15 +154,8 @@ def _with_host_streams(setup_streams: Callable[[_Instance], None]) -> Callable[[
 
 
 def _free_only_made(free_full_params: Callable[..., None]) -> Callable[..., None]:
-    """fairscale's ``_free_full_params`` over only the parameters whose full buffers exist.
-
-    Works around a fairscale bug, not the switch's (nothing on the path depends on the device; fairscale issue
-    #1193 and PR #1149 report it from GPU jobs):
-    ``load_local_state_dict`` lazily initialises the root instance only, then frees every nested instance's
-    full parameters, which ``_init_param_attributes`` makes only on an instance's first use, so a resume
-    before any forward raises ``AttributeError: 'FlatParameter' object has no attribute
-    '_full_param_padded'``. A parameter never initialised has nothing to free; the rest is fairscale's code.
-    """
+    """fairscale's ``_free_full_params`` over only the parameters whose full buffers exist (the module docstring's
+    item 6: ``_init_param_attributes`` makes them only on an instance's first use); the rest is fairscale's code."""
 
     @functools.wraps(free_full_params)
     def wrapper(self: _Instance, params: list[_Param] | None = None) -> None:
@@ -257,13 +233,16 @@ def is_enabled() -> bool:
     return bool(_state.patches)
 
 
-def _check_no_cuda_roots() -> None:
+def _switch_on() -> None:
+    """Apply the patches unless they are on (under ``_lock``); refused once a GPU root was built here."""
     if _state.cuda_roots:
         raise RuntimeError(
             "host execution replaces fairscale's CUDA streams with CPU stand-ins for the whole process, but this "
             f"process already built {_state.cuda_roots} FSDP instance(s) that compute on a GPU; run CPU and GPU FSDP "
             "models in separate processes"
         )
+    if not is_enabled():
+        _apply()
 
 
 def note_cuda_root() -> None:
@@ -320,9 +299,7 @@ def enable_host_execution() -> None:
     computes on a GPU.
     """
     with _lock:
-        _check_no_cuda_roots()
-        if not is_enabled():
-            _apply()
+        _switch_on()
         _state.depth += 1
 
 
@@ -369,7 +346,5 @@ def enable_for_process() -> None:
     :func:`disable_host_execution`, so an unbalanced user disable cannot switch it off under a live model.
     """
     with _lock:
-        _check_no_cuda_roots()
-        if not is_enabled():
-            _apply()
+        _switch_on()
         _state.for_process = True

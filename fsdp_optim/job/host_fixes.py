@@ -20,6 +20,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Collection, Iterator
+from contextlib import AbstractContextManager
 from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
@@ -35,9 +36,7 @@ S = TypeVar("S")  # one of fairscale's FSDP instances (fairscale ships no types)
 class _NothingToMove(TorchFunctionMode):
     """``Tensor.pin_memory()`` and ``Tensor.cuda()`` return the tensor itself; every other call runs as is.
 
-    Active only while one of fairscale's methods wrapped by :func:`without_transfers` runs: on a host
-    without an accelerator the CPU tensor already is where those calls would put it.
-    """
+    Active only while one of fairscale's methods wrapped by ``without_transfers`` runs."""
 
     def __torch_function__(
         self, func: Callable[..., object], types: Collection[type], args: tuple = (), kwargs: dict | None = None
@@ -45,17 +44,6 @@ class _NothingToMove(TorchFunctionMode):
         if func is torch.Tensor.pin_memory or func is torch.Tensor.cuda:
             return args[0]
         return func(*args, **(kwargs or {}))
-
-
-def without_transfers(method: Callable[P, R]) -> Callable[P, R]:
-    """``method`` run with ``Tensor.pin_memory()`` and ``Tensor.cuda()`` returning the tensor itself."""
-
-    @functools.wraps(method)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with _NothingToMove():
-            return method(*args, **kwargs)
-
-    return wrapper
 
 
 class _CopyOnHost(TorchFunctionMode):
@@ -67,15 +55,6 @@ class _CopyOnHost(TorchFunctionMode):
         if func is torch.Tensor.cpu and args[0].device.type == "cpu":
             return args[0].clone()
         return func(*args, **(kwargs or {}))
-
-
-def copying_to_host(method: Callable[P, R]) -> Callable[P, R]:
-    @functools.wraps(method)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with _CopyOnHost():
-            return method(*args, **kwargs)
-
-    return wrapper
 
 
 def keeping_the_optimizer(
@@ -113,10 +92,20 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def quietly(method: Callable[P, R]) -> Callable[P, R]:
-    @functools.wraps(method)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with quiet():
-            return method(*args, **kwargs)
+def _within(context: Callable[[], AbstractContextManager[object]]) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A wrapper of fairscale's methods: each call runs inside a fresh ``context()``."""
 
-    return wrapper
+    def wrap(method: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(method)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            with context():
+                return method(*args, **kwargs)
+
+        return wrapper
+
+    return wrap
+
+
+without_transfers = _within(_NothingToMove)
+copying_to_host = _within(_CopyOnHost)
+quietly = _within(quiet)

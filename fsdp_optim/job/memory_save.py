@@ -34,9 +34,9 @@ from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.sharded.memory_tier import default_memory_dir, node_dir, node_name, step_dirname
 from fsdp_optim.job.async_save import AsyncSave, checkpoint_group, finish_previous, launch
 from fsdp_optim.job.node_memory import NodeMemory, Sealing
-from fsdp_optim.job.root import Root, verify_root
-from fsdp_optim.job.save_commit import Side, commit_save
-from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, dist_rank_and_size
+from fsdp_optim.job.root import verify_root
+from fsdp_optim.job.save_commit import commit_save
+from fsdp_optim.job.transport import all_gather_objects, dist_rank_and_size
 from fsdp_optim.job.whole_save import prepare_whole
 
 __all__ = ["MemoryTier", "memory_tier", "save_to_memory"]
@@ -102,12 +102,19 @@ def save_to_memory(
     save_id, nodes = reports[0][0], [n for _, n in reports]
     assert save_id is not None, "rank 0 sends the save id"
     _warn_one_node(tier, nodes, rank)
+    directory = tier.node_dir() / step_dirname(step, save_id)
+    sealing = Sealing(step, save_id, nodes, tier.node, tier.replicas, tier.keep)
+    node = NodeMemory(directory, group, sealing=sealing)  # this node's own: nothing to lock or replace
     optimizer = type(optim).__name__ if optim is not None else None
-    job = _Job(root, prepared, optimizer, tier, nodes, step, save_id, group)
+
+    def run(state: Any) -> Path:  # the module docstring's steps 1-3: commit_save's commit is the writer's seal
+        commit_save(root.layout, prepared.local, state, optimizer, node, save_id, group, side=prepared)
+        return directory
+
     if optim is None:
-        return job.run(prepared.state, prepared.local)
-    upload = lambda staged: job.run(prepared.after(staged, group), prepared.local)  # noqa: E731 - the thread's whole job
-    return launch(model, job.directory, optim, prepared.state, upload, name=f"memory-{save_id[:8]}")
+        return run(prepared.state)
+    upload = lambda staged: run(prepared.after(staged, group))  # noqa: E731 - the thread's whole job
+    return launch(model, directory, optim, prepared.state, upload, name=f"memory-{save_id[:8]}")
 
 
 _warned: set[Path] = set()
@@ -124,31 +131,3 @@ def _warn_one_node(tier: MemoryTier, nodes: list[str], rank: int) -> None:
         f"${NODE_ENV} or torchrun's LOCAL_WORLD_SIZE so ranks are told apart by node (or pass node=)",
         stacklevel=3,
     )
-
-
-@dataclass(frozen=True)
-class _Job:
-    """One memory-tier save of one rank, agreed and ready to run (in the background thread)."""
-
-    root: Root
-    side: Side
-    optimizer: str | None
-    tier: MemoryTier
-    nodes: list[str]  # every rank's node
-    step: int
-    save_id: str
-    group: ProcessGroup
-
-    @property
-    def directory(self) -> Path:
-        return self.tier.node_dir() / step_dirname(self.step, self.save_id)
-
-    def run(self, state: Any, local: Any) -> Path:
-        """Write, replicate, mark: the module docstring's steps 1-3; this node's step directory."""
-        tier = self.tier
-        sealing = Sealing(self.step, self.save_id, self.nodes, tier.node, tier.replicas, tier.keep)
-        node = NodeMemory(self.directory, self.group, sealing=sealing)  # this node's own: nothing to lock or replace
-        commit_save(self.root.layout, local, state, self.optimizer, node, self.save_id, self.group, side=self.side)
-        return self.directory  # (sealed by commit_save: the location's writer's commit)
-
-

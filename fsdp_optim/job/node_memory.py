@@ -1,26 +1,14 @@
 """The memory tier as a :class:`~fsdp_optim.disk.location.Location`: :class:`NodeMemory`, one step as this rank's
 node holds it in host memory (tmpfs), its peers' pieces arriving through the process group.
 
-It is a local directory to every reader and writer (the step directory, mapped in place; a save's files written
-there by :func:`~fsdp_optim.job.save_commit.commit_save` like anywhere else), and differs in two places, each a
-:class:`~fsdp_optim.disk.location.Location` method that the save and the load call on every backend:
-
-- **its commit** (:class:`MemoryWriter`, whose ``commit`` alone differs from a local directory's: the one save
-  driver, :func:`~fsdp_optim.disk.save.saving`, calls it on every rank once every rank's files are written; the
-  step and its nodes given at construction as a :class:`Sealing`): the manifest spread to every node, each rank's
-  files sent to its replica peers on other nodes, one agreement, then each node's marker (``COMPLETE.json``,
-  :mod:`fsdp_optim.formats.sharded.memory_tier`) written by its first rank: the step becomes visible there, all
-  ranks or none;
-- **its prefetch** (:meth:`NodeMemory.prefetch`, inside a load): the byte ranges this node lacks arrive from the
-  ranks whose node holds them (``fetches``, given at construction: every rank's plan, the same on every rank, no
-  message to agree on it; a restore plans it through the checkpoint opened here, so it may be given as a function
-  that returns the plan once made),
-  posted at once and waited for piece by piece as the load first reads each; the ranges other ranks need are
-  sent from this node's files, mapped. Every received chunk is verified against its checksum before use, as a
-  file's are (:class:`~fsdp_optim.formats.sharded.sources.HeldSource`); nothing received is written anywhere.
-
-Every collective here runs on the group the :class:`NodeMemory` was made with (the checkpoint group of a save,
-the restore's group).
+To every reader and writer it is a local directory (the step directory, mapped in place; a save's files written there
+by :func:`~fsdp_optim.job.save_commit.commit_save` as anywhere else). It differs in two of the methods the save and
+the load call on every backend: its writer's commit is the seal (:class:`MemoryWriter`, :meth:`NodeMemory.seal`:
+the manifest on every node, each rank's files on its replica peers' nodes, then each node's marker, all ranks or
+none), and its prefetch receives the byte ranges this node lacks from the ranks whose node holds them
+(:meth:`NodeMemory.prefetch`, planned alike on every rank: no message agrees on it; nothing received is written
+anywhere, every chunk is verified before use). Every collective here runs on the group the :class:`NodeMemory` was
+made with (the checkpoint group of a save, the restore's group).
 """
 
 from __future__ import annotations
@@ -43,9 +31,9 @@ from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import Marker, prune_node, write_marker
 from fsdp_optim.formats.sharded.sources import Held, ReceivedPiece
+from fsdp_optim.job.agreed import step
 from fsdp_optim.job.transport import (
     ProcessGroup,
-    agree,
     broadcast_object,
     dist_rank_and_size,
     exchange_bytes,
@@ -94,10 +82,6 @@ class NodeMemory(LocalDirectory):
     def __repr__(self) -> str:
         return f"NodeMemory({str(self.path)!r})"
 
-    def node_path(self) -> Path:
-        """The node directory holding this step (and the node's other steps)."""
-        return self.path.parent
-
     # -- reading: the pieces this node lacks, received -------------------------------------------------------
 
     @contextmanager
@@ -131,14 +115,10 @@ class NodeMemory(LocalDirectory):
         rank, _ = dist_rank_and_size(self.group)
         manifest = self.path / MANIFEST_NAME
         data = broadcast_object(manifest.read_bytes() if rank == src else None, src=src, group=self.group)
-        failure = None
-        try:
+        with step(what, group=self.group):
             if node_ranks(nodes)[nodes[rank]][0] == rank and not manifest.is_file():
                 self.path.mkdir(parents=True, exist_ok=True)
                 _write_file(manifest, data)
-        except Exception as exc:
-            failure = exc
-        agree(failure, group=self.group, what=what)
 
     # -- committing: replicas, then the node's marker ---------------------------------------------------------
 
@@ -157,26 +137,19 @@ class NodeMemory(LocalDirectory):
         data = broadcast_object(manifest_bytes if rank == 0 else None, src=0, group=self.group)
         manifest = manifest_from_json(data, source=f"the manifest of memory-tier step {save.step}")
         peers = replica_peers(save.nodes, save.replicas)
-        failure, sends = None, []
-        try:
+        with step(what, group=self.group):  # every rank learns of a failure before any replica moves
             if not here.exists():
                 _write_file(here, data)
             own = [self.path / name for name, _ in step_files(manifest, rank)]
             sends = [(dst, file_bytes(path)) for dst in peers[rank] for path in own]
-        except Exception as exc:  # every rank learns of it through agree(), before any replica moves
-            failure = exc
-        agree(failure, group=self.group, what=what)
         expected = [(src, name, n) for src in sources_of(peers, rank) for name, n in step_files(manifest, src)]
         received = exchange_bytes(sends, [(src, n) for src, _, n in expected], group=self.group)
-        try:
+        with step(what, group=self.group):
             for (_, name, _), data_in in zip(expected, received, strict=True):
                 _write_file(self.path / name, data_in)
-        except Exception as exc:
-            failure = exc
-        agree(failure, group=self.group, what=what)
         if node_ranks(save.nodes)[save.node][0] == rank:
             write_marker(self.path, _marker(save, manifest, peers))
-            prune_node(self.node_path(), keep=save.keep)
+            prune_node(self.path.parent, keep=save.keep)  # the node's directory
         return self.path
 
 

@@ -14,7 +14,7 @@ import torch
 
 from fsdp_optim.job.root import unsharded_parameters
 
-__all__ = ["ComputePlacement", "check_forward_inputs", "check_options", "computes_on_host", "placement", "runs_on_host"]
+__all__ = ["ComputePlacement", "check_forward_inputs", "check_options", "computes_on_host", "placement"]
 
 
 def check_options(module: torch.nn.Module, options: dict[str, Any]) -> None:
@@ -99,12 +99,6 @@ def placement(module: torch.nn.Module, options: dict[str, Any]) -> ComputePlacem
         offload=bool(options.get("move_params_to_cpu") or options.get("cpu_offload")),
         param_devices=frozenset(devices),
     )
-
-
-def runs_on_host(module: torch.nn.Module, options: dict[str, Any]) -> bool:
-    """Whether fairscale computes ``module`` wrapped with ``options`` on the CPU here: :func:`computes_on_host` of
-    its :func:`placement`."""
-    return computes_on_host(placement(module, options))
 
 
 def check_forward_inputs(compute_dtype: torch.dtype, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:

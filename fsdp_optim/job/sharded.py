@@ -9,7 +9,7 @@ class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParal
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -18,10 +18,8 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.execute import cut_rank, optimizer_state_dict, saved_ranks
-from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_rank
-from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.local_directory import write_stream
 from fsdp_optim.disk.location import Location, ObjectPath, exists, uploaded
 from fsdp_optim.disk.locations import where
@@ -30,7 +28,7 @@ from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.job.agreed import step
-from fsdp_optim.job.api import full_source
+from fsdp_optim.job.api import full_plan
 from fsdp_optim.job.device_load import optimizer_state_on_device
 from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import check_optimizer
@@ -119,7 +117,7 @@ def load_sharded_optim_state(
     root = verify_root(fsdp, optim)
     local = cast("str | os.PathLike[str]", path)  # (read as a file only where it names one)
     place = where(path)  # resolved once
-    if not _names_sharded(place):
+    if not (exists(place) or place.name in MANIFEST_NAMES):  # a full dict file, which only src_rank may see
         _refuse_shard_set(local)
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
         _scatter(root, optim, local, src_rank, what=what)
@@ -127,12 +125,6 @@ def load_sharded_optim_state(
     with step(f"load_sharded_optim_state({str(path)!r}) changed no optimizer", group=root.group):
         loaded = _read_sharded(root, optim, place)  # (before any optimizer is touched)
     optim.load_state_dict(optimizer_state_on_device(optim, loaded))
-
-
-def _names_sharded(place: Location) -> bool:
-    """``place`` is a checkpoint's directory (a place to list: a store's prefix always is) or its manifest, by name,
-    not a full dict file (which only ``src_rank`` may see: no rank opens it to classify it)."""
-    return exists(place) or place.name in MANIFEST_NAMES
 
 
 def _read_sharded(
@@ -190,19 +182,17 @@ def _scatter(
     """:func:`scatter_full_optim_state` on a verified root (built with ``optim``, so its members are known);
     ``what`` names the caller's operation in a refusal every rank raises."""
     check_rank("src_rank", src_rank, root.world_size)
-    the_plan: Plan | None = None
+    make: Callable[[int], dict[str, Any]] | None = None
     own: dict[str, Any] | None = None
     with step(what, group=root.group):
-        if root.rank == src_rank:
-            the_plan = _plan_full(full, root.layout, root.members, optim, src_rank)
-            own = optimizer_state_dict(the_plan, cut_rank(the_plan, root.rank))
+        if root.rank == src_rank:  # the one plan, checked once, then cut for each rank (no rank but src reads)
+            if full is None:
+                raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
+            the_plan = full_plan(root, full, optim)
+            make = lambda r: optimizer_state_dict(the_plan, cut_rank(the_plan, r))  # noqa: E731
+            own = make(root.rank)
     # After the step, src_rank holds a plan (or it would have raised) and the other ranks only receive.
-    make = partial(_cut_for, the_plan) if the_plan is not None else None
     optim.load_state_dict(optimizer_state_on_device(optim, scatter_objects(make, own, src=src_rank, group=root.group)))
-
-
-def _cut_for(the_plan: Plan, r: int) -> dict[str, Any]:
-    return optimizer_state_dict(the_plan, cut_rank(the_plan, r))
 
 
 def _refuse_shard_set(path: str | os.PathLike[str]) -> None:
@@ -216,18 +206,3 @@ def _refuse_shard_set(path: str | os.PathLike[str]) -> None:
             f"dict file: write one with `fsdp-optim reshard {path} ...` (another world size) or "
             f"`fsdp-optim convert {path} -o full.pt`, then load that"
         )
-
-
-def _plan_full(
-    full: Mapping[str, Any] | str | os.PathLike[str] | None,
-    layout: ModelLayout,
-    members: Sequence[Sequence[int]] | None,
-    optim: torch.optim.Optimizer,
-    src_rank: int,
-) -> Plan:
-    """The one plan for a full (or fairscale-native) dict given in memory or as a file."""
-    if full is None:
-        raise ValueError(f"full: rank {src_rank} (src_rank) must pass the full dict or its file, found None")
-    source = full_source(full, layout, optimizer=type(optim).__name__)
-    check_optimizer(source.optimizer, optim, "the full optimizer state dict")
-    return plan(source, layout, members=members)

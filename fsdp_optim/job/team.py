@@ -76,21 +76,11 @@ class Team:
         if failure is not None:  # a peer that failed has told its error above; one that was lost cannot
             raise failure
 
-    def settle(self, watch: Watch, failure: BaseException | None, what: str) -> None:
-        """The end of a share of work: ``watch`` stopped (with this process's ``failure``, or the peer's it saw),
-        then :meth:`agree` on the outcome."""
-        try:
-            watch.finish(failure)
-        except PeerFailed as exc:  # (``failure`` was None: finish checks only then)
-            self.agree(exc, what)
-            raise
-        self.agree(failure, what)
-
     @contextmanager
     def step(self, what: str, *, watch: Watch | None = None) -> Iterator[None]:
         """Run the body on every process and agree on its outcome (:func:`fsdp_optim.job.agreed.step`, over the
         team's ``control`` group). With ``watch``, the body is a share of work the watch keeps together: the watch
-        is finished first (:meth:`settle`), so a peer's failure it saw is raised as the peer's error.
+        is finished first, so a peer's failure it saw is raised as the peer's error.
 
         Unlike a job's step, a ``BaseException`` (Ctrl-C in one process) is agreed on too: an offline verb holds no
         interrupt, and the others stop with it rather than wait for the team's timeout."""
@@ -102,10 +92,15 @@ class Team:
         self._end(None, what, watch)
 
     def _end(self, failure: BaseException | None, what: str, watch: Watch | None) -> None:
-        if watch is None:
-            self.agree(failure, what)
-        else:
-            self.settle(watch, failure, what)
+        """A step's end: ``watch`` stopped (with this process's ``failure``, or the peer's it saw), then :meth:`agree`
+        on the outcome."""
+        if watch is not None:
+            try:
+                watch.finish(failure)
+            except PeerFailed as exc:  # (``failure`` was None: finish checks only then)
+                self.agree(exc, what)
+                raise
+        self.agree(failure, what)
 
     def from_first(self, obj: Any) -> Any:
         """Process 0's ``obj`` on every process."""
@@ -128,7 +123,7 @@ class Team:
             with team.step("consolidate failed on another process", watch=watch):
                 write_tensors(path, layout, run, after=watch.advance)
         """
-        return Watch(self, None, total if bar and self.rank == 0 else None, trim=trim)
+        return Watch(self, total if bar and self.rank == 0 else None, trim=trim)
 
 
 def team_of_job(timeout_s: float = TIMEOUT_S) -> Team | None:
@@ -148,13 +143,9 @@ class Watch:
     """The thread of the module docstring. The main thread calls :meth:`check` often (it raises once another
     process failed or was lost) and :meth:`finish` once, when its share is done or has failed."""
 
-    def __init__(
-        self, team: Team, done_bytes: Callable[[], int] | None, total: int | None, *,
-        trim: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
-        self.done = 0  # this process's bytes, when :meth:`advance` counts them (``done_bytes`` None)
+    def __init__(self, team: Team, total: int | None, *, trim: Callable[[], None] | None = None) -> None:
+        self.done = 0  # this process's bytes, as :meth:`advance` counts them
         self.team, self.trim = team, trim
-        self.done_bytes: Callable[[], int] = done_bytes if done_bytes is not None else lambda: self.done
         self.state = _WORKING
         self.lost: str | None = None
         self.contact_lost = False
@@ -172,7 +163,7 @@ class Watch:
         while True:
             state = self.state
             try:
-                beats = all_gather_digests(self.done_bytes() << 2 | state, self.team.beat)
+                beats = all_gather_digests(self.done << 2 | state, self.team.beat)
             except Exception as exc:  # a process died or hangs: this round cannot complete
                 self.lost = f"lost contact with another process ({' '.join(str(exc).split())[:300]})"
                 self.contact_lost = True

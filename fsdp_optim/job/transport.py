@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from fsdp_optim.core.layout import ShardBounds
 from fsdp_optim.job import gpu_choice
-from fsdp_optim.job.host_copies import moved
-from fsdp_optim.job.skeleton import fill, slots, strip
+from fsdp_optim.job.skeleton import fill, moved, slots, strip
 
 __all__ = [
     "shut_down", "ProcessGroup", "Transfer", "agree", "all_gather_objects", "broadcast_from_each_rank", "check_in",
@@ -135,7 +134,7 @@ def all_gather_objects(obj: T, group: dist.ProcessGroup | None) -> list[T]:
 
 def broadcast_from_each_rank(obj: T, group: dist.ProcessGroup | None) -> list[T]:
     """Every rank's ``obj`` on every rank, one ``broadcast_object_list`` per rank (W collectives). Its tensors travel
-    as host tensors (:func:`~fsdp_optim.job.host_copies.moved`): every rank receives them on its CPU."""
+    as host tensors (:func:`~fsdp_optim.job.skeleton.moved`): every rank receives them on its CPU."""
     received: list[T] = []
     for src in range(dist.get_world_size(group)):
         box = [moved(obj, torch.device("cpu")) if src == dist.get_rank(group) else None]

@@ -8,7 +8,7 @@ and only then does any rank copy into its parameters and buffers and load its op
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +21,7 @@ from fsdp_optim.core.execute import cut_rank, optimizer_state_dict, saved_ranks
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import WEIGHTS_KEY
-from fsdp_optim.core.source import Plan
+from fsdp_optim.core.source import Plan, Source
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location, exists
 from fsdp_optim.disk.locations import where
@@ -126,14 +126,40 @@ def plan_load(
     """Check the checkpoint against the live model and optimizer (parameters in their sharded state, buffers,
     optimizer class) and plan what every rank reads (``buffers``: see :func:`load_checkpoint`); nothing read but
     the manifest."""
+    saved = ckpt.manifest
+    optim_source = lambda: ckpt.source() if saved.optimizer is not None else None  # noqa: E731
+    return _plans(root, model, optim, ckpt.weights_source, optim_source, saved.training, saved.world_size,
+                  str(ckpt.directory), buffers)  # fmt: skip
+
+
+def _plans(
+    root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, weights: Callable[[], Source],
+    saved: Callable[[], Source | None], training: TrainingRecord | None, saved_world: int, where: str, buffers: str,
+) -> LoadPlans:  # fmt: skip
+    """The plans of a load of ``weights()`` and, with ``optim``, ``saved()`` (None: the model saved alone); the
+    parameters (in their sharded state), the optimizer and the buffers checked first."""
     weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is read
-    training = ckpt.manifest.training
-    weights = plan(ckpt.weights_source(), root.layout, members=[list(range(len(root.layout.flat_params)))])
-    optim_plan = _optim_plan(ckpt, root, optim) if optim is not None else None
+    weights_plan = plan(weights(), root.layout, members=[list(range(len(root.layout.flat_params)))])
     assert training is not None, "weights_source() refuses a checkpoint without a training section"
-    rule = _check_buffers(training, persistent_buffers(model), ckpt.manifest.world_size, root.world_size,
-                          str(ckpt.directory), buffers)  # fmt: skip
-    return LoadPlans(weights, optim_plan, rule)
+    optim_plan, source = None, saved() if optim is not None else None
+    if optim is not None and source is None:
+        raise ValueError(f"optim: {where} holds the model alone (saved with optim=None); load it with optim=None and "
+                         "start the optimizer afresh")  # fmt: skip
+    if optim is not None and source is not None:
+        check_optimizer(source.optimizer, optim, where)
+        optim_plan = plan(source, root.layout, members=root.members)
+    rule = _check_buffers(training, persistent_buffers(model), saved_world, root.world_size, where, buffers)
+    return LoadPlans(weights_plan, optim_plan, rule)
+
+
+def _cut(
+    plans: LoadPlans, rank: int, trim: Callable[[], None] | None = None
+) -> tuple[dict[int, torch.Tensor], dict[str, Any] | None]:
+    """This rank's weight shards and optimizer state (as ``optim.load_state_dict`` takes it), cut from the plans."""
+    weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(plans.weights, rank, after_unit=trim).items()}
+    if plans.optim is None:
+        return weights, None
+    return weights, optimizer_state_dict(plans.optim, cut_rank(plans.optim, rank, after_unit=trim))
 
 
 def stage_load(
@@ -155,9 +181,7 @@ def stage_load(
         weights, optim_state = _split_own(own, plans) if verified is None else ({}, None)
     else:
         ckpt.open_ranks(saved_ranks(plans.weights, rank) or [0])
-        weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(plans.weights, rank, after_unit=ckpt.trim).items()}
-        state = cut_rank(plans.optim, rank, after_unit=ckpt.trim) if plans.optim is not None else {}
-        optim_state = optimizer_state_dict(plans.optim, state) if plans.optim is not None else None
+        weights, optim_state = _cut(plans, rank, ckpt.trim)
     buffers, extra = read_rank_side(
         ckpt.directory, training, rank % ckpt.manifest.world_size, sides, rule=plans.buffers
     )
@@ -219,35 +243,13 @@ def stage_file(
             f"{where_}: expected a whole checkpoint (save_checkpoint's directory, or the file consolidate writes of "
             f"one: {{'model', 'optimizer', 'extra'}}), found {found}"
         )
-    weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is cut
     whole = WholeFile.of(obj, where_, params=root.layout.param_order)
-    units = [list(range(len(root.layout.flat_params)))]
-    weights_plan = plan(whole.weights_source(), root.layout, members=units)
-    optim_plan = None
-    if optim is not None:
-        source = whole.source()
-        if source is None:
-            raise ValueError(f"optim: {where_} holds the model alone (saved with optim=None); load it with optim=None")
-        check_optimizer(source.optimizer, optim, where_)
-        optim_plan = plan(source, root.layout, members=root.members)
     buffers = whole.buffer_tensors()
     specs = tuple(BufferSpec(n, tuple(t.shape), dtype_to_str(t.dtype)) for n, t in buffers.items())
-    _check_buffers(TrainingRecord(specs, False, whole.aliases, ()), persistent_buffers(model), 1, 1, where_, "refuse")
-    weights = {i: e[WEIGHTS_KEY] for i, e in cut_rank(weights_plan, root.rank).items()}
-    optim_state = None
-    if optim_plan is not None:
-        optim_state = optimizer_state_dict(optim_plan, cut_rank(optim_plan, root.rank))
+    training = TrainingRecord(specs, False, whole.aliases, ())  # its buffers: one set, as saved
+    plans = _plans(root, model, optim, whole.weights_source, whole.source, training, root.world_size, where_, "refuse")
+    weights, optim_state = _cut(plans, root.rank)
     return Staged(weights, {n: t.clone() for n, t in buffers.items()}, optim_state, clone_value(whole.extra))
-
-
-def _optim_plan(ckpt: ShardedCheckpoint, root: Root, optim: torch.optim.Optimizer) -> Plan:
-    if ckpt.manifest.optimizer is None:
-        raise ValueError(
-            f"optim: {ckpt.directory} holds the model alone (saved with optim=None); load it with optim=None and "
-            "start the optimizer afresh"
-        )
-    check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
-    return plan(ckpt.source(), root.layout, members=root.members)
 
 
 def _check_buffers(
