@@ -85,7 +85,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark(
         "scale", "offline reshard / consolidate / inspect, planning and jobs with many ranks and units",
-        "", "~2 min", None, "", ("scale.*", "jobs32/scale.*"),
+        "", "~2 min", None, "", ("scale.*", "scale_fresh.*", "jobs32/scale.*"),
     ),
     Benchmark(
         "offline_parallel", "offline reshard by one process against torchrun's 2, and the planner simulated at scale",
@@ -111,6 +111,7 @@ TOOLS: dict[str, str] = {
     "gpu.check": "what .ci/gpu-check runs on a lent GPU machine",
     "gpu.carry": "copies the pure-Python packages the GPU image lacks (.ci/gpu-check --prepare)",
     "offline_parallel.worker": "one process of benchmarks.offline_parallel's runs",
+    "scale.fresh": "one fresh interpreter of benchmarks.scale --fresh (reshard's first and second call)",
 }
 
 # Results files of no registered benchmark (a retired one's), with why they stay: none today.

@@ -11,7 +11,8 @@ from typing import get_type_hints
 import pytest
 
 from fsdp_optim.cli.written import consolidated_words, resharded_words
-from fsdp_optim.offline.opened import CLASSES
+from fsdp_optim.formats.kinds import Kind
+from fsdp_optim.offline.opened import class_of
 from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.offline.opened.written import (
     Consolidation,
@@ -27,7 +28,7 @@ from fsdp_optim.offline.opened.written import (
 OPENED = Path(__file__).resolve().parents[1] / "fsdp_optim" / "offline" / "opened"
 
 
-@pytest.mark.parametrize("cls", [Opened, *CLASSES.values()], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [Opened, *dict.fromkeys(map(class_of, Kind))], ids=lambda c: c.__name__)
 def test_every_opened_class_returns_a_record_of_what_it_wrote(cls: type[Opened]) -> None:
     assert get_type_hints(cls.write_consolidated)["return"] == Consolidation, f"{cls.__name__}.write_consolidated"
     assert get_type_hints(cls.write_resharded)["return"] == Resharding, f"{cls.__name__}.write_resharded"

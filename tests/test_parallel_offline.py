@@ -169,7 +169,6 @@ def test_a_laid_out_file_filled_in_any_order_is_the_one_written_whole(big: Path,
     from fsdp_optim.formats.sharded.reader import open_checkpoint
     from fsdp_optim.formats.sharded.streamed import streamed_parts
     from fsdp_optim.formats.sharded.writer import write_shard_file
-    from fsdp_optim.offline.onefile import preallocate
     from fsdp_optim.offline.parallel.reshard import plan_reshard
     from fsdp_optim.offline.parallel.stretches import cut_piece
 
@@ -181,7 +180,7 @@ def test_a_laid_out_file_filled_in_any_order_is_the_one_written_whole(big: Path,
         layouts = [laid_out(planned.final, r) for r in range(2)]
         for d in (ranged, torn):
             for layout in layouts:
-                lay_out_file(d / layout.name, layout, preallocate)
+                lay_out_file(d / layout.name, layout)
         runs = [run for p in (2, 1, 0) for run in planned.share(p)]
         assert len({run.rank for run in planned.share(1)}) == 2, "process 1's share crosses both files"
         for k, run in enumerate(runs):
@@ -248,7 +247,7 @@ def test_parallel_needs_a_team(source: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists(), "nothing written"
 
 
-# A process of the CLI that fails (or is killed) right after it has written and read back its first run of chunks.
+# A process of the CLI that fails (or is killed) right after it has written its first run of chunks.
 _FAILING = """
 import os, signal, sys
 import fsdp_optim.offline.parallel.reshard as R

@@ -1,14 +1,15 @@
 """The run here: a synthetic optimizer-only checkpoint of ``gib`` GiB (64 units, Adam's two fp32 keys) written on
-tmpfs at world size 2 by the package's own streamed writer, then resharded 2 -> 3 by one process and by ``torchrun
---nproc_per_node 2``; each timed net of its launcher running ``inspect`` (reads the manifest only), best of
-``repeats``. Bytes read per process are what its plan reads (``reshard.share_spans`` of its share: the
-chunk-widened ranges the reader maps and verifies, headers included; mmap reads on tmpfs count no I/O to measure)."""
+tmpfs at world size 2 by the package's own streamed writer, then resharded 2 -> 3 (and consolidated) by the plain
+one-process CLI and by ``torchrun --nproc_per_node 2``, in interleaved rounds (:func:`sample`); each timed net of its
+launcher running ``inspect`` (reads the manifest only), best of the rounds (:func:`best`). Bytes read per process are
+what its plan reads (``reshard.share_spans`` of its share: the chunk-widened ranges the reader maps and verifies,
+headers included; mmap reads on tmpfs count no I/O to measure)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import resource
 import socket
 import subprocess
 import sys
@@ -76,6 +77,8 @@ def _free_port() -> int:
 
 
 def _launch(processes: int, argv: list[str], report: Path) -> list[dict[str, Any]]:
+    """``fsdp-optim ARGV`` by one process (the CLI's ``main`` in a fresh interpreter, no launcher) or by ``torchrun
+    --nproc-per-node PROCESSES``; each process's report (:mod:`.worker`)."""
     module = ["-m", "benchmarks.offline_parallel.worker", str(report), *argv]
     if processes == 1:
         cmd = [sys.executable, *module]
@@ -93,20 +96,30 @@ def _launch(processes: int, argv: list[str], report: Path) -> list[dict[str, Any
     return out
 
 
-def timed(src: Path, processes: int, verb: list[str], output: str, repeats: int) -> dict[str, Any]:
-    """Best wall time of ``fsdp-optim VERB... -o OUT`` (``output``: OUT's name in a scratch directory) and of
-    ``inspect`` under the same launcher, and each process's peak RSS."""
-    best, noop, peaks = float("inf"), float("inf"), [0] * processes
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def sample(src: Path, processes: int, verb: list[str], output: str) -> dict[str, Any]:
+    """One round: ``inspect`` (the launcher's start-up) and then ``fsdp-optim VERB... -o OUT`` (``output``: OUT's
+    name in a scratch directory) under the same launcher; the wall and CPU seconds of each (CPU: every process the
+    launch made, the launcher's own included), and each process's peak RSS."""
+    out: dict[str, Any] = {"processes": processes}
     with tempfile.TemporaryDirectory(dir=SHM) as scratch:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            _launch(processes, ["inspect", str(src)], Path(scratch) / "noop")
-            noop = min(noop, time.perf_counter() - start)
-            out = Path(scratch) / output
-            start = time.perf_counter()
-            reports = _launch(processes, [*verb, "-o", str(out)], Path(scratch) / "verb")
-            best = min(best, time.perf_counter() - start)
-            peaks = [max(p, r["peak_rss"]) for p, r in zip(peaks, sorted(reports, key=lambda r: r["rank"]))]
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-    return {"processes": processes, "seconds": best, "launcher_seconds": noop, "net_seconds": best - noop,
-            "peak_rss": peaks}  # fmt: skip
+        for key, argv in (("launcher", ["inspect", str(src)]), ("verb", [*verb, "-o", str(Path(scratch) / output)])):
+            cpu, start = _children_cpu(), time.perf_counter()
+            reports = _launch(processes, argv, Path(scratch) / key)
+            out[key] = [time.perf_counter() - start, _children_cpu() - cpu]
+        out["peak_rss"] = [r["peak_rss"] for r in sorted(reports, key=lambda r: r["rank"])]
+    return out
+
+
+def best(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one launcher and verb summed up: best wall time of the verb and of the launcher alone, the net
+    of the two (and the CPU seconds alike), the peak RSS of every round."""
+    verb, noop = min(s["verb"][0] for s in samples), min(s["launcher"][0] for s in samples)
+    cpu, noop_cpu = min(s["verb"][1] for s in samples), min(s["launcher"][1] for s in samples)
+    peaks = [max(p) for p in zip(*(s["peak_rss"] for s in samples))]
+    return {"processes": samples[0]["processes"], "seconds": verb, "launcher_seconds": noop, "net_seconds": verb - noop,
+            "cpu_seconds": cpu, "net_cpu_seconds": cpu - noop_cpu, "rounds": len(samples), "peak_rss": peaks}  # fmt: skip

@@ -1,10 +1,12 @@
 """Benchmark: sharded checkpoints at scale (many ranks, many units), ours against the floors, in one run; the
 commands, the floors and the latest figures are in docs/benchmarks.md ("At scale").
 
-Three parts: offline ``reshard`` / ``consolidate`` / ``inspect`` of checkpoints of ``W x U`` (``--offline``), each in
+Four parts: offline ``reshard`` / ``consolidate`` / ``inspect`` of checkpoints of ``W x U`` (``--offline``), each in
 a forked child (time, peak RSS growth; median of 3 under 2 s), against the byte and re-cut floors of ``ops.py``;
 planning one rank of a ``W x U`` re-cut (``--plan``, ``ops.plan_one_rank``); jobs of ``--jobs`` world sizes
-(``job.py``). Writes ``<out>/scale.json``, ``scale.md`` and ``scale.png`` (default ``benchmarks/results``).
+(``job.py``); ``reshard``'s first and second call in fresh interpreters against the byte floor (``--fresh``,
+``fresh.py``). Writes ``<out>/<name>.json``, ``.md`` and ``.png`` (default ``benchmarks/results/scale``); the fixed
+costs alone: ``--offline '' --plan '' --skip-jobs --name scale_fresh``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,11 +32,13 @@ from ..peak import in_child, save_durably
 from ..registry import RESULTS
 from . import job as scale_job
 from . import ops as scale_ops
+from .fresh import fixed_costs
 from .report import plot, tables
 
 # ---- configuration ---------------------------------------------------------------------------------
 OFFLINE = ((16, 64), (64, 64), (64, 256))  # (W, units)
 PLAN = ((256, 100), (1024, 100), (4096, 100), (256, 1000), (1024, 1000), (4096, 1000))
+FRESH = ((256, 256),)  # (W, units): issue 46's fixed costs, 256 -> 192 ranks (448 files)
 JOBS = (16, 8, 4)
 JOB_UNITS = 128
 JOB_WIDTH = 16
@@ -50,11 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
     p.add_argument("--offline", type=_sizes, default=OFFLINE, help="WxU,... checkpoints for reshard/consolidate")
     p.add_argument("--plan", type=_sizes, default=PLAN, help="WxU,... sizes planned for one rank")
+    p.add_argument("--fresh", type=_sizes, default=FRESH, help="WxU,... checkpoints re-cut in fresh interpreters")
     p.add_argument("--jobs", type=lambda s: tuple(int(x) for x in s.split(",")), default=JOBS, help="job world sizes")
     p.add_argument("--skip-jobs", action="store_true")
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--dir", type=Path, default=STORAGE, help="where checkpoints are written (default tmpfs)")
+    p.add_argument("--name", default="scale", help="the results files' stem")
     return p.parse_args(argv)
 
 
@@ -108,6 +116,19 @@ def _median(fn: Any) -> tuple[float, int]:
     return sorted(r[0] for r in runs)[len(runs) // 2], max(r[1] for r in runs)
 
 
+def first_and_second(world_size: int, units: int, root: Path, repeats: int) -> dict[str, Any]:
+    """``--fresh``'s row: the checkpoint made, its byte floor measured (median in forked children), then
+    ``reshard``'s first and second call in ``repeats`` fresh interpreters (:mod:`.fresh`)."""
+    src = root / "src"
+    in_child(lambda: _make(world_size, units, src))
+    files = sorted(src.glob("optim-*"))
+    floor, _ = _median(lambda: scale_ops.floor_reshard(files, world_size * 3 // 4, root / "floor"))
+    try:
+        return fixed_costs(world_size, units, src, root, floor, repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def warm_up(root: Path) -> None:
     """Every measured path once, in this process, on 2 units at 2 ranks: the forked children then start with
     everything imported and every one-time cost paid (as a long-running tool would)."""
@@ -149,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(tempfile.mkdtemp(prefix="fsdp-optim-scale-", dir=args.dir))
     try:
         where = f"{machine()}, load {os.getloadavg()[0]:.1f}"
-        result: dict[str, Any] = {"machine": where, "commit": package(), "per_unit": PER_UNIT, "offline": [], "planning": [], "jobs": []}
+        result: dict[str, Any] = {"machine": where, "commit": package(), "per_unit": PER_UNIT, "offline": [], "planning": [], "jobs": [], "fresh": []}
         warm_up(root / "warm-up")
         for world_size, units in args.offline:
             print(f"offline W={world_size} units={units}", flush=True)
@@ -157,19 +178,26 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(root / f"off-{world_size}x{units}", ignore_errors=True)
         print("planning", flush=True)
         result["planning"] = planning(args.plan) + [r["plan_from_file"] for r in result["offline"]]
+        for world_size, units in args.fresh:
+            print(f"fresh W={world_size} units={units}", flush=True)
+            result["fresh"].append(first_and_second(world_size, units, root / f"fresh-{world_size}x{units}", args.repeats))
         if not args.skip_jobs:
             print(f"jobs W={args.jobs}", flush=True)
             result["jobs"] = jobs(args.jobs, args.repeats, root)
         result["seconds"] = time.perf_counter() - started
+        command = f"python -m benchmarks.scale {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+        result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": command}
+        result["targets"] = {f"{r['world_size']}x{r['units']} {name}": met for r in result["fresh"] for name, met in (
+            ("second <= 2x floor", r["second_x_floor"] <= 2), ("first - second <= 0.1 s", r["first_minus_second_s"] <= 0.1))}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = tables(result)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(result, indent=1))
-    (args.out / "scale.md").write_text(text + "\n")
-    drawn = plot(result, args.out / "scale.png")
-    print(f"wrote {args.out}/scale.{{json,md{',png' if drawn else ''}}} in {result['seconds']:.0f} s")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"{args.name}.md").write_text(text + "\n")
+    drawn = bool(result["offline"]) and plot(result, args.out / f"{args.name}.png")
+    print(f"wrote {args.out}/{args.name}.{{json,md{',png' if drawn else ''}}} in {result['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

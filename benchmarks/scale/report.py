@@ -31,6 +31,11 @@ def _job(r: dict[str, Any]) -> list[str]:
             _get(r, "load_other_s", ".3f"), _get(r, "other_x_same", ".2f"), f"{r['peak_rss_max'] / MiB:.0f}", f"{r['disk_bytes'] / MiB:.1f}"]
 
 
+def _fresh(r: dict[str, Any]) -> list[str]:
+    return [f"{r['world_size']} -> {r['to']}", str(r["units"]), str(r["files"]), f"{r['import_s']:.3f}", f"{r['first_s']:.3f}", f"{r['second_s']:.3f}",
+            f"{r['floor_s']:.3f}", f"{r['second_x_floor']:.1f}", f"{r['first_minus_second_s']:.3f}"]
+
+
 SECTIONS = (  # (result key, lead-in, columns, cells of a row)
     ("offline", "Offline (one process; seconds, peak RSS growth in MiB; floor = the same files read with the plain loader, the same bytes written to "
      "as many files, fsync each; re-cut floor = that plus the manifest as plain JSON and every (unit, key) re-cut per output rank):",
@@ -41,13 +46,16 @@ SECTIONS = (  # (result key, lead-in, columns, cells of a row)
      ["W", "units", "manifest from", "read s", "plan s", "rank s", "total s", "traced peak", "RSS", "files read"], _planning),
     ("jobs", "In a job (fsdp_optim FSDP, gloo, 128 units; median seconds, slowest rank; other-W = the checkpoint of the job of 2W ranks, re-cut on load):",
      ["W", "state KiB/rank", "gather s", "save s", "load same-W s", "load 2W -> W s", "x same-W", "peak RSS/rank MiB", "disk MiB"], _job),
+    ("fresh", "Fixed costs: reshard W -> 3W/4 in fresh interpreters, torch imported first (median seconds; first = the import of fsdp_optim.reshard "
+     "plus the first call; floor = the byte floor of the offline table; targets: second <= 2x floor, first - second <= 0.1 s):",
+     ["W -> W'", "units", "files", "import s", "first s", "second s", "floor s", "second x floor", "first - second s"], _fresh),
 )
 
 
 def tables(result: dict[str, Any]) -> str:
     out = [f"Machine: {result['machine']}; commit {result['commit']}; {result.get('seconds', 0):.0f} s in all.", ""]
     for key, lead, columns, cells in SECTIONS:
-        if result[key]:
+        if result.get(key):
             out += [lead, "", *report.table(columns, [cells(r) for r in result[key]]), ""]
     return "\n".join(out[:-1] if result["jobs"] else out)
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from safetensors import safe_open
 
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.save import Survey
@@ -208,6 +207,8 @@ def read_model(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every tensor of the model files of ``path`` (:func:`model_files`), in file then header order, each copied out
     of the file's mapping; each header checked first. The layout records no checksums: what is checked is the
     header (dtypes, shapes against offsets, no overlap or gap) and that every byte reads."""
+    from safetensors import safe_open  # (a model read: the only use of the library here)
+
     out: dict[str, torch.Tensor] = {}
     for file in model_files(path):
         header = _header(file)

@@ -26,7 +26,6 @@ from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.formats.fairscale import dict_source, is_fairscale_native, is_named_dict
 from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.hf_safetensors import is_hf_directory, is_plain
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, is_named_safetensors
 from fsdp_optim.formats.sharded.file_record import HEADER_KEY
 from fsdp_optim.formats.sharded.locate import is_json_manifest, source_kind
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
@@ -136,6 +135,8 @@ def full_file_source(path: str | os.PathLike[str], layout: ModelLayout, *, optim
         )
     kind, obj = detect(path)
     if kind in (Kind.NAMED, Kind.HF):  # a safetensors file without our metadata: its reader says so
+        from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
+
         return NamedSafetensors(path).source()
     if kind not in (Kind.FULL, Kind.NATIVE):
         raise ValueError(
@@ -151,19 +152,10 @@ def names_shard_set(given: Any) -> bool:
     if not isinstance(given, (str, os.PathLike)):
         return False
     try:
-        files = _local_files(given)
+        files = where(given).local_path()
     except ValueError:  # a URL of no known filesystem: no shard set either (opening it says why)
         return False
     return files is not None and is_shard_set(given)
-
-
-def _local_files(path: str | os.PathLike[str]) -> Path | None:
-    """The local directory (or file) ``path`` is, where its objects are local files; ``None`` elsewhere.
-
-    A capability, not a backend: a fairseq/metaseq shard set and a DCP directory are read as local files by their
-    readers (``torch.load`` of each shard file, DCP's file system reader), so only a location whose objects are
-    local files can be one; a sharded checkpoint of ours is found anywhere (:func:`source_kind`)."""
-    return where(path).local_path()
 
 
 def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
@@ -172,6 +164,8 @@ def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
     file; ``None`` for anything else (a torch file: :func:`detect` loads it to say more)."""
     if RANK_FILE_NAME.match(Path(path).name) and Path(path).suffix == ".safetensors":
         return Kind.RANK_FILE  # read only through its checkpoint's manifest
+    from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors  # (imported for a file to sniff)
+
     if is_named_safetensors(path):  # any other safetensors file: ours, or a model's weights without our metadata
         return Kind.HF if is_plain(path) else Kind.NAMED
     if is_json_manifest(path):  # a layout file (save_layout writes a manifest without files, in JSON)
@@ -183,8 +177,9 @@ def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
     sharded checkpoint (in any location), a DCP directory, or ``None`` for a file whose content says the rest
     (:func:`detect`); nothing there, or a directory (a store's prefix) of neither, is refused
-    (:func:`~fsdp_optim.formats.sharded.locate.source_kind`)."""
-    files = _local_files(path)
+    (:func:`~fsdp_optim.formats.sharded.locate.source_kind`). A shard set, a DCP directory and a Hugging Face
+    layout are read as local files by their readers, so only a location whose objects are local files can be one."""
+    files = where(path).local_path()
     if files is not None and is_shard_set(path):
         return Kind.SHARD_SET
     if files is not None and files.is_dir() and (files / ".metadata").is_file():  # formats/dcp.METADATA (not imported)

@@ -12,8 +12,9 @@ of fixed length (:data:`DIGEST_PLACEHOLDER`'s). So the whole file is known up fr
 :func:`write_rank` writes runs of whole chunks of tensors at their offsets, hashing each piece while a thread writes
 it (:class:`~fsdp_optim.disk.hashed_write.HashingWriter`), and fills their digests into the slots: one process
 writes every tensor whole and then the whole header; a team's process writes one run (``span``) into a file laid out
-beforehand (:func:`lay_out_file`), reads back what it wrote, and fills that run's slots alone; once every run is
-written, :func:`finished_record` reads the header back and checks that it is the skeleton with every slot filled.
+beforehand (:func:`lay_out_file`) and fills that run's slots alone. Either trusts what it wrote as one process does (the
+digests are of the bytes handed to the file, and the file is fsynced); once every run is written,
+:func:`finished_record` reads the header back and checks that it is the skeleton with every slot filled.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ __all__ = ["DIGEST_PLACEHOLDER", "LaidOutFile", "TensorPlace", "finished_record"
 
 DIGEST_PLACEHOLDER = "xxh3-128:" + "0" * 32  # a digest's length: the header is written once the data has been hashed
 _SLOT = len(DIGEST_PLACEHOLDER)
-_CHECK_BYTES = 8 << 20  # read back in pieces of at most this
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,11 @@ def write_rank(
 
     Without ``span``, ``file`` is open at the file's start: every tensor and then the header (the module docstring),
     the file left at its end. With ``span`` ``(tensor, start, stop)`` (elements, whole chunks), ``file`` is the path
-    of the file :func:`lay_out_file` made, of which that run alone is written, read back, its digests written into
-    their slots and read back, then fsynced. ``after(nbytes)``: after each part (and then each part is asked of
+    of the file :func:`lay_out_file` made, of which that run alone is written, its digests into their slots, then
+    fsynced. ``after(nbytes)``: after each part (and then each part is asked of
     ``pieces`` on its own)."""
     runs = [(k, 0, t.numel) for k, t in enumerate(layout.tensors)] if span is None else [span]
-    header, read_back = bytearray(layout.header), span is not None
+    header = bytearray(layout.header)
     opened = nullcontext(cast(BinaryIO, file)) if span is None else _laid_out(cast(Path, file))
     with opened as f, HashingWriter(f) as writer:
         start = f.tell()
@@ -145,8 +145,6 @@ def write_rank(
                 for piece in pieces(group):  # type: ignore[arg-type]
                     raw = memoryview(piece.numpy()).cast("B")  # type: ignore[arg-type]
                     writer.put(raw, hasher.update)
-                    if read_back:
-                        _check_back(f, raw, at)
                     at += len(raw)
                 if after is not None:
                     after(at - done)
@@ -157,8 +155,6 @@ def write_rank(
         first, last = (0, len(header)) if span is None else _slot_range(layout.tensors[span[0]], span)
         f.seek(start + first)
         writer.put(memoryview(header)[first:last], lambda _: None)
-        if read_back:
-            _check_back(f, memoryview(header)[first:last], first)
         f.seek(start + layout.size)
     return digest(bytes(header[8:]))
 
@@ -178,12 +174,13 @@ def _laid_out(path: Path) -> Iterator[BinaryIO]:
         os.fsync(f.fileno())
 
 
-def lay_out_file(path: Path, layout: LaidOutFile, preallocate: Callable[[int, int], None]) -> None:
-    """Create ``path`` (exclusively), make it ``layout.size`` bytes (``preallocate(fd, size)``), write the header
-    skeleton, fsync. A failure removes the file."""
+def lay_out_file(path: Path, layout: LaidOutFile) -> None:
+    """Create ``path`` (exclusively), ``layout.size`` bytes long, write the header skeleton, fsync. A failure removes
+    the file. Its data's blocks are not reserved (a hole-filled file): each writer's runs fill them as one process's
+    writes do, so no process reserves (on tmpfs: allocates) the blocks of a whole file before any is written."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        preallocate(fd, layout.size)
+        os.ftruncate(fd, layout.size)
         done = 0
         while done < len(layout.header):
             done += os.pwrite(fd, layout.header[done:], done)
@@ -219,10 +216,3 @@ def finished_record(path: Path, layout: LaidOutFile) -> FileRecord:
         raise ValueError(f"{path}: its header is not the one laid out, with its digests filled in")
     return FileRecord(layout.rank, layout.name, digest(header[8:]), size)
 
-
-def _check_back(file: BinaryIO, data: memoryview, offset: int) -> None:
-    """``OSError`` unless the file holds ``data`` at ``offset`` (read back in pieces)."""
-    for at in range(0, len(data), _CHECK_BYTES):
-        piece = data[at : at + _CHECK_BYTES]
-        if os.pread(file.fileno(), len(piece), offset + at) != piece.tobytes():  # bytes to bytes: a memcmp
-            raise OSError(f"{file.name}: the bytes read back at offset {offset + at} differ from those written")

@@ -148,8 +148,7 @@ class RankFile:
             raise ValueError(f"{where}: {size} bytes, but the manifest records {self.record.nbytes}")
         tensors = {name: numel for name, (_, numel, _) in header.tensors.items()}
         if self.manifest.version >= 3:
-            checksums, chunk = _checksums(meta, where), self.manifest.chunk_bytes
-            units = [f.unit for f in self.manifest.flat_params]
+            checksums, chunk, units = _checksums(meta, where), self.manifest.chunk_bytes, self.manifest.flat_params
             self.grids = grids_v3(checksums, self.layout, tensors, chunk, where=where, units=units)
             return
         self.placements = check_segments(

@@ -196,11 +196,11 @@ def grids_v3(
     chunk_bytes: int,
     *,
     where: str,
-    units: Sequence[str] = (),
+    units: Sequence[FlatRecord] = (),
 ) -> dict[str, Grid]:
     """The checked chunk grids of a format-3 rank file: its header's ``checksums`` (``{tensor: [digest, ...]}``)
     against the tensors the manifest's units put in it (``layout``, :func:`file_layout`'s) and those its header
-    holds (``tensors``: ``{name: numel}``). ``units`` names the units in errors."""
+    holds (``tensors``: ``{name: numel}``). ``units`` (the manifest's) names the units in errors."""
     sizes = layout[1]
     if dict(tensors) != dict(sizes):
         raise ValueError(
@@ -225,7 +225,7 @@ def grids_v3(
 
 
 def _largest(
-    where: Mapping[tuple[int, str], tuple[str, int, int]], tensors: Mapping[str, int], units: Sequence[str]
+    where: Mapping[tuple[int, str], tuple[str, int, int]], tensors: Mapping[str, int], units: Sequence[FlatRecord]
 ) -> str:
     """Names the largest shard the manifest declares when it alone exceeds what the file holds."""
     if not where:
@@ -233,7 +233,7 @@ def _largest(
     (flat, key), (tensor, _, numel) = max(where.items(), key=lambda item: item[1][2])
     if numel <= tensors.get(tensor, 0):
         return ""
-    unit = units[flat] if flat < len(units) else str(flat)
+    unit = units[flat].unit if flat < len(units) else str(flat)
     return f"; unit '{unit or '<root>'}' state '{key}' alone is declared {numel} elements per rank"
 
 

@@ -23,7 +23,6 @@ from typing import Any, BinaryIO
 
 import torch
 import xxhash
-from safetensors.torch import load as load_safetensors
 
 from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.disk.atomic import atomic_write
@@ -163,12 +162,13 @@ def read_side_file(directory: Location, record: FileRecord, received: Received |
     data = received[record.file]() if received and record.file in received else _read_exactly(directory, record)
     if len(data) != record.nbytes or _file_digest(data) != record.checksum:
         raise ValueError(f"{path}: checksum mismatch (the side file is damaged or was modified)")
+    from safetensors.torch import load as load_safetensors  # (a side file read: the only use of the library here)
+
     tensors = load_safetensors(data)
     header_size = int.from_bytes(data[:8], "little")
     metadata = loads(data[8 : 8 + header_size], where=f"{path}, header").get("__metadata__", {})
-    where = f"{path}"
     buffers = {n[len(_BUFFER) :]: t for n, t in tensors.items() if n.startswith(_BUFFER)}
-    extra = decode_extra(metadata.get("extra", "null"), tensors, where)
+    extra = decode_extra(metadata.get("extra", "null"), tensors, str(path))
     return buffers, extra
 
 

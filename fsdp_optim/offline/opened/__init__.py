@@ -25,38 +25,34 @@ cannot: most often a refusal that says what the input is and what was expected):
                                     model, weights as "@param", buffers and extra, saved ranks
     opened.dcp_parts(), named_header()   what DCP export and named safetensors writing take of it
 
-Each kind's class keeps its own reader as a field of its own: ``checkpoint`` (:class:`OpenedCheckpoint`),
-``manifest`` (:class:`OpenedLayout`), ``shards`` (:class:`OpenedShardSet`), ``named`` (:class:`OpenedNamed`),
-``whole_file`` (:class:`OpenedWholeFile`; consolidate's one safetensors file of a whole checkpoint and the
-Hugging Face layout, ``hf.py``, read into one), ``raw`` and ``full`` (:class:`OpenedFull` and its kinds), ``raw``
-(:class:`OpenedRankFile`). Modules: ``base.py`` (the interface), ``sharded.py`` (our checkpoint, layout file, rank
-file), ``loaded.py`` (inputs loaded as one object), ``readers.py`` (a shard set, a named safetensors file, DCP).
+Each kind's class keeps its own reader as a field of its own; ``_HOMES`` below says which module holds the class.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import cast
+
 from fsdp_optim.formats.kinds import Kind
 from fsdp_optim.offline.opened.base import Opened
-from fsdp_optim.offline.opened.hf import OpenedHf
-from fsdp_optim.offline.opened.loaded import OpenedFull, OpenedNamedDict, OpenedNative, OpenedWholeFile
-from fsdp_optim.offline.opened.readers import OpenedDcp, OpenedNamed, OpenedShardSet
-from fsdp_optim.offline.opened.sharded import OpenedCheckpoint, OpenedLayout, OpenedRankFile
 
-__all__ = [
-    "CLASSES",
-    "class_of",
-]
+__all__ = ["class_of"]
 
 
-# The class of each kind of input: the one place a kind picks its class.
-CLASSES: dict[Kind, type[Opened]] = {
-    Kind.SHARDED: OpenedCheckpoint, Kind.LAYOUT: OpenedLayout, Kind.RANK_FILE: OpenedRankFile, Kind.FULL: OpenedFull,
-    Kind.NATIVE: OpenedNative, Kind.SHARD_SET: OpenedShardSet, Kind.NAMED: OpenedNamed,
-    Kind.NAMED_DICT: OpenedNamedDict, Kind.DCP: OpenedDcp, Kind.WHOLE_FILE: OpenedWholeFile, Kind.HF: OpenedHf,
+# The class of each kind of input (``module.Class`` here): the one place a kind picks its class. A class is imported
+# when its kind is first opened, so reading our own checkpoint loads no other format's reader.
+_HOMES: dict[Kind, str] = {
+    Kind.SHARDED: "sharded.OpenedCheckpoint", Kind.LAYOUT: "sharded.OpenedLayout", Kind.HF: "hf.OpenedHf",
+    Kind.RANK_FILE: "sharded.OpenedRankFile", Kind.FULL: "loaded.OpenedFull", Kind.NATIVE: "loaded.OpenedNative",
+    Kind.NAMED_DICT: "loaded.OpenedNamedDict", Kind.WHOLE_FILE: "loaded.OpenedWholeFile", Kind.DCP: "readers.OpenedDcp",
+    Kind.SHARD_SET: "readers.OpenedShardSet", Kind.NAMED: "readers.OpenedNamed",
 }  # fmt: skip
 
 
 def class_of(kind: Kind | None) -> type[Opened]:
     """The class of inputs of ``kind``; ``None`` (a torch file not loaded yet, whatever it holds):
     :class:`.base.Opened`, whose class methods treat it as the torch file it is."""
-    return Opened if kind is None else CLASSES[kind]
+    if kind is None:
+        return Opened
+    module, _, name = _HOMES[kind].partition(".")
+    return cast(type[Opened], getattr(importlib.import_module(f"{__name__}.{module}"), name))

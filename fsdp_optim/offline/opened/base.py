@@ -9,26 +9,27 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.local_directory import write_file
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.offline import report as R
-from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
 from fsdp_optim.offline.layouts import LayoutLike, ParamOrder
 from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, RankFiles, Resharding
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options
+
+if TYPE_CHECKING:
+    from fsdp_optim.disk.file_check import Verification
 
 __all__ = ["NEEDS_LAYOUT", "DcpParts", "Opened", "Request"]
 
@@ -135,7 +136,9 @@ class Opened:
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003 - shard sets'
         """``verify``'s verdict on every file of the input of this kind at ``path`` (never opened: it may be
         damaged); here: a torch file's (a full dict, a fairscale-native dict, consolidate's whole file...)."""
-        return V.torch_file(Path(path))
+        from fsdp_optim.offline.verdicts import torch_file  # (verify's checks: imported by it alone)
+
+        return torch_file(Path(path))
 
     # what it holds
 

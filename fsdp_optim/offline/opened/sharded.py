@@ -8,12 +8,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.file_check import Verification
 from fsdp_optim.disk.local_directory import write_file
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 from fsdp_optim.formats.kinds import Given
@@ -21,17 +20,18 @@ from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
-from fsdp_optim.formats.sharded.verification import verify_sharded
 from fsdp_optim.formats.whole_file import LAYOUT_KEY, layout_record
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
-from fsdp_optim.offline import verdicts as V
 from fsdp_optim.offline.cuts import AfterFile, Progress, consolidate_checkpoint, reshard_checkpoint
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, WholeFileWritten
 from fsdp_optim.offline.side_state import SideState
 from fsdp_optim.offline.whole import WholeModel, check_whole_options, is_whole, whole_model, whole_state, write_whole
+
+if TYPE_CHECKING:
+    from fsdp_optim.disk.file_check import Verification
 
 __all__ = ["OpenedCheckpoint", "OpenedLayout", "OpenedRankFile"]
 
@@ -61,6 +61,8 @@ class OpenedCheckpoint(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        from fsdp_optim.formats.sharded.verification import verify_sharded  # (verify's checks: imported by it alone)
+
         return verify_sharded(path)
 
     def is_whole(self) -> bool:
@@ -166,7 +168,9 @@ class OpenedLayout(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        return V.layout_file(Path(path))
+        from fsdp_optim.offline.verdicts import layout_file
+
+        return layout_file(Path(path))
 
 
 @dataclass(kw_only=True)
@@ -187,7 +191,9 @@ class OpenedRankFile(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        return V.refuse_rank_file(Path(path))
+        from fsdp_optim.offline.verdicts import refuse_rank_file
+
+        return refuse_rank_file(Path(path))
 
     def _found(self) -> str:
         return found_keys(self.kind, self.raw)

@@ -6,12 +6,12 @@ The steps, every one ended by an agreement (a failure anywhere fails every proce
     every process   enters the one save driver (disk/save.py ``saving``, a local directory's RenameWriter)
     process 0       begins the save: lock, recover, journal, staging dir    -> agree: the output; its staging dir sent
     every process   lays out the output rank files it owns (core/split.py split_stream: the file's first data byte
-                    is in its share): created, preallocated, the header with placeholder digests written
+                    is in its share): created at its size, the header with placeholder digests written
                                                                             -> agree: every file laid out
     every process   writes its share of the files' data (equal shares of all the files' bytes, cut on chunk
-                    boundaries: a file may be written by several) at its offsets, one piece at a time, each read
-                    back, and its chunks' digests into their header slots (formats/sharded/ranged.py); the watch
-                    counts bytes and stops all on a failure       -> agree: every share written and verified
+                    boundaries: a file may be written by several) at its offsets, one piece at a time, hashed as
+                    it is written, and its chunks' digests into their header slots (formats/sharded/ranged.py);
+                    the watch counts bytes and stops all on a failure             -> agree: every share written
     every process   checks the headers of the files it owns (every digest filled in) and makes their records
                                                                             -> agree: every file finished
     process 0       gathers the records, carries a whole checkpoint's side files, makes the manifest and moves the
@@ -53,7 +53,6 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
 from fsdp_optim.formats.sharded.writer import CHECKPOINT
 from fsdp_optim.job.team import Team
-from fsdp_optim.offline.onefile import preallocate
 from fsdp_optim.offline.parallel.stretches import ChunkRun, FileLayout, chunk_runs, cut_piece, piece_reads
 from fsdp_optim.offline.rank_writes import planned_manifest
 from fsdp_optim.offline.whole import carry_side_files, check_resharding, is_whole
@@ -159,7 +158,7 @@ def _share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging: Path,
             raise ValueError(f"{staging}: process 0's staging directory is not visible here: the output must be on a "
                              "file system every process shares")  # fmt: skip
         for layout in owned:
-            lay_out_file(staging / layout.name, layout, preallocate)
+            lay_out_file(staging / layout.name, layout)
     _write_share(team, ckpt, planned, staging, bar=bar)
     records: list[FileRecord] = []
     with team.step("reshard: a written rank file did not check; nothing was committed"):
