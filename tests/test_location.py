@@ -28,7 +28,7 @@ import fsdp_optim
 from fsdp_optim import ForeignOutputError
 from fsdp_optim.disk.byte_io import read_all
 from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.location import Location, fetched_file, identity, non_objects, present
+from fsdp_optim.disk.location import Location, as_local_file, identity, non_objects, present
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.memory_tier import node_dir, read_holdings
 from fsdp_optim.job.node_memory import NodeMemory
@@ -190,10 +190,10 @@ def test_a_location_emptied_and_removed_is_gone_on_each_backend(kind: str, tmp_p
     sub = location.child("sub")
     sub.write("one", b"first")
     assert present(sub) and non_objects(sub) == [], f"{kind}: a location holding an object is present"
-    with sub.guarded(purpose="test removal") as held:
-        assert held, f"{kind}: no writer holds it, so it may be removed"
+    with sub.removal(purpose="test removal") as remove_marker:
+        assert remove_marker is not None, f"{kind}: no writer holds it, so it may be removed"
         sub.delete(sorted(sub.listing()))
-        sub.remove_marker()
+        remove_marker()
     assert not present(sub) and "sub" not in location.prefixes(), f"{kind}: removed, not listed"
 
 
@@ -203,8 +203,8 @@ def test_a_local_directory_names_what_is_not_an_object_and_keeps_its_lock(tmp_pa
     (tmp_path / "step" / "file").write_bytes(b"x")
     (tmp_path / "step" / "link").symlink_to(tmp_path / "step" / "file")
     assert sorted(local.listing()) == ["file"] and non_objects(local) == ["inner", "link"], "links, subdirectories"
-    with local.guarded(purpose="first") as held, local.guarded(purpose="second") as again:
-        assert held and not again, "a second remover finds the lock held and may remove nothing"
+    with local.removal(purpose="first") as held, local.removal(purpose="second") as again:
+        assert held is not None and again is None, "a second remover finds the lock held and may remove nothing"
 
 
 def test_only_a_local_directory_has_a_local_path(tmp_path: Path) -> None:
@@ -219,8 +219,8 @@ def test_an_object_fetched_whole_is_the_same_on_each_backend(kind: str, tmp_path
     location = _location(kind, str(tmp_path))
     data = bytes(range(256)) * 9
     location.write("blob.pt", data)
-    with fetched_file(location, "blob.pt") as local:
-        assert local.name == "blob.pt" and local.read_bytes() == data, kind
+    with as_local_file(location.child("blob.pt")) as local:
+        assert isinstance(local, Path) and local.name == "blob.pt" and local.read_bytes() == data, kind
         copied = location.local_path() is None
     assert local.is_file() != copied, f"{kind}: its own file stays, a copy goes after the block"
     if kind == "local":
@@ -228,24 +228,28 @@ def test_an_object_fetched_whole_is_the_same_on_each_backend(kind: str, tmp_path
     into = tmp_path / "by-ranges.pt"
     Location.download(location, "blob.pt", into, size=len(data))  # the default: ranged reads, for any backend
     assert into.read_bytes() == data
+    if not copied:  # a local file is itself, whatever is there: the reader that opens it says what is wrong
+        with as_local_file(location.child("missing.pt")) as local:
+            assert not Path(local).exists(), f"{kind}: nothing fetched, nothing made"
+        return
     with pytest.raises(FileNotFoundError, match="missing.pt: no such object"):
-        with fetched_file(location, "missing.pt"):
+        with as_local_file(location.child("missing.pt")):
             pass
 
 
 def test_a_url_of_one_object_is_downloaded_whole_or_refused_by_name() -> None:
-    from fsdp_optim.disk.locations import downloaded
+    from fsdp_optim.offline.sources import fetched_whole
 
     store = fsdp_optim.open_store(f"memory://location-test/one-{uuid.uuid4().hex[:8]}")
     store.write("full.pt", b"payload")
-    with downloaded(f"{store}/full.pt") as local:
+    with fetched_whole(f"{store}/full.pt") as local:
         assert local.read_bytes() == b"payload" and local.name == "full.pt"
     assert not local.exists(), "the download is removed after the block"
     with pytest.raises(FileNotFoundError, match=r"missing\.pt: no such object, and no manifest\.json under it"):
-        with downloaded(f"{store}/missing.pt"):
+        with fetched_whole(f"{store}/missing.pt"):
             pass
     with pytest.raises(FileNotFoundError, match="^mine$"):  # the block's own errors pass as they are
-        with downloaded(f"{store}/full.pt"):
+        with fetched_whole(f"{store}/full.pt"):
             raise FileNotFoundError("mine")
 
 

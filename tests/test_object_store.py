@@ -21,6 +21,7 @@ from _checks import assert_identical
 from _dist import run_ranks
 
 import fsdp_optim
+from fsdp_optim.disk.byte_io import listed_etag
 from fsdp_optim.disk.errors import ConcurrentCommitError
 from fsdp_optim.disk.storage import ObjectStore
 
@@ -221,7 +222,7 @@ def test_a_commit_over_a_changed_manifest_is_refused(s3_server: Any) -> None:
     with pytest.raises(ConcurrentCommitError, match="another writer committed"):
         store.commit("manifest.json", b"{ }", replaces=None)
     etag = store.etag("manifest.json")
-    listed = store.listed_etag(store.listing()["manifest.json"])
+    listed = listed_etag(store.listing()["manifest.json"])
     assert listed == etag, f"a save's begin listing gives the version a HEAD gives: {listed} vs {etag}"
     store.commit("manifest.json", b"{  }", replaces=etag)
     with pytest.raises(ConcurrentCommitError):

@@ -7,12 +7,14 @@ content refused, files published under the save's unique names, the manifest com
 conditional create, what a replaced checkpoint left removed after) is written once, in the classes above it.
 
 A backend that can do better overrides one more method (a ranged GET of its own: ``read_range``; a whole-object copy:
-``download``); callers never ask which backend they hold. Register it for a URL scheme with
-:func:`~fsdp_optim.disk.locations.register_backend`, or pass an instance wherever a path is taken.
+``download``); callers never ask which backend they hold. Its ``commit`` may check an object's version with
+:meth:`ObjectBackend.etag`. Register it for a URL scheme with :func:`~fsdp_optim.disk.locations.register_backend`, or
+pass an instance wherever a path is taken.
 """
 
 from __future__ import annotations
 
+from fsdp_optim.disk.byte_io import listed_etag
 from fsdp_optim.disk.location import Location, identity
 from fsdp_optim.disk.store_policy import RetryPolicy
 
@@ -24,6 +26,11 @@ class ObjectBackend(Location):
     :class:`~fsdp_optim.disk.location.Location` that retries nothing itself and is known by its name."""
 
     policy = RetryPolicy(float("inf"), attempts=1)  # a backend retries inside its own methods, if it needs to
+
+    def etag(self, name: str) -> str | None:
+        """Object ``name``'s version as :meth:`listing` gives it (:func:`~fsdp_optim.disk.byte_io.listed_etag`: its
+        etag, else its size and time), ``None`` when there is none: what ``commit`` compares ``replaces`` with."""
+        return listed_etag(self.listing().get(name))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Location) and identity(other) == identity(self)

@@ -1,5 +1,6 @@
 """The bytes of a backend: :class:`ByteIO`, the eight primitives every place holding named objects implements, and
-what follows from them (sizes, etags, ranged reads, copies; :func:`read_all`: an object whole).
+what follows from them (sizes, ranged reads, copies; :func:`read_all`: an object whole; :func:`listed_etag`: its
+version).
 
 A backend implements eight methods and nothing else is required of it; what it can do better it overrides (a
 store's own ranged GET, a whole-object copy, a ``stat`` for a size)::
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ByteIO", "StoredObject", "read_all"]
+__all__ = ["ByteIO", "StoredObject", "listed_etag", "read_all"]
 
 _DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
 
@@ -83,18 +84,6 @@ class ByteIO(ABC):
         found = self.listing().get(name)
         return None if found is None else found.size
 
-    def etag(self, name: str) -> str | None:
-        """The object's etag (its version, for :meth:`commit`) as :meth:`listing` gives it (its size and time where
-        the backend gives none), ``None`` when there is none."""
-        return self.listed_etag(self.listing().get(name))
-
-    def listed_etag(self, found: StoredObject | None) -> str | None:
-        """What :meth:`etag` answers for an object as a :meth:`listing` just gave it (``None``: not listed), asking
-        the backend nothing: a save that has listed its location takes the commit object's version from there."""
-        if found is None:
-            return None
-        return found.etag if found.etag is not None else f"{found.size}-{found.mtime}"
-
     def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
         """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent); by default one
         :meth:`read_into` a new buffer (a store overrides it with its own ranged GET)."""
@@ -108,6 +97,15 @@ class ByteIO(ABC):
         with open(local, "wb") as out:
             for start in range(0, size, _DOWNLOAD_PIECE):
                 out.write(self.read_range(name, start, min(start + _DOWNLOAD_PIECE, size)))
+
+
+def listed_etag(found: StoredObject | None) -> str | None:
+    """An object's version as a listing just gave it (``None``: not listed): its etag, else its size and time. A save
+    that has listed its location takes the commit object's version from there, for :meth:`ByteIO.commit`'s
+    ``replaces``; a backend's commit compares it with the version it finds then."""
+    if found is None:
+        return None
+    return found.etag if found.etag is not None else f"{found.size}-{found.mtime}"
 
 
 def read_all(loc: ByteIO, name: str, *, limit: int, size: int | None = None) -> bytes:

@@ -90,10 +90,6 @@ class LocalDirectory(Location):
     def child(self, name: str) -> LocalDirectory:
         return LocalDirectory(self.path / name)
 
-    @property
-    def name(self) -> str:
-        return self.path.name
-
     def local_path(self) -> Path:
         return self.path
 
@@ -169,41 +165,37 @@ class LocalDirectory(Location):
             (self.path / name).unlink(missing_ok=True)
 
     @contextmanager
-    def guarded(self, *, purpose: str) -> Iterator[bool]:
-        """Under the directory's lock (``False``, nothing taken, while a writer holds it); the lock's journal is
-        dropped once the directory is gone."""
+    def removal(self, *, purpose: str) -> Iterator[Callable[[], None] | None]:
+        """Under the directory's lock (``None``, nothing taken, while a writer holds it), the emptied directory
+        itself removed by the call (``OSError`` if anything is left in it); the lock's journal is dropped once the
+        directory is gone."""
         try:
             lock = lock_output(self.path, purpose=purpose)
         except OutputLockedError:
-            yield False
+            yield None
             return
         with lock:
-            yield True
+            yield self._remove_directory
             if not os.path.lexists(self.path):
                 lock.forget()
+
+    def _remove_directory(self) -> None:
+        os.rmdir(self.path)
+        fsync_dir(self.path.parent)
 
     @contextmanager
     def written_here(
         self, publishing: Callable[[Path], AbstractContextManager[T]]  # noqa: ARG002 - nothing to publish
     ) -> Iterator[tuple[str | os.PathLike[str], T | None]]:
-        """The directory (or file) itself, spelled as given (an output's messages name it so): written in place."""
+        """The directory (or file) itself, spelled as given (the messages of an output, or of a file's reader, name
+        it so): written or read in place."""
         yield self.given, None
-
-    def remove_marker(self) -> None:
-        """The emptied directory itself (``OSError`` if anything is left in it)."""
-        os.rmdir(self.path)
-        fsync_dir(self.path.parent)
 
     # -- what it can do ------------------------------------------------------------------------------------
 
     def writer(self, rules: SaveRules) -> RenameWriter:
         """A rename under the directory's lock and journal."""
         return RenameWriter(self, rules)
-
-    @contextmanager
-    def as_local_file(self) -> Iterator[str | os.PathLike[str]]:
-        """Its own path, spelled as given, whatever is there (the reader that opens it says what is wrong)."""
-        yield self.given
 
 
 @dataclass

@@ -9,17 +9,18 @@ call these methods; none asks which kind it is.
 
 A backend implements the eight byte-level primitives of :class:`~fsdp_optim.disk.byte_io.ByteIO` (its name, the
 level below, listing, ranged reads into buffers, an atomic whole-object write, the conditional commit, delete); its
-sizes and etags follow from them there. Beyond them, the members a backend may override: naming (``/``, ``name``,
+sizes, ranges and copies follow from them there. Beyond them, the members a backend may override: naming (``/``,
 ``child``, ``parent``), ``local_path()`` (the path whose files are mapped in place, or None), ``prefetch(spans)``
-(ranges fetched ahead of a load), an output of any shape written by ``written_here(publishing)`` (in place where it is
-local, else a local copy published as the block ends), a whole location removed under ``guarded(purpose)``: its
-objects deleted, then ``remove_marker()``; ``as_local_file()``, ``multipart(name)``, and ``writer(rules)``: how a save
-commits here (:mod:`fsdp_optim.disk.save`, the one save protocol: a conditional put by default, a rename under a lock
-and journal in a local directory).
+(ranges fetched ahead of a load), a local path for it given by ``written_here(publishing)`` (itself where it is
+local, else a local copy that ``publishing`` fills or publishes), a whole location removed under ``removal(purpose)``
+(its objects deleted, then what keeps it listed), ``multipart(name)``, and ``writer(rules)``: how a save commits here
+(:mod:`fsdp_optim.disk.save`, the one save protocol: a conditional put by default, a rename under a lock and journal
+in a local directory).
 
 What follows from the members, the same for every backend, is a function over a location below (a local path, where
-there is one, answers): :func:`fetched_file`, :func:`public`, :func:`identity`, :func:`same_place`, :func:`exists`,
-:func:`present`, :func:`non_objects`, :func:`shared_directory` and the plainest publishing, :func:`uploaded`.
+there is one, answers): :func:`base_name`, :func:`as_local_file`, :func:`public`, :func:`identity`, :func:`same_place`,
+:func:`exists`, :func:`present`, :func:`non_objects`, :func:`shared_directory` and the plainest publishing,
+:func:`uploaded`.
 
 ``disk/`` knows no format: what a save's output owns comes from the format (:class:`~fsdp_optim.disk.save.SaveRules`).
 """
@@ -34,6 +35,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -44,8 +46,8 @@ if TYPE_CHECKING:
     from fsdp_optim.disk.multipart import Multipart
 
 __all__ = [
-    "Location", "ObjectPath", "Where", "exists", "fetched_file", "identity", "is_url", "non_objects", "present",
-    "public", "same_place", "shared_directory", "uploaded",
+    "Location", "ObjectPath", "Where", "as_local_file", "base_name", "exists", "identity", "is_url", "non_objects",
+    "present", "public", "same_place", "shared_directory", "uploaded",
 ]
 
 T = TypeVar("T")
@@ -86,10 +88,6 @@ class Location(ByteIO):
     def child(self, name: str) -> Location:
         """The location ``name`` below this one (a step directory under a manager's root)."""
 
-    @property
-    def name(self) -> str:
-        return str(self).rstrip("/").rsplit("/", 1)[-1]
-
     def local_path(self) -> Path | None:
         """The local path this location is, for the readers that map or open its files in place; ``None`` where its
         objects have no local path (a store: read by ranges, written by uploads)."""
@@ -112,31 +110,29 @@ class Location(ByteIO):
 
     # -- writing and removing ------------------------------------------------------------------------------
 
-    def guarded(self, *, purpose: str) -> AbstractContextManager[bool]:  # noqa: ARG002 - no lock by default
-        """Held while this location is emptied and removed: ``False`` when a writer holds it (then nothing may be
-        removed), else ``True``. A local directory takes its lock (``purpose`` says why, to a second writer); a
-        store has none to take."""
-        return nullcontext(True)
+    def removal(self, *, purpose: str) -> AbstractContextManager[Callable[[], None] | None]:  # noqa: ARG002
+        """Held while this location is emptied and removed: ``None`` when a writer holds it (then nothing may be
+        removed), else the call that removes, once its objects are deleted, what keeps it listed (a local directory
+        itself, a store's "directory" object; nothing by default). A local directory takes its lock (``purpose``
+        says why, to a second writer); a store has none to take."""
+        return nullcontext(lambda: None)
 
     @contextmanager
     def written_here(
         self, publishing: Callable[[Path], AbstractContextManager[T]]
     ) -> Iterator[tuple[str | os.PathLike[str], T | None]]:
-        """A local path at which to write an output for this location (a file or a directory of its name), and what
+        """A local path at which to write (or read) this location (a file or a directory of its name), and what
         ``publishing(local)`` yields: here a scratch copy in ``$TMPDIR``, entered in ``publishing(local)`` (which
-        refuses, uploads, commits or removes its uploads as the block ends) and removed however it ends. A local
-        directory is written in place: its path as it was given, and ``None`` (``publishing`` is not called)."""
+        fetches it, or refuses, uploads, commits or removes its uploads as the block ends) and removed however it
+        ends. A local directory is written in place: its path as it was given, and ``None`` (``publishing`` is not
+        called)."""
         scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
         try:
-            local = scratch / self.name
+            local = scratch / base_name(self)
             with publishing(local) as published:
                 yield local, published
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-
-    def remove_marker(self) -> None:  # noqa: B027 - most backends keep no marker
-        """Once its objects are deleted, remove what keeps this location listed (a store's "directory" object, a
-        local directory itself; nothing by default)."""
 
     # -- what it can do (asked by name of the capability, never of the backend) ------------------------------
 
@@ -150,22 +146,17 @@ class Location(ByteIO):
         backend offers it (:mod:`~fsdp_optim.disk.multipart`); ``None`` by default (written whole, by one writer)."""
         return None
 
-    @contextmanager
-    def as_local_file(self) -> Iterator[str | os.PathLike[str]]:
-        """This location, naming one object, as a local file for the readers that take a file (a full dict, a
-        consolidated checkpoint): by default the object fetched whole from the location above
-        (:func:`fetched_file`, removed after the block; ``FileNotFoundError`` when there is none)."""
-        with fetched_file(self.parent(), self.name) as local:
-            yield local
-
-
-
-
 
 Where = Path | Location  # a checkpoint directory as the readers hold it (local files mapped, or ranged reads)
 
 
 # -- what follows from the members (the same for every backend: a local path, where there is one, answers) ----------
+
+
+def base_name(loc: Location) -> str:
+    """The last part of ``loc``'s name (of a URL naming one object: that object's name in the location above)."""
+    path = loc.local_path()
+    return str(loc).rstrip("/").rsplit("/", 1)[-1] if path is None else path.name
 
 
 def public(loc: Location) -> Path | Location:
@@ -233,29 +224,27 @@ def uploaded(loc: Location, local: Path) -> Iterator[None]:
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             loc.write(path.relative_to(local).as_posix(), path)
     else:
-        loc.parent().write(loc.name, local)
+        loc.parent().write(base_name(loc), local)
 
 
 @contextmanager
-def fetched_file(loc: Location, name: str) -> Iterator[Path]:
-    """Object ``name`` of ``loc`` whole as a local file, for the readers that take a file (a full dict, a named
-    safetensors file, a layout file): where ``loc`` has a local path, the object's own file (nothing copied, nothing
-    removed after); else a temporary copy (:meth:`~fsdp_optim.disk.byte_io.ByteIO.download`), checked for the object's
-    size and removed after the block. ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of
-    another size."""
-    size = loc.size(name)
-    if size is None:
-        raise FileNotFoundError(f"{loc / name}: no such object")  # (a local file's path, else the object's URL)
-    path = loc.local_path()
-    if path is not None:
-        yield path / name
-        return
-    scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-in-"))
-    try:
-        local = scratch / name
-        loc.download(name, local, size=size)
-        if local.stat().st_size != size:
-            raise OSError(f"{loc}/{name}: downloaded {local.stat().st_size} of {size} bytes")
+def as_local_file(loc: Location) -> Iterator[str | os.PathLike[str]]:
+    """``loc``, naming one object, as a local file for the readers that take a file (a full dict, a named safetensors
+    file, a layout file): where it is local, itself as :meth:`Location.written_here` spells it, whatever is there
+    (the reader that opens it says what is wrong); else a copy of the object fetched whole from the location above
+    (:meth:`~fsdp_optim.disk.byte_io.ByteIO.download`), checked for its size and removed after the block.
+    ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of another size."""
+    with loc.written_here(partial(_fetched, loc)) as (local, _):
         yield local
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def _fetched(loc: Location, local: Path) -> Iterator[None]:
+    above, name = loc.parent(), base_name(loc)
+    size = above.size(name)
+    if size is None:
+        raise FileNotFoundError(f"{above / name}: no such object")  # (the object's URL)
+    above.download(name, local, size=size)
+    if local.stat().st_size != size:
+        raise OSError(f"{above}/{name}: downloaded {local.stat().st_size} of {size} bytes")
+    yield None

@@ -1,8 +1,7 @@
 """Where a path leads: :func:`where` (a :class:`~fsdp_optim.disk.location.Location`: a local directory, a backend
-registered for the URL's scheme, or an fsspec store), :func:`register_backend` (a scheme's backend, the caller's own),
-:func:`open_store` (the public way to name a store with its own settings), and :func:`downloaded` (one object fetched
-whole, for the readers that take a local file). The fsspec backend is imported only for a URL that no registered
-backend takes: a local save never loads it.
+registered for the URL's scheme, or an fsspec store), :func:`register_backend` (a scheme's backend, the caller's own)
+and :func:`open_store` (the public way to name a store with its own settings). The fsspec backend is imported only for
+a URL that no registered backend takes: a local save never loads it.
 
 A backend of one's own reaches every process that names its scheme, the command line's included, without code of
 the caller's: at the first URL of a scheme no backend is registered for, the modules ``$FSDP_OPTIM_BACKENDS`` names
@@ -13,18 +12,16 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.disk.local_directory import LocalDirectory
-from fsdp_optim.disk.location import Location, fetched_file, is_url
+from fsdp_optim.disk.location import Location, is_url
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.storage import ObjectStore
 
-__all__ = ["BACKENDS_ENV", "ENTRY_POINT_GROUP", "downloaded", "open_store", "register_backend", "where"]
+__all__ = ["BACKENDS_ENV", "ENTRY_POINT_GROUP", "open_store", "register_backend", "where"]
 
 Opener = Callable[[str, Mapping[str, Any]], Location]  # (the URL, its storage options) -> its location
 _BACKENDS: dict[str, Opener] = {}
@@ -101,23 +98,6 @@ def _discovered(scheme: str) -> Opener | None:
         if scheme not in _BACKENDS and callable(loaded) and not isinstance(loaded, type(importlib)):
             register_backend(scheme, loaded)
     return _BACKENDS.get(scheme)
-
-
-@contextmanager
-def downloaded(url: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[Path]:
-    """The single object at ``url`` (a full dict file, a named safetensors file, a layout file...) fetched whole into
-    a local temporary file of the same name, removed after the block: for the readers that take a file. A sharded
-    checkpoint is never fetched this way (its readers fetch only the ranges they need)."""
-    location = where(url, storage_options)
-    with ExitStack() as stack:
-        try:
-            local = stack.enter_context(fetched_file(location.parent(), location.name))
-        except FileNotFoundError:  # (only while fetching: the block's own errors pass as they are)
-            raise FileNotFoundError(
-                f"{url.rstrip('/')}: no such object, and no manifest.json under it (not a sharded checkpoint's "
-                "prefix either)"
-            ) from None
-        yield local
 
 
 def open_store(url: str, *, deadline_s: float | None = None, **storage_options: Any) -> ObjectStore:

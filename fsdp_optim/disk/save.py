@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from fsdp_optim.disk.byte_io import ByteIO
+from fsdp_optim.disk.byte_io import ByteIO, listed_etag
 from fsdp_optim.disk.errors import CommitOutcomeUnknown
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.text import escape
@@ -206,7 +206,7 @@ class Writer:
                     f"{self.location}: its {rules.commit_name} is not an fsdp_optim manifest ({exc}); the commit "
                     "would replace it, so it is refused even with overwrite (move or delete it yourself)"
                 ) from None
-        return Begun(self.location.listed_etag(committed), replaced)
+        return Begun(listed_etag(committed), replaced)
 
     def stage(self, save_id: str, rank: int) -> Staging:
         """Where this rank writes its own files: here a scratch directory in ``$TMPDIR``, nothing fsynced there."""

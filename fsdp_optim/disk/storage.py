@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fsdp_optim.disk.byte_io import StoredObject
 from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
-from fsdp_optim.disk.location import Location, ObjectPath
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.multipart import S3Multipart
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
 from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
@@ -88,13 +88,6 @@ class ObjectStore(Location):
 
     def __hash__(self) -> int:
         return hash(self.url)
-
-    def __truediv__(self, name: str) -> ObjectPath:
-        return ObjectPath(self, name)
-
-    @property
-    def name(self) -> str:
-        return self.url.rsplit("/", 1)[-1]
 
     def key(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -197,8 +190,8 @@ class ObjectStore(Location):
             for e in entries:
                 if e.get("type") == "directory" or str(e["name"]).endswith("/"):  # a prefix, or a directory marker
                     continue
-                name = str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-                found[name] = StoredObject(name, int(e.get("size") or 0), mtime_of(e), etag_of(e))
+                name, size = str(e["name"]).rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0)
+                found[name] = StoredObject(name, size, mtime_of(e), etag_of(e) or f"size:{size}")  # as etag() has it
             return found
 
         return self._retry(ls, f"{self}: listing it")
@@ -217,9 +210,12 @@ class ObjectStore(Location):
 
         return self._retry(ls, f"{self}: listing it")
 
-    def remove_marker(self) -> None:
-        """Remove the empty "directory" object some stores keep for a prefix whose objects were all deleted (best
-        effort: a store without one has nothing to remove)."""
+    def removal(self, *, purpose: str) -> AbstractContextManager[Callable[[], None]]:  # noqa: ARG002 - no lock
+        """Nothing to take; the call removes the empty "directory" object some stores keep for a prefix whose
+        objects were all deleted (best effort: a store without one has nothing to remove)."""
+        return nullcontext(self._remove_marker)
+
+    def _remove_marker(self) -> None:
         try:
             self.fs.rm_file(self.root + "/")
         except Exception:  # noqa: S110 - nothing there, or a store that does not allow it: the prefix stays listed
@@ -263,13 +259,6 @@ class ObjectStore(Location):
         except FileNotFoundError:
             return None
         return etag_of(info) or f"size:{info.get('size')}"
-
-    def listed_etag(self, found: StoredObject | None) -> str | None:
-        """What :meth:`etag` answers for an object as :meth:`listing` gave it (the same entry fields), without a
-        request."""
-        if found is None:
-            return None
-        return found.etag or f"size:{found.size}"
 
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
         """Create object ``name`` only if it is still as this save found it: absent (``replaces=None``) or at etag
@@ -363,7 +352,7 @@ class _ShortBody(OSError):
     """A ranged GET that returned fewer bytes than asked (a connection cut mid-body)."""
 
 
-def _lost(where: ObjectPath, replaces: str | None) -> str:
+def _lost(where: object, replaces: str | None) -> str:
     found = "one appeared" if replaces is None else "it changed"
     return (
         f"{where}: another writer committed this checkpoint while this save ran ({found} since this save began); "

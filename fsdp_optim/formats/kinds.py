@@ -152,10 +152,16 @@ def names_shard_set(given: Any) -> bool:
     if not isinstance(given, (str, os.PathLike)):
         return False
     try:
-        files = where(given).local_path()
+        files = _local_files(given)
     except ValueError:  # a URL of no known filesystem: no shard set either (opening it says why)
         return False
     return files is not None and is_shard_set(given)
+
+
+def _local_files(path: str | os.PathLike[str]) -> Path | None:
+    """The local directory or file ``path`` is, where its objects are local files; else None. A capability, not a
+    backend: shard sets, DCP directories and Hugging Face layouts are read as local files by their readers."""
+    return where(path).local_path()
 
 
 def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
@@ -179,7 +185,7 @@ def path_kind(path: str | os.PathLike[str]) -> Kind | None:
     (:func:`detect`); nothing there, or a directory (a store's prefix) of neither, is refused
     (:func:`~fsdp_optim.formats.sharded.locate.source_kind`). A shard set, a DCP directory and a Hugging Face
     layout are read as local files by their readers, so only a location whose objects are local files can be one."""
-    files = where(path).local_path()
+    files = _local_files(path)
     if files is not None and is_shard_set(path):
         return Kind.SHARD_SET
     if files is not None and files.is_dir() and (files / ".metadata").is_file():  # formats/dcp.METADATA (not imported)

@@ -21,7 +21,7 @@ from fsdp_optim.core.execute import cut_rank, optimizer_state_dict, saved_ranks
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_rank
 from fsdp_optim.disk.local_directory import write_stream
-from fsdp_optim.disk.location import Location, ObjectPath, exists, uploaded
+from fsdp_optim.disk.location import Location, ObjectPath, base_name, exists, uploaded
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
@@ -91,7 +91,7 @@ def save_layout(fsdp: nn.Module, path: str | os.PathLike[str]) -> Path:
     place = where(path)
     with place.written_here(partial(uploaded, place)) as (local, _):  # in place, or a local copy uploaded whole
         write_stream(lambda file: file.write(data), Path(local), purpose="save_layout")  # under the file's lock
-    return place.parent() / place.name  # type: ignore[return-value]  # (a store's: shown as its URL)
+    return place.parent() / base_name(place)  # type: ignore[return-value]  # (a store's: shown as its URL)
 
 
 def load_sharded_optim_state(
@@ -117,7 +117,7 @@ def load_sharded_optim_state(
     root = verify_root(fsdp, optim)
     local = cast("str | os.PathLike[str]", path)  # (read as a file only where it names one)
     place = where(path)  # resolved once
-    if not (exists(place) or place.name in MANIFEST_NAMES):  # a full dict file, which only src_rank may see
+    if not (exists(place) or base_name(place) in MANIFEST_NAMES):  # a full dict file, which only src_rank may see
         _refuse_shard_set(local)
         what = f"load_sharded_optim_state({str(path)!r}) loaded nothing"
         _scatter(root, optim, local, src_rank, what=what)

@@ -23,7 +23,7 @@ from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.core.source import Plan, Source
 from fsdp_optim.disk.atomic import load_file
-from fsdp_optim.disk.location import Location, exists
+from fsdp_optim.disk.location import Location, as_local_file, exists
 from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
@@ -202,7 +202,7 @@ def _stage(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: Location, buffers: str
 ) -> Staged:
     if is_whole_file_path(path):
-        with path.as_local_file() as file:  # (a local file read in place; elsewhere fetched whole)
+        with as_local_file(path) as file:  # (a local file read in place; elsewhere fetched whole)
             return stage_file(root, model, optim, file)
     # A re-cut reads each unit through mappings dropped past the window (the last unit may overshoot it): the
     # window plus one unit stays within the rank's own shards + 64 MiB for units up to 32 MiB.

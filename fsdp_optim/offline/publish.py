@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
-from fsdp_optim.disk.location import Location
+from fsdp_optim.disk.location import Location, base_name
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.save import Save, Staging, saving
 from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint, read_manifest
@@ -81,7 +81,7 @@ def _published(
         raise ValueError(f"output: {url} is also an input; write to another place")
     if keep_checkpoint and not overwrite and is_sharded_checkpoint(target):
         raise FileExistsError(f"output: {url} holds a checkpoint already; pass --overwrite to replace it")
-    if keep_checkpoint and not overwrite and target.parent().size(target.name) is not None:
+    if keep_checkpoint and not overwrite and target.parent().size(base_name(target)) is not None:
         raise FileExistsError(f"output: {url}: an object is there already; pass --overwrite to replace it")
     staging = Staging(local, durable=False, scratch=True)  # (written_here's copy: removed after, either way)
     with saving(target.writer(save_rules()), None, save_id="", staging=staging) as save:

@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeVar
 
 from fsdp_optim.disk.atomic import load_file
+from fsdp_optim.disk.location import as_local_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.kinds import Given, Kind, detect
@@ -130,7 +131,7 @@ def fetched_whole(given: G) -> Iterator[G | str | os.PathLike[str]]:
         return
     with contextlib.ExitStack() as stack:
         try:
-            local = stack.enter_context(where(given).as_local_file())
+            local = stack.enter_context(as_local_file(where(given)))
         except FileNotFoundError:  # (only while fetching: the block's own errors pass as they are)
             raise FileNotFoundError(
                 f"{str(given).rstrip('/')}: no such object, and no {MANIFEST_NAME} under it (not a sharded "

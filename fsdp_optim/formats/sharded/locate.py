@@ -10,7 +10,7 @@ from pathlib import Path
 from fsdp_optim.core.steps import parse_step_dir
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.byte_io import read_all
-from fsdp_optim.disk.location import Location, non_objects, present
+from fsdp_optim.disk.location import Location, base_name, non_objects, present
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import open_regular
@@ -49,7 +49,7 @@ def checkpoint_location(place: Location) -> Location:
 
 def _names_manifest(place: Location) -> bool:
     """``place`` names a checkpoint's manifest (by name: no place of its own there), not its directory."""
-    return place.name in MANIFEST_NAMES and not present(place)
+    return base_name(place) in MANIFEST_NAMES and not present(place)
 
 
 def _holds(place: Location, name: str) -> bool:
@@ -75,7 +75,7 @@ def is_sharded_checkpoint(path: str | os.PathLike[str] | Location) -> bool:
 
 def _is_sharded(place: Location) -> bool:
     if _names_manifest(place):
-        return _holds(place.parent(), place.name)
+        return _holds(place.parent(), base_name(place))
     return any(_holds(place, name) for name in MANIFEST_NAMES)
 
 
@@ -95,7 +95,7 @@ def source_kind(path: str | os.PathLike[str] | Location) -> str:
             f"{LEGACY_MANIFEST_NAME} "
             f"(a save that never finished leaves none), and not a full dict file{_manager_root_hint(place)}"
         )
-    if not place.name or not _holds(place.parent(), place.name):
+    if not base_name(place) or not _holds(place.parent(), base_name(place)):
         raise FileNotFoundError(f"{place}: no such file or directory (there is no such checkpoint directory or file)")
     return "file"
 

@@ -159,8 +159,8 @@ def remove_step(root: str | os.PathLike[str] | Location, step_dir: StepDir) -> b
     assert step_dir.ours, f"remove_step is for a step directory of ours, not {step_dir.path} ({step_dir.foreign})"
     place, home = where(step_dir.path), where(root)
     mark = pruning_mark_name(step_dir.step)
-    with place.guarded(purpose="remove an old checkpoint (CheckpointManager)") as held:
-        if not held:
+    with place.removal(purpose="remove an old checkpoint (CheckpointManager)") as remove_marker:
+        if remove_marker is None:
             return False
         names, foreign, _ = _contents(place)
         if foreign:
@@ -169,7 +169,7 @@ def remove_step(root: str | os.PathLike[str] | Location, step_dir: StepDir) -> b
         manifests = [n for n in names if n in MANIFEST_NAMES]
         place.delete(manifests)
         place.delete(n for n in names if n not in manifests)
-        place.remove_marker()
+        remove_marker()
         home.delete([mark])
         home.delete(n for n in home.listing() if _marked_step(n, temporary=True) == step_dir.step)
     return True
@@ -199,7 +199,7 @@ def tidy_root(root: str | os.PathLike[str] | Location, *, saved: int) -> list[st
         if step is None or step in present:
             continue  # a lock beside a step directory may hold a killed save's journal: its next writer reads it
         orphan = home.child(step_dir_name(step))
-        with orphan.guarded(purpose="remove a killed prune's lock (CheckpointManager)") as held:
-            if held:
+        with orphan.removal(purpose="remove a killed prune's lock (CheckpointManager)") as removable:
+            if removable is not None:
                 locks.append(name)
     return marks + locks
