@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,9 +25,27 @@ from fsdp_optim.formats.sharded.file_record import HEADER_KEY, FileRecord
 from fsdp_optim.formats.sharded.json_values import from_json, to_json
 from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME, shard_file_name
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.formats.sharded.torch_files import shard_payload, unwrap, wrap
+from fsdp_optim.formats.sharded.torch_files import TORCH_FILE_VERSION, unwrap
 
 V1_MANIFEST = LEGACY_MANIFEST_NAME
+
+
+def wrap(kind: str, body: Any, **header: Any) -> dict[str, Any]:
+    """A format-1 torch file: ``{HEADER_KEY: {"kind", "version", "checksum", **header}, "body": body}``; the
+    checksum covers both."""
+    head = {"kind": kind, "version": TORCH_FILE_VERSION, **header}
+    return {HEADER_KEY: {**head, "checksum": digest([head, body])}, "body": body}
+
+
+def shard_payload(
+    state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
+) -> tuple[dict[str, Any], str]:
+    """A format-1 rank file's content and its checksum (which the manifest also records)."""
+    unit_checksums = {i: digest(entries) for i, entries in state.items()}
+    head = {"kind": "shard", "version": TORCH_FILE_VERSION, "save_id": save_id, "rank": rank, "world_size": world_size}
+    checksum = digest([head, unit_checksums])
+    payload = {HEADER_KEY: {**head, "checksum": checksum}, "unit_checksums": unit_checksums, "state": dict(state)}
+    return payload, checksum
 
 
 # --- format 1 --------------------------------------------------------------------------------------------

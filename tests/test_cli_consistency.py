@@ -155,12 +155,11 @@ def test_consolidate_takes_a_source_and_with_model_is_deprecated(tmp_path: Path,
 def test_a_checksum_mismatch_names_the_shards_own_elements() -> None:
     """Before: a chunk that began in the previous shard gave "elements -12000..4384 ... of tensor 'float32'": a
     negative index, and the dtype the rank file groups its data by read as a tensor's name."""
-    from fsdp_optim.formats.sharded.mapped import MappedFile
-    from fsdp_optim.formats.sharded.segments import Grid, Placement
+    from fsdp_optim.formats.sharded.segments import Grid, Placement, shard_mismatch
 
     grid = Grid("float32", 0, 40000, ("x",) * 3)
     shard = Placement(flat=3, key="exp_avg", tensor="float32", offset=28384, numel=4384, grid=grid)
-    message = MappedFile._mismatch(shard, grid, 1, 16384, "rank1.safetensors")
+    message = shard_mismatch(shard, 16384, "rank1.safetensors", 1)
     assert "elements 0..4384 of state 'exp_avg'" in message, message
     assert "-" not in message.split("elements ", 1)[1].split(" ", 1)[0], message
     assert "of tensor 'float32'" not in message and "rank file's float32 data" in message, message

@@ -68,7 +68,7 @@ def test_whole_checkpoint_in_s3_loads_at_another_world_size_like_the_local_one(
     for rank, (a, b) in enumerate(zip(from_store, from_disk)):
         assert_identical(a, b, f"rank {rank}")
         assert a["extra"]["rank"] == rank % 2
-    # The re-cut's byte ranges are fetched ahead, several at a time (formats/sharded/store_prefetch.py): one
+    # The re-cut's byte ranges are fetched ahead, several at a time (ShardedCheckpoint.fetched_ahead): one
     # connection per rank would mean one range after another.
     assert connections > 3 + 1, f"{connections} connections for 3 ranks: the ranges were fetched one at a time"
     assert fsdp_optim.verify(store).ok

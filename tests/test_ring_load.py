@@ -21,7 +21,8 @@ from _dist import run_ranks
 from _forge import manifest_rank_file
 
 import fsdp_optim
-from fsdp_optim.formats.sharded.piece_reads import Shard, TensorPiece
+from fsdp_optim.formats.sharded.piece_reads import TensorPiece
+from fsdp_optim.formats.sharded.segments import Grid, Placement
 from fsdp_optim.job import ring_load
 from fsdp_optim.job.stager import Ring
 
@@ -29,10 +30,11 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 SLOT = 3 << 16  # three 64 KiB checksum chunks: a rank file of the model below is many pieces
 
 
-def _pieces(total: int, step: int, cuts: list[int]) -> tuple[list[TensorPiece], list[Shard]]:
+def _pieces(total: int, step: int, cuts: list[int]) -> tuple[list[TensorPiece], list[Placement]]:
     """Pieces of ``step`` elements over a float32 tensor of ``total`` elements cut into shards at ``cuts``."""
     bounds = [0, *cuts, total]
-    shards = [Shard(k, "exp_avg", a, b - a) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    grid = Grid("float32", 0, total, ())
+    shards = [Placement(k, "exp_avg", "float32", a, b - a, grid) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     pieces = []
     for lo in range(0, total, step):
         hi = min(lo + step, total)

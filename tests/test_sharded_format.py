@@ -139,7 +139,7 @@ def test_a_recut_read_reads_little_more_than_it_copies(tmp_path: Path) -> None:
     out = torch.empty(stop - start)
     with open_checkpoint(tmp_path / "ckpt", lazy=False) as ckpt:
         ckpt.copy_range(0, "exp_avg_sq", start, stop, out)
-        read = ckpt._files[0].file.bytes_verified
+        read = ckpt._files[0].bytes_verified
     assert torch.equal(out, state[0]["exp_avg_sq"][start:stop])
     copied = out.numel() * 4
     assert copied < read <= copied + 2 * CHUNK_BYTES and read <= 1.1 * copied, (read, copied)

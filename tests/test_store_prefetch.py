@@ -1,5 +1,5 @@
 """A re-cutting load from an object store fetches its byte ranges ahead, concurrently, a bounded window at a time
-(fsdp_optim/disk/prefetch.py, read by a load through formats/sharded/store_prefetch.py), against the real S3 server of tests/_s3.py.
+(fsdp_optim/disk/prefetch.py, read by a load through ShardedCheckpoint.fetched_ahead), against the real S3 server of tests/_s3.py.
 
 Each range is fetched once, never more than the window plus the range being read is held,
 and a range needed again after it was let go is fetched again and verified again (a byte changed in the store in
@@ -22,8 +22,7 @@ from fsdp_optim.disk.prefetch import StorePrefetch
 from fsdp_optim.disk.storage import ObjectStore
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.formats.sharded.received import held_readers
-from fsdp_optim.formats.sharded.remote_file import RemoteFile
+from fsdp_optim.formats.sharded.sources import held_readers
 
 KIB = 1024
 
@@ -77,10 +76,12 @@ def test_a_byte_changed_after_its_range_was_let_go_is_refused(s3_server: Any) ->
     run_ranks(_save, 2, store)
     ckpt = open_checkpoint(store, lazy=True)
     record = ckpt.manifest.files[0]
-    header = min(base for _, _, base in RemoteFile(store, record.file, record.nbytes).header.tensors.values())
+    rank_file = ckpt.rank_file(record.rank)
+    assert rank_file is not None, "a format-3 checkpoint"
+    header = min(base for _, _, base in rank_file.open().tensors.values())
     spans = [Span(record.file, 0, header, 0), Span(record.file, header, record.nbytes, 1)]
     (flat, key), (_, _, numel) = next(iter(ckpt.layout[0].items()))
-    with store.prefetch(lambda: spans) as held:  # what a load reads through (formats/sharded/store_prefetch.py)
+    with store.prefetch(lambda: spans) as held:  # what a load reads through (ShardedCheckpoint.fetched_ahead)
         files, _ = held_readers(ckpt.manifest.files, lambda name: store / name, held)
         ckpt.provide({0: files[record.rank]})
         out = torch.empty(numel, dtype=torch.float32)

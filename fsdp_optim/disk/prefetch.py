@@ -11,7 +11,7 @@ up, while the load reads the first ones::
     window 128 MiB:             fetched ------------------------------ > waits for a, b ... to be used up
 
 Each range is a :class:`StorePiece`, which a load reads as part of a
-:class:`~fsdp_optim.formats.sharded.received.ReceivedFile`, so every byte is verified as a file's are (the header
+:class:`~fsdp_optim.formats.sharded.sources.HeldSource`, so every byte is verified as a file's are (the header
 against the manifest, each 64 KiB chunk against the header's checksum) before it is used; a piece drops its bytes
 after its last shard read (``uses``, counted by the plan). Memory: the
 rank's own shards (what a load builds anyway) plus at most ``window`` bytes plus the ranges being read. A piece is

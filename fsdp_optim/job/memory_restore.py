@@ -36,7 +36,6 @@ from fsdp_optim.core.memory_plan import Chosen, Fetch, Holding, choose_step, fet
 from fsdp_optim.formats.sharded.byte_ranges import files_read, load_spans
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
-from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.agreed import step
 from fsdp_optim.job.async_save import checkpoint_group
 from fsdp_optim.job.memory_save import MemoryTier
@@ -152,7 +151,7 @@ def _fetch_and_stage(root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, grou
     the pieces received as they arrive, every transfer waited for; agreed."""
     spans = lambda: load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)  # noqa: E731
     with step(what, group=group), _damaged():
-        with fetched_ahead(ckpt, spans) as sides:  # (NodeMemory needs no spans: its plan covers every rank's)
+        with ckpt.fetched_ahead(spans) as sides:  # (NodeMemory needs no spans: its plan covers every rank's)
             staged = stage_load(root, ckpt, plans, sides)
     return staged
 

@@ -30,7 +30,7 @@ from fsdp_optim.disk.save import Begun, SaveRules
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_from_json
 from fsdp_optim.formats.sharded.memory_tier import Marker, prune_node, write_marker
-from fsdp_optim.formats.sharded.received import Held, ReceivedPiece
+from fsdp_optim.formats.sharded.sources import Held, ReceivedPiece
 from fsdp_optim.job.agreed import step
 from fsdp_optim.job.transport import (
     ProcessGroup,

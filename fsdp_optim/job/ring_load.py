@@ -34,7 +34,7 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.piece_reads import TensorPiece, check_piece, plan_pieces, read_piece
+from fsdp_optim.formats.sharded.piece_reads import TensorPiece, plan_pieces
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.job.stager import Ring, ring_of
@@ -82,8 +82,7 @@ def verify_own(
     if ring is None or rank_file is None:
         return None
     try:
-        stages = [partial(read_piece, rank_file), partial(check_piece, rank_file)]
-        stream_pieces(ring, plan_pieces(rank_file, ring.slot_bytes), stages, _no_copies)
+        stream_pieces(ring, plan_pieces(rank_file, ring.slot_bytes), _stages(rank_file), _no_copies)
     finally:
         rank_file.release()
     return Verified(ckpt.directory, rank, tuple(devices), want)
@@ -97,6 +96,12 @@ def _ring_and_file(
     rank_file = ckpt.rank_file(rank)
     usable = ring is not None and rank_file is not None and ckpt.manifest.version >= 3
     return (ring, rank_file) if usable else (None, None)
+
+
+def _stages(rank_file: RankFile) -> list[Stage]:
+    """A piece read into its slot, then checked there: one thread each, overlapped."""
+    return [lambda p, slot: rank_file.read_chunks(p.tensor, p.lo, p.hi, slot.view(p.dtype)),
+            lambda p, slot: rank_file.check_chunks(p.tensor, p.lo, slot.view(p.dtype))]  # fmt: skip
 
 
 def _no_copies(piece: TensorPiece, slot: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # noqa: ARG001
@@ -126,8 +131,7 @@ def read_own(
         pieces = plan_pieces(rank_file, ring.slot_bytes)
         out, into = _destinations(ckpt.manifest, rank_file, devices, want, destination)
         ring.copier.after(ring.copier.mark())  # the new tensors' memory may be the current stream's until now
-        stages = [partial(read_piece, rank_file), partial(check_piece, rank_file)]  # one thread each: overlapped
-        stream_pieces(ring, pieces, stages, partial(_copies, into))
+        stream_pieces(ring, pieces, _stages(rank_file), partial(_copies, into))
     finally:
         rank_file.release()
     return out

@@ -27,7 +27,6 @@ from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.job.agreed import step
 from fsdp_optim.job.api import full_plan
 from fsdp_optim.job.device_load import optimizer_state_on_device
@@ -144,7 +143,7 @@ def _read_sharded(
             # Before cut_rank allocates what the manifest declares: the rank files this rank reads, checked
             # (found by interval lookup; a rank re-cut from W to W/2 reads about two files, not W).
             ckpt.open_ranks(saved_ranks(the_plan, rank) or [0])
-            with fetched_ahead(ckpt, lambda: cut_spans(ckpt, the_plan, [rank])):  # (where its location does)
+            with ckpt.fetched_ahead(lambda: cut_spans(ckpt, the_plan, [rank])):  # (where its location does)
                 state = cut_rank(the_plan, rank, after_unit=ckpt.trim)
     return optimizer_state_dict(the_plan, state)
 

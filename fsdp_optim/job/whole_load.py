@@ -30,7 +30,6 @@ from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.locate import source_kind
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, read_rank_side
-from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file, read_whole_safetensors
 from fsdp_optim.job.agreed import step
@@ -212,7 +211,7 @@ def _stage(
         if plans.weights.identity or ckpt.manifest.version < 3:  # its own files, whole: nothing to cut from ranges
             return stage_load(root, ckpt, plans, in_place=True)
         spans = lambda: load_spans(ckpt, plans.weights, plans.optim, root.rank, buffers=plans.buffers)  # noqa: E731
-        with fetched_ahead(ckpt, spans) as sides:
+        with ckpt.fetched_ahead(spans) as sides:
             return stage_load(root, ckpt, plans, sides)
 
 

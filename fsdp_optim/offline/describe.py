@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_optim.disk.text import human_bytes
+from fsdp_optim.disk.text import escape, human_bytes
 
 if TYPE_CHECKING:
     from fsdp_optim.formats.fairseq.shards import ShardSetReader
@@ -281,11 +281,28 @@ def describe_sharded(
 
 
 def describe_any_rank_file(path: str | os.PathLike[str], raw: Mapping[str, Any] | None) -> list[str]:
-    """One rank file of a checkpoint (format 2 and 3: safetensors; format 1: a torch file)."""
+    """One rank file of a checkpoint (format 2 and 3: safetensors, its checked header only; format 1: a torch
+    file)."""
     if raw is None:
-        from fsdp_optim.formats.sharded.rank_file import describe_rank_file as describe_safetensors
+        from fsdp_optim.disk.untrusted import open_regular
+        from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
 
-        return describe_safetensors(Path(path))
+        fd, st = open_regular(Path(path))
+        try:
+            meta, tensors = (h := read_rank_header(fd, st.st_size, str(path))).metadata, h.tensors
+        finally:
+            os.close(fd)
+        if meta.get("format") != "fsdp_optim" or meta.get("kind") != "shard":
+            raise ValueError(
+                f"{path}: a safetensors file, but not an fsdp_optim rank file (its metadata: "
+                f"{escape(repr(dict(meta)), limit=200)})"
+            )
+        return [
+            f"format: one rank file of a sharded checkpoint (version {escape(meta.get('version', '?'), limit=20)}; "
+            "inspect its directory for the whole)",
+            f"rank: {escape(meta.get('rank', '?'), limit=20)} of {escape(meta.get('world_size', '?'), limit=20)}",
+            "tensors: " + (", ".join(f"{name} [{numel}]" for name, (_, numel, _) in tensors.items()) or "-"),
+        ]
     header = raw["fsdp_optim_checkpoint"]
     return [
         "format: one rank file of a sharded checkpoint (inspect its directory for the whole)",

@@ -15,7 +15,6 @@ from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.streamed import streamed_parts
 from fsdp_optim.formats.sharded.writer import RankParts, write_shard_file
 from fsdp_optim.offline.whole import carry_side_files
@@ -29,8 +28,8 @@ def fetched_from(
     ckpt: ShardedCheckpoint, spans: Callable[[], list[Span]], write: Callable[[Path], Manifest], staging: Path
 ) -> Manifest:
     """``write(staging)`` reading the source's rank files from ``spans()``, fetched ahead by its location where it
-    does (:mod:`fsdp_optim.formats.sharded.store_prefetch`)."""
-    with fetched_ahead(ckpt, spans):
+    does (:meth:`ShardedCheckpoint.fetched_ahead`)."""
+    with ckpt.fetched_ahead(spans):
         return write(staging)
 
 

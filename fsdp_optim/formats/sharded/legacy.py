@@ -1,6 +1,6 @@
 """Format-1 rank files (torch files, read through the pickle gate): checked against the manifest, one unit at a time.
 
-Never imports ``torch.distributed``. A format-1 rank file (:func:`.torch_files.shard_payload`) holds
+Never imports ``torch.distributed``. A format-1 rank file (:mod:`.torch_files`) holds
 ``{HEADER_KEY: {...}, "unit_checksums": {flat: digest}, "state": {flat: {key: padded shard or scalar}}}``;
 each unit's digest is checked the first time the unit is read.
 """
@@ -25,11 +25,7 @@ from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.rank_file import open_recorded
 from fsdp_optim.formats.sharded.torch_files import check_checksum, read_torch_header
 
-__all__ = ["LegacyRankFile", "nbytes"]
-
-
-def nbytes(value: Any) -> int:
-    return value.numel() * value.element_size() if torch.is_tensor(value) else 0
+__all__ = ["LegacyRankFile"]
 
 
 def _declared_bytes(manifest: Manifest, shards: ShardIndex) -> int:
@@ -45,7 +41,8 @@ def _declared_bytes(manifest: Manifest, shards: ShardIndex) -> int:
 
 
 class LegacyRankFile:
-    """One rank file, mapped lazily; its header is checked against the manifest on first use."""
+    """One rank file, mapped lazily; its header is checked against the manifest on first use. Read as a
+    :class:`~.rank_file.RankFile` is (``open``, ``unit``, ``view``, ``load_all``, ``drop``, ``release``)."""
 
     def __init__(self, directory: Path, record: FileRecord, manifest: Manifest, shards: ShardIndex) -> None:
         self.path = directory / record.file
@@ -55,7 +52,7 @@ class LegacyRankFile:
         self.payload: Mapping[str, Any] | None = None
         self.verified: set[int] = set()
 
-    def open(self, *, mmap: bool) -> Mapping[str, Any]:
+    def open(self, *, mmap: bool = True) -> Mapping[str, Any]:
         if self.payload is None:
             # A rank file's name comes from the manifest: it must be a regular file inside the directory.
             payload = self._load(mmap=mmap)
@@ -110,8 +107,8 @@ class LegacyRankFile:
             raise ValueError(f"{where}: checksum {checksum} differs from the manifest's {self.record.checksum}")
         check_checksum(head, checksum, payload["unit_checksums"], source=where)
 
-    def unit(self, flat_index: int, *, mmap: bool) -> tuple[Mapping[str, Any], int]:
-        """The verified entries of one flat parameter and the bytes they occupy."""
+    def unit(self, flat_index: int, *, mmap: bool = True) -> Mapping[str, Any]:
+        """The verified entries of one flat parameter (mapped: copy what you keep)."""
         payload = self.open(mmap=mmap)
         flat = self.manifest.flat_params[flat_index]
         where = f"{self.path}, unit '{flat.unit or '<root>'}' (flat parameter {flat_index})"
@@ -142,7 +139,18 @@ class LegacyRankFile:
                         f"{show_value(e.value)}"
                     )
             self.verified.add(flat_index)
-        return entries, sum(nbytes(v) for v in entries.values())
+        return entries
+
+    def view(self, flat_index: int, key: str, start: int, stop: int) -> torch.Tensor:
+        return self.unit(flat_index)[key][start:stop]
+
+    def load_all(self) -> dict[int, dict[str, Any]]:
+        """Every unit's entries, read into memory (not mapped) and verified."""
+        self.release()  # (mapped by an open_all(): read again, into memory)
+        return {i: dict(self.unit(i, mmap=False)) for i, flat in enumerate(self.manifest.flat_params) if flat.state}
 
     def release(self) -> None:
         self.payload = None
+        self.verified.clear()
+
+    drop = release  # nothing to keep mapped: a unit read again is loaded again

@@ -28,7 +28,7 @@ torch files, :mod:`.torch_files`) stay readable; a directory holding both manife
 ``manifest.json`` (a save over a format-1 checkpoint removes ``manifest.pt`` after its commit).
 
 The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by
-:func:`~fsdp_optim.formats.sharded.torch_files.wrap`)::
+:func:`~fsdp_optim.formats.sharded.torch_files.unwrap`)::
 
     {"version": 3, "save_id": "3f2a9c1b0d4e...", "optimizer": "Adam", "world_size": 2,
      "param_order": ["embed.weight", ...],             # the unwrapped model's named_parameters() order

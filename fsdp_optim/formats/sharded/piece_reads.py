@@ -12,27 +12,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
-from fsdp_optim.formats.sharded.mapped import MappedFile, check_tiling
 from fsdp_optim.formats.sharded.rank_file import RankFile
-from fsdp_optim.formats.sharded.segments import chunk_elements
+from fsdp_optim.formats.sharded.segments import Placement, chunk_elements
 
-__all__ = ["TensorPiece", "Shard", "check_piece", "plan_pieces", "read_piece"]
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One shard in a rank file: state ``key`` of flat parameter ``flat``, elements ``[offset, offset + numel)`` of
-    its tensor."""
-
-    flat: int
-    key: str
-    offset: int
-    numel: int
+__all__ = ["TensorPiece", "plan_pieces"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +30,13 @@ class TensorPiece:
     dtype: torch.dtype
     lo: int
     hi: int
-    shards: tuple[Shard, ...]
+    shards: tuple[Placement, ...]
 
     @property
     def nbytes(self) -> int:
         return (self.hi - self.lo) * self.dtype.itemsize
 
-    def spans(self) -> Iterator[tuple[Shard, int, int]]:
+    def spans(self) -> Iterator[tuple[Placement, int, int]]:
         """``(shard, a, b)``: elements ``[a, b)`` of ``shard`` lie in this piece, at element ``shard.offset + a -
         lo`` of it."""
         for s in self.shards:
@@ -59,25 +46,20 @@ class TensorPiece:
 
 
 def plan_pieces(rank_file: RankFile, piece_bytes: int) -> list[TensorPiece]:
-    """Every piece of the open format-3 ``rank_file`` (its tensors in file order), each at most ``piece_bytes``
-    long; ``ValueError`` when a checksum chunk does not fit in ``piece_bytes`` or the shards do not tile a tensor."""
-    where = str(rank_file.path)
-    file = rank_file.open()
+    """Every piece of the format-3 ``rank_file`` (opened; its tensors in file order), each at most ``piece_bytes``
+    long; ``ValueError`` when a checksum chunk does not fit in ``piece_bytes`` or the shards do not tile a tensor.
+    A ring reads each into a slot (:meth:`RankFile.read_chunks`), checks it there (:meth:`RankFile.check_chunks`)."""
+    where, header = str(rank_file.path), rank_file.open()
     if not rank_file.grids:
         raise ValueError(f"{where}: a format-{rank_file.manifest.version} rank file; pieces are read from format 3")
     out: list[TensorPiece] = []
-    for name in sorted(rank_file.grids, key=lambda t: file.header.tensors[t][2]):
-        g, dtype = rank_file.grids[name], dtype_from_str(name, where=where)
-        shards = sorted(
-            (Shard(flat, key, at, n) for (flat, key), (t, at, n) in rank_file.layout[0].items() if t == name),
-            key=lambda s: s.offset,
-        )
-        check_tiling(g, [(s.offset, s.numel) for s in shards], where)
+    for g, shards in sorted(rank_file.grid_shards(), key=lambda gs: header.tensors[gs[0].tensor][2]):
+        dtype = dtype_from_str(g.tensor, where=where)
         per = chunk_elements(dtype, rank_file.manifest.chunk_bytes)
         step = piece_bytes // dtype.itemsize // per * per
         if step == 0:
             raise ValueError(
-                f"{where}: a buffer of {piece_bytes} bytes cannot hold one checksum chunk of tensor '{name}' "
+                f"{where}: a buffer of {piece_bytes} bytes cannot hold one checksum chunk of tensor '{g.tensor}' "
                 f"({per * dtype.itemsize} bytes)"
             )
         ends = [s.offset + s.numel for s in shards]
@@ -85,25 +67,5 @@ def plan_pieces(rank_file: RankFile, piece_bytes: int) -> list[TensorPiece]:
             hi = min(lo + step, g.end)
             first = bisect.bisect_right(ends, lo)  # the first shard ending after lo
             last = bisect.bisect_left([s.offset for s in shards], hi)  # shards starting before hi
-            out.append(TensorPiece(name, dtype, lo, hi, tuple(shards[first:last])))
+            out.append(TensorPiece(g.tensor, dtype, lo, hi, tuple(shards[first:last])))
     return out
-
-
-def read_piece(rank_file: RankFile, piece: TensorPiece, out: torch.Tensor) -> None:
-    """Read ``piece`` from the open ``rank_file`` into ``out`` (``uint8``, contiguous, ``piece.nbytes`` long), not
-    verified yet: :func:`check_piece` does, before any of it is used."""
-    if out.dtype != torch.uint8 or out.numel() != piece.nbytes or not out.is_contiguous():
-        raise ValueError(
-            f"{rank_file.path}: a buffer for elements {piece.lo}..{piece.hi} of tensor '{piece.tensor}' must be "
-            f"{piece.nbytes} contiguous bytes, found {out.numel()} {out.dtype}"
-        )
-    grid, where = rank_file.grids[piece.tensor], str(rank_file.path)
-    rank_file.open().read_chunks(grid, piece.lo, piece.hi, out.view(piece.dtype), rank_file.manifest.chunk_bytes, where)
-
-
-def check_piece(rank_file: RankFile, piece: TensorPiece, out: torch.Tensor) -> None:
-    """Refuse ``piece`` as :func:`read_piece` read it into ``out`` unless every chunk's checksum is the file's; a
-    mismatch names the elements and the units they belong to."""
-    holds = partial(rank_file.holds, piece.tensor)
-    grid, where = rank_file.grids[piece.tensor], str(rank_file.path)
-    MappedFile.check_chunks(grid, piece.lo, out.view(piece.dtype), rank_file.manifest.chunk_bytes, where, holds)

@@ -1,4 +1,4 @@
-"""Rank files (formats 2 and 3): safetensors files written as a stream, read by byte range through one mapping.
+"""Rank files (formats 2 and 3): safetensors files written as a stream, read by byte range from any source.
 
 A format-3 rank file (see :mod:`.segments` for where each shard lies in it)::
 
@@ -17,7 +17,7 @@ lists them per segment). The one writer is :func:`~.ranged.write_rank`; this mod
 
 from __future__ import annotations
 
-import os
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -25,28 +25,31 @@ from typing import Any, TypeVar
 
 import torch
 
+from fsdp_optim.core.checksums import stream_chunk_digests
+from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.text import escape
-from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.mapped import MappedFile
-from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
+from fsdp_optim.formats.sharded.safetensors_header import Header, read_rank_header
 from fsdp_optim.formats.sharded.segments import (
     Grid,
     Placement,
     check_segments,
+    chunk_digests,
+    chunk_elements,
     grids_v3,
-    placements_v2,
+    shard_mismatch,
+    verify_chunks,
 )
+from fsdp_optim.formats.sharded.sources import ByteSource, MapSource, StoreSource
 
 __all__ = [
     "FileLayout",
     "Pieces",
     "RankFile",
-    "describe_rank_file",
     "host_pieces",
     "open_recorded",
 ]
@@ -70,32 +73,14 @@ def host_pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
             yield raw[start : start + _WRITE_BYTES]
 
 
-def describe_rank_file(path: Path) -> list[str]:
-    """What ``fsdp-optim inspect`` prints about one rank file of format 2 or 3 (its checked header only)."""
-    fd, st = open_regular(path)
-    try:
-        header = read_rank_header(fd, st.st_size, str(path))
-    finally:
-        os.close(fd)
-    meta = header.metadata
-    if meta.get("format") != "fsdp_optim" or meta.get("kind") != "shard":
-        raise ValueError(
-            f"{path}: a safetensors file, but not an fsdp_optim rank file (its metadata: "
-            f"{escape(repr(dict(meta)), limit=200)})"
-        )
-    tensors = ", ".join(f"{name} [{numel}]" for name, (_, numel, _) in header.tensors.items()) or "-"
-    return [
-        f"format: one rank file of a sharded checkpoint (version {escape(meta.get('version', '?'), limit=20)}; "
-        "inspect its directory for the whole)",
-        f"rank: {escape(meta.get('rank', '?'), limit=20)} of {escape(meta.get('world_size', '?'), limit=20)}",
-        f"tensors: {tensors}",
-    ]
-
-
 class RankFile:
-    """One rank file of a checkpoint (format 2 or 3), opened (mapped, header checked against the manifest) on first
-    use. ``layout``: where the manifest's units put each shard in every format-3 file (``segments.file_layout``),
-    computed once per checkpoint; unused for format 2, whose manifest lists each file's segments."""
+    """One rank file of a checkpoint (format 2 or 3), opened on first use: its bytes' source, its header checked
+    against the manifest, its chunk grids. The one reader of rank files, whatever holds their bytes (a mapped local
+    file, a store's ranged reads, pieces received or fetched ahead: :mod:`.sources`); every byte it hands out was
+    hashed first, at the granularity of the chunk grid that guards it (:class:`~.segments.Grid`), so a range read
+    hashes at most one chunk more on each side than it copies. ``layout``: where the manifest's units put each
+    shard in every format-3 file (``segments.file_layout``), computed once per checkpoint; unused for format 2,
+    whose manifest lists each file's segments."""
 
     def __init__(
         self, directory: Location, record: FileRecord, manifest: Manifest, layout: FileLayout, *, mapped: Path | None
@@ -108,36 +93,34 @@ class RankFile:
         self.record = record
         self.manifest = manifest
         self.layout = layout
-        self.file: MappedFile | None = None
-        self.provided: Callable[[], MappedFile] | None = None  # opens its bytes as the caller holds them instead
+        self.source: ByteSource | None = None
+        self.provided: Callable[[], ByteSource] | None = None  # its bytes as the caller holds them instead
+        self.header: Header | None = None
         self.grids: dict[str, Grid] = {}  # format 3: per tensor
         self.placements: dict[tuple[int, str], Placement] = {}  # format 2: per shard
+        self._verified: set[tuple[str, int, int]] = set()  # (tensor, grid origin, chunk) verified in place
+        self.bytes_verified = 0  # bytes hashed (or read to be hashed) so far
 
-    def open(self) -> MappedFile:
-        if self.file is None:
-            file = self._map()
-            self._check(file)
-            self.file = file
-        return self.file
+    def open(self) -> Header:
+        """The file's checked header (its bytes' source opened and the header checked against the manifest once)."""
+        if self.source is None or self.header is None:
+            source, header = self._opened()
+            self._check_header(header, source.size)
+            self.source, self.header = source, header
+        return self.header
 
-    def _map(self) -> MappedFile:
-        """The mapped file, its errors saying what the manifest knows: the file's rank and size."""
-
-        def truncated(exc: ValueError, size: int) -> str:
-            return (
-                f"{self.path}: truncated: {size} of {self.record.nbytes} bytes (the size the manifest records; a copy "
-                f"or write that did not finish?): {str(exc).removeprefix(f'{self.path}: ')}"
-            )
-
+    def _opened(self) -> tuple[ByteSource, Header]:
+        """The file's bytes and its header, their errors saying what the manifest knows: the file's rank and size."""
         if self.provided is not None:
-            return self.provided()
+            return _headed(self.provided(), self.path)
         if self.mapped is None:
-            return _open_remote(self.directory, self.record, truncated)
+            return _headed(_store_source(self.directory, self.record, self.path), self.path)
         path = self.mapped / self.record.file
-        return open_recorded(path, self.record, lambda: MappedFile(path), truncated)
+        return open_recorded(path, self.record, lambda: _headed(MapSource(path), path),
+                             partial(_truncated, self.path, self.record))  # fmt: skip
 
-    def _check(self, file: MappedFile) -> None:
-        where, meta = str(self.path), file.header.metadata
+    def _check_header(self, header: Header, size: int) -> None:
+        where, meta = str(self.path), header.metadata
         if meta.get("format") != "fsdp_optim" or meta.get("kind") != "shard":
             raise ValueError(
                 f"{where}: expected an fsdp_optim rank file (metadata format 'fsdp_optim', kind 'shard'), found "
@@ -157,22 +140,21 @@ class RankFile:
                 raise ValueError(
                     f"{where}: {key} is {found}, expected {value!r} from the manifest (a file of another save?)"
                 )
-        if file.header.checksum != self.record.checksum:
+        if header.checksum != self.record.checksum:
             raise ValueError(
-                f"{where}: header checksum {file.header.checksum} differs from the manifest's {self.record.checksum}"
+                f"{where}: header checksum {header.checksum} differs from the manifest's {self.record.checksum}"
             )
-        if file.size != self.record.nbytes:
-            raise ValueError(f"{where}: {file.size} bytes, but the manifest records {self.record.nbytes}")
-        tensors = {name: numel for name, (_, numel, _) in file.header.tensors.items()}
+        if size != self.record.nbytes:
+            raise ValueError(f"{where}: {size} bytes, but the manifest records {self.record.nbytes}")
+        tensors = {name: numel for name, (_, numel, _) in header.tensors.items()}
         if self.manifest.version >= 3:
             checksums, chunk, units = _checksums(meta, where), self.manifest.chunk_bytes, self.manifest.flat_params
             self.grids = grids_v3(checksums, self.layout, tensors, chunk, where=where, units=units)
             return
-        segments = check_segments(
+        self.placements = check_segments(
             self.record.segments, tensors, self.manifest.flat_params, self.record.rank, self.manifest.chunk_bytes,
             where=where,
         )  # fmt: skip
-        self.placements = placements_v2(segments)
 
     def where(self, flat_index: int) -> str:
         flat = self.manifest.flat_params[flat_index]
@@ -185,65 +167,151 @@ class RankFile:
         tensor, offset, numel = self.layout[0][(flat_index, key)]
         return Placement(flat_index, key, tensor, offset, numel, self.grids[tensor])
 
-    def view(self, flat_index: int, key: str, start: int, stop: int) -> torch.Tensor:
-        """Verified zero-copy view of elements ``[start, stop)`` of this file's shard of ``key``."""
-        file = self.open()
-        p = self.placement(flat_index, key)
-        return file.view(p, start, stop, self.manifest.chunk_bytes, self.where(flat_index))
+    def _dtype(self, tensor: str) -> tuple[torch.dtype, int, int]:
+        """Tensor ``tensor``'s dtype, the byte its element 0 is at, and the elements of one checksum chunk."""
+        assert self.header is not None, f"{self.path}: read before it was opened"
+        dtype_name, _, base = self.header.tensors[tensor]
+        dtype = dtype_from_str(dtype_name, where=str(self.path))
+        return dtype, base, chunk_elements(dtype, self.manifest.chunk_bytes)
 
-    def unit(self, flat_index: int, *, mapped: bool = True) -> dict[str, Any]:
-        """One unit's entries: its verified shards (mapped views, or read into memory) and the manifest's scalars."""
-        file = self.open()
+    def view(self, flat_index: int, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of this file's shard of ``key``, read in place (a mapped file: zero-copy),
+        every chunk they touch verified against its checksum (once, while its memory holds what was verified)."""
+        self.open()
+        assert self.source is not None, f"{self.path}: not open"
+        p, where = self.placement(flat_index, key), self.where(flat_index)
+        (dtype, base, per), g = self._dtype(p.tensor), p.grid
+        if stop <= start:
+            return torch.empty(0, dtype=dtype)
+        first, last = (p.offset + start - g.origin) // per, -(-(p.offset + stop - g.origin) // per)
+        lo, hi, size = g.origin + first * per, min(g.origin + last * per, g.end), dtype.itemsize
+        raw, fresh = self.source.span(base + lo * size, base + hi * size, base + (g.origin + (last - 1) * per) * size)
+        new = first - (-(fresh - base - lo * size) // (per * size))  # the first chunk in memory not verified before
+        if new < last:  # (what was verified elsewhere may no longer be what the memory holds)
+            kept = {(g.tensor, g.origin, k) for k in range(first, new)}
+            self._verified &= kept
+        todo = [k for k in range(first, last) if k >= new or (g.tensor, g.origin, k) not in self._verified]
+        values = raw.view(dtype)
+        if todo:  # one pass over the unverified chunks (and any verified ones between them: rare, harmless)
+            a, b = (todo[0] - first) * per, min((todo[-1] + 1 - first) * per, hi - lo)
+            verify_chunks(chunk_digests(values[a:b], self.manifest.chunk_bytes), g, todo[0],
+                   partial(shard_mismatch, p, per, where))  # fmt: skip
+            self._verified.update((g.tensor, g.origin, k) for k in range(todo[0], todo[-1] + 1))
+            self.bytes_verified += (b - a) * size
+        return values[p.offset + start - lo : p.offset + stop - lo]
+
+    def unit(self, flat_index: int) -> dict[str, Any]:
+        """One unit's entries: its verified shards (read in place: copy what you keep) and the manifest's scalars."""
         out: dict[str, Any] = {}
         for e in self.manifest.flat_params[flat_index].state:
             if e.kind is not StateKind.SHARDED:
                 out[e.key] = clone_value(e.value)  # the optimizer owns what it loads: never the manifest's record
-                continue
-            p, chunk, where = self.placement(flat_index, e.key), self.manifest.chunk_bytes, self.where(flat_index)
-            out[e.key] = file.view(p, 0, p.numel, chunk, where) if mapped else file.read(p, chunk, where)
+            else:
+                out[e.key] = self.view(flat_index, e.key, 0, self.placement(flat_index, e.key).numel)
         return out
 
     def load_all(self) -> dict[int, dict[str, Any]]:
-        """Every unit's entries read into memory, each shard a tensor of its own (as the optimizer will hold them):
-        format 3 verifies each dtype's shards in one pass over its chunks; format 2 shard by shard."""
+        """Every unit's entries read into memory, each shard a tensor of its own (as the optimizer will hold them),
+        each grid's shards verified in one pass over its chunks (format 3: a grid per dtype; 2: per shard)."""
         self.open()
-        flats = self.manifest.flat_params
-        if not self.grids:
-            return {i: self.unit(i, mapped=False) for i, flat in enumerate(flats) if flat.state}
         shards: dict[tuple[int, str], torch.Tensor] = {}
-        for name in self.grids:  # each tensor's shards in file order, read and verified as one pass
-            order = sorted((at, n, key) for key, (t, at, n) in self.layout[0].items() if t == name)
-            read = self.open().read_parts(
-                self.grids[name], [(at, n) for at, n, _ in order], self.manifest.chunk_bytes, str(self.path),
-                partial(self.holds, name),
-            )  # fmt: skip
-            shards.update({key: tensor for (_, _, key), tensor in zip(order, read)})
+        for g, placed in self.grid_shards():  # each grid's shards in file order, read and verified as one pass
+            parts = [torch.empty(p.numel, dtype=self._dtype(g.tensor)[0]) for p in placed]
+            self._fill(g.tensor, g.origin, g.end, parts)
+            self._verify(g, g.origin, parts)
+            shards.update({(p.flat, p.key): tensor for p, tensor in zip(placed, parts)})
         out: dict[int, dict[str, Any]] = {}
-        for i, flat in enumerate(flats):
+        for i, flat in enumerate(self.manifest.flat_params):
             for e in flat.state:
                 value = shards[(i, e.key)] if e.kind is StateKind.SHARDED else clone_value(e.value)
                 out.setdefault(i, {})[e.key] = value
         return out
 
+    def grid_shards(self) -> list[tuple[Grid, list[Placement]]]:
+        """Each grid of the open file and the shards it covers, in file order: they tile it (format 3: the manifest's
+        layout, whose sizes the header's tensors were checked against; format 2: a grid per shard)."""
+        by_grid: dict[tuple[str, int], list[Placement]] = {}  # (tensor, origin): a grid's shards
+        for p in sorted((self.placement(*k) for k in self._shards()), key=lambda p: p.offset):
+            by_grid.setdefault((p.grid.tensor, p.grid.origin), []).append(p)
+        for placed in by_grid.values():
+            g, ends = placed[0].grid, list(itertools.accumulate((p.numel for p in placed), initial=placed[0].offset))
+            assert [p.offset for p in placed] == ends[:-1] and (ends[0], ends[-1]) == (g.origin, g.end), f"{g.tensor}"
+        return [(placed[0].grid, placed) for placed in by_grid.values()]
+
+    def _shards(self) -> Mapping[tuple[int, str], tuple[str, int, int]]:
+        """``{(flat, key): (tensor, offset, numel)}``: where this file holds each shard."""
+        return self.layout[0] if self.grids else {k: (p.tensor, p.offset, p.numel) for k, p in self.placements.items()}
+
     def holds(self, tensor: str, lo: int, hi: int) -> str:
         """Which shards elements ``[lo, hi)`` of ``tensor`` belong to, for an error message."""
-        hits = [(f, k) for (f, k), (t, at, n) in self.layout[0].items() if t == tensor and at < hi and at + n > lo]
+        hits = [(f, k) for (f, k), (t, at, n) in self._shards().items() if t == tensor and at < hi and at + n > lo]
         if not hits:
             return ""
         unit = self.manifest.flat_params[hits[0][0]].unit or "<root>"
         more = f" and {len(hits) - 1} more shards" if len(hits) > 1 else ""
         return f", unit '{unit}' state '{hits[0][1]}'{more}"
 
-    def read_whole(self, tensor: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Format 3: tensor ``tensor`` read whole (into ``out`` if given) and verified; a mismatch names the units."""
-        file = self.open()
-        holds = partial(self.holds, tensor)
-        return file.read_tensor(self.grids[tensor], self.manifest.chunk_bytes, str(self.path), out, holds)
+    def read_whole(self, tensor: str, out: torch.Tensor) -> None:
+        """Format 3: tensor ``tensor`` read whole into ``out`` and verified; a mismatch names the units."""
+        self.open()
+        g = self.grids[tensor]
+        self._fill(tensor, g.origin, g.end, [out])
+        self._verify(g, g.origin, [out])
+
+    def read_chunks(self, tensor: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Format 3: elements ``[lo, hi)`` of ``tensor`` read into ``out`` (contiguous: e.g. a staging slot), not
+        verified yet (:meth:`check_chunks` does, on ``out``): ``lo`` starts a chunk and ``hi`` ends one (or the
+        tensor). Nothing is mapped."""
+        self.open()
+        g, per = self.grids[tensor], self._dtype(tensor)[2]
+        whole = (lo - g.origin) % per == 0 and (hi == g.end or (hi - g.origin) % per == 0)
+        if not (g.origin <= lo <= hi <= g.end and whole):
+            raise ValueError(
+                f"{self.path}: elements {lo}..{hi} of tensor '{g.tensor}' are not whole chunks of its grid "
+                f"({g.origin}..{g.end}, {per} elements a chunk)"
+            )
+        self._fill(tensor, lo, hi, [out])
+
+    def check_chunks(self, tensor: str, lo: int, values: torch.Tensor) -> None:
+        """Refuse ``values`` (elements ``[lo, lo + len)`` of ``tensor``, as :meth:`read_chunks` read them) unless
+        each chunk's digest is the file's; a mismatch names the elements and the units they belong to."""
+        self._verify(self.grids[tensor], lo, [values])
+
+    def _fill(self, tensor: str, lo: int, hi: int, parts: Sequence[torch.Tensor]) -> None:
+        """Elements ``[lo, hi)`` of ``tensor`` read into ``parts`` (contiguous, of its dtype, tiling them)."""
+        dtype, base, _ = self._dtype(tensor)
+        found = sum(p.numel() for p in parts)
+        if found != hi - lo or any(p.dtype != dtype or not p.is_contiguous() for p in parts):
+            raise ValueError(
+                f"{self.path}: bytes {base + lo * dtype.itemsize}.. hold {hi - lo} {dtype} elements, but the "
+                f"buffer for them has {found} {parts[0].dtype if parts else dtype} elements (contiguous: "
+                f"{all(p.is_contiguous() for p in parts)}; a manifest and rank file that disagree)"
+            )
+        assert self.source is not None, f"{self.path}: not open"
+        self.source.fill(base + lo * dtype.itemsize, [p.view(torch.uint8) for p in parts if p.numel()])
+        self.bytes_verified += (hi - lo) * dtype.itemsize
+
+    def _verify(self, g: Grid, lo: int, parts: Sequence[torch.Tensor]) -> None:
+        """Refuse ``parts`` (elements from ``lo`` on, whole chunks of ``g``) unless each chunk's digest is ``g``'s,
+        naming the elements and what they belong to."""
+        per, total = self._dtype(g.tensor)[2], sum(p.numel() for p in parts)
+
+        def bad(k: int) -> str:
+            a, b = g.origin + k * per, min(g.origin + (k + 1) * per, g.end)
+            return (f"{self.path}{self.holds(g.tensor, a, b)}: checksum mismatch in elements {a}..{b} of the rank "
+                    f"file's {g.tensor} data (chunk {k}; file is corrupt or was modified)")  # fmt: skip
+
+        verify_chunks(stream_chunk_digests(parts, per, total), g, (lo - g.origin) // per, bad)
+
+    def drop(self) -> None:
+        """Let go of the memory read so far (a mapping's pages); what was verified is verified again when read."""
+        if self.source is not None:
+            self.source.drop()
+        self._verified.clear()
 
     def release(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        self.file = None
+        self.source, self.header = None, None  # (a mapping is unmapped once no view of it is left)
+        self._verified.clear()
 
 
 def _checksums(meta: Mapping[str, str], where: str) -> Any:
@@ -262,14 +330,9 @@ def _checksums(meta: Mapping[str, str], where: str) -> Any:
 T = TypeVar("T")
 
 
-def _open_remote(
-    directory: Location, record: FileRecord, truncated: Callable[[ValueError, int], str]
-) -> MappedFile:
-    """The rank file ``record`` names in ``directory``, read by ranges (one size query, two ranged reads for its
-    header), its errors saying what the manifest knows, as :func:`open_recorded` does for a mapped file."""
-    from fsdp_optim.formats.sharded.remote_file import RemoteFile  # the ranged reader, only where one is used
-
-    path = directory / record.file
+def _store_source(directory: Location, record: FileRecord, path: Path | ObjectPath) -> StoreSource:
+    """The rank file ``record`` names in ``directory``, read by ranges (one size query), its errors saying what the
+    manifest knows, as :func:`open_recorded` does for a mapped file."""
     size = directory.size(record.file)
     if size is None:
         raise FileNotFoundError(
@@ -277,8 +340,20 @@ def _open_remote(
             "(the checkpoint is damaged; fsdp-optim verify checks every file)"
         )
     if size < record.nbytes:
-        raise ValueError(truncated(ValueError(f"{path}: {size} bytes"), size))
-    return RemoteFile(directory, record.file, size)
+        raise ValueError(_truncated(path, record, ValueError(f"{path}: {size} bytes"), size))
+    return StoreSource(directory, record.file, size)
+
+
+def _truncated(path: Path | ObjectPath, record: FileRecord, exc: ValueError, size: int) -> str:
+    return (
+        f"{path}: truncated: {size} of {record.nbytes} bytes (the size the manifest records; a copy or write that "
+        f"did not finish?): {str(exc).removeprefix(f'{path}: ')}"
+    )
+
+
+def _headed(source: ByteSource, path: Path | ObjectPath) -> tuple[ByteSource, Header]:
+    """``source`` and the checked safetensors header of the rank file it holds."""
+    return source, read_rank_header(source.pread, source.size, str(path))
 
 
 def open_recorded(

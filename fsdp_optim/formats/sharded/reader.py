@@ -1,27 +1,19 @@
-"""Checkpoint files: atomic writes, checked reads of both formats, and a memory-bounded shard reader.
+""":class:`ShardedCheckpoint`: a sharded checkpoint opened for reading (:func:`open_checkpoint`), its manifest verified,
+its rank files opened lazily, each read by the one reader of its format: :class:`~.rank_file.RankFile` (formats 2 and
+3, safetensors, no pickle), :class:`~.legacy.LegacyRankFile` (format 1's torch files, through the gate of
+:mod:`fsdp_optim.disk.untrusted`). Never imports ``torch.distributed``.
 
-Never imports ``torch.distributed``. Formats 3 and 2 (``manifest.json``, safetensors rank files) are read without
-pickle: the JSON manifest through :mod:`.manifest_json`, rank files mapped once each and read by byte
-range through :mod:`.rank_file`. Format 1 files are read with ``torch.load(..., weights_only=True)``
-through the gate of :mod:`fsdp_optim.disk.untrusted`.
-
-Writes go to a hidden temporary file in the target directory, are flushed and ``fsync``-ed, then renamed
-over the final name, and the directory is ``fsync``-ed: a crash leaves either the old file or the new
-one, never a torn one. A sharded checkpoint becomes visible only when its manifest is renamed into
-place, and rank files carry the save's id in their names, so saving into a directory that already
-holds a checkpoint never touches the files the old manifest points to until the new manifest exists.
-
-:class:`ShardedCheckpoint` reads rank files with ``mmap=True`` and hands out one unit at a time; the
-pages it has touched are released (the mappings dropped) whenever they exceed ``max_mapped_bytes``, so
-a consumer that copies what it needs keeps its resident memory near its own output plus that bound.
+Units are handed out one at a time, read in place; the pages touched are released whenever they exceed
+``max_mapped_bytes``, so a consumer that copies what it needs keeps its resident memory near its own output plus
+that bound.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,16 +21,14 @@ import torch
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.location import Location, ObjectPath
+from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
-from fsdp_optim.formats.sharded.legacy import LegacyRankFile, nbytes
+from fsdp_optim.formats.sharded.legacy import LegacyRankFile
 from fsdp_optim.formats.sharded.locate import checkpoint_location, manifest_at
-from fsdp_optim.formats.sharded.manifest import (
-    manifest_source,
-)
-from fsdp_optim.formats.sharded.mapped import MappedFile
+from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
+from fsdp_optim.formats.sharded.sources import ByteSource, held_readers
 from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
 
 __all__ = [
@@ -60,10 +50,6 @@ def open_checkpoint(
     the saved layout); ``lazy=False`` opens and checks every rank file first (the offline tools, which read them
     all). ``max_mapped_bytes``: see :class:`ShardedCheckpoint`."""
     return ShardedCheckpoint(where(path), lazy=lazy, max_mapped_bytes=max_mapped_bytes)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reading: one rank file per rank, format 3 and 2 mapped (rank_file.RankFile), format 1 through the gate (legacy)
 
 
 class ShardedCheckpoint:
@@ -101,14 +87,13 @@ class ShardedCheckpoint:
         shards = manifest_shards(self.manifest.flat_params, self.shards) if self.manifest.version >= 3 else []
         layout = file_layout(shards)
         self.layout = layout
-        self._files: dict[int, Any] = {
+        self._files: dict[int, RankFile | LegacyRankFile] = {
             f.rank: RankFile(self.directory, f, self.manifest, layout, mapped=mapped)
             if self.manifest.version >= 2 or mapped is None
             else LegacyRankFile(mapped, f, self.manifest, self.shards)
             for f in self.manifest.files
         }
-        self._mapped = 0
-        self.peak_mapped = 0
+        self._mapped = 0  # bytes read in place since the last trim
         if not lazy:
             self.open_all()
 
@@ -124,12 +109,11 @@ class ShardedCheckpoint:
     def open_ranks(self, ranks: Iterable[int]) -> None:
         """:meth:`open_all` for rank files ``ranks`` only: those a plan reads (``core.plan.saved_ranks``)."""
         for rank in ranks:
-            f = self._files[rank]
-            f.open() if isinstance(f, RankFile) else f.open(mmap=True)
+            self._files[rank].open()
 
-    def provide(self, files: Mapping[int, Callable[[], MappedFile] | None]) -> None:
+    def provide(self, files: Mapping[int, Callable[[], ByteSource] | None]) -> None:
         """Read rank ``r``'s file from what ``files[r]()`` opens (its bytes as the caller holds them, e.g. received
-        from a peer: :class:`~fsdp_optim.formats.sharded.received.ReceivedFile`) rather than from the directory; its
+        from a peer: :class:`~fsdp_optim.formats.sharded.sources.HeldSource`) rather than from the directory; its
         header is checked against the manifest when it is opened, and every chunk read is verified, as on disk.
         ``None`` reads it from the directory again."""
         for rank, file in files.items():
@@ -140,12 +124,29 @@ class ShardedCheckpoint:
             f.release()
             f.provided = file
 
+    @contextmanager
+    def fetched_ahead(self, spans: Callable[[], Sequence[Any]]) -> Iterator[dict[str, Callable[[], bytes]]]:
+        """Within the block, the rank files are read from the byte ranges ``spans()`` lists (those a load reads, in
+        order of use: ``byte_ranges.Span``) as :meth:`Location.prefetch <fsdp_optim.disk.location.Location.prefetch>`
+        fetches them ahead (a store's ranged reads, a bounded window ahead; node memory's pieces from peers), each
+        verified as a file's bytes are; yields thunks of the side files among them (``{name: bytes}``; {} where the
+        location fetches nothing ahead: a local directory maps its files). After it, they are read as before."""
+        with self.directory.prefetch(spans) as held:
+            if held is None:
+                yield {}
+                return
+            files, sides = held_readers(self.manifest.files, lambda name: self.directory / name, held)
+            self.provide(files)
+            try:
+                yield sides
+            finally:
+                self.provide(dict.fromkeys(files))
+
     def source(self) -> Source:
         """This checkpoint's optimizer state as a planning source (reads go through :meth:`copy_range`); a whole
         checkpoint's weights are left out (:meth:`weights_source`)."""
         manifest = replace(self.manifest, flat_params=optimizer_flats(self.manifest.flat_params))
-        load_rank = self._keys_of(lambda key: key != WEIGHTS_KEY)
-        return manifest_source(manifest, str(self.directory), self.copy_range, load_rank, self._rank_reader())
+        return self.whole_source(manifest, self._keys_of(lambda key: key != WEIGHTS_KEY))
 
     def weights_source(self) -> Source:
         """A whole checkpoint's model weights as a planning source: one group of every unit, one state key
@@ -158,16 +159,17 @@ class ShardedCheckpoint:
         flats = weights_flats(self.manifest.flat_params)
         groups = (GroupRecord({}, tuple(range(len(flats)))),)
         manifest = replace(self.manifest, flat_params=flats, groups=groups, optimizer="model weights")
-        load_rank = self._keys_of(lambda key: key == WEIGHTS_KEY)
-        return manifest_source(manifest, str(self.directory), self.copy_range, load_rank, self._rank_reader())
+        return self.whole_source(manifest, self._keys_of(lambda key: key == WEIGHTS_KEY))
 
-    def whole_source(self) -> Source:
+    def whole_source(
+        self, manifest: Manifest | None = None, load_rank: Callable[[int], dict[int, dict[str, Any]]] | None = None
+    ) -> Source:
         """Every state key of every unit (a whole checkpoint's weights beside its optimizer state) as one planning
-        source, in the optimizer's groups (a frozen unit's weights in none): what an offline reshard re-cuts."""
-        return manifest_source(self.manifest, str(self.directory), self.copy_range, self.load_rank, self._rank_reader())
-
-    def _rank_reader(self) -> Callable[[int], Callable[[int, str, int, int, torch.Tensor], None]] | None:
-        return self.reader if any(f.per_rank for f in self.manifest.flat_params) else None
+        source, in the optimizer's groups (a frozen unit's weights in none): what an offline reshard re-cuts.
+        (``manifest``, ``load_rank``: a part of it, as :meth:`source` and :meth:`weights_source` ask.)"""
+        per_rank = any(f.per_rank for f in self.manifest.flat_params)
+        return manifest_source(manifest or self.manifest, str(self.directory), self.copy_range,
+                               load_rank or self.load_rank, self.reader if per_rank else None)  # fmt: skip
 
     def _keys_of(self, keep: Callable[[str], bool]) -> Callable[[int], dict[int, dict[str, Any]]]:
         """:meth:`load_rank` limited to the state keys ``keep`` accepts (units left without any dropped)."""
@@ -191,18 +193,9 @@ class ShardedCheckpoint:
 
     def unit(self, rank: int, flat_index: int) -> Mapping[str, Any]:
         """Rank ``rank``'s verified entries for flat parameter ``flat_index`` (file-backed: copy what you keep)."""
-        f = self._files[self.file_rank(rank, flat_index)]
-        if isinstance(f, RankFile):
-            entries = f.unit(flat_index)
-            self._touched(sum(nbytes(v) for v in entries.values()))
-            return entries
-        entries, nbytes = f.unit(flat_index, mmap=True)
-        self._touched(nbytes)
+        entries = self._files[self.file_rank(rank, flat_index)].unit(flat_index)
+        self._mapped += sum(v.numel() * v.element_size() for v in entries.values() if torch.is_tensor(v))
         return entries
-
-    def _touched(self, nbytes: int) -> None:
-        self._mapped += nbytes
-        self.peak_mapped = max(self.peak_mapped, self._mapped)
 
     def file_rank(self, rank: int, flat_index: int) -> int:
         # A unit that is not sharded is stored whole in every rank file; read rank 0's, unless every
@@ -218,21 +211,8 @@ class ShardedCheckpoint:
     def load_rank(self, rank: int) -> dict[int, dict[str, Any]]:
         """Every unit of one rank file, read into memory (not mapped) and verified."""
         f = self._files[rank]
-        if isinstance(f, RankFile):
-            try:
-                return f.load_all()
-            finally:
-                f.release()
-        if f.payload is not None:  # mapped by open_all(): read the file again, into memory
-            f.release()
-            f.verified.clear()
         try:
-            out = {}
-            for i, flat in enumerate(self.manifest.flat_params):
-                if flat.state:
-                    entries, _ = f.unit(i, mmap=False)
-                    out[i] = dict(entries)
-            return out
+            return f.load_all()
         finally:
             f.release()
 
@@ -266,12 +246,8 @@ class ShardedCheckpoint:
 
     def _copy(self, rank: int, flat_index: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements ``[start, stop)`` of rank ``rank``'s shard of ``key`` into ``out``."""
-        f = self._files[self.file_rank(rank, flat_index)]
-        if isinstance(f, RankFile):
-            out.copy_(f.view(flat_index, key, start, stop))
-            self._touched((stop - start) * out.element_size())
-        else:
-            out.copy_(self.unit(rank, flat_index)[key][start:stop])
+        out.copy_(self._files[self.file_rank(rank, flat_index)].view(flat_index, key, start, stop))
+        self._mapped += (stop - start) * out.element_size()
 
     def read_rows(self, tensor: str, ranks: range, out: torch.Tensor) -> None:
         """Format 3: tensor ``tensor`` of rank files ``ranks`` read whole into the rows of ``out``, each verified."""
@@ -284,25 +260,13 @@ class ShardedCheckpoint:
             )
         for row, rank in enumerate(ranks):
             f = self._files[rank]
+            assert isinstance(f, RankFile), f"{f.path}: format {self.manifest.version}"
             f.read_whole(tensor, out[row])
             f.release()
 
     def trim(self) -> None:
         """Drop the pages touched since the last drop if they exceed ``max_mapped_bytes``."""
         if self._mapped > self.max_mapped_bytes:
-            if self.manifest.version >= 2:  # keep the mappings (their headers are checked), drop their pages
-                for f in self._files.values():
-                    if f.file is not None:
-                        f.file.drop_pages()
-                self._mapped = 0
-            else:
-                self.close()
-
-    @property
-    def bytes_fetched(self) -> int:
-        """Bytes fetched from the store so far (0 for a local checkpoint): what a ranged load moved."""
-        files = (f.file for f in self._files.values() if isinstance(f, RankFile))
-        return sum(getattr(file, "bytes_fetched", 0) for file in files if file is not None)
-
-    def files(self) -> Iterator[Path | ObjectPath]:
-        return (self.directory / f.file for f in self.manifest.files)
+            for f in self._files.values():
+                f.drop()  # (formats 2, 3: the mappings kept, their headers checked; their pages dropped)
+            self._mapped = 0

@@ -42,7 +42,7 @@ many small units is dominated by it; one tensor per dtype keeps a rank file with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +65,9 @@ __all__ = [
     "file_layout",
     "grids_v3",
     "manifest_shards",
-    "placements_v2",
     "plan_segments",
+    "shard_mismatch",
+    "verify_chunks",
 ]
 
 # 64 KiB: a re-cut read of r bytes reads at most r + 128 KiB (<= 1.1 r from 1.25 MiB on: a third of a
@@ -236,14 +237,6 @@ def _largest(
     return f"; unit '{unit or '<root>'}' state '{key}' alone is declared {numel} elements per rank"
 
 
-def placements_v2(segments: Mapping[tuple[int, str], ShardSegment]) -> dict[tuple[int, str], Placement]:
-    """Format 2's checked segments as placements, each with a grid of its own."""
-    return {
-        k: Placement(s.flat, s.key, s.tensor, s.offset, s.numel, Grid(s.tensor, s.offset, s.end, s.checksums))
-        for k, s in segments.items()
-    }
-
-
 def check_segments(
     segments: Sequence[ShardSegment],
     tensors: Mapping[str, int],
@@ -252,9 +245,10 @@ def check_segments(
     chunk_bytes: int,
     *,
     where: str,
-) -> dict[tuple[int, str], ShardSegment]:
+) -> dict[tuple[int, str], Placement]:
     """Refuse segments that do not tile this rank file's ``tensors`` (``{name: numel}``, from its checked
-    header) with exactly the shards the manifest's units say the file holds; return them by (flat, key)."""
+    header) with exactly the shards the manifest's units say the file holds; return them by (flat, key), as
+    placements each with a grid of its own."""
     by_key: dict[tuple[int, str], ShardSegment] = {}
     for s in segments:
         if (s.flat, s.key) in by_key:
@@ -288,7 +282,10 @@ def check_segments(
                 f"checksums, expected {-(-numel // per)} ({numel} elements, {per} per chunk)"
             )
     _check_tiling(by_key.values(), tensors, where)
-    return by_key
+    return {
+        k: Placement(s.flat, s.key, s.tensor, s.offset, s.numel, Grid(s.tensor, s.offset, s.end, s.checksums))
+        for k, s in by_key.items()
+    }
 
 
 def _check_tiling(segments: Any, tensors: Mapping[str, int], where: str) -> None:
@@ -313,3 +310,25 @@ def _check_tiling(segments: Any, tensors: Mapping[str, int], where: str) -> None
             at += s.numel
         if at != tensors[name]:
             raise ValueError(f"{where}: tensor '{name}' holds {tensors[name]} elements, but its segments cover {at}")
+
+
+def shard_mismatch(p: Placement, per: int, where: str, k: int) -> str:
+    """The refusal of chunk ``k`` of ``p``'s grid (``per`` elements a chunk) read for shard ``p``: a chunk may begin
+    in the shard before this one and end in the next, so the elements named are this shard's own (0..numel), then
+    the chunk's place in the file's buffer of its dtype (named by it)."""
+    g = p.grid
+    lo, hi = g.origin + k * per, min(g.origin + (k + 1) * per, g.end)
+    first, last = max(lo - p.offset, 0), min(hi - p.offset, p.numel)
+    return (
+        f"{where}: checksum mismatch in elements {first}..{last} of state '{p.key}' ({p.numel} elements; chunk "
+        f"{k}, elements {lo}..{hi} of the rank file's {g.tensor} data; file is corrupt or was modified)"
+    )
+
+
+def verify_chunks(found: Iterable[str], g: Grid, first: int, mismatch: Callable[[int], str]) -> None:
+    """The one check of chunks read, whatever held their bytes (a mapping, a store's ranges, received pieces, a
+    ring's slot): ``found`` are the digests of ``g``'s chunks ``first, first + 1, ...``; ``ValueError(mismatch(k))``
+    for the first chunk ``k`` whose digest is not ``g``'s."""
+    for k, (checksum, expected) in enumerate(zip(found, g.checksums[first:]), start=first):
+        if checksum != expected:
+            raise ValueError(mismatch(k))

@@ -1,9 +1,9 @@
 """Our torch files, format 1 (``manifest.pt`` and ``optim-...-rankNNNNN-of-NNNNN.pt``): the checked header every
 one of them starts with, and the rank file's content. Pure: no file access (:mod:`.reader` and :mod:`.legacy`
-load the files; only tests and benchmarks still write them, to check that format 1 stays readable).
+load the files; only the tests still write them, to check that format 1 stays readable: ``tests/_forge.py``).
 
-A format-1 manifest is ``{HEADER_KEY: {"kind": "manifest", "version": 1, "checksum": ...}, "body": body}``
-(:func:`wrap`, :func:`unwrap`). A format-1 rank file (:func:`shard_payload`)::
+A format-1 manifest is ``{HEADER_KEY: {"kind": "manifest", "version": 1, "checksum": ...}, "body": body}`` (the
+checksum covers header and body; :func:`unwrap`). A format-1 rank file::
 
     {"fsdp_optim_checkpoint": {"kind": "shard", "version": 1, "save_id": ..., "rank": 0, "world_size": 2,
                                "checksum": "sha256:..."},       # digest of the header and unit_checksums
@@ -16,23 +16,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fsdp_optim.core.checksums import digest, digest_matches
+from fsdp_optim.core.checksums import digest_matches
 from fsdp_optim.core.preconditions import check_version
 from fsdp_optim.formats.sharded.file_record import HEADER_KEY
 
-__all__ = ["TORCH_FILE_VERSION", "check_checksum", "read_torch_header", "shard_payload", "unwrap", "wrap"]
+__all__ = ["TORCH_FILE_VERSION", "check_checksum", "read_torch_header", "unwrap"]
 
 TORCH_FILE_VERSION = 1  # the version in the header of the torch files of format 1 (and of layout files)
 
 
-def wrap(kind: str, body: Any, **header: Any) -> dict[str, Any]:
-    """``{HEADER_KEY: {"kind", "version", "checksum", **header}, "body": body}``; the checksum covers both."""
-    head = {"kind": kind, "version": TORCH_FILE_VERSION, **header}
-    return {HEADER_KEY: {**head, "checksum": digest([head, body])}, "body": body}
-
-
 def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
-    """Check a :func:`wrap` result read from ``source``; return ``(header, body)``."""
+    """Check a wrapped torch file's content (a format-1 manifest, a layout file) read from ``source``; return
+    ``(header, body)``."""
     header, checksum = read_torch_header(obj, kind, source=source, covered="body")
     check_checksum(header, checksum, obj["body"], source=source)
     return header, obj["body"]
@@ -73,13 +68,3 @@ def check_checksum(header: Mapping[str, Any], checksum: object, covered: object,
     if not digest_matches([dict(header), covered], checksum):
         raise ValueError(f"{source}: checksum mismatch in the file header (file is corrupt or was modified)")
 
-
-def shard_payload(
-    state: Mapping[int, Mapping[str, Any]], *, save_id: str, rank: int, world_size: int
-) -> tuple[dict[str, Any], str]:
-    """A rank file's content and its checksum (which the manifest also records)."""
-    unit_checksums = {i: digest(entries) for i, entries in state.items()}
-    head = {"kind": "shard", "version": TORCH_FILE_VERSION, "save_id": save_id, "rank": rank, "world_size": world_size}
-    checksum = digest([head, unit_checksums])
-    payload = {HEADER_KEY: {**head, "checksum": checksum}, "unit_checksums": unit_checksums, "state": dict(state)}
-    return payload, checksum

@@ -51,7 +51,6 @@ from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.ranged import LaidOutFile, finished_record, laid_out, lay_out_file, write_rank
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
-from fsdp_optim.formats.sharded.store_prefetch import fetched_ahead
 from fsdp_optim.formats.sharded.writer import CHECKPOINT
 from fsdp_optim.job.team import Team
 from fsdp_optim.offline.parallel.stretches import ChunkRun, FileLayout, chunk_runs, cut_piece, piece_reads
@@ -174,7 +173,7 @@ def _write_share(team: Team, ckpt: ShardedCheckpoint, planned: Planned, staging:
     watch = team.progress(planned.split.file_bytes * planned.split.outputs, bar=bar, trim=ckpt.trim)
     with team.step("reshard failed on another process; nothing was committed", watch=watch):
         layout: LaidOutFile | None = None
-        with fetched_ahead(ckpt, lambda: share_spans(ckpt, planned, runs)):
+        with ckpt.fetched_ahead(lambda: share_spans(ckpt, planned, runs)):
             for run in runs:
                 if layout is None or layout.rank != run.rank:
                     layout = laid_out(planned.final, run.rank)
