@@ -471,7 +471,7 @@ class _Slow(Recorder):
 
 
 def test_the_first_save_of_a_layout_lets_step_go_on_before_anything_is_page_locked(monkeypatch) -> None:
-    """Issue 47: on the first async save of a layout, ``step()`` waited while the arena was page-locked (seconds for
+    """On the first async save of a layout, ``step()`` waited while the arena was page-locked (seconds for
     GiBs); now the copies go through the ring's slots, already locked, and the save's thread locks the arena after."""
     import threading
 

@@ -59,7 +59,7 @@ __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 @dataclass
 class _Prepared:
     """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied), and its side files (a
-    :class:`Side`) once :meth:`agree` (on every rank) has compared the buffers across ranks: written into rank 0's side
+    :class:`~fsdp_optim.job.save_commit.Side`) once :meth:`agree` (on every rank) has compared the buffers across ranks: written into rank 0's side
     file alone, or into every rank's when they differ."""
 
     local: LocalState
