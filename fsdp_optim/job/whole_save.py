@@ -58,9 +58,9 @@ __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
 @dataclass
 class _Prepared:
-    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied), and its side files (a
-    :class:`~fsdp_optim.job.save_commit.Side`) once :meth:`agree` (on every rank) has compared the buffers across ranks: written into rank 0's side
-    file alone, or into every rank's when they differ."""
+    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied), and its side files
+    (a :class:`~fsdp_optim.job.save_commit.Side`) once :meth:`agree` (on every rank) has compared the buffers across
+    ranks: written into rank 0's side file alone, or into every rank's when they differ."""
 
     local: LocalState
     state: dict[int, dict[str, Any]]  # {flat: {optimizer key or WEIGHTS_KEY: padded shard or scalar}}
