@@ -35,6 +35,10 @@ INVARIANTS = {
     "offline/parallel/reshard.py": 2,  # the plan agreed on, every rank written once
     # The one save driver's rename: a local directory's writer on the process that began the save
     "disk/local_directory.py": 2,
+    "disk/one_file.py": 2,  # a one-file writer staged and committed by the process that began it
+    # A rank file's reader: called in the order open, read (its own state), and only on the format it opened
+    "formats/sharded/rank_file.py": 3,
+    "formats/sharded/reader.py": 1,
 }
 
 

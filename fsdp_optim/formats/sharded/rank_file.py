@@ -235,7 +235,8 @@ class RankFile:
             by_grid.setdefault((p.grid.tensor, p.grid.origin), []).append(p)
         for placed in by_grid.values():
             g, ends = placed[0].grid, list(itertools.accumulate((p.numel for p in placed), initial=placed[0].offset))
-            assert [p.offset for p in placed] == ends[:-1] and (ends[0], ends[-1]) == (g.origin, g.end), f"{g.tensor}"
+            if [p.offset for p in placed] != ends[:-1] or (ends[0], ends[-1]) != (g.origin, g.end):
+                raise ValueError(f"{self.path}: the shards of '{g.tensor}' do not tile elements {g.origin}..{g.end}")
         return [(placed[0].grid, placed) for placed in by_grid.values()]
 
     def _shards(self) -> Mapping[tuple[int, str], tuple[str, int, int]]:
