@@ -87,3 +87,23 @@ def assert_fsdp2_matches_plain(
     state = {index[n]: entries for n, entries in final["optim"]["state"].items() if not skip(n)}
     ours = {"state": state, "param_groups": expected_groups, "param_names": names}
     assert_full_matches_plain(ours, plain.state_dict(), skip=skip, rel=rel)
+
+
+def loads_old_fixture_exactly(rank: int, world_size: int, fixture: str) -> bool:
+    """(A rank of ``run_ranks``.) The optimizer-only checkpoint ``fixture/ckpt`` of an older format loads, at the saved
+    layout (each rank reads its own file) and re-cut, into an optimizer that had stepped, exactly as the shard of the
+    fixture's ``full.pt``."""
+    import os
+
+    import _models as M
+
+    import fsdp_optim
+
+    full = torch.load(os.path.join(fixture, "full.pt"), weights_only=True)
+    for nesting in ("deep", "shallow"):
+        root = M.wrap(M.make_net(), nesting)
+        optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
+        M.train_step(root, optim, *M.local_batch(7, rank, world_size))  # a state that the load must replace
+        fsdp_optim.load_sharded_optim_state(root, optim, os.path.join(fixture, "ckpt"))
+        assert_identical(optim.state_dict(), root.get_shard_from_optim_state_dict(full, optim=optim), nesting)
+    return True

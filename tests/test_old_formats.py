@@ -11,13 +11,12 @@ import os
 import shutil
 from pathlib import Path
 
-import _models as M
 import pytest
 import torch
-from _checks import assert_identical
+from _checks import assert_identical, loads_old_fixture_exactly
 from _dist import run_ranks
 
-from fsdp_optim import consolidate, load_sharded_optim_state, reshard
+from fsdp_optim import consolidate, reshard
 from fsdp_optim.cli import main as cli
 from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION
 from fsdp_optim.formats.sharded.locate import read_manifest
@@ -46,20 +45,10 @@ def test_old_format_fixtures_consolidate_exactly(tmp_path: Path, version: int) -
     assert_identical(full, _fixture_full(fixture), f"format {version} -> 3 (3 ranks) -> 3 (2 ranks)")
 
 
-def _load_fixture(rank: int, world_size: int, fixture: str) -> bool:
-    full = torch.load(os.path.join(fixture, "full.pt"), weights_only=True)
-    for nesting in ("deep", "shallow"):  # the saved layout (each rank reads its own file), and a re-cut
-        root = M.wrap(M.make_net(), nesting)
-        optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
-        M.train_step(root, optim, *M.local_batch(7, rank, world_size))  # a state that the load must replace
-        load_sharded_optim_state(root, optim, os.path.join(fixture, "ckpt"))
-        assert_identical(optim.state_dict(), root.get_shard_from_optim_state_dict(full, optim=optim), nesting)
-    return True
-
 
 @pytest.mark.parametrize("version", sorted(OLD))
 def test_old_format_fixtures_load_exactly_in_a_job(version: int) -> None:
-    assert all(run_ranks(_load_fixture, 2, str(OLD[version])))
+    assert all(run_ranks(loads_old_fixture_exactly, 2, str(OLD[version])))
 
 
 def test_inspect_names_the_format_version(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

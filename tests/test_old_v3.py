@@ -14,7 +14,7 @@ from typing import Any
 import _models as M
 import pytest
 import torch
-from _checks import assert_identical
+from _checks import assert_identical, loads_old_fixture_exactly
 from _dist import run_ranks
 
 import fsdp_optim
@@ -64,20 +64,10 @@ def test_v3_fixtures_consolidate_and_reshard_exactly(copied: Path) -> None:
         assert_identical(full, expected, f"{copied.name} {resharded}")
 
 
-def _load_optim(rank: int, world_size: int, fixture: str) -> bool:
-    full = torch.load(os.path.join(fixture, "full.pt"), weights_only=True)
-    for nesting in ("deep", "shallow"):  # the saved layout (each rank reads its own file), and a re-cut
-        root = M.wrap(M.make_net(), nesting)
-        optim = M.OPTIMIZERS["adam"](M.fsdp_param_groups(root))
-        M.train_step(root, optim, *M.local_batch(7, rank, world_size))  # a state that the load must replace
-        fsdp_optim.load_sharded_optim_state(root, optim, os.path.join(fixture, "ckpt"))
-        assert_identical(optim.state_dict(), root.get_shard_from_optim_state_dict(full, optim=optim), nesting)
-    return True
-
 
 def test_v3_optim_fixture_loads_exactly_in_a_job(tmp_path: Path) -> None:
     fixture = shutil.copytree(FIXTURES / "v3_adam_w2", tmp_path / "v3_adam_w2")
-    assert all(run_ranks(_load_optim, 2, str(fixture))), "a rank failed to load the format-3 fixture"
+    assert all(run_ranks(loads_old_fixture_exactly, 2, str(fixture))), "a rank failed to load the format-3 fixture"
 
 
 def _load_whole(rank: int, world_size: int, fixture: str) -> bool:
