@@ -22,10 +22,10 @@ import torch
 
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.formats.sharded.file_record import HEADER_KEY, FileRecord
-from fsdp_optim.formats.sharded.json_values import from_json, to_json
+from fsdp_optim.formats.sharded.legacy import TORCH_FILE_VERSION, unwrap
 from fsdp_optim.formats.sharded.manifest import LEGACY_MANIFEST_NAME, MANIFEST_NAME, shard_file_name
+from fsdp_optim.formats.sharded.manifest_json import from_json, to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.formats.sharded.torch_files import TORCH_FILE_VERSION, unwrap
 
 V1_MANIFEST = LEGACY_MANIFEST_NAME
 

@@ -29,10 +29,10 @@ from fsdp_optim import consolidate, load_sharded_optim_state, reshard, save_shar
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.plan import plan
 from fsdp_optim.formats.sharded.file_record import HEADER_KEY
+from fsdp_optim.formats.sharded.legacy import unwrap
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest, manifest_source
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.formats.sharded.torch_files import unwrap
 from fsdp_optim.formats.sharded.writer import write_shard_file
 
 

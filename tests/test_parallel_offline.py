@@ -167,8 +167,7 @@ def test_a_laid_out_file_filled_in_any_order_is_the_one_written_whole(big: Path,
     from fsdp_optim.core.dtypes import dtype_from_str
     from fsdp_optim.formats.sharded.ranged import finished_record, laid_out, lay_out_file, write_rank
     from fsdp_optim.formats.sharded.reader import open_checkpoint
-    from fsdp_optim.formats.sharded.streamed import streamed_parts
-    from fsdp_optim.formats.sharded.writer import write_shard_file
+    from fsdp_optim.formats.sharded.writer import streamed_parts, write_shard_file
     from fsdp_optim.offline.parallel.reshard import plan_reshard
     from fsdp_optim.offline.parallel.stretches import cut_piece
 

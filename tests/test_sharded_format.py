@@ -23,10 +23,9 @@ from safetensors import safe_open
 from fsdp_optim import consolidate, reshard
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.records import GroupRecord, state_entries
-from fsdp_optim.formats.sharded.json_values import from_json, to_json
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
-from fsdp_optim.formats.sharded.manifest_json import manifest_from_json, manifest_to_json
+from fsdp_optim.formats.sharded.manifest_json import from_json, manifest_from_json, manifest_to_json, to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES
 from fsdp_optim.formats.sharded.writer import write_all_or_nothing, write_shard_file

@@ -44,7 +44,7 @@ PAGE = resource.getpagesize()
 # entered from outside it; ("called_by_pkg", name) = a built-in's time when fsdp_optim called it.
 # The modules whose time each category counts (entered from outside them); tests/test_benchmarks_tree.py checks
 # that every path named here exists, so a moved module cannot silently read 0.
-MANIFEST = ("fsdp_optim/formats/sharded/manifest.py", "fsdp_optim/formats/sharded/manifest_json.py", "fsdp_optim/formats/sharded/json_values.py")
+MANIFEST = ("fsdp_optim/formats/sharded/manifest.py", "fsdp_optim/formats/sharded/manifest_json.py")
 CATEGORIES = (
     ("checksums (xxh3, core/checksums.py)", ("from", ("fsdp_optim/core/checksums.py",))),
     ("torch.save (pickle + write)", ("cum", "torch/serialization.py", "save")),

@@ -16,7 +16,7 @@ NOTES = (
     "The split is by bytes of all the output files together, cut on 64 KiB chunk boundaries (`core/split.py` "
     "`split_stream`): a rank file is written by every process whose share crosses it, each at its offsets, its "
     "chunks' digests into their header slots (`formats/sharded/ranged.py`); 2 -> 3 on 2 processes splits file 1.",
-    "The one-process run writes rank files one shard at a time (`formats/sharded/streamed.py`); each of the two "
+    "The one-process run writes rank files one shard at a time (`formats/sharded/writer.py`); each of the two "
     "processes writes pieces of at most 64 MiB, hashed as they are written (as one process does: neither reads "
     "back what it wrote).",
     "Bytes read are what each process's plan reads (`reshard.share_spans` of its share: chunk-widened ranges and "

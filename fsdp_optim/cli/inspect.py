@@ -34,7 +34,7 @@ def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
     import json
 
     from fsdp_optim.disk.text import escape
-    from fsdp_optim.formats.sharded.verification import LEFTOVER
+    from fsdp_optim.formats.sharded.steps import LEFTOVER
     from fsdp_optim.offline.verify import report_json, verify
 
     report = verify(args.path, allow_globals=args.allow_global, deep=args.deep, layout=args.layout,

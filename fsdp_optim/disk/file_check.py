@@ -1,6 +1,6 @@
 """One file's verdict, read end to end and never raised: present, of its size, its zip CRCs, then a format's read.
 
-Knows no format: a format's verification (:mod:`fsdp_optim.formats.sharded.verification`, the shard-set branch of
+Knows no format: a format's verification (:mod:`fsdp_optim.formats.sharded.steps`, the shard-set branch of
 :mod:`fsdp_optim.offline.verify`) passes the read that checks its own checksums. A damaged file is reported in a
 :class:`FileCheck` (``missing``, ``truncated: 3000 of 6985 bytes``, a checksum), collected into a
 :class:`Verification`.

@@ -1,7 +1,7 @@
 """The safetensors container, once for every format that uses it: its dtype names, its header written, and its
 header read back without trusting it.
 
-Rank files (:mod:`.sharded.safetensors_header`), named optimizer files (:mod:`.named_safetensors`) and Hugging
+Rank files (:mod:`.sharded.rank_file`), named optimizer files (:mod:`.named_safetensors`) and Hugging
 Face model files (:mod:`.hf_safetensors`) are all this container::
 
     <u64 n> {"__metadata__": {str: str, ...},

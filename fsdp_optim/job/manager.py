@@ -10,7 +10,7 @@
 Saving is :func:`fsdp_optim.save_checkpoint` into ``root/step-NNNNNNNN/`` (a collective, atomic: the manifest is
 written last); pruning runs on rank 0 alone after the save committed and removes only step directories that are
 ours (:mod:`fsdp_optim.formats.sharded.steps`). Finding the newest usable step verifies every file of each candidate
-(:func:`fsdp_optim.formats.sharded.verification.verify_sharded`, what :func:`fsdp_optim.verify` runs), newest first,
+(:func:`fsdp_optim.formats.sharded.steps.verify_sharded`, what :func:`fsdp_optim.verify` runs), newest first,
 skipping torn and damaged ones and saying why.
 """
 

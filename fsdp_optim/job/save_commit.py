@@ -29,9 +29,8 @@ from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.save import Begun, Save, saving
 from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.json_values import to_json
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME, Manifest
-from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
+from fsdp_optim.formats.sharded.manifest_json import manifest_to_json, to_json
 from fsdp_optim.formats.sharded.training import TrainingRecord
 from fsdp_optim.formats.sharded.writer import save_rules, write_shard_file
 from fsdp_optim.job.agreed import step

@@ -267,7 +267,7 @@ def describe_sharded(
     """A sharded checkpoint (its files present and sized first: ``damaged`` otherwise) or a layout file; a whole
     checkpoint's model, buffers and extra after the optimizer's lines."""
     if not layout:
-        from fsdp_optim.formats.sharded.verification import present_and_sized
+        from fsdp_optim.formats.sharded.steps import present_and_sized
 
         damaged = present_and_sized(path, manifest)  # the manifest read once
         if damaged:
@@ -285,7 +285,7 @@ def describe_any_rank_file(path: str | os.PathLike[str], raw: Mapping[str, Any] 
     file)."""
     if raw is None:
         from fsdp_optim.disk.untrusted import open_regular
-        from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
+        from fsdp_optim.formats.sharded.rank_file import read_rank_header
 
         fd, st = open_regular(Path(path))
         try:

@@ -15,8 +15,7 @@ from fsdp_optim.formats.sharded import recut
 from fsdp_optim.formats.sharded.byte_ranges import Span
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
-from fsdp_optim.formats.sharded.streamed import streamed_parts
-from fsdp_optim.formats.sharded.writer import RankParts, write_shard_file
+from fsdp_optim.formats.sharded.writer import RankParts, streamed_parts, write_shard_file
 from fsdp_optim.offline.whole import carry_side_files
 
 __all__ = ["planned_manifest", "fetched_from", "then_sides", "write_blocks", "write_ranks"]
@@ -54,7 +53,7 @@ def write_ranks(
     the_plan: Plan, target: Manifest, out: Path, after_unit: Progress, after_file: Callable[[Path], None] | None = None
 ) -> Manifest:
     """Cut and write every rank file of ``target`` into ``out``, one shard (a unit's state key) at a time, so memory
-    holds one shard, never a rank's state (:func:`~fsdp_optim.formats.sharded.streamed.streamed_parts`); return the
+    holds one shard, never a rank's state (:func:`~fsdp_optim.formats.sharded.writer.streamed_parts`); return the
     manifest (not yet written). ``after_unit`` after each shard, ``after_file(path)`` after each rank file."""
     final = planned_manifest(the_plan, target)
     records = []

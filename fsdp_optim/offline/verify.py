@@ -4,7 +4,7 @@
   manifest's, the header's checksum the manifest's, and every byte of state against its checksum (format 2:
   every chunk's; format 1: every zip record's CRC-32 and every unit's digest), and a whole checkpoint's side
   files against their digests, each file read once, into memory, and released
-  (:mod:`fsdp_optim.formats.sharded.verification`);
+  (:mod:`fsdp_optim.formats.sharded.steps`);
 - a fairseq/metaseq shard set: every ``-shard<r>.pt`` file of ranks 0..N-1 present, every zip record's
   CRC-32, each file readable (``weights_only``) with its optimizer state and FSDP metadata, and the set
   consistent (one save, one model);

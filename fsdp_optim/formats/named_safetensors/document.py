@@ -36,7 +36,7 @@ What each key means (a reader with only ``safetensors`` and ``json`` needs nothi
   saved at, which state keys are scalars).
 
 Values that JSON alone would blur are tagged as the sharded checkpoint's manifest tags them
-(:mod:`fsdp_optim.formats.sharded.json_values`): a tuple is ``{"$tuple": [...]}`` (``betas`` stays a tuple), a
+(:mod:`fsdp_optim.formats.sharded.manifest_json`): a tuple is ``{"$tuple": [...]}`` (``betas`` stays a tuple), a
 non-finite float ``{"$float": "inf"}``, a small tensor (a tensor learning rate) ``{"$tensor": {...}}``; finite
 floats, ints, bools, strings, lists and dicts with string keys are JSON's own, which Python reads back exactly.
 Anything else (an object, a dict keyed by ints) is refused by name. A Python scalar state (``step`` as a
@@ -72,7 +72,7 @@ from fsdp_optim.formats.safetensors_container import (
     TensorSpan,
     read_header,
 )
-from fsdp_optim.formats.sharded.json_values import JSONValue, from_json, to_json
+from fsdp_optim.formats.sharded.manifest_json import JSONValue, from_json, to_json
 
 FORMAT = "fsdp_optim.named_safetensors"
 VERSION = 3  # 2: a tensor entry's kind is "full" (1 wrote "sharded"); 3: a "whole" section (consolidate); all read
@@ -88,11 +88,11 @@ class FormatError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Exact JSON values: the sharded manifest's (formats/sharded/json_values.py), one encoding for both files
+# Exact JSON values: the sharded manifest's (formats/sharded/manifest_json.py), one encoding for both files
 
 
 def encode(value: object, where: str) -> JSONValue:
-    """``value`` as exact JSON (:func:`~fsdp_optim.formats.sharded.json_values.to_json`); ``ValueError`` naming
+    """``value`` as exact JSON (:func:`~fsdp_optim.formats.sharded.manifest_json.to_json`); ``ValueError`` naming
     ``where`` for what JSON cannot hold exactly."""
     return to_json(value, where)
 

@@ -1,8 +1,14 @@
-"""Format-1 rank files (torch files, read through the pickle gate): checked against the manifest, one unit at a time.
+"""Format 1: our torch files (``manifest.pt``, ``optim-...-rankNNNNN-of-NNNNN.pt``), read through the pickle gate.
 
-Never imports ``torch.distributed``. A format-1 rank file (:mod:`.torch_files`) holds
-``{HEADER_KEY: {...}, "unit_checksums": {flat: digest}, "state": {flat: {key: padded shard or scalar}}}``;
-each unit's digest is checked the first time the unit is read.
+Never imports ``torch.distributed``; only the tests still write them (``tests/_forge.py``). Every one starts with a
+checked header; a format-1 manifest is ``{HEADER_KEY: {"kind": "manifest", "version": 1, "checksum": ...}, "body":
+body}`` (the checksum covers header and body; :func:`unwrap`). A rank file, checked against the manifest, one unit
+at a time (each unit's digest the first time it is read)::
+
+    {"fsdp_optim_checkpoint": {"kind": "shard", "version": 1, "save_id": ..., "rank": 0, "world_size": 2,
+                               "checksum": "sha256:..."},       # digest of the header and unit_checksums
+     "unit_checksums": {flat_index: "sha256:..."},              # digest of state[flat_index]
+     "state": {flat_index: {"exp_avg": Tensor[shard_numel], "step": tensor(3.)}}}
 """
 
 from __future__ import annotations
@@ -17,15 +23,62 @@ from fsdp_optim.core.checksums import digest_matches
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.intervals import ShardIndex
+from fsdp_optim.core.preconditions import check_version
 from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import check_stored_bytes
-from fsdp_optim.formats.sharded.file_record import FileRecord
+from fsdp_optim.formats.sharded.file_record import HEADER_KEY, FileRecord
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.rank_file import open_recorded
-from fsdp_optim.formats.sharded.torch_files import check_checksum, read_torch_header
 
-__all__ = ["LegacyRankFile"]
+__all__ = ["TORCH_FILE_VERSION", "LegacyRankFile", "check_checksum", "read_torch_header", "unwrap"]
+
+TORCH_FILE_VERSION = 1  # the version in the header of the torch files of format 1 (and of layout files)
+
+
+def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
+    """Check a wrapped torch file's content (a format-1 manifest, a layout file) read from ``source``; return
+    ``(header, body)``."""
+    header, checksum = read_torch_header(obj, kind, source=source, covered="body")
+    check_checksum(header, checksum, obj["body"], source=source)
+    return header, obj["body"]
+
+
+def read_torch_header(
+    obj: Any, kind: str, *, source: str, covered: str, what: str | None = None
+) -> tuple[dict[str, Any], Any]:
+    """The checked header of a file we wrote (kind and version; not yet the checksum): ``(header, checksum)``.
+
+    ``covered`` is the key whose value the header's checksum covers besides the header itself.
+    """
+    what = what or f"fsdp_optim {kind} file"
+    if not isinstance(obj, Mapping) or not isinstance(obj.get(HEADER_KEY), Mapping) or covered not in obj:
+        raise ValueError(f"{source}: expected an {what}, found {_describe(obj)}")
+    header = dict(obj[HEADER_KEY])
+    if header.get("kind") != kind:
+        raise ValueError(f"{source}: expected an {what}, found a {header.get('kind')!r} file")
+    check_version(header.get("version"), source, TORCH_FILE_VERSION)
+    return header, header.pop("checksum", None)
+
+
+def _describe(obj: object) -> str:
+    """What a file that is not ours holds, in the user's terms (a key list only for the unknown)."""
+    if isinstance(obj, Mapping) and {"state", "param_groups"} <= set(obj):
+        if "param_id_map" in obj:
+            kind = "a fairscale-native dict (from fairscale's gather_full_optim_state_dict; convert it with a layout)"
+        elif "param_names" in obj:
+            kind = "already a full dict (what gather_full_optim_state_dict and consolidate write)"
+        else:
+            kind = "a plain optimizer state dict"
+        return f"{kind} with keys ({', '.join(repr(str(k)) for k in obj)})"
+    return str(sorted(map(str, obj))) if isinstance(obj, Mapping) else type(obj).__name__
+
+
+def check_checksum(header: Mapping[str, Any], checksum: object, covered: object, *, source: str) -> None:
+    """Refuse a file whose header checksum does not cover its header and ``covered`` value."""
+    if not digest_matches([dict(header), covered], checksum):
+        raise ValueError(f"{source}: checksum mismatch in the file header (file is corrupt or was modified)")
+
 
 
 def _declared_bytes(manifest: Manifest, shards: ShardIndex) -> int:

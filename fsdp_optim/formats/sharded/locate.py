@@ -14,6 +14,7 @@ from fsdp_optim.disk.location import Location, base_name, non_objects, present
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.formats.sharded.legacy import read_torch_header, unwrap
 from fsdp_optim.formats.sharded.manifest import (
     LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,
@@ -21,7 +22,6 @@ from fsdp_optim.formats.sharded.manifest import (
     Manifest,
 )
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json
-from fsdp_optim.formats.sharded.torch_files import read_torch_header, unwrap
 
 __all__ = [
     "checkpoint_dir",

@@ -13,7 +13,7 @@ version; no pickle anywhere)::
       optim-3f2a9c1b0d4e-rank00001-of-00002.safetensors
 
 ``manifest.json`` is ``{"fsdp_optim_checkpoint": {"kind": "manifest", "version": 3, "checksum": ...},
-"body": Manifest.to_dict()}`` in exact JSON (:mod:`.json_values`: tuples, tensors and non-finite floats
+"body": Manifest.to_dict()}`` in exact JSON (:mod:`.manifest_json`: tuples, tensors and non-finite floats
 tagged, so every value reads back with its type and bits), the checksum covering the body's canonical
 JSON text. Its size grows with units + parameters + ranks, never with units x ranks: nothing in it is
 per (unit, rank). A rank file is a safetensors file (:mod:`.rank_file`) whose header's digest is the
@@ -24,11 +24,11 @@ per unit per rank would grow every rank file's header and duplicate them.
 
 Format 2 (the same files; its manifest lists, per rank file, ``"segments"`` with their chunk checksums,
 and per unit ``"padding"`` per rank) and format 1 (``manifest.pt`` and ``optim-...-rankNNNNN-of-NNNNN.pt``
-torch files, :mod:`.torch_files`) stay readable; a directory holding both manifests is read through
+torch files, :mod:`.legacy`) stay readable; a directory holding both manifests is read through
 ``manifest.json`` (a save over a format-1 checkpoint removes ``manifest.pt`` after its commit).
 
 The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by
-:func:`~fsdp_optim.formats.sharded.torch_files.unwrap`)::
+:func:`~fsdp_optim.formats.sharded.legacy.unwrap`)::
 
     {"version": 3, "save_id": "3f2a9c1b0d4e...", "optimizer": "Adam", "world_size": 2,
      "param_order": ["embed.weight", ...],             # the unwrapped model's named_parameters() order

@@ -34,10 +34,10 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.disk.hashed_write import HashingWriter
 from fsdp_optim.disk.json_input import loads
+from fsdp_optim.formats.safetensors_container import encode_header
 from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
 from fsdp_optim.formats.sharded.manifest import Manifest, shard_file_name
-from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces
-from fsdp_optim.formats.sharded.safetensors_header import encode_rank_header, read_rank_header
+from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces, read_rank_header
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
 
 __all__ = ["DIGEST_PLACEHOLDER", "LaidOutFile", "TensorPlace", "finished_record", "lay_out_file", "laid_out",
@@ -92,7 +92,8 @@ def rank_layout(
     """The layout of a rank file with header ``metadata`` whose tensor ``t`` holds ``sizes[t]`` elements (in order)."""
     per = {t: chunk_elements(dtype_from_str(t, where="state"), chunk_bytes) for t in sizes}
     text = json.dumps({t: [DIGEST_PLACEHOLDER] * -(-n // per[t]) for t, n in sizes.items()}, separators=(",", ":"))
-    header = encode_rank_header({**metadata, "chunk_bytes": str(chunk_bytes), "checksums": text}, sizes)
+    meta = {**metadata, "chunk_bytes": str(chunk_bytes), "checksums": text}  # data 8-byte aligned, as safetensors
+    header = encode_header(meta, ((t, dtype_from_str(t, where="state"), (n,)) for t, n in sizes.items()))
     slots = _slots(header)
     tensors, at, k = [], len(header), 0
     for t, n in sizes.items():

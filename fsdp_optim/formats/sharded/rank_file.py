@@ -1,39 +1,39 @@
-"""Rank files (formats 2 and 3): safetensors files written as a stream, read by byte range from any source.
+"""Rank files (formats 2 and 3): safetensors files, their header checked, read by byte range from any source.
 
-A format-3 rank file (see :mod:`.segments` for where each shard lies in it)::
+A format-3 rank file (see :mod:`.segments` for where each shard lies in it; the container itself, its dtype names,
+bounds and tiling, is :mod:`fsdp_optim.formats.safetensors_container`)::
 
     <u64 n> {"__metadata__": {"format": "fsdp_optim", "kind": "shard", "version": "3", "save_id": "3f2a...",
                               "rank": "0", "world_size": "2", "chunk_bytes": "65536",
                               "checksums": "{\"float32\": [\"xxh3-128:...\", ...]}"},    # JSON in a string
              "float32": {"dtype": "F32", "shape": [184], "data_offsets": [0, 736]}, ...}   <data>
 
-one 1-D tensor per dtype; the manifest records the digest of the header (which covers the chunk checksums)
-and the file's size. Any safetensors reader opens it (``safetensors.safe_open(path, framework="pt")``). We
-write it ourselves, streaming each shard's bytes straight from the optimizer's tensors:
-``safetensors.torch.save_file`` takes a dict of whole tensors, which would cost a copy of the rank's state
-to concatenate them. A format-2 file is the same without ``chunk_bytes`` and ``checksums`` (its manifest
-lists them per segment). The one writer is :func:`~.ranged.write_rank`; this module reads.
+one 1-D tensor per dtype, named by it; the manifest records the digest of the header (which covers the chunk
+checksums) and the file's size. Any safetensors reader opens it. A format-2 file is the same without
+``chunk_bytes`` and ``checksums`` (its manifest lists them per segment). The one writer is
+:func:`~.ranged.write_rank`; this module reads.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from fsdp_optim.core.checksums import stream_chunk_digests
-from fsdp_optim.core.dtypes import dtype_from_str
+from fsdp_optim.core.checksums import digest, stream_chunk_digests
+from fsdp_optim.core.dtypes import dtype_from_str, dtype_to_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.text import escape
+from fsdp_optim.formats.safetensors_container import DTYPE_NAMES, HeaderError, HeaderRules, read_header
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.safetensors_header import Header, read_rank_header
 from fsdp_optim.formats.sharded.segments import (
     Grid,
     Placement,
@@ -46,22 +46,50 @@ from fsdp_optim.formats.sharded.segments import (
 )
 from fsdp_optim.formats.sharded.sources import ByteSource, MapSource, StoreSource
 
-__all__ = [
-    "FileLayout",
-    "Pieces",
-    "RankFile",
-    "host_pieces",
-    "open_recorded",
-]
+__all__ = ["FileLayout", "Header", "Pieces", "RankFile", "host_pieces", "open_recorded", "read_rank_header"]
 
 _WRITE_BYTES = 8 << 20  # bytes per write call
 FileLayout = tuple[Mapping[tuple[int, str], tuple[str, int, int]], Mapping[str, int]]  # segments.file_layout's
 
 
+def _rank_entry(at: str, name: str, dtype: str, shape: list[int]) -> None:
+    """A rank file's tensor is named by its dtype and one-dimensional."""
+    wanted = next((st for dt, st in DTYPE_NAMES.items() if dtype_to_str(dt) == name), None)
+    if dtype != wanted:
+        expected = repr(wanted) if wanted else "the dtype it is named by"
+        raise HeaderError(f"{at}: dtype {escape(repr(dtype), limit=40)}, expected {expected}")
+    if len(shape) != 1:
+        raise HeaderError(f"{at}: shape {escape(repr(shape), limit=80)}, expected [n] (one non-negative int)")
+
+
+# A rank file's header holds one entry per dtype and, in format 3, its chunk checksums (~48 bytes per 64 KiB
+# chunk: 0.07 % of the data); bounded by 1 MiB + 1/256 of the file, and by safetensors' own 100 MB.
+RANK_HEADER_RULES = HeaderRules(1 << 20, 256, "1 MiB + 1/256 of the file", _rank_entry)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A checked rank-file header: metadata, ``{name: (dtype name, numel, byte offset in the file)}``, digest."""
+
+    metadata: Mapping[str, str]
+    tensors: Mapping[str, tuple[str, int, int]]
+    checksum: str
+
+
+def read_rank_header(fd: int | Callable[[int, int], bytes], size: int, where: str) -> Header:
+    """The checked header of the rank file open as ``fd`` (``size`` bytes long; or read by ``pread(count, offset)``):
+    a ``ValueError`` naming the file, what was expected and what was found."""
+    try:
+        header = read_header(fd, size, where, RANK_HEADER_RULES)
+    except HeaderError as exc:
+        raise ValueError(str(exc)) from None  # what a rank file's readers refuse with
+    tensors = {name: (name, span.shape[0], span.start) for name, span in header.tensors.items()}
+    return Header(header.metadata, tensors, digest(header.text))
+
+
+# pieces(parts): the bytes of the 1-D tensors parts, in order, as CPU uint8 tensors, each valid only until the next
+# is asked for (a staging ring may reuse its memory); a job hands the writer its stager's (fsdp_optim.job.stager).
 Pieces = Callable[[Sequence[torch.Tensor]], Iterator[torch.Tensor]]
-"""``pieces(parts)``: the bytes of the 1-D tensors ``parts``, in order, as CPU ``uint8`` tensors; each valid only
-until the next is asked for (a staging ring may reuse its memory then). :func:`host_pieces` serves tensors already
-in host memory; a job hands the writer its device-to-host stager's (:mod:`fsdp_optim.job.stager`)."""
 
 
 def host_pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -74,19 +102,15 @@ def host_pieces(parts: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 
 class RankFile:
-    """One rank file of a checkpoint (format 2 or 3), opened on first use: its bytes' source, its header checked
-    against the manifest, its chunk grids. The one reader of rank files, whatever holds their bytes (a mapped local
-    file, a store's ranged reads, pieces received or fetched ahead: :mod:`.sources`); every byte it hands out was
-    hashed first, at the granularity of the chunk grid that guards it (:class:`~.segments.Grid`), so a range read
-    hashes at most one chunk more on each side than it copies. ``layout``: where the manifest's units put each
-    shard in every format-3 file (``segments.file_layout``), computed once per checkpoint; unused for format 2,
-    whose manifest lists each file's segments."""
+    """One rank file (format 2 or 3), opened on first use: the one reader of rank files, whatever holds their bytes
+    (:mod:`.sources`). Every byte it hands out was hashed first, chunk by chunk of the grid that guards it, so a
+    range read hashes at most one chunk more on each side than it copies. ``layout``: format 3's
+    ``segments.file_layout``, once per checkpoint (format 2's manifest lists each file's segments). ``mapped``: the
+    local directory holding ``directory``'s objects, mapped in place; ``None``: read by byte ranges."""
 
     def __init__(
         self, directory: Location, record: FileRecord, manifest: Manifest, layout: FileLayout, *, mapped: Path | None
     ) -> None:
-        """``mapped``: the local directory holding ``directory``'s objects as files, which are mapped in place;
-        ``None``: read by byte ranges (:meth:`~fsdp_optim.disk.location.Location.read_into`)."""
         self.directory = directory
         self.mapped = mapped
         self.path: Path | ObjectPath = directory / record.file  # as messages name it
@@ -110,7 +134,6 @@ class RankFile:
         return self.header
 
     def _opened(self) -> tuple[ByteSource, Header]:
-        """The file's bytes and its header, their errors saying what the manifest knows: the file's rank and size."""
         if self.provided is not None:
             return _headed(self.provided(), self.path)
         if self.mapped is None:
@@ -260,9 +283,8 @@ class RankFile:
         self._verify(g, g.origin, [out])
 
     def read_chunks(self, tensor: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Format 3: elements ``[lo, hi)`` of ``tensor`` read into ``out`` (contiguous: e.g. a staging slot), not
-        verified yet (:meth:`check_chunks` does, on ``out``): ``lo`` starts a chunk and ``hi`` ends one (or the
-        tensor). Nothing is mapped."""
+        """Format 3: elements ``[lo, hi)`` (whole chunks) of ``tensor`` read into ``out`` (e.g. a staging slot),
+        nothing mapped, not verified yet (:meth:`check_chunks` does, on ``out``)."""
         self.open()
         g, per = self.grids[tensor], self._dtype(tensor)[2]
         whole = (lo - g.origin) % per == 0 and (hi == g.end or (hi - g.origin) % per == 0)
@@ -332,8 +354,7 @@ T = TypeVar("T")
 
 
 def _store_source(directory: Location, record: FileRecord, path: Path | ObjectPath) -> StoreSource:
-    """The rank file ``record`` names in ``directory``, read by ranges (one size query), its errors saying what the
-    manifest knows, as :func:`open_recorded` does for a mapped file."""
+    """The rank file ``record`` names, read by ranges; errors as :func:`open_recorded`'s."""
     size = directory.size(record.file)
     if size is None:
         raise FileNotFoundError(
@@ -353,7 +374,6 @@ def _truncated(path: Path | ObjectPath, record: FileRecord, exc: ValueError, siz
 
 
 def _headed(source: ByteSource, path: Path | ObjectPath) -> tuple[ByteSource, Header]:
-    """``source`` and the checked safetensors header of the rank file it holds."""
     return source, read_rank_header(source.pread, source.size, str(path))
 
 

@@ -9,7 +9,7 @@ bytes before any of it is parsed (side files are small: loop state and buffers, 
 
 ``extra`` is any tree of dicts (``str`` keys), lists, tuples, JSON scalars and tensors: tensors become
 ``{"$extra": k}`` in the JSON and tensor ``extra/<k>`` in the file; the rest is the manifest's exact JSON
-(:mod:`.json_values`: tuples, non-finite floats and ``$``-keys tagged), so every value comes back with its type.
+(:mod:`.manifest_json`: tuples, non-finite floats and ``$``-keys tagged), so every value comes back with its type.
 Nesting is bounded by :data:`MAX_DEPTH`.
 """
 
@@ -31,7 +31,7 @@ from fsdp_optim.disk.json_input import loads
 from fsdp_optim.disk.location import Location, Where, non_objects
 from fsdp_optim.formats.safetensors_container import DTYPE_NAMES, encode_header
 from fsdp_optim.formats.sharded.file_record import FileRecord
-from fsdp_optim.formats.sharded.json_values import from_json, to_json
+from fsdp_optim.formats.sharded.manifest_json import from_json, to_json
 from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces
 from fsdp_optim.formats.sharded.training import TrainingRecord, side_file_name
 

@@ -16,14 +16,17 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
+from fsdp_optim.core.execute import cut_rank, restrict
+from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
+from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
 from fsdp_optim.disk.byte_io import ByteIO, read_all
 from fsdp_optim.disk.errors import StoreUnavailable
@@ -45,13 +48,14 @@ from fsdp_optim.formats.sharded.manifest import (
 from fsdp_optim.formats.sharded.manifest_json import MAX_MANIFEST_BYTES, manifest_from_json, manifest_to_json
 from fsdp_optim.formats.sharded.ranged import rank_layout, shard_metadata, write_rank
 from fsdp_optim.formats.sharded.rank_file import Pieces, host_pieces
-from fsdp_optim.formats.sharded.segments import plan_segments
+from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards, plan_segments
 from fsdp_optim.formats.sharded.training import side_file_name
 
 __all__ = [
     "CHECKPOINT",
     "RankParts",
     "save_rules",
+    "streamed_parts",
     "write_all_or_nothing",
     "write_manifest",
     "write_shard_file",
@@ -176,7 +180,7 @@ def _journaled(entry: JournalEntry) -> tuple[str | None, int | None]:
 class RankParts:
     """A rank's tensors as its file holds them: tensor ``name`` is the concatenation of ``parts[name]`` (1-D, in
     ``segments.file_layout`` order, ``sizes[name]`` elements in all; a part may be made only when the writer asks
-    for it, as :func:`~.streamed.streamed_parts` does)."""
+    for it, as :func:`streamed_parts` does)."""
 
     parts: Mapping[str, Sequence[torch.Tensor]]
     sizes: Mapping[str, int]
@@ -191,6 +195,47 @@ class RankParts:
     def of_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> RankParts:
         """Shards already laid out as the file holds them: ``{dtype name: 1-D tensor}`` (what a block re-cut builds)."""
         return cls({k: [v] for k, v in tensors.items()}, {k: v.numel() for k, v in tensors.items()})
+
+
+class _Shards(Sequence[torch.Tensor]):
+    """The shards of one tensor of output rank ``rank``, each cut when asked for (``after`` runs after each)."""
+
+    def __init__(self, the_plan: Plan, rank: int, keys: list[tuple[int, str]], after: Callable[[], None]) -> None:
+        self.plan, self.rank, self.keys, self.after = the_plan, rank, keys, after
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[torch.Tensor]: ...
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        flat, key = self.keys[i]
+        shard = cut_rank(restrict(self.plan, flat, key), self.rank)[flat][key]
+        self.after()
+        return shard
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[k] for k in range(len(self)))
+
+
+def streamed_parts(the_plan: Plan, final: Manifest, rank: int, *, after_shard: Callable[[], None]) -> RankParts:
+    """Output rank ``rank`` of ``final`` (``the_plan``'s target), the same bytes as for the rank's whole state, each
+    ``(unit, state key)`` shard cut only when the writer reaches it and dropped once written: memory holds one shard
+    of one unit, never the rank's whole state. ``after_shard`` runs after each cut (to release the source's
+    mappings)::
+
+        output rank 1, tensors float32 = [u0/exp_avg | u0/exp_avg_sq | u2/exp_avg ...], bfloat16 = [u0/@param ...]
+        each | ... | cut from the source's ranges, hashed into its chunks, written, released
+    """
+    where, sizes = file_layout(manifest_shards(final.flat_params, ShardIndex.of(final.flat_params)))
+    keys: dict[str, list[tuple[int, str]]] = {name: [] for name in sizes}
+    for (flat, key), (tensor, _, _) in sorted(where.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        keys[tensor].append((flat, key))
+    return RankParts({name: _Shards(the_plan, rank, keys[name], after_shard) for name in sizes}, sizes)
 
 
 def write_shard_file(

@@ -61,7 +61,7 @@ class OpenedCheckpoint(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        from fsdp_optim.formats.sharded.verification import verify_sharded  # (verify's checks: imported by it alone)
+        from fsdp_optim.formats.sharded.steps import verify_sharded  # (verify's checks: imported by it alone)
 
         return verify_sharded(path)
 

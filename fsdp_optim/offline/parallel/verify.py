@@ -10,14 +10,14 @@ from dataclasses import replace
 from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.disk.file_check import FileCheck, Verification
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.formats.sharded.verification import verify_sharded
+from fsdp_optim.formats.sharded.steps import verify_sharded
 from fsdp_optim.job.team import Team
 
 __all__ = ["verify_across"]
 
 
 def verify_across(team: Team, path: str | os.PathLike[str]) -> Verification:
-    """:func:`~fsdp_optim.formats.sharded.verification.verify_sharded` of ``path`` split across ``team``; the whole
+    """:func:`~fsdp_optim.formats.sharded.steps.verify_sharded` of ``path`` split across ``team``; the whole
     report on every process."""
     manifest = open_checkpoint(path).manifest
     files = [*manifest.files, *(manifest.training.files if manifest.training is not None else ())]
