@@ -38,7 +38,7 @@ DEAD = (
     ("fsdp_optim/formats/sharded/writer.py", "begin_write"),
     ("fsdp_optim/formats/sharded/writer.py", "end_write"),
     ("fsdp_optim/offline/publish.py", "publish_checkpoint"),
-    ("fsdp_optim/formats/sharded/streamed.py", "rank_file_bytes"),
+    ("fsdp_optim/formats/sharded/writer.py", "rank_file_bytes"),
     ("fsdp_optim/formats/fullstate.py", "saved_optimizer"),
 )
 
