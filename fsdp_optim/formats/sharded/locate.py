@@ -36,9 +36,8 @@ __all__ = [
 
 
 def checkpoint_dir(path: str | os.PathLike[str] | Location) -> Location:
-    """The location of a sharded checkpoint given its directory (a store's prefix) or its manifest: what every
-    reader of it holds (a location given as one stays itself: its own reads, such as the memory tier's prefetch
-    from peers, are kept)."""
+    """The location of a sharded checkpoint given its directory (a store's prefix) or its manifest (a location given
+    as one stays itself: its own reads, such as the memory tier's prefetch from peers, are kept)."""
     return checkpoint_location(where(path))
 
 
@@ -53,8 +52,7 @@ def _names_manifest(place: Location) -> bool:
 
 
 def _holds(place: Location, name: str) -> bool:
-    """Whether ``place`` has an entry ``name``: an object, or another kind of entry (a symlink, a directory: refused
-    saying what it is when it is read)."""
+    """Whether ``place`` has an entry ``name`` (an object, or a symlink or directory, refused when read)."""
     try:
         return place.size(name) is not None or name in non_objects(place)
     except NotADirectoryError:  # a file, not a place holding entries
@@ -62,8 +60,8 @@ def _holds(place: Location, name: str) -> bool:
 
 
 def manifest_file(directory: Path) -> Path | None:
-    """The manifest of the checkpoint in ``directory``: ``manifest.json`` (formats 2, 3), else ``manifest.pt`` (1)."""
-    # lexists: a manifest that is not a regular file is refused saying so when it is read.
+    """The manifest in ``directory``: ``manifest.json`` (formats 2, 3), else ``manifest.pt`` (1); lexists: one that
+    is not a regular file is refused saying so when it is read."""
     return next((directory / n for n in MANIFEST_NAMES if os.path.lexists(directory / n)), None)
 
 
@@ -80,12 +78,9 @@ def _is_sharded(place: Location) -> bool:
 
 
 def source_kind(path: str | os.PathLike[str] | Location) -> str:
-    """What a source path is: ``"sharded"`` (a checkpoint directory or its manifest) or ``"file"`` (one object,
-    which its readers take whole).
-
-    Raises ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory (a prefix holding objects) without
-    a manifest.
-    """
+    """``"sharded"`` (a checkpoint directory or its manifest) or ``"file"`` (one object, read whole);
+    ``FileNotFoundError`` for nothing there, ``ValueError`` for a directory (a prefix holding objects) without a
+    manifest."""
     place = where(path)
     if _is_sharded(place):
         return "sharded"
@@ -122,9 +117,8 @@ def read_manifest(path: str | os.PathLike[str] | Location) -> Manifest:
 
 
 def manifest_at(place: Location) -> Manifest:
-    """:func:`read_manifest` of a location already resolved."""
-    # A capability, not a backend: where the objects are local files, a manifest is read as one (format 1's torch
-    # file, a layout file of any name, never followed through a symlink); elsewhere it is read as bytes.
+    """:func:`read_manifest` of a location already resolved: where the objects are local files, a manifest is read as
+    one (format 1's torch file, a layout file of any name, never followed through a symlink); elsewhere as bytes."""
     local = place.local_path()
     if local is None:
         return _read_remote_manifest(checkpoint_location(place))
@@ -164,7 +158,7 @@ def is_json_manifest(path: str | os.PathLike[str]) -> bool:
 
 
 def _starts_with_brace(file: Path) -> bool:
-    """Whether a regular file's first byte is ``{`` (JSON; a torch file starts with a zip header)."""
+    """Whether a regular file's first byte is ``{`` (a torch file starts with a zip header)."""
     try:
         fd, _ = open_regular(file)
     except (OSError, ValueError):

@@ -1,34 +1,20 @@
-"""Typed, versioned records of a sharded optimizer checkpoint on disk, and their plain-dict form.
+"""Typed, versioned records of a sharded optimizer checkpoint, and their plain-dict form. Pure: no file access.
 
-Pure: no file access, no ``torch.distributed``. Everything a record turns into is a plain dict of
-``str``/``int``/``float``/``bool``/``None``/lists/tuples/tensors, so that ``torch.load(..., weights_only=True)``
-reads it back; dtypes are stored as strings (``"float32"``).
-
-A sharded checkpoint directory holds one manifest and one file per rank. Format 3 (written since this
-version; no pickle anywhere)::
+A checkpoint directory holds one manifest and one file per rank. Format 3 (no pickle anywhere)::
 
     ckpt/
       manifest.json                                  # written last, atomically: the checkpoint exists once it does
       optim-3f2a9c1b0d4e-rank00000-of-00002.safetensors
       optim-3f2a9c1b0d4e-rank00001-of-00002.safetensors
 
-``manifest.json`` is ``{"fsdp_optim_checkpoint": {"kind": "manifest", "version": 3, "checksum": ...},
-"body": Manifest.to_dict()}`` in exact JSON (:mod:`.manifest_json`: tuples, tensors and non-finite floats
-tagged, so every value reads back with its type and bits), the checksum covering the body's canonical
-JSON text. Its size grows with units + parameters + ranks, never with units x ranks: nothing in it is
-per (unit, rank). A rank file is a safetensors file (:mod:`.rank_file`) whose header's digest is the
-file's ``"checksum"``; where each shard lies in it follows from the units (:mod:`.segments`), and its
-chunk checksums are in its own header. Scalar states (``step``, ...) live in the manifest only: they are
-tiny, shared by every rank (a save checks that the ranks agree), and exact in JSON, where a 0-dim tensor
-per unit per rank would grow every rank file's header and duplicate them.
+``manifest.json`` holds ``Manifest.to_dict()`` in exact JSON (:mod:`.manifest_json`). Its size grows with units +
+parameters + ranks, never with units x ranks. A rank file (:mod:`.rank_file`) is recorded by its header's digest;
+where each shard lies in it follows from the units (:mod:`.segments`). Scalar states (``step``, ...) live in the
+manifest only: tiny, shared by every rank (a save checks that the ranks agree), and exact in JSON. Format 2 (its
+manifest lists each file's ``"segments"`` and each unit's ``"padding"`` per rank) and format 1 (``manifest.pt`` and
+torch files, :mod:`.legacy`) stay readable; a directory holding both manifests is read through ``manifest.json``.
 
-Format 2 (the same files; its manifest lists, per rank file, ``"segments"`` with their chunk checksums,
-and per unit ``"padding"`` per rank) and format 1 (``manifest.pt`` and ``optim-...-rankNNNNN-of-NNNNN.pt``
-torch files, :mod:`.legacy`) stay readable; a directory holding both manifests is read through
-``manifest.json`` (a save over a format-1 checkpoint removes ``manifest.pt`` after its commit).
-
-The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by
-:func:`~fsdp_optim.formats.sharded.legacy.unwrap`)::
+The manifest (``Manifest.to_dict()``)::
 
     {"version": 3, "save_id": "3f2a9c1b0d4e...", "optimizer": "Adam", "world_size": 2,
      "param_order": ["embed.weight", ...],             # the unwrapped model's named_parameters() order
@@ -45,9 +31,7 @@ The manifest (``Manifest.to_dict()``; format 1 wrapped with a checksum by
                 "bytes": 4711}],
      "chunk_bytes": 65536}                             # formats 2, 3
 
-Checksums are content digests (:func:`fsdp_optim.core.checksums.digest`, xxh3-128; SHA-256 in files of earlier
-versions): tensors contribute dtype, shape and raw bytes, other values their type and ``repr``. A unit's digest is
-checked when that unit is read, so a reader that processes one unit at a time never has to touch a whole file first.
+Checksums are content digests (:func:`fsdp_optim.core.checksums.digest`, xxh3-128; SHA-256 in earlier formats).
 """
 
 from __future__ import annotations
@@ -82,10 +66,6 @@ MANIFEST_NAMES = (MANIFEST_NAME, LEGACY_MANIFEST_NAME)  # in order of precedence
 def shard_file_name(save_id: str, rank: int, world_size: int, *, version: int = CHECKPOINT_VERSION) -> str:
     suffix = "safetensors" if version >= 2 else "pt"
     return f"optim-{save_id[:12]}-rank{rank:05d}-of-{world_size:05d}.{suffix}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Records
 
 
 @dataclass(frozen=True)

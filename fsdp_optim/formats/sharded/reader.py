@@ -1,11 +1,6 @@
 """:class:`ShardedCheckpoint`: a sharded checkpoint opened for reading (:func:`open_checkpoint`), its manifest verified,
-its rank files opened lazily, each read by the one reader of its format: :class:`~.rank_file.RankFile` (formats 2 and
-3, safetensors, no pickle), :class:`~.legacy.LegacyRankFile` (format 1's torch files, through the gate of
-:mod:`fsdp_optim.disk.untrusted`). Never imports ``torch.distributed``.
-
-Units are handed out one at a time, read in place; the pages touched are released whenever they exceed
-``max_mapped_bytes``, so a consumer that copies what it needs keeps its resident memory near its own output plus
-that bound.
+its rank files opened lazily, each read by the reader of its format: :class:`~.rank_file.RankFile` (formats 2, 3),
+:class:`~.legacy.LegacyRankFile` (format 1's torch files). Never imports ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -44,22 +39,18 @@ def open_checkpoint(
     path: str | os.PathLike[str] | Location, *, lazy: bool = True, max_mapped_bytes: int = DEFAULT_MAPPED_BYTES
 ) -> ShardedCheckpoint:
     """The sharded checkpoint at ``path`` (its directory or manifest, a URL, a :class:`Location`) opened for reading:
-    the one way every reader opens one (loads, the memory tier's restore, verification, the offline tools).
-
-    ``lazy`` (the default): no rank file is opened yet, each reader opens those it reads (a job's rank its own at
-    the saved layout); ``lazy=False`` opens and checks every rank file first (the offline tools, which read them
-    all). ``max_mapped_bytes``: see :class:`ShardedCheckpoint`."""
+    the one way every reader opens one. ``lazy`` (the default): each reader opens the rank files it reads (a job's
+    rank its own at the saved layout); ``lazy=False`` opens and checks every rank file first (the offline tools,
+    which read them all), before anything is planned or allocated: the manifest's shapes then cannot make a reader
+    allocate more than the rank files really hold."""
     return ShardedCheckpoint(where(path), lazy=lazy, max_mapped_bytes=max_mapped_bytes)
 
 
 class ShardedCheckpoint:
-    """A sharded checkpoint directory opened for reading: its verified manifest and lazy rank files.
-
-    Read one unit at a time with :meth:`unit` (or :meth:`copy_range`), copy what you keep, and call
-    :meth:`trim` between units: mapped pages are dropped once they exceed ``max_mapped_bytes``. In
-    formats 2 and 3, :meth:`copy_range` reads only the chunks of the rank files that the range touches,
-    verifying each before it copies from it straight into the destination.
-    """
+    """A sharded checkpoint opened for reading: its verified manifest and lazy rank files. Read one unit at a time
+    (:meth:`unit`, :meth:`copy_range`: only the chunks a range touches, each verified), copy what you keep, and call
+    :meth:`trim` between units: mapped pages are dropped once they exceed ``max_mapped_bytes``, so a consumer's
+    resident memory stays near its own output plus that bound."""
 
     def __init__(
         self,
@@ -95,27 +86,16 @@ class ShardedCheckpoint:
         }
         self._mapped = 0  # bytes read in place since the last trim
         if not lazy:
-            self.open_all()
-
-    def open_all(self) -> None:
-        """Map every rank file and check its header and size against the manifest (no unit is read yet).
-
-        Done before anything is planned or allocated, unless ``lazy=True``: the manifest's shapes then
-        cannot make a reader allocate more than the rank files really hold. A job opens lazily: its own
-        file at the saved layout (:meth:`load_rank`), else the files its plan reads (:meth:`open_ranks`).
-        """
-        self.open_ranks(self._files)
+            self.open_ranks(self._files)
 
     def open_ranks(self, ranks: Iterable[int]) -> None:
-        """:meth:`open_all` for rank files ``ranks`` only: those a plan reads (``core.plan.saved_ranks``)."""
+        """Open rank files ``ranks`` (those a plan reads), each header and size checked against the manifest."""
         for rank in ranks:
             self._files[rank].open()
 
     def provide(self, files: Mapping[int, Callable[[], ByteSource] | None]) -> None:
         """Read rank ``r``'s file from what ``files[r]()`` opens (its bytes as the caller holds them, e.g. received
-        from a peer: :class:`~fsdp_optim.formats.sharded.sources.HeldSource`) rather than from the directory; its
-        header is checked against the manifest when it is opened, and every chunk read is verified, as on disk.
-        ``None`` reads it from the directory again."""
+        from a peer: :class:`~.sources.HeldSource`), checked as on disk; ``None``: from the directory again."""
         for rank, file in files.items():
             f = self._files[rank]
             if not isinstance(f, RankFile):
@@ -126,11 +106,10 @@ class ShardedCheckpoint:
 
     @contextmanager
     def fetched_ahead(self, spans: Callable[[], Sequence[Any]]) -> Iterator[dict[str, Callable[[], bytes]]]:
-        """Within the block, the rank files are read from the byte ranges ``spans()`` lists (those a load reads, in
-        order of use: ``byte_ranges.Span``) as :meth:`Location.prefetch <fsdp_optim.disk.location.Location.prefetch>`
-        fetches them ahead (a store's ranged reads, a bounded window ahead; node memory's pieces from peers), each
-        verified as a file's bytes are; yields thunks of the side files among them (``{name: bytes}``; {} where the
-        location fetches nothing ahead: a local directory maps its files). After it, they are read as before."""
+        """Within the block, the rank files are read from the byte ranges ``spans()`` lists (``byte_ranges.Span``, in
+        order of use) as :meth:`Location.prefetch <fsdp_optim.disk.location.Location.prefetch>` fetches them ahead
+        (a store's ranged reads; node memory's pieces from peers), each verified as a file's bytes are; yields thunks
+        of the side files among them (``{name: bytes}``; {} where the location fetches nothing ahead)."""
         with self.directory.prefetch(spans) as held:
             if held is None:
                 yield {}
@@ -143,14 +122,13 @@ class ShardedCheckpoint:
                 self.provide(dict.fromkeys(files))
 
     def source(self) -> Source:
-        """This checkpoint's optimizer state as a planning source (reads go through :meth:`copy_range`); a whole
-        checkpoint's weights are left out (:meth:`weights_source`)."""
+        """This checkpoint's optimizer state as a planning source (a whole checkpoint's weights left out)."""
         manifest = replace(self.manifest, flat_params=optimizer_flats(self.manifest.flat_params))
         return self.whole_source(manifest, self._keys_of(lambda key: key != WEIGHTS_KEY))
 
     def weights_source(self) -> Source:
         """A whole checkpoint's model weights as a planning source: one group of every unit, one state key
-        (:data:`~fsdp_optim.core.records.WEIGHTS_KEY`). ``ValueError`` for an optimizer-only checkpoint."""
+        (:data:`~fsdp_optim.core.records.WEIGHTS_KEY`)."""
         if self.manifest.training is None:
             raise ValueError(
                 f"{self.directory}: an optimizer-only checkpoint (no model weights; written by "
@@ -164,15 +142,14 @@ class ShardedCheckpoint:
     def whole_source(
         self, manifest: Manifest | None = None, load_rank: Callable[[int], dict[int, dict[str, Any]]] | None = None
     ) -> Source:
-        """Every state key of every unit (a whole checkpoint's weights beside its optimizer state) as one planning
-        source, in the optimizer's groups (a frozen unit's weights in none): what an offline reshard re-cuts.
-        (``manifest``, ``load_rank``: a part of it, as :meth:`source` and :meth:`weights_source` ask.)"""
+        """Every state key of every unit as one planning source, in the optimizer's groups (a frozen unit's weights in
+        none): what an offline reshard re-cuts (``manifest``, ``load_rank``: a part of it)."""
         per_rank = any(f.per_rank for f in self.manifest.flat_params)
         return manifest_source(manifest or self.manifest, str(self.directory), self.copy_range,
                                load_rank or self.load_rank, self.reader if per_rank else None)  # fmt: skip
 
     def _keys_of(self, keep: Callable[[str], bool]) -> Callable[[int], dict[int, dict[str, Any]]]:
-        """:meth:`load_rank` limited to the state keys ``keep`` accepts (units left without any dropped)."""
+        """:meth:`load_rank` of the state keys ``keep`` accepts (units left without any dropped)."""
 
         def load(rank: int) -> dict[int, dict[str, Any]]:
             units = ((i, {k: v for k, v in entries.items() if keep(k)}) for i, entries in self.load_rank(rank).items())
@@ -232,8 +209,7 @@ class ShardedCheckpoint:
 
     def pieces(self, rank: int, flat_index: int, start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
         """What :meth:`reader` of ``rank`` reads for elements ``[start, stop)`` of ``flat_index``: ``(saved rank, lo,
-        hi, at)``, elements ``[lo, hi)`` of that rank's shard into offset ``at`` of the output (:meth:`file_rank`
-        names the file holding it)."""
+        hi, at)``, elements ``[lo, hi)`` of that rank's shard into offset ``at`` of the output."""
         if self.manifest.flat_params[flat_index].per_rank:
             yield rank, start, stop, 0
         else:

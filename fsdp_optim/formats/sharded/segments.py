@@ -1,43 +1,28 @@
 """Where each shard lies in a rank file, and the chunk checksums that guard it: records and pure checks.
 
-Pure: no file access. A rank file (:mod:`.rank_file`) is a safetensors file holding one 1-D tensor per dtype
-(named by the dtype: ``"float32"``), the concatenation of that rank's padded shards of that dtype.
-
-Format 3 (written since this version) records nothing per shard: the shards lie in every rank file in the
-same order, ``(flat index, state key)`` sorted, each ``ceil(numel / world_size)`` elements long (a unit that is
-not sharded: ``numel``), so a unit's offset is a prefix sum over the units before it, the same in every
-file (:func:`file_layout`). The chunk checksums cut each *tensor* (not each shard) into chunks of
-``chunk_bytes``; they live in the rank file's own header (``__metadata__["checksums"]``), which the
-manifest's per-file digest covers, so a reader parses the checksums of the files it opens and no
-others, and the manifest grows with units + ranks, never units x ranks::
+A rank file (:mod:`.rank_file`) holds one 1-D tensor per dtype (named by it: ``"float32"``), the concatenation of
+that rank's padded shards of that dtype. Format 3 records nothing per shard: the shards lie in every rank file in
+the same order, ``(flat index, state key)`` sorted, each ``ceil(numel / world_size)`` elements long (a unit that
+is not sharded: ``numel``), so offsets are prefix sums over the units, the same in every file (:func:`file_layout`).
+The chunk checksums cut each *tensor* into chunks of ``chunk_bytes`` and live in the rank file's own header, which
+the manifest's per-file digest covers::
 
     units 0 (exp_avg, exp_avg_sq: 3 elements each), 1 (exp_avg: 2 elements) ->
     "float32": [u0.exp_avg 0..3 | u0.exp_avg_sq 3..6 | u1.exp_avg 6..8]      # the same offsets in every rank file
     __metadata__["checksums"] = '{"float32": ["xxh3-128:...", ...]}'          # chunk k: elements [k*per, (k+1)*per)
 
 Format 2 recorded, per rank file, one :class:`ShardSegment` per (unit, sharded state key) in the manifest, with
-the chunk checksums of that segment alone (chunks starting at the segment)::
+the checksums of that segment's own chunks (the manifest grew as ranks x units: 16.6 MiB at 256 x 256); it stays
+readable::
 
     {"flat": 1, "key": "exp_avg", "tensor": "float32", "offset": 46, "numel": 46, "checksums": [...]}
 
-which made the manifest grow as ranks x units (16.6 MiB, 2.5 s to parse, at 256 ranks x 256 units); it
-stays readable. Both come down to :class:`Placement`: a shard's place in its tensor and the
-:class:`Grid` of checksums that covers it. Chunk ``k`` of a grid covers elements
-``[origin + k * per, min(origin + (k + 1) * per, end))`` with ``per = chunk_bytes // itemsize``, and its
-checksum is :func:`~fsdp_optim.core.checksums.digest` of that 1-D slice. A reader verifies every chunk it
-touches before it uses a byte of it, so a range read costs at most one chunk more on each side.
+Both come down to :class:`Placement`: a shard's place in its tensor and the :class:`Grid` of checksums that
+covers it. A reader verifies every chunk it touches before it uses a byte of it.
 
-Why a few large tensors and not one per (unit, key), measured (``python -m benchmarks.format2 --layout``:
-safetensors 0.8.0's own writer, two float32 keys per unit, one rank file; bytes beyond the payload)::
-
-    units   payload      one tensor per (unit, key)     one tensor per dtype
-    256     1.0 MiB      header 38,936 B (+3.7 %)       header 120 B (+0.01 %)
-    256     16 KiB       header 36,256 B (x 3.2)        header 120 B (+0.7 %)
-    4096    100 MiB      header 672,688 B (+0.6 %)      header 128 B (+0.0001 %)
-
-The header of a per-(unit, key) file grows ~70 bytes per tensor whatever the tensor's size, so a model of
-many small units is dominated by it; one tensor per dtype keeps a rank file within ``payload x 1.02 +
-4 KiB`` (its chunk checksums add ~48 bytes per 64 KiB: 0.07 %).
+Why one tensor per dtype and not one per (unit, key): a safetensors header grows ~70 bytes per tensor whatever its
+size (``python -m benchmarks.format2 --layout``: 256 units of 16 KiB, header x 3.2 the payload against +0.7 %);
+one tensor per dtype keeps a rank file within ``payload x 1.02 + 4 KiB``.
 """
 
 from __future__ import annotations
