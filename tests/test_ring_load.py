@@ -21,7 +21,7 @@ from _dist import run_ranks
 from _forge import manifest_rank_file
 
 import fsdp_optim
-from fsdp_optim.formats.sharded.piece_reads import TensorPiece
+from fsdp_optim.formats.sharded.reader import TensorPiece
 from fsdp_optim.formats.sharded.segments import Grid, Placement
 from fsdp_optim.job import ring_load
 from fsdp_optim.job.stager import Ring

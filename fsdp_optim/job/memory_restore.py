@@ -6,7 +6,7 @@
 2. A node lacking the step gets its manifest (one broadcast, only when some node lacks it).
 3. Each rank opens the step in its node's directory and plans its load once (the plans
    :func:`fsdp_optim.load_checkpoint` makes); from the same plans it finds the byte ranges every rank's load
-   reads (:func:`~fsdp_optim.formats.sharded.byte_ranges.files_read`: chunk-aligned, headers included) and who
+   reads (:func:`~fsdp_optim.formats.sharded.byte_ranges.load_spans`: chunk-aligned, headers included) and who
    sends which of those its node lacks (:func:`~fsdp_optim.core.memory_plan.fetch_plan`): no message needed.
    The ranks agree that planning went well everywhere.
 4. Every receive and send is posted at once; each rank then loads, reading its node's files in place and the
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from fsdp_optim.core.memory_plan import Chosen, Fetch, Holding, choose_step, fetch_plan
-from fsdp_optim.formats.sharded.byte_ranges import files_read, load_spans
+from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.memory_tier import read_holdings
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
 from fsdp_optim.job.agreed import step
@@ -138,7 +138,8 @@ def _plan(
         raise MemoryTierDamaged(str(exc)) from exc
     try:
         plans = plan_load(root, model, optim, ckpt, buffers)
-        needs = [files_read(ckpt, plans.weights, plans.optim, r, buffers=plans.buffers) for r in range(root.world_size)]
+        spans = [load_spans(ckpt, plans.weights, plans.optim, r, buffers=plans.buffers) for r in range(root.world_size)]
+        needs = [[s[:3] for s in ranges] for ranges in spans]  # (file, start, stop)
         has = {nodes[r]: _held(h, chosen) for r, h in enumerate(holdings)}
         return ckpt, plans, list(fetch_plan(chosen, nodes, needs, has))
     except BaseException:

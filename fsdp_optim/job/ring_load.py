@@ -34,9 +34,8 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.sharded.manifest import Manifest
-from fsdp_optim.formats.sharded.piece_reads import TensorPiece, plan_pieces
 from fsdp_optim.formats.sharded.rank_file import RankFile
-from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
+from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, TensorPiece, open_checkpoint, plan_pieces
 from fsdp_optim.job.stager import Ring, ring_of
 
 __all__ = ["Destination", "Verified", "read_own", "ring_for", "stream_pieces", "verify_own"]

@@ -1,18 +1,15 @@
 """Which bytes of which files of a whole checkpoint one rank's load reads: its plans turned into byte ranges.
 
-A load (:func:`fsdp_optim.load_checkpoint`) at the saved layout reads its own rank file whole; a re-cut reads, per
-unit and state key, the elements of the saved shards that overlap its own (the same interval lookup,
-:func:`fsdp_optim.core.execute.read_ranges` and :meth:`ShardedCheckpoint.pieces`). In a format-3 rank file a shard is
-a run of elements of its dtype's tensor, guarded by that tensor's 64 KiB chunk checksums; each run is widened to
-the chunks it touches (what a reader verifies before using a byte), so a peer that receives exactly these ranges,
-and the file's header (which holds the checksums), can verify every byte it reads::
+A load at the saved layout reads its own rank file whole; a re-cut reads, per unit and state key, the elements of
+the saved shards that overlap its own (:func:`fsdp_optim.core.execute.read_ranges`), each run widened to the
+chunks it touches, so a peer that receives exactly these ranges and the file's header (which holds the checksums)
+can verify every byte it reads::
 
     rank file f of 2 x 64 KiB chunks of float32 after a 96-byte header; a read of elements 10..20000 ->
     [("f", 0, 96), ("f", 96, 96 + 2 * 65536)]      # the header, then chunks 0 and 1 (elements 0..32768)
 
-Where tensors lie comes from the manifest alone (format 3: the same layout in every file; the header is what the
-file's size leaves before the data). Side files are read whole. Formats 1 and 2: every file read, whole. Pure: no
-file is opened (:class:`ShardedCheckpoint` is used lazily, for its manifest and layout).
+Where tensors lie comes from the manifest alone (the header is what the file's size leaves before the data). Side
+files are read whole; formats 1 and 2: every file read whole. Pure: no file is opened.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import chunk_elements
 from fsdp_optim.formats.sharded.side_file import OWN, side_ranks
 
-__all__ = ["Ranges", "Span", "cut_spans", "files_read", "join_overlapping", "load_spans", "read_spans"]
-
-Ranges = list[tuple[str, int, int]]  # (file name, start, stop): disjoint byte ranges of each file, in order of use
+__all__ = ["Span", "cut_spans", "join_overlapping", "load_spans", "read_spans"]
 
 
 class Span(NamedTuple):
@@ -42,21 +37,13 @@ class Span(NamedTuple):
     uses: int
 
 
-def files_read(
-    ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int, *, buffers: str = OWN
-) -> Ranges:
-    """The byte ranges of the checkpoint's files that rank ``rank``'s load reads, given its weights and optimizer
-    plans (``optim`` None: the model alone) and the rule that finds its buffers: its rank files' (chunk-aligned,
-    headers included) and side files', in the order the load first uses them (so that a peer sending them in that
-    order lets it start at once)."""
-    return [(s.file, s.start, s.stop) for s in load_spans(ckpt, weights, optim, rank, buffers=buffers)]
-
-
 def load_spans(
     ckpt: ShardedCheckpoint, weights: Plan, optim: Plan | None, rank: int, *, buffers: str = OWN
 ) -> list[Span]:
-    """:func:`files_read`'s ranges with the number of shard reads each serves (a re-cut's reader can drop a range
-    once its last read is done); ``buffers``: the rule that finds the buffers (:func:`.side_file.side_ranks`)."""
+    """The byte ranges of the checkpoint's files that rank ``rank``'s load reads, given its weights and optimizer
+    plans (``optim`` None: the model alone) and the rule that finds its buffers (:func:`.side_file.side_ranks`): its
+    rank files' (chunk-aligned, headers included) and side files', in the order the load first uses them (so that a
+    peer sending them in that order lets it start at once), each with the number of shard reads it serves."""
     manifest = ckpt.manifest
     names = {f.rank: f for f in manifest.files}
     out: list[Span] = []
@@ -77,12 +64,9 @@ def load_spans(
 
 
 def cut_spans(ckpt: ShardedCheckpoint, the_plan: Plan, ranks: Iterable[int]) -> list[Span]:
-    """The rank-file ranges that cutting ``ranks`` one after another reads (:func:`fsdp_optim.core.execute.cut_rank`
-    of each, an offline re-cut), headers included, in order of first use, each with its number of shard reads
-    (a chunk two ranks read is one range); format 3 only (else none)."""
-    if ckpt.manifest.version < 3:
-        return []
-    return _rank_file_ranges(ckpt, ((rank, read) for rank in ranks for read in read_ranges(the_plan, rank)))
+    """The rank-file ranges that cutting ``ranks`` one after another reads (an offline re-cut), headers included, in
+    order of first use, each with its number of shard reads; format 3 only (else none)."""
+    return read_spans(ckpt, ((rank, read) for rank in ranks for read in read_ranges(the_plan, rank)))
 
 
 def read_spans(ckpt: ShardedCheckpoint, reads: Iterable[tuple[int, tuple[int, str, int, int]]]) -> list[Span]:
@@ -92,9 +76,8 @@ def read_spans(ckpt: ShardedCheckpoint, reads: Iterable[tuple[int, tuple[int, st
 
 
 def _rank_file_ranges(ckpt: ShardedCheckpoint, reads: Iterable[tuple[int, tuple[int, str, int, int]]]) -> list[Span]:
-    """Format 3: each read's pieces (``(rank reading, (flat, key, start, stop))``) in the rank files holding them,
-    widened to whole chunks, and each file's header; merged per file, in order of first use (headers first), each
-    with the number of pieces it holds."""
+    """Format 3: each read's pieces in the rank files holding them, widened to whole chunks, and each file's header;
+    merged per file, in order of first use (headers first), each with the number of pieces it holds."""
     where, sizes = ckpt.layout
     records = {f.rank: f for f in ckpt.manifest.files}
     itemsize = {t: dtype_from_str(t, where=str(ckpt.directory)).itemsize for t in sizes}

@@ -37,8 +37,7 @@ TORCH_FILE_VERSION = 1  # the version in the header of the torch files of format
 
 
 def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
-    """Check a wrapped torch file's content (a format-1 manifest, a layout file) read from ``source``; return
-    ``(header, body)``."""
+    """``(header, body)`` of a wrapped torch file's content (a format-1 manifest, a layout file), checked."""
     header, checksum = read_torch_header(obj, kind, source=source, covered="body")
     check_checksum(header, checksum, obj["body"], source=source)
     return header, obj["body"]
@@ -47,10 +46,8 @@ def unwrap(obj: Any, kind: str, *, source: str) -> tuple[dict[str, Any], Any]:
 def read_torch_header(
     obj: Any, kind: str, *, source: str, covered: str, what: str | None = None
 ) -> tuple[dict[str, Any], Any]:
-    """The checked header of a file we wrote (kind and version; not yet the checksum): ``(header, checksum)``.
-
-    ``covered`` is the key whose value the header's checksum covers besides the header itself.
-    """
+    """``(header, checksum)`` of a file we wrote, its kind and version checked (not yet the checksum, which covers
+    the header and ``obj[covered]``)."""
     what = what or f"fsdp_optim {kind} file"
     if not isinstance(obj, Mapping) or not isinstance(obj.get(HEADER_KEY), Mapping) or covered not in obj:
         raise ValueError(f"{source}: expected an {what}, found {_describe(obj)}")
@@ -94,8 +91,8 @@ def _declared_bytes(manifest: Manifest, shards: ShardIndex) -> int:
 
 
 class LegacyRankFile:
-    """One rank file, mapped lazily; its header is checked against the manifest on first use. Read as a
-    :class:`~.rank_file.RankFile` is (``open``, ``unit``, ``view``, ``load_all``, ``drop``, ``release``)."""
+    """One rank file, mapped lazily, its header checked against the manifest on first use; read as a
+    :class:`~.rank_file.RankFile` is."""
 
     def __init__(self, directory: Path, record: FileRecord, manifest: Manifest, shards: ShardIndex) -> None:
         self.path = directory / record.file
@@ -107,7 +104,6 @@ class LegacyRankFile:
 
     def open(self, *, mmap: bool = True) -> Mapping[str, Any]:
         if self.payload is None:
-            # A rank file's name comes from the manifest: it must be a regular file inside the directory.
             payload = self._load(mmap=mmap)
             self._check_header(payload)
             # What the manifest's shapes make readers allocate is bounded by what the files really hold
@@ -119,8 +115,6 @@ class LegacyRankFile:
         return self.payload
 
     def _load(self, *, mmap: bool) -> Any:
-        """:func:`load_file`, its errors saying what the manifest knows: the file's rank and size."""
-
         def truncated(exc: ValueError, size: int) -> str | None:
             if "cannot be read with torch.load" not in str(exc):
                 return None  # readable but refused (a forged file): that refusal says what is wrong

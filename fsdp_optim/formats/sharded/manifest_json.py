@@ -35,7 +35,7 @@ import math
 import re
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeAlias, cast
 
 import torch
@@ -137,9 +137,10 @@ def _non_finite(value: float) -> str:
     return f"nan:{bits.hex()}"
 
 
-def _item(value: object, part: str | int, at: _At) -> JSONValue:
+def _item(value: object, part: str | int, at: _At, convert: Callable[[Any, _At], Any] = _to) -> Any:
+    """``convert`` (:func:`_to` or :func:`_from`) of ``value``, found at ``part`` of ``at``."""
     at.parts.append(part)
-    out = _to(value, at)
+    out = convert(value, at)
     at.parts.pop()
     return out
 
@@ -169,12 +170,12 @@ def _from(value: object, at: _At) -> object:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        return [v if isinstance(v, _PLAIN) else _back(v, i, at) for i, v in enumerate(value)]
+        return [v if isinstance(v, _PLAIN) else _item(v, i, at, _from) for i, v in enumerate(value)]
     if not isinstance(value, dict):
         raise ValueError(f"{at}: expected a JSON value, found {type(value).__name__}")
     tags = [k for k in value if k.startswith("$")] if has_reserved_key(value) else []
     if not tags:
-        return {k: v if isinstance(v, _PLAIN) else _back(v, k, at) for k, v in value.items()}
+        return {k: v if isinstance(v, _PLAIN) else _item(v, k, at, _from) for k, v in value.items()}
     if len(value) != 1 or tags[0] not in _TAGS:
         raise ValueError(
             f"{at}: expected one of the tags {list(_TAGS)} alone in an object, found keys "
@@ -184,11 +185,11 @@ def _from(value: object, at: _At) -> object:
     if tag == "$dict":
         if not isinstance(body, dict):
             raise ValueError(f"{at}: '$dict' holds a {type(body).__name__}, expected an object")
-        return {k: _back(v, k, at) for k, v in body.items()}
+        return {k: _item(v, k, at, _from) for k, v in body.items()}
     if tag == "$tuple":
         if not isinstance(body, list):
             raise ValueError(f"{at}: '$tuple' holds a {type(body).__name__}, expected a list")
-        return tuple(_back(v, i, at) for i, v in enumerate(body))
+        return tuple(_item(v, i, at, _from) for i, v in enumerate(body))
     if tag == "$float":
         if body in ("inf", "-inf", "nan"):
             return float(body)
@@ -201,13 +202,6 @@ def _from(value: object, at: _At) -> object:
         re, im = (cast(float, _from(v, at)) for v in body)  # numbers, or tagged floats (complex() refuses the rest)
         return complex(re, im)
     return _tensor_from_json(body, str(at))
-
-
-def _back(value: object, part: str | int, at: _At) -> object:
-    at.parts.append(part)
-    out = _from(value, at)
-    at.parts.pop()
-    return out
 
 
 def _tensor_from_json(body: object, where: str) -> torch.Tensor:

@@ -88,7 +88,7 @@ class Marker:
 
 
 def node_name(node: object) -> str:
-    """A node's name as directories carry it: ``str(node)``, letters, digits, ``_.-`` only (at most 64)."""
+    """A node's name as directories carry it: ``str(node)``."""
     name = str(node)
     if not _NODE.match(name):
         raise ValueError(f"node: expected a name of letters, digits, '_', '.', '-' (at most 64), found {name!r}")
@@ -112,7 +112,7 @@ def step_dirname(step: int, save_id: str) -> str:
 
 
 def write_marker(directory: Path, marker: Marker) -> Path:
-    """Write ``directory``'s marker atomically: the step becomes visible in this node's memory."""
+    """Write ``directory``'s marker atomically: the step becomes visible."""
     text = marker.to_json().encode()
     atomic_write(directory / MARKER_NAME, lambda f: f.write(text))
     return directory / MARKER_NAME
@@ -129,8 +129,8 @@ def _read_marker(directory: Path) -> Marker | None:
 
 
 def read_holdings(node: Path) -> list[Holding]:
-    """The complete steps ``node`` (a node directory) holds, newest first: a marker, the manifest, and of the
-    marker's ``held`` files those present with the size it records. Never raises: what cannot be read is not held."""
+    """The complete steps node directory ``node`` holds, newest first: a marker, the manifest, and of the marker's
+    ``held`` files those present with its size. Never raises: what cannot be read is not held."""
     out = []
     for directory in _step_dirs(node):
         marker = _read_marker(directory)
@@ -158,8 +158,8 @@ def _step_dirs(node: Path) -> list[Path]:
 
 
 def prune_node(node: Path, *, keep: int) -> list[Path]:
-    """Remove every step directory of ``node`` but its newest ``keep`` complete ones (markers present); the
-    directories removed. Run by one rank of the node, with no save of that node in flight."""
+    """Remove every step directory of ``node`` but its newest ``keep`` complete ones; the directories removed. Run by
+    one rank of the node, with no save of that node in flight."""
     complete = {h.dirname for h in read_holdings(node)[:keep]}
     removed = []
     for directory in _step_dirs(node):
@@ -171,8 +171,7 @@ def prune_node(node: Path, *, keep: int) -> list[Path]:
 
 
 def tier_bytes(node: Path) -> int:
-    """Bytes of the files in ``node``'s step directories (what this node's memory tier holds; a directory pruned
-    while it is counted counts as empty)."""
+    """Bytes of the files in ``node``'s step directories (one pruned meanwhile counts as empty)."""
     total = 0
     for directory in _step_dirs(node):
         try:

@@ -1,18 +1,21 @@
 """:class:`ShardedCheckpoint`: a sharded checkpoint opened for reading (:func:`open_checkpoint`), its manifest verified,
 its rank files opened lazily, each read by the reader of its format: :class:`~.rank_file.RankFile` (formats 2, 3),
-:class:`~.legacy.LegacyRankFile` (format 1's torch files). Never imports ``torch.distributed``.
+:class:`~.legacy.LegacyRankFile` (format 1's torch files); a format-3 rank file's pieces (:func:`plan_pieces`).
+Never imports ``torch.distributed``.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
 from fsdp_optim.core.source import Source
@@ -22,15 +25,11 @@ from fsdp_optim.formats.sharded.legacy import LegacyRankFile
 from fsdp_optim.formats.sharded.locate import checkpoint_location, manifest_at
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
 from fsdp_optim.formats.sharded.rank_file import RankFile
-from fsdp_optim.formats.sharded.segments import file_layout, manifest_shards
+from fsdp_optim.formats.sharded.segments import Placement, chunk_elements, file_layout, manifest_shards
 from fsdp_optim.formats.sharded.sources import ByteSource, held_readers
 from fsdp_optim.formats.sharded.training import optimizer_flats, weights_flats
 
-__all__ = [
-    "DEFAULT_MAPPED_BYTES",
-    "ShardedCheckpoint",
-    "open_checkpoint",
-]
+__all__ = ["DEFAULT_MAPPED_BYTES", "ShardedCheckpoint", "TensorPiece", "open_checkpoint", "plan_pieces"]
 
 DEFAULT_MAPPED_BYTES = 64 << 20
 
@@ -246,3 +245,54 @@ class ShardedCheckpoint:
             for f in self._files.values():
                 f.drop()  # (formats 2, 3: the mappings kept, their headers checked; their pages dropped)
             self._mapped = 0
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """Elements ``[lo, hi)`` of tensor ``tensor`` (whole chunks that fit a caller's buffer: of ``float32``, 64 KiB
+    chunks, a 32 MiB buffer: ``[0, 8Mi)``, ``[8Mi, 16Mi)``, ...), and the shards that overlap them: read into a
+    staging ring's slot and checked there, each shard copied from it to where it goes (a GPU's memory), so nothing
+    the size of the file passes through pageable memory."""
+
+    tensor: str
+    dtype: torch.dtype
+    lo: int
+    hi: int
+    shards: tuple[Placement, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.dtype.itemsize
+
+    def spans(self) -> Iterator[tuple[Placement, int, int]]:
+        """``(shard, a, b)``: elements ``[a, b)`` of ``shard`` lie in this piece, at element ``shard.offset + a -
+        lo`` of it."""
+        for s in self.shards:
+            a, b = max(self.lo, s.offset) - s.offset, min(self.hi, s.offset + s.numel) - s.offset
+            if b > a:
+                yield s, a, b
+
+
+def plan_pieces(rank_file: RankFile, piece_bytes: int) -> list[TensorPiece]:
+    """Every piece of the format-3 ``rank_file`` (its tensors in file order), each at most ``piece_bytes`` long. A
+    ring reads each into a slot (:meth:`RankFile.read_chunks`), checks it there (:meth:`RankFile.check_chunks`)."""
+    where, header = str(rank_file.path), rank_file.open()
+    if not rank_file.grids:
+        raise ValueError(f"{where}: a format-{rank_file.manifest.version} rank file; pieces are read from format 3")
+    out: list[TensorPiece] = []
+    for g, shards in sorted(rank_file.grid_shards(), key=lambda gs: header.tensors[gs[0].tensor][2]):
+        dtype = dtype_from_str(g.tensor, where=where)
+        per = chunk_elements(dtype, rank_file.manifest.chunk_bytes)
+        step = piece_bytes // dtype.itemsize // per * per
+        if step == 0:
+            raise ValueError(
+                f"{where}: a buffer of {piece_bytes} bytes cannot hold one checksum chunk of tensor '{g.tensor}' "
+                f"({per * dtype.itemsize} bytes)"
+            )
+        ends = [s.offset + s.numel for s in shards]
+        for lo in range(g.origin, g.end, step):
+            hi = min(lo + step, g.end)
+            first = bisect.bisect_right(ends, lo)  # the first shard ending after lo
+            last = bisect.bisect_left([s.offset for s in shards], hi)  # shards starting before hi
+            out.append(TensorPiece(g.tensor, dtype, lo, hi, tuple(shards[first:last])))
+    return out

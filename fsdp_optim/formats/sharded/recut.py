@@ -13,10 +13,9 @@ of output ranks ``[a, b)`` is then built with one read per source file it overla
                           [9 . .]]                           [8 9 . .]]   (. = padding, zeros)
 
 The cost is the bytes plus ``O(units)`` tensor operations per group, where cutting shard by shard costs
-``O(units x output ranks)`` small copies (98,000 of them re-cutting 256 ranks of 256 units to 192). Memory: a
-group holds the source rows it overlaps and its own output rows, at most ``budget`` bytes (groups are made as
-large as that allows); :func:`group_size` says 0 when even one output rank does not fit, and the caller then
-cuts unit by unit (its memory bound is one output rank plus the mapping bound).
+``O(units x output ranks)`` small copies (98,000 re-cutting 256 ranks of 256 units to 192). A group holds the
+source rows it overlaps and its own output rows, at most ``budget`` bytes (:func:`group_size`; 0: the caller
+cuts unit by unit).
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ def applicable(ckpt: ShardedCheckpoint, target: Manifest) -> bool:
 
 def group_size(recut: Recut, source_sizes: Mapping[str, int], budget: int) -> int:
     """Output ranks per group such that a group's source rows and output rows fit in ``budget`` bytes (0: not
-    even one output rank fits). Judged on the first group; the others overlap as many source ranks, give or
-    take one."""
+    even one output rank fits), judged on the first group (the others overlap as many source ranks, +- one)."""
     out_rank, in_rank = recut.rank_bytes(recut.target_sizes), recut.rank_bytes(source_sizes)
     g = recut.new_world_size
     while g >= 1:
@@ -130,8 +128,7 @@ def recut_groups(ckpt: ShardedCheckpoint, recut: Recut, group: int) -> Iterator[
 
 
 def _fill(recut: Recut, tensor: str, rows: torch.Tensor, lo: int, out: torch.Tensor, a: int, b: int) -> None:
-    """Copy every (unit, key) band of ``tensor`` from the source ``rows`` (ranks ``lo``...) into ``out`` (ranks
-    ``a``..``b``)."""
+    """Every (unit, key) band of ``tensor`` from the source ``rows`` (ranks ``lo``..) into ``out`` (``a``..``b``)."""
     for (flat, key), (name, offset, c) in recut.source_where.items():
         if name != tensor:
             continue
@@ -154,9 +151,9 @@ def _fill(recut: Recut, tensor: str, rows: torch.Tensor, lo: int, out: torch.Ten
 
 
 def full_flats(ckpt: ShardedCheckpoint, budget: int) -> dict[tuple[int, str], torch.Tensor] | None:
-    """Every (unit, key)'s full flat state (``numel`` elements, padding dropped, new memory) of a format-3
-    checkpoint without per-rank units, read as whole rows: one read per rank file and one copy per (unit, key).
-    ``None`` when that does not apply or the rows would exceed ``budget`` bytes (read unit by unit then)."""
+    """Every (unit, key)'s full flat state (padding dropped, new memory) of a format-3 checkpoint without per-rank
+    units, read as whole rows: one read per rank file, one copy per (unit, key); ``None`` when that does not apply or
+    the rows would exceed ``budget`` bytes."""
     manifest = ckpt.manifest
     if manifest.version < 3 or any(f.per_rank for f in manifest.flat_params):
         return None

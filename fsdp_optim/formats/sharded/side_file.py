@@ -7,10 +7,9 @@ bytes before any of it is parsed (side files are small: loop state and buffers, 
                               "extra": "{\\"step\\": 100, \\"rng\\": {\\"$extra\\": 0}, ...}"},  # JSON in a string
              "buffers/norm.running_mean": {...}, "extra/0": {"dtype": "U8", "shape": [5056], ...}}  <data>
 
-``extra`` is any tree of dicts (``str`` keys), lists, tuples, JSON scalars and tensors: tensors become
-``{"$extra": k}`` in the JSON and tensor ``extra/<k>`` in the file; the rest is the manifest's exact JSON
-(:mod:`.manifest_json`: tuples, non-finite floats and ``$``-keys tagged), so every value comes back with its type.
-Nesting is bounded by :data:`MAX_DEPTH`.
+``extra`` is any tree of dicts (``str`` keys), lists, tuples, JSON scalars and tensors, nested at most
+:data:`MAX_DEPTH` deep: tensors become ``{"$extra": k}`` in the JSON and tensor ``extra/<k>`` in the file; the rest
+is the manifest's exact JSON (:mod:`.manifest_json`), so every value comes back with its type.
 """
 
 from __future__ import annotations
@@ -48,9 +47,8 @@ Received = Mapping[str, Callable[[], bytes]]  # {side file name: its bytes, held
 
 
 def encode_extra(value: Any, where: str = "extra") -> tuple[str, dict[str, torch.Tensor]]:
-    """``value`` as JSON text with each tensor replaced by a reference, and the tensors as they are (detached: an
-    async save copies them at the call, :meth:`fsdp_optim.job.staging.HostStaging.side_copy`;
-    :func:`write_side_file` copies one on a GPU through the pieces it is given)."""
+    """``value`` as JSON text with each tensor replaced by a reference, and the tensors as they are (detached; an
+    async save copies them at the call, :meth:`fsdp_optim.job.staging.HostStaging.side_copy`)."""
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(value, tensors, where, 0)
     return json.dumps(tree, separators=(",", ":"), allow_nan=False), tensors
@@ -120,11 +118,9 @@ def write_side_file(
     pieces: Pieces = host_pieces,
 ) -> FileRecord:
     """Write one rank's side file atomically (``durable=False``: no fsync, for a file staged for an upload); its
-    record for the manifest (digest of the file's bytes).
-
-    Streamed: the header first, then each tensor's bytes as ``pieces`` hands them over (host tensors where they are;
-    a job's stager copies those on a GPU through its pinned ring), hashed while a thread writes them. No tensor is
-    copied into pageable memory, and the file is never built in memory."""
+    record for the manifest (digest of the file's bytes). Streamed: the header, then each tensor's bytes as
+    ``pieces`` hands them over (a job's stager: through its pinned ring), hashed while a thread writes them; the file
+    is never built in memory."""
     text, extra_tensors = extra
     tensors = {_BUFFER + n: t.detach() for n, t in buffers.items()}
     tensors.update({_EXTRA + k: t.detach() for k, t in extra_tensors.items()})
@@ -146,7 +142,7 @@ _SIDE_DTYPES = {**DTYPE_NAMES, torch.complex64: "C64"}  # what safetensors write
 
 
 def _stream(header: bytes, parts: Sequence[torch.Tensor], pieces: Pieces, file: BinaryIO) -> str:
-    """``header`` then the bytes of ``parts`` written to ``file``; the digest of all of them (:func:`_file_digest`)."""
+    """``header`` then the bytes of ``parts`` written to ``file``; the digest of all of them."""
     hasher = xxhash.xxh3_128(header)
     file.write(header)
     with HashingWriter(file) as writer:
@@ -156,8 +152,8 @@ def _stream(header: bytes, parts: Sequence[torch.Tensor], pieces: Pieces, file: 
 
 
 def read_side_file(directory: Location, record: FileRecord, received: Received | None = None) -> SideContent:
-    """``(buffers, extra)`` of a side file (local, or an object in a store, or ``received[name]()``: its bytes as
-    the caller holds them), after checking its size and digest against ``record``."""
+    """``(buffers, extra)`` of a side file (in ``directory``, or ``received[name]()``: its bytes as the caller holds
+    them), after checking its size and digest against ``record``."""
     path = directory / record.file
     data = received[record.file]() if received and record.file in received else _read_exactly(directory, record)
     if len(data) != record.nbytes or _file_digest(data) != record.checksum:
@@ -193,9 +189,8 @@ OWN = "own"  # the rule where no choice is needed: each rank its own (saved worl
 
 def buffers_rule(training: TrainingRecord, saved_world: int, world: int, choice: str, where: str) -> str:
     """How a load by ``world`` ranks (or a reshard to ``world``) of a checkpoint saved by ``saved_world`` finds its
-    buffers: ``"own"`` (shared buffers, or per-rank ones at the saved world size: each rank its own), else the
-    caller's ``choice`` (``"rank0"`` or ``"mean"``); ``ValueError`` for a choice that is none of
-    :data:`BUFFER_CHOICES`, or for ``"refuse"`` where a choice is needed (the message names the option)."""
+    buffers: ``"own"`` (shared buffers, or per-rank ones at the saved world size), else the caller's ``choice``
+    (``"rank0"``, ``"mean"``; ``ValueError`` for ``"refuse"`` where a choice is needed)."""
     check_buffer_choice(choice)
     if not training.buffers_per_rank or saved_world == world:
         return OWN
@@ -210,7 +205,6 @@ def buffers_rule(training: TrainingRecord, saved_world: int, world: int, choice:
 
 
 def check_buffer_choice(choice: str) -> None:
-    """``ValueError`` unless ``choice`` is one of :data:`BUFFER_CHOICES`."""
     if choice not in BUFFER_CHOICES:
         raise ValueError(f"buffers: expected one of {', '.join(map(repr, BUFFER_CHOICES))}, found {choice!r}")
 
@@ -225,8 +219,8 @@ def side_ranks(training: TrainingRecord, saved_world: int, saved_rank: int, rule
 
 
 def mean_buffers(per_rank: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each floating-point buffer's mean across ``per_rank`` (summed in float64, then cast back to its dtype); every
-    other buffer (integers such as ``num_batches_tracked``, bools) as in ``per_rank[0]``."""
+    """Each floating-point buffer's mean across ``per_rank`` (summed in float64, cast back); the others (integers
+    such as ``num_batches_tracked``, bools) as in ``per_rank[0]``."""
     first = per_rank[0]
     out: dict[str, torch.Tensor] = {}
     for name, value in first.items():
@@ -245,8 +239,7 @@ def read_rank_side(
 ) -> SideContent:
     """Saved rank ``saved_rank``'s ``extra`` with the buffers ``rule`` (:func:`buffers_rule`) gives: ``"own"``: its
     own when they were saved per rank, else rank 0's; ``"rank0"``: rank 0's; ``"mean"``: :func:`mean_buffers` of
-    every saved rank's. ``ValueError`` when the buffers found are not those the manifest lists (names, dtypes,
-    shapes). ``received``: side files held in memory (see :func:`read_side_file`)."""
+    every saved rank's; ``ValueError`` unless they are those the manifest lists (names, dtypes, shapes)."""
     buffers, extra = read_side_file(directory, training.side_file(saved_rank), received)
     if rule == "mean":
         files = range(len(training.files))

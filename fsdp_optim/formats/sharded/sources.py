@@ -1,8 +1,7 @@
 """Where a rank file's bytes come from: the one thing that differs between the ways a rank file is read.
 
 :class:`~fsdp_optim.formats.sharded.rank_file.RankFile` parses, checks and verifies; a :class:`ByteSource` only
-hands it bytes: :meth:`~ByteSource.pread` a few (a header), :meth:`~ByteSource.fill` into buffers of the caller's
-(new memory, a staging ring's slot), :meth:`~ByteSource.span` to read in place. Three sources:
+hands it bytes. Three sources:
 
 - :class:`MapSource`: a local file, mapped once (spans are zero-copy views of the mapping), filled by ``preadv``;
 - :class:`StoreSource`: an object in a store, by ranged reads (each span is fetched; the last chunk it read is kept,
@@ -38,8 +37,7 @@ class ByteSource(Protocol):
 
     size: int
 
-    def pread(self, count: int, offset: int) -> bytes:
-        """``count`` bytes from ``offset`` on."""
+    def pread(self, count: int, offset: int) -> bytes: ...
 
     def fill(self, start: int, targets: Sequence[torch.Tensor]) -> None:
         """Copy the bytes from ``start`` on into ``targets`` (contiguous ``uint8`` tensors tiling them, in order)."""
@@ -121,7 +119,9 @@ class StoreSource:
 
 
 class Held(Protocol):
-    """What :class:`HeldSource` reads: bytes ``[start, stop)`` of a file."""
+    """What :class:`HeldSource` reads: bytes ``[start, stop)`` of a file; ``bytes()`` (1-D uint8) once they are all
+    there; ``dropped``: its bytes were let go (the next ``bytes()`` fetches them again); ``used()``: one shard read
+    from it is done."""
 
     start: int
 
@@ -129,17 +129,11 @@ class Held(Protocol):
     def stop(self) -> int: ...
 
     @property
-    def dropped(self) -> bool:
-        """Whether its bytes were let go (the next :meth:`bytes` fetches them again)."""
-        ...
+    def dropped(self) -> bool: ...
 
-    def bytes(self) -> torch.Tensor:
-        """Its bytes (1-D uint8), once they are all there."""
-        ...
+    def bytes(self) -> torch.Tensor: ...
 
-    def used(self) -> None:
-        """One shard read from it is done."""
-        ...
+    def used(self) -> None: ...
 
 
 @dataclass
@@ -212,11 +206,9 @@ class HeldSource:
 def held_readers(
     records: Iterable[Any], shown: Callable[[str], Any], held: Mapping[str, Sequence[Held]]
 ) -> tuple[dict[int, Callable[[], HeldSource]], dict[str, Callable[[], bytes]]]:
-    """The pieces ``held`` of a checkpoint's files (by name: fetched ahead from a store, or received from peers) as
-    what its load reads in place of the files: ``{saved rank: opener of its HeldSource}`` for the rank files among
-    ``records`` (the manifest's; each then read as a rank file is, header and chunks verified), ``{name: thunk of
-    its bytes}`` for the others (side files, checked against the manifest's digest by their reader).
-    ``shown(name)``: the file as error messages name it."""
+    """The pieces ``held`` of a checkpoint's files (by name: fetched ahead, or received from peers) as what its load
+    reads in place of the files: ``{saved rank: opener of its HeldSource}`` for the rank files among ``records`` (the
+    manifest's), ``{name: thunk of its bytes}`` for the others (side files). ``shown(name)``: the file in errors."""
     ranks = {r.file: r for r in records}
     files: dict[int, Callable[[], HeldSource]] = {
         ranks[name].rank: partial(HeldSource, shown(name), ranks[name].nbytes, pieces)
@@ -230,6 +222,5 @@ def held_readers(
 
 
 def _whole(pieces: Sequence[Held]) -> bytes:
-    """A file's bytes from its pieces, in order (a side file: one piece from offset 0; anything else is refused by
-    its size check)."""
+    """A file's bytes from its pieces, in order (a side file: one piece from offset 0; else refused by its size)."""
     return b"".join(p.bytes().numpy().tobytes() for p in sorted(pieces, key=lambda p: p.start))

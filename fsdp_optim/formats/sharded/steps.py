@@ -244,14 +244,12 @@ def remove_step(root: str | os.PathLike[str] | Location, step_dir: StepDir) -> b
         place.delete(n for n in names if n not in manifests)
         remove_marker()
         home.delete([mark])
-        home.delete(n for n in home.listing() if _marked_step(n, temporary=True) == step_dir.step)
+        home.delete(n for n in home.listing() if _marked_step(n) == step_dir.step)
     return True
 
 
-def _marked_step(name: str, *, temporary: bool = False) -> int | None:
-    """The step of a prune's mark (``temporary``: of the temporary file a write of one killed mid-way left)."""
-    if not temporary:
-        return parse_pruning_mark(name)
+def _marked_step(name: str) -> int | None:
+    """The step of the temporary file a write of a prune's mark killed mid-way left."""
     temp = TEMP_NAME.match(name)
     return parse_pruning_mark(temp.group("final")) if temp else None
 
@@ -264,7 +262,7 @@ def tidy_root(root: str | os.PathLike[str] | Location, *, saved: int) -> list[st
     names = home.listing()
     present = {s for s, _ in find_step_dirs(home)}
     marks = [n for n in names if (s := parse_pruning_mark(n)) is not None and (s == saved or s not in present)]
-    marks += [n for n in names if (s := _marked_step(n, temporary=True)) is not None and s not in present]
+    marks += [n for n in names if (s := _marked_step(n)) is not None and s not in present]
     home.delete(marks)
     locks = []
     for name in names:

@@ -13,12 +13,9 @@ manifest carries a ``"training"`` section::
                             "checksum": "xxh3-128:...", "bytes": 5120}, ...],   # one side file per rank
                  "data": {"version": 1, "seed": 0, "epoch": 3, "consumed": 48, ...}}   # only when saved with data=
 
-``"data"`` is the job's place in its data stream (:class:`~fsdp_optim.core.data_position.DataPosition`), saved once
-for the whole job; a checkpoint saved without it has no such key.
-
-A side file (:mod:`.side_file`) holds that rank's ``extra`` (the loop's state: counters, scheduler, RNG, ...)
-and, on rank 0 or on every rank when they differ, the model's buffers. The optimizer sees the checkpoint
-without the weights key (:func:`optimizer_flats`); the model sees only it (:func:`weights_flats`).
+``"data"``: the job's place in its data stream (:class:`~fsdp_optim.core.data_position.DataPosition`). A side file
+(:mod:`.side_file`) holds that rank's ``extra`` (the loop's state) and, on rank 0 or on every rank when they
+differ, the model's buffers.
 """
 
 from __future__ import annotations

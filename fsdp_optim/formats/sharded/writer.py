@@ -71,11 +71,10 @@ _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 class _CheckpointClaims:
-    """What a sharded checkpoint directory owns (see the module docstring)."""
+    """What a sharded checkpoint directory owns (see the module docstring). A manifest.pt beside a manifest.json (a
+    JSON-manifest commit over format 1, killed before removing it) is ours too, with its files."""
 
     def survey(self, directory: Path) -> Survey:
-        # manifest.json (or manifest.pt, format 1) and the rank files it lists are ours; a manifest.pt beside a
-        # manifest.json (a JSON-manifest commit over format 1, killed before removing it) is ours too, with its files.
         names = set(os.listdir(directory))
         files: set[str] = set()
         problems: list[str] = []
@@ -127,11 +126,9 @@ _MAX_LEFTOVER_HEADER = 1 << 26
 
 
 def leftovers(directory: Path | Location, names: Iterable[str]) -> set[str]:
-    """Of ``names`` (files in ``directory`` that its manifest does not list), those an interrupted save of ours left:
-    a rank or side file (format 3) by its name, whose safetensors header says it is ours, with the save id, rank and
-    world size its name gives. (A save interrupted on one rank after rank 0 cleaned up leaves files no journal
-    names any more; a Ctrl-C to the process group does that.) Unreadable or foreign files (a symlink: no object of
-    its own) are not ours."""
+    """Of ``names`` (files in ``directory`` that its manifest does not list), those an interrupted save of ours left
+    (a Ctrl-C to the process group after rank 0 cleaned up leaves files no journal names): a rank or side file by its
+    name, whose safetensors header says it is ours, with the save id, rank and world size its name gives."""
     place = where(directory)
     found = set()
     for name in names:
@@ -169,9 +166,7 @@ def _header_metadata(place: Location, name: str) -> dict[str, Any]:
 def _journaled(entry: JournalEntry) -> tuple[str | None, int | None]:
     """The save id and world size a journal entry announces, if both are well formed (a journal is a file)."""
     sid, world_size = entry.save_id, entry.world_size
-    if not (sid is not None and _SAVE_ID.match(sid)):
-        return None, None
-    if not (world_size is not None and 0 < world_size <= MAX_WORLD_SIZE):
+    if sid is None or not _SAVE_ID.match(sid) or world_size is None or not 0 < world_size <= MAX_WORLD_SIZE:
         return None, None
     return sid, world_size
 
@@ -179,8 +174,7 @@ def _journaled(entry: JournalEntry) -> tuple[str | None, int | None]:
 @dataclass(frozen=True)
 class RankParts:
     """A rank's tensors as its file holds them: tensor ``name`` is the concatenation of ``parts[name]`` (1-D, in
-    ``segments.file_layout`` order, ``sizes[name]`` elements in all; a part may be made only when the writer asks
-    for it, as :func:`streamed_parts` does)."""
+    ``segments.file_layout`` order, ``sizes[name]`` elements in all; a part may be made when the writer asks)."""
 
     parts: Mapping[str, Sequence[torch.Tensor]]
     sizes: Mapping[str, int]
@@ -242,13 +236,11 @@ def write_shard_file(
     directory: Path, source: Mapping[int, Mapping[str, Any]] | RankParts, *, save_id: str, rank: int,
     world_size: int, durable: bool = True, staged: bool = False, pieces: Pieces = host_pieces,
 ) -> FileRecord:  # fmt: skip
-    """Write one rank's file (a safetensors file, :func:`~.ranged.write_rank`); its record for the manifest.
-
-    ``source``: the rank's state ``{flat: {key: padded 1-D shard or scalar}}`` (a job's save), or its
-    :class:`RankParts` (an offline block re-cut, a re-cut streamed one shard at a time). Written atomically beside
-    the checkpoint's files, or ``staged`` into a staging directory (created there and fsynced; the commit moves it
-    in). ``durable=False``: no fsync (a file staged for an upload). ``pieces``: how the shards' bytes reach the host
-    (:data:`~.rank_file.Pieces`; a job's device-to-host stager for shards on a GPU)."""
+    """Write one rank's file (:func:`~.ranged.write_rank`); its record for the manifest. ``source``: the rank's state
+    ``{flat: {key: padded 1-D shard or scalar}}`` (a job's save), or its :class:`RankParts` (an offline re-cut).
+    Written atomically, or ``staged`` into a staging directory (created there and fsynced; the commit moves it in).
+    ``durable=False``: no fsync (a file staged for an upload). ``pieces``: how the shards' bytes reach the host (a
+    job's device-to-host stager for shards on a GPU)."""
     content = source if isinstance(source, RankParts) else RankParts.of_state(source)
     name = shard_file_name(save_id, rank, world_size)
     layout = rank_layout(shard_metadata(save_id, rank, world_size), content.sizes, name=name, rank=rank)
@@ -270,9 +262,8 @@ def write_manifest(directory: Path, manifest: Manifest, *, replaces: Iterable[st
 
 def save_rules(save_id: str = "", world_size: int = 0) -> SaveRules:
     """What a checkpoint save tells the :class:`~fsdp_optim.disk.location.Location` it writes to: these claims, the
-    journal entry (by the save id and world size a killed save's files are known), the manifest as the commit point
-    and what the committed manifest there lists (replaced by the commit). A store journals nothing: it needs neither
-    the save id nor the world size."""
+    journal entry (a store journals nothing: it needs neither argument), the manifest as the commit point and what
+    the committed manifest there lists (replaced by the commit)."""
 
     def listed(location: ByteIO, size: int | None = None) -> frozenset[str]:
         data = read_all(location, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES, size=size)
@@ -292,9 +283,8 @@ def write_all_or_nothing(
     overwrite: bool = False,
     replace: bool = True,
 ) -> Path:
-    """Have ``write`` put every rank file into the staging directory and return the manifest; then the files
-    move into ``out`` and the manifest is committed there, last (through the one save driver:
-    :func:`fsdp_optim.disk.local_directory.staged_output`).
+    """Have ``write`` put every rank file into the staging directory and return the manifest; then the files move
+    into ``out`` and the manifest is committed there, last (:func:`fsdp_optim.disk.local_directory.staged_output`).
     ``save_id`` and ``world_size`` are the manifest's: by them a killed write's files are journaled."""
     entry = JournalEntry(save_id=save_id or new_save_id(), world_size=world_size or 1)
     with staged_output(out, CHECKPOINT, purpose="reshard", inputs=inputs, overwrite=overwrite, replace=replace,
