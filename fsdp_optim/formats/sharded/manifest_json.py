@@ -237,10 +237,6 @@ MAX_MANIFEST_BYTES = 64 << 20  # a 1,024-rank, 1,000-unit manifest is 0.1-20 MiB
 _WRITTEN = re.compile(rb'\A\{"' + HEADER_KEY.encode() + rb'":(\{[^{}]*\}),"body":')
 
 
-def _canonical(body: object) -> str:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
 def manifest_to_json(manifest: Manifest) -> bytes:
     """The document of ``manifest`` (the current format); ``ValueError`` names a value JSON cannot hold exactly."""
     if manifest.version != CHECKPOINT_VERSION:
@@ -271,7 +267,7 @@ def manifest_from_json(data: bytes, *, source: str) -> Manifest:
             "written (one line: header, then body); this one was reformatted or modified"
         )
     try:
-        canonical = _canonical(doc["body"])
+        canonical = json.dumps(doc["body"], sort_keys=True, separators=(",", ":"), allow_nan=False)
     except ValueError as exc:
         raise ValueError(f"{source}: the body is not exact JSON ({exc})") from None
     if not digest_matches(canonical, head.get("checksum")):

@@ -102,10 +102,6 @@ def _decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, depth: i
     return {k: _decode(v, tensors, where, depth + 1) for k, v in tree.items()}
 
 
-def _file_digest(data: bytes) -> str:
-    return f"xxh3-128:{xxhash.xxh3_128(data).hexdigest()}"
-
-
 def write_side_file(
     directory: Path,
     *,
@@ -156,7 +152,7 @@ def read_side_file(directory: Location, record: FileRecord, received: Received |
     them), after checking its size and digest against ``record``."""
     path = directory / record.file
     data = received[record.file]() if received and record.file in received else _read_exactly(directory, record)
-    if len(data) != record.nbytes or _file_digest(data) != record.checksum:
+    if len(data) != record.nbytes or f"xxh3-128:{xxhash.xxh3_128(data).hexdigest()}" != record.checksum:
         raise ValueError(f"{path}: checksum mismatch (the side file is damaged or was modified)")
     from safetensors.torch import load as load_safetensors  # (a side file read: the only use of the library here)
 

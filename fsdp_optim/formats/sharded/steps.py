@@ -85,31 +85,21 @@ def verify_sharded(path: str | os.PathLike[str] | Location, only: Callable[[str]
     listed = f"{len(manifest.files)} rank files" + (f" and {len(side_files)} side files" if side_files else "")
     checks = [FileCheck(manifest_path, True, f"ok: manifest of {listed}, checksum matches")]
     with ckpt:
-        for record in (f for f in manifest.files if only is None or only(f.file)):
+        for record in (f for f in (*manifest.files, *side_files) if only is None or only(f.file)):
 
-            def read(_: Path, rank: int = record.rank) -> str:
-                units = ckpt.load_rank(rank)
-                return f", {len(units)} units, checksums match"
+            def read(_: Path, record: FileRecord = record) -> str:
+                if record in side_files:
+                    read_side_file(directory, record)
+                    return ", digest matches"
+                return f", {len(ckpt.load_rank(record.rank))} units, checksums match"
 
             checks.append(check_file(directory / record.file, read, nbytes=record.nbytes))
-    for side in (f for f in side_files if only is None or only(f.file)):
-
-        def read_side(_: Path, record: FileRecord = side) -> str:
-            read_side_file(directory, record)
-            return ", digest matches"
-
-        checks.append(check_file(directory / side.file, read_side, nbytes=side.nbytes))
-    checks += _leftover_checks(directory, {manifest_path.name} | manifest.file_names())
+    # each file an interrupted save of ours left beside it (the checkpoint is still whole): not called clean
+    stale = leftovers(directory, set(directory.listing()) - {manifest_path.name} - manifest.file_names())
+    detail = f"{LEFTOVER}, not part of this checkpoint (the next save into this directory removes it)"
+    checks += [FileCheck(directory / name, True, detail) for name in sorted(stale)]
     kind = "sharded checkpoint" if manifest.training is None else "whole sharded checkpoint (model, optimizer, extra)"
     return Verification(public(directory), kind, tuple(checks))  # named as inspect names it
-
-
-def _leftover_checks(directory: Location, listed: set[str]) -> list[FileCheck]:
-    """A line for each file an interrupted save of ours left beside the checkpoint (not part of it: the checkpoint
-    is still whole), so the report does not call the directory clean."""
-    stale = leftovers(directory, set(directory.listing()) - listed)
-    detail = f"{LEFTOVER}, not part of this checkpoint (the next save into this directory removes it)"
-    return [FileCheck(directory / name, True, detail) for name in sorted(stale)]
 
 
 def present_and_sized(path: str | os.PathLike[str] | Location, manifest: Manifest | None = None) -> list[str]:
@@ -193,7 +183,8 @@ def survey_step(step: int, path: Path | Location, *, verify: bool = True, prunin
         raise  # the store did not answer: not damage (a manager must not skip a good step for an outage)
     except (ValueError, OSError) as exc:
         return replace(base, state=DAMAGED, reason=f"its manifest is not readable: {exc}")
-    base = _described(base, manifest)
+    base = replace(base, world_size=manifest.world_size, model=manifest.training is not None,
+                   optimizer=manifest.optimizer, manifest_readable=True)  # fmt: skip
     if verify:
         report = verify_sharded(path)
         damaged = [line.removeprefix(f"{path}{os.sep}").removeprefix(f"{path}/") for line in report.damaged()]
@@ -212,16 +203,6 @@ def _contents(path: Path | Location) -> tuple[list[str], tuple[str, ...], int]:
     names = sorted([*listing, *others])
     foreign = tuple(n for n in names if n in others or not _is_ours(n))
     return names, foreign, sum(o.size for o in listing.values())
-
-
-def _described(base: StepDir, manifest: Manifest) -> StepDir:
-    return replace(
-        base,
-        world_size=manifest.world_size,
-        model=manifest.training is not None,
-        optimizer=manifest.optimizer,
-        manifest_readable=True,
-    )
 
 
 def remove_step(root: str | os.PathLike[str] | Location, step_dir: StepDir) -> bool:

@@ -180,12 +180,6 @@ class RankParts:
     sizes: Mapping[str, int]
 
     @classmethod
-    def of_state(cls, state: Mapping[int, Mapping[str, Any]]) -> RankParts:
-        """``state`` (``{flat: {key: padded 1-D shard or scalar}}``; scalars are the manifest's), laid out."""
-        tensors, sizes = plan_segments(state)
-        return cls({name: [v for _, _, v in found] for name, found in tensors.items()}, sizes)
-
-    @classmethod
     def of_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> RankParts:
         """Shards already laid out as the file holds them: ``{dtype name: 1-D tensor}`` (what a block re-cut builds)."""
         return cls({k: [v] for k, v in tensors.items()}, {k: v.numel() for k, v in tensors.items()})
@@ -241,7 +235,10 @@ def write_shard_file(
     Written atomically, or ``staged`` into a staging directory (created there and fsynced; the commit moves it in).
     ``durable=False``: no fsync (a file staged for an upload). ``pieces``: how the shards' bytes reach the host (a
     job's device-to-host stager for shards on a GPU)."""
-    content = source if isinstance(source, RankParts) else RankParts.of_state(source)
+    if not isinstance(source, RankParts):  # scalars are the manifest's
+        tensors, sizes = plan_segments(source)
+        source = RankParts({name: [v for _, _, v in found] for name, found in tensors.items()}, sizes)
+    content = source
     name = shard_file_name(save_id, rank, world_size)
     layout = rank_layout(shard_metadata(save_id, rank, world_size), content.sizes, name=name, rank=rank)
     write = lambda file: write_rank(file, layout, content.parts, pieces=pieces)  # noqa: E731
