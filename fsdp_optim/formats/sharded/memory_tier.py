@@ -7,11 +7,10 @@
         optim-<id>-rank00000-of-00008.safetensors             # ... and the replicas it keeps for other nodes
         COMPLETE.json                                         # written last, once every part and replica is in
 
-A step directory is the checkpoint directory of a whole checkpoint (:func:`fsdp_optim.load_checkpoint` reads it)
-that may lack the files of ranks this node does not hold. ``COMPLETE.json`` ({"version": 1, "step": 42,
-"save_id": "...", "world_size": 8, "node": "1", "files": {name: bytes, ...every file of the step},
-"held": [names this node holds]}) makes it visible: a directory without one is a save that did not finish. The
-save id in the directory name keeps a step saved again (a resumed run) apart from its earlier save.
+A step directory is a whole checkpoint's directory that may lack the files of ranks this node does not hold.
+``COMPLETE.json`` ({"version": 1, "step": 42, "save_id": "...", "world_size": 8, "node": "1", "files": {name:
+bytes, ...every file of the step}, "held": [names this node holds]}) makes it visible: a directory without one is a
+save that did not finish. The save id in its name keeps a step saved again (a resumed run) apart.
 """
 
 from __future__ import annotations

@@ -125,11 +125,10 @@ def write_rank(
     """Write ``layout``'s tensor ``t`` as the concatenation of the 1-D ``parts[t]``, each read once through
     ``pieces``; returns the header's digest (the manifest's record of the file).
 
-    Without ``span``, ``file`` is open at the file's start: every tensor and then the header (the module docstring),
-    the file left at its end. With ``span`` ``(tensor, start, stop)`` (elements, whole chunks), ``file`` is the path
-    of the file :func:`lay_out_file` made, of which that run alone is written, its digests into their slots, then
-    fsynced. ``after(nbytes)``: after each part (and then each part is asked of
-    ``pieces`` on its own)."""
+    Without ``span``, ``file`` is open at the file's start: every tensor, then the header, the file left at its end.
+    With ``span`` ``(tensor, start, stop)`` (elements, whole chunks), ``file`` is the path :func:`lay_out_file` made,
+    of which that run alone is written, its digests into their slots, then fsynced. ``after(nbytes)``: after each
+    part (each then asked of ``pieces`` on its own)."""
     runs = [(k, 0, t.numel) for k, t in enumerate(layout.tensors)] if span is None else [span]
     header = bytearray(layout.header)
     opened = nullcontext(cast(BinaryIO, file)) if span is None else _laid_out(cast(Path, file))

@@ -189,7 +189,7 @@ def survey_step(step: int, path: Path | Location, *, verify: bool = True, prunin
         report = verify_sharded(path)
         damaged = [line.removeprefix(f"{path}{os.sep}").removeprefix(f"{path}/") for line in report.damaged()]
     else:
-        damaged = present_and_sized(path)
+        damaged = present_and_sized(path, manifest)
     if damaged:
         return replace(base, state=DAMAGED, reason="; ".join(damaged))
     return replace(base, state=COMPLETE)
