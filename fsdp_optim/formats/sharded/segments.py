@@ -113,8 +113,7 @@ def plan_segments(
 ) -> tuple[dict[str, list[tuple[int, str, torch.Tensor]]], dict[str, int]]:
     """The tensors of a rank file: ``{dtype name: [(flat, key, 1-D shard), ...]}`` in file order (that of
     :func:`file_layout`) and each tensor's element count. Sharded state is every tensor of at least one
-    dimension; 0-dim tensors and Python numbers are scalars, which the manifest holds (they are tiny, shared
-    by every rank, and exact in JSON)."""
+    dimension; 0-dim tensors and Python numbers are scalars, which the manifest holds."""
     tensors: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
     for i in sorted(state):
         for key, value in sorted(state[i].items()):  # (flat, key) order: see file_layout
@@ -150,11 +149,8 @@ Shard = tuple[int, str, str, int]  # (flat index, state key, dtype name, padded 
 
 
 def file_layout(shards: Iterable[Shard]) -> tuple[dict[tuple[int, str], tuple[str, int, int]], dict[str, int]]:
-    """Where format 3 puts each shard: ``{(flat, key): (tensor, offset, numel)}`` and ``{tensor: numel}``.
-
-    The one rule that writer and reader share: shards in ``(flat, key)`` order, each appended to the tensor of
-    its dtype. ``shards`` come from a rank's state (writing) or from the manifest's units (reading).
-    """
+    """Where format 3 puts each shard: ``{(flat, key): (tensor, offset, numel)}`` and ``{tensor: numel}``; the one
+    rule writer and reader share: shards in ``(flat, key)`` order, each appended to the tensor of its dtype."""
     where: dict[tuple[int, str], tuple[str, int, int]] = {}
     sizes: dict[str, int] = {}
     for flat, key, tensor, numel in sorted(shards):
