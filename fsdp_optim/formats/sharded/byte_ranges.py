@@ -14,6 +14,7 @@ files are read whole; formats 1 and 2: every file read whole. Pure: no file is o
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -81,7 +82,9 @@ def _rank_file_ranges(ckpt: ShardedCheckpoint, reads: Iterable[tuple[int, tuple[
     where, sizes = ckpt.layout
     records = {f.rank: f for f in ckpt.manifest.files}
     itemsize = {t: dtype_from_str(t, where=str(ckpt.directory)).itemsize for t in sizes}
-    header = {r: f.nbytes - sum(n * itemsize[t] for t, n in sizes.items()) for r, f in records.items()}
+    ends = list(itertools.accumulate((n * itemsize[t] for t, n in sizes.items()), initial=0))
+    data_at = dict(zip(sizes, ends))  # each tensor's byte offset after the header: the tensors in file order
+    header = {r: f.nbytes - ends[-1] for r, f in records.items()}
     found: dict[int, list[tuple[int, int, int]]] = {}  # {file rank: [(start, stop, index of first use)]}
     for k, (rank, (flat, key, start, stop)) in enumerate(reads):
         tensor, offset, _ = where[(flat, key)]
@@ -89,7 +92,7 @@ def _rank_file_ranges(ckpt: ShardedCheckpoint, reads: Iterable[tuple[int, tuple[
         for r, lo, hi, _ in ckpt.pieces(rank, flat, start, stop):
             file = ckpt.file_rank(r, flat)
             first, last = (offset + lo) // per * per, min(-(-(offset + hi) // per) * per, sizes[tensor])
-            base = _tensor_base(sizes, itemsize, tensor, header[file])
+            base = header[file] + data_at[tensor]
             found.setdefault(file, [(0, header[file], -1)]).append((base + first * size, base + last * size, k))
     merged = [(records[r].file, *span) for r, spans in found.items() for span in _join(spans)]
     ordered = sorted(merged, key=lambda m: (m[3], m[0], m[1]))
@@ -114,13 +117,3 @@ def _join(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
         else:
             out.append((start, stop, use, int(use >= 0)))
     return out
-
-
-def _tensor_base(sizes: dict[str, int], itemsize: dict[str, int], tensor: str, header: int) -> int:
-    """Byte offset of ``tensor``'s element 0: the header, then the tensors in file order (``sizes``' order)."""
-    at = header
-    for name, numel in sizes.items():
-        if name == tensor:
-            return at
-        at += numel * itemsize[name]
-    raise AssertionError(f"tensor {tensor!r} is not in the file layout {list(sizes)}")
