@@ -37,7 +37,7 @@ from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.piece_reads import TensorPiece, plan_pieces
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
-from fsdp_optim.job.stager import Ring, ring_of
+from fsdp_optim.job.stager import CUDA, Ring
 
 __all__ = ["Destination", "Verified", "read_own", "ring_for", "stream_pieces", "verify_own"]
 
@@ -51,7 +51,7 @@ _Queue = queue.Queue  # of (slot, piece), a failure, or None (no more); free slo
 def ring_for(device: torch.device) -> Ring | None:
     """The ring a load into ``device`` streams through: that GPU's pinned ring; none for host memory (a load into
     host tensors reads straight into them). Tests run the ring's path on the host by answering a host ring here."""
-    return ring_of(device) if device.type == "cuda" else None
+    return CUDA.ring(CUDA.copier(device)) if device.type == "cuda" else None
 
 
 @dataclass(frozen=True)

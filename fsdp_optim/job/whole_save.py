@@ -36,7 +36,7 @@ from fsdp_optim.job.async_save import (
     liveness_group,
     staging_of,
 )
-from fsdp_optim.job.copiers import Copier
+from fsdp_optim.job.stager import Copier
 from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
