@@ -15,8 +15,7 @@ from fsdp_optim.core.checksums import ChunkHasher, digests_of_chunks
 from fsdp_optim.formats.sharded.ranged import rank_layout, write_rank
 from fsdp_optim.formats.sharded.rank_file import host_pieces
 from fsdp_optim.job import stager
-from fsdp_optim.job.stager import HostCopier
-from fsdp_optim.job.stager import Ring
+from fsdp_optim.job.stager import HostCopier, Ring
 from fsdp_optim.job.staging import HostStaging, StagedCopy, ready_events
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies from GPU memory)")

@@ -45,8 +45,8 @@ from fsdp_optim.formats.sharded.steps import (
     tidy_root,
 )
 from fsdp_optim.job import agreed
+from fsdp_optim.job.agreed import interrupts_deferred
 from fsdp_optim.job.async_save import AsyncSave
-from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.memory_restore import MemoryRestore, restore_from_memory
 from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
 from fsdp_optim.job.node_memory import MemoryTierDamaged

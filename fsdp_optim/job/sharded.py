@@ -27,10 +27,9 @@ from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.job.agreed import step
+from fsdp_optim.job.agreed import interrupts_deferred, step
 from fsdp_optim.job.api import full_plan
 from fsdp_optim.job.device_load import optimizer_state_on_device
-from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.ring_load import read_own
 from fsdp_optim.job.root import Root, verify_root

@@ -25,7 +25,7 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
-from fsdp_optim.job.agreed import step
+from fsdp_optim.job.agreed import interrupts_deferred, step
 from fsdp_optim.job.async_save import (
     MEET_S,
     AsyncSave,
@@ -36,8 +36,6 @@ from fsdp_optim.job.async_save import (
     liveness_group,
     staging_of,
 )
-from fsdp_optim.job.stager import Copier
-from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
@@ -49,7 +47,7 @@ from fsdp_optim.job.save_commit import (
     read_for_save,
     start_save,
 )
-from fsdp_optim.job.stager import pieces
+from fsdp_optim.job.stager import Copier, pieces
 from fsdp_optim.job.staging import HostStaging
 from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, check_in
 
