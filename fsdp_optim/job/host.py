@@ -34,7 +34,7 @@ Leaving the switch (the outermost exit) restores every one of these names to the
 destroys the ``record_stream`` registration (``torch.library.Library._destroy``), so fairscale is exactly
 as imported. Constructing ``fsdp_optim.FullyShardedDataParallel`` on a machine without CUDA enables the
 switch for the rest of the process instead (:func:`enable_for_process`) when the model computes on the CPU
-(:func:`fsdp_optim.job.options.computes_on_host`: where fairscale computes it; CPU parameters without CPU offload on
+(:func:`fsdp_optim.job.fsdp.computes_on_host`: where fairscale computes it; CPU parameters without CPU offload on
 any machine): such a model may be used anywhere. A model that computes on a GPU leaves fairscale untouched; the two
 kinds cannot share one process, because the switch is process-wide (:func:`note_cuda_root`).
 """

@@ -98,9 +98,9 @@ def memory_tier(
     keep: int,
     rank: int,
 ) -> MemoryTier:
-    """This rank's :class:`MemoryTier` (``replicas`` and ``keep`` checked by the manager). ``node``: given, else ``$FSDP_OPTIM_NODE``, else torchrun's grouping
-    ``rank // $LOCAL_WORLD_SIZE`` (every rank on node 0 without it). ``memory_dir``: given, else
-    ``/dev/shm/fsdp_optim-<12 hex of the manager root's absolute path>``."""
+    """This rank's :class:`MemoryTier` (``replicas`` and ``keep`` checked by the manager). ``node``: given, else
+    ``$FSDP_OPTIM_NODE``, else torchrun's grouping ``rank // $LOCAL_WORLD_SIZE`` (every rank on node 0 without it).
+    ``memory_dir``: given, else ``/dev/shm/fsdp_optim-<12 hex of the manager root's absolute path>``."""
     if node is None:
         node = os.environ.get(NODE_ENV) or rank // int(os.environ.get("LOCAL_WORLD_SIZE") or (rank + 1))
     if memory_dir is None:
