@@ -108,11 +108,10 @@ class AsyncSave:
 
 
 def _guard(optim: torch.optim.Optimizer, root: nn.Module) -> None:
-    """What changes a saved root's state by other means than a step of ``optim`` waits for the copy too
-    (:func:`fsdp_optim.job.staging.before_change`; loads call it as well): ``optim``'s ``step`` and
-    ``load_state_dict``, the root's ``load_state_dict`` / ``load_local_state_dict`` (fairscale loads through
-    ``root.module``, so the pre-hook is on both), and any other optimizer over its parameters
-    (:func:`_before_any_step`, once per process). Each hook registered once per object."""
+    """Hooks that make what changes a saved root's state wait for the copy (loads call
+    :func:`~fsdp_optim.job.staging.before_change` themselves): ``optim``'s ``step`` and ``load_state_dict``, the
+    root's ``load_state_dict`` (on ``root.module`` too: fairscale loads through it), and any other optimizer over its
+    parameters (:func:`_before_any_step`). Each hook registered once per object."""
     global _any_step_hook
     with _lock:
         if _any_step_hook is None:
@@ -130,7 +129,7 @@ def _guard(optim: torch.optim.Optimizer, root: nn.Module) -> None:
 
 def _before_any_step(optim: torch.optim.Optimizer, *_: object) -> None:
     """Before any optimizer's ``step``: a save still copying the weights of a root this optimizer updates comes
-    first. Nothing but a look at the saves in flight once their copies are done."""
+    first."""
     with _lock:
         copying = [root for root, handle in _inflight.items() if not handle.staged.is_set()]
     for root in copying:
@@ -162,10 +161,9 @@ def checkpoint_group(group: ProcessGroup, *, meet_s: float | None = None) -> Pro
 
 
 def liveness_group(group: ProcessGroup) -> ProcessGroup | None:
-    """The gloo group whose barrier a save's check-in over ``group`` waits on beside the store, so that it sees a dead
-    rank at once (:func:`~fsdp_optim.job.transport.check_in`); ``None`` until a first save made it
-    (:func:`keep_liveness_group`). Only check-ins use it, in the callers' thread: an async save's background
-    collectives never cross it."""
+    """The gloo group a save's check-in over ``group`` waits on to see a dead rank at once
+    (:func:`~fsdp_optim.job.transport.check_in`); ``None`` until a first save made it. Only check-ins, in the
+    callers' thread, use it."""
     return _alive.get(group)
 
 
@@ -232,10 +230,8 @@ def launch(
     *,
     name: str,
 ) -> AsyncSave:
-    """Start the background thread of an async save of root ``key``: it copies ``state`` (``{flat: {key: live
-    tensor}}``) into this root's reusable staging buffers, then runs ``upload(staged)`` (which calls ``staged()``
-    for the copy), then page-locks what the copy went around. ``optim``'s next ``step()`` / ``load_state_dict()``
-    waits for the copy."""
+    """Start the background thread of an async save of root ``key``: ``upload(staged)``, where ``staged()`` copies
+    ``state`` (``{flat: {key: live tensor}}``) into this root's staging; then the arena is page-locked."""
     staging = staging_of(key)
     handle = AsyncSave(directory, name)
     ready = ready_events(state)  # now, in the caller's thread: the copies see the state as it is at the call

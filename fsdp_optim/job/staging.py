@@ -99,9 +99,8 @@ CUDA_HOST = CudaHost()
 
 class Arena:
     """``nbytes`` of host memory for copies with ``device``, page-locked by ``registrar`` chunk by chunk
-    (:meth:`lock_through`); ``registrar=None``: the memory needs no registration (allocated pinned, or pageable
-    by choice). Unregistered when its ``memory`` is dropped (its owner copies into it only while it holds it; views
-    cut from it may outlive it, host reads need no registration)."""
+    (``None``: it needs no registration); unregistered when its ``memory`` is dropped (views cut from it may outlive
+    it: host reads need no registration)."""
 
     def __init__(self, memory: torch.Tensor, device: torch.device, registrar: Registrar | None) -> None:
         self.memory = memory
@@ -207,8 +206,7 @@ def expect(owner: torch.optim.Optimizer | torch.nn.Module, staged: StagedCopy) -
 
 def before_change(owner: torch.optim.Optimizer | torch.nn.Module | None) -> None:
     """What anything that changes ``owner`` (an optimizer's state, a root module's weights) calls first: the last
-    async save's copy of it is enqueued (host) and done before the caller's stream goes on (GPU). Nothing when none is
-    pending."""
+    async save's copy of it is enqueued (host) and done before the caller's stream goes on (GPU)."""
     staged = _pending.get(owner) if owner is not None else None
     if staged is not None:
         staged.before_change()
@@ -232,12 +230,10 @@ class HostStaging:
         self.side: dict[str, torch.Tensor] = {}  # name -> pinned copy of a GPU tensor (:meth:`side_copy`)
 
     def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[Copier, Any], staged: StagedCopy) -> Any:
-        """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory: host tensors at once,
-        GPU tensors enqueued after ``ready[copier]`` (:func:`ready_events`, taken when the save was called): straight
-        into the arena once it is page-locked (:meth:`lock`), else (a layout's first save) through the copier's ring,
-        whose slots are, so that page-locking never stands between the save and ``step()``; sets ``staged.issued``,
-        waits for the GPU copies, sets ``staged.staged``. Returns the copy, same shape. Runs in the save's thread, on
-        the GPU of the shards."""
+        """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory, in the save's thread:
+        host tensors at once, GPU tensors enqueued after ``ready[copier]``, straight into the arena once it is
+        page-locked, else through the copier's ring (the module docstring); sets ``staged.issued``, waits for the GPU
+        copies, sets ``staged.staged``. Returns the copy, same shape."""
         on_gpu = [((i, k), v.detach(), c) for i, e in state.items() for k, v in e.items() if (c := self._of(v))]
         if on_gpu:
             on_gpu[0][2].bind()  # this thread's CUDA calls go to the shards' GPU, not GPU 0
@@ -271,9 +267,8 @@ class HostStaging:
         return {i: {k: out[i][k] for k in state[i]} for i in state}  # the state's own order
 
     def lock(self) -> None:
-        """Page-lock this root's arena, chunk by chunk, where it is not yet: on the save's thread once its upload is
-        done, ahead of the next save of this layout, which then copies straight into it. After a failure (warned
-        once) the next save takes the fallback memory."""
+        """Page-lock this root's arena where it is not yet (the save's thread, once its upload is done); after a
+        failure the next save takes the fallback memory."""
         arena = self.arena
         if arena is None or self.registrar is None:
             return
@@ -284,11 +279,10 @@ class HostStaging:
     def side_copy(
         self, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], list[tuple[Copier, Any]]]:
-        """What an async save's caller does with the buffers and ``extra``'s tensors (``{name: tensor}``): host
-        tensors copied at once, GPU tensors queued on their GPU's copy stream after a mark taken now, into this root's
-        pinned memory (reused by the next save), with the caller's stream made to wait for them on the GPU (a forward
-        that changes a buffer in place runs after its copy): nothing waits for the GPU on the host. Returns the copies
-        (``{name: host tensor}``, each valid once its GPU's ticket is done) and ``[(copier, ticket)]``."""
+        """The buffers and ``extra``'s tensors (``{name: tensor}``) copied in the caller's thread: host tensors at once,
+        GPU tensors queued after a mark taken now into this root's pinned memory, the caller's stream made to wait for
+        them on the GPU (a forward changes buffers in place), the host for nothing. Returns the copies (``{name: host
+        tensor}``, each valid once its GPU's ticket is done) and ``[(copier, ticket)]``."""
         out, copiers = {}, []
         for name, value in tensors.items():
             copier = self._of(value)
@@ -377,8 +371,7 @@ def _through_ring(ring: Ring, pairs: list[tuple[torch.Tensor, torch.Tensor]]) ->
 
 
 def ready_events(state: Mapping[int, Mapping[str, Any]], engines: Engines = CUDA) -> dict[Copier, Any]:
-    """A :meth:`~fsdp_optim.job.stager.Copier.mark` on every device that holds a tensor of ``state``: taken in the
-    caller's thread when a save is called (the copies, made later by the save's thread, must see the state as it
-    was then)."""
+    """A :meth:`~fsdp_optim.job.stager.Copier.mark` on every device that holds a tensor of ``state``, taken in the
+    caller's thread when a save is called."""
     copiers = {c for entries in state.values() for v in entries.values() if torch.is_tensor(v) and (c := engines.of(v))}
     return {c: c.mark() for c in copiers}
