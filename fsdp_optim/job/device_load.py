@@ -23,10 +23,9 @@ __all__ = ["into_live", "live_destination", "optimizer_state_on_device"]
 
 
 def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each checked tensor into its live tensor (``(live, checked)``): one already on the live tensor's GPU
-    (a load read it there, :mod:`fsdp_optim.job.ring_load`) on the device, a host tensor into a GPU tensor through
-    the pinned ring, into a host tensor directly. A floating-point tensor of another dtype is cast first; any other
-    difference of dtype or shape is refused before a byte is written (:func:`fsdp_optim.job.stager.check_pairs`)."""
+    """Copy each checked tensor into its live tensor (``(live, checked)``): on the device, through the pinned ring or
+    directly. A floating-point tensor of another dtype is cast first; any other difference of dtype or shape is
+    refused before a byte is written."""
     ready = [(live, t.to(live.dtype) if _castable(t, live) else t) for live, t in pairs if not _same(live, t)]
     check_pairs(ready)  # all or nothing: the device-side pairs too, before the first of them is copied
     on_device = [(live, t) for live, t in ready if live.is_cuda and t.device == live.device]
@@ -43,10 +42,9 @@ def _same(live: torch.Tensor, t: torch.Tensor) -> bool:
 
 
 def live_destination(params: Sequence[torch.Tensor], optim: torch.optim.Optimizer | None) -> Destination:
-    """Where a load at the saved layout reads each shard (:meth:`fsdp_optim.job.ring_load.Verified.land`), the one
-    rule: the live tensor itself (``params[flat]``'s data for the weights, the optimizer's own state tensor for a
-    state key) when it has the shard's numel, dtype and device and is contiguous; else a new tensor (an optimizer
-    that has not stepped yet: it becomes its state)."""
+    """Where a load at the saved layout reads each shard (:meth:`fsdp_optim.job.ring_load.Verified.land`): the live
+    tensor itself (the parameter's data, the optimizer's own state tensor) when it fits (numel, dtype, device,
+    contiguous); else a new tensor (an optimizer that has not stepped yet: it becomes its state)."""
 
     def destination(flat: int, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         param = params[flat]
@@ -66,16 +64,11 @@ def _castable(host: torch.Tensor, live: torch.Tensor) -> bool:
 
 def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` (``{"state": {id: {key: tensor or value}}, "param_groups": [...]}``, as
-    ``optim.load_state_dict`` takes it) with every state tensor where the load's one rule puts it: a loaded tensor
-    already on its parameter's device (a host load for a host parameter, a GPU tensor a load read there or a
-    scatter received there) is new memory of its own and **becomes the state as it is** (cast to the dtype
-    ``load_state_dict`` would cast it to): copying it into the live tensor would cost a copy of the whole state and
-    lower no peak, since the live tensors are freed when ``load_state_dict`` replaces them. A tensor that must
-    cross devices (a host tensor for a GPU parameter) lands **in the live optimizer's own tensor** for that
-    parameter and key, in place, through the pinned ring, when it has one of that shape, dtype and device, and in
-    a new GPU tensor when it has none, so the GPU never holds the state twice. ``step`` stays as it is (as
-    ``load_state_dict`` keeps it). An async save still copying ``optim``'s state is waited for first (its pre-hook
-    on ``load_state_dict`` would come too late)."""
+    ``optim.load_state_dict`` takes it) with every state tensor where the module docstring's rule puts it, cast to
+    the dtype ``load_state_dict`` would cast it to (``step`` as it is). A tensor already on its parameter's device
+    becomes the state: a copy into the live tensor would lower no peak, since ``load_state_dict`` frees the live
+    tensors. An async save still copying ``optim``'s state is waited for first (its pre-hook on ``load_state_dict``
+    would come too late)."""
     before_change(optim)
     params = _params_by_id(optim, state_dict)
     state: dict[Any, dict[str, Any]] = {}
@@ -107,8 +100,7 @@ def _fits(target: Any, value: torch.Tensor, dtype: torch.dtype, device: torch.de
 
 
 def _params_by_id(optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> dict[Any, torch.Tensor]:
-    """``{saved param id: live parameter}``, matched group by group and position by position, as
-    ``load_state_dict`` matches them (it checks the counts; so does every caller before this)."""
+    """``{saved param id: live parameter}``, matched as ``load_state_dict`` matches them."""
     return {
         pid: param
         for saved, group in zip(state_dict["param_groups"], optim.param_groups, strict=True)

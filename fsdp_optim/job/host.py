@@ -229,12 +229,11 @@ _state = _Switch()
 
 
 def is_enabled() -> bool:
-    """Whether fairscale's FSDP module is currently switched to host execution."""
     return bool(_state.patches)
 
 
 def _switch_on() -> None:
-    """Apply the patches unless they are on (under ``_lock``); refused once a GPU root was built here."""
+    """Apply the patches unless they are on (under ``_lock``)."""
     if _state.cuda_roots:
         raise RuntimeError(
             "host execution replaces fairscale's CUDA streams with CPU stand-ins for the whole process, but this "
@@ -340,11 +339,8 @@ def host_execution() -> Iterator[None]:
 
 
 def enable_for_process() -> None:
-    """Enable host execution until the process ends (what ``fsdp_optim.FullyShardedDataParallel`` does).
-
-    Idempotent, and independent of the count kept by :func:`enable_host_execution` /
-    :func:`disable_host_execution`, so an unbalanced user disable cannot switch it off under a live model.
-    """
+    """Enable host execution until the process ends (what ``fsdp_optim.FullyShardedDataParallel`` does); idempotent,
+    and apart from :func:`enable_host_execution`'s count, so an unbalanced user disable cannot switch it off."""
     with _lock:
         _switch_on()
         _state.for_process = True

@@ -205,10 +205,9 @@ def restore_from_memory(
     data: object = None,
 ) -> MemoryRestore:
     """Load the newest step the live nodes' memory tiers hold whole into ``model`` and ``optim``, unless none does
-    or it is older than the newest durable step (``durable()``, run on rank 0 alone; its answer travels with the
-    holdings and comes back as ``durable``): then nothing is changed and ``loaded`` is False. A collective: every
-    rank gets the same answer, or raises the same error (:class:`.node_memory.MemoryTierDamaged` when the step's
-    bytes could not be read). ``buffers`` and ``data``: as in :func:`fsdp_optim.load_checkpoint`."""
+    or it is older than the newest durable step (``durable()``, run on rank 0 alone): then nothing is changed and
+    ``loaded`` is False. A collective: every rank gets the same answer, or raises the same error. ``buffers`` and
+    ``data``: as in :func:`fsdp_optim.load_checkpoint`."""
     root = verify_root(model, optim)
     group = root.group if is_cpu_group(root.group) else checkpoint_group(root.group)
     nodes, holdings, chosen, newest = find_in_memory(tier, group, durable if root.rank == 0 else None)
