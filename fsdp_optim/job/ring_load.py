@@ -74,10 +74,9 @@ class Verified:
 def verify_own(
     ckpt: ShardedCheckpoint, rank: int, devices: Sequence[torch.device], want: Callable[[int, str], bool]
 ) -> Verified | None:
-    """The first pass of a load at the saved layout through a ring (module doc): every piece of rank ``rank``'s
-    file read into the ring's slots and checked there, nothing copied out, nothing allocated the size of the
-    state; ``ValueError`` at a checksum mismatch. None where no ring is used (host memory, format 1 or 2 files):
-    :func:`read_own` reads those once, into new memory."""
+    """The first pass of a load at the saved layout through a ring (module doc): every piece checked in the slots,
+    nothing kept; ``ValueError`` at a checksum mismatch. None where no ring is used (host memory, format 1 or 2
+    files): :func:`read_own` reads those once, into new memory."""
     ring, rank_file = _ring_and_file(ckpt, rank, devices)
     if ring is None or rank_file is None:
         return None
