@@ -39,9 +39,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.job.root import verify_root
-from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
+from fsdp_optim.job.save_commit import check_in_seconds, commit_save, read_for_save, start_save
 from fsdp_optim.job.staging import HostStaging, StagedCopy, before_change, expect, ready_events
-from fsdp_optim.job.transport import ProcessGroup, dist_rank_and_size, group_initialized, new_gloo_group
+from fsdp_optim.job.transport import ProcessGroup, check_in, dist_rank_and_size, group_initialized, new_gloo_group
 
 __all__ = ["EXIT_STATUS", "AsyncSave", "async_save_sharded_optim_state"]
 
@@ -160,16 +160,11 @@ def checkpoint_group(group: ProcessGroup, *, meet_s: float | None = None) -> Pro
     return _groups[group]
 
 
-def liveness_group(group: ProcessGroup) -> ProcessGroup | None:
-    """The gloo group a save's check-in over ``group`` waits on to see a dead rank at once
-    (:func:`~fsdp_optim.job.transport.check_in`); ``None`` until a first save made it. Only check-ins, in the
-    callers' thread, use it."""
-    return _alive.get(group)
-
-
-def keep_liveness_group(group: ProcessGroup) -> None:
-    """Right after a save's check-in (every rank is there): make ``group``'s liveness group if it has none, within
-    :data:`MEET_S`. Only over a group of every process of the job (making a group is a collective over them all)."""
+def check_in_alive(what: str, group: ProcessGroup) -> None:
+    """A whole save's check-in (:func:`~fsdp_optim.job.transport.check_in`), waiting on ``group``'s liveness group
+    too once a first save made it (a dead rank said at once); then, every rank being there, that group made if it is
+    missing, within :data:`MEET_S`, over a group of every process of the job (making one is a collective over all)."""
+    check_in(what, group, check_in_seconds(), alive=_alive.get(group))
     if group not in _alive and dist_rank_and_size(group)[1] == dist_rank_and_size(None)[1]:
         _alive[group] = new_gloo_group(group, create_within_s=MEET_S)
 

@@ -28,27 +28,20 @@ from fsdp_optim.job.agreed import interrupts_deferred, step
 from fsdp_optim.job.async_save import (
     MEET_S,
     AsyncSave,
+    check_in_alive,
     checkpoint_group,
     finish_previous,
-    keep_liveness_group,
     launch,
-    liveness_group,
     staging_of,
 )
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.sampler import agreed_position, data_position
-from fsdp_optim.job.save_commit import (
-    check_in_seconds,
-    commit_save,
-    own_tensor,
-    read_for_save,
-    start_save,
-)
+from fsdp_optim.job.save_commit import commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.stager import Copier, pieces
 from fsdp_optim.job.staging import HostStaging
-from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, check_in
+from fsdp_optim.job.transport import ProcessGroup, all_gather_objects
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
@@ -141,8 +134,7 @@ def save_checkpoint(
     """
     with interrupts_deferred("save_checkpoint"):  # a Ctrl-C: the save ends as agreed on every rank, then raises
         root = verify_root(model, optim)
-        check_in("save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
-        keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
+        check_in_alive("save_checkpoint", root.group)  # a rank calling it alone, or a dead one: said so, no abort
         prepared = prepare_whole(root, model, optim, extra, data=data)
         directory = where(path)
         optimizer = type(optim).__name__ if optim is not None else None
@@ -178,8 +170,7 @@ def async_save_checkpoint(
     with interrupts_deferred("async_save_checkpoint"):  # its agreed start (the thread does not see Ctrl-C)
         finish_previous(model)
         root = verify_root(model, optim)
-        check_in("async_save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))
-        keep_liveness_group(root.group)
+        check_in_alive("async_save_checkpoint", root.group)
         group = checkpoint_group(root.group, meet_s=MEET_S)  # every rank checked in: made at once, or a rank is lost
         prepared = prepare_whole(root, model, optim, extra, caller_of=group, data=data)
         directory = where(path)
