@@ -7,11 +7,7 @@
         train_one_step(...)
         manager.save(step, model, optim, extra={"step": step, ...})   # every rank, every step
 
-Saving is :func:`fsdp_optim.save_checkpoint` into ``root/step-NNNNNNNN/`` (a collective, atomic: the manifest is
-written last); pruning runs on rank 0 alone after the save committed and removes only step directories that are
-ours (:mod:`fsdp_optim.formats.sharded.steps`). Finding the newest usable step verifies every file of each candidate
-(:func:`fsdp_optim.formats.sharded.verification.verify_sharded`, what :func:`fsdp_optim.verify` runs), newest first,
-skipping torn and damaged ones and saying why.
+Step directories, and what is ours to prune: :mod:`fsdp_optim.formats.sharded.steps`.
 """
 
 from __future__ import annotations
@@ -128,7 +124,7 @@ class CheckpointManager:
         return f"CheckpointManager({str(self.root)!r}, {schedule})"
 
     def path(self, step: int) -> Path | Location:
-        """The directory of ``step``: ``root/step-00000042`` (a ``Path``, or a store's prefix)."""
+        """The directory of ``step``: ``root/step-00000042``."""
         return public(self.root.child(step_dir_name(step)))
 
     def save(
@@ -147,8 +143,8 @@ class CheckpointManager:
         ``keep_every``) is removed, torn and damaged ones included; a directory holding anything that fsdp_optim
         did not write is kept, with a warning naming it, and so is anything in ``root`` that is not a step
         directory. Steps newer than ``step`` (a run resumed from an older step) are left alone. A prune that
-        fails warns rather than raises, so that every rank goes on to the same next step. ``data``: the data
-        stream's position, once for the job (a :class:`~fsdp_optim.ResumableSampler`), as in ``save_checkpoint``.
+        fails warns rather than raises, so that every rank goes on to the same next step. ``data``: as in
+        ``save_checkpoint``.
         """
         directory = self.path(step)
         memory = self.memory_every is not None and step % self.memory_every == 0
@@ -252,9 +248,8 @@ class CheckpointManager:
         holds a newer complete step; when no step survives whole in memory, or its bytes fail a check on some rank
         (:class:`~fsdp_optim.job.node_memory.MemoryTierDamaged`, raised on every rank with nothing changed), a
         warning says so and the newest durable step is restored. ``restored_from`` and ``restored_step`` say what
-        was loaded. ``buffers``: buffers saved per rank (BatchNorm's running statistics) at another world size, as
-        in :func:`fsdp_optim.load_checkpoint` (``"refuse"``, ``"rank0"`` or ``"mean"``). ``data``: a
-        :class:`~fsdp_optim.ResumableSampler` put at the restored step's data position (untouched on a fresh run)."""
+        was loaded. ``buffers`` and ``data``: as in :func:`fsdp_optim.load_checkpoint` (``data`` is untouched on a
+        fresh run)."""
         self.wait()
         self.restored_from, self.restored_step = None, None
         damaged = None
