@@ -1,17 +1,14 @@
 """Loads at the floor: a rank file read a piece at a time straight into the slots of the GPU's pinned ring, each
 piece's chunk checksums checked on its slot, then copied to the GPU from there, while a reader thread fills the next
-slots. Nothing the size of the state passes through pageable memory (the old way: the whole file read into new host
-memory, hashed, then copied into a slot, then to the GPU).
+slots. Nothing the size of the state passes through pageable memory.
 
 A whole load at the saved layout goes through the ring twice, so that the GPU never holds the state twice
 (:func:`verify_own`, then :meth:`Verified.land`): the first pass reads and checks every piece in the slots and keeps
 nothing; the ranks agree; the second reads and checks each piece again and copies it straight into the live tensor
-it lands in (``destination``: the parameter's data, the optimizer's own state tensor). GPU memory grows by nothing
-the size of the state (the slots are pinned host memory), and a corrupt byte, or a failure on another rank, leaves
-every live tensor as it was. What it costs: the file is read and hashed twice (the second time usually from the page
-cache); the copies to the GPU are those of one load. A mismatch in the second pass (the file changed between the
-passes) raises, naming the file, after part of the live state was written. :func:`read_own` (the scatter's loads,
-and a load into host memory, which reads straight into its new tensors: its floor) reads once into new memory.
+it lands in. A corrupt byte, or a failure on another rank, leaves every live tensor as it was; the cost is the file
+read and hashed twice (the second time usually from the page cache). A mismatch in the second pass (the file changed
+between the passes) raises, naming the file, after part of the live state was written. :func:`read_own` (the
+scatter's loads, and a load into host memory) reads once into new memory.
 
 Threads: the reader (``preadv``) waits for a slot's previous copies to be done before it refills it; the checker
 hashes the slot the reader filled before (xxhash; both release the GIL); the caller's thread queues each checked
