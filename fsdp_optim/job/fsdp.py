@@ -33,10 +33,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
 
     - it runs on the CPU, on any machine: with the module on CPU and a gloo process group, ``compute_device``
       defaults to the CPU and fairscale's stream calls become no-ops. Constructing one that computes on the CPU
-      (:func:`fsdp_optim.job.fsdp.computes_on_host`: fairscale's own ``compute_device``; CPU parameters without
-      CPU offload compute on the CPU on any machine, with ``move_params_to_cpu`` on the GPU when there is one)
-      enables :func:`fsdp_optim.host_execution` for the rest of the process (see :mod:`fsdp_optim.job.host`);
-      one that computes on a GPU leaves fairscale as it is;
+      (:func:`fsdp_optim.job.fsdp.computes_on_host`) enables :func:`fsdp_optim.host_execution` for the rest of the
+      process (see :mod:`fsdp_optim.job.host`); one that computes on a GPU leaves fairscale as it is;
     - options that cannot work are refused at construction with a ``ValueError`` naming the option
       (``compute_dtype`` differing from the parameters' dtype without ``mixed_precision`` or CPU
       offload; a non-CPU ``compute_device`` / ``state_dict_device`` on a machine without CUDA), and at the first
@@ -59,9 +57,8 @@ class FullyShardedDataParallel(_FairscaleFSDP):
             super().__init__(module, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """fairscale's forward; first, at the root under mixed precision in another dtype than float16, a float32
-        input is refused by name (fairscale would cast it to float16; see
-        :func:`~fsdp_optim.job.fsdp.check_forward_inputs`)."""
+        """fairscale's forward, after :func:`check_forward_inputs` at a mixed-precision root in another dtype than
+        float16."""
         if self.mixed_precision and self.compute_dtype != torch.float16 and self._is_root is not False:
             check_forward_inputs(self.compute_dtype, args, kwargs)
         return super().forward(*args, **kwargs)
@@ -157,11 +154,8 @@ def computes_on_host(where: ComputePlacement) -> bool:
 
 
 def placement(module: torch.nn.Module, options: dict[str, Any]) -> ComputePlacement:
-    """The :class:`ComputePlacement` of ``module`` wrapped with ``options`` (as for :func:`check_options`), on this
-    machine.
-
-    The parameters are the module's own, or those that nested instances took over when it has none (a root over
-    wrapped layers)."""
+    """The :class:`ComputePlacement` of ``module`` wrapped with ``options``, on this machine: of the module's own
+    parameters, or of those nested instances took over when it has none (a root over wrapped layers)."""
     devices = {p.device.type for p in unsharded_parameters(module)} or {p.device.type for p in module.parameters()}
     compute = options.get("compute_device")
     return ComputePlacement(

@@ -305,11 +305,9 @@ def enable_host_execution() -> None:
 def disable_host_execution() -> None:
     """Undo one :func:`enable_host_execution`; the last one restores fairscale's module exactly.
 
-    Every replaced name (the module's ``torch``, its default compute device, the bucketer's collective
-    flag and its own, six methods of fairscale's ``FullyShardedDataParallel``) gets back the object it held before,
-    and the ``aten::record_stream`` CPU kernel registered by the switch is unregistered. While
-    ``fsdp_optim.FullyShardedDataParallel`` has enabled host execution for the process (see
-    :func:`enable_for_process`), nothing is restored.
+    Every replaced name gets back the object it held before, and the ``aten::record_stream`` CPU kernel registered
+    by the switch is unregistered. While ``fsdp_optim.FullyShardedDataParallel`` has enabled host execution for the
+    process, nothing is restored.
 
     Raises ``RuntimeError`` when not matched by an earlier enable.
     """

@@ -203,7 +203,7 @@ class Ring:
         """The bytes of the 1-D ``parts`` in order, as views of the ring's buffers; each valid until the next is
         asked for. A generator closed early still waits for the copies it started (the buffers are reused)."""
         with self.lock:
-            spans = _spans(parts, self.slot_bytes)
+            spans = (span for part in parts for _, span in _offsets(part, self.slot_bytes))
             flight: deque[tuple[int, int, Any]] = deque()  # (slot, bytes, ticket) in order of the spans
             try:
                 for slot in range(len(self.buffers)):
@@ -269,17 +269,10 @@ def check_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torc
 
 
 def _offsets(part: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(byte offset, uint8 view of at most size bytes)`` over one tensor's bytes."""
+    """``(byte offset, uint8 view of at most size bytes)`` over one tensor's bytes (no copy of a contiguous one)."""
     raw = part.detach().contiguous().reshape(-1).view(torch.uint8)
     for start in range(0, raw.numel(), size):
         yield start, raw[start : start + size]
-
-
-def _spans(parts: Sequence[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
-    """The bytes of ``parts`` as ``uint8`` views of at most ``size`` bytes (no copy of a contiguous part)."""
-    for part in parts:
-        for _, span in _offsets(part, size):
-            yield span
 
 
 class CudaEngines:
