@@ -176,21 +176,20 @@ class CudaCopier:
 
 
 class Engines(Protocol):
-    """Which copy engine a tensor sits behind (``None``: host memory, read where it is), and each engine's ring.
-    :data:`CUDA` in a job; the tests pass an engine of their own that models a GPU's on the CPU."""
+    """Which copy engine a tensor sits behind (``None``: host memory), and each engine's ring."""
 
     def of(self, tensor: torch.Tensor) -> Copier | None:
         """The copier of the device holding ``tensor``, ``None`` for host memory; refuses another device."""
         ...
 
     def ring(self, copier: Copier) -> Ring:
-        """That copier's ring, made once and reused by every later save and load."""
+        """That copier's ring, made once."""
         ...
 
 
 class Ring:
-    """``slots`` reused host buffers of ``slot_bytes``: the bytes of many tensors streamed through them in order,
-    the copies of the next slots in flight while the caller uses the current one."""
+    """``slots`` reused host buffers of ``slot_bytes``, the copies of the next slots in flight while the caller uses
+    the current one."""
 
     def __init__(self, copier: Copier, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
         assert slots >= 1 and slot_bytes >= 1, f"expected a slot or more of a byte or more, found {slots}, {slot_bytes}"
@@ -219,10 +218,8 @@ class Ring:
                     self.copier.wait(ticket)
 
     def upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each host tensor ``src`` into its ``dst`` (same shape and dtype, ``dst`` contiguous, on the copier's
-        device: every pair checked before the first byte is written) through the ring: a slot is filled from ``src``
-        (the read, e.g. of a mapped file's pages) while the copies out of the earlier slots run. Returns once every
-        copy is done (one slot's copy after the last read)."""
+        """Copy each host tensor ``src`` into its ``dst`` (checked: :func:`check_pairs`) through the ring: a slot is
+        filled from ``src`` while the copies out of the earlier slots run. Returns once every copy is done."""
         check_pairs(pairs, self.copier.device)
         with self.lock:
             busy: list[Any] = [None] * len(self.buffers)
