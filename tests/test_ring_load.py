@@ -151,7 +151,7 @@ def _in_place(rank: int, world_size: int, out: str) -> dict[str, bool]:  # noqa:
 
 
 def test_a_load_through_the_ring_under_late_copies_lands_in_the_live_tensors_in_place(tmp_path: Path) -> None:
-    """The one rule for where loaded state lands (job/device_load.py): in the live tensors, in place."""
+    """The one rule for where loaded state lands (job/ring_load.py): in the live tensors, in place."""
     assert run_ranks(_in_place, 2, str(tmp_path)) == [{"params": True, "optim": True}] * 2
 
 

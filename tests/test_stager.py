@@ -218,10 +218,10 @@ def test_the_ring_uploads_every_byte_into_its_destination_and_refuses_a_mismatch
 
 
 def test_loaded_optimizer_state_already_on_its_parameters_device_becomes_the_state_as_it_is() -> None:
-    """One rule on every device (job/device_load.py): a loaded tensor in memory of its own on its parameter's device
+    """One rule on every device (job/ring_load.py): a loaded tensor in memory of its own on its parameter's device
     (here the host) becomes the state, not copied into the live tensor (a copy of the whole state that lowers no
     peak: the engine A/B measured loads 1.5-2.8x slower while it was copied); the live tensors are left as they were."""
-    from fsdp_optim.job.device_load import optimizer_state_on_device
+    from fsdp_optim.job.ring_load import optimizer_state_on_device
 
     net = torch.nn.Linear(3, 2)
     optim = torch.optim.Adam(net.parameters())
@@ -685,7 +685,7 @@ def test_gpu_staging_locks_in_chunks_on_the_shards_gpu_from_the_save_thread_and_
 
 
 def test_into_live_casts_floating_point_only_and_refuses_any_other_dtype_before_writing() -> None:
-    from fsdp_optim.job.device_load import into_live
+    from fsdp_optim.job.ring_load import into_live
 
     half, ints = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"live tensor 1: expected \(3,\) torch.int32 .*found \(3,\) torch.int64"):

@@ -24,9 +24,8 @@ from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.job.agreed import interrupts_deferred, step
 from fsdp_optim.job.api import full_plan
-from fsdp_optim.job.device_load import optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
-from fsdp_optim.job.ring_load import read_own
+from fsdp_optim.job.ring_load import optimizer_state_on_device, read_own
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.save_commit import check_in_seconds, commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.transport import check_in, scatter_objects

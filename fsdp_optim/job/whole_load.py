@@ -29,10 +29,16 @@ from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, re
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file, read_whole_safetensors
 from fsdp_optim.job.agreed import step
-from fsdp_optim.job.device_load import into_live, live_destination, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import live_shaped, persistent_buffers, weight_shards
-from fsdp_optim.job.ring_load import Verified, read_own, verify_own
+from fsdp_optim.job.ring_load import (
+    Verified,
+    into_live,
+    live_destination,
+    optimizer_state_on_device,
+    read_own,
+    verify_own,
+)
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.sampler import resume_data
 from fsdp_optim.job.staging import before_change
@@ -277,7 +283,7 @@ def _castable(saved: str, live: torch.dtype) -> bool:
 
 def commit_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: Staged) -> None:
     """Copy what was staged into the live model and optimizer, once every rank's checks passed
-    (:mod:`fsdp_optim.job.device_load`)."""
+    (:mod:`fsdp_optim.job.ring_load`)."""
     before_change(model)  # an async save still copying these weights and state comes first (optim=None too)
     before_change(optim)
     if staged.own is not None:  # verified through the ring: now read again, straight into the live tensors
