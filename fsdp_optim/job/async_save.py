@@ -54,6 +54,7 @@ class AsyncSave:
         self.name = name  # the save id's first characters, as the background thread is named
         self._finished = threading.Event()
         self.progress = StagedCopy()  # the background copy of this rank's state: enqueued, then in host memory
+        self.staged = self.progress.staged  # set once that copy is in host memory
         self._result: Path | ObjectPath | None = None
         self._error: BaseException | None = None
         self._reported = False
@@ -70,7 +71,7 @@ class AsyncSave:
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until this rank's state is copied into host memory (the optimizer may then change it by any
         means); ``False`` if ``timeout`` seconds pass first."""
-        return self.progress.staged.wait(timeout)
+        return self.staged.wait(timeout)
 
     def __repr__(self) -> str:
         if not self._finished.is_set():
@@ -130,7 +131,7 @@ def _before_any_step(optim: torch.optim.Optimizer, *_: object) -> None:
     """Before any optimizer's ``step``: a save still copying the weights of a root this optimizer updates comes
     first."""
     with _lock:
-        copying = [root for root, handle in _inflight.items() if not handle.progress.staged.is_set()]
+        copying = [root for root, handle in _inflight.items() if not handle.staged.is_set()]
     for root in copying:
         params = {id(p) for p in root.parameters()}
         if any(id(p) in params for group in optim.param_groups for p in group["params"]):
