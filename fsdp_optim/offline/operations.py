@@ -42,11 +42,12 @@ from fsdp_optim.offline.sources import open_source
 __all__ = ["consolidate", "load_full_file", "reshard", ]
 
 
-def load_full_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A full dict from a file, memory-mapped (``weights_only=True``); ``ValueError`` if it is something else."""
-    full = load_file(path, mmap=True)
-    check_full_dict(full, str(path))
-    check_state_dict(full, str(path))
+def load_full_file(path: str | os.PathLike[str], label: str | None = None, **options: bool) -> dict[str, Any]:
+    """A full dict from a file (``options``: :func:`~fsdp_optim.disk.atomic.load_file`'s, memory-mapped unless
+    ``mmap=False``); ``ValueError`` naming ``label`` if it is something else."""
+    full = load_file(path, **{"mmap": True, **options})
+    check_full_dict(full, label or str(path))
+    check_state_dict(full, label or str(path))
     return dict(full)
 
 

@@ -31,11 +31,13 @@ from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.one_file import write_stream
 from fsdp_optim.disk.stream_save import Pending, stream_write
+from fsdp_optim.formats.fullstate import read_meta
 from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor  # one parameter, made when due
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import OWN, buffers_rule, encode_extra, read_rank_side, write_side_file
 from fsdp_optim.formats.sharded.training import TrainingRecord
+from fsdp_optim.formats.whole_file import WholeFile
 
 __all__ = [
     "WholeModel",
@@ -44,6 +46,7 @@ __all__ = [
     "check_whole_options",
     "is_whole",
     "whole_model",
+    "whole_model_of",
     "whole_state",
     "write_whole",
 ]
@@ -175,6 +178,19 @@ def write_whole(
         stream_write(obj, f, where=str(out))
 
     return write_stream(write, out, inputs=inputs, purpose="fsdp_optim.consolidate", overwrite=overwrite)
+
+
+def whole_model_of(whole: WholeFile, *, rank: int = 0) -> WholeModel:
+    """A consolidated file's model as a whole checkpoint's, so that the verbs that take one (convert, consolidate to
+    safetensors) take it: each parameter a copy made when asked, its tied names and buffers as the file holds them,
+    ``extra`` of saved rank ``rank`` (the one the file kept)."""
+    params = tuple(
+        ModelTensor(name, tuple(whole.model[name].shape), whole.model[name].dtype, whole.model[name].clone)
+        for name in whole.params
+    )
+    meta = read_meta(whole.optimizer, f"{whole.label}['optimizer']") if whole.optimizer is not None else None
+    optimizer = None if whole.optimizer is None else (meta or {}).get("optimizer") or "unknown"
+    return WholeModel(params, whole.aliases, whole.buffer_tensors(), whole.extra, rank, 1, optimizer)
 
 
 def check_resharding(ckpt: ShardedCheckpoint, world_size: int, buffers: str = "refuse") -> str:

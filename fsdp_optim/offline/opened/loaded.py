@@ -23,13 +23,12 @@ from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.whole_file import WholeFile, recorded_layout
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
-from fsdp_optim.offline.cuts import AfterFile, Progress
+from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, RewrittenFile
 from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole import WholeModel
-from fsdp_optim.offline.whole_file import reshard_whole_file, whole_model_of
+from fsdp_optim.offline.whole import WholeModel, whole_model_of
 
 __all__ = ["OpenedFull", "OpenedNamedDict", "OpenedNative", "OpenedWholeFile"]
 
@@ -237,5 +236,5 @@ class OpenedWholeFile(Opened):
         if layout is None:  # refused there: the file names no units and records none
             return super().reshard(world_size, out, layout=layout, given=given)
         # weights, optimizer, buffers and extra: a whole one
-        return reshard_whole_file(self.whole_file, world_size, out, layout, given=given, progress=progress,
-                                  overwrite=overwrite, replace_existing=replace_existing, after_file=after_file)
+        return reshard_full(self.whole_file, given, world_size, out, layout, progress, overwrite, replace_existing,
+                            after_file)  # fmt: skip

@@ -56,7 +56,7 @@ class OpenedCheckpoint(Opened):
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         out = R.of_manifest(R.base(path, self.kind, lines), self.checkpoint.manifest)
         if self.is_whole():
-            out["model"] = R.model_of_checkpoint(self.checkpoint)
+            out["model"] = R.model_of_checkpoint(self.checkpoint, R.side_extras(self.checkpoint))
         return out
 
     @classmethod
