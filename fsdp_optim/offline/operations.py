@@ -22,8 +22,7 @@ output shard plus that bound.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
+from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.offline.cuts import Progress
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.publish import checkpoint_output
@@ -137,40 +137,19 @@ def reshard(
     The source is checked against the target once (one plan), then cut once per output rank.
     """
     check_world_size("world_size", world_size)
+    check_buffer_choice(buffers)
     if parallel:
         from fsdp_optim.offline.parallel.entry import reshard_in_team
 
         return reshard_in_team(None, source, world_size, out_dir, layout=layout, optimizer=optimizer,
                                allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes, overwrite=overwrite,
                                buffers=buffers)  # fmt: skip
-    write = partial(_reshard_local, source, world_size, layout=layout, optimizer=optimizer,
-                    allow_globals=allow_globals, progress=progress, max_mapped_bytes=max_mapped_bytes,
-                    overwrite=overwrite, buffers=buffers)  # fmt: skip
-    with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done):  # (a store's: each rank file uploaded
-        written = write(Path(local), after_file=file_done)  # once written)
+    with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done), open_source(
+        source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,
+        max_mapped_bytes=max_mapped_bytes,
+    ) as opened:  # (a store's output: each rank file uploaded once written)
+        written = opened.reshard(world_size, Path(local), layout=layout, given=source, progress=progress,
+                                 overwrite=overwrite, after_file=file_done, buffers=buffers)  # fmt: skip
     if file_done is None:  # written in place
         return written
     return where(out_dir) / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
-
-
-def _reshard_local(
-    source: str | os.PathLike[str] | Mapping[str, Any],
-    world_size: int,
-    out: Path,
-    *,
-    layout: LayoutLike | None,
-    optimizer: str | None,
-    allow_globals: Sequence[str],
-    progress: Progress,
-    max_mapped_bytes: int,
-    overwrite: bool,
-    buffers: str,
-    after_file: Callable[[Path], None] | None = None,
-) -> Path:
-    """:func:`reshard` into a local directory; ``after_file(path)`` is called as each rank file is complete."""
-    with open_source(
-        source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,
-        max_mapped_bytes=max_mapped_bytes,
-    ) as opened:
-        return opened.reshard(world_size, out, layout=layout, given=source, progress=progress, overwrite=overwrite,
-                              after_file=after_file, buffers=buffers)

@@ -7,11 +7,11 @@ this is the walk over them, one saved rank at a time (side files are small: buff
     side = opened.side_state()            # None: not a whole checkpoint (sharded, or consolidate's file of one)
     side.buffer_names                     ("block1.seen", "norm.running_mean", ...)  as the manifest lists them
     side.per_rank                         False: rank 0's side file holds the buffers; True: every rank its own
-    side.rank(1)                          ({"block1.seen": T[4], ...}, {"['rng']": T[5056], "['opt'][0]": T[3]})
+    side.parts(1)                         ({"block1.seen": T[4], ...}, {"['rng']": T[5056], "['opt'][0]": T[3]}, values)
 
-``rank(r)``'s buffers are rank 0's unless they were saved per rank; its second dict is ``extra``'s tensors keyed
-by where they sit in the tree (``"['rng']"``; the root itself ``""``); ``parts(r)`` adds ``extra``'s other values
-(its tree, each tensor a placeholder).
+``parts(r)``'s buffers are rank 0's unless they were saved per rank; its second dict is ``extra``'s tensors keyed
+by where they sit in the tree (``"['rng']"``; the root itself ``""``); its third ``extra``'s other values (its tree,
+each tensor a placeholder).
 """
 
 from __future__ import annotations
@@ -63,14 +63,10 @@ class SideState:
         buffers = whole.buffer_tensors()
         return cls(1, False, tuple(buffers), lambda _: (buffers, whole.extra))
 
-    def rank(self, saved_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(buffers, extra's tensors by place)`` of saved rank ``saved_rank`` (both checked against the manifest)."""
-        buffers, tensors, _ = self.parts(saved_rank)
-        return buffers, tensors
-
     def parts(self, saved_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
-        """:meth:`rank`, and ``extra``'s other values: its tree with each tensor replaced by :data:`TENSOR` (so that
-        two extras' numbers, strings and structure compare apart from their tensors)."""
+        """``(buffers, extra's tensors by place, extra's other values)`` of saved rank ``saved_rank`` (checked against
+        the manifest); the values: ``extra``'s tree with each tensor replaced by :data:`TENSOR` (so that two extras'
+        numbers, strings and structure compare apart from their tensors)."""
         buffers, extra = self.read(saved_rank)
         return buffers, dict(_tensors(extra, "")), _values(extra)
 

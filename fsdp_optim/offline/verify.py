@@ -61,35 +61,26 @@ def verify(
     """
     if layout is not None and not deep:
         raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
-    if parallel and _split(path):  # (in any location: each process reads its share)
-        from fsdp_optim.offline.parallel.deep import verify_deep_across
-        from fsdp_optim.offline.parallel.entry import joined_team
-        from fsdp_optim.offline.parallel.verify import verify_across
+    if parallel:
+        from fsdp_optim.offline.parallel.entry import joined_team, splits
 
-        team = joined_team()
-        try:
-            if deep:
-                return verify_deep_across(team, path, allow_globals=allow_globals, layout=layout)
-            return verify_across(team, path)
-        finally:
-            team.close()
+        if splits("verify", path):  # (in any location: each process reads its share)
+            from fsdp_optim.offline.parallel.deep import verify_deep_across
+            from fsdp_optim.offline.parallel.verify import verify_across
+
+            team = joined_team()
+            try:
+                if deep:
+                    return verify_deep_across(team, path, allow_globals=allow_globals, layout=layout)
+                return verify_across(team, path)
+            finally:
+                team.close()
     with fetched_whole(path) as local:  # a URL of one object: downloaded once, for the files and the state
-        checked = _verify_files(local, tuple(allow_globals))
+        # by its names and first bytes (it may be damaged), checked as its kind checks them
+        checked = class_of(path_kind(local) or sniff_kind(local)).verify_files(local, tuple(allow_globals))
         if not deep or not checked.ok:
             return replace(checked, deep=deep)
         return replace(checked, deep=True, findings=deep_findings(local, allow_globals=allow_globals, layout=layout))
-
-
-def _split(path: str | os.PathLike[str]) -> bool:
-    """Whether a team splits the check of ``path`` (:func:`fsdp_optim.offline.parallel.entry.splits`)."""
-    from fsdp_optim.offline.parallel.entry import splits
-
-    return splits("verify", path)
-
-
-def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
-    """Every file of ``path``, checked as its kind checks them (by names and first bytes: it may be damaged)."""
-    return class_of(path_kind(path) or sniff_kind(path)).verify_files(path, allow_globals)
 
 
 def report_json(report: Verification) -> dict[str, object]:

@@ -72,20 +72,17 @@ class OpenedHf(OpenedWholeFile):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        return hf_files(Path(path))
-
-
-def hf_files(path: Path) -> Verification:
-    """Every file of the layout: each model file's header and every byte of it read (no checksums recorded), and
-    ``optimizer.safetensors`` beside them as a named file (every checksum)."""
-    try:
-        files = hf.model_files(path)
-    except ValueError as exc:
-        return Verification(path, Kind.HF.value, (), (str(exc),))
-    checks = [check_file(f, _read_model_file, zipped=False) for f in files]
-    if path.is_dir() and (path / hf.OPTIMIZER).exists():
-        checks += V.named_file(path / hf.OPTIMIZER).files
-    return Verification(path, Kind.HF.value, tuple(checks))
+        """Each model file's header and every byte of it read (no checksums recorded), and ``optimizer.safetensors``
+        beside them as a named file (every checksum)."""
+        root = Path(path)
+        try:
+            files = hf.model_files(root)
+        except ValueError as exc:
+            return Verification(root, Kind.HF.value, (), (str(exc),))
+        checks = [check_file(f, _read_model_file, zipped=False) for f in files]
+        if root.is_dir() and (root / hf.OPTIMIZER).exists():
+            checks += V.named_file(root / hf.OPTIMIZER).files
+        return Verification(root, Kind.HF.value, tuple(checks))
 
 
 def _read_model_file(path: Any) -> str:

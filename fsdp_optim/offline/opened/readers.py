@@ -19,7 +19,7 @@ from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fairseq.shards import ShardSetReader
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
-from fsdp_optim.formats.whole_file import WholeFile, recorded_layout
+from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import fairseq as F
 from fsdp_optim.offline import report as R
@@ -165,10 +165,6 @@ class OpenedNamed(Opened):
     def named_header(self) -> Mapping[str, Any] | None:
         return self.named.document.header
 
-    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
-        """The caller's layout, else the one the file records (consolidate's: its checkpoint's FSDP layout)."""
-        return given if given is not None else recorded_layout(self.named.document.header, self.label)
-
 
 @dataclass(kw_only=True)
 class OpenedNamedWhole(OpenedWholeFile):
@@ -202,4 +198,7 @@ class OpenedDcp(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        return V.refuse_dcp(path)
+        raise ValueError(  # it records no checksums: refused, naming what reads it
+            f"{path}: a {Kind.DCP.value}, which records no checksums to verify; fsdp-optim inspect {path} reads its "
+            "metadata, and torch.distributed.checkpoint.load reads its data"
+        )
