@@ -7,9 +7,6 @@ executes the plan: whole rank files as rows when the units are the checkpoint's 
 :data:`BLOCK_BYTES` (:func:`write_blocks`), else one shard at a time (:func:`write_ranks`). ``after_file(path)`` is
 told of each rank file once it is complete (an upload can start then:
 :func:`fsdp_optim.offline.publish.checkpoint_output`).
-
-The opened classes of :mod:`fsdp_optim.offline.opened` call these for their kind; :mod:`fsdp_optim.offline.operations`
-calls the classes.
 """
 
 from __future__ import annotations

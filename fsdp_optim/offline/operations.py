@@ -8,10 +8,8 @@
 - Both also take a fairseq/metaseq shard set (any ``*-shard<r>.pt`` file or the path before ``-shard``),
   handed to :mod:`fsdp_optim.fairseq` (which has more options and keeps the files' other keys).
 
-Both open their input (:func:`~fsdp_optim.offline.sources.open_source`) and ask it
-(:meth:`~fsdp_optim.offline.opened.Opened.consolidated`, :meth:`~fsdp_optim.offline.opened.Opened.reshard`); its
-class plans once and executes the plan (:mod:`fsdp_optim.offline.cuts`: :func:`~fsdp_optim.core.execute.assemble_full`,
-or :func:`~fsdp_optim.core.execute.cut_rank` once per output rank).
+Both open their input (:func:`~fsdp_optim.offline.sources.open_source`) and ask it; its class plans once and
+executes the plan (:mod:`fsdp_optim.offline.cuts`).
 
 Memory: rank files are memory-mapped and read one FSDP unit at a time; mappings are dropped whenever
 the touched pages exceed ``max_mapped_bytes``. ``consolidate`` therefore peaks near the size of the
@@ -42,10 +40,12 @@ from fsdp_optim.offline.sources import open_source
 __all__ = ["consolidate", "load_full_file", "reshard", ]
 
 
-def load_full_file(path: str | os.PathLike[str], label: str | None = None, **options: bool) -> dict[str, Any]:
-    """A full dict from a file (``options``: :func:`~fsdp_optim.disk.atomic.load_file`'s, memory-mapped unless
-    ``mmap=False``); ``ValueError`` naming ``label`` if it is something else."""
-    full = load_file(path, **{"mmap": True, **options})
+def load_full_file(
+    path: str | os.PathLike[str], label: str | None = None, *, mmap: bool = True, disjoint: bool = False
+) -> dict[str, Any]:
+    """A full dict from a file (memory-mapped unless ``mmap=False``; ``disjoint``: as
+    :func:`~fsdp_optim.disk.atomic.load_file` takes it); ``ValueError`` naming ``label`` if it is something else."""
+    full = load_file(path, mmap=mmap, disjoint=disjoint)
     check_full_dict(full, label or str(path))
     check_state_dict(full, label or str(path))
     return dict(full)

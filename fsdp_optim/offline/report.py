@@ -19,6 +19,7 @@ what only one kind records (a rank file's rank, a DCP directory's counts).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -183,17 +184,10 @@ def model_of_checkpoint(ckpt: ShardedCheckpoint, extras: Sequence[tuple[int, Any
 
 def _unit(i: int, name: str, shape: list[int] | None, state: list[str], *, dtypes: list[str]) -> dict[str, Any]:
     """One parameter of an input without FSDP units, in the members of a unit (what it does not record: null)."""
-    numel = None if shape is None else _product(shape)
+    numel = None if shape is None else math.prod(shape)
     dtype = next((d for d in dtypes if d != "scalar"), None)
     return {"unit": None, "flat": i, "numel": numel, "world_size": None, "padding": None, "dtype": dtype,
             "state": state, "params": [{"name": name, "shape": shape}]}  # fmt: skip
-
-
-def _product(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _model(**given: object) -> dict[str, Any]:

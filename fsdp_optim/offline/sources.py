@@ -23,10 +23,6 @@ class opens the input (``opening``: its files mapped until the block ends; ``loa
 target, or, for a file consolidate wrote, the layout the file records (its checkpoint's) when none is given.
 "checked": the name must be a known optimizer whose state keys are the ones found
 (:func:`fsdp_optim.core.elementwise.check_optimizer_name`). ``allow_globals`` applies to shard sets only.
-
-An opened input is one of the classes of :mod:`fsdp_optim.offline.opened` (one per kind; ``source``, ``layout``,
-``order``, ``trim``, ``describe``, ``report``, and the questions the verbs ask it; its kind's own reader is a field
-of its class).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""What every opened input answers (:class:`Opened`), with the answer of a kind that cannot: most often a refusal
-that says what the input is and what was expected; each kind's class (the sibling modules) overrides what it can
-answer. See :mod:`fsdp_optim.offline.opened` for the questions."""
+"""What every opened input answers (:class:`Opened`), with the answer of a kind that cannot; each kind's class (the
+sibling modules) overrides what it can answer. See :mod:`fsdp_optim.offline.opened` for the questions."""
 
 from __future__ import annotations
 
