@@ -147,14 +147,6 @@ def describe_named(named: NamedSafetensors) -> list[str]:
                     f"named safetensors file (<param name>/<state key> tensors; version {version})")  # fmt: skip
 
 
-def describe_named_dict(obj: Mapping[str, Any], *, units: bool) -> list[str]:
-    """A name-keyed dict (``convert --to named``): the full dict's summary, parameters by name."""
-    names = {n: n for g in obj["param_groups"] for n in g["params"]}
-    lines = _full({**obj, "param_names": names},
-                  what="name-keyed dict (convert --to named: for FSDP2's set_optimizer_state_dict)")  # fmt: skip
-    return lines + param_table(obj["state"]) if units else lines
-
-
 def param_table(state: Mapping[Any, Mapping[str, Any]]) -> list[str]:
     """One line per parameter with state: its name, then each state key's dtype and shape."""
     import torch
@@ -236,12 +228,18 @@ def describe_any_rank_file(path: str | os.PathLike[str], raw: Mapping[str, Any] 
     ]
 
 
-def describe_loaded(path: str | os.PathLike[str], raw: Mapping[str, Any], *, native: bool, units: bool) -> list[str]:
-    """A full dict or a fairscale-native dict (its skeleton checked before the summary walks it)."""
+def describe_loaded(
+    path: str | os.PathLike[str], raw: Mapping[str, Any], *, native: bool = False, units: bool, named: bool = False
+) -> list[str]:
+    """A full dict, a fairscale-native dict or a name-keyed dict (``named``: ``convert --to named``'s, parameters by
+    name), its skeleton checked before the summary walks it."""
     from fsdp_optim.disk.objects import check_state_dict
 
     check_state_dict(raw, str(path))
-    out = _full(raw, native=native)
+    if named:
+        raw = {**raw, "param_names": {n: n for g in raw["param_groups"] for n in g["params"]}}
+    what = "name-keyed dict (convert --to named: for FSDP2's set_optimizer_state_dict)" if named else None
+    out = _full(raw, native=native, what=what)
     names = raw.get("param_names")
     if units and isinstance(names, Mapping):
         out += param_table({str(names.get(pid, pid)): e for pid, e in raw["state"].items()})

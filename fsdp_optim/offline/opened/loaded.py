@@ -140,8 +140,7 @@ class OpenedNamedDict(OpenedFull):
         return False
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
-        check_state_dict(self.raw, str(path))
-        return D.describe_named_dict(self.raw, units=units)
+        return D.describe_loaded(path, self.raw, units=units, named=True)
 
 
 @dataclass(kw_only=True)
