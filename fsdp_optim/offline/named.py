@@ -116,7 +116,8 @@ def write_whole_safetensors(
 ) -> int:
     """A whole checkpoint as a directory of model files and ``optimizer.safetensors`` (see :func:`to_safetensors`),
     all or nothing; every check (plans, dtypes, sizes) before the output is touched. Returns the bytes written."""
-    assert opened.source is not None, "write_opened refuses a source without optimizer state"
+    if opened.source is None:
+        raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to convert")
     max_bytes = hf.parse_size(hf.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     model = opened.whole_model(progress=progress)
     tensors = [hf.Tensor(n, tuple(t.shape), t.dtype, t.make if isinstance(t, ModelTensor) else _clone(t))
