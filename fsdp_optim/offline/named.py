@@ -1,11 +1,7 @@
-"""The full optimizer state by parameter name in one safetensors file, from any source, and back.
-
-- :func:`to_safetensors`: any source :func:`~fsdp_optim.offline.sources.open_source` opens (a full dict or its
-  file, a sharded checkpoint, a fairseq/metaseq shard set, a fairscale-native dict with its layout, another such
-  file) -> one safetensors file (:mod:`fsdp_optim.formats.named_safetensors`), one tensor at a time, through the
-  one way out (``disk.one_file.write_stream``: locked, journaled, atomic).
-- :func:`load_full_state`: such a file, or any other source kind, -> the full dict that
-  ``gather_full_optim_state_dict`` returns.
+"""The full optimizer state by parameter name in one safetensors file
+(:mod:`fsdp_optim.formats.named_safetensors`), from any source :func:`~fsdp_optim.offline.sources.open_source`
+opens (:func:`to_safetensors`, one tensor at a time, through ``disk.one_file.write_stream``), and back
+(:func:`load_full_state`).
 
 Memory while converting: one state tensor, plus at most about ``max_mapped_bytes`` of pages of the source's
 mapped files (a full dict file is mapped afresh whenever that many bytes were read through its mapping).

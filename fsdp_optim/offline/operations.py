@@ -1,15 +1,7 @@
-"""Offline work on checkpoints: no process group, no model.
-
-- :func:`consolidate`: a sharded checkpoint directory -> the full dict, exactly what
-  ``gather_full_optim_state_dict`` returns for the same optimizer state (same keys, ids, order, dtypes
-  and bits).
-- :func:`reshard`: a sharded directory or a full dict -> a sharded directory for ``world_size`` ranks
-  that a job of that size loads with no communication (each rank reads its own file).
-- Both also take a fairseq/metaseq shard set (any ``*-shard<r>.pt`` file or the path before ``-shard``),
-  handed to :mod:`fsdp_optim.fairseq` (which has more options and keeps the files' other keys).
-
-Both open their input (:func:`~fsdp_optim.offline.sources.open_source`) and ask it; its class plans once and
-executes the plan (:mod:`fsdp_optim.offline.cuts`).
+"""Offline work on checkpoints, no process group, no model: :func:`consolidate` (a sharded checkpoint -> its full
+dict) and :func:`reshard` (any source -> a sharded checkpoint for ``world_size`` ranks). Both open their input
+(:func:`~fsdp_optim.offline.sources.open_source`) and ask it; its class plans once and executes the plan
+(:mod:`fsdp_optim.offline.cuts`).
 
 Memory: rank files are memory-mapped and read one FSDP unit at a time; mappings are dropped whenever
 the touched pages exceed ``max_mapped_bytes``. ``consolidate`` therefore peaks near the size of the
