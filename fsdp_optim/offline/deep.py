@@ -21,8 +21,8 @@ from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems
 from fsdp_optim.formats.kinds import names_shard_set
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.per_param import PerParameter
-from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
+from fsdp_optim.offline.whole import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.work import Piece, Work, run_work, state_bytes
 
 __all__ = ["deep_findings", "deep_work"]

@@ -49,8 +49,8 @@ from fsdp_optim.offline.diff_report import (
     diff_summary,
 )
 from fsdp_optim.offline.per_param import PerParameter
-from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
+from fsdp_optim.offline.whole import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.work import Piece, Work, run_work, state_bytes
 
 __all__ = ["diff", "diff_work"]

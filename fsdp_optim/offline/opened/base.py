@@ -23,8 +23,7 @@ from fsdp_optim.offline import report as R
 from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
 from fsdp_optim.offline.layouts import LayoutLike, ParamOrder
 from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, RankFiles, Resharding
-from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole import WholeModel, check_whole_options
+from fsdp_optim.offline.whole import SideState, WholeModel, check_whole_options
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.file_check import Verification
@@ -161,7 +160,7 @@ class Opened:
         raise ValueError(f"{self.label}: a {self.kind.value} holds no model weights (not a whole checkpoint)")
 
     def side_state(self) -> SideState | None:
-        """A whole checkpoint's buffers and ``extra`` per saved rank (:mod:`fsdp_optim.offline.side_state`)."""
+        """A whole checkpoint's buffers and ``extra`` per saved rank (:class:`fsdp_optim.offline.whole.SideState`)."""
         return None
 
     def check_rank(self, rank: int | None) -> None:

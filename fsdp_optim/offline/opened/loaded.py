@@ -26,8 +26,7 @@ from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, RewrittenFile
-from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole import WholeModel, whole_model_of
+from fsdp_optim.offline.whole import SideState, WholeModel, whole_model_of
 
 __all__ = ["OpenedFull", "OpenedNamedDict", "OpenedNative", "OpenedWholeFile"]
 

@@ -41,7 +41,7 @@ from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import DcpParts, Opened, Request
 from fsdp_optim.offline.opened.loaded import OpenedWholeFile
 from fsdp_optim.offline.opened.written import Consolidation, FairseqCheckpoint, Resharding, ShardFiles
-from fsdp_optim.offline.side_state import SideState
+from fsdp_optim.offline.whole import SideState
 
 __all__ = ["OpenedDcp", "OpenedHf", "OpenedNamed", "OpenedNamedWhole", "OpenedShardSet"]
 

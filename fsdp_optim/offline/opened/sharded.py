@@ -25,8 +25,15 @@ from fsdp_optim.offline.cuts import AfterFile, Progress, consolidate_checkpoint,
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, WholeFileWritten
-from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole import WholeModel, check_whole_options, is_whole, whole_model, whole_state, write_whole
+from fsdp_optim.offline.whole import (
+    SideState,
+    WholeModel,
+    check_whole_options,
+    is_whole,
+    whole_model,
+    whole_state,
+    write_whole,
+)
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.file_check import Verification
