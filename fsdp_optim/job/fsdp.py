@@ -45,7 +45,6 @@ class FullyShardedDataParallel(_FairscaleFSDP):
     """
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        # Options that cannot work are refused here, naming the option, before any collective.
         options = _FAIRSCALE_PARAMS.bind_partial(None, module, *args, **kwargs).arguments
         check_options(module, options)
         if computes_on_host(placement(module, options)):  # where fairscale computes it, here

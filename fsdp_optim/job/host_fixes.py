@@ -64,8 +64,7 @@ def keeping_the_optimizer(
     return wrapper
 
 
-# Deprecations raised inside fairscale's code that nobody using it can act on; filtered only while our
-# wrappers run (``warnings.catch_warnings``), never process-wide.
+# Deprecations raised inside fairscale's code that nobody using it can act on.
 QUIET = (
     (UserWarning, r"TypedStorage is deprecated"),
     (FutureWarning, r"`torch\.distributed\._all_gather_base` is a private function"),
