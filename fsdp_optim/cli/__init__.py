@@ -31,17 +31,9 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
 # API parameter names as the command line spells them, for the "name: ..." prefix of an error.
-_FLAGS = {
-    "world_size": "--world-size",
-    "layout": "--layout",
-    "out_dir": "-o/--output",
-    "param_order": "--layout",
-    "allow_globals": "--allow-global",
-    "optimizer": "--optimizer",
-    "rank": "--rank",
-    "with_model": "--with-model",
-    "max_shard_size": "--max-shard-size",
-    "param_names": "--param-names",
+_FLAGS = {"out_dir": "-o/--output", "param_order": "--layout", "allow_globals": "--allow-global"} | {
+    name: "--" + name.replace("_", "-")
+    for name in ("world_size", "layout", "optimizer", "rank", "with_model", "max_shard_size", "param_names")
 }
 
 

@@ -94,6 +94,7 @@ def read_ranges(plan: Plan, rank: int) -> Iterator[tuple[int, str, int, int]]:
             if e.kind is not StateKind.SCALAR:
                 yield from ((r.source, e.key, r.source_start, r.source_start + r.stop - r.start) for r in reads)
 
+
 def cut_rank(
     plan: Plan, rank: int, read: Reader | None = None, *, after_unit: Callable[[], None] | None = None
 ) -> dict[int, dict[str, Any]]:
@@ -102,26 +103,8 @@ def cut_rank(
     Only the source elements that land in the rank's slice are read (through ``read``, default the
     source's own). ``after_unit`` runs after each flat (to release file mappings).
     """
-    read = read or plan.source.reader(rank)
-    out: dict[int, dict[str, Any]] = {}
-    for t, flat_plan in plan.flats.items():
-        start, stop, padding = plan.shards.bounds(t, rank)
-        reads = tuple(_reads(t, flat_plan.segments, start, stop))
-        entries: dict[str, Any] = {}
-        for e in flat_plan.entries:
-            if e.kind is StateKind.SCALAR:
-                entries[e.key] = clone_value(e.value)
-                continue
-            # Segments tile the flat, so each real element is written once; only the padding needs zeros.
-            shard = torch.empty(stop - start + padding, dtype=dtype_from_str(e.dtype, where=e.key))
-            shard[stop - start :].zero_()
-            for r in reads:
-                read(r.source, e.key, r.source_start, r.source_start + r.stop - r.start, shard[r.start : r.stop])
-            entries[e.key] = shard
-        out[t] = entries
-        if after_unit is not None:
-            after_unit()
-    return out
+    bounds = lambda t: plan.shards.bounds(t, rank)  # noqa: E731
+    return _fill(plan, list(plan.flats), bounds, read or plan.source.reader(rank), after_unit)
 
 
 def assemble_full(
@@ -136,21 +119,34 @@ def assemble_full(
     Shared flats only by default; with ``per_rank=r``, only the per-rank flats, as rank ``r`` holds them.
     """
     read = read or (plan.source.read if per_rank is None else plan.source.reader(per_rank))
+    flats = [t for t in plan.flats if plan.target.flat_params[t].per_rank == (per_rank is not None)]
+    return _fill(plan, flats, lambda t: (0, plan.shards.numel[t], 0), read, after_unit)
+
+
+def _fill(
+    plan: Plan,
+    flats: Sequence[int],
+    bounds: Callable[[int], tuple[int, int, int]],
+    read: Reader,
+    after_unit: Callable[[], None] | None,
+) -> dict[int, dict[str, Any]]:
+    """Each of ``flats``' real elements ``[start, stop)`` then ``padding`` zeros (``bounds(flat)``), per state key."""
     out: dict[int, dict[str, Any]] = {}
-    for t, flat_plan in plan.flats.items():
-        if plan.target.flat_params[t].per_rank != (per_rank is not None):
-            continue
-        numel = plan.shards.numel[t]
+    for t in flats:
+        flat_plan = plan.flats[t]
+        start, stop, padding = bounds(t)
+        reads = tuple(_reads(t, flat_plan.segments, start, stop))
         entries: dict[str, Any] = {}
         for e in flat_plan.entries:
             if e.kind is StateKind.SCALAR:
                 entries[e.key] = clone_value(e.value)
                 continue
-            flat_full = torch.empty(numel, dtype=dtype_from_str(e.dtype, where=e.key))
-            for seg in flat_plan.segments:
-                first = seg.source_start
-                read(seg.source, e.key, first, first + seg.stop - seg.start, flat_full[seg.start : seg.stop])
-            entries[e.key] = flat_full
+            # Segments tile the flat, so each real element is written once; only the padding needs zeros.
+            shard = torch.empty(stop - start + padding, dtype=dtype_from_str(e.dtype, where=e.key))
+            shard[stop - start :].zero_()
+            for r in reads:
+                read(r.source, e.key, r.source_start, r.source_start + r.stop - r.start, shard[r.start : r.stop])
+            entries[e.key] = shard
         out[t] = entries
         if after_unit is not None:
             after_unit()
