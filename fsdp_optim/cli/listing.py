@@ -56,7 +56,11 @@ def run_list(args: argparse.Namespace) -> list[str]:
     if args.json:
         steps = [_record(d) for d in found]
         return [json.dumps({"root": str(root), "verified": not args.quick, "steps": steps, "memory": memory or []})]
-    memory_lines = [_memory_line(m) for m in memory or []]
+    memory_lines = [
+        f"memory {m['node']}  step {m['step']}  complete  world size {m['world_size']}  holds {m['held']} of "
+        f"{m['files']} files  {human_bytes(m['bytes'])}"
+        for m in memory or []
+    ]
     if memory == []:
         directory = _memory_dir(root, args.memory_dir)
         memory_lines = [f"memory tier: no complete step held under {directory}"]
@@ -88,23 +92,12 @@ def _memory_dir(root: Location, memory_dir: str) -> Path:
     return default_memory_dir(root) if memory_dir == "default" else Path(memory_dir)
 
 
-def _memory_line(m: dict[str, Any]) -> str:
-    return (
-        f"memory {m['node']}  step {m['step']}  complete  world size {m['world_size']}  holds {m['held']} of "
-        f"{m['files']} files  {human_bytes(m['bytes'])}"
-    )
-
-
-def _holds(d: StepDir) -> str:
-    parts = (["model"] if d.model else []) + ([f"optimizer ({d.optimizer})"] if d.optimizer else [])
-    return " + ".join(parts) or "-"
-
-
 def _line(d: StepDir, width: int) -> str:
     state = d.state if not d.reason else f"{d.state}: {d.reason}"
     world = d.world_size if d.world_size is not None else "?"
+    holds = " + ".join((["model"] if d.model else []) + ([f"optimizer ({d.optimizer})"] if d.optimizer else [])) or "-"
     foreign = f"; not ours: {', '.join(d.foreign)}" if d.foreign else ""
-    return f"step {d.step:>{width}}  {state}  world size {world}  holds {_holds(d)}  {human_bytes(d.nbytes)}{foreign}"
+    return f"step {d.step:>{width}}  {state}  world size {world}  holds {holds}  {human_bytes(d.nbytes)}{foreign}"
 
 
 def _record(d: StepDir) -> dict[str, Any]:

@@ -47,14 +47,19 @@ def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argpars
     ``parallel=True`` asks it alike), else ``run(args)`` on process 0 while the others wait."""
     from fsdp_optim.cli.diff import run_diff
     from fsdp_optim.cli.inspect import run_verify
-    from fsdp_optim.cli.verbs import run_consolidate, run_reshard
+    from fsdp_optim.cli.verbs import checked_opening, run_consolidate, run_reshard
     from fsdp_optim.offline.parallel.alone import alone
     from fsdp_optim.offline.parallel.entry import splits
+    from fsdp_optim.offline.parallel.onefile import consolidate_across
 
     if args.run is run_reshard and args.param_names is None and splits("reshard", args.source, output=args.output):
         return _reshard(team, args)
     if args.run is run_consolidate and splits("consolidate", args.source, output=args.output):
-        return _consolidate(team, args)
+        # -o FILE.safetensors of our sharded checkpoint: every process writes its share of the one file
+        what = consolidate_across(team, lambda: checked_opening(args), args.output, rank=args.rank,
+                                  no_model=args.no_model, inputs=(args.source, args.layout), overwrite=args.overwrite,
+                                  bar=sys.stderr.isatty())  # fmt: skip
+        return [f"wrote {args.output}: {what}"]
     reads = (args.run is run_verify and splits("verify", args.path)) or (
         args.run is run_diff and splits("diff", args.a, args.b)
     )
@@ -63,18 +68,6 @@ def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argpars
         with contextlib.redirect_stdout(sys.stdout if team.rank == 0 else io.StringIO()):
             return run(args)
     return alone(team, lambda: run(args), str(args.verb))
-
-
-def _consolidate(team: Team, args: argparse.Namespace) -> list[str]:
-    """``fsdp-optim consolidate -o FILE.safetensors`` of our sharded checkpoint split across ``team``: every process
-    writes its share of the one file (:mod:`fsdp_optim.offline.parallel.onefile`); the line one process prints."""
-    from fsdp_optim.cli.verbs import checked_opening
-    from fsdp_optim.offline.parallel.onefile import consolidate_across
-
-    what = consolidate_across(team, lambda: checked_opening(args), args.output, rank=args.rank,
-                              no_model=args.no_model, inputs=(args.source, args.layout), overwrite=args.overwrite,
-                              bar=sys.stderr.isatty())  # fmt: skip
-    return [f"wrote {args.output}: {what}"]
 
 
 def _reshard(team: Team, args: argparse.Namespace) -> list[str]:

@@ -76,8 +76,7 @@ def run_consolidate(args: argparse.Namespace) -> list[str]:
 
     with checked_opening(args) as opened, progress_bar("consolidate") as progress:
         if is_safetensors_name(args.output):
-            what = _consolidate_safetensors(opened, args, progress)
-            return [f"wrote {args.output}: {what}"]
+            return [f"wrote {args.output}: {_consolidate_safetensors(opened, args, progress)}"]
         done = opened.write_consolidated(args.output, rank=args.rank, no_model=args.no_model,
                                          inputs=(args.source, args.layout), overwrite=args.overwrite,
                                          progress=progress)  # fmt: skip

@@ -55,11 +55,7 @@ def _reads(flat: int, segments: Sequence[Segment], start: int, stop: int) -> Ite
 
 
 def rank_reads(plan: Plan, rank: int) -> tuple[Read, ...]:
-    """Every copy that builds rank ``rank``'s state, unit by unit: what planning one rank amounts to.
-
-    Only the segments overlapping the rank's real elements are visited (bisection), so the cost grows
-    with the units and the pieces the rank needs, not with the world size.
-    """
+    """Every copy that builds rank ``rank``'s state, unit by unit: what planning one rank amounts to."""
     out: list[Read] = []
     for t, flat_plan in plan.flats.items():
         start, stop, _ = plan.shards.bounds(t, rank)
@@ -68,10 +64,8 @@ def rank_reads(plan: Plan, rank: int) -> tuple[Read, ...]:
 
 
 def saved_ranks(plan: Plan, rank: int, reads: Sequence[Read] | None = None) -> list[int]:
-    """The saved ranks (rank files of a sharded source) that rank ``rank``'s reads touch, sorted.
-
-    A source flat that is not sharded is found at saved rank 0; a per-rank one at ``rank`` itself.
-    """
+    """The saved ranks (rank files of a sharded source) that rank ``rank``'s reads touch, sorted (a per-rank source
+    flat's at ``rank`` itself)."""
     index = plan.source_shards
     found: set[int] = set()
     for read in rank_reads(plan, rank) if reads is None else reads:
@@ -98,11 +92,8 @@ def read_ranges(plan: Plan, rank: int) -> Iterator[tuple[int, str, int, int]]:
 def cut_rank(
     plan: Plan, rank: int, read: Reader | None = None, *, after_unit: Callable[[], None] | None = None
 ) -> dict[int, dict[str, Any]]:
-    """Rank ``rank``'s state ``{target flat index: {key: padded shard or scalar}}``; every tensor new memory.
-
-    Only the source elements that land in the rank's slice are read (through ``read``, default the
-    source's own). ``after_unit`` runs after each flat (to release file mappings).
-    """
+    """Rank ``rank``'s state ``{target flat index: {key: padded shard or scalar}}``, new memory: only the source
+    elements in the rank's slice are read. ``after_unit`` runs after each flat (to release file mappings)."""
     bounds = lambda t: plan.shards.bounds(t, rank)  # noqa: E731
     return _fill(plan, list(plan.flats), bounds, read or plan.source.reader(rank), after_unit)
 
@@ -114,10 +105,8 @@ def assemble_full(
     after_unit: Callable[[], None] | None = None,
     per_rank: int | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Every target flat's full state ``{target flat index: {key: flat tensor (numel,) or scalar}}``, new memory.
-
-    Shared flats only by default; with ``per_rank=r``, only the per-rank flats, as rank ``r`` holds them.
-    """
+    """Every target flat's full state ``{target flat index: {key: flat tensor (numel,) or scalar}}``, new memory:
+    shared flats only by default; with ``per_rank=r``, only the per-rank flats, as rank ``r`` holds them."""
     read = read or (plan.source.read if per_rank is None else plan.source.reader(per_rank))
     flats = [t for t in plan.flats if plan.target.flat_params[t].per_rank == (per_rank is not None)]
     return _fill(plan, flats, lambda t: (0, plan.shards.numel[t], 0), read, after_unit)

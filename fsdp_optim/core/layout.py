@@ -153,14 +153,19 @@ class ModelLayout:
         """Units whose state differs per rank (see :attr:`FlatParamLayout.per_rank`)."""
         return sorted({f.unit for f in self.flat_params if f.per_rank})
 
+    def world_size_errors(self) -> list[str]:
+        """One message per unit sharded over neither the root's world size nor 1."""
+        return [
+            f"{flat.describe()} is sharded over {flat.world_size} ranks but the root FSDP instance over "
+            f"{self.world_size}; nested units must use the root's world size or 1"
+            for flat in self.flat_params
+            if flat.world_size not in (1, self.world_size)
+        ]
+
     def check_world_sizes(self) -> None:
         """Raise ``ValueError`` unless every unit is sharded over the root's world size or not at all."""
-        for flat in self.flat_params:
-            if flat.world_size not in (1, self.world_size):
-                raise ValueError(
-                    f"{flat.describe()} is sharded over {flat.world_size} ranks but the root FSDP instance over "
-                    f"{self.world_size}; nested units must use the root's world size or 1"
-                )
+        if errors := self.world_size_errors():
+            raise ValueError(errors[0])
 
 
 def clean_path(path: str) -> str:

@@ -44,9 +44,6 @@ class Chosen:
     files: tuple[tuple[str, int], ...]
     holders: tuple[tuple[str, tuple[int, ...]], ...]  # (file name, live ranks whose node holds it), sorted
 
-    def sizes(self) -> dict[str, int]:
-        return dict(self.files)
-
     def holder_ranks(self) -> dict[str, tuple[int, ...]]:
         return dict(self.holders)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
-from fsdp_optim.core.limits import check_world_size_bound
+from fsdp_optim.core.limits import MAX_WORLD_SIZE
 
 __all__ = [
     "FULL_DICT_KEYS",
@@ -48,7 +48,10 @@ def check_world_size(name: str, value: object) -> None:
     :data:`fsdp_optim.core.limits.MAX_WORLD_SIZE` (one rank file per rank)."""
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
-    check_world_size_bound(name, value)
+    if value > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"{name}: world size {value} is above the bound {MAX_WORLD_SIZE} (fsdp_optim.core.limits.MAX_WORLD_SIZE)"
+        )
 
 
 def check_version(version: object, source: str, latest: int) -> None:

@@ -18,7 +18,7 @@ allocates anything whose size a file (or a dict) merely *declares*:
   subclass; and no two multi-element tensors share memory (nor is one referenced twice).
 - ``check_state_dict`` (``disk/objects.py``): the above plus the types a state dict's skeleton must have
   (ids, keys, param groups), so a mistyped dict is refused naming where, instead of failing deep inside.
-- :func:`~fsdp_optim.core.limits.check_world_size_bound`, :func:`check_stored_bytes`: declared world sizes and
+- :func:`~fsdp_optim.core.preconditions.check_world_size`, :func:`check_stored_bytes`: declared world sizes and
   state bytes against :data:`~fsdp_optim.core.limits.MAX_WORLD_SIZE` and the files' real sizes.
 
 Every refusal is a ``ValueError`` naming the file or dict, the place
