@@ -72,7 +72,7 @@ def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argpars
 
 def _reshard(team: Team, args: argparse.Namespace) -> list[str]:
     """``fsdp-optim reshard`` split across ``team``; its report line, as one process words it."""
-    from fsdp_optim.cli.written import resharded_words
+    from fsdp_optim.cli.verbs import resharded_words
     from fsdp_optim.formats.sharded.locate import read_manifest
     from fsdp_optim.offline.opened.written import RankFiles
     from fsdp_optim.offline.parallel.entry import reshard_in_team

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -42,8 +41,7 @@ class Source:
     """Optimizer state anywhere (a full dict, a sharded checkpoint, a foreign format), as the planner sees it.
 
     ``flats[i]`` are rank-independent records with their state entries; ``groups`` hold the hyperparameters and,
-    per group, indices into ``flats``. ``load_rank`` (sharded sources only) reads one saved rank's whole state
-    ``{flat index: {key: padded shard or scalar}}``.
+    per group, indices into ``flats``.
     """
 
     label: str  # names the source in errors: "the full dict", "/ckpt/step100"
@@ -54,7 +52,6 @@ class Source:
     world_size: int | None = None  # the world size it was saved at, when that means anything
     # False: a parameter without state has an unknown shape (full dicts); state shapes are checked instead.
     shapes_known: bool = True
-    load_rank: Callable[[int], Mapping[int, Mapping[str, Any]]] | None = field(default=None, compare=False)
     # For sources with per-rank flats (MoE experts): the reader that reads rank r's own copy of them.
     rank_reader: Callable[[int], Reader] | None = field(default=None, compare=False)
 

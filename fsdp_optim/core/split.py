@@ -19,7 +19,6 @@ by at most one output's size::
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,10 +32,6 @@ class Split:
 
     runs: tuple[tuple[int, ...], ...]
     nbytes: tuple[int, ...]
-
-    def owner(self, output: int) -> int:
-        """The process that writes ``output``."""
-        return next(p for p, run in enumerate(self.runs) if output in run)
 
     def spread(self) -> float:
         """The largest relative distance of a process's bytes from the mean (0.0: perfectly even)."""
@@ -115,12 +110,6 @@ class StreamSplit:
         if d == 0:
             return range(-(-process * self.outputs // processes), -(-(process + 1) * self.outputs // processes))
         return range(-(-self.cuts[process] // d), min(-(-self.cuts[process + 1] // d), self.outputs))
-
-    def owner(self, output: int) -> int:
-        """The process that owns ``output``."""
-        if self.file_bytes == 0:
-            return next(p for p in range(len(self.cuts) - 1) if output in self.owned(p))
-        return bisect_right(self.cuts, output * self.file_bytes, hi=len(self.cuts) - 1) - 1
 
 
 def split_stream(outputs: int, tensors: Sequence[tuple[int, int]], processes: int) -> StreamSplit:
