@@ -1,7 +1,5 @@
 """Which optimizers fsdp_optim moves between layouts: elementwise ones, and why no others.
 
-Pure: no ``torch.distributed``, no file access.
-
 fairscale's FSDP hands the optimizer flat 1-D shards. An *elementwise* optimizer keeps, per parameter,
 state that is either one value per parameter element (Adam's ``exp_avg``) or one scalar (``step``), and
 updates each element from that element alone: its state on a flat shard is, element for element, the

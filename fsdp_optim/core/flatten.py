@@ -1,7 +1,5 @@
 """Pure tensor transforms between full per-parameter state and flat, padded per-rank shards.
 
-Never imports ``torch.distributed``: whatever moves bytes between ranks lives in :mod:`fsdp_optim.job.transport`.
-
 Vocabulary, for one flat parameter of ``numel`` elements sharded over ``W`` ranks (see
 :class:`~fsdp_optim.core.layout.FlatParamLayout`):
 

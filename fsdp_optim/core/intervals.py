@@ -89,7 +89,7 @@ class ShardIndex:
     @classmethod
     def of(cls, flats: Sequence[_Unit]) -> ShardIndex:
         return cls(
-            tuple(sum(p.numel for p in f.params) for f in flats),
+            tuple(f.numel for f in flats),
             tuple(f.world_size for f in flats),
             tuple(f.per_rank for f in flats),
         )
@@ -111,14 +111,9 @@ class ShardIndex:
         return rank_pieces(self.numel[unit], self.world_size[unit], start, stop)
 
 
-class _Param(Protocol):
-    @property
-    def numel(self) -> int: ...
-
-
 class _Unit(Protocol):
     @property
-    def params(self) -> Sequence[_Param]: ...
+    def numel(self) -> int: ...
 
     @property
     def world_size(self) -> int: ...

@@ -1,7 +1,6 @@
 """Entry preconditions, each written once: roots, ranks, world sizes, full-dict shape, format versions.
 
-Pure: no file access, no ``torch.distributed``, no fairscale import at module level. Every public
-function and the CLI call these before planning; what a source *holds* is checked by the engine
+Every public function and the CLI call these before planning; what a source *holds* is checked by the engine
 (:func:`fsdp_optim.core.plan.plan`), and what a *path* is by :func:`fsdp_optim.formats.sharded.locate.source_kind`.
 """
 
