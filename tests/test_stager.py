@@ -46,7 +46,6 @@ def test_chunk_hasher_fed_in_any_split_gives_the_chunk_digests() -> None:
             at += step
         expected = tuple(digest(whole[k : k + per]) for k in range(0, whole.numel(), per))
         assert hasher.digests() == expected, trial
-        assert hasher.chunks == len(expected), trial
 
 
 class _Logged(HostCopier):

@@ -10,8 +10,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from fsdp_optim.cli.arguments import allow_global, count, tolerance
-from fsdp_optim.cli.outcome import Outcome
+from fsdp_optim.cli.arguments import Outcome, allow_global, count, tolerance
 
 if TYPE_CHECKING:
     from fsdp_optim.offline.diff_report import DiffReport, DiffRow

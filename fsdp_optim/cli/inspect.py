@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fsdp_optim.cli.outcome import Outcome
+from fsdp_optim.cli.arguments import Outcome
 
-__all__ = ["NOT_VERIFIED", "run_inspect", "run_verify"]
-
-# inspect's last line: what it read is not what verify reads (a flipped byte in a tensor is not seen here)
-NOT_VERIFIED = "not verified: inspect reads the headers only; `fsdp-optim verify {path}` checks every byte"
+__all__ = ["run_inspect", "run_verify"]
 
 
 def run_inspect(args: argparse.Namespace) -> list[str]:
@@ -24,7 +21,8 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
         lines = [f"path: {path}", *opened.describe(path, units=args.units)]
         report: dict[str, Any] = opened.report(path, lines) if args.json else {}
     if not args.json:
-        return [*lines, NOT_VERIFIED.format(path=path)]
+        # what it read is not what verify reads (a flipped byte in a tensor is not seen here)
+        return [*lines, f"not verified: inspect reads the headers only; `fsdp-optim verify {path}` checks every byte"]
     import json
 
     return json.dumps(report, indent=1).splitlines()

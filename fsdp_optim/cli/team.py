@@ -28,7 +28,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
     if not launched():
         return run(args)
-    from fsdp_optim.cli.outcome import Outcome
+    from fsdp_optim.cli.arguments import Outcome
     from fsdp_optim.job.team import team_of_job
     from fsdp_optim.job.transport import shut_down
 
@@ -43,8 +43,6 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
 
 def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
-    """The verb split across ``team`` where :func:`~fsdp_optim.offline.parallel.entry.splits` says (the API's
-    ``parallel=True`` asks it alike), else ``run(args)`` on process 0 while the others wait."""
     from fsdp_optim.cli.diff import run_diff
     from fsdp_optim.cli.inspect import run_verify
     from fsdp_optim.cli.verbs import checked_opening, run_consolidate, run_reshard

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_optim.cli.outcome import UsageError
+from fsdp_optim.cli.arguments import UsageError
 
 if TYPE_CHECKING:
     from fsdp_optim.offline.cuts import Progress

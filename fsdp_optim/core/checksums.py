@@ -85,11 +85,6 @@ class ChunkHasher:
                 self._h = None
         self._fed += n
 
-    @property
-    def chunks(self) -> int:
-        """How many digests :meth:`digests` will give."""
-        return -(-self._total // self._per)
-
     def digests(self) -> tuple[str, ...]:
         """Every chunk's digest, once all ``total`` elements were fed."""
         assert self._fed == self._total * self._size and self._h is None, (

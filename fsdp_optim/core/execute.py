@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -81,10 +82,9 @@ def saved_ranks(plan: Plan, rank: int, reads: Sequence[Read] | None = None) -> l
 def read_ranges(plan: Plan, rank: int) -> Iterator[tuple[int, str, int, int]]:
     """``(source flat, state key, start, stop)`` of every read :func:`cut_rank` makes for rank ``rank`` (full,
     unpadded offsets in the source), in its order: what it will read, found without reading anything."""
-    for t, flat_plan in plan.flats.items():
-        start, stop, _ = plan.shards.bounds(t, rank)
-        reads = tuple(_reads(t, flat_plan.segments, start, stop))
-        for e in flat_plan.entries:
+    for t, group in groupby(rank_reads(plan, rank), key=lambda r: r.flat):
+        reads = tuple(group)
+        for e in plan.flats[t].entries:
             if e.kind is not StateKind.SCALAR:
                 yield from ((r.source, e.key, r.source_start, r.source_start + r.stop - r.start) for r in reads)
 
