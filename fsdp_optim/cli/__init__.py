@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from fsdp_optim.cli.arguments import Outcome, UsageError
 from fsdp_optim.cli.parser import build_parser
 
 __all__ = ["main"]
@@ -35,9 +36,6 @@ _FLAGS = {"out_dir": "-o/--output", "param_order": "--layout", "allow_globals": 
     name: "--" + name.replace("_", "-")
     for name in ("world_size", "layout", "optimizer", "rank", "with_model", "max_shard_size", "param_names")
 }
-
-
-_parser = build_parser  # the grammar, for tests and docs that print --help
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,8 +107,6 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
             _say_error(escape(f"interrupted; {_left(output, before)}", limit=2000), exc)
             return EXIT_INTERRUPTED
-        from fsdp_optim.cli.arguments import UsageError
-
         if isinstance(exc, UsageError):
             usage_error = getattr(args, "usage_error", None)
             if usage_error is not None:
@@ -125,8 +121,6 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
-    from fsdp_optim.cli.arguments import Outcome
-
     interrupts.done = True  # the work is done: a Ctrl-C from here on does not undo it, nor cut its report
     lines, code = (result.lines, result.code) if isinstance(result, Outcome) else (result, EXIT_OK)
     try:

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fsdp_optim.cli.arguments import Outcome
+
 if TYPE_CHECKING:
     from fsdp_optim.job.team import Team
 
@@ -28,7 +30,6 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
     if not launched():
         return run(args)
-    from fsdp_optim.cli.arguments import Outcome
     from fsdp_optim.job.team import team_of_job
     from fsdp_optim.job.transport import shut_down
 
