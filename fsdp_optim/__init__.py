@@ -72,9 +72,8 @@ __version__ = "0.1.0"
 _HOME = {
     name: home
     for home, names in {
-        "core.data_position": ("DataPosition", "ResumeReport"),
+        "core.data_position": ("DataPosition", "ResumeReport", "sample_generator", "sample_seed"),
         "core.elementwise": ("NotElementwiseError", "register_elementwise_optimizer"),
-        "core.sample_random": ("sample_generator", "sample_seed"),
         "disk.backend": ("ObjectBackend",),
         "disk.byte_io": ("StoredObject",),
         "disk.errors": ("CommitOutcomeUnknown", "ConcurrentCommitError", "StoreUnavailable"),
@@ -120,9 +119,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # type checkers and IDEs see the real names
-    from fsdp_optim.core.data_position import DataPosition, ResumeReport
+    from fsdp_optim.core.data_position import DataPosition, ResumeReport, sample_generator, sample_seed
     from fsdp_optim.core.elementwise import NotElementwiseError, register_elementwise_optimizer
-    from fsdp_optim.core.sample_random import sample_generator, sample_seed
     from fsdp_optim.disk.backend import ObjectBackend
     from fsdp_optim.disk.byte_io import StoredObject
     from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
