@@ -1,13 +1,36 @@
-"""``fsdp-optim inspect`` and ``verify``: what a checkpoint holds, and whether every file of it is intact."""
+"""``fsdp-optim inspect``, ``verify`` and ``list``: what a checkpoint holds, whether every file of it is intact, and
+the step directories of a :class:`fsdp_optim.CheckpointManager` root, one line each::
+
+    step 12  torn: no manifest: a save that did not finish (4 files: optim-..., ...)   world size ?   -        9.1 KiB
+    step 10  damaged: optim-...-rank00001-of-00002.safetensors: chunk 0 ... checksum   world size 2   model+Adam ...
+    step  8  complete                                                               world size 2   model+Adam ...
+
+Every file of every step is verified (what ``fsdp-optim verify`` reads), unless ``--quick`` (sizes only: its last
+line says so, and ``--json`` has ``"verified": false``). A step a prune began to remove shows as ``being pruned``.
+Exits 0 whatever the steps' states: it reports, it does not judge (``verify`` exits 1 on damage). A checkpoint given as
+ROOT (a step directory itself) is refused (exit 1), naming ``inspect`` / ``verify``, which read one checkpoint; so is
+a missing root: a local directory that is not there, or a store prefix with nothing below it (a missing bucket).
+
+``--memory-dir DIR`` adds what the memory tier of the nodes on this machine holds (complete steps only)::
+
+    memory node-0  step 6  complete  world size 8  holds 4 of 16 files  24.1 MiB
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.cli.arguments import Outcome
+from fsdp_optim.disk.text import human_bytes
 
-__all__ = ["run_inspect", "run_verify"]
+if TYPE_CHECKING:
+    from fsdp_optim.disk.location import Location
+    from fsdp_optim.formats.sharded.steps import StepDir
+
+__all__ = ["run_inspect", "run_list", "run_verify"]
 
 
 def run_inspect(args: argparse.Namespace) -> list[str]:
@@ -23,14 +46,10 @@ def run_inspect(args: argparse.Namespace) -> list[str]:
     if not args.json:
         # what it read is not what verify reads (a flipped byte in a tensor is not seen here)
         return [*lines, f"not verified: inspect reads the headers only; `fsdp-optim verify {path}` checks every byte"]
-    import json
-
     return json.dumps(report, indent=1).splitlines()
 
 
 def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
-    import json
-
     from fsdp_optim.disk.text import escape
     from fsdp_optim.formats.sharded.verification import LEFTOVER
     from fsdp_optim.offline.verify import report_json, verify
@@ -52,3 +71,86 @@ def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
     found = len(report.findings)
     what = f"{found} finding{'' if found == 1 else 's'} a resumed run would trip on" if intact else "damaged"
     raise ValueError(f"{args.path}: {what}: {'; '.join(report.damaged())}")
+
+
+def run_list(args: argparse.Namespace) -> list[str]:
+    from fsdp_optim.disk.location import exists, present
+    from fsdp_optim.disk.locations import where
+    from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
+    from fsdp_optim.formats.sharded.steps import survey_root
+
+    root = where(args.root)  # a local directory, or a prefix of an object store
+    memory = _memory(root, getattr(args, "memory_dir", None))
+    if not exists(root) and memory is None:
+        raise FileNotFoundError(f"{root}: no such directory (expected a CheckpointManager's root)")
+    found = survey_root(root, verify=not args.quick)
+    if not found and memory is None and not present(root) and not root.prefixes():
+        # A store keeps no empty "directories": nothing below the prefix is what a missing local root is.
+        raise FileNotFoundError(
+            f"{root}: nothing is stored under this prefix (no such bucket, or no object below it); expected a "
+            "CheckpointManager's root holding step-NNNNNNNN directories"
+        )
+    if not found and is_sharded_checkpoint(root):
+        raise ValueError(
+            f"{root}: a checkpoint (a step directory), not a CheckpointManager root of step directories; "
+            f"`fsdp-optim inspect {args.root}` and `fsdp-optim verify {args.root}` read one checkpoint"
+        )
+    if args.json:
+        steps = [_record(d) for d in found]
+        return [json.dumps({"root": str(root), "verified": not args.quick, "steps": steps, "memory": memory or []})]
+    memory_lines = [
+        f"memory {m['node']}  step {m['step']}  complete  world size {m['world_size']}  holds {m['held']} of "
+        f"{m['files']} files  {human_bytes(m['bytes'])}"
+        for m in memory or []
+    ]
+    if memory == []:
+        directory = _memory_dir(root, args.memory_dir)
+        memory_lines = [f"memory tier: no complete step held under {directory}"]
+    if not found:
+        return [f"{root}: no step directories (step-NNNNNNNN)", *memory_lines]
+    width = len(str(max(d.step for d in found)))
+    quick = [f"not verified (--quick): sizes only, no checksum read; `fsdp-optim list {args.root}` checks every byte"]
+    return [*(_line(d, width) for d in found), *memory_lines, *(quick if args.quick else [])]
+
+
+def _memory(root: Location, memory_dir: str | None) -> list[dict[str, Any]] | None:
+    """What the memory tier under ``memory_dir`` holds, one record per node and complete step; None without it."""
+    if memory_dir is None:
+        return None
+    from fsdp_optim.formats.sharded.memory_tier import read_holdings
+
+    directory = _memory_dir(root, memory_dir)
+    nodes = sorted(p for p in directory.glob("node-*") if p.is_dir()) if directory.is_dir() else []
+    return [
+        {"node": node.name, "step": h.step, "save_id": h.save_id, "world_size": h.world_size,
+         "held": len(h.held), "files": len(h.files), "bytes": sum(n for f, n in h.files if f in h.held)}
+        for node in nodes for h in read_holdings(node)
+    ]  # fmt: skip
+
+
+def _memory_dir(root: Location, memory_dir: str) -> Path:
+    from fsdp_optim.formats.sharded.memory_tier import default_memory_dir
+
+    return default_memory_dir(root) if memory_dir == "default" else Path(memory_dir)
+
+
+def _line(d: StepDir, width: int) -> str:
+    state = d.state if not d.reason else f"{d.state}: {d.reason}"
+    world = d.world_size if d.world_size is not None else "?"
+    holds = " + ".join((["model"] if d.model else []) + ([f"optimizer ({d.optimizer})"] if d.optimizer else [])) or "-"
+    foreign = f"; not ours: {', '.join(d.foreign)}" if d.foreign else ""
+    return f"step {d.step:>{width}}  {state}  world size {world}  holds {holds}  {human_bytes(d.nbytes)}{foreign}"
+
+
+def _record(d: StepDir) -> dict[str, Any]:
+    return {
+        "step": d.step,
+        "path": str(d.path),
+        "state": d.state,
+        "reason": d.reason,
+        "world_size": d.world_size,
+        "model": d.model,
+        "optimizer": d.optimizer,
+        "bytes": d.nbytes,
+        "foreign": list(d.foreign),
+    }

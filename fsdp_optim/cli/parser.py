@@ -8,8 +8,7 @@ from pathlib import Path
 
 from fsdp_optim.cli.arguments import allow_global, count
 from fsdp_optim.cli.diff import add_diff
-from fsdp_optim.cli.inspect import run_inspect, run_verify
-from fsdp_optim.cli.listing import run_list
+from fsdp_optim.cli.inspect import run_inspect, run_list, run_verify
 from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 
 Verbs = argparse._SubParsersAction  # what add_subparsers() returns: one add_parser() per verb
