@@ -1,5 +1,10 @@
 """``fsdp-optim inspect``, ``verify`` and ``list``: what a checkpoint holds, whether every file of it is intact, and
-the step directories of a :class:`fsdp_optim.CheckpointManager` root, one line each::
+the step directories of a :class:`fsdp_optim.CheckpointManager` root; and ``diff A B``, a short summary table of
+:func:`fsdp_optim.diff` (``--json``: the whole record), with the exit codes of ``diff(1)`` and ``cmp(1)``: 0 equal (bit
+for bit, or within ``--atol``/``--rtol``), 1 different, 2 trouble (bad input, one line on stderr as every verb's, or
+bad usage).
+
+``list ROOT`` prints one line per step directory::
 
     step 12  torn: no manifest: a save that did not finish (4 files: optim-..., ...)   world size ?   -        9.1 KiB
     step 10  damaged: optim-...-rank00001-of-00002.safetensors: chunk 0 ... checksum   world size 2   model+Adam ...
@@ -29,8 +34,11 @@ from fsdp_optim.disk.text import human_bytes
 if TYPE_CHECKING:
     from fsdp_optim.disk.location import Location
     from fsdp_optim.formats.sharded.steps import StepDir
+    from fsdp_optim.offline.diff_report import DiffReport, DiffRow
 
-__all__ = ["run_inspect", "run_list", "run_verify"]
+__all__ = ["run_diff", "run_inspect", "run_list", "run_verify"]
+
+EXIT_EQUAL, EXIT_DIFFERENT, EXIT_TROUBLE = 0, 1, 2  # diff's, as diff(1) and cmp(1)
 
 
 def run_inspect(args: argparse.Namespace) -> list[str]:
@@ -154,3 +162,65 @@ def _record(d: StepDir) -> dict[str, Any]:
         "bytes": d.nbytes,
         "foreign": list(d.foreign),
     }
+
+
+def run_diff(args: argparse.Namespace) -> Outcome:
+    from fsdp_optim.offline.diff import diff
+
+    try:
+        report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, allow_globals=args.allow_global,
+                      parallel=getattr(args, "parallel", False))  # set under torchrun (cli/team.py)
+    except (ValueError, TypeError, OSError, NotImplementedError) as exc:
+        exc.exit_code = EXIT_TROUBLE  # type: ignore[union-attr]  # diff(1)'s: 2 for trouble, not 1 (different)
+        raise
+    code = EXIT_EQUAL if report.equal else EXIT_DIFFERENT
+    if args.json:
+        return Outcome(tuple(json.dumps(report.to_json(), indent=1, allow_nan=False).splitlines()), code)
+    return Outcome(tuple(summary_lines(report, limit=args.limit)), code)
+
+
+def summary_lines(report: DiffReport, *, limit: int = 20) -> list[str]:
+    """The summary table: the two sources, counts, maxima, the first ``limit`` differing rows, settings, verdict."""
+    from fsdp_optim.offline.diff_report import ONLY_A, ONLY_B
+    s = report.summary
+    tolerance = "bitwise" if report.atol == 0 and report.rtol == 0 else f"atol {report.atol:g}, rtol {report.rtol:g}"
+    lines = [
+        f"a: {report.a} ({report.kind_a})",
+        f"b: {report.b} ({report.kind_b})",
+        f"params: {s.params_a} in a, {s.params_b} in b; compared: {s.tensors} tensors ({s.tensors_equal} bitwise "
+        f"equal), {s.scalars} scalars; tolerance: {tolerance}",
+        f"max abs error: {s.max_abs:.6g}, max rel error: {s.max_rel:.6g}, max ULP distance: {s.max_ulp}",
+        f"NaN: {s.nan_a} in a, {s.nan_b} in b; Inf: {s.inf_a} in a, {s.inf_b} in b",
+    ]
+    differences = report.differences
+    if differences:
+        lines.append("param | key | status | max abs | max rel | ULP | NaN a/b | Inf a/b | detail")
+        lines += [_row(r) for r in differences[:limit]]
+        if len(differences) > limit:
+            lines.append(f"... and {len(differences) - limit} more (--json lists every row)")
+    if report.settings:
+        lines.append("settings that differ (group | key | a | b):")
+        lines += [f"{'-' if d.group is None else d.group} | {d.key} | {d.a} | {d.b}" for d in report.settings]
+    skipped = s.not_compared
+    if report.equal:
+        lines.append(f"verdict: equal ({tolerance})")
+    elif skipped == len(differences) and not report.settings:  # never "equal" over a part it did not compare
+        lines.append(f"verdict: not shown equal: every part compared is equal ({tolerance}), but {skipped} part(s) "
+                     "could not be compared (the 'not compared' rows say why)")  # fmt: skip
+    else:
+        one_sided = sum(r.status in (ONLY_A, ONLY_B) for r in differences)
+        only = f" ({one_sided} on one side only)" if one_sided else ""
+        unseen = f", {skipped} not compared" if skipped else ""
+        lines.append(
+            f"verdict: different: {len(differences) - skipped} of {len(report.rows)} rows{only}{unseen}, "
+            f"{len(report.settings)} setting(s)"
+        )
+    return lines
+
+
+def _row(r: DiffRow) -> str:
+    ulp = "-" if r.max_ulp is None else str(r.max_ulp)
+    return (
+        f"{r.param} | {r.key or '-'} | {r.status} | {r.max_abs:.6g} | {r.max_rel:.6g} | {ulp} | "
+        f"{r.nan_a}/{r.nan_b} | {r.inf_a}/{r.inf_b} | {r.detail or '-'}"
+    )

@@ -44,8 +44,7 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
 
 def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
-    from fsdp_optim.cli.diff import run_diff
-    from fsdp_optim.cli.inspect import run_verify
+    from fsdp_optim.cli.inspect import run_diff, run_verify
     from fsdp_optim.cli.verbs import checked_opening, run_consolidate, run_reshard
     from fsdp_optim.offline.parallel.alone import alone
     from fsdp_optim.offline.parallel.entry import splits
