@@ -140,7 +140,7 @@ def test_planning_one_rank_of_4096_with_1000_units_builds_no_per_rank_records() 
             mock.patch.object(layout_module, "shard_bounds", wraps=shard_bounds) as bounds:
         the_plan = plan(source, target)
         reads = rank_reads(the_plan, rank)
-        files = saved_ranks(the_plan, rank, reads)
+        files = saved_ranks(the_plan, rank)
         state = cut_rank(the_plan, rank)
     assert (at_rank.call_count, bounds.call_count) == (0, 0)  # no record per (unit, rank), not even one per unit
     assert len(reads) == units and len(state) == units

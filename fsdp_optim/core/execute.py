@@ -64,12 +64,12 @@ def rank_reads(plan: Plan, rank: int) -> tuple[Read, ...]:
     return tuple(out)
 
 
-def saved_ranks(plan: Plan, rank: int, reads: Sequence[Read] | None = None) -> list[int]:
+def saved_ranks(plan: Plan, rank: int) -> list[int]:
     """The saved ranks (rank files of a sharded source) that rank ``rank``'s reads touch, sorted (a per-rank source
     flat's at ``rank`` itself)."""
     index = plan.source_shards
     found: set[int] = set()
-    for read in rank_reads(plan, rank) if reads is None else reads:
+    for read in rank_reads(plan, rank):
         s = read.source
         if index.per_rank[s]:
             found.add(rank)
