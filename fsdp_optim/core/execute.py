@@ -89,25 +89,19 @@ def read_ranges(plan: Plan, rank: int) -> Iterator[tuple[int, str, int, int]]:
                 yield from ((r.source, e.key, r.source_start, r.source_start + r.stop - r.start) for r in reads)
 
 
-def cut_rank(
-    plan: Plan, rank: int, read: Reader | None = None, *, after_unit: Callable[[], None] | None = None
-) -> dict[int, dict[str, Any]]:
+def cut_rank(plan: Plan, rank: int, *, after_unit: Callable[[], None] | None = None) -> dict[int, dict[str, Any]]:
     """Rank ``rank``'s state ``{target flat index: {key: padded shard or scalar}}``, new memory: only the source
     elements in the rank's slice are read. ``after_unit`` runs after each flat (to release file mappings)."""
     bounds = lambda t: plan.shards.bounds(t, rank)  # noqa: E731
-    return _fill(plan, list(plan.flats), bounds, read or plan.source.reader(rank), after_unit)
+    return _fill(plan, list(plan.flats), bounds, plan.source.reader(rank), after_unit)
 
 
 def assemble_full(
-    plan: Plan,
-    read: Reader | None = None,
-    *,
-    after_unit: Callable[[], None] | None = None,
-    per_rank: int | None = None,
+    plan: Plan, *, after_unit: Callable[[], None] | None = None, per_rank: int | None = None
 ) -> dict[int, dict[str, Any]]:
     """Every target flat's full state ``{target flat index: {key: flat tensor (numel,) or scalar}}``, new memory:
     shared flats only by default; with ``per_rank=r``, only the per-rank flats, as rank ``r`` holds them."""
-    read = read or (plan.source.read if per_rank is None else plan.source.reader(per_rank))
+    read = plan.source.read if per_rank is None else plan.source.reader(per_rank)
     flats = [t for t in plan.flats if plan.target.flat_params[t].per_rank == (per_rank is not None)]
     return _fill(plan, flats, lambda t: (0, plan.shards.numel[t], 0), read, after_unit)
 
