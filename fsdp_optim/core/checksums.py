@@ -116,13 +116,12 @@ def digest_matches(value: object, expected: object) -> bool:
 _TEXT_CHUNK = 1 << 20
 
 
-def text_digest_matches(data: bytes, expected: object, start: int = 0, end: int | None = None) -> bool:
+def text_digest_matches(data: bytes, expected: object, start: int, end: int) -> bool:
     """``digest_matches(data[start:end].decode("utf-8", "replace"), expected)``, the text decoded and escaped
     (``repr``) a chunk at a time: memory stays the chunk's, not 5-11x the text's (a manifest's checksum)."""
     algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
     if algorithm not in _HASHES:
         return False
-    end = len(data) if end is None else end
     h = _HASHES[algorithm]()
     # repr() quotes with ' unless the text holds ' and no ": the one choice that depends on the whole text
     # (a ' or " byte is never part of a longer UTF-8 sequence, and 'replace' makes no quotes).

@@ -196,13 +196,14 @@ class PartPlan:
 
 def plan_parts(
     offsets: Sequence[int], nbytes: Sequence[int], size: int, runs: Sequence[Sequence[int]], *,
-    part_bytes: int = PART_BYTES, min_bytes: int = MIN_PART_BYTES,
+    part_bytes: int = PART_BYTES,
 ) -> PartPlan:  # fmt: skip
     """The parts of a file of ``size`` bytes whose tensor ``i`` lies at ``offsets[i]`` (``nbytes[i]`` long, in file
     order, the header before the first), written by processes whose tensors are ``runs`` (a split in file order);
     see the module docstring. ``part_bytes`` grows where the file would need more than ``MAX_PARTS`` parts."""
-    if part_bytes < 2 * min_bytes:
-        raise ValueError(f"part_bytes: expected at least twice the least part ({2 * min_bytes}), found {part_bytes}")
+    if part_bytes < 2 * MIN_PART_BYTES:
+        least = 2 * MIN_PART_BYTES
+        raise ValueError(f"part_bytes: expected at least twice the least part ({least}), found {part_bytes}")
     part_bytes = max(part_bytes, -(-size // (MAX_PARTS // 2)))  # (equal cuts round up: half the maximum is safe)
     header = offsets[0] if offsets else size
     groups: list[tuple[int, list[int], int, int]] = [(0, [], 0, header)]  # (process, tensors, start, stop)
@@ -211,7 +212,7 @@ def plan_parts(
             continue
         stop = offsets[run[-1]] + nbytes[run[-1]]
         owner, tensors, start, _ = groups[-1]
-        if p == 0 or groups[-1][3] - start < min_bytes:  # the range before it is short: it takes these too
+        if p == 0 or groups[-1][3] - start < MIN_PART_BYTES:  # the range before it is short: it takes these too
             groups[-1] = (owner, [*tensors, *run], start, stop)
         else:
             groups.append((p, list(run), offsets[run[0]], stop))
