@@ -91,7 +91,7 @@ _HOME = {
         "job.manager": ("CheckpointManager",),
         "job.sampler": ("ResumableSampler",),
         "job.sharded": ("load_sharded_optim_state", "save_layout", "save_sharded_optim_state",
-                        "scatter_full_optim_state"),  # fmt: skip
+                        "scatter_full_optim_state"),
         "job.whole_load": ("load_checkpoint",),
         "job.whole_save": ("async_save_checkpoint", "save_checkpoint"),
         "offline.diff": ("diff",),
