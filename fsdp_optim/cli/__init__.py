@@ -2,19 +2,12 @@
 the whole training state), with no process group. docs/cli.md shows every verb, its output and its exit codes;
 ``fsdp-optim VERB --help`` every flag (:mod:`fsdp_optim.cli.parser`).
 
-This module is the dispatcher: it parses, runs the verb, prints its lines and maps what it raised to an exit code:
-0 done; 1 bad input (one line on stderr, ``fsdp-optim: error: ...``; a verb may set its own code, ``diff``'s 2); 2 bad
-usage (argparse's, or a :class:`~fsdp_optim.cli.arguments.UsageError` only the opened input reveals); 70 an internal
-error (with its traceback); 130 interrupted (Ctrl-C: one line saying what was left as it was; a Ctrl-C once the
-verb's work is done is ignored).
-
-Run by ``torchrun`` (``torchrun --nproc_per_node N -m fsdp_optim VERB ...``), the processes join one team
-(:func:`fsdp_optim.job.team.team_of_job`). ``reshard`` and ``verify`` (``--deep`` too) of our sharded checkpoint are
-split across them (:mod:`fsdp_optim.offline.parallel`), and so is ``consolidate -o FILE.safetensors`` of one (each
-process writes its share of the one file) and ``diff`` when both sides are read by ranges, as
-:func:`fsdp_optim.offline.parallel.entry.splits` decides for the API too; every other verb runs on process 0 while the
-others wait for it (:func:`~fsdp_optim.offline.parallel.alone.alone`). Every process exits with the same code and
-process 0 alone prints the verb's report, or its error line.
+This module is the dispatcher: it parses, runs the verb (under ``torchrun``, across the processes:
+:mod:`fsdp_optim.cli.team`), prints its lines and maps what it raised to an exit code: 0 done; 1 bad input (one line
+on stderr, ``fsdp-optim: error: ...``; a verb may set its own code, ``diff``'s 2); 2 bad usage (argparse's, or a
+:class:`~fsdp_optim.cli.arguments.UsageError` only the opened input reveals); 70 an internal error (with its
+traceback); 130 interrupted (Ctrl-C: one line saying what was left as it was; a Ctrl-C once the verb's work is done
+is ignored). Under ``torchrun`` every process exits with the same code and process 0 alone prints the error line.
 torch and the package's modules are imported by the verb that needs them, so ``--help`` and argument errors cost no
 more than starting Python, and no verb imports fairscale or the collectives.
 """
@@ -23,21 +16,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import os
 import re
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from fsdp_optim.cli.arguments import Outcome, UsageError
 from fsdp_optim.cli.parser import build_parser
-
-if TYPE_CHECKING:
-    from fsdp_optim.job.team import Team
 
 __all__ = ["main"]
 
@@ -111,7 +100,9 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
     output = getattr(args, "output", None)
     before = _signature(output)
     try:
-        result = _run_in_team(args, _run_verb)
+        from fsdp_optim.cli.team import run_in_team  # under torchrun: the verb split across the processes
+
+        result = run_in_team(args, _run_verb)
     except BaseException as exc:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
             _say_error(escape(f"interrupted; {_left(output, before)}", limit=2000), exc)
@@ -188,67 +179,6 @@ def _one_line(exc: BaseException) -> str:
     """The error on one line, an API parameter named at its start spelled as the command line's flag."""
     message = " ".join(str(exc).split()) or type(exc).__name__
     return re.sub(r"^(\w+):", lambda m: f"{_FLAGS.get(m.group(1), m.group(1))}:", message)
-
-
-def _run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
-    """``run(args)``: by this process alone unless ``torchrun`` started it (the module docstring says how then)."""
-    from fsdp_optim.job.launcher import launched
-
-    if not launched():
-        return run(args)
-    from fsdp_optim.job.team import team_of_job
-    from fsdp_optim.job.transport import shut_down
-
-    team = team_of_job()
-    assert team is not None, "launched() means a team of 2 or more"
-    try:
-        result = _split_or_alone(team, args, run)
-        code = team.from_first(result.code if isinstance(result, Outcome) else 0)
-    finally:
-        shut_down()
-    return result if team.rank == 0 else Outcome((), code)
-
-
-def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
-    from fsdp_optim.cli.inspect import run_diff, run_verify
-    from fsdp_optim.cli.verbs import checked_opening, run_consolidate, run_reshard
-    from fsdp_optim.offline.parallel.alone import alone
-    from fsdp_optim.offline.parallel.entry import splits
-    from fsdp_optim.offline.parallel.onefile import consolidate_across
-
-    if args.run is run_reshard and args.param_names is None and splits("reshard", args.source, output=args.output):
-        return _reshard(team, args)
-    if args.run is run_consolidate and splits("consolidate", args.source, output=args.output):
-        # -o FILE.safetensors of our sharded checkpoint: every process writes its share of the one file
-        what = consolidate_across(team, lambda: checked_opening(args), args.output, rank=args.rank,
-                                  no_model=args.no_model, inputs=(args.source, args.layout), overwrite=args.overwrite,
-                                  bar=sys.stderr.isatty())  # fmt: skip
-        return [f"wrote {args.output}: {what}"]
-    reads = (args.run is run_verify and splits("verify", args.path)) or (
-        args.run is run_diff and splits("diff", args.a, args.b)
-    )
-    if reads:
-        args.parallel = True  # each reads its share
-        with contextlib.redirect_stdout(sys.stdout if team.rank == 0 else io.StringIO()):
-            return run(args)
-    return alone(team, lambda: run(args), str(args.verb))
-
-
-def _reshard(team: Team, args: argparse.Namespace) -> list[str]:
-    """``fsdp-optim reshard`` split across ``team``; its report line, as one process words it."""
-    from fsdp_optim.cli.verbs import resharded_words
-    from fsdp_optim.formats.sharded.locate import read_manifest
-    from fsdp_optim.offline.opened.written import RankFiles
-    from fsdp_optim.offline.parallel.entry import reshard_in_team
-
-    manifest = reshard_in_team(team, args.source, args.world_size, args.output, layout=args.layout,
-                               optimizer=args.optimizer, allow_globals=args.allow_global, overwrite=args.overwrite,
-                               replace_existing=False, buffers=args.buffers, bar=sys.stderr.isatty())  # fmt: skip
-    done = read_manifest(manifest)
-    sides = done.training.files if done.training is not None else None
-    written = RankFiles(len(done.files), sum(f.nbytes for f in done.files), None if sides is None else len(sides),
-                        sum(f.nbytes for f in sides or ()))  # fmt: skip
-    return [f"wrote {args.output}: {resharded_words(written)}"]
 
 
 if __name__ == "__main__":  # pragma: no cover

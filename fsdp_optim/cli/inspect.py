@@ -63,7 +63,7 @@ def run_verify(args: argparse.Namespace) -> list[str] | Outcome:
     from fsdp_optim.offline.verify import report_json, verify
 
     report = verify(args.path, allow_globals=args.allow_global, deep=args.deep, layout=args.layout,
-                    parallel=getattr(args, "parallel", False))  # set under torchrun (cli/__init__.py)
+                    parallel=getattr(args, "parallel", False))  # set under torchrun (cli/team.py)
     if args.json:
         return Outcome(tuple(json.dumps(report_json(report), indent=1).splitlines()), 0 if report.ok else 1)
     lines = [f"path: {report.path}", f"format: {report.kind}", *report.lines()]
@@ -169,7 +169,7 @@ def run_diff(args: argparse.Namespace) -> Outcome:
 
     try:
         report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, allow_globals=args.allow_global,
-                      parallel=getattr(args, "parallel", False))  # set under torchrun (cli/__init__.py)
+                      parallel=getattr(args, "parallel", False))  # set under torchrun (cli/team.py)
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         exc.exit_code = EXIT_TROUBLE  # type: ignore[union-attr]  # diff(1)'s: 2 for trouble, not 1 (different)
         raise
