@@ -48,12 +48,12 @@ def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argpars
     from fsdp_optim.cli.verbs import checked_opening, run_consolidate, run_reshard
     from fsdp_optim.offline.parallel.alone import alone
     from fsdp_optim.offline.parallel.entry import splits
-    from fsdp_optim.offline.parallel.onefile import consolidate_across
 
     if args.run is run_reshard and args.param_names is None and splits("reshard", args.source, output=args.output):
         return _reshard(team, args)
     if args.run is run_consolidate and splits("consolidate", args.source, output=args.output):
-        # -o FILE.safetensors of our sharded checkpoint: every process writes its share of the one file
+        from fsdp_optim.offline.parallel.onefile import consolidate_across  # each process writes its share
+
         what = consolidate_across(team, lambda: checked_opening(args), args.output, rank=args.rank,
                                   no_model=args.no_model, inputs=(args.source, args.layout), overwrite=args.overwrite,
                                   bar=sys.stderr.isatty())  # fmt: skip
