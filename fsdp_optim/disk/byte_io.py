@@ -22,12 +22,14 @@ How a checkpoint is saved on top of them (the save steps, written once) is
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ByteIO", "StoredObject", "listed_etag", "read_all"]
+__all__ = ["ByteIO", "StoredObject", "Tiling", "listed_etag", "read_all"]
 
 _DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
 
@@ -117,3 +119,21 @@ def read_all(loc: ByteIO, name: str, *, limit: int, size: int | None = None) -> 
     if size > limit:
         raise ValueError(f"{loc}/{name}: {size} bytes, above the bound for it ({limit})")
     return bytes(loc.read_range(name, 0, size))
+
+
+class Tiling:
+    """Buffers tiling the bytes from ``start`` on (a :meth:`ByteIO.read_into`'s ``targets``): :meth:`copy` puts bytes
+    at an offset into those they cover."""
+
+    def __init__(self, start: int, targets: Sequence[memoryview]) -> None:
+        self.targets = [t.cast("B") if t.format != "B" or t.ndim != 1 else t for t in targets]
+        self.starts = list(itertools.accumulate((t.nbytes for t in self.targets), initial=start))
+
+    def copy(self, at: int, data: bytes | bytearray) -> None:
+        k = max(bisect.bisect_right(self.starts, at) - 1, 0)
+        done = 0
+        while done < len(data):
+            target, lo = self.targets[k], at + done - self.starts[k]
+            n = min(len(data) - done, target.nbytes - lo)
+            target[lo : lo + n] = data[done : done + n]
+            done, k = done + n, k + 1

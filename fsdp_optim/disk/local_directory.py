@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.disk.atomic import atomic_write, fsync_dir
-from fsdp_optim.disk.byte_io import StoredObject
+from fsdp_optim.disk.byte_io import StoredObject, Tiling
 from fsdp_optim.disk.errors import ConcurrentCommitError
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.location import Location, T
@@ -55,7 +55,6 @@ from fsdp_optim.disk.locks import (
     resolve_output,
 )
 from fsdp_optim.disk.save import Begun, Claims, SaveRules, Staging, Writer, saving, surveyed
-from fsdp_optim.disk.store_answers import Tiling
 
 __all__ = ["LocalDirectory", "RenameWriter", "Stage", "staged_output", "staged_writer"]
 

@@ -23,11 +23,10 @@ import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 __all__ = ["Multipart", "Part", "S3Multipart"]
 
-T = TypeVar("T")
 Retry = Callable[..., Any]  # ObjectStore._retry: (call(limit), what, *, nbytes) -> call's result
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -47,8 +46,6 @@ class Multipart(Protocol):
     def put_part(self, upload_id: str, number: int, data: bytes | bytearray | memoryview) -> Part: ...
     def complete(self, upload_id: str, parts: Sequence[Part]) -> None: ...
     def abort(self, upload_id: str) -> None: ...
-
-
 
 
 class S3Multipart:
@@ -87,9 +84,3 @@ class S3Multipart:
 
     def abort(self, upload_id: str) -> None:
         self._call("abort_multipart_upload", "aborting the upload", UploadId=upload_id)
-
-    def pending(self) -> list[str]:
-        """The ids of this key's uploads begun and neither completed nor aborted (what a killed writer leaves)."""
-        call = lambda limit: self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.key, **limit)  # noqa: E731
-        answer = self.retry(call, f"{self.where}: listing its unfinished uploads")
-        return [str(u["UploadId"]) for u in answer.get("Uploads", []) if u.get("Key") == self.key]

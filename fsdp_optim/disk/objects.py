@@ -174,15 +174,6 @@ class _Walk:
 
 
 
-def check_tensor(t: torch.Tensor, where: str) -> None:
-    """Refuse a tensor that is not a dense, non-overlapping, strided CPU/accelerator tensor of an allowed
-    dtype lying inside its storage (see the module docstring)."""
-    problem = _tensor_problem(t)
-    if problem is not None:
-        raise ValueError(f"{where}: {problem}")
-
-
-
 def _tensor_problem(t: torch.Tensor) -> str | None:
     return _kind_problem(t) or _layout_problem(t)
 

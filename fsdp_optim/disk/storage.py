@@ -26,13 +26,23 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fsdp_optim.disk.byte_io import StoredObject
+from fsdp_optim.disk.byte_io import StoredObject, Tiling
 from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.multipart import S3Multipart
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
-from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
-from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
+from fsdp_optim.disk.store_policy import (
+    MAX_CONCURRENT,
+    PIECE_BYTES,
+    Clock,
+    RetryPolicy,
+    describe,
+    etag_of,
+    mtime_of,
+    precondition_failed,
+    refused,
+    refused_message,
+)
 
 __all__ = ["ObjectStore"]
 
@@ -108,7 +118,9 @@ class ObjectStore(Location):
         if stop <= start:
             return b""
         if stop - start > PIECE_BYTES:  # large: pieces fetched concurrently, each retried on its own
-            return self._read_pieces(name, start, stop)
+            out = bytearray(stop - start)  # writable: readers wrap it without another copy
+            self.read_into(name, start, [memoryview(out)])
+            return out
         return self._read_one(name, start, stop, self.policy.clock())
 
     def _read_one(self, name: str, start: int, stop: int, clock: Clock) -> bytes:
@@ -121,11 +133,6 @@ class ObjectStore(Location):
             return data
 
         return self._retry(get, f"{self / name}: reading bytes {start}..{stop}", clock=clock, nbytes=stop - start)
-
-    def _read_pieces(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        out = bytearray(stop - start)
-        self.read_into(name, start, [memoryview(out)])
-        return out  # a bytearray: writable, so readers wrap it without another copy
 
     def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
         """Fill ``targets`` (writable byte buffers that tile the object's bytes from ``start`` on, in order) by
@@ -177,38 +184,30 @@ class ObjectStore(Location):
 
         return self._retry(info, f"{self / name}: asking its size")
 
-    def listing(self) -> dict[str, StoredObject]:
-        """The objects directly under this prefix, by name (sub-prefixes are not listed)."""
+    def _entries(self) -> list[dict[str, Any]]:
+        """What the filesystem lists directly under this prefix now (not cached), by name; [] when nothing."""
 
-        def ls(limit: dict[str, float]) -> dict[str, StoredObject]:
+        def ls(limit: dict[str, float]) -> list[dict[str, Any]]:
             self.fs.invalidate_cache(self.root)
             try:
-                entries = self.fs.ls(self.root, detail=True, **limit)
-            except FileNotFoundError:
-                return {}
-            found = {}
-            for e in entries:
-                if e.get("type") == "directory" or str(e["name"]).endswith("/"):  # a prefix, or a directory marker
-                    continue
-                name, size = str(e["name"]).rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0)
-                found[name] = StoredObject(name, size, mtime_of(e), etag_of(e) or f"size:{size}")  # as etag() has it
-            return found
-
-        return self._retry(ls, f"{self}: listing it")
-
-    def prefixes(self) -> list[str]:
-        """The names of the sub-prefixes directly under this one (step directories under a manager's root), sorted."""
-
-        def ls(limit: dict[str, float]) -> list[str]:
-            self.fs.invalidate_cache(self.root)
-            try:
-                entries = self.fs.ls(self.root, detail=True, **limit)
+                return list(self.fs.ls(self.root, detail=True, **limit))
             except FileNotFoundError:
                 return []
-            names = (str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
-            return sorted(names)
 
         return self._retry(ls, f"{self}: listing it")
+
+    def listing(self) -> dict[str, StoredObject]:
+        found = {}
+        for e in self._entries():
+            if e.get("type") == "directory" or str(e["name"]).endswith("/"):  # a prefix, or a directory marker
+                continue
+            name, size = str(e["name"]).rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0)
+            found[name] = StoredObject(name, size, mtime_of(e), etag_of(e) or f"size:{size}")  # as etag() has it
+        return found
+
+    def prefixes(self) -> list[str]:
+        names = (str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._entries() if e.get("type") == "directory")
+        return sorted(names)
 
     def removal(self, *, purpose: str) -> AbstractContextManager[Callable[[], None]]:  # noqa: ARG002 - no lock
         """Nothing to take; the call removes the empty "directory" object some stores keep for a prefix whose
@@ -230,14 +229,14 @@ class ObjectStore(Location):
 
     # -- writing ----------------------------------------------------------------------------------------------
 
-    def upload(self, local: Path, name: str) -> None:
-        """Put the local file as object ``name`` (multipart above the filesystem's block size, parts in parallel)."""
-        what, nbytes = f"{self / name}: uploading {local}", local.stat().st_size
-        self._retry(lambda limit: self.fs.put_file(str(local), self.key(name), **limit), what, nbytes=nbytes)
-
     def write(self, name: str, data: bytes | Path) -> None:
-        """Object ``name`` written whole from bytes or a local file (:meth:`put` or :meth:`upload`)."""
-        self.upload(data, name) if isinstance(data, Path) else self.put(name, data)
+        """Object ``name`` put whole from bytes or a local file (multipart above the filesystem's block size)."""
+        if isinstance(data, Path):
+            what, nbytes = f"{self / name}: uploading {data}", data.stat().st_size
+            self._retry(lambda limit: self.fs.put_file(str(data), self.key(name), **limit), what, nbytes=nbytes)
+        else:
+            what, nbytes = f"{self / name}: writing {len(data)} bytes", len(data)
+            self._retry(lambda limit: self.fs.pipe_file(self.key(name), data, **limit), what, nbytes=nbytes)
 
     def multipart(self, name: str) -> S3Multipart | None:
         """Object ``name`` as the parts of one multipart upload (:mod:`.multipart`), where the filesystem is S3's;
@@ -245,11 +244,6 @@ class ObjectStore(Location):
         if type(self.fs).__name__ != "S3FileSystem":
             return None
         return S3Multipart(self.fs, self.key(name), str(self / name), self._retry)
-
-    def put(self, name: str, data: bytes) -> None:
-        """Put ``data`` as object ``name`` (an object is replaced whole, never seen half written)."""
-        what = f"{self / name}: writing {len(data)} bytes"
-        self._retry(lambda limit: self.fs.pipe_file(self.key(name), data, **limit), what, nbytes=len(data))
 
     def etag(self, name: str) -> str | None:
         """The object's etag (its version, for :meth:`commit`), ``None`` when there is none."""
@@ -279,7 +273,8 @@ class ObjectStore(Location):
                 # is a success), and with every response lost the client gives up on a put that is in place. What is
                 # there now says which; when that cannot be read either, nobody knows (and nothing may be removed).
                 try:
-                    landed = self._holds(name, data)
+                    size = self.size(name)
+                    landed = size == len(data) and self.read_range(name, 0, size) == data
                 except Exception as check:
                     raise CommitOutcomeUnknown(
                         f"{where}: committing the manifest failed ({describe(exc)}) and it could not be read back "
@@ -295,12 +290,7 @@ class ObjectStore(Location):
             return
         if self.etag(name) != replaces:
             raise ConcurrentCommitError(_lost(where, replaces))
-        self.put(name, data)
-
-    def _holds(self, name: str, data: bytes) -> bool:
-        """Whether object ``name`` is exactly ``data`` now."""
-        size = self.size(name)
-        return size == len(data) and self.read_range(name, 0, size) == data
+        self.write(name, data)
 
     def delete(self, names: Iterable[str]) -> None:
         """Remove objects ``names`` (missing ones are not an error)."""

@@ -3,7 +3,7 @@
 Pure: no ``torch.distributed``; opens files only to read them. Every reader goes through here before it
 allocates anything whose size a file (or a dict) merely *declares*:
 
-- :func:`load_untrusted` (what ``disk.atomic.load_file`` does): the path is a regular file (never a FIFO,
+- :func:`load_file`: the path is a regular file (never a FIFO,
   device, socket or directory; a rank file never a symlink); its size is what the manifest recorded;
   its zip records are stored uncompressed, lie inside the file and do not overlap (so storages cost at
   most the file's own bytes); its pickle names only the globals an optimizer checkpoint needs (real
@@ -13,7 +13,7 @@ allocates anything whose size a file (or a dict) merely *declares*:
   but counted once per reference, so a structure whose expansion is exponential is refused in linear
   time), iterative (no recursion), refusing cycles, nesting deeper than
   :data:`~fsdp_optim.core.limits.MAX_DEPTH` and more than :data:`~fsdp_optim.core.limits.MAX_NODES` references;
-  then ``check_tensor`` on every tensor: strided, dense and non-overlapping, inside its storage, of an allowed dtype
+  then every tensor: strided, dense and non-overlapping, inside its storage, of an allowed dtype
   (:data:`~fsdp_optim.core.dtypes.ALLOWED_DTYPES`), not quantized/sparse/meta/nested/a
   subclass; and no two multi-element tensors share memory (nor is one referenced twice).
 - ``check_state_dict`` (``disk/objects.py``): the above plus the types a state dict's skeleton must have
@@ -45,18 +45,9 @@ __all__ = [
     "check_stored_bytes",
     "describe_file",
     "load_foreign",
-    "load_untrusted",
+    "load_file",
     "open_regular",
 ]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Printing untrusted text
-
-
-# ---------------------------------------------------------------------------------------------------
-# Files
-
 
 _KINDS = {
     stat.S_IFDIR: "a directory",
@@ -104,19 +95,18 @@ def _kind_of(path: str | os.PathLike[str]) -> str | None:
     return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def load_untrusted(
+def load_file(
     path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False,
-    tied: str | None = None,
-    shared: bool = False,
-) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, after the file checks in the module docstring
-    and before returning, :func:`check_tree` on the result (``disjoint=False`` by default: a caller that
-    knows the file holds optimizer state passes ``True``; ``tied``, ``shared``: see :func:`check_tree`); no
-    returned tensor requires grad.
+    tied: str | None = None, shared: bool = False,
+) -> Any:  # fmt: skip
+    """``torch.load(path, weights_only=True)`` on the CPU, after the file checks in the module docstring and before
+    returning, :func:`check_tree` on the result; no returned tensor requires grad. The file is opened once: the
+    checks and the load read the same file even if the path is renamed meanwhile (for ``mmap`` too, on Linux).
 
-    The file is opened once: the checks and the load read the same file even if the
-    path is renamed meanwhile (on Linux, where ``/proc/self/fd`` exists, for ``mmap`` too).
-    """
+    ``FileNotFoundError`` for nothing there; ``ValueError`` naming the file for content that cannot be read, a file
+    that is not a regular file (a symlink where ``follow_symlinks=False``), exceeds a bound or holds what optimizer
+    state does not. ``disjoint=True`` for a file that must hold an optimizer state dict: two of its tensors sharing
+    memory are refused too; ``tied``, ``shared``: see :func:`~fsdp_optim.disk.objects.check_tree`."""
     where = str(path)
     fd, st = open_regular(path, follow_symlinks=follow_symlinks)
     try:
@@ -208,10 +198,6 @@ def check_stored_bytes(where: str, declared: int, actual: int) -> None:
         raise ValueError(
             f"{where}: the manifest declares {declared} bytes of state for it, but it has {actual} bytes"
         )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Objects
 
 
 def describe_file(path: str | os.PathLike[str]) -> str:

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.offline.cuts import Progress
