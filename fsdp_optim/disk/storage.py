@@ -1,21 +1,14 @@
-"""Where checkpoint files live: a local directory (a :class:`~pathlib.Path`), or a prefix of an object store or any
-fsspec filesystem (an :class:`ObjectStore`).
+"""A prefix of an object store or any fsspec filesystem (``s3://``, ``gs://``, ``memory://``...): :class:`ObjectStore`.
 
-A *URL* is anything with a scheme other than ``file://``: ``s3://bucket/run/step-100``, ``gs://...``, ``az://...``,
-``memory://...``. Its filesystem comes from fsspec (S3 through s3fs: ``pip install fsdp_optim[s3]``); credentials and
-endpoints from the standard places (for S3 the AWS environment and config files, ``AWS_ENDPOINT_URL`` included) or
-from ``storage_options``, which are never printed.
+Credentials and endpoints come from the standard places (for S3 the AWS environment and config files,
+``AWS_ENDPOINT_URL`` included) or from ``storage_options``, which are never printed.
 
-An object store has no rename and no lock, so a checkpoint is committed there by writing its files under names
-unique to the save and then creating the manifest with a *conditional put* (:meth:`ObjectStore.commit`):
-``If-None-Match: *`` where there was none, ``If-Match: <etag>`` over the one this save replaces. Two writers of one
-prefix cannot both commit; the loser gets :class:`ConcurrentCommitError`. S3 (and S3-compatible stores answering
-412) gives that guarantee. Other fsspec filesystems get a weaker mode that checks and then writes
-(``ObjectStore.conditional`` is ``False``); the docs say so.
-
-Every read is ranged (:meth:`ObjectStore.read_range`) and retried with backoff on transient errors and short
-bodies, never past the store's deadline (:mod:`.store_policy`); refused credentials are not retried. The bytes are
-then checked by the caller against the manifest's checksums.
+A store has no rename and no lock, so a save writes its files under names unique to it, then creates the manifest
+with a *conditional put* (:meth:`ObjectStore.commit`): ``If-None-Match: *`` where there was none, ``If-Match: <etag>``
+over the one it replaces. Two writers of one prefix cannot both commit; the loser gets ``ConcurrentCommitError``.
+S3 (and S3-compatible stores answering 412) gives that guarantee; other fsspec filesystems get a weaker mode that
+checks, then writes (``ObjectStore.conditional`` is ``False``; the docs say so). Every request is retried on
+transient errors, never past the store's deadline (:mod:`.store_policy`); the caller checks the bytes read.
 """
 
 from __future__ import annotations
@@ -50,12 +43,8 @@ T = TypeVar("T")
 
 
 class ObjectStore(Location):
-    """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing; the
-    :class:`~fsdp_optim.disk.location.Location` of every fsspec backend (its save: the conditional put of
-    :class:`~fsdp_optim.disk.save.Writer`).
-
-    ``ObjectStore.open("s3://bucket/run/step-100")``; ``str(store)`` is its URL (never its credentials).
-    """
+    """A prefix (a "directory") on an fsspec filesystem: ``ObjectStore.open("s3://bucket/run/step-100")``;
+    ``str(store)`` is its URL (never its credentials)."""
 
     def __init__(self, url: str, fs: Any, root: str, policy: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/")
@@ -103,18 +92,15 @@ class ObjectStore(Location):
         return f"{self.root}/{name}"
 
     def parent(self) -> ObjectStore:
-        """The store of the prefix this one is directly below, with the same filesystem settings."""
         return ObjectStore(self.url.rsplit("/", 1)[0], self.fs, self.root.rsplit("/", 1)[0], self.policy)
 
     def child(self, name: str) -> ObjectStore:
-        """The store of the prefix ``name`` below this one (a step directory under a manager's root)."""
         return ObjectStore(f"{self.url}/{name}", self.fs, self.key(name), self.policy)
 
     # -- reading ----------------------------------------------------------------------------------------------
 
     def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        """Bytes ``[start, stop)`` of object ``name``: one ranged GET, retried on transient errors and short bodies;
-        ``FileNotFoundError`` at once for a missing object, ``OSError`` naming it after the last attempt."""
+        """One ranged GET (pieces above 16 MiB); ``FileNotFoundError`` at once for a missing object."""
         if stop <= start:
             return b""
         if stop - start > PIECE_BYTES:  # large: pieces fetched concurrently, each retried on its own
@@ -135,9 +121,8 @@ class ObjectStore(Location):
         return self._retry(get, f"{self / name}: reading bytes {start}..{stop}", clock=clock, nbytes=stop - start)
 
     def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
-        """Fill ``targets`` (writable byte buffers that tile the object's bytes from ``start`` on, in order) by
-        ranged GETs of 16 MiB pieces, at most 8 in flight, each piece copied once, straight into the buffers it
-        covers; a piece that failed or came back short is fetched again on its own (:meth:`read_range`)."""
+        """Ranged GETs of 16 MiB pieces, at most 8 in flight, each copied once into the buffers it covers; a piece
+        that failed or came back short is fetched again on its own."""
         stop = start + sum(t.nbytes for t in targets)
         bounds = [(a, min(a + PIECE_BYTES, stop)) for a in range(start, stop, PIECE_BYTES)]
         place, clock = Tiling(start, targets), self.policy.clock()  # one deadline for all the pieces
@@ -162,18 +147,15 @@ class ObjectStore(Location):
 
     @contextmanager
     def prefetch(self, spans: Callable[[], Sequence[SpanLike]]) -> Iterator[dict[str, list[StorePiece]]]:
-        """``spans()`` fetched ahead of their use, in order, a bounded window at a time (:mod:`.prefetch`); yields
-        the pieces by object name."""
         with StorePrefetch(self, spans()) as ahead:
             yield ahead.by_file()
 
     def download(self, name: str, local: Path, *, size: int) -> None:
-        """Copy object ``name`` into the local file ``local`` whole (one GET, retried as a whole)."""
+        """One GET, retried as a whole."""
         fetch = lambda limit: self.fs.get_file(self.key(name), str(local), **limit)  # noqa: E731
         self._retry(fetch, f"{self / name}: downloading it", nbytes=size)
 
     def size(self, name: str) -> int | None:
-        """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""
 
         def info(limit: dict[str, float]) -> int | None:
             try:
@@ -210,8 +192,7 @@ class ObjectStore(Location):
         return sorted(names)
 
     def removal(self, *, purpose: str) -> AbstractContextManager[Callable[[], None]]:  # noqa: ARG002 - no lock
-        """Nothing to take; the call removes the empty "directory" object some stores keep for a prefix whose
-        objects were all deleted (best effort: a store without one has nothing to remove)."""
+        """No lock; the call removes the empty "directory" object some stores keep for an emptied prefix."""
         return nullcontext(self._remove_marker)
 
     def _remove_marker(self) -> None:
@@ -239,14 +220,12 @@ class ObjectStore(Location):
             self._retry(lambda limit: self.fs.pipe_file(self.key(name), data, **limit), what, nbytes=nbytes)
 
     def multipart(self, name: str) -> S3Multipart | None:
-        """Object ``name`` as the parts of one multipart upload (:mod:`.multipart`), where the filesystem is S3's;
-        ``None`` elsewhere (the caller then writes locally and uploads the file whole)."""
+        """Where the filesystem is S3's."""
         if type(self.fs).__name__ != "S3FileSystem":
             return None
         return S3Multipart(self.fs, self.key(name), str(self / name), self._retry)
 
     def etag(self, name: str) -> str | None:
-        """The object's etag (its version, for :meth:`commit`), ``None`` when there is none."""
         self.fs.invalidate_cache(self.key(name))
         try:
             info = self._retry(lambda limit: self.fs.info(self.key(name), **limit), f"{self / name}: asking its etag")
@@ -255,11 +234,8 @@ class ObjectStore(Location):
         return etag_of(info) or f"size:{info.get('size')}"
 
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
-        """Create object ``name`` only if it is still as this save found it: absent (``replaces=None``) or at etag
-        ``replaces``. ``ConcurrentCommitError`` otherwise, and nothing was written.
-
-        On S3 this is one conditional put (``If-None-Match: *`` / ``If-Match``; 412 when another writer won). Elsewhere
-        it checks, then writes: two writers racing within that window can both "win" (the documented weaker mode)."""
+        """On S3 one conditional put (412 when another writer won); elsewhere a check, then a write (the module
+        docstring)."""
         where = self / name
         if self.conditional:
             match = {"IfNoneMatch": "*"} if replaces is None else {"IfMatch": replaces}
@@ -293,9 +269,7 @@ class ObjectStore(Location):
         self.write(name, data)
 
     def delete(self, names: Iterable[str]) -> None:
-        """Remove objects ``names`` (missing ones are not an error)."""
-        keys = [self.key(n) for n in names]
-        for key in keys:
+        for key in [self.key(n) for n in names]:
             try:
                 self._retry(lambda limit, k=key: self.fs.rm_file(k, **limit), f"{self}: deleting {key}")  # type: ignore[misc]
             except FileNotFoundError:

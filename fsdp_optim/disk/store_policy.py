@@ -7,15 +7,10 @@ first attempt unless ``FSDP_OPTIM_STORE_DEADLINE_S`` or ``open_store(url, deadli
 attempt of an asynchronous filesystem (s3fs, gcsfs...) is cut at the time left, so the client's own retries inside
 it (botocore's, s3fs's) cannot outlast it either; a transfer is allowed its bytes at :data:`TRANSFER_FLOOR` bytes a
 second on top, so a large upload that is making progress is not cut. A store that keeps failing therefore fails
-every request within the deadline (plus one transfer's allowance, which the message states: "at the store deadline,
-20 s, plus 30.0 s allowed for its 120.0 MiB transfer at 4 MiB/s"), naming the object. A save that fails so then
-spends at most one more deadline removing what this rank uploaded (best effort; one deadline for all its objects),
-and a commit whose answer was lost one more asking the store whether it landed.
-
-The deadline bounds the store's requests, not a command's own start and exit: ``fsdp-optim inspect`` of a store
-that never answers gives up at the deadline (``tests/test_store_deadline_dead.py``: within 20% plus
-:data:`MIN_ATTEMPT_S`, once its modules are imported), and starting Python and importing torch (seconds on a busy
-machine), then the interpreter's exit, come on top of it.
+every request within the deadline (plus one transfer's allowance, which the message states), naming the object. A
+save that fails so then spends at most one more deadline removing what this rank uploaded, and a commit whose answer
+was lost one more asking the store whether it landed. The deadline bounds the store's requests, not a command's own
+start (Python, torch) and exit.
 
 Refused access (a 403, a wrong key or signature, no credentials at all) is an answer, not a fault: it is raised at
 once as a ``PermissionError`` that names the object and says where credentials come from.
@@ -105,8 +100,7 @@ class RetryPolicy:
         return Clock(time.monotonic() + self.deadline_s)
 
     def describe(self, nbytes: int = 0) -> str:
-        """The deadline a request gave up at, and the allowance its transfer of ``nbytes`` had beyond it (an attempt
-        in flight when the deadline passes runs on for that long: :meth:`Clock.timeout`)."""
+        """The deadline a request gave up at, and the allowance its transfer of ``nbytes`` had beyond it."""
         allowance = transfer_allowance(nbytes)
         beyond = (
             f", plus {allowance:.1f} s allowed for its {nbytes / (1 << 20):.1f} MiB transfer at "
