@@ -22,8 +22,7 @@ __all__ = ["ObjectBackend"]
 
 
 class ObjectBackend(Location):
-    """The base of a backend the package has no code for (see the module docstring for the eight methods): a
-    :class:`~fsdp_optim.disk.location.Location` that retries nothing itself and is known by its name."""
+    """The base of a backend the package has no code for (the module docstring), known by its name."""
 
     policy = RetryPolicy(float("inf"), attempts=1)  # a backend retries inside its own methods, if it needs to
 

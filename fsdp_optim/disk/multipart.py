@@ -12,9 +12,7 @@ anywhere leaves no object (an upload nobody completes or aborts keeps its parts 
     upload.complete(upload_id, [part1, part, ...])    # one process, once every part is in
     upload.abort(upload_id)                            # after a failure
 
-Each call is retried on transient errors under the store's policy (:meth:`ObjectStore._retry`). A backend without
-the API gets ``None`` from :meth:`~fsdp_optim.disk.location.Location.multipart`; its caller writes locally and
-uploads the whole file instead.
+Each call is retried on transient errors under the store's policy (:meth:`ObjectStore._retry`).
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ class Multipart(Protocol):
 
 
 class S3Multipart:
-    """:class:`Multipart` through s3fs's client (``call_s3``): object ``path`` (``bucket/key``), ``where`` its URL for
-    messages, each call under ``retry``."""
+    """:class:`Multipart` through s3fs's client: object ``path`` (``bucket/key``), ``where`` its URL."""
 
     def __init__(self, fs: Any, path: str, where: str, retry: Retry) -> None:  # noqa: D107
         self.fs, self.where, self.retry = fs, where, retry

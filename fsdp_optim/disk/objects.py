@@ -135,11 +135,7 @@ class _Walk:
             if len(path) >= self.max_depth:
                 raise ValueError(f"{_show_path(self.where, path)}: nested deeper than {self.max_depth} levels")
             return None
-        if kind in _LEAVES and kind not in _TENSORS:
-            if kind is int and not -(1 << 63) <= node < (1 << 64):
-                raise ValueError(f"{_show_path(self.where, path)}: an integer of {node.bit_length()} bits")
-            return 1
-        if torch.is_tensor(node):
+        if kind in _TENSORS or (kind not in _LEAVES and torch.is_tensor(node)):
             seen = self.tensors.get(id(node))
             if seen is None:
                 self.tensors[id(node)] = _Tensor(node, path)
