@@ -104,7 +104,10 @@ class StorePrefetch:
         return self
 
     def __exit__(self, *_: object) -> None:
-        self.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for piece in self.pieces:
+            piece.data, piece.futures = None, []
+        self.held = 0
 
     def by_file(self) -> dict[str, list[StorePiece]]:
         """The pieces, by object name."""
@@ -148,9 +151,3 @@ class StorePrefetch:
         if piece.data is not None:
             piece.data = None
             self.held -= piece.nbytes
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for piece in self.pieces:
-            piece.data, piece.futures = None, []
-        self.held = 0

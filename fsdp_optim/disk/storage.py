@@ -13,6 +13,7 @@ transient errors, never past the store's deadline (:mod:`.store_policy`); the ca
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -155,16 +156,21 @@ class ObjectStore(Location):
         fetch = lambda limit: self.fs.get_file(self.key(name), str(local), **limit)  # noqa: E731
         self._retry(fetch, f"{self / name}: downloading it", nbytes=size)
 
-    def size(self, name: str) -> int | None:
+    def _info(self, name: str, what: str) -> dict[str, Any] | None:
+        """What the filesystem says of object ``name`` now (not cached); ``None`` when there is none."""
 
-        def info(limit: dict[str, float]) -> int | None:
+        def info(limit: dict[str, float]) -> dict[str, Any] | None:
             try:
                 self.fs.invalidate_cache(self.key(name))
-                return int(self.fs.info(self.key(name), **limit)["size"])
+                return dict(self.fs.info(self.key(name), **limit))
             except FileNotFoundError:
                 return None
 
-        return self._retry(info, f"{self / name}: asking its size")
+        return self._retry(info, f"{self / name}: {what}")
+
+    def size(self, name: str) -> int | None:
+        info = self._info(name, "asking its size")
+        return None if info is None else int(info["size"])
 
     def _entries(self) -> list[dict[str, Any]]:
         """What the filesystem lists directly under this prefix now (not cached), by name; [] when nothing."""
@@ -196,16 +202,12 @@ class ObjectStore(Location):
         return nullcontext(self._remove_marker)
 
     def _remove_marker(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # nothing there, or a store that does not allow it: it stays listed
             self.fs.rm_file(self.root + "/")
-        except Exception:  # noqa: S110 - nothing there, or a store that does not allow it: the prefix stays listed
-            pass
         self.fs.invalidate_cache(self.root)
         if "/" in self.root.strip("/"):  # a prefix inside a bucket or directory (never a bucket itself)
-            try:
+            with contextlib.suppress(Exception):  # not empty, not there, or not a directory: nothing to remove
                 self.fs.rmdir(self.root)  # where empty directories are kept (memory://, file://); on S3 a no-op
-            except Exception:  # noqa: S110 - not empty, not there, or not a directory: nothing to remove
-                pass
             self.fs.invalidate_cache(self.root)
 
     # -- writing ----------------------------------------------------------------------------------------------
@@ -226,12 +228,8 @@ class ObjectStore(Location):
         return S3Multipart(self.fs, self.key(name), str(self / name), self._retry)
 
     def etag(self, name: str) -> str | None:
-        self.fs.invalidate_cache(self.key(name))
-        try:
-            info = self._retry(lambda limit: self.fs.info(self.key(name), **limit), f"{self / name}: asking its etag")
-        except FileNotFoundError:
-            return None
-        return etag_of(info) or f"size:{info.get('size')}"
+        info = self._info(name, "asking its etag")
+        return None if info is None else etag_of(info) or f"size:{info.get('size')}"
 
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
         """On S3 one conditional put (412 when another writer won); elsewhere a check, then a write (the module
