@@ -73,7 +73,7 @@ def check_tree(
     """
     tensors = _Walk(where, max_depth, max_nodes, tied).run(obj)
     for seen in tensors.values():  # where a tensor is, is spelled out only for an error
-        problem = _kind_problem(seen.tensor) if in_memory else _tensor_problem(seen.tensor)
+        problem = _kind_problem(seen.tensor) or (None if in_memory else _layout_problem(seen.tensor))
         if problem is None and not (in_memory or shared) and seen.references > 1 and seen.tensor.numel() > 1:
             problem = f"one tensor of {seen.tensor.numel()} elements referenced {seen.references} times"
         if problem is not None:
@@ -167,11 +167,6 @@ class _Walk:
                 f"{self.where}: holds more than {self.max_nodes} objects counting every reference (shared objects "
                 "once per reference); the bound is fsdp_optim.core.limits.MAX_NODES"
             )
-
-
-
-def _tensor_problem(t: torch.Tensor) -> str | None:
-    return _kind_problem(t) or _layout_problem(t)
 
 
 

@@ -101,7 +101,7 @@ class RetryPolicy:
 
     def describe(self, nbytes: int = 0) -> str:
         """The deadline a request gave up at, and the allowance its transfer of ``nbytes`` had beyond it."""
-        allowance = transfer_allowance(nbytes)
+        allowance = nbytes / TRANSFER_FLOOR
         beyond = (
             f", plus {allowance:.1f} s allowed for its {nbytes / (1 << 20):.1f} MiB transfer at "
             f"{TRANSFER_FLOOR >> 20} MiB/s"
@@ -109,11 +109,6 @@ class RetryPolicy:
             else ""
         )
         return f"the store deadline, {self.deadline_s:g} s{beyond} ({DEADLINE_ENV} or open_store(url, deadline_s=...))"
-
-
-def transfer_allowance(nbytes: int) -> float:
-    """Seconds a transfer of ``nbytes`` is allowed beyond the deadline (at :data:`TRANSFER_FLOOR` bytes a second)."""
-    return nbytes / TRANSFER_FLOOR
 
 
 @dataclass(frozen=True)
@@ -127,7 +122,7 @@ class Clock:
 
     def timeout(self, nbytes: int = 0) -> float:
         """How long one attempt may run: the time left (at least :data:`MIN_ATTEMPT_S`) plus its transfer's share."""
-        return max(self.left(), MIN_ATTEMPT_S) + transfer_allowance(nbytes)
+        return max(self.left(), MIN_ATTEMPT_S) + nbytes / TRANSFER_FLOOR
 
 
 def _chain(exc: BaseException | None) -> Iterator[tuple[BaseException, Any, Any]]:
