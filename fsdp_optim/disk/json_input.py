@@ -73,17 +73,12 @@ def check_depth(value: Any, where: str, limit: int = MAX_JSON_DEPTH) -> None:
         level = [c for v in level for c in (v.values() if type(v) is dict else v) if isinstance(c, _CONTAINERS)]
         if not level:
             return
-    raise RefusedJSON(
-        f"{where}{_path_too_deep(value, limit)}: nested deeper than {limit} levels (lists and objects in "
-        "lists and objects; a file of ours is at most 9 deep)"
-    )
-
-
-def _path_too_deep(value: Any, limit: int) -> str:
-    """The path (``['key'][3]...``) to a container more than ``limit`` levels deep, shown up to 8 parts."""
-    parts = _deep_path(value, limit) or []
+    parts = _deep_path(value, limit) or []  # the path (``['key'][3]...``) to it, shown up to 8 parts
     shown = "".join(parts[:8]) + (f"... ({len(parts) - 8} more levels)" if len(parts) > 8 else "")
-    return f", at {shown}"
+    raise RefusedJSON(
+        f"{where}, at {shown}: nested deeper than {limit} levels (lists and objects in lists and objects; a file of "
+        "ours is at most 9 deep)"
+    )
 
 
 def _deep_path(value: Any, left: int) -> list[str] | None:
