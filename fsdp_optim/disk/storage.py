@@ -64,11 +64,9 @@ class ObjectStore(Location):
     ) -> ObjectStore:
         """The store at ``url`` (a trailing ``/manifest.json`` names its directory's store); a request that keeps
         failing gives up ``deadline_s`` after its first attempt (default: ``$FSDP_OPTIM_STORE_DEADLINE_S`` or 60)."""
+        from fsspec.core import url_to_fs  # (a requirement; imported only for a URL)
+
         policy = RetryPolicy.default(deadline_s)
-        try:
-            from fsspec.core import url_to_fs
-        except ImportError:  # pragma: no cover - fsspec is a requirement
-            raise ImportError(f"{url}: reading or writing a URL needs fsspec (pip install fsspec)") from None
         try:
             fs, root = url_to_fs(url, **dict(storage_options or {}))
         except (ImportError, ValueError) as exc:
