@@ -11,9 +11,10 @@ GET after another, each would wait for a round trip; here they are fetched in th
 
 A load reads each :class:`StorePiece` as part of a :class:`~fsdp_optim.formats.sharded.sources.HeldSource`, so every
 byte is verified as a file's are before it is used; a piece drops its bytes after its last shard read (``uses``,
-counted by the plan). A piece is fetched at once (beyond the window) when the load needs it, and again if needed
-after it was dropped, so a count that is wrong costs a fetch, never a wrong byte. Errors (a missing object, a store
-gone after its retries) are raised where the load reads the piece.
+counted by the plan). Memory: the rank's own shards plus at most ``window`` bytes plus the ranges being read. A
+piece is fetched at once (beyond the window) when the load needs it, and again if needed after it was dropped, so a
+count that is wrong costs a fetch, never a wrong byte. Errors (a missing object, a store gone after its retries) are
+raised where the load reads the piece.
 """
 
 from __future__ import annotations
