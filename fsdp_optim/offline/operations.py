@@ -36,7 +36,7 @@ def load_full_file(
     path: str | os.PathLike[str], label: str | None = None, *, mmap: bool = True, disjoint: bool = False
 ) -> dict[str, Any]:
     """A full dict from a file (memory-mapped unless ``mmap=False``; ``disjoint``: as
-    :func:`~fsdp_optim.disk.atomic.load_file` takes it); ``ValueError`` naming ``label`` if it is something else."""
+    :func:`~fsdp_optim.disk.untrusted.load_file` takes it); ``ValueError`` naming ``label`` if it is something else."""
     full = load_file(path, mmap=mmap, disjoint=disjoint)
     check_full_dict(full, label or str(path))
     check_state_dict(full, label or str(path))
