@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fsdp_optim.core.checksums import digests_of_chunks
-from fsdp_optim.disk.hashed_write import OVERLAP_BYTES, HashingWriter
+from fsdp_optim.disk.atomic import OVERLAP_BYTES, HashingWriter
 from fsdp_optim.formats.sharded.ranged import rank_layout, write_rank
 from fsdp_optim.formats.sharded.rank_file import host_pieces, read_rank_header
 from fsdp_optim.job.stager import HostCopier, Ring

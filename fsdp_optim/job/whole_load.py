@@ -18,9 +18,9 @@ from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.core.source import Plan, Source
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location, as_local_file, exists
 from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.locate import source_kind

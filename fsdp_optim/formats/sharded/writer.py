@@ -27,7 +27,7 @@ from fsdp_optim.core.execute import cut_rank, restrict
 from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
 from fsdp_optim.core.source import Plan
-from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
+from fsdp_optim.disk.atomic import atomic_write, new_save_id
 from fsdp_optim.disk.byte_io import ByteIO, read_all
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.journal import JournalEntry
@@ -243,7 +243,7 @@ def write_shard_file(
     layout = rank_layout(shard_metadata(save_id, rank, world_size), content.sizes, name=name, rank=rank)
     write = lambda file: write_rank(file, layout, content.parts, pieces=pieces)  # noqa: E731
     path = directory / name
-    size, checksum = durable_write(path, write) if staged else atomic_write(path, write, durable=durable)
+    size, checksum = atomic_write(path, write, durable=durable or staged, in_place=staged)
     return FileRecord(rank, name, checksum, size)
 
 
