@@ -41,16 +41,14 @@ def name_optimizer_state(
     *,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
-    """A plain optimizer's ``state_dict()`` with ``"param_names"`` added (a new dict; the tensors are shared).
+    """A plain optimizer's ``state_dict()`` with ``"param_names"`` added (a new dict; the tensors are shared)::
 
-    ``{"state": {0: {...}, ...}, "param_groups": [{"params": [0, 1]}, {"params": [2]}]}`` + a model whose
-    ``named_parameters()`` are ``a, b, c`` -> the same dict with ``"param_names": {0: "a", 1: "b", 2: "c"}``.
+        {"state": {0: {...}, ...}, "param_groups": [{"params": [0, 1]}, {"params": [2]}]}  + a model of a, b, c
+        -> the same dict with "param_names": {0: "a", 1: "b", 2: "c"}
 
-    ``model``: the unwrapped module the optimizer was built over, or its parameter names (in
-    ``named_parameters()`` order), or ``{name: shape}``; ``optimizer``: the live optimizer (with a module), to
-    name each id by the tensor its group holds. Raises ``ValueError`` for an FSDP-wrapped module (its
-    parameters are flat), a dict that already names its parameters, or one whose parameter count or state
-    shapes do not fit the model (naming the id, the parameter, expected and found)."""
+    ``model``: the unwrapped module, its parameter names in ``named_parameters()`` order, or ``{name: shape}``;
+    ``optimizer``: the live optimizer (with a module). ``ValueError`` for an FSDP-wrapped module, a dict that
+    already names its parameters, or one that does not fit the model (naming the id, the parameter, both shapes)."""
     return name_plain_dict(optim_state_dict, model, optimizer=optimizer, where="optim_state_dict")
 
 

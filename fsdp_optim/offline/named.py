@@ -31,9 +31,9 @@ from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.one_file import write_stream
 from fsdp_optim.formats import hf_safetensors as hf
-from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors
+from fsdp_optim.formats.safetensors_container import Tensor as ModelTensor
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.offline.publish import output_for
@@ -121,7 +121,7 @@ def write_whole_safetensors(
         raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to convert")
     max_bytes = hf.parse_size(hf.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     model = opened.whole_model(progress=progress)
-    tensors = [hf.Tensor(n, tuple(t.shape), t.dtype, t.make if isinstance(t, ModelTensor) else _clone(t))
+    tensors = [ModelTensor(n, tuple(t.shape), t.dtype, t.make if isinstance(t, ModelTensor) else _clone(t))
                for n, t in model.entries(lambda p: p).items()]  # fmt: skip
     hf.check_dtypes(tensors)
     groups = hf.shard(tensors, max_bytes)

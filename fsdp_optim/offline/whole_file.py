@@ -18,7 +18,7 @@ from fsdp_optim.core.dtypes import dtype_to_str
 from fsdp_optim.core.plan import plan
 from fsdp_optim.disk.atomic import new_save_id
 from fsdp_optim.formats.fullstate import read_meta
-from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
+from fsdp_optim.formats.safetensors_container import Tensor as ModelTensor
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
