@@ -1,8 +1,5 @@
-"""What to do with a shard set offline: consolidate it into one fairseq-shaped checkpoint, or re-cut it into a
-set for another world size (written through :mod:`fsdp_optim.disk.local_directory`, all or nothing).
-
-Both plan once against the set's records (:class:`~fsdp_optim.formats.fairseq.shards.ShardSetReader`) and execute the
-plan one tensor at a time (``restrict``), so memory stays near one tensor plus the mapping bound.
+"""A shard set offline: consolidated into one fairseq-shaped checkpoint, or re-cut into a set for another world
+size; each planned once against the set's records and executed one tensor at a time (``restrict``).
 """
 
 from __future__ import annotations
@@ -114,12 +111,10 @@ def reshard_shards(
     line). A fairscale FSDP job of ``world_size`` ranks loads them with ``load_local_state_dict`` and
     ``optimizer.load_state_dict``.
 
-    ``out_dir`` must not be the source's directory, and is locked while written (a second writer gets
-    ``OutputLockedError``). Shard files of the same name already there are refused (``ForeignOutputError``)
-    unless ``overwrite=True``, which replaces them and removes those of ranks beyond ``world_size`` (so no
-    mixed set is left); other files there are never touched. All-or-nothing: the set is checked and planned
-    first, the files are written into a staging directory beside ``out_dir`` and moved in only when all are
-    complete. Memory: one unit's shard and the mapping bound.
+    ``out_dir``: not the source's directory; written all or nothing, locked (``OutputLockedError``). Shard files of
+    the same name there are refused (``ForeignOutputError``) unless ``overwrite=True``, which replaces them and
+    removes those of ranks beyond ``world_size``; other files there are never touched. Memory: one unit's shard and
+    the mapping bound.
     """
     check_world_size("world_size", world_size)
     with ShardSetReader(

@@ -48,17 +48,15 @@ Progress = Callable[[], None] | None
 class ShardSetReader:
     """A fairseq/metaseq shard set opened for reading: checked records and reads of any element range.
 
-    Opening reads every file's outline, one file mapped at a time, and refuses (naming the file, unit or
-    parameter, expected vs found) a missing shard, shards of different saves or models, and metadata that
-    does not match the tensors. Reads map the files and drop the mappings in :meth:`trim` once the bytes
-    touched exceed ``max_mapped_bytes``.
+    Opening reads every file's outline, one file mapped at a time, and refuses a missing shard, shards of
+    different saves or models, and metadata that does not match the tensors. Reads map the files; :meth:`trim`
+    drops the mappings once the bytes touched exceed ``max_mapped_bytes``.
 
     Args:
         path: any shard file of the set, or the path before ``-shard``.
-        param_order: the unwrapped model's parameter names in ``named_parameters()`` order (a list, the
-            unwrapped or fairscale-wrapped model, or a layout file / sharded checkpoint of ours), which numbers
-            the full dict's parameters as ``gather_full_optim_state_dict`` does. The files do not record it;
-            by default parameters follow the files' order (``parameters()`` of the wrapped model).
+        param_order: the unwrapped model's parameter names in ``named_parameters()`` order, which numbers the full
+            dict's parameters as ``gather_full_optim_state_dict`` does (the files do not record it; default: the
+            files' order, ``parameters()`` of the wrapped model).
         optimizer_keys: per param group, the ``model`` keys (``"block1.flat_param_0"``) of the optimizer's
             parameters in its order; needed only when the sizes leave the ids ambiguous.
         allow_globals: classes (``"module.Class"``) to allow when loading, besides plain data.

@@ -219,10 +219,9 @@ def parse_document(text: str, where: str) -> tuple[Document, dict[str, Any]]:
         at = f"{where}: param group {g}"
         hyper = {k: decode(v, f"{at} hyperparameter '{k}'") for k, v in _get(raw, "hyperparams", dict, at).items()}
         groups.append(Group(hyper, tuple(_get(raw, "params", list, at)), _get(raw, "named", bool, at)))
-    state = {
-        name: tuple(_entry(e, name, where) for e in _get_list(entries, where))
-        for name, entries in _get(doc, "state", dict, where).items()
-    }
+    raw_state = _get(doc, "state", dict, where)
+    state = {name: tuple(_entry(e, name, where) for e in _get(raw_state, name, list, f"{where}: 'state'"))
+             for name in raw_state}  # fmt: skip
     names = set(order)
     for name in [*state, *(n for g in groups for n in g.params), *shapes]:
         if not isinstance(name, str) or name not in names:
@@ -255,12 +254,6 @@ def _whole(doc: dict[str, Any], where: str) -> Whole | None:
         aliases = tuple((str(a), str(b)) for a, b in pairs)
     rank = _get(raw, "rank", int, at)
     return Whole(tuple(model), _get(raw, "extra", str, at), tuple(extras), rank, aliases)
-
-
-def _get_list(value: object, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise FormatError(f"{where}: a parameter's state must be a list of entries, found {json.dumps(value)[:60]}")
-    return value
 
 
 def _entry(raw: Any, name: str, where: str) -> Entry:
