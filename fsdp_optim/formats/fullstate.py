@@ -200,17 +200,13 @@ def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
 
         return read
 
-    optimizer = meta.get("optimizer") if meta else None
-    if not sections:
-        return Source(label, optimizer, tuple(flats), groups, reader(state), shapes_known=False)
-
     def rank_reader(rank: int) -> Reader:
         shared, own = reader(state), reader(sections[rank])
         return lambda i, *rest: (own if flats[i].per_rank else shared)(i, *rest)
 
-    return Source(
-        label, optimizer, tuple(flats), groups, reader(state), len(sections), False, rank_reader=rank_reader
-    )
+    optimizer = meta.get("optimizer") if meta else None
+    return Source(label, optimizer, tuple(flats), groups, reader(state), len(sections) or None, False,
+                  rank_reader=rank_reader if sections else None)  # fmt: skip
 
 
 def _per_rank_sections(
