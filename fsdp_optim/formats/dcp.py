@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -240,9 +241,7 @@ def describe_dcp(path: str | os.PathLike[str], *, units: bool = False) -> list[s
     except Exception as exc:  # noqa: BLE001 - any failure of a foreign file is the same finding
         raise ValueError(f"{file}: not DCP metadata this reader knows ({type(exc).__name__}: {exc})") from None
     tensors = {k: v for k, v in entries.items() if hasattr(v, "size") and hasattr(v, "properties")}
-    sections: dict[str, int] = {}
-    for key in entries:
-        sections[key.split(".", 1)[0]] = sections.get(key.split(".", 1)[0], 0) + 1
+    sections = Counter(key.split(".", 1)[0] for key in entries)
     key = optimizer_key(entries)
     at = f"{key}.state."
     state = [k.split(".")[-1] for k in tensors if k.startswith(at)]
