@@ -12,9 +12,8 @@ The names are the model's ``named_parameters()`` (tied parameters once). With ``
 optimizer the dict came from) each id gets the name of the very tensor its group holds, whatever the groups'
 order. Without it the ids, taken group by group, get the names in ``named_parameters()`` order: right for
 ``Adam(model.parameters())`` and for groups that are consecutive runs of ``named_parameters()``; for other
-groups pass ``optimizer=`` (a wrong guess is caught where the shapes differ, not where they agree). A count,
-or a state tensor whose shape is not its parameter's, is refused naming the id, the parameter and both shapes.
-Offline, ``--param-names FILE`` gives the same names as JSON: a list of names, or an object ``{name: shape}``
+groups pass ``optimizer=`` (a wrong guess is caught where the shapes differ, not where they agree). Offline,
+``--param-names FILE`` gives the same names as JSON: a list of names, or an object ``{name: shape}``
 (``json.dump({n: list(p.shape) for n, p in model.named_parameters()}, f)``), whose shapes are then checked.
 """
 

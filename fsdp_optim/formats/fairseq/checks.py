@@ -1,7 +1,6 @@
-"""Checks across the rank files of a fairseq/metaseq shard set, and which optimizer id is which parameter.
-
-Pure: works on the outlines :func:`fsdp_optim.formats.fairseq.files.summarise` reads (shapes, dtypes, scalars);
-never opens a file. Every refusal names the file (and unit, parameter or id) with expected vs found.
+"""Checks across the rank files of a fairseq/metaseq shard set, and which optimizer id is which parameter; pure,
+on the outlines :func:`~fsdp_optim.formats.fairseq.files.summarise` reads. Every refusal names the file (and unit,
+parameter or id), expected vs found.
 
 - :func:`check_same_save`: every file comes from the same save of the same model (metadata, model keys,
   param groups, state keys and scalars such as ``step``, optimizer extras, ``num_updates``);
