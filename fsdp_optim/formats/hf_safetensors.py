@@ -29,7 +29,6 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.save import Survey
 from fsdp_optim.formats.safetensors_container import (
     Tensor,
-    check_portable,
     data_bytes,
     encode_header,
     read_file_header,
@@ -76,11 +75,6 @@ def shard(tensors: Sequence[Tensor], max_bytes: int) -> list[list[Tensor]]:
 
 def file_names(count: int) -> list[str]:
     return [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-
-def check_dtypes(tensors: Sequence[Tensor]) -> None:
-    for t in tensors:
-        check_portable(t.name, t.dtype)
 
 
 def write_hf_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
