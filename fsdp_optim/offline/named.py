@@ -20,7 +20,7 @@ import torch
 
 from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.atomic import durable_write
+from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.one_file import write_stream
@@ -128,13 +128,13 @@ def write_whole_safetensors(
                        entry=JournalEntry(files=tuple(files))) as stage:  # fmt: skip
         stage.last = (hf.INDEX if len(groups) > 1 else hf.SINGLE,)
         for name, group in zip(names, groups):
-            durable_write(stage.dir / name, partial(hf.write_hf_file, tensors=group, after=opened.trim))
+            atomic_write(stage.dir / name, partial(hf.write_hf_file, tensors=group, after=opened.trim), in_place=True)
         if len(groups) > 1:
             data = hf.index(groups)
-            durable_write(stage.dir / hf.INDEX, lambda f: f.write(data))
+            atomic_write(stage.dir / hf.INDEX, lambda f: f.write(data), in_place=True)
         if optimizer is not None:
             write_optimizer = partial(optimizer.write, trim=opened.trim)
-            durable_write(stage.dir / "optimizer.safetensors", write_optimizer)
+            atomic_write(stage.dir / "optimizer.safetensors", write_optimizer, in_place=True)
         return sum((stage.dir / n).stat().st_size for n in files)
 
 

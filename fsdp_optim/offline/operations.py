@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.sharded.side_file import check_buffer_choice
@@ -36,7 +36,7 @@ def load_full_file(
     path: str | os.PathLike[str], label: str | None = None, *, mmap: bool = True, disjoint: bool = False
 ) -> dict[str, Any]:
     """A full dict from a file (memory-mapped unless ``mmap=False``; ``disjoint``: as
-    :func:`~fsdp_optim.disk.atomic.load_file` takes it); ``ValueError`` naming ``label`` if it is something else."""
+    :func:`~fsdp_optim.disk.untrusted.load_file` takes it); ``ValueError`` naming ``label`` if it is something else."""
     full = load_file(path, mmap=mmap, disjoint=disjoint)
     check_full_dict(full, label or str(path))
     check_state_dict(full, label or str(path))

@@ -32,10 +32,10 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeVar
 
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import as_local_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.kinds import Given, Kind, detect
 from fsdp_optim.formats.plain import ParamNames, name_plain_dict
 from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
