@@ -93,14 +93,10 @@ def choose_device(choice: str, local_ranks: int) -> tuple[torch.device, str, str
     enough = gpus >= local_ranks
     if choice == "cuda" and not enough:
         raise SystemExit(f"--device cuda: expected a GPU for each of the {local_ranks} local ranks, found {gpus}")
-    if choice == "cpu" or (choice == "auto" and not enough):
-        why = (
-            "asked for"
-            if choice == "cpu"
-            else (
-                f"{gpus} GPU(s) for {local_ranks} local ranks: NCCL needs one GPU per rank" if gpus else "no GPU here"
-            )
-        )
+    if choice == "cpu":
+        return torch.device("cpu"), "gloo", "asked for"
+    if choice == "auto" and not enough:
+        why = f"{gpus} GPU(s) for {local_ranks} local ranks: NCCL needs one GPU per rank" if gpus else "no GPU here"
         return torch.device("cpu"), "gloo", why
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     return torch.device("cuda", local_rank), "nccl", f"one of {gpus} GPU(s) per local rank"
@@ -159,14 +155,9 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def compare_optim(full: dict, plain: dict) -> float:
-    worst = 0.0
-    for pid, entry in plain["state"].items():
-        for key, value in entry.items():
-            mine = full["state"][pid][key]
-            worst = max(worst, float((mine.float().cpu() - value.float().cpu()).abs().max()))
     if full["param_groups"] != plain["param_groups"]:
         raise AssertionError("param groups differ from the uninterrupted run")
-    return worst
+    return max(max_diff(full["state"][pid], entry) for pid, entry in plain["state"].items())
 
 
 @dataclass
@@ -303,18 +294,19 @@ def _verify(job: Job, first: list[float], resumed: tuple[dict, dict, list[float]
     reference_optim = torch.optim.Adam(reference.parameters(), lr=3e-3)
     expected = train(reference, reference_optim, synthetic_loader(job.batch, 1, 0), steps, device)  # same batches
     whole = consolidate(job.checkpoint)  # offline: {"model": state_dict(), "optimizer": full dict, "extra": ...}
-    plain = build_model().to(device)
-    plain.load_state_dict(whole["model"])  # strict: every name of the unwrapped model, tied weights included
-    plain_optim = torch.optim.Adam(plain.parameters(), lr=3e-3)
-    plain_optim.load_state_dict(whole["optimizer"])  # a plain optimizer loads it as is
-    loader = synthetic_loader(job.batch, 1, 0)
-    loader[0].load_state_dict(whole["extra"]["data"])  # the position, at one rank: the same next global batch
-    plain_losses = train(plain, plain_optim, loader, len(job.second), device)
-    control = build_model().to(device)  # negative control: the same resume with a fresh optimizer must fail the check
-    control.load_state_dict(whole["model"])
-    loader = synthetic_loader(job.batch, 1, 0)
-    loader[0].load_state_dict(whole["extra"]["data"])
-    train(control, torch.optim.Adam(control.parameters(), lr=3e-3), loader, len(job.second), device)
+
+    def resume_plain(with_optimizer: bool) -> tuple[nn.Module, torch.optim.Optimizer, list[float]]:
+        model = build_model().to(device)
+        model.load_state_dict(whole["model"])  # strict: every name of the unwrapped model, tied weights included
+        optim = torch.optim.Adam(model.parameters(), lr=3e-3)
+        if with_optimizer:
+            optim.load_state_dict(whole["optimizer"])  # a plain optimizer loads it as is
+        loader = synthetic_loader(job.batch, 1, 0)
+        loader[0].load_state_dict(whole["extra"]["data"])  # the position, at one rank: the same next global batch
+        return model, optim, train(model, optim, loader, len(job.second), device)
+
+    plain, plain_optim, plain_losses = resume_plain(with_optimizer=True)
+    control, _, _ = resume_plain(with_optimizer=False)  # negative control: a fresh optimizer must fail the check
     checks = {
         f"resumed at {plural(max(1, job.world // 2))} (FSDP)": (resumed[0], resumed[1]),
         "resumed on 1 process (no FSDP)": (plain.state_dict(), plain_optim.state_dict()),

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fsdp_optim.core.sample_random import sample_generator
+from fsdp_optim.core.data_position import sample_generator
 from fsdp_optim.job.sampler import ResumableSampler
 
 __all__ = ["DATA_SEED", "EPOCH_BATCHES", "SEQ", "VOCAB", "Loader", "Synthetic", "stream", "synthetic_loader"]

@@ -4,41 +4,13 @@
         --use-sharded-state --distributed-backend gloo ...      # any fairseq-train arguments
     python -m fsdp_optim.fairseq_launch validate DATA --path checkpoint.pt --cpu ...
 
-``train`` and ``validate`` are ``fairseq_cli.train.cli_main`` and ``fairseq_cli.validate.cli_main``, run
-unchanged after three things this module does first, and only on a machine without CUDA:
-
-1. :func:`fsdp_optim.enable_host_execution`, so fairseq's ``--ddp-backend fully_sharded`` (fairscale's FSDP)
-   runs on the CPU with gloo;
-2. the one fairseq patch a CPU-only machine needs: ``Trainer.clip_grad_norm`` moves the local gradient norm
-   to the GPU (``total_norm.cuda()``, fairseq 0.12 trainer.py) before all-reducing it whenever FSDP is used;
-   here it runs with ``Tensor.cuda()`` returning the tensor itself (the switch's own no-transfer mode);
-3. under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set), it passes
-   ``--distributed-init-method env:// --distributed-rank R --distributed-world-size W --distributed-no-spawn``:
-   fairseq's own torchrun detection computes ``rank % torch.cuda.device_count()``, which divides by zero
-   without GPUs, and its spawn path starts ``torch.cuda.device_count()`` (zero) processes.
-
-On a GPU machine nothing is switched or patched: fairseq runs as it ships.
-
-Whole checkpoints of ours beside fairseq's own (opt-in, on any machine): ``train ... --fsdp-optim-checkpoints DIR``
-(taken out of the arguments before fairseq parses them) makes every one of fairseq's checkpoint saves (its
-``checkpoint_utils.save_checkpoint``, which every rank calls at the same updates) also write
-``DIR/step-NNNNNNNN`` (the update count, 8 digits: :class:`fsdp_optim.CheckpointManager`'s layout) with
-:func:`fsdp_optim.save_checkpoint` on every rank, after fairseq's own files::
-
-    fsdp_optim.save_checkpoint(trainer.model,                # the FSDP root (--ddp-backend fully_sharded)
-                               trainer.optimizer.optimizer,  # the torch optimizer inside fairseq's wrapper
-                               DIR / "step-00000020",
-                               extra={"num_updates": 20, "epoch": 1, "val_loss": 4.1,  # None if not validated
-                                      "optimizer": "FairseqAdam",  # type(trainer.optimizer).__name__
-                                      "train_iterator": epoch_itr.state_dict(),
-                                      "lr_scheduler": trainer.lr_scheduler.state_dict(),
-                                      "cfg": fairseq's cfg as plain JSON})
-
-``cfg`` is ``OmegaConf.to_container(cfg, resolve=True)`` with every value JSON cannot hold as its ``str``:
-``fsdp-optim consolidate DIR/step-00000020 -o FILE`` gives ``{"model", "optimizer", "extra"}``, and
-``task.build_model(extra["cfg"]["model"])`` (``cfg`` through ``OmegaConf.create``) builds the unwrapped model
-that loads ``FILE["model"]`` with ``strict=True``. fairseq's own saves (``--use-sharded-state`` or not) run
-unchanged; ``--no-save`` writes neither.
+``fairseq_cli.train.cli_main`` / ``fairseq_cli.validate.cli_main``, unchanged, after three things done only on a
+machine without CUDA: the host switch (:func:`patch_fairseq`), the one fairseq patch a CPU-only machine needs
+(``Trainer.clip_grad_norm``'s ``total_norm.cuda()``), and under ``torchrun`` fairseq's distributed options from the
+environment (:func:`distributed_args`: its own detection divides by ``torch.cuda.device_count()``).
+``train ... --fsdp-optim-checkpoints DIR`` also writes our whole checkpoint ``DIR/step-NNNNNNNN`` at each of
+fairseq's saves (:func:`save_whole_checkpoints`). docs/migrating.md ("Train and resume on CPU") shows a session and
+what ``extra`` holds.
 """
 
 from __future__ import annotations
@@ -58,14 +30,9 @@ TOOLS = {"train": "fairseq_cli.train", "validate": "fairseq_cli.validate"}
 CHECKPOINTS_FLAG = "--fsdp-optim-checkpoints"
 
 
-def patch_fairseq(*, on_cpu: bool = True) -> None:
-    """Switch fairscale to host execution and make fairseq's ``Trainer.clip_grad_norm`` run without CUDA.
-
-    For the rest of the process; idempotent; does nothing when fairseq trains on a GPU (``on_cpu=False``: fairseq
-    was not given ``--cpu`` on a machine with CUDA).
-    """
-    if not on_cpu:
-        return
+def patch_fairseq() -> None:
+    """Switch fairscale to host execution and make fairseq's ``Trainer.clip_grad_norm`` run without CUDA (with
+    ``Tensor.cuda()`` returning the tensor itself), for the rest of the process; idempotent."""
     from fairseq.trainer import Trainer
 
     from fsdp_optim.job.host import enable_for_process
@@ -185,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     tool = importlib.import_module(TOOLS[args[0]])
     # fairseq computes where --cpu says (a machine without CUDA has no other choice), not where CUDA exists.
-    patch_fairseq(on_cpu="--cpu" in args or not torch.cuda.is_available())
+    if "--cpu" in args or not torch.cuda.is_available():
+        patch_fairseq()
     rest, whole = checkpoints_arg(args[1:]) if args[0] == "train" else (args[1:], None)
     if whole is not None:
         save_whole_checkpoints(whole)

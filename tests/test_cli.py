@@ -145,9 +145,9 @@ def test_version_and_help_for_every_flag(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and fsdp_optim.__version__ in capsys.readouterr().out
-    from fsdp_optim.cli import _parser
+    from fsdp_optim.cli.parser import build_parser
 
-    parser = _parser()
+    parser = build_parser()
     verbs = next(a for a in parser._actions if a.dest == "verb")
     for verb, sub in verbs.choices.items():  # type: ignore[union-attr]
         for action in sub._actions:

@@ -1,5 +1,5 @@
 """An opened input describes and reads; the CLI words its text: ``write_consolidated`` / ``write_resharded`` return
-records of what they wrote (``offline/opened/written.py``), and ``cli/written.py`` alone turns them into the verbs'
+records of what they wrote (``offline/opened/written.py``), and ``cli/verbs.py`` alone turns them into the verbs'
 ``wrote ...`` lines (docs/cli.md and the CLI tests check those lines end to end)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import get_type_hints
 
 import pytest
 
-from fsdp_optim.cli.written import consolidated_words, resharded_words
+from fsdp_optim.cli.verbs import consolidated_words, resharded_words
 from fsdp_optim.formats.kinds import Kind
 from fsdp_optim.offline.opened import class_of
 from fsdp_optim.offline.opened.base import Opened
@@ -38,7 +38,7 @@ def test_the_opened_inputs_word_no_text_for_a_person() -> None:
     for path in sorted(OPENED.glob("*.py")):
         imported = {a.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
                     for a in node.names}  # fmt: skip
-        assert "human_bytes" not in imported, f"{path.name} words sizes for a person: the CLI's job (cli/written.py)"
+        assert "human_bytes" not in imported, f"{path.name} words sizes for a person: the CLI's job (cli/verbs.py)"
 
 
 @pytest.mark.parametrize(

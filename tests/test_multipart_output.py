@@ -19,8 +19,7 @@ import torch
 import fsdp_optim
 from fsdp_optim.cli import main
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
-from fsdp_optim.core.parts import MIN_PART_BYTES, plan_parts
-from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.core.split import MIN_PART_BYTES, plan_parts, split_by_bytes
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent

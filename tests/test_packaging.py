@@ -45,7 +45,7 @@ def _loaded(modules: set[str], prefixes: tuple[str, ...]) -> list[str]:
 
 
 def test_import_and_cli_load_neither_torch_nor_fairscale() -> None:
-    modules = _modules_after("import fsdp_optim\nimport fsdp_optim.cli\nfsdp_optim.cli._parser().format_help()")
+    modules = _modules_after("import fsdp_optim\nimport fsdp_optim.cli\nfsdp_optim.cli.build_parser().format_help()")
     assert not _loaded(modules, ("torch", *HEAVY)), _loaded(modules, ("torch", *HEAVY))
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fsdp_optim.core import layout as layout_module
 from fsdp_optim.core.execute import Read, cut_rank, rank_reads, saved_ranks
 from fsdp_optim.core.flatten import StateKind
-from fsdp_optim.core.intervals import ShardIndex, padding_per_rank, rank_pieces
+from fsdp_optim.core.intervals import ShardIndex, padding_per_rank
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec, shard_bounds
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
@@ -125,7 +125,7 @@ def test_pieces_and_padding_match_per_rank_bounds(numel: int, world_size: int, d
     stop = data.draw(st.integers(start, numel))
     bounds = [shard_bounds(numel, world_size, r) for r in range(world_size)]
     expected = [(r, max(b.start, start), min(b.stop, stop)) for r, b in enumerate(bounds) if max(b.start, start) < min(b.stop, stop)]
-    assert list(rank_pieces(numel, world_size, start, stop)) == expected
+    assert list(ShardIndex((numel,), (world_size,), (False,)).pieces(0, start, stop)) == expected
     assert padding_per_rank(numel, world_size) == [b.padding for b in bounds]
 
 
@@ -140,7 +140,7 @@ def test_planning_one_rank_of_4096_with_1000_units_builds_no_per_rank_records() 
             mock.patch.object(layout_module, "shard_bounds", wraps=shard_bounds) as bounds:
         the_plan = plan(source, target)
         reads = rank_reads(the_plan, rank)
-        files = saved_ranks(the_plan, rank, reads)
+        files = saved_ranks(the_plan, rank)
         state = cut_rank(the_plan, rank)
     assert (at_rank.call_count, bounds.call_count) == (0, 0)  # no record per (unit, rank), not even one per unit
     assert len(reads) == units and len(state) == units

@@ -31,7 +31,7 @@ import torch
 from fsdp_optim.cli import main as cli_main
 from fsdp_optim.core.execute import rank_reads, saved_ranks
 from fsdp_optim.core.flatten import StateKind
-from fsdp_optim.core.intervals import rank_pieces
+from fsdp_optim.core.intervals import ShardIndex
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import GroupRecord, StateEntry
@@ -136,13 +136,14 @@ def floor_recut(src: Path, new_size: int, out: Path) -> None:
     for u, _ in order:
         offsets.append(offsets[-1] + -(-numel[u] // world_size))
     where = {(r, u, k): ("float32", offsets[i]) for r in files for i, (u, k) in enumerate(order)}
+    index = ShardIndex(tuple(numel), (world_size,) * len(numel), (False,) * len(numel))
     out.mkdir(parents=True, exist_ok=True)
     for rank in range(new_size):
         parts = []
         for u, key in order:
             c, saved_c = -(-numel[u] // new_size), -(-numel[u] // world_size)
             shard = torch.zeros(c)
-            for saved, lo, hi in rank_pieces(numel[u], world_size, min(rank * c, numel[u]), min((rank + 1) * c, numel[u])):
+            for saved, lo, hi in index.pieces(u, min(rank * c, numel[u]), min((rank + 1) * c, numel[u])):
                 name, offset = where[(saved, u, key)]
                 first = offset + lo - saved * saved_c
                 shard[lo - rank * c : hi - rank * c].copy_(files[saved][name][first : first + hi - lo])

@@ -5,7 +5,7 @@ the whole training state), with no process group. docs/cli.md shows every verb, 
 This module is the dispatcher: it parses, runs the verb (under ``torchrun``, across the processes:
 :mod:`fsdp_optim.cli.team`), prints its lines and maps what it raised to an exit code: 0 done; 1 bad input (one line
 on stderr, ``fsdp-optim: error: ...``; a verb may set its own code, ``diff``'s 2); 2 bad usage (argparse's, or a
-:class:`~fsdp_optim.cli.outcome.UsageError` only the opened input reveals); 70 an internal error (with its
+:class:`~fsdp_optim.cli.arguments.UsageError` only the opened input reveals); 70 an internal error (with its
 traceback); 130 interrupted (Ctrl-C: one line saying what was left as it was; a Ctrl-C once the verb's work is done
 is ignored). Under ``torchrun`` every process exits with the same code and process 0 alone prints the error line.
 torch and the package's modules are imported by the verb that needs them, so ``--help`` and argument errors cost no
@@ -25,27 +25,17 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from fsdp_optim.cli.arguments import Outcome, UsageError
 from fsdp_optim.cli.parser import build_parser
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 70, 130
 # API parameter names as the command line spells them, for the "name: ..." prefix of an error.
-_FLAGS = {
-    "world_size": "--world-size",
-    "layout": "--layout",
-    "out_dir": "-o/--output",
-    "param_order": "--layout",
-    "allow_globals": "--allow-global",
-    "optimizer": "--optimizer",
-    "rank": "--rank",
-    "with_model": "--with-model",
-    "max_shard_size": "--max-shard-size",
-    "param_names": "--param-names",
+_FLAGS = {"out_dir": "-o/--output", "param_order": "--layout", "allow_globals": "--allow-global"} | {
+    name: "--" + name.replace("_", "-")
+    for name in ("world_size", "layout", "optimizer", "rank", "with_model", "max_shard_size", "param_names")
 }
-
-
-_parser = build_parser  # the grammar, for tests and docs that print --help
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,8 +107,6 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         if interrupts.seen or isinstance(exc, KeyboardInterrupt):
             _say_error(escape(f"interrupted; {_left(output, before)}", limit=2000), exc)
             return EXIT_INTERRUPTED
-        from fsdp_optim.cli.outcome import UsageError
-
         if isinstance(exc, UsageError):
             usage_error = getattr(args, "usage_error", None)
             if usage_error is not None:
@@ -133,8 +121,6 @@ def _run(args: argparse.Namespace, interrupts: _Interrupts) -> int:
         traceback.print_exc()
         print("fsdp-optim: internal error (please report it with the traceback above)", file=sys.stderr)
         return EXIT_INTERNAL
-    from fsdp_optim.cli.outcome import Outcome
-
     interrupts.done = True  # the work is done: a Ctrl-C from here on does not undo it, nor cut its report
     lines, code = (result.lines, result.code) if isinstance(result, Outcome) else (result, EXIT_OK)
     try:

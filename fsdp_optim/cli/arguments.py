@@ -1,13 +1,29 @@
-"""Argument types that refuse a bad value as bad usage (argparse's exit 2, with the verb's usage line), before any
-file is opened: a count below its least value, a negative or non-finite tolerance; and the flags several verbs share."""
+"""A verb's contract with :func:`fsdp_optim.cli.main`: argument types that refuse a bad value as bad usage
+(argparse's exit 2, with the verb's usage line) before any file is opened, the flags several verbs share, bad usage
+that only the opened input shows (:class:`UsageError`, exit 2), and the lines and exit code a verb hands back when
+its code is not simply 0 (:class:`Outcome`)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["allow_global", "count", "tolerance"]
+__all__ = ["Outcome", "UsageError", "allow_global", "count", "tolerance"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Lines for stdout and the exit code (``diff``: 1 when the sources differ; ``verify``: 1 for findings)."""
+
+    lines: tuple[str, ...]
+    code: int
+
+
+class UsageError(ValueError):
+    """Bad usage that only the opened input reveals (a ``-o`` name that contradicts what this input converts to):
+    printed with the verb's usage line, exit 2, as argparse does."""
 
 
 def count(least: int) -> Callable[[str], int]:

@@ -6,10 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_optim.cli.arguments import allow_global, count
-from fsdp_optim.cli.diff import add_diff
-from fsdp_optim.cli.inspect import run_inspect, run_verify
-from fsdp_optim.cli.listing import run_list
+from fsdp_optim.cli.arguments import allow_global, count, tolerance
+from fsdp_optim.cli.inspect import run_diff, run_inspect, run_list, run_verify
 from fsdp_optim.cli.verbs import run_consolidate, run_convert, run_reshard
 
 Verbs = argparse._SubParsersAction  # what add_subparsers() returns: one add_parser() per verb
@@ -35,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reshard(verbs)
     _add_convert(verbs)
     _add_verify(verbs)
-    add_diff(verbs)
+    _add_diff(verbs)
     _add_list(verbs)
     return parser
 
@@ -55,6 +53,25 @@ def _add_verify(verbs: Verbs) -> None:
     p.add_argument("--json", action="store_true", help="print the verdict, every file and every finding as JSON")
     allow_global(p)
     p.set_defaults(run=run_verify)
+
+
+def _add_diff(verbs: Verbs) -> None:
+    p = verbs.add_parser(
+        "diff",
+        help="compare two sources of one model per parameter and state key (exit 0 equal, 1 different, 2 trouble)",
+        description="Compare the optimizer state of A and B, whatever their formats, world sizes and nesting: per "
+        "parameter and state key, bitwise equality, max abs / rel error, max ULP distance, NaN and Inf counts; "
+        "hyperparameters, steps, and what is on one side only; a whole checkpoint's weights, buffers and extra "
+        "tensors too. Reads one tensor of each side at a time.",
+    )
+    p.add_argument("a", help="a sharded checkpoint directory, full dict file, named safetensors file or shard set")
+    p.add_argument("b", help="the same kinds as A (the reference of relative errors)")
+    p.add_argument("--atol", type=tolerance, default=0.0, help="absolute tolerance (default 0: bitwise)")
+    p.add_argument("--rtol", type=tolerance, default=0.0, help="tolerance relative to |B| (default 0: bitwise)")
+    p.add_argument("--json", action="store_true", help="print the whole report (every row) as JSON")
+    p.add_argument("--limit", type=count(0), default=20, metavar="N", help="rows of differences shown (default 20)")
+    allow_global(p)
+    p.set_defaults(run=run_diff)
 
 
 def _add_list(verbs: Verbs) -> None:

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fsdp_optim.cli.arguments import Outcome
+
 if TYPE_CHECKING:
     from fsdp_optim.job.team import Team
 
@@ -28,7 +30,6 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
     if not launched():
         return run(args)
-    from fsdp_optim.cli.outcome import Outcome
     from fsdp_optim.job.team import team_of_job
     from fsdp_optim.job.transport import shut_down
 
@@ -43,18 +44,20 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 
 
 def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
-    """The verb split across ``team`` where :func:`~fsdp_optim.offline.parallel.entry.splits` says (the API's
-    ``parallel=True`` asks it alike), else ``run(args)`` on process 0 while the others wait."""
-    from fsdp_optim.cli.diff import run_diff
-    from fsdp_optim.cli.inspect import run_verify
-    from fsdp_optim.cli.verbs import run_consolidate, run_reshard
+    from fsdp_optim.cli.inspect import run_diff, run_verify
+    from fsdp_optim.cli.verbs import checked_opening, run_consolidate, run_reshard
     from fsdp_optim.offline.parallel.alone import alone
     from fsdp_optim.offline.parallel.entry import splits
 
     if args.run is run_reshard and args.param_names is None and splits("reshard", args.source, output=args.output):
         return _reshard(team, args)
     if args.run is run_consolidate and splits("consolidate", args.source, output=args.output):
-        return _consolidate(team, args)
+        from fsdp_optim.offline.parallel.onefile import consolidate_across  # each process writes its share
+
+        what = consolidate_across(team, lambda: checked_opening(args), args.output, rank=args.rank,
+                                  no_model=args.no_model, inputs=(args.source, args.layout), overwrite=args.overwrite,
+                                  bar=sys.stderr.isatty())  # fmt: skip
+        return [f"wrote {args.output}: {what}"]
     reads = (args.run is run_verify and splits("verify", args.path)) or (
         args.run is run_diff and splits("diff", args.a, args.b)
     )
@@ -65,21 +68,9 @@ def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argpars
     return alone(team, lambda: run(args), str(args.verb))
 
 
-def _consolidate(team: Team, args: argparse.Namespace) -> list[str]:
-    """``fsdp-optim consolidate -o FILE.safetensors`` of our sharded checkpoint split across ``team``: every process
-    writes its share of the one file (:mod:`fsdp_optim.offline.parallel.onefile`); the line one process prints."""
-    from fsdp_optim.cli.verbs import checked_opening
-    from fsdp_optim.offline.parallel.onefile import consolidate_across
-
-    what = consolidate_across(team, lambda: checked_opening(args), args.output, rank=args.rank,
-                              no_model=args.no_model, inputs=(args.source, args.layout), overwrite=args.overwrite,
-                              bar=sys.stderr.isatty())  # fmt: skip
-    return [f"wrote {args.output}: {what}"]
-
-
 def _reshard(team: Team, args: argparse.Namespace) -> list[str]:
     """``fsdp-optim reshard`` split across ``team``; its report line, as one process words it."""
-    from fsdp_optim.cli.written import resharded_words
+    from fsdp_optim.cli.verbs import resharded_words
     from fsdp_optim.formats.sharded.locate import read_manifest
     from fsdp_optim.offline.opened.written import RankFiles
     from fsdp_optim.offline.parallel.entry import reshard_in_team

@@ -1,5 +1,7 @@
 """``fsdp-optim consolidate``, ``reshard`` and ``convert``: each opens its source through the one way in
-(:func:`fsdp_optim.offline.sources.open_source`) and writes through the one way out (``disk/local_directory.py``).
+(:func:`fsdp_optim.offline.sources.open_source`) and writes through the one way out (``disk/local_directory.py``);
+the words of their ``wrote <output>: ...`` lines, from the records of what an opened input's write returned
+(:mod:`fsdp_optim.offline.opened.written`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_optim.cli.outcome import UsageError
+from fsdp_optim.cli.arguments import UsageError
 
 if TYPE_CHECKING:
     from fsdp_optim.offline.cuts import Progress
     from fsdp_optim.offline.opened.base import Opened
+    from fsdp_optim.offline.opened.written import Consolidation, Resharding
 from fsdp_optim.disk.text import human_bytes
 
 
@@ -72,12 +75,9 @@ def checked_opening(args: argparse.Namespace) -> Iterator[Opened]:
 
 
 def run_consolidate(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.cli.written import consolidated_words
-
     with checked_opening(args) as opened, progress_bar("consolidate") as progress:
         if is_safetensors_name(args.output):
-            what = _consolidate_safetensors(opened, args, progress)
-            return [f"wrote {args.output}: {what}"]
+            return [f"wrote {args.output}: {_consolidate_safetensors(opened, args, progress)}"]
         done = opened.write_consolidated(args.output, rank=args.rank, no_model=args.no_model,
                                          inputs=(args.source, args.layout), overwrite=args.overwrite,
                                          progress=progress)  # fmt: skip
@@ -120,8 +120,6 @@ def uploads_itself(args: argparse.Namespace) -> bool:
 
 
 def run_reshard(args: argparse.Namespace) -> list[str]:
-    from fsdp_optim.cli.written import resharded_words
-
     out = Path(args.output)
     with _open(args, args.source, target=True) as opened, progress_bar(f"reshard -> {args.world_size} ranks") as bar:
         # A checkpoint already in -o is replaced only with --overwrite (the API replaces it atomically).
@@ -209,3 +207,43 @@ def _to_dcp(opened: Opened, args: argparse.Namespace, origin: str) -> list[str]:
     if done.not_exported:
         lines.append(f"not exported (no DCP counterpart): {', '.join(done.not_exported)}")
     return lines
+
+
+def consolidated_words(done: Consolidation) -> str:
+    """What ``consolidate`` wrote, after ``wrote <output>: ``."""
+    from fsdp_optim.offline.opened.written import FairseqCheckpoint, FullDictFile, WholeFileWritten
+
+    if isinstance(done, FullDictFile):
+        return f"{done.params} params, {done.with_state} with state, {human_bytes(done.size)}"
+    if isinstance(done, WholeFileWritten):
+        optim = ("none (saved with optim=None)" if done.optimizer_params is None
+                 else f"{done.optimizer_params} params with state")  # fmt: skip
+        return (
+            f"{{'model', 'optimizer', 'extra'}}: model {done.params} params ({human_bytes(done.param_bytes)}), "
+            f"{_count(done.tied_names, 'tied name')}, {_count(done.buffers, 'buffer')}; "
+            f"optimizer {optim}; extra of rank {done.rank}; {human_bytes(done.size)}"
+        )
+    if isinstance(done, FairseqCheckpoint):
+        model = "" if done.model_tensors is None else f", model: {done.model_tensors} tensors"
+        return (
+            f"a consolidated fairseq checkpoint ({', '.join(done.keys)}); {done.optim_key}: "
+            f"{done.params} params, {done.with_state} with state{model}; {human_bytes(done.size)}"
+        )
+    what = "the optimizer's full dict" if done.optimizer_only else "{'model', 'optimizer', 'extra'}"
+    return f"{what} of {done.label}, {human_bytes(done.size)}"
+
+
+def resharded_words(done: Resharding) -> str:
+    """What ``reshard`` wrote, after ``wrote <out>: ``."""
+    from fsdp_optim.offline.opened.written import ShardFiles
+
+    if isinstance(done, ShardFiles):
+        return f"{len(done.names)} shard files {done.names[0]} .. {done.names[-1]}, {human_bytes(done.size)}"
+    line = f"{done.rank_files} rank files, {human_bytes(done.rank_bytes)}"
+    if done.side_files is not None:  # a whole checkpoint: weights in the rank files, side files carried
+        line += f" (weights included), {done.side_files} side files, {human_bytes(done.side_bytes)}"
+    return line
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

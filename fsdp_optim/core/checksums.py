@@ -42,15 +42,7 @@ def digests_of_chunks(values: torch.Tensor, per: int) -> tuple[str, ...]:
     """``digest(values[k : k + per])`` for every ``k`` in ``range(0, numel, per)`` of a 1-D tensor: the same
     digests, without building a slice and walking it per chunk (a 100M-parameter state has ~12,000 chunks)."""
     assert values.dim() == 1 and per > 0, f"expected a 1-D tensor and chunks > 0, found {tuple(values.shape)}, {per}"
-    t = values.detach().cpu().contiguous()
-    name, size, n = dtype_to_str(t.dtype), t.element_size(), t.numel()
-    whole = memoryview((ctypes.c_char * (n * size)).from_address(t.data_ptr())) if n else memoryview(b"")
-    out = []
-    for k in range(0, n, per):
-        h = xxhash.xxh3_128(f"T{name}({min(per, n - k)},)|".encode())
-        h.update(whole[k * size : min(k + per, n) * size])
-        out.append(f"{DIGEST_ALGORITHM}:{h.hexdigest()}")
-    return tuple(out)
+    return stream_chunk_digests((values,), per, values.numel())
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -93,11 +85,6 @@ class ChunkHasher:
                 self._h = None
         self._fed += n
 
-    @property
-    def chunks(self) -> int:
-        """How many digests :meth:`digests` will give."""
-        return -(-self._total // self._per)
-
     def digests(self) -> tuple[str, ...]:
         """Every chunk's digest, once all ``total`` elements were fed."""
         assert self._fed == self._total * self._size and self._h is None, (
@@ -129,13 +116,12 @@ def digest_matches(value: object, expected: object) -> bool:
 _TEXT_CHUNK = 1 << 20
 
 
-def text_digest_matches(data: bytes, expected: object, start: int = 0, end: int | None = None) -> bool:
+def text_digest_matches(data: bytes, expected: object, start: int, end: int) -> bool:
     """``digest_matches(data[start:end].decode("utf-8", "replace"), expected)``, the text decoded and escaped
     (``repr``) a chunk at a time: memory stays the chunk's, not 5-11x the text's (a manifest's checksum)."""
     algorithm = expected.partition(":")[0] if isinstance(expected, str) else None
     if algorithm not in _HASHES:
         return False
-    end = len(data) if end is None else end
     h = _HASHES[algorithm]()
     # repr() quotes with ' unless the text holds ' and no ": the one choice that depends on the whole text
     # (a ' or " byte is never part of a longer UTF-8 sequence, and 'replace' makes no quotes).
@@ -165,9 +151,7 @@ def _feed(h: _Hash, value: object) -> None:
             t = t.cpu()
         t = t.contiguous()
         h.update(f"T{dtype_to_str(t.dtype)}{tuple(t.shape)}|".encode())
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            h.update(memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())))
+        h.update(_raw(t))
     elif isinstance(value, Mapping):
         h.update(f"D{len(value)}|".encode())
         for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):

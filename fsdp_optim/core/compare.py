@@ -1,6 +1,6 @@
 """How two tensors of optimizer state differ, element by element: the statistics of one ``diff`` row.
 
-Pure: tensors in, a frozen :class:`TensorStats` out; nothing here reads a file. Two flat tensors ``a``, ``b`` of
+Tensors in, a frozen :class:`TensorStats` out. Two flat tensors ``a``, ``b`` of
 ``n`` elements give: bitwise equal?, within ``atol``/``rtol`` (``|a - b| <= atol + rtol * |b|``, NaN equal to
 NaN, an infinity only to itself), the largest absolute and relative error (relative to ``|b|``), the largest
 distance in units in the last place, and the NaN and Inf counts of each side.

@@ -1,7 +1,5 @@
 """Which optimizers fsdp_optim moves between layouts: elementwise ones, and why no others.
 
-Pure: no ``torch.distributed``, no file access.
-
 fairscale's FSDP hands the optimizer flat 1-D shards. An *elementwise* optimizer keeps, per parameter,
 state that is either one value per parameter element (Adam's ``exp_avg``) or one scalar (``step``), and
 updates each element from that element alone: its state on a flat shard is, element for element, the
@@ -38,10 +36,6 @@ __all__ = [
     "state_keys",
 ]
 
-TORCH_ELEMENTWISE = frozenset(
-    {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop"}
-    | {"SparseAdam"}
-)
 SHAPE_DEPENDENT = frozenset({"Adafactor", "LBFGS", "Muon", "Shampoo", "DistributedShampoo", "SOAP", "SM3", "LAMB"})
 _registered: set[str] = set()
 
@@ -65,10 +59,6 @@ def state_keys(optim: Any) -> set[str]:
     return {str(key) for entries in getattr(optim, "state", {}).values() for key in entries}
 
 
-def is_elementwise(name: str) -> bool:
-    return name in TORCH_ELEMENTWISE or name in _registered
-
-
 def check_elementwise(optimizer: Any, *, where: str, keys: Iterable[str] = (), strict: bool = True) -> None:
     """Refuse ``optimizer`` (an optimizer, its class, its class name, or ``None`` for unknown) unless it is
     elementwise; ``strict=False`` (offline tools, which only see a recorded name) refuses only names known
@@ -80,7 +70,7 @@ def check_elementwise(optimizer: Any, *, where: str, keys: Iterable[str] = (), s
     else:
         cls = optimizer if isinstance(optimizer, type) else type(optimizer)
         name = cls.__name__
-    if is_elementwise(name) or (not strict and name not in SHAPE_DEPENDENT):
+    if name in TORCH_ELEMENTWISE or name in _registered or (not strict and name not in SHAPE_DEPENDENT):
         return
     shown = sorted({str(k) for k in keys})
     state = f" (state keys {shown})" if shown else ""
@@ -111,6 +101,7 @@ TORCH_STATE_KEYS: dict[str, frozenset[str]] = {
     "Rprop": frozenset({"step", "prev", "step_size"}),
     "SparseAdam": frozenset({"step", "exp_avg", "exp_avg_sq"}),
 }
+TORCH_ELEMENTWISE = frozenset(TORCH_STATE_KEYS)
 
 
 def check_optimizer_name(name: str | None, keys: Iterable[str], *, where: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -55,11 +56,7 @@ def _reads(flat: int, segments: Sequence[Segment], start: int, stop: int) -> Ite
 
 
 def rank_reads(plan: Plan, rank: int) -> tuple[Read, ...]:
-    """Every copy that builds rank ``rank``'s state, unit by unit: what planning one rank amounts to.
-
-    Only the segments overlapping the rank's real elements are visited (bisection), so the cost grows
-    with the units and the pieces the rank needs, not with the world size.
-    """
+    """Every copy that builds rank ``rank``'s state, unit by unit: what planning one rank amounts to."""
     out: list[Read] = []
     for t, flat_plan in plan.flats.items():
         start, stop, _ = plan.shards.bounds(t, rank)
@@ -67,14 +64,12 @@ def rank_reads(plan: Plan, rank: int) -> tuple[Read, ...]:
     return tuple(out)
 
 
-def saved_ranks(plan: Plan, rank: int, reads: Sequence[Read] | None = None) -> list[int]:
-    """The saved ranks (rank files of a sharded source) that rank ``rank``'s reads touch, sorted.
-
-    A source flat that is not sharded is found at saved rank 0; a per-rank one at ``rank`` itself.
-    """
+def saved_ranks(plan: Plan, rank: int) -> list[int]:
+    """The saved ranks (rank files of a sharded source) that rank ``rank``'s reads touch, sorted (a per-rank source
+    flat's at ``rank`` itself)."""
     index = plan.source_shards
     found: set[int] = set()
-    for read in rank_reads(plan, rank) if reads is None else reads:
+    for read in rank_reads(plan, rank):
         s = read.source
         if index.per_rank[s]:
             found.add(rank)
@@ -87,25 +82,42 @@ def saved_ranks(plan: Plan, rank: int, reads: Sequence[Read] | None = None) -> l
 def read_ranges(plan: Plan, rank: int) -> Iterator[tuple[int, str, int, int]]:
     """``(source flat, state key, start, stop)`` of every read :func:`cut_rank` makes for rank ``rank`` (full,
     unpadded offsets in the source), in its order: what it will read, found without reading anything."""
-    for t, flat_plan in plan.flats.items():
-        start, stop, _ = plan.shards.bounds(t, rank)
-        reads = tuple(_reads(t, flat_plan.segments, start, stop))
-        for e in flat_plan.entries:
+    for t, group in groupby(rank_reads(plan, rank), key=lambda r: r.flat):
+        reads = tuple(group)
+        for e in plan.flats[t].entries:
             if e.kind is not StateKind.SCALAR:
                 yield from ((r.source, e.key, r.source_start, r.source_start + r.stop - r.start) for r in reads)
 
-def cut_rank(
-    plan: Plan, rank: int, read: Reader | None = None, *, after_unit: Callable[[], None] | None = None
-) -> dict[int, dict[str, Any]]:
-    """Rank ``rank``'s state ``{target flat index: {key: padded shard or scalar}}``; every tensor new memory.
 
-    Only the source elements that land in the rank's slice are read (through ``read``, default the
-    source's own). ``after_unit`` runs after each flat (to release file mappings).
-    """
-    read = read or plan.source.reader(rank)
+def cut_rank(plan: Plan, rank: int, *, after_unit: Callable[[], None] | None = None) -> dict[int, dict[str, Any]]:
+    """Rank ``rank``'s state ``{target flat index: {key: padded shard or scalar}}``, new memory: only the source
+    elements in the rank's slice are read. ``after_unit`` runs after each flat (to release file mappings)."""
+    bounds = lambda t: plan.shards.bounds(t, rank)  # noqa: E731
+    return _fill(plan, list(plan.flats), bounds, plan.source.reader(rank), after_unit)
+
+
+def assemble_full(
+    plan: Plan, *, after_unit: Callable[[], None] | None = None, per_rank: int | None = None
+) -> dict[int, dict[str, Any]]:
+    """Every target flat's full state ``{target flat index: {key: flat tensor (numel,) or scalar}}``, new memory:
+    shared flats only by default; with ``per_rank=r``, only the per-rank flats, as rank ``r`` holds them."""
+    read = plan.source.read if per_rank is None else plan.source.reader(per_rank)
+    flats = [t for t in plan.flats if plan.target.flat_params[t].per_rank == (per_rank is not None)]
+    return _fill(plan, flats, lambda t: (0, plan.shards.numel[t], 0), read, after_unit)
+
+
+def _fill(
+    plan: Plan,
+    flats: Sequence[int],
+    bounds: Callable[[int], tuple[int, int, int]],
+    read: Reader,
+    after_unit: Callable[[], None] | None,
+) -> dict[int, dict[str, Any]]:
+    """Each of ``flats``' real elements ``[start, stop)`` then ``padding`` zeros (``bounds(flat)``), per state key."""
     out: dict[int, dict[str, Any]] = {}
-    for t, flat_plan in plan.flats.items():
-        start, stop, padding = plan.shards.bounds(t, rank)
+    for t in flats:
+        flat_plan = plan.flats[t]
+        start, stop, padding = bounds(t)
         reads = tuple(_reads(t, flat_plan.segments, start, stop))
         entries: dict[str, Any] = {}
         for e in flat_plan.entries:
@@ -118,39 +130,6 @@ def cut_rank(
             for r in reads:
                 read(r.source, e.key, r.source_start, r.source_start + r.stop - r.start, shard[r.start : r.stop])
             entries[e.key] = shard
-        out[t] = entries
-        if after_unit is not None:
-            after_unit()
-    return out
-
-
-def assemble_full(
-    plan: Plan,
-    read: Reader | None = None,
-    *,
-    after_unit: Callable[[], None] | None = None,
-    per_rank: int | None = None,
-) -> dict[int, dict[str, Any]]:
-    """Every target flat's full state ``{target flat index: {key: flat tensor (numel,) or scalar}}``, new memory.
-
-    Shared flats only by default; with ``per_rank=r``, only the per-rank flats, as rank ``r`` holds them.
-    """
-    read = read or (plan.source.read if per_rank is None else plan.source.reader(per_rank))
-    out: dict[int, dict[str, Any]] = {}
-    for t, flat_plan in plan.flats.items():
-        if plan.target.flat_params[t].per_rank != (per_rank is not None):
-            continue
-        numel = plan.shards.numel[t]
-        entries: dict[str, Any] = {}
-        for e in flat_plan.entries:
-            if e.kind is StateKind.SCALAR:
-                entries[e.key] = clone_value(e.value)
-                continue
-            flat_full = torch.empty(numel, dtype=dtype_from_str(e.dtype, where=e.key))
-            for seg in flat_plan.segments:
-                first = seg.source_start
-                read(seg.source, e.key, first, first + seg.stop - seg.start, flat_full[seg.start : seg.stop])
-            entries[e.key] = flat_full
         out[t] = entries
         if after_unit is not None:
             after_unit()

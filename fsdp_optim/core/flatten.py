@@ -1,7 +1,5 @@
 """Pure tensor transforms between full per-parameter state and flat, padded per-rank shards.
 
-Never imports ``torch.distributed``: whatever moves bytes between ranks lives in :mod:`fsdp_optim.job.transport`.
-
 Vocabulary, for one flat parameter of ``numel`` elements sharded over ``W`` ranks (see
 :class:`~fsdp_optim.core.layout.FlatParamLayout`):
 
@@ -23,7 +21,7 @@ import torch
 
 from fsdp_optim.core.layout import FlatParamLayout
 
-__all__ = ["StateKind", "assemble", "classify_flat_state", "clone_value", "cut", "same_scalar", "show_value", "split"]
+__all__ = ["StateKind", "assemble", "classify_flat_state", "clone_value", "same_scalar", "show_value", "split"]
 
 
 class StateKind(str, Enum):
@@ -118,27 +116,3 @@ def assemble(layout: FlatParamLayout, shards: Sequence[torch.Tensor]) -> torch.T
             )
         pieces.append(shard.reshape(-1)[: bounds.real])
     return torch.cat(pieces).cpu()
-
-
-def cut(layout: FlatParamLayout, tensors: Sequence[torch.Tensor], *, rank: int | None = None) -> torch.Tensor:
-    """This rank's new padded shard of the flat concatenation of ``tensors`` (one per parameter).
-
-    Only the pieces that overlap the rank's slice are read; the flat full tensor is never built.
-    """
-    bounds = layout.bounds(rank)
-    # Parameters tile [0, numel) back to back, so every real element below is written by one copy:
-    # only the padding needs zeros (zero-filling it all would touch every page twice).
-    # Offsets are derived from the shapes wherever a layout is built (read_layout, a manifest's records).
-    assert not layout.params or layout.params[0].offset == 0, f"{layout.describe()}: the first offset is not 0"
-    assert all(a.offset + a.numel == b.offset for a, b in zip(layout.params, layout.params[1:])), (
-        f"{layout.describe()}: parameters do not tile the flat parameter back to back"
-    )
-    shard = torch.empty(bounds.numel, dtype=tensors[0].dtype if tensors else layout.dtype)
-    shard[bounds.real :].zero_()
-    for spec, tensor in zip(layout.params, tensors, strict=True):
-        lo = max(spec.offset, bounds.start)
-        hi = min(spec.offset + spec.numel, bounds.stop)
-        if lo < hi:
-            piece = tensor.reshape(-1)[lo - spec.offset : hi - spec.offset]
-            shard[lo - bounds.start : hi - bounds.start].copy_(piece)
-    return shard

@@ -8,7 +8,7 @@ rank ``r`` holds real elements ``[min(r*c, numel), min((r+1)*c, numel))``, so th
 Worked example: ``numel = 10``, ``world_size = 4`` gives ``c = 3`` and real ranges ``[0,3) [3,6) [6,9) [9,10)``
 (paddings ``0 0 0 2``). Elements ``[4, 10)`` live on ranks 1..3::
 
-    list(pieces(10, 4, 4, 10)) == [(1, 4, 6), (2, 6, 9), (3, 9, 10)]   # (rank, start, stop), global offsets
+    list(ShardIndex((10,), (4,), (False,)).pieces(0, 4, 10)) == [(1, 4, 6), (2, 6, 9), (3, 9, 10)]  # (rank, lo, hi)
 
 :class:`ShardIndex` keeps these ints for every unit of a layout in flat tuples (built once per reader or
 plan), so a reader answers "which rank files does this range touch" in ``O(ranks touched)``.
@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["ShardIndex", "chunk", "overlapping", "padding_per_rank", "rank_pieces", "rank_range"]
+__all__ = ["ShardIndex", "chunk", "overlapping", "padding_per_rank", "rank_range"]
 
 
 def chunk(numel: int, world_size: int) -> int:
@@ -35,16 +35,6 @@ def rank_range(numel: int, world_size: int, start: int, stop: int) -> range:
     if start >= stop or c == 0:
         return range(0)
     return range(start // c, min((stop - 1) // c + 1, world_size))
-
-
-def rank_pieces(numel: int, world_size: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
-    """``(rank, lo, hi)`` for each rank holding part of ``[start, stop)``: its part ``[lo, hi)``, global offsets.
-
-    Rank ``rank``'s padded shard holds ``[lo, hi)`` at ``[lo - rank * chunk, hi - rank * chunk)``.
-    """
-    c = chunk(numel, world_size)
-    for rank in rank_range(numel, world_size, start, stop):
-        yield rank, max(start, rank * c), min(stop, (rank + 1) * c, numel)
 
 
 def padding_per_rank(numel: int, world_size: int) -> list[int]:
@@ -89,7 +79,7 @@ class ShardIndex:
     @classmethod
     def of(cls, flats: Sequence[_Unit]) -> ShardIndex:
         return cls(
-            tuple(sum(p.numel for p in f.params) for f in flats),
+            tuple(f.numel for f in flats),
             tuple(f.world_size for f in flats),
             tuple(f.per_rank for f in flats),
         )
@@ -107,18 +97,17 @@ class ShardIndex:
         return start, stop, c - (stop - start)
 
     def pieces(self, unit: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
-        """See :func:`rank_pieces`: the saved ranks holding ``[start, stop)`` of ``unit``."""
-        return rank_pieces(self.numel[unit], self.world_size[unit], start, stop)
-
-
-class _Param(Protocol):
-    @property
-    def numel(self) -> int: ...
+        """``(rank, lo, hi)`` for each saved rank holding part of ``[start, stop)`` of ``unit``: its part ``[lo, hi)``,
+        global offsets, at ``[lo - rank * chunk, hi - rank * chunk)`` of its padded shard."""
+        numel, world_size = self.numel[unit], self.world_size[unit]
+        c = chunk(numel, world_size)
+        for rank in rank_range(numel, world_size, start, stop):
+            yield rank, max(start, rank * c), min(stop, (rank + 1) * c, numel)
 
 
 class _Unit(Protocol):
     @property
-    def params(self) -> Sequence[_Param]: ...
+    def numel(self) -> int: ...
 
     @property
     def world_size(self) -> int: ...

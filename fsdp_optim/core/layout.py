@@ -1,11 +1,6 @@
-"""Typed records of how a model's parameters sit in FSDP's flat, padded per-rank shards.
-
-Everything here is a pure function of the wrapped model's structure: no collective, no data copied.
-The records answer three questions for every flat parameter an FSDP instance owns:
-
-- which parameters of the *unwrapped* model it holds, in which order, with which shapes;
-- over how many ranks it is sharded and where this rank's real elements start and stop;
-- how many padding elements this rank's shard carries at its tail.
+"""Typed records of how a model's parameters sit in FSDP's flat, padded per-rank shards: for every flat parameter
+an FSDP instance owns, which parameters of the *unwrapped* model it holds (order, shapes), over how many ranks it is
+sharded, and where this rank's real elements and padding lie.
 
 Padding is never communicated: FSDP cuts a flat tensor of ``numel`` elements with ``torch.chunk`` into
 ``world_size`` chunks of ``ceil(numel / world_size)`` elements, so every rank's padding follows from
@@ -75,10 +70,7 @@ class ParamSpec:
 @dataclass(frozen=True)
 class FlatParamLayout:
     """One parameter as FSDP holds it: several unwrapped parameters flattened (or one, unflattened).
-
-    ``rank`` is ``None`` in a rank-independent record (a checkpoint's manifest, a planning source);
-    :meth:`at_rank` places it on one rank. :class:`~fsdp_optim.core.records.FlatRecord` adds saved state.
-    """
+    :class:`~fsdp_optim.core.records.FlatRecord` adds saved state."""
 
     unit: str  # unwrapped path of the owning FSDP instance; "" for the root
     params: tuple[ParamSpec, ...]
@@ -106,11 +98,11 @@ class FlatParamLayout:
         return shard_bounds(self.numel, self.world_size, rank)
 
     def at_rank(self, rank: int) -> FlatParamLayout:
-        """This record as ``rank`` holds it (a unit that is not sharded is the same on every rank: rank 0)."""
+        """This record as ``rank`` holds it (a unit that is not sharded: rank 0)."""
         return replace(self, rank=rank if self.world_size > 1 else 0)
 
     def padding(self) -> list[int]:
-        """Padding elements per rank, derived from ``numel`` and ``world_size`` (arithmetic, no record per rank)."""
+        """Padding elements per rank."""
         return padding_per_rank(self.numel, self.world_size)
 
     @property
@@ -128,7 +120,6 @@ class FlatParamLayout:
         return self.params[0].shape
 
     def describe(self) -> str:
-        """A short human label for error messages."""
         head = ", ".join(self.names[:3]) + (", ..." if len(self.params) > 3 else "")
         return f"FSDP unit '{self.unit or '<root>'}' ({'flat' if self.flattened else 'unflattened'}: {head})"
 
@@ -143,7 +134,6 @@ class ModelLayout:
     rank: int
 
     def at_rank(self, rank: int) -> ModelLayout:
-        """This layout as rank ``rank`` sees it (units that are not sharded stay at rank 0)."""
         return replace(self, flat_params=tuple(f.at_rank(rank) for f in self.flat_params), rank=rank)
 
     def order_index(self) -> dict[str, int]:
@@ -153,14 +143,19 @@ class ModelLayout:
         """Units whose state differs per rank (see :attr:`FlatParamLayout.per_rank`)."""
         return sorted({f.unit for f in self.flat_params if f.per_rank})
 
+    def world_size_errors(self) -> list[str]:
+        """One message per unit sharded over neither the root's world size nor 1."""
+        return [
+            f"{flat.describe()} is sharded over {flat.world_size} ranks but the root FSDP instance over "
+            f"{self.world_size}; nested units must use the root's world size or 1"
+            for flat in self.flat_params
+            if flat.world_size not in (1, self.world_size)
+        ]
+
     def check_world_sizes(self) -> None:
         """Raise ``ValueError`` unless every unit is sharded over the root's world size or not at all."""
-        for flat in self.flat_params:
-            if flat.world_size not in (1, self.world_size):
-                raise ValueError(
-                    f"{flat.describe()} is sharded over {flat.world_size} ranks but the root FSDP instance over "
-                    f"{self.world_size}; nested units must use the root's world size or 1"
-                )
+        if errors := self.world_size_errors():
+            raise ValueError(errors[0])
 
 
 def clean_path(path: str) -> str:

@@ -18,12 +18,3 @@ MAX_WORLD_SIZE = 1 << 16  # declared or requested world sizes (rank file names h
 
 
 MAX_RECORDS = 1 << 20  # zip records in one file (a rank file holds one per tensor)
-
-
-
-def check_world_size_bound(where: str, value: int) -> None:
-    """Refuse a declared or requested world size above :data:`MAX_WORLD_SIZE`."""
-    if value > MAX_WORLD_SIZE:
-        raise ValueError(
-            f"{where}: world size {value} is above the bound {MAX_WORLD_SIZE} (fsdp_optim.core.limits.MAX_WORLD_SIZE)"
-        )

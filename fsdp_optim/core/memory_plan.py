@@ -9,7 +9,7 @@ the ``i``-th rank of node ``a``, replicates its files to the ``i``-th rank (modu
 
 After a failure, each live rank reports what its node holds (:class:`Holding` per complete step); a step is
 restorable when every one of its files is held by the node of at least one live rank. Every rank computes the
-same answer from the same all-gathered reports: no further agreement is needed. No file access, no collectives.
+same answer from the same all-gathered reports: no further agreement is needed.
 """
 
 from __future__ import annotations
@@ -43,9 +43,6 @@ class Chosen:
     world_size: int
     files: tuple[tuple[str, int], ...]
     holders: tuple[tuple[str, tuple[int, ...]], ...]  # (file name, live ranks whose node holds it), sorted
-
-    def sizes(self) -> dict[str, int]:
-        return dict(self.files)
 
     def holder_ranks(self) -> dict[str, tuple[int, ...]]:
         return dict(self.holders)

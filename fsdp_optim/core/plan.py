@@ -1,15 +1,10 @@
 """The one engine: check a source of optimizer state against a target layout, once, into a frozen plan.
 
-Pure: records in, records out; never opens files, never imports ``torch.distributed``.
-
 Every entry point (``get_shard_from_optim_state_dict``, scatter, load, consolidate, reshard, the fairscale
 and FSDP2 converters, the CLI) adapts its input to a :class:`.source.Source`, calls :func:`plan` once, then
 executes the plan per rank with :func:`.execute.cut_rank` (padded shards for one rank) or
 :func:`.execute.assemble_full` (world-size-independent flat tensors). A new check belongs in :func:`plan`; a new
 format is one adapter that builds a :class:`.source.Source`.
-
-The records (:class:`.source.Source`, :class:`.source.Plan`, :class:`Segment`) live in
-:mod:`fsdp_optim.core.source`, the executors in :mod:`fsdp_optim.core.execute`: import them from there.
 
 Worked example. Source: a checkpoint saved at world size 2 with units ``a`` (params ``a.w`` [2, 3],
 ``a.b`` [3]) and ``b`` (``b.w`` [4]). Target: one unit holding ``a.b``, ``b.w`` (9 elements at
@@ -72,8 +67,7 @@ def plan(
     Raises ``ValueError`` (:func:`.source.plan_error`) listing every problem found, each naming the parameter
     with expected vs found. Nothing is allocated before the plan exists.
     """
-    errors: list[str] = []
-    _check_world_sizes(target, errors)
+    errors = target.world_size_errors()
     where = {spec.name: (i, spec) for i, flat in enumerate(source.flats) for spec in flat.params}
     group_of = {i: k for k, g in enumerate(source.groups) for i in g.flat_indices}
     _check_extra(source, where, target, errors)
@@ -115,15 +109,6 @@ def _check_extra(source: Source, where: Mapping[str, Any], target: ModelLayout, 
         errors.append(
             f"{source.label} has parameter '{extra[0]}' (and {len(extra) - 1} more), which the model does not have"
         )
-
-
-def _check_world_sizes(target: ModelLayout, errors: list[str]) -> None:
-    for flat in target.flat_params:
-        if flat.world_size not in (1, target.world_size):
-            errors.append(
-                f"{flat.describe()} is sharded over {flat.world_size} ranks but the root FSDP instance over "
-                f"{target.world_size}; nested units must use the root's world size or 1"
-            )
 
 
 def _sources_of(

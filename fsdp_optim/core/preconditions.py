@@ -1,7 +1,6 @@
 """Entry preconditions, each written once: roots, ranks, world sizes, full-dict shape, format versions.
 
-Pure: no file access, no ``torch.distributed``, no fairscale import at module level. Every public
-function and the CLI call these before planning; what a source *holds* is checked by the engine
+Every public function and the CLI call these before planning; what a source *holds* is checked by the engine
 (:func:`fsdp_optim.core.plan.plan`), and what a *path* is by :func:`fsdp_optim.formats.sharded.locate.source_kind`.
 """
 
@@ -10,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
-from fsdp_optim.core.limits import check_world_size_bound
+from fsdp_optim.core.limits import MAX_WORLD_SIZE
 
 __all__ = [
     "FULL_DICT_KEYS",
@@ -48,7 +47,10 @@ def check_world_size(name: str, value: object) -> None:
     :data:`fsdp_optim.core.limits.MAX_WORLD_SIZE` (one rank file per rank)."""
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
-    check_world_size_bound(name, value)
+    if value > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"{name}: world size {value} is above the bound {MAX_WORLD_SIZE} (fsdp_optim.core.limits.MAX_WORLD_SIZE)"
+        )
 
 
 def check_version(version: object, source: str, latest: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -83,23 +83,12 @@ class FlatRecord(FlatParamLayout):
 
     def layout(self, rank: int) -> FlatParamLayout:
         """This unit as ``rank`` holds it, without the state entries."""
-        flat = FlatParamLayout(
-            self.unit, self.params, self.world_size, None, self.dtype, flattened=self.flattened, per_rank=self.per_rank
-        )
-        return flat.at_rank(rank)
+        return FlatParamLayout(**{f.name: getattr(self, f.name) for f in fields(FlatParamLayout)}).at_rank(rank)
 
     @classmethod
     def from_layout(cls, flat: FlatParamLayout, state: Sequence[StateEntry] = ()) -> FlatRecord:
-        return cls(
-            unit=flat.unit,
-            params=flat.params,
-            world_size=flat.world_size,
-            rank=None,
-            dtype=flat.dtype,
-            flattened=flat.flattened,
-            per_rank=flat.per_rank,
-            state=tuple(state),
-        )
+        values = {f.name: getattr(flat, f.name) for f in fields(FlatParamLayout)}
+        return cls(**{**values, "rank": None}, state=tuple(state))
 
     def entry(self, key: str) -> StateEntry:
         return next(e for e in self.state if e.key == key)

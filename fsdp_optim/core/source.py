@@ -1,19 +1,14 @@
-"""What the engine works on: a :class:`Source` of optimizer state, and the frozen :class:`Plan` it is checked into.
+"""What the engine works on: a :class:`Source` of optimizer state, and the frozen :class:`Plan` it is checked into
+(:mod:`fsdp_optim.core.plan` builds a plan, with a worked example; :mod:`fsdp_optim.core.execute` runs one).
 
-Pure records; :mod:`fsdp_optim.core.plan` builds a plan (every check), :mod:`fsdp_optim.core.execute` runs one.
-
-A source is a list of *source flats* (:class:`~fsdp_optim.core.records.FlatRecord`: parameters, shapes,
-world size, state entries), its param groups and a ``read`` callback. For a sharded checkpoint the
-source flats are the saved FSDP units; for a full dict every parameter is a source flat of its own.
-A plan says, per target flat with state, which entries it holds and which :class:`Segment` of which
-source flat each run of its elements comes from (a worked example is in :mod:`fsdp_optim.core.plan`).
+For a sharded checkpoint the source flats are the saved FSDP units; for a full dict every parameter is a source flat
+of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -45,10 +40,8 @@ def plan_error(errors: Sequence[str]) -> ValueError:
 class Source:
     """Optimizer state anywhere (a full dict, a sharded checkpoint, a foreign format), as the planner sees it.
 
-    ``flats[i]`` are rank-independent records with their state entries; ``groups`` hold the
-    hyperparameters and, per group, indices into ``flats``; ``read`` copies real elements of a source
-    flat's full (unpadded) state. ``load_rank`` (sharded sources only) reads one saved rank's whole
-    state ``{flat index: {key: padded shard or scalar}}``, used when the target is the saved layout.
+    ``flats[i]`` are rank-independent records with their state entries; ``groups`` hold the hyperparameters and,
+    per group, indices into ``flats``.
     """
 
     label: str  # names the source in errors: "the full dict", "/ckpt/step100"
@@ -59,7 +52,6 @@ class Source:
     world_size: int | None = None  # the world size it was saved at, when that means anything
     # False: a parameter without state has an unknown shape (full dicts); state shapes are checked instead.
     shapes_known: bool = True
-    load_rank: Callable[[int], Mapping[int, Mapping[str, Any]]] | None = field(default=None, compare=False)
     # For sources with per-rank flats (MoE experts): the reader that reads rank r's own copy of them.
     rank_reader: Callable[[int], Reader] | None = field(default=None, compare=False)
 
@@ -86,11 +78,8 @@ class FlatPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """How to build every target flat's state. ``groups`` hold the source's hyperparameters and target flat indices.
-
-    ``shards`` / ``source_shards``: the target's and the source's units as :class:`ShardIndex` ints, so that
-    an executor finds a rank's elements, and the saved ranks they come from, arithmetically.
-    """
+    """How to build every target flat's state. ``groups`` hold the source's hyperparameters and target flat indices;
+    ``shards`` / ``source_shards`` the target's and the source's units as :class:`ShardIndex` ints."""
 
     source: Source
     target: ModelLayout

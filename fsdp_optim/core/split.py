@@ -5,7 +5,8 @@ sent but the sizes' source (the plan, which every process makes alike). Two spli
 - :func:`split_stream`: the outputs' data as one stream of bytes cut into equal shares at chunk boundaries, a file
   written by several processes where a cut falls inside it (each writes its bytes at their offsets); shares within
   one chunk of each other, whatever the number of files and processes;
-- :func:`split_by_bytes`: whole outputs per process (files checked or written whole).
+- :func:`split_by_bytes`: whole outputs per process (files checked or written whole);
+- :func:`plan_parts`: the parts of one multipart upload each process puts (the last section below).
 
 Contiguous runs, not a greedy largest-first packing: output rank ``r`` of a re-cut reads the input elements
 ``[r * c', (r + 1) * c')`` of every unit, so neighbouring outputs read neighbouring input bytes, and a run of them
@@ -15,15 +16,41 @@ by at most one output's size::
 
     sizes [4, 4, 4] over 2 processes: total 12, shares [0, 6) and [6, 12)
     middles 2, 6, 10 -> processes 0, 1, 1          runs ((0,), (1, 2))
+
+:func:`plan_parts` cuts one file laid out up front into the parts of one multipart upload. An object store's
+multipart upload has rules a file system's positional writes do not (S3's, which SeaweedFS enforces too): parts are
+numbered from 1 in file order, each part is one request of contiguous bytes, and every part but the last is at least
+``MIN_PART_BYTES``. So:
+
+- process ``p`` uploads the bytes of its run of tensors, which are contiguous in the file; process 0's range starts
+  at byte 0, the header's room, whose bytes it uploads last (the header holds every tensor's checksums);
+- a process whose range is below the minimum takes the next process's tensors too (and the next, until it reaches
+  the minimum), so that only the file's last range may be short; the processes it took from upload nothing;
+- each range is cut into ``ceil(len / part_bytes)`` parts of equal size (so each is over ``part_bytes / 2``)::
+
+      header 1 KiB, tensors of 40, 3 and 30 MiB over 3 processes, part_bytes 32 MiB, minimum 5 MiB
+      ranges  [0, 40M+1K)  [40M+1K, 43M+1K)  [43M+1K, 73M+1K)    process 1's 3 MiB < 5 MiB: it takes process 2's
+      parts   process 0: 1, 2 (20 MiB each)   process 1: 3, 4 (16.5 MiB each)   process 2: none
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Split", "Stretch", "StreamSplit", "split_by_bytes", "split_stream"]
+__all__ = [
+    "MAX_PARTS",
+    "MIN_PART_BYTES",
+    "PART_BYTES",
+    "PartPlan",
+    "PartSpan",
+    "Split",
+    "StreamSplit",
+    "Stretch",
+    "plan_parts",
+    "split_by_bytes",
+    "split_stream",
+]
 
 
 @dataclass(frozen=True)
@@ -33,10 +60,6 @@ class Split:
 
     runs: tuple[tuple[int, ...], ...]
     nbytes: tuple[int, ...]
-
-    def owner(self, output: int) -> int:
-        """The process that writes ``output``."""
-        return next(p for p, run in enumerate(self.runs) if output in run)
 
     def spread(self) -> float:
         """The largest relative distance of a process's bytes from the mean (0.0: perfectly even)."""
@@ -116,12 +139,6 @@ class StreamSplit:
             return range(-(-process * self.outputs // processes), -(-(process + 1) * self.outputs // processes))
         return range(-(-self.cuts[process] // d), min(-(-self.cuts[process + 1] // d), self.outputs))
 
-    def owner(self, output: int) -> int:
-        """The process that owns ``output``."""
-        if self.file_bytes == 0:
-            return next(p for p in range(len(self.cuts) - 1) if output in self.owned(p))
-        return bisect_right(self.cuts, output * self.file_bytes, hi=len(self.cuts) - 1) - 1
-
 
 def split_stream(outputs: int, tensors: Sequence[tuple[int, int]], processes: int) -> StreamSplit:
     """``outputs`` outputs alike, each's data the ``tensors`` ``(bytes, chunk bytes)`` one after another, split over
@@ -152,3 +169,62 @@ def _snap(tensors: Sequence[tuple[int, int]], x: int) -> int:
             return base + min(k * chunk, n)
         base += n
     return base
+
+
+MIN_PART_BYTES = 5 << 20  # S3's least size of a part that is not the last
+MAX_PARTS = 10_000  # S3's most parts of one upload
+PART_BYTES = 64 << 20  # the default part: one request, and one buffer in a writer's memory
+
+
+@dataclass(frozen=True)
+class PartSpan:
+    """Part ``number`` (from 1, in file order): the file's bytes ``[start, stop)``."""
+
+    number: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """Per process: the tensors it writes (``runs[p]``, contiguous, in file order) and the parts it uploads
+    (``parts[p]``, covering exactly its tensors' bytes, and the header's room on process 0)."""
+
+    runs: tuple[tuple[int, ...], ...]
+    parts: tuple[tuple[PartSpan, ...], ...]
+
+
+def plan_parts(
+    offsets: Sequence[int], nbytes: Sequence[int], size: int, runs: Sequence[Sequence[int]], *,
+    part_bytes: int = PART_BYTES,
+) -> PartPlan:  # fmt: skip
+    """The parts of a file of ``size`` bytes whose tensor ``i`` lies at ``offsets[i]`` (``nbytes[i]`` long, in file
+    order, the header before the first), written by processes whose tensors are ``runs`` (a split in file order);
+    see the module docstring. ``part_bytes`` grows where the file would need more than ``MAX_PARTS`` parts."""
+    if part_bytes < 2 * MIN_PART_BYTES:
+        least = 2 * MIN_PART_BYTES
+        raise ValueError(f"part_bytes: expected at least twice the least part ({least}), found {part_bytes}")
+    part_bytes = max(part_bytes, -(-size // (MAX_PARTS // 2)))  # (equal cuts round up: half the maximum is safe)
+    header = offsets[0] if offsets else size
+    groups: list[tuple[int, list[int], int, int]] = [(0, [], 0, header)]  # (process, tensors, start, stop)
+    for p, run in enumerate(runs):
+        if not run:
+            continue
+        stop = offsets[run[-1]] + nbytes[run[-1]]
+        owner, tensors, start, _ = groups[-1]
+        if p == 0 or groups[-1][3] - start < MIN_PART_BYTES:  # the range before it is short: it takes these too
+            groups[-1] = (owner, [*tensors, *run], start, stop)
+        else:
+            groups.append((p, list(run), offsets[run[0]], stop))
+    if groups[-1][3] != size:
+        raise ValueError(f"the runs cover bytes up to {groups[-1][3]} of a file of {size}")
+    out_runs: list[tuple[int, ...]] = [() for _ in runs] or [()]
+    out_parts: list[tuple[PartSpan, ...]] = [() for _ in out_runs]
+    number = 1
+    for owner, tensors, start, stop in groups:
+        count = max(1, -(-(stop - start) // part_bytes))
+        bounds = [start + k * (stop - start) // count for k in range(count + 1)]
+        out_runs[owner] = tuple(tensors)
+        out_parts[owner] = tuple(PartSpan(number + k, a, b) for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
+        number += count
+    return PartPlan(tuple(out_runs), tuple(out_parts))

@@ -4,7 +4,7 @@
     root/step-00000006/
     root/.step-00000002.pruning   # beside a step directory a prune is removing (written before anything is deleted)
 
-No file access: :mod:`fsdp_optim.formats.sharded.steps` reads a root, :mod:`fsdp_optim.job.manager` saves into it.
+:mod:`fsdp_optim.formats.sharded.steps` reads a root, :mod:`fsdp_optim.job.manager` saves into it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ anything whose size a file (or a dict) merely *declares*:
   (``disk/torch_file.py``); then ``torch.load(weights_only=True)`` and ``check_tree`` on what it returned.
 - ``check_tree`` and ``check_state_dict`` (``disk/objects.py``): one bounded walk (a structure whose expansion is
   exponential is refused in linear time) checking every tensor, and a state dict's skeleton typed.
-- :func:`~fsdp_optim.core.limits.check_world_size_bound`, :func:`check_stored_bytes`: declared world sizes and
+- :func:`~fsdp_optim.core.preconditions.check_world_size`, :func:`check_stored_bytes`: declared world sizes and
   state bytes against :data:`~fsdp_optim.core.limits.MAX_WORLD_SIZE` and the files' real sizes.
 
 Every refusal is a ``ValueError`` naming the file or dict, the place inside it and what was expected and found; a

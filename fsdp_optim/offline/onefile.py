@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from fsdp_optim.core.parts import PART_BYTES
-from fsdp_optim.core.split import split_by_bytes
+from fsdp_optim.core.split import PART_BYTES, split_by_bytes
 from fsdp_optim.disk.location import shared_directory
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.one_file import FileWriter

@@ -3,7 +3,7 @@
 upload (:mod:`fsdp_optim.disk.multipart`), never whole on a local disk. The same layout, so the same bytes as the
 local file::
 
-    plan     lay_out; the parts: core/parts.plan_parts (process 0's first part holds the header's room)
+    plan     lay_out; the parts: core/split.plan_parts (process 0's first part holds the header's room)
     begin    the object refused if present (unless overwrite), one upload begun
     write    each tensor made, hashed, its bytes fed into the current part's buffer; a full part is put (the part
              that holds the header's room is held instead), then the next
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_optim.core.parts import PartPlan, PartSpan, plan_parts
+from fsdp_optim.core.split import PartPlan, PartSpan, plan_parts
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.multipart import Multipart, Part

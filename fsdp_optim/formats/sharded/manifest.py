@@ -262,7 +262,6 @@ def manifest_source(
     manifest: Manifest,
     label: str,
     read: Reader,
-    load_rank: Callable[[int], Mapping[int, Mapping[str, Any]]] | None = None,
     rank_reader: Callable[[int], Reader] | None = None,
 ) -> Source:
     """A checkpoint's records (its manifest) as a planning source; ``read`` reads its rank files."""
@@ -273,7 +272,5 @@ def manifest_source(
         manifest.groups,
         read,
         manifest.world_size,
-        True,
-        load_rank,
-        rank_reader,
+        rank_reader=rank_reader,
     )

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.core.records import WEIGHTS_KEY, GroupRecord
+from fsdp_optim.core.records import GroupRecord
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
@@ -146,7 +146,7 @@ class ShardedCheckpoint:
         """This checkpoint's optimizer state as a planning source (reads go through :meth:`copy_range`); a whole
         checkpoint's weights are left out (:meth:`weights_source`)."""
         manifest = replace(self.manifest, flat_params=optimizer_flats(self.manifest.flat_params))
-        return self.whole_source(manifest, self._keys_of(lambda key: key != WEIGHTS_KEY))
+        return self.whole_source(manifest)
 
     def weights_source(self) -> Source:
         """A whole checkpoint's model weights as a planning source: one group of every unit, one state key
@@ -159,26 +159,15 @@ class ShardedCheckpoint:
         flats = weights_flats(self.manifest.flat_params)
         groups = (GroupRecord({}, tuple(range(len(flats)))),)
         manifest = replace(self.manifest, flat_params=flats, groups=groups, optimizer="model weights")
-        return self.whole_source(manifest, self._keys_of(lambda key: key == WEIGHTS_KEY))
+        return self.whole_source(manifest)
 
-    def whole_source(
-        self, manifest: Manifest | None = None, load_rank: Callable[[int], dict[int, dict[str, Any]]] | None = None
-    ) -> Source:
+    def whole_source(self, manifest: Manifest | None = None) -> Source:
         """Every state key of every unit (a whole checkpoint's weights beside its optimizer state) as one planning
         source, in the optimizer's groups (a frozen unit's weights in none): what an offline reshard re-cuts.
-        (``manifest``, ``load_rank``: a part of it, as :meth:`source` and :meth:`weights_source` ask.)"""
+        (``manifest``: a part of it, as :meth:`source` and :meth:`weights_source` ask.)"""
         per_rank = any(f.per_rank for f in self.manifest.flat_params)
         return manifest_source(manifest or self.manifest, str(self.directory), self.copy_range,
-                               load_rank or self.load_rank, self.reader if per_rank else None)  # fmt: skip
-
-    def _keys_of(self, keep: Callable[[str], bool]) -> Callable[[int], dict[int, dict[str, Any]]]:
-        """:meth:`load_rank` limited to the state keys ``keep`` accepts (units left without any dropped)."""
-
-        def load(rank: int) -> dict[int, dict[str, Any]]:
-            units = ((i, {k: v for k, v in entries.items() if keep(k)}) for i, entries in self.load_rank(rank).items())
-            return {i: entries for i, entries in units if entries}
-
-        return load
+                               self.reader if per_rank else None)  # fmt: skip
 
     def __enter__(self) -> ShardedCheckpoint:
         return self

@@ -1,5 +1,5 @@
 """What the CLI verbs' writes of an opened input wrote, as records: :meth:`Opened.write_consolidated` and
-:meth:`Opened.write_resharded` return one, and the CLI words it (:mod:`fsdp_optim.cli.written`). Sizes are in
+:meth:`Opened.write_resharded` return one, and the CLI words it (:mod:`fsdp_optim.cli.verbs`). Sizes are in
 bytes."""
 
 from __future__ import annotations
