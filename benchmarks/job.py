@@ -14,7 +14,8 @@ other world sizes that load them (``spawn.campaign``). Otherwise, in phases, met
    weight shards and optimizer state the same way, and fairscale's full ``state_dict()`` save follows (few calls, for
    its peak RSS); on the store the floor is one ``storage/floors.py`` upload of the rank's state bytes, DCP writes
    through ``FsspecWriter``, rank 0 has the server compact what the call before replaced before each call (untimed)
-   and each rank records how long ``ObjectStore.upload`` took inside each ``save_checkpoint``.
+   and each rank records how long its uploads (``ObjectStore.write`` of a local file) took inside each
+   ``save_checkpoint``.
 2. Loads into fresh optimizers (whole state: and zeroed weights): the floor (each rank's file, or its bytes fetched),
    ours and DCP from this job's checkpoints and ours (optimizer state: DCP too) from another world size's, the
    whole state into the model at another FSDP nesting (a unit per Linear). Locally, fairscale's full
@@ -97,21 +98,23 @@ def _vacuum(cfg: JobConfig) -> None:
 
 
 class _UploadClock:
-    """Seconds spent in ``ObjectStore.upload`` (this rank), per call of the method it wraps."""
+    """Seconds spent uploading local files (``ObjectStore.write`` of a ``Path``: this rank), per call of the method
+    it wraps."""
 
     def __init__(self) -> None:
         self.calls: list[float] = []
         self._current = 0.0
-        original = ObjectStore.upload
+        original = ObjectStore.write
 
-        def timed(store: ObjectStore, local: Path, name: str) -> None:
+        def timed(store: ObjectStore, name: str, data: bytes | Path) -> None:
             start = time.perf_counter()
             try:
-                original(store, local, name)
+                original(store, name, data)
             finally:
-                self._current += time.perf_counter() - start
+                if isinstance(data, Path):
+                    self._current += time.perf_counter() - start
 
-        ObjectStore.upload = timed  # type: ignore[method-assign,assignment]
+        ObjectStore.write = timed  # type: ignore[method-assign,assignment]
 
     def wrap(self, method: Method) -> Method:
         def call() -> Any:

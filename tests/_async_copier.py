@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from fsdp_optim.job.copiers import Copier
-from fsdp_optim.job.stager import Ring
+from fsdp_optim.job.stager import Copier, Ring
 
 __all__ = ["AsyncCopier", "AsyncEngines", "Recorder", "Ticket"]
 

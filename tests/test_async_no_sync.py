@@ -74,7 +74,7 @@ def test_an_async_saves_blocking_part_reads_no_state_scalar(tmp_path) -> None:
 def _memory_tier_blocking_part_reads_nothing(rank: int, world_size: int, out: str) -> bool:
     from pathlib import Path
 
-    from fsdp_optim.job.memory_save import memory_tier, save_to_memory
+    from fsdp_optim.job.memory import memory_tier, save_to_memory
 
     model = M.wrap(M.make_net(0), "deep")
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)

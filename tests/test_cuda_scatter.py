@@ -13,10 +13,10 @@ import torch
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: state received in GPU memory")
 def test_state_already_on_its_parameters_gpu_is_taken_as_it_is() -> None:
-    """optimizer_state_on_device, the one rule (job/device_load.py): a tensor received on its parameter's GPU is
+    """optimizer_state_on_device, the one rule (job/ring_load.py): a tensor received on its parameter's GPU is
     memory of its own there and becomes the state as it is; one on the host crosses devices through the ring into the
     live state; the result loads exactly."""
-    from fsdp_optim.job.device_load import optimizer_state_on_device
+    from fsdp_optim.job.ring_load import optimizer_state_on_device
 
     net = torch.nn.Linear(64, 32).cuda()
     optim = torch.optim.Adam(net.parameters())

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from fsdp_optim.core.checksums import digests_of_chunks
-from fsdp_optim.disk.hashed_write import OVERLAP_BYTES, HashingWriter
+from fsdp_optim.disk.atomic import OVERLAP_BYTES, HashingWriter
 from fsdp_optim.formats.sharded.ranged import rank_layout, write_rank
 from fsdp_optim.formats.sharded.rank_file import host_pieces
 from fsdp_optim.formats.sharded.safetensors_header import read_rank_header
-from fsdp_optim.job.copiers import HostCopier
-from fsdp_optim.job.stager import Ring
+from fsdp_optim.job.stager import HostCopier, Ring
 
 META = {"format": "fsdp_optim", "kind": "shard", "version": "3"}
 CHUNK = 64 << 10

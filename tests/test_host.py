@@ -151,7 +151,7 @@ def test_the_cpu_path_is_chosen_where_fairscale_computes() -> None:
     """computes_on_host follows fairscale's compute_device (its default is the GPU): CPU offload computes on the GPU
     of a GPU machine (the old rule, by the parameters' device, took the CPU path there and then refused every GPU
     instance of the process); CPU parameters without offload take the CPU path on any machine."""
-    from fsdp_optim.job.options import ComputePlacement, computes_on_host, placement
+    from fsdp_optim.job.fsdp import ComputePlacement, computes_on_host, placement
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 

@@ -1,7 +1,7 @@
 """Loads at the floor (:mod:`fsdp_optim.job.ring_load`): a rank file read a piece at a time into a ring's slots, each
 piece checked on its slot, then copied out while the next is read.
 
-Here the ring copies into host memory (its copier is :class:`~fsdp_optim.job.copiers.HostCopier`, or the suite's
+Here the ring copies into host memory (its copier is :class:`~fsdp_optim.job.stager.HostCopier`, or the suite's
 asynchronous copier, ``tests/_async_copier.py``, whose copies land late on a worker thread); on a GPU the same code copies into device memory (the CUDA test at the end).
 Real process groups (gloo), real fairscale FSDP, real training steps and real files."""
 
@@ -151,7 +151,7 @@ def _in_place(rank: int, world_size: int, out: str) -> dict[str, bool]:  # noqa:
 
 
 def test_a_load_through_the_ring_under_late_copies_lands_in_the_live_tensors_in_place(tmp_path: Path) -> None:
-    """The one rule for where loaded state lands (job/device_load.py): in the live tensors, in place."""
+    """The one rule for where loaded state lands (job/ring_load.py): in the live tensors, in place."""
     assert run_ranks(_in_place, 2, str(tmp_path)) == [{"params": True, "optim": True}] * 2
 
 
@@ -250,7 +250,7 @@ def test_a_gpu_load_reads_through_the_pinned_ring_with_no_pageable_copy_of_the_s
 
 
 def _gpu_load_memory(rank: int, world_size: int, out: str) -> dict[str, Any]:  # noqa: ARG001
-    from fsdp_optim.job.stager import ring_of
+    from fsdp_optim.job.ring_load import ring_for
 
     root = fsdp_optim.FullyShardedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda())
     optim = torch.optim.Adam(root.parameters(), lr=1e-3)
@@ -266,7 +266,7 @@ def _gpu_load_memory(rank: int, world_size: int, out: str) -> dict[str, Any]:  #
     torch.cuda.synchronize()
     growth = torch.cuda.max_memory_allocated() - live
     same = _as_saved(root, optim, saved)
-    return {"exact": same, "growth": growth, "bound": ring_of(torch.device("cuda", 0)).slot_bytes + (64 << 20),
+    return {"exact": same, "growth": growth, "bound": ring_for(torch.device("cuda", 0)).slot_bytes + (64 << 20),
             "state": sum(p.numel() * 4 * 3 for p in root.parameters())}  # fmt: skip
 
 

@@ -15,8 +15,7 @@ from fsdp_optim.core.checksums import ChunkHasher, digests_of_chunks
 from fsdp_optim.formats.sharded.ranged import rank_layout, write_rank
 from fsdp_optim.formats.sharded.rank_file import host_pieces
 from fsdp_optim.job import stager
-from fsdp_optim.job.copiers import HostCopier
-from fsdp_optim.job.stager import Ring
+from fsdp_optim.job.stager import HostCopier, Ring
 from fsdp_optim.job.staging import HostStaging, StagedCopy, ready_events
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (copies from GPU memory)")
@@ -172,7 +171,7 @@ def test_gpu_pieces_see_what_the_callers_stream_queued_and_allocate_no_gpu_memor
     assert torch.cuda.memory_allocated() == before, "staging allocates no GPU memory"
     expected = torch.arange(part.numel(), dtype=torch.float32)
     assert got == expected.numpy().tobytes()
-    ring = stager.CUDA.ring(stager.copier_of(part.device))
+    ring = stager.CUDA.ring(stager.CUDA.copier(part.device))
     assert all(b.is_pinned() for b in ring.buffers)
 
 
@@ -219,10 +218,10 @@ def test_the_ring_uploads_every_byte_into_its_destination_and_refuses_a_mismatch
 
 
 def test_loaded_optimizer_state_already_on_its_parameters_device_becomes_the_state_as_it_is() -> None:
-    """One rule on every device (job/device_load.py): a loaded tensor in memory of its own on its parameter's device
+    """One rule on every device (job/ring_load.py): a loaded tensor in memory of its own on its parameter's device
     (here the host) becomes the state, not copied into the live tensor (a copy of the whole state that lowers no
     peak: the engine A/B measured loads 1.5-2.8x slower while it was copied); the live tensors are left as they were."""
-    from fsdp_optim.job.device_load import optimizer_state_on_device
+    from fsdp_optim.job.ring_load import optimizer_state_on_device
 
     net = torch.nn.Linear(3, 2)
     optim = torch.optim.Adam(net.parameters())
@@ -423,9 +422,9 @@ def test_a_layouts_first_save_copies_through_the_ring_and_its_arena_is_locked_af
 ) -> None:
     import gc
 
-    from fsdp_optim.job import arena
+    from fsdp_optim.job import staging as staging_module
 
-    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(staging_module, "CHUNK_BYTES", 1024)
     copier = _Destinations(max_delay=0.001)
     engines = AsyncEngines(copier)
     registrar = Recorder(copier=copier)
@@ -475,9 +474,9 @@ def test_the_first_save_of_a_layout_lets_step_go_on_before_anything_is_page_lock
     GiBs); now the copies go through the ring's slots, already locked, and the save's thread locks the arena after."""
     import threading
 
-    from fsdp_optim.job import arena
+    from fsdp_optim.job import staging as staging_module
 
-    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(staging_module, "CHUNK_BYTES", 1024)
     copier = AsyncCopier(max_delay=0.002)
     engines = AsyncEngines(copier)
     registrar = _Slow()
@@ -513,9 +512,9 @@ def test_the_first_save_of_a_layout_lets_step_go_on_before_anything_is_page_lock
 def test_gpu_the_first_save_of_a_layout_lets_step_go_on_before_anything_is_page_locked() -> None:
     import threading
 
-    from fsdp_optim.job import arena
+    from fsdp_optim.job import staging as staging_module
 
-    class Slow(arena.CudaHost):
+    class Slow(staging_module.CudaHost):
         def __init__(self) -> None:
             self.released, self.calls = threading.Event(), 0
 
@@ -559,10 +558,10 @@ def test_a_registration_that_fails_falls_back_with_one_warning_and_the_copy_is_e
     import threading
     import warnings
 
-    from fsdp_optim.job import arena
+    from fsdp_optim.job import staging as staging_module
 
-    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
-    monkeypatch.setattr(arena, "_warned", threading.Event())
+    monkeypatch.setattr(staging_module, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(staging_module, "_warned", threading.Event())
     engines = AsyncEngines(AsyncCopier(max_delay=0.001))
     registrar = Recorder(fail_from=fail_from)
     staging = HostStaging(engines, registrar)
@@ -586,10 +585,10 @@ def test_a_failed_registration_clears_the_error_it_left_before_the_save_goes_on(
     import threading
     import warnings
 
-    from fsdp_optim.job import arena
+    from fsdp_optim.job import staging as staging_module
 
-    monkeypatch.setattr(arena, "CHUNK_BYTES", 1024)
-    monkeypatch.setattr(arena, "_warned", threading.Event())
+    monkeypatch.setattr(staging_module, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(staging_module, "_warned", threading.Event())
     engines = AsyncEngines(AsyncCopier(max_delay=0.001))
     registrar = Recorder(fail_from=fail_from)
     with warnings.catch_warnings():
@@ -605,7 +604,7 @@ def test_a_failed_registration_clears_the_error_it_left_before_the_save_goes_on(
 def test_gpu_a_failed_registration_leaves_no_error_for_the_next_kernel_launch() -> None:
     import warnings
 
-    from fsdp_optim.job.arena import CUDA_HOST, Arena
+    from fsdp_optim.job.staging import CUDA_HOST, Arena
 
     device = torch.device("cuda", 0)
     memory = torch.empty(1 << 20, dtype=torch.uint8)
@@ -649,19 +648,19 @@ def test_gpu_staging_locks_in_chunks_on_the_shards_gpu_from_the_save_thread_and_
 ) -> None:
     import threading
 
-    from fsdp_optim.job import arena
+    from fsdp_optim.job import staging as staging_module
 
-    monkeypatch.setattr(arena, "CHUNK_BYTES", 1 << 20)
-    monkeypatch.setattr(arena, "_warned", threading.Event())
+    monkeypatch.setattr(staging_module, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(staging_module, "_warned", threading.Event())
     device = torch.device("cuda", torch.cuda.device_count() - 1)  # not GPU 0 where there are several
     seen: list[int] = []
 
-    class Watched(arena.CudaHost):
+    class Watched(staging_module.CudaHost):
         def register(self, memory: torch.Tensor, device: torch.device) -> None:
             seen.append(torch.cuda.current_device())
             super().register(memory, device)
 
-    class Failing(arena.CudaHost):
+    class Failing(staging_module.CudaHost):
         def register(self, memory: torch.Tensor, device: torch.device) -> None:
             raise RuntimeError("cudaHostRegister is not supported here")
 
@@ -686,7 +685,7 @@ def test_gpu_staging_locks_in_chunks_on_the_shards_gpu_from_the_save_thread_and_
 
 
 def test_into_live_casts_floating_point_only_and_refuses_any_other_dtype_before_writing() -> None:
-    from fsdp_optim.job.device_load import into_live
+    from fsdp_optim.job.ring_load import into_live
 
     half, ints = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"live tensor 1: expected \(3,\) torch.int32 .*found \(3,\) torch.int64"):

@@ -31,8 +31,8 @@ from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import open_checkpoint
 from fsdp_optim.formats.sharded.streamed import streamed_parts
 from fsdp_optim.formats.sharded.writer import write_manifest, write_shard_file
+from fsdp_optim.offline.cuts import planned_manifest
 from fsdp_optim.offline.parallel.reshard import plan_reshard, share_spans
-from fsdp_optim.offline.rank_writes import planned_manifest
 
 from ..peak import ROOT
 

@@ -1,15 +1,10 @@
 """A new storage backend in one small class: :class:`ObjectBackend`.
 
-A backend implements the eight byte-level methods of :class:`~fsdp_optim.disk.byte_io.ByteIO` (``__str__``,
-``child``, ``listing``, ``prefixes``, ``read_into``, ``write``, ``commit``, ``delete``); everything else a
-:class:`~fsdp_optim.disk.location.Location` does (naming, sizes, ranged reads, staging, the save steps: foreign
-content refused, files published under the save's unique names, the manifest committed last by the backend's
-conditional create, what a replaced checkpoint left removed after) is written once, in the classes above it.
-
-A backend that can do better overrides one more method (a ranged GET of its own: ``read_range``; a whole-object copy:
-``download``); callers never ask which backend they hold. Its ``commit`` may check an object's version with
-:meth:`ObjectBackend.etag`. Register it for a URL scheme with :func:`~fsdp_optim.disk.locations.register_backend`, or
-pass an instance wherever a path is taken.
+A backend implements the eight byte-level methods of :class:`~fsdp_optim.disk.byte_io.ByteIO`; everything else a
+:class:`~fsdp_optim.disk.location.Location` does (naming, sizes, ranged reads, the save steps) is written once, above
+it. It may override ``read_range`` or ``download`` where it can do better; its ``commit`` may check an object's
+version with :meth:`ObjectBackend.etag`. Register it for a URL scheme with
+:func:`~fsdp_optim.disk.locations.register_backend`, or pass an instance wherever a path is taken.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ __all__ = ["ObjectBackend"]
 
 
 class ObjectBackend(Location):
-    """The base of a backend the package has no code for (see the module docstring for the eight methods): a
-    :class:`~fsdp_optim.disk.location.Location` that retries nothing itself and is known by its name."""
+    """The base of a backend the package has no code for (the module docstring), known by its name."""
 
     policy = RetryPolicy(float("inf"), attempts=1)  # a backend retries inside its own methods, if it needs to
 

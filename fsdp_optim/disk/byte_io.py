@@ -1,9 +1,5 @@
 """The bytes of a backend: :class:`ByteIO`, the eight primitives every place holding named objects implements, and
-what follows from them (sizes, ranged reads, copies; :func:`read_all`: an object whole; :func:`listed_etag`: its
-version).
-
-A backend implements eight methods and nothing else is required of it; what it can do better it overrides (a
-store's own ranged GET, a whole-object copy, a ``stat`` for a size)::
+what follows from them (sizes, ranged reads, copies), which a backend overrides where it can do better::
 
     __str__()                          its name, e.g. "mystore://bucket/run/step-10" (its identity in every process)
     child(name)                        the backend one level below ("step-10" under a manager's root)
@@ -15,19 +11,18 @@ store's own ranged GET, a whole-object copy, a ``stat`` for a size)::
     commit(name, data, replaces=etag)  the commit primitive: write ``data`` only if the object's etag is still
                                        ``replaces`` (``None``: only if there is none), else ConcurrentCommitError
     delete(names)                      remove objects (missing ones are not an error)
-
-How a checkpoint is saved on top of them (the save steps, written once) is
-:class:`~fsdp_optim.disk.location.Location`'s.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ByteIO", "StoredObject", "listed_etag", "read_all"]
+__all__ = ["ByteIO", "StoredObject", "Tiling", "listed_etag", "read_all"]
 
 _DOWNLOAD_PIECE = 16 << 20  # bytes a default download reads at a time
 
@@ -49,60 +44,48 @@ class ByteIO(ABC):
     def __str__(self) -> str: ...
 
     @abstractmethod
-    def child(self, name: str) -> ByteIO:
-        """The location ``name`` below this one (a step directory under a manager's root)."""
+    def child(self, name: str) -> ByteIO: ...
 
     @abstractmethod
-    def listing(self) -> dict[str, StoredObject]:
-        """The objects (regular files) directly under this location, by name; {} when there is none."""
+    def listing(self) -> dict[str, StoredObject]: ...
 
     @abstractmethod
-    def prefixes(self) -> list[str]:
-        """The names of the locations directly below this one, sorted."""
+    def prefixes(self) -> list[str]: ...
 
     @abstractmethod
-    def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
-        """Fill ``targets`` (writable buffers tiling the object's bytes from ``start`` on, in order)."""
+    def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None: ...
 
     @abstractmethod
-    def write(self, name: str, data: bytes | Path) -> None:
-        """Object ``name`` written whole from ``data`` (bytes, or a local file to copy), atomically."""
+    def write(self, name: str, data: bytes | Path) -> None: ...
 
     @abstractmethod
-    def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
-        """Write object ``name`` only if it is still as the caller found it: at etag ``replaces`` (``None``: absent);
-        else ``ConcurrentCommitError``, and nothing was written."""
+    def commit(self, name: str, data: bytes, *, replaces: str | None) -> None: ...
 
     @abstractmethod
-    def delete(self, names: Iterable[str]) -> None:
-        """Remove objects ``names`` (missing ones are not an error)."""
+    def delete(self, names: Iterable[str]) -> None: ...
 
     # -- what follows from them ----------------------------------------------------------------------------------
 
     def size(self, name: str) -> int | None:
-        """Object ``name``'s size, ``None`` when there is none."""
         found = self.listing().get(name)
         return None if found is None else found.size
 
     def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent); by default one
-        :meth:`read_into` a new buffer (a store overrides it with its own ranged GET)."""
+        """Bytes ``[start, stop)`` of object ``name`` (``FileNotFoundError`` when absent)."""
         out = bytearray(max(stop - start, 0))
         self.read_into(name, start, [memoryview(out)])
         return out
 
     def download(self, name: str, local: Path, *, size: int) -> None:
-        """Copy object ``name`` (``size`` bytes) into the new local file ``local`` (here: by ranged reads, a piece
-        at a time; a backend with a whole-object copy of its own uses that)."""
+        """Copy object ``name`` (``size`` bytes) into the new local file ``local``, a piece at a time."""
         with open(local, "wb") as out:
             for start in range(0, size, _DOWNLOAD_PIECE):
                 out.write(self.read_range(name, start, min(start + _DOWNLOAD_PIECE, size)))
 
 
 def listed_etag(found: StoredObject | None) -> str | None:
-    """An object's version as a listing just gave it (``None``: not listed): its etag, else its size and time. A save
-    that has listed its location takes the commit object's version from there, for :meth:`ByteIO.commit`'s
-    ``replaces``; a backend's commit compares it with the version it finds then."""
+    """An object's version as a listing just gave it (``None``: not listed), for :meth:`ByteIO.commit`'s
+    ``replaces``: its etag, else its size and time."""
     if found is None:
         return None
     return found.etag if found.etag is not None else f"{found.size}-{found.mtime}"
@@ -117,3 +100,21 @@ def read_all(loc: ByteIO, name: str, *, limit: int, size: int | None = None) -> 
     if size > limit:
         raise ValueError(f"{loc}/{name}: {size} bytes, above the bound for it ({limit})")
     return bytes(loc.read_range(name, 0, size))
+
+
+class Tiling:
+    """Buffers tiling the bytes from ``start`` on (a :meth:`ByteIO.read_into`'s ``targets``): :meth:`copy` puts bytes
+    at an offset into those they cover."""
+
+    def __init__(self, start: int, targets: Sequence[memoryview]) -> None:
+        self.targets = [t.cast("B") if t.format != "B" or t.ndim != 1 else t for t in targets]
+        self.starts = list(itertools.accumulate((t.nbytes for t in self.targets), initial=start))
+
+    def copy(self, at: int, data: bytes | bytearray) -> None:
+        k = max(bisect.bisect_right(self.starts, at) - 1, 0)
+        done = 0
+        while done < len(data):
+            target, lo = self.targets[k], at + done - self.starts[k]
+            n = min(len(data) - done, target.nbytes - lo)
+            target[lo : lo + n] = data[done : done + n]
+            done, k = done + n, k + 1

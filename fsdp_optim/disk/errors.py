@@ -20,6 +20,4 @@ class StoreUnavailable(OSError):
 
 class CommitOutcomeUnknown(OSError):
     """A commit whose put failed without an answer (its responses lost) and whose object could not be read back
-    after: the manifest may be in place, so the files it lists must be kept (the next save removes them if not).
-    :meth:`~fsdp_optim.disk.save.Writer.commit` of a backend that cannot always tell (a store) raises
-    it; callers keep what the save published when they see it."""
+    after: the manifest may be in place, so the files it lists are kept (the next save removes them if not)."""

@@ -119,9 +119,7 @@ def check_file(
         return FileCheck(path, True, f"ok: {size} bytes")
     # torch.save files are zips with a CRC-32 per record; format-2 and -3 rank files are safetensors, whose chunk
     # checksums (in the manifest, format 2; in the file's header, format 3) the read below verifies.
-    local = isinstance(path, Path) and path.suffix != ".safetensors" and zipped
-    problem = _zip_problem(path) if isinstance(path, Path) and local else None
-    if problem is not None:
+    if isinstance(path, Path) and path.suffix != ".safetensors" and zipped and (problem := _zip_problem(path)):
         return FileCheck(path, False, problem)
     try:
         detail = read(path)

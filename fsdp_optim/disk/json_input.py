@@ -73,28 +73,20 @@ def check_depth(value: Any, where: str, limit: int = MAX_JSON_DEPTH) -> None:
         level = [c for v in level for c in (v.values() if type(v) is dict else v) if isinstance(c, _CONTAINERS)]
         if not level:
             return
+    parts = _deep_path(value, limit) or []  # the path (``['key'][3]...``) to it, shown up to 8 parts
+    shown = "".join(parts[:8]) + (f"... ({len(parts) - 8} more levels)" if len(parts) > 8 else "")
     raise RefusedJSON(
-        f"{where}{_path_too_deep(value, limit)}: nested deeper than {limit} levels (lists and objects in "
-        "lists and objects; a file of ours is at most 9 deep)"
+        f"{where}, at {shown}: nested deeper than {limit} levels (lists and objects in lists and objects; a file of "
+        "ours is at most 9 deep)"
     )
 
 
-def _path_too_deep(value: Any, limit: int) -> str:
-    """The path (``['key'][3]...``) to a container more than ``limit`` levels deep, shown up to 8 parts."""
-    parts: list[str] = []
-    for _ in range(limit):
-        items = value.items() if type(value) is dict else enumerate(value)
-        left = limit - len(parts) - 1  # levels a child needs below it for a container past the limit
-        value, part = next((c, k) for k, c in items if isinstance(c, _CONTAINERS) and _deeper(c, left))
-        parts.append(f"['{escape(part, limit=40)}']" if isinstance(part, str) else f"[{part}]")
-    shown = "".join(parts[:8]) + (f"... ({len(parts) - 8} more levels)" if len(parts) > 8 else "")
-    return f", at {shown}"
-
-
-def _deeper(value: Any, levels: int) -> bool:
-    level = [value]
-    for _ in range(levels):
-        level = [c for v in level for c in (v.values() if type(v) is dict else v) if isinstance(c, _CONTAINERS)]
-        if not level:
-            return False
-    return True
+def _deep_path(value: Any, left: int) -> list[str] | None:
+    """The parts of a path to a container below ``value`` more than ``left`` levels down (depth first: the recursion
+    stops at ``left``, at most :data:`MAX_JSON_DEPTH`); ``None`` when there is none."""
+    if left == 0:
+        return []
+    for key, child in value.items() if type(value) is dict else enumerate(value):
+        if isinstance(child, _CONTAINERS) and (below := _deep_path(child, left - 1)) is not None:
+            return [f"['{escape(key, limit=40)}']" if isinstance(key, str) else f"[{key}]", *below]
+    return None

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_optim.disk.atomic import atomic_write, fsync_dir
-from fsdp_optim.disk.byte_io import StoredObject
+from fsdp_optim.disk.byte_io import StoredObject, Tiling
 from fsdp_optim.disk.errors import ConcurrentCommitError
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.location import Location, T
@@ -55,7 +55,6 @@ from fsdp_optim.disk.locks import (
     resolve_output,
 )
 from fsdp_optim.disk.save import Begun, Claims, SaveRules, Staging, Writer, saving, surveyed
-from fsdp_optim.disk.store_answers import Tiling
 
 __all__ = ["LocalDirectory", "RenameWriter", "Stage", "staged_output", "staged_writer"]
 
@@ -146,15 +145,11 @@ class LocalDirectory(Location):
         else:
             atomic_write(target, lambda file: file.write(data))
 
-    def etag(self, name: str) -> str | None:
-        """The file's size and modification time (as its listing gives them), ``None`` when there is none."""
-        found = self.size(name)
-        return None if found is None else f"{found}-{os.stat(self.path / name).st_mtime}"
-
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
-        """Checked, then renamed into place: exact while a save holds the directory's lock, which a save's own commit
-        (:class:`RenameWriter`) relies on instead."""
-        if (found := self.etag(name)) != replaces:
+        """Checked (its size and time as its listing gives them), then renamed into place: exact while a save holds
+        the directory's lock, which a save's own commit (:class:`RenameWriter`) relies on instead."""
+        size = self.size(name)
+        if (found := None if size is None else f"{size}-{os.stat(self.path / name).st_mtime}") != replaces:
             raise ConcurrentCommitError(f"{self / name}: changed by another writer ({found}, not {replaces})")
         self.write(name, data)
 
@@ -164,9 +159,8 @@ class LocalDirectory(Location):
 
     @contextmanager
     def removal(self, *, purpose: str) -> Iterator[Callable[[], None] | None]:
-        """Under the directory's lock (``None``, nothing taken, while a writer holds it), the emptied directory
-        itself removed by the call (``OSError`` if anything is left in it); the lock's journal is dropped once the
-        directory is gone."""
+        """Under the directory's lock (``None`` while a writer holds it), the emptied directory itself removed by the
+        call (``OSError`` if anything is left in it); the lock's journal is dropped once the directory is gone."""
         try:
             lock = lock_output(self.path, purpose=purpose)
         except OutputLockedError:
@@ -185,34 +179,28 @@ class LocalDirectory(Location):
     def written_here(
         self, publishing: Callable[[Path], AbstractContextManager[T]]  # noqa: ARG002 - nothing to publish
     ) -> Iterator[tuple[str | os.PathLike[str], T | None]]:
-        """The directory (or file) itself, spelled as given (the messages of an output, or of a file's reader, name
-        it so): written or read in place."""
+        """The directory (or file) itself, spelled as given (messages name it so)."""
         yield self.given, None
 
-    # -- what it can do ------------------------------------------------------------------------------------
-
     def writer(self, rules: SaveRules) -> RenameWriter:
-        """A rename under the directory's lock and journal."""
         return RenameWriter(self, rules)
 
 
 @dataclass
 class Stage:
-    """An output being written: put files into ``dir``; they are moved into ``out`` when the block ends, ``last``
+    """An output being written: put files into ``dir``; they are moved into the output when the block ends, ``last``
     last, then ``commit`` (the commit object's bytes, if the format has one) is renamed into place."""
 
-    out: Path
     dir: Path
     last: Sequence[str] = ()  # names moved in after every other file (a format's commit point)
     commit: bytes | None = None
 
 
 class RenameWriter(Writer):
-    """A local directory's save (:mod:`fsdp_optim.disk.save`; steps 1-6 of the module docstring): ``begin`` takes the
-    lock (``replace=False``: a checkpoint there is refused too); the files are written in place by every rank of a
-    job, or (``staging``: its name) into a staging directory beside the output and moved in when published, the move
-    journaled first; the commit object is renamed into place last (its temporary file carries the save's tag, so the
-    journal of a save killed there names it); then the lock is released (a failed save's files removed first)."""
+    """A local directory's save (steps 1-6 of the module docstring): written in place by every rank of a job, or
+    (``staging``: its name) staged beside the output and moved in when published, the move journaled first; the
+    commit object's temporary file carries the save's tag, so the journal of a save killed there names it.
+    ``replace=False``: a checkpoint there is refused too."""
 
     location: Location
 
@@ -225,8 +213,7 @@ class RenameWriter(Writer):
         self.lock: OutputLock | None = None  # held from begin (rank 0's) to finish or abort
 
     def begin(self, *, purpose: str, overwrite: bool) -> Begun:
-        """Steps 1-4 and the journal of step 5: the lock held until :meth:`finish` or :meth:`abort` releases it; the
-        save journaled with what its commit replaces (the names the survey found, and an interrupted write's)."""
+        """Steps 1-4 and the journal of step 5; the lock is held until :meth:`finish` or :meth:`abort`."""
         claims, entry = self.rules.claims, dataclasses.replace(self.rules.entry, staging=self.staging)
         check_not_input(self.path, self.inputs)
         self.lock = lock = lock_output(self.path, purpose=purpose)
@@ -266,8 +253,7 @@ class RenameWriter(Writer):
             atomic_write(self._out() / self.rules.commit_name, lambda file: file.write(data), tag=self.rules.tag)
 
     def finish(self, begun: Begun | None, *, keep: frozenset[str]) -> None:
-        """The replaced output's files that the commit does not list (a killed writer's were removed at ``begin``,
-        from the journal), then the lock released."""
+        """The replaced output's files that the commit does not list removed, then the lock released."""
         if begun is None:
             return
         try:
@@ -285,7 +271,7 @@ class RenameWriter(Writer):
             begun.release(True)
 
     def _release(self, lock: OutputLock, failed: bool) -> None:
-        """Release the lock taken at :meth:`begin`; if the save failed, first remove what it created (its journal)."""
+        """Release the lock; if the save failed, first remove what its journal says it created."""
         try:
             if failed:
                 recover(lock.output, lock.entries, self.rules.claims)
@@ -309,15 +295,13 @@ def staged_output(
     entry: JournalEntry | None = None,
     commit_name: str = "",
 ) -> Iterator[Stage]:
-    """Write a directory output all or nothing, through the one save driver (:func:`fsdp_optim.disk.save.saving`,
-    with a :class:`RenameWriter`): the block fills ``stage.dir``; on a clean exit its files are moved into ``out``
-    (``stage.last`` last), then the commit: ``stage.commit`` (bytes) renamed into place as ``commit_name``; then the
-    files of the output it replaces are removed. ``entry``: what to journal besides the staging name (a format's
-    ``created`` reads it)."""
+    """Write a directory output all or nothing through the one save driver: the block fills ``stage.dir`` (a
+    :class:`Stage`); ``stage.commit`` is renamed into place as ``commit_name``. ``entry``: what to journal besides
+    the staging name (a format's ``created`` reads it)."""
     writer = staged_writer(out, claims, inputs=inputs, replace=replace, entry=entry, commit_name=commit_name)
     begun = writer.begin(purpose=purpose, overwrite=overwrite)
     with saving(writer, begun, save_id=writer.rules.tag) as save:
-        stage = Stage(writer._out(), save.staging.path)
+        stage = Stage(save.staging.path)
         yield stage
         last = list(stage.last)
         names = sorted(os.listdir(stage.dir), key=lambda n: (n in last, last.index(n) if n in last else 0))
@@ -329,8 +313,7 @@ def staged_writer(
     out: str | os.PathLike[str], claims: Claims, *, inputs: Iterable[Any] = (), replace: bool = True,
     entry: JournalEntry | None = None, commit_name: str = "",
 ) -> RenameWriter:  # fmt: skip
-    """The :class:`RenameWriter` of a directory output staged beside ``out`` (its staging directory's name, with a
-    new tag, journaled with ``entry``; ``commit_name``: the format's commit object, if it has one)."""
+    """The :class:`RenameWriter` of a directory output staged beside ``out``, in a directory of a new tag."""
     tag = uuid.uuid4().hex[:12]
     rules = SaveRules(claims, entry or JournalEntry(), commit_name, frozenset(), lambda _where, _size: frozenset())
     staging = f".{resolve_output(out).name}.fsdp-optim-staging.{tag}"

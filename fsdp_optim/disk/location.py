@@ -1,28 +1,14 @@
 """Where a checkpoint's files live: one interface, :class:`Location`, and one class per backend.
 
 A backend is a directory-like place holding named objects: :class:`~fsdp_optim.disk.local_directory.LocalDirectory`
-(a local directory: rename and a lock), :class:`~fsdp_optim.disk.storage.ObjectStore` (a prefix of any fsspec
-filesystem: S3, GCS, ``memory://``...; a conditional put), :class:`~fsdp_optim.job.node_memory.NodeMemory` (the
-memory tier: a step in a node's tmpfs, committed by replicas and markers, its missing ranges received from peers;
-in ``job/``, as its commit and prefetch are collectives). Readers and writers above ``disk/`` take a ``Location`` and
-call these methods; none asks which kind it is.
+(rename and a lock), :class:`~fsdp_optim.disk.storage.ObjectStore` (a prefix of any fsspec filesystem; a conditional
+put), :class:`~fsdp_optim.job.node_memory.NodeMemory` (the memory tier, in ``job/``: its commit and prefetch are
+collectives). Readers and writers above ``disk/`` take a ``Location`` and call its members; none asks which kind it is.
 
-A backend implements the eight byte-level primitives of :class:`~fsdp_optim.disk.byte_io.ByteIO` (its name, the
-level below, listing, ranged reads into buffers, an atomic whole-object write, the conditional commit, delete); its
-sizes, ranges and copies follow from them there. Beyond them, the members a backend may override: naming (``/``,
-``child``, ``parent``), ``local_path()`` (the path whose files are mapped in place, or None), ``prefetch(spans)``
-(ranges fetched ahead of a load), a local path for it given by ``written_here(publishing)`` (itself where it is
-local, else a local copy that ``publishing`` fills or publishes), a whole location removed under ``removal(purpose)``
-(its objects deleted, then what keeps it listed), ``multipart(name)``, and ``writer(rules)``: how a save commits here
-(:mod:`fsdp_optim.disk.save`, the one save protocol: a conditional put by default, a rename under a lock and journal
-in a local directory).
-
-What follows from the members, the same for every backend, is a function over a location below (a local path, where
-there is one, answers): :func:`base_name`, :func:`as_local_file`, :func:`public`, :func:`identity`, :func:`same_place`,
-:func:`exists`, :func:`present`, :func:`non_objects`, :func:`shared_directory` and the plainest publishing,
-:func:`uploaded`.
-
-``disk/`` knows no format: what a save's output owns comes from the format (:class:`~fsdp_optim.disk.save.SaveRules`).
+A backend implements the eight primitives of :class:`~fsdp_optim.disk.byte_io.ByteIO`; beyond them it may override
+naming, ``local_path()`` (a path whose files are mapped in place), ``prefetch``, ``written_here``, ``removal``,
+``multipart`` and ``writer(rules)``: how a save commits here (:mod:`fsdp_optim.disk.save`). What follows from the
+members, the same for every backend, is a function below (a local path, where there is one, answers).
 """
 
 from __future__ import annotations
@@ -85,12 +71,10 @@ class Location(ByteIO):
         return ObjectPath(self, name)
 
     @abstractmethod
-    def child(self, name: str) -> Location:
-        """The location ``name`` below this one (a step directory under a manager's root)."""
+    def child(self, name: str) -> Location: ...
 
     def local_path(self) -> Path | None:
-        """The local path this location is, for the readers that map or open its files in place; ``None`` where its
-        objects have no local path (a store: read by ranges, written by uploads)."""
+        """The local path whose files readers map or open in place; ``None``: read by ranges, written by uploads."""
         return None
 
     def parent(self) -> Location:
@@ -102,10 +86,9 @@ class Location(ByteIO):
     def prefetch(
         self, spans: Callable[[], Sequence[Any]]  # noqa: ARG002 - nothing fetched ahead by default
     ) -> AbstractContextManager[Mapping[str, Sequence[Any]] | None]:
-        """The byte ranges ``spans()`` lists (objects ``.file``, bytes ``[.start, .stop)``, read ``.uses`` times),
-        fetched ahead of their use within the block: their pieces by object name (each with ``bytes()``,
-        ``used()``), or ``None`` where nothing is fetched ahead (a local directory maps its files; ``spans`` is then
-        not called)."""
+        """The byte ranges ``spans()`` lists (:class:`~fsdp_optim.disk.prefetch.SpanLike`) fetched ahead of their use
+        within the block: their pieces by object name (each with ``bytes()``, ``used()``); ``None`` where nothing is
+        fetched ahead (``spans`` is then not called)."""
         return nullcontext(None)
 
     # -- writing and removing ------------------------------------------------------------------------------
@@ -113,19 +96,16 @@ class Location(ByteIO):
     def removal(self, *, purpose: str) -> AbstractContextManager[Callable[[], None] | None]:  # noqa: ARG002
         """Held while this location is emptied and removed: ``None`` when a writer holds it (then nothing may be
         removed), else the call that removes, once its objects are deleted, what keeps it listed (a local directory
-        itself, a store's "directory" object; nothing by default). A local directory takes its lock (``purpose``
-        says why, to a second writer); a store has none to take."""
+        itself under its lock, ``purpose`` telling a second writer why; a store's "directory" object)."""
         return nullcontext(lambda: None)
 
     @contextmanager
     def written_here(
         self, publishing: Callable[[Path], AbstractContextManager[T]]
     ) -> Iterator[tuple[str | os.PathLike[str], T | None]]:
-        """A local path at which to write (or read) this location (a file or a directory of its name), and what
-        ``publishing(local)`` yields: here a scratch copy in ``$TMPDIR``, entered in ``publishing(local)`` (which
-        fetches it, or refuses, uploads, commits or removes its uploads as the block ends) and removed however it
-        ends. A local directory is written in place: its path as it was given, and ``None`` (``publishing`` is not
-        called)."""
+        """A local path at which to write (or read) this location, and what ``publishing(local)`` yields: here a
+        scratch copy in ``$TMPDIR`` entered in ``publishing(local)`` (which fetches it, or uploads and commits it as
+        the block ends), removed however it ends. A local directory is its own path as given, and ``None``."""
         scratch = Path(tempfile.mkdtemp(prefix="fsdp_optim-out-"))
         try:
             local = scratch / base_name(self)
@@ -137,13 +117,12 @@ class Location(ByteIO):
     # -- what it can do (asked by name of the capability, never of the backend) ------------------------------
 
     def writer(self, rules: SaveRules) -> Writer:
-        """How a save under ``rules`` commits here (:mod:`fsdp_optim.disk.save`): by default a conditional put of
-        the commit object, on the :class:`~fsdp_optim.disk.byte_io.ByteIO` primitives."""
+        """How a save under ``rules`` commits here: by default a conditional put of the commit object."""
         return Writer(self, rules)
 
     def multipart(self, name: str) -> Multipart | None:  # noqa: ARG002 - none by default
-        """Object ``name`` written as the parts of one multipart upload, by any number of processes, where the
-        backend offers it (:mod:`~fsdp_optim.disk.multipart`); ``None`` by default (written whole, by one writer)."""
+        """Object ``name`` as the parts of one multipart upload (:mod:`~fsdp_optim.disk.multipart`), by any number
+        of processes; ``None`` where the backend has none (written whole, by one writer)."""
         return None
 
 
@@ -160,8 +139,7 @@ def base_name(loc: Location) -> str:
 
 
 def public(loc: Location) -> Path | Location:
-    """What the API hands back for ``loc``: its local path (a ``Path`` for a local directory, as it always has), else
-    the location itself."""
+    """What the API hands back for ``loc``: its local path, else the location itself."""
     path = loc.local_path()
     return loc if path is None else path
 
@@ -173,8 +151,8 @@ def identity(loc: Location) -> str:
 
 
 def same_place(loc: Location, other: Location) -> bool:
-    """Whether ``other`` names the very location ``loc`` does: the same directory once symlinks are resolved (a
-    local directory is never the same place as a location of another kind), else the same :func:`identity`."""
+    """Whether ``other`` names the very location ``loc`` does: the same directory once symlinks are resolved, else
+    the same :func:`identity`."""
     path, other_path = loc.local_path(), other.local_path()
     if path is None and other_path is None:
         return identity(loc) == identity(other)
@@ -182,8 +160,7 @@ def same_place(loc: Location, other: Location) -> bool:
 
 
 def exists(loc: Location) -> bool:
-    """Whether there is a place here to list: a local directory while it is one (a store's prefix always is: it
-    exists once an object does)."""
+    """Whether there is a place here to list: a local directory while it is one; a store's prefix always."""
     path = loc.local_path()
     return True if path is None else path.is_dir()
 
@@ -196,8 +173,8 @@ def present(loc: Location) -> bool:
 
 
 def non_objects(loc: Location) -> list[str]:
-    """The names directly under ``loc`` that are not objects (a local directory's subdirectories, links, devices:
-    never a checkpoint's own files), sorted; none where it has no local path (a store's listing is all objects)."""
+    """The names directly under ``loc`` that are not objects (a local directory's subdirectories, links, devices),
+    sorted; none where it has no local path."""
     path = loc.local_path()
     if path is None:
         return []
@@ -208,17 +185,15 @@ def non_objects(loc: Location) -> list[str]:
 
 
 def shared_directory(loc: Location) -> Path | None:
-    """The directory of a file system every process sees, where several processes may write one output together
-    (each its own files, or its own byte ranges of one file): a local directory's path; ``None`` elsewhere (an object
-    is written whole, by one writer)."""
+    """The directory every process sees, where several processes may write one output together (each its own files
+    or byte ranges): a local directory's path; ``None`` elsewhere (an object is written whole, by one writer)."""
     return loc.local_path()
 
 
 @contextmanager
 def uploaded(loc: Location, local: Path) -> Iterator[None]:
-    """The plainest ``publishing`` for :meth:`Location.written_here` (``functools.partial(uploaded, loc)``): once the
-    block ends cleanly, the file written at ``local`` becomes ``loc``'s object (a directory: each file under its
-    relative name), replaced whole."""
+    """The plainest ``publishing`` for :meth:`Location.written_here`: once the block ends cleanly, the file written
+    at ``local`` becomes ``loc``'s object (a directory: each file under its relative name), replaced whole."""
     yield None
     if local.is_dir():
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
@@ -229,10 +204,8 @@ def uploaded(loc: Location, local: Path) -> Iterator[None]:
 
 @contextmanager
 def as_local_file(loc: Location) -> Iterator[str | os.PathLike[str]]:
-    """``loc``, naming one object, as a local file for the readers that take a file (a full dict, a named safetensors
-    file, a layout file): where it is local, itself as :meth:`Location.written_here` spells it, whatever is there
-    (the reader that opens it says what is wrong); else a copy of the object fetched whole from the location above
-    (:meth:`~fsdp_optim.disk.byte_io.ByteIO.download`), checked for its size and removed after the block.
+    """``loc``, naming one object, as a local file for the readers that take a file: where it is local, itself;
+    else a copy fetched whole from the location above, checked for its size and removed after the block.
     ``FileNotFoundError`` when there is no such object; ``OSError`` for a copy of another size."""
     with loc.written_here(partial(_fetched, loc)) as (local, _):
         yield local

@@ -37,11 +37,9 @@ HOW_TO_ADD = (
 
 def register_backend(scheme: str, opener: Opener) -> None:
     """Make ``opener(url, storage_options)`` the :class:`~fsdp_optim.disk.location.Location` of every URL of
-    ``scheme`` (``"mystore"`` for ``mystore://bucket/run``), wherever the package takes a path: saves, loads, the
-    manager, every offline verb. It takes precedence over fsspec's filesystem of the same scheme. A spawned rank
-    registers it again by importing the module that does (register at that module's import); a location object
-    passed instead of a URL needs no registration. ``ValueError`` for a scheme that is not one (``file`` included:
-    local paths are the package's)."""
+    ``scheme`` (``"mystore"`` for ``mystore://bucket/run``) wherever the package takes a path, before fsspec's
+    filesystem of the same scheme. A spawned rank registers it again by importing the module that does.
+    ``ValueError`` for a scheme that is not one (``file`` included: local paths are the package's)."""
     name = scheme.lower()
     if not name.isascii() or not name[:1].isalpha() or not all(c.isalnum() or c in "+.-" for c in name):
         raise ValueError(f"scheme: expected a URL scheme such as 'mystore', found {scheme!r}")
@@ -51,11 +49,8 @@ def register_backend(scheme: str, opener: Opener) -> None:
 
 
 def where(path: str | os.PathLike[str] | Location, storage_options: Mapping[str, Any] | None = None) -> Location:
-    """The :class:`~fsdp_optim.disk.location.Location` a path names: a URL's
-    :class:`~fsdp_optim.disk.storage.ObjectStore`, a local path's
-    :class:`LocalDirectory`, a location (of any backend, one of the package's or the caller's) as itself. The one
-    place that tells a URL from a local path; a URL goes to the backend registered for its scheme
-    (:func:`register_backend`), else to fsspec's."""
+    """The :class:`~fsdp_optim.disk.location.Location` a path names (a location as itself): the one place that tells
+    a URL (its scheme's registered backend, else fsspec's) from a local path."""
     if isinstance(path, Location):
         return path
     if is_url(path):
@@ -75,9 +70,8 @@ def where(path: str | os.PathLike[str] | Location, storage_options: Mapping[str,
 
 
 def _discovered(scheme: str) -> Opener | None:
-    """The backend of a scheme no backend is registered for, found once per process: the modules
-    ``$FSDP_OPTIM_BACKENDS`` names imported (they register at import), else the scheme's entry point in
-    :data:`ENTRY_POINT_GROUP` loaded (a module is imported; a callable is registered as the opener). None: fsspec's."""
+    """The backend of a scheme no backend is registered for, found once per process (the module docstring); None:
+    fsspec's."""
     if "" not in _SOUGHT:
         _SOUGHT.add("")
         for module in filter(None, (m.strip() for m in os.environ.get(BACKENDS_ENV, "").split(","))):

@@ -1,8 +1,7 @@
 """One writer at a time per output: an exclusive lock beside each output, the journal kept in it, and the recovery
 from that journal (:func:`recover`).
 
-Pure of collectives; the lock touches only its file. Every writer (``save_sharded_optim_state``, the async
-save, ``reshard``, the CLI's ``-o`` outputs) holds :func:`lock_output` for its output while it writes::
+Every local writer holds :func:`lock_output` for its output while it writes::
 
     ckpt/                                  # the output directory (may not exist yet)
     .ckpt.fsdp-optim.lock                  # beside it: {"holder": {...}} then one {"journal": {...}} per line
@@ -28,7 +27,6 @@ leaves it, and the next holder of the lock gets those entries (the lock's ``prev
 remove exactly what the killed writer left, and nothing else (:func:`recover`; the writers:
 ``disk/local_directory.py``).
 
-A second writer gets :class:`OutputLockedError` (an ``OSError``) at once, naming the holder.
 """
 
 from __future__ import annotations
@@ -73,7 +71,6 @@ class OutputLockedError(OSError):
 
 
 def resolve_output(output: str | os.PathLike[str]) -> Path:
-    """``output`` with symlinks and ``..`` resolved, whether or not it exists yet."""
     return Path(os.path.realpath(output))
 
 
@@ -151,26 +148,16 @@ def _parse(text: bytes) -> tuple[dict[str, Any] | None, list[JournalEntry]]:
 
 
 def _read_fd(fd: int, limit: int = 1 << 24) -> bytes:
-    chunks, offset = [], 0
-    while offset < limit:
-        chunk = os.pread(fd, 1 << 16, offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
+    return os.pread(fd, min(os.fstat(fd).st_size, limit), 0)
 
 
 class OutputLock:
     """A held lock on one output. ``previous``: the journal a killed holder left (empty after a clean
     release). :meth:`journal` records an entry; :meth:`release` (or leaving the ``with`` block) frees it."""
 
-    def __init__(
-        self, output: Path, path: Path, fd: int, mode: str, previous: list[JournalEntry], purpose: str
-    ) -> None:
+    def __init__(self, output: Path, path: Path, fd: int, previous: list[JournalEntry], purpose: str) -> None:
         self.output = output
         self.path = path
-        self.mode = mode  # "flock" or "exclusive"
         self.previous = previous
         self.entries: list[JournalEntry] = []  # this holder's own journal
         self._fd: int | None = fd
@@ -180,17 +167,9 @@ class OutputLock:
         os.fsync(fd)
 
     def _held(self) -> int:
-        """The lock file's descriptor; a released lock cannot be written through."""
         if self._fd is None:
             raise ValueError(f"{self.output}: this output lock was released; expected a held lock")
         return self._fd
-
-    def _rewrite(self, records: list[dict[str, Any]]) -> None:
-        fd = self._held()
-        data = b"".join(json.dumps(r).encode() + b"\n" for r in records)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
 
     def journal(self, entry: JournalEntry) -> None:
         """Append ``entry`` durably, before doing what it announces."""
@@ -202,7 +181,10 @@ class OutputLock:
 
     def forget(self) -> None:
         """Drop every journal entry (what they announced is done or cleaned up); keep holding the lock."""
-        self._rewrite([{"holder": self._holder}])
+        fd = self._held()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"holder": self._holder}).encode() + b"\n", 0)
+        os.fsync(fd)
         self.previous, self.entries = [], []
 
     def release(self) -> None:
@@ -225,8 +207,7 @@ class OutputLock:
 
 def lock_output(output: str | os.PathLike[str], *, purpose: str) -> OutputLock:
     """Take the exclusive lock of ``output`` (a directory or file, existing or not) or raise
-    :class:`OutputLockedError` naming the holder. Never waits. ``purpose`` says what the holder does
-    (it appears in the second writer's error)."""
+    :class:`OutputLockedError` naming the holder (and its ``purpose``) at once."""
     resolved = resolve_output(output)
     path = lock_path(resolved)
     try:
@@ -243,7 +224,6 @@ def lock_output(output: str | os.PathLike[str], *, purpose: str) -> OutputLock:
 
 
 def _take_lock(resolved: Path, path: Path, purpose: str) -> OutputLock:
-    """:func:`lock_output` once the paths are known."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if os.environ.get("FSDP_OPTIM_LOCK", "flock") != "exclusive":
         for _ in range(100):  # another writer may delete the file between our open and our flock
@@ -271,7 +251,7 @@ def _take_lock(resolved: Path, path: Path, purpose: str) -> OutputLock:
                 os.close(fd)  # we locked a lock file its holder had just deleted: try again
                 continue
             _, previous = _parse(_read_fd(fd))
-            return OutputLock(resolved, path, fd, "flock", previous, purpose)
+            return OutputLock(resolved, path, fd, previous, purpose)
         else:
             raise OutputLockedError(f"{resolved}: could not take its lock {path} (it keeps being replaced)")
     return _lock_exclusive(resolved, path, purpose)
@@ -307,7 +287,7 @@ def _lock_exclusive(resolved: Path, path: Path, purpose: str) -> OutputLock:
             os.fsync(fd)
             for broken in broken_files:
                 broken.unlink(missing_ok=True)
-            return OutputLock(resolved, path, fd, "exclusive", previous, purpose)
+            return OutputLock(resolved, path, fd, previous, purpose)
         try:
             text, age = path.read_bytes(), time.time() - path.stat().st_mtime
         except FileNotFoundError:

@@ -12,9 +12,7 @@ anywhere leaves no object (an upload nobody completes or aborts keeps its parts 
     upload.complete(upload_id, [part1, part, ...])    # one process, once every part is in
     upload.abort(upload_id)                            # after a failure
 
-Each call is retried on transient errors under the store's policy (:meth:`ObjectStore._retry`). A backend without
-the API gets ``None`` from :meth:`~fsdp_optim.disk.location.Location.multipart`; its caller writes locally and
-uploads the whole file instead.
+Each call is retried on transient errors under the store's policy (:meth:`ObjectStore._retry`).
 """
 
 from __future__ import annotations
@@ -23,11 +21,10 @@ import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 __all__ = ["Multipart", "Part", "S3Multipart"]
 
-T = TypeVar("T")
 Retry = Callable[..., Any]  # ObjectStore._retry: (call(limit), what, *, nbytes) -> call's result
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -49,11 +46,8 @@ class Multipart(Protocol):
     def abort(self, upload_id: str) -> None: ...
 
 
-
-
 class S3Multipart:
-    """:class:`Multipart` through s3fs's client (``call_s3``): object ``path`` (``bucket/key``), ``where`` its URL for
-    messages, each call under ``retry``."""
+    """:class:`Multipart` through s3fs's client: object ``path`` (``bucket/key``), ``where`` its URL."""
 
     def __init__(self, fs: Any, path: str, where: str, retry: Retry) -> None:  # noqa: D107
         self.fs, self.where, self.retry = fs, where, retry
@@ -87,9 +81,3 @@ class S3Multipart:
 
     def abort(self, upload_id: str) -> None:
         self._call("abort_multipart_upload", "aborting the upload", UploadId=upload_id)
-
-    def pending(self) -> list[str]:
-        """The ids of this key's uploads begun and neither completed nor aborted (what a killed writer leaves)."""
-        call = lambda limit: self.fs.call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.key, **limit)  # noqa: E731
-        answer = self.retry(call, f"{self.where}: listing its unfinished uploads")
-        return [str(u["UploadId"]) for u in answer.get("Uploads", []) if u.get("Key") == self.key]

@@ -73,7 +73,7 @@ def check_tree(
     """
     tensors = _Walk(where, max_depth, max_nodes, tied).run(obj)
     for seen in tensors.values():  # where a tensor is, is spelled out only for an error
-        problem = _kind_problem(seen.tensor) if in_memory else _tensor_problem(seen.tensor)
+        problem = _kind_problem(seen.tensor) or (None if in_memory else _layout_problem(seen.tensor))
         if problem is None and not (in_memory or shared) and seen.references > 1 and seen.tensor.numel() > 1:
             problem = f"one tensor of {seen.tensor.numel()} elements referenced {seen.references} times"
         if problem is not None:
@@ -135,11 +135,7 @@ class _Walk:
             if len(path) >= self.max_depth:
                 raise ValueError(f"{_show_path(self.where, path)}: nested deeper than {self.max_depth} levels")
             return None
-        if kind in _LEAVES and kind not in _TENSORS:
-            if kind is int and not -(1 << 63) <= node < (1 << 64):
-                raise ValueError(f"{_show_path(self.where, path)}: an integer of {node.bit_length()} bits")
-            return 1
-        if torch.is_tensor(node):
+        if kind in _TENSORS or (kind not in _LEAVES and torch.is_tensor(node)):
             seen = self.tensors.get(id(node))
             if seen is None:
                 self.tensors[id(node)] = _Tensor(node, path)
@@ -171,20 +167,6 @@ class _Walk:
                 f"{self.where}: holds more than {self.max_nodes} objects counting every reference (shared objects "
                 "once per reference); the bound is fsdp_optim.core.limits.MAX_NODES"
             )
-
-
-
-def check_tensor(t: torch.Tensor, where: str) -> None:
-    """Refuse a tensor that is not a dense, non-overlapping, strided CPU/accelerator tensor of an allowed
-    dtype lying inside its storage (see the module docstring)."""
-    problem = _tensor_problem(t)
-    if problem is not None:
-        raise ValueError(f"{where}: {problem}")
-
-
-
-def _tensor_problem(t: torch.Tensor) -> str | None:
-    return _kind_problem(t) or _layout_problem(t)
 
 
 

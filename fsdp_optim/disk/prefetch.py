@@ -1,23 +1,20 @@
 """Byte ranges of a location's objects fetched ahead of the reader that uses them, a bounded window at a time:
 :meth:`ObjectStore.prefetch <fsdp_optim.disk.storage.ObjectStore.prefetch>` (any location read by ranged reads).
 
-A load at another world size reads, unit by unit and key by key, many small ranges of several rank files
+A load at another world size reads many small ranges of several rank files
 (:func:`~fsdp_optim.formats.sharded.byte_ranges.load_spans` lists them from the plans alone, in order of use). One
-GET after another, each range would wait for a round trip; here they are fetched in that order by a pool of
-``MAX_CONCURRENT`` threads (ranges over 16 MiB in 16 MiB pieces), at most ``window`` bytes fetched and not yet used
-up, while the load reads the first ones::
+GET after another, each would wait for a round trip; here they are fetched in that order by a pool of
+``MAX_CONCURRENT`` threads (16 MiB pieces), at most ``window`` bytes fetched and not yet used up::
 
     spans (in order of use):   [h0] [h1] [a 2 MiB] [b 3 MiB] [c 40 MiB] [d 1 MiB] ...
     window 128 MiB:             fetched ------------------------------ > waits for a, b ... to be used up
 
-Each range is a :class:`StorePiece`, which a load reads as part of a
-:class:`~fsdp_optim.formats.sharded.sources.HeldSource`, so every byte is verified as a file's are (the header
-against the manifest, each 64 KiB chunk against the header's checksum) before it is used; a piece drops its bytes
-after its last shard read (``uses``, counted by the plan). Memory: the
-rank's own shards (what a load builds anyway) plus at most ``window`` bytes plus the ranges being read. A piece is
-fetched at once (beyond the window) when the load needs it, and fetched again if needed after it was dropped, so a
-count that is wrong costs a fetch, never a wrong byte. Errors (a missing object, a store that is gone after its
-retries) are raised where the load reads the piece.
+A load reads each :class:`StorePiece` as part of a :class:`~fsdp_optim.formats.sharded.sources.HeldSource`, so every
+byte is verified as a file's are before it is used; a piece drops its bytes after its last shard read (``uses``,
+counted by the plan). Memory: the rank's own shards plus at most ``window`` bytes plus the ranges being read. A
+piece is fetched at once (beyond the window) when the load needs it, and again if needed after it was dropped, so a
+count that is wrong costs a fetch, never a wrong byte. Errors (a missing object, a store gone after its retries) are
+raised where the load reads the piece.
 """
 
 from __future__ import annotations
@@ -58,19 +55,14 @@ class StorePiece:
     (0: kept until the load ends: a header, a side file)."""
 
     def __init__(self, owner: StorePrefetch, span: SpanLike) -> None:  # noqa: D107 - see the class
-        self.owner, self.name, self.start, self.uses = owner, span.file, span.start, span.uses
-        self._stop = span.stop
+        self.owner, self.name, self.start, self.stop, self.uses = owner, span.file, span.start, span.stop, span.uses
         self.data: torch.Tensor | None = None
         self.futures: list[Future[None]] = []
         self.fetched = 0  # times its bytes were fetched
 
     @property
-    def stop(self) -> int:
-        return self._stop
-
-    @property
     def nbytes(self) -> int:
-        return self._stop - self.start
+        return self.stop - self.start
 
     @property
     def dropped(self) -> bool:
@@ -113,7 +105,10 @@ class StorePrefetch:
         return self
 
     def __exit__(self, *_: object) -> None:
-        self.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for piece in self.pieces:
+            piece.data, piece.futures = None, []
+        self.held = 0
 
     def by_file(self) -> dict[str, list[StorePiece]]:
         """The pieces, by object name."""
@@ -157,9 +152,3 @@ class StorePrefetch:
         if piece.data is not None:
             piece.data = None
             self.held -= piece.nbytes
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for piece in self.pieces:
-            piece.data, piece.futures = None, []
-        self.held = 0

@@ -209,12 +209,12 @@ class Writer:
         return Begun(listed_etag(committed), replaced)
 
     def stage(self, save_id: str, rank: int) -> Staging:
-        """Where this rank writes its own files: here a scratch directory in ``$TMPDIR``, nothing fsynced there."""
+        """Here a scratch directory in ``$TMPDIR``, nothing fsynced there."""
         path = Path(tempfile.mkdtemp(prefix=f"fsdp_optim-{save_id[:8]}-rank{rank}-"))
         return Staging(path, durable=False, scratch=True)
 
     def publish(self, staging: Staging, names: Iterable[str]) -> None:
-        """Make the files ``names`` written into ``staging`` the location's: here each uploaded, then removed."""
+        """Here each uploaded, then removed."""
         for name in names:
             self.location.write(name, staging.path / name)
             (staging.path / name).unlink()
@@ -258,8 +258,7 @@ class Writer:
 
 
 class Save:
-    """One process's part of a save, as :func:`saving` hands it to its block. Its staging is made at first use
-    (within the block: inside the step that agrees on the writing)."""
+    """One process's part of a save, as :func:`saving` hands it to its block; its staging is made at first use."""
 
     def __init__(self, writer: Writer, begun: Begun | None, save_id: str, rank: int, agreed: Agreed,
                  staging: Staging | None) -> None:  # fmt: skip  # noqa: D107 - see the class
@@ -271,7 +270,6 @@ class Save:
 
     @property
     def staging(self) -> Staging:
-        """Where this process writes its own files (:meth:`Writer.stage`, once)."""
         if self._staging is None:
             self._staging = self.writer.stage(*self._where)
         return self._staging
@@ -284,7 +282,6 @@ class Save:
         return self.begun
 
     def publish(self, names: Sequence[str]) -> None:
-        """Make this process's files ``names`` (written into ``staging``) the location's."""
         self.published += names  # (before publishing: a failure part way removes what went up)
         self.writer.publish(self.staging, names)
 
@@ -325,10 +322,8 @@ def saving(
     writer: Writer, begun: Begun | None, *, save_id: str, rank: int = 0, agreed: Agreed = _alone,
     staging: Staging | None = None,
 ) -> Iterator[Save]:  # fmt: skip
-    """The one driver of a save (the module docstring): the block writes into ``save.staging`` (``staging``: one
-    given, already there), publishes and calls :meth:`Save.commit`; then :meth:`Save.end`: finished, or aborted
-    when the block failed or ended without committing. ``agreed(what)``: the step every process runs and agrees on
-    (a job's, a team's; one process: none)."""
+    """The one driver of a save (the module docstring); ``staging``: one given, already there; ``agreed(what)``: the
+    step every process runs and agrees on (a job's, a team's; one process: none)."""
     save = Save(writer, begun, save_id, rank, agreed, staging)
     try:
         yield save

@@ -1,38 +1,42 @@
-"""Where checkpoint files live: a local directory (a :class:`~pathlib.Path`), or a prefix of an object store or any
-fsspec filesystem (an :class:`ObjectStore`).
+"""A prefix of an object store or any fsspec filesystem (``s3://``, ``gs://``, ``memory://``...): :class:`ObjectStore`.
 
-A *URL* is anything with a scheme other than ``file://``: ``s3://bucket/run/step-100``, ``gs://...``, ``az://...``,
-``memory://...``. Its filesystem comes from fsspec (S3 through s3fs: ``pip install fsdp_optim[s3]``); credentials and
-endpoints from the standard places (for S3 the AWS environment and config files, ``AWS_ENDPOINT_URL`` included) or
-from ``storage_options``, which are never printed.
+Credentials and endpoints come from the standard places (for S3 the AWS environment and config files,
+``AWS_ENDPOINT_URL`` included) or from ``storage_options``, which are never printed.
 
-An object store has no rename and no lock, so a checkpoint is committed there by writing its files under names
-unique to the save and then creating the manifest with a *conditional put* (:meth:`ObjectStore.commit`):
-``If-None-Match: *`` where there was none, ``If-Match: <etag>`` over the one this save replaces. Two writers of one
-prefix cannot both commit; the loser gets :class:`ConcurrentCommitError`. S3 (and S3-compatible stores answering
-412) gives that guarantee. Other fsspec filesystems get a weaker mode that checks and then writes
-(``ObjectStore.conditional`` is ``False``); the docs say so.
-
-Every read is ranged (:meth:`ObjectStore.read_range`) and retried with backoff on transient errors and short
-bodies, never past the store's deadline (:mod:`.store_policy`); refused credentials are not retried. The bytes are
-then checked by the caller against the manifest's checksums.
+A store has no rename and no lock, so a save writes its files under names unique to it, then creates the manifest
+with a *conditional put* (:meth:`ObjectStore.commit`): ``If-None-Match: *`` where there was none, ``If-Match: <etag>``
+over the one it replaces. Two writers of one prefix cannot both commit; the loser gets ``ConcurrentCommitError``.
+S3 (and S3-compatible stores answering 412) gives that guarantee; other fsspec filesystems get a weaker mode that
+checks, then writes (``ObjectStore.conditional`` is ``False``; the docs say so). Every request is retried on
+transient errors, never past the store's deadline (:mod:`.store_policy`); the caller checks the bytes read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fsdp_optim.disk.byte_io import StoredObject
+from fsdp_optim.disk.byte_io import StoredObject, Tiling
 from fsdp_optim.disk.errors import CommitOutcomeUnknown, ConcurrentCommitError, StoreUnavailable
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.multipart import S3Multipart
 from fsdp_optim.disk.prefetch import SpanLike, StorePiece, StorePrefetch
-from fsdp_optim.disk.store_answers import Tiling, describe, etag_of, mtime_of, precondition_failed
-from fsdp_optim.disk.store_policy import MAX_CONCURRENT, PIECE_BYTES, Clock, RetryPolicy, refused, refused_message
+from fsdp_optim.disk.store_policy import (
+    MAX_CONCURRENT,
+    PIECE_BYTES,
+    Clock,
+    RetryPolicy,
+    describe,
+    etag_of,
+    mtime_of,
+    precondition_failed,
+    refused,
+    refused_message,
+)
 
 __all__ = ["ObjectStore"]
 
@@ -40,12 +44,8 @@ T = TypeVar("T")
 
 
 class ObjectStore(Location):
-    """A prefix (a "directory") on an fsspec filesystem: ranged reads, uploads, conditional commits, listing; the
-    :class:`~fsdp_optim.disk.location.Location` of every fsspec backend (its save: the conditional put of
-    :class:`~fsdp_optim.disk.save.Writer`).
-
-    ``ObjectStore.open("s3://bucket/run/step-100")``; ``str(store)`` is its URL (never its credentials).
-    """
+    """A prefix (a "directory") on an fsspec filesystem: ``ObjectStore.open("s3://bucket/run/step-100")``;
+    ``str(store)`` is its URL (never its credentials)."""
 
     def __init__(self, url: str, fs: Any, root: str, policy: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/")
@@ -64,11 +64,9 @@ class ObjectStore(Location):
     ) -> ObjectStore:
         """The store at ``url`` (a trailing ``/manifest.json`` names its directory's store); a request that keeps
         failing gives up ``deadline_s`` after its first attempt (default: ``$FSDP_OPTIM_STORE_DEADLINE_S`` or 60)."""
+        from fsspec.core import url_to_fs  # (a requirement; imported only for a URL)
+
         policy = RetryPolicy.default(deadline_s)
-        try:
-            from fsspec.core import url_to_fs
-        except ImportError:  # pragma: no cover - fsspec is a requirement
-            raise ImportError(f"{url}: reading or writing a URL needs fsspec (pip install fsspec)") from None
         try:
             fs, root = url_to_fs(url, **dict(storage_options or {}))
         except (ImportError, ValueError) as exc:
@@ -93,22 +91,21 @@ class ObjectStore(Location):
         return f"{self.root}/{name}"
 
     def parent(self) -> ObjectStore:
-        """The store of the prefix this one is directly below, with the same filesystem settings."""
         return ObjectStore(self.url.rsplit("/", 1)[0], self.fs, self.root.rsplit("/", 1)[0], self.policy)
 
     def child(self, name: str) -> ObjectStore:
-        """The store of the prefix ``name`` below this one (a step directory under a manager's root)."""
         return ObjectStore(f"{self.url}/{name}", self.fs, self.key(name), self.policy)
 
     # -- reading ----------------------------------------------------------------------------------------------
 
     def read_range(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        """Bytes ``[start, stop)`` of object ``name``: one ranged GET, retried on transient errors and short bodies;
-        ``FileNotFoundError`` at once for a missing object, ``OSError`` naming it after the last attempt."""
+        """One ranged GET (pieces above 16 MiB); ``FileNotFoundError`` at once for a missing object."""
         if stop <= start:
             return b""
         if stop - start > PIECE_BYTES:  # large: pieces fetched concurrently, each retried on its own
-            return self._read_pieces(name, start, stop)
+            out = bytearray(stop - start)  # writable: readers wrap it without another copy
+            self.read_into(name, start, [memoryview(out)])
+            return out
         return self._read_one(name, start, stop, self.policy.clock())
 
     def _read_one(self, name: str, start: int, stop: int, clock: Clock) -> bytes:
@@ -122,15 +119,9 @@ class ObjectStore(Location):
 
         return self._retry(get, f"{self / name}: reading bytes {start}..{stop}", clock=clock, nbytes=stop - start)
 
-    def _read_pieces(self, name: str, start: int, stop: int) -> bytes | bytearray:
-        out = bytearray(stop - start)
-        self.read_into(name, start, [memoryview(out)])
-        return out  # a bytearray: writable, so readers wrap it without another copy
-
     def read_into(self, name: str, start: int, targets: Sequence[memoryview]) -> None:
-        """Fill ``targets`` (writable byte buffers that tile the object's bytes from ``start`` on, in order) by
-        ranged GETs of 16 MiB pieces, at most 8 in flight, each piece copied once, straight into the buffers it
-        covers; a piece that failed or came back short is fetched again on its own (:meth:`read_range`)."""
+        """Ranged GETs of 16 MiB pieces, at most 8 in flight, each copied once into the buffers it covers; a piece
+        that failed or came back short is fetched again on its own."""
         stop = start + sum(t.nbytes for t in targets)
         bounds = [(a, min(a + PIECE_BYTES, stop)) for a in range(start, stop, PIECE_BYTES)]
         place, clock = Tiling(start, targets), self.policy.clock()  # one deadline for all the pieces
@@ -155,117 +146,92 @@ class ObjectStore(Location):
 
     @contextmanager
     def prefetch(self, spans: Callable[[], Sequence[SpanLike]]) -> Iterator[dict[str, list[StorePiece]]]:
-        """``spans()`` fetched ahead of their use, in order, a bounded window at a time (:mod:`.prefetch`); yields
-        the pieces by object name."""
         with StorePrefetch(self, spans()) as ahead:
             yield ahead.by_file()
 
     def download(self, name: str, local: Path, *, size: int) -> None:
-        """Copy object ``name`` into the local file ``local`` whole (one GET, retried as a whole)."""
+        """One GET, retried as a whole."""
         fetch = lambda limit: self.fs.get_file(self.key(name), str(local), **limit)  # noqa: E731
         self._retry(fetch, f"{self / name}: downloading it", nbytes=size)
 
-    def size(self, name: str) -> int | None:
-        """The object's size, or ``None`` when there is none (listing is not cached: what the store has now)."""
+    def _info(self, name: str, what: str) -> dict[str, Any] | None:
+        """What the filesystem says of object ``name`` now (not cached); ``None`` when there is none."""
 
-        def info(limit: dict[str, float]) -> int | None:
+        def info(limit: dict[str, float]) -> dict[str, Any] | None:
             try:
                 self.fs.invalidate_cache(self.key(name))
-                return int(self.fs.info(self.key(name), **limit)["size"])
+                return dict(self.fs.info(self.key(name), **limit))
             except FileNotFoundError:
                 return None
 
-        return self._retry(info, f"{self / name}: asking its size")
+        return self._retry(info, f"{self / name}: {what}")
 
-    def listing(self) -> dict[str, StoredObject]:
-        """The objects directly under this prefix, by name (sub-prefixes are not listed)."""
+    def size(self, name: str) -> int | None:
+        info = self._info(name, "asking its size")
+        return None if info is None else int(info["size"])
 
-        def ls(limit: dict[str, float]) -> dict[str, StoredObject]:
+    def _entries(self) -> list[dict[str, Any]]:
+        """What the filesystem lists directly under this prefix now (not cached), by name; [] when nothing."""
+
+        def ls(limit: dict[str, float]) -> list[dict[str, Any]]:
             self.fs.invalidate_cache(self.root)
             try:
-                entries = self.fs.ls(self.root, detail=True, **limit)
-            except FileNotFoundError:
-                return {}
-            found = {}
-            for e in entries:
-                if e.get("type") == "directory" or str(e["name"]).endswith("/"):  # a prefix, or a directory marker
-                    continue
-                name, size = str(e["name"]).rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0)
-                found[name] = StoredObject(name, size, mtime_of(e), etag_of(e) or f"size:{size}")  # as etag() has it
-            return found
-
-        return self._retry(ls, f"{self}: listing it")
-
-    def prefixes(self) -> list[str]:
-        """The names of the sub-prefixes directly under this one (step directories under a manager's root), sorted."""
-
-        def ls(limit: dict[str, float]) -> list[str]:
-            self.fs.invalidate_cache(self.root)
-            try:
-                entries = self.fs.ls(self.root, detail=True, **limit)
+                return list(self.fs.ls(self.root, detail=True, **limit))
             except FileNotFoundError:
                 return []
-            names = (str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
-            return sorted(names)
 
         return self._retry(ls, f"{self}: listing it")
 
+    def listing(self) -> dict[str, StoredObject]:
+        found = {}
+        for e in self._entries():
+            if e.get("type") == "directory" or str(e["name"]).endswith("/"):  # a prefix, or a directory marker
+                continue
+            name, size = str(e["name"]).rstrip("/").rsplit("/", 1)[-1], int(e.get("size") or 0)
+            found[name] = StoredObject(name, size, mtime_of(e), etag_of(e) or f"size:{size}")  # as etag() has it
+        return found
+
+    def prefixes(self) -> list[str]:
+        names = (str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._entries() if e.get("type") == "directory")
+        return sorted(names)
+
     def removal(self, *, purpose: str) -> AbstractContextManager[Callable[[], None]]:  # noqa: ARG002 - no lock
-        """Nothing to take; the call removes the empty "directory" object some stores keep for a prefix whose
-        objects were all deleted (best effort: a store without one has nothing to remove)."""
+        """No lock; the call removes the empty "directory" object some stores keep for an emptied prefix."""
         return nullcontext(self._remove_marker)
 
     def _remove_marker(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # nothing there, or a store that does not allow it: it stays listed
             self.fs.rm_file(self.root + "/")
-        except Exception:  # noqa: S110 - nothing there, or a store that does not allow it: the prefix stays listed
-            pass
         self.fs.invalidate_cache(self.root)
         if "/" in self.root.strip("/"):  # a prefix inside a bucket or directory (never a bucket itself)
-            try:
+            with contextlib.suppress(Exception):  # not empty, not there, or not a directory: nothing to remove
                 self.fs.rmdir(self.root)  # where empty directories are kept (memory://, file://); on S3 a no-op
-            except Exception:  # noqa: S110 - not empty, not there, or not a directory: nothing to remove
-                pass
             self.fs.invalidate_cache(self.root)
 
     # -- writing ----------------------------------------------------------------------------------------------
 
-    def upload(self, local: Path, name: str) -> None:
-        """Put the local file as object ``name`` (multipart above the filesystem's block size, parts in parallel)."""
-        what, nbytes = f"{self / name}: uploading {local}", local.stat().st_size
-        self._retry(lambda limit: self.fs.put_file(str(local), self.key(name), **limit), what, nbytes=nbytes)
-
     def write(self, name: str, data: bytes | Path) -> None:
-        """Object ``name`` written whole from bytes or a local file (:meth:`put` or :meth:`upload`)."""
-        self.upload(data, name) if isinstance(data, Path) else self.put(name, data)
+        """Object ``name`` put whole from bytes or a local file (multipart above the filesystem's block size)."""
+        if isinstance(data, Path):
+            what, nbytes = f"{self / name}: uploading {data}", data.stat().st_size
+            self._retry(lambda limit: self.fs.put_file(str(data), self.key(name), **limit), what, nbytes=nbytes)
+        else:
+            what, nbytes = f"{self / name}: writing {len(data)} bytes", len(data)
+            self._retry(lambda limit: self.fs.pipe_file(self.key(name), data, **limit), what, nbytes=nbytes)
 
     def multipart(self, name: str) -> S3Multipart | None:
-        """Object ``name`` as the parts of one multipart upload (:mod:`.multipart`), where the filesystem is S3's;
-        ``None`` elsewhere (the caller then writes locally and uploads the file whole)."""
+        """Where the filesystem is S3's."""
         if type(self.fs).__name__ != "S3FileSystem":
             return None
         return S3Multipart(self.fs, self.key(name), str(self / name), self._retry)
 
-    def put(self, name: str, data: bytes) -> None:
-        """Put ``data`` as object ``name`` (an object is replaced whole, never seen half written)."""
-        what = f"{self / name}: writing {len(data)} bytes"
-        self._retry(lambda limit: self.fs.pipe_file(self.key(name), data, **limit), what, nbytes=len(data))
-
     def etag(self, name: str) -> str | None:
-        """The object's etag (its version, for :meth:`commit`), ``None`` when there is none."""
-        self.fs.invalidate_cache(self.key(name))
-        try:
-            info = self._retry(lambda limit: self.fs.info(self.key(name), **limit), f"{self / name}: asking its etag")
-        except FileNotFoundError:
-            return None
-        return etag_of(info) or f"size:{info.get('size')}"
+        info = self._info(name, "asking its etag")
+        return None if info is None else etag_of(info) or f"size:{info.get('size')}"
 
     def commit(self, name: str, data: bytes, *, replaces: str | None) -> None:
-        """Create object ``name`` only if it is still as this save found it: absent (``replaces=None``) or at etag
-        ``replaces``. ``ConcurrentCommitError`` otherwise, and nothing was written.
-
-        On S3 this is one conditional put (``If-None-Match: *`` / ``If-Match``; 412 when another writer won). Elsewhere
-        it checks, then writes: two writers racing within that window can both "win" (the documented weaker mode)."""
+        """On S3 one conditional put (412 when another writer won); elsewhere a check, then a write (the module
+        docstring)."""
         where = self / name
         if self.conditional:
             match = {"IfNoneMatch": "*"} if replaces is None else {"IfMatch": replaces}
@@ -279,7 +245,8 @@ class ObjectStore(Location):
                 # is a success), and with every response lost the client gives up on a put that is in place. What is
                 # there now says which; when that cannot be read either, nobody knows (and nothing may be removed).
                 try:
-                    landed = self._holds(name, data)
+                    size = self.size(name)
+                    landed = size == len(data) and self.read_range(name, 0, size) == data
                 except Exception as check:
                     raise CommitOutcomeUnknown(
                         f"{where}: committing the manifest failed ({describe(exc)}) and it could not be read back "
@@ -295,17 +262,10 @@ class ObjectStore(Location):
             return
         if self.etag(name) != replaces:
             raise ConcurrentCommitError(_lost(where, replaces))
-        self.put(name, data)
-
-    def _holds(self, name: str, data: bytes) -> bool:
-        """Whether object ``name`` is exactly ``data`` now."""
-        size = self.size(name)
-        return size == len(data) and self.read_range(name, 0, size) == data
+        self.write(name, data)
 
     def delete(self, names: Iterable[str]) -> None:
-        """Remove objects ``names`` (missing ones are not an error)."""
-        keys = [self.key(n) for n in names]
-        for key in keys:
+        for key in [self.key(n) for n in names]:
             try:
                 self._retry(lambda limit, k=key: self.fs.rm_file(k, **limit), f"{self}: deleting {key}")  # type: ignore[misc]
             except FileNotFoundError:

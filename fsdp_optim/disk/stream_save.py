@@ -22,10 +22,12 @@ import pickle
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
 from typing import Any, BinaryIO
 
 import torch
+
+from fsdp_optim.disk.atomic import atomic_write
 
 __all__ = ["Pending", "stream_save", "stream_write"]
 
@@ -84,23 +86,17 @@ class _Pickler(pickle.Pickler):
 
 
 def stream_save(obj: object, path: str | os.PathLike[str], *, after_tensor: Callable[[], None] | None = None) -> int:
-    """Write ``obj`` to ``path`` as ``torch.save`` would, producing each :class:`Pending` only when its bytes are
-    written (``after_tensor`` runs after each). Flushed and ``fsync``-ed; returns the file's size.
-
-    ``obj`` may mix :class:`Pending` placeholders with ordinary values and CPU tensors.
-    """
-    path = Path(path)
-    with open(path, "wb") as f:
-        stream_write(obj, f, after_tensor=after_tensor, where=str(path))
-        f.flush()
-        os.fsync(f.fileno())
-    return path.stat().st_size
+    """Write ``obj`` (:class:`Pending` placeholders, ordinary values and CPU tensors) to the new file ``path`` as
+    ``torch.save`` would, producing each :class:`Pending` only when its bytes are written (``after_tensor`` runs
+    after each). Flushed and ``fsync``-ed; returns the file's size."""
+    write = partial(stream_write, obj, after_tensor=after_tensor, where=str(path))
+    return atomic_write(path, write, in_place=True)[0]
 
 
 def stream_write(
     obj: object, f: BinaryIO, *, after_tensor: Callable[[], None] | None = None, where: str = "the output"
 ) -> None:
-    """:func:`stream_save` into an open binary file ``f`` (the caller's atomic output: it flushes and syncs)."""
+    """:func:`stream_save` into an open binary file ``f`` (the caller's output: it flushes and syncs)."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer)
     pickler.dump(obj)

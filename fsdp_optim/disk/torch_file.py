@@ -73,12 +73,11 @@ def zip_records(fd: int, size: int, where: str) -> list[_Record]:
 
 
 
+_ITEMSIZE = {"FloatStorage": 4, "DoubleStorage": 8, "HalfStorage": 2, "BFloat16Storage": 2, "ByteStorage": 1,
+             "CharStorage": 1, "ShortStorage": 2, "IntStorage": 4, "LongStorage": 8, "BoolStorage": 1,
+             "UntypedStorage": 1}  # fmt: skip
 # Globals a torch.save file of optimizer state names: dense tensors of real dtypes and OrderedDict.
-_REAL_STORAGES = {"FloatStorage", "DoubleStorage", "HalfStorage", "BFloat16Storage", "ByteStorage", "CharStorage",
-                  "ShortStorage", "IntStorage", "LongStorage", "BoolStorage"}  # fmt: skip
-
-
-
+_REAL_STORAGES = _ITEMSIZE.keys() - {"UntypedStorage"}
 _ALLOWED_GLOBALS = (
     {("collections", "OrderedDict"), ("torch", "Size"), ("torch.storage", "UntypedStorage"), ("torch", "Tensor")}
     | {("torch._tensor", "_rebuild_from_type_v2")}  # a tensor with Python attributes (a model's state_dict)
@@ -131,12 +130,6 @@ def _opcodes(data: bytes, where: str) -> Iterator[tuple[Any, Any]]:
         except Exception as exc:  # noqa: BLE001 - a torn pickle: genops raises ValueError and friends
             raise unreadable(where, f"its pickle is malformed ({type(exc).__name__}: {exc})") from None
         yield op, arg
-
-
-
-_ITEMSIZE = {"FloatStorage": 4, "DoubleStorage": 8, "HalfStorage": 2, "BFloat16Storage": 2, "ByteStorage": 1,
-             "CharStorage": 1, "ShortStorage": 2, "IntStorage": 4, "LongStorage": 8, "BoolStorage": 1,
-             "UntypedStorage": 1}  # fmt: skip
 
 
 

@@ -1,29 +1,19 @@
 """The gate for what fsdp_optim does not trust: file contents and the objects they (or callers) hand over.
 
-Pure: no ``torch.distributed``; opens files only to read them. Every reader goes through here before it
-allocates anything whose size a file (or a dict) merely *declares*:
+Pure: no ``torch.distributed``; opens files only to read them. Every reader goes through here before it allocates
+anything whose size a file (or a dict) merely *declares*:
 
-- :func:`load_untrusted` (what ``disk.atomic.load_file`` does): the path is a regular file (never a FIFO,
-  device, socket or directory; a rank file never a symlink); its size is what the manifest recorded;
-  its zip records are stored uncompressed, lie inside the file and do not overlap (so storages cost at
-  most the file's own bytes); its pickle names only the globals an optimizer checkpoint needs (real
-  dtypes, dense tensors, ``OrderedDict``), scanned opcode by opcode before anything is unpickled
+- :func:`load_file`: a regular file (never a FIFO, device, socket or directory; a rank file never a symlink); zip
+  records stored uncompressed, inside the file and disjoint (storages cost at most the file's own bytes); a pickle
+  naming only the globals optimizer state needs, scanned opcode by opcode before anything is unpickled
   (``disk/torch_file.py``); then ``torch.load(weights_only=True)`` and ``check_tree`` on what it returned.
-- ``check_tree`` (``disk/objects.py``): one walk, memoized by identity (a shared object is visited once,
-  but counted once per reference, so a structure whose expansion is exponential is refused in linear
-  time), iterative (no recursion), refusing cycles, nesting deeper than
-  :data:`~fsdp_optim.core.limits.MAX_DEPTH` and more than :data:`~fsdp_optim.core.limits.MAX_NODES` references;
-  then ``check_tensor`` on every tensor: strided, dense and non-overlapping, inside its storage, of an allowed dtype
-  (:data:`~fsdp_optim.core.dtypes.ALLOWED_DTYPES`), not quantized/sparse/meta/nested/a
-  subclass; and no two multi-element tensors share memory (nor is one referenced twice).
-- ``check_state_dict`` (``disk/objects.py``): the above plus the types a state dict's skeleton must have
-  (ids, keys, param groups), so a mistyped dict is refused naming where, instead of failing deep inside.
+- ``check_tree`` and ``check_state_dict`` (``disk/objects.py``): one bounded walk (a structure whose expansion is
+  exponential is refused in linear time) checking every tensor, and a state dict's skeleton typed.
 - :func:`~fsdp_optim.core.limits.check_world_size_bound`, :func:`check_stored_bytes`: declared world sizes and
   state bytes against :data:`~fsdp_optim.core.limits.MAX_WORLD_SIZE` and the files' real sizes.
 
-Every refusal is a ``ValueError`` naming the file or dict, the place
-inside it and what was expected and found; a file torch cannot parse at all is a ``ValueError`` saying
-it "cannot be read with torch.load(weights_only=True)". :func:`escape` makes untrusted text safe to print.
+Every refusal is a ``ValueError`` naming the file or dict, the place inside it and what was expected and found; a
+file torch cannot parse at all "cannot be read with torch.load(weights_only=True)".
 """
 
 from __future__ import annotations
@@ -45,18 +35,9 @@ __all__ = [
     "check_stored_bytes",
     "describe_file",
     "load_foreign",
-    "load_untrusted",
+    "load_file",
     "open_regular",
 ]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Printing untrusted text
-
-
-# ---------------------------------------------------------------------------------------------------
-# Files
-
 
 _KINDS = {
     stat.S_IFDIR: "a directory",
@@ -69,12 +50,8 @@ _KINDS = {
 
 
 def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> tuple[int, os.stat_result]:
-    """An open descriptor of ``path`` and its ``fstat``, refusing anything but a regular file.
-
-    Opened non-blocking (a FIFO cannot hang the caller) and, with ``follow_symlinks=False``, without
-    following a final symlink. Raises ``FileNotFoundError`` for nothing there and
-    ``ValueError`` for the wrong kind of file.
-    """
+    """An open descriptor of ``path`` and its ``fstat``, refusing anything but a regular file (``ValueError``).
+    Opened non-blocking (a FIFO cannot hang the caller); ``follow_symlinks=False``: not through a final symlink."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -104,19 +81,18 @@ def _kind_of(path: str | os.PathLike[str]) -> str | None:
     return None if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def load_untrusted(
+def load_file(
     path: str | os.PathLike[str], *, mmap: bool = False, follow_symlinks: bool = True, disjoint: bool = False,
-    tied: str | None = None,
-    shared: bool = False,
-) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, after the file checks in the module docstring
-    and before returning, :func:`check_tree` on the result (``disjoint=False`` by default: a caller that
-    knows the file holds optimizer state passes ``True``; ``tied``, ``shared``: see :func:`check_tree`); no
-    returned tensor requires grad.
+    tied: str | None = None, shared: bool = False,
+) -> Any:  # fmt: skip
+    """``torch.load(path, weights_only=True)`` on the CPU, after the file checks in the module docstring and before
+    returning, :func:`check_tree` on the result; no returned tensor requires grad. The file is opened once: the
+    checks and the load read the same file even if the path is renamed meanwhile (for ``mmap`` too, on Linux).
 
-    The file is opened once: the checks and the load read the same file even if the
-    path is renamed meanwhile (on Linux, where ``/proc/self/fd`` exists, for ``mmap`` too).
-    """
+    ``FileNotFoundError`` for nothing there; ``ValueError`` naming the file for content that cannot be read, a file
+    that is not a regular file (a symlink where ``follow_symlinks=False``), exceeds a bound or holds what optimizer
+    state does not. ``disjoint=True`` for a file that must hold an optimizer state dict: two of its tensors sharing
+    memory are refused too; ``tied``, ``shared``: see :func:`~fsdp_optim.disk.objects.check_tree`."""
     where = str(path)
     fd, st = open_regular(path, follow_symlinks=follow_symlinks)
     try:
@@ -155,13 +131,9 @@ def load_untrusted(
 
 def load_foreign(path: str | os.PathLike[str], *, allowed_globals: Sequence[Any] = (), mmap: bool = True) -> Any:
     """A torch file another program wrote (fairseq/metaseq shards): ``torch.load(weights_only=True)`` on the CPU
-    with ``allowed_globals`` (data-only classes the caller names) allowed, memory-mapped if ``mmap`` and the
-    file is a zip (a legacy pre-1.6 ``torch.save`` file cannot be mapped: it is read whole).
-
-    The file is opened once, as a regular file, and loaded from that descriptor (on Linux, where
-    ``/proc/self/fd`` exists). Its pickle is not scanned against the optimizer-state globals (such files hold
-    configs); ``weights_only`` refuses every other class, and the refusal names all of them.
-    """
+    with ``allowed_globals`` (data-only classes the caller names) allowed, memory-mapped if ``mmap`` and the file is
+    a zip. The file is opened once, as a regular file. Its pickle is not scanned against the optimizer-state globals
+    (such files hold configs); ``weights_only`` refuses every other class, and the refusal names all of them."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file")
     fd, _ = open_regular(path)
@@ -203,15 +175,10 @@ def _reason(exc: BaseException) -> str:
 
 
 def check_stored_bytes(where: str, declared: int, actual: int) -> None:
-    """Refuse a file that is to hold ``declared`` bytes of state but has only ``actual`` bytes."""
     if declared > actual:
         raise ValueError(
             f"{where}: the manifest declares {declared} bytes of state for it, but it has {actual} bytes"
         )
-
-
-# ---------------------------------------------------------------------------------------------------
-# Objects
 
 
 def describe_file(path: str | os.PathLike[str]) -> str:

@@ -20,9 +20,9 @@ import torch
 from fsdp_optim.core.layout import ModelLayout
 from fsdp_optim.core.preconditions import check_full_dict, is_full_dict
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.fairscale import dict_source, is_fairscale_native, is_named_dict
 from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.hf_safetensors import is_hf_directory, is_plain

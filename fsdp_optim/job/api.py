@@ -105,7 +105,7 @@ def _flat_states(
     flat_tensors: Mapping[tuple[int, str, int | None], torch.Tensor],
     rank: int | None,
 ) -> dict[int, dict[str, Any]]:
-    """``{flat: {key: flat full tensor or scalar}}``: shared flats (``rank`` None) or rank ``rank``'s per-rank flats."""
+    """``{flat: {key: flat full tensor or scalar}}`` of the shared flats (``rank`` None) or rank ``rank``'s own."""
     return {
         i: {
             key: flat_tensors[(i, key, rank)] if kind is StateKind.SHARDED else local.state[i][key]
@@ -157,10 +157,8 @@ def full_plan(
     root: Root, full: Mapping[str, Any] | str | os.PathLike[str], optim: torch.optim.Optimizer | None, *,
     required: Sequence[bool] | None = None, order: Sequence[int] | None = None,
 ) -> Plan:  # fmt: skip
-    """The one plan of a full dict handed to a live model: in memory, a file holding one (memory-mapped), or a named
-    safetensors file (read range by range, each range checked as it is read); checked against ``optim`` (or, without
-    one, its state keys against the saved optimizer's), then planned for ``root`` (``required``, ``order``: as
-    :func:`~fsdp_optim.core.plan.plan` takes them)."""
+    """The one plan of a full dict handed to a live model (in memory, or a file of a kind
+    :func:`~fsdp_optim.formats.kinds.full_file_source` serves), checked against ``optim``, planned for ``root``."""
     optimizer = type(optim).__name__ if optim is not None else None
     if not isinstance(full, (str, os.PathLike)):  # a dict, or what dict_source refuses by name
         source = dict_source(full, root.layout, label="the full dict", optimizer=optimizer)

@@ -2,24 +2,30 @@
 docs/optimizer-state.md, "Asynchronous save").
 
 :func:`launch` starts the background thread of every async save (optimizer-only, whole, the memory tier): it copies
-the rank's state into staging buffers kept and reused across saves (pinned for shards on a GPU, copied on a side
-stream: :mod:`fsdp_optim.job.stager`), then runs the save's commit (:func:`fsdp_optim.job.save_commit.commit_save`,
-the same files, atomicity and clean-up as a synchronous save). Until the copy is done, what would change the saved
-state waits for it (:func:`_guard`: the optimizer's ``step()`` / ``load_state_dict()``, the root's loads, any other
-optimizer over its parameters; for shards on a GPU its stream waits on the GPU for the copies' event, the host only
-until they are enqueued). A thread, not a process: ``write``, ``fsync`` and hashing release the GIL, and no second
-copy of the state is needed in shared memory.
+the rank's state into staging buffers kept and reused across saves (:mod:`fsdp_optim.job.staging`), then runs the
+save's commit (:func:`fsdp_optim.job.save_commit.commit_save`, as a synchronous save does). Until the copy is done,
+what would change the saved state waits for it (:func:`_guard`). A thread, not a process: ``write``, ``fsync`` and
+hashing release the GIL, and no second copy of the state is needed in shared memory.
 
 Coordination runs on a gloo process group of its own (created once per root process group, like torchtitan's),
 never on the training group, so the background thread's collectives cannot interleave with the training loop's. A
 second one, made at the first save, tells a save that a rank is gone: a later save's check-in waits on a barrier over
 it, which fails as soon as a rank's process dies (docs/whole-state.md, "A dead rank"). At most one save per root is
 in flight: a new one first waits for the previous one, whose failure, if nobody called ``wait()``, is raised then.
+
+No save is lost in silence: a job that never calls ``wait()`` (or destroys the process group first) would otherwise
+exit 0 with no checkpoint and no word. :func:`_watch` registers a hook that runs when the process ends, in the main
+thread, before Python joins the remaining threads (``threading``'s own exit hooks: also in a ``multiprocessing``
+child, which skips ``atexit``): it waits for every save still in flight, then, for each that failed unseen, prints
+what was lost to stderr and ends the process with :data:`EXIT_STATUS` (``os._exit``: the status of a normal exit
+cannot be changed from an exit hook).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -33,12 +39,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fsdp_optim.disk.location import Location, ObjectPath
 from fsdp_optim.disk.locations import where
 from fsdp_optim.job.root import verify_root
-from fsdp_optim.job.save_commit import commit_save, read_for_save, start_save
+from fsdp_optim.job.save_commit import check_in_seconds, commit_save, read_for_save, start_save
 from fsdp_optim.job.staging import HostStaging, StagedCopy, before_change, expect, ready_events
-from fsdp_optim.job.transport import ProcessGroup, dist_rank_and_size, group_initialized, new_gloo_group
-from fsdp_optim.job.unseen_saves import watch
+from fsdp_optim.job.transport import ProcessGroup, check_in, dist_rank_and_size, group_initialized, new_gloo_group
 
-__all__ = ["AsyncSave", "async_save_sharded_optim_state"]
+__all__ = ["EXIT_STATUS", "AsyncSave", "async_save_sharded_optim_state"]
 
 
 class AsyncSave:
@@ -103,11 +108,10 @@ class AsyncSave:
 
 
 def _guard(optim: torch.optim.Optimizer, root: nn.Module) -> None:
-    """What changes a saved root's state by other means than a step of ``optim`` waits for the copy too
-    (:func:`fsdp_optim.job.staging.before_change`; loads call it as well): ``optim``'s ``step`` and
-    ``load_state_dict``, the root's ``load_state_dict`` / ``load_local_state_dict`` (fairscale loads through
-    ``root.module``, so the pre-hook is on both), and any other optimizer over its parameters
-    (:func:`_before_any_step`, once per process). Each hook registered once per object."""
+    """Hooks that make what changes a saved root's state wait for the copy (loads call
+    :func:`~fsdp_optim.job.staging.before_change` themselves): ``optim``'s ``step`` and ``load_state_dict``, the
+    root's ``load_state_dict`` (on ``root.module`` too: fairscale loads through it), and any other optimizer over its
+    parameters (:func:`_before_any_step`). Each hook registered once per object."""
     global _any_step_hook
     with _lock:
         if _any_step_hook is None:
@@ -125,7 +129,7 @@ def _guard(optim: torch.optim.Optimizer, root: nn.Module) -> None:
 
 def _before_any_step(optim: torch.optim.Optimizer, *_: object) -> None:
     """Before any optimizer's ``step``: a save still copying the weights of a root this optimizer updates comes
-    first. Nothing but a look at the saves in flight once their copies are done."""
+    first."""
     with _lock:
         copying = [root for root, handle in _inflight.items() if not handle.staged.is_set()]
     for root in copying:
@@ -156,17 +160,11 @@ def checkpoint_group(group: ProcessGroup, *, meet_s: float | None = None) -> Pro
     return _groups[group]
 
 
-def liveness_group(group: ProcessGroup) -> ProcessGroup | None:
-    """The gloo group whose barrier a save's check-in over ``group`` waits on beside the store, so that it sees a dead
-    rank at once (:func:`~fsdp_optim.job.transport.check_in`); ``None`` until a first save made it
-    (:func:`keep_liveness_group`). Only check-ins use it, in the callers' thread: an async save's background
-    collectives never cross it."""
-    return _alive.get(group)
-
-
-def keep_liveness_group(group: ProcessGroup) -> None:
-    """Right after a save's check-in (every rank is there): make ``group``'s liveness group if it has none, within
-    :data:`MEET_S`. Only over a group of every process of the job (making a group is a collective over them all)."""
+def check_in_alive(what: str, group: ProcessGroup) -> None:
+    """A whole save's check-in (:func:`~fsdp_optim.job.transport.check_in`), waiting on ``group``'s liveness group
+    too once a first save made it (a dead rank said at once); then, every rank being there, that group made if it is
+    missing, within :data:`MEET_S`, over a group of every process of the job (making one is a collective over all)."""
+    check_in(what, group, check_in_seconds(), alive=_alive.get(group))
     if group not in _alive and dist_rank_and_size(group)[1] == dist_rank_and_size(None)[1]:
         _alive[group] = new_gloo_group(group, create_within_s=MEET_S)
 
@@ -227,10 +225,8 @@ def launch(
     *,
     name: str,
 ) -> AsyncSave:
-    """Start the background thread of an async save of root ``key``: it copies ``state`` (``{flat: {key: live
-    tensor}}``) into this root's reusable staging buffers, then runs ``upload(staged)`` (which calls ``staged()``
-    for the copy), then page-locks what the copy went around. ``optim``'s next ``step()`` / ``load_state_dict()``
-    waits for the copy."""
+    """Start the background thread of an async save of root ``key``: ``upload(staged)``, where ``staged()`` copies
+    ``state`` (``{flat: {key: live tensor}}``) into this root's staging; then the arena is page-locked."""
     staging = staging_of(key)
     handle = AsyncSave(directory, name)
     ready = ready_events(state)  # now, in the caller's thread: the copies see the state as it is at the call
@@ -246,7 +242,7 @@ def launch(
     expect(key, handle.progress)
     with _lock:
         _inflight[key] = handle
-    watch(handle)  # a failure nobody sees ends the process loudly (fsdp_optim.job.unseen_saves)
+    _watch(handle)  # a failure nobody sees ends the process loudly
     def job() -> Path | ObjectPath:
         try:
             return upload(staged)
@@ -272,3 +268,40 @@ def _group_gone(handle: AsyncSave, exc: BaseException) -> RuntimeError:
     )
     error.__cause__ = exc
     return error
+
+
+EXIT_STATUS = 1
+_watched: list[AsyncSave] = []  # saves whose outcome nobody has seen yet (pruned at each new watch)
+_registered = False
+
+
+def _watch(handle: AsyncSave) -> None:
+    """Keep ``handle`` until it is seen or the process ends; the first call registers the exit hook."""
+    global _registered
+    with _lock:
+        _watched[:] = [h for h in _watched if not h.done() or h.unseen_error(0) is not None]
+        _watched.append(handle)
+        if not _registered:
+            register = getattr(threading, "_register_atexit", None)  # before threads are joined (Python >= 3.9)
+            (register or atexit.register)(_at_exit)
+            _registered = True
+
+
+def _at_exit() -> None:
+    with _lock:
+        pending = list(_watched)
+        _watched.clear()
+    lost = [(h, e) for h in pending if (e := h.unseen_error(None)) is not None]
+    if not lost:
+        return
+    for handle, error in lost:
+        print(f"fsdp_optim: ERROR: async save {handle.name} into {handle.directory} FAILED and nobody called wait(); "
+              f"no checkpoint was committed there. {type(error).__name__}: {error}\n"
+              "fsdp_optim: call handle.wait() on every rank before dist.destroy_process_group() or the end of the job; "
+              f"exiting with status {EXIT_STATUS}", file=sys.stderr)  # fmt: skip
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_STATUS)

@@ -34,7 +34,7 @@ Leaving the switch (the outermost exit) restores every one of these names to the
 destroys the ``record_stream`` registration (``torch.library.Library._destroy``), so fairscale is exactly
 as imported. Constructing ``fsdp_optim.FullyShardedDataParallel`` on a machine without CUDA enables the
 switch for the rest of the process instead (:func:`enable_for_process`) when the model computes on the CPU
-(:func:`fsdp_optim.job.options.computes_on_host`: where fairscale computes it; CPU parameters without CPU offload on
+(:func:`fsdp_optim.job.fsdp.computes_on_host`: where fairscale computes it; CPU parameters without CPU offload on
 any machine): such a model may be used anywhere. A model that computes on a GPU leaves fairscale untouched; the two
 kinds cannot share one process, because the switch is process-wide (:func:`note_cuda_root`).
 """
@@ -229,12 +229,11 @@ _state = _Switch()
 
 
 def is_enabled() -> bool:
-    """Whether fairscale's FSDP module is currently switched to host execution."""
     return bool(_state.patches)
 
 
 def _switch_on() -> None:
-    """Apply the patches unless they are on (under ``_lock``); refused once a GPU root was built here."""
+    """Apply the patches unless they are on (under ``_lock``)."""
     if _state.cuda_roots:
         raise RuntimeError(
             "host execution replaces fairscale's CUDA streams with CPU stand-ins for the whole process, but this "
@@ -306,11 +305,9 @@ def enable_host_execution() -> None:
 def disable_host_execution() -> None:
     """Undo one :func:`enable_host_execution`; the last one restores fairscale's module exactly.
 
-    Every replaced name (the module's ``torch``, its default compute device, the bucketer's collective
-    flag and its own, six methods of fairscale's ``FullyShardedDataParallel``) gets back the object it held before,
-    and the ``aten::record_stream`` CPU kernel registered by the switch is unregistered. While
-    ``fsdp_optim.FullyShardedDataParallel`` has enabled host execution for the process (see
-    :func:`enable_for_process`), nothing is restored.
+    Every replaced name gets back the object it held before, and the ``aten::record_stream`` CPU kernel registered
+    by the switch is unregistered. While ``fsdp_optim.FullyShardedDataParallel`` has enabled host execution for the
+    process, nothing is restored.
 
     Raises ``RuntimeError`` when not matched by an earlier enable.
     """
@@ -340,11 +337,8 @@ def host_execution() -> Iterator[None]:
 
 
 def enable_for_process() -> None:
-    """Enable host execution until the process ends (what ``fsdp_optim.FullyShardedDataParallel`` does).
-
-    Idempotent, and independent of the count kept by :func:`enable_host_execution` /
-    :func:`disable_host_execution`, so an unbalanced user disable cannot switch it off under a live model.
-    """
+    """Enable host execution until the process ends (what ``fsdp_optim.FullyShardedDataParallel`` does); idempotent,
+    and apart from :func:`enable_host_execution`'s count, so an unbalanced user disable cannot switch it off."""
     with _lock:
         _switch_on()
         _state.for_process = True

@@ -1,17 +1,7 @@
-"""What the host switch (:mod:`fsdp_optim.job.host`) wraps fairscale's methods in, beyond moving no bytes.
-
-- :func:`without_transfers`: ``Tensor.pin_memory()`` and ``Tensor.cuda()`` return the tensor itself: on a host
-  without an accelerator the CPU tensor already is where those calls would put it.
-- :func:`copying_to_host`: ``Tensor.cpu()`` of a CPU tensor returns a copy, as it does from a GPU.
-  fairscale's ``_gather_optim_state`` receives every state key into one reused buffer and keeps
-  ``x.cpu()`` of it; on a CPU that is the buffer itself, so every key of a parameter ended up holding
-  the last key's values (Adam's ``exp_avg`` equal to ``exp_avg_sq``).
-- :func:`keeping_the_optimizer`: fairscale's ``gather_full_optim_state_dict`` turns the live optimizer's
-  ``step`` tensors into Python numbers (after which ``Adam.step()`` raises); the values are put back.
-- :func:`quiet` / :func:`quietly`: deprecation warnings raised inside fairscale's code that nobody using
-  it can act on, filtered only while the wrapped call runs (never process-wide).
-
-Pure wrappers: no fairscale name is read here; :mod:`fsdp_optim.job.host` decides what they wrap.
+"""What the host switch (:mod:`fsdp_optim.job.host`, items 4, 5 and 7 of its docstring) wraps fairscale's methods
+in: :func:`without_transfers`, :func:`copying_to_host`, :func:`keeping_the_optimizer`, :func:`quiet` /
+:func:`quietly` (filtered only while the wrapped call runs, never process-wide). Pure wrappers: no fairscale name is
+read here; :mod:`fsdp_optim.job.host` decides what they wrap.
 """
 
 from __future__ import annotations
@@ -74,8 +64,7 @@ def keeping_the_optimizer(
     return wrapper
 
 
-# Deprecations raised inside fairscale's code that nobody using it can act on; filtered only while our
-# wrappers run (``warnings.catch_warnings``), never process-wide.
+# Deprecations raised inside fairscale's code that nobody using it can act on.
 QUIET = (
     (UserWarning, r"TypedStorage is deprecated"),
     (FutureWarning, r"`torch\.distributed\._all_gather_base` is a private function"),

@@ -90,11 +90,8 @@ def viewed_flat(entries: Mapping[str, Any], kinds: Mapping[str, StateKind]) -> M
 
 
 def group_members(param_groups: Sequence[Mapping[str, Any]], params: Sequence[nn.Parameter]) -> list[list[int]]:
-    """Flat indices per optimizer param group: for each of ``param_groups`` (``optim.param_groups``), the
-    indices into ``params`` (the model's flat parameters) of its parameters, in its order.
-
-    Raises ``ValueError`` for a parameter that ``params`` does not hold.
-    """
+    """For each of ``optim.param_groups``, the indices into ``params`` of its parameters, in its order; ``ValueError``
+    for a parameter that ``params`` does not hold."""
     index_of = {id(p): i for i, p in enumerate(params)}
     members = []
     for k, group in enumerate(param_groups):
@@ -126,9 +123,8 @@ def _portable(value: Any, read: bool = True) -> Any:
 def with_scalars(
     summary: Mapping[int, tuple[tuple[str, StateKind, Any], ...]], state: Mapping[int, Mapping[str, Any]]
 ) -> dict[int, tuple[tuple[str, StateKind, Any], ...]]:
-    """``summary`` (from ``read_local_state(..., read_scalars=False)``) with each unread 0-dim tensor's value read
-    from ``state`` (``{flat: {key: value}}``, a save's own host copy of the live state); other entries as they are
-    (so a summary read whole reads nothing here)."""
+    """``summary`` with each unread 0-dim tensor's value read from ``state`` (``{flat: {key: value}}``, a save's own
+    host copy of the live state)."""
     return {
         i: tuple((key, kind, _portable(state[i][key]) if _unread(v) else v) for key, kind, v in entries)
         for i, entries in summary.items()

@@ -7,11 +7,7 @@
         train_one_step(...)
         manager.save(step, model, optim, extra={"step": step, ...})   # every rank, every step
 
-Saving is :func:`fsdp_optim.save_checkpoint` into ``root/step-NNNNNNNN/`` (a collective, atomic: the manifest is
-written last); pruning runs on rank 0 alone after the save committed and removes only step directories that are
-ours (:mod:`fsdp_optim.formats.sharded.steps`). Finding the newest usable step verifies every file of each candidate
-(:func:`fsdp_optim.formats.sharded.verification.verify_sharded`, what :func:`fsdp_optim.verify` runs), newest first,
-skipping torn and damaged ones and saying why.
+Step directories, and what is ours to prune: :mod:`fsdp_optim.formats.sharded.steps`.
 """
 
 from __future__ import annotations
@@ -45,10 +41,9 @@ from fsdp_optim.formats.sharded.steps import (
     tidy_root,
 )
 from fsdp_optim.job import agreed
+from fsdp_optim.job.agreed import interrupts_deferred
 from fsdp_optim.job.async_save import AsyncSave
-from fsdp_optim.job.interrupts import interrupts_deferred
-from fsdp_optim.job.memory_restore import MemoryRestore, restore_from_memory
-from fsdp_optim.job.memory_save import MemoryTier, memory_tier, save_to_memory
+from fsdp_optim.job.memory import MemoryRestore, MemoryTier, memory_tier, restore_from_memory, save_to_memory
 from fsdp_optim.job.node_memory import MemoryTierDamaged
 from fsdp_optim.job.root import verify_root
 from fsdp_optim.job.transport import agree, broadcast_object, dist_rank_and_size, group_initialized
@@ -83,7 +78,7 @@ class CheckpointManager:
     :meth:`save` that saves, at :meth:`wait`, :meth:`latest` and :meth:`restore`. Call :meth:`wait` before the
     process exits. A model saved without an optimizer is saved synchronously.
 
-    ``memory_every=N`` adds the memory tier (:mod:`fsdp_optim.job.memory_save`): every N steps the whole state also
+    ``memory_every=N`` adds the memory tier (:mod:`fsdp_optim.job.memory`): every N steps the whole state also
     goes into each node's host memory (``memory_dir``, default ``/dev/shm/fsdp_optim-<hash of root>``; a tmpfs that
     outlives the process), with ``replicas`` copies of each rank's files on other nodes, blocking the loop as long
     as an async save does; each node keeps its newest ``keep_memory`` complete steps (``memory_bytes``: what this
@@ -108,10 +103,10 @@ class CheckpointManager:
         keep_memory: int = 2,
     ) -> None:
         check_schedule(every, keep, keep_every)
-        if memory_every is not None:
-            check_schedule(memory_every, keep_memory, None)
-            if type(replicas) is not int or replicas < 0:
-                raise ValueError(f"replicas: expected an int >= 0, found {replicas!r}")
+        memory = (("memory_every", memory_every, 1), ("keep_memory", keep_memory, 1), ("replicas", replicas, 0))
+        for name, value, low in memory if memory_every is not None else ():
+            if type(value) is not int or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, found {value!r}")
         self.memory_every, self.replicas, self.keep_memory = memory_every, replicas, keep_memory
         self.memory_dir, self.node = memory_dir, node_name(node) if node is not None else None
         self._memory: tuple[AsyncSave | Path, MemoryTier] | None = None  # a memory-tier save in flight
@@ -129,7 +124,7 @@ class CheckpointManager:
         return f"CheckpointManager({str(self.root)!r}, {schedule})"
 
     def path(self, step: int) -> Path | Location:
-        """The directory of ``step``: ``root/step-00000042`` (a ``Path``, or a store's prefix)."""
+        """The directory of ``step``: ``root/step-00000042``."""
         return public(self.root.child(step_dir_name(step)))
 
     def save(
@@ -148,8 +143,8 @@ class CheckpointManager:
         ``keep_every``) is removed, torn and damaged ones included; a directory holding anything that fsdp_optim
         did not write is kept, with a warning naming it, and so is anything in ``root`` that is not a step
         directory. Steps newer than ``step`` (a run resumed from an older step) are left alone. A prune that
-        fails warns rather than raises, so that every rank goes on to the same next step. ``data``: the data
-        stream's position, once for the job (a :class:`~fsdp_optim.ResumableSampler`), as in ``save_checkpoint``.
+        fails warns rather than raises, so that every rank goes on to the same next step. ``data``: as in
+        ``save_checkpoint``.
         """
         directory = self.path(step)
         memory = self.memory_every is not None and step % self.memory_every == 0
@@ -196,7 +191,7 @@ class CheckpointManager:
 
     def _prune(self, saved: int) -> None:
         """Remove the steps not kept (and finish the removals a killed prune began), a first Ctrl-C held until the
-        end: a removal is crash-safe at any moment (:func:`~fsdp_optim.formats.sharded.steps.remove_step`)."""
+        end (each removal is crash-safe: :func:`~fsdp_optim.formats.sharded.steps.remove_step`)."""
         with interrupts_deferred(f"the prune of {self.root} after step {saved}"):
             tidy_root(self.root, saved=saved)
             found = [d for d in survey_root(self.root, verify=False) if d.step < saved or d.state == PRUNING]
@@ -249,13 +244,12 @@ class CheckpointManager:
         call on every rank.
 
         With the memory tier (``memory_every``) and no ``step`` given, the newest step the live nodes' memory tiers
-        hold whole is restored (:func:`fsdp_optim.job.memory_restore.restore_from_memory`), unless durable storage
+        hold whole is restored (:func:`fsdp_optim.job.memory.restore_from_memory`), unless durable storage
         holds a newer complete step; when no step survives whole in memory, or its bytes fail a check on some rank
         (:class:`~fsdp_optim.job.node_memory.MemoryTierDamaged`, raised on every rank with nothing changed), a
         warning says so and the newest durable step is restored. ``restored_from`` and ``restored_step`` say what
-        was loaded. ``buffers``: buffers saved per rank (BatchNorm's running statistics) at another world size, as
-        in :func:`fsdp_optim.load_checkpoint` (``"refuse"``, ``"rank0"`` or ``"mean"``). ``data``: a
-        :class:`~fsdp_optim.ResumableSampler` put at the restored step's data position (untouched on a fresh run)."""
+        was loaded. ``buffers`` and ``data``: as in :func:`fsdp_optim.load_checkpoint` (``data`` is untouched on a
+        fresh run)."""
         self.wait()
         self.restored_from, self.restored_step = None, None
         damaged = None
@@ -312,8 +306,7 @@ class CheckpointManager:
                            keep=self.keep_memory, rank=rank)  # fmt: skip
 
     def _newest_durable(self) -> int | None:
-        """The newest durable step with a manifest and every file of its size (not yet verified byte by byte): run
-        on rank 0 alone (:func:`~fsdp_optim.job.memory_restore.restore_from_memory` tells every rank)."""
+        """The newest durable step with a manifest and every file of its size (not verified byte by byte)."""
         return max((d.step for d in survey_root(self.root, verify=False) if d.state == COMPLETE), default=None)
 
     def _say_fallback(self, model: nn.Module, memory: int | None, nodes: int, durable: int | None) -> None:
@@ -346,8 +339,8 @@ def _why_not_ours(step_dir: StepDir) -> str:
 
 
 def _warn(message: str) -> None:
-    """A ``UserWarning`` at the caller's line: the first frame outside this package (the manager's methods call
-    each other, and ``save`` prunes after an async save committed, so no fixed ``stacklevel`` is right)."""
+    """A ``UserWarning`` at the first frame outside this package (the manager's methods call each other: no fixed
+    ``stacklevel`` is right)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     frame, level = sys._getframe(1), 2  # stacklevel 2: _warn's caller
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):

@@ -37,8 +37,7 @@ def weight_shards(root: Root) -> dict[int, torch.Tensor]:
 
 
 def live_shaped(root: Root, index: int, shard: torch.Tensor) -> torch.Tensor:
-    """A 1-D shard of ``root.params[index]`` (as a checkpoint holds it) in the live parameter's shape: itself,
-    or a view of it in the parameter's own shape for one left unflattened at world size 1."""
+    """A 1-D shard of ``root.params[index]`` viewed in the live parameter's shape."""
     shape = root.layout.flat_params[index].shard_shape
     return shard if tuple(shard.shape) == shape else shard.view(shape)
 
@@ -59,9 +58,8 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def buffers_digest(buffers: Mapping[str, torch.Tensor]) -> str:
-    """One digest of every buffer's name, dtype, shape and bytes: equal on ranks whose buffers are equal (compared
-    across ranks, never stored). Buffers on a GPU are read through the stager's pinned ring, not copied whole into
-    pageable memory."""
+    """One digest of every buffer's name, dtype, shape and bytes (compared across ranks, never stored); GPU buffers
+    read through the stager's pinned ring."""
     names = sorted(buffers)
     h = xxhash.xxh3_128(repr([(n, str(buffers[n].dtype), tuple(buffers[n].shape)) for n in names]).encode())
     parts = [buffers[n].detach().reshape(-1) for n in names if buffers[n].numel()]

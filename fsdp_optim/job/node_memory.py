@@ -1,14 +1,11 @@
 """The memory tier as a :class:`~fsdp_optim.disk.location.Location`: :class:`NodeMemory`, one step as this rank's
 node holds it in host memory (tmpfs), its peers' pieces arriving through the process group.
 
-To every reader and writer it is a local directory (the step directory, mapped in place; a save's files written there
-by :func:`~fsdp_optim.job.save_commit.commit_save` as anywhere else). It differs in two of the methods the save and
-the load call on every backend: its writer's commit is the seal (:class:`MemoryWriter`, :meth:`NodeMemory.seal`:
-the manifest on every node, each rank's files on its replica peers' nodes, then each node's marker, all ranks or
-none), and its prefetch receives the byte ranges this node lacks from the ranks whose node holds them
-(:meth:`NodeMemory.prefetch`, planned alike on every rank: no message agrees on it; nothing received is written
-anywhere, every chunk is verified before use). Every collective here runs on the group the :class:`NodeMemory` was
-made with (the checkpoint group of a save, the restore's group).
+To every reader and writer it is a local directory (the step directory, mapped in place). It differs in two of the
+methods the save and the load call on every backend: its writer's commit is the seal (:meth:`NodeMemory.seal`), and
+its prefetch receives the byte ranges this node lacks from the ranks whose node holds them
+(:meth:`NodeMemory.prefetch`); the steps are :mod:`fsdp_optim.job.memory`'s. Every collective here runs on the group
+the :class:`NodeMemory` was made with (the checkpoint group of a save, the restore's group).
 """
 
 from __future__ import annotations
@@ -62,10 +59,9 @@ class Sealing:
 
 
 class NodeMemory(LocalDirectory):
-    """Step directory ``path`` of this rank's node in the memory tier, read and committed with the ranks of ``group``
-    (``None``: the default group; see the module docstring). ``sealing``: what a save's commit needs (none in a
-    restore); ``fetches``: a restore's plan of the byte ranges sent between ranks, or a function returning it when
-    the load's prefetch begins (none in a save)."""
+    """Step directory ``path`` of this rank's node, read and committed with the ranks of ``group``. ``sealing``: a
+    save's; ``fetches``: a restore's plan of the byte ranges sent between ranks (or a function returning it when the
+    prefetch begins)."""
 
     def __init__(
         self,
@@ -123,14 +119,11 @@ class NodeMemory(LocalDirectory):
     # -- committing: replicas, then the node's marker ---------------------------------------------------------
 
     def writer(self, rules: SaveRules) -> MemoryWriter:
-        """A local directory's writer whose commit is the seal (:class:`MemoryWriter`)."""
         return MemoryWriter(self, rules)
 
     def seal(self, save: Sealing, manifest_bytes: bytes | None) -> Path:
-        """The seal (collective, once every rank's files are written here; ``manifest_bytes``: rank 0's): the
-        manifest on every node, each rank's files on its replica peers' nodes, agreed, then each node's first rank
-        writes its marker and prunes the node to the newest ``keep`` complete steps. A rank killed before the markers
-        leaves none of this step anywhere. This node's step directory."""
+        """The seal, steps 2 and 3 of a save (:mod:`fsdp_optim.job.memory`), once every rank's files are written here
+        (``manifest_bytes``: rank 0's). This node's step directory."""
         rank, _ = dist_rank_and_size(self.group)
         what = f"the memory-tier save of step {save.step} failed, nothing was marked"
         here = self.path / MANIFEST_NAME
@@ -154,8 +147,7 @@ class NodeMemory(LocalDirectory):
 
 
 class MemoryWriter(RenameWriter):
-    """The memory tier's save: a local directory's (the step directory is this job's own: nothing begun, locked or
-    replaced), whose commit is the seal (:meth:`NodeMemory.seal`), a collective on every rank."""
+    """The memory tier's save: a local directory's (nothing begun, locked or replaced), whose commit is the seal."""
 
     location: NodeMemory
 
@@ -176,8 +168,8 @@ def _marker(save: Sealing, manifest: Manifest, peers: Sequence[Sequence[int]]) -
 
 
 class _InFlight:
-    """Transfers posted (:func:`~fsdp_optim.job.transport.post_exchange`'s handles: the receives', then the sends'),
-    and the sent tensors, kept alive until :meth:`finish`."""
+    """Transfers posted (:func:`~fsdp_optim.job.transport.post_exchange`'s handles), and the sent tensors, kept
+    alive until :meth:`finish`."""
 
     def __init__(self, works: list[Any], kept: Sequence[Any]) -> None:
         self._works, self._kept = works, list(kept)

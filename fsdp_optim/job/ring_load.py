@@ -1,17 +1,20 @@
-"""Loads at the floor: a rank file read a piece at a time straight into the slots of the GPU's pinned ring, each
+"""Loads onto a device. Where loaded state lands, one rule on every device: the device never holds the state twice
+past the load. Parameters and buffers land in the live tensors, in place (FSDP's flat parameters must keep their
+storage). The optimizer's state lands in its live tensors where the loaded bytes cross devices (host tensors into GPU
+ones, through the stager's pinned ring, never through pageable memory); a loaded tensor already in memory of its own
+on its parameter's device becomes the state as it is (a copy would cost and save nothing).
+
+Loads at the floor: a rank file read a piece at a time straight into the slots of the GPU's pinned ring, each
 piece's chunk checksums checked on its slot, then copied to the GPU from there, while a reader thread fills the next
-slots. Nothing the size of the state passes through pageable memory (the old way: the whole file read into new host
-memory, hashed, then copied into a slot, then to the GPU).
+slots. Nothing the size of the state passes through pageable memory.
 
 A whole load at the saved layout goes through the ring twice, so that the GPU never holds the state twice
 (:func:`verify_own`, then :meth:`Verified.land`): the first pass reads and checks every piece in the slots and keeps
 nothing; the ranks agree; the second reads and checks each piece again and copies it straight into the live tensor
-it lands in (``destination``: the parameter's data, the optimizer's own state tensor). GPU memory grows by nothing
-the size of the state (the slots are pinned host memory), and a corrupt byte, or a failure on another rank, leaves
-every live tensor as it was. What it costs: the file is read and hashed twice (the second time usually from the page
-cache); the copies to the GPU are those of one load. A mismatch in the second pass (the file changed between the
-passes) raises, naming the file, after part of the live state was written. :func:`read_own` (the scatter's loads,
-and a load into host memory, which reads straight into its new tensors: its floor) reads once into new memory.
+it lands in. A corrupt byte, or a failure on another rank, leaves every live tensor as it was; the cost is the file
+read and hashed twice (the second time usually from the page cache). A mismatch in the second pass (the file changed
+between the passes) raises, naming the file, after part of the live state was written. :func:`read_own` (the
+scatter's loads, and a load into host memory) reads once into new memory.
 
 Threads: the reader (``preadv``) waits for a slot's previous copies to be done before it refills it; the checker
 hashes the slot the reader filled before (xxhash; both release the GIL); the caller's thread queues each checked
@@ -32,14 +35,19 @@ import torch
 
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, clone_value
+from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.disk.location import Location
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.piece_reads import TensorPiece, plan_pieces
 from fsdp_optim.formats.sharded.rank_file import RankFile
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
-from fsdp_optim.job.stager import Ring, ring_of
+from fsdp_optim.job.stager import CUDA, Ring, check_pairs, upload
+from fsdp_optim.job.staging import before_change
 
-__all__ = ["Destination", "Verified", "read_own", "ring_for", "stream_pieces", "verify_own"]
+__all__ = [
+    "Destination", "Verified", "into_live", "live_destination", "optimizer_state_on_device", "read_own", "ring_for",
+    "stream_pieces", "verify_own",
+]  # fmt: skip
 
 Copies = Callable[[TensorPiece, torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor]]]
 # (flat, key, numel, dtype, device) -> the 1-D contiguous tensor a shard lands in
@@ -51,7 +59,7 @@ _Queue = queue.Queue  # of (slot, piece), a failure, or None (no more); free slo
 def ring_for(device: torch.device) -> Ring | None:
     """The ring a load into ``device`` streams through: that GPU's pinned ring; none for host memory (a load into
     host tensors reads straight into them). Tests run the ring's path on the host by answering a host ring here."""
-    return ring_of(device) if device.type == "cuda" else None
+    return CUDA.ring(CUDA.copier(device)) if device.type == "cuda" else None
 
 
 @dataclass(frozen=True)
@@ -74,10 +82,9 @@ class Verified:
 def verify_own(
     ckpt: ShardedCheckpoint, rank: int, devices: Sequence[torch.device], want: Callable[[int, str], bool]
 ) -> Verified | None:
-    """The first pass of a load at the saved layout through a ring (module doc): every piece of rank ``rank``'s
-    file read into the ring's slots and checked there, nothing copied out, nothing allocated the size of the
-    state; ``ValueError`` at a checksum mismatch. None where no ring is used (host memory, format 1 or 2 files):
-    :func:`read_own` reads those once, into new memory."""
+    """The first pass of a load at the saved layout through a ring (module doc): every piece checked in the slots,
+    nothing kept; ``ValueError`` at a checksum mismatch. None where no ring is used (host memory, format 1 or 2
+    files): :func:`read_own` reads those once, into new memory."""
     ring, rank_file = _ring_and_file(ckpt, rank, devices)
     if ring is None or rank_file is None:
         return None
@@ -246,3 +253,89 @@ def _pass_on(ring: Ring, stage: Stage, inbox: _Queue, out: _Queue, stop: threadi
         out.put(item if not isinstance(item, tuple) else None)
     except BaseException as exc:
         out.put(exc)
+
+
+def into_live(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each checked tensor into its live tensor (``(live, checked)``): on the device, through the pinned ring or
+    directly. A floating-point tensor of another dtype is cast first; any other difference of dtype or shape is
+    refused before a byte is written."""
+    ready = [(live, t.to(live.dtype) if _castable(t, live) else t) for live, t in pairs if not _same(live, t)]
+    check_pairs(ready)  # all or nothing: the device-side pairs too, before the first of them is copied
+    on_device = [(live, t) for live, t in ready if live.is_cuda and t.device == live.device]
+    with torch.no_grad():
+        for live, t in on_device:
+            live.copy_(t)
+    upload([(live, t) for live, t in ready if not (live.is_cuda and t.device == live.device)])
+
+
+def _same(live: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` is ``live``'s own memory (a load read it there: nothing to copy)."""
+    same_place = live.device == t.device and live.data_ptr() == t.data_ptr()
+    return same_place and live.shape == t.shape and live.dtype == t.dtype
+
+
+def live_destination(params: Sequence[torch.Tensor], optim: torch.optim.Optimizer | None) -> Destination:
+    """Where a load at the saved layout reads each shard (:meth:`fsdp_optim.job.ring_load.Verified.land`): the live
+    tensor itself (the parameter's data, the optimizer's own state tensor) when it fits (numel, dtype, device,
+    contiguous); else a new tensor (an optimizer that has not stepped yet: it becomes its state)."""
+
+    def destination(flat: int, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        param = params[flat]
+        state = optim.state.get(param, {}) if optim is not None else {}
+        live = param.data if key == WEIGHTS_KEY else state.get(key)
+        if (torch.is_tensor(live) and live.numel() == numel and live.dtype == dtype and live.device == device
+                and live.is_contiguous()):  # fmt: skip
+            return live.detach().view(-1)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    return destination
+
+
+def _castable(host: torch.Tensor, live: torch.Tensor) -> bool:
+    return host.dtype != live.dtype and host.is_floating_point() and live.is_floating_point()
+
+
+def optimizer_state_on_device(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (``{"state": {id: {key: tensor or value}}, "param_groups": [...]}``, as
+    ``optim.load_state_dict`` takes it) with every state tensor where the module docstring's rule puts it, cast to
+    the dtype ``load_state_dict`` would cast it to (``step`` as it is). A tensor already on its parameter's device
+    becomes the state: a copy into the live tensor would lower no peak, since ``load_state_dict`` frees the live
+    tensors. An async save still copying ``optim``'s state is waited for first (its pre-hook on ``load_state_dict``
+    would come too late)."""
+    before_change(optim)
+    params = _params_by_id(optim, state_dict)
+    state: dict[Any, dict[str, Any]] = {}
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for pid, entries in state_dict["state"].items():
+        param = params[pid]
+        live = optim.state.get(param, {})
+        state[pid] = dict(entries)
+        for key, value in entries.items():
+            if key == "step" or not torch.is_tensor(value):
+                continue
+            dtype = param.dtype if param.is_floating_point() else value.dtype
+            target = live.get(key)
+            fits = _fits(target, value, dtype, param.device)
+            if value.device == param.device:  # memory of its own where it belongs (or the live tensor's own)
+                state[pid][key] = target if fits and _same(target, value) else value.to(dtype)
+                continue
+            if not fits:
+                target = torch.empty(value.shape, dtype=dtype, device=param.device)
+            pairs.append((target, value.to(dtype)))  # as load_state_dict casts it (an integer one too)
+            state[pid][key] = target
+    into_live(pairs)
+    return {**state_dict, "state": state}
+
+
+def _fits(target: Any, value: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+    return (torch.is_tensor(target) and target.shape == value.shape and target.dtype == dtype
+            and target.device == device and target.is_contiguous())  # fmt: skip
+
+
+def _params_by_id(optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> dict[Any, torch.Tensor]:
+    """``{saved param id: live parameter}``, matched as ``load_state_dict`` matches them."""
+    return {
+        pid: param
+        for saved, group in zip(state_dict["param_groups"], optim.param_groups, strict=True)
+        for pid, param in zip(saved["params"], group["params"], strict=True)
+    }

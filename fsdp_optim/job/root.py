@@ -47,12 +47,8 @@ class Root:
 
 
 def verify_root(fsdp: Any, optim: torch.optim.Optimizer | None = None) -> Root:
-    """Refuse anything but a fairscale FSDP root, then read it (and ``optim``'s param groups) into a :class:`Root`.
-
-    Local: no collective. Raises ``TypeError`` for a module that is not fairscale's
-    ``FullyShardedDataParallel`` (or a subclass), ``ValueError`` for a nested instance, and, given ``optim``,
-    ``ValueError`` for a param group holding a parameter this root does not own.
-    """
+    """Refuse anything but a fairscale FSDP root (:func:`check_root`), then read it (and ``optim``'s param groups)
+    into a :class:`Root`. Local: no collective."""
     check_root(fsdp)
     layout, params = read_layout(fsdp)
     position = {id(p): i for i, p in enumerate(fsdp.parameters())}
@@ -104,11 +100,8 @@ def _fsdp_instances(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def read_layout(root: nn.Module) -> tuple[ModelLayout, list[nn.Parameter]]:
-    """Read the layout of a fairscale-FSDP-wrapped ``root`` and the live parameters it describes.
-
-    Returns ``(layout, params)`` where ``params[i]`` is the parameter object (what the optimizer holds)
-    whose layout is ``layout.flat_params[i]``. Works before any forward pass.
-    """
+    """``(layout, params)`` of a fairscale-FSDP-wrapped ``root``: ``params[i]`` (what the optimizer holds) is laid
+    out as ``layout.flat_params[i]``. Works before any forward pass."""
     # Module order of the unwrapped model: the wrapped tree visits modules in the same order, with
     # wrapper modules mapping onto the path of the module they wrap.
     module_rank: dict[str, int] = {}

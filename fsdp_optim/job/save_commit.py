@@ -77,9 +77,8 @@ def _check_loadable(value: Any, where: str) -> None:
 
 
 def own_tensor(value: Any) -> Any:
-    """What a save keeps of a live value: a CPU tensor that ``torch.save`` writes without a larger backing storage;
-    a tensor on a GPU as it is, detached (the writer, or an async save's staging, copies it through pinned memory:
-    :mod:`fsdp_optim.job.stager`); other values as they are."""
+    """What a save keeps of a live value: a CPU tensor without a larger backing storage; a GPU tensor detached (the
+    writer copies it through pinned memory); other values as they are."""
     if not torch.is_tensor(value):
         return value
     value = value.detach()
@@ -92,11 +91,9 @@ def own_tensor(value: Any) -> Any:
 def start_save(
     directory: Location, group: ProcessGroup, *, overwrite: bool, purpose: str
 ) -> tuple[str, Begun | None]:
-    """Before any rank writes: rank 0 begins the save at ``directory`` (:meth:`~fsdp_optim.disk.save.Writer.begin`: a
-    local directory is locked, what a killed writer left removed and the save journaled; a store's prefix is listed
-    and its manifest's etag noted; foreign contents refused unless ``overwrite``). Every rank then learns the save
-    id, or every rank raises rank 0's refusal, with nothing written. Returns ``(save id, what rank 0 began, None
-    elsewhere)``; hand it to :func:`commit_save`. Two small collectives."""
+    """Before any rank writes: rank 0 begins the save at ``directory`` (:meth:`~fsdp_optim.disk.save.Writer.begin`;
+    foreign contents refused unless ``overwrite``); every rank learns the save id, or raises rank 0's refusal with
+    nothing written. Returns ``(save id, what rank 0 began or None)`` for :func:`commit_save`. Two small collectives."""
     rank, world_size = dist_rank_and_size(group)
     save_id, begun = None, None
     try:
@@ -146,12 +143,9 @@ def commit_save(
     side: Side | None = None,
 ) -> Path | ObjectPath:
     """Write this rank's ``state`` (``{flat: {key: padded shard or scalar}}``, or a function that makes it) and,
-    for a whole checkpoint, its ``side`` file; then, once every rank's files are durable, rank 0's manifest (last).
-    A collective over ``group``: a failure on any rank raises on every rank, and then no manifest was written.
-    Shared by the synchronous and asynchronous saves and :func:`fsdp_optim.job.whole_save.save_checkpoint`.
-    ``lock`` (rank 0): from :func:`start_save`; finished here (a failed save's files removed). ``None`` with a
-    directory of this job's own (the memory tier's): the manifest is written last, nothing locked or replaced.
-    Where the files go and how the manifest commits is ``directory``'s writer's (:mod:`fsdp_optim.disk.save`)."""
+    for a whole checkpoint, its ``side`` file; then commit rank 0's manifest (the module docstring). A failure on any
+    rank raises on every rank, and then no manifest was written. ``lock`` (rank 0): from :func:`start_save`, finished
+    here; ``None`` for a directory of this job's own (the memory tier's): nothing locked or replaced."""
     rank, world_size = dist_rank_and_size(group)
     what = "save_checkpoint" if side is not None else "save_sharded_optim_state"
     writer = directory.writer(save_rules(save_id, world_size))
@@ -174,7 +168,7 @@ def commit_save(
 
 @dataclass
 class _Written:
-    """What this rank wrote for a save, as far as it got: its state summary, shards and file records."""
+    """What this rank wrote for a save, as far as it got."""
 
     summary: Any
     record: FileRecord | None = None
@@ -204,8 +198,7 @@ def _manifest_of(
     layout: ModelLayout, local: LocalState, shards: Mapping[int, Mapping[str, Any]], optimizer: str | None,
     save_id: str, reports: list[Any], side: Side | None,
 ) -> Manifest:  # fmt: skip
-    """Rank 0, once every rank's files are written: the manifest to commit (``reports``: every rank's
-    ``(summary, rank file, side file)``)."""
+    """Rank 0: the manifest to commit (``reports``: every rank's ``(summary, rank file, side file)``)."""
     if len(reports) > 1:
         check_agreement(layout, [summary for summary, _, _ in reports])
     entries = {i: state_entries(layout.flat_params[i], values) for i, values in shards.items()}

@@ -1,10 +1,5 @@
-"""Sharded optimizer checkpoints inside a training job: save, load (with resharding), scatter a full dict.
-
-Orchestration only: records in :mod:`fsdp_optim.formats.sharded.manifest`, files in
-:mod:`fsdp_optim.disk.local_directory`, every check and cut in :mod:`fsdp_optim.core.plan`, collectives in
-:mod:`.transport`. Works with any fairscale FSDP root (fairscale's own
-class, a subclass such as fairseq's, or :class:`fsdp_optim.FullyShardedDataParallel`).
-"""
+"""Sharded optimizer checkpoints inside a training job: save, load (with resharding), scatter a full dict, for any
+fairscale FSDP root. Orchestration only: every check and cut is :mod:`fsdp_optim.core.plan`'s."""
 
 from __future__ import annotations
 
@@ -27,12 +22,10 @@ from fsdp_optim.formats.sharded.byte_ranges import cut_spans
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAMES, Manifest
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.reader import open_checkpoint
-from fsdp_optim.job.agreed import step
+from fsdp_optim.job.agreed import interrupts_deferred, step
 from fsdp_optim.job.api import full_plan
-from fsdp_optim.job.device_load import optimizer_state_on_device
-from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import check_optimizer
-from fsdp_optim.job.ring_load import read_own
+from fsdp_optim.job.ring_load import optimizer_state_on_device, read_own
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.save_commit import check_in_seconds, commit_save, own_tensor, read_for_save, start_save
 from fsdp_optim.job.transport import check_in, scatter_objects
@@ -51,21 +44,15 @@ def save_sharded_optim_state(
 
     No gather and no full buffer: every rank writes its own flat shards as they are (padding included)
     to ``directory/optim-<save id>-rank<r>-of-<W>.safetensors``; rank 0 then writes ``manifest.json`` with the layout
-    (units, parameter names, shapes, dtypes, padding, world size, param groups, scalar states, file
-    checksums; see :mod:`fsdp_optim.formats.sharded.manifest`). Each file is written atomically and the manifest last,
-    so a crash at any point leaves the previous checkpoint in ``directory`` loadable; files of earlier
-    saves are removed only after the new manifest is in place. ``directory`` must be one path that every
-    rank sees (a shared file system).
+    (see :mod:`fsdp_optim.formats.sharded.manifest`). The manifest is committed last, so a crash at any point leaves
+    the previous checkpoint in ``directory`` loadable; files of earlier saves are removed only after the new manifest
+    is in place. ``directory`` must be one path that every rank sees (a shared file system, or a store).
 
-    Never modifies ``optim`` or its state. Returns the manifest's path (on every rank, once it exists): a
-    ``pathlib.Path`` in a local directory, an :class:`~fsdp_optim.disk.location.ObjectPath` (printed as its URL)
-    in any other location, whose objects have no local path.
-    A failure on any rank raises on every rank, and then no manifest was written and the files this
-    save wrote are removed.
-
-    Rank 0 holds ``directory``'s lock from before the first file is written until the commit (see
-    :func:`start_save`): a concurrent writer of the same directory gets ``OutputLockedError``, one that
-    holds files that are not an fsdp_optim checkpoint's ``ForeignOutputError`` unless ``overwrite``.
+    Never modifies ``optim`` or its state. Returns the manifest's path (on every rank): a ``pathlib.Path`` in a local
+    directory, an :class:`~fsdp_optim.disk.location.ObjectPath` (printed as its URL) elsewhere. A failure on any rank
+    raises on every rank, and then no manifest was written and the files this save wrote are removed. A concurrent
+    writer of the same directory gets ``OutputLockedError``; a directory holding files that are not an fsdp_optim
+    checkpoint's, ``ForeignOutputError`` unless ``overwrite``.
 
     Cost: four small object collectives (lock outcome, save id, per-rank summaries to rank 0, outcome)
     and each rank's own file write.
@@ -130,8 +117,7 @@ def load_sharded_optim_state(
 def _read_sharded(
     root: Root, optim: torch.optim.Optimizer, path: str | os.PathLike[str] | Location
 ) -> dict[str, Any]:
-    """This rank's state from a sharded checkpoint, checked and read into new memory, as
-    ``optim.load_state_dict`` takes it; nothing is changed."""
+    """This rank's state from a sharded checkpoint, read into new memory, as ``optim.load_state_dict`` takes it."""
     layout, members, rank = root.layout, root.members, root.rank
     with open_checkpoint(path) as ckpt:  # lazy: at the saved layout a rank reads only its own file
         check_optimizer(ckpt.manifest.optimizer, optim, str(ckpt.directory))
@@ -179,8 +165,7 @@ def _scatter(
     *,
     what: str,
 ) -> None:
-    """:func:`scatter_full_optim_state` on a verified root (built with ``optim``, so its members are known);
-    ``what`` names the caller's operation in a refusal every rank raises."""
+    """:func:`scatter_full_optim_state` on a root verified with ``optim``; ``what`` names the caller in a refusal."""
     check_rank("src_rank", src_rank, root.world_size)
     make: Callable[[int], dict[str, Any]] | None = None
     own: dict[str, Any] | None = None

@@ -1,29 +1,22 @@
 """Device-to-host staging: how every save (sync, async, to an object store, into the memory tier) moves GPU memory.
 
-Shards on a GPU reach the host through pinned memory that is allocated once per process and reused by every later
-save, copied on a side CUDA stream, so that no save copies through pageable memory and none grows host memory:
+Shards on a GPU reach the host through pinned memory allocated once per process and reused by every later save,
+copied on a side CUDA stream, so that no save copies through pageable memory and none grows host memory:
 
 - **synchronous writes** (:func:`pieces`): a ring of ``SLOTS`` pinned buffers of ``SLOT_BYTES``; the copy of the
   next slots runs while the writer hashes and writes the one at hand (:class:`Ring`);
-- **loads into a GPU** (:func:`upload`): the same ring the other way: a slot is filled from the file's pages while
-  the copies out of the earlier slots run, straight into the live parameters and optimizer state;
-- **asynchronous saves** (:meth:`fsdp_optim.job.staging.HostStaging.copy`): one reused page-locked arena for the shards
-  on GPUs (a layout's first save fills it through the ring), the copies enqueued on the side stream by the save's
-  thread; the optimizer's next ``step()`` makes its stream wait for them on the GPU
-  (:meth:`fsdp_optim.job.staging.StagedCopy.before_change`), not the host.
+- **loads into a GPU** (:func:`upload`): the same ring the other way, straight into the live tensors;
+- **asynchronous saves**: :mod:`fsdp_optim.job.staging` (a reused page-locked arena; ``step()`` waits on the GPU).
 
 Ordering: the side stream first waits for an event recorded on the caller's current stream when the save was
-called (:func:`mark`), so the copies see every kernel queued before the call and none after; every source is
-``record_stream``-ed on the side stream, so the caching allocator does not hand its memory to another tensor before
-the copy has read it. No GPU memory is allocated. Tensors already on the CPU are never copied by the ring: the
-writer reads them where they are (:func:`fsdp_optim.formats.sharded.rank_file.host_pieces`).
+called (:meth:`Copier.mark`), so the copies see every kernel queued before the call and none after; every source is
+``record_stream``-ed on the side stream, so the caching allocator does not reuse its memory before the copy has read
+it. No GPU memory is allocated. Host tensors are never copied by the ring: the writer reads them where they are.
 
-Every copy goes through one seam: a :class:`~fsdp_optim.job.copiers.Copier` (one device's copy engine: queue a
-copy, wait for its ticket, make later copies wait for a mark, make the caller's stream wait for a ticket), chosen per
-tensor by an :class:`Engines` (:data:`CUDA` in a job). :class:`~fsdp_optim.job.copiers.HostCopier` copies
-synchronously on the host; the tests run the ring, an async save's arena and the staging order under a copier whose
-copies land later on a thread of their own (``tests/_async_copier.py``), so an ordering mistake gives wrong bytes on a
-machine without a GPU too.
+Every copy goes through one seam, a :class:`Copier` (one device's copy engine), chosen per tensor by an
+:class:`Engines` (:data:`CUDA` in a job). :class:`HostCopier` copies synchronously on the host; the tests run the
+ring, the arena and the staging order under a copier whose copies land later on a thread of their own
+(``tests/_async_copier.py``), so an ordering mistake gives wrong bytes on a machine without a GPU too.
 """
 
 from __future__ import annotations
@@ -31,47 +24,172 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from fsdp_optim.formats.sharded.rank_file import host_pieces
-from fsdp_optim.job.copiers import Copier, CudaCopier
 
 __all__ = [
-    "SLOTS",
-    "SLOT_BYTES",
-    "CUDA",
-    "CudaEngines",
-    "Engines",
-    "Ring",
-    "check_pairs",
-    "copier_of",
-    "ring_of",
-    "pieces",
-    "upload",
-]
+    "CUDA", "DONE", "SLOTS", "SLOT_BYTES", "Copier", "CudaCopier", "CudaEngines", "Engines", "HostCopier", "Ring",
+    "Ticket", "check_pairs", "pieces", "upload",
+]  # fmt: skip
 
 SLOTS = 4  # copies in flight while one slot is hashed and written
 SLOT_BYTES = 32 << 20  # 128 MiB of pinned memory per GPU for the ring: large copies, little memory
 
 
+class Ticket(Protocol):
+    """A copy's or a mark's answer (a CUDA event, or one done from the start on the host)."""
+
+    def synchronize(self) -> None:
+        """Block the host until it is done."""
+        ...
+
+
+class Copier(Protocol):
+    """One device's copy engine, as the host sees it: copies queued in order on a stream of their own, each answered
+    by a :class:`Ticket`."""
+
+    device: torch.device  # where the copies' device-side tensors live
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A host ``uint8`` buffer of ``nbytes`` (pinned, for copies from a GPU)."""
+        ...
+
+    def mark(self) -> Ticket:
+        """An event recorded now on the caller's current stream of this device."""
+        ...
+
+    def after(self, event: Ticket) -> None:
+        """Copies queued from now on start once ``event`` (a :meth:`mark`) is done."""
+        ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        """Queue a copy of ``src`` into ``dst`` (same number of bytes); a ticket for :meth:`wait`."""
+        ...
+
+    def wait(self, ticket: Ticket) -> None:
+        """Block the host until the copy of ``ticket`` is done."""
+        ...
+
+    def last(self) -> Ticket:
+        """A ticket done once every copy queued so far is done (copies run in order)."""
+        ...
+
+    def hold(self, ticket: Ticket) -> None:
+        """Make whatever the caller queues next on this device wait for ``ticket`` (on a GPU: its stream waits,
+        not the host)."""
+        ...
+
+    def bind(self) -> None:
+        """Make this copier's device the calling thread's current device (a thread of its own starts on GPU 0)."""
+        ...
+
+
+class _Done:
+    """A ticket that is done from the start: what a synchronous copy answers."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+DONE = _Done()
+
+
+class HostCopier:
+    """Synchronous copies into ordinary host memory: the ring's logic without a GPU (every ticket done at once)."""
+
+    device = torch.device("cpu")
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def mark(self) -> Ticket:
+        return DONE
+
+    def after(self, event: Ticket) -> None:  # noqa: ARG002 - the host ran everything queued before
+        return None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        dst.copy_(src)
+        return DONE
+
+    def wait(self, ticket: Ticket) -> None:
+        ticket.synchronize()
+
+    def last(self) -> Ticket:
+        return DONE
+
+    def hold(self, ticket: Ticket) -> None:
+        ticket.synchronize()
+
+    def bind(self) -> None:
+        return None
+
+
+class CudaCopier:
+    """Copies from one GPU on a side stream of its own into pinned host memory, each awaited through its event."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def __str__(self) -> str:
+        return str(self.device)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        with torch.cuda.device(self.device):
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def mark(self) -> Ticket:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def after(self, event: Ticket) -> None:
+        self.stream.wait_event(cast(torch.cuda.Event, event))  # one of this GPU's own marks
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            if src.is_cuda:  # the allocator keeps src's memory until the side stream has read it
+                src.record_stream(self.stream)
+            done = torch.cuda.Event(blocking=True)  # a waiting host thread sleeps instead of spinning on a core
+            done.record(self.stream)
+        return done
+
+    def wait(self, ticket: Ticket) -> None:
+        ticket.synchronize()
+
+    def last(self) -> Ticket:
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.stream)
+        return event
+
+    def hold(self, ticket: Ticket) -> None:
+        torch.cuda.current_stream(self.device).wait_event(cast(torch.cuda.Event, ticket))  # one of its own copies'
+
+    def bind(self) -> None:
+        torch.cuda.set_device(self.device)
+
+
 class Engines(Protocol):
-    """Which copy engine a tensor sits behind (``None``: host memory, read where it is), and each engine's ring.
-    :data:`CUDA` in a job; the tests pass an engine of their own that models a GPU's on the CPU."""
+    """Which copy engine a tensor sits behind (``None``: host memory), and each engine's ring."""
 
     def of(self, tensor: torch.Tensor) -> Copier | None:
         """The copier of the device holding ``tensor``, ``None`` for host memory; refuses another device."""
         ...
 
     def ring(self, copier: Copier) -> Ring:
-        """That copier's ring, made once and reused by every later save and load."""
+        """That copier's ring, made once."""
         ...
 
 
 class Ring:
-    """``slots`` reused host buffers of ``slot_bytes``: the bytes of many tensors streamed through them in order,
-    the copies of the next slots in flight while the caller uses the current one."""
+    """``slots`` reused host buffers of ``slot_bytes``, the copies of the next slots in flight while the caller uses
+    the current one."""
 
     def __init__(self, copier: Copier, *, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
         assert slots >= 1 and slot_bytes >= 1, f"expected a slot or more of a byte or more, found {slots}, {slot_bytes}"
@@ -84,7 +202,7 @@ class Ring:
         """The bytes of the 1-D ``parts`` in order, as views of the ring's buffers; each valid until the next is
         asked for. A generator closed early still waits for the copies it started (the buffers are reused)."""
         with self.lock:
-            spans = _spans(parts, self.slot_bytes)
+            spans = (span for part in parts for _, span in _offsets(part, self.slot_bytes))
             flight: deque[tuple[int, int, Any]] = deque()  # (slot, bytes, ticket) in order of the spans
             try:
                 for slot in range(len(self.buffers)):
@@ -100,10 +218,8 @@ class Ring:
                     self.copier.wait(ticket)
 
     def upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each host tensor ``src`` into its ``dst`` (same shape and dtype, ``dst`` contiguous, on the copier's
-        device: every pair checked before the first byte is written) through the ring: a slot is filled from ``src``
-        (the read, e.g. of a mapped file's pages) while the copies out of the earlier slots run. Returns once every
-        copy is done (one slot's copy after the last read)."""
+        """Copy each host tensor ``src`` into its ``dst`` (checked: :func:`check_pairs`) through the ring: a slot is
+        filled from ``src`` while the copies out of the earlier slots run. Returns once every copy is done."""
         check_pairs(pairs, self.copier.device)
         with self.lock:
             busy: list[Any] = [None] * len(self.buffers)
@@ -150,22 +266,14 @@ def check_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torc
 
 
 def _offsets(part: torch.Tensor, size: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(byte offset, uint8 view of at most size bytes)`` over one tensor's bytes."""
+    """``(byte offset, uint8 view of at most size bytes)`` over one tensor's bytes (no copy of a contiguous one)."""
     raw = part.detach().contiguous().reshape(-1).view(torch.uint8)
     for start in range(0, raw.numel(), size):
         yield start, raw[start : start + size]
 
 
-def _spans(parts: Sequence[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
-    """The bytes of ``parts`` as ``uint8`` views of at most ``size`` bytes (no copy of a contiguous part)."""
-    for part in parts:
-        for _, span in _offsets(part, size):
-            yield span
-
-
 class CudaEngines:
-    """The GPUs' copy engines: one side stream (:class:`~fsdp_optim.job.copiers.CudaCopier`) and one ring per GPU,
-    for the process's life (the ring's pinned memory is what every later save and load reuses)."""
+    """The GPUs' copy engines: one side stream (:class:`CudaCopier`) and one ring per GPU, for the process's life."""
 
     def __init__(self) -> None:
         self._copiers: dict[int, CudaCopier] = {}
@@ -198,11 +306,6 @@ class CudaEngines:
 
 
 CUDA = CudaEngines()
-
-
-def copier_of(device: torch.device) -> CudaCopier:
-    """The side stream's copier of GPU ``device`` (one per GPU, for the process's life)."""
-    return CUDA.copier(device)
 
 
 def pieces(parts: Sequence[torch.Tensor], *, engines: Engines = CUDA) -> Iterator[torch.Tensor]:
@@ -248,9 +351,3 @@ def _distinct(copiers: Iterable[Copier | None]) -> list[Copier]:
         if copier is not None and all(copier is not c for c in found):
             found.append(copier)
     return found
-
-
-def ring_of(device: torch.device) -> Ring:
-    """The pinned ring of the GPU ``device`` (one per GPU, for the process's life), for a caller that streams through
-    its slots itself (a load reading a file straight into them: :mod:`fsdp_optim.job.ring_load`)."""
-    return CUDA.ring(copier_of(device))

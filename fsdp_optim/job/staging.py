@@ -1,32 +1,176 @@
-"""Async saves' staging: a root's reused host memory for its shards, copied on the stager's side stream, and the
-wait that whatever changes the state next goes through (:func:`before_change`).
+"""Async saves' staging: a root's reused host memory for its shards, copied on the stager's side stream
+(:mod:`fsdp_optim.job.stager`), and the wait that whatever changes the state next goes through (:func:`before_change`).
 
-One arena per root for its shards on GPUs (:mod:`fsdp_optim.job.arena`: its exact size, filled through the GPU's
-ring on a layout's first save and page-locked by the save's thread after it, kept across saves and by a layout change
-that fits, so host memory does not grow from one save to the next); a plain buffer per host tensor; the buffers and
-``extra``'s tensors copied at the call (:meth:`HostStaging.side_copy`). The copies are
-enqueued by the save's thread, bound to the shards' GPU, after an event taken in the caller's thread when the save
-was called (:func:`ready_events`), so they see the state at the call; ``optim.step()``, ``load_state_dict()`` and
-the loads wait for them on the GPU (the host waits only until they are enqueued). Every copy queued has landed
-before :meth:`HostStaging.copy` returns or raises. See :mod:`fsdp_optim.job.stager` for the copies themselves.
+One :class:`Arena` per root for its shards on GPUs, a plain buffer per host tensor, and the buffers and ``extra``'s
+tensors copied at the call (:meth:`HostStaging.side_copy`). The copies are enqueued by the save's thread, bound to
+the shards' GPU, after an event taken in the caller's thread when the save was called (:func:`ready_events`), so
+they see the state at the call; ``optim.step()``, ``load_state_dict()`` and the loads wait for them on the GPU (the
+host waits only until they are enqueued). Every copy queued has landed before :meth:`HostStaging.copy` returns or
+raises.
+
+The arena: one allocation at the exact size of the shards (the caching host allocator would round each block up to
+a power of two, up to twice the state), kept across saves and by a layout change that fits, page-locked a chunk at a
+time after a layout's first save. After the fact because ``cudaHostRegister`` of a 6 GiB arena takes seconds and no
+copy can be queued into memory not yet page-locked: the first save of a layout copies through the GPU's ring, whose
+slots are page-locked already, and the save's thread locks the arena once its upload is done
+(:meth:`HostStaging.lock`), so ``optim.step()`` never waits for a registration. A copy never spans two
+registrations (it is cut at :data:`CHUNK_BYTES` boundaries): the driver treats such memory as pageable.
+Registration runs under the arena's GPU's context (:class:`CudaHost`): the save's thread would otherwise open a
+context on GPU 0 on every rank. When it fails (no support, a locked-memory limit), the save goes on with a one-time
+warning, and later arenas are ordinary pinned memory, or pageable where that fails too. The :class:`Registrar` is a
+seam: the tests page-lock nothing, or fail (``tests/_async_copier.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from fsdp_optim.job.arena import CUDA_HOST, Arena, Registrar
-from fsdp_optim.job.copiers import Copier
-from fsdp_optim.job.stager import CUDA, Engines, Ring
+from fsdp_optim.job.stager import CUDA, Copier, Engines, Ring
 
-__all__ = ["StagedCopy", "HostStaging", "before_change", "expect", "ready_events"]
+__all__ = [
+    "CHUNK_BYTES", "CUDA_HOST", "Arena", "CudaHost", "HostStaging", "Registrar", "StagedCopy", "before_change",
+    "expect", "ready_events",
+]  # fmt: skip
+
+CHUNK_BYTES = 256 << 20  # page-locked at a time: a copy of 256 MiB runs while the next chunk is locked
+
+
+class Registrar(Protocol):
+    """How host memory is page-locked for a device's copies (CUDA: ``cudaHostRegister``)."""
+
+    def register(self, memory: torch.Tensor, device: torch.device) -> None:
+        """Page-lock ``memory``'s bytes for copies with ``device``; raises when it cannot."""
+        ...
+
+    def unregister(self, pointer: int, device: torch.device) -> None:
+        """Undo :meth:`register` of the memory starting at ``pointer``."""
+        ...
+
+    def clear_error(self, device: torch.device) -> None:
+        """Forget the error a failed :meth:`register` left on this thread (CUDA keeps it as the runtime's last
+        error, and the thread's next kernel launch would report it as its own)."""
+        ...
+
+
+class CudaHost:
+    """``cudaHostRegister`` / ``cudaHostUnregister``, each under its GPU's context."""
+
+    def register(self, memory: torch.Tensor, device: torch.device) -> None:
+        nbytes = memory.numel() * memory.element_size()
+        with torch.cuda.device(device):
+            code = int(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes, 0))
+        if code != 0:
+            raise RuntimeError(f"cannot page-lock {nbytes} bytes of host memory for staging (CUDA error {code})")
+
+    def unregister(self, pointer: int, device: torch.device) -> None:
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostUnregister(pointer)
+
+    def clear_error(self, device: torch.device) -> None:
+        """``cudaGetLastError`` of the CUDA runtime torch loaded (torch's bindings lack it): reads and resets it."""
+        runtime = _loaded_cudart()
+        if runtime is not None:
+            with torch.cuda.device(device):
+                runtime.cudaGetLastError()
+
+
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process already holds (the one torch calls), or None when none is found: a
+    library loaded a second time would keep an error state of its own."""
+    try:
+        with open("/proc/self/maps") as maps:
+            found = sorted({line.split()[-1] for line in maps if "/libcudart" in line})
+    except OSError:
+        return None
+    return ctypes.CDLL(found[0]) if found else None
+
+
+CUDA_HOST = CudaHost()
+
+
+class Arena:
+    """``nbytes`` of host memory for copies with ``device``, page-locked by ``registrar`` chunk by chunk
+    (``None``: it needs no registration); unregistered when its ``memory`` is dropped (views cut from it may outlive
+    it: host reads need no registration)."""
+
+    def __init__(self, memory: torch.Tensor, device: torch.device, registrar: Registrar | None) -> None:
+        self.memory = memory
+        self.nbytes = memory.numel()
+        self.device = device
+        self.registrar = registrar
+        self.locked = 0 if registrar is not None else self.nbytes  # bytes [0, locked) page-locked or needing none
+        self.failed = False  # a registration failed: the rest is pageable
+        self._pointers: list[int] = []
+        if registrar is not None:
+            weakref.finalize(memory, _unregister_all, registrar, self._pointers, device)
+
+    @classmethod
+    def allocate(cls, nbytes: int, device: torch.device, registrar: Registrar | None) -> Arena:
+        """A new arena, nothing locked yet; with ``registrar=None`` (a registration failed before), the fallback
+        memory."""
+        if registrar is not None:
+            return cls(torch.empty(nbytes, dtype=torch.uint8), device, registrar)
+        return cls(_fallback(nbytes, device), device, None)
+
+    def lock_through(self, stop: int) -> None:
+        """Page-lock chunks until bytes ``[0, stop)`` are; on a failure warn (once per process) and leave the rest
+        pageable (copies into it are correct, only synchronous)."""
+        while self.locked < stop and self.registrar is not None:
+            chunk = self.memory[self.locked : self.locked + CHUNK_BYTES]
+            try:
+                self.registrar.register(chunk, self.device)
+            except Exception as exc:  # noqa: BLE001 - any failure to page-lock falls back, the save goes on
+                self.registrar.clear_error(self.device)  # or this thread's next kernel launch fails for it
+                warn_once(exc)
+                self.registrar, self.failed, self.locked = None, True, self.nbytes
+                return
+            self._pointers.append(chunk.data_ptr())
+            self.locked += chunk.numel()
+
+    def cuts(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` cut at chunk boundaries (no copy spans two registrations), as offsets from ``start``."""
+        bounds = [start, *range((start // CHUNK_BYTES + 1) * CHUNK_BYTES, stop, CHUNK_BYTES), stop]
+        return [(a - start, b - start) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+def _unregister_all(registrar: Registrar, pointers: list[int], device: torch.device) -> None:
+    for pointer in pointers:
+        registrar.unregister(pointer, device)
+
+
+def _fallback(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The caching host allocator's pinned memory (rounded up by it), or pageable memory where there is none."""
+    try:
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+_warned = threading.Event()
+
+
+def warn_once(exc: BaseException) -> None:
+    """The one warning a process gives when page-locking fails (every later save would say the same)."""
+    if not _warned.is_set():
+        _warned.set()
+        warnings.warn(
+            f"async saves stage through ordinary pinned or pageable host memory: page-locking failed ({exc}); "
+            "the copies are correct but may take longer",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 @dataclass
@@ -62,8 +206,7 @@ def expect(owner: torch.optim.Optimizer | torch.nn.Module, staged: StagedCopy) -
 
 def before_change(owner: torch.optim.Optimizer | torch.nn.Module | None) -> None:
     """What anything that changes ``owner`` (an optimizer's state, a root module's weights) calls first: the last
-    async save's copy of it is enqueued (host) and done before the caller's stream goes on (GPU). Nothing when none is
-    pending."""
+    async save's copy of it is enqueued (host) and done before the caller's stream goes on (GPU)."""
     staged = _pending.get(owner) if owner is not None else None
     if staged is not None:
         staged.before_change()
@@ -74,10 +217,8 @@ _ALIGN = 512  # bytes: every staged tensor starts aligned in the arena
 
 class HostStaging:
     """Host memory for one root's shards, kept across saves: a plain buffer per host tensor, ``(flat, key)`` -> a
-    tensor of that shape and dtype, and one :class:`~fsdp_optim.job.arena.Arena` for the shards on GPUs (allocated at
-    its exact size and page-locked chunk by chunk: the caching host allocator would round each block up to a power of
-    two, up to twice the state). ``engines`` and ``registrar``: the copy engines and how memory is page-locked
-    (CUDA's unless a test's); after a registration failed, arenas fall back to ordinary pinned or pageable memory."""
+    tensor of that shape and dtype, and one :class:`Arena` for the shards on GPUs. ``engines`` and ``registrar``: the
+    copy engines and how memory is page-locked (CUDA's unless a test's)."""
 
     def __init__(self, engines: Engines = CUDA, registrar: Registrar | None = CUDA_HOST) -> None:
         self.engines = engines
@@ -89,12 +230,10 @@ class HostStaging:
         self.side: dict[str, torch.Tensor] = {}  # name -> pinned copy of a GPU tensor (:meth:`side_copy`)
 
     def copy(self, state: Mapping[int, Mapping[str, Any]], ready: Mapping[Copier, Any], staged: StagedCopy) -> Any:
-        """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory: host tensors at once,
-        GPU tensors enqueued after ``ready[copier]`` (:func:`ready_events`, taken when the save was called): straight
-        into the arena once it is page-locked (:meth:`lock`), else (a layout's first save) through the copier's ring,
-        whose slots are, so that page-locking never stands between the save and ``step()``; sets ``staged.issued``,
-        waits for the GPU copies, sets ``staged.staged``. Returns the copy, same shape. Runs in the save's thread, on
-        the GPU of the shards."""
+        """``state`` (``{flat: {key: live tensor or value}}``) copied into this root's memory, in the save's thread:
+        host tensors at once, GPU tensors enqueued after ``ready[copier]``, straight into the arena once it is
+        page-locked, else through the copier's ring (the module docstring); sets ``staged.issued``, waits for the GPU
+        copies, sets ``staged.staged``. Returns the copy, same shape."""
         on_gpu = [((i, k), v.detach(), c) for i, e in state.items() for k, v in e.items() if (c := self._of(v))]
         if on_gpu:
             on_gpu[0][2].bind()  # this thread's CUDA calls go to the shards' GPU, not GPU 0
@@ -128,9 +267,8 @@ class HostStaging:
         return {i: {k: out[i][k] for k in state[i]} for i in state}  # the state's own order
 
     def lock(self) -> None:
-        """Page-lock this root's arena, chunk by chunk, where it is not yet: on the save's thread once its upload is
-        done, ahead of the next save of this layout, which then copies straight into it. After a failure (warned
-        once) the next save takes the fallback memory."""
+        """Page-lock this root's arena where it is not yet (the save's thread, once its upload is done); after a
+        failure the next save takes the fallback memory."""
         arena = self.arena
         if arena is None or self.registrar is None:
             return
@@ -141,11 +279,10 @@ class HostStaging:
     def side_copy(
         self, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], list[tuple[Copier, Any]]]:
-        """What an async save's caller does with the buffers and ``extra``'s tensors (``{name: tensor}``): host
-        tensors copied at once, GPU tensors queued on their GPU's copy stream after a mark taken now, into this root's
-        pinned memory (reused by the next save), with the caller's stream made to wait for them on the GPU (a forward
-        that changes a buffer in place runs after its copy): nothing waits for the GPU on the host. Returns the copies
-        (``{name: host tensor}``, each valid once its GPU's ticket is done) and ``[(copier, ticket)]``."""
+        """The buffers and ``extra``'s tensors (``{name: tensor}``) copied in the caller's thread: host tensors at once,
+        GPU tensors queued after a mark taken now into this root's pinned memory, the caller's stream made to wait for
+        them on the GPU (a forward changes buffers in place), the host for nothing. Returns the copies (``{name: host
+        tensor}``, each valid once its GPU's ticket is done) and ``[(copier, ticket)]``."""
         out, copiers = {}, []
         for name, value in tensors.items():
             copier = self._of(value)
@@ -234,8 +371,7 @@ def _through_ring(ring: Ring, pairs: list[tuple[torch.Tensor, torch.Tensor]]) ->
 
 
 def ready_events(state: Mapping[int, Mapping[str, Any]], engines: Engines = CUDA) -> dict[Copier, Any]:
-    """A :meth:`~fsdp_optim.job.copiers.Copier.mark` on every device that holds a tensor of ``state``: taken in the
-    caller's thread when a save is called (the copies, made later by the save's thread, must see the state as it
-    was then)."""
+    """A :meth:`~fsdp_optim.job.stager.Copier.mark` on every device that holds a tensor of ``state``, taken in the
+    caller's thread when a save is called."""
     copiers = {c for entries in state.values() for v in entries.values() if torch.is_tensor(v) and (c := engines.of(v))}
     return {c: c.mark() for c in copiers}

@@ -68,8 +68,8 @@ class Team:
     beat: ProcessGroup
 
     def agree(self, failure: BaseException | None, what: str) -> None:
-        """Every process raises if any failed (:func:`~fsdp_optim.job.transport.agree`), else none does. A
-        :class:`PeerFailed` is not this process's own failure: the failing process's error is raised instead."""
+        """:func:`~fsdp_optim.job.transport.agree`; a :class:`PeerFailed` is not this process's own failure: the
+        failing process's error is raised instead."""
         if isinstance(failure, PeerFailed) and failure.contact_lost:
             raise failure
         agree(None if isinstance(failure, PeerFailed) else failure, group=self.control, what=what)
@@ -78,12 +78,10 @@ class Team:
 
     @contextmanager
     def step(self, what: str, *, watch: Watch | None = None) -> Iterator[None]:
-        """Run the body on every process and agree on its outcome (:func:`fsdp_optim.job.agreed.step`, over the
-        team's ``control`` group). With ``watch``, the body is a share of work the watch keeps together: the watch
-        is finished first, so a peer's failure it saw is raised as the peer's error.
-
-        Unlike a job's step, a ``BaseException`` (Ctrl-C in one process) is agreed on too: an offline verb holds no
-        interrupt, and the others stop with it rather than wait for the team's timeout."""
+        """:func:`fsdp_optim.job.agreed.step` over the team's ``control`` group. With ``watch``, the watch is finished
+        first, so a peer's failure it saw is raised as the peer's error. Unlike a job's step, a ``BaseException``
+        (Ctrl-C in one process) is agreed on too: an offline verb holds no interrupt, and the others stop with it
+        rather than wait for the team's timeout."""
         try:
             yield
         except BaseException as exc:
@@ -92,8 +90,7 @@ class Team:
         self._end(None, what, watch)
 
     def _end(self, failure: BaseException | None, what: str, watch: Watch | None) -> None:
-        """A step's end: ``watch`` stopped (with this process's ``failure``, or the peer's it saw), then :meth:`agree`
-        on the outcome."""
+        """A step's end: ``watch`` stopped, then :meth:`agree` on the outcome."""
         if watch is not None:
             try:
                 watch.finish(failure)
@@ -103,15 +100,13 @@ class Team:
         self.agree(failure, what)
 
     def from_first(self, obj: Any) -> Any:
-        """Process 0's ``obj`` on every process."""
         return broadcast_object(obj, src=0, group=self.control)
 
     def to_first(self, obj: T) -> list[T] | None:
-        """Every process's ``obj`` on process 0 (in rank order), ``None`` elsewhere."""
         return gather_objects(obj, dst=0, group=self.control)
 
     def close(self) -> None:
-        """Release the team's own groups (the default group, if this team joined it, stays up)."""
+        """Release the team's own groups (the default group stays up)."""
         release_group(self.beat)
         release_group(self.control)
 
@@ -140,8 +135,7 @@ def team_of_job(timeout_s: float = TIMEOUT_S) -> Team | None:
 
 
 class Watch:
-    """The thread of the module docstring. The main thread calls :meth:`check` often (it raises once another
-    process failed or was lost) and :meth:`finish` once, when its share is done or has failed."""
+    """The thread of the module docstring; the main thread calls :meth:`check` often and :meth:`finish` once."""
 
     def __init__(self, team: Team, total: int | None, *, trim: Callable[[], None] | None = None) -> None:
         self.done = 0  # this process's bytes, as :meth:`advance` counts them
@@ -196,8 +190,7 @@ class Watch:
             raise PeerFailed(self.lost, contact_lost=self.contact_lost)
 
     def finish(self, failure: BaseException | None) -> None:
-        """Tell the others this share is done (``failure`` None) or failed, and wait until every process has said
-        so (or one failed); then :meth:`check`."""
+        """Tell the others this share is done or failed, wait until every process has said so; then :meth:`check`."""
         self.state = _DONE if failure is None else _FAILED
         self.thread.join()
         if failure is None:

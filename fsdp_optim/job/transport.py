@@ -74,7 +74,6 @@ def new_gloo_group(group: dist.ProcessGroup | None, *, timeout_s: float | None =
 
 
 def release_group(group: dist.ProcessGroup) -> None:
-    """Destroy ``group`` (one of :func:`new_gloo_group`'s), its connections closed."""
     dist.destroy_process_group(group)
 
 
@@ -91,7 +90,6 @@ def shut_down() -> None:
 
 
 def group_initialized() -> bool:
-    """Whether this process has joined a default process group (a job, not a single offline process)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -120,7 +118,6 @@ def check_in(what: str, group: dist.ProcessGroup | None, timeout_s: float, *, al
 
 
 def dist_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This process's rank in ``group`` and the group's size."""
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -225,8 +222,8 @@ def exchange_bytes(
     sends: Sequence[tuple[int, torch.Tensor]], receives: Sequence[tuple[int, int]], *, group: dist.ProcessGroup | None
 ) -> list[torch.Tensor]:
     """Point to point over a CPU (gloo) group: send each ``(dst, 1-D uint8 tensor)`` and receive each ``(src,
-    nbytes)`` into a new uint8 tensor (returned in ``receives`` order). Messages between two ranks match in the
-    order both sides list them; every receive is posted before any send. Cost: one message per item."""
+    nbytes)`` into a new uint8 tensor (returned in ``receives`` order), matched in the order both sides list them.
+    Cost: one message per item."""
     received, works = post_exchange(sends, receives, group=group)
     _ = [work.wait() for work in works if work is not None]
     return received
@@ -255,7 +252,7 @@ def is_cpu_group(group: dist.ProcessGroup | None) -> bool:
 
 
 def broadcast_object(obj: T | None, *, src: int, group: dist.ProcessGroup | None) -> T:
-    """``obj`` of rank ``src`` (a rank of ``group``) on every rank: one ``broadcast_object_list``."""
+    """``obj`` of rank ``src`` of ``group`` on every rank: one ``broadcast_object_list``."""
     box = [obj if dist.get_rank(group) == src else None]
     dist.broadcast_object_list(box, src=_global(group, src), group=group, device=_comm_device(group))
     return cast(T, box[0])  # rank src's obj (other ranks pass None)

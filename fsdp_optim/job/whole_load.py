@@ -1,9 +1,5 @@
-"""Loading a whole checkpoint into a live model (and optimizer): all or nothing, on every rank, at any world size.
-
-Each rank first reads and checks everything it will change into new memory (its weight shards and optimizer
-state re-cut from the byte ranges it needs, its buffers and ``extra`` from the side files), the ranks agree,
-and only then does any rank copy into its parameters and buffers and load its optimizer.
-"""
+"""Loading a whole checkpoint into a live model (and optimizer): all or nothing, on every rank, at any world size
+(:func:`load_checkpoint`): :func:`plan_load`, :func:`stage_load` into new memory, agree, :func:`commit_load`."""
 
 from __future__ import annotations
 
@@ -22,9 +18,9 @@ from fsdp_optim.core.flatten import clone_value
 from fsdp_optim.core.plan import plan
 from fsdp_optim.core.records import WEIGHTS_KEY
 from fsdp_optim.core.source import Plan, Source
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location, as_local_file, exists
 from fsdp_optim.disk.locations import where
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.named_safetensors.reader import is_named_safetensors
 from fsdp_optim.formats.sharded.byte_ranges import load_spans
 from fsdp_optim.formats.sharded.locate import source_kind
@@ -33,10 +29,16 @@ from fsdp_optim.formats.sharded.side_file import OWN, Received, buffers_rule, re
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
 from fsdp_optim.formats.whole_file import TIED_KEY, WholeFile, is_whole_file, read_whole_safetensors
 from fsdp_optim.job.agreed import step
-from fsdp_optim.job.device_load import into_live, live_destination, optimizer_state_on_device
 from fsdp_optim.job.local import check_optimizer
 from fsdp_optim.job.model_state import live_shaped, persistent_buffers, weight_shards
-from fsdp_optim.job.ring_load import Verified, read_own, verify_own
+from fsdp_optim.job.ring_load import (
+    Verified,
+    into_live,
+    live_destination,
+    optimizer_state_on_device,
+    read_own,
+    verify_own,
+)
 from fsdp_optim.job.root import Root, verify_root
 from fsdp_optim.job.sampler import resume_data
 from fsdp_optim.job.staging import before_change
@@ -123,9 +125,8 @@ class LoadPlans:
 def plan_load(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, ckpt: ShardedCheckpoint, buffers: str = "refuse"
 ) -> LoadPlans:
-    """Check the checkpoint against the live model and optimizer (parameters in their sharded state, buffers,
-    optimizer class) and plan what every rank reads (``buffers``: see :func:`load_checkpoint`); nothing read but
-    the manifest."""
+    """Check the checkpoint against the live model and optimizer and plan what every rank reads; reads only the
+    manifest."""
     saved = ckpt.manifest
     optim_source = lambda: ckpt.source() if saved.optimizer is not None else None  # noqa: E731
     return _plans(root, model, optim, ckpt.weights_source, optim_source, saved.training, saved.world_size,
@@ -136,8 +137,7 @@ def _plans(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, weights: Callable[[], Source],
     saved: Callable[[], Source | None], training: TrainingRecord | None, saved_world: int, where: str, buffers: str,
 ) -> LoadPlans:  # fmt: skip
-    """The plans of a load of ``weights()`` and, with ``optim``, ``saved()`` (None: the model saved alone); the
-    parameters (in their sharded state), the optimizer and the buffers checked first."""
+    """The plans of a load of ``weights()`` and, with ``optim``, ``saved()`` (None: the model saved alone)."""
     weight_shards(root)  # refuses parameters that are not in their sharded state, before anything is read
     weights_plan = plan(weights(), root.layout, members=[list(range(len(root.layout.flat_params)))])
     assert training is not None, "weights_source() refuses a checkpoint without a training section"
@@ -165,10 +165,9 @@ def _cut(
 def stage_load(
     root: Root, ckpt: ShardedCheckpoint, plans: LoadPlans, sides: Received | None = None, *, in_place: bool = False
 ) -> Staged:
-    """Read and check into new memory everything this rank will change (``sides``: side files held in memory); at the
-    saved layout, the shards into new memory on the parameters' GPU (:func:`~fsdp_optim.job.ring_load.read_own`),
-    or, ``in_place`` and through a GPU's ring, only checked, to be read into the live state at the commit
-    (:func:`~fsdp_optim.job.ring_load.verify_own`: the GPU never holds the state twice)."""
+    """Read and check into new memory everything this rank will change (``sides``: side files held in memory); with
+    ``in_place`` at the saved layout through a GPU's ring, only checked (:func:`~fsdp_optim.job.ring_load.verify_own`),
+    read into the live state at the commit."""
     rank, training = root.rank, ckpt.manifest.training
     assert training is not None, "weights_source() refuses a checkpoint without a training section"
     verified = None
@@ -216,9 +215,8 @@ def _stage(
 
 
 def is_whole_file_path(path: Location) -> bool:
-    """Whether ``path`` is a file of its own (consolidate's file of a whole checkpoint), not a checkpoint's directory
-    or its manifest; a place to list (a directory, a store's prefix, which always is one) is none, and nothing there
-    is none either (opening it as a checkpoint says so)."""
+    """Whether ``path`` is consolidate's file of a whole checkpoint, not a checkpoint's directory, prefix or
+    manifest (nothing there: opening it as a checkpoint says so)."""
     if exists(path):
         return False
     try:
@@ -230,8 +228,7 @@ def is_whole_file_path(path: Location) -> bool:
 def stage_file(
     root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, path: str | os.PathLike[str]
 ) -> Staged:
-    """:func:`stage_load` of consolidate's file of a whole checkpoint: every rank reads the file and cuts its own
-    shards of the weights and optimizer state from it; the buffers and ``extra`` are the file's."""
+    """:func:`stage_load` of consolidate's file of a whole checkpoint: every rank reads it and cuts its own shards."""
     where_ = str(path)
     if is_named_safetensors(path):  # consolidate's one safetensors file: the same content as its .pt
         obj = read_whole_safetensors(path)
@@ -256,7 +253,7 @@ def _check_buffers(
     training: TrainingRecord, live: Mapping[str, torch.Tensor], saved_world: int, world: int, where: str, choice: str
 ) -> str:
     """Refuse a checkpoint whose buffers are not the model's (names, shapes, dtypes), or per-rank buffers at another
-    W without a choice; the rule that finds them (:func:`~fsdp_optim.formats.sharded.side_file.buffers_rule`)."""
+    W without a choice; else the rule that finds them (:func:`~fsdp_optim.formats.sharded.side_file.buffers_rule`)."""
     saved = training.buffer_specs()
     errors = [f"buffer '{n}' of the model is missing from {where}" for n in live if n not in saved]
     errors += [f"{where} has buffer '{n}', which the model does not have" for n in saved if n not in live]
@@ -285,8 +282,8 @@ def _castable(saved: str, live: torch.dtype) -> bool:
 
 
 def commit_load(root: Root, model: nn.Module, optim: torch.optim.Optimizer | None, staged: Staged) -> None:
-    """Copy what was staged into the live model and optimizer (every check passed on every rank): into GPU memory
-    through the stager's pinned ring (:mod:`fsdp_optim.job.device_load`)."""
+    """Copy what was staged into the live model and optimizer, once every rank's checks passed
+    (:mod:`fsdp_optim.job.ring_load`)."""
     before_change(model)  # an async save still copying these weights and state comes first (optim=None too)
     before_change(optim)
     if staged.own is not None:  # verified through the ring: now read again, straight into the live tensors

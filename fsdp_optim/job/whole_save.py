@@ -1,9 +1,8 @@
 """Saving the whole training state in one sharded checkpoint: weights, buffers, optimizer state and ``extra``.
 
-Orchestration only: every rank's weight shards go into its rank file beside its optimizer state (one more state
-key per unit, :data:`~fsdp_optim.core.records.WEIGHTS_KEY`), its ``extra`` and (rank 0, or every rank when they
-differ) the buffers into its side file (:mod:`fsdp_optim.formats.sharded.side_file`), and rank 0 commits one
-manifest last (:func:`fsdp_optim.job.save_commit.commit_save`): the checkpoint exists whole or not at all.
+Every rank's weight shards go into its rank file beside its optimizer state (one more state key per unit,
+:data:`~fsdp_optim.core.records.WEIGHTS_KEY`), its ``extra`` and the buffers into its side file
+(:mod:`fsdp_optim.formats.sharded.side_file`), through :func:`fsdp_optim.job.save_commit.commit_save`.
 """
 
 from __future__ import annotations
@@ -25,42 +24,33 @@ from fsdp_optim.disk.locations import where
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.side_file import encode_extra, write_side_file
 from fsdp_optim.formats.sharded.training import BufferSpec, TrainingRecord
-from fsdp_optim.job.agreed import step
+from fsdp_optim.job.agreed import interrupts_deferred, step
 from fsdp_optim.job.async_save import (
     MEET_S,
     AsyncSave,
+    check_in_alive,
     checkpoint_group,
     finish_previous,
-    keep_liveness_group,
     launch,
-    liveness_group,
     staging_of,
 )
-from fsdp_optim.job.copiers import Copier
-from fsdp_optim.job.interrupts import interrupts_deferred
 from fsdp_optim.job.local import LocalState
 from fsdp_optim.job.model_state import buffers_digest, persistent_buffers, weight_shards
 from fsdp_optim.job.root import Root, read_aliases, verify_root
 from fsdp_optim.job.sampler import agreed_position, data_position
-from fsdp_optim.job.save_commit import (
-    check_in_seconds,
-    commit_save,
-    own_tensor,
-    read_for_save,
-    start_save,
-)
-from fsdp_optim.job.stager import pieces
+from fsdp_optim.job.save_commit import commit_save, own_tensor, read_for_save, start_save
+from fsdp_optim.job.stager import Copier, pieces
 from fsdp_optim.job.staging import HostStaging
-from fsdp_optim.job.transport import ProcessGroup, all_gather_objects, check_in
+from fsdp_optim.job.transport import ProcessGroup, all_gather_objects
 
 __all__ = ["async_save_checkpoint", "prepare_whole", "save_checkpoint"]
 
 
 @dataclass
 class _Prepared:
-    """One rank's part of a whole checkpoint, checked and ready to write (tensors not copied), and its side files
-    (a :class:`~fsdp_optim.job.save_commit.Side`) once :meth:`agree` (on every rank) has compared the buffers across
-    ranks: written into rank 0's side file alone, or into every rank's when they differ."""
+    """One rank's part of a whole checkpoint, checked (tensors not copied), and its side files (a
+    :class:`~fsdp_optim.job.save_commit.Side`) once :meth:`agree` has compared the buffers across ranks: in rank 0's
+    side file alone, or in every rank's when they differ."""
 
     local: LocalState
     state: dict[int, dict[str, Any]]  # {flat: {optimizer key or WEIGHTS_KEY: padded shard or scalar}}
@@ -144,8 +134,7 @@ def save_checkpoint(
     """
     with interrupts_deferred("save_checkpoint"):  # a Ctrl-C: the save ends as agreed on every rank, then raises
         root = verify_root(model, optim)
-        check_in("save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))  # (no abort)
-        keep_liveness_group(root.group)  # a later save's check-in sees a dead rank at once
+        check_in_alive("save_checkpoint", root.group)  # a rank calling it alone, or a dead one: said so, no abort
         prepared = prepare_whole(root, model, optim, extra, data=data)
         directory = where(path)
         optimizer = type(optim).__name__ if optim is not None else None
@@ -181,8 +170,7 @@ def async_save_checkpoint(
     with interrupts_deferred("async_save_checkpoint"):  # its agreed start (the thread does not see Ctrl-C)
         finish_previous(model)
         root = verify_root(model, optim)
-        check_in("async_save_checkpoint", root.group, check_in_seconds(), alive=liveness_group(root.group))
-        keep_liveness_group(root.group)
+        check_in_alive("async_save_checkpoint", root.group)
         group = checkpoint_group(root.group, meet_s=MEET_S)  # every rank checked in: made at once, or a rank is lost
         prepared = prepare_whole(root, model, optim, extra, caller_of=group, data=data)
         directory = where(path)
@@ -204,12 +192,10 @@ def prepare_whole(
     data: object = None,
     caller_of: ProcessGroup | None = None,
 ) -> _Prepared:
-    """A whole save's checked input on every rank (agreed: a failure anywhere raises everywhere, nothing written) and
-    its side files (compared across ranks here, or in an async save's thread: :meth:`_Prepared.after`), for every
-    saver (the memory tier's too). ``caller_of``: the blocking part of an async save of ``model``, agreed over that
-    (gloo) group, reading no optimizer scalar and copying the buffers and ``extra``'s tensors through the root's
-    staging (:meth:`~fsdp_optim.job.staging.HostStaging.side_copy`: GPU ones queued only), so that the caller never
-    waits for its GPU."""
+    """A whole save's checked input on every rank (agreed), for every saver. ``caller_of``: the blocking part of an
+    async save, agreed over that (gloo) group, reading no optimizer scalar and copying the buffers and ``extra``'s
+    tensors through the root's staging (GPU ones queued only): the caller never waits for its GPU; the buffers are
+    then compared in the save's thread (:meth:`_Prepared.after`)."""
     group = caller_of if caller_of is not None else root.group
     with step("save_checkpoint refused its input, nothing was written", group=group):
         prepared = _prepare(root, model, optim, extra, staging_of(model) if caller_of is not None else None, data=data)
@@ -228,9 +214,8 @@ def _prepare(
     *,
     data: object = None,
 ) -> _Prepared:
-    """Read and check everything this rank saves (reads only; the tensors are the live ones, copied through the
-    stager's pinned ring when on a GPU, unless ``staging`` (an async save, which writes after the call returns:
-    forward changes buffers): then the buffers and ``extra``'s tensors are copied into it, GPU ones queued)."""
+    """Read and check everything this rank saves (the live tensors; with ``staging``, an async save's, the buffers and
+    ``extra``'s tensors are copied into it at once: a forward changes buffers)."""
     local = read_for_save(root, optim, read_scalars=staging is None) if optim is not None else LocalState((), {}, {})
     state: dict[int, dict[str, Any]] = {}
     for i, shard in weight_shards(root).items():

@@ -1,8 +1,4 @@
-"""Offline work on checkpoints: no process group, no model, no fairscale.
-
-``open_source`` (``sources.py``) is the one place that decides what kind of input a path or dict is;
-``operations.py`` holds ``consolidate`` / ``reshard`` over the sources it returns.
-"""
+"""Offline work on checkpoints: no process group, no model, no fairscale (the one way in: ``sources.open_source``)."""
 
 
 __all__ = []

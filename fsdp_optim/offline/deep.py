@@ -20,10 +20,9 @@ from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.core.health import Finding, hyperparam_problems, scalar_problems, step_outliers, tensor_problems
 from fsdp_optim.formats.kinds import names_shard_set
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
-from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.offline.per_param import PerParameter
-from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
+from fsdp_optim.offline.whole import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.work import Piece, Work, run_work, state_bytes
 
 __all__ = ["deep_findings", "deep_work"]
@@ -52,7 +51,7 @@ def deep_work(
         for name in view.names:
             for key in view.entries(name):
                 pieces.append(Piece(state_bytes(view, name, key), partial(_state, view, name, key), (name, key)))
-        pieces.append(Piece(0, partial(_side_findings, opened)))
+        pieces.append(Piece(0, lambda: list(_side(opened.side_state()))))
         if model is not None:
             shapes = {spec.name: spec.shape for flat in model.flat_params for spec in flat.params}
             pieces.append(Piece(0, lambda: list(_against_layout(view, shapes))))
@@ -79,17 +78,13 @@ def _state(view: PerParameter, name: str, key: str) -> list[Finding]:
     return [Finding(name, key, p) for p in problems]
 
 
-def _side_findings(opened: Opened) -> list[Finding]:
-    return list(_side(opened.side_state()))
-
-
 def _side(side: SideState | None) -> Iterator[Finding]:
     """A whole checkpoint's buffers (each saved rank's when saved per rank, else rank 0's) and every rank's
     ``extra`` tensors: NaN or Inf values."""
     if side is None:
         return
     for r in range(side.world_size):
-        buffers, extra = side.rank(r)
+        buffers, extra, _ = side.parts(r)
         if side.per_rank or r == 0:
             suffix = f" (rank {r}'s)" if side.per_rank else ""
             for name, tensor in buffers.items():

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.disk.text import escape, human_bytes
+from fsdp_optim.offline import report as R
 
 if TYPE_CHECKING:
     from fsdp_optim.formats.fairseq.shards import ShardSetReader
@@ -19,22 +20,46 @@ if TYPE_CHECKING:
 
 
 def _step_text(steps: Sequence[Any]) -> str:
-    if not steps:
+    """The report's distinct steps (numbers, then other values as text) as one line's text."""
+    shown = [v if isinstance(v, str) else _number_text(v) for v in steps]
+    if not shown:
         return "-"
-    # Sorted as numbers (int and float compare exactly, none converted: a step of 10**400 has no float), NaN
-    # and other kinds of value after them, as text.
-    numbers = sorted({s for s in steps if type(s) in (int, float) and s == s})
-    others = sorted({repr(s)[:40] for s in steps if not (type(s) in (int, float) and s == s)})
-    shown = [_number_text(v) for v in numbers] + others
     return shown[0] if len(shown) == 1 else f"{shown[0]}..{shown[-1]} ({len(shown)} distinct)"
 
 
 def _number_text(v: int | float) -> str:
-    if type(v) is float and v.is_integer():
-        return str(int(v))
     text = str(v) if type(v) is int else repr(v)
     return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
 
+
+def _summary(s: Mapping[str, Any], fmt: str, *, units: bool = False) -> list[str]:
+    """inspect's lines of the summary ``s`` that :mod:`fsdp_optim.offline.report` makes of a manifest (FSDP units,
+    padding) or of a dict."""
+    manifest = s.get("padding_elements") is not None
+    keys = ", ".join(f"{k} ({v})" for k, v in s["state_keys"].items()) or "-"
+    padding = f", padding elements: {s['padding_elements']}" if manifest else ""
+    out = [
+        f"format: {fmt}",
+        f"optimizer: {s['optimizer'] or 'unknown'}",
+        f"world size: {'unknown' if s['world_size'] is None else s['world_size']}",
+        *([f"units: {len({u['unit'] for u in s['units']})} ({len(s['units'])} flat parameters)"] if manifest else []),
+        f"params: {s['params']} ({s['params_with_state']} with state)",
+        f"param groups: {s['param_groups']}",
+        f"state keys: {keys}",
+        f"step: {_step_text(s['steps'])}",
+        f"state bytes: {human_bytes(s['state_bytes'])}{padding}",
+    ]
+    if s.get("files"):
+        out.append(f"files: {s['files']['count']} rank files, {human_bytes(s['files']['bytes'])}")
+    if units and manifest:
+        out.append("unit | flat | params | numel | world size | padding per rank | dtype | state | param shapes")
+        for u in s["units"]:
+            shapes = ", ".join(f"{p['name']} {p['shape']}" for p in u["params"])
+            out.append(
+                f"{u['unit'] or '<root>'} | {u['flat']} | {len(u['params'])} | {u['numel']} | {u['world_size']} | "
+                f"{u['padding']} | {u['dtype']} | {','.join(u['state']) or '-'} | {shapes}"
+            )
+    return out
 
 
 def _scalar(value: object) -> object:
@@ -43,76 +68,17 @@ def _scalar(value: object) -> object:
     return value.item() if torch.is_tensor(value) and value.dim() == 0 else value
 
 
-
-def describe_manifest(manifest: Manifest, what: str, out: list[str], *, units: bool) -> None:
-    from fsdp_optim.core.dtypes import dtype_to_str
-    from fsdp_optim.core.flatten import StateKind
-
-    if manifest.training is not None:  # a whole checkpoint: the optimizer's lines without the weights key
-        from dataclasses import replace
-
-        from fsdp_optim.formats.sharded.training import optimizer_flats
-
-        manifest = replace(manifest, flat_params=optimizer_flats(manifest.flat_params))
-    keys: dict[str, str | None] = {}  # a sharded entry of a checked manifest always names its dtype
-    steps = []
-    for flat in manifest.flat_params:
-        for e in flat.state:
-            keys.setdefault(e.key, e.dtype if e.kind is StateKind.SHARDED else "scalar")
-            if e.key == "step":
-                steps.append(_scalar(e.value))
-    padding = sum(sum(f.padding()) for f in manifest.flat_params)
-    with_state = sum(len(f.params) for f in manifest.flat_params if f.state)
-    out += [
-        f"format: {what} (version {manifest.version})",
-        f"optimizer: {manifest.optimizer or 'unknown'}",
-        f"world size: {manifest.world_size}",
-        f"units: {len({f.unit for f in manifest.flat_params})} ({len(manifest.flat_params)} flat parameters)",
-        f"params: {len(manifest.param_order)} ({with_state} with state)",
-        f"param groups: {len(manifest.groups)}",
-        f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
-        f"step: {_step_text(steps)}",
-        f"state bytes: {human_bytes(manifest.state_bytes())}, padding elements: {padding}",
-    ]
-    if manifest.files:
-        out.append(f"files: {len(manifest.files)} rank files, {human_bytes(sum(f.nbytes for f in manifest.files))}")
-    if units:
-        out.append("unit | flat | params | numel | world size | padding per rank | dtype | state | param shapes")
-        for i, f in enumerate(manifest.flat_params):
-            state = ",".join(e.key for e in f.state) or "-"
-            shapes = ", ".join(f"{p.name} {list(p.shape)}" for p in f.params)
-            out.append(
-                f"{f.unit or '<root>'} | {i} | {len(f.params)} | {f.numel} | {f.world_size} | {f.padding()} | "
-                f"{dtype_to_str(f.dtype)} | {state} | {shapes}"
-            )
-
-
-
 _NEEDS_LAYOUT = (
     "--layout PATH (a sharded checkpoint or layout file of the same model, wrapped the same way; see save_layout)"
 )
 
 
-
-def describe_full(obj: Mapping[str, Any], out: list[str], *, native: bool) -> None:
-    import torch
-
+def _full(obj: Mapping[str, Any], *, native: bool = False, what: str | None = None) -> list[str]:
+    """A full dict's (or a fairscale-native dict's) summary; ``what``: its format line's, when another kind's."""
     from fsdp_optim.formats.fullstate import read_meta
 
     meta = read_meta(obj) or {}
-    keys: dict[str, str | None] = {}  # a sharded entry of a checked manifest always names its dtype
-    steps = []
-    nbytes = 0
-    for entries in obj["state"].values():
-        for key, value in entries.items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                keys.setdefault(key, str(value.dtype).removeprefix("torch."))
-                nbytes += value.numel() * value.element_size()
-            else:
-                keys.setdefault(key, "scalar")
-                if key == "step":
-                    steps.append(_scalar(value[0] if isinstance(value, list) else value))
-    what = (
+    what = what or (
         "fairscale-native full dict (from fairscale's gather_full_optim_state_dict: parameters numbered in "
         "FSDP-instance order, without names)"
         if native
@@ -120,50 +86,34 @@ def describe_full(obj: Mapping[str, Any], out: list[str], *, native: bool) -> No
         if meta
         else "full dict without fsdp_optim metadata (a plain optimizer's state_dict() with param_names)"
     )
-    members = [p for g in obj["param_groups"] for p in g["params"]]
-    n_params = len(obj.get("param_names") or obj.get("param_id_map") or members)
-    out += [
-        f"format: {what}",
-        f"optimizer: {meta.get('optimizer') or 'unknown'}",
-        f"world size: {meta.get('world_size', 'unknown')}",
-        f"params: {n_params} ({len(obj['state'])} with state)",
-        f"param groups: {len(obj['param_groups'])}",
-        f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
-        f"step: {_step_text(steps)}",
-        f"state bytes: {human_bytes(nbytes)}",
-    ]
+    out = _summary(R.of_full({}, obj), what)
     if native:
         out.append(f"needs: {_NEEDS_LAYOUT} to convert, consolidate or reshard it; --optimizer NAME records its class")
+    return out
 
+
+def _model(m: Mapping[str, Any], what: str = "params", where: str = "") -> list[str]:
+    """A whole checkpoint's model and buffers, from the report's ``model``."""
+    tied = ", ".join(f"{a} -> {b}" for a, b in m["tied"])
+    tied = f" + {len(m['tied'])} tied names ({tied})" if tied else ""
+    return [
+        f"model: {m['params']} {what}{tied}, weights "
+        f"{human_bytes(m['weight_bytes'])} ({', '.join(m['weight_dtypes']) or '-'})",
+        f"buffers: {len(m['buffers'])} ({', '.join(m['buffers']) or '-'}){where}",
+    ]
 
 
 def describe_training(ckpt: ShardedCheckpoint) -> list[str]:
     """A whole checkpoint's model, buffers and per-rank extra (its side files read: they are small)."""
-    from fsdp_optim.core.dtypes import dtype_from_str
-    from fsdp_optim.core.records import WEIGHTS_KEY
-    from fsdp_optim.formats.sharded.side_file import read_side_file
-
-    manifest, training = ckpt.manifest, ckpt.manifest.training
-    if training is None:
-        raise ValueError(f"{ckpt.directory}: asked for the model of an optimizer-only checkpoint")
-    weights = [(f, e) for f in manifest.flat_params for e in f.state if e.key == WEIGHTS_KEY]
-    nbytes = sum(f.numel * dtype_from_str(e.dtype, where="weights").itemsize for f, e in weights)
-    dtypes = sorted({e.dtype for _, e in weights if e.dtype is not None})
-    params = sum(len(f.params) for f, _ in weights)
-    tied = ", ".join(f"{a} -> {b}" for a, b in training.aliases)
-    where = "every rank's side file (they differed across ranks)" if training.buffers_per_rank else "rank 0's side file"
-    buffers = ", ".join(b.name for b in training.buffers)
-    out = [
-        f"model: {params} params{f' + {len(training.aliases)} tied names ({tied})' if tied else ''}, weights "
-        f"{human_bytes(nbytes)} ({', '.join(dtypes) or '-'})",
-        f"buffers: {len(training.buffers)} ({buffers or '-'}) in {where}",
-        f"side files: {len(training.files)}, {human_bytes(sum(f.nbytes for f in training.files))}",
-    ]
+    extras = R.side_extras(ckpt)
+    m = R.model_of_checkpoint(ckpt, extras)
+    where = "every rank's side file (they differed across ranks)" if m["buffers_per_rank"] else "rank 0's side file"
+    out = [*_model(m, where=f" in {where}"),
+           f"side files: {m['side_files']['count']}, {human_bytes(m['side_files']['bytes'])}"]  # fmt: skip
     by_keys: dict[str, list[int]] = {}
-    for record in training.files:
-        _, extra = read_side_file(ckpt.directory, record)
+    for rank, extra in extras:
         shown = ", ".join(map(str, extra)) if isinstance(extra, Mapping) else type(extra).__name__
-        by_keys.setdefault(shown or "-", []).append(record.rank)
+        by_keys.setdefault(shown or "-", []).append(rank)
     for shown, ranks in by_keys.items():
         which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks_text(ranks)}"
         out.append(f"extra of {which}: {shown}")
@@ -172,24 +122,17 @@ def describe_training(ckpt: ShardedCheckpoint) -> list[str]:
 
 def describe_whole_file(whole: WholeFile) -> list[str]:
     """consolidate's file of a whole checkpoint: its optimizer as a full dict's summary, then the model and extra."""
-    out: list[str] = []
+    fmt = "format: consolidated whole checkpoint file ({'model', 'optimizer', 'extra'}; "
     if whole.optimizer is not None:
-        describe_full(whole.optimizer, out, native=False)
-        out[0] = "format: consolidated whole checkpoint file ({'model', 'optimizer', 'extra'}; optimizer: full dict)"
+        out = [f"{fmt}optimizer: full dict)", *_full(whole.optimizer)[1:]]
+        what = "params"
     else:
-        out += ["format: consolidated whole checkpoint file ({'model', 'optimizer', 'extra'}; saved without an "
-                "optimizer)"]  # fmt: skip
+        out = [f"{fmt}saved without an optimizer)"]
+        what = "tensors (params and buffers: no optimizer names them)"
     info = whole.summary()
-    tied = ", ".join(f"{a} -> {b}" for a, b in whole.aliases)
-    what = "params" if whole.optimizer is not None else "tensors (params and buffers: no optimizer names them)"
-    out += [
-        f"model: {info['params']} {what}{f' + {len(whole.aliases)} tied names ({tied})' if tied else ''}, weights "
-        f"{human_bytes(info['weight_bytes'])} ({', '.join(info['weight_dtypes']) or '-'})",
-        f"buffers: {len(whole.buffers)} ({', '.join(whole.buffers) or '-'})",
-        f"extra: {', '.join(info['extra_keys']) or '-'}" if info["extra_keys"] is not None else
-        f"extra: a {info['extra_type']}",
-    ]  # fmt: skip
-    return out
+    extra = info["extra_keys"]
+    return [*out, *_model(info, what),
+            f"extra: {', '.join(extra) or '-'}" if extra is not None else f"extra: a {info['extra_type']}"]  # fmt: skip
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
@@ -199,35 +142,9 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 def describe_named(named: NamedSafetensors) -> list[str]:
     """A named safetensors file, from its checked header (no tensor is read but the 0-dim scalars)."""
-    doc = named.document
-    keys: dict[str, str] = {}
-    for entries in doc.state.values():
-        for e in entries:
-            info = named.tensors.get(e.tensor) if e.tensor is not None else None
-            shown = "scalar" if e.kind == "scalar" or info is None else str(info.dtype).removeprefix("torch.")
-            keys.setdefault(e.key, shown)
-    steps = [_scalar(named.scalar(name, "step")) for name in doc.state if named.scalar(name, "step") is not None]
-    return [
-        f"format: named safetensors file (<param name>/<state key> tensors; version {doc.header.get('version')})",
-        f"optimizer: {doc.optimizer or 'unknown'}",
-        f"world size: {doc.header.get('world_size', 'unknown')}",
-        f"params: {len(doc.param_order)} ({len(doc.state)} with state)",
-        f"param groups: {len(doc.groups)}",
-        f"state keys: {', '.join(f'{k} ({v})' for k, v in keys.items()) or '-'}",
-        f"step: {_step_text(steps)}",
-        f"state bytes: {human_bytes(sum(t.nbytes for t in named.tensors.values()))}",
-    ]
-
-
-def describe_named_dict(obj: Mapping[str, Any], *, units: bool) -> list[str]:
-    """A name-keyed dict (``convert --to named``): the full dict's summary, parameters by name."""
-    lines: list[str] = []
-    describe_full({**obj, "param_names": {n: n for g in obj["param_groups"] for n in g["params"]}}, lines,
-                  native=False)  # fmt: skip
-    lines[0] = "format: name-keyed dict (convert --to named: for FSDP2's set_optimizer_state_dict)"
-    if units:
-        lines += param_table(obj["state"])
-    return lines
+    version = named.document.header.get("version")
+    return _summary(R.of_named({}, named),
+                    f"named safetensors file (<param name>/<state key> tensors; version {version})")  # fmt: skip
 
 
 def param_table(state: Mapping[Any, Mapping[str, Any]]) -> list[str]:
@@ -244,9 +161,10 @@ def param_table(state: Mapping[Any, Mapping[str, Any]]) -> list[str]:
 
 def describe_shards(shards: ShardSetReader, *, units: bool) -> list[str]:
     """A fairseq/metaseq shard set: its manifest's lines, then its files, extras, buffers and other keys."""
-    out: list[str] = []
     rank0 = shards.rank0()
-    describe_manifest(shards.manifest, f"fairseq/metaseq shard set ({shards.metadata_key})", out, units=units)
+    manifest = shards.manifest
+    what = f"fairseq/metaseq shard set ({shards.metadata_key}) (version {manifest.version})"
+    out = _summary(R.of_manifest({}, manifest), what, units=units)
     size = sum(p.stat().st_size for p in shards.paths)
     out.insert(1, f"files: {len(shards.paths)} ({shards.label}), {human_bytes(size)}")
     recorded = " / ".join(n for n in shards.recorded_optimizer if n)
@@ -272,11 +190,10 @@ def describe_sharded(
         damaged = present_and_sized(path, manifest)  # the manifest read once
         if damaged:
             raise ValueError(f"{path}: damaged: {'; '.join(damaged)} (fsdp-optim verify {path} checks every byte)")
-    out: list[str] = []
     what = "layout file" if layout else "sharded checkpoint"
     whole = checkpoint if checkpoint is not None and manifest.training is not None else None
     title = f"whole {what} (model, optimizer, extra)" if whole is not None else what
-    describe_manifest(manifest, title, out, units=units)
+    out = _summary(R.of_manifest({}, manifest), f"{title} (version {manifest.version})", units=units)
     return out + describe_training(whole) if whole is not None else out
 
 
@@ -311,13 +228,18 @@ def describe_any_rank_file(path: str | os.PathLike[str], raw: Mapping[str, Any] 
     ]
 
 
-def describe_loaded(path: str | os.PathLike[str], raw: Mapping[str, Any], *, native: bool, units: bool) -> list[str]:
-    """A full dict or a fairscale-native dict (its skeleton checked before the summary walks it)."""
+def describe_loaded(
+    path: str | os.PathLike[str], raw: Mapping[str, Any], *, native: bool = False, units: bool, named: bool = False
+) -> list[str]:
+    """A full dict, a fairscale-native dict or a name-keyed dict (``named``: ``convert --to named``'s, parameters by
+    name), its skeleton checked before the summary walks it."""
     from fsdp_optim.disk.objects import check_state_dict
 
     check_state_dict(raw, str(path))
-    out: list[str] = []
-    describe_full(raw, out, native=native)
+    if named:
+        raw = {**raw, "param_names": {n: n for g in raw["param_groups"] for n in g["params"]}}
+    what = "name-keyed dict (convert --to named: for FSDP2's set_optimizer_state_dict)" if named else None
+    out = _full(raw, native=native, what=what)
     names = raw.get("param_names")
     if units and isinstance(names, Mapping):
         out += param_table({str(names.get(pid, pid)): e for pid, e in raw["state"].items()})

@@ -49,8 +49,8 @@ from fsdp_optim.offline.diff_report import (
     diff_summary,
 )
 from fsdp_optim.offline.per_param import PerParameter
-from fsdp_optim.offline.side_state import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.sources import open_source
+from fsdp_optim.offline.whole import BUFFER_KEY, SideState, extra_label
 from fsdp_optim.offline.work import Piece, Work, run_work, state_bytes
 
 __all__ = ["diff", "diff_work"]
@@ -155,18 +155,12 @@ def _param_pieces(name: str, va: PerParameter, vb: PerParameter, atol: float, rt
 def _entry_rows(
     name: str, key: str, ea: StateEntry, eb: StateEntry, va: PerParameter, vb: PerParameter, atol: float, rtol: float
 ) -> list[DiffRow]:
-    return [_entry_row(name, key, ea, eb, va, vb, atol, rtol)]
-
-
-def _entry_row(
-    name: str, key: str, ea: StateEntry, eb: StateEntry, va: PerParameter, vb: PerParameter, atol: float, rtol: float
-) -> DiffRow:
     if ea.kind is not eb.kind:
         shown = {StateKind.SCALAR: "a scalar", StateKind.SHARDED: "a tensor"}
-        return DiffRow(name, key, KIND, detail=f"{shown[ea.kind]} in a, {shown[eb.kind]} in b")
+        return [DiffRow(name, key, KIND, detail=f"{shown[ea.kind]} in a, {shown[eb.kind]} in b")]
     if ea.kind is StateKind.SCALAR:
-        return _scalar_row(name, key, ea.value, eb.value, atol, rtol)
-    return _tensor_row(name, key, va.tensor(name, key), vb.tensor(name, key), atol, rtol)
+        return [_scalar_row(name, key, ea.value, eb.value, atol, rtol)]
+    return [_tensor_row(name, key, va.tensor(name, key), vb.tensor(name, key), atol, rtol)]
 
 
 def _tensor_row(param: str, key: str, ta: torch.Tensor, tb: torch.Tensor, atol: float, rtol: float) -> DiffRow:
@@ -252,17 +246,12 @@ def _pairs(
     parameter, ``key`` its key) or ``extra``'s tensors (``param`` given: the name, a place in the tree, is the key)."""
     for name in [*ta, *(n for n in tb if n not in ta)]:
         row_param, row_key = (name, key) if param is None else (param, name or "extra")
-        yield _pair_row(row_param, row_key, ta.get(name), tb.get(name), atol, rtol)
-
-
-def _pair_row(
-    param: str, key: str, ta: torch.Tensor | None, tb: torch.Tensor | None, atol: float, rtol: float
-) -> DiffRow:
-    if tb is None:
-        return DiffRow(param, key, ONLY_A)
-    if ta is None:
-        return DiffRow(param, key, ONLY_B)
-    return _tensor_row(param, key, ta, tb, atol, rtol)
+        if name not in tb:
+            yield DiffRow(row_param, row_key, ONLY_A)
+        elif name not in ta:
+            yield DiffRow(row_param, row_key, ONLY_B)
+        else:
+            yield _tensor_row(row_param, row_key, ta[name], tb[name], atol, rtol)
 
 
 def _status(bitwise: bool, close: bool, atol: float, rtol: float) -> str:

@@ -1,11 +1,7 @@
-"""The full optimizer state by parameter name in one safetensors file, from any source, and back.
-
-- :func:`to_safetensors`: any source :func:`~fsdp_optim.offline.sources.open_source` opens (a full dict or its
-  file, a sharded checkpoint, a fairseq/metaseq shard set, a fairscale-native dict with its layout, another such
-  file) -> one safetensors file (:mod:`fsdp_optim.formats.named_safetensors`), one tensor at a time, through the
-  one way out (``disk.one_file.write_stream``: locked, journaled, atomic).
-- :func:`load_full_state`: such a file, or any other source kind, -> the full dict that
-  ``gather_full_optim_state_dict`` returns.
+"""The full optimizer state by parameter name in one safetensors file
+(:mod:`fsdp_optim.formats.named_safetensors`), from any source :func:`~fsdp_optim.offline.sources.open_source`
+opens (:func:`to_safetensors`, one tensor at a time, through ``disk.one_file.write_stream``), and back
+(:func:`load_full_state`).
 
 Memory while converting: one state tensor, plus at most about ``max_mapped_bytes`` of pages of the source's
 mapped files (a full dict file is mapped afresh whenever that many bytes were read through its mapping).
@@ -23,12 +19,10 @@ from typing import Any, BinaryIO
 import torch
 
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.core.source import Source
-from fsdp_optim.disk.atomic import durable_write, load_file
+from fsdp_optim.disk.atomic import atomic_write
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
-from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.one_file import write_stream
 from fsdp_optim.formats import hf_safetensors as hf
 from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
@@ -36,6 +30,7 @@ from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened
+from fsdp_optim.offline.operations import load_full_file
 from fsdp_optim.offline.publish import output_for
 from fsdp_optim.offline.sources import open_source
 
@@ -133,13 +128,13 @@ def write_whole_safetensors(
                        entry=JournalEntry(files=tuple(files))) as stage:  # fmt: skip
         stage.last = (hf.INDEX if len(groups) > 1 else hf.SINGLE,)
         for name, group in zip(names, groups):
-            durable_write(stage.dir / name, partial(hf.write_hf_file, tensors=group, after=opened.trim))
+            atomic_write(stage.dir / name, partial(hf.write_hf_file, tensors=group, after=opened.trim), in_place=True)
         if len(groups) > 1:
             data = hf.index(groups)
-            durable_write(stage.dir / hf.INDEX, lambda f: f.write(data))
+            atomic_write(stage.dir / hf.INDEX, lambda f: f.write(data), in_place=True)
         if optimizer is not None:
             write_optimizer = partial(optimizer.write, trim=opened.trim)
-            durable_write(stage.dir / "optimizer.safetensors", write_optimizer)
+            atomic_write(stage.dir / "optimizer.safetensors", write_optimizer, in_place=True)
         return sum((stage.dir / n).stat().st_size for n in files)
 
 
@@ -156,15 +151,9 @@ class _MappedFullDict:
         self.full: Mapping[str, Any] | None = None
         self._read = 0
 
-    def _load(self) -> Mapping[str, Any]:
-        full = load_file(self.path, mmap=True, disjoint=True)
-        check_full_dict(full, str(self.path))
-        check_state_dict(full, str(self.path))
-        return full
-
     def source(self, first: Source) -> tuple[Source, Callable[[], None]]:
         """``first`` (the planning source of the same file) reading through this mapping, and its trim."""
-        full = self._load()
+        full = load_full_file(self.path, disjoint=True)
         ids = list(full["param_names"])
         if [full["param_names"][i] for i in ids] != [f.params[0].name for f in first.flats]:
             raise ValueError(f"{self.path}: the file changed while it was read (its parameters differ)")
@@ -172,7 +161,7 @@ class _MappedFullDict:
 
         def read(i: int, key: str, start: int, stop: int, out: torch.Tensor) -> None:
             if self.full is None:
-                self.full = self._load()
+                self.full = load_full_file(self.path, disjoint=True)
             out.copy_(self.full["state"][ids[i]][key].reshape(-1)[start:stop])
             self._read += out.numel() * out.element_size()
 
@@ -201,8 +190,5 @@ def load_full_state(
     """
     with open_source(path, layout=layout, optimizer=optimizer, allow_globals=allow_globals) as opened:
         if opened.is_full_dict():
-            full = load_file(path)  # into memory, not mapped
-            check_full_dict(full, opened.label)
-            check_state_dict(full, opened.label)
-            return dict(full)
+            return load_full_file(path, opened.label, mmap=False)  # into memory, not mapped
         return opened.full_state()

@@ -1,17 +1,7 @@
-"""Offline work on checkpoints: no process group, no model.
-
-- :func:`consolidate`: a sharded checkpoint directory -> the full dict, exactly what
-  ``gather_full_optim_state_dict`` returns for the same optimizer state (same keys, ids, order, dtypes
-  and bits).
-- :func:`reshard`: a sharded directory or a full dict -> a sharded directory for ``world_size`` ranks
-  that a job of that size loads with no communication (each rank reads its own file).
-- Both also take a fairseq/metaseq shard set (any ``*-shard<r>.pt`` file or the path before ``-shard``),
-  handed to :mod:`fsdp_optim.fairseq` (which has more options and keeps the files' other keys).
-
-Both open their input (:func:`~fsdp_optim.offline.sources.open_source`) and ask it
-(:meth:`~fsdp_optim.offline.opened.Opened.consolidated`, :meth:`~fsdp_optim.offline.opened.Opened.reshard`); its
-class plans once and executes the plan (:mod:`fsdp_optim.offline.cuts`: :func:`~fsdp_optim.core.execute.assemble_full`,
-or :func:`~fsdp_optim.core.execute.cut_rank` once per output rank).
+"""Offline work on checkpoints, no process group, no model: :func:`consolidate` (a sharded checkpoint -> its full
+dict) and :func:`reshard` (any source -> a sharded checkpoint for ``world_size`` ranks). Both open their input
+(:func:`~fsdp_optim.offline.sources.open_source`) and ask it; its class plans once and executes the plan
+(:mod:`fsdp_optim.offline.cuts`).
 
 Memory: rank files are memory-mapped and read one FSDP unit at a time; mappings are dropped whenever
 the touched pages exceed ``max_mapped_bytes``. ``consolidate`` therefore peaks near the size of the
@@ -22,18 +12,18 @@ output shard plus that bound.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.preconditions import check_full_dict, check_world_size
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import Location
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
+from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.offline.cuts import Progress
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.publish import checkpoint_output
@@ -42,11 +32,14 @@ from fsdp_optim.offline.sources import open_source
 __all__ = ["consolidate", "load_full_file", "reshard", ]
 
 
-def load_full_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A full dict from a file, memory-mapped (``weights_only=True``); ``ValueError`` if it is something else."""
-    full = load_file(path, mmap=True)
-    check_full_dict(full, str(path))
-    check_state_dict(full, str(path))
+def load_full_file(
+    path: str | os.PathLike[str], label: str | None = None, *, mmap: bool = True, disjoint: bool = False
+) -> dict[str, Any]:
+    """A full dict from a file (memory-mapped unless ``mmap=False``; ``disjoint``: as
+    :func:`~fsdp_optim.disk.untrusted.load_file` takes it); ``ValueError`` naming ``label`` if it is something else."""
+    full = load_file(path, mmap=mmap, disjoint=disjoint)
+    check_full_dict(full, label or str(path))
+    check_state_dict(full, label or str(path))
     return dict(full)
 
 
@@ -136,40 +129,19 @@ def reshard(
     The source is checked against the target once (one plan), then cut once per output rank.
     """
     check_world_size("world_size", world_size)
+    check_buffer_choice(buffers)
     if parallel:
         from fsdp_optim.offline.parallel.entry import reshard_in_team
 
         return reshard_in_team(None, source, world_size, out_dir, layout=layout, optimizer=optimizer,
                                allow_globals=allow_globals, max_mapped_bytes=max_mapped_bytes, overwrite=overwrite,
                                buffers=buffers)  # fmt: skip
-    write = partial(_reshard_local, source, world_size, layout=layout, optimizer=optimizer,
-                    allow_globals=allow_globals, progress=progress, max_mapped_bytes=max_mapped_bytes,
-                    overwrite=overwrite, buffers=buffers)  # fmt: skip
-    with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done):  # (a store's: each rank file uploaded
-        written = write(Path(local), after_file=file_done)  # once written)
+    with checkpoint_output(out_dir, overwrite=overwrite) as (local, file_done), open_source(
+        source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,
+        max_mapped_bytes=max_mapped_bytes,
+    ) as opened:  # (a store's output: each rank file uploaded once written)
+        written = opened.reshard(world_size, Path(local), layout=layout, given=source, progress=progress,
+                                 overwrite=overwrite, after_file=file_done, buffers=buffers)  # fmt: skip
     if file_done is None:  # written in place
         return written
     return where(out_dir) / MANIFEST_NAME  # type: ignore[return-value]  # shown as its URL
-
-
-def _reshard_local(
-    source: str | os.PathLike[str] | Mapping[str, Any],
-    world_size: int,
-    out: Path,
-    *,
-    layout: LayoutLike | None,
-    optimizer: str | None,
-    allow_globals: Sequence[str],
-    progress: Progress,
-    max_mapped_bytes: int,
-    overwrite: bool,
-    buffers: str,
-    after_file: Callable[[Path], None] | None = None,
-) -> Path:
-    """:func:`reshard` into a local directory; ``after_file(path)`` is called as each rank file is complete."""
-    with open_source(
-        source, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=True,
-        max_mapped_bytes=max_mapped_bytes,
-    ) as opened:
-        return opened.reshard(world_size, out, layout=layout, given=source, progress=progress, overwrite=overwrite,
-                              after_file=after_file, buffers=buffers)

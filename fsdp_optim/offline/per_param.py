@@ -44,13 +44,10 @@ class PerParameter:
     trim: Callable[[], None]
 
     @classmethod
-    def of(cls, opened: Opened, *, weights: bool = True) -> PerParameter:
-        """Plan ``opened`` once; raises ``ValueError`` for a kind that holds no optimizer state. ``weights``: a
-        whole checkpoint's weights come as one more state key per parameter (``@param``)."""
-        # A whole checkpoint's weights are one more state key per parameter (WEIGHTS_KEY): compared and checked too.
-        source = opened.whole_source() if weights else None
-        if source is None:
-            source = opened.source
+    def of(cls, opened: Opened) -> PerParameter:
+        """Plan ``opened`` once (a whole checkpoint's weights as one more state key per parameter, ``@param``:
+        compared and checked too); ``ValueError`` for a kind that holds no optimizer state."""
+        source = opened.whole_source() or opened.source
         if source is None:
             raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state")
         order = opened.order or tuple(spec.name for flat in source.flats for spec in flat.params)
@@ -63,7 +60,7 @@ class PerParameter:
             for g in the_plan.groups
         )
         names = tuple(order) + tuple(n for n in flat_names if n not in rank)
-        whole = weights and opened.is_whole() and opened.kind not in (Kind.WHOLE_FILE, Kind.HF)  # (their names say so)
+        whole = opened.is_whole() and opened.kind not in (Kind.WHOLE_FILE, Kind.HF)  # (their names say so)
         kind = f"whole {opened.kind.value} (model, optimizer, extra)" if whole else opened.kind.value
         return cls(opened.label, kind, source.optimizer, the_plan, names, index, groups, opened.trim)
 

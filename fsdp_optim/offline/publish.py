@@ -32,7 +32,7 @@ from fsdp_optim.formats.sharded.manifest import MANIFEST_NAME
 from fsdp_optim.formats.sharded.manifest_json import manifest_to_json
 from fsdp_optim.formats.sharded.writer import save_rules
 
-__all__ = ["Uploads", "checkpoint_output", "output_for", "publish_files"]
+__all__ = ["Uploads", "checkpoint_output", "output_for"]
 
 
 @contextmanager
@@ -90,8 +90,9 @@ def _published(
             yield uploads.file_done
             if (local / MANIFEST_NAME).is_file():
                 uploads.commit(local)
-            elif local.is_dir():
-                publish_files(local, target)
+            elif local.is_dir():  # every file to the same relative name (each object replaced whole: no commit point)
+                for path in sorted(p for p in local.rglob("*") if p.is_file()):
+                    target.write(path.relative_to(local).as_posix(), path)
             else:  # one object
                 target.parent().write(local.name, local)
         finally:  # (before a failed save's uploads are removed: none may land after)
@@ -132,8 +133,3 @@ class Uploads:
         self.save.publish(sorted(set(manifest.file_names()) - set(self._early)))
         self.save.commit(manifest_to_json(manifest), keep=manifest.file_names())
 
-
-def publish_files(local: Path, store: Location) -> None:  # (each object replaced whole: no commit point)
-    """Upload every file under ``local`` to the same relative names under ``store``."""
-    for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        store.write(path.relative_to(local).as_posix(), path)

@@ -19,6 +19,7 @@ what only one kind records (a rank file's rank, a DCP directory's counts).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -148,8 +149,18 @@ def of_whole_file(out: dict[str, Any], whole: WholeFile) -> dict[str, Any]:
     return out
 
 
-def model_of_checkpoint(ckpt: ShardedCheckpoint) -> dict[str, Any]:
-    """A whole sharded checkpoint's model: parameters, tied names, weight bytes and dtypes, buffers, side files."""
+def side_extras(ckpt: ShardedCheckpoint) -> list[tuple[int, Any]]:
+    """``(saved rank, its extra)`` of every side file of a whole checkpoint (they are small)."""
+    from fsdp_optim.formats.sharded.side_file import read_side_file
+
+    training = ckpt.manifest.training
+    return [(r.rank, read_side_file(ckpt.directory, r)[1]) for r in (training.files if training is not None else ())]
+
+
+def model_of_checkpoint(ckpt: ShardedCheckpoint, extras: Sequence[tuple[int, Any]]) -> dict[str, Any]:
+    """A whole sharded checkpoint's model: parameters, tied names, weight bytes and dtypes, buffers, side files, and
+    every key any rank's ``extra`` (``extras``: :func:`side_extras`) holds, in the order first seen (``None`` when
+    none is a dict)."""
     from fsdp_optim.core.dtypes import dtype_from_str
     from fsdp_optim.core.records import WEIGHTS_KEY
 
@@ -157,6 +168,7 @@ def model_of_checkpoint(ckpt: ShardedCheckpoint) -> dict[str, Any]:
     if training is None:
         raise ValueError(f"{ckpt.directory}: asked for the model of an optimizer-only checkpoint")
     weights = [(f, e) for f in manifest.flat_params for e in f.state if e.key == WEIGHTS_KEY]
+    mapped = [extra for _, extra in extras if isinstance(extra, Mapping)]
     return _model(
         params=sum(len(f.params) for f, _ in weights),
         tied=[list(pair) for pair in training.aliases],
@@ -165,39 +177,17 @@ def model_of_checkpoint(ckpt: ShardedCheckpoint) -> dict[str, Any]:
         buffers=[b.name for b in training.buffers],
         buffers_per_rank=training.buffers_per_rank,
         side_files={"count": len(training.files), "bytes": sum(f.nbytes for f in training.files)},
-        extra_keys=_extra_keys(ckpt),
+        extra_keys=list(dict.fromkeys(str(k) for extra in mapped for k in extra)) if mapped else None,
         has_optimizer=manifest.optimizer is not None,
     )
 
 
-def _extra_keys(ckpt: ShardedCheckpoint) -> list[str] | None:
-    """Every key any rank's ``extra`` holds, in the order first seen (the text lists them rank by rank); ``None``
-    when no rank's ``extra`` is a dict."""
-    from fsdp_optim.formats.sharded.side_file import read_side_file
-
-    keys: dict[str, None] = {}
-    mapped = False
-    for record in ckpt.manifest.training.files if ckpt.manifest.training is not None else ():
-        _, extra = read_side_file(ckpt.directory, record)
-        if isinstance(extra, Mapping):
-            mapped = True
-            keys.update(dict.fromkeys(map(str, extra)))
-    return list(keys) if mapped else None
-
-
 def _unit(i: int, name: str, shape: list[int] | None, state: list[str], *, dtypes: list[str]) -> dict[str, Any]:
     """One parameter of an input without FSDP units, in the members of a unit (what it does not record: null)."""
-    numel = None if shape is None else _product(shape)
+    numel = None if shape is None else math.prod(shape)
     dtype = next((d for d in dtypes if d != "scalar"), None)
     return {"unit": None, "flat": i, "numel": numel, "world_size": None, "padding": None, "dtype": dtype,
             "state": state, "params": [{"name": name, "shape": shape}]}  # fmt: skip
-
-
-def _product(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _model(**given: object) -> dict[str, Any]:

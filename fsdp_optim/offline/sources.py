@@ -23,10 +23,6 @@ class opens the input (``opening``: its files mapped until the block ends; ``loa
 target, or, for a file consolidate wrote, the layout the file records (its checkpoint's) when none is given.
 "checked": the name must be a known optimizer whose state keys are the ones found
 (:func:`fsdp_optim.core.elementwise.check_optimizer_name`). ``allow_globals`` applies to shard sets only.
-
-An opened input is one of the classes of :mod:`fsdp_optim.offline.opened` (one per kind; ``source``, ``layout``,
-``order``, ``trim``, ``describe``, ``report``, and the questions the verbs ask it; its kind's own reader is a field
-of its class).
 """
 
 from __future__ import annotations
@@ -36,10 +32,10 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TypeVar
 
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.location import as_local_file
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_state_dict
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.kinds import Given, Kind, detect
 from fsdp_optim.formats.plain import ParamNames, name_plain_dict
 from fsdp_optim.formats.sharded.locate import is_sharded_checkpoint
@@ -114,10 +110,23 @@ def open_source(
     ``describe_only`` (inspect): a fairscale-native dict is opened without a layout, as ``raw`` only.
     ``param_names``: ``given`` is a plain optimizer's ``state_dict()``, named by these (a module, names or
     ``{name: shape}``: :func:`fsdp_optim.formats.plain.name_optimizer_state`) into a full dict."""
-    with fetched_whole(given) as local:
-        with _open_local(local, layout=layout, optimizer=optimizer, allow_globals=allow_globals,
-                         optimizer_keys=optimizer_keys, target=target, describe_only=describe_only,
-                         max_mapped_bytes=max_mapped_bytes, param_names=param_names) as opened:  # fmt: skip
+    with fetched_whole(given) as local:  # (a URL of one object: fetched first)
+        label = "the full dict" if isinstance(local, Mapping) else str(local)
+        if param_names is not None:
+            yield _open_plain(local, label, param_names, layout=layout, optimizer=optimizer, target=target)
+            return
+        kind, obj = detect(local)
+        cls = class_of(kind)
+        request = Request(kind, local, label, obj, layout, optimizer, allow_globals, optimizer_keys, max_mapped_bytes)
+        quick = cls.for_inspect(request) if describe_only else None
+        if quick is not None:
+            yield quick
+            return
+        if cls.WRITTEN_ONLY is not None:
+            raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {cls.WRITTEN_ONLY}")
+        _check_options(kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
+                       optimizer_keys=optimizer_keys)  # fmt: skip
+        with cls.opening(request) as opened:
             yield opened
 
 
@@ -138,34 +147,6 @@ def fetched_whole(given: G) -> Iterator[G | str | os.PathLike[str]]:
                 "checkpoint's prefix either)"
             ) from None
         yield local
-
-
-@contextlib.contextmanager
-def _open_local(
-    given: Given, *, layout: ParamOrder, optimizer: str | None, allow_globals: Sequence[str],
-    optimizer_keys: Sequence[Sequence[str]] | None, target: bool, describe_only: bool, max_mapped_bytes: int,
-    param_names: ParamNames | None,
-) -> Iterator[Opened]:  # fmt: skip
-    """:func:`open_source` of what is here (not a URL of one object): the kind decided, its class opens it."""
-    label = "the full dict" if isinstance(given, Mapping) else str(given)
-    if param_names is not None:
-        yield _open_plain(given, label, param_names, layout=layout, optimizer=optimizer, target=target)
-        return
-    kind, obj = detect(given)
-    cls = class_of(kind)
-    request = Request(kind, given, label, obj, layout, optimizer, allow_globals, optimizer_keys, max_mapped_bytes)
-    quick = cls.for_inspect(request) if describe_only else None
-    if quick is not None:
-        yield quick
-        return
-    if cls.WRITTEN_ONLY is not None:
-        raise ValueError(f"{label}: a {kind.value}, which fsdp-optim writes and inspects only; {cls.WRITTEN_ONLY}")
-    _check_options(
-        kind, label, layout=layout, optimizer=optimizer, allow_globals=allow_globals, target=target,
-        optimizer_keys=optimizer_keys,
-    )
-    with cls.opening(request) as opened:
-        yield opened
 
 
 def _open_plain(

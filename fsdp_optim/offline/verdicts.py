@@ -9,9 +9,9 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.file_check import Verification, check_file
 from fsdp_optim.disk.objects import check_tree
+from fsdp_optim.disk.untrusted import load_file
 from fsdp_optim.formats.fairseq.files import summarise
 from fsdp_optim.formats.fairseq.loading import load_shard
 from fsdp_optim.formats.fairseq.paths import shard_paths
@@ -20,7 +20,7 @@ from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.whole_file import TIED_KEY
 
-__all__ = ["layout_file", "named_file", "refuse_dcp", "refuse_rank_file", "shard_set", "torch_file"]
+__all__ = ["layout_file", "named_file", "shard_set", "torch_file"]
 
 
 def torch_file(file: Path) -> Verification:
@@ -43,22 +43,6 @@ def named_file(file: Path) -> Verification:
 def layout_file(file: Path) -> Verification:
     """A layout file (JSON): its manifest checks (its own checksum, its records)."""
     return Verification(file, Kind.LAYOUT.value, (check_file(file, _read_layout, zipped=False),))
-
-
-def refuse_dcp(path: object) -> Verification:
-    """A DCP directory records no checksums: refused, naming what reads it."""
-    raise ValueError(
-        f"{path}: a {Kind.DCP.value}, which records no checksums to verify; fsdp-optim inspect {path} reads its "
-        "metadata, and torch.distributed.checkpoint.load reads its data"
-    )
-
-
-def refuse_rank_file(file: Path) -> Verification:
-    """One rank file is checked against its manifest: refused, naming the directory to verify."""
-    raise ValueError(
-        f"{file}: a rank file of a sharded checkpoint is checked against its manifest; verify the checkpoint "
-        f"directory ({file.parent}) instead"
-    )
 
 
 def shard_set(path: Path, allow_globals: tuple[str, ...]) -> Verification:

@@ -1,18 +1,6 @@
-"""``verify``: check every file of a checkpoint end to end, one verdict per file, changing nothing.
-
-- a sharded checkpoint of ours: the manifest (its own checksum), then per rank file: present, its size the
-  manifest's, the header's checksum the manifest's, and every byte of state against its checksum (format 2:
-  every chunk's; format 1: every zip record's CRC-32 and every unit's digest), and a whole checkpoint's side
-  files against their digests, each file read once, into memory, and released
-  (:mod:`fsdp_optim.formats.sharded.verification`);
-- a fairseq/metaseq shard set: every ``-shard<r>.pt`` file of ranks 0..N-1 present, every zip record's
-  CRC-32, each file readable (``weights_only``) with its optimizer state and FSDP metadata, and the set
-  consistent (one save, one model);
-- a named safetensors file of ours (``to_safetensors``, ``convert --to safetensors``): its header and
-  document, then every tensor's chunk checksums and whole digest;
-- a layout file (JSON, ``save_layout``): its manifest checks (its own checksum);
-- any other file (a full dict, a fairscale-native dict, consolidate's file of a whole checkpoint, a format-1 layout
-  file): its zip records' CRC-32 and the reading gate of :mod:`fsdp_optim.disk.untrusted`.
+"""``verify``: check every file of a checkpoint end to end, one verdict per file, changing nothing: every byte
+against the checksums its kind records (a sharded checkpoint: :mod:`fsdp_optim.formats.sharded.verification`;
+a shard set, a named safetensors file, a layout file and any torch file: :mod:`fsdp_optim.offline.verdicts`).
 
 The kind of a file comes from :func:`fsdp_optim.formats.kinds.sniff_kind` (names and first bytes), as
 :func:`~fsdp_optim.formats.kinds.detect` decides it; its class in :mod:`fsdp_optim.offline.opened` checks it
@@ -61,32 +49,23 @@ def verify(
     """
     if layout is not None and not deep:
         raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
-    if parallel and _split(path):  # (in any location: each process reads its share)
-        from fsdp_optim.offline.parallel.entry import joined_team
-        from fsdp_optim.offline.parallel.verify import verify_across
+    if parallel:
+        from fsdp_optim.offline.parallel.entry import joined_team, splits
 
-        team = joined_team()
-        try:
-            return verify_across(team, path, deep=deep, allow_globals=allow_globals, layout=layout)
-        finally:
-            team.close()
+        if splits("verify", path):  # (in any location: each process reads its share)
+            from fsdp_optim.offline.parallel.verify import verify_across
+
+            team = joined_team()
+            try:
+                return verify_across(team, path, deep=deep, allow_globals=allow_globals, layout=layout)
+            finally:
+                team.close()
     with fetched_whole(path) as local:  # a URL of one object: downloaded once, for the files and the state
-        checked = _verify_files(local, tuple(allow_globals))
+        # by its names and first bytes (it may be damaged), checked as its kind checks them
+        checked = class_of(path_kind(local) or sniff_kind(local)).verify_files(local, tuple(allow_globals))
         if not deep or not checked.ok:
             return replace(checked, deep=deep)
         return replace(checked, deep=True, findings=deep_findings(local, allow_globals=allow_globals, layout=layout))
-
-
-def _split(path: str | os.PathLike[str]) -> bool:
-    """Whether a team splits the check of ``path`` (:func:`fsdp_optim.offline.parallel.entry.splits`)."""
-    from fsdp_optim.offline.parallel.entry import splits
-
-    return splits("verify", path)
-
-
-def _verify_files(path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:
-    """Every file of ``path``, checked as its kind checks them (by names and first bytes: it may be damaged)."""
-    return class_of(path_kind(path) or sniff_kind(path)).verify_files(path, allow_globals)
 
 
 def report_json(report: Verification) -> dict[str, object]:

@@ -6,7 +6,7 @@ A :class:`Piece` is the bytes it reads and the function that reads them and retu
 (:mod:`fsdp_optim.offline.parallel.shared`), so both make the same report by construction::
 
     pieces   [settings: 0 B] [embed.weight exp_avg: 264 B] [embed.weight exp_avg_sq: 264 B] ... [side files: 0 B]
-    one      run_pieces(pieces)            every part, in order
+    one      run_work(work)                every part, in order
     a team   process p runs split_by_bytes(sizes, P).runs[p]; process 0 concatenates the parts in rank order
 
 A piece that reads no tensor (settings, scalars, what is on one side only, the checks against a layout) weighs
@@ -15,7 +15,7 @@ A piece that reads no tensor (settings, scalars, what is on one side only, the c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -23,7 +23,7 @@ from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind
 from fsdp_optim.offline.per_param import PerParameter
 
-__all__ = ["Piece", "Work", "run_pieces", "run_work", "state_bytes"]
+__all__ = ["Piece", "Work", "run_work", "state_bytes"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -50,12 +50,7 @@ class Work(Generic[T, R]):
 
 def run_work(work: Work[T, R]) -> R:
     """The report one process makes: every piece run in order."""
-    return work.report(run_pieces(work.pieces))
-
-
-def run_pieces(pieces: Iterable[Piece[T]]) -> tuple[T, ...]:
-    """Every piece's part, in order: the report one process makes."""
-    return tuple(part for piece in pieces for part in piece.run())
+    return work.report(tuple(part for piece in work.pieces for part in piece.run()))
 
 
 def state_bytes(view: PerParameter, name: str, key: str) -> int:

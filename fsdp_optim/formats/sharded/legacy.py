@@ -17,9 +17,8 @@ from fsdp_optim.core.checksums import digest_matches
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.flatten import StateKind, same_scalar, show_value
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.objects import check_tree
-from fsdp_optim.disk.untrusted import check_stored_bytes
+from fsdp_optim.disk.untrusted import check_stored_bytes, load_file
 from fsdp_optim.formats.sharded.file_record import FileRecord
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.rank_file import open_recorded

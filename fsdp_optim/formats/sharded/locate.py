@@ -8,12 +8,11 @@ import os
 from pathlib import Path
 
 from fsdp_optim.core.steps import parse_step_dir
-from fsdp_optim.disk.atomic import load_file
 from fsdp_optim.disk.byte_io import read_all
 from fsdp_optim.disk.location import Location, base_name, non_objects, present
 from fsdp_optim.disk.locations import where
 from fsdp_optim.disk.objects import check_tree
-from fsdp_optim.disk.untrusted import open_regular
+from fsdp_optim.disk.untrusted import load_file, open_regular
 from fsdp_optim.formats.sharded.manifest import (
     LEGACY_MANIFEST_NAME,
     MANIFEST_NAME,

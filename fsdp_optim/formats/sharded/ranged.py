@@ -10,7 +10,7 @@ of fixed length (:data:`DIGEST_PLACEHOLDER`'s). So the whole file is known up fr
                                           ^ slot of chunk 0   ^ slot of chunk 1 (a fixed stride apart)
 
 :func:`write_rank` writes runs of whole chunks of tensors at their offsets, hashing each piece while a thread writes
-it (:class:`~fsdp_optim.disk.hashed_write.HashingWriter`), and fills their digests into the slots: one process
+it (:class:`~fsdp_optim.disk.atomic.HashingWriter`), and fills their digests into the slots: one process
 writes every tensor whole and then the whole header; a team's process writes one run (``span``) into a file laid out
 beforehand (:func:`lay_out_file`) and fills that run's slots alone. Either trusts what it wrote as one process does (the
 digests are of the bytes handed to the file, and the file is fsynced); once every run is written,
@@ -32,7 +32,7 @@ import torch
 from fsdp_optim.core.checksums import ChunkHasher, digest
 from fsdp_optim.core.dtypes import dtype_from_str
 from fsdp_optim.core.intervals import ShardIndex
-from fsdp_optim.disk.hashed_write import HashingWriter
+from fsdp_optim.disk.atomic import HashingWriter
 from fsdp_optim.disk.json_input import loads
 from fsdp_optim.formats.sharded.file_record import CHECKPOINT_VERSION, FileRecord
 from fsdp_optim.formats.sharded.manifest import Manifest, shard_file_name

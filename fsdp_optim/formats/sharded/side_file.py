@@ -25,8 +25,7 @@ import torch
 import xxhash
 
 from fsdp_optim.core.dtypes import dtype_to_str
-from fsdp_optim.disk.atomic import atomic_write
-from fsdp_optim.disk.hashed_write import HashingWriter
+from fsdp_optim.disk.atomic import HashingWriter, atomic_write
 from fsdp_optim.disk.json_input import loads
 from fsdp_optim.disk.location import Location, Where, non_objects
 from fsdp_optim.formats.safetensors_container import DTYPE_NAMES, encode_header

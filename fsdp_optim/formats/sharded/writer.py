@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.limits import MAX_WORLD_SIZE
-from fsdp_optim.disk.atomic import atomic_write, durable_write, new_save_id
+from fsdp_optim.disk.atomic import atomic_write, new_save_id
 from fsdp_optim.disk.byte_io import ByteIO, read_all
 from fsdp_optim.disk.errors import StoreUnavailable
 from fsdp_optim.disk.journal import JournalEntry
@@ -209,7 +209,7 @@ def write_shard_file(
     layout = rank_layout(shard_metadata(save_id, rank, world_size), content.sizes, name=name, rank=rank)
     write = lambda file: write_rank(file, layout, content.parts, pieces=pieces)  # noqa: E731
     path = directory / name
-    size, checksum = durable_write(path, write) if staged else atomic_write(path, write, durable=durable)
+    size, checksum = atomic_write(path, write, durable=durable or staged, in_place=staged)
     return FileRecord(rank, name, checksum, size)
 
 

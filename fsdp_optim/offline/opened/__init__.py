@@ -42,7 +42,7 @@ __all__ = ["class_of"]
 # The class of each kind of input (``module.Class`` here): the one place a kind picks its class. A class is imported
 # when its kind is first opened, so reading our own checkpoint loads no other format's reader.
 _HOMES: dict[Kind, str] = {
-    Kind.SHARDED: "sharded.OpenedCheckpoint", Kind.LAYOUT: "sharded.OpenedLayout", Kind.HF: "hf.OpenedHf",
+    Kind.SHARDED: "sharded.OpenedCheckpoint", Kind.LAYOUT: "sharded.OpenedLayout", Kind.HF: "readers.OpenedHf",
     Kind.RANK_FILE: "sharded.OpenedRankFile", Kind.FULL: "loaded.OpenedFull", Kind.NATIVE: "loaded.OpenedNative",
     Kind.NAMED_DICT: "loaded.OpenedNamedDict", Kind.WHOLE_FILE: "loaded.OpenedWholeFile", Kind.DCP: "readers.OpenedDcp",
     Kind.SHARD_SET: "readers.OpenedShardSet", Kind.NAMED: "readers.OpenedNamed",

@@ -1,6 +1,5 @@
-"""What every opened input answers (:class:`Opened`), with the answer of a kind that cannot: most often a refusal
-that says what the input is and what was expected; each kind's class (the sibling modules) overrides what it can
-answer. See :mod:`fsdp_optim.offline.opened` for the questions."""
+"""What every opened input answers (:class:`Opened`), with the answer of a kind that cannot; each kind's class (the
+sibling modules) overrides what it can answer. See :mod:`fsdp_optim.offline.opened` for the questions."""
 
 from __future__ import annotations
 
@@ -14,19 +13,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from fsdp_optim.core.layout import ModelLayout
-from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.kinds import Given, Kind
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
-from fsdp_optim.formats.sharded.side_file import check_buffer_choice
+from fsdp_optim.formats.whole_file import recorded_layout
 from fsdp_optim.offline import report as R
 from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
 from fsdp_optim.offline.layouts import LayoutLike, ParamOrder
 from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, RankFiles, Resharding
-from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole import WholeModel, check_whole_options
+from fsdp_optim.offline.whole import SideState, WholeModel, check_whole_options
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.file_check import Verification
@@ -163,7 +160,7 @@ class Opened:
         raise ValueError(f"{self.label}: a {self.kind.value} holds no model weights (not a whole checkpoint)")
 
     def side_state(self) -> SideState | None:
-        """A whole checkpoint's buffers and ``extra`` per saved rank (:mod:`fsdp_optim.offline.side_state`)."""
+        """A whole checkpoint's buffers and ``extra`` per saved rank (:class:`fsdp_optim.offline.whole.SideState`)."""
         return None
 
     def check_rank(self, rank: int | None) -> None:
@@ -219,18 +216,19 @@ class Opened:
     # reshard
 
     def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
-        """The layout a reshard of this input cuts for: the caller's (its own for a fairscale-native dict)."""
-        return given
+        """The layout a reshard of this input cuts for: the caller's, else the one its ``"fsdp_optim"`` block records
+        (consolidate's files: its checkpoint's FSDP layout; none: written before files recorded it)."""
+        return given if given is not None else recorded_layout(self.named_header(), self.label)
 
     def reshard(
         self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress = None,
-        overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
+        overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None,
+        buffers: str = "refuse",  # noqa: ARG002 - checked by the caller; none here
     ) -> Path:  # fmt: skip
         """:func:`fsdp_optim.reshard` of this input into the local directory ``out``; returns what it returns (the
         manifest). ``replace_existing=False`` (the CLI): a checkpoint already in ``out`` is refused unless
-        ``overwrite``; ``after_file(path)`` as each rank file is complete; ``buffers``: see there."""
-        check_world_size("world_size", world_size)
-        check_buffer_choice(buffers)
+        ``overwrite``; ``after_file(path)`` as each rank file is complete; ``buffers``: see there (``world_size`` and
+        ``buffers`` checked by the caller)."""
         layout = self.target_layout(layout)
         if layout is None or self.source is None:
             raise ValueError(

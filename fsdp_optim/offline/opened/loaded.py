@@ -12,24 +12,21 @@ from typing import Any, ClassVar, cast
 
 from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.core.preconditions import check_full_dict, check_world_size
+from fsdp_optim.core.preconditions import check_full_dict
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.objects import check_state_dict
 from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.fairscale import from_fairscale
 from fsdp_optim.formats.fullstate import full_dict_source, read_meta
 from fsdp_optim.formats.kinds import Given
-from fsdp_optim.formats.sharded.side_file import check_buffer_choice
-from fsdp_optim.formats.whole_file import WholeFile, recorded_layout
+from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
-from fsdp_optim.offline.cuts import AfterFile, Progress
+from fsdp_optim.offline.cuts import AfterFile, Progress, reshard_full
 from fsdp_optim.offline.layouts import LayoutLike, resolve_layout
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, RewrittenFile
-from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole import WholeModel
-from fsdp_optim.offline.whole_file import reshard_whole_file, whole_model_of
+from fsdp_optim.offline.whole import SideState, WholeModel, whole_model_of
 
 __all__ = ["OpenedFull", "OpenedNamedDict", "OpenedNative", "OpenedWholeFile"]
 
@@ -85,10 +82,6 @@ class OpenedFull(Opened):
 
     def named_header(self) -> Mapping[str, Any] | None:
         return _header(self.full, self.label)
-
-    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
-        """The caller's layout, else the one a consolidated file records (its source's FSDP layout)."""
-        return given if given is not None else recorded_layout(self.named_header(), self.label)
 
 
 @dataclass(kw_only=True)
@@ -146,8 +139,7 @@ class OpenedNamedDict(OpenedFull):
         return False
 
     def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:
-        check_state_dict(self.raw, str(path))
-        return D.describe_named_dict(self.raw, units=units)
+        return D.describe_loaded(path, self.raw, units=units, named=True)
 
 
 @dataclass(kw_only=True)
@@ -197,11 +189,6 @@ class OpenedWholeFile(Opened):
     def named_header(self) -> Mapping[str, Any] | None:
         return _header(self.whole_file.optimizer, self.label)
 
-    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
-        """The caller's layout, else the one the file records (its checkpoint's FSDP layout; none: saved without an
-        optimizer, or written before files recorded it)."""
-        return given if given is not None else recorded_layout(self.named_header(), self.label)
-
     def full_state(self, *, progress: Progress = None) -> dict[str, Any]:  # noqa: ARG002 - the interface's
         return self.consolidated(rank=None, with_model=False, progress=None)
 
@@ -229,13 +216,12 @@ class OpenedWholeFile(Opened):
 
     def reshard(
         self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress = None,
-        overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
+        overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None,
+        buffers: str = "refuse",  # noqa: ARG002 - checked by the caller; a whole file's buffers are shared
     ) -> Path:  # fmt: skip
-        check_world_size("world_size", world_size)
-        check_buffer_choice(buffers)
         layout = self.target_layout(layout)
         if layout is None:  # refused there: the file names no units and records none
             return super().reshard(world_size, out, layout=layout, given=given)
         # weights, optimizer, buffers and extra: a whole one
-        return reshard_whole_file(self.whole_file, world_size, out, layout, given=given, progress=progress,
-                                  overwrite=overwrite, replace_existing=replace_existing, after_file=after_file)
+        return reshard_full(self.whole_file, given, world_size, out, layout, progress, overwrite, replace_existing,
+                            after_file)  # fmt: skip

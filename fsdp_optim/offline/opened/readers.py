@@ -1,25 +1,37 @@
 """Inputs read through a reader of their own: a fairseq/metaseq shard set (:class:`OpenedShardSet`), a named
-safetensors file (:class:`OpenedNamed`) and a PyTorch DCP directory (:class:`OpenedDcp`)."""
+safetensors file (:class:`OpenedNamed`), a PyTorch DCP directory (:class:`OpenedDcp`) and the Hugging Face layout
+(:class:`OpenedHf`).
+
+:class:`OpenedHf`: the layout ``convert --to safetensors`` writes of a whole checkpoint, ``model.safetensors`` (or
+its shards and index) and, beside them, ``optimizer.safetensors`` (a named file of ours); or one model file alone.
+Read whole into memory and answered as consolidate's file of a whole checkpoint is
+(:class:`~fsdp_optim.offline.opened.loaded.OpenedWholeFile`); it holds no ``extra``. The model files record no
+checksums: ``verify`` checks their headers and that every byte reads, and every checksum of
+``optimizer.safetensors``. A tied name is a copy of its parameter's tensor in these files: with the optimizer's
+parameter names it is told apart by its bytes (as a consolidated file without its list of tied names is).
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fsdp_optim.core.elementwise import check_optimizer_name
 from fsdp_optim.core.flatten import clone_value
-from fsdp_optim.disk.file_check import Verification
+from fsdp_optim.disk.file_check import Verification, check_file
 from fsdp_optim.disk.one_file import write_file
+from fsdp_optim.formats import hf_safetensors as hf
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.recut import consolidate_set, reshard_set
 from fsdp_optim.formats.fairseq.shards import ShardSetReader
 from fsdp_optim.formats.kinds import Given, Kind
-from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors
-from fsdp_optim.formats.whole_file import WholeFile, recorded_layout
+from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, FormatError
+from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors, tie_copies
+from fsdp_optim.formats.whole_file import WholeFile
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import fairseq as F
 from fsdp_optim.offline import report as R
@@ -29,8 +41,9 @@ from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import DcpParts, Opened, Request
 from fsdp_optim.offline.opened.loaded import OpenedWholeFile
 from fsdp_optim.offline.opened.written import Consolidation, FairseqCheckpoint, Resharding, ShardFiles
+from fsdp_optim.offline.whole import SideState
 
-__all__ = ["OpenedDcp", "OpenedNamed", "OpenedNamedWhole", "OpenedShardSet"]
+__all__ = ["OpenedDcp", "OpenedHf", "OpenedNamed", "OpenedNamedWhole", "OpenedShardSet"]
 
 
 @dataclass(kw_only=True)
@@ -165,10 +178,6 @@ class OpenedNamed(Opened):
     def named_header(self) -> Mapping[str, Any] | None:
         return self.named.document.header
 
-    def target_layout(self, given: LayoutLike | None) -> LayoutLike | None:
-        """The caller's layout, else the one the file records (consolidate's: its checkpoint's FSDP layout)."""
-        return given if given is not None else recorded_layout(self.named.document.header, self.label)
-
 
 @dataclass(kw_only=True)
 class OpenedNamedWhole(OpenedWholeFile):
@@ -202,4 +211,65 @@ class OpenedDcp(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        return V.refuse_dcp(path)
+        raise ValueError(  # it records no checksums: refused, naming what reads it
+            f"{path}: a {Kind.DCP.value}, which records no checksums to verify; fsdp-optim inspect {path} reads its "
+            "metadata, and torch.distributed.checkpoint.load reads its data"
+        )
+
+
+class OpenedHf(OpenedWholeFile):
+    """A Hugging Face safetensors model (a directory of this layout, or one model file); see the module docstring."""
+
+    @classmethod
+    def loaded(cls, request: Request) -> OpenedHf:
+        path = Path(request.path)
+        optimizer = None
+        if path.is_dir() and (path / hf.OPTIMIZER).is_file():
+            with NamedSafetensors(path / hf.OPTIMIZER) as named:
+                optimizer = named.full_state()
+        model = hf.read_model(path)
+        if optimizer is not None:
+            model = tie_copies(model, set(optimizer["param_names"].values()))
+        whole = WholeFile.of({"model": model, "optimizer": optimizer, "extra": None}, request.label)
+        return cls(request.kind, request.label, whole.source(), None, whole.params, whole_file=whole)
+
+    def describe(self, path: str | os.PathLike[str], *, units: bool) -> list[str]:  # noqa: ARG002
+        files = [f.name for f in hf.model_files(path)]
+        beside = Path(path).is_dir() and (Path(path) / hf.OPTIMIZER).is_file()
+        lines = D.describe_whole_file(self.whole_file)[1:]
+        return [
+            f"format: {Kind.HF.value}",
+            f"files: {', '.join(files)}" + (f", {hf.OPTIMIZER}" if beside else " (no optimizer state beside them)"),
+            *(line for line in lines if not line.startswith("extra:")),
+            "extra: none (this layout holds the model and the optimizer state only)",
+        ]
+
+    def full_state(self, *, progress: Progress = None) -> dict[str, Any]:
+        if self.whole_file.optimizer is None:  # what a reader of optimizer state (load_full_state...) was handed
+            raise FormatError(
+                f"{self.label}: a safetensors file without fsdp_optim's '{METADATA_KEY}' metadata: a model's weights "
+                f"({Kind.HF.value}) and no optimizer state (no {hf.OPTIMIZER} beside them)"
+            )
+        return super().full_state(progress=progress)
+
+    def side_state(self) -> SideState | None:
+        return replace(SideState.of_whole_file(self.whole_file), holds_extra=False)  # no extra: not an extra of None
+
+    @classmethod
+    def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
+        """Each model file's header and every byte of it read (no checksums recorded), and ``optimizer.safetensors``
+        beside them as a named file (every checksum)."""
+        root = Path(path)
+        try:
+            files = hf.model_files(root)
+        except ValueError as exc:
+            return Verification(root, Kind.HF.value, (), (str(exc),))
+        checks = [check_file(f, _read_model_file, zipped=False) for f in files]
+        if root.is_dir() and (root / hf.OPTIMIZER).exists():
+            checks += V.named_file(root / hf.OPTIMIZER).files
+        return Verification(root, Kind.HF.value, tuple(checks))
+
+
+def _read_model_file(path: Any) -> str:
+    count = len(hf.read_model(path))
+    return f", {count} tensors read (the layout records no checksums: header and sizes checked)"

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_optim.core.flatten import StateKind
-from fsdp_optim.core.preconditions import check_world_size
 from fsdp_optim.core.source import Source
 from fsdp_optim.disk.one_file import write_file
 from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION
@@ -19,7 +18,6 @@ from fsdp_optim.formats.kinds import Given
 from fsdp_optim.formats.sharded.locate import read_manifest
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint, open_checkpoint
-from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.formats.whole_file import LAYOUT_KEY, layout_record
 from fsdp_optim.offline import describe as D
 from fsdp_optim.offline import report as R
@@ -27,8 +25,15 @@ from fsdp_optim.offline.cuts import AfterFile, Progress, consolidate_checkpoint,
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened, Request, found_keys
 from fsdp_optim.offline.opened.written import Consolidation, FullDictFile, WholeFileWritten
-from fsdp_optim.offline.side_state import SideState
-from fsdp_optim.offline.whole import WholeModel, check_whole_options, is_whole, whole_model, whole_state, write_whole
+from fsdp_optim.offline.whole import (
+    SideState,
+    WholeModel,
+    check_whole_options,
+    is_whole,
+    whole_model,
+    whole_state,
+    write_whole,
+)
 
 if TYPE_CHECKING:
     from fsdp_optim.disk.file_check import Verification
@@ -56,7 +61,7 @@ class OpenedCheckpoint(Opened):
     def report(self, path: str | os.PathLike[str], lines: Sequence[str]) -> dict[str, Any]:
         out = R.of_manifest(R.base(path, self.kind, lines), self.checkpoint.manifest)
         if self.is_whole():
-            out["model"] = R.model_of_checkpoint(self.checkpoint)
+            out["model"] = R.model_of_checkpoint(self.checkpoint, R.side_extras(self.checkpoint))
         return out
 
     @classmethod
@@ -139,8 +144,6 @@ class OpenedCheckpoint(Opened):
         self, world_size: int, out: Path, *, layout: LayoutLike | None, given: Given, progress: Progress = None,  # noqa: ARG002
         overwrite: bool = False, replace_existing: bool = True, after_file: AfterFile = None, buffers: str = "refuse",
     ) -> Path:  # fmt: skip
-        check_world_size("world_size", world_size)
-        check_buffer_choice(buffers)
         if self.source is None:
             raise ValueError(f"{self.label}: expected a sharded checkpoint, found a {self.kind.value}")
         return reshard_checkpoint(self.checkpoint, self.source, given, world_size, out, progress, overwrite,
@@ -191,9 +194,10 @@ class OpenedRankFile(Opened):
 
     @classmethod
     def verify_files(cls, path: str | os.PathLike[str], allow_globals: tuple[str, ...]) -> Verification:  # noqa: ARG003
-        from fsdp_optim.offline.verdicts import refuse_rank_file
-
-        return refuse_rank_file(Path(path))
+        raise ValueError(
+            f"{path}: a rank file of a sharded checkpoint is checked against its manifest; verify the checkpoint "
+            f"directory ({Path(path).parent}) instead"
+        )
 
     def _found(self) -> str:
         return found_keys(self.kind, self.raw)

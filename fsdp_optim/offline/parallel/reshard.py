@@ -53,8 +53,8 @@ from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.segments import CHUNK_BYTES, chunk_elements, file_layout, manifest_shards
 from fsdp_optim.formats.sharded.writer import CHECKPOINT
 from fsdp_optim.job.team import Team
+from fsdp_optim.offline.cuts import planned_manifest
 from fsdp_optim.offline.parallel.stretches import ChunkRun, FileLayout, chunk_runs, cut_piece, piece_reads
-from fsdp_optim.offline.rank_writes import planned_manifest
 from fsdp_optim.offline.whole import carry_side_files, check_resharding, is_whole
 
 __all__ = ["Planned", "plan_reshard", "reshard_across", "share_spans"]
