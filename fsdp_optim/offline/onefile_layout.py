@@ -10,8 +10,8 @@ tensor ``extra/<k>`` of the file; anything else (an object) is refused before th
 
     plan     every tensor's name, dtype, shape (model first, in state_dict order; then the optimizer's, in parameter
              then state order) -> offsets; the header with checksums of fixed width left as zeros -> its length
-    write    the file preallocated (posix_fallocate, else truncate); each tensor made, written with os.pwrite at its
-             offset, read back and compared, freed (one tensor in memory)
+    write    the file laid out (ftruncate); each tensor made, hashed, written with os.pwrite at its offset, freed
+             (one tensor in memory)
     header   the same header with the checksums filled in (exactly as long), written at offset 0; fsync; rename
 """
 
