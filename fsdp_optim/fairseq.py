@@ -6,8 +6,7 @@ the entry points in :mod:`fsdp_optim.offline.fairseq`).
 ``ShardSet`` reads one; ``DATA_ONLY_GLOBALS`` is what such a file may name besides tensors.
 """
 
-from fsdp_optim.formats.fairseq.files import METADATA_KEYS, OPTIM_KEY
-from fsdp_optim.formats.fairseq.loading import DATA_ONLY_GLOBALS
+from fsdp_optim.formats.fairseq.files import DATA_ONLY_GLOBALS, METADATA_KEYS, OPTIM_KEY
 from fsdp_optim.formats.fairseq.paths import is_shard_set
 from fsdp_optim.formats.fairseq.recut import reshard_shards
 from fsdp_optim.offline.fairseq import ShardSet, consolidate_shards

@@ -126,13 +126,12 @@ def test_a_failure_mid_write_leaves_nothing(whole: Path, tmp_path: Path, monkeyp
     from dataclasses import replace
 
     import fsdp_optim.offline.onefile as onefile
-    from fsdp_optim.formats.named_safetensors.writer import NamedTensor
 
     real = onefile.write_tensors
 
     def failing(path: Any, layout: Any, which: Any, *, after: Any) -> Any:
         broken = list(layout.tensors)
-        broken[3] = NamedTensor(broken[3].name, broken[3].dtype, broken[3].shape, _disk_full)
+        broken[3] = replace(broken[3], make=_disk_full)
         return real(path, replace(layout, tensors=tuple(broken)), which, after=after)
 
     monkeypatch.setattr(onefile, "write_tensors", failing)

@@ -198,6 +198,20 @@ def test_two_processes_put_the_parts_of_one_upload(s3_server: Any, big: Path, lo
     assert pending == [], f"unfinished uploads left: {pending}"
 
 
+def test_two_processes_and_a_file_under_the_least_part(s3_server: Any, tmp_path: Path) -> None:
+    """A whole checkpoint's file under S3's least part: process 1's run is too short for a part of its own, so
+    process 0 writes it too (core/parts.plan_parts) and puts the one part; the object is the local file's bytes."""
+    src = ROOT / "tests" / "fixtures" / "v3_whole_w2" / "ckpt"
+    out = tmp_path / "one.safetensors"
+    assert main(["consolidate", str(src), "-o", str(out)]) == 0, "the local consolidate"
+    url = s3_server.url("small") + "/model.safetensors"
+    results = _pair(s3_server, ["consolidate", src, "-o", url], {})
+    assert [code for code, _, _ in results] == [0, 0], results
+    data, etag, pending = _object(s3_server, url)
+    assert data == out.read_bytes(), "two processes uploaded other bytes than one writes"
+    assert etag is not None and etag.strip('"').endswith("-1") and pending == [], f"one part, none left: {etag}"
+
+
 def test_a_killed_process_leaves_no_object(s3_server: Any, big: Path, local: bytes) -> None:
     """Process 1 killed (SIGKILL) once its part is put: process 0 fails, aborts the upload: no object, no
     unfinished upload; a rerun writes the object."""

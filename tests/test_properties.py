@@ -8,8 +8,9 @@ random optimizer order inside each param group. Nothing here starts a process or
 
 The gather side is driven through the same pure functions the FSDP subclass uses
 (``read_local_state`` -> ``check_agreement`` -> ``assemble`` -> ``build_full_state``); the load
-side through ``shard_full_state``. The reference for "a shard" is fairscale's own ``_get_shard``
-(``torch.chunk`` plus zero padding), called on a full flat tensor built by ``torch.cat``.
+side through ``shard_full_state`` (here: one plan, then ``cut_rank``, as ``get_shard_from_optim_state_dict``
+runs). The reference for "a shard" is fairscale's own ``_get_shard`` (``torch.chunk`` plus zero padding), called
+on a full flat tensor built by ``torch.cat``.
 
 Properties:
 
@@ -42,9 +43,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from fsdp_optim.core.execute import cut_rank, optimizer_state_dict
 from fsdp_optim.core.flatten import StateKind, assemble, split
 from fsdp_optim.core.layout import FlatParamLayout, ModelLayout, ParamSpec, shard_bounds
-from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, build_full_state, shard_full_state
+from fsdp_optim.core.plan import plan
+from fsdp_optim.formats.fullstate import FORMAT_KEY, FORMAT_VERSION, build_full_state, full_dict_source
 from fsdp_optim.job.local import check_agreement, read_local_state
 
 # Each property runs in a few seconds at these settings on one core; derandomized so that CI explores
@@ -271,6 +274,15 @@ def full_state_dict(model: Synthetic, world_size: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------
 # The two directions, through the package's pure functions
+
+
+def shard_full_state(
+    layout: ModelLayout, full: dict[str, Any], *, members: Any, param_positions: Any, trainable: Any
+) -> dict[str, Any]:
+    """This rank's optimizer state dict cut from ``full``: the engine's load path, as the FSDP subclass runs it."""
+    the_plan = plan(full_dict_source(full), layout, members=members, required=trainable, order=param_positions)
+    assert isinstance(layout.rank, int), f"a layout at one rank, found {layout.rank!r}"
+    return optimizer_state_dict(the_plan, cut_rank(the_plan, layout.rank))
 
 
 def shard_all_ranks(model: Synthetic, wrapping: Wrapping, full: dict[str, Any]) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@ one team (:func:`fsdp_optim.job.team.team_of_job`). ``reshard`` and ``verify`` (
 checkpoint are split across them (:mod:`fsdp_optim.offline.parallel`), and so is ``consolidate -o FILE.safetensors``
 of one (each process writes its share of the one file) and ``diff`` when both sides are read by ranges, as
 :func:`fsdp_optim.offline.parallel.entry.splits` decides for the API too; every other verb runs on process 0 while the
-others wait for it (:func:`~fsdp_optim.offline.parallel.alone.alone`). Process 0 prints the verb's report; every
+others wait for it (:func:`~fsdp_optim.offline.parallel.shared.alone`). Process 0 prints the verb's report; every
 process exits with its code, and with its error when it failed. Without ``torchrun`` (no ``RANK``/``WORLD_SIZE`` of
 2 or more), nothing here runs."""
 
@@ -46,8 +46,8 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
 def _split_or_alone(team: Team, args: argparse.Namespace, run: Callable[[argparse.Namespace], Any]) -> Any:
     from fsdp_optim.cli.inspect import run_diff, run_verify
     from fsdp_optim.cli.verbs import checked_opening, run_consolidate, run_reshard
-    from fsdp_optim.offline.parallel.alone import alone
     from fsdp_optim.offline.parallel.entry import splits
+    from fsdp_optim.offline.parallel.shared import alone
 
     if args.run is run_reshard and args.param_names is None and splits("reshard", args.source, output=args.output):
         return _reshard(team, args)

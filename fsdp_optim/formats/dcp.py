@@ -12,22 +12,13 @@ loads with ``dcp.load`` + ``set_state_dict``. The state dict it saves is keyed a
 
 (``"optimizer"``: ``to_dcp``'s ``optim_key``, torchtitan's key by default; ``inspect`` finds the state under any.)
 
-Every tensor is a full (unsharded) tensor by unwrapped name; DCP cuts what each rank of the loading job
-reads. Streaming: the plan (:func:`fsdp_optim.core.plan.plan`, target = one flat per parameter) is made before
-anything is written; DCP's planner is handed zero-stride placeholders and makes each real tensor only when
-the writer asks for it (:class:`_LazyPlanner`), reading just that parameter's range of the source.
+Every tensor is full (unsharded), by unwrapped name; DCP cuts what each rank of the loading job reads. The plan
+(target: one flat per parameter) is made before anything is written; DCP's planner gets zero-stride placeholders
+and makes each real tensor only when the writer asks for it (:class:`_LazyPlanner`).
 
-Files: one data file, ``__0_0.distcp`` (what ``dcp.save`` names a one-rank save's file), plus ``.metadata``.
-DCP's own ``FileSystemWriter`` keeps every tensor of a file referenced until it closes that file (it gathers
-them for its safetensors mode), so one file through it would hold the whole state; :class:`_StreamingWriter`
-asks for one item, appends it to the file as DCP's reader expects (``torch.save`` bytes of the tensor at a
-recorded offset and length) and drops it before asking for the next: memory is one tensor, whatever the file
-count. One file rather than a split at some size: the split would bound nothing (memory is per tensor), and
-DCP's reader opens each file per load plan anyway. ``dcp.save`` runs with ``no_dist=True``: no process group,
-even inside a job.
-
-All-or-nothing: written into a staging directory beside ``out_dir`` and renamed onto it when complete;
-``out_dir`` must not exist or be empty, and is locked while written (a second writer gets ``OutputLockedError``).
+Files: one data file, ``__0_0.distcp`` (a one-rank save's name), plus ``.metadata``. DCP's own
+``FileSystemWriter`` keeps every tensor of a file referenced until it closes the file, so :class:`_StreamingWriter`
+appends one item at a time and drops it: memory is one tensor. ``dcp.save`` runs with ``no_dist=True``.
 """
 
 from __future__ import annotations
@@ -37,6 +28,7 @@ import os
 import pickle
 import re
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -53,9 +45,8 @@ from fsdp_optim.core.execute import assemble_full, restrict
 from fsdp_optim.core.flatten import StateKind, clone_value
 from fsdp_optim.core.plan import per_parameter, plan
 from fsdp_optim.core.source import Plan, Source
-from fsdp_optim.disk.journal import JournalEntry
-from fsdp_optim.disk.save import Survey
 from fsdp_optim.formats.fairseq.shards import WEIGHT
+from fsdp_optim.formats.hf_safetensors import NewDirectoryClaims
 
 __all__ = [
     "DATA_FILE", "DCP_DIRECTORY", "METADATA", "describe_dcp", "model_dict", "optim_dict", "placeholder", "write_dcp",
@@ -163,13 +154,10 @@ def write_dcp(state: Mapping[str, Any], producers: Mapping[int, Callable[[], tor
 
 
 class _StreamingWriter(FileSystemWriter):
-    """DCP's file-system writer (plans, ``.metadata``), except that the data goes into one file, one item at a
-    time: each is resolved, appended and dropped before the next is resolved.
-
-    What DCP's reader needs of each item is a ``_StorageInfo(file name, offset, length)`` in the metadata's
-    ``storage_data`` (its ``WriteResult``): a tensor's slice holds ``torch.save`` of that tensor (its storage
-    exactly the tensor's bytes), a byte item's slice its raw bytes. ``_StorageInfo`` is DCP's private record,
-    used rather than copied: the pickled ``.metadata`` must name torch's own class for any reader to load it."""
+    """DCP's file-system writer, except that the data goes into one file, one item resolved, appended and dropped
+    at a time. DCP's reader needs each item's ``_StorageInfo(file name, offset, length)`` (its ``WriteResult``):
+    ``torch.save`` of a tensor (its storage exactly the tensor's bytes), a byte item's raw bytes. DCP's private
+    record, not a copy: the pickled ``.metadata`` must name torch's own class for any reader to load it."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0.distcp"
@@ -205,31 +193,12 @@ def _append(stream: BinaryIO, item: WriteItem, planner: SavePlanner, name: str) 
     return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
 
 
-class _DcpClaims:
-    """A DCP output directory (for :mod:`fsdp_optim.disk.local_directory`): it must be new or empty; a write creates
-    ``DATA_FILE`` then ``METADATA`` (moved in last: the commit point); other DCP names are deletable too."""
-
-    def survey(self, directory: Path) -> Survey:  # noqa: ARG002 - nothing in an existing directory is ours
-        return Survey(overwrite_means="write there anyway")
-
-    def created(self, entry: JournalEntry) -> set[str]:  # noqa: ARG002 - every write makes the same two
-        return {DATA_FILE, METADATA}
-
-    def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:  # noqa: ARG002
-        return set()
-
-    def referenced(self, directory: Path) -> set[str]:
-        names = set(os.listdir(directory))
-        return names if METADATA in names else set()  # committed: keep everything; else what was moved in goes
-
-    def deletable(self, name: str) -> bool:
-        return _DCP_FILE.match(name) is not None
-
-
 METADATA = ".metadata"
 DATA_FILE = "__0_0.distcp"  # the one data file: DCP's name for rank 0's first file
 _DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-DCP_DIRECTORY = _DcpClaims()
+# New or empty; DATA_FILE then METADATA (moved in last: the commit point); other DCP names are deletable too.
+DCP_DIRECTORY = NewDirectoryClaims(_DCP_FILE, frozenset({METADATA}), "write there anyway",
+                                   frozenset({DATA_FILE, METADATA}))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -272,9 +241,7 @@ def describe_dcp(path: str | os.PathLike[str], *, units: bool = False) -> list[s
     except Exception as exc:  # noqa: BLE001 - any failure of a foreign file is the same finding
         raise ValueError(f"{file}: not DCP metadata this reader knows ({type(exc).__name__}: {exc})") from None
     tensors = {k: v for k, v in entries.items() if hasattr(v, "size") and hasattr(v, "properties")}
-    sections: dict[str, int] = {}
-    for key in entries:
-        sections[key.split(".", 1)[0]] = sections.get(key.split(".", 1)[0], 0) + 1
+    sections = Counter(key.split(".", 1)[0] for key in entries)
     key = optimizer_key(entries)
     at = f"{key}.state."
     state = [k.split(".")[-1] for k in tensors if k.startswith(at)]

@@ -1,6 +1,4 @@
-"""Conversions to and from formats other tools write and read.
-
-Pure: dicts in, dicts out; never imports ``torch.distributed``. Inputs are never modified.
+"""Conversions to and from formats other tools write and read. Pure: dicts in, dicts out; inputs never modified.
 
 - :func:`from_fairscale`: a dict written by fairscale's own ``gather_full_optim_state_dict`` -> our full dict.
   fairscale's format (0.4.x)::
@@ -57,20 +55,13 @@ def from_fairscale(
     optimizer: str | None = None,
     step_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """Our full dict (see :mod:`fsdp_optim.formats.fullstate`) from a fairscale-native one.
+    """Our full dict (:mod:`fsdp_optim.formats.fullstate`) from a fairscale-native one (not modified).
 
-    Args:
-        native: fairscale's ``gather_full_optim_state_dict`` output. Not modified.
-        layout: the wrapped model's layout (:func:`fsdp_optim.offline.layouts.resolve_layout` makes one from the
-            model, a sharded checkpoint or a layout file). It must be the wrapping the dict was saved
-            from: fairscale's ids are positions in FSDP-instance order.
-        optimizer: the optimizer's class name, recorded in ``"fsdp_optim"``; ``None`` when unknown
-            (loading then skips the optimizer-class check).
-        step_dtype: fairscale turns ``step`` into a Python number; it becomes a 0-dim tensor of this
-            dtype, as torch's optimizers keep it.
-
-    Per-rank 0-dim states (one per rank, on the last parameter of each unit) must agree across ranks
-    and become one value per parameter. Raises ``ValueError`` naming the parameter, expected vs found.
+    ``layout``: the wrapping the dict was saved from (fairscale's ids are positions in FSDP-instance order;
+    :func:`fsdp_optim.offline.layouts.resolve_layout` makes one from the model, a sharded checkpoint or a layout
+    file); ``optimizer``: the class name for ``"fsdp_optim"`` (``None``: unknown, its check skipped);
+    ``step_dtype``: fairscale turns ``step`` into a Python number; it becomes a 0-dim tensor of this dtype, as
+    torch's optimizers keep it. Per-rank 0-dim states must agree across ranks and become one value per parameter.
     """
     source = fairscale_source(native, layout, optimizer=optimizer, step_dtype=step_dtype)
     the_plan = plan(source, layout)
@@ -97,9 +88,10 @@ def fairscale_source(
             entries = state.get(gid) or {}
             if entries:
                 values = {k: v for k, v in entries.items() if not isinstance(v, list)}
-                per_param[gid] = {**values, **{k: v for k, v in per_rank.items()}}
-                if _is_number(per_param[gid].get("step")):
-                    per_param[gid]["step"] = torch.tensor(float(per_param[gid]["step"]), dtype=step_dtype)
+                per_param[gid] = {**values, **per_rank}
+                step = per_param[gid].get("step")
+                if isinstance(step, (int, float)) and not isinstance(step, bool):
+                    per_param[gid]["step"] = torch.tensor(float(step), dtype=step_dtype)
     names = [layout.flat_params[i].params[p].name for i, p in slots]
     for gid, entries in per_param.items():
         _check_plausible(names[gid], entries, errors)
@@ -144,10 +136,6 @@ def _check_plausible(name: str, entries: Mapping[str, Any], errors: list[str]) -
                 f"parameter '{name}': '{key}' holds negative values, expected a second moment (plausibility "
                 f"check: '{key}' is a mean of squares, never negative)"
             )
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_native(native: Any, layout: ModelLayout) -> list[tuple[int, int]]:
@@ -212,17 +200,12 @@ def _per_rank_scalars(flat: Any, entries: list[Mapping[str, Any]], errors: list[
 
 
 def to_named(full: Mapping[str, Any]) -> dict[str, Any]:
-    """Our full dict keyed by parameter name, for ``set_optimizer_state_dict`` (FSDP2, DCP).
+    """Our full dict keyed by parameter name, for FSDP2's (DCP's) ``set_optimizer_state_dict``, on every rank::
 
-    Load it under FSDP2 with, on every rank::
-
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(model, optim, named, options=StateDictOptions(full_state_dict=True, strict=False))
 
-    (``strict=False`` because parameters that never had a gradient have no state, which PyTorch's
-    strict check refuses.) ``"param_names"`` and ``"fsdp_optim"`` are not carried over. The dict is
-    checked as every entry point checks it (:func:`~fsdp_optim.formats.fullstate.full_dict_source`); tensors are
-    shared with ``full``, not copied; ``full`` is not modified.
+    (``strict=False``: parameters that never had a gradient have no state, which PyTorch's strict check refuses.)
+    ``"param_names"`` and ``"fsdp_optim"`` are not carried over; tensors are shared with ``full``, not copied.
     """
     if full_dict_source(full).rank_reader is not None:
         raise ValueError(

@@ -41,10 +41,8 @@ from typing import Any
 import torch
 
 from fsdp_optim.core.dtypes import dtype_to_str
-from fsdp_optim.core.execute import cut_rank, optimizer_state_dict
 from fsdp_optim.core.flatten import StateKind, clone_value, same_scalar, show_value, split
 from fsdp_optim.core.layout import ModelLayout, ParamSpec
-from fsdp_optim.core.plan import plan
 from fsdp_optim.core.preconditions import check_full_dict, check_version
 from fsdp_optim.core.records import FlatRecord, GroupRecord, StateEntry
 from fsdp_optim.core.source import Reader, Source, plan_error
@@ -57,7 +55,6 @@ __all__ = [
     "full_dict_source",
     "param_record",
     "read_meta",
-    "shard_full_state",
 ]
 
 FORMAT_KEY = "fsdp_optim"
@@ -76,13 +73,9 @@ def build_full_state(
     optimizer: str | None,
     per_rank: Mapping[int, Mapping[int, Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """The full dict from each flat parameter's full state.
-
-    ``flat_states[i]`` maps each state key of flat parameter ``i`` to either a flat full tensor (1-D,
-    ``numel`` elements, padding already dropped) or a scalar (0-dim tensor / Python value). Flat
-    tensors are split into views, so the result shares their storage; scalars are cloned per parameter
-    so that no two parameters alias one ``step`` tensor. ``per_rank[r]`` holds, the same way, rank
-    ``r``'s own copy of the per-rank flats (MoE experts); they go to ``"per_rank_state"[r]``.
+    """The full dict from each flat parameter's full state: ``flat_states[i]`` ``{key: flat full tensor (1-D,
+    padding dropped) or scalar}``; ``per_rank[r]`` the same for rank ``r``'s per-rank flats (MoE experts). Flat
+    tensors are split into views (sharing their storage); scalars are cloned per parameter (no two share a ``step``).
     """
     names, out_groups, slots = _number(layout, groups)
     scalar_keys: set[str] = set()
@@ -140,18 +133,16 @@ def _place(
             continue
         if flat_index not in splits:
             flat = layout.flat_params[flat_index]
-            splits[flat_index] = {k: split(flat, v) for k, v in flat_state.items() if _is_flat_full(v)}
+            # Scalars are 0-dim tensors or Python values, so any 1-D tensor here is a flat full tensor.
+            splits[flat_index] = {
+                k: split(flat, v) for k, v in flat_state.items() if torch.is_tensor(v) and v.dim() == 1
+            }
         state[pid] = {
             key: splits[flat_index][key][position] if key in splits[flat_index] else clone_value(value)
             for key, value in flat_state.items()
         }
         scalar_keys.update(key for key in flat_state if key not in splits[flat_index])
     return state
-
-
-def _is_flat_full(value: Any) -> bool:
-    # Scalars are 0-dim tensors or Python values, so any 1-D tensor here is a flat full tensor.
-    return torch.is_tensor(value) and value.dim() == 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,14 +170,9 @@ def read_meta(full: Mapping[str, Any], where: str = FULL_DICT) -> Mapping[str, A
 
 
 def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
-    """A full dict (see the module docstring) as a planning :class:`~fsdp_optim.core.source.Source`.
-
-    Every parameter is a source flat of its own (world size 1, offset 0), in ``param_names`` order;
-    its state entries say sharded (with the state's shape and dtype) or scalar (with the value).
-    Parameters of per-rank units are ``per_rank`` flats read from ``"per_rank_state"[rank]``.
-    Checks the dict's own consistency (names, ids, groups, value kinds, per-rank sections) and raises
-    ``ValueError`` (:func:`~fsdp_optim.core.source.plan_error`) listing every problem; fit to a model is
-    :func:`plan`'s job. Nothing is copied: ``read`` copies straight from the dict's tensors.
+    """A full dict as a planning source: every parameter a flat of its own (world size 1), in ``param_names``
+    order; per-rank units' read from ``"per_rank_state"[rank]``. Checks the dict's own consistency, raising
+    ``ValueError`` listing every problem; fit to a model is the plan's job. ``read`` copies from the dict's tensors.
     """
     check_full_dict(full, label)
     check_state_dict(full, label, in_memory=True)  # bounded walk, tensor kinds, skeleton: before any read
@@ -214,17 +200,13 @@ def full_dict_source(full: Any, *, label: str = FULL_DICT) -> Source:
 
         return read
 
-    optimizer = meta.get("optimizer") if meta else None
-    if not sections:
-        return Source(label, optimizer, tuple(flats), groups, reader(state), shapes_known=False)
-
     def rank_reader(rank: int) -> Reader:
         shared, own = reader(state), reader(sections[rank])
         return lambda i, *rest: (own if flats[i].per_rank else shared)(i, *rest)
 
-    return Source(
-        label, optimizer, tuple(flats), groups, reader(state), len(sections), False, rank_reader=rank_reader
-    )
+    optimizer = meta.get("optimizer") if meta else None
+    return Source(label, optimizer, tuple(flats), groups, reader(state), len(sections) or None, False,
+                  rank_reader=rank_reader if sections else None)  # fmt: skip
 
 
 def _per_rank_sections(
@@ -357,30 +339,3 @@ def _is_scalar(key: str, value: Any, scalar_keys: frozenset[str] | None) -> bool
     if scalar_keys is not None:
         return key in scalar_keys
     return key in KNOWN_SCALAR_KEYS or not torch.is_tensor(value) or value.dim() == 0
-
-
-def shard_full_state(
-    layout: ModelLayout,
-    full: Mapping[str, Any],
-    *,
-    members: Sequence[Sequence[int]] | None,
-    param_positions: Sequence[int],
-    trainable: Sequence[bool],
-) -> dict[str, Any]:
-    """This rank's optimizer state dict, cut from ``full`` after checking it fits the model (one plan).
-
-    Args:
-        layout: the model as it is wrapped now (any world size, any nesting), at this rank.
-        full: a full dict (see the module docstring). Never modified.
-        members: flat indices per param group of the live sharded optimizer, in its order, or
-            ``None`` to derive the groups from ``full`` and order flat parameters by ``param_positions``.
-        param_positions: a sort key per flat parameter (its position in ``model.parameters()``).
-        trainable: ``requires_grad`` per flat parameter; frozen ones may be absent from ``full``.
-
-    Returns ``{"state": {local_id: {key: shard or scalar}}, "param_groups": [{..., "params": [ids]}]}``,
-    ready for ``optim.load_state_dict``. Every tensor is new memory.
-    """
-    the_plan = plan(full_dict_source(full), layout, members=members, required=trainable, order=param_positions)
-    if not isinstance(layout.rank, int):
-        raise ValueError(f"layout: shard_full_state needs a layout at one rank, found rank {layout.rank!r}")
-    return optimizer_state_dict(the_plan, cut_rank(the_plan, layout.rank))

@@ -9,16 +9,13 @@
     out/model.safetensors.index.json            #   gets a file of its own), and the index, written last:
         {"metadata": {"total_size": <bytes of all tensors>}, "weight_map": {"embed.weight": "model-00001-...", ...}}
 
-Each file's ``__metadata__`` is ``{"format": "pt"}`` (what ``transformers`` writes). Sizes parse as ``transformers``
-does: ``"5GB"`` is 5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30, an int is bytes; the default is its ``"5GB"``.
-The header of a file is made from the shapes and dtypes before any tensor is read; each tensor is then made,
-written and dropped: memory is one tensor.
+Each file's ``__metadata__`` is ``{"format": "pt"}`` and sizes parse as ``transformers`` does (``"5GB"`` is 5 * 10**9
+bytes, ``"5GiB"`` 5 * 2**30, an int is bytes). Each tensor is made, written and dropped: memory is one tensor.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -30,21 +27,16 @@ import torch
 
 from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.save import Survey
-from fsdp_optim.disk.untrusted import open_regular
 from fsdp_optim.formats.safetensors_container import (
-    MAX_HEADER_BYTES,
-    PORTABLE_DTYPES,
-    ContainerHeader,
-    HeaderRules,
+    Tensor,
+    data_bytes,
     encode_header,
-    read_header,
+    read_file_header,
 )
 
-_RULES = HeaderRules(MAX_HEADER_BYTES, 0, "safetensors' own 100 MB")
-
 __all__ = [
-    "DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "OPTIMIZER", "SINGLE", "Tensor", "is_hf_directory", "is_plain",
-    "model_files", "parse_size", "read_model", "shard", "write_hf_file",
+    "DEFAULT_MAX_SHARD_SIZE", "HF_DIRECTORY", "INDEX", "OPTIMIZER", "SINGLE", "NewDirectoryClaims", "is_hf_directory",
+    "is_plain", "model_files", "parse_size", "read_model", "shard", "write_hf_file",
 ]  # fmt: skip
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -52,20 +44,6 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 OPTIMIZER = "optimizer.safetensors"  # beside the model files: the optimizer state by parameter name (a named file)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor to write: name, shape, dtype and ``make()`` (a new CPU tensor, called when its bytes are due)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    make: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def parse_size(size: int | str, *, name: str = "max_shard_size") -> int:
@@ -99,23 +77,11 @@ def file_names(count: int) -> list[str]:
     return [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def check_dtypes(tensors: Sequence[Tensor]) -> None:
-    bad = next((t for t in tensors if t.dtype not in PORTABLE_DTYPES), None)
-    if bad is not None:
-        raise ValueError(f"tensor '{bad.name}' has dtype {bad.dtype}, which safetensors cannot name")
-
-
 def write_hf_file(f: BinaryIO, tensors: Sequence[Tensor], after: Callable[[], None] | None = None) -> None:
     """One safetensors file of ``tensors``: the header from their shapes, then each made, written and dropped."""
     f.write(encode_header({"format": "pt"}, ((t.name, t.dtype, t.shape) for t in tensors)))
     for t in tensors:
-        tensor = t.make()
-        if tensor.dtype != t.dtype or tuple(tensor.shape) != t.shape:
-            raise AssertionError(f"{t.name}: made {tensor.dtype}{tuple(tensor.shape)}, promised {t.dtype}{t.shape}")
-        data = tensor.detach().contiguous().reshape(-1)
-        if data.numel():
-            f.write(data.view(torch.uint8).numpy().data)
-        del tensor, data
+        f.write(data_bytes(t.made()))
         if after is not None:
             after()
 
@@ -128,32 +94,38 @@ def index(groups: Sequence[Sequence[Tensor]]) -> bytes:
     return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
 
 
-_OURS = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|optimizer\.safetensors)$")
+@dataclass(frozen=True)
+class NewDirectoryClaims:
+    """An output directory that must be new or empty (for :mod:`fsdp_optim.disk.local_directory`; what is there is
+    foreign: refused without overwrite, kept with it): a write creates the names its journal entry lists (or
+    ``creates``), those matching ``pattern`` are ours; once one of ``commit`` (moved in last) is there, everything is
+    kept."""
 
-
-class _HfClaims:
-    """An output directory of model files (for :mod:`fsdp_optim.disk.local_directory`): new or empty (what is there is
-    foreign: refused without overwrite, kept with it); a write journals the names it creates; the index (or the
-    single model file) moves in last, the commit point."""
+    pattern: re.Pattern[str]
+    commit: frozenset[str]
+    overwrite_means: str
+    creates: frozenset[str] = frozenset()
 
     def survey(self, directory: Path) -> Survey:  # noqa: ARG002 - nothing in an existing directory is ours
-        return Survey(overwrite_means="write there anyway (files of the same names are replaced)")
+        return Survey(overwrite_means=self.overwrite_means)
 
     def created(self, entry: JournalEntry) -> set[str]:
-        return {n for n in entry.files or () if _OURS.match(n)}
+        return {n for n in entry.files or self.creates if self.pattern.match(n)}
 
     def tagged(self, entry: JournalEntry) -> set[tuple[str, str]]:  # noqa: ARG002
         return set()
 
     def referenced(self, directory: Path) -> set[str]:
         names = set(os.listdir(directory))
-        return names if {SINGLE, INDEX} & names else set()
+        return names if self.commit & names else set()
 
     def deletable(self, name: str) -> bool:
-        return _OURS.match(name) is not None
+        return self.pattern.match(name) is not None
 
 
-HF_DIRECTORY = _HfClaims()
+HF_DIRECTORY = NewDirectoryClaims(
+    re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|optimizer\.safetensors)$"),
+    frozenset({SINGLE, INDEX}), "write there anyway (files of the same names are replaced)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -170,17 +142,9 @@ def is_plain(path: str | os.PathLike[str]) -> bool:
     """Whether the safetensors file ``path`` has a readable header without fsdp_optim's metadata (a model's weights
     as Hugging Face stores them, not a named optimizer file of ours); a header that cannot be read: ``False``."""
     try:
-        return "fsdp_optim" not in _header(path).metadata
+        return "fsdp_optim" not in read_file_header(path).metadata
     except (OSError, ValueError):
         return False
-
-
-def _header(path: str | os.PathLike[str]) -> ContainerHeader:
-    fd, st = open_regular(path)
-    try:
-        return read_header(fd, st.st_size, str(path), _RULES)
-    finally:
-        os.close(fd)
 
 
 def model_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -211,7 +175,7 @@ def read_model(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
     out: dict[str, torch.Tensor] = {}
     for file in model_files(path):
-        header = _header(file)
+        header = read_file_header(file)
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in header.tensors:
                 if name in out:

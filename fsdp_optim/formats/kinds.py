@@ -1,9 +1,7 @@
 """What kind of input a path or a dict is, decided in one function (:func:`detect`; :func:`path_kind` is its
-part that reads no file). The offline layer opens what it finds (``offline/sources.open_source``); ``verify``
-classifies a damaged checkpoint with :func:`path_kind`; which kinds a live model takes as a full dict is decided
-here too (:func:`full_file_source`). (A job's ``load_sharded_optim_state`` only asks which way
-to read a path, a directory on every rank or a file on ``src_rank`` alone, by its name: other ranks may not see
-that file, so no rank may open it to classify it.)
+part that reads no file, which ``verify`` asks of a damaged checkpoint). Which kinds a live model takes as a full
+dict is decided here too (:func:`full_file_source`). (A job's ``load_sharded_optim_state`` asks only a path's name
+which way to read it: other ranks may not see a file on ``src_rank``, so no rank may open it to classify it.)
 """
 
 from __future__ import annotations
@@ -113,13 +111,12 @@ def _looks_like(obj: Any) -> str | None:
     """What a loaded object that is no checkpoint looks like (``None``: an optimizer state dict of some kind)."""
     if isinstance(obj, Mapping) and "state" in obj:
         return None
-    if isinstance(obj, Mapping) and obj and all(torch.is_tensor(v) for v in obj.values()):
-        names = sorted(map(str, obj))
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        return f"a model's state_dict() ({len(names)} tensors keyed by name: {shown}), which holds no optimizer state"
     if isinstance(obj, Mapping):
         keys = sorted(map(str, obj))
         shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+        if obj and all(torch.is_tensor(v) for v in obj.values()):
+            return (f"a model's state_dict() ({len(keys)} tensors keyed by name: {shown}), which holds no optimizer "
+                    "state")
         return f"a dict without optimizer state (keys: {shown or '-'})"
     return f"a {'tensor' if torch.is_tensor(obj) else type(obj).__name__}, not a dict"
 
@@ -180,11 +177,9 @@ def sniff_kind(path: str | os.PathLike[str]) -> Kind | None:
 
 
 def path_kind(path: str | os.PathLike[str]) -> Kind | None:
-    """What a path is by its names alone (no file read, so it works on a damaged checkpoint): a shard set, a
-    sharded checkpoint (in any location), a DCP directory, or ``None`` for a file whose content says the rest
-    (:func:`detect`); nothing there, or a directory (a store's prefix) of neither, is refused
-    (:func:`~fsdp_optim.formats.sharded.locate.source_kind`). A shard set, a DCP directory and a Hugging Face
-    layout are read as local files by their readers, so only a location whose objects are local files can be one."""
+    """What a path is by its names alone (no file read): a shard set, a sharded checkpoint (in any location), a DCP
+    directory, a Hugging Face layout, or ``None`` for a file whose content says the rest (:func:`detect`); nothing
+    there, or a directory (a store's prefix) of neither, is refused (:func:`~.sharded.locate.source_kind`)."""
     files = _local_files(path)
     if files is not None and is_shard_set(path):
         return Kind.SHARD_SET

@@ -12,9 +12,8 @@ The names are the model's ``named_parameters()`` (tied parameters once). With ``
 optimizer the dict came from) each id gets the name of the very tensor its group holds, whatever the groups'
 order. Without it the ids, taken group by group, get the names in ``named_parameters()`` order: right for
 ``Adam(model.parameters())`` and for groups that are consecutive runs of ``named_parameters()``; for other
-groups pass ``optimizer=`` (a wrong guess is caught where the shapes differ, not where they agree). A count,
-or a state tensor whose shape is not its parameter's, is refused naming the id, the parameter and both shapes.
-Offline, ``--param-names FILE`` gives the same names as JSON: a list of names, or an object ``{name: shape}``
+groups pass ``optimizer=`` (a wrong guess is caught where the shapes differ, not where they agree). Offline,
+``--param-names FILE`` gives the same names as JSON: a list of names, or an object ``{name: shape}``
 (``json.dump({n: list(p.shape) for n, p in model.named_parameters()}, f)``), whose shapes are then checked.
 """
 
@@ -41,16 +40,14 @@ def name_optimizer_state(
     *,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
-    """A plain optimizer's ``state_dict()`` with ``"param_names"`` added (a new dict; the tensors are shared).
+    """A plain optimizer's ``state_dict()`` with ``"param_names"`` added (a new dict; the tensors are shared)::
 
-    ``{"state": {0: {...}, ...}, "param_groups": [{"params": [0, 1]}, {"params": [2]}]}`` + a model whose
-    ``named_parameters()`` are ``a, b, c`` -> the same dict with ``"param_names": {0: "a", 1: "b", 2: "c"}``.
+        {"state": {0: {...}, ...}, "param_groups": [{"params": [0, 1]}, {"params": [2]}]}  + a model of a, b, c
+        -> the same dict with "param_names": {0: "a", 1: "b", 2: "c"}
 
-    ``model``: the unwrapped module the optimizer was built over, or its parameter names (in
-    ``named_parameters()`` order), or ``{name: shape}``; ``optimizer``: the live optimizer (with a module), to
-    name each id by the tensor its group holds. Raises ``ValueError`` for an FSDP-wrapped module (its
-    parameters are flat), a dict that already names its parameters, or one whose parameter count or state
-    shapes do not fit the model (naming the id, the parameter, expected and found)."""
+    ``model``: the unwrapped module, its parameter names in ``named_parameters()`` order, or ``{name: shape}``;
+    ``optimizer``: the live optimizer (with a module). ``ValueError`` for an FSDP-wrapped module, a dict that
+    already names its parameters, or one that does not fit the model (naming the id, the parameter, both shapes)."""
     return name_plain_dict(optim_state_dict, model, optimizer=optimizer, where="optim_state_dict")
 
 

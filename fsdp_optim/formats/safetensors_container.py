@@ -7,12 +7,10 @@ Face model files (:mod:`.hf_safetensors`) are all this container::
     <u64 n> {"__metadata__": {str: str, ...},
              "<name>": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, ...}   <data>
 
-:func:`read_header` bounds the header's length by the file and by the caller's bound before reading it, and
-refuses a header that is not a JSON object, metadata that is not strings, more than :data:`MAX_RECORDS`
-tensors, unknown dtypes, shapes that are not lists of non-negative ints, offsets out of the data, byte counts
-that disagree with the shapes, and tensors that overlap or do not tile the data, each as a
-:class:`HeaderError` naming the file, what was expected and what was found. What a format asks beyond that
-(its metadata, its names, 1-D tensors) its own module checks on the :class:`ContainerHeader` returned.
+:func:`read_header` refuses, as a :class:`HeaderError` naming the file, expected and found, whatever safetensors
+itself refuses (a header past its bound, not a JSON object, metadata not strings, unknown dtypes, offsets that
+disagree with shapes, overlap or do not tile the data) and more than :data:`MAX_RECORDS` tensors. What a format asks
+beyond that its own module checks on the :class:`ContainerHeader` returned.
 """
 
 from __future__ import annotations
@@ -30,10 +28,11 @@ import torch
 from fsdp_optim.core.limits import MAX_RECORDS
 from fsdp_optim.disk.json_input import RefusedJSON, loads
 from fsdp_optim.disk.text import escape
+from fsdp_optim.disk.untrusted import open_regular
 
 __all__ = [
     "DTYPES", "DTYPE_NAMES", "MAX_HEADER_BYTES", "PORTABLE_DTYPES", "ContainerHeader", "HeaderError", "HeaderRules",
-    "TensorSpan", "encode_header", "read_header",
+    "Tensor", "TensorSpan", "check_portable", "data_bytes", "encode_header", "read_file_header", "read_header",
 ]  # fmt: skip
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header
@@ -51,24 +50,55 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 PORTABLE_DTYPES = {dtype: name for dtype, name in DTYPE_NAMES.items() if not name.endswith("FNUZ")}
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: name, shape, dtype and ``make()`` (a new CPU tensor, called when its bytes are due)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def made(self) -> torch.Tensor:
+        """``make()``, refused (``ValueError``) unless of the promised dtype and shape."""
+        tensor = self.make()
+        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+            raise ValueError(f"tensor '{self.name}': made as {tensor.dtype} {list(tensor.shape)}, planned as "
+                             f"{self.dtype} {list(self.shape)}")  # fmt: skip
+        return tensor
+
+
+def check_portable(name: str, dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` if every safetensors reader names it (:data:`PORTABLE_DTYPES`), else ``ValueError`` naming ``name``."""
+    if dtype not in PORTABLE_DTYPES:
+        raise ValueError(f"tensor '{name}' has dtype {dtype}, which safetensors cannot name; expected one of "
+                         f"{sorted(map(str, PORTABLE_DTYPES))}")  # fmt: skip
+    return dtype
+
+
+def data_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes as the file holds them (C order, flat)."""
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).cast("B")
+
+
 class HeaderError(ValueError):
     """A safetensors header we refuse; the message names the file, what was expected and what was found."""
 
 
 @dataclass(frozen=True)
 class HeaderRules:
-    """What a format asks of the container beyond safetensors' own rules.
+    """What a format asks of the container beyond safetensors' own rules: the longest header in a file of ``size``
+    bytes, ``min(size - 8, fixed + size // per)`` (``per`` 0: no share of the file), never over
+    :data:`MAX_HEADER_BYTES` (``rule`` says it in words); ``entry(at, name, dtype name, shape)`` called per tensor
+    before its offsets are read, raising :class:`HeaderError` for what the format refuses."""
 
-    The longest header it accepts in a file of ``size`` bytes: ``min(size - 8, fixed + size // per)`` (``per``
-    0: no share of the file), never over :data:`MAX_HEADER_BYTES`; ``rule`` says it in words. ``entry``, if
-    given, is called as ``entry(at, name, dtype name, shape)`` for each tensor once its dtype and shape are read,
-    before its offsets, and raises :class:`HeaderError` (``at`` names the file and the tensor) for what the
-    format refuses.
-    """
-
-    fixed: int
-    per: int
-    rule: str
+    fixed: int = MAX_HEADER_BYTES
+    per: int = 0
+    rule: str = "safetensors' own 100 MB"
     entry: Callable[[str, str, str, list[int]], None] | None = None
 
     def limit(self, size: int) -> int:
@@ -146,6 +176,15 @@ def read_header(fd: int | Callable[[int, int], bytes], size: int, where: str, ru
     spans = {name: _span(name, e, data, 8 + n, where, rules) for name, e in header.items()}
     _check_tiling(spans, 8 + n, data, where)
     return ContainerHeader(metadata, spans, text)
+
+
+def read_file_header(path: str | os.PathLike[str], rules: HeaderRules = HeaderRules()) -> ContainerHeader:
+    """The checked header of the file at ``path``, opened through the gate for untrusted files."""
+    fd, st = open_regular(path)
+    try:
+        return read_header(fd, st.st_size, str(path), rules)
+    finally:
+        os.close(fd)
 
 
 def _parse(text: bytes, where: str) -> dict[str, Any]:

@@ -4,13 +4,10 @@
      "optimizer": <a full dict> or None (saved with optim=None),
      "extra": <saved rank 0's extra>}
 
-The model dict does not say which names are parameters: the optimizer's ``param_names`` do (or, inside a job, the
-model's layout); a name whose tensor is a parameter's tensor is a tied name (an alias, read once), any other name a
-buffer. Without an optimizer and a layout, every tensor that is no alias counts as a weight.
-
-As planning sources, the weights are one more state key per parameter (``@param``), as a whole sharded checkpoint
-keeps them: :meth:`WholeFile.whole_source` (weights beside the optimizer state, in its groups),
-:meth:`WholeFile.weights_source` (the weights alone, one group), :meth:`WholeFile.source` (the optimizer alone).
+The optimizer's ``param_names`` (or, inside a job, the model's layout) say which names are parameters; a name whose
+tensor is a parameter's tensor is a tied name (read once), any other a buffer. Without either, every tensor that is
+no alias counts as a weight. As planning sources, the weights are one more state key per parameter (``@param``), as
+a whole sharded checkpoint keeps them.
 """
 
 from __future__ import annotations
@@ -146,10 +143,8 @@ def read_whole_safetensors(path: Any) -> dict[str, Any]:
 
 
 def layout_record(layout: ModelLayout) -> dict[str, Any]:
-    """``layout`` as a consolidated file keeps it in its full dict's ``"fsdp_optim"`` block (under ``"layout"``): the
-    manifest of a layout file (units, names, shapes, dtypes, world size; no state, no files), as
-    :meth:`~fsdp_optim.formats.sharded.manifest.Manifest.to_dict` gives it. ``reshard`` of the file cuts for it when
-    no ``--layout`` is given."""
+    """``layout`` as a consolidated file keeps it in its full dict's ``"fsdp_optim"`` block (under ``"layout"``): a
+    layout file's manifest (no state, no files), which ``reshard`` of the file cuts for without ``--layout``."""
     return Manifest.from_layout(layout, save_id=LAYOUT_KEY).to_dict()
 
 

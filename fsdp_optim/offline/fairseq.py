@@ -8,6 +8,7 @@ from typing import Any
 
 from fsdp_optim.formats.fairseq import recut as _recut
 from fsdp_optim.formats.fairseq import shards as _shards
+from fsdp_optim.offline.cuts import Progress
 from fsdp_optim.offline.layouts import ParamOrder, param_names
 
 __all__ = ["ShardSet", "consolidate_shards"]
@@ -21,9 +22,11 @@ class ShardSet(_shards.ShardSetReader):
 
 
 def consolidate_shards(
-    path: str | os.PathLike[str], *, param_order: ParamOrder = None, **options: Any
-) -> dict[str, Any]:
-    return _recut.consolidate_shard_files(path, param_order=param_names(param_order), **options)
+    path: str | os.PathLike[str], *, param_order: ParamOrder = None, with_model: bool = False,
+    progress: Progress = None, **options: Any,
+) -> dict[str, Any]:  # fmt: skip
+    with ShardSet(path, param_order=param_order, **options) as shards:
+        return _recut.consolidate_set(shards, with_model=with_model, progress=progress)
 
 
-consolidate_shards.__doc__ = _recut.consolidate_shard_files.__doc__
+consolidate_shards.__doc__ = _recut.consolidate_set.__doc__

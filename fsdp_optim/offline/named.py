@@ -25,9 +25,10 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.one_file import write_stream
 from fsdp_optim.formats import hf_safetensors as hf
-from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
 from fsdp_optim.formats.named_safetensors.reader import DEFAULT_MAPPED_BYTES
 from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors
+from fsdp_optim.formats.safetensors_container import Tensor as ModelTensor
+from fsdp_optim.formats.safetensors_container import check_portable
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.base import Opened
 from fsdp_optim.offline.operations import load_full_file
@@ -116,9 +117,8 @@ def write_whole_safetensors(
         raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state to convert")
     max_bytes = hf.parse_size(hf.DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     model = opened.whole_model(progress=progress)
-    tensors = [hf.Tensor(n, tuple(t.shape), t.dtype, t.make if isinstance(t, ModelTensor) else _clone(t))
-               for n, t in model.entries(lambda p: p).items()]  # fmt: skip
-    hf.check_dtypes(tensors)
+    tensors = [ModelTensor(n, tuple(t.shape), check_portable(n, t.dtype), t.make if isinstance(t, ModelTensor)
+                           else _clone(t)) for n, t in model.entries(lambda p: p).items()]  # fmt: skip
     groups = hf.shard(tensors, max_bytes)
     names = hf.file_names(len(groups))
     optimizer = prepare_named_safetensors(opened.source, order=opened.order) if model.has_optimizer else None

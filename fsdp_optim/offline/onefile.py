@@ -1,8 +1,8 @@
 """``consolidate -o FILE.safetensors`` written: :func:`write_one_file`, the one path to the file of
 :func:`~fsdp_optim.offline.onefile_layout.lay_out`, for one process and for a team
 (:mod:`fsdp_optim.offline.parallel.onefile`) alike, into one of two sinks (:class:`Sink`): a local file
-(:class:`FileSink`: preallocated; each tensor made, written with os.pwrite at its offset, read back and compared,
-freed), or the parts of one multipart upload (:class:`~fsdp_optim.offline.onefile_parts.UploadSink`). Either is a
+(:class:`FileSink`: laid out by ftruncate; each tensor made, hashed, written with os.pwrite at its offset, freed),
+or the parts of one multipart upload (:class:`~fsdp_optim.offline.onefile_parts.UploadSink`). Either is a
 save of one object through the one driver (:func:`fsdp_optim.disk.save.saving`), whose commit's data is the header
 with every checksum: written over its room at offset 0, fsync, rename (:class:`~fsdp_optim.disk.one_file.FileWriter`:
 locked, journaled), or put into the held part and the upload completed. A failure at any step leaves no file: the
@@ -27,47 +27,30 @@ from fsdp_optim.offline.onefile_parts import upload_sink
 if TYPE_CHECKING:
     from fsdp_optim.job.team import Team
 
-__all__ = ["FileSink", "Sink", "consolidate_to_safetensors", "preallocate", "write_one_file", "write_tensors"]
+__all__ = ["FileSink", "Sink", "consolidate_to_safetensors", "write_one_file", "write_tensors"]
 
-_IO_BYTES = 64 << 20  # one pwrite / pread at most (a tensor is written and read back in such pieces)
+_IO_BYTES = 64 << 20  # one pwrite at most
 S = TypeVar("S")  # what one process's share of the file is to its sink
-
-
-def preallocate(fd: int, size: int) -> None:
-    """Make the file ``size`` bytes long, its blocks reserved where the file system can (else a sparse file)."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:  # EOPNOTSUPP (some network file systems) or EINVAL: a hole-filled file of the size
-        os.ftruncate(fd, size)
 
 
 def write_tensors(
     path: str | os.PathLike[str], layout: FileLayout, which: Iterable[int], *, after: Callable[[int], None]
 ) -> dict[str, Any]:
-    """Write tensors ``which`` of ``layout`` into the preallocated file ``path`` at their offsets, each read back
-    and compared, then fsync; returns their checksums by name. ``after(nbytes)`` runs after each tensor."""
+    """Write tensors ``which`` of ``layout`` into the laid-out file ``path`` at their offsets, then fsync; returns
+    their checksums by name, computed from the bytes written (a reader checks them: nothing is read back here).
+    ``after(nbytes)`` runs after each tensor."""
     sums: dict[str, Any] = {}
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         for i in which:
-            t = layout.tensors[i]
-            _put(fd, made(t, sums), layout.offsets[i], f"{path}: tensor '{t.name}'")  # (freed before the next)
-            after(t.nbytes)
+            data, done = made(layout.tensors[i], sums), 0  # (freed before the next)
+            while done < len(data):
+                done += os.pwrite(fd, data[done : done + _IO_BYTES], layout.offsets[i] + done)
+            after(len(data))
         os.fsync(fd)
     finally:
         os.close(fd)
     return sums
-
-
-def _put(fd: int, data: memoryview, offset: int, where: str) -> None:
-    """A tensor's bytes written at ``offset``, then read back and compared piece by piece."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done : done + _IO_BYTES], offset + done)
-    for at in range(0, len(data), _IO_BYTES):
-        piece = data[at : at + _IO_BYTES]
-        if os.pread(fd, len(piece), offset + at) != piece.tobytes():  # bytes to bytes: a memcmp, not item by item
-            raise OSError(f"{where}: the bytes read back at offset {offset + at} differ from those written")
 
 
 def consolidate_to_safetensors(
@@ -87,8 +70,8 @@ def consolidate_to_safetensors(
 
 class Sink(Protocol[S]):
     """Where the one file's bytes go, the writer of its save (:func:`~fsdp_optim.disk.save.saving`) with it:
-    :meth:`open` (process 0: the save begun, what the others need sent), :meth:`write` puts tensors ``which`` of the
-    layout (a process's run) and returns that share (its checksums, and what else the commit needs); :meth:`sent` is
+    :meth:`open` (process 0: the save begun, what the others need sent), :meth:`write` puts process ``rank``'s run of
+    tensors and returns that share (its checksums, and what else the commit needs); :meth:`sent` is
     what of a share goes to process 0; :meth:`header` (process 0) is the commit's data: the final header of every
     share."""
 
@@ -99,7 +82,7 @@ class Sink(Protocol[S]):
 
     def open(self, save: Save) -> str: ...
 
-    def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> S: ...
+    def write(self, rank: int, after: Callable[[int], None]) -> S: ...
 
     def sent(self, share: S) -> S: ...
 
@@ -107,22 +90,24 @@ class Sink(Protocol[S]):
 
 
 class FileSink:
-    """A local file, staged beside ``output`` (:class:`~fsdp_optim.disk.one_file.FileWriter`) and preallocated by
-    process 0, whose temporary file every process fills: each tensor written at its offset and read back."""
+    """A local file, staged beside ``output`` (:class:`~fsdp_optim.disk.one_file.FileWriter`) and laid out by process
+    0 (ftruncate: no block reserved before its writer fills it), whose temporary file every process fills."""
 
-    def __init__(self, layout: FileLayout, output: str | os.PathLike[str], inputs: Sequence[Any]) -> None:  # noqa: D107
-        self.layout, self.writer, self.target = layout, FileWriter(output, inputs=inputs), ""
+    def __init__(  # noqa: D107
+        self, layout: FileLayout, runs: Sequence[Sequence[int]], output: str | os.PathLike[str], inputs: Sequence[Any]
+    ) -> None:
+        self.layout, self.runs, self.writer, self.target = layout, runs, FileWriter(output, inputs=inputs), ""
 
     def open(self, save: Save) -> str:
         with open(save.staging.path, "r+b") as file:
-            preallocate(file.fileno(), self.layout.size)
+            os.ftruncate(file.fileno(), self.layout.size)
         return str(save.staging.path)
 
-    def write(self, which: Sequence[int], rank: int, after: Callable[[int], None]) -> dict[str, Any]:  # noqa: ARG002
+    def write(self, rank: int, after: Callable[[int], None]) -> dict[str, Any]:
         if not os.path.isfile(self.target):
             raise ValueError(f"{self.target}: process 0's temporary file is not visible here: the output must be on a "
                              "file system every process shares")  # fmt: skip
-        return write_tensors(self.target, self.layout, which, after=after)
+        return write_tensors(self.target, self.layout, self.runs[rank], after=after)
 
     def sent(self, share: dict[str, Any]) -> dict[str, Any]:
         return share
@@ -146,7 +131,7 @@ def write_one_file(
     runs = [range(len(sizes))] if team is None else split_by_bytes(sizes, team.size).runs
     rank = 0 if team is None else team.rank
     in_place = shared_directory(where(str(output))) is not None
-    sink: Sink[Any] | None = (FileSink(layout, output, inputs) if in_place else
+    sink: Sink[Any] | None = (FileSink(layout, runs, output, inputs) if in_place else
                               upload_sink(layout, runs, str(output), inputs=inputs, part_bytes=part_bytes))  # fmt: skip
     if sink is None:  # a store without multipart uploads: the file written locally, then uploaded whole
         from fsdp_optim.offline.publish import output_for
@@ -163,14 +148,14 @@ def write_one_file(
                 save.begin(purpose="fsdp_optim.consolidate", overwrite=overwrite)
             opened = sink.open(save) if rank == 0 else ""
         sink.target = opened if team is None else str(team.from_first(opened))
-        mine, shares = _fill(team, runs, sink, trim=trim, progress=progress, bar=bar, total=layout.size)
+        mine, shares = _fill(team, sink, trim=trim, progress=progress, bar=bar, total=layout.size)
         save.commit(sink.header(mine, shares) if rank == 0 else None)
     return layout.size if rank == 0 else 0
 
 
 def _fill(
-    team: Team | None, runs: Sequence[Sequence[int]], sink: Sink[S], *, trim: Callable[[], None],
-    progress: Callable[[], None] | None, bar: bool, total: int,
+    team: Team | None, sink: Sink[S], *, trim: Callable[[], None], progress: Callable[[], None] | None, bar: bool,
+    total: int,
 ) -> tuple[S, list[S]]:  # fmt: skip
     """This process's run written into ``sink`` (a team's watch counting its bytes; every process agrees that every
     share is written): ``(its share, every share on process 0)``, which process 0 then commits."""
@@ -183,5 +168,5 @@ def _fill(
             progress()
 
     with stepped(team, "consolidate failed on another process; nothing was committed", watch=watch):
-        mine = sink.write(runs[rank], rank, alone if watch is None else watch.advance)
+        mine = sink.write(rank, alone if watch is None else watch.advance)
     return mine, ([mine] if team is None else team.to_first(sink.sent(mine)) or [])

@@ -10,8 +10,8 @@ tensor ``extra/<k>`` of the file; anything else (an object) is refused before th
 
     plan     every tensor's name, dtype, shape (model first, in state_dict order; then the optimizer's, in parameter
              then state order) -> offsets; the header with checksums of fixed width left as zeros -> its length
-    write    the file preallocated (posix_fallocate, else truncate); each tensor made, written with os.pwrite at its
-             offset, read back and compared, freed (one tensor in memory)
+    write    the file laid out (ftruncate); each tensor made, hashed, written with os.pwrite at its offset, freed
+             (one tensor in memory)
     header   the same header with the checksums filled in (exactly as long), written at offset 0; fsync; rename
 """
 
@@ -22,14 +22,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from fsdp_optim.disk.text import human_bytes
-from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor
-from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, Document
-from fsdp_optim.formats.named_safetensors.whole import Whole
-from fsdp_optim.formats.named_safetensors.writer import NamedTensor, prepare_named_safetensors, tensor_checksums
-from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
+from fsdp_optim.formats.named_safetensors.document import METADATA_KEY, Document, Whole
+from fsdp_optim.formats.named_safetensors.writer import prepare_named_safetensors, tensor_checksums
+from fsdp_optim.formats.safetensors_container import Tensor, check_portable, data_bytes, encode_header
 from fsdp_optim.formats.sharded.side_file import encode_extra
 
 if TYPE_CHECKING:
@@ -45,7 +41,7 @@ class FileLayout:
     """The file before any byte of it: its tensors in file order, the document, where each tensor's bytes start."""
 
     document: Document
-    tensors: tuple[NamedTensor, ...]
+    tensors: tuple[Tensor, ...]
     offsets: tuple[int, ...]  # absolute, in the file
     size: int
 
@@ -67,7 +63,7 @@ def lay_out(opened: Any, *, rank: int | None, no_model: bool) -> FileLayout:
         raise ValueError(f"{opened.label}: a {opened.kind.value} holds no optimizer state (saved with optim=None?); "
                          "consolidate it to a .pt file, or convert --to safetensors for the model alone")  # fmt: skip
     prepared = prepare_named_safetensors(opened.source, order=opened.order, header=opened.named_header())
-    tensors = prepared.tensors()
+    tensors = list(prepared.tensors)
     whole = None
     if opened.is_whole() and not no_model:
         saved = opened.whole_model(rank=rank)
@@ -90,14 +86,9 @@ def lay_out(opened: Any, *, rank: int | None, no_model: bool) -> FileLayout:
     return replace(layout, offsets=tuple(offsets), size=at)
 
 
-def _model_tensor(name: str, t: Any) -> NamedTensor:
-    if isinstance(t, ModelTensor):
-        tensor = NamedTensor(name, t.dtype, tuple(t.shape), t.make)
-    else:  # a buffer, in memory already
-        tensor = NamedTensor(name, t.dtype, tuple(t.shape), lambda: t)
-    if tensor.dtype not in PORTABLE_DTYPES:
-        raise ValueError(f"model tensor '{name}' has dtype {tensor.dtype}, which safetensors cannot name")
-    return tensor
+def _model_tensor(name: str, t: Any) -> Tensor:
+    make = t.make if isinstance(t, Tensor) else lambda: t  # else a buffer, in memory already
+    return Tensor(name, tuple(t.shape), check_portable(name, t.dtype), make)
 
 
 def final_header(layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> bytes:
@@ -113,14 +104,11 @@ def final_header(layout: FileLayout, shares: Sequence[Mapping[str, Any]]) -> byt
     return header
 
 
-def made(t: NamedTensor, sums: dict[str, Any]) -> memoryview:
+def made(t: Tensor, sums: dict[str, Any]) -> memoryview:
     """Tensor ``t`` made (``ValueError`` unless as planned) and its checksums put in ``sums``: its bytes."""
-    tensor = t.make()
-    if tuple(tensor.shape) != t.shape or tensor.dtype != t.dtype:
-        raise ValueError(f"tensor '{t.name}': made as {tensor.dtype} {list(tensor.shape)}, planned as {t.dtype} "
-                         f"{list(t.shape)}")  # fmt: skip
+    tensor = t.made()
     sums[t.name] = tensor_checksums(tensor, t.nbytes)
-    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).cast("B")
+    return data_bytes(tensor)
 
 
 def stepped(team: Team | None, what: str, *, watch: Watch | None = None) -> AbstractContextManager[None]:

@@ -12,8 +12,7 @@ from pathlib import Path
 from fsdp_optim.disk.file_check import Verification, check_file
 from fsdp_optim.disk.objects import check_tree
 from fsdp_optim.disk.untrusted import load_file
-from fsdp_optim.formats.fairseq.files import summarise
-from fsdp_optim.formats.fairseq.loading import load_shard
+from fsdp_optim.formats.fairseq.files import load_shard, summarise
 from fsdp_optim.formats.fairseq.paths import shard_paths
 from fsdp_optim.formats.kinds import Kind, loaded_kind
 from fsdp_optim.formats.named_safetensors.reader import NamedSafetensors

@@ -44,8 +44,8 @@ def verify(
     read the state for what a resumed run would trip on (only when every file is intact); ``layout`` (deep only):
     the model's layout (a sharded checkpoint or layout file of it) to check parameters and shapes against.
     ``parallel``: every process of the process group (or torchrun's) calls it alike; a local sharded checkpoint's
-    files are then split across them (:mod:`fsdp_optim.offline.parallel.verify`), and so is ``deep``'s reading of
-    the state (:mod:`fsdp_optim.offline.parallel.deep`); any other input is checked whole by every process.
+    files are then split across them, and so is ``deep``'s reading of the state
+    (:mod:`fsdp_optim.offline.parallel.verify`); any other input is checked whole by every process.
     """
     if layout is not None and not deep:
         raise ValueError("layout: applies to a deep verification only (deep=True, --deep)")
@@ -53,14 +53,11 @@ def verify(
         from fsdp_optim.offline.parallel.entry import joined_team, splits
 
         if splits("verify", path):  # (in any location: each process reads its share)
-            from fsdp_optim.offline.parallel.deep import verify_deep_across
             from fsdp_optim.offline.parallel.verify import verify_across
 
             team = joined_team()
             try:
-                if deep:
-                    return verify_deep_across(team, path, allow_globals=allow_globals, layout=layout)
-                return verify_across(team, path)
+                return verify_across(team, path, deep=deep, allow_globals=allow_globals, layout=layout)
             finally:
                 team.close()
     with fetched_whole(path) as local:  # a URL of one object: downloaded once, for the files and the state

@@ -46,7 +46,7 @@ from fsdp_optim.core.source import Plan
 from fsdp_optim.disk.one_file import write_stream
 from fsdp_optim.disk.stream_save import Pending, stream_write
 from fsdp_optim.formats.fullstate import read_meta
-from fsdp_optim.formats.hf_safetensors import Tensor as ModelTensor  # one parameter, made when due
+from fsdp_optim.formats.safetensors_container import Tensor as ModelTensor  # one parameter, made when due
 from fsdp_optim.formats.sharded.manifest import Manifest
 from fsdp_optim.formats.sharded.reader import ShardedCheckpoint
 from fsdp_optim.formats.sharded.side_file import OWN, buffers_rule, encode_extra, read_rank_side, write_side_file

@@ -1,15 +1,13 @@
-"""Checks across the rank files of a fairseq/metaseq shard set, and which optimizer id is which parameter.
-
-Pure: works on the outlines :func:`fsdp_optim.formats.fairseq.files.summarise` reads (shapes, dtypes, scalars);
-never opens a file. Every refusal names the file (and unit, parameter or id) with expected vs found.
+"""Checks across the rank files of a fairseq/metaseq shard set, and which optimizer id is which parameter; pure,
+on the outlines :func:`~fsdp_optim.formats.fairseq.files.summarise` reads. Every refusal names the file (and unit,
+parameter or id), expected vs found.
 
 - :func:`check_same_save`: every file comes from the same save of the same model (metadata, model keys,
   param groups, state keys and scalars such as ``step``, optimizer extras, ``num_updates``);
 - :func:`check_shards`: every backing parameter is sharded over the set's ranks (a unit on a process group
   of one rank is refused), every tensor's size and every recorded padding checked against that;
-- :func:`optimizer_ids`: the files do not record which optimizer id is which parameter;
-  :func:`match_optimizer_ids` finds the one assignment in which every param group lists its parameters in
-  the files' order and every state tensor has its parameter's shard size, or refuses.
+- :func:`optimizer_ids`: which optimizer id is which parameter (:func:`match_optimizer_ids`), which the files do not
+  record.
 """
 
 from __future__ import annotations

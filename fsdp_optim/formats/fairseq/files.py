@@ -1,6 +1,5 @@
 """fairseq / metaseq sharded checkpoints (``use_sharded_state``): what one rank file holds, and its checked
-outline (:func:`summarise`). Pure: works on a payload already loaded (:mod:`.loading`); a set's file names are in
-:mod:`.paths`.
+outline (:func:`summarise`); a set's file names are in :mod:`.paths`.
 
 A *shard set* is one file per rank, ``{prefix}-shard{r}.pt`` (metaseq: ``checkpoint_18-model_part-0-shard0.pt``;
 fairseq: ``checkpoint_last-shard0.pt``), each ``torch.save``-d by one rank of a fairscale FSDP job::
@@ -21,23 +20,22 @@ fairseq: ``checkpoint_last-shard0.pt``), each ``torch.save``-d by one rank of a 
                                                       "numels": [42, 7], "padding": 1}}}, ...],   # padding: this rank's
      "buffer_names": ["decoder.version", ...]}   # every buffer, non-persistent ones too (never in "model")
 
-Each *backing parameter* (a flat parameter, or a parameter an instance left unflattened) becomes one source flat in
-:mod:`fsdp_optim.fairseq`, in the order the files store them (the ``model`` dict's order, which is the wrapped model's
-``parameters()`` order). The files do not say which optimizer id is which backing parameter;
-:func:`~fsdp_optim.formats.fairseq.checks.match_optimizer_ids` finds the one assignment in which every param group
-lists its parameters in that order and every state tensor has its parameter's shard size, and refuses when none or
-several fit (``optimizer_keys`` then names them).
+Each *backing parameter* (a flat parameter, or a parameter an instance left unflattened) becomes one source flat, in
+the ``model`` dict's order (the wrapped model's ``parameters()`` order); which optimizer id is which is not recorded
+(:func:`~fsdp_optim.formats.fairseq.checks.match_optimizer_ids`).
 
-Loading: :func:`~fsdp_optim.formats.fairseq.loading.load_shard` (no code from a file ever runs).
-
-Memory: files are memory-mapped and read one unit range at a time; the mappings are dropped whenever the
-bytes touched exceed ``max_mapped_bytes``. Checking a set maps one file at a time.
+Loading (:func:`load_shard`): ``torch.load(weights_only=True, mmap=True)`` through the gate for foreign files.
+fairseq and metaseq load their own files with ``weights_only=False``, because ``cfg`` may hold
+``argparse.Namespace`` objects (and ``extra_state`` numpy scalars); those data-only classes, and only those, are
+allowed (:data:`DATA_ONLY_GLOBALS`; the caller may name more with ``allow_globals``). No code from a file ever runs.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,12 +44,53 @@ import torch
 
 from fsdp_optim.core.checksums import digest
 from fsdp_optim.core.layout import ParamSpec, clean_path
-from fsdp_optim.formats.fairseq.optimizers import recorded_names
+from fsdp_optim.disk.untrusted import load_foreign
+from fsdp_optim.formats.fairseq.optimizers import last_history, recorded_names
 
-__all__ = ["METADATA_KEYS", "OPTIM_KEY", "Backing", "RankSummary", "summarise"]
+__all__ = ["DATA_ONLY_GLOBALS", "METADATA_KEYS", "OPTIM_KEY", "Backing", "RankSummary", "load_shard", "summarise"]
 
 OPTIM_KEY = "last_optimizer_state"
 METADATA_KEYS = ("shard_metadata", "fsdp_metadata")  # metaseq and fairseq nllb; fairseq main
+
+
+def _data_only_globals() -> list[Any]:
+    """Classes whose unpickling only builds plain data (no ``__setstate__`` or ``__reduce__`` code of theirs runs)."""
+    allowed: list[Any] = [argparse.Namespace]
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        return allowed
+    core = np._core if hasattr(np, "_core") else np.core  # type: ignore[attr-defined]  # numpy 2, numpy 1
+    scalar = core.multiarray.scalar
+    allowed += [(scalar, "numpy.core.multiarray.scalar"), (scalar, "numpy._core.multiarray.scalar"), np.dtype]
+    allowed += [
+        getattr(np.dtypes, name)
+        for name in dir(getattr(np, "dtypes", None))
+        if name.endswith("DType") and not name.startswith(("Object", "Void", "String", "StrDType"))
+    ]
+    return allowed
+
+
+DATA_ONLY_GLOBALS = tuple(_data_only_globals())
+
+
+def _resolve_global(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(
+            f"allow_globals: cannot import '{name}' ({exc}); give 'module.Class' of an importable class"
+        ) from exc
+
+
+def load_shard(path: Path, *, allow_globals: Sequence[str] = ()) -> Any:
+    """One rank file (see the module docstring); refuses a file that holds other classes, naming all of them."""
+    allowed = [*DATA_ONLY_GLOBALS, *(_resolve_global(name) for name in allow_globals)]
+    return load_foreign(path, allowed_globals=allowed, mmap=True)
 
 
 @dataclass(frozen=True)
@@ -123,12 +162,6 @@ def summarise(payload: Any, path: Path) -> RankSummary:
         for pid, entries in optim["state"].items()
     }
     extras = tuple(k for k in optim if k not in ("state", "param_groups"))
-    history = payload.get("optimizer_history")
-    num_updates = (
-        history[-1].get("num_updates")
-        if isinstance(history, list) and history and isinstance(history[-1], Mapping)
-        else None
-    )
     return RankSummary(
         path=path,
         metadata_key=keys[0],
@@ -148,7 +181,7 @@ def summarise(payload: Any, path: Path) -> RankSummary:
         state=state,
         extras=extras,
         extras_digest=digest({k: optim[k] for k in extras}),
-        num_updates=num_updates,
+        num_updates=last_history(payload).get("num_updates"),
         optimizer=recorded_names(payload),
     )
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from fsdp_optim.core.elementwise import check_elementwise
 
-__all__ = ["BY_CLASS", "BY_NAME", "WRAPPERS", "recorded_names", "torch_optimizer"]
+__all__ = ["BY_CLASS", "BY_NAME", "WRAPPERS", "last_history", "recorded_names", "torch_optimizer"]
 
 BY_CLASS = {
     "FairseqAdam": "AdamW",
@@ -62,11 +62,15 @@ BY_NAME = {
 WRAPPERS = frozenset({"FP16Optimizer", "MemoryEfficientFP16Optimizer", "AMPOptimizer", "FairseqBMUF"})
 
 
+def last_history(payload: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The last entry of a checkpoint's ``optimizer_history`` (``{}`` when it has none)."""
+    history = payload.get("optimizer_history")
+    return history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
+
+
 def recorded_names(payload: Mapping[str, Any]) -> tuple[str | None, str | None]:
     """``(class, registered name)`` as a checkpoint records them; ``None`` where it does not."""
-    history = payload.get("optimizer_history")
-    last = history[-1] if isinstance(history, list) and history and isinstance(history[-1], Mapping) else {}
-    recorded = last.get("optimizer_name")
+    recorded = last_history(payload).get("optimizer_name")
     cfg = payload.get("cfg")
     optimizer = cfg.get("optimizer") if isinstance(cfg, Mapping) else None
     name = optimizer.get("_name") if isinstance(optimizer, Mapping) else None

@@ -1,8 +1,5 @@
-"""What to do with a shard set offline: consolidate it into one fairseq-shaped checkpoint, or re-cut it into a
-set for another world size (written through :mod:`fsdp_optim.disk.local_directory`, all or nothing).
-
-Both plan once against the set's records (:class:`~fsdp_optim.formats.fairseq.shards.ShardSetReader`) and execute the
-plan one tensor at a time (``restrict``), so memory stays near one tensor plus the mapping bound.
+"""A shard set offline: consolidated into one fairseq-shaped checkpoint, or re-cut into a set for another world
+size; each planned once against the set's records and executed one tensor at a time (``restrict``).
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from fsdp_optim.disk.journal import JournalEntry
 from fsdp_optim.disk.local_directory import staged_output
 from fsdp_optim.disk.locks import resolve_output
 from fsdp_optim.disk.stream_save import Pending, stream_save
-from fsdp_optim.formats.fairseq.checks import ParamOrder
 from fsdp_optim.formats.fairseq.files import OPTIM_KEY
 from fsdp_optim.formats.fairseq.paths import SetClaims
 from fsdp_optim.formats.fairseq.shards import WEIGHT, Progress, ShardSetReader
@@ -33,17 +29,7 @@ from fsdp_optim.formats.fullstate import build_full_state
 from fsdp_optim.formats.sharded.reader import DEFAULT_MAPPED_BYTES
 
 
-def consolidate_shard_files(
-    path: str | os.PathLike[str],
-    *,
-    with_model: bool = False,
-    param_order: ParamOrder = None,
-    optimizer: str | None = None,
-    optimizer_keys: Sequence[Sequence[str]] | None = None,
-    allow_globals: Sequence[str] = (),
-    progress: Progress = None,
-    max_mapped_bytes: int = DEFAULT_MAPPED_BYTES,
-) -> dict[str, Any]:
+def consolidate_set(shards: ShardSetReader, *, with_model: bool = False, progress: Progress = None) -> dict[str, Any]:
     """The shard set as one fairseq-shaped checkpoint, no process group, no model::
 
         {"last_optimizer_state": {"state": {id: {"exp_avg": Tensor[*shape], "step": tensor(7.)}},
@@ -56,20 +42,6 @@ def consolidate_shard_files(
     state when ``param_order`` and ``optimizer`` are given (see :class:`ShardSetReader`). The metadata key is
     dropped: it describes the sharding, which the result no longer has. All tensors are new CPU memory.
     """
-    with ShardSetReader(
-        path,
-        param_order=param_order,
-        optimizer_keys=optimizer_keys,
-        allow_globals=allow_globals,
-        optimizer=optimizer,
-        max_mapped_bytes=max_mapped_bytes,
-    ) as shards:
-        return consolidate_set(shards, with_model=with_model, progress=progress)
-
-
-
-def consolidate_set(shards: ShardSetReader, *, with_model: bool, progress: Progress = None) -> dict[str, Any]:
-    """:func:`consolidate_shard_files` of a set already open (its optimizer name and order are the set's)."""
     layout = shards.manifest.layout(0)
     the_plan = plan(shards.source(), layout)
     states = {}
@@ -114,12 +86,10 @@ def reshard_shards(
     line). A fairscale FSDP job of ``world_size`` ranks loads them with ``load_local_state_dict`` and
     ``optimizer.load_state_dict``.
 
-    ``out_dir`` must not be the source's directory, and is locked while written (a second writer gets
-    ``OutputLockedError``). Shard files of the same name already there are refused (``ForeignOutputError``)
-    unless ``overwrite=True``, which replaces them and removes those of ranks beyond ``world_size`` (so no
-    mixed set is left); other files there are never touched. All-or-nothing: the set is checked and planned
-    first, the files are written into a staging directory beside ``out_dir`` and moved in only when all are
-    complete. Memory: one unit's shard and the mapping bound.
+    ``out_dir``: not the source's directory; written all or nothing, locked (``OutputLockedError``). Shard files of
+    the same name there are refused (``ForeignOutputError``) unless ``overwrite=True``, which replaces them and
+    removes those of ranks beyond ``world_size``; other files there are never touched. Memory: one unit's shard and
+    the mapping bound.
     """
     check_world_size("world_size", world_size)
     with ShardSetReader(

@@ -1,22 +1,10 @@
-"""fairseq / metaseq shard sets as a planning source, and what to do with them offline: consolidate, reshard.
-
-No model, no process group: the layout comes from the files' own metadata (format in
-:mod:`fsdp_optim.formats.fairseq.files`, loading policy in :mod:`fsdp_optim.formats.fairseq.loading`).
-:class:`ShardSetReader` checks a set once and exposes it twice, as the optimizer's state (:meth:`ShardSetReader.source`,
-one state entry per optimizer state key) and as the model's weights (:meth:`ShardSetReader.weights_source`, one
-entry ``"param"``), so the engine plans and cuts both::
+"""A fairseq / metaseq shard set as a planning source, twice: the optimizer's state (:meth:`ShardSetReader.source`)
+and the model's weights (:meth:`ShardSetReader.weights_source`, one entry ``"param"``). No model, no process group:
+the layout comes from the files' own metadata (:mod:`.files`)::
 
     shards -> ShardSetReader -> Source (flats = backing parameters at N ranks)
            -> plan(source, same units at M ranks)      -> cut_rank per rank, one unit at a time -> M files
            -> plan(source, same units at world size N) -> assemble_full -> build_full_state  -> full dict
-
-- :func:`~fsdp_optim.formats.fairseq.recut.consolidate_shard_files`: the set as one fairseq-shaped checkpoint:
-  ``last_optimizer_state`` is our full dict (what ``gather_full_optim_state_dict`` returns, plus the wrapper's extras
-  such as ``loss_scale``), ``model`` the full weights by unwrapped name (``with_model=True``), and every other key of
-  rank 0's file.
-- :func:`~fsdp_optim.formats.fairseq.recut.reshard_shards`: M files in the same format and names; each written one
-  tensor at a time (:func:`~fsdp_optim.disk.stream_save.stream_save`), so memory stays near one unit's shard plus the
-  mapping bound.
 """
 
 from __future__ import annotations
@@ -45,8 +33,7 @@ from fsdp_optim.formats.fairseq.checks import (
     optimizer_ids,
     resolve_param_order,
 )
-from fsdp_optim.formats.fairseq.files import OPTIM_KEY, RankSummary, summarise
-from fsdp_optim.formats.fairseq.loading import load_shard
+from fsdp_optim.formats.fairseq.files import OPTIM_KEY, RankSummary, load_shard, summarise
 from fsdp_optim.formats.fairseq.optimizers import torch_optimizer
 from fsdp_optim.formats.fairseq.paths import shard_paths
 from fsdp_optim.formats.sharded.manifest import Manifest, manifest_source
@@ -61,17 +48,15 @@ Progress = Callable[[], None] | None
 class ShardSetReader:
     """A fairseq/metaseq shard set opened for reading: checked records and reads of any element range.
 
-    Opening reads every file's outline, one file mapped at a time, and refuses (naming the file, unit or
-    parameter, expected vs found) a missing shard, shards of different saves or models, and metadata that
-    does not match the tensors. Reads map the files and drop the mappings in :meth:`trim` once the bytes
-    touched exceed ``max_mapped_bytes``.
+    Opening reads every file's outline, one file mapped at a time, and refuses a missing shard, shards of
+    different saves or models, and metadata that does not match the tensors. Reads map the files; :meth:`trim`
+    drops the mappings once the bytes touched exceed ``max_mapped_bytes``.
 
     Args:
         path: any shard file of the set, or the path before ``-shard``.
-        param_order: the unwrapped model's parameter names in ``named_parameters()`` order (a list, the
-            unwrapped or fairscale-wrapped model, or a layout file / sharded checkpoint of ours), which numbers
-            the full dict's parameters as ``gather_full_optim_state_dict`` does. The files do not record it;
-            by default parameters follow the files' order (``parameters()`` of the wrapped model).
+        param_order: the unwrapped model's parameter names in ``named_parameters()`` order, which numbers the full
+            dict's parameters as ``gather_full_optim_state_dict`` does (the files do not record it; default: the
+            files' order, ``parameters()`` of the wrapped model).
         optimizer_keys: per param group, the ``model`` keys (``"block1.flat_param_0"``) of the optimizer's
             parameters in its order; needed only when the sizes leave the ids ambiguous.
         allow_globals: classes (``"module.Class"``) to allow when loading, besides plain data.
@@ -126,7 +111,6 @@ class ShardSetReader:
         )
         self._files: list[Any] = [None] * self.world_size
         self._mapped = 0
-        self.peak_mapped = 0
 
     def _records(self, first: RankSummary) -> tuple[list[FlatRecord], list[FlatRecord], tuple[GroupRecord, ...]]:
         """The optimizer's and the weights' flat records, one per backing parameter, and the param groups."""
@@ -180,7 +164,6 @@ class ShardSetReader:
                 first = 0 if whole and (flat, rank) in self.full_on else bounds.start
                 out[lo - start : hi - start].copy_(tensor(rank).reshape(-1)[lo - first : hi - first])
                 self._mapped += (hi - lo) * out.element_size()
-                self.peak_mapped = max(self.peak_mapped, self._mapped)
 
     def _file(self, rank: int) -> Any:
         if self._files[rank] is None:

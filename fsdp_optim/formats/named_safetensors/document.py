@@ -18,34 +18,20 @@ JSON document (:class:`Document`)::
      "chunk_bytes": 1048576,
      "header": {"version": 1, "optimizer": "Adam", "world_size": 2, "scalar_keys": ["step"]}}
 
-What each key means (a reader with only ``safetensors`` and ``json`` needs nothing else):
+Keys: ``version`` 1 wrote ``kind`` ``"sharded"`` for ``"full"`` (read the same), 3 adds ``"whole"`` (:class:`Whole`);
+``optimizer`` the ``torch.optim`` class name or ``null``; ``param_order`` every parameter by unwrapped name, in the
+order a plain optimizer numbers them (``state_dict()`` id i is ``param_order[i]``), with or without state;
+``shapes`` each parameter's shape (a full dict gives only those with state: ``shapes_known`` false);
+``param_groups[].named``: whether the group also held a ``param_names`` list; ``state``: per parameter with state,
+its entries in ``state_dict()`` order, a ``"scalar"`` a 0-dim tensor or a Python number in ``"value"`` instead of
+``"tensor"``; ``header``: our full dict's ``"fsdp_optim"`` section.
 
-- ``format``, ``version``: this schema and its version (1 or 2; 2 differs only in ``kind`` below).
-- ``optimizer``: the ``torch.optim`` class name the state came from, or ``null`` when unknown.
-- ``param_order``: every parameter of the model by unwrapped name, in the order a plain optimizer numbers them
-  (``state_dict()`` id i is ``param_order[i]``), with or without state.
-- ``shapes_known`` / ``shapes``: each parameter's shape (known from a checkpoint; a full dict gives only those
-  with state).
-- ``param_groups``: in the optimizer's order; ``hyperparams`` is the group's dict without ``params``; ``params``
-  the group's parameter names; ``named``: whether the group also held a ``param_names`` list.
-- ``state``: per parameter with state, its entries in ``state_dict()`` order: ``key`` the state key; ``kind``
-  ``"full"`` (a tensor shaped like the parameter, the whole of it; version 1 wrote ``"sharded"``, read the same)
-  or ``"scalar"`` (a 0-dim tensor, or a Python number in ``value``); ``tensor`` the safetensors name holding it.
-- ``tensors``: per safetensors tensor, its checksums (below).
-- ``header``: our full dict's ``"fsdp_optim"`` section (its format version, optimizer, the world size it was
-  saved at, which state keys are scalars).
+Values that JSON alone would blur are tagged as the sharded manifest tags them
+(:mod:`fsdp_optim.formats.sharded.manifest_json`: ``{"$tuple": [...]}``, ``{"$float": "inf"}``, ``{"$tensor": ...}``).
 
-Values that JSON alone would blur are tagged as the sharded checkpoint's manifest tags them
-(:mod:`fsdp_optim.formats.sharded.manifest_json`): a tuple is ``{"$tuple": [...]}`` (``betas`` stays a tuple), a
-non-finite float ``{"$float": "inf"}``, a small tensor (a tensor learning rate) ``{"$tensor": {...}}``; finite
-floats, ints, bools, strings, lists and dicts with string keys are JSON's own, which Python reads back exactly.
-Anything else (an object, a dict keyed by ints) is refused by name. A Python scalar state (``step`` as a
-float) is an entry with ``"value"`` instead of ``"tensor"``.
-
-Checksums: ``digest`` is :func:`fsdp_optim.core.checksums.digest` of the whole tensor, checked by a reader
-that reads all of it; a tensor over ``chunk_bytes`` also has ``chunks``, the digests of its flat bytes cut
-into ``chunk_bytes`` pieces (each hashed as a 1-D tensor), so a reader of a range reads and checks only the
-1 MiB pieces that cover it.
+Checksums: ``digest`` (:func:`fsdp_optim.core.checksums.digest`) of the whole tensor; a tensor over
+``chunk_bytes`` also has ``chunks``, the digests of its flat bytes cut into ``chunk_bytes`` pieces, so a reader of a
+range reads and checks only the 1 MiB pieces that cover it.
 """
 
 from __future__ import annotations
@@ -55,22 +41,17 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
-
-import torch
+from typing import Any
 
 from fsdp_optim.core.preconditions import check_version
 from fsdp_optim.disk.json_input import RefusedJSON, loads
-from fsdp_optim.disk.untrusted import open_regular
-from fsdp_optim.formats.named_safetensors.whole import Whole, whole_from_json, whole_to_json
 from fsdp_optim.formats.safetensors_container import (
     DTYPES,
-    MAX_HEADER_BYTES,
     PORTABLE_DTYPES,
     HeaderError,
     HeaderRules,
     TensorSpan,
-    read_header,
+    read_file_header,
 )
 from fsdp_optim.formats.sharded.manifest_json import JSONValue, from_json, to_json
 
@@ -87,18 +68,8 @@ class FormatError(ValueError):
     """A file that is not a readable named safetensors optimizer file; the message names the file and what is wrong."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# Exact JSON values: the sharded manifest's (formats/sharded/manifest_json.py), one encoding for both files
-
-
-def encode(value: object, where: str) -> JSONValue:
-    """``value`` as exact JSON (:func:`~fsdp_optim.formats.sharded.manifest_json.to_json`); ``ValueError`` naming
-    ``where`` for what JSON cannot hold exactly."""
-    return to_json(value, where)
-
-
 def decode(value: object, where: str) -> object:
-    """The inverse of :func:`encode`; :class:`FormatError` for JSON that :func:`encode` does not write."""
+    """:func:`~fsdp_optim.formats.sharded.manifest_json.from_json`, raising :class:`FormatError`."""
     try:
         return from_json(value, where)
     except ValueError as exc:
@@ -127,19 +98,38 @@ class Group:
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """A tensor of the file: header fields (checked against the data size) and its checksums."""
+class TensorInfo(TensorSpan):
+    """A tensor of the file: its checked header fields and its checksums (``chunks`` empty: one piece, ``digest``)."""
 
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # byte offset in the file
-    nbytes: int
     digest: str
-    chunks: tuple[str, ...]  # empty: the tensor is one piece, checked by ``digest``
+    chunks: tuple[str, ...]
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+
+@dataclass(frozen=True)
+class Whole:
+    """The ``"whole"`` section (version 3, what ``consolidate -o FILE.safetensors`` writes of a whole checkpoint)::
+
+        "whole": {"model": ["embed.weight", ..., "head.weight", "block1.seen"],   # state_dict() names, in its order
+                  "rank": 0, "extra": "{\"rng\": {\"$extra\": 0}, ...}", "extra_tensors": ["extra/0"],
+                  "aliases": [["head.weight", "embed.weight"]]}                   # (tied name, parameter), optional
+
+    ``model``: each a tensor of the file under that very name (tied names as copies); ``extra``: the chosen
+    ``rank``'s as a whole checkpoint's side file holds it, each tensor a reference ``{"$extra": k}`` to the file's
+    tensor ``extra/<k>``; ``aliases``: ``None`` in a file written before they were listed (a reader then tells them
+    apart by their bytes)."""
+
+    model: tuple[str, ...]
+    extra: str
+    extra_tensors: tuple[str, ...]
+    rank: int
+    aliases: tuple[tuple[str, str], ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": list(self.model), "rank": self.rank, "extra": self.extra,
+                               "extra_tensors": list(self.extra_tensors)}  # fmt: skip
+        if self.aliases is not None:
+            out["aliases"] = [list(pair) for pair in self.aliases]
+        return out
 
 
 @dataclass(frozen=True)
@@ -171,10 +161,10 @@ class Document:
             "state": {name: [_entry_json(name, e) for e in entries] for name, entries in self.state.items()},
             "tensors": checksums,
             "chunk_bytes": self.chunk_bytes,
-            "header": encode(dict(self.header), "the full dict's 'fsdp_optim' block"),
+            "header": to_json(dict(self.header), "the full dict's 'fsdp_optim' block"),
         }
         if self.whole is not None:
-            doc["whole"] = whole_to_json(self.whole)
+            doc["whole"] = self.whole.to_json()
         return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
@@ -182,7 +172,7 @@ def _hyperparams(g: int, hyperparams: Mapping[Any, Any]) -> dict[str, JSONValue]
     bad = next((k for k in hyperparams if not isinstance(k, str)), None)
     if bad is not None:
         raise ValueError(f"param group {g} has hyperparameter key {bad!r}, a {type(bad).__name__}; expected strings")
-    return {k: encode(v, f"param group {g} hyperparameter '{k}'") for k, v in hyperparams.items()}
+    return {k: to_json(v, f"param group {g} hyperparameter '{k}'") for k, v in hyperparams.items()}
 
 
 def _entry_json(name: str, e: Entry) -> dict[str, Any]:
@@ -190,19 +180,12 @@ def _entry_json(name: str, e: Entry) -> dict[str, Any]:
     if e.tensor is not None:
         out["tensor"] = e.tensor
     else:
-        out["value"] = encode(e.value, f"scalar state '{e.key}' of parameter '{name}'")
+        out["value"] = to_json(e.value, f"scalar state '{e.key}' of parameter '{name}'")
     return out
 
 
-T = TypeVar("T")
-U = TypeVar("U")
-
-
-@overload
-def _get(d: object, key: str, kind: type[T], where: str) -> T: ...
-@overload
-def _get(d: object, key: str, kind: tuple[type[T], type[U]], where: str) -> T | U: ...
-def _get(d: object, key: str, kind: type | tuple[type, ...], where: str) -> object:
+def _get(d: object, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """``d[key]``, checked to be of ``kind`` (never a bool for an int)."""
     if not isinstance(d, dict) or key not in d:
         raise FormatError(f"{where}: missing '{key}'")
     value = d[key]
@@ -236,10 +219,9 @@ def parse_document(text: str, where: str) -> tuple[Document, dict[str, Any]]:
         at = f"{where}: param group {g}"
         hyper = {k: decode(v, f"{at} hyperparameter '{k}'") for k, v in _get(raw, "hyperparams", dict, at).items()}
         groups.append(Group(hyper, tuple(_get(raw, "params", list, at)), _get(raw, "named", bool, at)))
-    state = {
-        name: tuple(_entry(e, name, where) for e in _get_list(entries, where))
-        for name, entries in _get(doc, "state", dict, where).items()
-    }
+    raw_state = _get(doc, "state", dict, where)
+    state = {name: tuple(_entry(e, name, where) for e in _get(raw_state, name, list, f"{where}: 'state'"))
+             for name in raw_state}  # fmt: skip
     names = set(order)
     for name in [*state, *(n for g in groups for n in g.params), *shapes]:
         if not isinstance(name, str) or name not in names:
@@ -259,16 +241,19 @@ def parse_document(text: str, where: str) -> tuple[Document, dict[str, Any]]:
 def _whole(doc: dict[str, Any], where: str) -> Whole | None:
     if "whole" not in doc:
         return None
-    try:
-        return whole_from_json(doc["whole"], f"{where}: 'whole'")
-    except ValueError as exc:
-        raise FormatError(str(exc)) from None
-
-
-def _get_list(value: object, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise FormatError(f"{where}: a parameter's state must be a list of entries, found {json.dumps(value)[:60]}")
-    return value
+    at = f"{where}: 'whole'"
+    raw = _get(doc, "whole", dict, where)
+    model, extras = _get(raw, "model", list, at), _get(raw, "extra_tensors", list, at)
+    if not all(isinstance(n, str) for n in [*model, *extras]) or len({*model, *extras}) != len(model) + len(extras):
+        raise FormatError(f"{at}: 'model' and 'extra_tensors' must list distinct tensor names")
+    aliases = None
+    if "aliases" in raw:
+        pairs = _get(raw, "aliases", list, at)
+        if not all(isinstance(p, list) and len(p) == 2 and p[0] in model and p[1] in model for p in pairs):
+            raise FormatError(f"{at}: 'aliases' must list [tied name, parameter name] pairs of 'model' names")
+        aliases = tuple((str(a), str(b)) for a, b in pairs)
+    rank = _get(raw, "rank", int, at)
+    return Whole(tuple(model), _get(raw, "extra", str, at), tuple(extras), rank, aliases)
 
 
 def _entry(raw: Any, name: str, where: str) -> Entry:
@@ -300,27 +285,18 @@ def _portable(at: str, name: str, dtype: str, shape: list[int]) -> None:  # noqa
         raise HeaderError(f"{at} has dtype {dtype!r}, expected one of {sorted(PORTABLE_DTYPES.values())}")
 
 
-NAMED_HEADER_RULES = HeaderRules(MAX_HEADER_BYTES, 0, "safetensors' own 100 MB", _portable)
+NAMED_HEADER_RULES = HeaderRules(entry=_portable)
 
 
 def read_named_header(path: str | os.PathLike[str]) -> tuple[Document, dict[str, TensorInfo]]:
-    """The checked document and every tensor's place in the file, before any data is read.
-
-    The file is opened through :func:`~fsdp_optim.disk.untrusted.open_regular` and its header read by
-    :func:`~fsdp_optim.formats.safetensors_container.read_header`. Refused with :class:`FormatError` naming the
-    file: a header length past the file or over 100 MB, a header that is not a JSON object, a dtype that not
-    every safetensors reader names, a shape whose bytes differ from its offsets, offsets that overlap, leave
-    gaps or pass the end of the file, metadata that is missing or not JSON, and a document that names tensors
-    the header lacks or lacks checksums of the ones it has.
-    """
+    """The checked document and every tensor's place in the file, before any data is read: the container's checks
+    (:func:`~fsdp_optim.formats.safetensors_container.read_header`, portable dtypes only), then the document's, and
+    that it names every tensor of the header, with its checksums; :class:`FormatError` naming the file."""
     where = str(path)
-    fd, st = open_regular(path)
     try:
-        header = read_header(fd, st.st_size, where, NAMED_HEADER_RULES)
+        header = read_file_header(path, NAMED_HEADER_RULES)
     except HeaderError as exc:
         raise FormatError(str(exc)) from None
-    finally:
-        os.close(fd)
     text = header.metadata.get(METADATA_KEY)
     if text is None:
         raise FormatError(

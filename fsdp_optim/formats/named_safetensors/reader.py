@@ -1,16 +1,11 @@
 """Read a named safetensors optimizer file as a planning source, range by range, every byte it uses checked.
 
-:class:`NamedSafetensors` checks the whole header first (:func:`.document.read_named_header`), then reads tensors
-through ``safetensors.safe_open`` (memory-mapped): ``read`` copies elements ``[start, stop)`` of one state
-tensor with ``get_slice`` reads of just those bytes (a flat range of an n-dim tensor is at most ``2n - 1``
-slices). Checksums, once per piece: a tensor of at most ``chunk_bytes`` (1 MiB) is read whole the first time
-and checked against its digest; a larger one is checked per 1 MiB chunk, reading the chunks that cover the
-range asked for (so a rank's range costs its bytes plus at most 2 MiB). A failing piece raises
-:class:`ChecksumError` naming the file, the tensor and its byte range. ``get_slice`` hands out views of its
-private (copy-on-write) mapping of the file, so :meth:`NamedSafetensors.source` copies each range into the
-caller's buffer and :meth:`NamedSafetensors.full_state` copies each tensor; the file is closed once the bytes
-read exceed ``max_mapped_bytes``, which drops the mapping and its pages when no view of it is left.
-"""
+:class:`NamedSafetensors` checks the whole header first, then reads through ``safetensors.safe_open`` (mapped):
+``read_flat`` copies elements ``[start, stop)`` of one tensor with ``get_slice`` reads of just those bytes (a flat
+range of an n-dim tensor is at most ``2n - 1`` slices). Each piece is checked once: a tensor of at most
+``chunk_bytes`` (1 MiB) whole against its digest, a larger one per chunk, reading the chunks that cover the range
+(a rank's range costs its bytes plus at most 2 MiB). ``get_slice`` hands out views of a private mapping, so callers
+copy what they keep; the file is closed (its pages dropped) once the bytes read exceed ``max_mapped_bytes``."""
 
 from __future__ import annotations
 
@@ -200,11 +195,8 @@ class NamedSafetensors:
                           state=tuple(state))
 
     def full_state(self) -> dict[str, Any]:
-        """The full dict the file was written from (as ``gather_full_optim_state_dict`` returns it), bit for bit.
-
-        Planned like any source (the plan checks the document's groups and entries), then each tensor is read
-        whole, checked and copied into the dict (new memory); the mapping is trimmed after each one.
-        """
+        """The full dict the file was written from (as ``gather_full_optim_state_dict`` returns it), bit for bit:
+        planned like any source, each tensor read whole, checked and copied (new memory)."""
         doc = self.document
         source = self.source()
         rank = {name: i for i, name in enumerate(doc.param_order)}

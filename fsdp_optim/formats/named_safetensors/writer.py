@@ -1,20 +1,13 @@
 """Write any planning source as one named safetensors file, one tensor at a time (into the caller's output).
 
-The plan (:func:`fsdp_optim.core.plan.plan`, target: one flat per parameter at world size 1) is made before a
-byte is written, so every tensor's name, dtype and shape is known: the header goes first, with checksums of
-a fixed width left as zeros, then each tensor is assembled from the source (``assemble_full`` of the plan
-restricted to one parameter and key), hashed, written and freed; at the end the header is written again
-over the first one, now with the checksums, and is exactly as long. Memory: one state tensor, plus what
-the source maps (its ``trim`` runs after every tensor).
-
-:func:`prepare_named_safetensors` checks everything (one plan, the document encoded) before a file exists;
-:meth:`NamedWrite.write` streams into a file the caller opened (``disk.one_file.write_stream``: locked,
-journaled, atomic).
+The plan (target: one flat per parameter at world size 1) is made before a byte is written, so the header goes
+first with checksums of a fixed width left as zeros; each tensor is then assembled from the source, hashed,
+written and freed; the header is written again over the first, now with the checksums, exactly as long.
+Memory: one state tensor, plus what the source maps (its ``trim`` runs after every tensor).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -37,42 +30,12 @@ from fsdp_optim.formats.named_safetensors.document import (
     Group,
     chunk_digests_needed,
 )
-from fsdp_optim.formats.safetensors_container import PORTABLE_DTYPES, encode_header
+from fsdp_optim.formats.safetensors_container import Tensor, check_portable, data_bytes, encode_header
 from fsdp_optim.formats.sharded.segments import chunk_digests
 
-__all__ = ["NamedTensor", "NamedWrite", "prepare_named_safetensors", "tensor_checksums"]
+__all__ = ["NamedWrite", "prepare_named_safetensors", "tensor_checksums"]
 
 _PLACEHOLDER = f"{DIGEST_ALGORITHM}:{'0' * 32}"
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One tensor of the file, in writing order: where its bytes come from."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    flat: int | None  # target flat index of a sharded entry (assembled from the source), else None
-    key: str
-    value: torch.Tensor | None = None  # a 0-dim scalar state, known from the plan
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class NamedTensor:
-    """One tensor of a file to write: its name, dtype and shape, and ``make()``, which reads or assembles it."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    make: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def tensor_checksums(tensor: torch.Tensor | None, nbytes: int) -> dict[str, Any]:
@@ -87,38 +50,37 @@ def tensor_checksums(tensor: torch.Tensor | None, nbytes: int) -> dict[str, Any]
 
 @dataclass(frozen=True)
 class NamedWrite:
-    """A checked plan of a named safetensors file: every tensor's name, dtype and shape, and the document.
+    """A checked plan of a named safetensors file: the document and every tensor in writing order, each made (from
+    the source) only when asked. Made by :func:`prepare_named_safetensors` before any file exists."""
 
-    Made by :func:`prepare_named_safetensors` before any file exists; :meth:`write` then streams it into a
-    seekable binary file (the caller's atomic, locked output).
-    """
-
-    plan: Plan
     document: Document
-    items: tuple[_Item, ...]
+    tensors: tuple[Tensor, ...]
 
-    def tensors(self) -> list[NamedTensor]:
-        """Every tensor of the file in writing order, each made (from the source) only when asked."""
-        return [NamedTensor(i.name, i.dtype, i.shape, partial(_produce, self.plan, i)) for i in self.items]
+    def header(self, sums: Mapping[str, Any] | None) -> bytes:
+        """The header (length prefix included); ``sums`` ``None``: checksum placeholders of the same width."""
+        if sums is None:
+            sums = {t.name: tensor_checksums(None, t.nbytes) for t in self.tensors}
+        metadata = {METADATA_KEY: self.document.to_json(sums)}
+        return encode_header(metadata, ((t.name, t.dtype, t.shape) for t in self.tensors))
 
     def write(
         self, f: IO[bytes], *, trim: Callable[[], None] = lambda: None, progress: Callable[[], None] | None = None
     ) -> None:
-        """Header with zero checksums, each tensor (made, hashed, written, freed; ``trim`` after each), header again."""
-        placeholders = {item.name: _checksums(item, None) for item in self.items}
-        first = _header_bytes(self.document, placeholders, self.items)
+        """Stream into the seekable ``f`` (the caller's atomic, locked output): header with zero checksums, each
+        tensor (made, hashed, written, freed; ``trim`` after each), header again."""
+        first = self.header(None)
         start = f.tell()
         f.write(first)
         sums = {}
-        for item in self.items:
-            tensor = _produce(self.plan, item)
-            sums[item.name] = _checksums(item, tensor)
-            _write_tensor(f, tensor)
+        for t in self.tensors:
+            tensor = t.made()
+            sums[t.name] = tensor_checksums(tensor, t.nbytes)
+            f.write(data_bytes(tensor))
             del tensor
             trim()
             if progress is not None:
                 progress()
-        final = _header_bytes(self.document, sums, self.items)
+        final = self.header(sums)
         assert len(final) == len(first), "the header changed length when its checksums were filled in"
         end = f.tell()
         f.seek(start)
@@ -129,17 +91,11 @@ class NamedWrite:
 def prepare_named_safetensors(
     source: Source, *, order: Sequence[str], header: Mapping[str, Any] | None = None
 ) -> NamedWrite:
-    """Plan ``source`` as a named safetensors file (see :mod:`.document` for the layout); nothing is read or written.
-
-    Args:
-        source: any planning source (a full dict, a sharded checkpoint, a shard set, another safetensors file).
-        order: every parameter name, in the order that numbers ids (the model's, or a full dict's id order).
-        header: the full dict's ``"fsdp_optim"`` block to keep (default: made from the source, as
-            ``consolidate`` makes it).
-
-    Raises ``ValueError``/``TypeError`` for a source the plan refuses, per-rank state (MoE experts: each rank's
-    own copy has no single name), a dtype safetensors cannot name, a hyperparameter or scalar that JSON cannot
-    hold exactly, or two state entries with one tensor name.
+    """Plan ``source`` (any planning source) as a named safetensors file; nothing is read or written. ``order``:
+    every parameter name, in the order that numbers ids; ``header``: the full dict's ``"fsdp_optim"`` block to keep
+    (default: made from the source, as ``consolidate`` makes it). Refuses (``ValueError``/``TypeError``) what the
+    plan refuses, per-rank state (MoE experts: no single name), a dtype safetensors cannot name, a value exact JSON
+    cannot hold, or two state entries with one tensor name.
     """
     rank = {name: i for i, name in enumerate(order)}
     target = per_parameter(source, order)
@@ -147,12 +103,14 @@ def prepare_named_safetensors(
     if missing:
         raise ValueError(f"order: parameter '{missing[0]}' of {source.label} is not in the given order")
     the_plan = plan(source, target, order=[rank[f.params[0].name] for f in target.flat_params])
-    document, items = _document(the_plan, order, header)
-    _header_bytes(document, {item.name: _checksums(item, None) for item in items}, items)  # encodes: refuses early
-    return NamedWrite(the_plan, document, tuple(items))
+    prepared = NamedWrite(*_document(the_plan, order, header))
+    prepared.header(None)  # encodes: refuses early
+    return prepared
 
 
-def _document(the_plan: Plan, order: Sequence[str], header: Mapping[str, Any] | None) -> tuple[Document, list[_Item]]:
+def _document(
+    the_plan: Plan, order: Sequence[str], header: Mapping[str, Any] | None
+) -> tuple[Document, tuple[Tensor, ...]]:
     """The document and the tensors to write, in param order then state order; everything checked up front."""
     source = the_plan.source
     flats = the_plan.target.flat_params
@@ -165,7 +123,7 @@ def _document(the_plan: Plan, order: Sequence[str], header: Mapping[str, Any] | 
     names = [f.params[0].name for f in flats]
     rank = {name: i for i, name in enumerate(order)}
     state: dict[str, tuple[Entry, ...]] = {}
-    items: list[_Item] = []
+    items: list[Tensor] = []
     taken: dict[str, str] = {}
     scalar_keys: set[str] = set()
     for t in sorted(the_plan.flats, key=lambda t: rank[names[t]]):
@@ -175,10 +133,11 @@ def _document(the_plan: Plan, order: Sequence[str], header: Mapping[str, Any] | 
             tname = f"{name}/{e.key}"
             if e.kind is StateKind.SHARDED:
                 dtype = dtype_from_str(e.dtype, where=f"state '{e.key}' of parameter '{name}'")  # type: ignore[arg-type]
-                items.append(_Item(tname, _checked_dtype(dtype, tname), shape, t, e.key))
+                make = partial(_assemble, the_plan, t, e.key, shape)
+                items.append(Tensor(tname, shape, check_portable(tname, dtype), make))
             elif torch.is_tensor(e.value):
                 scalar_keys.add(e.key)
-                items.append(_Item(tname, _checked_dtype(e.value.dtype, tname), (), None, e.key, clone_value(e.value)))
+                items.append(Tensor(tname, (), check_portable(tname, e.value.dtype), partial(clone_value, e.value)))
             else:
                 scalar_keys.add(e.key)
                 entries.append(Entry(e.key, e.kind.value, value=e.value))
@@ -198,36 +157,8 @@ def _document(the_plan: Plan, order: Sequence[str], header: Mapping[str, Any] | 
         header = {"version": FORMAT_VERSION, "optimizer": source.optimizer, "world_size": source.world_size,
                   "scalar_keys": sorted(scalar_keys)}  # fmt: skip
     shapes = {f.params[0].name: f.params[0].shape for f in flats}
-    return Document(source.optimizer, tuple(order), shapes, source.shapes_known, groups, state, header), items
+    return Document(source.optimizer, tuple(order), shapes, source.shapes_known, groups, state, header), tuple(items)
 
 
-def _checked_dtype(dtype: torch.dtype, name: str) -> torch.dtype:
-    if dtype not in PORTABLE_DTYPES:
-        expected = sorted(map(str, PORTABLE_DTYPES))
-        raise ValueError(f"tensor '{name}' has dtype {dtype}, which safetensors cannot name; expected one of "
-                         f"{expected}")
-    return dtype
-
-
-def _produce(the_plan: Plan, item: _Item) -> torch.Tensor:
-    if item.flat is None:
-        assert item.value is not None, f"{item.name}: a scalar item carries its value"
-        return item.value
-    return assemble_full(restrict(the_plan, item.flat, item.key))[item.flat][item.key].view(item.shape)
-
-
-def _checksums(item: _Item, tensor: torch.Tensor | None) -> dict[str, Any]:
-    """``{"digest": ..., "chunks": [...]}``; zeros of the same width when ``tensor`` is None (the first header)."""
-    return tensor_checksums(tensor, item.nbytes)
-
-
-def _header_bytes(document: Document, sums: Mapping[str, Any], items: Sequence[_Item]) -> bytes:
-    """The 8-byte length and the JSON header, padded with spaces to a multiple of 8 (as safetensors pads)."""
-    metadata = {METADATA_KEY: document.to_json(sums)}
-    return encode_header(metadata, ((item.name, item.dtype, item.shape) for item in items))
-
-
-def _write_tensor(f: Any, tensor: torch.Tensor) -> None:
-    data = tensor.detach().contiguous().reshape(-1)
-    if data.numel():
-        f.write(data.view(torch.uint8).numpy().data)
+def _assemble(the_plan: Plan, t: int, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return assemble_full(restrict(the_plan, t, key))[t][key].view(shape)

@@ -4,7 +4,7 @@ safetensors file: :func:`~fsdp_optim.offline.parallel.entry.splits`), the compar
 are split by bytes across the processes, each reading its run once
 (:func:`~fsdp_optim.offline.parallel.shared.across`). Any other pair (a full dict or a shard set is loaded whole:
 every process would read all of it) is compared by process 0 while the others wait
-(:func:`~fsdp_optim.offline.parallel.alone.alone`). Every process returns the report one process makes."""
+(:func:`~fsdp_optim.offline.parallel.shared.alone`). Every process returns the report one process makes."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from fsdp_optim.offline.diff_report import DiffReport, DiffRow
-from fsdp_optim.offline.parallel.alone import alone
 from fsdp_optim.offline.parallel.entry import joined_team, splits
-from fsdp_optim.offline.parallel.shared import across
+from fsdp_optim.offline.parallel.shared import across, alone
 from fsdp_optim.offline.work import Work, run_work
 
 __all__ = ["diff_in_team"]

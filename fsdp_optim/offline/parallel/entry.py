@@ -2,7 +2,7 @@
 process's team (:func:`joined_team`), and the one decision whether the team splits the verb's work or process 0
 runs it alone while the others wait (:func:`splits`, asked once at the verb's entry). Here too the entry of
 :func:`fsdp_optim.reshard`: our sharded checkpoint split across the team (:mod:`.reshard`), any other source resharded
-by process 0 alone (:mod:`.alone`)."""
+by process 0 alone (:func:`.shared.alone`)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from fsdp_optim.formats.sharded.side_file import check_buffer_choice
 from fsdp_optim.job.team import Team, team_of_job
 from fsdp_optim.offline.layouts import LayoutLike
 from fsdp_optim.offline.opened.sharded import OpenedCheckpoint
-from fsdp_optim.offline.parallel.alone import alone
 from fsdp_optim.offline.parallel.reshard import reshard_across
+from fsdp_optim.offline.parallel.shared import alone
 from fsdp_optim.offline.sources import open_source
 
 __all__ = ["joined_team", "read_by_ranges", "reshard_in_team", "splits"]
@@ -34,7 +34,7 @@ Given = str | os.PathLike[str] | Mapping[str, Any]
 def splits(verb: str, *inputs: Given, output: str | os.PathLike[str] | Location | None = None) -> bool:
     """Whether a team splits ``verb``'s work of ``inputs`` into ``output`` (each process reads, and writes, its
     share) rather than process 0 running it as one process does while the others wait
-    (:func:`~fsdp_optim.offline.parallel.alone.alone`). Decided here alone, by names and first bytes, so the API and
+    (:func:`~fsdp_optim.offline.parallel.shared.alone`). Decided here alone, by names and first bytes, so the API and
     the CLI decide alike::
 
         reshard       our sharded checkpoint, into a place every process writes (a file system they share)

@@ -5,10 +5,10 @@ an agreement (a failure anywhere fails every process, and nothing is committed):
 
     every process   opens the source, lays the file out alike                    -> agree: the layout
     process 0       opens the output: a local file (disk/one_file.py: lock, journal, a temporary file
-                    beside it, preallocated; its path sent) or one multipart upload (refused if the object is
-                    there, unless overwrite; its id sent)                        -> agree: opened
-    every process   writes its run of tensors (split by bytes, core/split.py, in file order): at their offsets, each
-                    read back, or as its parts; the watch counts bytes and stops all on a failure
+                    beside it, laid out by ftruncate; its path sent) or one multipart upload (refused if the
+                    object is there, unless overwrite; its id sent)              -> agree: opened
+    every process   writes its run of tensors (split by bytes, core/split.py, in file order): hashed as written, at
+                    their offsets or as its parts; the watch counts bytes and stops all on a failure
                                                                                  -> agree: every share written
     process 0       gathers every share's checksums, writes the header (over its planned room, or into the part
                     it held), and renames the file or completes the upload       -> agree: the commit

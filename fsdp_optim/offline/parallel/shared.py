@@ -1,4 +1,8 @@
-"""A verb's :class:`~fsdp_optim.offline.work.Work` done by a team: every process opens the inputs
+"""A verb done by a team. :func:`alone`: a verb with no split of its own, done by process 0 as one process would
+while the others wait for its outcome (the watch keeps them in touch with bounded rounds, however long it takes) and
+share it (they raise its error), so ``torchrun ... -m fsdp_optim verify X`` behaves as one process does.
+
+:func:`across`: a verb's :class:`~fsdp_optim.offline.work.Work` split: every process opens the inputs
 alike and cuts the same pieces, runs its contiguous run of them
 (:func:`~fsdp_optim.core.split.split_by_bytes`), process 0 puts the parts back in order and sends them to every
 process, and each makes the report of them: the one one process makes.
@@ -15,7 +19,7 @@ gather of the parts to process 0 and one broadcast of them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TypeVar
 
@@ -23,10 +27,19 @@ from fsdp_optim.core.split import split_by_bytes
 from fsdp_optim.job.team import Team
 from fsdp_optim.offline.work import Piece, Work
 
-__all__ = ["across"]
+__all__ = ["across", "alone"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def alone(team: Team, run: Callable[[], R], what: str) -> R | None:
+    """``run()`` on process 0 (its result there, ``None`` elsewhere); every process raises if it failed."""
+    result: R | None = None
+    with team.step(f"{what} failed on process 0", watch=team.progress(0)):
+        if team.rank == 0:
+            result = run()
+    return result
 
 
 def across(team: Team, opening: AbstractContextManager[Work[T, R]], what: str) -> R:
