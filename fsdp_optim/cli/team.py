@@ -10,6 +10,7 @@ process exits with its code, and with its error when it failed. Without ``torchr
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import sys
@@ -31,15 +32,21 @@ def run_in_team(args: argparse.Namespace, run: Callable[[argparse.Namespace], An
     if not launched():
         return run(args)
     from fsdp_optim.job.team import team_of_job
-    from fsdp_optim.job.transport import shut_down
+    from fsdp_optim.job.transport import group_initialized, shut_down
 
+    joined = not group_initialized()
     team = team_of_job()
     assert team is not None, "launched() means a team of 2 or more"
+    if joined:
+        # The group we joined stays up until the process exits: torn down here, a second verb in this process
+        # could rejoin through the last one's store before process 0 closed it, and dial its closed ports.
+        atexit.unregister(shut_down)  # registered once, however many verbs this process runs
+        atexit.register(shut_down)
     try:
         result = _split_or_alone(team, args, run)
         code = team.from_first(result.code if isinstance(result, Outcome) else 0)
     finally:
-        shut_down()
+        team.close()
     return result if team.rank == 0 else Outcome((), code)
 
 
