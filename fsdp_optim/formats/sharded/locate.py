@@ -116,8 +116,9 @@ def read_manifest(path: str | os.PathLike[str] | Location) -> Manifest:
 
 
 def manifest_at(place: Location) -> Manifest:
-    """:func:`read_manifest` of a location already resolved: where the objects are local files, a manifest is read as
-    one (format 1's torch file, a layout file of any name, never followed through a symlink); elsewhere as bytes."""
+    """:func:`read_manifest` of a location already resolved. A capability, not a backend: where the objects are local
+    files, a manifest is read as one (format 1's torch file, a layout file of any name, never followed through a
+    symlink); elsewhere as bytes."""
     path = place.local_path()
     if path is None:
         return _read_remote_manifest(checkpoint_location(place))
